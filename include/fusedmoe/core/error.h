@@ -1,0 +1,51 @@
+// fusedmoe: errors.
+//
+// Every check at an API boundary throws fusedmoe::Error with a message that
+// names the argument, the expected and the actual value. Inside the library
+// code trusts what the boundary checked.
+#pragma once
+
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+namespace fusedmoe {
+
+enum class ErrorCode {
+  kInvalidArgument,  // wrong shape, dtype, value of an argument or config field
+  kIo,               // a file that cannot be opened, read or parsed
+  kUnsupported,      // valid input that this build or backend does not handle
+  kInternal,         // a broken invariant inside the library
+};
+
+class Error : public std::runtime_error {
+ public:
+  Error(ErrorCode code, const std::string& message) : std::runtime_error(message), code_(code) {}
+  ErrorCode code() const { return code_; }
+
+ private:
+  ErrorCode code_;
+};
+
+namespace detail {
+template <typename... Args>
+std::string concat(const Args&... args) {
+  std::ostringstream os;
+  (os << ... << args);
+  return os.str();
+}
+}  // namespace detail
+
+}  // namespace fusedmoe
+
+// FUSEDMOE_CHECK(cond, "message parts", value, ...): throws Error(kInvalidArgument).
+#define FUSEDMOE_CHECK(cond, ...)                                       \
+  do {                                                                  \
+    if (!(cond))                                                        \
+      throw ::fusedmoe::Error(::fusedmoe::ErrorCode::kInvalidArgument,  \
+                              ::fusedmoe::detail::concat(__VA_ARGS__)); \
+  } while (0)
+
+// FUSEDMOE_THROW(code, "message parts", ...): throws Error(code).
+#define FUSEDMOE_THROW(code, ...) \
+  throw ::fusedmoe::Error(::fusedmoe::ErrorCode::code, ::fusedmoe::detail::concat(__VA_ARGS__))

@@ -1,0 +1,41 @@
+// fusedmoe: a small fixed-size thread pool for CPU kernels.
+//
+// parallel_for splits [0, n) into contiguous chunks, one task per chunk, runs
+// them on the pool's workers and the calling thread, and returns when all are
+// done. An exception thrown by a task is rethrown in the caller (the first
+// one; the remaining chunks still finish). Nested calls from inside a task run
+// serially on that thread, so a kernel may call parallel_for unconditionally.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+
+namespace fusedmoe {
+
+class ThreadPool {
+ public:
+  // num_threads <= 0: std::thread::hardware_concurrency().
+  explicit ThreadPool(int num_threads = 0);
+  ~ThreadPool();
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+
+  int num_threads() const;
+  // fn(begin, end, thread_index): thread_index in [0, num_threads()), unique
+  // among tasks running at the same time (use it to index per-thread scratch).
+  // `grain`: minimum items per chunk.
+  void parallel_for(int64_t n, const std::function<void(int64_t, int64_t, int)>& fn,
+                    int64_t grain = 1);
+
+  // The process-wide pool used by kernels unless one is passed explicitly.
+  static ThreadPool& global();
+  // Replaces the global pool with one of `num_threads` threads (<= 0: all cores).
+  static void set_global_num_threads(int num_threads);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace fusedmoe

@@ -1,0 +1,57 @@
+// fusedmoe: expert weights and activations.
+//
+// Layout (vLLM's convention, the one every kernel reads):
+//   w13      [E, 2I, H]  rows 0..I-1 = gate_proj (w1), rows I..2I-1 = up_proj (w3)
+//   w2       [E, H, I]   down_proj
+//   w13_bias [E, 2I]     optional (gpt-oss), same gate/up order
+//   w2_bias  [E, H]      optional
+// Weights are f32 or bf16 and contiguous; bf16 stays bf16 in memory (kernels
+// convert panels on the fly, never a whole f32 copy). Biases are f32 or bf16.
+// A shared expert is an ExpertWeights with E = 1.
+#pragma once
+
+#include <optional>
+
+#include "fusedmoe/config/moe_config.h"
+#include "fusedmoe/core/tensor.h"
+
+namespace fusedmoe {
+
+struct ExpertWeights {
+  Tensor w13;
+  Tensor w2;
+  std::optional<Tensor> w13_bias;
+  std::optional<Tensor> w2_bias;
+
+  int64_t num_experts() const { return w13.size(0); }
+  int64_t intermediate_size() const { return w2.size(2); }
+  int64_t hidden_size() const { return w2.size(1); }
+  DType dtype() const { return w13.dtype(); }
+  size_t nbytes() const;
+
+  // Throws Error(kInvalidArgument) naming `what` (e.g. "experts", "shared_experts")
+  // and the tensor when shapes differ from [E, 2I, H] / [E, H, I] (and the biases
+  // from [E, 2I] / [E, H]), dtypes are not f32/bf16 or differ between w13 and w2,
+  // tensors are not contiguous, or biases are present/absent against `has_bias`.
+  void validate(int64_t num_experts, int64_t hidden_size, int64_t intermediate_size, bool has_bias,
+                const char* what) const;
+};
+
+// Parameters of the gated activation (from MoEConfig).
+struct ActivationParams {
+  Activation activation = Activation::kSiluGlu;
+  float swiglu_alpha = 1.702f;
+  float swiglu_limit = 7.0f;
+  static ActivationParams from_config(const MoEConfig& c) {
+    return {c.activation, c.swiglu_alpha, c.swiglu_limit};
+  }
+};
+
+// out[r, i] = act(gate = x[r, i], up = x[r, I + i]) for r < rows, i < I.
+// x: f32 rows of length >= 2I with row stride ldx; out: f32 with row stride ldo.
+// Formulas: see Activation in config/moe_config.h (SiLU-GLU: Shazeer 2020;
+// gpt-oss clamped SwiGLU: HF GptOssExperts).
+void apply_activation(const ActivationParams& p, const float* x, int64_t ldx, float* out,
+                      int64_t ldo, int64_t rows, int64_t intermediate_size);
+
+}  // namespace fusedmoe

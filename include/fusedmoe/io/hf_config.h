@@ -1,0 +1,45 @@
+// fusedmoe: HF config.json -> one MoEConfig per MoE layer.
+//
+// Supported model_type values: mixtral, qwen2_moe, qwen3_moe, olmoe,
+// deepseek_v2, deepseek_v3, gpt_oss, llama4 / llama4_text (a multimodal
+// config's `text_config` is used). Each model type's defaults for fields the
+// file omits are those of its transformers configuration class (5.x). Which
+// layers are MoE follows the modeling code: first_k_dense_replace and
+// moe_layer_freq (DeepSeek), decoder_sparse_step and mlp_only_layers (Qwen),
+// interleave_moe_layer_step / moe_layers (Llama-4); every layer otherwise.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "fusedmoe/config/moe_config.h"
+#include "fusedmoe/core/dtype.h"
+
+namespace fusedmoe {
+
+struct ModelInfo {
+  std::string model_type;    // e.g. "deepseek_v3"
+  std::string architecture;  // architectures[0], or ""
+  std::string source;        // path of the config.json
+  int64_t num_hidden_layers = 0;
+  DType dtype = DType::kBF16;                  // "dtype" / "torch_dtype" of the checkpoint
+  std::vector<int64_t> moe_layers;             // sorted layer indices that are MoE
+  std::map<int64_t, MoEConfig> layer_configs;  // one per MoE layer (validated)
+  // Weight-name prefix of layer L's MoE block, e.g. "model.layers.3.mlp."
+  std::string moe_prefix(int64_t layer) const;
+
+  bool is_moe_layer(int64_t layer) const { return layer_configs.count(layer) != 0; }
+  // Throws Error(kInvalidArgument) "layer L is not an MoE layer of MODEL (MoE layers: ...)".
+  const MoEConfig& layer_config(int64_t layer) const;
+};
+
+// Reads `model_dir`/config.json (or a path to a .json file).
+// Throws Error(kIo) if unreadable / not JSON, Error(kUnsupported) for an
+// unknown model_type (naming it and listing the supported ones),
+// Error(kInvalidArgument) for missing or invalid fields (naming them).
+ModelInfo load_model_info(const std::string& model_dir);
+ModelInfo parse_model_info(const std::string& json_text, const std::string& source);
+
+}  // namespace fusedmoe

@@ -1,0 +1,30 @@
+// fusedmoe: loading one MoE layer's weights from a HF checkpoint.
+//
+// Per-expert tensors (Mixtral's block_sparse_moe.experts.N.w1/w3/w2, Qwen /
+// OLMoE / DeepSeek's experts.N.gate_proj/up_proj/down_proj) and packed ones
+// (gpt-oss experts.gate_up_proj [E, H, 2I] with interleaved gate/up columns and
+// biases, down_proj [E, I, H]; Llama-4 experts.gate_up_proj [E, H, 2I] with
+// gate then up halves, down_proj [E, I, H]) are gathered once into the
+// canonical layout of experts/expert_weights.h in the checkpoint's dtype (bf16
+// stays bf16; f32 stays f32). Only the layer's own tensors are read.
+#pragma once
+
+#include <cstdint>
+
+#include "fusedmoe/io/hf_config.h"
+#include "fusedmoe/io/safetensors.h"
+#include "fusedmoe/runner/moe_runner.h"
+
+namespace fusedmoe {
+
+struct LoadOptions {
+  // Draw a progress bar on stderr when it is a terminal and loading takes long.
+  bool progress = true;
+};
+
+// Throws Error(kInvalidArgument) if `layer` is not an MoE layer, Error(kIo)
+// naming the tensor if one is missing or has the wrong shape/dtype.
+MoELayerWeights load_moe_layer(const Checkpoint& checkpoint, const ModelInfo& info, int64_t layer,
+                               const LoadOptions& options = {});
+
+}  // namespace fusedmoe

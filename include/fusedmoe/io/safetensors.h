@@ -1,0 +1,78 @@
+// fusedmoe: safetensors files (format: huggingface/safetensors, docs "Format").
+//
+// Files are memory-mapped; get() returns a Tensor viewing the mapping (zero
+// copy) that keeps the mapping alive. open() validates the whole header before
+// anything is returned: file at least 8 bytes, header length within the file,
+// header valid JSON object, known dtype strings, data_offsets inside the data
+// section, end - begin == numel * dtype size, no two tensors overlapping.
+// Any violation throws Error(kIo) naming the file (and the tensor).
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "fusedmoe/core/tensor.h"
+
+namespace fusedmoe {
+
+// Safetensors dtype strings ("F32", "BF16", "F8_E4M3", ...) <-> DType.
+DType parse_safetensors_dtype(const std::string& s);  // throws Error(kIo) if unknown
+const char* safetensors_dtype_name(DType dtype);
+
+class SafetensorsFile {
+ public:
+  static std::shared_ptr<SafetensorsFile> open(const std::string& path);
+  ~SafetensorsFile();
+
+  const std::string& path() const { return path_; }
+  std::vector<std::string> names() const;  // sorted
+  bool contains(const std::string& name) const;
+  // Throws Error(kIo) "FILE: no tensor named NAME" when absent.
+  Tensor get(const std::string& name) const;
+  const std::map<std::string, std::string>& metadata() const { return metadata_; }
+
+ private:
+  struct Entry {
+    DType dtype;
+    std::vector<int64_t> shape;
+    size_t begin, end;  // offsets in the data section
+  };
+  SafetensorsFile() = default;
+  std::string path_;
+  std::shared_ptr<void> mapping_;  // whole file
+  size_t file_size_ = 0;
+  size_t data_start_ = 0;
+  std::map<std::string, Entry> entries_;
+  std::map<std::string, std::string> metadata_;
+};
+
+// A checkpoint directory: `model.safetensors`, or a sharded one through
+// `model.safetensors.index.json` (weight_map: tensor -> shard file), or a
+// single .safetensors file path. Shards are opened lazily, once each.
+class Checkpoint {
+ public:
+  static Checkpoint open(const std::string& path);
+  bool contains(const std::string& name) const;
+  // Throws Error(kIo) naming the tensor and the checkpoint when absent.
+  Tensor get(const std::string& name) const;
+  std::vector<std::string> names() const;
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  std::map<std::string, std::string> weight_map_;  // name -> shard path
+  mutable std::map<std::string, std::shared_ptr<SafetensorsFile>> shards_;
+};
+
+// Writes tensors (any host views; written contiguous) and string metadata to
+// `path` atomically: a temporary file in the same folder is renamed over
+// `path` only after everything was written, so a failure leaves no partial file.
+// Throws Error(kIo) on failure, Error(kInvalidArgument) on duplicate names.
+void save_safetensors(const std::string& path,
+                      const std::vector<std::pair<std::string, TensorView>>& tensors,
+                      const std::map<std::string, std::string>& metadata = {});
+
+}  // namespace fusedmoe

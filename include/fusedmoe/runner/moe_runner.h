@@ -1,0 +1,87 @@
+// fusedmoe: MoERunner — one MoE layer forward, router to output.
+//
+// forward(hidden_states [T, H]):
+//   router_logits = hidden_states . gate_weight^T (+ gate_bias)   unless given
+//   topk_ids, topk_weights = router(router_logits)                (routing/)
+//   routed = modular kernel(hidden_states, topk_ids, topk_weights) (kernels/)
+//   shared = shared_expert(hidden_states)  [* sigmoid(hidden . shared_expert_gate)]
+//   output = routed + shared
+// routed_scaling_factor is applied once, in the router, to topk_weights (as HF
+// DeepseekV3 does). Llama-4 scales the expert input (apply_router_weight_on_input).
+// The order of operations per architecture follows the HF modeling files.
+#pragma once
+
+#include <memory>
+#include <optional>
+
+#include "fusedmoe/config/moe_config.h"
+#include "fusedmoe/core/tensor.h"
+#include "fusedmoe/core/thread_pool.h"
+#include "fusedmoe/experts/expert_weights.h"
+#include "fusedmoe/kernels/modular_kernel.h"
+#include "fusedmoe/routing/router.h"
+
+namespace fusedmoe {
+
+struct MoELayerWeights {
+  Tensor gate_weight;                           // f32/bf16 [E + num_zero_experts, H] (router)
+  std::optional<Tensor> gate_bias;              // f32/bf16 [E + num_zero_experts]
+  RouterParams router_params;                   // e_score_correction_bias, hash_table
+  ExpertWeights experts;                        // routed experts, E of them
+  std::optional<ExpertWeights> shared_experts;  // E = 1, I = shared_intermediate_size
+  std::optional<Tensor> shared_expert_gate;     // f32/bf16 [1, H] (Qwen2-MoE)
+
+  size_t nbytes() const;
+  // Throws Error(kInvalidArgument) naming the tensor when a shape or dtype does
+  // not match `config`, or a tensor the config needs is missing.
+  void validate(const MoEConfig& config) const;
+};
+
+struct RunnerOptions {
+  DType compute_dtype = DType::kF32;  // kF32 or kBF16
+  ThreadPool* pool = nullptr;         // nullptr: ThreadPool::global()
+};
+
+// Optional caller buffers that receive the router's results.
+struct ForwardOutputs {
+  TensorView router_logits;  // f32 [T, E + Z]
+  TensorView topk_ids;       // i32 [T, k]
+  TensorView topk_weights;   // f32 [T, k]
+};
+
+class MoERunner {
+ public:
+  // Validates config and weights (Error(kInvalidArgument) naming what is wrong).
+  MoERunner(MoEConfig config, MoELayerWeights weights, RunnerOptions options = {});
+  ~MoERunner();
+  MoERunner(MoERunner&&) noexcept;
+
+  // hidden_states f32 [T, H] (rows contiguous, row stride may be > H);
+  // output f32 [T, H] (overwritten; must not alias hidden_states);
+  // router_logits: optional f32 [T, E + Z] (then the gate GEMM is skipped);
+  // token_ids: i32 [T], for hash routing only; outputs: optional router results.
+  // T = 0 is valid. Throws Error(kInvalidArgument) on any shape/dtype mismatch
+  // or NaN router logits, before writing the output.
+  void forward(const TensorView& hidden_states, const TensorView& output,
+               const TensorView* router_logits = nullptr, const TensorView* token_ids = nullptr,
+               const ForwardOutputs* outputs = nullptr);
+  // Convenience: allocates and returns the output.
+  Tensor forward(const TensorView& hidden_states, const TensorView* router_logits = nullptr);
+
+  // router_logits f32 [T, E + Z] = hidden_states . gate_weight^T (+ gate_bias).
+  void compute_router_logits(const TensorView& hidden_states, const TensorView& router_logits);
+
+  const MoEConfig& config() const { return config_; }
+  const MoELayerWeights& weights() const { return weights_; }
+  const Router& router() const { return *router_; }
+
+ private:
+  MoEConfig config_;
+  MoELayerWeights weights_;
+  RunnerOptions options_;
+  std::unique_ptr<Router> router_;
+  std::unique_ptr<ModularKernel> kernel_;
+  std::unique_ptr<Workspace> workspace_;
+};
+
+}  // namespace fusedmoe

@@ -1,0 +1,144 @@
+#include "fusedmoe/core/thread_pool.h"
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <exception>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace fusedmoe {
+
+namespace {
+// Set while a thread runs a parallel_for task: nested calls then run inline.
+thread_local bool t_in_parallel_region = false;
+}  // namespace
+
+// One job at a time: the caller publishes (fn, chunks), workers and the caller
+// claim chunk indices from an atomic counter, the caller waits for all chunks.
+struct ThreadPool::Impl {
+  int num_threads = 1;
+  std::vector<std::thread> workers;
+  std::mutex mu;
+  std::condition_variable cv_work;
+  std::condition_variable cv_done;
+  std::mutex job_mu;  // serialises parallel_for calls from different threads
+  uint64_t generation = 0;
+  bool stop = false;
+
+  // current job
+  const std::function<void(int64_t, int64_t, int)>* fn = nullptr;
+  int64_t n = 0, chunk = 1, num_chunks = 0;
+  std::atomic<int64_t> next_chunk{0};
+  int active_workers = 0;  // workers still inside the current job
+  std::exception_ptr error;
+
+  void run_chunks(int thread_index) {
+    t_in_parallel_region = true;
+    for (;;) {
+      const int64_t c = next_chunk.fetch_add(1);
+      if (c >= num_chunks) break;
+      const int64_t b = c * chunk, e = std::min(n, b + chunk);
+      try {
+        (*fn)(b, e, thread_index);
+      } catch (...) {
+        std::lock_guard<std::mutex> lk(mu);
+        if (!error) error = std::current_exception();
+      }
+    }
+    t_in_parallel_region = false;
+  }
+
+  void worker_loop(int thread_index) {
+    uint64_t seen = 0;
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> lk(mu);
+        cv_work.wait(lk, [&] { return stop || generation != seen; });
+        if (stop) return;
+        seen = generation;
+      }
+      run_chunks(thread_index);
+      {
+        std::lock_guard<std::mutex> lk(mu);
+        if (--active_workers == 0) cv_done.notify_one();
+      }
+    }
+  }
+};
+
+ThreadPool::ThreadPool(int num_threads) : impl_(std::make_unique<Impl>()) {
+  if (num_threads <= 0)
+    num_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  impl_->num_threads = num_threads;
+  for (int i = 1; i < num_threads; ++i)
+    impl_->workers.emplace_back([this, i] { impl_->worker_loop(i); });
+}
+
+ThreadPool::~ThreadPool() {
+  {
+    std::lock_guard<std::mutex> lk(impl_->mu);
+    impl_->stop = true;
+  }
+  impl_->cv_work.notify_all();
+  for (auto& w : impl_->workers) w.join();
+}
+
+int ThreadPool::num_threads() const {
+  return impl_->num_threads;
+}
+
+void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t, int64_t, int)>& fn,
+                              int64_t grain) {
+  if (n <= 0) return;
+  grain = std::max<int64_t>(1, grain);
+  const int threads = impl_->num_threads;
+  if (t_in_parallel_region || threads == 1 || n <= grain) {
+    fn(0, n, 0);
+    return;
+  }
+  std::lock_guard<std::mutex> job_lock(impl_->job_mu);
+  Impl& s = *impl_;
+  // A few chunks per thread balance uneven work without much overhead.
+  const int64_t target_chunks = static_cast<int64_t>(threads) * 4;
+  s.chunk = std::max(grain, (n + target_chunks - 1) / target_chunks);
+  s.num_chunks = (n + s.chunk - 1) / s.chunk;
+  s.fn = &fn;
+  s.n = n;
+  s.next_chunk.store(0);
+  s.error = nullptr;
+  {
+    std::lock_guard<std::mutex> lk(s.mu);
+    s.active_workers = static_cast<int>(s.workers.size());
+    ++s.generation;
+  }
+  s.cv_work.notify_all();
+  s.run_chunks(0);
+  std::exception_ptr err;
+  {
+    std::unique_lock<std::mutex> lk(s.mu);
+    s.cv_done.wait(lk, [&] { return s.active_workers == 0; });
+    err = s.error;
+    s.fn = nullptr;
+  }
+  if (err) std::rethrow_exception(err);
+}
+
+namespace {
+std::mutex g_pool_mu;
+std::unique_ptr<ThreadPool> g_pool;
+}  // namespace
+
+ThreadPool& ThreadPool::global() {
+  std::lock_guard<std::mutex> lk(g_pool_mu);
+  if (!g_pool) g_pool = std::make_unique<ThreadPool>(0);
+  return *g_pool;
+}
+
+void ThreadPool::set_global_num_threads(int num_threads) {
+  std::lock_guard<std::mutex> lk(g_pool_mu);
+  g_pool = std::make_unique<ThreadPool>(num_threads);
+}
+
+}  // namespace fusedmoe

@@ -1,0 +1,200 @@
+// Core: dtype conversions, tensor views, thread pool, boundary checks.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "fusedmoe/core/dtype.h"
+#include "fusedmoe/core/tensor.h"
+#include "fusedmoe/core/thread_pool.h"
+#include "test_util.h"
+
+using namespace fusedmoe;
+
+namespace {
+
+// Exhaustive float64 reference rounding: the representable value of a format nearest to x,
+// ties to the one with an even code. `values` lists all finite non-negative values in code order.
+double nearest_even(double x, const std::vector<double>& values) {
+  size_t best = 0;
+  for (size_t i = 1; i < values.size(); ++i) {
+    const double db = std::fabs(values[best] - x), di = std::fabs(values[i] - x);
+    if (di < db || (di == db && (i % 2 == 0))) best = i;
+  }
+  return values[best];
+}
+
+}  // namespace
+
+TEST(DType, SizesNamesParse) {
+  EXPECT_EQ(dtype_size(DType::kBF16), 2u);
+  EXPECT_EQ(dtype_size(DType::kF8E4M3FN), 1u);
+  EXPECT_EQ(parse_dtype("bfloat16"), DType::kBF16);
+  EXPECT_EQ(parse_dtype("f32"), DType::kF32);
+  try {
+    parse_dtype("f13");
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'f13'"), std::string::npos) << e.what();
+  }
+}
+
+TEST(DType, Bf16RoundTripAllCodes) {
+  for (uint32_t c = 0; c < 65536; ++c) {
+    const float f = bf16_to_f32(static_cast<uint16_t>(c));
+    if (std::isnan(f)) {
+      EXPECT_TRUE(std::isnan(bf16_to_f32(f32_to_bf16(f))));
+    } else {
+      EXPECT_EQ(f32_to_bf16(f), c);
+    }
+  }
+}
+
+TEST(DType, Bf16RoundsToNearestEven) {
+  // 1 + 2^-8 is exactly halfway between bf16 1.0 and 1 + 2^-7: ties to even -> 1.0.
+  EXPECT_EQ(bf16_to_f32(f32_to_bf16(1.0f + std::ldexp(1.0f, -8))), 1.0f);
+  // 1 + 3 * 2^-8 is halfway between 1 + 2^-7 (odd) and 1 + 2^-6 (even) -> 1 + 2^-6.
+  EXPECT_EQ(bf16_to_f32(f32_to_bf16(1.0f + 3 * std::ldexp(1.0f, -8))), 1.0f + std::ldexp(1.0f, -6));
+  EXPECT_TRUE(std::isinf(bf16_to_f32(f32_to_bf16(std::numeric_limits<float>::infinity()))));
+  EXPECT_TRUE(std::isnan(bf16_to_f32(f32_to_bf16(std::numeric_limits<float>::quiet_NaN()))));
+  // Largest float rounds up to Inf in bf16.
+  EXPECT_TRUE(std::isinf(bf16_to_f32(f32_to_bf16(std::numeric_limits<float>::max()))));
+}
+
+TEST(DType, F16AllCodesAndRounding) {
+  std::vector<double> values;
+  for (uint32_t c = 0; c < 0x7c00; ++c) {
+    const float f = f16_to_f32(static_cast<uint16_t>(c));
+    values.push_back(f);
+    EXPECT_EQ(f32_to_f16(f), c) << c;
+    EXPECT_EQ(f32_to_f16(-f), c | 0x8000u) << c;
+  }
+  EXPECT_EQ(f16_to_f32(0x3c00), 1.0f);
+  EXPECT_EQ(f16_to_f32(0x7bff), 65504.0f);
+  EXPECT_TRUE(std::isinf(f16_to_f32(0x7c00)));
+  EXPECT_TRUE(std::isnan(f16_to_f32(f32_to_f16(std::nanf("")))));
+  EXPECT_EQ(f32_to_f16(65519.0f), 0x7bffu);
+  EXPECT_EQ(f32_to_f16(65520.0f), 0x7c00u);  // tie to even -> Inf
+  std::mt19937_64 rng(test::fresh_seed());
+  std::uniform_real_distribution<double> d(-20, 16);
+  for (int i = 0; i < 2000; ++i) {
+    const float x = static_cast<float>(std::exp2(d(rng)));
+    const double want = nearest_even(x, values);
+    EXPECT_EQ(f16_to_f32(f32_to_f16(x)), static_cast<float>(want)) << x;
+  }
+}
+
+TEST(DType, F8E4M3FN) {
+  std::vector<double> values;
+  for (uint32_t c = 0; c < 0x7f; ++c) values.push_back(f8e4m3fn_to_f32(static_cast<uint8_t>(c)));
+  EXPECT_EQ(f8e4m3fn_to_f32(0x7e), 448.0f);
+  EXPECT_EQ(f8e4m3fn_to_f32(0x01), std::ldexp(1.0f, -9));  // smallest subnormal
+  EXPECT_TRUE(std::isnan(f8e4m3fn_to_f32(0x7f)));
+  EXPECT_TRUE(std::isnan(f8e4m3fn_to_f32(0xff)));
+  for (uint32_t c = 0; c < 0x7f; ++c) {
+    EXPECT_EQ(f32_to_f8e4m3fn(f8e4m3fn_to_f32(static_cast<uint8_t>(c))), c);
+    EXPECT_EQ(f32_to_f8e4m3fn(-f8e4m3fn_to_f32(static_cast<uint8_t>(c))), c | 0x80u);
+  }
+  // Saturation: beyond range and Inf -> +-448 by default; NaN stays NaN.
+  EXPECT_EQ(f32_to_f8e4m3fn(1e6f), 0x7eu);
+  EXPECT_EQ(f32_to_f8e4m3fn(-std::numeric_limits<float>::infinity()), 0xfeu);
+  EXPECT_EQ(f32_to_f8e4m3fn(464.0f), 0x7eu);         // tie -> even (448)
+  EXPECT_EQ(f32_to_f8e4m3fn(465.0f, false), 0x7fu);  // non-saturating overflow -> NaN
+  EXPECT_EQ(f32_to_f8e4m3fn(std::nanf("")) & 0x7fu, 0x7fu);
+  std::mt19937_64 rng(test::fresh_seed());
+  std::uniform_real_distribution<double> d(-12, 8.8);
+  for (int i = 0; i < 2000; ++i) {
+    const float x = static_cast<float>(std::exp2(d(rng)));
+    EXPECT_EQ(f8e4m3fn_to_f32(f32_to_f8e4m3fn(x)), static_cast<float>(nearest_even(x, values)))
+        << x;
+  }
+}
+
+TEST(DType, F8E5M2) {
+  std::vector<double> values;
+  for (uint32_t c = 0; c < 0x7c; ++c) values.push_back(f8e5m2_to_f32(static_cast<uint8_t>(c)));
+  EXPECT_EQ(f8e5m2_to_f32(0x7b), 57344.0f);
+  EXPECT_TRUE(std::isinf(f8e5m2_to_f32(0x7c)));
+  EXPECT_TRUE(std::isnan(f8e5m2_to_f32(0x7d)));
+  for (uint32_t c = 0; c < 0x7c; ++c)
+    EXPECT_EQ(f32_to_f8e5m2(f8e5m2_to_f32(static_cast<uint8_t>(c))), c);
+  EXPECT_EQ(f32_to_f8e5m2(std::numeric_limits<float>::infinity()), 0x7cu);
+  EXPECT_EQ(f32_to_f8e5m2(1e6f), 0x7cu);
+  EXPECT_EQ(f32_to_f8e5m2(1e6f, true), 0x7bu);
+  std::mt19937_64 rng(test::fresh_seed());
+  std::uniform_real_distribution<double> d(-17, 15.8);
+  for (int i = 0; i < 2000; ++i) {
+    const float x = static_cast<float>(std::exp2(d(rng)));
+    EXPECT_EQ(f8e5m2_to_f32(f32_to_f8e5m2(x)), static_cast<float>(nearest_even(x, values))) << x;
+  }
+}
+
+TEST(Tensor, ViewsAndCopies) {
+  Tensor t = Tensor::empty(DType::kF32, {4, 6});
+  for (int i = 0; i < 24; ++i) t.data_as<float>()[i] = static_cast<float>(i);
+  TensorView col = t.view().narrow(1, 2, 3);
+  EXPECT_FALSE(col.is_contiguous());
+  EXPECT_TRUE(col.rows_contiguous());
+  Tensor c = Tensor::copy_of(col);
+  EXPECT_EQ(c.shape_str(), "[4, 3]");
+  EXPECT_EQ(c.data_as<float>()[4], 9.0f);  // row 1, col 2+1
+  TensorView row = t.view().select(0, 2);
+  EXPECT_EQ(row.shape_str(), "[6]");
+  EXPECT_EQ(row.data_as<float>()[0], 12.0f);
+  EXPECT_THROW(t.view().narrow(1, 4, 3), Error);
+  EXPECT_THROW(t.view().reshape({5, 5}), Error);
+  EXPECT_EQ(t.view().reshape({24}).numel(), 24);
+  Tensor b = from_f32(t, DType::kBF16);
+  Tensor back = to_f32(b);
+  EXPECT_EQ(back.data_as<float>()[23], 23.0f);
+}
+
+TEST(Tensor, CheckTensorMessages) {
+  Tensor t = Tensor::empty(DType::kF32, {5, 64});
+  EXPECT_NO_THROW(check_tensor(t, "hidden_states", DType::kF32, {5, -1}));
+  try {
+    check_tensor(t, "hidden_states", DType::kF32, {5, 128});
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "hidden_states: expected f32 [5, 128], got f32 [5, 64]");
+  }
+  try {
+    check_tensor(t, "topk_ids", DType::kI32, {-1, 2});
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "topk_ids: expected i32 [*, 2], got f32 [5, 64]");
+  }
+  int64_t shape[] = {5, 3}, strides[] = {6, 2};
+  TensorView strided(t.data(), DType::kF32, shape, strides);
+  EXPECT_THROW(check_tensor(strided, "x", DType::kF32, {5, 3}), Error);
+}
+
+TEST(ThreadPool, CoversRangeOnceAndPropagatesErrors) {
+  ThreadPool pool(3);
+  std::vector<std::atomic<int>> hits(1000);
+  pool.parallel_for(1000, [&](int64_t b, int64_t e, int tid) {
+    EXPECT_GE(tid, 0);
+    EXPECT_LT(tid, 3);
+    for (int64_t i = b; i < e; ++i) hits[i]++;
+  });
+  for (auto& h : hits) EXPECT_EQ(h.load(), 1);
+  // Nested calls run inline and still cover their range.
+  std::atomic<int64_t> total{0};
+  pool.parallel_for(8, [&](int64_t b, int64_t e, int) {
+    for (int64_t i = b; i < e; ++i)
+      pool.parallel_for(10, [&](int64_t b2, int64_t e2, int) { total += e2 - b2; });
+  });
+  EXPECT_EQ(total.load(), 80);
+  EXPECT_THROW(pool.parallel_for(100,
+                                 [&](int64_t b, int64_t, int) {
+                                   if (b == 0) throw Error(ErrorCode::kInternal, "boom");
+                                 }),
+               Error);
+  // Still usable afterwards.
+  std::atomic<int64_t> n{0};
+  pool.parallel_for(50, [&](int64_t b, int64_t e, int) { n += e - b; });
+  EXPECT_EQ(n.load(), 50);
+  pool.parallel_for(0, [&](int64_t, int64_t, int) { FAIL(); });
+}
