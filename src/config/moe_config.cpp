@@ -1,0 +1,243 @@
+// fusedmoe: MoEConfig names, parsing, validation and summary.
+#include "fusedmoe/config/moe_config.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <sstream>
+
+#include "fusedmoe/core/error.h"
+
+namespace fusedmoe {
+
+const char* to_string(ScoringFunc v) {
+  switch (v) {
+    case ScoringFunc::kSoftmax:
+      return "softmax";
+    case ScoringFunc::kSigmoid:
+      return "sigmoid";
+    case ScoringFunc::kSqrtSoftplus:
+      return "sqrtsoftplus";
+  }
+  return "?";
+}
+
+const char* to_string(RoutingMethod v) {
+  switch (v) {
+    case RoutingMethod::kTopK:
+      return "topk";
+    case RoutingMethod::kTopKSoftmax:
+      return "topk_softmax";
+    case RoutingMethod::kGroupedTopK:
+      return "grouped_topk";
+    case RoutingMethod::kLlama4:
+      return "llama4";
+    case RoutingMethod::kHash:
+      return "hash";
+    case RoutingMethod::kSimulated:
+      return "simulated";
+  }
+  return "?";
+}
+
+const char* to_string(GroupScore v) {
+  switch (v) {
+    case GroupScore::kMax:
+      return "max";
+    case GroupScore::kSumTop2:
+      return "sum_top2";
+  }
+  return "?";
+}
+
+const char* to_string(SimulatedRouting v) {
+  switch (v) {
+    case SimulatedRouting::kUniform:
+      return "uniform";
+    case SimulatedRouting::kZipf:
+      return "zipf";
+    case SimulatedRouting::kAllToOne:
+      return "all_to_one";
+  }
+  return "?";
+}
+
+const char* to_string(Activation v) {
+  switch (v) {
+    case Activation::kSiluGlu:
+      return "silu";
+    case Activation::kGeluGlu:
+      return "gelu";
+    case Activation::kGeluTanhGlu:
+      return "gelu_pytorch_tanh";
+    case Activation::kSwigluOai:
+      return "swiglu_oai";
+  }
+  return "?";
+}
+
+namespace {
+
+std::string lower(const std::string& s) {
+  std::string r = s;
+  std::transform(r.begin(), r.end(), r.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return r;
+}
+
+}  // namespace
+
+Activation parse_activation(const std::string& s) {
+  const std::string v = lower(s);
+  if (v == "silu" || v == "swiglu" || v == "silu_glu" || v == "swish") return Activation::kSiluGlu;
+  if (v == "gelu" || v == "gelu_glu" || v == "geglu") return Activation::kGeluGlu;
+  if (v == "gelu_pytorch_tanh" || v == "gelu_tanh" || v == "gelu_new" || v == "gelu_tanh_glu")
+    return Activation::kGeluTanhGlu;
+  if (v == "swiglu_oai" || v == "swigluoai" || v == "swiglu_oai_clamped")
+    return Activation::kSwigluOai;
+  FUSEDMOE_THROW(kInvalidArgument, "activation: expected one of silu, gelu, gelu_pytorch_tanh, ",
+                 "swiglu_oai (or swiglu, gelu_tanh, gelu_new), got \"", s, "\"");
+}
+
+ScoringFunc parse_scoring_func(const std::string& s) {
+  const std::string v = lower(s);
+  if (v == "softmax") return ScoringFunc::kSoftmax;
+  if (v == "sigmoid") return ScoringFunc::kSigmoid;
+  if (v == "sqrtsoftplus" || v == "sqrt_softplus") return ScoringFunc::kSqrtSoftplus;
+  FUSEDMOE_THROW(kInvalidArgument,
+                 "scoring_func: expected one of softmax, sigmoid, sqrtsoftplus, got \"", s, "\"");
+}
+
+SimulatedRouting parse_simulated_routing(const std::string& s) {
+  const std::string v = lower(s);
+  if (v == "uniform" || v == "random") return SimulatedRouting::kUniform;
+  if (v == "zipf") return SimulatedRouting::kZipf;
+  if (v == "all_to_one" || v == "all-to-one" || v == "alltoone") return SimulatedRouting::kAllToOne;
+  FUSEDMOE_THROW(kInvalidArgument,
+                 "simulated routing: expected one of uniform, zipf, all_to_one, got \"", s, "\"");
+}
+
+void MoEConfig::validate() const {
+  auto positive = [](int64_t v, const char* name) {
+    FUSEDMOE_CHECK(v > 0, name, ": expected > 0, got ", v);
+  };
+  positive(num_experts, "num_experts");
+  positive(top_k, "top_k");
+  positive(hidden_size, "hidden_size");
+  positive(intermediate_size, "intermediate_size");
+  FUSEDMOE_CHECK(num_zero_experts >= 0, "num_zero_experts: expected >= 0, got ", num_zero_experts);
+  FUSEDMOE_CHECK(top_k <= num_router_logits(),
+                 "top_k: expected <= num_experts + num_zero_experts (", num_experts, " + ",
+                 num_zero_experts, " = ", num_router_logits(), "), got ", top_k);
+
+  // Grouping (always consistent, even when unused: num_expert_group = 1 means none).
+  FUSEDMOE_CHECK(num_expert_group >= 1, "num_expert_group: expected >= 1, got ", num_expert_group);
+  FUSEDMOE_CHECK(num_experts % num_expert_group == 0,
+                 "num_expert_group: expected a divisor of num_experts (", num_experts, "), got ",
+                 num_expert_group);
+  FUSEDMOE_CHECK(topk_group >= 1 && topk_group <= num_expert_group,
+                 "topk_group: expected in [1, num_expert_group = ", num_expert_group, "], got ",
+                 topk_group);
+  const bool grouped = routing_method == RoutingMethod::kGroupedTopK || num_expert_group > 1;
+  const bool uses_grouped_router = grouped && routing_method != RoutingMethod::kSimulated &&
+                                   routing_method != RoutingMethod::kHash &&
+                                   routing_method != RoutingMethod::kLlama4;
+  if (uses_grouped_router) {
+    const int64_t per_group = num_experts / num_expert_group;
+    FUSEDMOE_CHECK(top_k <= topk_group * per_group,
+                   "top_k: expected <= topk_group * experts per group (", topk_group, " * ",
+                   per_group, " = ", topk_group * per_group, ") for grouped top-k, got ", top_k);
+    FUSEDMOE_CHECK(group_score != GroupScore::kSumTop2 || per_group >= 2,
+                   "group_score: sum_top2 needs >= 2 experts per group (num_experts / "
+                   "num_expert_group), got ",
+                   per_group, " (use max)");
+    FUSEDMOE_CHECK(num_zero_experts == 0,
+                   "num_zero_experts: expected 0 with grouped top-k routing, got ",
+                   num_zero_experts);
+  }
+  if (has_e_score_correction_bias) {
+    FUSEDMOE_CHECK(uses_grouped_router || routing_method == RoutingMethod::kTopK,
+                   "has_e_score_correction_bias: only used by the topk and grouped_topk routers, "
+                   "got routing_method ",
+                   to_string(routing_method));
+  }
+
+  FUSEDMOE_CHECK(std::isfinite(routed_scaling_factor) && routed_scaling_factor > 0.0f,
+                 "routed_scaling_factor: expected a finite value > 0, got ", routed_scaling_factor);
+  FUSEDMOE_CHECK(!apply_router_weight_on_input || top_k == 1,
+                 "top_k: expected 1 with apply_router_weight_on_input, got ", top_k);
+
+  if (routing_method == RoutingMethod::kSimulated && simulated == SimulatedRouting::kZipf) {
+    FUSEDMOE_CHECK(std::isfinite(zipf_s) && zipf_s > 0.0,
+                   "zipf_s: expected a finite value > 0 for zipf simulated routing, got ", zipf_s);
+  }
+  if (routing_method == RoutingMethod::kHash) {
+    FUSEDMOE_CHECK(hash_vocab_size > 0, "hash_vocab_size: expected > 0 for hash routing, got ",
+                   hash_vocab_size);
+  }
+
+  if (activation == Activation::kSwigluOai) {
+    FUSEDMOE_CHECK(std::isfinite(swiglu_limit) && swiglu_limit > 0.0f,
+                   "swiglu_limit: expected a finite value > 0, got ", swiglu_limit);
+    FUSEDMOE_CHECK(std::isfinite(swiglu_alpha), "swiglu_alpha: expected a finite value, got ",
+                   swiglu_alpha);
+  }
+
+  FUSEDMOE_CHECK(shared_intermediate_size >= 0,
+                 "shared_intermediate_size: expected >= 0 (0 = no shared expert), got ",
+                 shared_intermediate_size);
+  FUSEDMOE_CHECK(!has_shared_expert_gate || has_shared_expert(),
+                 "has_shared_expert_gate: expected false without a shared expert "
+                 "(shared_intermediate_size = 0), got true");
+
+  auto single = [](int size, int rank, const char* size_name, const char* rank_name,
+                   const char* what) {
+    FUSEDMOE_CHECK(size == 1, size_name, ": expected 1 (", what, " is not implemented yet), got ",
+                   size);
+    FUSEDMOE_CHECK(rank == 0, rank_name, ": expected 0 (", size_name, " = 1), got ", rank);
+  };
+  single(parallel.ep_size, parallel.ep_rank, "ep_size", "ep_rank", "expert parallelism");
+  single(parallel.tp_size, parallel.tp_rank, "tp_size", "tp_rank", "tensor parallelism");
+  single(parallel.dp_size, parallel.dp_rank, "dp_size", "dp_rank", "data parallelism");
+}
+
+std::string MoEConfig::summary() const {
+  std::ostringstream os;
+  os << "num_experts:                  " << num_experts << "\n"
+     << "top_k:                        " << top_k << "\n"
+     << "hidden_size:                  " << hidden_size << "\n"
+     << "intermediate_size:            " << intermediate_size << "\n"
+     << "routing_method:               " << to_string(routing_method) << "\n"
+     << "scoring_func:                 " << to_string(scoring_func) << "\n"
+     << "renormalize:                  " << (renormalize ? "true" : "false") << "\n"
+     << "num_expert_group:             " << num_expert_group << "\n"
+     << "topk_group:                   " << topk_group << "\n"
+     << "group_score:                  " << to_string(group_score) << "\n"
+     << "e_score_correction_bias:      " << (has_e_score_correction_bias ? "yes" : "no") << "\n"
+     << "routed_scaling_factor:        " << routed_scaling_factor << "\n"
+     << "apply_router_weight_on_input: " << (apply_router_weight_on_input ? "true" : "false")
+     << "\n"
+     << "router_bias:                  " << (has_router_bias ? "yes" : "no") << "\n"
+     << "num_zero_experts:             " << num_zero_experts << "\n";
+  if (routing_method == RoutingMethod::kSimulated) {
+    os << "simulated:                    " << to_string(simulated) << "\n";
+    if (simulated == SimulatedRouting::kZipf)
+      os << "zipf_s:                       " << zipf_s << "\n";
+    os << "simulation_seed:              " << simulation_seed << "\n";
+  }
+  if (routing_method == RoutingMethod::kHash)
+    os << "hash_vocab_size:              " << hash_vocab_size << "\n";
+  os << "activation:                   " << to_string(activation) << "\n";
+  if (activation == Activation::kSwigluOai)
+    os << "swiglu_alpha:                 " << swiglu_alpha << "\n"
+       << "swiglu_limit:                 " << swiglu_limit << "\n";
+  os << "expert_bias:                  " << (has_expert_bias ? "yes" : "no") << "\n"
+     << "shared_intermediate_size:     " << shared_intermediate_size << "\n"
+     << "shared_expert_gate:           " << (has_shared_expert_gate ? "yes" : "no") << "\n"
+     << "parallel:                     ep " << parallel.ep_rank << "/" << parallel.ep_size
+     << ", tp " << parallel.tp_rank << "/" << parallel.tp_size << ", dp " << parallel.dp_rank << "/"
+     << parallel.dp_size << "\n";
+  return os.str();
+}
+
+}  // namespace fusedmoe
