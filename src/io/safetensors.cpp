@@ -1,0 +1,418 @@
+// fusedmoe: safetensors reader (mmap, validated) and atomic writer.
+//
+// Format (huggingface/safetensors, docs "Format"): u64 little-endian header
+// length N, N bytes of JSON {name: {dtype, shape, data_offsets: [begin, end]},
+// "__metadata__": {str: str}}, then the data section; offsets are relative to
+// the start of the data section.
+#include "fusedmoe/io/safetensors.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "fusedmoe/core/error.h"
+
+namespace fusedmoe {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+namespace {
+
+struct DTypeName {
+  DType dtype;
+  const char* name;
+};
+constexpr DTypeName kDTypeNames[] = {
+    {DType::kF64, "F64"},
+    {DType::kF32, "F32"},
+    {DType::kF16, "F16"},
+    {DType::kBF16, "BF16"},
+    {DType::kF8E4M3FN, "F8_E4M3"},
+    {DType::kF8E5M2, "F8_E5M2"},
+    {DType::kI64, "I64"},
+    {DType::kI32, "I32"},
+    {DType::kI16, "I16"},
+    {DType::kI8, "I8"},
+    {DType::kU8, "U8"},
+    {DType::kBool, "BOOL"},
+};
+
+std::string errno_str() {
+  return std::strerror(errno);
+}
+
+std::string offsets_str(size_t b, size_t e) {
+  return detail::concat("[", b, ", ", e, "]");
+}
+
+// Writes all of buf to fd; false on error.
+bool write_all(int fd, const void* buf, size_t n) {
+  const char* p = static_cast<const char*>(buf);
+  while (n > 0) {
+    ssize_t w = ::write(fd, p, std::min<size_t>(n, size_t{1} << 30));
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return false;
+    }
+    p += w;
+    n -= static_cast<size_t>(w);
+  }
+  return true;
+}
+
+}  // namespace
+
+DType parse_safetensors_dtype(const std::string& s) {
+  for (const auto& d : kDTypeNames)
+    if (s == d.name) return d.dtype;
+  FUSEDMOE_THROW(kIo, "unknown safetensors dtype '", s,
+                 "' (known: F64 F32 F16 BF16 F8_E4M3 F8_E5M2 I64 I32 I16 I8 U8 BOOL)");
+}
+
+const char* safetensors_dtype_name(DType dtype) {
+  for (const auto& d : kDTypeNames)
+    if (d.dtype == dtype) return d.name;
+  return "?";
+}
+
+// ---- SafetensorsFile -------------------------------------------------------
+
+std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) FUSEDMOE_THROW(kIo, path, ": cannot open: ", errno_str());
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    std::string e = errno_str();
+    ::close(fd);
+    FUSEDMOE_THROW(kIo, path, ": cannot stat: ", e);
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    FUSEDMOE_THROW(kIo, path, ": not a regular file");
+  }
+  const size_t file_size = static_cast<size_t>(st.st_size);
+  if (file_size < 8) {
+    ::close(fd);
+    FUSEDMOE_THROW(kIo, path, ": file too short (", file_size,
+                   " bytes; a safetensors file starts with an 8-byte header length)");
+  }
+  // Read-only mapping: views returned by get() must not be written to.
+  void* addr = ::mmap(nullptr, file_size, PROT_READ, MAP_PRIVATE, fd, 0);
+  std::string map_err = addr == MAP_FAILED ? errno_str() : std::string();
+  ::close(fd);
+  if (addr == MAP_FAILED) FUSEDMOE_THROW(kIo, path, ": mmap failed: ", map_err);
+
+  std::shared_ptr<SafetensorsFile> f(new SafetensorsFile());
+  f->path_ = path;
+  f->file_size_ = file_size;
+  f->mapping_ = std::shared_ptr<void>(addr, [file_size](void* p) { ::munmap(p, file_size); });
+
+  const auto* bytes = static_cast<const unsigned char*>(addr);
+  uint64_t header_len = 0;
+  for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | bytes[i];
+  if (header_len > file_size - 8)
+    FUSEDMOE_THROW(kIo, path, ": header length ", header_len, " runs past the end of the file (",
+                   file_size, " bytes)");
+  f->data_start_ = 8 + static_cast<size_t>(header_len);
+  const size_t data_size = file_size - f->data_start_;
+
+  json header;
+  try {
+    header = json::parse(reinterpret_cast<const char*>(bytes + 8),
+                         reinterpret_cast<const char*>(bytes + 8 + header_len));
+  } catch (const json::exception& e) {
+    FUSEDMOE_THROW(kIo, path, ": header is not valid JSON: ", e.what());
+  }
+  if (!header.is_object())
+    FUSEDMOE_THROW(kIo, path, ": header is not a JSON object (got ", header.type_name(), ")");
+
+  struct Span {
+    size_t begin, end;
+    const std::string* name;
+  };
+  std::vector<Span> spans;
+  for (auto it = header.begin(); it != header.end(); ++it) {
+    const std::string& name = it.key();
+    const json& v = it.value();
+    if (name == "__metadata__") {
+      if (!v.is_object())
+        FUSEDMOE_THROW(kIo, path, ": __metadata__ is not a JSON object (got ", v.type_name(), ")");
+      for (auto m = v.begin(); m != v.end(); ++m) {
+        if (!m.value().is_string())
+          FUSEDMOE_THROW(kIo, path, ": __metadata__ value of '", m.key(), "' is not a string (got ",
+                         m.value().type_name(), ")");
+        f->metadata_[m.key()] = m.value().get<std::string>();
+      }
+      continue;
+    }
+    auto bad = [&](const std::string& what) -> Error {
+      return Error(ErrorCode::kIo, detail::concat(path, ": tensor '", name, "': ", what));
+    };
+    if (!v.is_object())
+      throw bad(detail::concat("entry is not a JSON object (got ", v.type_name(), ")"));
+    if (!v.contains("dtype") || !v["dtype"].is_string()) throw bad("missing or non-string 'dtype'");
+    if (!v.contains("shape") || !v["shape"].is_array()) throw bad("missing or non-list 'shape'");
+    if (!v.contains("data_offsets") || !v["data_offsets"].is_array() ||
+        v["data_offsets"].size() != 2)
+      throw bad("missing 'data_offsets' or not a list of 2 integers");
+    Entry e{};
+    const std::string dtype_s = v["dtype"].get<std::string>();
+    try {
+      e.dtype = parse_safetensors_dtype(dtype_s);
+    } catch (const Error& err) {
+      throw bad(err.what());
+    }
+    // numel * dtype size, guarding against overflow.
+    unsigned __int128 nbytes = dtype_size(e.dtype);
+    for (const json& d : v["shape"]) {
+      if (!d.is_number_integer() || d.get<int64_t>() < 0)
+        throw bad(
+            detail::concat("shape ", v["shape"].dump(), " is not a list of non-negative integers"));
+      e.shape.push_back(d.get<int64_t>());
+      nbytes *= static_cast<uint64_t>(e.shape.back());
+      if (nbytes > std::numeric_limits<uint64_t>::max())
+        nbytes = std::numeric_limits<uint64_t>::max();
+    }
+    const json& off = v["data_offsets"];
+    for (const json& o : off)
+      if (!o.is_number_unsigned() && !(o.is_number_integer() && o.get<int64_t>() >= 0))
+        throw bad(detail::concat("data_offsets ", off.dump(), " are not non-negative integers"));
+    const uint64_t b = off[0].get<uint64_t>(), en = off[1].get<uint64_t>();
+    if (b > en) throw bad(detail::concat("data_offsets ", offsets_str(b, en), " has begin > end"));
+    if (en > data_size)
+      throw bad(detail::concat("data_offsets ", offsets_str(b, en), " end past the data section (",
+                               data_size, " bytes)"));
+    if (static_cast<unsigned __int128>(en - b) != nbytes)
+      throw bad(detail::concat("data_offsets ", offsets_str(b, en), " hold ", en - b, " bytes but ",
+                               safetensors_dtype_name(e.dtype), " ", v["shape"].dump(), " needs ",
+                               static_cast<uint64_t>(nbytes), " bytes (size mismatch)"));
+    e.begin = static_cast<size_t>(b);
+    e.end = static_cast<size_t>(en);
+    auto [pos, inserted] = f->entries_.emplace(name, std::move(e));
+    (void)inserted;  // JSON object keys are unique after parsing
+    spans.push_back({pos->second.begin, pos->second.end, &pos->first});
+  }
+  // No two tensors may share bytes (empty tensors occupy nothing).
+  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) {
+    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+  });
+  const Span* prev = nullptr;
+  for (const Span& s : spans) {
+    if (s.begin == s.end) continue;
+    if (prev && s.begin < prev->end)
+      FUSEDMOE_THROW(kIo, path, ": tensor '", *s.name, "': data_offsets ",
+                     offsets_str(s.begin, s.end), " overlap tensor '", *prev->name, "' ",
+                     offsets_str(prev->begin, prev->end));
+    if (!prev || s.end > prev->end) prev = &s;
+  }
+  return f;
+}
+
+SafetensorsFile::~SafetensorsFile() = default;
+
+std::vector<std::string> SafetensorsFile::names() const {
+  std::vector<std::string> out;
+  out.reserve(entries_.size());
+  for (const auto& [name, e] : entries_) out.push_back(name);
+  return out;
+}
+
+bool SafetensorsFile::contains(const std::string& name) const {
+  return entries_.count(name) != 0;
+}
+
+Tensor SafetensorsFile::get(const std::string& name) const {
+  auto it = entries_.find(name);
+  if (it == entries_.end()) FUSEDMOE_THROW(kIo, path_, ": no tensor named '", name, "'");
+  const Entry& e = it->second;
+  if (e.shape.size() > static_cast<size_t>(kMaxDims))
+    FUSEDMOE_THROW(kUnsupported, path_, ": tensor '", name, "' has ", e.shape.size(),
+                   " dimensions; at most ", kMaxDims, " are supported");
+  char* base = static_cast<char*>(mapping_.get()) + data_start_ + e.begin;
+  TensorView view(base, e.dtype, std::span<const int64_t>(e.shape.data(), e.shape.size()));
+  return Tensor(view, mapping_);
+}
+
+// ---- Checkpoint ------------------------------------------------------------
+
+Checkpoint Checkpoint::open(const std::string& path) {
+  Checkpoint c;
+  c.path_ = path;
+  std::error_code ec;
+  fs::path p(path);
+  fs::path index;
+  if (fs::is_directory(p, ec)) {
+    if (fs::exists(p / "model.safetensors.index.json", ec)) {
+      index = p / "model.safetensors.index.json";
+    } else if (fs::exists(p / "model.safetensors", ec)) {
+      p = p / "model.safetensors";
+    } else {
+      FUSEDMOE_THROW(kIo, path,
+                     ": checkpoint directory has neither model.safetensors nor "
+                     "model.safetensors.index.json");
+    }
+  } else if (p.extension() == ".json") {
+    index = p;
+  }
+  if (index.empty()) {
+    auto file = SafetensorsFile::open(p.string());
+    for (const auto& n : file->names()) c.weight_map_[n] = file->path();
+    c.shards_[file->path()] = file;
+    return c;
+  }
+  // Sharded: {"metadata": {...}, "weight_map": {"tensor": "shard file", ...}}.
+  std::string text;
+  {
+    FILE* fp = std::fopen(index.c_str(), "rb");
+    if (!fp) FUSEDMOE_THROW(kIo, index.string(), ": cannot open: ", errno_str());
+    char buf[65536];
+    size_t n;
+    while ((n = std::fread(buf, 1, sizeof buf, fp)) > 0) text.append(buf, n);
+    bool err = std::ferror(fp);
+    std::fclose(fp);
+    if (err) FUSEDMOE_THROW(kIo, index.string(), ": read error");
+  }
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::exception& e) {
+    FUSEDMOE_THROW(kIo, index.string(), ": not valid JSON: ", e.what());
+  }
+  if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
+    FUSEDMOE_THROW(kIo, index.string(), ": no 'weight_map' object");
+  const fs::path dir = index.parent_path();
+  for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it) {
+    if (!it.value().is_string())
+      FUSEDMOE_THROW(kIo, index.string(), ": weight_map entry '", it.key(), "' is not a string");
+    c.weight_map_[it.key()] = (dir / it.value().get<std::string>()).string();
+  }
+  return c;
+}
+
+bool Checkpoint::contains(const std::string& name) const {
+  return weight_map_.count(name) != 0;
+}
+
+Tensor Checkpoint::get(const std::string& name) const {
+  auto it = weight_map_.find(name);
+  if (it == weight_map_.end()) FUSEDMOE_THROW(kIo, path_, ": no tensor named '", name, "'");
+  auto& shard = shards_[it->second];
+  if (!shard) shard = SafetensorsFile::open(it->second);
+  if (!shard->contains(name))
+    FUSEDMOE_THROW(kIo, path_, ": the index maps tensor '", name, "' to ", it->second,
+                   ", which has no tensor of that name");
+  return shard->get(name);
+}
+
+std::vector<std::string> Checkpoint::names() const {
+  std::vector<std::string> out;
+  out.reserve(weight_map_.size());
+  for (const auto& [n, s] : weight_map_) out.push_back(n);
+  return out;
+}
+
+// ---- writer ----------------------------------------------------------------
+
+void save_safetensors(const std::string& path,
+                      const std::vector<std::pair<std::string, TensorView>>& tensors,
+                      const std::map<std::string, std::string>& metadata) {
+  // Validate names and inputs before touching the disk.
+  std::set<std::string> seen;
+  for (const auto& [name, t] : tensors) {
+    FUSEDMOE_CHECK(name != "__metadata__",
+                   "save_safetensors: '__metadata__' is not a valid tensor name");
+    FUSEDMOE_CHECK(seen.insert(name).second, "save_safetensors: duplicate tensor name '", name,
+                   "'");
+    FUSEDMOE_CHECK(t.device().is_cpu(), "save_safetensors: tensor '", name, "' is not on the CPU");
+    FUSEDMOE_CHECK(t.numel() == 0 || t.data() != nullptr, "save_safetensors: tensor '", name,
+                   "' is undefined");
+  }
+  // Order as the reference writer does: larger alignment first, then by name.
+  std::vector<size_t> order(tensors.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    size_t sa = dtype_size(tensors[a].second.dtype()), sb = dtype_size(tensors[b].second.dtype());
+    if (sa != sb) return sa > sb;
+    return tensors[a].first < tensors[b].first;
+  });
+  json header = json::object();
+  if (!metadata.empty()) {
+    json m = json::object();
+    for (const auto& [k, v] : metadata) m[k] = v;
+    header["__metadata__"] = m;
+  }
+  size_t offset = 0;
+  for (size_t i : order) {
+    const auto& [name, t] = tensors[i];
+    json shape = json::array();
+    for (int64_t d : t.shape()) shape.push_back(d);
+    header[name] = {{"dtype", safetensors_dtype_name(t.dtype())},
+                    {"shape", shape},
+                    {"data_offsets", {offset, offset + t.nbytes()}}};
+    offset += t.nbytes();
+  }
+  std::string h = header.dump();
+  while (h.size() % 8 != 0) h.push_back(' ');  // data section 8-byte aligned
+
+  const fs::path target(path);
+  fs::path dir = target.parent_path();
+  if (dir.empty()) dir = ".";
+  std::string tmp_name = ".";
+  tmp_name.append(target.filename().string()).append(".tmp.XXXXXX");
+  std::string tmpl = (dir / tmp_name).string();
+  int fd = ::mkstemp(tmpl.data());
+  if (fd < 0)
+    FUSEDMOE_THROW(kIo, path, ": cannot create a temporary file in ", dir.string(), ": ",
+                   errno_str());
+  auto fail = [&](const std::string& what) {
+    std::string e = errno_str();
+    ::close(fd);
+    ::unlink(tmpl.c_str());
+    FUSEDMOE_THROW(kIo, path, ": ", what, ": ", e);
+  };
+  unsigned char len_le[8];
+  uint64_t hl = h.size();
+  for (int i = 0; i < 8; ++i) len_le[i] = static_cast<unsigned char>(hl >> (8 * i));
+  if (!write_all(fd, len_le, 8) || !write_all(fd, h.data(), h.size())) fail("write failed");
+  for (size_t i : order) {
+    const TensorView& t = tensors[i].second;
+    if (t.numel() == 0) continue;
+    if (t.is_contiguous()) {
+      if (!write_all(fd, t.data(), t.nbytes())) fail("write failed");
+    } else {
+      Tensor c;
+      try {
+        c = Tensor::copy_of(t);
+      } catch (...) {
+        ::close(fd);
+        ::unlink(tmpl.c_str());
+        throw;
+      }
+      if (!write_all(fd, c.data(), c.nbytes())) fail("write failed");
+    }
+  }
+  if (::fchmod(fd, 0644) != 0) fail("chmod failed");
+  if (::fsync(fd) != 0) fail("fsync failed");
+  if (::close(fd) != 0) {
+    std::string e = errno_str();
+    ::unlink(tmpl.c_str());
+    FUSEDMOE_THROW(kIo, path, ": close failed: ", e);
+  }
+  if (::rename(tmpl.c_str(), path.c_str()) != 0) {
+    std::string e = errno_str();
+    ::unlink(tmpl.c_str());
+    FUSEDMOE_THROW(kIo, path, ": rename failed: ", e);
+  }
+}
+
+}  // namespace fusedmoe

@@ -1,0 +1,343 @@
+// Tests of the safetensors reader/writer and Checkpoint (io/safetensors.h).
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+#include "fixtures.h"
+#include "fusedmoe/io/safetensors.h"
+#include "test_util.h"
+
+namespace fusedmoe {
+namespace {
+
+namespace fs = std::filesystem;
+using test::TempDir;
+
+// Runs f, expects Error(code) and returns its message ("" if none was thrown).
+template <typename F>
+std::string error_of(F&& f, ErrorCode code = ErrorCode::kIo) {
+  try {
+    f();
+  } catch (const Error& e) {
+    EXPECT_EQ(static_cast<int>(e.code()), static_cast<int>(code)) << e.what();
+    return e.what();
+  }
+  ADD_FAILURE() << "no fusedmoe::Error thrown";
+  return "";
+}
+
+#define EXPECT_HAS(haystack, needle) \
+  EXPECT_NE(std::string(haystack).find(needle), std::string::npos) << "message: " << (haystack)
+
+// Writes an 8-byte LE length, the header text and `data` bytes.
+void write_raw(const std::string& path, const std::string& header, size_t data_bytes,
+               std::optional<uint64_t> len_override = std::nullopt) {
+  std::ofstream out(path, std::ios::binary);
+  uint64_t n = len_override.value_or(header.size());
+  unsigned char le[8];
+  for (int i = 0; i < 8; ++i) le[i] = static_cast<unsigned char>(n >> (8 * i));
+  out.write(reinterpret_cast<const char*>(le), 8);
+  out << header;
+  std::string data(data_bytes, '\x5a');
+  out << data;
+}
+
+Tensor random_bytes_tensor(std::mt19937_64& rng, DType dt, std::initializer_list<int64_t> shape) {
+  Tensor t = Tensor::empty(dt, shape);
+  auto* p = static_cast<unsigned char*>(t.data());
+  for (size_t i = 0; i < t.nbytes(); ++i) p[i] = static_cast<unsigned char>(rng());
+  if (dt == DType::kBool)
+    for (size_t i = 0; i < t.nbytes(); ++i) p[i] &= 1;
+  return t;
+}
+
+TEST(Safetensors, DtypeNamesRoundTrip) {
+  const DType all[] = {DType::kF64,      DType::kF32,    DType::kF16, DType::kBF16,
+                       DType::kF8E4M3FN, DType::kF8E5M2, DType::kI64, DType::kI32,
+                       DType::kI16,      DType::kI8,     DType::kU8,  DType::kBool};
+  for (DType d : all) EXPECT_EQ(parse_safetensors_dtype(safetensors_dtype_name(d)), d);
+  EXPECT_STREQ(safetensors_dtype_name(DType::kBF16), "BF16");
+  EXPECT_STREQ(safetensors_dtype_name(DType::kF8E4M3FN), "F8_E4M3");
+  EXPECT_HAS(error_of([] { parse_safetensors_dtype("F7"); }), "'F7'");
+}
+
+TEST(Safetensors, RoundTripAllDtypesAndMetadata) {
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  TempDir dir("st_roundtrip");
+  const DType all[] = {DType::kF64,      DType::kF32,    DType::kF16, DType::kBF16,
+                       DType::kF8E4M3FN, DType::kF8E5M2, DType::kI64, DType::kI32,
+                       DType::kI16,      DType::kI8,     DType::kU8,  DType::kBool};
+  std::vector<Tensor> keep;
+  std::vector<std::pair<std::string, TensorView>> tensors;
+  int i = 0;
+  for (DType d : all) {
+    keep.push_back(random_bytes_tensor(rng, d, {3, 5 + i % 3, 2}));
+    tensors.emplace_back(std::string("t.") + dtype_name(d), keep.back());
+    ++i;
+  }
+  // A 0-d scalar, an empty tensor and a non-contiguous (transposed) view.
+  keep.push_back(random_bytes_tensor(rng, DType::kF32, {1}));
+  tensors.emplace_back("scalar",
+                       TensorView(keep.back().data(), DType::kF32, std::span<const int64_t>()));
+  keep.push_back(Tensor::empty(DType::kF32, {0, 7}));
+  tensors.emplace_back("empty", keep.back());
+  keep.push_back(random_bytes_tensor(rng, DType::kF32, {4, 6}));
+  const int64_t tshape[] = {6, 4}, tstrides[] = {1, 6};
+  const TensorView transposed(keep.back().data(), DType::kF32, tshape, tstrides);
+  tensors.emplace_back("transposed", transposed);
+
+  const std::map<std::string, std::string> meta = {{"format", "pt"},
+                                                   {"seed", std::to_string(seed)}};
+  const std::string path = dir.file("x.safetensors");
+  save_safetensors(path, tensors, meta);
+
+  // Header length is a multiple of 8 (data section aligned), like the reference writer.
+  {
+    std::ifstream in(path, std::ios::binary);
+    unsigned char le[8];
+    in.read(reinterpret_cast<char*>(le), 8);
+    uint64_t n = 0;
+    for (int b = 7; b >= 0; --b) n = (n << 8) | le[b];
+    EXPECT_EQ(n % 8, 0u);
+  }
+
+  auto f = SafetensorsFile::open(path);
+  EXPECT_EQ(f->metadata(), meta);
+  std::vector<std::string> expected_names;
+  for (const auto& [n, t] : tensors) expected_names.push_back(n);
+  std::sort(expected_names.begin(), expected_names.end());
+  EXPECT_EQ(f->names(), expected_names);
+  for (size_t k = 0; k + 1 < tensors.size(); ++k) {  // the transposed one is checked below
+    const auto& [name, src] = tensors[k];
+    SCOPED_TRACE(name);
+    ASSERT_TRUE(f->contains(name));
+    Tensor t = f->get(name);
+    EXPECT_EQ(t.dtype(), src.dtype());
+    EXPECT_EQ(t.shape_str(), src.shape_str());
+    EXPECT_TRUE(t.view().is_contiguous());
+    ASSERT_EQ(t.nbytes(), src.nbytes());
+    if (src.nbytes() > 0) EXPECT_EQ(std::memcmp(t.data(), src.data(), src.nbytes()), 0);
+  }
+  Tensor tr = f->get("transposed");
+  ASSERT_EQ(tr.shape_str(), "[6, 4]");
+  for (int64_t r = 0; r < 6; ++r)
+    for (int64_t c = 0; c < 4; ++c)
+      EXPECT_EQ(float_bits(tr.data_as<float>()[r * 4 + c]),
+                float_bits(keep.back().data_as<float>()[c * 6 + r]));
+
+  // Zero copy: the data lies inside the file mapping, which the tensor keeps alive.
+  Tensor a = f->get("t.f32");
+  const auto* base = static_cast<const char*>(a.storage().get());
+  const auto size = fs::file_size(path);
+  const auto* p = static_cast<const char*>(a.data());
+  EXPECT_GE(p, base + 8);
+  EXPECT_LE(p + a.nbytes(), base + size);
+  EXPECT_EQ(f->get("t.bf16").storage().get(), a.storage().get());
+  std::vector<char> copy(p, p + a.nbytes());
+  f.reset();  // the file object goes away; the tensor still reads the mapping
+  EXPECT_EQ(std::memcmp(a.data(), copy.data(), copy.size()), 0);
+  EXPECT_EQ(std::memcmp(a.data(), keep[1].data(), keep[1].nbytes()), 0);
+}
+
+TEST(Safetensors, OpensFixture) {
+  auto f = SafetensorsFile::open(test::hf_fixture_dir("mixtral") + "/model.safetensors");
+  Tensor g = f->get("model.layers.0.block_sparse_moe.gate.weight");
+  EXPECT_EQ(g.view().str(), "bf16 [8, 128]");
+  EXPECT_EQ(f->metadata().at("format"), "pt");
+}
+
+TEST(Safetensors, MissingTensorNamed) {
+  TempDir dir("st_missing");
+  Tensor t = Tensor::zeros(DType::kF32, {2});
+  const std::string path = dir.file("a.safetensors");
+  save_safetensors(path, {{"a", t}});
+  auto f = SafetensorsFile::open(path);
+  EXPECT_FALSE(f->contains("b"));
+  const std::string msg = error_of([&] { f->get("b.weight"); });
+  EXPECT_EQ(msg.rfind(path, 0), 0u) << msg;
+  EXPECT_HAS(msg, "no tensor named 'b.weight'");
+}
+
+struct BadCase {
+  const char* what;
+  std::string header;
+  size_t data_bytes;
+  std::optional<uint64_t> len_override;
+  std::vector<std::string> substrings;
+};
+
+TEST(Safetensors, RejectsBadFiles) {
+  TempDir dir("st_bad");
+  const std::vector<BadCase> cases = {
+      {"header length past end",
+       R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})",
+       8,
+       1000,
+       {"header length 1000", "past the end of the file"}},
+      {"invalid json", R"({"a":{"dtype":"F32",)", 8, std::nullopt, {"not valid JSON"}},
+      {"not an object", R"([1, 2, 3])", 0, std::nullopt, {"not a JSON object"}},
+      {"unknown dtype",
+       R"({"w.a":{"dtype":"F7","shape":[2],"data_offsets":[0,8]}})",
+       8,
+       std::nullopt,
+       {"tensor 'w.a'", "unknown safetensors dtype 'F7'"}},
+      {"offsets outside",
+       R"({"w.b":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}})",
+       8,
+       std::nullopt,
+       {"tensor 'w.b'", "[0, 16]", "end past the data section (8 bytes)"}},
+      {"begin > end",
+       R"({"w.c":{"dtype":"F32","shape":[0],"data_offsets":[8,4]}})",
+       8,
+       std::nullopt,
+       {"tensor 'w.c'", "begin > end"}},
+      {"size mismatch",
+       R"({"w.d":{"dtype":"BF16","shape":[2,3],"data_offsets":[0,8]}})",
+       16,
+       std::nullopt,
+       {"tensor 'w.d'", "size mismatch", "needs 12 bytes"}},
+      {"negative shape",
+       R"({"w.e":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}})",
+       8,
+       std::nullopt,
+       {"tensor 'w.e'", "non-negative"}},
+      {"missing offsets",
+       R"({"w.f":{"dtype":"F32","shape":[1]}})",
+       8,
+       std::nullopt,
+       {"tensor 'w.f'", "data_offsets"}},
+      {"overlap",
+       R"({"w.g":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"w.h":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
+       16,
+       std::nullopt,
+       {"tensor 'w.h'", "overlap tensor 'w.g'"}},
+      {"metadata not strings",
+       R"({"__metadata__":{"seed":3}})",
+       0,
+       std::nullopt,
+       {"__metadata__", "'seed'"}},
+  };
+  for (const BadCase& c : cases) {
+    SCOPED_TRACE(c.what);
+    const std::string path =
+        dir.file(std::string("bad_") + std::to_string(&c - cases.data()) + ".safetensors");
+    write_raw(path, c.header, c.data_bytes, c.len_override);
+    const std::string msg = error_of([&] { SafetensorsFile::open(path); });
+    EXPECT_EQ(msg.rfind(path + ": ", 0), 0u) << msg;
+    for (const auto& s : c.substrings) EXPECT_HAS(msg, s);
+  }
+}
+
+TEST(Safetensors, RejectsTruncatedFiles) {
+  TempDir dir("st_trunc");
+  // Shorter than the 8-byte length prefix.
+  const std::string tiny = dir.file("tiny.safetensors");
+  { std::ofstream(tiny, std::ios::binary) << "abc"; }
+  std::string msg = error_of([&] { SafetensorsFile::open(tiny); });
+  EXPECT_HAS(msg, tiny);
+  EXPECT_HAS(msg, "too short (3 bytes");
+
+  // A valid file whose data section was cut short.
+  Tensor t = Tensor::zeros(DType::kF32, {16});
+  const std::string path = dir.file("cut.safetensors");
+  save_safetensors(path, {{"layer.weight", t}});
+  fs::resize_file(path, fs::file_size(path) - 10);
+  msg = error_of([&] { SafetensorsFile::open(path); });
+  EXPECT_HAS(msg, path);
+  EXPECT_HAS(msg, "tensor 'layer.weight'");
+  EXPECT_HAS(msg, "end past the data section (54 bytes)");
+
+  // Not there at all.
+  msg = error_of([&] { SafetensorsFile::open(dir.file("nope.safetensors")); });
+  EXPECT_HAS(msg, "nope.safetensors: cannot open");
+}
+
+TEST(Safetensors, SaveIsAtomicAndChecksNames) {
+  TempDir dir("st_save");
+  Tensor t = Tensor::zeros(DType::kF32, {4});
+  const std::string path = dir.file("m.safetensors");
+  save_safetensors(path, {{"keep", t}});
+  // Duplicate names: rejected before anything is written; the old file stays.
+  std::string msg = error_of(
+      [&] {
+        save_safetensors(path, {{"x", t}, {"x", t}});
+      },
+      ErrorCode::kInvalidArgument);
+  EXPECT_HAS(msg, "duplicate tensor name 'x'");
+  EXPECT_TRUE(SafetensorsFile::open(path)->contains("keep"));
+  // Unwritable folder: Error(kIo), no file, no temporary left behind.
+  msg = error_of([&] { save_safetensors(dir.file("no/such/dir/m.safetensors"), {{"x", t}}); });
+  EXPECT_HAS(msg, "no/such/dir/m.safetensors");
+  size_t entries = 0;
+  for (const auto& e : fs::directory_iterator(dir.path())) {
+    ++entries;
+    EXPECT_EQ(e.path().filename(), "m.safetensors");
+  }
+  EXPECT_EQ(entries, 1u);
+}
+
+TEST(Checkpoint, SingleFileDirectoryAndPath) {
+  TempDir dir("ckpt_single");
+  Tensor t = Tensor::zeros(DType::kBF16, {2, 3});
+  save_safetensors(dir.file("model.safetensors"), {{"a.weight", t}, {"b.weight", t}});
+  for (const std::string& p : {dir.path(), dir.file("model.safetensors")}) {
+    Checkpoint c = Checkpoint::open(p);
+    EXPECT_EQ(c.names(), (std::vector<std::string>{"a.weight", "b.weight"}));
+    EXPECT_TRUE(c.contains("a.weight"));
+    EXPECT_EQ(c.get("b.weight").view().str(), "bf16 [2, 3]");
+    const std::string msg = error_of([&] { c.get("c.weight"); });
+    EXPECT_HAS(msg, p);
+    EXPECT_HAS(msg, "'c.weight'");
+  }
+  TempDir empty("ckpt_empty");
+  EXPECT_HAS(error_of([&] { Checkpoint::open(empty.path()); }), "model.safetensors");
+}
+
+TEST(Checkpoint, ShardedThroughIndex) {
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  TempDir dir("ckpt_sharded");
+  Tensor a = test::random_f32(rng, {4, 3});
+  Tensor b = test::random_f32(rng, {5});
+  Tensor c = test::random_f32(rng, {2, 2});
+  save_safetensors(dir.file("model-00001-of-00002.safetensors"), {{"x.a", a}, {"x.b", b}});
+  save_safetensors(dir.file("model-00002-of-00002.safetensors"), {{"y.c", c}});
+  {
+    std::ofstream idx(dir.file("model.safetensors.index.json"));
+    idx << R"({"metadata": {"total_size": 124}, "weight_map": {
+      "x.a": "model-00001-of-00002.safetensors", "x.b": "model-00001-of-00002.safetensors",
+      "y.c": "model-00002-of-00002.safetensors", "y.ghost": "model-00002-of-00002.safetensors"}})";
+  }
+  Checkpoint ck = Checkpoint::open(dir.path());
+  EXPECT_EQ(ck.names(), (std::vector<std::string>{"x.a", "x.b", "y.c", "y.ghost"}));
+  for (const auto& [name, src] :
+       std::vector<std::pair<std::string, Tensor>>{{"x.a", a}, {"x.b", b}, {"y.c", c}}) {
+    Tensor t = ck.get(name);
+    ASSERT_EQ(t.view().str(), src.view().str());
+    EXPECT_EQ(std::memcmp(t.data(), src.data(), src.nbytes()), 0) << name;
+  }
+  // The index names a tensor the shard does not have.
+  std::string msg = error_of([&] { ck.get("y.ghost"); });
+  EXPECT_HAS(msg, "'y.ghost'");
+  EXPECT_HAS(msg, "model-00002-of-00002.safetensors");
+  msg = error_of([&] { ck.get("z"); });
+  EXPECT_HAS(msg, "no tensor named 'z'");
+  // The index file itself can be given; a broken index is an Error(kIo).
+  EXPECT_TRUE(Checkpoint::open(dir.file("model.safetensors.index.json")).contains("x.b"));
+  {
+    std::ofstream idx(dir.file("bad.index.json"));
+    idx << R"({"weight_map": [1, 2]})";
+  }
+  EXPECT_HAS(error_of([&] { Checkpoint::open(dir.file("bad.index.json")); }), "weight_map");
+}
+
+}  // namespace
+}  // namespace fusedmoe
