@@ -1,0 +1,99 @@
+// fusedmoe: gated activations between the two expert GEMMs.
+//
+//   SiLU-GLU       silu(g) * u,  silu(g) = g * sigmoid(g)          (Shazeer 2020, "silu")
+//   GELU-GLU       gelu(g) * u,  gelu(g) = g/2 (1 + erf(g / sqrt 2)) ("gelu")
+//   GELU-tanh-GLU  g/2 (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) * u ("gelu_pytorch_tanh")
+//   gpt-oss        g = min(g, limit), u = clamp(u, -limit, limit),
+//                  (u + 1) * (g * sigmoid(alpha * g))              (HF GptOssExperts._apply_gate)
+//
+// sigmoid uses a branch-free exp (Cephes polynomial, ~1 ulp) on a clamped
+// argument, so the loops vectorise and large |x| gives 0 or x, never NaN.
+#include "kernels/cpu/activation.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "fusedmoe/experts/expert_weights.h"
+
+namespace fusedmoe {
+
+namespace {
+
+// e^x for x clamped to [-87.3, 88.3] (finite, normal results). Cephes expf.
+inline float exp_clamped(float x) {
+  x = x < -87.3f ? -87.3f : x;
+  x = x > 88.3f ? 88.3f : x;
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * (r * r) + r + 1.0f;
+  const int32_t e = static_cast<int32_t>(n) + 127;
+  return y * bits_float(static_cast<uint32_t>(e) << 23);
+}
+
+inline float sigmoid(float x) {
+  return 1.0f / (1.0f + exp_clamped(-x));
+}
+
+inline float maybe_round(float v, bool round_bf16) {
+  return round_bf16 ? round_to_bf16(v) : v;
+}
+
+}  // namespace
+
+namespace cpu {
+
+void activation_rows(const ActivationParams& p, const float* gate, const float* up, int64_t ldx,
+                     float* out, int64_t ldo, int64_t rows, int64_t n, bool round_bf16) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* g = gate + r * ldx;
+    const float* u = up + r * ldx;
+    float* o = out + r * ldo;
+    switch (p.activation) {
+      case Activation::kSiluGlu:
+        for (int64_t i = 0; i < n; ++i) o[i] = maybe_round(g[i] * sigmoid(g[i]) * u[i], round_bf16);
+        break;
+      case Activation::kGeluGlu:
+        for (int64_t i = 0; i < n; ++i) {
+          const float x = g[i];
+          const float gelu = 0.5f * x * (1.0f + std::erf(x * 0.70710678118654752f));
+          o[i] = maybe_round(gelu * u[i], round_bf16);
+        }
+        break;
+      case Activation::kGeluTanhGlu:
+        for (int64_t i = 0; i < n; ++i) {
+          const float x = g[i];
+          // tanh(z) = 1 - 2 / (e^{2z} + 1); exp_clamped keeps it finite for any z.
+          const float z = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+          const float t = 1.0f - 2.0f / (exp_clamped(2.0f * z) + 1.0f);
+          o[i] = maybe_round(0.5f * x * (1.0f + t) * u[i], round_bf16);
+        }
+        break;
+      case Activation::kSwigluOai: {
+        const float limit = p.swiglu_limit, alpha = p.swiglu_alpha;
+        for (int64_t i = 0; i < n; ++i) {
+          const float x = std::min(g[i], limit);
+          const float y = std::clamp(u[i], -limit, limit);
+          const float glu = x * sigmoid(x * alpha);
+          o[i] = maybe_round((y + 1.0f) * glu, round_bf16);
+        }
+        break;
+      }
+    }
+  }
+}
+
+}  // namespace cpu
+
+void apply_activation(const ActivationParams& p, const float* x, int64_t ldx, float* out,
+                      int64_t ldo, int64_t rows, int64_t intermediate_size) {
+  cpu::activation_rows(p, x, x + intermediate_size, ldx, out, ldo, rows, intermediate_size, false);
+}
+
+}  // namespace fusedmoe

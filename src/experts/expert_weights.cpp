@@ -1,0 +1,63 @@
+// fusedmoe: expert weight validation.
+#include "fusedmoe/experts/expert_weights.h"
+
+#include <string>
+
+namespace fusedmoe {
+
+size_t ExpertWeights::nbytes() const {
+  size_t n = w13.nbytes() + w2.nbytes();
+  if (w13_bias) n += w13_bias->nbytes();
+  if (w2_bias) n += w2_bias->nbytes();
+  return n;
+}
+
+namespace {
+
+bool is_weight_dtype(DType d) {
+  return d == DType::kF32 || d == DType::kBF16;
+}
+
+// Shape, dtype (f32/bf16) and contiguity of one tensor, named "<what>.<name>".
+void check_weight(const Tensor& t, const std::string& name, std::initializer_list<int64_t> shape) {
+  const TensorView& v = t.view();
+  if (v.data() == nullptr && v.ndim() == 0) {
+    std::string s;
+    for (int64_t d : shape) s += (s.empty() ? "" : ", ") + std::to_string(d);
+    FUSEDMOE_THROW(kInvalidArgument, name, ": missing (expected f32/bf16 [", s, "])");
+  }
+  FUSEDMOE_CHECK(is_weight_dtype(v.dtype()), name, ": expected dtype f32 or bf16, got ",
+                 dtype_name(v.dtype()), " ", v.shape_str());
+  check_tensor(v, name.c_str(), v.dtype(), shape);
+  FUSEDMOE_CHECK(v.is_contiguous(), name, ": expected a contiguous tensor, got ", v.str(),
+                 " with non-row-major strides");
+}
+
+}  // namespace
+
+void ExpertWeights::validate(int64_t num_experts, int64_t hidden_size, int64_t intermediate_size,
+                             bool has_bias, const char* what) const {
+  const std::string w(what);
+  const int64_t E = num_experts, H = hidden_size, I = intermediate_size;
+  check_weight(w13, w + ".w13", {E, 2 * I, H});
+  check_weight(w2, w + ".w2", {E, H, I});
+  FUSEDMOE_CHECK(w13.dtype() == w2.dtype(), w, ": w13 and w2 must have the same dtype, got ",
+                 dtype_name(w13.dtype()), " and ", dtype_name(w2.dtype()));
+  if (has_bias) {
+    FUSEDMOE_CHECK(w13_bias.has_value(), w, ".w13_bias: missing (expected f32/bf16 [", E, ", ",
+                   2 * I, "]; the config has expert biases)");
+    FUSEDMOE_CHECK(w2_bias.has_value(), w, ".w2_bias: missing (expected f32/bf16 [", E, ", ", H,
+                   "]; the config has expert biases)");
+    check_weight(*w13_bias, w + ".w13_bias", {E, 2 * I});
+    check_weight(*w2_bias, w + ".w2_bias", {E, H});
+  } else {
+    FUSEDMOE_CHECK(!w13_bias.has_value(), w,
+                   ".w13_bias: given, but the config has no expert biases (has_expert_bias = "
+                   "false)");
+    FUSEDMOE_CHECK(!w2_bias.has_value(), w,
+                   ".w2_bias: given, but the config has no expert biases (has_expert_bias = "
+                   "false)");
+  }
+}
+
+}  // namespace fusedmoe

@@ -1,0 +1,127 @@
+// fusedmoe: CPU Experts — per expert, w13 GEMM -> gated activation -> w2 GEMM.
+//
+// Work is split into (expert, block of rows, block of weight rows) items so
+// that both decode (one row per expert: memory bound, parallel over weight
+// rows) and prefill (many rows: compute bound) keep every thread busy. Items
+// are claimed from an atomic counter; each writes its own part of the output,
+// so the result does not depend on which thread ran what.
+#include <algorithm>
+#include <atomic>
+
+#include "kernels/cpu/activation.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/gemm.h"
+#include "kernels/cpu/workspace_slots.h"
+
+namespace fusedmoe::cpu {
+
+namespace {
+
+constexpr int64_t kRowBlock = 128;  // routed rows per work item
+constexpr int64_t kW13Block = 32;   // intermediate columns per w13 item (2 x 32 w13 rows)
+constexpr int64_t kW2Block = 64;    // hidden columns (w2 rows) per w2 item
+
+struct WorkItem {
+  int32_t expert;
+  int32_t row0;  // first row within the expert
+  int32_t col0;  // first column block start (intermediate or hidden index)
+};
+
+// Lists (expert, row block, column block) items over non-empty experts.
+int64_t build_items(const int64_t* offsets, int64_t E, int64_t cols, int64_t col_block,
+                    WorkItem* items) {
+  int64_t n = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t rows = offsets[e + 1] - offsets[e];
+    for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock)
+      for (int64_t c0 = 0; c0 < cols; c0 += col_block)
+        items[n++] = {static_cast<int32_t>(e), static_cast<int32_t>(r0), static_cast<int32_t>(c0)};
+  }
+  return n;
+}
+
+// Runs fn(item, thread_index) for every item on the pool, items claimed dynamically.
+template <typename Fn>
+void run_items(ThreadPool& pool, int64_t n, Fn&& fn) {
+  std::atomic<int64_t> next{0};
+  pool.parallel_for(
+      std::min<int64_t>(n, pool.num_threads()),
+      [&](int64_t, int64_t, int tid) {
+        for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n;
+             i = next.fetch_add(1, std::memory_order_relaxed))
+          fn(i, tid);
+      },
+      1);
+}
+
+}  // namespace
+
+void CpuExperts::apply(const PrepareResult& prepared, const ExpertWeights& weights,
+                       const ExpertsParams& params, const TensorView& out, Workspace& ws) {
+  const TensorView& X = prepared.permuted;
+  const int64_t M = X.size(0);
+  if (M == 0) return;
+  const int64_t H = X.size(1), ldx = X.stride(0);
+  const int64_t E = weights.num_experts(), I = weights.intermediate_size();
+  const int64_t ldo = out.stride(0);
+  const int64_t* offsets = prepared.expert_offsets.data_as<const int64_t>();
+  const bool round_bf16 = params.compute_dtype == DType::kBF16;
+
+  const DType wdt = weights.w13.dtype();
+  const size_t wsz = dtype_size(wdt);
+  const char* w13 = static_cast<const char*>(weights.w13.data());
+  const char* w2 = static_cast<const char*>(weights.w2.data());
+  const char* b13 = weights.w13_bias ? static_cast<const char*>(weights.w13_bias->data()) : nullptr;
+  const char* b2 = weights.w2_bias ? static_cast<const char*>(weights.w2_bias->data()) : nullptr;
+  const DType b13t = weights.w13_bias ? weights.w13_bias->dtype() : DType::kF32;
+  const DType b2t = weights.w2_bias ? weights.w2_bias->dtype() : DType::kF32;
+  const size_t b13sz = dtype_size(b13t), b2sz = dtype_size(b2t);
+
+  ThreadPool& tp = pool();
+  const int threads = tp.num_threads();
+  // Per thread: a GEMM panel, then a [kRowBlock, 2 * kW13Block] gate/up block.
+  const size_t panel_floats = gemm_scratch_floats(std::max(H, I));
+  const size_t per_thread = panel_floats + kRowBlock * 2 * kW13Block;
+  auto* scratch =
+      static_cast<float*>(ws.get(kWsThreadScratch, threads * per_thread * sizeof(float)));
+  auto* act = static_cast<float*>(ws.get(kWsIntermediate, M * I * sizeof(float)));
+  const int64_t max_items = (M / kRowBlock + E + 1) * std::max((I + kW13Block - 1) / kW13Block,
+                                                               (H + kW2Block - 1) / kW2Block);
+  auto* items = static_cast<WorkItem*>(ws.get(kWsWorkItems, max_items * sizeof(WorkItem)));
+
+  // Phase 1: act[rows, i0:i1] = act_fn(X . w13[gate rows i0:i1]^T, X . w13[up rows]^T).
+  int64_t n = build_items(offsets, E, I, kW13Block, items);
+  run_items(tp, n, [&](int64_t i, int tid) {
+    const WorkItem it = items[i];
+    const int64_t e = it.expert, row = offsets[e] + it.row0;
+    const int64_t rows = std::min(kRowBlock, offsets[e + 1] - row);
+    const int64_t i0 = it.col0, nb = std::min(kW13Block, I - i0);
+    float* panel = scratch + tid * per_thread;
+    float* gu = panel + panel_floats;  // [rows, 2 * kW13Block]: gate | up
+    const float* x = X.data_as<const float>() + row * ldx;
+    const char* we = w13 + e * 2 * I * H * wsz;
+    const char* be = b13 ? b13 + e * 2 * I * b13sz : nullptr;
+    gemm_nt(rows, nb, H, x, ldx, we + i0 * H * wsz, wdt, H, be ? be + i0 * b13sz : nullptr, b13t,
+            gu, 2 * kW13Block, panel);
+    gemm_nt(rows, nb, H, x, ldx, we + (I + i0) * H * wsz, wdt, H,
+            be ? be + (I + i0) * b13sz : nullptr, b13t, gu + kW13Block, 2 * kW13Block, panel);
+    activation_rows(params.activation, gu, gu + kW13Block, 2 * kW13Block, act + row * I + i0, I,
+                    rows, nb, round_bf16);
+  });
+
+  // Phase 2: out[rows, h0:h1] = act[rows] . w2[h0:h1]^T (+ bias).
+  n = build_items(offsets, E, H, kW2Block, items);
+  float* o = out.data_as<float>();
+  run_items(tp, n, [&](int64_t i, int tid) {
+    const WorkItem it = items[i];
+    const int64_t e = it.expert, row = offsets[e] + it.row0;
+    const int64_t rows = std::min(kRowBlock, offsets[e + 1] - row);
+    const int64_t h0 = it.col0, hb = std::min(kW2Block, H - h0);
+    float* panel = scratch + tid * per_thread;
+    const char* we = w2 + (e * H + h0) * I * wsz;
+    const char* be = b2 ? b2 + (e * H + h0) * b2sz : nullptr;
+    gemm_nt(rows, hb, I, act + row * I, I, we, wdt, I, be, b2t, o + row * ldo + h0, ldo, panel);
+  });
+}
+
+}  // namespace fusedmoe::cpu

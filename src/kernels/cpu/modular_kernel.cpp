@@ -1,0 +1,58 @@
+// fusedmoe: ModularKernel::forward (boundary checks, prepare -> experts ->
+// finalize) and the CPU backend factory.
+#include "fusedmoe/kernels/modular_kernel.h"
+
+#include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/workspace_slots.h"
+
+namespace fusedmoe {
+
+void ModularKernel::forward(const TensorView& hidden_states, const TensorView& topk_ids,
+                            const TensorView& topk_weights, const ExpertWeights& weights,
+                            const ExpertsParams& params, bool apply_router_weight_on_input,
+                            const TensorView& output, Workspace& ws) {
+  // ---- boundary checks: nothing is written before all pass ----
+  FUSEDMOE_CHECK(weights.w13.ndim() == 3, "experts.w13: expected a 3-d tensor [E, 2I, H], got ",
+                 weights.w13.view().str());
+  FUSEDMOE_CHECK(weights.w2.ndim() == 3, "experts.w2: expected a 3-d tensor [E, H, I], got ",
+                 weights.w2.view().str());
+  const int64_t E = weights.num_experts(), H = weights.hidden_size(),
+                I = weights.intermediate_size();
+  weights.validate(E, H, I, weights.w13_bias.has_value() || weights.w2_bias.has_value(), "experts");
+  FUSEDMOE_CHECK(params.compute_dtype == DType::kF32 || params.compute_dtype == DType::kBF16,
+                 "compute_dtype: expected f32 or bf16, got ", dtype_name(params.compute_dtype));
+  check_tensor(hidden_states, "hidden_states", DType::kF32, {-1, H});
+  const int64_t T = hidden_states.size(0);
+  check_tensor(topk_ids, "topk_ids", DType::kI32, {T, -1});
+  const int64_t k = topk_ids.size(1);
+  check_tensor(topk_weights, "topk_weights", DType::kF32, {T, k});
+  check_tensor(output, "output", DType::kF32, {T, H});
+  if (T == 0) return;
+  const int32_t* ids = topk_ids.data_as<const int32_t>();
+  const int64_t ld_ids = topk_ids.stride(0);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < k; ++j) {
+      const int32_t id = ids[t * ld_ids + j];
+      FUSEDMOE_CHECK(id >= -1 && id < E, "topk_ids: expected values in [-1, ", E, "), got ", id,
+                     " at [", t, ", ", j, "]");
+    }
+
+  // ---- prepare -> experts -> finalize ----
+  const PrepareResult prepared =
+      prepare_finalize_->prepare(hidden_states, topk_ids, topk_weights, E,
+                                 apply_router_weight_on_input, params.compute_dtype, ws);
+  const int64_t M = prepared.permuted.size(0);
+  auto* expert_out =
+      static_cast<float*>(ws.get(cpu::kWsExpertOutput, std::max<int64_t>(M * H, 1) * 4));
+  const TensorView expert_output(expert_out, DType::kF32, {M, H});
+  experts_->apply(prepared, weights, params, expert_output, ws);
+  prepare_finalize_->finalize(expert_output, prepared, topk_weights, apply_router_weight_on_input,
+                              output);
+}
+
+std::unique_ptr<ModularKernel> make_cpu_modular_kernel(ThreadPool* pool) {
+  return std::make_unique<ModularKernel>(std::make_unique<cpu::CpuPrepareFinalize>(pool),
+                                         std::make_unique<cpu::CpuExperts>(pool));
+}
+
+}  // namespace fusedmoe
