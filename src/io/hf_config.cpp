@@ -1,0 +1,403 @@
+// fusedmoe: HF config.json -> ModelInfo (one MoEConfig per MoE layer).
+//
+// Field names, defaults and the MoE-layer rules come from transformers 5.x
+// configuration_<arch>.py / modeling_<arch>.py. Shape fields (hidden_size,
+// num_hidden_layers, expert count, top-k, intermediate sizes) are required: a
+// config without them is not a usable checkpoint description. Other fields
+// take the configuration class's default when absent or null.
+#include "fusedmoe/io/hf_config.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <initializer_list>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <sstream>
+
+#include "fusedmoe/core/error.h"
+
+namespace fusedmoe {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+namespace {
+
+constexpr const char* kSupported =
+    "mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v2, deepseek_v3, gpt_oss, llama4, llama4_text";
+
+std::string join(const std::vector<int64_t>& v) {
+  std::ostringstream os;
+  for (size_t i = 0; i < v.size(); ++i) os << (i ? ", " : "") << v[i];
+  return os.str();
+}
+
+// Typed access to a config object with aliases, defaults and named errors.
+class Fields {
+ public:
+  Fields(const json& j, std::string where) : j_(j), where_(std::move(where)) {}
+
+  // The first present, non-null key among `keys`, or nullptr.
+  const json* find(std::initializer_list<const char*> keys, const char** found = nullptr) const {
+    for (const char* k : keys) {
+      auto it = j_.find(k);
+      if (it != j_.end() && !it->is_null()) {
+        if (found) *found = k;
+        return &*it;
+      }
+    }
+    return nullptr;
+  }
+
+  int64_t get_int(std::initializer_list<const char*> keys, std::optional<int64_t> def = {}) const {
+    const char* k = nullptr;
+    const json* v = find(keys, &k);
+    if (!v) {
+      if (def) return *def;
+      missing(keys);
+    }
+    if (v->is_number_integer()) return v->get<int64_t>();
+    if (v->is_number_float() &&
+        v->get<double>() == static_cast<double>(static_cast<int64_t>(v->get<double>())))
+      return static_cast<int64_t>(v->get<double>());
+    FUSEDMOE_THROW(kInvalidArgument, where_, ": field '", k, "': expected an integer, got ",
+                   v->dump());
+  }
+  double get_double(std::initializer_list<const char*> keys, double def) const {
+    const char* k = nullptr;
+    const json* v = find(keys, &k);
+    if (!v) return def;
+    if (v->is_number()) return v->get<double>();
+    FUSEDMOE_THROW(kInvalidArgument, where_, ": field '", k, "': expected a number, got ",
+                   v->dump());
+  }
+  bool get_bool(std::initializer_list<const char*> keys, bool def) const {
+    const char* k = nullptr;
+    const json* v = find(keys, &k);
+    if (!v) return def;
+    if (v->is_boolean()) return v->get<bool>();
+    FUSEDMOE_THROW(kInvalidArgument, where_, ": field '", k, "': expected true or false, got ",
+                   v->dump());
+  }
+  std::string get_string(std::initializer_list<const char*> keys,
+                         std::optional<std::string> def = {}) const {
+    const char* k = nullptr;
+    const json* v = find(keys, &k);
+    if (!v) {
+      if (def) return *def;
+      missing(keys);
+    }
+    if (v->is_string()) return v->get<std::string>();
+    FUSEDMOE_THROW(kInvalidArgument, where_, ": field '", k, "': expected a string, got ",
+                   v->dump());
+  }
+  std::optional<std::vector<int64_t>> get_int_list(const char* key) const {
+    const json* v = find({key});
+    if (!v) return std::nullopt;
+    std::vector<int64_t> out;
+    if (v->is_array()) {
+      for (const json& e : *v) {
+        if (!e.is_number_integer()) break;
+        out.push_back(e.get<int64_t>());
+      }
+      if (out.size() == v->size()) return out;
+    }
+    FUSEDMOE_THROW(kInvalidArgument, where_, ": field '", key,
+                   "': expected a list of integers, got ", v->dump());
+  }
+  const std::string& where() const { return where_; }
+
+ private:
+  [[noreturn]] void missing(std::initializer_list<const char*> keys) const {
+    std::string names;
+    for (const char* k : keys) names += std::string(names.empty() ? "'" : " or '") + k + "'";
+    FUSEDMOE_THROW(kInvalidArgument, where_, ": required field ", names, " is missing");
+  }
+  const json& j_;
+  std::string where_;
+};
+
+Activation activation_from_hf(const Fields& f) {
+  const std::string act = f.get_string({"hidden_act"}, std::string("silu"));
+  if (act == "silu" || act == "swish") return Activation::kSiluGlu;
+  if (act == "gelu") return Activation::kGeluGlu;
+  if (act == "gelu_pytorch_tanh" || act == "gelu_new" || act == "gelu_fast")
+    return Activation::kGeluTanhGlu;
+  FUSEDMOE_THROW(kUnsupported, f.where(), ": hidden_act '", act,
+                 "' is not supported (supported: silu, gelu, gelu_pytorch_tanh)");
+}
+
+ScoringFunc scoring_from_hf(const Fields& f, const char* def) {
+  const std::string s = f.get_string({"scoring_func"}, std::string(def));
+  if (s == "softmax") return ScoringFunc::kSoftmax;
+  if (s == "sigmoid") return ScoringFunc::kSigmoid;
+  FUSEDMOE_THROW(kUnsupported, f.where(), ": scoring_func '", s,
+                 "' is not supported (supported: softmax, sigmoid)");
+}
+
+// Qwen2/Qwen3-MoE: Qwen2MoeDecoderLayer picks the sparse block when
+// (layer not in mlp_only_layers) and num_experts > 0 and (layer + 1) % decoder_sparse_step == 0.
+std::vector<int64_t> qwen_moe_layers(const Fields& f, int64_t n_layers, int64_t n_experts) {
+  const int64_t step = f.get_int({"decoder_sparse_step"}, 1);
+  if (step <= 0)
+    FUSEDMOE_THROW(kInvalidArgument, f.where(), ": field 'decoder_sparse_step': expected > 0, got ",
+                   step);
+  const std::vector<int64_t> mlp_only =
+      f.get_int_list("mlp_only_layers").value_or(std::vector<int64_t>{});
+  std::vector<int64_t> out;
+  for (int64_t l = 0; l < n_layers; ++l) {
+    bool dense = std::find(mlp_only.begin(), mlp_only.end(), l) != mlp_only.end();
+    if (!dense && n_experts > 0 && (l + 1) % step == 0) out.push_back(l);
+  }
+  return out;
+}
+
+// DeepSeek: layer >= first_k_dense_replace and layer % moe_layer_freq == 0
+// (DeepSeek's reference modeling code; HF's has no moe_layer_freq, i.e. 1).
+std::vector<int64_t> deepseek_moe_layers(const Fields& f, int64_t n_layers,
+                                         int64_t first_k_default) {
+  const int64_t first_k = f.get_int({"first_k_dense_replace"}, first_k_default);
+  const int64_t freq = f.get_int({"moe_layer_freq"}, 1);
+  if (freq <= 0)
+    FUSEDMOE_THROW(kInvalidArgument, f.where(), ": field 'moe_layer_freq': expected > 0, got ",
+                   freq);
+  std::vector<int64_t> out;
+  for (int64_t l = 0; l < n_layers; ++l)
+    if (l >= first_k && l % freq == 0) out.push_back(l);
+  return out;
+}
+
+std::vector<int64_t> all_layers(int64_t n) {
+  std::vector<int64_t> out(static_cast<size_t>(std::max<int64_t>(n, 0)));
+  for (int64_t l = 0; l < n; ++l) out[static_cast<size_t>(l)] = l;
+  return out;
+}
+
+}  // namespace
+
+std::string ModelInfo::moe_prefix(int64_t layer) const {
+  const std::string l = std::to_string(layer);
+  if (model_type == "mixtral") return "model.layers." + l + ".block_sparse_moe.";
+  // A multimodal Llama-4 checkpoint (Llama4ForConditionalGeneration) nests the text model.
+  if (model_type == "llama4") return "language_model.model.layers." + l + ".feed_forward.";
+  if (model_type == "llama4_text") return "model.layers." + l + ".feed_forward.";
+  return "model.layers." + l + ".mlp.";
+}
+
+const MoEConfig& ModelInfo::layer_config(int64_t layer) const {
+  auto it = layer_configs.find(layer);
+  if (it == layer_configs.end())
+    FUSEDMOE_THROW(kInvalidArgument, "layer ", layer, " is not an MoE layer of ", model_type,
+                   " (MoE layers: ", join(moe_layers), ")");
+  return it->second;
+}
+
+ModelInfo load_model_info(const std::string& model_dir) {
+  std::error_code ec;
+  fs::path p(model_dir);
+  if (fs::is_directory(p, ec)) p /= "config.json";
+  std::ifstream in(p, std::ios::binary);
+  if (!in) FUSEDMOE_THROW(kIo, p.string(), ": cannot open: ", std::strerror(errno));
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  if (in.bad()) FUSEDMOE_THROW(kIo, p.string(), ": read error");
+  return parse_model_info(ss.str(), p.string());
+}
+
+ModelInfo parse_model_info(const std::string& json_text, const std::string& source) {
+  json root;
+  try {
+    root = json::parse(json_text);
+  } catch (const json::exception& e) {
+    FUSEDMOE_THROW(kIo, source, ": not valid JSON: ", e.what());
+  }
+  if (!root.is_object())
+    FUSEDMOE_THROW(kIo, source, ": not a JSON object (got ", root.type_name(), ")");
+
+  ModelInfo info;
+  info.source = source;
+  Fields top(root, source);
+  info.model_type = top.get_string({"model_type"});
+  if (const json* a = top.find({"architectures"});
+      a && a->is_array() && !a->empty() && (*a)[0].is_string())
+    info.architecture = (*a)[0].get<std::string>();
+
+  const std::string& mt = info.model_type;
+  static const char* kTypes[] = {"mixtral", "qwen2_moe",   "qwen3_moe",
+                                 "olmoe",   "deepseek_v2", "deepseek_v3",
+                                 "gpt_oss", "llama4",      "llama4_text"};
+  if (std::find_if(std::begin(kTypes), std::end(kTypes), [&](const char* t) { return mt == t; }) ==
+      std::end(kTypes))
+    FUSEDMOE_THROW(kUnsupported, source, ": model_type '", mt,
+                   "' is not supported (supported: ", kSupported, ")");
+
+  // Multimodal Llama-4: the language model's settings live in text_config.
+  const json* cfg = &root;
+  std::string where = source;
+  if (mt == "llama4") {
+    const json* tc = top.find({"text_config"});
+    if (!tc || !tc->is_object())
+      FUSEDMOE_THROW(kInvalidArgument, source,
+                     ": model_type 'llama4' needs a 'text_config' object");
+    cfg = tc;
+    where = source + " (text_config)";
+  }
+  Fields f(*cfg, where);
+
+  // dtype: "dtype" (transformers >= 4.56) or "torch_dtype"; text_config first.
+  const json* dt = f.find({"dtype", "torch_dtype"});
+  if (!dt) dt = top.find({"dtype", "torch_dtype"});
+  if (dt) {
+    if (!dt->is_string())
+      FUSEDMOE_THROW(kInvalidArgument, where, ": field 'dtype': expected a string, got ",
+                     dt->dump());
+    try {
+      info.dtype = parse_dtype(dt->get<std::string>());
+    } catch (const Error& e) {
+      FUSEDMOE_THROW(kInvalidArgument, where, ": field 'dtype': ", e.what());
+    }
+  }
+
+  info.num_hidden_layers = f.get_int({"num_hidden_layers"});
+  if (info.num_hidden_layers <= 0)
+    FUSEDMOE_THROW(kInvalidArgument, where, ": field 'num_hidden_layers': expected > 0, got ",
+                   info.num_hidden_layers);
+
+  MoEConfig c;
+  c.hidden_size = f.get_int({"hidden_size"});
+  c.top_k = f.get_int({"num_experts_per_tok"});
+  c.activation = activation_from_hf(f);
+  std::vector<int64_t> layers;
+  const int64_t L = info.num_hidden_layers;
+
+  if (mt == "mixtral") {
+    // MixtralSparseMoeBlock: softmax, top-k, always renormalized.
+    c.num_experts = f.get_int({"num_local_experts", "num_experts"});
+    c.intermediate_size = f.get_int({"intermediate_size"});
+    c.routing_method = RoutingMethod::kTopK;
+    c.scoring_func = ScoringFunc::kSoftmax;
+    c.renormalize = true;
+    layers = all_layers(L);
+  } else if (mt == "qwen2_moe" || mt == "qwen3_moe") {
+    c.num_experts = f.get_int({"num_experts", "num_local_experts"});
+    c.intermediate_size = f.get_int({"moe_intermediate_size"});
+    c.routing_method = RoutingMethod::kTopK;
+    c.scoring_func = ScoringFunc::kSoftmax;
+    c.renormalize = f.get_bool({"norm_topk_prob"}, false);
+    if (mt == "qwen2_moe") {
+      // Qwen2MoeSparseMoeBlock: shared_expert + sigmoid(shared_expert_gate).
+      c.shared_intermediate_size = f.get_int({"shared_expert_intermediate_size"});
+      c.has_shared_expert_gate = c.shared_intermediate_size > 0;
+    }
+    layers = qwen_moe_layers(f, L, c.num_experts);
+  } else if (mt == "olmoe") {
+    c.num_experts = f.get_int({"num_experts", "num_local_experts"});
+    c.intermediate_size = f.get_int({"intermediate_size"});
+    c.routing_method = RoutingMethod::kTopK;
+    c.scoring_func = ScoringFunc::kSoftmax;
+    c.renormalize = f.get_bool({"norm_topk_prob"}, false);
+    layers = all_layers(L);
+  } else if (mt == "deepseek_v2") {
+    // DeepseekV2TopkRouter: softmax; "greedy" = plain top-k, "group_limited_greedy" =
+    // groups scored by their max, top topk_group groups, then top-k. norm_topk_prob
+    // follows DeepSeek's reference code (renormalize when set; default false).
+    c.num_experts = f.get_int({"n_routed_experts", "num_experts"});
+    c.intermediate_size = f.get_int({"moe_intermediate_size"});
+    c.scoring_func = scoring_from_hf(f, "softmax");
+    c.renormalize = f.get_bool({"norm_topk_prob"}, false);
+    c.routed_scaling_factor = static_cast<float>(f.get_double({"routed_scaling_factor"}, 1.0));
+    const std::string method = f.get_string({"topk_method"}, std::string("greedy"));
+    if (method == "greedy") {
+      c.routing_method = RoutingMethod::kTopK;
+    } else if (method == "group_limited_greedy") {
+      c.routing_method = RoutingMethod::kGroupedTopK;
+      c.group_score = GroupScore::kMax;
+      c.num_expert_group = f.get_int({"n_group"});
+      c.topk_group = f.get_int({"topk_group"});
+    } else if (method == "noaux_tc") {
+      c.routing_method = RoutingMethod::kGroupedTopK;
+      c.group_score = GroupScore::kSumTop2;
+      c.has_e_score_correction_bias = true;
+      c.num_expert_group = f.get_int({"n_group"}, 1);
+      c.topk_group = f.get_int({"topk_group"}, 1);
+    } else {
+      FUSEDMOE_THROW(kUnsupported, where, ": topk_method '", method,
+                     "' is not supported (supported: greedy, group_limited_greedy, noaux_tc)");
+    }
+    c.shared_intermediate_size = f.get_int({"n_shared_experts"}, 2) * c.intermediate_size;
+    layers = deepseek_moe_layers(f, L, 0);
+  } else if (mt == "deepseek_v3") {
+    // DeepseekV3TopkRouter (noaux_tc): sigmoid, + e_score_correction_bias for
+    // selection, group score = sum of the top-2 biased scores per group.
+    c.num_experts = f.get_int({"n_routed_experts", "num_local_experts", "num_experts"});
+    c.intermediate_size = f.get_int({"moe_intermediate_size"});
+    const std::string method = f.get_string({"topk_method"}, std::string("noaux_tc"));
+    if (method != "noaux_tc")
+      FUSEDMOE_THROW(kUnsupported, where, ": topk_method '", method,
+                     "' is not supported for deepseek_v3 (supported: noaux_tc)");
+    c.routing_method = RoutingMethod::kGroupedTopK;
+    c.scoring_func = scoring_from_hf(f, "sigmoid");
+    c.group_score = GroupScore::kSumTop2;
+    c.has_e_score_correction_bias = true;
+    c.num_expert_group = f.get_int({"n_group"}, 8);
+    c.topk_group = f.get_int({"topk_group"}, 4);
+    c.renormalize = f.get_bool({"norm_topk_prob"}, true);
+    c.routed_scaling_factor = static_cast<float>(f.get_double({"routed_scaling_factor"}, 2.5));
+    c.shared_intermediate_size = f.get_int({"n_shared_experts"}, 1) * c.intermediate_size;
+    layers = deepseek_moe_layers(f, L, 3);
+  } else if (mt == "gpt_oss") {
+    // GptOssTopKRouter: linear with bias, top-k over logits, softmax over the k.
+    // GptOssExperts: interleaved gate/up, clamped SwiGLU (alpha, limit), biases.
+    c.num_experts = f.get_int({"num_local_experts", "num_experts"});
+    c.intermediate_size = f.get_int({"intermediate_size"});
+    c.routing_method = RoutingMethod::kTopKSoftmax;
+    c.scoring_func = ScoringFunc::kSoftmax;
+    c.renormalize = false;
+    c.has_router_bias = true;
+    c.has_expert_bias = true;
+    c.activation = Activation::kSwigluOai;
+    c.swiglu_alpha = static_cast<float>(f.get_double({"swiglu_alpha"}, 1.702));
+    c.swiglu_limit = static_cast<float>(f.get_double({"swiglu_limit"}, 7.0));
+    layers = all_layers(L);
+  } else {  // llama4 / llama4_text
+    // Llama4TextMoe: top-1 logit, sigmoid, scales the expert input; experts and
+    // the always-on shared expert both use intermediate_size (intermediate_size_mlp
+    // is for the dense layers).
+    c.num_experts = f.get_int({"num_local_experts", "num_experts"});
+    c.intermediate_size = f.get_int({"intermediate_size"});
+    c.routing_method = RoutingMethod::kLlama4;
+    c.scoring_func = ScoringFunc::kSigmoid;
+    c.renormalize = false;
+    c.apply_router_weight_on_input = true;
+    c.shared_intermediate_size = c.intermediate_size;
+    if (auto ml = f.get_int_list("moe_layers")) {
+      layers = *ml;
+    } else {
+      const int64_t step = f.get_int({"interleave_moe_layer_step"}, 1);
+      if (step <= 0)
+        FUSEDMOE_THROW(kInvalidArgument, where,
+                       ": field 'interleave_moe_layer_step': expected > 0, got ", step);
+      for (int64_t l = step - 1; l < L; l += step) layers.push_back(l);
+    }
+    std::sort(layers.begin(), layers.end());
+    layers.erase(std::unique(layers.begin(), layers.end()), layers.end());
+    for (int64_t l : layers)
+      if (l < 0 || l >= L)
+        FUSEDMOE_THROW(kInvalidArgument, where, ": field 'moe_layers': layer ", l,
+                       " is outside [0, ", L, ")");
+  }
+
+  try {
+    c.validate();
+  } catch (const Error& e) {
+    throw Error(e.code(), detail::concat(where, " (", mt, "): ", e.what()));
+  }
+  info.moe_layers = layers;
+  for (int64_t l : layers) info.layer_configs.emplace(l, c);
+  return info;
+}
+
+}  // namespace fusedmoe

@@ -1,0 +1,391 @@
+// fusedmoe: gathering one MoE layer's weights from a HF checkpoint into the
+// canonical layout (experts/expert_weights.h): w13 [E, 2I, H] (gate rows, then
+// up rows), w2 [E, H, I], biases [E, 2I] / [E, H].
+//
+// Checkpoint layouts handled (tensor names relative to ModelInfo::moe_prefix):
+//   per expert (Mixtral):        experts.N.w1 / w3 / w2.weight  [I, H] [I, H] [H, I]
+//   per expert (Qwen/OLMoE/DS):  experts.N.gate_proj / up_proj / down_proj.weight
+//   fused canonical (transformers 5 in-memory names): experts.gate_up_proj [E, 2I, H],
+//                                experts.down_proj [E, H, I]
+//   gpt-oss:  experts.gate_up_proj [E, H, 2I] (gate = even columns, up = odd),
+//             experts.gate_up_proj_bias [E, 2I] (same interleave),
+//             experts.down_proj [E, I, H], experts.down_proj_bias [E, H]  (HF GptOssExperts)
+//   Llama-4:  experts.gate_up_proj [E, H, 2I] (gate = first I columns, up = last I),
+//             experts.down_proj [E, I, H]                                 (HF Llama4TextExperts)
+//   DeepSeek FP8 (per-expert F8_E4M3 weights with weight_scale_inv [ceil(out/128),
+//             ceil(in/128)]): dequantized to f32 (value * scale of its 128x128 block).
+// f32 and bf16 weights keep their dtype; f16 and f64 are converted to f32.
+#include "fusedmoe/io/loader.h"
+
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <mutex>
+#include <vector>
+
+#include "fusedmoe/core/error.h"
+#include "fusedmoe/core/thread_pool.h"
+
+namespace fusedmoe {
+
+namespace {
+
+std::string shape_str(std::initializer_list<int64_t> s) {
+  std::string out = "[";
+  size_t i = 0;
+  for (int64_t d : s) out += (i++ ? ", " : "") + std::to_string(d);
+  return out + "]";
+}
+
+bool same_shape(const TensorView& t, std::initializer_list<int64_t> s) {
+  if (t.ndim() != static_cast<int>(s.size())) return false;
+  int i = 0;
+  for (int64_t d : s)
+    if (t.size(i++) != d) return false;
+  return true;
+}
+
+// One tensor source: a plain weight, or an FP8 weight with its block scales.
+struct Source {
+  std::string name;
+  Tensor t;
+  std::optional<Tensor> scale_inv;  // f32 [ceil(rows/128), ceil(cols/128)] for FP8
+};
+
+class Reader {
+ public:
+  Reader(const Checkpoint& ckpt, std::string prefix) : ckpt_(ckpt), prefix_(std::move(prefix)) {}
+
+  bool has(const std::string& rel) const { return ckpt_.contains(prefix_ + rel); }
+  std::string full(const std::string& rel) const { return prefix_ + rel; }
+
+  // Fetches prefix+rel and checks its shape. Throws Error(kIo) naming the tensor.
+  Source get(const std::string& rel, std::initializer_list<int64_t> shape) const {
+    const std::string name = prefix_ + rel;
+    if (!ckpt_.contains(name))
+      FUSEDMOE_THROW(kIo, ckpt_.path(), ": missing tensor '", name, "' (expected ",
+                     shape_str(shape), ")");
+    Source s{name, ckpt_.get(name), std::nullopt};
+    if (!same_shape(s.t, shape))
+      FUSEDMOE_THROW(kIo, ckpt_.path(), ": tensor '", name, "': expected shape ", shape_str(shape),
+                     ", got ", s.t.view().str());
+    const DType d = s.t.dtype();
+    if (d == DType::kF8E4M3FN || d == DType::kF8E5M2) {
+      // Block-quantized weight (DeepSeek FP8 format): name.weight -> name.weight_scale_inv.
+      const std::string sname = name + "_scale_inv";
+      if (s.t.ndim() != 2 || !ckpt_.contains(sname))
+        FUSEDMOE_THROW(kUnsupported, ckpt_.path(), ": tensor '", name, "' is ", dtype_name(d),
+                       " without a block scale '", sname, "'; such FP8 weights are not supported");
+      Tensor sc = ckpt_.get(sname);
+      const int64_t r = (s.t.size(0) + 127) / 128, c = (s.t.size(1) + 127) / 128;
+      if (sc.dtype() != DType::kF32 || !same_shape(sc, {r, c}))
+        FUSEDMOE_THROW(kIo, ckpt_.path(), ": tensor '", sname, "': expected f32 ",
+                       shape_str({r, c}), " (one scale per 128x128 block), got ", sc.view().str());
+      s.scale_inv = sc;
+    } else if (!is_floating(d)) {
+      FUSEDMOE_THROW(kIo, ckpt_.path(), ": tensor '", name, "': expected a floating dtype, got ",
+                     dtype_name(d));
+    }
+    return s;
+  }
+
+ private:
+  const Checkpoint& ckpt_;
+  std::string prefix_;
+};
+
+// The dtype a source is stored as after loading: f32/bf16 kept, everything else f32.
+DType target_dtype(const Source& s) {
+  const DType d = s.t.dtype();
+  return (d == DType::kF32 || d == DType::kBF16) ? d : DType::kF32;
+}
+
+void check_dtype(const Source& s, DType expected, const std::string& ckpt, const std::string& ref) {
+  if (target_dtype(s) != expected)
+    FUSEDMOE_THROW(kIo, ckpt, ": tensor '", s.name, "': dtype ", dtype_name(s.t.dtype()),
+                   " differs from '", ref, "' (", dtype_name(expected), ")");
+}
+
+// Converts row `row` of a 2-D source to float, applying FP8 block scales.
+void row_to_f32(const Source& s, int64_t row, float* out) {
+  const TensorView& v = s.t.view();
+  const int64_t cols = v.size(1);
+  const char* p = static_cast<const char*>(v.data()) +
+                  static_cast<size_t>(row * v.stride(0)) * dtype_size(v.dtype());
+  convert_to_f32(p, v.dtype(), out, static_cast<size_t>(cols));
+  if (s.scale_inv) {
+    const float* sc = s.scale_inv->data_as<float>() + (row / 128) * s.scale_inv->size(1);
+    for (int64_t c = 0; c < cols; ++c) out[c] *= sc[c / 128];
+  }
+}
+
+// Copies a 2-D source [rows, cols] (contiguous) into dst rows (row stride = cols),
+// converting to dst_dtype when needed.
+void copy_rows(const Source& s, void* dst, DType dst_dtype) {
+  const TensorView& v = s.t.view();
+  const int64_t rows = v.ndim() == 1 ? 1 : v.size(0);
+  const int64_t cols = v.ndim() == 1 ? v.size(0) : v.size(1);
+  if (v.dtype() == dst_dtype && !s.scale_inv) {
+    std::memcpy(dst, v.data(), v.nbytes());
+    return;
+  }
+  // dst is f32 here.
+  float* out = static_cast<float*>(dst);
+  if (v.ndim() == 1) {
+    convert_to_f32(v.data(), v.dtype(), out, static_cast<size_t>(cols));
+    return;
+  }
+  for (int64_t r = 0; r < rows; ++r) row_to_f32(s, r, out + r * cols);
+}
+
+// dst[c, r] = src[r, c] for a [rows, cols] row-major block of `esize`-byte
+// elements; src row stride `lds` elements, column step `cstep`, first column
+// `c0`; dst row stride `ldd`. Blocked for cache reuse.
+template <typename T>
+void transpose_block(const T* src, int64_t lds, int64_t c0, int64_t cstep, int64_t rows,
+                     int64_t cols, T* dst, int64_t ldd) {
+  constexpr int64_t B = 32;
+  for (int64_t rb = 0; rb < rows; rb += B)
+    for (int64_t cb = 0; cb < cols; cb += B) {
+      const int64_t re = std::min(rows, rb + B), ce = std::min(cols, cb + B);
+      for (int64_t c = cb; c < ce; ++c) {
+        T* d = dst + c * ldd;
+        const T* s = src + c0 + c * cstep;
+        for (int64_t r = rb; r < re; ++r) d[r] = s[r * lds];
+      }
+    }
+}
+
+// From a packed source slice [rows = H, cols_total] (expert e of a 3-D tensor),
+// writes dst [n, H] with dst[j, h] = src[h, c0 + j * cstep] for j < n.
+void gather_transposed(const TensorView& src3, int64_t e, int64_t c0, int64_t cstep, int64_t n,
+                       void* dst, DType dst_dtype) {
+  const int64_t rows = src3.size(1), lds = src3.size(2);
+  const size_t es = dtype_size(src3.dtype());
+  const char* base =
+      static_cast<const char*>(src3.data()) + static_cast<size_t>(e * rows * lds) * es;
+  if (src3.dtype() == dst_dtype) {
+    if (es == 2)
+      transpose_block(reinterpret_cast<const uint16_t*>(base), lds, c0, cstep, rows, n,
+                      static_cast<uint16_t*>(dst), rows);
+    else
+      transpose_block(reinterpret_cast<const uint32_t*>(base), lds, c0, cstep, rows, n,
+                      static_cast<uint32_t*>(dst), rows);
+    return;
+  }
+  // Converting path (f16/f64 -> f32): convert one source row at a time.
+  std::vector<float> row(static_cast<size_t>(lds));
+  float* out = static_cast<float*>(dst);
+  for (int64_t h = 0; h < rows; ++h) {
+    convert_to_f32(base + static_cast<size_t>(h * lds) * es, src3.dtype(), row.data(),
+                   static_cast<size_t>(lds));
+    for (int64_t j = 0; j < n; ++j) out[j * rows + h] = row[static_cast<size_t>(c0 + j * cstep)];
+  }
+}
+
+// Same for a 2-D bias [E, cols]: dst[j] = src[e, c0 + j * cstep].
+void gather_bias(const TensorView& src2, int64_t e, int64_t c0, int64_t cstep, int64_t n, void* dst,
+                 DType dst_dtype) {
+  const int64_t cols = src2.size(1);
+  const size_t es = dtype_size(src2.dtype());
+  const char* base = static_cast<const char*>(src2.data()) + static_cast<size_t>(e * cols) * es;
+  if (src2.dtype() == dst_dtype) {
+    for (int64_t j = 0; j < n; ++j)
+      std::memcpy(static_cast<char*>(dst) + j * es, base + static_cast<size_t>(c0 + j * cstep) * es,
+                  es);
+    return;
+  }
+  std::vector<float> row(static_cast<size_t>(cols));
+  convert_to_f32(base, src2.dtype(), row.data(), static_cast<size_t>(cols));
+  for (int64_t j = 0; j < n; ++j)
+    static_cast<float*>(dst)[j] = row[static_cast<size_t>(c0 + j * cstep)];
+}
+
+// Keeps f32/bf16 tensors as they are (zero copy); converts others to f32.
+Tensor as_f32_or_bf16(const Tensor& t) {
+  if (t.dtype() == DType::kF32 || t.dtype() == DType::kBF16) return t;
+  return to_f32(t.view());
+}
+
+// Progress on stderr when it is a terminal and loading has taken > 1 s.
+class Progress {
+ public:
+  Progress(bool enabled, int64_t layer, int64_t total)
+      : enabled_(enabled && ::isatty(2)), layer_(layer), total_(total), start_(Clock::now()) {}
+  ~Progress() {
+    if (drawn_)
+      std::fprintf(stderr, "\rloading MoE layer %lld: %lld/%lld experts\n", (long long)layer_,
+                   (long long)total_, (long long)total_);
+  }
+  void step() {
+    const int64_t done = ++done_;
+    if (!enabled_) return;
+    const auto now = Clock::now();
+    std::lock_guard<std::mutex> lock(mu_);
+    if (now - start_ < std::chrono::seconds(1) || now - last_ < std::chrono::milliseconds(100))
+      return;
+    last_ = now;
+    drawn_ = true;
+    std::fprintf(stderr, "\rloading MoE layer %lld: %lld/%lld experts", (long long)layer_,
+                 (long long)done, (long long)total_);
+    std::fflush(stderr);
+  }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  bool enabled_;
+  int64_t layer_, total_;
+  Clock::time_point start_, last_{};
+  std::atomic<int64_t> done_{0};
+  std::mutex mu_;
+  bool drawn_ = false;
+};
+
+void parallel_over(int64_t n, const std::function<void(int64_t)>& fn) {
+  ThreadPool::global().parallel_for(
+      n,
+      [&](int64_t b, int64_t e, int) {
+        for (int64_t i = b; i < e; ++i) fn(i);
+      },
+      1);
+}
+
+// Per-expert layout: fetches all 3*E tensors first (checks, serial: Checkpoint
+// is not thread-safe), then copies them in parallel.
+ExpertWeights load_per_expert(const Reader& rd, const Checkpoint& ckpt, int64_t E, int64_t H,
+                              int64_t I, const std::string& expert_fmt, const char* gate_n,
+                              const char* up_n, const char* down_n, Progress* progress) {
+  std::vector<Source> gate, up, down;
+  gate.reserve(E);
+  up.reserve(E);
+  down.reserve(E);
+  for (int64_t e = 0; e < E; ++e) {
+    const std::string p = expert_fmt.empty() ? std::string() : expert_fmt + std::to_string(e) + ".";
+    gate.push_back(rd.get(p + gate_n, {I, H}));
+    up.push_back(rd.get(p + up_n, {I, H}));
+    down.push_back(rd.get(p + down_n, {H, I}));
+  }
+  const DType dt = target_dtype(gate[0]);
+  for (int64_t e = 0; e < E; ++e) {
+    check_dtype(gate[e], dt, ckpt.path(), gate[0].name);
+    check_dtype(up[e], dt, ckpt.path(), gate[0].name);
+    check_dtype(down[e], dt, ckpt.path(), gate[0].name);
+  }
+  ExpertWeights w;
+  w.w13 = Tensor::empty(dt, {E, 2 * I, H});
+  w.w2 = Tensor::empty(dt, {E, H, I});
+  const size_t es = dtype_size(dt);
+  char* w13 = static_cast<char*>(w.w13.data());
+  char* w2 = static_cast<char*>(w.w2.data());
+  parallel_over(E, [&](int64_t e) {
+    char* base = w13 + static_cast<size_t>(e * 2 * I * H) * es;
+    copy_rows(gate[e], base, dt);
+    copy_rows(up[e], base + static_cast<size_t>(I * H) * es, dt);
+    copy_rows(down[e], w2 + static_cast<size_t>(e * H * I) * es, dt);
+    if (progress) progress->step();
+  });
+  return w;
+}
+
+}  // namespace
+
+MoELayerWeights load_moe_layer(const Checkpoint& checkpoint, const ModelInfo& info, int64_t layer,
+                               const LoadOptions& options) {
+  const MoEConfig& cfg = info.layer_config(layer);  // Error(kInvalidArgument) if not MoE
+  const int64_t E = cfg.num_experts, H = cfg.hidden_size, I = cfg.intermediate_size;
+  const std::string& mt = info.model_type;
+  const std::string prefix = info.moe_prefix(layer);
+  Reader rd(checkpoint, prefix);
+  Progress progress(options.progress, layer, E);
+  MoELayerWeights out;
+
+  // ---- router ----
+  const bool router_named = mt == "gpt_oss" || mt == "llama4" || mt == "llama4_text";
+  const std::string router = router_named ? "router." : "gate.";
+  const int64_t R = cfg.num_router_logits();
+  out.gate_weight = as_f32_or_bf16(rd.get(router + "weight", {R, H}).t);
+  if (cfg.has_router_bias) out.gate_bias = as_f32_or_bf16(rd.get(router + "bias", {R}).t);
+  if (cfg.has_e_score_correction_bias)
+    out.router_params.e_score_correction_bias =
+        as_f32_or_bf16(rd.get("gate.e_score_correction_bias", {E}).t);
+
+  // ---- routed experts ----
+  if (mt == "gpt_oss" || mt == "llama4" || mt == "llama4_text") {
+    const Source gu = rd.get("experts.gate_up_proj", {E, H, 2 * I});
+    const Source dn = rd.get("experts.down_proj", {E, I, H});
+    const DType dt = target_dtype(gu);
+    check_dtype(dn, dt, checkpoint.path(), gu.name);
+    if (gu.scale_inv || dn.scale_inv)
+      FUSEDMOE_THROW(kUnsupported, checkpoint.path(), ": tensor '", gu.name,
+                     "': packed FP8 experts are not supported");
+    std::optional<Source> gub, dnb;
+    if (cfg.has_expert_bias) {
+      gub = rd.get("experts.gate_up_proj_bias", {E, 2 * I});
+      dnb = rd.get("experts.down_proj_bias", {E, H});
+    }
+    const bool interleaved = mt == "gpt_oss";
+    ExpertWeights& w = out.experts;
+    w.w13 = Tensor::empty(dt, {E, 2 * I, H});
+    w.w2 = Tensor::empty(dt, {E, H, I});
+    const DType bdt = gub ? target_dtype(*gub) : dt;
+    if (gub) {
+      check_dtype(*dnb, bdt, checkpoint.path(), gub->name);
+      w.w13_bias = Tensor::empty(bdt, {E, 2 * I});
+      w.w2_bias = as_f32_or_bf16(dnb->t);
+    }
+    const size_t es = dtype_size(dt), bes = dtype_size(bdt);
+    parallel_over(E, [&](int64_t e) {
+      char* d13 = static_cast<char*>(w.w13.data()) + static_cast<size_t>(e * 2 * I * H) * es;
+      // gpt-oss: gate = columns 0, 2, 4, ...; up = 1, 3, 5, ... Llama-4: gate = [0, I), up = [I,
+      // 2I).
+      const int64_t gate_c0 = 0, up_c0 = interleaved ? 1 : I, step = interleaved ? 2 : 1;
+      gather_transposed(gu.t.view(), e, gate_c0, step, I, d13, dt);
+      gather_transposed(gu.t.view(), e, up_c0, step, I, d13 + static_cast<size_t>(I * H) * es, dt);
+      // down_proj [E, I, H] -> w2 [E, H, I].
+      gather_transposed(dn.t.view(), e, 0, 1, H,
+                        static_cast<char*>(w.w2.data()) + static_cast<size_t>(e * H * I) * es, dt);
+      if (gub) {
+        char* b = static_cast<char*>(w.w13_bias->data()) + static_cast<size_t>(e * 2 * I) * bes;
+        gather_bias(gub->t.view(), e, gate_c0, step, I, b, bdt);
+        gather_bias(gub->t.view(), e, up_c0, step, I, b + static_cast<size_t>(I) * bes, bdt);
+      }
+      progress.step();
+    });
+  } else if (!rd.has(mt == "mixtral" ? "experts.0.w1.weight" : "experts.0.gate_proj.weight") &&
+             rd.has("experts.gate_up_proj")) {
+    // Fused canonical layout (transformers 5 in-memory names): zero copy when f32/bf16.
+    const Source gu = rd.get("experts.gate_up_proj", {E, 2 * I, H});
+    const Source dn = rd.get("experts.down_proj", {E, H, I});
+    if (gu.scale_inv || dn.scale_inv)
+      FUSEDMOE_THROW(kUnsupported, checkpoint.path(), ": tensor '", gu.name,
+                     "': packed FP8 experts are not supported");
+    check_dtype(dn, target_dtype(gu), checkpoint.path(), gu.name);
+    out.experts.w13 = as_f32_or_bf16(gu.t);
+    out.experts.w2 = as_f32_or_bf16(dn.t);
+  } else if (mt == "mixtral") {
+    out.experts = load_per_expert(rd, checkpoint, E, H, I, "experts.", "w1.weight", "w3.weight",
+                                  "w2.weight", &progress);
+  } else {
+    out.experts = load_per_expert(rd, checkpoint, E, H, I, "experts.", "gate_proj.weight",
+                                  "up_proj.weight", "down_proj.weight", &progress);
+  }
+
+  // ---- shared expert ----
+  if (cfg.has_shared_expert()) {
+    const int64_t S = cfg.shared_intermediate_size;
+    const char* sp =
+        (mt == "deepseek_v2" || mt == "deepseek_v3") ? "shared_experts." : "shared_expert.";
+    const std::string p = sp;
+    out.shared_experts =
+        load_per_expert(rd, checkpoint, 1, H, S, "", (p + "gate_proj.weight").c_str(),
+                        (p + "up_proj.weight").c_str(), (p + "down_proj.weight").c_str(), nullptr);
+    if (cfg.has_shared_expert_gate)
+      out.shared_expert_gate = as_f32_or_bf16(rd.get("shared_expert_gate.weight", {1, H}).t);
+  }
+  return out;
+}
+
+}  // namespace fusedmoe

@@ -1,0 +1,341 @@
+// Tests of HF config.json -> ModelInfo / MoEConfig (io/hf_config.h).
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "fixtures.h"
+#include "fusedmoe/io/hf_config.h"
+#include "fusedmoe/io/safetensors.h"
+
+namespace fusedmoe {
+namespace {
+
+using json = nlohmann::json;
+
+template <typename F>
+std::string error_of(F&& f, ErrorCode code) {
+  try {
+    f();
+  } catch (const Error& e) {
+    EXPECT_EQ(static_cast<int>(e.code()), static_cast<int>(code)) << e.what();
+    return e.what();
+  }
+  ADD_FAILURE() << "no fusedmoe::Error thrown";
+  return "";
+}
+
+#define EXPECT_HAS(haystack, needle) \
+  EXPECT_NE(std::string(haystack).find(needle), std::string::npos) << "message: " << (haystack)
+
+json fixture_json(const std::string& arch) {
+  std::ifstream in(test::hf_fixture_dir(arch) + "/config.json");
+  return json::parse(in);
+}
+
+ModelInfo parse(const json& j) {
+  return parse_model_info(j.dump(), "test/config.json");
+}
+
+TEST(HfConfig, EveryFixtureParsesAndMatchesItsReference) {
+  for (const std::string& arch : test::hf_fixture_archs()) {
+    SCOPED_TRACE(arch);
+    const ModelInfo info = load_model_info(test::hf_fixture_dir(arch));
+    EXPECT_EQ(info.source, test::hf_fixture_dir(arch) + "/config.json");
+    EXPECT_EQ(info.dtype, DType::kBF16);
+    EXPECT_FALSE(info.architecture.empty());
+    const std::vector<int64_t> expected =
+        arch == "deepseek_v3" ? std::vector<int64_t>{1, 2} : std::vector<int64_t>{0, 1};
+    EXPECT_EQ(info.moe_layers, expected);
+    ASSERT_EQ(info.layer_configs.size(), expected.size());
+    auto ref = test::open_reference(arch);
+    for (int64_t l : info.moe_layers) {
+      const MoEConfig& c = info.layer_config(l);
+      EXPECT_NO_THROW(c.validate());
+      EXPECT_EQ(c.hidden_size, 128);
+      EXPECT_EQ(c.intermediate_size, 48);
+      // The reference file's router outputs agree with E and k.
+      const Tensor logits = ref->get(test::reference_name(l, 5, "router_logits"));
+      EXPECT_EQ(logits.shape_str(), "[5, " + std::to_string(c.num_experts) + "]");
+      if (arch != "llama4") {
+        EXPECT_EQ(ref->get(test::reference_name(l, 5, "topk_ids")).shape_str(),
+                  "[5, " + std::to_string(c.top_k) + "]");
+      }
+    }
+  }
+}
+
+TEST(HfConfig, FixtureFieldsPerArchitecture) {
+  {
+    const ModelInfo m = load_model_info(test::hf_fixture_dir("mixtral"));
+    const MoEConfig& c = m.layer_config(0);
+    EXPECT_EQ(m.model_type, "mixtral");
+    EXPECT_EQ(m.architecture, "MixtralForCausalLM");
+    EXPECT_EQ(c.num_experts, 8);
+    EXPECT_EQ(c.top_k, 2);
+    EXPECT_EQ(c.routing_method, RoutingMethod::kTopK);
+    EXPECT_EQ(c.scoring_func, ScoringFunc::kSoftmax);
+    EXPECT_TRUE(c.renormalize);
+    EXPECT_EQ(c.activation, Activation::kSiluGlu);
+    EXPECT_FALSE(c.has_shared_expert());
+    EXPECT_EQ(m.moe_prefix(1), "model.layers.1.block_sparse_moe.");
+  }
+  {
+    const ModelInfo m = load_model_info(test::hf_fixture_dir("qwen2_moe"));
+    const MoEConfig& c = m.layer_config(1);
+    EXPECT_EQ(c.num_experts, 12);
+    EXPECT_EQ(c.top_k, 4);
+    EXPECT_FALSE(c.renormalize);
+    EXPECT_EQ(c.shared_intermediate_size, 96);
+    EXPECT_TRUE(c.has_shared_expert_gate);
+    EXPECT_EQ(m.moe_prefix(1), "model.layers.1.mlp.");
+  }
+  {
+    const ModelInfo m = load_model_info(test::hf_fixture_dir("qwen3_moe"));
+    const MoEConfig& c = m.layer_config(0);
+    EXPECT_EQ(c.num_experts, 16);  // written as num_local_experts (attribute_map alias)
+    EXPECT_TRUE(c.renormalize);
+    EXPECT_FALSE(c.has_shared_expert());
+  }
+  {
+    const ModelInfo m = load_model_info(test::hf_fixture_dir("olmoe"));
+    const MoEConfig& c = m.layer_config(0);
+    EXPECT_EQ(c.num_experts, 16);
+    EXPECT_EQ(c.top_k, 4);
+    EXPECT_FALSE(c.renormalize);
+  }
+  {
+    const ModelInfo m = load_model_info(test::hf_fixture_dir("deepseek_v3"));
+    const MoEConfig& c = m.layer_config(2);
+    EXPECT_EQ(c.num_experts, 16);
+    EXPECT_EQ(c.top_k, 4);
+    EXPECT_EQ(c.routing_method, RoutingMethod::kGroupedTopK);
+    EXPECT_EQ(c.scoring_func, ScoringFunc::kSigmoid);  // default: the config has no scoring_func
+    EXPECT_EQ(c.group_score, GroupScore::kSumTop2);
+    EXPECT_TRUE(c.has_e_score_correction_bias);
+    EXPECT_EQ(c.num_expert_group, 4);
+    EXPECT_EQ(c.topk_group, 2);
+    EXPECT_TRUE(c.renormalize);
+    EXPECT_FLOAT_EQ(c.routed_scaling_factor, 2.5f);
+    EXPECT_EQ(c.shared_intermediate_size, 48);  // n_shared_experts (1) * moe_intermediate_size
+    EXPECT_FALSE(c.has_shared_expert_gate);
+    EXPECT_FALSE(m.is_moe_layer(0));
+    const std::string msg = error_of([&] { m.layer_config(0); }, ErrorCode::kInvalidArgument);
+    EXPECT_HAS(msg, "layer 0 is not an MoE layer of deepseek_v3 (MoE layers: 1, 2)");
+  }
+  {
+    const ModelInfo m = load_model_info(test::hf_fixture_dir("gpt_oss"));
+    const MoEConfig& c = m.layer_config(0);
+    EXPECT_EQ(c.num_experts, 8);
+    EXPECT_EQ(c.top_k, 2);
+    EXPECT_EQ(c.routing_method, RoutingMethod::kTopKSoftmax);
+    EXPECT_TRUE(c.has_router_bias);
+    EXPECT_TRUE(c.has_expert_bias);
+    EXPECT_EQ(c.activation, Activation::kSwigluOai);
+    EXPECT_FLOAT_EQ(c.swiglu_alpha, 1.702f);
+    EXPECT_FLOAT_EQ(c.swiglu_limit, 7.0f);
+    EXPECT_EQ(m.moe_prefix(0), "model.layers.0.mlp.");
+  }
+  {
+    const ModelInfo m = load_model_info(test::hf_fixture_dir("llama4") + "/config.json");
+    const MoEConfig& c = m.layer_config(1);
+    EXPECT_EQ(m.model_type, "llama4_text");
+    EXPECT_EQ(c.num_experts, 8);
+    EXPECT_EQ(c.top_k, 1);
+    EXPECT_EQ(c.routing_method, RoutingMethod::kLlama4);
+    EXPECT_EQ(c.scoring_func, ScoringFunc::kSigmoid);
+    EXPECT_TRUE(c.apply_router_weight_on_input);
+    EXPECT_EQ(c.intermediate_size, 48);         // intermediate_size, not intermediate_size_mlp (96)
+    EXPECT_EQ(c.shared_intermediate_size, 48);  // the shared expert uses intermediate_size too
+    EXPECT_FALSE(c.has_shared_expert_gate);
+    EXPECT_EQ(m.moe_prefix(1), "model.layers.1.feed_forward.");
+  }
+}
+
+TEST(HfConfig, UnknownModelType) {
+  json j = fixture_json("mixtral");
+  j["model_type"] = "jamba";
+  const std::string msg = error_of([&] { parse(j); }, ErrorCode::kUnsupported);
+  EXPECT_HAS(msg, "'jamba'");
+  EXPECT_HAS(msg, "mixtral");
+  EXPECT_HAS(msg, "deepseek_v3");
+  EXPECT_HAS(msg, "llama4");
+  j.erase("model_type");
+  EXPECT_HAS(error_of([&] { parse(j); }, ErrorCode::kInvalidArgument), "'model_type' is missing");
+}
+
+TEST(HfConfig, MissingAndInvalidFields) {
+  for (const std::string& arch : test::hf_fixture_archs()) {
+    SCOPED_TRACE(arch);
+    json j = fixture_json(arch);
+    j.erase("hidden_size");
+    const std::string msg = error_of([&] { parse(j); }, ErrorCode::kInvalidArgument);
+    EXPECT_HAS(msg, "test/config.json");
+    EXPECT_HAS(msg, "'hidden_size' is missing");
+  }
+  json j = fixture_json("olmoe");
+  j["hidden_size"] = "big";
+  EXPECT_HAS(error_of([&] { parse(j); }, ErrorCode::kInvalidArgument),
+             "field 'hidden_size': expected an integer, got \"big\"");
+  // MoEConfig::validate() failures come back with the source named.
+  j = fixture_json("olmoe");
+  j["num_experts_per_tok"] = 17;
+  std::string msg = error_of([&] { parse(j); }, ErrorCode::kInvalidArgument);
+  EXPECT_HAS(msg, "test/config.json");
+  EXPECT_HAS(msg, "top_k");
+  // Unknown activation.
+  j = fixture_json("mixtral");
+  j["hidden_act"] = "relu2";
+  EXPECT_HAS(error_of([&] { parse(j); }, ErrorCode::kUnsupported), "hidden_act 'relu2'");
+  j["hidden_act"] = "gelu_pytorch_tanh";
+  EXPECT_EQ(parse(j).layer_config(0).activation, Activation::kGeluTanhGlu);
+  j["hidden_act"] = "gelu";
+  EXPECT_EQ(parse(j).layer_config(0).activation, Activation::kGeluGlu);
+  // Not JSON / not there.
+  EXPECT_HAS(error_of([] { parse_model_info("{\"model_type\": ", "x.json"); }, ErrorCode::kIo),
+             "x.json");
+  EXPECT_HAS(error_of([] { load_model_info("/nonexistent/dir/config.json"); }, ErrorCode::kIo),
+             "/nonexistent/dir/config.json");
+}
+
+TEST(HfConfig, DtypeFromTorchDtype) {
+  json j = fixture_json("mixtral");
+  j.erase("dtype");
+  j["torch_dtype"] = "float32";
+  EXPECT_EQ(parse(j).dtype, DType::kF32);
+  j["dtype"] = "float16";
+  EXPECT_EQ(parse(j).dtype, DType::kF16);
+}
+
+TEST(HfConfig, Llama4MultimodalTextConfig) {
+  json text = fixture_json("llama4");
+  text.erase("moe_layers");
+  text["num_hidden_layers"] = 6;
+  text["interleave_moe_layer_step"] = 2;  // moe_layers = range(1, 6, 2)
+  json j = {{"model_type", "llama4"},
+            {"architectures", {"Llama4ForConditionalGeneration"}},
+            {"dtype", "bfloat16"},
+            {"vision_config", {{"hidden_size", 768}}},
+            {"text_config", text}};
+  j["text_config"].erase("dtype");
+  const ModelInfo m = parse(j);
+  EXPECT_EQ(m.model_type, "llama4");
+  EXPECT_EQ(m.architecture, "Llama4ForConditionalGeneration");
+  EXPECT_EQ(m.num_hidden_layers, 6);
+  EXPECT_EQ(m.dtype, DType::kBF16);
+  EXPECT_EQ(m.moe_layers, (std::vector<int64_t>{1, 3, 5}));
+  EXPECT_EQ(m.layer_config(3).num_experts, 8);
+  EXPECT_EQ(m.layer_config(3).routing_method, RoutingMethod::kLlama4);
+  EXPECT_EQ(m.moe_prefix(3), "language_model.model.layers.3.feed_forward.");
+  // moe_layers overrides the step.
+  j["text_config"]["moe_layers"] = {0, 4};
+  EXPECT_EQ(parse(j).moe_layers, (std::vector<int64_t>{0, 4}));
+  j["text_config"]["moe_layers"] = {0, 9};
+  EXPECT_HAS(error_of([&] { parse(j); }, ErrorCode::kInvalidArgument), "layer 9 is outside [0, 6)");
+  j.erase("text_config");
+  EXPECT_HAS(error_of([&] { parse(j); }, ErrorCode::kInvalidArgument), "text_config");
+}
+
+json deepseek_v2_config() {
+  return {{"model_type", "deepseek_v2"}, {"architectures", {"DeepseekV2ForCausalLM"}},
+          {"hidden_size", 256},          {"num_hidden_layers", 6},
+          {"n_routed_experts", 64},      {"num_experts_per_tok", 6},
+          {"moe_intermediate_size", 96}, {"n_shared_experts", 2},
+          {"first_k_dense_replace", 1},  {"routed_scaling_factor", 16.0},
+          {"torch_dtype", "bfloat16"}};
+}
+
+TEST(HfConfig, DeepseekV2Routing) {
+  json j = deepseek_v2_config();
+  ModelInfo m = parse(j);  // topk_method absent: "greedy"
+  EXPECT_EQ(m.moe_layers, (std::vector<int64_t>{1, 2, 3, 4, 5}));
+  MoEConfig c = m.layer_config(1);
+  EXPECT_EQ(c.routing_method, RoutingMethod::kTopK);
+  EXPECT_EQ(c.scoring_func, ScoringFunc::kSoftmax);
+  EXPECT_EQ(c.num_expert_group, 1);
+  EXPECT_FALSE(c.renormalize);
+  EXPECT_FALSE(c.has_e_score_correction_bias);
+  EXPECT_FLOAT_EQ(c.routed_scaling_factor, 16.0f);
+  EXPECT_EQ(c.shared_intermediate_size, 192);
+  EXPECT_EQ(m.moe_prefix(2), "model.layers.2.mlp.");
+
+  j["topk_method"] = "group_limited_greedy";
+  j["n_group"] = 8;
+  j["topk_group"] = 3;
+  j["moe_layer_freq"] = 2;
+  m = parse(j);
+  EXPECT_EQ(m.moe_layers, (std::vector<int64_t>{2, 4}));
+  c = m.layer_config(4);
+  EXPECT_EQ(c.routing_method, RoutingMethod::kGroupedTopK);
+  EXPECT_EQ(c.group_score, GroupScore::kMax);
+  EXPECT_EQ(c.scoring_func, ScoringFunc::kSoftmax);
+  EXPECT_EQ(c.num_expert_group, 8);
+  EXPECT_EQ(c.topk_group, 3);
+  EXPECT_FALSE(c.has_e_score_correction_bias);
+
+  j["topk_method"] = "noaux_tc";
+  j["scoring_func"] = "sigmoid";
+  c = parse(j).layer_config(2);
+  EXPECT_EQ(c.group_score, GroupScore::kSumTop2);
+  EXPECT_EQ(c.scoring_func, ScoringFunc::kSigmoid);
+  EXPECT_TRUE(c.has_e_score_correction_bias);
+
+  j["topk_method"] = "magic";
+  EXPECT_HAS(error_of([&] { parse(j); }, ErrorCode::kUnsupported), "topk_method 'magic'");
+  j["topk_method"] = "group_limited_greedy";
+  j["n_group"] = 7;  // 64 experts do not split into 7 groups
+  EXPECT_HAS(error_of([&] { parse(j); }, ErrorCode::kInvalidArgument), "num_expert_group");
+}
+
+TEST(HfConfig, DeepseekV3Defaults) {
+  json j = fixture_json("deepseek_v3");
+  for (const char* k : {"n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob",
+                        "first_k_dense_replace"})
+    j.erase(k);
+  j["num_hidden_layers"] = 5;
+  const ModelInfo m = parse(j);
+  EXPECT_EQ(m.moe_layers, (std::vector<int64_t>{3, 4}));  // first_k_dense_replace = 3
+  const MoEConfig& c = m.layer_config(3);
+  EXPECT_EQ(c.num_expert_group, 8);
+  EXPECT_EQ(c.topk_group, 4);
+  EXPECT_FLOAT_EQ(c.routed_scaling_factor, 2.5f);
+  EXPECT_TRUE(c.renormalize);
+  j["topk_method"] = "greedy";
+  EXPECT_HAS(error_of([&] { parse(j); }, ErrorCode::kUnsupported), "topk_method 'greedy'");
+}
+
+TEST(HfConfig, QwenSparseStepAndMlpOnlyLayers) {
+  json j = fixture_json("qwen2_moe");
+  j["num_hidden_layers"] = 8;
+  j["decoder_sparse_step"] = 2;
+  j["mlp_only_layers"] = {3};
+  ModelInfo m = parse(j);
+  EXPECT_EQ(m.moe_layers, (std::vector<int64_t>{1, 5, 7}));
+  EXPECT_FALSE(m.is_moe_layer(3));
+  EXPECT_TRUE(m.is_moe_layer(5));
+  j["decoder_sparse_step"] = 1;
+  j["mlp_only_layers"] = {0, 7};
+  m = parse(j);
+  EXPECT_EQ(m.moe_layers, (std::vector<int64_t>{1, 2, 3, 4, 5, 6}));
+  j.erase("mlp_only_layers");
+  j.erase("decoder_sparse_step");
+  EXPECT_EQ(parse(j).moe_layers.size(), 8u);
+  j.erase("norm_topk_prob");  // default false
+  EXPECT_FALSE(parse(j).layer_config(0).renormalize);
+  j = fixture_json("qwen3_moe");
+  j["mlp_only_layers"] = {1};
+  EXPECT_EQ(parse(j).moe_layers, (std::vector<int64_t>{0}));
+}
+
+TEST(HfConfig, GptOssSwigluFields) {
+  json j = fixture_json("gpt_oss");
+  j["swiglu_limit"] = 5.5;
+  j["swiglu_alpha"] = 1.5;
+  const MoEConfig c = parse(j).layer_config(1);
+  EXPECT_FLOAT_EQ(c.swiglu_limit, 5.5f);
+  EXPECT_FLOAT_EQ(c.swiglu_alpha, 1.5f);
+}
+
+}  // namespace
+}  // namespace fusedmoe

@@ -1,0 +1,420 @@
+// Tests of load_moe_layer (io/loader.h) on every HF fixture: shapes, dtypes,
+// every element of the canonical w13/w2 against the checkpoint's own tensors
+// (gpt-oss de-interleave, Llama-4 halves, transposes), a float64 MoE forward
+// from the loaded weights against transformers' output, and named errors.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <random>
+
+#include "fixtures.h"
+#include "fusedmoe/io/loader.h"
+#include "test_util.h"
+
+namespace fusedmoe {
+namespace {
+
+namespace fs = std::filesystem;
+
+template <typename F>
+std::string error_of(F&& f, ErrorCode code) {
+  try {
+    f();
+  } catch (const Error& e) {
+    EXPECT_EQ(static_cast<int>(e.code()), static_cast<int>(code)) << e.what();
+    return e.what();
+  }
+  ADD_FAILURE() << "no fusedmoe::Error thrown";
+  return "";
+}
+
+#define EXPECT_HAS(haystack, needle) \
+  EXPECT_NE(std::string(haystack).find(needle), std::string::npos) << "message: " << (haystack)
+
+// Element at `idx` (any strides) as double.
+double elem(const TensorView& t, std::initializer_list<int64_t> idx) {
+  EXPECT_EQ(static_cast<size_t>(t.ndim()), idx.size());
+  int64_t off = 0;
+  int d = 0;
+  for (int64_t i : idx) off += i * t.stride(d++);
+  const char* p =
+      static_cast<const char*>(t.data()) + off * static_cast<int64_t>(dtype_size(t.dtype()));
+  float f = 0;
+  switch (t.dtype()) {
+    case DType::kF64:
+      return *reinterpret_cast<const double*>(p);
+    case DType::kF32:
+      std::memcpy(&f, p, 4);
+      return f;
+    default:
+      convert_to_f32(p, t.dtype(), &f, 1);
+      return f;
+  }
+}
+
+std::string str(const std::optional<Tensor>& t) {
+  return t ? t->view().str() : "none";
+}
+
+// Checks every element of the loaded layer against the checkpoint tensors,
+// using the HF layouts of each architecture.
+void check_against_checkpoint(const Checkpoint& ck, const ModelInfo& info, int64_t layer,
+                              const MoELayerWeights& w) {
+  const MoEConfig& c = info.layer_config(layer);
+  const int64_t E = c.num_experts, H = c.hidden_size, I = c.intermediate_size;
+  const std::string p = info.moe_prefix(layer), mt = info.model_type;
+  const TensorView w13 = w.experts.w13, w2 = w.experts.w2;
+  int64_t checked = 0;
+  auto same = [&](double got, double want, const char* what, int64_t e, int64_t r, int64_t col) {
+    ++checked;
+    if (got != want) {
+      ADD_FAILURE() << what << " differs at expert " << e << " (" << r << ", " << col
+                    << "): " << got << " vs " << want;
+      return false;
+    }
+    return true;
+  };
+  if (mt == "gpt_oss" || mt == "llama4_text") {
+    const Tensor gu = ck.get(p + "experts.gate_up_proj");  // [E, H, 2I]
+    const Tensor dn = ck.get(p + "experts.down_proj");     // [E, I, H]
+    const bool inter = mt == "gpt_oss";
+    for (int64_t e = 0; e < E; ++e)
+      for (int64_t j = 0; j < I; ++j)
+        for (int64_t h = 0; h < H; ++h) {
+          // gpt-oss: gate = gate_up[..., ::2], up = gate_up[..., 1::2]; Llama-4: chunk(2).
+          if (!same(elem(w13, {e, j, h}), elem(gu, {e, h, inter ? 2 * j : j}), "w13 gate", e, j, h))
+            return;
+          if (!same(elem(w13, {e, I + j, h}), elem(gu, {e, h, inter ? 2 * j + 1 : I + j}), "w13 up",
+                    e, j, h))
+            return;
+          if (!same(elem(w2, {e, h, j}), elem(dn, {e, j, h}), "w2", e, h, j)) return;
+        }
+    if (inter) {
+      const Tensor b = ck.get(p + "experts.gate_up_proj_bias");
+      const Tensor b2 = ck.get(p + "experts.down_proj_bias");
+      for (int64_t e = 0; e < E; ++e) {
+        for (int64_t j = 0; j < I; ++j) {
+          same(elem(*w.experts.w13_bias, {e, j}), elem(b, {e, 2 * j}), "w13_bias gate", e, 0, j);
+          same(elem(*w.experts.w13_bias, {e, I + j}), elem(b, {e, 2 * j + 1}), "w13_bias up", e, 0,
+               j);
+        }
+        for (int64_t h = 0; h < H; ++h)
+          same(elem(*w.experts.w2_bias, {e, h}), elem(b2, {e, h}), "w2_bias", e, 0, h);
+      }
+    }
+  } else {
+    const bool mix = mt == "mixtral";
+    for (int64_t e = 0; e < E; ++e) {
+      const std::string ep = p + "experts." + std::to_string(e) + ".";
+      const Tensor g = ck.get(ep + (mix ? "w1.weight" : "gate_proj.weight"));
+      const Tensor u = ck.get(ep + (mix ? "w3.weight" : "up_proj.weight"));
+      const Tensor d = ck.get(ep + (mix ? "w2.weight" : "down_proj.weight"));
+      for (int64_t i = 0; i < I; ++i)
+        for (int64_t h = 0; h < H; ++h) {
+          if (!same(elem(w13, {e, i, h}), elem(g, {i, h}), "w13 gate", e, i, h)) return;
+          if (!same(elem(w13, {e, I + i, h}), elem(u, {i, h}), "w13 up", e, i, h)) return;
+          if (!same(elem(w2, {e, h, i}), elem(d, {h, i}), "w2", e, h, i)) return;
+        }
+    }
+  }
+  if (c.has_shared_expert()) {
+    const std::string sp = p + (mt == "deepseek_v3" ? "shared_experts." : "shared_expert.");
+    const Tensor g = ck.get(sp + "gate_proj.weight"), u = ck.get(sp + "up_proj.weight"),
+                 d = ck.get(sp + "down_proj.weight");
+    const int64_t S = c.shared_intermediate_size;
+    for (int64_t i = 0; i < S; ++i)
+      for (int64_t h = 0; h < H; ++h) {
+        same(elem(w.shared_experts->w13, {0, i, h}), elem(g, {i, h}), "shared w13 gate", 0, i, h);
+        same(elem(w.shared_experts->w13, {0, S + i, h}), elem(u, {i, h}), "shared w13 up", 0, i, h);
+        same(elem(w.shared_experts->w2, {0, h, i}), elem(d, {h, i}), "shared w2", 0, h, i);
+      }
+  }
+  EXPECT_GT(checked, 3 * E * I * H - 1);
+}
+
+// y[H] = w2 . act(w13 . x (+ b13)) (+ b2) for expert e, float64.
+std::vector<double> expert_f64(const ExpertWeights& w, const MoEConfig& c, int64_t e,
+                               const std::vector<double>& x) {
+  const int64_t H = w.hidden_size(), I = w.intermediate_size();
+  std::vector<double> gu(static_cast<size_t>(2 * I)), a(static_cast<size_t>(I)),
+      y(static_cast<size_t>(H));
+  for (int64_t r = 0; r < 2 * I; ++r) {
+    double s = w.w13_bias ? elem(*w.w13_bias, {e, r}) : 0.0;
+    for (int64_t h = 0; h < H; ++h) s += elem(w.w13, {e, r, h}) * x[h];
+    gu[r] = s;
+  }
+  for (int64_t i = 0; i < I; ++i) {
+    double g = gu[i], u = gu[I + i];
+    if (c.activation == Activation::kSwigluOai) {
+      const double lim = c.swiglu_limit;
+      g = std::min(g, lim);
+      u = std::clamp(u, -lim, lim);
+      a[i] = (u + 1.0) * g / (1.0 + std::exp(-static_cast<double>(c.swiglu_alpha) * g));
+    } else {
+      a[i] = g / (1.0 + std::exp(-g)) * u;
+    }
+  }
+  for (int64_t h = 0; h < H; ++h) {
+    double s = w.w2_bias ? elem(*w.w2_bias, {e, h}) : 0.0;
+    for (int64_t i = 0; i < I; ++i) s += elem(w.w2, {e, h, i}) * a[i];
+    y[h] = s;
+  }
+  return y;
+}
+
+class LoaderFixture : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(LoaderFixture, LoadsEveryMoELayer) {
+  const std::string arch = GetParam();
+  const ModelInfo info = load_model_info(test::hf_fixture_dir(arch));
+  const Checkpoint ck = Checkpoint::open(test::hf_fixture_dir(arch));
+  for (int64_t l : info.moe_layers) {
+    SCOPED_TRACE("layer " + std::to_string(l));
+    const MoEConfig& c = info.layer_config(l);
+    const int64_t E = c.num_experts, H = c.hidden_size, I = c.intermediate_size;
+    const MoELayerWeights w = load_moe_layer(ck, info, l, {.progress = false});
+    EXPECT_EQ(w.gate_weight.view().str(), "bf16 [" + std::to_string(E) + ", 128]");
+    EXPECT_EQ(w.experts.w13.view().str(),
+              "bf16 [" + std::to_string(E) + ", 96, 128]");  // bf16 stays bf16
+    EXPECT_EQ(w.experts.w2.view().str(), "bf16 [" + std::to_string(E) + ", 128, 48]");
+    EXPECT_TRUE(w.experts.w13.view().is_contiguous());
+    EXPECT_TRUE(w.experts.w2.view().is_contiguous());
+    if (arch == "gpt_oss") {
+      EXPECT_EQ(str(w.gate_bias), "bf16 [8]");
+      EXPECT_EQ(str(w.experts.w13_bias), "bf16 [8, 96]");
+      EXPECT_EQ(str(w.experts.w2_bias), "bf16 [8, 128]");
+    } else {
+      EXPECT_FALSE(w.gate_bias || w.experts.w13_bias || w.experts.w2_bias);
+    }
+    EXPECT_EQ(str(w.router_params.e_score_correction_bias),
+              arch == "deepseek_v3" ? "bf16 [16]" : "none");
+    if (c.has_shared_expert()) {
+      const int64_t S = c.shared_intermediate_size;
+      ASSERT_TRUE(w.shared_experts.has_value());
+      EXPECT_EQ(w.shared_experts->w13.view().str(), "bf16 [1, " + std::to_string(2 * S) + ", 128]");
+      EXPECT_EQ(w.shared_experts->w2.view().str(), "bf16 [1, 128, " + std::to_string(S) + "]");
+    } else {
+      EXPECT_FALSE(w.shared_experts.has_value());
+    }
+    EXPECT_EQ(str(w.shared_expert_gate), arch == "qwen2_moe" ? "bf16 [1, 128]" : "none");
+    check_against_checkpoint(ck, info, l, w);
+  }
+}
+
+// The loaded weights, run through a plain float64 MoE forward with the
+// reference's own routing choice, reproduce transformers' float64 output:
+// this checks the layouts mean what the modeling code means.
+TEST_P(LoaderFixture, Float64ForwardMatchesTransformers) {
+  const std::string arch = GetParam();
+  const ModelInfo info = load_model_info(test::hf_fixture_dir(arch));
+  const Checkpoint ck = Checkpoint::open(test::hf_fixture_dir(arch));
+  auto ref = test::open_reference(arch);
+  for (int64_t l : info.moe_layers) {
+    SCOPED_TRACE("layer " + std::to_string(l));
+    const MoEConfig& c = info.layer_config(l);
+    const MoELayerWeights w = load_moe_layer(ck, info, l, {.progress = false});
+    const int64_t T = 5, H = c.hidden_size;
+    const Tensor x = test::load_tensor_f64(*ref, test::reference_name(l, T, "input"));
+    const Tensor want = test::load_tensor_f64(*ref, test::reference_name(l, T, "output_f64"));
+    double err2 = 0, ref2 = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      std::vector<double> xt(x.data_as<double>() + t * H, x.data_as<double>() + (t + 1) * H);
+      std::vector<double> out(static_cast<size_t>(H), 0.0);
+      if (arch == "llama4") {
+        // Dense router_scores: sigmoid(top-1 logit) at the chosen expert; scales the input.
+        const Tensor sc = test::load_tensor_f64(*ref, test::reference_name(l, T, "router_scores"));
+        for (int64_t e = 0; e < c.num_experts; ++e) {
+          const double s = sc.data_as<double>()[t * c.num_experts + e];
+          if (s == 0.0) continue;
+          std::vector<double> xs(xt);
+          for (double& v : xs) v *= s;
+          const auto y = expert_f64(w.experts, c, e, xs);
+          for (int64_t h = 0; h < H; ++h) out[h] += y[h];
+        }
+      } else {
+        const Tensor ids = test::load_tensor_i32(*ref, test::reference_name(l, T, "topk_ids"));
+        const Tensor wts = test::load_tensor_f64(*ref, test::reference_name(l, T, "topk_weights"));
+        for (int64_t k = 0; k < c.top_k; ++k) {
+          const int32_t e = ids.data_as<int32_t>()[t * c.top_k + k];
+          const double wk = wts.data_as<double>()[t * c.top_k + k];
+          const auto y = expert_f64(w.experts, c, e, xt);
+          for (int64_t h = 0; h < H; ++h) out[h] += wk * y[h];
+        }
+      }
+      if (w.shared_experts) {
+        auto y = expert_f64(*w.shared_experts, c, 0, xt);
+        double gate = 1.0;
+        if (w.shared_expert_gate) {
+          double s = 0;
+          for (int64_t h = 0; h < H; ++h) s += elem(*w.shared_expert_gate, {0, h}) * xt[h];
+          gate = 1.0 / (1.0 + std::exp(-s));
+        }
+        for (int64_t h = 0; h < H; ++h) out[h] += gate * y[h];
+      }
+      for (int64_t h = 0; h < H; ++h) {
+        const double r = want.data_as<double>()[t * H + h];
+        err2 += (out[h] - r) * (out[h] - r);
+        ref2 += r * r;
+      }
+    }
+    ASSERT_GT(ref2, 0.0);
+    // Same bf16 weights, float64 both sides; only the f32 router weights of the reference differ.
+    EXPECT_LE(std::sqrt(err2 / ref2), 1e-5);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, LoaderFixture, ::testing::ValuesIn(test::hf_fixture_archs()),
+                         [](const auto& p) { return p.param; });
+
+// Copies a fixture into `dir`, applying `edit` to the tensor list first.
+void write_modified_fixture(
+    const std::string& arch, const test::TempDir& dir,
+    const std::function<void(std::vector<std::pair<std::string, Tensor>>&)>& edit) {
+  auto src = SafetensorsFile::open(test::hf_fixture_dir(arch) + "/model.safetensors");
+  std::vector<std::pair<std::string, Tensor>> tensors;
+  for (const auto& n : src->names()) tensors.emplace_back(n, src->get(n));
+  edit(tensors);
+  std::vector<std::pair<std::string, TensorView>> views(tensors.begin(), tensors.end());
+  save_safetensors(dir.file("model.safetensors"), views, src->metadata());
+  fs::copy_file(test::hf_fixture_dir(arch) + "/config.json", dir.file("config.json"));
+}
+
+TEST(Loader, MissingExpertTensorIsNamed) {
+  test::TempDir dir("loader_missing");
+  const std::string victim = "model.layers.1.block_sparse_moe.experts.3.w3.weight";
+  write_modified_fixture("mixtral", dir, [&](auto& ts) {
+    for (auto& [n, t] : ts)
+      if (n == victim) n += ".renamed";
+  });
+  const ModelInfo info = load_model_info(dir.path());
+  const Checkpoint ck = Checkpoint::open(dir.path());
+  EXPECT_NO_THROW(load_moe_layer(ck, info, 0, {.progress = false}));
+  const std::string msg =
+      error_of([&] { load_moe_layer(ck, info, 1, {.progress = false}); }, ErrorCode::kIo);
+  EXPECT_HAS(msg, "'" + victim + "'");
+  EXPECT_HAS(msg, "missing");
+}
+
+TEST(Loader, WrongShapeOrDtypeIsNamed) {
+  test::TempDir dir("loader_shape");
+  const std::string bad_shape = "model.layers.0.mlp.experts.5.down_proj.weight";
+  const std::string bad_dtype = "model.layers.1.mlp.experts.2.up_proj.weight";
+  write_modified_fixture("qwen2_moe", dir, [&](auto& ts) {
+    for (auto& [n, t] : ts) {
+      if (n == bad_shape) t = Tensor::zeros(DType::kBF16, {48, 128});  // transposed
+      if (n == bad_dtype) t = to_f32(t);
+    }
+  });
+  const ModelInfo info = load_model_info(dir.path());
+  const Checkpoint ck = Checkpoint::open(dir.path());
+  std::string msg =
+      error_of([&] { load_moe_layer(ck, info, 0, {.progress = false}); }, ErrorCode::kIo);
+  EXPECT_HAS(msg, "'" + bad_shape + "'");
+  EXPECT_HAS(msg, "expected shape [128, 48], got bf16 [48, 128]");
+  msg = error_of([&] { load_moe_layer(ck, info, 1, {.progress = false}); }, ErrorCode::kIo);
+  EXPECT_HAS(msg, "'" + bad_dtype + "'");
+  EXPECT_HAS(msg, "f32");
+}
+
+TEST(Loader, MissingBiasAndRouterAreNamed) {
+  test::TempDir dir("loader_bias");
+  write_modified_fixture("gpt_oss", dir, [&](auto& ts) {
+    std::erase_if(ts, [](const auto& p) {
+      return p.first == "model.layers.0.mlp.experts.gate_up_proj_bias" ||
+             p.first == "model.layers.1.mlp.router.weight";
+    });
+  });
+  const ModelInfo info = load_model_info(dir.path());
+  const Checkpoint ck = Checkpoint::open(dir.path());
+  EXPECT_HAS(error_of([&] { load_moe_layer(ck, info, 0, {.progress = false}); }, ErrorCode::kIo),
+             "'model.layers.0.mlp.experts.gate_up_proj_bias'");
+  EXPECT_HAS(error_of([&] { load_moe_layer(ck, info, 1, {.progress = false}); }, ErrorCode::kIo),
+             "'model.layers.1.mlp.router.weight'");
+}
+
+TEST(Loader, NotAnMoELayer) {
+  const ModelInfo info = load_model_info(test::hf_fixture_dir("deepseek_v3"));
+  const Checkpoint ck = Checkpoint::open(test::hf_fixture_dir("deepseek_v3"));
+  EXPECT_HAS(error_of([&] { load_moe_layer(ck, info, 0); }, ErrorCode::kInvalidArgument),
+             "layer 0 is not an MoE layer");
+}
+
+// An f32 checkpoint loads as f32 with the same values (no conversion), from shards.
+TEST(Loader, Float32ShardedCheckpointKeepsF32) {
+  test::TempDir dir("loader_f32");
+  auto src = SafetensorsFile::open(test::hf_fixture_dir("llama4") + "/model.safetensors");
+  std::vector<std::pair<std::string, Tensor>> a, b;
+  for (const auto& n : src->names())
+    (n.find("layers.1.") != std::string::npos ? b : a).emplace_back(n, to_f32(src->get(n)));
+  auto save = [&](const std::string& file, const std::vector<std::pair<std::string, Tensor>>& ts) {
+    save_safetensors(dir.file(file),
+                     std::vector<std::pair<std::string, TensorView>>(ts.begin(), ts.end()));
+  };
+  save("s1.safetensors", a);
+  save("s2.safetensors", b);
+  {
+    std::ofstream idx(dir.file("model.safetensors.index.json"));
+    idx << "{\"weight_map\": {";
+    bool first = true;
+    for (auto* v : {&a, &b})
+      for (const auto& [n, t] : *v) {
+        idx << (first ? "" : ",") << "\"" << n << "\": \"" << (v == &a ? "s1" : "s2")
+            << ".safetensors\"";
+        first = false;
+      }
+    idx << "}}";
+  }
+  fs::copy_file(test::hf_fixture_dir("llama4") + "/config.json", dir.file("config.json"));
+  const ModelInfo info = load_model_info(dir.path());
+  const Checkpoint ck = Checkpoint::open(dir.path());
+  const MoELayerWeights w = load_moe_layer(ck, info, 1, {.progress = false});
+  EXPECT_EQ(w.experts.w13.dtype(), DType::kF32);
+  EXPECT_EQ(w.gate_weight.dtype(), DType::kF32);
+  check_against_checkpoint(ck, info, 1, w);
+  const Checkpoint orig = Checkpoint::open(test::hf_fixture_dir("llama4"));
+  const MoELayerWeights wb = load_moe_layer(orig, info, 1, {.progress = false});
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  for (int n = 0; n < 200; ++n) {
+    const int64_t e = rng() % 8, r = rng() % 96, c = rng() % 128;
+    EXPECT_EQ(elem(w.experts.w13, {e, r, c}), elem(wb.experts.w13, {e, r, c}));
+  }
+}
+
+// DeepSeek FP8 checkpoint: block-quantized experts are dequantized to f32.
+TEST(Loader, DeepseekFp8IsDequantized) {
+  const std::string dir = test::test_data_dir() + "/fp8/deepseek_v3_fp8";
+  const ModelInfo info = load_model_info(dir);
+  const Checkpoint ck = Checkpoint::open(dir);
+  const MoELayerWeights w = load_moe_layer(ck, info, 1, {.progress = false});
+  const MoEConfig& c = info.layer_config(1);
+  const int64_t H = c.hidden_size, I = c.intermediate_size;
+  ASSERT_EQ(w.experts.w13.view().str(),
+            "f32 [16, " + std::to_string(2 * I) + ", " + std::to_string(H) + "]");
+  ASSERT_EQ(w.experts.w2.view().str(),
+            "f32 [16, " + std::to_string(H) + ", " + std::to_string(I) + "]");
+  EXPECT_EQ(w.gate_weight.dtype(), DType::kBF16);
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  for (int n = 0; n < 300; ++n) {
+    const int64_t e = rng() % 16, i = rng() % I, h = rng() % H;
+    const std::string p = "model.layers.1.mlp.experts." + std::to_string(e) + ".";
+    const Tensor up = ck.get(p + "up_proj.weight"), ups = ck.get(p + "up_proj.weight_scale_inv");
+    const Tensor dn = ck.get(p + "down_proj.weight"),
+                 dns = ck.get(p + "down_proj.weight_scale_inv");
+    EXPECT_FLOAT_EQ(elem(w.experts.w13, {e, I + i, h}),
+                    elem(up, {i, h}) * elem(ups, {i / 128, h / 128}));
+    EXPECT_FLOAT_EQ(elem(w.experts.w2, {e, h, i}),
+                    elem(dn, {h, i}) * elem(dns, {h / 128, i / 128}));
+  }
+}
+
+}  // namespace
+}  // namespace fusedmoe
