@@ -1,6 +1,126 @@
-// Placeholder entry point until the CLI lands (replaced by src/cli/*).
+// fusedmoe: command-line entry point. Subcommands: inspect, run, bench.
+#include <sys/stat.h>
+
 #include <cstdio>
-int main() {
-  std::fprintf(stderr, "fusedmoe: command-line interface not built yet\n");
-  return 1;
+#include <exception>
+#include <iostream>
+#include <sstream>
+#include <string>
+
+#include "cli/cli.h"
+#include "fusedmoe/core/error.h"
+
+namespace fusedmoe::cli {
+
+std::string bundled_model_dir() {
+  struct stat st {};
+  if (::stat(FUSEDMOE_BUNDLED_MODEL_DIR, &st) == 0 && S_ISDIR(st.st_mode))
+    return FUSEDMOE_BUNDLED_MODEL_DIR;
+  return FUSEDMOE_BUNDLED_MODEL_INSTALL_DIR;
+}
+
+std::string format_bytes(double bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (bytes >= 1024.0 && u < 4) {
+    bytes /= 1024.0;
+    ++u;
+  }
+  char buf[64];
+  std::snprintf(buf, sizeof buf, u == 0 ? "%.0f %s" : "%.2f %s", bytes, units[u]);
+  return buf;
+}
+
+std::vector<std::string> split_list(const std::string& text) {
+  std::vector<std::string> out;
+  std::string item;
+  std::istringstream is(text);
+  while (std::getline(is, item, ',')) {
+    const auto b = item.find_first_not_of(" \t");
+    const auto e = item.find_last_not_of(" \t");
+    if (b != std::string::npos) out.push_back(item.substr(b, e - b + 1));
+  }
+  return out;
+}
+
+std::vector<int64_t> parse_int_list(const std::string& text, const char* what) {
+  std::vector<int64_t> out;
+  for (const auto& item : split_list(text)) {
+    size_t pos = 0;
+    long long v = 0;
+    try {
+      v = std::stoll(item, &pos);
+    } catch (const std::exception&) {
+      pos = 0;
+    }
+    FUSEDMOE_CHECK(pos == item.size() && pos > 0 && v >= 0, what,
+                   ": expected a comma-separated list of non-negative integers, got \"", text,
+                   "\"");
+    out.push_back(v);
+  }
+  FUSEDMOE_CHECK(!out.empty(), what, ": expected at least one value, got \"", text, "\"");
+  return out;
+}
+
+}  // namespace fusedmoe::cli
+
+namespace {
+
+// Error messages go on one line: newlines inside a message become "; ".
+std::string one_line(std::string s) {
+  while (!s.empty() && (s.back() == '\n' || s.back() == '\r')) s.pop_back();
+  std::string out;
+  for (char c : s) {
+    if (c == '\n')
+      out += "; ";
+    else if (c != '\r')
+      out += c;
+  }
+  return out;
+}
+
+int fail(const std::string& message, int code) {
+  std::fflush(stdout);
+  std::fprintf(stderr, "fusedmoe: error: %s\n", one_line(message).c_str());
+  return code;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace fusedmoe::cli;
+  CLI::App app{
+      "fusedmoe: run and benchmark the Mixture-of-Experts layer of HF models on the CPU.\n"
+      "Bundled model: " +
+          bundled_model_dir(),
+      "fusedmoe"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", "fusedmoe 0.1.0");
+  InspectOptions inspect_opts;
+  RunOptions run_opts;
+  BenchOptions bench_opts;
+  CLI::App* inspect = add_inspect_command(app, inspect_opts);
+  CLI::App* run = add_run_command(app, run_opts);
+  CLI::App* bench = add_bench_command(app, bench_opts);
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::Success& e) {  // --help, --version
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    return fail(e.what(), 2);
+  }
+
+  try {
+    if (inspect->parsed()) return run_inspect(inspect_opts);
+    if (run->parsed()) return run_run(run_opts);
+    if (bench->parsed()) return run_bench(bench_opts);
+    return fail("no command given (try --help)", 2);
+  } catch (const fusedmoe::Error& e) {
+    return fail(e.what(), 1);
+  } catch (const std::bad_alloc&) {
+    return fail("out of memory", 1);
+  } catch (const std::exception& e) {
+    return fail(e.what(), 1);
+  }
 }

@@ -1,0 +1,481 @@
+// fusedmoe benchmark helpers: see bench_common.h.
+#include "cli/bench_common.h"
+
+#include <cblas.h>
+#include <immintrin.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <string>
+#include <thread>
+
+#include "fusedmoe/core/error.h"
+#include "fusedmoe/routing/router.h"
+
+namespace fusedmoe::bench {
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+
+double seconds_since(clock_type::time_point t0) {
+  return std::chrono::duration<double>(clock_type::now() - t0).count();
+}
+
+// Runs fn(thread_index) on `threads` threads started together; returns wall seconds.
+template <typename F>
+double run_on_threads(int threads, F&& fn) {
+  std::atomic<int> ready{0};
+  std::atomic<bool> go{false};
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads; ++t)
+    pool.emplace_back([&, t] {
+      ready.fetch_add(1);
+      while (!go.load(std::memory_order_acquire)) {
+      }
+      fn(t);
+    });
+  while (ready.load() != threads - 1) {
+  }
+  const auto t0 = clock_type::now();
+  go.store(true, std::memory_order_release);
+  fn(0);
+  for (auto& th : pool) th.join();
+  return seconds_since(t0);
+}
+
+constexpr int kChains = 12;  // independent FMA chains: > latency x ports on current cores
+
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+// (not _mm512_reduce_add_ps: GCC 12's version warns about an uninitialised temporary)
+float hsum512(__m512 v) {
+  alignas(64) float t[16];
+  _mm512_store_ps(t, v);
+  float s = 0;
+  for (float x : t) s += x;
+  return s;
+}
+float fma_kernel(int64_t iters, float seed) {
+  __m512 acc[kChains];
+  for (int j = 0; j < kChains; ++j) acc[j] = _mm512_set1_ps(seed + 0.01f * j);
+  const __m512 m = _mm512_set1_ps(0.999999f), c = _mm512_set1_ps(1e-6f);
+  for (int64_t i = 0; i < iters; ++i)
+    for (int j = 0; j < kChains; ++j) acc[j] = _mm512_fmadd_ps(acc[j], m, c);
+  __m512 s = acc[0];
+  for (int j = 1; j < kChains; ++j) s = _mm512_add_ps(s, acc[j]);
+  return hsum512(s);
+}
+float sum_kernel(const float* p, size_t n) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  size_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    a0 = _mm512_add_ps(a0, _mm512_load_ps(p + i));
+    a1 = _mm512_add_ps(a1, _mm512_load_ps(p + i + 16));
+    a2 = _mm512_add_ps(a2, _mm512_load_ps(p + i + 32));
+    a3 = _mm512_add_ps(a3, _mm512_load_ps(p + i + 48));
+  }
+  float s = hsum512(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+  for (; i < n; ++i) s += p[i];
+  return s;
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int kLanes = 8;
+float hsum256(__m256 v) {
+  float t[8];
+  _mm256_storeu_ps(t, v);
+  return t[0] + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7];
+}
+float fma_kernel(int64_t iters, float seed) {
+  __m256 acc[kChains];
+  for (int j = 0; j < kChains; ++j) acc[j] = _mm256_set1_ps(seed + 0.01f * j);
+  const __m256 m = _mm256_set1_ps(0.999999f), c = _mm256_set1_ps(1e-6f);
+  for (int64_t i = 0; i < iters; ++i)
+    for (int j = 0; j < kChains; ++j) acc[j] = _mm256_fmadd_ps(acc[j], m, c);
+  __m256 s = acc[0];
+  for (int j = 1; j < kChains; ++j) s = _mm256_add_ps(s, acc[j]);
+  return hsum256(s);
+}
+float sum_kernel(const float* p, size_t n) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  size_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    a0 = _mm256_add_ps(a0, _mm256_load_ps(p + i));
+    a1 = _mm256_add_ps(a1, _mm256_load_ps(p + i + 8));
+    a2 = _mm256_add_ps(a2, _mm256_load_ps(p + i + 16));
+    a3 = _mm256_add_ps(a3, _mm256_load_ps(p + i + 24));
+  }
+  float s = hsum256(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+  for (; i < n; ++i) s += p[i];
+  return s;
+}
+#else
+constexpr int kLanes = 1;
+float fma_kernel(int64_t iters, float seed) {
+  float acc[kChains];
+  for (int j = 0; j < kChains; ++j) acc[j] = seed + 0.01f * j;
+  for (int64_t i = 0; i < iters; ++i)
+    for (int j = 0; j < kChains; ++j) acc[j] = std::fma(acc[j], 0.999999f, 1e-6f);
+  float s = 0;
+  for (float a : acc) s += a;
+  return s;
+}
+float sum_kernel(const float* p, size_t n) {
+  float a[8] = {};
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) a[j] += p[i + j];
+  float s = 0;
+  for (float v : a) s += v;
+  for (; i < n; ++i) s += p[i];
+  return s;
+}
+#endif
+
+volatile float g_sink = 0;
+
+// SplitMix64: a fast, well-mixed generator for synthetic weights.
+struct SplitMix64 {
+  uint64_t s;
+  uint64_t next() {
+    uint64_t z = (s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+  float uniform() { return static_cast<float>(next() >> 40) * (1.0f / 16777216.0f); }  // [0, 1)
+};
+
+// Fills `t` (f32 or bf16, contiguous) with uniform(-scale, scale), in parallel.
+void fill_uniform(Tensor& t, float scale, uint64_t seed) {
+  constexpr int64_t kChunk = 1 << 16;
+  const int64_t n = t.numel();
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+  ThreadPool::global().parallel_for(chunks, [&](int64_t b, int64_t e, int) {
+    std::vector<float> buf(kChunk);
+    for (int64_t c = b; c < e; ++c) {
+      SplitMix64 rng{seed ^ (0x632be59bd9b4e019ull * static_cast<uint64_t>(c + 1))};
+      const int64_t begin = c * kChunk, len = std::min(kChunk, n - begin);
+      for (int64_t i = 0; i < len; ++i) buf[i] = (2.0f * rng.uniform() - 1.0f) * scale;
+      if (t.dtype() == DType::kF32)
+        std::memcpy(t.data_as<float>() + begin, buf.data(), len * sizeof(float));
+      else
+        convert_from_f32(buf.data(), static_cast<char*>(t.data()) + begin * dtype_size(t.dtype()),
+                         t.dtype(), static_cast<size_t>(len));
+    }
+  });
+}
+
+}  // namespace
+
+const char* simd_isa() {
+#if defined(__AVX512F__)
+  return "avx512f";
+#elif defined(__AVX2__) && defined(__FMA__)
+  return "avx2+fma";
+#else
+  return "scalar";
+#endif
+}
+
+double measure_peak_fma_gflops(int threads) {
+  threads = std::max(1, threads);
+  // Calibrate to ~0.15 s per trial on one thread.
+  int64_t iters = 1 << 20;
+  for (;;) {
+    const auto t0 = clock_type::now();
+    g_sink = g_sink + fma_kernel(iters, 1.0f);
+    if (seconds_since(t0) > 0.02 || iters > (int64_t{1} << 34)) break;
+    iters *= 2;
+  }
+  iters *= 6;
+  double best = 0;
+  for (int trial = 0; trial < 3; ++trial) {
+    std::vector<float> out(threads);
+    const double s = run_on_threads(threads, [&](int t) { out[t] = fma_kernel(iters, 1.0f + t); });
+    for (float v : out) g_sink = g_sink + v;
+    const double flops = 2.0 * kLanes * kChains * static_cast<double>(iters) * threads;
+    best = std::max(best, flops / s * 1e-9);
+  }
+  return best;
+}
+
+double measure_read_gbps(int threads, size_t bytes) {
+  threads = std::max(1, threads);
+  const size_t n = bytes / sizeof(float);
+  Tensor buf = Tensor::empty(DType::kF32, {static_cast<int64_t>(n)});
+  float* p = buf.data_as<float>();
+  const size_t per = (n / threads) & ~size_t{63};
+  auto slice = [&](int t, size_t& b, size_t& e) {
+    b = per * t;
+    e = t == threads - 1 ? n : b + per;
+  };
+  run_on_threads(threads, [&](int t) {  // first touch by the thread that reads it
+    size_t b, e;
+    slice(t, b, e);
+    for (size_t i = b; i < e; ++i) p[i] = 1.0f;
+  });
+  double best = 0;
+  for (int trial = 0; trial < 4; ++trial) {
+    std::vector<float> out(threads);
+    const double s = run_on_threads(threads, [&](int t) {
+      size_t b, e;
+      slice(t, b, e);
+      out[t] = sum_kernel(p + b, e - b);
+    });
+    for (float v : out) g_sink = g_sink + v;
+    best = std::max(best, static_cast<double>(n * sizeof(float)) / s * 1e-9);
+  }
+  return best;
+}
+
+Ceilings measure_ceilings(int threads) {
+  Ceilings c;
+  c.threads = threads;
+  c.isa = simd_isa();
+  c.peak_gflops = measure_peak_fma_gflops(threads);
+  c.read_gbps = measure_read_gbps(threads);
+  return c;
+}
+
+std::vector<LayerShape> standard_shapes() {
+  return {
+      {"mixtral", "Mixtral-8x7B", 8, 2, 4096, 14336, ""},
+      {"qwen3", "Qwen3-30B-A3B", 128, 8, 2048, 768, ""},
+      {"deepseek", "DeepSeek-V3 routed", 256, 8, 7168, 2048, ""},
+      {"qwen3-cpu", "Qwen3-30B-A3B-like CPU target", 64, 8, 2048, 768, ""},
+  };
+}
+
+LayerShape find_shape(const std::string& name) {
+  std::string known;
+  for (const auto& s : standard_shapes()) {
+    if (s.name == name) return s;
+    known += (known.empty() ? "" : ", ") + s.name;
+  }
+  FUSEDMOE_THROW(kInvalidArgument, "shape: expected one of ", known, ", got \"", name, "\"");
+}
+
+size_t layer_bytes(const LayerShape& s, DType dtype, bool with_baseline) {
+  size_t per = expert_bytes(s, dtype);
+  if (with_baseline && dtype != DType::kF32) per += expert_bytes(s, DType::kF32);
+  return per * static_cast<size_t>(s.E);
+}
+
+LayerShape fit_to_memory(LayerShape s, DType dtype, bool with_baseline, size_t budget_bytes) {
+  const size_t need = layer_bytes(s, dtype, with_baseline);
+  if (need <= budget_bytes) return s;
+  const size_t per = need / static_cast<size_t>(s.E);
+  int64_t e = static_cast<int64_t>(budget_bytes / per);
+  if (e >= 8) e -= e % 8;
+  e = std::max(e, s.k);
+  char buf[256];
+  std::snprintf(
+      buf, sizeof buf, "E scaled %lld -> %lld to fit memory (%.1f GiB needed, budget %.1f GiB)",
+      static_cast<long long>(s.E), static_cast<long long>(e), static_cast<double>(need) / (1 << 30),
+      static_cast<double>(budget_bytes) / (1 << 30));
+  s.E = e;
+  s.note = buf;
+  return s;
+}
+
+size_t physical_memory_bytes() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+  return pages > 0 && page > 0 ? static_cast<size_t>(pages) * static_cast<size_t>(page)
+                               : size_t{8} << 30;
+}
+
+SyntheticLayer make_synthetic_layer(const LayerShape& shape, DType dtype, uint64_t seed,
+                                    bool baseline_weights) {
+  FUSEDMOE_CHECK(dtype == DType::kF32 || dtype == DType::kBF16, "dtype: expected f32 or bf16, got ",
+                 dtype_name(dtype));
+  SyntheticLayer l;
+  l.shape = shape;
+  l.dtype = dtype;
+  const int64_t E = shape.E, H = shape.H, I = shape.I;
+  l.weights.w13 = Tensor::empty(dtype, {E, 2 * I, H});
+  l.weights.w2 = Tensor::empty(dtype, {E, H, I});
+  fill_uniform(l.weights.w13, 1.0f / std::sqrt(static_cast<float>(H)), seed * 2 + 1);
+  fill_uniform(l.weights.w2, 1.0f / std::sqrt(static_cast<float>(I)), seed * 2 + 2);
+  if (baseline_weights) {
+    if (dtype == DType::kF32) {
+      l.w13_f32 = l.weights.w13;
+      l.w2_f32 = l.weights.w2;
+    } else {
+      l.w13_f32 = to_f32(l.weights.w13);
+      l.w2_f32 = to_f32(l.weights.w2);
+    }
+  }
+  return l;
+}
+
+RoutedBatch make_routed_batch(const LayerShape& shape, int64_t T, SimulatedRouting routing,
+                              uint64_t seed) {
+  RoutedBatch b;
+  b.hidden_states = Tensor::empty(DType::kF32, {T, shape.H});
+  // Uniform with variance 1 (sqrt(3) * U(-1, 1)): N(0, 1)-like magnitudes, never zero.
+  fill_uniform(b.hidden_states, std::sqrt(3.0f), seed ^ 0x5bd1e995ull);
+  b.topk_ids = Tensor::empty(DType::kI32, {T, shape.k});
+  b.topk_weights = Tensor::empty(DType::kF32, {T, shape.k});
+  MoEConfig cfg;
+  cfg.num_experts = shape.E;
+  cfg.top_k = shape.k;
+  cfg.hidden_size = shape.H;
+  cfg.intermediate_size = shape.I;
+  cfg.routing_method = RoutingMethod::kSimulated;
+  cfg.simulated = routing;
+  cfg.simulation_seed = seed;
+  cfg.renormalize = true;
+  const auto router = create_router(cfg);
+  router->select_experts(TensorView(), b.topk_ids, b.topk_weights);
+  std::vector<char> seen(static_cast<size_t>(shape.E), 0);
+  const int32_t* ids = b.topk_ids.data_as<int32_t>();
+  for (int64_t i = 0; i < T * shape.k; ++i)
+    if (ids[i] >= 0 && ids[i] < shape.E) seen[ids[i]] = 1;
+  b.distinct_experts = std::count(seen.begin(), seen.end(), 1);
+  return b;
+}
+
+// ---- fusedmoe's kernel -------------------------------------------------------------
+
+FusedMoECpu::FusedMoECpu(const SyntheticLayer& layer, DType compute_dtype, ThreadPool* pool)
+    : layer_(layer), kernel_(make_cpu_modular_kernel(pool)) {
+  params_.activation = ActivationParams{};  // SiLU-GLU
+  params_.compute_dtype = compute_dtype;
+}
+FusedMoECpu::~FusedMoECpu() = default;
+
+void FusedMoECpu::forward(const RoutedBatch& batch, const TensorView& output) {
+  kernel_->forward(batch.hidden_states, batch.topk_ids, batch.topk_weights, layer_.weights, params_,
+                   /*apply_router_weight_on_input=*/false, output, ws_);
+}
+
+// ---- the BLAS-per-expert baseline -----------------------------------------------------
+
+BlasPerExpertBaseline::BlasPerExpertBaseline(const SyntheticLayer& layer, ThreadPool* pool)
+    : layer_(layer), pool_(pool ? pool : &ThreadPool::global()) {
+  FUSEDMOE_CHECK(layer.w13_f32.defined() && layer.w2_f32.defined(),
+                 "BlasPerExpertBaseline: the layer was made without baseline weights");
+}
+
+// C [M, N] = A [M, K] . B [N, K]^T, split over the threads along N.
+void BlasPerExpertBaseline::gemm_nt(int64_t M, int64_t N, int64_t K, const float* A, const float* B,
+                                    float* C) {
+  const int threads = pool_->num_threads();
+  int64_t grain = (N + threads - 1) / threads;
+  grain = (grain + 15) / 16 * 16;
+  pool_->parallel_for(
+      N,
+      [&](int64_t b, int64_t e, int) {
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(M),
+                    static_cast<int>(e - b), static_cast<int>(K), 1.0f, A, static_cast<int>(K),
+                    B + b * K, static_cast<int>(K), 0.0f, C + b, static_cast<int>(N));
+      },
+      grain);
+}
+
+void BlasPerExpertBaseline::forward(const RoutedBatch& batch, const TensorView& output) {
+  const int64_t E = layer_.shape.E, H = layer_.shape.H, I = layer_.shape.I, k = layer_.shape.k;
+  const int64_t T = batch.hidden_states.size(0);
+  check_tensor(output, "output", DType::kF32, {T, H});
+  const float* x = batch.hidden_states.data_as<float>();
+  const int32_t* ids = batch.topk_ids.data_as<int32_t>();
+  const float* w = batch.topk_weights.data_as<float>();
+  float* out = output.data_as<float>();
+  std::fill(out, out + T * H, 0.0f);
+
+  // Slots of each expert (counting sort).
+  count_.assign(static_cast<size_t>(E + 1), 0);
+  for (int64_t i = 0; i < T * k; ++i)
+    if (ids[i] >= 0) ++count_[ids[i] + 1];
+  offset_ = count_;
+  for (int64_t e = 0; e < E; ++e) offset_[e + 1] += offset_[e];
+  slot_.resize(static_cast<size_t>(T * k));
+  std::vector<int64_t> pos(offset_.begin(), offset_.end() - 1);
+  for (int64_t i = 0; i < T * k; ++i)
+    if (ids[i] >= 0) slot_[pos[ids[i]]++] = i;
+
+  int64_t max_rows = 0;
+  for (int64_t e = 0; e < E; ++e) max_rows = std::max(max_rows, offset_[e + 1] - offset_[e]);
+  xe_.resize(static_cast<size_t>(max_rows * H));
+  h13_.resize(static_cast<size_t>(max_rows * 2 * I));
+  a_.resize(static_cast<size_t>(max_rows * I));
+  y_.resize(static_cast<size_t>(max_rows * H));
+
+  const float* w13 = layer_.w13_f32.data_as<float>();
+  const float* w2 = layer_.w2_f32.data_as<float>();
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t begin = offset_[e], n = offset_[e + 1] - begin;
+    if (n == 0) continue;
+    for (int64_t r = 0; r < n; ++r)
+      std::memcpy(&xe_[r * H], x + (slot_[begin + r] / k) * H, H * sizeof(float));
+    gemm_nt(n, 2 * I, H, xe_.data(), w13 + e * 2 * I * H, h13_.data());
+    apply_activation(act_, h13_.data(), 2 * I, a_.data(), I, n, I);
+    gemm_nt(n, H, I, a_.data(), w2 + e * H * I, y_.data());
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t s = slot_[begin + r];
+      float* o = out + (s / k) * H;
+      const float ws = w[s];
+      const float* y = &y_[r * H];
+      for (int64_t h = 0; h < H; ++h) o[h] += ws * y[h];
+    }
+  }
+}
+
+// ---- measurement ---------------------------------------------------------------------------
+
+Roofline layer_roofline(const LayerShape& s, int64_t T, int64_t distinct_experts,
+                        DType weight_dtype, const Ceilings& c) {
+  Roofline r;
+  r.flops = 2.0 * static_cast<double>(T) * s.k * 3.0 * s.H * s.I;
+  r.bytes =
+      static_cast<double>(distinct_experts) * static_cast<double>(expert_bytes(s, weight_dtype)) +
+      2.0 * static_cast<double>(T) * s.H * 4.0;
+  const double mem_s = c.read_gbps > 0 ? r.bytes / (c.read_gbps * 1e9) : 0.0;
+  const double flop_s = c.peak_gflops > 0 ? r.flops / (c.peak_gflops * 1e9) : 0.0;
+  r.floor_s = std::max(mem_s, flop_s);
+  r.memory_bound = mem_s >= flop_s;
+  return r;
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+double rel_l2(const float* a, const float* b, size_t n) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const double d = static_cast<double>(a[i]) - b[i];
+    num += d * d;
+    den += static_cast<double>(b[i]) * b[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+size_t peak_rss_bytes() {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind("VmHWM:", 0) == 0)
+      return static_cast<size_t>(std::stoull(line.substr(6))) * 1024;
+  struct rusage ru {};
+  ::getrusage(RUSAGE_SELF, &ru);
+  return static_cast<size_t>(ru.ru_maxrss) * 1024;
+}
+
+bool reset_peak_rss() {
+  std::ofstream f("/proc/self/clear_refs");
+  if (!f) return false;
+  f << "5";
+  return static_cast<bool>(f.flush());
+}
+
+}  // namespace fusedmoe::bench

@@ -1,0 +1,155 @@
+// fusedmoe benchmark helpers, shared by `fusedmoe bench` (src/cli/cmd_bench.cpp)
+// and the Google Benchmark programs (bench/*.cpp):
+//   - the machine's own ceilings: peak fp32 FMA rate (a register-only
+//     microkernel, AVX-512 or AVX2+FMA as compiled) and read bandwidth (a large
+//     streaming sum), both on all threads;
+//   - synthetic MoE layers of the published model shapes (random weights,
+//     routing from the routing simulator, MoEConfig::routing_method kSimulated);
+//   - the baseline: a plain BLAS-per-expert loop (for each expert: gather its
+//     rows, sgemm with f32 weights for w13, activation, sgemm for w2,
+//     scatter-add), each GEMM split over the threads along N as a threaded
+//     BLAS would;
+//   - the roofline of one layer forward (see ../shared/perf-targets.md):
+//     floor = max(bytes / read bandwidth, FLOPs / peak), bytes = distinct
+//     experts touched x expert weight bytes + activations in and out,
+//     FLOPs = 2 T k 3 H I.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "fusedmoe/config/moe_config.h"
+#include "fusedmoe/core/tensor.h"
+#include "fusedmoe/core/thread_pool.h"
+#include "fusedmoe/experts/expert_weights.h"
+#include "fusedmoe/kernels/modular_kernel.h"
+
+namespace fusedmoe::bench {
+
+// ---- machine ceilings ----------------------------------------------------------
+struct Ceilings {
+  int threads = 1;
+  std::string isa;         // "avx512f", "avx2+fma" or "scalar"
+  double peak_gflops = 0;  // fp32 FMA rate, all threads
+  double read_gbps = 0;    // streaming read bandwidth, all threads (1 GB = 1e9 bytes)
+};
+// Best of a few trials of each. Takes about a second.
+Ceilings measure_ceilings(int threads);
+double measure_peak_fma_gflops(int threads);
+double measure_read_gbps(int threads, size_t bytes = size_t{1} << 30);
+const char* simd_isa();
+
+// ---- shapes ----------------------------------------------------------------------
+struct LayerShape {
+  std::string name;   // "mixtral", "qwen3", "deepseek", "qwen3-cpu"
+  std::string model;  // "Mixtral-8x7B", ...
+  int64_t E = 0, k = 0, H = 0, I = 0;
+  std::string note;  // set when the shape was scaled down to fit memory
+};
+std::vector<LayerShape> standard_shapes();
+// Throws Error(kInvalidArgument) listing the known names.
+LayerShape find_shape(const std::string& name);
+// Bytes of one expert's weights (w13 + w2).
+inline size_t expert_bytes(const LayerShape& s, DType dtype) {
+  return static_cast<size_t>(3 * s.H * s.I) * dtype_size(dtype);
+}
+// Bytes a synthetic layer of `s` needs: weights in `dtype`, plus the
+// baseline's f32 copy when dtype is not f32 and `with_baseline`.
+size_t layer_bytes(const LayerShape& s, DType dtype, bool with_baseline);
+// Reduces E (keeping k, H, I; E a multiple of 8, >= k) until layer_bytes fits
+// in `budget_bytes`; records what it did in `note`.
+LayerShape fit_to_memory(LayerShape s, DType dtype, bool with_baseline, size_t budget_bytes);
+size_t physical_memory_bytes();
+
+// ---- synthetic layer and batches --------------------------------------------------
+struct SyntheticLayer {
+  LayerShape shape;
+  DType dtype = DType::kF32;
+  ExpertWeights weights;   // w13 [E, 2I, H], w2 [E, H, I] in `dtype`, uniform(+-1/sqrt(fan_in))
+  Tensor w13_f32, w2_f32;  // the baseline's f32 weights (the same storage when dtype is f32)
+};
+SyntheticLayer make_synthetic_layer(const LayerShape& shape, DType dtype, uint64_t seed,
+                                    bool baseline_weights = true);
+
+struct RoutedBatch {
+  Tensor hidden_states;  // f32 [T, H], N(0, 1)-like
+  Tensor topk_ids;       // i32 [T, k] from the routing simulator
+  Tensor topk_weights;   // f32 [T, k]
+  int64_t distinct_experts = 0;
+};
+RoutedBatch make_routed_batch(const LayerShape& shape, int64_t T, SimulatedRouting routing,
+                              uint64_t seed);
+
+// ---- the two implementations ---------------------------------------------------------
+// fusedmoe's CPU modular kernel (routed experts only, as perf-targets.md times them).
+class FusedMoECpu {
+ public:
+  FusedMoECpu(const SyntheticLayer& layer, DType compute_dtype, ThreadPool* pool = nullptr);
+  ~FusedMoECpu();
+  void forward(const RoutedBatch& batch, const TensorView& output);
+
+ private:
+  const SyntheticLayer& layer_;
+  ExpertsParams params_;
+  std::unique_ptr<ModularKernel> kernel_;
+  Workspace ws_;
+};
+
+// The baseline: BLAS-per-expert loop on f32 weights.
+class BlasPerExpertBaseline {
+ public:
+  explicit BlasPerExpertBaseline(const SyntheticLayer& layer, ThreadPool* pool = nullptr);
+  // hidden_states f32 [T, H], topk_ids i32 [T, k], topk_weights f32 [T, k];
+  // output f32 [T, H] overwritten.
+  void forward(const RoutedBatch& batch, const TensorView& output);
+
+ private:
+  void gemm_nt(int64_t M, int64_t N, int64_t K, const float* A, const float* B, float* C);
+  const SyntheticLayer& layer_;
+  ThreadPool* pool_;
+  ActivationParams act_;
+  std::vector<float> xe_, h13_, a_, y_;
+  std::vector<int64_t> count_, offset_, slot_;
+};
+
+// ---- measurement -------------------------------------------------------------------------
+struct Roofline {
+  double flops = 0;    // 2 T k 3 H I
+  double bytes = 0;    // distinct experts x expert bytes + T H 4 x 2
+  double floor_s = 0;  // max(bytes / bandwidth, flops / peak)
+  bool memory_bound = false;
+};
+Roofline layer_roofline(const LayerShape& s, int64_t T, int64_t distinct_experts,
+                        DType weight_dtype, const Ceilings& c);
+
+// Runs fn once (warm-up), then repeatedly until `min_time` seconds passed and at
+// least `min_reps` runs were made (at most `max_reps`); returns each run's seconds.
+template <typename F>
+std::vector<double> time_repeats(F&& fn, double min_time, int min_reps = 3, int max_reps = 1000) {
+  using clock = std::chrono::steady_clock;
+  fn();
+  std::vector<double> times;
+  double total = 0;
+  while ((total < min_time || static_cast<int>(times.size()) < min_reps) &&
+         static_cast<int>(times.size()) < max_reps) {
+    const auto t0 = clock::now();
+    fn();
+    const double dt = std::chrono::duration<double>(clock::now() - t0).count();
+    times.push_back(dt);
+    total += dt;
+  }
+  return times;
+}
+double median(std::vector<double> v);
+// ||a - b|| / ||b|| over n floats.
+double rel_l2(const float* a, const float* b, size_t n);
+
+// Peak resident set size of this process in bytes (VmHWM, else getrusage).
+size_t peak_rss_bytes();
+// Resets the peak (Linux: writes 5 to /proc/self/clear_refs); false if it cannot.
+bool reset_peak_rss();
+
+}  // namespace fusedmoe::bench

@@ -1,0 +1,69 @@
+// fusedmoe command-line tool: internal declarations shared by the command files.
+//
+// Each command registers its CLI11 subcommand (options bound to an options
+// struct) and has a run function called by main() after parsing. Run
+// functions report failures by throwing fusedmoe::Error; main() turns any
+// error into one line "fusedmoe: error: <message>" on stderr and exit code 1.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace fusedmoe::cli {
+
+// ---- inspect ------------------------------------------------------------------
+struct InspectOptions {
+  std::string path;  // model directory, config.json, or a .safetensors file
+  bool json = false;
+};
+CLI::App* add_inspect_command(CLI::App& app, InspectOptions& opts);
+int run_inspect(const InspectOptions& opts);
+
+// ---- run ----------------------------------------------------------------------
+struct RunOptions {
+  std::string model;   // empty: the bundled model
+  int64_t layer = -1;  // -1: the first MoE layer
+  std::string input, input_key;
+  int64_t tokens = -1;
+  uint64_t seed = 0;
+  bool seed_given = false;
+  std::string output;
+  std::string compute_dtype = "f32";
+  int threads = 0;
+  std::string reference, reference_key;
+  double tolerance = -1.0;  // < 0: default for the compute dtype
+  int repeat = 1;
+  bool quiet = false;
+};
+CLI::App* add_run_command(CLI::App& app, RunOptions& opts);
+int run_run(const RunOptions& opts);
+
+// ---- bench --------------------------------------------------------------------
+struct BenchOptions {
+  std::string tokens = "1,16,64,256";
+  std::string shapes = "mixtral,qwen3,deepseek,qwen3-cpu";
+  std::string dtype = "f32";
+  int threads = 0;
+  double min_time = 0.3;
+  std::string routing = "uniform";
+  std::string csv;
+  double memory_fraction = 0.4;
+  uint64_t seed = 1234;
+  bool no_baseline = false;
+};
+CLI::App* add_bench_command(CLI::App& app, BenchOptions& opts);
+int run_bench(const BenchOptions& opts);
+
+// ---- helpers (main.cpp) -------------------------------------------------------
+// The bundled tiny model: the source-tree copy when it exists, else the
+// installed one.
+std::string bundled_model_dir();
+// "1.23 MiB"
+std::string format_bytes(double bytes);
+// Comma-separated integers: "1,16,64" -> {1, 16, 64}. Throws Error naming `what`.
+std::vector<int64_t> parse_int_list(const std::string& text, const char* what);
+std::vector<std::string> split_list(const std::string& text);
+
+}  // namespace fusedmoe::cli

@@ -1,0 +1,177 @@
+// `fusedmoe bench`: fusedmoe's CPU MoE kernel against a BLAS-per-expert loop on
+// synthetic layers of published model shapes, with this machine's roofline
+// measured in the same run (see src/cli/bench_common.h, ../shared/perf-targets.md).
+#include <sys/resource.h>
+
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "cli/bench_common.h"
+#include "cli/cli.h"
+#include "fusedmoe/core/thread_pool.h"
+
+namespace fusedmoe::cli {
+namespace {
+
+std::string cpu_model_name() {
+  std::ifstream f("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind("model name", 0) == 0) {
+      const auto colon = line.find(':');
+      if (colon != std::string::npos) return line.substr(line.find_first_not_of(" \t", colon + 1));
+    }
+  return "unknown CPU";
+}
+
+}  // namespace
+
+CLI::App* add_bench_command(CLI::App& app, BenchOptions& o) {
+  CLI::App* cmd = app.add_subcommand(
+      "bench", "Benchmark the CPU MoE kernel against a BLAS-per-expert loop on synthetic layers");
+  cmd->add_option("--tokens", o.tokens, "Comma-separated token counts T")->capture_default_str();
+  cmd->add_option("--shapes", o.shapes,
+                  "Comma-separated shapes: mixtral (E=8,k=2,H=4096,I=14336), qwen3 "
+                  "(E=128,k=8,H=2048,I=768), deepseek (E=256,k=8,H=7168,I=2048), qwen3-cpu "
+                  "(E=64,k=8,H=2048,I=768)")
+      ->capture_default_str();
+  cmd->add_option("--dtype", o.dtype, "Weight and compute dtype: f32 or bf16")
+      ->check(CLI::IsMember({"f32", "bf16"}))
+      ->capture_default_str();
+  cmd->add_option("--threads", o.threads, "Threads (default: all cores)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--min-time", o.min_time, "Minimum seconds of timed runs per measurement")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  cmd->add_option("--routing", o.routing, "Simulated routing: uniform, zipf or all-to-one")
+      ->check(CLI::IsMember({"uniform", "zipf", "all-to-one"}))
+      ->capture_default_str();
+  cmd->add_option("--csv", o.csv, "Also write the results to this CSV file");
+  cmd->add_option("--memory-fraction", o.memory_fraction,
+                  "Share of physical memory a layer may use; larger shapes get fewer experts")
+      ->check(CLI::Range(0.01, 0.95))
+      ->capture_default_str();
+  cmd->add_option("--seed", o.seed, "Seed of weights, inputs and routing")->capture_default_str();
+  cmd->add_flag("--no-baseline", o.no_baseline, "Skip the BLAS-per-expert baseline");
+  return cmd;
+}
+
+int run_bench(const BenchOptions& o) {
+  using namespace fusedmoe::bench;
+  const std::vector<int64_t> token_counts = parse_int_list(o.tokens, "--tokens");
+  std::vector<LayerShape> shapes;
+  for (const auto& name : split_list(o.shapes)) shapes.push_back(find_shape(name));
+  FUSEDMOE_CHECK(!shapes.empty(), "--shapes: expected at least one shape, got \"", o.shapes, "\"");
+  const DType dtype = parse_dtype(o.dtype);
+  const SimulatedRouting routing = parse_simulated_routing(o.routing);
+  if (o.threads > 0) ThreadPool::set_global_num_threads(o.threads);
+  const int threads = ThreadPool::global().num_threads();
+  const bool baseline = !o.no_baseline;
+
+  std::FILE* csv = nullptr;
+  if (!o.csv.empty()) {
+    csv = std::fopen(o.csv.c_str(), "w");
+    FUSEDMOE_CHECK(csv != nullptr, "--csv: cannot write ", o.csv);
+    std::fprintf(csv,
+                 "shape,E,k,H,I,dtype,routing,T,experts_touched,ours_s,ours_gflops,ours_gbps,"
+                 "roofline_frac,bound,baseline_s,baseline_gflops,speedup,rel_diff\n");
+  }
+
+  std::printf("# fusedmoe bench\n\n");
+  std::printf("- CPU: %s, %d threads, SIMD %s\n", cpu_model_name().c_str(), threads, simd_isa());
+  std::printf(
+      "- weights and compute: %s; routing: simulated %s; timing: median after 1 warm-up, "
+      ">= 3 runs and >= %.2f s\n",
+      dtype_name(dtype), o.routing.c_str(), o.min_time);
+  std::fflush(stdout);
+  const Ceilings ceil = measure_ceilings(threads);
+  std::printf(
+      "- ceilings (measured now): peak fp32 FMA %.1f GFLOP/s (register-only %s "
+      "microkernel, %d threads); read bandwidth %.1f GB/s (streaming sum over 1 GiB)\n",
+      ceil.peak_gflops, ceil.isa.c_str(), threads, ceil.read_gbps);
+  std::printf(
+      "- roofline floor = max(bytes / bandwidth, FLOPs / peak); FLOPs = 2*T*k*3*H*I; bytes = "
+      "distinct experts touched x expert bytes + activations in/out\n");
+  if (baseline)
+    std::printf(
+        "- baseline: BLAS-per-expert loop (gather rows, OpenBLAS sgemm on f32 weights for "
+        "w13, SiLU-GLU, sgemm for w2, scatter-add), each GEMM split over the %d threads "
+        "along N\n",
+        threads);
+  std::printf("\n");
+  std::fflush(stdout);
+
+  const size_t budget =
+      static_cast<size_t>(o.memory_fraction * static_cast<double>(physical_memory_bytes()));
+  uint64_t seed = o.seed;
+  for (const LayerShape& requested : shapes) {
+    const LayerShape shape = fit_to_memory(requested, dtype, baseline, budget);
+    reset_peak_rss();
+    const auto t0 = std::chrono::steady_clock::now();
+    SyntheticLayer layer = make_synthetic_layer(shape, dtype, ++seed, baseline);
+    const double setup_s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double weight_bytes =
+        static_cast<double>(layer.weights.w13.nbytes() + layer.weights.w2.nbytes());
+    std::printf("## %s: %s, E=%lld, k=%lld, H=%lld, I=%lld, %s weights %s\n\n", shape.name.c_str(),
+                shape.model.c_str(), static_cast<long long>(shape.E),
+                static_cast<long long>(shape.k), static_cast<long long>(shape.H),
+                static_cast<long long>(shape.I), dtype_name(dtype),
+                format_bytes(weight_bytes).c_str());
+    if (!shape.note.empty()) std::printf("(%s)\n\n", shape.note.c_str());
+    std::printf("| T | experts | fusedmoe ms | GFLOP/s | GB/s | %% roofline | bound |%s\n",
+                baseline ? " BLAS loop ms | GFLOP/s | speedup | rel diff |" : "");
+    std::printf("|---:|---:|---:|---:|---:|---:|---|%s\n", baseline ? "---:|---:|---:|---:|" : "");
+    std::fflush(stdout);
+
+    FusedMoECpu ours(layer, dtype);
+    std::unique_ptr<BlasPerExpertBaseline> base;
+    if (baseline) base = std::make_unique<BlasPerExpertBaseline>(layer);
+    for (int64_t T : token_counts) {
+      const RoutedBatch batch = make_routed_batch(shape, T, routing, ++seed);
+      Tensor out = Tensor::empty(DType::kF32, {T, shape.H});
+      const double t_ours = median(time_repeats([&] { ours.forward(batch, out); }, o.min_time));
+      const Roofline roof = layer_roofline(shape, T, batch.distinct_experts, dtype, ceil);
+      const double frac = t_ours > 0 ? roof.floor_s / t_ours : 0;
+      std::printf("| %lld | %lld | %.3f | %.1f | %.1f | %.0f%% | %s |", static_cast<long long>(T),
+                  static_cast<long long>(batch.distinct_experts), t_ours * 1e3,
+                  roof.flops / t_ours * 1e-9, roof.bytes / t_ours * 1e-9, 100 * frac,
+                  roof.memory_bound ? "memory" : "compute");
+      double t_base = 0, diff = 0;
+      if (baseline) {
+        Tensor ref = Tensor::empty(DType::kF32, {T, shape.H});
+        t_base = median(time_repeats([&] { base->forward(batch, ref); }, o.min_time));
+        diff = rel_l2(out.data_as<float>(), ref.data_as<float>(), static_cast<size_t>(T * shape.H));
+        std::printf(" %.3f | %.1f | %.2fx | %.1e |", t_base * 1e3, roof.flops / t_base * 1e-9,
+                    t_base / t_ours, diff);
+      }
+      std::printf("\n");
+      std::fflush(stdout);
+      if (csv)
+        std::fprintf(
+            csv,
+            "%s,%lld,%lld,%lld,%lld,%s,%s,%lld,%lld,%.6e,%.3f,%.3f,%.4f,%s,%.6e,%.3f,%.4f,%.3e\n",
+            shape.name.c_str(), static_cast<long long>(shape.E), static_cast<long long>(shape.k),
+            static_cast<long long>(shape.H), static_cast<long long>(shape.I), dtype_name(dtype),
+            o.routing.c_str(), static_cast<long long>(T),
+            static_cast<long long>(batch.distinct_experts), t_ours, roof.flops / t_ours * 1e-9,
+            roof.bytes / t_ours * 1e-9, frac, roof.memory_bound ? "memory" : "compute", t_base,
+            baseline ? roof.flops / t_base * 1e-9 : 0.0, baseline ? t_base / t_ours : 0.0, diff);
+    }
+    std::printf("\npeak resident memory for this shape: %s (weights %s%s); set-up %.1f s\n\n",
+                format_bytes(static_cast<double>(peak_rss_bytes())).c_str(),
+                format_bytes(weight_bytes).c_str(),
+                baseline && dtype != DType::kF32 ? ", plus the baseline's f32 copy" : "", setup_s);
+    std::fflush(stdout);
+  }
+  struct rusage ru {};
+  ::getrusage(RUSAGE_SELF, &ru);
+  std::printf("peak resident memory of the whole run (getrusage): %s\n",
+              format_bytes(static_cast<double>(ru.ru_maxrss) * 1024).c_str());
+  if (csv) std::fclose(csv);
+  return 0;
+}
+
+}  // namespace fusedmoe::cli

@@ -1,0 +1,258 @@
+// `fusedmoe inspect PATH [--json]`: what a model's MoE layers are (from
+// config.json, through io/hf_config.h) and what their weights weigh (from the
+// checkpoint's safetensors headers, through io/safetensors.h). PATH may also be
+// a single .safetensors file: then its tensors are listed.
+#include <sys/stat.h>
+
+#include <cstdio>
+#include <iostream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "cli/cli.h"
+#include "fusedmoe/io/hf_config.h"
+#include "fusedmoe/io/safetensors.h"
+
+namespace fusedmoe::cli {
+namespace {
+
+using ojson = nlohmann::ordered_json;
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() &&
+         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+bool is_dir(const std::string& p) {
+  struct stat st {};
+  return ::stat(p.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+bool is_file(const std::string& p) {
+  struct stat st {};
+  return ::stat(p.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+}
+
+ojson config_json(const MoEConfig& c) {
+  ojson j;
+  j["num_experts"] = c.num_experts;
+  j["top_k"] = c.top_k;
+  j["hidden_size"] = c.hidden_size;
+  j["intermediate_size"] = c.intermediate_size;
+  j["routing_method"] = to_string(c.routing_method);
+  j["scoring_func"] = to_string(c.scoring_func);
+  j["renormalize"] = c.renormalize;
+  j["num_expert_group"] = c.num_expert_group;
+  j["topk_group"] = c.topk_group;
+  j["group_score"] = to_string(c.group_score);
+  j["e_score_correction_bias"] = c.has_e_score_correction_bias;
+  j["routed_scaling_factor"] = c.routed_scaling_factor;
+  j["apply_router_weight_on_input"] = c.apply_router_weight_on_input;
+  j["router_bias"] = c.has_router_bias;
+  j["num_zero_experts"] = c.num_zero_experts;
+  j["activation"] = to_string(c.activation);
+  if (c.activation == Activation::kSwigluOai) {
+    j["swiglu_alpha"] = c.swiglu_alpha;
+    j["swiglu_limit"] = c.swiglu_limit;
+  }
+  j["expert_bias"] = c.has_expert_bias;
+  j["shared_intermediate_size"] = c.shared_intermediate_size;
+  j["shared_expert_gate"] = c.has_shared_expert_gate;
+  return j;
+}
+
+struct LayerBytes {
+  int64_t tensors = 0;
+  size_t bytes = 0;
+  std::map<std::string, int64_t> dtypes;  // dtype name -> tensor count
+};
+
+std::string dtypes_str(const std::map<std::string, int64_t>& dtypes) {
+  std::string s;
+  for (const auto& [name, count] : dtypes) {
+    if (!s.empty()) s += ", ";
+    s += name + " (" + std::to_string(count) + ")";
+  }
+  return s.empty() ? "-" : s;
+}
+
+void print_config(const MoEConfig& c) {
+  std::printf("  experts        %lld routed, top-k %lld", static_cast<long long>(c.num_experts),
+              static_cast<long long>(c.top_k));
+  if (c.num_zero_experts > 0) std::printf(", %lld zero experts", (long long)c.num_zero_experts);
+  std::printf("\n  hidden size H  %lld\n", static_cast<long long>(c.hidden_size));
+  std::printf("  expert I       %lld\n", static_cast<long long>(c.intermediate_size));
+  std::printf("  routing        %s, scoring %s, renormalize %s%s\n", to_string(c.routing_method),
+              to_string(c.scoring_func), c.renormalize ? "yes" : "no",
+              c.has_router_bias ? ", router bias" : "");
+  if (c.num_expert_group > 1)
+    std::printf("  groups         %lld groups, top %lld kept, group score %s\n",
+                static_cast<long long>(c.num_expert_group), static_cast<long long>(c.topk_group),
+                to_string(c.group_score));
+  else
+    std::printf("  groups         none\n");
+  std::printf("  score bias     %s\n",
+              c.has_e_score_correction_bias ? "e_score_correction_bias (selection only)" : "none");
+  std::printf("  scaling        routed_scaling_factor %g%s\n", c.routed_scaling_factor,
+              c.apply_router_weight_on_input ? ", router weight applied on the expert input" : "");
+  if (c.has_shared_expert())
+    std::printf("  shared experts intermediate %lld%s\n",
+                static_cast<long long>(c.shared_intermediate_size),
+                c.has_shared_expert_gate ? ", sigmoid shared_expert_gate" : "");
+  else
+    std::printf("  shared experts none\n");
+  std::printf("  activation     %s", to_string(c.activation));
+  if (c.activation == Activation::kSwigluOai)
+    std::printf(" (alpha %g, limit %g)", c.swiglu_alpha, c.swiglu_limit);
+  std::printf("%s\n", c.has_expert_bias ? ", expert biases" : "");
+}
+
+int inspect_safetensors(const std::string& path, bool json) {
+  auto file = SafetensorsFile::open(path);
+  size_t total = 0;
+  ojson tensors = ojson::array();
+  for (const auto& name : file->names()) {
+    const Tensor t = file->get(name);
+    total += t.nbytes();
+    ojson shape = ojson::array();
+    for (int64_t s : t.shape()) shape.push_back(s);
+    tensors.push_back({{"name", name}, {"dtype", dtype_name(t.dtype())}, {"shape", shape}});
+  }
+  if (json) {
+    ojson j;
+    j["file"] = path;
+    j["tensors"] = tensors;
+    j["bytes"] = total;
+    j["metadata"] = file->metadata();
+    std::cout << j.dump(2) << "\n";
+    return 0;
+  }
+  std::printf("file: %s\n%zu tensors, %s\n", path.c_str(), tensors.size(),
+              format_bytes(static_cast<double>(total)).c_str());
+  for (const auto& t : tensors) {
+    std::string shape = "[";
+    for (size_t i = 0; i < t["shape"].size(); ++i)
+      shape += (i ? ", " : "") + std::to_string(t["shape"][i].get<int64_t>());
+    shape += "]";
+    std::printf("  %-50s %-6s %s\n", t["name"].get<std::string>().c_str(),
+                t["dtype"].get<std::string>().c_str(), shape.c_str());
+  }
+  for (const auto& [k, v] : file->metadata())
+    std::printf("  metadata %s = %s\n", k.c_str(), v.c_str());
+  return 0;
+}
+
+}  // namespace
+
+CLI::App* add_inspect_command(CLI::App& app, InspectOptions& opts) {
+  CLI::App* cmd = app.add_subcommand(
+      "inspect",
+      "Describe a model's MoE layers (config.json + checkpoint), or list a .safetensors file");
+  cmd->add_option("MODEL_DIR", opts.path,
+                  "HF model directory (config.json + model.safetensors), a config.json, or a "
+                  ".safetensors file")
+      ->required();
+  cmd->add_flag("--json", opts.json, "Print JSON instead of text");
+  return cmd;
+}
+
+int run_inspect(const InspectOptions& opts) {
+  const std::string& path = opts.path;
+  if (ends_with(path, ".safetensors") && is_file(path)) return inspect_safetensors(path, opts.json);
+  if (!is_dir(path) && !is_file(path))
+    FUSEDMOE_THROW(kIo, path, ": no such model directory or file");
+
+  const ModelInfo info = load_model_info(path);
+  std::string dir = path;
+  if (!is_dir(path)) {
+    const auto slash = path.find_last_of('/');
+    dir = slash == std::string::npos ? "." : path.substr(0, slash);
+  }
+  const bool has_weights =
+      is_file(dir + "/model.safetensors") || is_file(dir + "/model.safetensors.index.json");
+
+  std::map<int64_t, LayerBytes> bytes;
+  size_t total_bytes = 0;
+  if (has_weights) {
+    const Checkpoint ck = Checkpoint::open(dir);
+    const auto names = ck.names();
+    for (int64_t layer : info.moe_layers) {
+      const std::string prefix = info.moe_prefix(layer);
+      LayerBytes& lb = bytes[layer];
+      for (const auto& name : names) {
+        if (name.compare(0, prefix.size(), prefix) != 0) continue;
+        const Tensor t = ck.get(name);
+        ++lb.tensors;
+        lb.bytes += t.nbytes();
+        ++lb.dtypes[dtype_name(t.dtype())];
+      }
+      total_bytes += lb.bytes;
+    }
+  }
+
+  if (opts.json) {
+    ojson j;
+    j["path"] = path;
+    j["model_type"] = info.model_type;
+    j["architecture"] = info.architecture;
+    j["num_hidden_layers"] = info.num_hidden_layers;
+    j["dtype"] = dtype_name(info.dtype);
+    j["moe_layers"] = info.moe_layers;
+    j["weights"] = has_weights;
+    ojson layers = ojson::array();
+    for (int64_t layer : info.moe_layers) {
+      ojson l;
+      l["layer"] = layer;
+      l["prefix"] = info.moe_prefix(layer);
+      l["config"] = config_json(info.layer_config(layer));
+      if (has_weights) {
+        l["tensors"] = bytes[layer].tensors;
+        l["weight_dtypes"] = bytes[layer].dtypes;
+        l["bytes"] = bytes[layer].bytes;
+      }
+      layers.push_back(l);
+    }
+    j["layers"] = layers;
+    if (has_weights) j["moe_bytes_total"] = total_bytes;
+    std::cout << j.dump(2) << "\n";
+    return 0;
+  }
+
+  std::printf("model          %s\n", path.c_str());
+  std::printf("model type     %s%s%s\n", info.model_type.c_str(),
+              info.architecture.empty() ? "" : ", ", info.architecture.c_str());
+  std::printf("dtype          %s\n", dtype_name(info.dtype));
+  std::string moe;
+  for (int64_t l : info.moe_layers) moe += (moe.empty() ? "" : ", ") + std::to_string(l);
+  std::printf("layers         %lld, MoE layers: %s\n",
+              static_cast<long long>(info.num_hidden_layers), moe.empty() ? "none" : moe.c_str());
+  std::string previous;
+  for (int64_t layer : info.moe_layers) {
+    const MoEConfig& c = info.layer_config(layer);
+    const std::string summary = c.summary();
+    if (summary == previous) continue;
+    std::string same;
+    for (int64_t other : info.moe_layers)
+      if (other > layer && info.layer_config(other).summary() == summary)
+        same += (same.empty() ? "" : ", ") + std::to_string(other);
+    std::printf("MoE layer %lld%s\n", static_cast<long long>(layer),
+                same.empty() ? "" : (" (same for layers " + same + ")").c_str());
+    print_config(c);
+    previous = summary;
+  }
+  if (has_weights) {
+    std::printf("weights (MoE blocks only)\n");
+    for (int64_t layer : info.moe_layers) {
+      const LayerBytes& lb = bytes[layer];
+      std::printf("  layer %-4lld %4lld tensors  %-12s %s\n", static_cast<long long>(layer),
+                  static_cast<long long>(lb.tensors),
+                  format_bytes(static_cast<double>(lb.bytes)).c_str(),
+                  dtypes_str(lb.dtypes).c_str());
+    }
+    std::printf("  total       %s\n", format_bytes(static_cast<double>(total_bytes)).c_str());
+  } else {
+    std::printf("weights        none found (no model.safetensors or index in %s)\n", dir.c_str());
+  }
+  return 0;
+}
+
+}  // namespace fusedmoe::cli

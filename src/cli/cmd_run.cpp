@@ -1,0 +1,323 @@
+// `fusedmoe run`: one MoE layer of a HF model on given or random hidden states,
+// optionally checked against a reference tensor (e.g. HF transformers' output).
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cli/cli.h"
+#include "fusedmoe/core/thread_pool.h"
+#include "fusedmoe/io/hf_config.h"
+#include "fusedmoe/io/loader.h"
+#include "fusedmoe/io/safetensors.h"
+#include "fusedmoe/runner/moe_runner.h"
+
+namespace fusedmoe::cli {
+namespace {
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() &&
+         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+std::string base_name(const std::string& p) {
+  const auto slash = p.find_last_of('/');
+  return slash == std::string::npos ? p : p.substr(slash + 1);
+}
+
+// Minimal .npy reader (format versions 1-3, little-endian f2/f4/f8, C order).
+Tensor read_npy(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) FUSEDMOE_THROW(kIo, path, ": cannot open");
+  char magic[8];
+  f.read(magic, 8);
+  if (!f || std::memcmp(magic, "\x93NUMPY", 6) != 0)
+    FUSEDMOE_THROW(kIo, path, ": not a .npy file (bad magic)");
+  uint32_t header_len = 0;
+  if (magic[6] == 1) {
+    unsigned char b[2];
+    f.read(reinterpret_cast<char*>(b), 2);
+    header_len = b[0] | (b[1] << 8);
+  } else {
+    unsigned char b[4];
+    f.read(reinterpret_cast<char*>(b), 4);
+    header_len = b[0] | (b[1] << 8) | (b[2] << 16) | (static_cast<uint32_t>(b[3]) << 24);
+  }
+  std::string header(header_len, '\0');
+  f.read(header.data(), header_len);
+  if (!f) FUSEDMOE_THROW(kIo, path, ": truncated .npy header");
+  auto field = [&](const char* key) {
+    const auto p = header.find(key);
+    if (p == std::string::npos) FUSEDMOE_THROW(kIo, path, ": .npy header has no ", key);
+    return header.substr(p + std::strlen(key));
+  };
+  std::string descr = field("'descr':");
+  descr = descr.substr(descr.find('\'') + 1);
+  descr = descr.substr(0, descr.find('\''));
+  DType dtype;
+  if (descr == "<f4")
+    dtype = DType::kF32;
+  else if (descr == "<f8")
+    dtype = DType::kF64;
+  else if (descr == "<f2")
+    dtype = DType::kF16;
+  else
+    FUSEDMOE_THROW(kIo, path, ": .npy dtype '", descr, "' not supported (expected <f4, <f8, <f2)");
+  if (field("'fortran_order':").find("True") < 3)
+    FUSEDMOE_THROW(kIo, path, ": Fortran-order .npy arrays are not supported");
+  std::string shape_text = field("'shape':");
+  shape_text = shape_text.substr(shape_text.find('(') + 1);
+  shape_text = shape_text.substr(0, shape_text.find(')'));
+  std::vector<int64_t> shape;
+  for (const auto& item : split_list(shape_text)) shape.push_back(std::stoll(item));
+  Tensor t = Tensor::empty(dtype, shape);
+  f.read(static_cast<char*>(t.data()), static_cast<std::streamsize>(t.nbytes()));
+  if (!f) FUSEDMOE_THROW(kIo, path, ": .npy data shorter than its shape ", t.shape_str());
+  return t;
+}
+
+// The tensor `key` of a .safetensors file (or the array of a .npy file).
+Tensor read_tensor(const std::string& path, const std::string& key, const char* what) {
+  if (ends_with(path, ".npy")) return read_npy(path);
+  FUSEDMOE_CHECK(!key.empty(), "--", what, "-key is required with a .safetensors file");
+  auto file = SafetensorsFile::open(path);
+  if (!file->contains(key)) FUSEDMOE_THROW(kIo, path, ": no tensor named '", key, "'");
+  return file->get(key);
+}
+
+std::string describe(const std::string& path, const std::string& key, const char* what) {
+  return ends_with(path, ".npy") ? std::string(what) + " " + path
+                                 : std::string(what) + " '" + key + "' in " + path;
+}
+
+// Values of a floating tensor as doubles (f64 kept exactly).
+std::vector<double> to_f64(const Tensor& t) {
+  std::vector<double> out(static_cast<size_t>(t.numel()));
+  if (t.dtype() == DType::kF64) {
+    const Tensor c = t.view().is_contiguous() ? t : Tensor::copy_of(t);
+    std::memcpy(out.data(), c.data(), out.size() * sizeof(double));
+  } else {
+    const Tensor f = to_f32(t);
+    const float* p = f.data_as<float>();
+    for (size_t i = 0; i < out.size(); ++i) out[i] = p[i];
+  }
+  return out;
+}
+
+void print_histogram(const std::vector<int64_t>& counts, int64_t routed) {
+  const int64_t E = static_cast<int64_t>(counts.size());
+  const int64_t max_count = std::max<int64_t>(1, *std::max_element(counts.begin(), counts.end()));
+  int64_t used = 0;
+  for (int64_t c : counts) used += c > 0;
+  std::printf("expert load    %lld routed slots over %lld experts (%lld used, max %lld)\n",
+              static_cast<long long>(routed), static_cast<long long>(E),
+              static_cast<long long>(used), static_cast<long long>(max_count));
+  constexpr int kWidth = 40;
+  std::vector<int64_t> order(E);
+  for (int64_t e = 0; e < E; ++e) order[e] = e;
+  if (E > 64) {  // only the busiest experts
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t a, int64_t b) { return counts[a] > counts[b]; });
+    order.resize(32);
+    std::printf("               (the 32 busiest experts)\n");
+  }
+  for (int64_t e : order) {
+    const int bar = static_cast<int>((counts[e] * kWidth + max_count - 1) / max_count);
+    std::printf("  expert %4lld %6lld |%s%*s|\n", static_cast<long long>(e),
+                static_cast<long long>(counts[e]), std::string(bar, '#').c_str(), kWidth - bar, "");
+  }
+}
+
+}  // namespace
+
+CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
+  CLI::App* cmd = app.add_subcommand("run", "Run one MoE layer forward on CPU");
+  cmd->add_option("--model", o.model,
+                  "HF model directory (default: the bundled tiny DeepSeek-V3 model)");
+  cmd->add_option("--layer", o.layer, "MoE layer index (default: the first MoE layer)");
+  auto* input = cmd->add_option("--input", o.input,
+                                "Hidden states: .safetensors file (with --input-key) or .npy; "
+                                "f32/bf16/f16/f64 [T, H]");
+  cmd->add_option("--input-key", o.input_key, "Tensor name in the --input safetensors file");
+  auto* tokens = cmd->add_option("--tokens", o.tokens, "Use T random N(0,1) tokens as input")
+                     ->check(CLI::NonNegativeNumber);
+  input->excludes(tokens);
+  tokens->excludes(input);
+  auto* seed = cmd->add_option("--seed", o.seed, "Seed of the random input (default: random)");
+  seed->needs(tokens);
+  cmd->add_option("--output", o.output,
+                  "Write output, topk_ids, topk_weights, router_logits to this .safetensors file");
+  cmd->add_option("--compute-dtype", o.compute_dtype, "f32 or bf16")
+      ->check(CLI::IsMember({"f32", "bf16"}));
+  cmd->add_option("--threads", o.threads, "Worker threads (default: all cores)")
+      ->check(CLI::NonNegativeNumber);
+  auto* ref = cmd->add_option("--reference", o.reference,
+                              "File with the expected output (.safetensors with "
+                              "--reference-key, or .npy)");
+  cmd->add_option("--reference-key", o.reference_key, "Tensor name in the --reference file")
+      ->needs(ref);
+  cmd->add_option("--tolerance", o.tolerance,
+                  "Largest relative L2 error accepted (default: 1e-5 f32, 1e-2 bf16)")
+      ->needs(ref);
+  cmd->add_option("--repeat", o.repeat, "Run the forward N times; the median time is reported")
+      ->check(CLI::PositiveNumber);
+  cmd->add_flag("--quiet", o.quiet, "Leave out the expert load histogram");
+  cmd->callback([&o, seed] { o.seed_given = seed->count() > 0; });
+  return cmd;
+}
+
+int run_run(const RunOptions& o) {
+  FUSEDMOE_CHECK(!o.input.empty() || o.tokens >= 0,
+                 "no input: give --input FILE --input-key KEY, or --tokens T");
+  if (o.threads > 0) ThreadPool::set_global_num_threads(o.threads);
+  const DType compute_dtype = o.compute_dtype == "bf16" ? DType::kBF16 : DType::kF32;
+
+  // Model and layer.
+  const std::string model_dir = o.model.empty() ? bundled_model_dir() : o.model;
+  const ModelInfo info = load_model_info(model_dir);
+  FUSEDMOE_CHECK(!info.moe_layers.empty(), model_dir, ": the model has no MoE layers");
+  const int64_t layer = o.layer >= 0 ? o.layer : info.moe_layers.front();
+  const MoEConfig& config = info.layer_config(layer);
+  const int64_t H = config.hidden_size, k = config.top_k;
+  const int64_t num_logits = config.num_router_logits();
+
+  // Input.
+  Tensor input;
+  std::string input_desc;
+  if (!o.input.empty()) {
+    const Tensor raw = read_tensor(o.input, o.input_key, "input");
+    const std::string what = describe(o.input, o.input_key, "input");
+    if (raw.ndim() != 2 || raw.size(1) != H)
+      FUSEDMOE_THROW(kInvalidArgument, what, ": expected [T, ", H, "], got ", raw.shape_str());
+    FUSEDMOE_CHECK(is_floating(raw.dtype()), what,
+                   ": expected a floating dtype (f32, bf16, f16, f64), got ",
+                   dtype_name(raw.dtype()));
+    input = raw.dtype() == DType::kF32 ? raw : to_f32(raw);
+    input_desc =
+        ends_with(o.input, ".npy") ? base_name(o.input) : base_name(o.input) + ":" + o.input_key;
+  } else {
+    uint64_t seed = o.seed;
+    if (!o.seed_given)
+      seed = (static_cast<uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}();
+    input = Tensor::empty(DType::kF32, {o.tokens, H});
+    std::mt19937_64 rng(seed);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    float* p = input.data_as<float>();
+    for (int64_t i = 0; i < input.numel(); ++i) p[i] = normal(rng);
+    input_desc = "random N(0,1), seed " + std::to_string(seed);
+  }
+  const int64_t T = input.size(0);
+
+  // Reference (read and checked before anything runs).
+  Tensor reference;
+  std::string ref_what;
+  if (!o.reference.empty()) {
+    reference = read_tensor(o.reference, o.reference_key, "reference");
+    ref_what = describe(o.reference, o.reference_key, "reference");
+    if (reference.ndim() != 2 || reference.size(0) != T || reference.size(1) != H)
+      FUSEDMOE_THROW(kInvalidArgument, ref_what, ": expected [", T, ", ", H, "], got ",
+                     reference.shape_str());
+    FUSEDMOE_CHECK(is_floating(reference.dtype()), ref_what, ": expected a floating dtype, got ",
+                   dtype_name(reference.dtype()));
+  }
+
+  // Weights and runner.
+  const Checkpoint checkpoint = Checkpoint::open(model_dir);
+  MoELayerWeights weights = load_moe_layer(checkpoint, info, layer);
+  const size_t weight_bytes = weights.nbytes();
+  RunnerOptions ropts;
+  ropts.compute_dtype = compute_dtype;
+  MoERunner runner(config, std::move(weights), ropts);
+
+  Tensor output = Tensor::empty(DType::kF32, {T, H});
+  Tensor topk_ids = Tensor::empty(DType::kI32, {T, k});
+  Tensor topk_weights = Tensor::empty(DType::kF32, {T, k});
+  Tensor router_logits = Tensor::empty(DType::kF32, {T, num_logits});
+  ForwardOutputs outs{router_logits, topk_ids, topk_weights};
+
+  std::vector<double> times;
+  for (int r = 0; r < o.repeat; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    runner.forward(input, output, nullptr, nullptr, &outs);
+    const auto t1 = std::chrono::steady_clock::now();
+    times.push_back(std::chrono::duration<double>(t1 - t0).count());
+  }
+  std::sort(times.begin(), times.end());
+  const double median = times[times.size() / 2];
+
+  // Compare with the reference.
+  bool failed = false;
+  double rel = 0.0, tol = 0.0;
+  if (reference.defined()) {
+    const std::vector<double> ref = to_f64(reference);
+    const float* out = output.data_as<float>();
+    double num = 0.0, den = 0.0;
+    bool finite = true;
+    for (size_t i = 0; i < ref.size(); ++i) {
+      finite = finite && std::isfinite(out[i]);
+      const double d = out[i] - ref[i];
+      num += d * d;
+      den += ref[i] * ref[i];
+    }
+    rel = den > 0.0 ? std::sqrt(num / den) : std::sqrt(num);
+    if (!finite) rel = std::numeric_limits<double>::infinity();
+    tol = o.tolerance >= 0.0 ? o.tolerance : (compute_dtype == DType::kBF16 ? 1e-2 : 1e-5);
+    failed = !(rel <= tol);
+  }
+
+  // Output file (written atomically by save_safetensors).
+  if (!o.output.empty()) {
+    save_safetensors(o.output,
+                     {{"output", output.view()},
+                      {"topk_ids", topk_ids.view()},
+                      {"topk_weights", topk_weights.view()},
+                      {"router_logits", router_logits.view()}},
+                     {{"model", model_dir},
+                      {"model_type", info.model_type},
+                      {"layer", std::to_string(layer)},
+                      {"compute_dtype", dtype_name(compute_dtype)},
+                      {"producer", "fusedmoe run"}});
+  }
+
+  // Summary.
+  std::printf("model          %s (%s)\n", model_dir.c_str(), info.model_type.c_str());
+  std::printf("layer          %lld: %lld experts, top-%lld, H %lld, I %lld, weights %s\n",
+              static_cast<long long>(layer), static_cast<long long>(config.num_experts),
+              static_cast<long long>(k), static_cast<long long>(H),
+              static_cast<long long>(config.intermediate_size),
+              format_bytes(static_cast<double>(weight_bytes)).c_str());
+  std::printf("input          %s, T = %lld\n", input_desc.c_str(), static_cast<long long>(T));
+  std::printf("compute dtype  %s\n", dtype_name(compute_dtype));
+  std::printf("threads        %d\n", ThreadPool::global().num_threads());
+  std::printf("time           %.3f ms (median of %d)\n", median * 1e3, o.repeat);
+  std::printf("throughput     %.0f tokens/s\n", median > 0 ? static_cast<double>(T) / median : 0.0);
+  if (reference.defined())
+    std::printf("reference      %s: relative L2 error %.3e (tolerance %.0e): %s\n",
+                o.reference_key.empty() ? o.reference.c_str() : o.reference_key.c_str(), rel, tol,
+                failed ? "FAIL" : "ok");
+  if (!o.output.empty())
+    std::printf("output         %s (output, topk_ids, topk_weights, router_logits)\n",
+                o.output.c_str());
+  if (!o.quiet && T > 0) {
+    std::vector<int64_t> counts(static_cast<size_t>(config.num_experts), 0);
+    int64_t routed = 0;
+    const int32_t* ids = topk_ids.data_as<int32_t>();
+    for (int64_t i = 0; i < T * k; ++i)
+      if (ids[i] >= 0 && ids[i] < config.num_experts) ++counts[ids[i]], ++routed;
+    print_histogram(counts, routed);
+  }
+  std::fflush(stdout);
+  if (failed) {
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "%.3e > tolerance %.0e", rel, tol);
+    FUSEDMOE_THROW(kInvalidArgument, "output differs from ", ref_what, ": relative L2 error ", buf);
+  }
+  return 0;
+}
+
+}  // namespace fusedmoe::cli
