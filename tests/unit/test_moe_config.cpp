@@ -1,0 +1,215 @@
+// Tests of MoEConfig: names, parsing, validate() and summary().
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <string>
+
+#include "fusedmoe/config/moe_config.h"
+#include "fusedmoe/core/error.h"
+
+namespace fusedmoe {
+namespace {
+
+MoEConfig valid_config() {
+  MoEConfig c;
+  c.num_experts = 16;
+  c.top_k = 4;
+  c.hidden_size = 128;
+  c.intermediate_size = 48;
+  return c;
+}
+
+MoEConfig deepseek_v3_config() {
+  MoEConfig c = valid_config();
+  c.routing_method = RoutingMethod::kGroupedTopK;
+  c.scoring_func = ScoringFunc::kSigmoid;
+  c.renormalize = true;
+  c.num_expert_group = 4;
+  c.topk_group = 2;
+  c.group_score = GroupScore::kSumTop2;
+  c.has_e_score_correction_bias = true;
+  c.routed_scaling_factor = 2.5f;
+  c.shared_intermediate_size = 48;
+  return c;
+}
+
+// Expects validate() to throw kInvalidArgument with every substring in the message.
+void expect_invalid(const MoEConfig& c, std::initializer_list<std::string> substrings) {
+  try {
+    c.validate();
+    ADD_FAILURE() << "validate() accepted an invalid config:\n" << c.summary();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+    for (const std::string& s : substrings)
+      EXPECT_NE(std::string(e.what()).find(s), std::string::npos)
+          << "message \"" << e.what() << "\" lacks \"" << s << "\"";
+  }
+}
+
+MoEConfig with(std::function<void(MoEConfig&)> edit, MoEConfig c = valid_config()) {
+  edit(c);
+  return c;
+}
+
+TEST(MoEConfig, ValidConfigsPass) {
+  EXPECT_NO_THROW(valid_config().validate());
+  EXPECT_NO_THROW(deepseek_v3_config().validate());
+  MoEConfig llama4 = valid_config();
+  llama4.routing_method = RoutingMethod::kLlama4;
+  llama4.top_k = 1;
+  llama4.apply_router_weight_on_input = true;
+  EXPECT_NO_THROW(llama4.validate());
+  // E/G = 1 with max group score is fine.
+  EXPECT_NO_THROW(with(
+                      [](MoEConfig& c) {
+                        c.num_expert_group = 16;
+                        c.topk_group = 4;
+                        c.group_score = GroupScore::kMax;
+                        c.has_e_score_correction_bias = false;
+                      },
+                      deepseek_v3_config())
+                      .validate());
+  // top_k may use zero experts.
+  EXPECT_NO_THROW(with([](MoEConfig& c) {
+                    c.num_experts = 4;
+                    c.num_zero_experts = 2;
+                    c.top_k = 6;
+                  }).validate());
+}
+
+TEST(MoEConfig, RejectsNonPositiveSizes) {
+  expect_invalid(with([](MoEConfig& c) { c.num_experts = 0; }), {"num_experts", "> 0", "got 0"});
+  expect_invalid(with([](MoEConfig& c) { c.top_k = -1; }), {"top_k", "got -1"});
+  expect_invalid(with([](MoEConfig& c) { c.hidden_size = 0; }), {"hidden_size", "got 0"});
+  expect_invalid(with([](MoEConfig& c) { c.intermediate_size = -5; }),
+                 {"intermediate_size", "got -5"});
+}
+
+TEST(MoEConfig, RejectsTopKAboveExperts) {
+  expect_invalid(with([](MoEConfig& c) { c.top_k = 17; }), {"top_k", "16", "got 17"});
+  expect_invalid(with([](MoEConfig& c) {
+                   c.num_zero_experts = 2;
+                   c.top_k = 19;
+                 }),
+                 {"top_k", "18", "got 19"});
+  expect_invalid(with([](MoEConfig& c) { c.num_zero_experts = -1; }),
+                 {"num_zero_experts", "got -1"});
+}
+
+TEST(MoEConfig, RejectsBadGrouping) {
+  expect_invalid(with([](MoEConfig& c) { c.num_expert_group = 3; }, deepseek_v3_config()),
+                 {"num_expert_group", "divisor", "16", "got 3"});
+  expect_invalid(with([](MoEConfig& c) { c.topk_group = 5; }, deepseek_v3_config()),
+                 {"topk_group", "4", "got 5"});
+  expect_invalid(with([](MoEConfig& c) { c.topk_group = 0; }, deepseek_v3_config()),
+                 {"topk_group", "got 0"});
+  // 1 group of 4 experts kept, top_k 5.
+  expect_invalid(with(
+                     [](MoEConfig& c) {
+                       c.topk_group = 1;
+                       c.top_k = 5;
+                     },
+                     deepseek_v3_config()),
+                 {"top_k", "topk_group", "4", "got 5"});
+  // sum of top-2 needs two experts per group.
+  expect_invalid(with(
+                     [](MoEConfig& c) {
+                       c.num_expert_group = 16;
+                       c.topk_group = 4;
+                     },
+                     deepseek_v3_config()),
+                 {"group_score", "sum_top2", "got 1"});
+  expect_invalid(with([](MoEConfig& c) { c.num_zero_experts = 2; }, deepseek_v3_config()),
+                 {"num_zero_experts", "grouped", "got 2"});
+}
+
+TEST(MoEConfig, RejectsBadScalingAndWeightOnInput) {
+  expect_invalid(with([](MoEConfig& c) { c.routed_scaling_factor = 0.0f; }),
+                 {"routed_scaling_factor", "got 0"});
+  expect_invalid(with([](MoEConfig& c) { c.routed_scaling_factor = -1.0f; }),
+                 {"routed_scaling_factor", "got -1"});
+  expect_invalid(
+      with([](MoEConfig& c) { c.routed_scaling_factor = std::numeric_limits<float>::quiet_NaN(); }),
+      {"routed_scaling_factor", "nan"});
+  expect_invalid(
+      with([](MoEConfig& c) { c.routed_scaling_factor = std::numeric_limits<float>::infinity(); }),
+      {"routed_scaling_factor", "inf"});
+  expect_invalid(with([](MoEConfig& c) { c.apply_router_weight_on_input = true; }),
+                 {"top_k", "apply_router_weight_on_input", "got 4"});
+}
+
+TEST(MoEConfig, RejectsParallelLayouts) {
+  expect_invalid(with([](MoEConfig& c) { c.parallel.ep_size = 2; }),
+                 {"ep_size: expected 1 (expert parallelism is not implemented yet), got 2"});
+  expect_invalid(with([](MoEConfig& c) { c.parallel.tp_size = 4; }), {"tp_size", "got 4"});
+  expect_invalid(with([](MoEConfig& c) { c.parallel.dp_size = 2; }), {"dp_size", "got 2"});
+  expect_invalid(with([](MoEConfig& c) { c.parallel.ep_rank = 1; }), {"ep_rank", "got 1"});
+}
+
+TEST(MoEConfig, RejectsSimulatorAndHashParameters) {
+  MoEConfig sim = valid_config();
+  sim.routing_method = RoutingMethod::kSimulated;
+  sim.simulated = SimulatedRouting::kZipf;
+  EXPECT_NO_THROW(sim.validate());
+  expect_invalid(with([](MoEConfig& c) { c.zipf_s = 0.0; }, sim), {"zipf_s", "got 0"});
+  expect_invalid(with([](MoEConfig& c) { c.zipf_s = -1.5; }, sim), {"zipf_s", "got -1.5"});
+  MoEConfig hash = valid_config();
+  hash.routing_method = RoutingMethod::kHash;
+  expect_invalid(hash, {"hash_vocab_size", "got 0"});
+  hash.hash_vocab_size = 100;
+  EXPECT_NO_THROW(hash.validate());
+}
+
+TEST(MoEConfig, RejectsSharedExpertInconsistencies) {
+  expect_invalid(with([](MoEConfig& c) { c.shared_intermediate_size = -1; }),
+                 {"shared_intermediate_size", "got -1"});
+  expect_invalid(with([](MoEConfig& c) { c.has_shared_expert_gate = true; }),
+                 {"has_shared_expert_gate", "shared"});
+  expect_invalid(with([](MoEConfig& c) {
+                   c.has_e_score_correction_bias = true;
+                   c.routing_method = RoutingMethod::kLlama4;
+                   c.top_k = 1;
+                 }),
+                 {"has_e_score_correction_bias", "llama4"});
+}
+
+TEST(MoEConfig, NamesRoundTrip) {
+  for (Activation a : {Activation::kSiluGlu, Activation::kGeluGlu, Activation::kGeluTanhGlu,
+                       Activation::kSwigluOai})
+    EXPECT_EQ(parse_activation(to_string(a)), a);
+  for (ScoringFunc f : {ScoringFunc::kSoftmax, ScoringFunc::kSigmoid, ScoringFunc::kSqrtSoftplus})
+    EXPECT_EQ(parse_scoring_func(to_string(f)), f);
+  for (SimulatedRouting s :
+       {SimulatedRouting::kUniform, SimulatedRouting::kZipf, SimulatedRouting::kAllToOne})
+    EXPECT_EQ(parse_simulated_routing(to_string(s)), s);
+  EXPECT_EQ(parse_activation("silu"), Activation::kSiluGlu);
+  EXPECT_EQ(parse_activation("gelu"), Activation::kGeluGlu);
+  EXPECT_EQ(parse_activation("gelu_pytorch_tanh"), Activation::kGeluTanhGlu);
+  EXPECT_EQ(parse_scoring_func("Sigmoid"), ScoringFunc::kSigmoid);
+  try {
+    parse_activation("relu");
+    ADD_FAILURE() << "relu accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("relu"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(parse_scoring_func("tanh"), Error);
+  EXPECT_THROW(parse_simulated_routing("gauss"), Error);
+  EXPECT_STREQ(to_string(RoutingMethod::kGroupedTopK), "grouped_topk");
+  EXPECT_STREQ(to_string(GroupScore::kSumTop2), "sum_top2");
+}
+
+TEST(MoEConfig, SummaryListsFields) {
+  const std::string s = deepseek_v3_config().summary();
+  for (const char* needle : {"num_experts:", "16", "top_k:", "grouped_topk", "sigmoid",
+                             "num_expert_group:", "topk_group:", "sum_top2",
+                             "routed_scaling_factor:", "2.5", "shared_intermediate_size:"})
+    EXPECT_NE(s.find(needle), std::string::npos) << "summary lacks " << needle << ":\n" << s;
+  EXPECT_GT(std::count(s.begin(), s.end(), '\n'), 15);
+}
+
+}  // namespace
+}  // namespace fusedmoe
