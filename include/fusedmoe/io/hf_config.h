@@ -7,6 +7,8 @@
 // layers are MoE follows the modeling code: first_k_dense_replace and
 // moe_layer_freq (DeepSeek), decoder_sparse_step and mlp_only_layers (Qwen),
 // interleave_moe_layer_step / moe_layers (Llama-4); every layer otherwise.
+// Shape fields (hidden_size, num_hidden_layers, expert count, num_experts_per_tok,
+// intermediate sizes) are required even where transformers has a default.
 #pragma once
 
 #include <cstdint>
@@ -20,14 +22,16 @@
 namespace fusedmoe {
 
 struct ModelInfo {
-  std::string model_type;    // e.g. "deepseek_v3"
+  std::string model_type;    // e.g. "deepseek_v3" (top level: "llama4" for a multimodal config)
   std::string architecture;  // architectures[0], or ""
   std::string source;        // path of the config.json
   int64_t num_hidden_layers = 0;
   DType dtype = DType::kBF16;                  // "dtype" / "torch_dtype" of the checkpoint
   std::vector<int64_t> moe_layers;             // sorted layer indices that are MoE
   std::map<int64_t, MoEConfig> layer_configs;  // one per MoE layer (validated)
-  // Weight-name prefix of layer L's MoE block, e.g. "model.layers.3.mlp."
+  // Weight-name prefix of layer L's MoE block, e.g. "model.layers.3.mlp."; Mixtral
+  // "model.layers.L.block_sparse_moe.", llama4_text "model.layers.L.feed_forward.",
+  // multimodal llama4 "language_model.model.layers.L.feed_forward.".
   std::string moe_prefix(int64_t layer) const;
 
   bool is_moe_layer(int64_t layer) const { return layer_configs.count(layer) != 0; }

@@ -30,7 +30,9 @@ class SafetensorsFile {
   const std::string& path() const { return path_; }
   std::vector<std::string> names() const;  // sorted
   bool contains(const std::string& name) const;
-  // Throws Error(kIo) "FILE: no tensor named NAME" when absent.
+  // Throws Error(kIo) "FILE: no tensor named NAME" when absent, Error(kUnsupported)
+  // for more than kMaxDims dimensions. The view is read-only (a PROT_READ mapping):
+  // never write through it; copy first (Tensor::copy_of).
   Tensor get(const std::string& name) const;
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
 
@@ -51,7 +53,9 @@ class SafetensorsFile {
 
 // A checkpoint directory: `model.safetensors`, or a sharded one through
 // `model.safetensors.index.json` (weight_map: tensor -> shard file), or a
-// single .safetensors file path. Shards are opened lazily, once each.
+// single .safetensors file path. Shards are opened lazily, once each, so get()
+// is not thread-safe: fetch tensors from one thread (they may then be read anywhere).
+// Throws Error(kIo) when the path has none of these or the index is malformed.
 class Checkpoint {
  public:
   static Checkpoint open(const std::string& path);
@@ -70,6 +74,8 @@ class Checkpoint {
 // Writes tensors (any host views; written contiguous) and string metadata to
 // `path` atomically: a temporary file in the same folder is renamed over
 // `path` only after everything was written, so a failure leaves no partial file.
+// Layout as the reference writer: tensors ordered by dtype size (largest first)
+// then name, header padded with spaces to a multiple of 8 bytes.
 // Throws Error(kIo) on failure, Error(kInvalidArgument) on duplicate names.
 void save_safetensors(const std::string& path,
                       const std::vector<std::pair<std::string, TensorView>>& tensors,
