@@ -6,12 +6,14 @@
 //   gpt-oss        g = min(g, limit), u = clamp(u, -limit, limit),
 //                  (u + 1) * (g * sigmoid(alpha * g))              (HF GptOssExperts._apply_gate)
 //
-// sigmoid uses a branch-free exp (Cephes polynomial, ~1 ulp) on a clamped
-// argument, so the loops vectorise and large |x| gives 0 or x, never NaN.
+// sigmoid uses a branch-free exp (Cephes polynomial, ~1 ulp) that saturates to
+// 0 / +Inf, so the loops vectorise and large |x| gives 0 or x, never NaN.
+// GELU uses erfc and GELU-tanh x * sigmoid(2z) to avoid cancellation for x << 0.
 #include "kernels/cpu/activation.h"
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "fusedmoe/experts/expert_weights.h"
 
@@ -19,12 +21,13 @@ namespace fusedmoe {
 
 namespace {
 
-// e^x for x clamped to [-87.3, 88.3] (finite, normal results). Cephes expf.
-inline float exp_clamped(float x) {
-  x = x < -87.3f ? -87.3f : x;
-  x = x > 88.3f ? 88.3f : x;
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  float r = x - n * 0.693359375f;
+// e^x, branch-free so loops vectorise: Cephes expf polynomial (~1 ulp) on
+// [-87.3, 88.3]; 0 below, +Inf above (so sigmoid reaches exactly 0 and 1).
+inline float exp_f32(float x) {
+  float xc = x < -87.3f ? -87.3f : x;
+  xc = xc > 88.3f ? 88.3f : xc;
+  const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
+  float r = xc - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
   float p = 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
@@ -32,13 +35,14 @@ inline float exp_clamped(float x) {
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  const float y = p * (r * r) + r + 1.0f;
-  const int32_t e = static_cast<int32_t>(n) + 127;
-  return y * bits_float(static_cast<uint32_t>(e) << 23);
+  const float y = (p * (r * r) + r + 1.0f) *
+                  bits_float(static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23);
+  const float big = x > 88.3f ? std::numeric_limits<float>::infinity() : y;
+  return x < -87.3f ? 0.0f : big;
 }
 
 inline float sigmoid(float x) {
-  return 1.0f / (1.0f + exp_clamped(-x));
+  return 1.0f / (1.0f + exp_f32(-x));
 }
 
 inline float maybe_round(float v, bool round_bf16) {
@@ -61,18 +65,18 @@ void activation_rows(const ActivationParams& p, const float* gate, const float* 
         break;
       case Activation::kGeluGlu:
         for (int64_t i = 0; i < n; ++i) {
+          // 1 + erf(x / sqrt 2) = erfc(-x / sqrt 2): no cancellation for x << 0.
           const float x = g[i];
-          const float gelu = 0.5f * x * (1.0f + std::erf(x * 0.70710678118654752f));
+          const float gelu = 0.5f * x * std::erfc(x * -0.70710678118654752f);
           o[i] = maybe_round(gelu * u[i], round_bf16);
         }
         break;
       case Activation::kGeluTanhGlu:
         for (int64_t i = 0; i < n; ++i) {
+          // x/2 (1 + tanh(z)) = x * sigmoid(2z): exact identity, no cancellation.
           const float x = g[i];
-          // tanh(z) = 1 - 2 / (e^{2z} + 1); exp_clamped keeps it finite for any z.
           const float z = 0.7978845608028654f * (x + 0.044715f * x * x * x);
-          const float t = 1.0f - 2.0f / (exp_clamped(2.0f * z) + 1.0f);
-          o[i] = maybe_round(0.5f * x * (1.0f + t) * u[i], round_bf16);
+          o[i] = maybe_round(x * sigmoid(2.0f * z) * u[i], round_bf16);
         }
         break;
       case Activation::kSwigluOai: {
