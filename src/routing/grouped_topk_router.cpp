@@ -82,7 +82,7 @@ class GroupedTopKRouter final : public RouterBase {
       TopKList<double> etop(evals.data(), eids.data(), k);
       for (int64_t j = 0; j < kg; ++j) {
         const int64_t e0 = gids[j] * per;
-        for (int64_t e = e0; e < e0 + per; ++e) etop.push(choice[e], static_cast<int32_t>(e));
+        etop.scan(choice.data() + e0, per, static_cast<int32_t>(e0));
       }
       double sum = 0.0;
       for (int64_t j = 0; j < k; ++j) sum += (w[j] = scores[eids[j]]);

@@ -72,6 +72,22 @@ class TopKList {
     values_[pos] = v;
     ids_[pos] = id;
   }
+  // Pushes v[0..n) with ids first_id, first_id + 1, ...; the common case
+  // (value below the current k-th) costs one compare against a register.
+  template <typename T>
+  void scan(const T* v, int64_t n, int32_t first_id) {
+    int64_t i = 0;
+    for (; i < n && n_ < k_; ++i) push(static_cast<V>(v[i]), first_id + static_cast<int32_t>(i));
+    if (i == n) return;
+    V threshold = values_[k_ - 1];
+    for (; i < n; ++i) {
+      const V x = static_cast<V>(v[i]);
+      if (x > threshold) {
+        push(x, first_id + static_cast<int32_t>(i));
+        threshold = values_[k_ - 1];
+      }
+    }
+  }
   int64_t size() const { return n_; }
   V value(int64_t i) const { return values_[i]; }
   int32_t id(int64_t i) const { return ids_[i]; }

@@ -14,17 +14,19 @@ struct Scratch {
       : fvals(static_cast<size_t>(k)),
         dvals(static_cast<size_t>(k)),
         ids(static_cast<size_t>(k)),
-        scores(static_cast<size_t>(row)) {}
+        scores(static_cast<size_t>(row)),
+        choice(static_cast<size_t>(row)) {}
   std::vector<float> fvals;
   std::vector<double> dvals;
   std::vector<int32_t> ids;
   std::vector<double> scores;
+  std::vector<double> choice;
 };
 
 // Selects the top-k raw logits of one row (ties: lower column first).
 inline TopKList<float> select_logits(const float* row, int64_t cols, int64_t k, Scratch& s) {
   TopKList<float> top(s.fvals.data(), s.ids.data(), k);
-  for (int64_t c = 0; c < cols; ++c) top.push(row[c], static_cast<int32_t>(c));
+  top.scan(row, cols, 0);
   return top;
 }
 
@@ -80,9 +82,10 @@ class TopKRouter final : public RouterBase {
         } else {
           for (int64_t c = 0; c < cols; ++c) sc[c] = elementwise(f, row[c]);
         }
+        double* choice = s.choice.data();
+        for (int64_t c = 0; c < cols; ++c) choice[c] = sc[c] + bias_[static_cast<size_t>(c)];
         TopKList<double> top(s.dvals.data(), s.ids.data(), k);
-        for (int64_t c = 0; c < cols; ++c)
-          top.push(sc[c] + bias_[static_cast<size_t>(c)], static_cast<int32_t>(c));
+        top.scan(choice, cols, 0);
         for (int64_t j = 0; j < k; ++j) wk[j] = sc[s.ids[static_cast<size_t>(j)]];
         sel = s.ids.data();
       }
