@@ -280,7 +280,7 @@ LayerShape fit_to_memory(LayerShape s, DType dtype, bool with_baseline, size_t b
       static_cast<long long>(s.E), static_cast<long long>(e), static_cast<double>(need) / (1 << 30),
       static_cast<double>(budget_bytes) / (1 << 30));
   s.E = e;
-  s.note = buf;
+  s.note = s.note.empty() ? std::string(buf) : s.note + "; " + buf;
   return s;
 }
 

@@ -52,6 +52,7 @@ struct BenchOptions {
   double memory_fraction = 0.4;
   uint64_t seed = 1234;
   bool no_baseline = false;
+  int64_t max_experts = 0;  // > 0: cap E of every shape (quick runs, tests)
 };
 CLI::App* add_bench_command(CLI::App& app, BenchOptions& opts);
 int run_bench(const BenchOptions& opts);
