@@ -16,8 +16,8 @@ void ModularKernel::forward(const TensorView& hidden_states, const TensorView& t
                  weights.w13.view().str());
   FUSEDMOE_CHECK(weights.w2.ndim() == 3, "experts.w2: expected a 3-d tensor [E, H, I], got ",
                  weights.w2.view().str());
-  const int64_t E = weights.num_experts(), H = weights.hidden_size(),
-                I = weights.intermediate_size();
+  // Sizes come from w13 [E, 2I, H], so a w2 that does not match is the one reported.
+  const int64_t E = weights.w13.size(0), H = weights.w13.size(2), I = weights.w13.size(1) / 2;
   weights.validate(E, H, I, weights.w13_bias.has_value() || weights.w2_bias.has_value(), "experts");
   FUSEDMOE_CHECK(params.compute_dtype == DType::kF32 || params.compute_dtype == DType::kBF16,
                  "compute_dtype: expected f32 or bf16, got ", dtype_name(params.compute_dtype));

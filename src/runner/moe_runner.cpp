@@ -1,0 +1,249 @@
+// fusedmoe: MoERunner — gate GEMM, router, routed experts, shared expert.
+//
+// Order of operations per architecture (HF modeling files, transformers 5.x):
+//   Mixtral / Qwen3-MoE / OLMoE / gpt-oss: output = routed
+//   Qwen2-MoE:   output = routed + sigmoid(x . shared_expert_gate) * shared(x)
+//   DeepSeek-V3: output = routed + shared(x)   (routed_scaling_factor is in topk_weights)
+//   Llama-4:     output = shared(x) + routed(x * topk_weight)  (weight on the expert input)
+// The gate is computed in f32 (DeepSeek-V3: F.linear(x.float(), weight.float()));
+// bf16 gate weights are widened exactly.
+#include "fusedmoe/runner/moe_runner.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+
+#include "kernels/cpu/gemm.h"
+#include "kernels/cpu/workspace_slots.h"
+
+namespace fusedmoe {
+
+// ---- MoELayerWeights ----------------------------------------------------------
+
+size_t MoELayerWeights::nbytes() const {
+  size_t n = gate_weight.nbytes() + experts.nbytes();
+  if (gate_bias) n += gate_bias->nbytes();
+  if (router_params.e_score_correction_bias) n += router_params.e_score_correction_bias->nbytes();
+  if (router_params.hash_table) n += router_params.hash_table->nbytes();
+  if (shared_experts) n += shared_experts->nbytes();
+  if (shared_expert_gate) n += shared_expert_gate->nbytes();
+  return n;
+}
+
+namespace {
+
+// f32 or bf16, given shape, contiguous.
+void check_float_param(const Tensor& t, const char* name, std::initializer_list<int64_t> shape) {
+  const TensorView& v = t.view();
+  FUSEDMOE_CHECK(v.data() != nullptr || v.ndim() > 0, name, ": missing");
+  FUSEDMOE_CHECK(v.dtype() == DType::kF32 || v.dtype() == DType::kBF16, name,
+                 ": expected dtype f32 or bf16, got ", v.str());
+  check_tensor(v, name, v.dtype(), shape);
+  FUSEDMOE_CHECK(v.is_contiguous(), name, ": expected a contiguous tensor, got strides of ",
+                 v.str());
+}
+
+// True when the memory spanned by a and b overlaps.
+bool overlaps(const TensorView& a, const TensorView& b) {
+  if (a.numel() == 0 || b.numel() == 0) return false;
+  auto span = [](const TensorView& v) {
+    int64_t last = 0;
+    for (int d = 0; d < v.ndim(); ++d) last += (v.size(d) - 1) * v.stride(d);
+    const char* p = static_cast<const char*>(v.data());
+    return std::pair<const char*, const char*>(p, p + (last + 1) * dtype_size(v.dtype()));
+  };
+  const auto [a0, a1] = span(a);
+  const auto [b0, b1] = span(b);
+  return a0 < b1 && b0 < a1;
+}
+
+}  // namespace
+
+void MoELayerWeights::validate(const MoEConfig& config) const {
+  const int64_t E = config.num_experts, H = config.hidden_size;
+  const int64_t L = config.num_router_logits();
+  check_float_param(gate_weight, "gate_weight", {L, H});
+  if (config.has_router_bias) {
+    FUSEDMOE_CHECK(gate_bias.has_value(), "gate_bias: missing (expected f32/bf16 [", L,
+                   "]; the config has a router bias)");
+    check_float_param(*gate_bias, "gate_bias", {L});
+  } else {
+    FUSEDMOE_CHECK(!gate_bias.has_value(),
+                   "gate_bias: given, but the config has no router bias (has_router_bias = false)");
+  }
+  experts.validate(E, H, config.intermediate_size, config.has_expert_bias, "experts");
+  if (config.has_shared_expert()) {
+    FUSEDMOE_CHECK(shared_experts.has_value(), "shared_experts: missing (expected w13 [1, ",
+                   2 * config.shared_intermediate_size, ", ", H, "], w2 [1, ", H, ", ",
+                   config.shared_intermediate_size,
+                   "]; the config has shared_intermediate_size = ", config.shared_intermediate_size,
+                   ")");
+    shared_experts->validate(1, H, config.shared_intermediate_size, false, "shared_experts");
+  } else {
+    FUSEDMOE_CHECK(!shared_experts.has_value(),
+                   "shared_experts: given, but the config has no shared expert "
+                   "(shared_intermediate_size = 0)");
+  }
+  if (config.has_shared_expert_gate) {
+    FUSEDMOE_CHECK(config.has_shared_expert(),
+                   "shared_expert_gate: the config has a shared expert gate but no shared expert");
+    FUSEDMOE_CHECK(shared_expert_gate.has_value(),
+                   "shared_expert_gate: missing (expected f32/bf16 [1, ", H, "])");
+    check_float_param(*shared_expert_gate, "shared_expert_gate", {1, H});
+  } else {
+    FUSEDMOE_CHECK(!shared_expert_gate.has_value(),
+                   "shared_expert_gate: given, but the config has none (has_shared_expert_gate = "
+                   "false)");
+  }
+}
+
+// ---- MoERunner ----------------------------------------------------------------
+
+MoERunner::MoERunner(MoEConfig config, MoELayerWeights weights, RunnerOptions options)
+    : config_(std::move(config)), weights_(std::move(weights)), options_(options) {
+  config_.validate();
+  weights_.validate(config_);
+  FUSEDMOE_CHECK(options_.compute_dtype == DType::kF32 || options_.compute_dtype == DType::kBF16,
+                 "compute_dtype: expected f32 or bf16, got ", dtype_name(options_.compute_dtype));
+  router_ = create_router(config_, weights_.router_params);
+  kernel_ = make_cpu_modular_kernel(options_.pool);
+  workspace_ = std::make_unique<Workspace>();
+}
+
+MoERunner::~MoERunner() = default;
+MoERunner::MoERunner(MoERunner&&) noexcept = default;
+
+void MoERunner::compute_router_logits(const TensorView& hidden_states,
+                                      const TensorView& router_logits) {
+  const int64_t H = config_.hidden_size, L = config_.num_router_logits();
+  check_tensor(hidden_states, "hidden_states", DType::kF32, {-1, H});
+  const int64_t T = hidden_states.size(0);
+  check_tensor(router_logits, "router_logits", DType::kF32, {T, L});
+  if (T == 0) return;
+  ThreadPool& pool = options_.pool ? *options_.pool : ThreadPool::global();
+  auto* scratch = static_cast<float*>(workspace_->get(
+      cpu::kWsThreadScratch, pool.num_threads() * cpu::gemm_scratch_floats(H) * sizeof(float)));
+  cpu::gemm_nt_parallel(pool, T, L, H, hidden_states.data_as<const float>(),
+                        hidden_states.stride(0), weights_.gate_weight.data(),
+                        weights_.gate_weight.dtype(), H,
+                        weights_.gate_bias ? weights_.gate_bias->data() : nullptr,
+                        weights_.gate_bias ? weights_.gate_bias->dtype() : DType::kF32,
+                        router_logits.data_as<float>(), router_logits.stride(0), scratch);
+}
+
+void MoERunner::forward(const TensorView& hidden_states, const TensorView& output,
+                        const TensorView* router_logits, const TensorView* token_ids,
+                        const ForwardOutputs* outputs) {
+  const int64_t H = config_.hidden_size, L = config_.num_router_logits(), k = config_.top_k;
+  // ---- boundary checks (nothing is written before they pass) ----
+  check_tensor(hidden_states, "hidden_states", DType::kF32, {-1, H});
+  const int64_t T = hidden_states.size(0);
+  check_tensor(output, "output", DType::kF32, {T, H});
+  FUSEDMOE_CHECK(!overlaps(output, hidden_states),
+                 "output: must not alias hidden_states (the shared expert reads hidden_states "
+                 "after the routed output is written)");
+  if (router_logits) check_tensor(*router_logits, "router_logits", DType::kF32, {T, L});
+  if (token_ids) check_tensor(*token_ids, "token_ids", DType::kI32, {T});
+  const bool want_logits = outputs && outputs->router_logits.data() != nullptr;
+  const bool want_ids = outputs && outputs->topk_ids.data() != nullptr;
+  const bool want_weights = outputs && outputs->topk_weights.data() != nullptr;
+  if (want_logits)
+    check_tensor(outputs->router_logits, "outputs.router_logits", DType::kF32, {T, L});
+  if (want_ids) check_tensor(outputs->topk_ids, "outputs.topk_ids", DType::kI32, {T, k});
+  if (want_weights)
+    check_tensor(outputs->topk_weights, "outputs.topk_weights", DType::kF32, {T, k});
+  if (T == 0) return;
+
+  Workspace& ws = *workspace_;
+  ThreadPool& pool = options_.pool ? *options_.pool : ThreadPool::global();
+
+  // ---- router ----
+  TensorView logits;
+  if (router_logits) {
+    logits = *router_logits;
+  } else if (want_logits) {
+    logits = outputs->router_logits;
+    compute_router_logits(hidden_states, logits);
+  } else {
+    logits = TensorView(ws.get(cpu::kWsRouterLogits, T * L * sizeof(float)), DType::kF32, {T, L});
+    compute_router_logits(hidden_states, logits);
+  }
+  const TensorView ids =
+      want_ids ? outputs->topk_ids
+               : TensorView(ws.get(cpu::kWsTopkIds, T * k * sizeof(int32_t)), DType::kI32, {T, k});
+  const TensorView weights =
+      want_weights
+          ? outputs->topk_weights
+          : TensorView(ws.get(cpu::kWsTopkWeights, T * k * sizeof(float)), DType::kF32, {T, k});
+  router_->select_experts(logits, ids, weights, token_ids);
+  if (router_logits && want_logits && router_logits->data() != outputs->router_logits.data()) {
+    for (int64_t t = 0; t < T; ++t)
+      std::memcpy(outputs->router_logits.data_as<float>() + t * outputs->router_logits.stride(0),
+                  router_logits->data_as<const float>() + t * router_logits->stride(0),
+                  L * sizeof(float));
+  }
+
+  // ---- routed experts ----
+  ExpertsParams params;
+  params.activation = ActivationParams::from_config(config_);
+  params.compute_dtype = options_.compute_dtype;
+  kernel_->forward(hidden_states, ids, weights, weights_.experts, params,
+                   config_.apply_router_weight_on_input, output, ws);
+
+  // ---- shared expert: the same Experts machinery with E = 1, every token routed to it ----
+  if (!config_.has_shared_expert()) return;
+  PrepareResult shared;
+  if (options_.compute_dtype == DType::kBF16) {
+    auto* x = static_cast<float*>(ws.get(cpu::kWsSharedInput, T * H * sizeof(float)));
+    const float* src = hidden_states.data_as<const float>();
+    const int64_t ldh = hidden_states.stride(0);
+    pool.parallel_for(T, [&](int64_t b, int64_t e, int) {
+      for (int64_t t = b; t < e; ++t)
+        for (int64_t h = 0; h < H; ++h) x[t * H + h] = round_to_bf16(src[t * ldh + h]);
+    });
+    shared.permuted = TensorView(x, DType::kF32, {T, H});
+  } else {
+    shared.permuted = hidden_states;
+  }
+  auto* offsets = static_cast<int64_t*>(ws.get(cpu::kWsSharedOffsets, 2 * sizeof(int64_t)));
+  offsets[0] = 0;
+  offsets[1] = T;
+  shared.expert_offsets = TensorView(offsets, DType::kI64, {2});
+  auto* shared_out = static_cast<float*>(ws.get(cpu::kWsSharedOutput, T * H * sizeof(float)));
+  kernel_->experts().apply(shared, *weights_.shared_experts, params,
+                           TensorView(shared_out, DType::kF32, {T, H}), ws);
+
+  // Qwen2-MoE: shared *= sigmoid(hidden_states . shared_expert_gate[0]).
+  float* gate = nullptr;
+  if (config_.has_shared_expert_gate) {
+    gate = static_cast<float*>(ws.get(cpu::kWsSharedGate, T * sizeof(float)));
+    cpu::gemm_nt(T, 1, H, hidden_states.data_as<const float>(), hidden_states.stride(0),
+                 weights_.shared_expert_gate->data(), weights_.shared_expert_gate->dtype(), H,
+                 nullptr, DType::kF32, gate, 1, nullptr);
+    for (int64_t t = 0; t < T; ++t) gate[t] = 1.0f / (1.0f + std::exp(-gate[t]));
+  }
+  float* out = output.data_as<float>();
+  const int64_t ldo = output.stride(0);
+  pool.parallel_for(T, [&](int64_t b, int64_t e, int) {
+    for (int64_t t = b; t < e; ++t) {
+      float* o = out + t * ldo;
+      const float* s = shared_out + t * H;
+      if (gate) {
+        const float g = gate[t];
+        for (int64_t h = 0; h < H; ++h) o[h] += g * s[h];
+      } else {
+        for (int64_t h = 0; h < H; ++h) o[h] += s[h];
+      }
+    }
+  });
+}
+
+Tensor MoERunner::forward(const TensorView& hidden_states, const TensorView* router_logits) {
+  check_tensor(hidden_states, "hidden_states", DType::kF32, {-1, config_.hidden_size});
+  Tensor out = Tensor::empty(DType::kF32, {hidden_states.size(0), config_.hidden_size});
+  forward(hidden_states, out.view(), router_logits);
+  return out;
+}
+
+}  // namespace fusedmoe

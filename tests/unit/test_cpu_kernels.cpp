@@ -1,0 +1,402 @@
+// CPU GEMM helper and the CPU modular kernel (prepare -> experts -> finalize)
+// against plain float64 references, on fresh random inputs.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "fusedmoe/kernels/modular_kernel.h"
+#include "kernels/cpu/gemm.h"
+#include "reference_moe.h"
+#include "test_util.h"
+
+namespace fusedmoe {
+namespace {
+
+using test::fresh_seed;
+
+// ---------------------------------------------------------------- GEMM helper
+
+struct GemmCase {
+  int64_t M, N, K;
+  DType w_dtype;
+  int bias;  // 0 none, 1 f32, 2 bf16
+};
+
+// Runs gemm_nt with padded A / W / C and checks it against float64.
+void check_gemm(std::mt19937_64& rng, const GemmCase& c, bool use_scratch) {
+  const int64_t lda = c.K + 3, ldw = c.K + 5, ldc = c.N + 2;
+  std::uniform_real_distribution<float> d(-1.0f, 1.0f);
+  std::vector<float> A(c.M * lda), Wf(c.N * ldw), bias_f(c.N), C(c.M * ldc, NAN);
+  for (auto& v : A) v = d(rng);
+  for (auto& v : Wf) v = round_to_bf16(d(rng));  // bf16-representable: f32 and bf16 W agree
+  for (auto& v : bias_f) v = round_to_bf16(d(rng));
+  std::vector<uint16_t> Wb(Wf.size()), bias_b(c.N);
+  for (size_t i = 0; i < Wf.size(); ++i) Wb[i] = f32_to_bf16(Wf[i]);
+  for (int64_t i = 0; i < c.N; ++i) bias_b[i] = f32_to_bf16(bias_f[i]);
+  const void* W = c.w_dtype == DType::kBF16 ? static_cast<const void*>(Wb.data()) : Wf.data();
+  const void* bias = c.bias == 0   ? nullptr
+                     : c.bias == 1 ? static_cast<const void*>(bias_f.data())
+                                   : static_cast<const void*>(bias_b.data());
+  const DType bias_dtype = c.bias == 2 ? DType::kBF16 : DType::kF32;
+  std::vector<float> scratch(cpu::gemm_scratch_floats(c.K), NAN);
+  cpu::gemm_nt(c.M, c.N, c.K, A.data(), lda, W, c.w_dtype, ldw, bias, bias_dtype, C.data(), ldc,
+               use_scratch ? scratch.data() : nullptr);
+  double err2 = 0, ref2 = 0;
+  for (int64_t m = 0; m < c.M; ++m) {
+    for (int64_t n = 0; n < c.N; ++n) {
+      double ref = bias ? bias_f[n] : 0.0, mag = std::fabs(ref);
+      for (int64_t k = 0; k < c.K; ++k) {
+        ref += static_cast<double>(A[m * lda + k]) * Wf[n * ldw + k];
+        mag += std::fabs(static_cast<double>(A[m * lda + k]) * Wf[n * ldw + k]);
+      }
+      const float got = C[m * ldc + n];
+      ASSERT_TRUE(std::isfinite(got)) << "C[" << m << ", " << n << "] not written";
+      // f32 accumulation: |error| <= ~K eps sum|a w| (worst case); use a loose multiple.
+      EXPECT_LE(std::fabs(got - ref), 1e-6 * mag * std::max<double>(1.0, std::sqrt(c.K)) + 1e-30)
+          << "C[" << m << ", " << n << "]";
+      err2 += (got - ref) * (got - ref);
+      ref2 += ref * ref;
+    }
+    for (int64_t n = c.N; n < ldc; ++n)
+      ASSERT_TRUE(std::isnan(C[m * ldc + n])) << "padding written";
+  }
+  if (ref2 > 0) EXPECT_LE(std::sqrt(err2 / ref2), 1e-5);
+}
+
+TEST(Gemm, MatchesFloat64) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  for (int64_t M : {1, 3, 17, 50})
+    for (int64_t N : {1, 7, 70})
+      for (int64_t K : {1, 15, 16, 17, 97, 300})
+        for (DType wt : {DType::kF32, DType::kBF16})
+          for (int bias = 0; bias < 3; ++bias) {
+            SCOPED_TRACE(testing::Message() << "M=" << M << " N=" << N << " K=" << K << " W "
+                                            << dtype_name(wt) << " bias " << bias);
+            check_gemm(rng, {M, N, K, wt, bias}, /*use_scratch=*/true);
+            if (wt == DType::kBF16 && M >= cpu::kGemmPanelMinM)
+              check_gemm(rng, {M, N, K, wt, bias}, /*use_scratch=*/false);
+          }
+}
+
+// Every row's result is bit-identical whatever the batch, the path (bf16
+// panel or in-register widening, f32 W) and the threading.
+TEST(Gemm, FixedOrderBatchInvariantAndPathIndependent) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> d(-1.0f, 1.0f);
+  const int64_t M = 131, N = 150, K = 333;
+  std::vector<float> A(M * K), Wf(N * K), bias(N);
+  for (auto& v : A) v = d(rng);
+  for (auto& v : Wf) v = round_to_bf16(d(rng));
+  for (auto& v : bias) v = d(rng);
+  std::vector<uint16_t> Wb(Wf.size());
+  for (size_t i = 0; i < Wf.size(); ++i) Wb[i] = f32_to_bf16(Wf[i]);
+  std::vector<float> scratch(4 * cpu::gemm_scratch_floats(K));
+
+  std::vector<float> full_f32(M * N), full_bf16(M * N), full_par(M * N), row(N);
+  cpu::gemm_nt(M, N, K, A.data(), K, Wf.data(), DType::kF32, K, bias.data(), DType::kF32,
+               full_f32.data(), N, nullptr);
+  cpu::gemm_nt(M, N, K, A.data(), K, Wb.data(), DType::kBF16, K, bias.data(), DType::kF32,
+               full_bf16.data(), N, scratch.data());
+  ThreadPool pool(2);
+  cpu::gemm_nt_parallel(pool, M, N, K, A.data(), K, Wb.data(), DType::kBF16, K, bias.data(),
+                        DType::kF32, full_par.data(), N, scratch.data());
+  EXPECT_EQ(0, std::memcmp(full_f32.data(), full_bf16.data(), full_f32.size() * 4));
+  EXPECT_EQ(0, std::memcmp(full_f32.data(), full_par.data(), full_f32.size() * 4));
+  for (int64_t m : {int64_t{0}, int64_t{5}, M - 1}) {
+    cpu::gemm_nt(1, N, K, A.data() + m * K, K, Wb.data(), DType::kBF16, K, bias.data(), DType::kF32,
+                 row.data(), N, scratch.data());
+    EXPECT_EQ(0, std::memcmp(row.data(), full_f32.data() + m * N, N * 4)) << "row " << m;
+    // A 3-row batch with the row in the middle, and a column subset.
+    std::vector<float> three(3 * N);
+    if (m >= 1 && m + 1 < M) {
+      cpu::gemm_nt(3, N, K, A.data() + (m - 1) * K, K, Wf.data(), DType::kF32, K, bias.data(),
+                   DType::kF32, three.data(), N, nullptr);
+      EXPECT_EQ(0, std::memcmp(three.data() + N, full_f32.data() + m * N, N * 4)) << "row " << m;
+    }
+    cpu::gemm_nt(1, 5, K, A.data() + m * K, K, Wf.data() + 37 * K, DType::kF32, K, bias.data() + 37,
+                 DType::kF32, row.data(), 5, nullptr);
+    EXPECT_EQ(0, std::memcmp(row.data(), full_f32.data() + m * N + 37, 5 * 4)) << "row " << m;
+  }
+}
+
+// ---------------------------------------------------------------- modular kernel
+
+struct KernelCase {
+  int64_t T, E, k, H, I;
+  DType w_dtype;
+  bool bias;
+  Activation act;
+  bool on_input;
+  DType compute = DType::kF32;
+};
+
+std::string describe(const KernelCase& c) {
+  std::ostringstream os;
+  os << "T=" << c.T << " E=" << c.E << " k=" << c.k << " H=" << c.H << " I=" << c.I << " W "
+     << dtype_name(c.w_dtype) << " bias=" << c.bias << " act=" << to_string(c.act)
+     << " on_input=" << c.on_input << " compute " << dtype_name(c.compute);
+  return os.str();
+}
+
+Tensor weight_tensor(std::mt19937_64& rng, std::initializer_list<int64_t> shape, float scale,
+                     DType dtype) {
+  Tensor t = test::random_f32(rng, shape, -scale, scale);
+  return dtype == DType::kBF16 ? test::to_bf16(t) : t;
+}
+
+ExpertWeights make_experts(std::mt19937_64& rng, int64_t E, int64_t H, int64_t I, DType dtype,
+                           bool bias) {
+  ExpertWeights w;
+  w.w13 = weight_tensor(rng, {E, 2 * I, H}, 2.0f / std::sqrt(static_cast<float>(H)), dtype);
+  w.w2 = weight_tensor(rng, {E, H, I}, 2.0f / std::sqrt(static_cast<float>(I)), dtype);
+  if (bias) {
+    w.w13_bias = weight_tensor(rng, {E, 2 * I}, 0.5f, dtype);
+    w.w2_bias = weight_tensor(rng, {E, H}, 0.5f, DType::kF32);
+  }
+  return w;
+}
+
+// Distinct ids per token, some -1.
+void random_routing(std::mt19937_64& rng, int64_t T, int64_t k, int64_t E, int32_t* ids,
+                    float* weights, double p_none) {
+  std::uniform_real_distribution<float> u(0.05f, 1.0f);
+  std::bernoulli_distribution none(p_none);
+  std::vector<int32_t> perm(E);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t e = 0; e < E; ++e) perm[e] = static_cast<int32_t>(e);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    for (int64_t j = 0; j < k; ++j) {
+      ids[t * k + j] = none(rng) ? -1 : perm[j];
+      weights[t * k + j] = u(rng);
+    }
+  }
+}
+
+ExpertsParams params_of(const KernelCase& c) {
+  ExpertsParams p;
+  p.activation = {c.act, 1.702f, 7.0f};
+  p.compute_dtype = c.compute;
+  return p;
+}
+
+void check_kernel(std::mt19937_64& rng, const KernelCase& c, ModularKernel& kernel, Workspace& ws) {
+  SCOPED_TRACE(describe(c));
+  const ExpertWeights w = make_experts(rng, c.E, c.H, c.I, c.w_dtype, c.bias);
+  // Hidden states with a padded row stride.
+  Tensor hbuf = test::random_f32(rng, {std::max<int64_t>(c.T, 1), c.H + 4}, -2.0f, 2.0f);
+  const int64_t hshape[] = {c.T, c.H}, hstrides[] = {c.H + 4, 1};
+  const TensorView hidden(hbuf.data(), DType::kF32, hshape, hstrides);
+  Tensor ids = Tensor::empty(DType::kI32, {c.T, c.k});
+  Tensor tw = Tensor::empty(DType::kF32, {c.T, c.k});
+  random_routing(rng, c.T, c.k, c.E, ids.data_as<int32_t>(), tw.data_as<float>(), 0.1);
+  Tensor out = Tensor::empty(DType::kF32, {c.T, c.H});
+  test::poison(out);
+  const ExpertsParams p = params_of(c);
+  kernel.forward(hidden, ids, tw, w, p, c.on_input, out, ws);
+  ASSERT_EQ(test::count_non_finite(out), 0) << "output not fully written";
+
+  std::vector<double> ref = test::reference_experts(hidden, ids, tw, w, p.activation, c.on_input);
+  const TensorView ref_view(ref.data(), DType::kF64, {c.T, c.H});
+  const double tol = c.compute == DType::kBF16 ? 1e-2 : 1e-5;
+  if (c.T > 0) EXPECT_LE(test::rel_l2(out, ref_view), tol);
+
+  // Deterministic: a second run is bit-identical.
+  Tensor out2 = Tensor::empty(DType::kF32, {c.T, c.H});
+  test::poison(out2);
+  kernel.forward(hidden, ids, tw, w, p, c.on_input, out2, ws);
+  EXPECT_EQ(0, std::memcmp(out.data(), out2.data(), out.nbytes())) << "not deterministic";
+
+  // Batch invariant: a few tokens run alone give the same bits.
+  for (int64_t t : {int64_t{0}, c.T / 2, c.T - 1}) {
+    if (t < 0 || t >= c.T) continue;
+    Tensor one = Tensor::empty(DType::kF32, {1, c.H});
+    kernel.forward(hidden.narrow(0, t, 1), ids.view().narrow(0, t, 1), tw.view().narrow(0, t, 1), w,
+                   p, c.on_input, one, ws);
+    EXPECT_EQ(0, std::memcmp(one.data(), out.data_as<float>() + t * c.H, c.H * 4))
+        << "token " << t << " differs when run alone";
+  }
+}
+
+TEST(CpuModularKernel, MatchesFloat64Reference) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  ThreadPool pool(2);
+  auto kernel = make_cpu_modular_kernel(&pool);
+  Workspace ws;
+  const Activation acts[] = {Activation::kSiluGlu, Activation::kGeluGlu, Activation::kGeluTanhGlu,
+                             Activation::kSwigluOai};
+  const int64_t Ek[][2] = {{1, 1}, {8, 2}, {10, 6}, {60, 8}};
+  int n = 0;
+  for (int64_t T : {0, 1, 3, 17, 130})
+    for (const auto& ek : Ek)
+      for (DType wt : {DType::kF32, DType::kBF16}) {
+        const Activation act = acts[n % 4];
+        const bool bias = n % 3 == 1;
+        ++n;
+        check_kernel(rng, {T, ek[0], ek[1], 96, 80, wt, bias, act, false}, *kernel, ws);
+      }
+}
+
+TEST(CpuModularKernel, RouterWeightOnInputAndBF16Compute) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  ThreadPool pool(2);
+  auto kernel = make_cpu_modular_kernel(&pool);
+  Workspace ws;
+  for (int64_t T : {1, 5, 70}) {
+    // Llama-4: top-1, weight on the input.
+    check_kernel(rng, {T, 8, 1, 64, 48, DType::kBF16, false, Activation::kSiluGlu, true}, *kernel,
+                 ws);
+    check_kernel(rng, {T, 16, 4, 72, 40, DType::kF32, true, Activation::kSwigluOai, true}, *kernel,
+                 ws);
+    // compute_dtype bf16 (inputs and intermediate rounded), within 1e-2.
+    check_kernel(rng,
+                 {T, 8, 2, 96, 80, DType::kBF16, false, Activation::kSiluGlu, false, DType::kBF16},
+                 *kernel, ws);
+    check_kernel(rng,
+                 {T, 4, 2, 64, 32, DType::kF32, true, Activation::kSwigluOai, true, DType::kBF16},
+                 *kernel, ws);
+  }
+}
+
+TEST(CpuModularKernel, LargeExpertAndManyRowsPerExpert) {
+  // All tokens on few experts: > 128 rows per expert (several row blocks) and
+  // the bf16 panel path (rows >= kGemmPanelMinM).
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  ThreadPool pool(2);
+  auto kernel = make_cpu_modular_kernel(&pool);
+  Workspace ws;
+  check_kernel(rng, {300, 2, 2, 136, 100, DType::kBF16, true, Activation::kSiluGlu, false}, *kernel,
+               ws);
+  check_kernel(rng, {200, 3, 1, 64, 200, DType::kF32, false, Activation::kGeluTanhGlu, false},
+               *kernel, ws);
+}
+
+TEST(CpuModularKernel, NoExpertTokensGiveZeroAndWorkspaceStopsGrowing) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  auto kernel = make_cpu_modular_kernel();
+  Workspace ws;
+  const int64_t T = 9, E = 6, k = 2, H = 32, I = 24;
+  const ExpertWeights w = make_experts(rng, E, H, I, DType::kF32, false);
+  Tensor hidden = test::random_f32(rng, {T, H});
+  Tensor ids = Tensor::empty(DType::kI32, {T, k});
+  Tensor tw = test::random_f32(rng, {T, k}, 0.1f, 1.0f);
+  for (int64_t i = 0; i < T * k; ++i) ids.data_as<int32_t>()[i] = -1;
+  ids.data_as<int32_t>()[3 * k + 1] = 4;  // token 3 has one expert
+  Tensor out = Tensor::empty(DType::kF32, {T, H});
+  test::poison(out);
+  kernel->forward(hidden, ids, tw, w, {}, false, out, ws);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < H; ++h) {
+      const float v = out.data_as<float>()[t * H + h];
+      if (t == 3)
+        EXPECT_TRUE(std::isfinite(v) && v != 0.0f);
+      else
+        EXPECT_EQ(v, 0.0f) << "token " << t;
+    }
+  // Warm: same and smaller batches allocate nothing more.
+  random_routing(rng, T, k, E, ids.data_as<int32_t>(), tw.data_as<float>(), 0.0);
+  kernel->forward(hidden, ids, tw, w, {}, false, out, ws);
+  const size_t warm = ws.total_bytes();
+  for (int rep = 0; rep < 3; ++rep) {
+    random_routing(rng, T, k, E, ids.data_as<int32_t>(), tw.data_as<float>(), 0.2);
+    kernel->forward(hidden.view().narrow(0, 0, T - rep), ids.view().narrow(0, 0, T - rep),
+                    tw.view().narrow(0, 0, T - rep), w, {}, false, out.view().narrow(0, 0, T - rep),
+                    ws);
+    EXPECT_EQ(ws.total_bytes(), warm);
+  }
+}
+
+// Expects fn to throw Error(kInvalidArgument) whose message contains every `parts`.
+template <typename Fn>
+void expect_error(Fn&& fn, std::initializer_list<const char*> parts) {
+  try {
+    fn();
+    ADD_FAILURE() << "no error thrown (expected one mentioning " << *parts.begin() << ")";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+    for (const char* p : parts)
+      EXPECT_NE(std::string(e.what()).find(p), std::string::npos)
+          << "message '" << e.what() << "' lacks '" << p << "'";
+  }
+}
+
+TEST(CpuModularKernel, RejectsBadInputsWithoutWriting) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  auto kernel = make_cpu_modular_kernel();
+  Workspace ws;
+  const int64_t T = 4, E = 5, k = 2, H = 16, I = 8;
+  const ExpertWeights w = make_experts(rng, E, H, I, DType::kBF16, false);
+  Tensor hidden = test::random_f32(rng, {T, H});
+  Tensor ids = Tensor::empty(DType::kI32, {T, k});
+  Tensor tw = test::random_f32(rng, {T, k}, 0.1f, 1.0f);
+  random_routing(rng, T, k, E, ids.data_as<int32_t>(), tw.data_as<float>(), 0.0);
+  Tensor out = Tensor::empty(DType::kF32, {T, H});
+  auto run = [&](const TensorView& h, const TensorView& i, const TensorView& wt,
+                 const ExpertWeights& ew, const TensorView& o, ExpertsParams p = {}) {
+    return [&, h, i, wt, o, p] { kernel->forward(h, i, wt, ew, p, false, o, ws); };
+  };
+  const auto sentinel = [&] {
+    for (int64_t n = 0; n < T * H; ++n) out.data_as<float>()[n] = 1234.5f;
+  };
+  const auto untouched = [&] {
+    for (int64_t n = 0; n < T * H; ++n)
+      if (out.data_as<float>()[n] != 1234.5f) return false;
+    return true;
+  };
+
+  sentinel();
+  Tensor h_bad = test::random_f32(rng, {T, H + 1});
+  expect_error(run(h_bad, ids, tw, w, out), {"hidden_states", "[*, 16]", "[4, 17]"});
+  Tensor h_bf16 = test::to_bf16(hidden);
+  expect_error(run(h_bf16, ids, tw, w, out), {"hidden_states", "bf16"});
+  Tensor ids_f = test::random_f32(rng, {T, k});
+  expect_error(run(hidden, ids_f, tw, w, out), {"topk_ids", "i32"});
+  Tensor ids_rows = Tensor::empty(DType::kI32, {T + 1, k});
+  expect_error(run(hidden, ids_rows, tw, w, out), {"topk_ids"});
+  Tensor tw_bad = test::random_f32(rng, {T, k + 1});
+  expect_error(run(hidden, ids, tw_bad, w, out), {"topk_weights"});
+  Tensor out_bad = Tensor::empty(DType::kF32, {T, H - 1});
+  expect_error(run(hidden, ids, tw, w, out_bad), {"output"});
+  ExpertsParams p16;
+  p16.compute_dtype = DType::kF16;
+  expect_error(run(hidden, ids, tw, w, out, p16), {"compute_dtype"});
+  ExpertWeights w_bad = w;
+  w_bad.w2 = weight_tensor(rng, {E, H, I + 1}, 0.1f, DType::kBF16);
+  expect_error(run(hidden, ids, tw, w_bad, out), {"experts.w2"});
+  ExpertWeights w_mixed = w;
+  w_mixed.w2 = weight_tensor(rng, {E, H, I}, 0.1f, DType::kF32);
+  expect_error(run(hidden, ids, tw, w_mixed, out), {"experts", "same dtype"});
+  ExpertWeights w_half_bias = w;
+  w_half_bias.w13_bias = weight_tensor(rng, {E, 2 * I}, 0.1f, DType::kF32);
+  expect_error(run(hidden, ids, tw, w_half_bias, out), {"experts.w2_bias"});
+
+  for (int32_t bad : {static_cast<int32_t>(E), -2, 1000}) {
+    Tensor ids2 = Tensor::copy_of(ids);
+    ids2.data_as<int32_t>()[2 * k + 1] = bad;
+    expect_error(run(hidden, ids2, tw, w, out),
+                 {"topk_ids", std::to_string(bad).c_str(), "[2, 1]"});
+  }
+  EXPECT_TRUE(untouched()) << "output written although the call threw";
+}
+
+}  // namespace
+}  // namespace fusedmoe
