@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "fixtures.h"
+#include "fusedmoe/io/hf_config.h"
 #include "fusedmoe/routing/router.h"
 #include "reference_routing.h"
 #include "test_util.h"
@@ -740,6 +741,7 @@ TEST(Router, HFFixtureRouting) {
   for (const FixtureRouting& fx : fixture_routings()) {
     SCOPED_TRACE(fx.arch);
     auto ref = test::open_reference(fx.arch);
+    const ModelInfo info = load_model_info(test::hf_fixture_dir(fx.arch));
     std::shared_ptr<SafetensorsFile> model;
     if (!fx.bias_name.empty())
       model = SafetensorsFile::open(test::hf_fixture_dir(fx.arch) + "/model.safetensors");
@@ -753,6 +755,7 @@ TEST(Router, HFFixtureRouting) {
         bias = test::to_f64_vector(*params.e_score_correction_bias);
       }
       auto router = create_router(fx.config, params);
+      auto io_router = create_router(info.layer_config(layer), params);
       const std::vector<int64_t> token_counts = test::reference_token_counts(*ref, layer);
       ASSERT_FALSE(token_counts.empty()) << "layer " << layer;
       for (int64_t T : token_counts) {
@@ -792,6 +795,12 @@ TEST(Router, HFFixtureRouting) {
         }
         // And the float64 reference agrees with both.
         EXPECT_TRUE(matches(got, test::reference_route(fx.config, logits, bias)));
+        // The config io builds from config.json routes the same way.
+        Routed via_io = route(*io_router, logits, T);
+        for (int64_t i = 0; i < T * k; ++i) {
+          EXPECT_EQ(via_io.ids.data_as<int32_t>()[i], got.ids.data_as<int32_t>()[i]);
+          EXPECT_EQ(via_io.weights.data_as<float>()[i], got.weights.data_as<float>()[i]);
+        }
       }
     }
   }
