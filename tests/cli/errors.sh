@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# `fusedmoe run` on bad inputs: each gives exit code != 0 (and no crash), exactly
+# one line "fusedmoe: error: ..." on stderr naming the problem, and no output
+# file (not even a temporary one).
+# Usage: bash errors.sh FUSEDMOE_BIN TEST_DATA_DIR MODELS_DIR
+set -euo pipefail
+BIN=$1 DATA=$2
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+ST="$HERE/st_util.py"
+TMP=$(mktemp -d)
+trap 'rm -rf "$TMP"' EXIT
+FIX="$DATA/hf/deepseek_v3"   # MoE layers 1 and 2, H = 128
+REF="$FIX/reference.safetensors"
+OUTDIR="$TMP/outdir"
+mkdir -p "$OUTDIR"
+failures=0
+
+# expect_error NAME PATTERN -- ARGS...: the run fails cleanly with PATTERN in its message.
+expect_error() {
+  local name=$1 pattern=$2
+  shift 3
+  local rc=0 out=(--output "$OUTDIR/out.safetensors")
+  case " $* " in *" --output "*) out=() ;; esac
+  "$BIN" "$@" "${out[@]}" >"$TMP/stdout" 2>"$TMP/stderr" || rc=$?
+  local lines
+  lines=$(wc -l <"$TMP/stderr")
+  local problem=""
+  if [ "$rc" -eq 0 ]; then problem="exit code 0"
+  elif [ "$rc" -ge 128 ]; then problem="crashed (exit $rc)"
+  elif [ "$lines" -ne 1 ]; then problem="$lines lines on stderr"
+  elif ! grep -q "^fusedmoe: error: " "$TMP/stderr"; then problem="no 'fusedmoe: error:' prefix"
+  elif ! grep -qF -- "$pattern" "$TMP/stderr"; then problem="message does not name '$pattern'"
+  elif [ -n "$(ls -A "$OUTDIR")" ]; then problem="left files: $(ls -A "$OUTDIR")"
+  fi
+  if [ -n "$problem" ]; then
+    echo "FAIL $name: $problem"
+    sed 's/^/  stderr: /' "$TMP/stderr"
+    failures=$((failures + 1))
+  else
+    echo "ok   $name: $(cat "$TMP/stderr")"
+  fi
+  rm -rf "${OUTDIR:?}"/* "$OUTDIR"/.[!.]* 2>/dev/null || true
+}
+
+# A copy of the fixture whose model.safetensors is damaged by st_util.py MODE.
+corrupt_model() {  # corrupt_model DIR MODE -> prints the tensor it damaged (if any)
+  local dir=$1 mode=$2
+  mkdir -p "$dir"
+  cp "$FIX/config.json" "$dir/"
+  python3 "$ST" corrupt "$mode" "$FIX/model.safetensors" "$dir/model.safetensors"
+}
+
+run_args=(--layer 1 --input "$REF" --input-key layers.1.T5.input)
+
+# --- damaged checkpoints ---
+corrupt_model "$TMP/truncated" truncate >/dev/null
+expect_error "truncated model.safetensors" "model.safetensors" -- run --model "$TMP/truncated" "${run_args[@]}"
+
+corrupt_model "$TMP/header" header-past-eof >/dev/null
+expect_error "header length past EOF" "model.safetensors" -- run --model "$TMP/header" "${run_args[@]}"
+
+corrupt_model "$TMP/badjson" bad-json >/dev/null
+expect_error "header not JSON" "model.safetensors" -- run --model "$TMP/badjson" "${run_args[@]}"
+
+t=$(corrupt_model "$TMP/offsets" offsets-outside)
+expect_error "data_offsets outside the file" "$t" -- run --model "$TMP/offsets" "${run_args[@]}"
+
+t=$(corrupt_model "$TMP/shape" transpose-shape)
+expect_error "expert tensor shape mismatch" "$t" -- run --model "$TMP/shape" "${run_args[@]}"
+
+t=$(corrupt_model "$TMP/dtype" dtype-f32)
+expect_error "expert tensor dtype/shape mismatch" "$t" -- run --model "$TMP/dtype" "${run_args[@]}"
+
+t=$(corrupt_model "$TMP/missing" rename)
+expect_error "missing expert tensor" "$t" -- run --model "$TMP/missing" "${run_args[@]}"
+
+mkdir -p "$TMP/noweights" && cp "$FIX/config.json" "$TMP/noweights/"
+expect_error "no model.safetensors" "model.safetensors" -- run --model "$TMP/noweights" "${run_args[@]}"
+
+# --- bad config.json ---
+mkdir -p "$TMP/unknown"
+cp "$FIX/model.safetensors" "$TMP/unknown/"
+sed 's/"model_type": "deepseek_v3"/"model_type": "frobnicator_moe"/' "$FIX/config.json" >"$TMP/unknown/config.json"
+expect_error "unknown model_type" "frobnicator_moe" -- run --model "$TMP/unknown" "${run_args[@]}"
+
+mkdir -p "$TMP/notjson" && cp "$FIX/model.safetensors" "$TMP/notjson/"
+echo '{"model_type": "deepseek_v3",' >"$TMP/notjson/config.json"
+expect_error "config.json not JSON" "config.json" -- run --model "$TMP/notjson" "${run_args[@]}"
+
+expect_error "nonexistent model dir" "$TMP/does-not-exist" -- run --model "$TMP/does-not-exist" "${run_args[@]}"
+
+# --- bad inputs / arguments ---
+python3 "$ST" write-f32 "$TMP/small.safetensors" x 5 64
+expect_error "wrong hidden size" "input 'x' in $TMP/small.safetensors: expected [T, 128], got [5, 64]" -- \
+  run --model "$FIX" --layer 1 --input "$TMP/small.safetensors" --input-key x
+expect_error "--layer not an MoE layer" "layer 0 is not an MoE layer" -- run --model "$FIX" --layer 0 --input "$REF" --input-key layers.1.T5.input
+expect_error "--layer out of range" "layer 7 is not an MoE layer" -- run --model "$FIX" --layer 7 --input "$REF" --input-key layers.1.T5.input
+expect_error "missing input key" "no-such-key" -- run --model "$FIX" --layer 1 --input "$REF" --input-key no-such-key
+expect_error "nonexistent input file" "$TMP/nope.safetensors" -- run --model "$FIX" --layer 1 --input "$TMP/nope.safetensors" --input-key x
+expect_error "no input" "no input" -- run --model "$FIX" --layer 1
+expect_error "reference shape mismatch" "layers.1.T64.output_f64" -- run --model "$FIX" "${run_args[@]}" \
+  --reference "$REF" --reference-key layers.1.T64.output_f64
+expect_error "bad --compute-dtype" "compute-dtype" -- run --model "$FIX" "${run_args[@]}" --compute-dtype f8
+expect_error "unknown option" "--frobnicate" -- run --model "$FIX" "${run_args[@]}" --frobnicate
+expect_error "output into a missing folder" "$TMP/no/such/dir" -- run --model "$FIX" "${run_args[@]}" \
+  --output "$TMP/no/such/dir/out.safetensors"
+
+# inspect fails cleanly too.
+rc=0
+"$BIN" inspect "$TMP/unknown" >/dev/null 2>"$TMP/stderr" || rc=$?
+if [ "$rc" -eq 0 ] || [ "$rc" -ge 128 ] || [ "$(wc -l <"$TMP/stderr")" -ne 1 ]; then
+  echo "FAIL inspect of an unknown model_type (exit $rc)"; cat "$TMP/stderr"; failures=$((failures + 1))
+fi
+
+[ "$failures" -eq 0 ] || { echo "$failures failure(s)"; exit 1; }
+echo "all error cases ok"

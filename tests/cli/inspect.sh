@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# `fusedmoe inspect`: prints every fixture (and the bundled model) with its
+# model type, MoE layers and weight bytes; --json is valid JSON that agrees
+# with the fixture's config.json; a .safetensors file lists its tensors.
+# Usage: bash inspect.sh FUSEDMOE_BIN TEST_DATA_DIR MODELS_DIR
+set -euo pipefail
+BIN=$1 DATA=$2 MODELS=$3
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+TMP=$(mktemp -d)
+trap 'rm -rf "$TMP"' EXIT
+
+n=0
+for dir in "$DATA"/hf/*/ "$MODELS"/*/; do
+  name=$(basename "$dir")
+  "$BIN" inspect "$dir" >"$TMP/text"
+  model_type=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["model_type"])' "$dir/config.json")
+  for want in "model type     $model_type" "MoE layers:" "experts" "routing" "activation" "total"; do
+    grep -qF "$want" "$TMP/text" || { echo "FAIL $name: text output lacks '$want'"; cat "$TMP/text"; exit 1; }
+  done
+  "$BIN" inspect "$dir" --json >"$TMP/json"
+  python3 -m json.tool "$TMP/json" >/dev/null || { echo "FAIL $name: --json is not valid JSON"; exit 1; }
+  python3 - "$TMP/json" "$dir/config.json" <<'PY' || { echo "FAIL $name: JSON content"; cat "$TMP/json"; exit 1; }
+import json, sys
+j = json.load(open(sys.argv[1]))
+cfg = json.load(open(sys.argv[2]))
+text = cfg.get("text_config", cfg)
+assert j["model_type"] == cfg["model_type"], j["model_type"]
+assert j["moe_layers"], "no MoE layers"
+assert len(j["layers"]) == len(j["moe_layers"])
+for layer in j["layers"]:
+    c = layer["config"]
+    assert c["hidden_size"] == text["hidden_size"], c
+    assert 0 < c["top_k"] <= c["num_experts"], c
+    assert layer["bytes"] > 0 and layer["tensors"] > 0, layer
+    assert set(layer["weight_dtypes"]) == {"bf16"}, layer["weight_dtypes"]
+assert j["moe_bytes_total"] == sum(l["bytes"] for l in j["layers"])
+PY
+  n=$((n + 1))
+done
+[ "$n" -ge 8 ] || { echo "FAIL: only $n models inspected"; exit 1; }
+
+# A .safetensors file: its tensors, with dtype and shape.
+"$BIN" inspect "$DATA/hf/mixtral/reference.safetensors" >"$TMP/text"
+grep -qE "layers\.0\.T64\.output_f64 +f64 +\[64, 128\]" "$TMP/text" || { echo "FAIL: safetensors listing"; cat "$TMP/text"; exit 1; }
+"$BIN" inspect "$DATA/hf/mixtral/reference.safetensors" --json | python3 -m json.tool >/dev/null
+
+# --help works and exits 0; no command is a usage error.
+"$BIN" --help | grep -q inspect
+"$BIN" run --help | grep -q -- --reference-key
+rc=0; "$BIN" >/dev/null 2>&1 || rc=$?
+[ "$rc" -ne 0 ] || { echo "FAIL: no command accepted"; exit 1; }
+echo "ok: $n models"

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# End-to-end: `fusedmoe run` on every HF fixture (tests/data/hf/<arch>), every MoE
+# layer, T = 1, 5, 64, f32 and bf16 compute, matches transformers' float64
+# output (relative L2 <= 1e-5 f32, <= 1e-2 bf16) and writes the four tensors
+# with the right shapes.
+# Usage: bash run_fixtures.sh FUSEDMOE_BIN TEST_DATA_DIR MODELS_DIR
+set -euo pipefail
+BIN=$1 DATA=$2
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+TMP=$(mktemp -d)
+trap 'rm -rf "$TMP"' EXIT
+
+runs=0
+for dir in "$DATA"/hf/*/; do
+  arch=$(basename "$dir")
+  "$BIN" inspect "$dir" --json >"$TMP/$arch.json"
+  read -r layers H K E < <(python3 -c '
+import json, sys
+j = json.load(open(sys.argv[1]))
+c = j["layers"][0]["config"]
+print(",".join(str(l) for l in j["moe_layers"]), c["hidden_size"], c["top_k"],
+      c["num_experts"] + c["num_zero_experts"])' "$TMP/$arch.json")
+  [ -n "$layers" ] || { echo "FAIL $arch: no MoE layers reported"; exit 1; }
+  ref="$dir/reference.safetensors"
+  for L in ${layers//,/ }; do
+    for T in 1 5 64; do
+      for dt in f32 bf16; do
+        out="$TMP/out-$arch-$L-$T-$dt.safetensors"
+        if ! "$BIN" run --model "$dir" --layer "$L" --compute-dtype "$dt" \
+            --input "$ref" --input-key "layers.$L.T$T.input" \
+            --reference "$ref" --reference-key "layers.$L.T$T.output_f64" \
+            --output "$out" --quiet >"$TMP/log" 2>&1; then
+          echo "FAIL $arch layer $L T=$T $dt:"; cat "$TMP/log"; exit 1
+        fi
+        grep -q "relative L2 error" "$TMP/log" || { echo "FAIL $arch: no error line"; cat "$TMP/log"; exit 1; }
+        python3 "$HERE/st_util.py" check-run-output "$out" "$T" "$H" "$K" "$E" ||
+          { echo "FAIL $arch layer $L T=$T $dt: bad output file"; exit 1; }
+        runs=$((runs + 1))
+      done
+    done
+  done
+  echo "ok $arch (layers $layers)"
+done
+[ "$runs" -ge 6 ] || { echo "FAIL: only $runs runs (no fixtures in $DATA/hf?)"; exit 1; }
+
+# The reference check can fail: a tolerance of 0 must be rejected (exit 1, one line).
+dir="$DATA/hf/mixtral"
+set +e
+"$BIN" run --model "$dir" --layer 0 --input "$dir/reference.safetensors" --input-key layers.0.T5.input \
+  --reference "$dir/reference.safetensors" --reference-key layers.0.T5.output_f64 --tolerance 0 \
+  >"$TMP/log" 2>"$TMP/err"
+rc=$?
+set -e
+[ "$rc" -eq 1 ] || { echo "FAIL: --tolerance 0 gave exit $rc"; cat "$TMP/err"; exit 1; }
+grep -q "^fusedmoe: error: output differs from reference" "$TMP/err" || { cat "$TMP/err"; exit 1; }
+# ...and a wrong reference (another T's output) fails too.
+set +e
+"$BIN" run --model "$dir" --layer 1 --input "$dir/reference.safetensors" --input-key layers.1.T5.input \
+  --reference "$dir/reference.safetensors" --reference-key layers.0.T5.output_f64 >/dev/null 2>"$TMP/err"
+rc=$?
+set -e
+[ "$rc" -eq 1 ] || { echo "FAIL: a wrong reference passed (exit $rc)"; exit 1; }
+echo "ok: $runs runs"
