@@ -1,0 +1,349 @@
+// MoERunner end to end on random layers of each architecture's shape, against
+// the float64 reference of the whole layer (given the router's choice, which
+// the runner reports through ForwardOutputs).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "fusedmoe/runner/moe_runner.h"
+#include "reference_moe.h"
+#include "test_util.h"
+
+namespace fusedmoe {
+namespace {
+
+using test::fresh_seed;
+
+Tensor weight_tensor(std::mt19937_64& rng, std::initializer_list<int64_t> shape, float scale,
+                     DType dtype) {
+  Tensor t = test::random_f32(rng, shape, -scale, scale);
+  return dtype == DType::kBF16 ? test::to_bf16(t) : t;
+}
+
+ExpertWeights make_experts(std::mt19937_64& rng, int64_t E, int64_t H, int64_t I, DType dtype,
+                           bool bias) {
+  ExpertWeights w;
+  w.w13 = weight_tensor(rng, {E, 2 * I, H}, 2.0f / std::sqrt(static_cast<float>(H)), dtype);
+  w.w2 = weight_tensor(rng, {E, H, I}, 2.0f / std::sqrt(static_cast<float>(I)), dtype);
+  if (bias) {
+    w.w13_bias = weight_tensor(rng, {E, 2 * I}, 0.5f, dtype);
+    w.w2_bias = weight_tensor(rng, {E, H}, 0.5f, dtype);
+  }
+  return w;
+}
+
+MoELayerWeights make_layer(std::mt19937_64& rng, const MoEConfig& c, DType dtype) {
+  MoELayerWeights w;
+  const int64_t L = c.num_router_logits(), H = c.hidden_size;
+  w.gate_weight = weight_tensor(rng, {L, H}, 3.0f / std::sqrt(static_cast<float>(H)), dtype);
+  if (c.has_router_bias) w.gate_bias = weight_tensor(rng, {L}, 0.5f, dtype);
+  if (c.has_e_score_correction_bias)
+    w.router_params.e_score_correction_bias = test::random_f32(rng, {c.num_experts}, -0.1f, 0.1f);
+  if (c.routing_method == RoutingMethod::kHash) {
+    Tensor table = Tensor::empty(DType::kI32, {c.hash_vocab_size, c.top_k});
+    std::vector<int32_t> perm(c.num_experts);
+    for (int64_t v = 0; v < c.hash_vocab_size; ++v) {
+      for (int64_t e = 0; e < c.num_experts; ++e) perm[e] = static_cast<int32_t>(e);
+      std::shuffle(perm.begin(), perm.end(), rng);
+      for (int64_t j = 0; j < c.top_k; ++j) table.data_as<int32_t>()[v * c.top_k + j] = perm[j];
+    }
+    w.router_params.hash_table = table;
+  }
+  w.experts = make_experts(rng, c.num_experts, H, c.intermediate_size, dtype, c.has_expert_bias);
+  if (c.has_shared_expert())
+    w.shared_experts = make_experts(rng, 1, H, c.shared_intermediate_size, dtype, false);
+  if (c.has_shared_expert_gate) w.shared_expert_gate = weight_tensor(rng, {1, H}, 0.3f, dtype);
+  return w;
+}
+
+MoEConfig base(int64_t E, int64_t k, int64_t H, int64_t I) {
+  MoEConfig c;
+  c.num_experts = E;
+  c.top_k = k;
+  c.hidden_size = H;
+  c.intermediate_size = I;
+  return c;
+}
+
+// Layers shaped like each architecture (small sizes, H, I, 2I all different).
+std::vector<std::pair<std::string, MoEConfig>> arch_configs() {
+  std::vector<std::pair<std::string, MoEConfig>> v;
+  {
+    MoEConfig c = base(8, 2, 64, 48);  // Mixtral / Qwen3 / OLMoE
+    c.renormalize = true;
+    v.emplace_back("mixtral", c);
+  }
+  {
+    MoEConfig c = base(12, 4, 72, 40);  // Qwen2-MoE
+    c.shared_intermediate_size = 56;
+    c.has_shared_expert_gate = true;
+    v.emplace_back("qwen2_moe", c);
+  }
+  {
+    MoEConfig c = base(16, 4, 64, 24);  // DeepSeek-V3
+    c.routing_method = RoutingMethod::kGroupedTopK;
+    c.scoring_func = ScoringFunc::kSigmoid;
+    c.num_expert_group = 4;
+    c.topk_group = 2;
+    c.group_score = GroupScore::kSumTop2;
+    c.has_e_score_correction_bias = true;
+    c.renormalize = true;
+    c.routed_scaling_factor = 2.5f;
+    c.shared_intermediate_size = 48;
+    v.emplace_back("deepseek_v3", c);
+  }
+  {
+    MoEConfig c = base(8, 2, 80, 32);  // gpt-oss
+    c.routing_method = RoutingMethod::kTopKSoftmax;
+    c.has_router_bias = true;
+    c.has_expert_bias = true;
+    c.activation = Activation::kSwigluOai;
+    v.emplace_back("gpt_oss", c);
+  }
+  {
+    MoEConfig c = base(8, 1, 64, 40);  // Llama-4
+    c.routing_method = RoutingMethod::kLlama4;
+    c.scoring_func = ScoringFunc::kSigmoid;
+    c.apply_router_weight_on_input = true;
+    c.shared_intermediate_size = 40;
+    v.emplace_back("llama4", c);
+  }
+  {
+    MoEConfig c = base(10, 3, 48, 36);  // zero experts (ids -1), GELU
+    c.num_zero_experts = 3;
+    c.activation = Activation::kGeluTanhGlu;
+    v.emplace_back("zero_experts", c);
+  }
+  return v;
+}
+
+struct RunResult {
+  Tensor out, logits, ids, weights;
+};
+
+RunResult run_with_outputs(MoERunner& r, const TensorView& hidden,
+                           const TensorView* router_logits = nullptr) {
+  const MoEConfig& c = r.config();
+  const int64_t T = hidden.size(0);
+  RunResult res;
+  res.out = Tensor::empty(DType::kF32, {T, c.hidden_size});
+  res.logits = Tensor::empty(DType::kF32, {T, c.num_router_logits()});
+  res.ids = Tensor::empty(DType::kI32, {T, c.top_k});
+  res.weights = Tensor::empty(DType::kF32, {T, c.top_k});
+  test::poison(res.out);
+  test::poison(res.logits);
+  test::poison(res.weights);
+  ForwardOutputs o{res.logits, res.ids, res.weights};
+  r.forward(hidden, res.out, router_logits, nullptr, &o);
+  return res;
+}
+
+TEST(MoERunner, MatchesFloat64LayerForEachArchitecture) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  ThreadPool pool(2);
+  for (const auto& [name, config] : arch_configs())
+    for (DType wt : {DType::kF32, DType::kBF16})
+      for (int64_t T : {1, 7, 66}) {
+        SCOPED_TRACE(name + " W " + dtype_name(wt) + " T=" + std::to_string(T));
+        MoELayerWeights w = make_layer(rng, config, wt);
+        MoERunner runner(config, w, {DType::kF32, &pool});
+        Tensor hidden = test::random_f32(rng, {T, config.hidden_size}, -2.0f, 2.0f);
+        RunResult r = run_with_outputs(runner, hidden);
+        ASSERT_EQ(test::count_non_finite(r.out), 0);
+        ASSERT_EQ(test::count_non_finite(r.logits), 0);
+        ASSERT_EQ(test::count_non_finite(r.weights), 0);
+
+        std::vector<double> ref_logits = test::reference_router_logits(config, w, hidden);
+        EXPECT_LE(test::rel_l2(r.logits, TensorView(ref_logits.data(), DType::kF64,
+                                                    {T, config.num_router_logits()})),
+                  1e-5);
+        std::vector<double> ref = test::reference_moe_layer(config, w, hidden, r.ids, r.weights);
+        EXPECT_LE(test::rel_l2(r.out, TensorView(ref.data(), DType::kF64, {T, config.hidden_size})),
+                  1e-5);
+
+        // Router logits passed in: the same bits as computing them.
+        RunResult given = run_with_outputs(runner, hidden, &r.logits.view());
+        EXPECT_EQ(0, std::memcmp(given.out.data(), r.out.data(), r.out.nbytes()));
+        EXPECT_EQ(0, std::memcmp(given.logits.data(), r.logits.data(), r.logits.nbytes()));
+
+        // Convenience overload, and batch invariance of the last token.
+        Tensor conv = runner.forward(hidden);
+        EXPECT_EQ(0, std::memcmp(conv.data(), r.out.data(), r.out.nbytes()));
+        Tensor last = runner.forward(hidden.view().narrow(0, T - 1, 1));
+        EXPECT_EQ(0, std::memcmp(last.data(), r.out.data_as<float>() + (T - 1) * config.hidden_size,
+                                 config.hidden_size * 4))
+            << "last token differs when run alone";
+
+        // compute_dtype bf16: within 1e-2 of the float64 layer.
+        MoERunner bf(config, w, {DType::kBF16, &pool});
+        RunResult rb = run_with_outputs(bf, hidden);
+        std::vector<double> refb = test::reference_moe_layer(config, w, hidden, rb.ids, rb.weights);
+        EXPECT_LE(
+            test::rel_l2(rb.out, TensorView(refb.data(), DType::kF64, {T, config.hidden_size})),
+            1e-2);
+      }
+}
+
+TEST(MoERunner, StridedHiddenStatesAndStridedOutputs) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  for (const auto& [name, config] : arch_configs()) {
+    SCOPED_TRACE(name);
+    const int64_t T = 9, H = config.hidden_size, L = config.num_router_logits();
+    MoERunner runner(config, make_layer(rng, config, DType::kBF16));
+    Tensor buf = test::random_f32(rng, {T, H + 7});
+    const int64_t shape[] = {T, H}, strides[] = {H + 7, 1};
+    const TensorView strided(buf.data(), DType::kF32, shape, strides);
+    Tensor contiguous = Tensor::copy_of(strided);
+    RunResult a = run_with_outputs(runner, contiguous);
+    // Strided output and router-logit buffers too.
+    Tensor obuf = Tensor::empty(DType::kF32, {T, H + 3});
+    Tensor lbuf = Tensor::empty(DType::kF32, {T, L + 2});
+    test::poison(obuf);
+    const int64_t oshape[] = {T, H}, ostr[] = {H + 3, 1}, lshape[] = {T, L}, lstr[] = {L + 2, 1};
+    const TensorView out(obuf.data(), DType::kF32, oshape, ostr);
+    const TensorView logits(lbuf.data(), DType::kF32, lshape, lstr);
+    Tensor ids = Tensor::empty(DType::kI32, {T, config.top_k});
+    Tensor tw = Tensor::empty(DType::kF32, {T, config.top_k});
+    ForwardOutputs o{logits, ids, tw};
+    runner.forward(strided, out, nullptr, nullptr, &o);
+    for (int64_t t = 0; t < T; ++t) {
+      EXPECT_EQ(0, std::memcmp(obuf.data_as<float>() + t * (H + 3), a.out.data_as<float>() + t * H,
+                               H * 4))
+          << "row " << t;
+      EXPECT_EQ(0, std::memcmp(lbuf.data_as<float>() + t * (L + 2),
+                               a.logits.data_as<float>() + t * L, L * 4))
+          << "row " << t;
+      for (int64_t h = H; h < H + 3; ++h)
+        EXPECT_TRUE(std::isnan(obuf.data_as<float>()[t * (H + 3) + h]));
+    }
+    EXPECT_EQ(0, std::memcmp(ids.data(), a.ids.data(), ids.nbytes()));
+  }
+}
+
+TEST(MoERunner, HashRoutingUsesTokenIds) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  MoEConfig c = base(6, 2, 32, 24);
+  c.routing_method = RoutingMethod::kHash;
+  c.hash_vocab_size = 50;
+  MoELayerWeights w = make_layer(rng, c, DType::kF32);
+  MoERunner runner(c, w);
+  const int64_t T = 11;
+  Tensor hidden = test::random_f32(rng, {T, c.hidden_size});
+  Tensor tok = Tensor::empty(DType::kI32, {T});
+  std::uniform_int_distribution<int32_t> v(0, 49);
+  for (int64_t t = 0; t < T; ++t) tok.data_as<int32_t>()[t] = v(rng);
+  Tensor out = Tensor::empty(DType::kF32, {T, c.hidden_size});
+  Tensor ids = Tensor::empty(DType::kI32, {T, c.top_k});
+  Tensor tw = Tensor::empty(DType::kF32, {T, c.top_k});
+  ForwardOutputs o{TensorView(), ids, tw};
+  runner.forward(hidden, out, nullptr, &tok.view(), &o);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < c.top_k; ++j)
+      EXPECT_EQ(
+          ids.data_as<int32_t>()[t * c.top_k + j],
+          w.router_params.hash_table->data_as<int32_t>()[tok.data_as<int32_t>()[t] * c.top_k + j]);
+  std::vector<double> ref = test::reference_moe_layer(c, w, hidden, ids, tw);
+  EXPECT_LE(test::rel_l2(out, TensorView(ref.data(), DType::kF64, {T, c.hidden_size})), 1e-5);
+}
+
+TEST(MoERunner, ZeroTokens) {
+  const uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  for (const auto& [name, config] : arch_configs()) {
+    SCOPED_TRACE(name);
+    MoERunner runner(config, make_layer(rng, config, DType::kF32));
+    Tensor hidden = Tensor::empty(DType::kF32, {0, config.hidden_size});
+    Tensor out = runner.forward(hidden);
+    EXPECT_EQ(out.size(0), 0);
+    RunResult r = run_with_outputs(runner, hidden);
+    EXPECT_EQ(r.out.numel(), 0);
+  }
+}
+
+template <typename Fn>
+void expect_error(Fn&& fn, std::initializer_list<std::string> parts) {
+  try {
+    fn();
+    ADD_FAILURE() << "no error thrown (expected one mentioning " << *parts.begin() << ")";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+    for (const auto& p : parts)
+      EXPECT_NE(std::string(e.what()).find(p), std::string::npos)
+          << "message '" << e.what() << "' lacks '" << p << "'";
+  }
+}
+
+TEST(MoERunner, RejectsBadShapesBeforeWriting) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  MoEConfig c = arch_configs()[1].second;  // qwen2_moe: shared expert with gate
+  const int64_t T = 5, H = c.hidden_size, L = c.num_router_logits(), k = c.top_k;
+  MoELayerWeights w = make_layer(rng, c, DType::kBF16);
+  MoERunner runner(c, w);
+  Tensor hidden = test::random_f32(rng, {T, H});
+  Tensor out = Tensor::empty(DType::kF32, {T, H});
+  for (int64_t i = 0; i < T * H; ++i) out.data_as<float>()[i] = 42.0f;
+  auto untouched = [&] {
+    for (int64_t i = 0; i < T * H; ++i)
+      if (out.data_as<float>()[i] != 42.0f) return false;
+    return true;
+  };
+  Tensor h_bad = test::random_f32(rng, {T, H + 1});
+  expect_error([&] { runner.forward(h_bad, out); }, {"hidden_states"});
+  Tensor o_bad = Tensor::empty(DType::kF32, {T + 1, H});
+  expect_error([&] { runner.forward(hidden, o_bad); }, {"output"});
+  expect_error([&] { runner.forward(hidden, hidden); }, {"output", "alias"});
+  Tensor lg_bad = test::random_f32(rng, {T, L + 1});
+  expect_error([&] { runner.forward(hidden, out, &lg_bad.view()); }, {"router_logits"});
+  Tensor lg_nan = test::random_f32(rng, {T, L});
+  lg_nan.data_as<float>()[2 * L + 1] = NAN;
+  expect_error([&] { runner.forward(hidden, out, &lg_nan.view()); }, {});
+  Tensor ids_bad = Tensor::empty(DType::kI32, {T, k + 1});
+  ForwardOutputs o{TensorView(), ids_bad, TensorView()};
+  expect_error([&] { runner.forward(hidden, out, nullptr, nullptr, &o); }, {"topk_ids"});
+  Tensor tw_bad = Tensor::empty(DType::kI32, {T, k});
+  ForwardOutputs o2{TensorView(), TensorView(), tw_bad};
+  expect_error([&] { runner.forward(hidden, out, nullptr, nullptr, &o2); }, {"topk_weights"});
+  EXPECT_TRUE(untouched()) << "output written although forward threw";
+
+  // Constructor: weights that do not match the config.
+  MoELayerWeights no_shared = w;
+  no_shared.shared_experts.reset();
+  expect_error([&] { MoERunner r(c, no_shared); }, {"shared_experts"});
+  MoELayerWeights no_gate = w;
+  no_gate.shared_expert_gate.reset();
+  expect_error([&] { MoERunner r(c, no_gate); }, {"shared_expert_gate"});
+  MoELayerWeights bad_gate = w;
+  bad_gate.gate_weight = weight_tensor(rng, {L, H + 1}, 0.1f, DType::kF32);
+  expect_error([&] { MoERunner r(c, bad_gate); }, {"gate_weight"});
+  MoELayerWeights bad_shared = w;
+  bad_shared.shared_experts =
+      make_experts(rng, 1, H, c.shared_intermediate_size + 1, DType::kBF16, false);
+  expect_error([&] { MoERunner r(c, bad_shared); }, {"shared_experts.w13"});
+  MoELayerWeights bad_experts = w;
+  bad_experts.experts =
+      make_experts(rng, c.num_experts - 1, H, c.intermediate_size, DType::kBF16, false);
+  expect_error([&] { MoERunner r(c, bad_experts); }, {"experts.w13"});
+  MoELayerWeights extra_bias = w;
+  extra_bias.gate_bias = weight_tensor(rng, {L}, 0.1f, DType::kF32);
+  expect_error([&] { MoERunner r(c, extra_bias); }, {"gate_bias"});
+  MoEConfig bad_config = c;
+  bad_config.top_k = c.num_experts + 1;
+  expect_error([&] { MoERunner r(bad_config, w); }, {"top_k"});
+  expect_error([&] { MoERunner r(c, w, {DType::kF16, nullptr}); }, {"compute_dtype"});
+}
+
+}  // namespace
+}  // namespace fusedmoe
