@@ -49,7 +49,7 @@ struct BenchOptions {
   double min_time = 0.3;
   std::string routing = "uniform";
   std::string csv;
-  double memory_fraction = 0.4;
+  double memory_fraction = 0.25;
   uint64_t seed = 1234;
   bool no_baseline = false;
   int64_t max_experts = 0;  // > 0: cap E of every shape (quick runs, tests)

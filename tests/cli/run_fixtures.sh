@@ -2,7 +2,7 @@
 # End-to-end: `fusedmoe run` on every HF fixture (tests/data/hf/<arch>), every MoE
 # layer, T = 1, 5, 64, f32 and bf16 compute, matches transformers' float64
 # output (relative L2 <= 1e-5 f32, <= 1e-2 bf16) and writes the four tensors
-# with the right shapes.
+# with the right shapes; so does the FP8 DeepSeek-V3 fixture (tests/data/fp8).
 # Usage: bash run_fixtures.sh FUSEDMOE_BIN TEST_DATA_DIR MODELS_DIR
 set -euo pipefail
 BIN=$1 DATA=$2
@@ -41,6 +41,24 @@ print(",".join(str(l) for l in j["moe_layers"]), c["hidden_size"], c["top_k"],
   done
   echo "ok $arch (layers $layers)"
 done
+# DeepSeek-V3 FP8 checkpoint (128x128 block scales): the loader dequantizes; the
+# result matches transformers' float64 run on the dequantized weights.
+fp8="$DATA/fp8/deepseek_v3_fp8"
+if [ -d "$fp8" ]; then
+  for L in 1 2; do
+    for T in 1 7 200; do
+      out="$TMP/out-fp8-$L-$T.safetensors"
+      if ! "$BIN" run --model "$fp8" --layer "$L" --input "$fp8/reference.safetensors" \
+          --input-key "layers.$L.T$T.input" --reference "$fp8/reference.safetensors" \
+          --reference-key "layers.$L.T$T.output_dequant_f64" --output "$out" --quiet >"$TMP/log" 2>&1; then
+        echo "FAIL fp8 layer $L T=$T:"; cat "$TMP/log"; exit 1
+      fi
+      python3 "$HERE/st_util.py" check-run-output "$out" "$T" 256 4 16
+      runs=$((runs + 1))
+    done
+  done
+  echo "ok deepseek_v3_fp8 (layers 1,2)"
+fi
 [ "$runs" -ge 6 ] || { echo "FAIL: only $runs runs (no fixtures in $DATA/hf?)"; exit 1; }
 
 # The reference check can fail: a tolerance of 0 must be rejected (exit 1, one line).
