@@ -122,14 +122,12 @@ void MoERunner::compute_router_logits(const TensorView& hidden_states,
   check_tensor(router_logits, "router_logits", DType::kF32, {T, L});
   if (T == 0) return;
   ThreadPool& pool = options_.pool ? *options_.pool : ThreadPool::global();
-  auto* scratch = static_cast<float*>(workspace_->get(
-      cpu::kWsThreadScratch, pool.num_threads() * cpu::gemm_scratch_floats(H) * sizeof(float)));
   cpu::gemm_nt_parallel(pool, T, L, H, hidden_states.data_as<const float>(),
                         hidden_states.stride(0), weights_.gate_weight.data(),
                         weights_.gate_weight.dtype(), H,
                         weights_.gate_bias ? weights_.gate_bias->data() : nullptr,
                         weights_.gate_bias ? weights_.gate_bias->dtype() : DType::kF32,
-                        router_logits.data_as<float>(), router_logits.stride(0), scratch);
+                        router_logits.data_as<float>(), router_logits.stride(0));
 }
 
 void MoERunner::forward(const TensorView& hidden_states, const TensorView& output,
@@ -220,7 +218,7 @@ void MoERunner::forward(const TensorView& hidden_states, const TensorView& outpu
     gate = static_cast<float*>(ws.get(cpu::kWsSharedGate, T * sizeof(float)));
     cpu::gemm_nt(T, 1, H, hidden_states.data_as<const float>(), hidden_states.stride(0),
                  weights_.shared_expert_gate->data(), weights_.shared_expert_gate->dtype(), H,
-                 nullptr, DType::kF32, gate, 1, nullptr);
+                 nullptr, DType::kF32, gate, 1);
     for (int64_t t = 0; t < T; ++t) gate[t] = 1.0f / (1.0f + std::exp(-gate[t]));
   }
   float* out = output.data_as<float>();

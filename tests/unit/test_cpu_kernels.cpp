@@ -29,7 +29,7 @@ struct GemmCase {
 };
 
 // Runs gemm_nt with padded A / W / C and checks it against float64.
-void check_gemm(std::mt19937_64& rng, const GemmCase& c, bool use_scratch) {
+void check_gemm(std::mt19937_64& rng, const GemmCase& c) {
   const int64_t lda = c.K + 3, ldw = c.K + 5, ldc = c.N + 2;
   std::uniform_real_distribution<float> d(-1.0f, 1.0f);
   std::vector<float> A(c.M * lda), Wf(c.N * ldw), bias_f(c.N), C(c.M * ldc, NAN);
@@ -44,9 +44,7 @@ void check_gemm(std::mt19937_64& rng, const GemmCase& c, bool use_scratch) {
                      : c.bias == 1 ? static_cast<const void*>(bias_f.data())
                                    : static_cast<const void*>(bias_b.data());
   const DType bias_dtype = c.bias == 2 ? DType::kBF16 : DType::kF32;
-  std::vector<float> scratch(cpu::gemm_scratch_floats(c.K), NAN);
-  cpu::gemm_nt(c.M, c.N, c.K, A.data(), lda, W, c.w_dtype, ldw, bias, bias_dtype, C.data(), ldc,
-               use_scratch ? scratch.data() : nullptr);
+  cpu::gemm_nt(c.M, c.N, c.K, A.data(), lda, W, c.w_dtype, ldw, bias, bias_dtype, C.data(), ldc);
   double err2 = 0, ref2 = 0;
   for (int64_t m = 0; m < c.M; ++m) {
     for (int64_t n = 0; n < c.N; ++n) {
@@ -80,14 +78,12 @@ TEST(Gemm, MatchesFloat64) {
           for (int bias = 0; bias < 3; ++bias) {
             SCOPED_TRACE(testing::Message() << "M=" << M << " N=" << N << " K=" << K << " W "
                                             << dtype_name(wt) << " bias " << bias);
-            check_gemm(rng, {M, N, K, wt, bias}, /*use_scratch=*/true);
-            if (wt == DType::kBF16 && M >= cpu::kGemmPanelMinM)
-              check_gemm(rng, {M, N, K, wt, bias}, /*use_scratch=*/false);
+            check_gemm(rng, {M, N, K, wt, bias});
           }
 }
 
-// Every row's result is bit-identical whatever the batch, the path (bf16
-// panel or in-register widening, f32 W) and the threading.
+// Every row's result is bit-identical whatever the batch, the tile a row
+// falls in, the weight dtype (for bf16-representable values) and the threading.
 TEST(Gemm, FixedOrderBatchInvariantAndPathIndependent) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE(testing::Message() << "seed " << seed);
@@ -100,31 +96,30 @@ TEST(Gemm, FixedOrderBatchInvariantAndPathIndependent) {
   for (auto& v : bias) v = d(rng);
   std::vector<uint16_t> Wb(Wf.size());
   for (size_t i = 0; i < Wf.size(); ++i) Wb[i] = f32_to_bf16(Wf[i]);
-  std::vector<float> scratch(4 * cpu::gemm_scratch_floats(K));
 
   std::vector<float> full_f32(M * N), full_bf16(M * N), full_par(M * N), row(N);
   cpu::gemm_nt(M, N, K, A.data(), K, Wf.data(), DType::kF32, K, bias.data(), DType::kF32,
-               full_f32.data(), N, nullptr);
+               full_f32.data(), N);
   cpu::gemm_nt(M, N, K, A.data(), K, Wb.data(), DType::kBF16, K, bias.data(), DType::kF32,
-               full_bf16.data(), N, scratch.data());
+               full_bf16.data(), N);
   ThreadPool pool(2);
   cpu::gemm_nt_parallel(pool, M, N, K, A.data(), K, Wb.data(), DType::kBF16, K, bias.data(),
-                        DType::kF32, full_par.data(), N, scratch.data());
+                        DType::kF32, full_par.data(), N);
   EXPECT_EQ(0, std::memcmp(full_f32.data(), full_bf16.data(), full_f32.size() * 4));
   EXPECT_EQ(0, std::memcmp(full_f32.data(), full_par.data(), full_f32.size() * 4));
   for (int64_t m : {int64_t{0}, int64_t{5}, M - 1}) {
     cpu::gemm_nt(1, N, K, A.data() + m * K, K, Wb.data(), DType::kBF16, K, bias.data(), DType::kF32,
-                 row.data(), N, scratch.data());
+                 row.data(), N);
     EXPECT_EQ(0, std::memcmp(row.data(), full_f32.data() + m * N, N * 4)) << "row " << m;
     // A 3-row batch with the row in the middle, and a column subset.
     std::vector<float> three(3 * N);
     if (m >= 1 && m + 1 < M) {
       cpu::gemm_nt(3, N, K, A.data() + (m - 1) * K, K, Wf.data(), DType::kF32, K, bias.data(),
-                   DType::kF32, three.data(), N, nullptr);
+                   DType::kF32, three.data(), N);
       EXPECT_EQ(0, std::memcmp(three.data() + N, full_f32.data() + m * N, N * 4)) << "row " << m;
     }
     cpu::gemm_nt(1, 5, K, A.data() + m * K, K, Wf.data() + 37 * K, DType::kF32, K, bias.data() + 37,
-                 DType::kF32, row.data(), 5, nullptr);
+                 DType::kF32, row.data(), 5);
     EXPECT_EQ(0, std::memcmp(row.data(), full_f32.data() + m * N + 37, 5 * 4)) << "row " << m;
   }
 }
@@ -272,8 +267,7 @@ TEST(CpuModularKernel, RouterWeightOnInputAndBF16Compute) {
 }
 
 TEST(CpuModularKernel, LargeExpertAndManyRowsPerExpert) {
-  // All tokens on few experts: > 128 rows per expert (several row blocks) and
-  // the bf16 panel path (rows >= kGemmPanelMinM).
+  // All tokens on few experts: > 128 rows per expert (several row blocks).
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   std::mt19937_64 rng(seed);

@@ -79,9 +79,8 @@ void CpuExperts::apply(const PrepareResult& prepared, const ExpertWeights& weigh
 
   ThreadPool& tp = pool();
   const int threads = tp.num_threads();
-  // Per thread: a GEMM panel, then a [kRowBlock, 2 * kW13Block] gate/up block.
-  const size_t panel_floats = gemm_scratch_floats(std::max(H, I));
-  const size_t per_thread = panel_floats + kRowBlock * 2 * kW13Block;
+  // Per thread: a [kRowBlock, 2 * kW13Block] gate/up block (stays in L1/L2).
+  const size_t per_thread = kRowBlock * 2 * kW13Block;
   auto* scratch =
       static_cast<float*>(ws.get(kWsThreadScratch, threads * per_thread * sizeof(float)));
   auto* act = static_cast<float*>(ws.get(kWsIntermediate, M * I * sizeof(float)));
@@ -96,15 +95,14 @@ void CpuExperts::apply(const PrepareResult& prepared, const ExpertWeights& weigh
     const int64_t e = it.expert, row = offsets[e] + it.row0;
     const int64_t rows = std::min(kRowBlock, offsets[e + 1] - row);
     const int64_t i0 = it.col0, nb = std::min(kW13Block, I - i0);
-    float* panel = scratch + tid * per_thread;
-    float* gu = panel + panel_floats;  // [rows, 2 * kW13Block]: gate | up
+    float* gu = scratch + tid * per_thread;  // [rows, 2 * kW13Block]: gate | up
     const float* x = X.data_as<const float>() + row * ldx;
     const char* we = w13 + e * 2 * I * H * wsz;
     const char* be = b13 ? b13 + e * 2 * I * b13sz : nullptr;
     gemm_nt(rows, nb, H, x, ldx, we + i0 * H * wsz, wdt, H, be ? be + i0 * b13sz : nullptr, b13t,
-            gu, 2 * kW13Block, panel);
+            gu, 2 * kW13Block);
     gemm_nt(rows, nb, H, x, ldx, we + (I + i0) * H * wsz, wdt, H,
-            be ? be + (I + i0) * b13sz : nullptr, b13t, gu + kW13Block, 2 * kW13Block, panel);
+            be ? be + (I + i0) * b13sz : nullptr, b13t, gu + kW13Block, 2 * kW13Block);
     activation_rows(params.activation, gu, gu + kW13Block, 2 * kW13Block, act + row * I + i0, I,
                     rows, nb, round_bf16);
   });
@@ -112,15 +110,14 @@ void CpuExperts::apply(const PrepareResult& prepared, const ExpertWeights& weigh
   // Phase 2: out[rows, h0:h1] = act[rows] . w2[h0:h1]^T (+ bias).
   n = build_items(offsets, E, H, kW2Block, items);
   float* o = out.data_as<float>();
-  run_items(tp, n, [&](int64_t i, int tid) {
+  run_items(tp, n, [&](int64_t i, int) {
     const WorkItem it = items[i];
     const int64_t e = it.expert, row = offsets[e] + it.row0;
     const int64_t rows = std::min(kRowBlock, offsets[e + 1] - row);
     const int64_t h0 = it.col0, hb = std::min(kW2Block, H - h0);
-    float* panel = scratch + tid * per_thread;
     const char* we = w2 + (e * H + h0) * I * wsz;
     const char* be = b2 ? b2 + (e * H + h0) * b2sz : nullptr;
-    gemm_nt(rows, hb, I, act + row * I, I, we, wdt, I, be, b2t, o + row * ldo + h0, ldo, panel);
+    gemm_nt(rows, hb, I, act + row * I, I, we, wdt, I, be, b2t, o + row * ldo + h0, ldo);
   });
 }
 

@@ -3,7 +3,7 @@
 // "NT" dot-product form: a tile of MR rows of A and NR rows of W keeps MR x NR
 // 16-lane accumulators in registers over the whole K loop, then reduces each.
 // W (f32 or bf16) is read row-contiguously, so no transposition/packing is
-// needed; bf16 is widened by a 16-bit shift (exact).
+// needed; bf16 is widened by a 16-bit shift (exact) right after the load.
 #include "kernels/cpu/gemm.h"
 
 #include <algorithm>
@@ -23,14 +23,11 @@ namespace fusedmoe::cpu {
 
 namespace {
 
-constexpr int kMR = 4;      // rows of A per tile
-constexpr int kNR = 4;      // rows of W per tile (kMR > 1)
-constexpr int kNR1 = 8;     // rows of W per tile when the tile has one row of A
-constexpr int kLanes = 16;  // accumulation lanes (one zmm of f32)
-
-inline int64_t round_up(int64_t x, int64_t m) {
-  return (x + m - 1) / m * m;
-}
+constexpr int kMR = 4;             // rows of A per tile
+constexpr int kNR = 4;             // rows of W per tile (kMR > 1)
+constexpr int kNR1 = 8;            // rows of W per tile when the tile has one row of A
+constexpr int kLanes = 16;         // accumulation lanes (one zmm of f32)
+constexpr int64_t kColBlock = 64;  // W rows per L2-resident column block
 
 using TileFn = void (*)(int64_t K, const float* A, int64_t lda, const void* W, int64_t ldw,
                         float* C, int64_t ldc, const void* bias, DType bias_dtype);
@@ -135,15 +132,19 @@ constexpr std::array<TileFn, sizeof...(NRs)> tile_row(std::index_sequence<NRs...
   return {(NRs == 0 ? nullptr : &tile<MR, static_cast<int>(NRs == 0 ? 1 : NRs), kBF16>)...};
 }
 
+template <bool kBF16, size_t... MRs>
+constexpr std::array<std::array<TileFn, kNR1 + 1>, sizeof...(MRs)> tile_table(
+    std::index_sequence<MRs...>) {
+  return {(MRs == 0 ? std::array<TileFn, kNR1 + 1>{}
+                    : tile_row<kBF16, static_cast<int>(MRs == 0 ? 1 : MRs)>(
+                          std::make_index_sequence<kNR1 + 1>{}))...};
+}
+
+// fns[mr][nr]: the tile of mr rows of A and nr rows of W (mr, nr >= 1).
 template <bool kBF16>
 struct TileTable {
-  std::array<std::array<TileFn, kNR1 + 1>, kMR + 1> fns{};
-  constexpr TileTable() {
-    fns[1] = tile_row<kBF16, 1>(std::make_index_sequence<kNR1 + 1>{});
-    fns[2] = tile_row<kBF16, 2>(std::make_index_sequence<kNR1 + 1>{});
-    fns[3] = tile_row<kBF16, 3>(std::make_index_sequence<kNR1 + 1>{});
-    fns[4] = tile_row<kBF16, 4>(std::make_index_sequence<kNR1 + 1>{});
-  }
+  std::array<std::array<TileFn, kNR1 + 1>, kMR + 1> fns =
+      tile_table<kBF16>(std::make_index_sequence<kMR + 1>{});
 };
 constexpr TileTable<false> kTilesF32;
 constexpr TileTable<true> kTilesBF16;
@@ -155,10 +156,10 @@ void gemm_rows(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, con
   const auto& fns = kBF16 ? kTilesBF16.fns : kTilesF32.fns;
   const size_t wsize = kBF16 ? 2 : 4;
   const size_t bsize = dtype_size(bias_dtype);
-  // Column blocks of kGemmPanelRows W rows outer (they stay in L2 while every
-  // row tile of A passes over them), row tiles inner.
-  for (int64_t nb0 = 0; nb0 < N; nb0 += kGemmPanelRows) {
-    const int64_t nb1 = std::min(N, nb0 + kGemmPanelRows);
+  // Column blocks of kColBlock W rows outer (they stay in L2 while every row
+  // tile of A passes over them), row tiles inner.
+  for (int64_t nb0 = 0; nb0 < N; nb0 += kColBlock) {
+    const int64_t nb1 = std::min(N, nb0 + kColBlock);
     for (int64_t m0 = 0; m0 < M; m0 += kMR) {
       const int mr = static_cast<int>(std::min<int64_t>(kMR, M - m0));
       const int nr_max = mr == 1 ? kNR1 : kNR;
@@ -172,67 +173,37 @@ void gemm_rows(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, con
   }
 }
 
-// Widens rows [0, n) of bf16 W (row stride ldw) into dst (row stride ldd).
-void widen_panel(const uint16_t* W, int64_t ldw, int64_t n, int64_t K, float* dst, int64_t ldd) {
-  for (int64_t r = 0; r < n; ++r) {
-    const uint16_t* src = W + r * ldw;
-    float* d = dst + r * ldd;
-    for (int64_t k = 0; k < K; ++k) d[k] = bits_float(static_cast<uint32_t>(src[k]) << 16);
-  }
-}
-
 }  // namespace
 
-size_t gemm_scratch_floats(int64_t k) {
-  return static_cast<size_t>(kGemmPanelRows * round_up(std::max<int64_t>(k, 1), kLanes));
-}
-
 void gemm_nt(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const void* W,
-             DType w_dtype, int64_t ldw, const void* bias, DType bias_dtype, float* C, int64_t ldc,
-             float* scratch) {
+             DType w_dtype, int64_t ldw, const void* bias, DType bias_dtype, float* C,
+             int64_t ldc) {
   if (M <= 0 || N <= 0) return;
-  if (w_dtype != DType::kBF16) {
-    gemm_rows<false>(M, N, K, A, lda, W, ldw, bias, bias_dtype, C, ldc);
-    return;
-  }
-  if (M < kGemmPanelMinM || scratch == nullptr) {
+  if (w_dtype == DType::kBF16)
     gemm_rows<true>(M, N, K, A, lda, W, ldw, bias, bias_dtype, C, ldc);
-    return;
-  }
-  // Widen kGemmPanelRows rows of W at a time, then run the f32 tiles on them
-  // (the widening is exact, so the result equals the in-register path).
-  const int64_t ldp = round_up(std::max<int64_t>(K, 1), kLanes);
-  const size_t bsize = dtype_size(bias_dtype);
-  for (int64_t n0 = 0; n0 < N; n0 += kGemmPanelRows) {
-    const int64_t nb = std::min(kGemmPanelRows, N - n0);
-    widen_panel(static_cast<const uint16_t*>(W) + n0 * ldw, ldw, nb, K, scratch, ldp);
-    gemm_rows<false>(M, nb, K, A, lda, scratch, ldp,
-                     bias ? static_cast<const char*>(bias) + n0 * bsize : nullptr, bias_dtype,
-                     C + n0, ldc);
-  }
+  else
+    gemm_rows<false>(M, N, K, A, lda, W, ldw, bias, bias_dtype, C, ldc);
 }
 
 void gemm_nt_parallel(ThreadPool& pool, int64_t M, int64_t N, int64_t K, const float* A,
                       int64_t lda, const void* W, DType w_dtype, int64_t ldw, const void* bias,
-                      DType bias_dtype, float* C, int64_t ldc, float* scratch) {
+                      DType bias_dtype, float* C, int64_t ldc) {
   if (M <= 0 || N <= 0) return;
-  // Row blocks large enough to amortise a panel, column blocks of one panel.
-  const int64_t mb = 64, nb = kGemmPanelRows;
+  // Column blocks of kColBlock W rows (stay in L2 while row tiles pass over them).
+  const int64_t mb = 64, nb = kColBlock;
   const int64_t m_blocks = (M + mb - 1) / mb, n_blocks = (N + nb - 1) / nb;
   const int64_t items = m_blocks * n_blocks;
-  const size_t per_thread = gemm_scratch_floats(K);
   const size_t wsize = dtype_size(w_dtype), bsize = dtype_size(bias_dtype);
   std::atomic<int64_t> next{0};
   pool.parallel_for(
       std::min<int64_t>(items, pool.num_threads()),
-      [&](int64_t, int64_t, int tid) {
-        float* s = scratch ? scratch + static_cast<size_t>(tid) * per_thread : nullptr;
+      [&](int64_t, int64_t, int) {
         for (int64_t it = next.fetch_add(1); it < items; it = next.fetch_add(1)) {
           const int64_t m0 = it / n_blocks * mb, n0 = it % n_blocks * nb;
           gemm_nt(std::min(mb, M - m0), std::min(nb, N - n0), K, A + m0 * lda, lda,
                   static_cast<const char*>(W) + n0 * ldw * wsize, w_dtype, ldw,
                   bias ? static_cast<const char*>(bias) + n0 * bsize : nullptr, bias_dtype,
-                  C + m0 * ldc + n0, ldc, s);
+                  C + m0 * ldc + n0, ldc);
         }
       },
       1);
