@@ -160,6 +160,8 @@ void MoERunner::forward(const TensorView& hidden_states, const TensorView& outpu
   TensorView logits;
   if (router_logits) {
     logits = *router_logits;
+  } else if (config_.routing_method == RoutingMethod::kSimulated && !want_logits) {
+    logits = TensorView();  // the simulator ignores logits: skip the gate GEMM
   } else if (want_logits) {
     logits = outputs->router_logits;
     compute_router_logits(hidden_states, logits);

@@ -257,6 +257,27 @@ TEST(MoERunner, HashRoutingUsesTokenIds) {
   EXPECT_LE(test::rel_l2(out, TensorView(ref.data(), DType::kF64, {T, c.hidden_size})), 1e-5);
 }
 
+TEST(MoERunner, SimulatedRoutingSkipsLogits) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  MoEConfig c = base(16, 4, 48, 32);
+  c.routing_method = RoutingMethod::kSimulated;
+  c.simulation_seed = seed;
+  MoELayerWeights w = make_layer(rng, c, DType::kBF16);
+  MoERunner runner(c, w);
+  const int64_t T = 13;
+  Tensor hidden = test::random_f32(rng, {T, c.hidden_size});
+  Tensor out = Tensor::empty(DType::kF32, {T, c.hidden_size});
+  test::poison(out);
+  Tensor ids = Tensor::empty(DType::kI32, {T, c.top_k});
+  Tensor tw = Tensor::empty(DType::kF32, {T, c.top_k});
+  ForwardOutputs o{TensorView(), ids, tw};
+  runner.forward(hidden, out, nullptr, nullptr, &o);
+  std::vector<double> ref = test::reference_moe_layer(c, w, hidden, ids, tw);
+  EXPECT_LE(test::rel_l2(out, TensorView(ref.data(), DType::kF64, {T, c.hidden_size})), 1e-5);
+}
+
 TEST(MoERunner, ZeroTokens) {
   const uint64_t seed = fresh_seed();
   std::mt19937_64 rng(seed);
