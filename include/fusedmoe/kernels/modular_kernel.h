@@ -96,9 +96,10 @@ class ModularKernel {
   std::unique_ptr<Experts> experts_;
 };
 
-// CPU backend: BLAS GEMMs (f32 accumulate; bf16 weights converted panel by
-// panel), multi-threaded over (expert, row-block) work items on `pool`
-// (nullptr: ThreadPool::global()).
+// CPU backend: fixed-order AVX-512 GEMMs (f32 accumulate; bf16 weights widened
+// in registers as they are loaded; batch invariant, unlike a BLAS sgemm),
+// multi-threaded over (expert, row block, weight-row block) work items on
+// `pool` (nullptr: ThreadPool::global() at call time).
 std::unique_ptr<ModularKernel> make_cpu_modular_kernel(ThreadPool* pool = nullptr);
 
 }  // namespace fusedmoe
