@@ -149,6 +149,11 @@ std::unique_ptr<Router> create_router(const MoEConfig& config, const RouterParam
   using namespace routing;
   config.validate();
   const RoutingMethod m = config.routing_method;
+  const bool uses_bias = m == RoutingMethod::kTopK || m == RoutingMethod::kGroupedTopK ||
+                         (m == RoutingMethod::kTopKSoftmax && config.num_expert_group > 1);
+  FUSEDMOE_CHECK(uses_bias || !params.e_score_correction_bias.has_value(),
+                 "e_score_correction_bias: given, but the ", to_string(m),
+                 " router does not use one (it would be ignored)");
   if (m == RoutingMethod::kSimulated) return make_simulated_router(config);
   if (m == RoutingMethod::kHash) return make_hash_router(config, read_hash_table(config, params));
   if (m == RoutingMethod::kLlama4) return make_llama4_router(config);

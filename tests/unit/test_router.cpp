@@ -584,6 +584,23 @@ TEST(Router, SimulatedZipfIsSkewed) {
                          again.ids.data_as<int32_t>()));
 }
 
+TEST(Router, SimulatedWithZeroExperts) {
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  MoEConfig c = simulated(SimulatedRouting::kUniform, 8, 4, seed);
+  c.num_zero_experts = 8;
+  const int64_t T = 4000;
+  Routed r = route(*create_router(c), TensorView(), T);  // ids in [-1, 8), distinct
+  int64_t minus_one = 0;
+  std::vector<int64_t> n(8, 0);
+  for (int64_t i = 0; i < T * 4; ++i) {
+    const int32_t id = r.ids.data_as<int32_t>()[i];
+    id < 0 ? ++minus_one : ++n[id];
+  }
+  EXPECT_NEAR(minus_one, T * 2, T * 0.1);  // half of the 16 columns are zero experts
+  for (int64_t e = 0; e < 8; ++e) EXPECT_NEAR(n[e], T / 4, T * 0.03) << "expert " << e;
+}
+
 TEST(Router, SimulatedAllToOne) {
   MoEConfig c = simulated(SimulatedRouting::kAllToOne, 16, 3, test::fresh_seed());
   Routed r = route(*create_router(c), TensorView(), 300);
@@ -682,6 +699,13 @@ TEST(Router, ShapeDtypeAndParamErrors) {
         create_router(c, {bias_tensor(std::vector<double>(8, 0.1)), {}});
       },
       {"e_score_correction_bias", "has_e_score_correction_bias"});
+  MoEConfig llama = base_config(8, 1);
+  llama.routing_method = RoutingMethod::kLlama4;
+  expect_error(
+      [&] {
+        create_router(llama, {bias_tensor(std::vector<double>(8, 0.1)), {}});
+      },
+      {"e_score_correction_bias", "llama4"});
   // bf16 bias accepted.
   Tensor b16 = test::to_bf16(bias_tensor(random_bias(rng, 16, 0.3)));
   EXPECT_NO_THROW(create_router(v3, {b16, {}}));
