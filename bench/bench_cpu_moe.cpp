@@ -83,12 +83,14 @@ void bm_moe(benchmark::State& state, DType dtype, Impl impl) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  use_best_openblas_kernel(argv);  // may re-execute with OPENBLAS_CORETYPE set
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   Ceilings& c = ceilings();
   c = measure_ceilings(ThreadPool::global().num_threads());
   benchmark::AddCustomContext("fusedmoe_threads", std::to_string(c.threads));
   benchmark::AddCustomContext("fusedmoe_simd", c.isa);
+  benchmark::AddCustomContext("openblas_kernel", openblas_kernel_description());
   benchmark::AddCustomContext("peak_fp32_fma_gflops", std::to_string(c.peak_gflops));
   benchmark::AddCustomContext("read_bandwidth_gbps", std::to_string(c.read_gbps));
   const LayerShape& s = cpu_shape();

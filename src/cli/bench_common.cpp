@@ -8,8 +8,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <string>
@@ -172,6 +174,43 @@ void fill_uniform(Tensor& t, float scale, uint64_t seed) {
 }
 
 }  // namespace
+
+void use_best_openblas_kernel(char** argv) {
+  if (std::getenv("OPENBLAS_CORETYPE") != nullptr ||
+      std::getenv("FUSEDMOE_OPENBLAS_REEXEC") != nullptr)
+    return;
+  __builtin_cpu_init();
+  const char* target = nullptr;
+  std::vector<std::string> good;
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl")) {
+    target = "SkylakeX";
+    good = {"skylakex", "cooperlake", "sapphirerapids"};
+  } else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    target = "Haswell";
+    good = {"haswell", "zen", "skylakex", "cooperlake", "sapphirerapids"};
+  }
+  if (target == nullptr) return;
+  std::string core = openblas_get_corename();
+  std::string lower = core;
+  for (char& ch : lower) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  if (std::find(good.begin(), good.end(), lower) != good.end()) return;
+  ::setenv("OPENBLAS_CORETYPE", target, 1);
+  ::setenv("FUSEDMOE_OPENBLAS_REEXEC", core.c_str(), 1);
+  ::execv("/proc/self/exe", argv);
+  // execv failed: carry on with the kernel OpenBLAS chose.
+  ::unsetenv("OPENBLAS_CORETYPE");
+}
+
+std::string openblas_kernel_description() {
+  std::string s = openblas_get_corename();
+  if (const char* detected = std::getenv("FUSEDMOE_OPENBLAS_REEXEC"))
+    s += std::string(" (OPENBLAS_CORETYPE set by fusedmoe: OpenBLAS itself picked ") + detected +
+         " on this CPU)";
+  else if (std::getenv("OPENBLAS_CORETYPE") != nullptr)
+    s += " (OPENBLAS_CORETYPE from the environment)";
+  return s;
+}
 
 const char* simd_isa() {
 #if defined(__AVX512F__)

@@ -85,7 +85,7 @@ int run_bench(const BenchOptions& o) {
   std::printf("- CPU: %s, %d threads, SIMD %s\n", cpu_model_name().c_str(), threads, simd_isa());
   std::printf(
       "- weights and compute: %s; routing: simulated %s; timing: median after 1 warm-up, "
-      ">= 3 runs and >= %.2f s\n",
+      ">= 3 runs (2 if over 1 s each) and >= %.2f s\n",
       dtype_name(dtype), o.routing.c_str(), o.min_time);
   std::fflush(stdout);
   const Ceilings ceil = measure_ceilings(threads);
@@ -100,8 +100,8 @@ int run_bench(const BenchOptions& o) {
     std::printf(
         "- baseline: BLAS-per-expert loop (gather rows, OpenBLAS sgemm on f32 weights for "
         "w13, SiLU-GLU, sgemm for w2, scatter-add), each GEMM split over the %d threads "
-        "along N\n",
-        threads);
+        "along N; OpenBLAS kernel %s\n",
+        threads, openblas_kernel_description().c_str());
   std::printf("\n");
   std::fflush(stdout);
 

@@ -7,6 +7,7 @@
 #include <sstream>
 #include <string>
 
+#include "cli/bench_common.h"
 #include "cli/cli.h"
 #include "fusedmoe/core/error.h"
 
@@ -114,7 +115,10 @@ int main(int argc, char** argv) {
   try {
     if (inspect->parsed()) return run_inspect(inspect_opts);
     if (run->parsed()) return run_run(run_opts);
-    if (bench->parsed()) return run_bench(bench_opts);
+    if (bench->parsed()) {
+      fusedmoe::bench::use_best_openblas_kernel(argv);
+      return run_bench(bench_opts);
+    }
     return fail("no command given (try --help)", 2);
   } catch (const fusedmoe::Error& e) {
     return fail(e.what(), 1);
