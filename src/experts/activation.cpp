@@ -23,10 +23,11 @@ namespace {
 
 // e^x, branch-free so loops vectorise: Cephes expf polynomial (~1 ulp) on
 // [-87.3, 88.3]; 0 below, +Inf above (so sigmoid reaches exactly 0 and 1).
-inline float exp_f32(float x) {
+[[gnu::always_inline]] inline float exp_f32(float x) {
   float xc = x < -87.3f ? -87.3f : x;
   xc = xc > 88.3f ? 88.3f : xc;
-  const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
+  // n = round(x / ln 2) by the 1.5 * 2^23 trick (|x / ln 2| < 128): vectorises, unlike floorf.
+  const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
   float r = xc - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
   float p = 1.9875691500e-4f;
@@ -41,12 +42,24 @@ inline float exp_f32(float x) {
   return x < -87.3f ? 0.0f : big;
 }
 
-inline float sigmoid(float x) {
+[[gnu::always_inline]] inline float sigmoid(float x) {
   return 1.0f / (1.0f + exp_f32(-x));
 }
 
-inline float maybe_round(float v, bool round_bf16) {
-  return round_bf16 ? round_to_bf16(v) : v;
+// out[r, i] = fn(gate[r, i], up[r, i]), then optional bf16 rounding; simple
+// restrict-qualified loops so that GCC vectorises them (also under -fPIC).
+template <typename Fn>
+[[gnu::always_inline]] inline void map_rows(const float* gate, const float* up, int64_t ldx,
+                                            float* out, int64_t ldo, int64_t rows, int64_t n,
+                                            bool round_bf16, Fn fn) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* __restrict g = gate + r * ldx;
+    const float* __restrict u = up + r * ldx;
+    float* __restrict o = out + r * ldo;
+    for (int64_t i = 0; i < n; ++i) o[i] = fn(g[i], u[i]);
+    if (round_bf16)
+      for (int64_t i = 0; i < n; ++i) o[i] = round_to_bf16(o[i]);
+  }
 }
 
 }  // namespace
@@ -55,40 +68,32 @@ namespace cpu {
 
 void activation_rows(const ActivationParams& p, const float* gate, const float* up, int64_t ldx,
                      float* out, int64_t ldo, int64_t rows, int64_t n, bool round_bf16) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* g = gate + r * ldx;
-    const float* u = up + r * ldx;
-    float* o = out + r * ldo;
-    switch (p.activation) {
-      case Activation::kSiluGlu:
-        for (int64_t i = 0; i < n; ++i) o[i] = maybe_round(g[i] * sigmoid(g[i]) * u[i], round_bf16);
-        break;
-      case Activation::kGeluGlu:
-        for (int64_t i = 0; i < n; ++i) {
-          // 1 + erf(x / sqrt 2) = erfc(-x / sqrt 2): no cancellation for x << 0.
-          const float x = g[i];
-          const float gelu = 0.5f * x * std::erfc(x * -0.70710678118654752f);
-          o[i] = maybe_round(gelu * u[i], round_bf16);
-        }
-        break;
-      case Activation::kGeluTanhGlu:
-        for (int64_t i = 0; i < n; ++i) {
-          // x/2 (1 + tanh(z)) = x * sigmoid(2z): exact identity, no cancellation.
-          const float x = g[i];
-          const float z = 0.7978845608028654f * (x + 0.044715f * x * x * x);
-          o[i] = maybe_round(x * sigmoid(2.0f * z) * u[i], round_bf16);
-        }
-        break;
-      case Activation::kSwigluOai: {
-        const float limit = p.swiglu_limit, alpha = p.swiglu_alpha;
-        for (int64_t i = 0; i < n; ++i) {
-          const float x = std::min(g[i], limit);
-          const float y = std::clamp(u[i], -limit, limit);
-          const float glu = x * sigmoid(x * alpha);
-          o[i] = maybe_round((y + 1.0f) * glu, round_bf16);
-        }
-        break;
-      }
+  switch (p.activation) {
+    case Activation::kSiluGlu:
+      map_rows(gate, up, ldx, out, ldo, rows, n, round_bf16,
+               [](float g, float u) { return g * sigmoid(g) * u; });
+      break;
+    case Activation::kGeluGlu:
+      // 1 + erf(x / sqrt 2) = erfc(-x / sqrt 2): no cancellation for x << 0.
+      map_rows(gate, up, ldx, out, ldo, rows, n, round_bf16, [](float g, float u) {
+        return 0.5f * g * std::erfc(g * -0.70710678118654752f) * u;
+      });
+      break;
+    case Activation::kGeluTanhGlu:
+      // x/2 (1 + tanh(z)) = x * sigmoid(2z): exact identity, no cancellation.
+      map_rows(gate, up, ldx, out, ldo, rows, n, round_bf16, [](float g, float u) {
+        const float z = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+        return g * sigmoid(2.0f * z) * u;
+      });
+      break;
+    case Activation::kSwigluOai: {
+      const float limit = p.swiglu_limit, alpha = p.swiglu_alpha;
+      map_rows(gate, up, ldx, out, ldo, rows, n, round_bf16, [=](float g, float u) {
+        const float x = std::min(g, limit);
+        const float y = std::clamp(u, -limit, limit);
+        return (y + 1.0f) * (x * sigmoid(x * alpha));
+      });
+      break;
     }
   }
 }
