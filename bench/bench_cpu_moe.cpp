@@ -13,6 +13,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "cli/bench_common.h"
 
@@ -46,7 +47,10 @@ enum class Impl { kFusedMoE, kBlasPerExpert };
 void bm_moe(benchmark::State& state, DType dtype, Impl impl) {
   const int64_t T = state.range(0);
   const SyntheticLayer& l = layer(dtype);
-  const RoutedBatch batch = make_routed_batch(cpu_shape(), T, SimulatedRouting::kUniform, 100 + T);
+  // Runs cycle through kBatchRotation routings so the weights come from memory.
+  const std::vector<RoutedBatch> batches =
+      make_routed_batches(cpu_shape(), T, SimulatedRouting::kUniform, 100 + T);
+  size_t next = 0;
   Tensor out = Tensor::empty(DType::kF32, {T, cpu_shape().H});
   std::unique_ptr<FusedMoECpu> ours;
   std::unique_ptr<BlasPerExpertBaseline> base;
@@ -56,9 +60,9 @@ void bm_moe(benchmark::State& state, DType dtype, Impl impl) {
     base = std::make_unique<BlasPerExpertBaseline>(l);
   auto run = [&] {
     if (ours)
-      ours->forward(batch, out);
+      ours->forward(batches[next++ % batches.size()], out);
     else
-      base->forward(batch, out);
+      base->forward(batches[next++ % batches.size()], out);
   };
   run();  // warm-up: workspace, page cache
   double total = 0;
@@ -69,13 +73,13 @@ void bm_moe(benchmark::State& state, DType dtype, Impl impl) {
     benchmark::DoNotOptimize(out.data());
     benchmark::ClobberMemory();
   }
-  const Roofline r = layer_roofline(cpu_shape(), T, batch.distinct_experts,
+  const Roofline r = layer_roofline(cpu_shape(), T, mean_distinct_experts(batches),
                                     impl == Impl::kFusedMoE ? dtype : DType::kF32, ceilings());
   state.counters["FLOP/s"] =
       benchmark::Counter(r.flops, benchmark::Counter::kIsIterationInvariantRate);
   state.counters["bytes/s"] =
       benchmark::Counter(r.bytes, benchmark::Counter::kIsIterationInvariantRate);
-  state.counters["experts"] = static_cast<double>(batch.distinct_experts);
+  state.counters["experts"] = mean_distinct_experts(batches);
   state.counters["roofline"] =
       total > 0 ? r.floor_s * static_cast<double>(state.iterations()) / total : 0.0;
 }

@@ -96,6 +96,16 @@ struct RoutedBatch {
 RoutedBatch make_routed_batch(const LayerShape& shape, int64_t T, SimulatedRouting routing,
                               uint64_t seed);
 
+// `count` batches of T tokens with different routing. Timed runs cycle through
+// them, so that consecutive runs touch different experts and the weights come
+// from memory, not from a cache that still holds them (as in a real model,
+// where the other layers run in between).
+inline constexpr int kBatchRotation = 8;
+std::vector<RoutedBatch> make_routed_batches(const LayerShape& shape, int64_t T,
+                                             SimulatedRouting routing, uint64_t seed,
+                                             int count = kBatchRotation);
+double mean_distinct_experts(const std::vector<RoutedBatch>& batches);
+
 // ---- the two implementations ---------------------------------------------------------
 // fusedmoe's CPU modular kernel (routed experts only, as perf-targets.md times them).
 class FusedMoECpu {
@@ -135,8 +145,8 @@ struct Roofline {
   double floor_s = 0;  // max(bytes / bandwidth, flops / peak)
   bool memory_bound = false;
 };
-Roofline layer_roofline(const LayerShape& s, int64_t T, int64_t distinct_experts,
-                        DType weight_dtype, const Ceilings& c);
+Roofline layer_roofline(const LayerShape& s, int64_t T, double distinct_experts, DType weight_dtype,
+                        const Ceilings& c);
 
 // Runs fn once (warm-up), then repeatedly until `min_time` seconds passed and at
 // least `min_reps` runs were made (only 2 when each takes over a second; at most
