@@ -1,0 +1,141 @@
+"""PyTorch custom ops: ``torch.ops.fusedmoe.*``.
+
+Registered with ``torch.library.custom_op`` (outputs allocated by PyTorch,
+no input mutated) and a fake implementation each, so that a model calling
+them compiles with ``torch.compile(fullgraph=True)``. Imported by
+``fusedmoe/__init__.py`` when torch is importable; the public functions of
+``fusedmoe`` route torch tensors through these ops.
+
+Ops:
+  fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation,
+                w13_bias, w2_bias, apply_router_weight_on_input, compute_dtype,
+                swiglu_alpha, swiglu_limit) -> Tensor f32 [T, H]
+  fused_topk(gating_output, topk, renormalize, scoring_func) -> (f32 [T, k], i32 [T, k])
+  grouped_topk(gating_output, topk, renormalize, num_expert_group, topk_group,
+               scoring_func, e_score_correction_bias, routed_scaling_factor,
+               group_score) -> (f32 [T, k], i32 [T, k])
+  moe_layer(hidden_states, layer_id, router_logits) -> f32 [T, H]
+  moe_layer_with_routing(hidden_states, layer_id, router_logits)
+      -> (f32 [T, H], i32 [T, k], f32 [T, k], f32 [T, E + Z])
+``layer_id`` is ``MoELayer._id`` (a constant in a traced graph).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+import fusedmoe as _fm
+
+_LIB = "fusedmoe"
+
+
+def _check_2d(x: Tensor, name: str) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"{name}: expected a 2-d tensor, got shape {tuple(x.shape)}")
+
+
+@torch.library.custom_op(f"{_LIB}::fused_experts", mutates_args=())
+def fused_experts(
+    hidden_states: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+    activation: str = "silu",
+    w13_bias: Optional[Tensor] = None,
+    w2_bias: Optional[Tensor] = None,
+    apply_router_weight_on_input: bool = False,
+    compute_dtype: str = "f32",
+    swiglu_alpha: float = 1.702,
+    swiglu_limit: float = 7.0,
+) -> Tensor:
+    return _fm._fused_experts_impl(
+        hidden_states, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias,
+        apply_router_weight_on_input, compute_dtype, None, swiglu_alpha, swiglu_limit,
+    )
+
+
+@fused_experts.register_fake
+def _(hidden_states, w13, w2, topk_weights, topk_ids, activation="silu", w13_bias=None,
+      w2_bias=None, apply_router_weight_on_input=False, compute_dtype="f32",
+      swiglu_alpha=1.702, swiglu_limit=7.0):
+    _check_2d(hidden_states, "hidden_states")
+    return hidden_states.new_empty(hidden_states.shape, dtype=torch.float32)
+
+
+def _fake_routing(gating_output: Tensor, topk: int) -> Tuple[Tensor, Tensor]:
+    _check_2d(gating_output, "gating_output")
+    T = gating_output.shape[0]
+    return (gating_output.new_empty((T, topk), dtype=torch.float32),
+            gating_output.new_empty((T, topk), dtype=torch.int32))
+
+
+@torch.library.custom_op(f"{_LIB}::fused_topk", mutates_args=())
+def fused_topk(gating_output: Tensor, topk: int, renormalize: bool,
+               scoring_func: str = "softmax") -> Tuple[Tensor, Tensor]:
+    return _fm._fused_topk_impl(None, gating_output, topk, renormalize, scoring_func)
+
+
+@fused_topk.register_fake
+def _(gating_output, topk, renormalize, scoring_func="softmax"):
+    return _fake_routing(gating_output, topk)
+
+
+@torch.library.custom_op(f"{_LIB}::grouped_topk", mutates_args=())
+def grouped_topk(
+    gating_output: Tensor,
+    topk: int,
+    renormalize: bool,
+    num_expert_group: int,
+    topk_group: int,
+    scoring_func: str = "softmax",
+    e_score_correction_bias: Optional[Tensor] = None,
+    routed_scaling_factor: float = 1.0,
+    group_score: Optional[str] = None,
+) -> Tuple[Tensor, Tensor]:
+    return _fm._grouped_topk_impl(gating_output, topk, renormalize, num_expert_group,
+                                  topk_group, scoring_func, e_score_correction_bias,
+                                  routed_scaling_factor, group_score)
+
+
+@grouped_topk.register_fake
+def _(gating_output, topk, renormalize, num_expert_group, topk_group, scoring_func="softmax",
+      e_score_correction_bias=None, routed_scaling_factor=1.0, group_score=None):
+    return _fake_routing(gating_output, topk)
+
+
+@torch.library.custom_op(f"{_LIB}::moe_layer", mutates_args=())
+def moe_layer(hidden_states: Tensor, layer_id: int,
+              router_logits: Optional[Tensor] = None) -> Tensor:
+    return _fm._layer_by_id(layer_id)._forward(hidden_states, router_logits, None, False)
+
+
+@moe_layer.register_fake
+def _(hidden_states, layer_id, router_logits=None):
+    layer = _fm._layer_by_id(layer_id)
+    _check_2d(hidden_states, "hidden_states")
+    return hidden_states.new_empty((hidden_states.shape[0], layer.hidden_size),
+                                   dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{_LIB}::moe_layer_with_routing", mutates_args=())
+def moe_layer_with_routing(hidden_states: Tensor, layer_id: int,
+                           router_logits: Optional[Tensor] = None
+                           ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    out, ids, weights, logits = _fm._layer_by_id(layer_id)._forward(
+        hidden_states, router_logits, None, True)
+    return out, ids, weights, logits
+
+
+@moe_layer_with_routing.register_fake
+def _(hidden_states, layer_id, router_logits=None):
+    layer = _fm._layer_by_id(layer_id)
+    _check_2d(hidden_states, "hidden_states")
+    T = hidden_states.shape[0]
+    return (hidden_states.new_empty((T, layer.hidden_size), dtype=torch.float32),
+            hidden_states.new_empty((T, layer.top_k), dtype=torch.int32),
+            hidden_states.new_empty((T, layer.top_k), dtype=torch.float32),
+            hidden_states.new_empty((T, layer.num_router_logits), dtype=torch.float32))

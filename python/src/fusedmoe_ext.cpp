@@ -1,0 +1,637 @@
+// fusedmoe._ext: the nanobind extension under the `fusedmoe` Python package.
+//
+// Low-level entry points: every array argument is a DLPack-capable array
+// (NumPy, PyTorch, ...) imported through nb::ndarray without a copy; outputs
+// are allocated by the Python layer (python/fusedmoe/__init__.py) in the
+// caller's framework and written here. Python-facing names follow the C++ API.
+//
+// Errors: fusedmoe::Error is translated by code — kInvalidArgument ->
+// ValueError, kIo -> OSError, kUnsupported -> NotImplementedError, kInternal ->
+// RuntimeError; an unsupported dtype -> TypeError. Device arrays (CUDA) raise
+// NotImplementedError until the CUDA backend exists: see check_device().
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+#include <sys/stat.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "fusedmoe/config/moe_config.h"
+#include "fusedmoe/core/error.h"
+#include "fusedmoe/core/tensor.h"
+#include "fusedmoe/core/thread_pool.h"
+#include "fusedmoe/experts/expert_weights.h"
+#include "fusedmoe/io/hf_config.h"
+#include "fusedmoe/io/loader.h"
+#include "fusedmoe/io/safetensors.h"
+#include "fusedmoe/kernels/modular_kernel.h"
+#include "fusedmoe/routing/router.h"
+#include "fusedmoe/runner/moe_runner.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace fusedmoe::python {
+namespace {
+
+using InArray = nb::ndarray<nb::ro>;  // read-only inputs (any framework, dtype, device)
+using OutArray = nb::ndarray<>;       // outputs, written in place
+using OptIn = std::optional<InArray>;
+using OptOut = std::optional<OutArray>;
+
+// ---- arrays ---------------------------------------------------------------------
+
+const char* device_name(int32_t device_type) {
+  switch (device_type) {
+    case nb::device::cpu::value:
+      return "cpu";
+    case nb::device::cuda::value:
+      return "cuda";
+    case nb::device::cuda_host::value:
+      return "cuda_host";
+    case nb::device::cuda_managed::value:
+      return "cuda_managed";
+    case nb::device::rocm::value:
+      return "rocm";
+    default:
+      return "non-CPU";
+  }
+}
+
+// The one place that decides which devices a call can run on. The CUDA
+// backend will accept kDLCUDA here (and route to it); today only the CPU.
+Device check_device(int32_t device_type, int32_t device_id, const char* name) {
+  if (device_type == nb::device::cpu::value || device_type == nb::device::cuda_host::value)
+    return Device{};
+  FUSEDMOE_THROW(kUnsupported, name, ": got a ", device_name(device_type), ":", device_id,
+                 " array, but this build of fusedmoe runs on the CPU only (no CUDA backend ",
+                 "yet); pass a CPU array (tensor.cpu())");
+}
+
+std::string dlpack_dtype_str(nb::dlpack::dtype dt) {
+  const char* code = "?";
+  switch (static_cast<nb::dlpack::dtype_code>(dt.code)) {
+    case nb::dlpack::dtype_code::Int:
+      code = "int";
+      break;
+    case nb::dlpack::dtype_code::UInt:
+      code = "uint";
+      break;
+    case nb::dlpack::dtype_code::Float:
+      code = "float";
+      break;
+    case nb::dlpack::dtype_code::Bfloat:
+      code = "bfloat";
+      break;
+    case nb::dlpack::dtype_code::Complex:
+      code = "complex";
+      break;
+    case nb::dlpack::dtype_code::Bool:
+      code = "bool";
+      break;
+    default:
+      break;
+  }
+  return std::string(code) + std::to_string(dt.bits);
+}
+
+// DLPack dtype -> DType. uint16 is bf16 bit patterns when `u16_is_bf16`
+// (NumPy has no bfloat16). Returns nullopt for anything else.
+std::optional<DType> to_dtype(nb::dlpack::dtype dt, bool u16_is_bf16) {
+  if (dt.lanes != 1) return std::nullopt;
+  using C = nb::dlpack::dtype_code;
+  switch (static_cast<C>(dt.code)) {
+    case C::Float:
+      if (dt.bits == 64) return DType::kF64;
+      if (dt.bits == 32) return DType::kF32;
+      if (dt.bits == 16) return DType::kF16;
+      break;
+    case C::Bfloat:
+      if (dt.bits == 16) return DType::kBF16;
+      break;
+    case C::Int:
+      if (dt.bits == 64) return DType::kI64;
+      if (dt.bits == 32) return DType::kI32;
+      if (dt.bits == 16) return DType::kI16;
+      if (dt.bits == 8) return DType::kI8;
+      break;
+    case C::UInt:
+      if (dt.bits == 8) return DType::kU8;
+      if (dt.bits == 16 && u16_is_bf16) return DType::kBF16;
+      break;
+    case C::Bool:
+      return DType::kBool;
+    default:
+      break;
+  }
+  return std::nullopt;
+}
+
+template <typename Array>
+TensorView view_of(const Array& a, const char* name, bool u16_is_bf16 = false) {
+  const Device device = check_device(a.device_type(), a.device_id(), name);
+  const auto dtype = to_dtype(a.dtype(), u16_is_bf16);
+  if (!dtype)
+    throw nb::type_error(
+        (std::string(name) + ": unsupported dtype " + dlpack_dtype_str(a.dtype()) +
+         (a.dtype().code == uint8_t(nb::dlpack::dtype_code::UInt) && a.dtype().bits == 16
+              ? " (pass weight_dtype=\"bf16\" for bfloat16 bit patterns)"
+              : ""))
+            .c_str());
+  FUSEDMOE_CHECK(a.ndim() <= static_cast<size_t>(kMaxDims), name, ": expected at most ", kMaxDims,
+                 " dimensions, got ", a.ndim());
+  int64_t shape[kMaxDims], strides[kMaxDims];
+  for (size_t d = 0; d < a.ndim(); ++d) {
+    shape[d] = static_cast<int64_t>(a.shape(d));
+    strides[d] = static_cast<int64_t>(a.stride(d));
+  }
+  return TensorView(const_cast<void*>(static_cast<const void*>(a.data())), *dtype,
+                    std::span<const int64_t>(shape, a.ndim()),
+                    std::span<const int64_t>(strides, a.ndim()), device);
+}
+
+// A non-owning Tensor (the Python caller keeps the array alive for the call).
+Tensor borrow(const TensorView& v) {
+  return Tensor(v, nullptr);
+}
+
+void check_dtype(const TensorView& v, const char* name, std::initializer_list<DType> allowed) {
+  for (DType d : allowed)
+    if (v.dtype() == d) return;
+  std::string expected;
+  for (DType d : allowed) expected += std::string(expected.empty() ? "" : " or ") + dtype_name(d);
+  throw nb::type_error(
+      (std::string(name) + ": expected dtype " + expected + ", got " + v.str()).c_str());
+}
+
+DType parse_compute_dtype(const std::string& s, const char* name) {
+  const DType d = parse_dtype(s);
+  FUSEDMOE_CHECK(d == DType::kF32 || d == DType::kBF16, name,
+                 ": expected \"f32\" or \"bf16\", got \"", s, "\"");
+  return d;
+}
+
+// ---- MoEConfig <-> dict ------------------------------------------------------------
+
+template <typename E, size_t N>
+E parse_enum(const std::string& s, const E (&values)[N], const char* field) {
+  std::string known;
+  for (E v : values) {
+    if (s == to_string(v)) return v;
+    known += std::string(known.empty() ? "" : ", ") + to_string(v);
+  }
+  FUSEDMOE_THROW(kInvalidArgument, field, ": expected one of ", known, ", got \"", s, "\"");
+}
+
+const RoutingMethod kRoutingMethods[] = {RoutingMethod::kTopK,        RoutingMethod::kTopKSoftmax,
+                                         RoutingMethod::kGroupedTopK, RoutingMethod::kLlama4,
+                                         RoutingMethod::kHash,        RoutingMethod::kSimulated};
+const GroupScore kGroupScores[] = {GroupScore::kMax, GroupScore::kSumTop2};
+
+// The keys of `fusedmoe inspect --json` (config_json in src/cli/cmd_inspect.cpp).
+nb::dict config_to_dict(const MoEConfig& c) {
+  nb::dict d;
+  d["num_experts"] = c.num_experts;
+  d["top_k"] = c.top_k;
+  d["hidden_size"] = c.hidden_size;
+  d["intermediate_size"] = c.intermediate_size;
+  d["routing_method"] = to_string(c.routing_method);
+  d["scoring_func"] = to_string(c.scoring_func);
+  d["renormalize"] = c.renormalize;
+  d["num_expert_group"] = c.num_expert_group;
+  d["topk_group"] = c.topk_group;
+  d["group_score"] = to_string(c.group_score);
+  d["e_score_correction_bias"] = c.has_e_score_correction_bias;
+  d["routed_scaling_factor"] = c.routed_scaling_factor;
+  d["apply_router_weight_on_input"] = c.apply_router_weight_on_input;
+  d["router_bias"] = c.has_router_bias;
+  d["num_zero_experts"] = c.num_zero_experts;
+  d["activation"] = to_string(c.activation);
+  d["swiglu_alpha"] = c.swiglu_alpha;
+  d["swiglu_limit"] = c.swiglu_limit;
+  d["expert_bias"] = c.has_expert_bias;
+  d["shared_intermediate_size"] = c.shared_intermediate_size;
+  d["shared_expert_gate"] = c.has_shared_expert_gate;
+  d["hash_vocab_size"] = c.hash_vocab_size;
+  d["simulated"] = to_string(c.simulated);
+  d["zipf_s"] = c.zipf_s;
+  d["simulation_seed"] = c.simulation_seed;
+  return d;
+}
+
+template <typename T>
+T field(nb::handle value, const std::string& key) {
+  T out;
+  if (!nb::try_cast<T>(value, out))
+    throw nb::type_error(("config." + key + ": expected " +
+                          (std::is_same_v<T, bool>          ? "bool"
+                           : std::is_same_v<T, std::string> ? "str"
+                           : std::is_floating_point_v<T>    ? "float"
+                                                            : "int") +
+                          ", got " + nb::type_name(value.type()).c_str())
+                             .c_str());
+  return out;
+}
+
+// Fills a MoEConfig from a dict with the keys of config_to_dict (any subset;
+// the rest keep MoEConfig's defaults). Unknown keys raise ValueError.
+MoEConfig config_from_dict(const nb::dict& d) {
+  MoEConfig c;
+  for (auto [k, v] : d) {
+    const std::string key = nb::cast<std::string>(k);
+    if (key == "num_experts")
+      c.num_experts = field<int64_t>(v, key);
+    else if (key == "top_k")
+      c.top_k = field<int64_t>(v, key);
+    else if (key == "hidden_size")
+      c.hidden_size = field<int64_t>(v, key);
+    else if (key == "intermediate_size")
+      c.intermediate_size = field<int64_t>(v, key);
+    else if (key == "routing_method")
+      c.routing_method = parse_enum(field<std::string>(v, key), kRoutingMethods, "routing_method");
+    else if (key == "scoring_func")
+      c.scoring_func = parse_scoring_func(field<std::string>(v, key));
+    else if (key == "renormalize")
+      c.renormalize = field<bool>(v, key);
+    else if (key == "num_expert_group")
+      c.num_expert_group = field<int64_t>(v, key);
+    else if (key == "topk_group")
+      c.topk_group = field<int64_t>(v, key);
+    else if (key == "group_score")
+      c.group_score = parse_enum(field<std::string>(v, key), kGroupScores, "group_score");
+    else if (key == "e_score_correction_bias")
+      c.has_e_score_correction_bias = field<bool>(v, key);
+    else if (key == "routed_scaling_factor")
+      c.routed_scaling_factor = field<float>(v, key);
+    else if (key == "apply_router_weight_on_input")
+      c.apply_router_weight_on_input = field<bool>(v, key);
+    else if (key == "router_bias")
+      c.has_router_bias = field<bool>(v, key);
+    else if (key == "num_zero_experts")
+      c.num_zero_experts = field<int64_t>(v, key);
+    else if (key == "activation")
+      c.activation = parse_activation(field<std::string>(v, key));
+    else if (key == "swiglu_alpha")
+      c.swiglu_alpha = field<float>(v, key);
+    else if (key == "swiglu_limit")
+      c.swiglu_limit = field<float>(v, key);
+    else if (key == "expert_bias")
+      c.has_expert_bias = field<bool>(v, key);
+    else if (key == "shared_intermediate_size")
+      c.shared_intermediate_size = field<int64_t>(v, key);
+    else if (key == "shared_expert_gate")
+      c.has_shared_expert_gate = field<bool>(v, key);
+    else if (key == "hash_vocab_size")
+      c.hash_vocab_size = field<int64_t>(v, key);
+    else if (key == "simulated")
+      c.simulated = parse_simulated_routing(field<std::string>(v, key));
+    else if (key == "zipf_s")
+      c.zipf_s = field<double>(v, key);
+    else if (key == "simulation_seed")
+      c.simulation_seed = field<uint64_t>(v, key);
+    else
+      FUSEDMOE_THROW(kInvalidArgument, "config: unknown field \"", key, "\"");
+  }
+  return c;
+}
+
+// ---- functional ops ----------------------------------------------------------------
+
+// One modular kernel and workspace for the functional fused_experts; calls are
+// serialised (the workspace is reused across calls, grow-only).
+struct FunctionalState {
+  std::mutex mu;
+  std::unique_ptr<ModularKernel> kernel = make_cpu_modular_kernel();
+  Workspace ws;
+};
+FunctionalState& functional_state() {
+  static FunctionalState* s = new FunctionalState();  // never destroyed: no exit-order issues
+  return *s;
+}
+
+void fused_experts(const InArray& hidden_states, const InArray& w13, const InArray& w2,
+                   const InArray& topk_weights, const InArray& topk_ids, const OutArray& output,
+                   const std::string& activation, const OptIn& w13_bias, const OptIn& w2_bias,
+                   bool apply_router_weight_on_input, const std::string& compute_dtype,
+                   bool weights_u16_is_bf16, float swiglu_alpha, float swiglu_limit) {
+  const TensorView x = view_of(hidden_states, "hidden_states");
+  check_dtype(x, "hidden_states", {DType::kF32});
+  ExpertWeights weights;
+  weights.w13 = borrow(view_of(w13, "w13", weights_u16_is_bf16));
+  weights.w2 = borrow(view_of(w2, "w2", weights_u16_is_bf16));
+  check_dtype(weights.w13.view(), "w13", {DType::kF32, DType::kBF16});
+  check_dtype(weights.w2.view(), "w2", {DType::kF32, DType::kBF16});
+  if (w13_bias) weights.w13_bias = borrow(view_of(*w13_bias, "w13_bias", weights_u16_is_bf16));
+  if (w2_bias) weights.w2_bias = borrow(view_of(*w2_bias, "w2_bias", weights_u16_is_bf16));
+  FUSEDMOE_CHECK(w13_bias.has_value() == w2_bias.has_value(),
+                 "w13_bias, w2_bias: give both biases or neither (got ",
+                 w13_bias ? "w13_bias only" : "w2_bias only", ")");
+  const TensorView tw = view_of(topk_weights, "topk_weights");
+  check_dtype(tw, "topk_weights", {DType::kF32});
+  const TensorView ti = view_of(topk_ids, "topk_ids");
+  check_dtype(ti, "topk_ids", {DType::kI32});
+  const TensorView out = view_of(output, "output");
+  ExpertsParams params;
+  params.activation.activation = parse_activation(activation);
+  params.activation.swiglu_alpha = swiglu_alpha;
+  params.activation.swiglu_limit = swiglu_limit;
+  params.compute_dtype = parse_compute_dtype(compute_dtype, "compute_dtype");
+
+  FunctionalState& s = functional_state();
+  nb::gil_scoped_release release;
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.kernel->forward(x, ti, tw, weights, params, apply_router_weight_on_input, out, s.ws);
+}
+
+// Routing with a MoEConfig given as a dict (see config_from_dict).
+void select_experts(const InArray& router_logits, const OutArray& topk_ids,
+                    const OutArray& topk_weights, const nb::dict& config,
+                    const OptIn& e_score_correction_bias, const OptIn& token_ids,
+                    const OptIn& hash_table) {
+  const MoEConfig c = config_from_dict(config);
+  RouterParams params;
+  if (e_score_correction_bias)
+    params.e_score_correction_bias =
+        borrow(view_of(*e_score_correction_bias, "e_score_correction_bias"));
+  if (hash_table) params.hash_table = borrow(view_of(*hash_table, "hash_table"));
+  const auto router = create_router(c, params);
+  const TensorView logits = view_of(router_logits, "router_logits");
+  check_dtype(logits, "router_logits", {DType::kF32});
+  const TensorView ids = view_of(topk_ids, "topk_ids");
+  const TensorView weights = view_of(topk_weights, "topk_weights");
+  std::optional<TensorView> tok;
+  if (token_ids) tok = view_of(*token_ids, "token_ids");
+  nb::gil_scoped_release release;
+  router->select_experts(logits, ids, weights, tok ? &*tok : nullptr);
+}
+
+// ---- MoELayer ----------------------------------------------------------------------
+
+class PyMoELayer {
+ public:
+  PyMoELayer(MoEConfig config, MoELayerWeights weights, DType compute_dtype,
+             std::optional<int> threads, std::string source, int64_t layer)
+      : source_(std::move(source)), layer_(layer) {
+    if (threads) {
+      FUSEDMOE_CHECK(*threads > 0, "threads: expected > 0, got ", *threads);
+      pool_ = std::make_unique<ThreadPool>(*threads);
+    }
+    RunnerOptions options;
+    options.compute_dtype = compute_dtype;
+    options.pool = pool_.get();
+    runner_ = std::make_unique<MoERunner>(std::move(config), std::move(weights), options);
+    compute_dtype_ = compute_dtype;
+  }
+
+  static PyMoELayer* from_pretrained(const std::string& model_dir, std::optional<int64_t> layer,
+                                     const std::string& dtype, std::optional<int> threads) {
+    const DType compute = parse_compute_dtype(dtype, "dtype");
+    MoEConfig config;
+    MoELayerWeights weights;
+    int64_t l = 0;
+    {
+      nb::gil_scoped_release release;
+      const ModelInfo info = load_model_info(model_dir);
+      FUSEDMOE_CHECK(!info.moe_layers.empty(), "model_dir: ", model_dir, " has no MoE layer");
+      l = layer ? *layer : info.moe_layers.front();
+      config = info.layer_config(l);
+      const Checkpoint checkpoint = Checkpoint::open(model_dir);
+      LoadOptions options;
+      options.progress = false;
+      weights = load_moe_layer(checkpoint, info, l, options);
+    }
+    return new PyMoELayer(std::move(config), std::move(weights), compute, threads, model_dir, l);
+  }
+
+  void forward(const InArray& hidden_states, const OutArray& output, const OptIn& router_logits,
+               const OptOut& out_router_logits, const OptOut& out_topk_ids,
+               const OptOut& out_topk_weights, const OptIn& token_ids) {
+    const TensorView x = view_of(hidden_states, "hidden_states");
+    check_dtype(x, "hidden_states", {DType::kF32});
+    const TensorView out = view_of(output, "output");
+    std::optional<TensorView> logits, tok;
+    if (router_logits) {
+      logits = view_of(*router_logits, "router_logits");
+      check_dtype(*logits, "router_logits", {DType::kF32});
+    }
+    if (token_ids) tok = view_of(*token_ids, "token_ids");
+    ForwardOutputs outputs;
+    if (out_router_logits) outputs.router_logits = view_of(*out_router_logits, "router_logits");
+    if (out_topk_ids) outputs.topk_ids = view_of(*out_topk_ids, "topk_ids");
+    if (out_topk_weights) outputs.topk_weights = view_of(*out_topk_weights, "topk_weights");
+    const bool want = out_router_logits || out_topk_ids || out_topk_weights;
+    nb::gil_scoped_release release;
+    std::lock_guard<std::mutex> lock(mu_);
+    runner_->forward(x, out, logits ? &*logits : nullptr, tok ? &*tok : nullptr,
+                     want ? &outputs : nullptr);
+  }
+
+  nb::dict config() const { return config_to_dict(runner_->config()); }
+  const MoEConfig& raw_config() const { return runner_->config(); }
+  std::string compute_dtype() const { return dtype_name(compute_dtype_); }
+  const std::string& source() const { return source_; }
+  int64_t layer() const { return layer_; }
+  size_t weights_nbytes() const { return runner_->weights().nbytes(); }
+  std::string weights_dtype() const { return dtype_name(runner_->weights().experts.dtype()); }
+  int threads() const { return pool_ ? pool_->num_threads() : ThreadPool::global().num_threads(); }
+
+ private:
+  std::unique_ptr<ThreadPool> pool_;
+  std::unique_ptr<MoERunner> runner_;
+  std::mutex mu_;  // the runner's workspace serves one call at a time
+  DType compute_dtype_ = DType::kF32;
+  std::string source_;
+  int64_t layer_ = 0;
+};
+
+// ---- inspect -------------------------------------------------------------------------
+
+bool is_dir(const std::string& p) {
+  struct stat st {};
+  return ::stat(p.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+bool is_file(const std::string& p) {
+  struct stat st {};
+  return ::stat(p.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+}
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() &&
+         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+nb::list shape_list(std::span<const int64_t> shape) {
+  nb::list l;
+  for (int64_t s : shape) l.append(s);
+  return l;
+}
+
+// Same content as `fusedmoe inspect PATH --json`.
+nb::dict inspect(const std::string& path) {
+  nb::dict j;
+  if (ends_with(path, ".safetensors") && is_file(path)) {
+    auto file = SafetensorsFile::open(path);
+    nb::list tensors;
+    size_t total = 0;
+    for (const auto& name : file->names()) {
+      const Tensor t = file->get(name);
+      total += t.nbytes();
+      nb::dict e;
+      e["name"] = name;
+      e["dtype"] = dtype_name(t.dtype());
+      e["shape"] = shape_list(t.shape());
+      tensors.append(e);
+    }
+    nb::dict metadata;
+    for (const auto& [k, v] : file->metadata()) metadata[k.c_str()] = v;
+    j["file"] = path;
+    j["tensors"] = tensors;
+    j["bytes"] = total;
+    j["metadata"] = metadata;
+    return j;
+  }
+  if (!is_dir(path) && !is_file(path))
+    FUSEDMOE_THROW(kIo, path, ": no such model directory or file");
+  const ModelInfo info = load_model_info(path);
+  std::string dir = path;
+  if (!is_dir(path)) {
+    const auto slash = path.find_last_of('/');
+    dir = slash == std::string::npos ? "." : path.substr(0, slash);
+  }
+  const bool has_weights =
+      is_file(dir + "/model.safetensors") || is_file(dir + "/model.safetensors.index.json");
+  j["path"] = path;
+  j["model_type"] = info.model_type;
+  j["architecture"] = info.architecture;
+  j["num_hidden_layers"] = info.num_hidden_layers;
+  j["dtype"] = dtype_name(info.dtype);
+  nb::list moe_layers;
+  for (int64_t l : info.moe_layers) moe_layers.append(l);
+  j["moe_layers"] = moe_layers;
+  j["weights"] = has_weights;
+  std::optional<Checkpoint> ck;
+  std::vector<std::string> names;
+  if (has_weights) {
+    ck = Checkpoint::open(dir);
+    names = ck->names();
+  }
+  nb::list layers;
+  size_t total_bytes = 0;
+  for (int64_t layer : info.moe_layers) {
+    nb::dict l;
+    const std::string prefix = info.moe_prefix(layer);
+    l["layer"] = layer;
+    l["prefix"] = prefix;
+    l["config"] = config_to_dict(info.layer_config(layer));
+    if (has_weights) {
+      int64_t count = 0;
+      size_t bytes = 0;
+      std::map<std::string, int64_t> dtypes;
+      for (const auto& name : names) {
+        if (name.compare(0, prefix.size(), prefix) != 0) continue;
+        const Tensor t = ck->get(name);
+        ++count;
+        bytes += t.nbytes();
+        ++dtypes[dtype_name(t.dtype())];
+      }
+      nb::dict dt;
+      for (const auto& [k, v] : dtypes) dt[k.c_str()] = v;
+      l["tensors"] = count;
+      l["weight_dtypes"] = dt;
+      l["bytes"] = bytes;
+      total_bytes += bytes;
+    }
+    layers.append(l);
+  }
+  j["layers"] = layers;
+  if (has_weights) j["moe_bytes_total"] = total_bytes;
+  return j;
+}
+
+}  // namespace
+}  // namespace fusedmoe::python
+
+NB_MODULE(_ext, m) {
+  using namespace fusedmoe;
+  using namespace fusedmoe::python;
+  m.doc() = "fusedmoe C++ extension (low-level; use the `fusedmoe` package API)";
+#ifdef FUSEDMOE_VERSION
+  m.attr("__version__") = FUSEDMOE_VERSION;
+#endif
+#ifdef FUSEDMOE_WITH_CUDA
+  m.attr("cuda_built") = true;
+#else
+  m.attr("cuda_built") = false;
+#endif
+
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const fusedmoe::Error& e) {
+      switch (e.code()) {
+        case ErrorCode::kInvalidArgument:
+          PyErr_SetString(PyExc_ValueError, e.what());
+          break;
+        case ErrorCode::kIo:
+          PyErr_SetString(PyExc_OSError, e.what());
+          break;
+        case ErrorCode::kUnsupported:
+          PyErr_SetString(PyExc_NotImplementedError, e.what());
+          break;
+        default:
+          PyErr_SetString(PyExc_RuntimeError, e.what());
+          break;
+      }
+    }
+  });
+
+  m.def("fused_experts", &fused_experts, "hidden_states"_a, "w13"_a, "w2"_a, "topk_weights"_a,
+        "topk_ids"_a, "output"_a, "activation"_a, "w13_bias"_a.none(), "w2_bias"_a.none(),
+        "apply_router_weight_on_input"_a, "compute_dtype"_a, "weights_u16_is_bf16"_a,
+        "swiglu_alpha"_a, "swiglu_limit"_a,
+        "Routed experts (prepare -> w13 GEMM -> activation -> w2 GEMM -> weighted sum) into "
+        "`output` f32 [T, H].");
+  m.def("select_experts", &select_experts, "router_logits"_a, "topk_ids"_a, "topk_weights"_a,
+        "config"_a, "e_score_correction_bias"_a.none(), "token_ids"_a.none(), "hash_table"_a.none(),
+        "Routes router_logits f32 [T, E + Z] into topk_ids i32 [T, k] and topk_weights f32 "
+        "[T, k] with the router a MoEConfig (given as a dict) selects.");
+  m.def(
+      "validate_config", [](const nb::dict& d) { config_from_dict(d).validate(); }, "config"_a,
+      "Raises ValueError when the configuration cannot work.");
+  m.def(
+      "normalize_config", [](const nb::dict& d) { return config_to_dict(config_from_dict(d)); },
+      "config"_a, "The full config dict (defaults filled in) for a partial one.");
+  m.def("inspect", &inspect, "path"_a,
+        "Describes a model directory (or lists a .safetensors file): the content of "
+        "`fusedmoe inspect PATH --json`.");
+  m.def("set_num_threads", &ThreadPool::set_global_num_threads, "num_threads"_a,
+        "Sets the threads of the global pool (<= 0: all cores).");
+  m.def("get_num_threads", [] { return ThreadPool::global().num_threads(); });
+
+  nb::class_<PyMoELayer>(m, "MoELayer")
+      .def_static("from_pretrained", &PyMoELayer::from_pretrained, "model_dir"_a,
+                  "layer"_a.none() = nb::none(), "dtype"_a = "f32", "threads"_a.none() = nb::none(),
+                  nb::rv_policy::take_ownership)
+      .def("forward", &PyMoELayer::forward, "hidden_states"_a, "output"_a, "router_logits"_a.none(),
+           "out_router_logits"_a.none(), "out_topk_ids"_a.none(), "out_topk_weights"_a.none(),
+           "token_ids"_a.none())
+      .def_prop_ro("config", &PyMoELayer::config)
+      .def_prop_ro("num_experts", [](const PyMoELayer& l) { return l.raw_config().num_experts; })
+      .def_prop_ro("num_router_logits",
+                   [](const PyMoELayer& l) { return l.raw_config().num_router_logits(); })
+      .def_prop_ro("top_k", [](const PyMoELayer& l) { return l.raw_config().top_k; })
+      .def_prop_ro("hidden_size", [](const PyMoELayer& l) { return l.raw_config().hidden_size; })
+      .def_prop_ro("compute_dtype", &PyMoELayer::compute_dtype)
+      .def_prop_ro("weights_dtype", &PyMoELayer::weights_dtype)
+      .def_prop_ro("weights_nbytes", &PyMoELayer::weights_nbytes)
+      .def_prop_ro("source", &PyMoELayer::source)
+      .def_prop_ro("layer", &PyMoELayer::layer)
+      .def_prop_ro("threads", &PyMoELayer::threads);
+}
