@@ -109,6 +109,8 @@ int main(int argc, char** argv) {
   } catch (const CLI::Success& e) {  // --help, --version
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
+    if (app.get_subcommands().empty())
+      return fail(std::string(e.what()) + ": inspect, run or bench (see fusedmoe --help)", 2);
     return fail(e.what(), 2);
   }
 
