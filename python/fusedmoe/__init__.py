@@ -28,6 +28,7 @@ variable ``FUSEDMOE_NO_TORCH=1`` to skip importing torch.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import itertools
 import os
@@ -507,6 +508,8 @@ def _layer_by_id(layer_id: int) -> MoELayer:
     return layer
 
 
+# Registers torch.ops.fusedmoe.* (a plain `from . import` would find the
+# None below as the package attribute and not import the submodule).
 _torch_ops: Any = None
 if _torch is not None:
-    from . import _torch_ops  # noqa: E402  (registers torch.ops.fusedmoe.*)
+    _torch_ops = importlib.import_module("._torch_ops", __name__)

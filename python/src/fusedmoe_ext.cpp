@@ -16,6 +16,7 @@
 #include <nanobind/stl/vector.h>
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -152,6 +153,13 @@ TensorView view_of(const Array& a, const char* name, bool u16_is_bf16 = false) {
   for (size_t d = 0; d < a.ndim(); ++d) {
     shape[d] = static_cast<int64_t>(a.shape(d));
     strides[d] = static_cast<int64_t>(a.stride(d));
+  }
+  if (a.size() == 0) {  // empty: exporters report arbitrary (often 0) strides
+    int64_t s = 1;
+    for (size_t d = a.ndim(); d-- > 0;) {
+      strides[d] = s;
+      s *= std::max<int64_t>(shape[d], 1);
+    }
   }
   return TensorView(const_cast<void*>(static_cast<const void*>(a.data())), *dtype,
                     std::span<const int64_t>(shape, a.ndim()),

@@ -1,0 +1,144 @@
+"""Bad inputs raise the right exception type, with a message naming the argument."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import fusedmoe
+from conftest import HF
+
+
+@pytest.fixture(scope="module")
+def case():
+    rng = np.random.default_rng()
+    T, E, H, I, k = 3, 4, 16, 8, 2
+    return dict(
+        x=rng.standard_normal((T, H)).astype(np.float32),
+        w13=rng.standard_normal((E, 2 * I, H)).astype(np.float32),
+        w2=rng.standard_normal((E, H, I)).astype(np.float32),
+        tw=np.full((T, k), 0.5, dtype=np.float32),
+        ids=np.array([[0, 1], [2, 3], [1, 0]], dtype=np.int32),
+    )
+
+
+@pytest.fixture(scope="module")
+def layer():
+    return fusedmoe.MoELayer.from_pretrained(HF / "mixtral", layer=0)
+
+
+def _fe(case, **over):
+    a = dict(case)
+    a.update(over)
+    return fusedmoe.fused_experts(a["x"], a["w13"], a["w2"], a["tw"], a["ids"],
+                                  **{k: v for k, v in over.items()
+                                     if k not in ("x", "w13", "w2", "tw", "ids")})
+
+
+def test_fused_experts_dtype_errors(case):
+    with pytest.raises(TypeError, match="hidden_states"):
+        _fe(case, x=case["x"].astype(np.float64))
+    with pytest.raises(TypeError, match="topk_weights"):
+        _fe(case, tw=case["tw"].astype(np.float16))
+    with pytest.raises(TypeError, match="topk_ids"):
+        _fe(case, ids=case["ids"].astype(np.float32))
+    with pytest.raises(TypeError, match="w13"):
+        _fe(case, w13=case["w13"].astype(np.float64))
+    with pytest.raises(TypeError, match='w13.*weight_dtype="bf16"'):
+        _fe(case, w13=case["w13"].view(np.uint16)[..., ::2].copy())
+    with pytest.raises(TypeError, match="w2"):
+        _fe(case, w2=case["w2"].astype(np.float16))
+
+
+def test_fused_experts_shape_and_value_errors(case):
+    with pytest.raises(ValueError, match="hidden_states"):
+        _fe(case, x=case["x"][:, :-1])
+    with pytest.raises(ValueError, match="hidden_states"):
+        _fe(case, x=case["x"][0])
+    with pytest.raises(ValueError, match="w2"):
+        _fe(case, w2=case["w2"][:, :, :-1].copy())
+    with pytest.raises(ValueError, match="w13"):
+        _fe(case, w13=case["w13"][0])
+    with pytest.raises(ValueError, match="topk_weights"):
+        _fe(case, tw=case["tw"][:, :1].copy())
+    with pytest.raises(ValueError, match="topk_ids"):
+        _fe(case, ids=case["ids"][:2].copy())
+    with pytest.raises(ValueError, match="topk_ids"):
+        _fe(case, ids=np.array([[0, 1], [2, 4], [1, 0]], dtype=np.int32))  # E = 4
+    with pytest.raises(ValueError, match="activation"):
+        _fe(case, activation="relu")
+    with pytest.raises(ValueError, match="compute_dtype"):
+        _fe(case, compute_dtype="f16")
+    with pytest.raises(ValueError, match="w13_bias"):
+        _fe(case, w13_bias=np.zeros((4, 16), np.float32))  # w2_bias missing
+    with pytest.raises(ValueError, match="weight_dtype"):
+        _fe(case, weight_dtype="fp8")
+
+
+def test_routing_errors():
+    logits = np.random.default_rng().standard_normal((4, 8)).astype(np.float32)
+    with pytest.raises(ValueError, match="top_k"):
+        fusedmoe.fused_topk(None, logits, 9, True)
+    with pytest.raises(ValueError, match="scoring_func"):
+        fusedmoe.fused_topk(None, logits, 2, True, "relu")
+    with pytest.raises(ValueError, match="hidden_states"):
+        fusedmoe.fused_topk(np.zeros((3, 4), np.float32), logits, 2, True)
+    with pytest.raises(ValueError, match="gating_output"):
+        fusedmoe.fused_topk(None, logits[0], 2, True)
+    with pytest.raises(TypeError, match="gating_output"):
+        fusedmoe.fused_topk(None, logits.astype(np.int32), 2, True)
+    bad = logits.copy()
+    bad[2, 5] = np.nan
+    with pytest.raises(ValueError, match="NaN"):
+        fusedmoe.fused_topk(None, bad, 2, True)
+    with pytest.raises(ValueError, match="num_expert_group"):
+        fusedmoe.grouped_topk(logits, 2, True, 3, 1)  # 8 % 3 != 0
+    with pytest.raises(ValueError, match="topk_group"):
+        fusedmoe.grouped_topk(logits, 2, True, 4, 5)
+    with pytest.raises(ValueError, match="e_score_correction_bias"):
+        fusedmoe.grouped_topk(logits, 2, True, 4, 2, "sigmoid", np.zeros(7, np.float32))
+    with pytest.raises(ValueError, match="unknown field"):
+        fusedmoe.select_experts(logits, 2, no_such_field=1)
+    with pytest.raises(ValueError, match="routing_method"):
+        fusedmoe.select_experts(logits, 2, routing_method="best")
+    with pytest.raises(TypeError, match="renormalize"):
+        fusedmoe.select_experts(logits, 2, renormalize="yes")
+    with pytest.raises(ValueError, match="top_k"):
+        fusedmoe.select_experts(logits)
+    with pytest.raises(ValueError, match="hash_table"):
+        fusedmoe.select_experts(logits, 2, routing_method="hash", hash_vocab_size=4)
+
+
+def test_layer_errors(layer):
+    H = layer.hidden_size
+    with pytest.raises(ValueError, match="hidden_states"):
+        layer(np.zeros((2, H + 1), np.float32))
+    with pytest.raises(ValueError, match="hidden_states"):
+        layer(np.zeros(H, np.float32))
+    with pytest.raises(TypeError, match="hidden_states"):
+        layer(np.zeros((2, H), np.float64))
+    with pytest.raises(ValueError, match="router_logits"):
+        layer(np.zeros((2, H), np.float32), router_logits=np.zeros((3, 8), np.float32))
+
+
+def test_from_pretrained_errors(tmp_path):
+    with pytest.raises(OSError):
+        fusedmoe.MoELayer.from_pretrained(tmp_path / "missing")
+    with pytest.raises(ValueError, match="layer"):
+        fusedmoe.MoELayer.from_pretrained(HF / "deepseek_v3", layer=0)  # dense layer
+    with pytest.raises(ValueError, match="dtype"):
+        fusedmoe.MoELayer.from_pretrained(HF / "mixtral", dtype="f8")
+    with pytest.raises(ValueError, match="threads"):
+        fusedmoe.MoELayer.from_pretrained(HF / "mixtral", threads=0)
+    with pytest.raises(NotImplementedError, match="cuda"):
+        fusedmoe.MoELayer.from_pretrained(HF / "mixtral", backend="cuda")
+    with pytest.raises(ValueError, match="backend"):
+        fusedmoe.MoELayer.from_pretrained(HF / "mixtral", backend="tpu")
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(OSError, match="config.json"):
+        fusedmoe.MoELayer.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": "bert"}')
+    with pytest.raises(NotImplementedError, match="bert"):
+        fusedmoe.inspect(tmp_path)
+    with pytest.raises(OSError):
+        fusedmoe.inspect(tmp_path / "nothing")

@@ -1,0 +1,117 @@
+"""PyTorch interop (skipped when torch is not installed): torch CPU tensors in
+and out, torch.ops.fusedmoe.* custom ops (opcheck), torch.compile(fullgraph=True)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import fusedmoe  # noqa: E402
+from conftest import HF, ref_fused_experts, ref_fused_topk, ref_grouped_topk, rel_l2  # noqa: E402
+
+
+@pytest.fixture
+def trng(rng):
+    g = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    return g
+
+
+def _case(g, T=5, E=6, H=64, I=40, k=2):
+    x = torch.randn(T, H, generator=g)
+    w13 = torch.randn(E, 2 * I, H, generator=g) / H**0.5
+    w2 = torch.randn(E, H, I, generator=g) / I**0.5
+    logits = torch.randn(T, E, generator=g)
+    tw, ids = torch.softmax(logits, -1).topk(k, dim=-1)
+    return x, w13, w2, tw.contiguous(), ids.to(torch.int32)
+
+
+def test_ops_registered():
+    for name in ["fused_experts", "fused_topk", "grouped_topk", "moe_layer",
+                 "moe_layer_with_routing"]:
+        assert hasattr(torch.ops.fusedmoe, name)
+
+
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+def test_fused_experts_torch(trng, wdtype):
+    x, w13, w2, tw, ids = _case(trng)
+    w13, w2 = w13.to(wdtype), w2.to(wdtype)
+    out = fusedmoe.fused_experts(x, w13, w2, tw, ids.to(torch.int64))
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.float32 and out.shape == x.shape
+    ref = ref_fused_experts(x.numpy(), w13.float().numpy(), w2.float().numpy(), tw.numpy(),
+                            ids.numpy())
+    assert rel_l2(out.numpy(), ref) <= 1e-5
+    # the NumPy path gives the same bits
+    if wdtype == torch.float32:
+        np.testing.assert_array_equal(
+            fusedmoe.fused_experts(x.numpy(), w13.numpy(), w2.numpy(), tw.numpy(), ids.numpy()),
+            out.numpy())
+
+
+def test_routing_torch(trng):
+    logits = torch.randn(9, 16, generator=trng)
+    w, ids = fusedmoe.fused_topk(None, logits.to(torch.bfloat16), 4, True, "sigmoid")
+    assert w.dtype == torch.float32 and ids.dtype == torch.int32
+    rw, rids = ref_fused_topk(logits.to(torch.bfloat16).float().numpy(), 4, True, "sigmoid")
+    np.testing.assert_array_equal(ids.numpy(), rids)
+    assert rel_l2(w.numpy(), rw) <= 1e-6
+    bias = torch.randn(16, generator=trng)
+    w, ids = fusedmoe.grouped_topk(logits, 4, True, 4, 2, "sigmoid", bias, 2.5)
+    rw, rids = ref_grouped_topk(logits.numpy(), 4, True, 4, 2, "sigmoid", bias.numpy(), 2.5)
+    np.testing.assert_array_equal(ids.numpy(), rids)
+    assert rel_l2(w.numpy(), rw) <= 1e-6
+
+
+def test_layer_torch_matches_numpy(trng):
+    layer = fusedmoe.MoELayer.from_pretrained(HF / "qwen2_moe", layer=1)
+    x = torch.randn(7, layer.hidden_size, generator=trng, requires_grad=True)
+    out = layer(x).detach()  # inference only: no autograd formula is registered
+    assert isinstance(out, torch.Tensor) and out.shape == (7, layer.hidden_size)
+    np.testing.assert_array_equal(out.numpy(), layer(x.detach().numpy()))
+    out2, ids, w, logits = layer(x, return_routing=True)
+    np.testing.assert_array_equal(out2.detach().numpy(), out.numpy())
+    assert ids.dtype == torch.int32 and logits.shape == (7, layer.num_router_logits)
+
+
+def test_opcheck(trng):
+    x, w13, w2, tw, ids = _case(trng)
+    torch.library.opcheck(torch.ops.fusedmoe.fused_experts.default, (x, w13, w2, tw, ids))
+    logits = torch.randn(5, 8, generator=trng)
+    torch.library.opcheck(torch.ops.fusedmoe.fused_topk.default, (logits, 2, True))
+    torch.library.opcheck(torch.ops.fusedmoe.grouped_topk.default, (logits, 2, True, 4, 2))
+    layer = fusedmoe.MoELayer.from_pretrained(HF / "mixtral", layer=0)
+    xs = torch.randn(3, layer.hidden_size, generator=trng)
+    torch.library.opcheck(torch.ops.fusedmoe.moe_layer.default, (xs, layer._id, None))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_torch_compile_fullgraph(trng, backend):
+    x, w13, w2, tw, ids = _case(trng, T=4, E=8, k=2)
+    layer = fusedmoe.MoELayer.from_pretrained(HF / "mixtral", layer=1)
+
+    def f(hidden, gating):
+        weights, topk_ids = fusedmoe.fused_topk(hidden, gating, 2, True)
+        routed = fusedmoe.fused_experts(hidden, w13, w2, weights, topk_ids)
+        return routed * 2.0 + 1.0
+
+    def g(hidden):
+        return layer(hidden) - hidden
+
+    torch._dynamo.reset()
+    gating = torch.randn(4, 8, generator=trng)
+    cf = torch.compile(f, fullgraph=True, backend=backend)
+    np.testing.assert_allclose(cf(x, gating).numpy(), f(x, gating).numpy(), rtol=0, atol=0)
+    xl = torch.randn(6, layer.hidden_size, generator=trng)
+    cg = torch.compile(g, fullgraph=True, backend=backend)
+    np.testing.assert_allclose(cg(xl).numpy(), g(xl).numpy(), rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_tensors_raise_until_cuda_backend():
+    x = torch.randn(2, 16, device="cuda")
+    with pytest.raises(NotImplementedError, match="hidden_states"):
+        fusedmoe.fused_experts(x, torch.randn(2, 8, 16, device="cuda"),
+                               torch.randn(2, 16, 4, device="cuda"),
+                               torch.ones(2, 1, device="cuda"),
+                               torch.zeros(2, 1, dtype=torch.int32, device="cuda"))
