@@ -439,16 +439,54 @@ class MoELayer:
         """The layer's MoEConfig as a dict (keys as in ``inspect()``)."""
         return self._impl.config
 
-    num_experts = property(lambda self: self._impl.num_experts)
-    top_k = property(lambda self: self._impl.top_k)
-    hidden_size = property(lambda self: self._impl.hidden_size)
-    num_router_logits = property(lambda self: self._impl.num_router_logits)
-    compute_dtype = property(lambda self: self._impl.compute_dtype)
-    weights_dtype = property(lambda self: self._impl.weights_dtype)
-    weights_nbytes = property(lambda self: self._impl.weights_nbytes)
-    layer = property(lambda self: self._impl.layer)
-    threads = property(lambda self: self._impl.threads)
-    backend = property(lambda self: "cpu")
+    @property
+    def num_experts(self) -> int:
+        """E: routed experts"""
+        return self._impl.num_experts
+
+    @property
+    def top_k(self) -> int:
+        """k: experts per token"""
+        return self._impl.top_k
+
+    @property
+    def hidden_size(self) -> int:
+        """H"""
+        return self._impl.hidden_size
+
+    @property
+    def num_router_logits(self) -> int:
+        """E + num_zero_experts: columns of router_logits"""
+        return self._impl.num_router_logits
+
+    @property
+    def compute_dtype(self) -> str:
+        """The compute dtype: "f32" or "bf16"."""
+        return self._impl.compute_dtype
+
+    @property
+    def weights_dtype(self) -> str:
+        """The expert weights' dtype in memory: "f32" or "bf16"."""
+        return self._impl.weights_dtype
+
+    @property
+    def weights_nbytes(self) -> int:
+        """bytes of the layer's weights"""
+        return self._impl.weights_nbytes
+
+    @property
+    def layer(self) -> int:
+        """layer index in the model"""
+        return self._impl.layer
+
+    @property
+    def threads(self) -> int:
+        """threads that run this layer"""
+        return self._impl.threads
+
+    @property
+    def backend(self) -> str:
+        return "cpu"
 
     def __repr__(self) -> str:
         c = self.config
