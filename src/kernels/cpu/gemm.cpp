@@ -1,209 +1,191 @@
-// fusedmoe internal: fixed-order CPU GEMM (see gemm.h).
-//
-// "NT" dot-product form: a tile of MR rows of A and NR rows of W keeps MR x NR
-// 16-lane accumulators in registers over the whole K loop, then reduces each.
-// W (f32 or bf16) is read row-contiguously, so no transposition/packing is
-// needed; bf16 is widened by a 16-bit shift (exact) right after the load.
+// fusedmoe internal: CPU GEMM — instruction-set dispatch, the scalar kernel
+// and the parallel driver (see gemm.h; the vector kernels are in
+// gemm_avx512.cpp and gemm_avx2.cpp, their shared algorithm in gemm_impl.inc).
 #include "kernels/cpu/gemm.h"
 
 #include <algorithm>
-#include <array>
 #include <atomic>
-#include <utility>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <string>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define FUSEDMOE_GEMM_AVX512 1
-#include <immintrin.h>
-// GCC 12 reports its own _mm512_undefined_* helpers as uninitialised (false positive).
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
+#include "fusedmoe/core/error.h"
+#include "kernels/cpu/gemm_kernels.h"
 
 namespace fusedmoe::cpu {
 
+// The definition of gemm.h's order, element by element: 16 lanes of std::fma
+// over K padded with zeros to a multiple of 16, then the fixed tree.
+void gemm_nt_scalar(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const void* W,
+                    bool w_bf16, int64_t ldw, const void* bias, bool bias_bf16, float* C,
+                    int64_t ldc) {
+  const DType wt = w_bf16 ? DType::kBF16 : DType::kF32;
+  const DType bt = bias_bf16 ? DType::kBF16 : DType::kF32;
+  const int64_t k_pad = (K + 15) / 16 * 16;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) {
+      float s[16] = {};
+      for (int64_t k = 0; k < k_pad; ++k) {
+        const float a = k < K ? A[m * lda + k] : 0.0f;
+        const float w = k < K ? load_as_f32(W, wt, n * ldw + k) : 0.0f;
+        s[k % 16] = std::fma(a, w, s[k % 16]);
+      }
+      float h[8], q[4], p[2];
+      for (int j = 0; j < 8; ++j) h[j] = s[j] + s[j + 8];
+      for (int j = 0; j < 4; ++j) q[j] = h[j] + h[j + 4];
+      for (int j = 0; j < 2; ++j) p[j] = q[j] + q[j + 2];
+      float c = p[0] + p[1];
+      if (bias) c += load_as_f32(bias, bt, n);
+      C[m * ldc + n] = c;
+    }
+}
+
+// ---------------------------------------------------------------- dispatch
+
 namespace {
 
-constexpr int kMR = 4;             // rows of A per tile
-constexpr int kNR = 4;             // rows of W per tile (kMR > 1)
-constexpr int kNR1 = 8;            // rows of W per tile when the tile has one row of A
-constexpr int kLanes = 16;         // accumulation lanes (one zmm of f32)
-constexpr int64_t kColBlock = 64;  // W rows per L2-resident column block
-
-using TileFn = void (*)(int64_t K, const float* A, int64_t lda, const void* W, int64_t ldw,
-                        float* C, int64_t ldc, const void* bias, DType bias_dtype);
-
-#ifdef FUSEDMOE_GEMM_AVX512
-
-template <bool kBF16>
-inline __m512 load_w(const void* w, int64_t off) {
-  if constexpr (kBF16) {
-    const __m256i h =
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(w) + off));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  } else {
-    return _mm512_loadu_ps(static_cast<const float*>(w) + off);
-  }
-}
-
-template <bool kBF16>
-inline __m512 load_w_masked(const void* w, int64_t off, __mmask16 m) {
-  if constexpr (kBF16) {
-    const __m256i h = _mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(w) + off);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  } else {
-    return _mm512_maskz_loadu_ps(m, static_cast<const float*>(w) + off);
-  }
-}
-
-// Fixed reduction tree of the 16 lanes (the same for every element).
-inline float reduce_lanes(__m512 v) {
-  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
-  const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-  const __m128 p = _mm_add_ps(q, _mm_movehl_ps(q, q));
-  const __m128 s = _mm_add_ss(p, _mm_movehdup_ps(p));
-  return _mm_cvtss_f32(s);
-}
-
-template <int MR, int NR, bool kBF16>
-void tile(int64_t K, const float* A, int64_t lda, const void* W, int64_t ldw, float* C, int64_t ldc,
-          const void* bias, DType bias_dtype) {
-  __m512 acc[MR][NR];
-#pragma GCC unroll 8
-  for (int i = 0; i < MR; ++i)
-#pragma GCC unroll 8
-    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
-  const int64_t k_main = K / kLanes * kLanes;
-  for (int64_t k = 0; k < k_main; k += kLanes) {
-    __m512 w[NR];
-#pragma GCC unroll 8
-    for (int j = 0; j < NR; ++j) w[j] = load_w<kBF16>(W, j * ldw + k);
-#pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i) {
-      const __m512 a = _mm512_loadu_ps(A + i * lda + k);
-#pragma GCC unroll 8
-      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(a, w[j], acc[i][j]);
-    }
-  }
-  if (k_main < K) {
-    const __mmask16 m = static_cast<__mmask16>((1u << (K - k_main)) - 1u);
-    __m512 w[NR];
-#pragma GCC unroll 8
-    for (int j = 0; j < NR; ++j) w[j] = load_w_masked<kBF16>(W, j * ldw + k_main, m);
-#pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i) {
-      const __m512 a = _mm512_maskz_loadu_ps(m, A + i * lda + k_main);
-#pragma GCC unroll 8
-      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(a, w[j], acc[i][j]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int i = 0; i < MR; ++i)
-#pragma GCC unroll 8
-    for (int j = 0; j < NR; ++j) {
-      float s = reduce_lanes(acc[i][j]);
-      if (bias) s += load_as_f32(bias, bias_dtype, j);
-      C[i * ldc + j] = s;
-    }
-}
-
-#else  // portable fallback: the same order with 16 scalar lanes
-
-template <int MR, int NR, bool kBF16>
-void tile(int64_t K, const float* A, int64_t lda, const void* W, int64_t ldw, float* C, int64_t ldc,
-          const void* bias, DType bias_dtype) {
-  const DType wt = kBF16 ? DType::kBF16 : DType::kF32;
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) {
-      float lanes[kLanes] = {};
-      for (int64_t k = 0; k < K; ++k)
-        lanes[k % kLanes] += A[i * lda + k] * load_as_f32(W, wt, j * ldw + k);
-      for (int w = kLanes / 2; w >= 1; w /= 2)
-        for (int l = 0; l < w; ++l) lanes[l] += lanes[l + w];
-      float s = lanes[0];
-      if (bias) s += load_as_f32(bias, bias_dtype, j);
-      C[i * ldc + j] = s;
-    }
-}
-
+GemmKernel kernel_of(CpuIsa isa) {
+  switch (isa) {
+#ifdef FUSEDMOE_GEMM_X86
+    case CpuIsa::kAvx512:
+      return &gemm_nt_avx512;
+    case CpuIsa::kAvx2:
+      return &gemm_nt_avx2;
 #endif
-
-template <bool kBF16, int MR, size_t... NRs>
-constexpr std::array<TileFn, sizeof...(NRs)> tile_row(std::index_sequence<NRs...>) {
-  return {(NRs == 0 ? nullptr : &tile<MR, static_cast<int>(NRs == 0 ? 1 : NRs), kBF16>)...};
-}
-
-template <bool kBF16, size_t... MRs>
-constexpr std::array<std::array<TileFn, kNR1 + 1>, sizeof...(MRs)> tile_table(
-    std::index_sequence<MRs...>) {
-  return {(MRs == 0 ? std::array<TileFn, kNR1 + 1>{}
-                    : tile_row<kBF16, static_cast<int>(MRs == 0 ? 1 : MRs)>(
-                          std::make_index_sequence<kNR1 + 1>{}))...};
-}
-
-// fns[mr][nr]: the tile of mr rows of A and nr rows of W (mr, nr >= 1).
-template <bool kBF16>
-struct TileTable {
-  std::array<std::array<TileFn, kNR1 + 1>, kMR + 1> fns =
-      tile_table<kBF16>(std::make_index_sequence<kMR + 1>{});
-};
-constexpr TileTable<false> kTilesF32;
-constexpr TileTable<true> kTilesBF16;
-
-// C = A . W^T for W rows already in memory of dtype `kBF16 ? bf16 : f32`.
-template <bool kBF16>
-void gemm_rows(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const void* W,
-               int64_t ldw, const void* bias, DType bias_dtype, float* C, int64_t ldc) {
-  const auto& fns = kBF16 ? kTilesBF16.fns : kTilesF32.fns;
-  const size_t wsize = kBF16 ? 2 : 4;
-  const size_t bsize = dtype_size(bias_dtype);
-  // Column blocks of kColBlock W rows outer (they stay in L2 while every row
-  // tile of A passes over them), row tiles inner.
-  for (int64_t nb0 = 0; nb0 < N; nb0 += kColBlock) {
-    const int64_t nb1 = std::min(N, nb0 + kColBlock);
-    for (int64_t m0 = 0; m0 < M; m0 += kMR) {
-      const int mr = static_cast<int>(std::min<int64_t>(kMR, M - m0));
-      const int nr_max = mr == 1 ? kNR1 : kNR;
-      for (int64_t n0 = nb0; n0 < nb1; n0 += nr_max) {
-        const int nr = static_cast<int>(std::min<int64_t>(nr_max, nb1 - n0));
-        fns[mr][nr](K, A + m0 * lda, lda, static_cast<const char*>(W) + n0 * ldw * wsize, ldw,
-                    C + m0 * ldc + n0, ldc,
-                    bias ? static_cast<const char*>(bias) + n0 * bsize : nullptr, bias_dtype);
-      }
-    }
+    default:
+      return &gemm_nt_scalar;
   }
+}
+
+std::atomic<GemmKernel> g_kernel{nullptr};
+std::atomic<int> g_isa{-1};
+std::mutex g_init_mutex;
+
+std::string supported_list() {
+  std::string s;
+  for (CpuIsa isa : {CpuIsa::kAvx512, CpuIsa::kAvx2, CpuIsa::kScalar})
+    if (cpu_isa_supported(isa)) s += std::string(s.empty() ? "" : ", ") + cpu_isa_name(isa);
+  return s;
+}
+
+// FUSEDMOE_CPU_ISA, else the best the CPU supports.
+CpuIsa isa_from_environment() {
+  const char* env = std::getenv("FUSEDMOE_CPU_ISA");
+  if (env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0) return best_cpu_isa();
+  CpuIsa isa;
+  if (std::strcmp(env, "avx512") == 0)
+    isa = CpuIsa::kAvx512;
+  else if (std::strcmp(env, "avx2") == 0)
+    isa = CpuIsa::kAvx2;
+  else if (std::strcmp(env, "scalar") == 0)
+    isa = CpuIsa::kScalar;
+  else
+    FUSEDMOE_THROW(kInvalidArgument, "FUSEDMOE_CPU_ISA: expected one of auto, avx512, ",
+                   "avx2, scalar, got '", env, "'");
+  if (!cpu_isa_supported(isa))
+    FUSEDMOE_THROW(kUnsupported, "FUSEDMOE_CPU_ISA=", env, ": this CPU does not support ",
+                   isa == CpuIsa::kAvx512 ? "AVX-512 (F, BW, VL, DQ)" : "AVX2 and FMA",
+                   "; it supports ", supported_list());
+  return isa;
+}
+
+GemmKernel current_kernel() {
+  GemmKernel k = g_kernel.load(std::memory_order_acquire);
+  if (k != nullptr) return k;
+  std::lock_guard<std::mutex> lock(g_init_mutex);
+  k = g_kernel.load(std::memory_order_acquire);
+  if (k != nullptr) return k;
+  const CpuIsa isa = isa_from_environment();  // may throw; the next call tries again
+  g_isa.store(static_cast<int>(isa));
+  k = kernel_of(isa);
+  g_kernel.store(k, std::memory_order_release);
+  return k;
 }
 
 }  // namespace
+
+const char* cpu_isa_name(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::kAvx512:
+      return "avx512";
+    case CpuIsa::kAvx2:
+      return "avx2";
+    default:
+      return "scalar";
+  }
+}
+
+bool cpu_isa_supported(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::kScalar:
+      return true;
+#ifdef FUSEDMOE_GEMM_X86
+    case CpuIsa::kAvx2:
+      __builtin_cpu_init();
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case CpuIsa::kAvx512:
+      __builtin_cpu_init();
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+#endif
+    default:
+      return false;
+  }
+}
+
+CpuIsa best_cpu_isa() {
+  for (CpuIsa isa : {CpuIsa::kAvx512, CpuIsa::kAvx2})
+    if (cpu_isa_supported(isa)) return isa;
+  return CpuIsa::kScalar;
+}
+
+CpuIsa gemm_isa() {
+  current_kernel();
+  return static_cast<CpuIsa>(g_isa.load());
+}
+
+void set_gemm_isa(CpuIsa isa) {
+  if (!cpu_isa_supported(isa))
+    FUSEDMOE_THROW(kUnsupported, "set_gemm_isa: this CPU does not support ", cpu_isa_name(isa),
+                   "; it supports ", supported_list());
+  std::lock_guard<std::mutex> lock(g_init_mutex);
+  g_isa.store(static_cast<int>(isa));
+  g_kernel.store(kernel_of(isa), std::memory_order_release);
+}
+
+// ---------------------------------------------------------------- entry points
 
 void gemm_nt(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const void* W,
              DType w_dtype, int64_t ldw, const void* bias, DType bias_dtype, float* C,
              int64_t ldc) {
   if (M <= 0 || N <= 0) return;
-  if (w_dtype == DType::kBF16)
-    gemm_rows<true>(M, N, K, A, lda, W, ldw, bias, bias_dtype, C, ldc);
-  else
-    gemm_rows<false>(M, N, K, A, lda, W, ldw, bias, bias_dtype, C, ldc);
+  current_kernel()(M, N, K, A, lda, W, w_dtype == DType::kBF16, ldw, bias,
+                   bias_dtype == DType::kBF16, C, ldc);
 }
 
 void gemm_nt_parallel(ThreadPool& pool, int64_t M, int64_t N, int64_t K, const float* A,
                       int64_t lda, const void* W, DType w_dtype, int64_t ldw, const void* bias,
                       DType bias_dtype, float* C, int64_t ldc) {
   if (M <= 0 || N <= 0) return;
-  // Column blocks of kColBlock W rows (stay in L2 while row tiles pass over them).
-  const int64_t mb = 64, nb = kColBlock;
+  const GemmKernel kernel = current_kernel();
+  // Column blocks of 64 W rows; row blocks of 128 (the large-M path's state block).
+  const int64_t mb = 128, nb = 64;
   const int64_t m_blocks = (M + mb - 1) / mb, n_blocks = (N + nb - 1) / nb;
   const int64_t items = m_blocks * n_blocks;
   const size_t wsize = dtype_size(w_dtype), bsize = dtype_size(bias_dtype);
+  const bool w_bf16 = w_dtype == DType::kBF16, bias_bf16 = bias_dtype == DType::kBF16;
   std::atomic<int64_t> next{0};
   pool.parallel_for(
       std::min<int64_t>(items, pool.num_threads()),
       [&](int64_t, int64_t, int) {
         for (int64_t it = next.fetch_add(1); it < items; it = next.fetch_add(1)) {
           const int64_t m0 = it / n_blocks * mb, n0 = it % n_blocks * nb;
-          gemm_nt(std::min(mb, M - m0), std::min(nb, N - n0), K, A + m0 * lda, lda,
-                  static_cast<const char*>(W) + n0 * ldw * wsize, w_dtype, ldw,
-                  bias ? static_cast<const char*>(bias) + n0 * bsize : nullptr, bias_dtype,
-                  C + m0 * ldc + n0, ldc);
+          kernel(std::min(mb, M - m0), std::min(nb, N - n0), K, A + m0 * lda, lda,
+                 static_cast<const char*>(W) + n0 * ldw * wsize, w_bf16, ldw,
+                 bias ? static_cast<const char*>(bias) + n0 * bsize : nullptr, bias_bf16,
+                 C + m0 * ldc + n0, ldc);
         }
       },
       1);
