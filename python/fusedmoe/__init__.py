@@ -107,7 +107,8 @@ def _rows(x: Any) -> Any:
             return np.ascontiguousarray(x)
         return x
     if _is_torch(x):
-        x = x.detach()
+        if x.requires_grad:
+            x = x.detach()
         if x.dim() and x.stride(-1) != 1 and x.shape[-1] > 1:
             return x.contiguous()
     return x
@@ -117,7 +118,7 @@ def _contiguous(x: Any) -> Any:
     if isinstance(x, np.ndarray):
         return np.ascontiguousarray(x)
     if _is_torch(x):
-        return x.detach().contiguous()
+        return (x.detach() if x.requires_grad else x).contiguous()
     return x
 
 
@@ -159,7 +160,7 @@ def _weight(x: Any, name: str, weight_dtype: Optional[str]) -> Tuple[Any, bool]:
     """Expert weights: (array, uint16-is-bf16 flag)."""
     x = _contiguous(_as_array(x, name))
     if isinstance(x, np.ndarray):
-        if x.dtype.name == "bfloat16":  # ml_dtypes.bfloat16
+        if x.dtype.kind == "V" and x.dtype.name == "bfloat16":  # ml_dtypes.bfloat16
             return x.view(np.uint16), True
         if weight_dtype is not None:
             if weight_dtype not in ("bf16", "bfloat16"):
@@ -172,11 +173,13 @@ def _weight(x: Any, name: str, weight_dtype: Optional[str]) -> Tuple[Any, bool]:
     return x, False
 
 
+_NP_DTYPES = {"f32": np.float32, "i32": np.int32}
+
+
 def _empty_like_framework(ref: Any, shape: Tuple[int, ...], dtype: str) -> Any:
     if _is_torch(ref):
-        tdtype = {"f32": _torch.float32, "i32": _torch.int32}[dtype]
-        return _torch.empty(shape, dtype=tdtype, device=ref.device)
-    return np.empty(shape, dtype={"f32": np.float32, "i32": np.int32}[dtype])
+        return ref.new_empty(shape, dtype=_torch.float32 if dtype == "f32" else _torch.int32)
+    return np.empty(shape, dtype=_NP_DTYPES[dtype])
 
 
 def _check_backend(backend: str) -> None:

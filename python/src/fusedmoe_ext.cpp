@@ -17,6 +17,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -359,6 +360,33 @@ void fused_experts(const InArray& hidden_states, const InArray& w13, const InArr
   s.kernel->forward(x, ti, tw, weights, params, apply_router_weight_on_input, out, s.ws);
 }
 
+// Benchmark hook: times `repeat` back-to-back C++ calls of the functional
+// fused_experts kernel (ModularKernel::forward, no Python in the loop) on the
+// given f32/bf16 arrays; returns each call's wall time in seconds.
+std::vector<double> time_fused_experts(const InArray& hidden_states, const InArray& w13,
+                                       const InArray& w2, const InArray& topk_weights,
+                                       const InArray& topk_ids, const OutArray& output,
+                                       int repeat) {
+  ExpertWeights weights;
+  weights.w13 = borrow(view_of(w13, "w13"));
+  weights.w2 = borrow(view_of(w2, "w2"));
+  const TensorView x = view_of(hidden_states, "hidden_states");
+  const TensorView tw = view_of(topk_weights, "topk_weights");
+  const TensorView ti = view_of(topk_ids, "topk_ids");
+  const TensorView out = view_of(output, "output");
+  ExpertsParams params;
+  std::vector<double> times(static_cast<size_t>(std::max(repeat, 0)));
+  FunctionalState& s = functional_state();
+  nb::gil_scoped_release release;
+  std::lock_guard<std::mutex> lock(s.mu);
+  for (auto& t : times) {
+    const auto t0 = std::chrono::steady_clock::now();
+    s.kernel->forward(x, ti, tw, weights, params, false, out, s.ws);
+    t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  return times;
+}
+
 // Routing with a MoEConfig given as a dict (see config_from_dict).
 void select_experts(const InArray& router_logits, const OutArray& topk_ids,
                     const OutArray& topk_weights, const nb::dict& config,
@@ -606,6 +634,10 @@ NB_MODULE(_ext, m) {
         "swiglu_alpha"_a, "swiglu_limit"_a,
         "Routed experts (prepare -> w13 GEMM -> activation -> w2 GEMM -> weighted sum) into "
         "`output` f32 [T, H].");
+  m.def("_time_fused_experts", &time_fused_experts, "hidden_states"_a, "w13"_a, "w2"_a,
+        "topk_weights"_a, "topk_ids"_a, "output"_a, "repeat"_a,
+        "Benchmark hook: per-call seconds of `repeat` C++ fused_experts calls (silu, f32 "
+        "compute).");
   m.def("select_experts", &select_experts, "router_logits"_a, "topk_ids"_a, "topk_weights"_a,
         "config"_a, "e_score_correction_bias"_a.none(), "token_ids"_a.none(), "hash_table"_a.none(),
         "Routes router_logits f32 [T, E + Z] into topk_ids i32 [T, k] and topk_weights f32 "
