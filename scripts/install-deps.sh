@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what fusedmoe's build and tests need on Debian 12 (bookworm) or a
 # recent Ubuntu: compiler, CMake, Ninja, ccache, GoogleTest, Google Benchmark,
-# CLI11, nlohmann-json, single-threaded OpenBLAS, python3 (used by the CLI tests).
+# CLI11, nlohmann-json, single-threaded OpenBLAS, python3 (used by the CLI tests),
+# OpenMPI (the MPI communicator and the mpirun tests of src/parallel).
 # Runs as root, or through sudo otherwise. Safe to run again: when every
 # package is already installed it does nothing.
 set -euo pipefail
@@ -10,6 +11,7 @@ packages=(
   build-essential g++ cmake ninja-build ccache
   libgtest-dev libbenchmark-dev libcli11-dev nlohmann-json3-dev
   libopenblas-serial-dev
+  openmpi-bin libopenmpi-dev
   python3
 )
 

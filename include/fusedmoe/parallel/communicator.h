@@ -1,0 +1,133 @@
+// fusedmoe: communicators — the collectives that spread one MoE layer over ranks.
+//
+// A Communicator is a group of `size()` ranks that call the same collectives
+// in the same order (MPI's model). Implementations:
+//   - single rank (always available): every collective is a local copy;
+//   - MPI (builds that found MPI: FUSEDMOE_WITH_MPI): CPU ranks started by
+//     `mpirun`; created over MPI_COMM_WORLD by make_mpi_communicator();
+//   - NCCL (GPU ranks): not built yet; the interface takes raw pointers and
+//     byte counts so that a device implementation fits behind it.
+//
+// Failures never hang: every MPI operation is non-blocking and polled with a
+// deadline of FUSEDMOE_COMM_TIMEOUT_S seconds (default 60, read when the
+// communicator is created). A peer that exits, crashes or stops calling the
+// collective makes the others throw Error(kIo) within that time, naming the
+// operation (and, for all_to_all_v, the ranks still missing); MPI errors are
+// returned (MPI_ERRORS_RETURN), not fatal, and become Error(kIo) with MPI's
+// message. After such an error the communicator is broken: every later call
+// throws, and the process should end (abort() stops the other ranks too).
+//
+// Buffers are host memory for the CPU implementations. Byte counts and
+// displacements are int64; all collectives are in place-safe only where said.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "fusedmoe/config/moe_config.h"
+
+namespace fusedmoe {
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  // "single", "mpi" or "nccl".
+  virtual std::string backend() const = 0;
+
+  // All-to-all with per-peer sizes, in bytes: rank p sends
+  // send[send_displs[p], + send_counts[p]) to each peer p, and receives into
+  // recv[recv_displs[p], + recv_counts[p]) what peer p sent it. All spans have
+  // size() entries; recv_counts[p] must equal what p sends (Error(kIo) otherwise).
+  // Zero counts are fine. send and recv must not overlap.
+  virtual void all_to_all_v(const void* send, std::span<const int64_t> send_counts,
+                            std::span<const int64_t> send_displs, void* recv,
+                            std::span<const int64_t> recv_counts,
+                            std::span<const int64_t> recv_displs) = 0;
+
+  // In place: data[0, count) = sum over ranks of each rank's data (f32).
+  virtual void all_reduce_sum(float* data, int64_t count) = 0;
+
+  // Every rank contributes `send_bytes` bytes (may differ per rank); recv gets
+  // rank p's contribution at recv_displs[p] with recv_counts[p] == p's send_bytes.
+  virtual void all_gather_v(const void* send, int64_t send_bytes, void* recv,
+                            std::span<const int64_t> recv_counts,
+                            std::span<const int64_t> recv_displs) = 0;
+
+  // send: f32 [sum(recv_counts)] = rank 0's block, rank 1's block, ...; rank p
+  // receives recv[0, recv_counts[p]) = sum over ranks of their block p.
+  // send and recv must not overlap.
+  virtual void reduce_scatter_sum(const float* send, float* recv,
+                                  std::span<const int64_t> recv_counts) = 0;
+
+  // data[0, bytes) of rank `root` is copied to every rank.
+  virtual void broadcast(void* data, int64_t bytes, int root) = 0;
+
+  virtual void barrier() = 0;
+
+  // New communicator over the ranks that pass the same `color`, ordered by
+  // (key, rank). Collective over this communicator.
+  virtual std::unique_ptr<Communicator> split(int color, int key) = 0;
+
+  // Ends the whole job (all ranks of the world) with `code`: MPI_Abort for
+  // MPI; std::exit for a single rank. Used after an Error in a multi-rank run,
+  // so that the other ranks do not wait for their timeout.
+  [[noreturn]] virtual void abort(int code) = 0;
+
+  // Convenience: all_gather_v of one int64 per rank (e.g. token counts).
+  std::vector<int64_t> all_gather_int64(int64_t value);
+};
+
+// The one-rank communicator (rank 0 of 1).
+std::unique_ptr<Communicator> make_single_rank_communicator();
+
+// True when this build has the MPI communicator (FUSEDMOE_WITH_MPI).
+bool mpi_built();
+// True when the process looks started by mpirun/srun (OMPI_COMM_WORLD_SIZE,
+// PMI_SIZE or PMIX_RANK in the environment). Does not initialize MPI.
+bool launched_by_mpi();
+// A communicator over MPI_COMM_WORLD; initializes MPI on first use
+// (MPI_THREAD_SERIALIZED; finalized at exit unless a communicator broke).
+// Throws Error(kUnsupported) when the build has no MPI.
+std::unique_ptr<Communicator> make_mpi_communicator();
+// make_mpi_communicator() when launched_by_mpi(), else a single rank.
+std::unique_ptr<Communicator> make_world_communicator();
+
+// Seconds from FUSEDMOE_COMM_TIMEOUT_S (default 60). Throws
+// Error(kInvalidArgument) for a value that is not a positive number.
+double comm_timeout_seconds();
+
+// ---- the groups of one parallel layout --------------------------------------
+//
+// World ranks of one MoE layer, tp_size consecutive ranks per TP group:
+//   dp_size == 1: world = ep_size * tp_size, rank = ep_rank * tp_size + tp_rank
+//   dp_size  > 1: world = dp_size * tp_size, rank = dp_rank * tp_size + tp_rank,
+//                 ep_size is 1 (experts replicated) or dp_size (experts spread
+//                 over the DP group: vLLM's naive DP+EP path).
+// The EP group (all-to-all dispatch/combine) and the DP group (all-gather /
+// reduce-scatter) are the ranks with the same tp_rank; the TP group (one
+// all-reduce) the ranks with the same ep_rank / dp_rank.
+struct ParallelGroups {
+  ParallelConfig config;                // sizes and this rank's ranks
+  std::shared_ptr<Communicator> world;  // all ranks of the layout
+  std::shared_ptr<Communicator> ep;     // size ep_size (dp_size == 1) or dp_size
+  std::shared_ptr<Communicator> tp;     // size tp_size
+
+  // Splits `world` (collective). Throws Error(kInvalidArgument) when the sizes
+  // are not positive, dp_size > 1 with ep_size not in {1, dp_size}, or
+  // world->size() does not match the layout above.
+  static ParallelGroups create(std::shared_ptr<Communicator> world, int ep_size, int tp_size,
+                               int dp_size);
+  // One rank, all sizes 1.
+  static ParallelGroups single();
+};
+
+// The ranks of world rank `rank` in the layout above (sizes copied in).
+ParallelConfig parallel_config_for_rank(int rank, int ep_size, int tp_size, int dp_size);
+
+}  // namespace fusedmoe

@@ -1,0 +1,164 @@
+// fusedmoe: the single-rank communicator, communicator helpers and the
+// parallel layout (parallel/communicator.h).
+#include "fusedmoe/parallel/communicator.h"
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "fusedmoe/core/error.h"
+
+namespace fusedmoe {
+
+std::vector<int64_t> Communicator::all_gather_int64(int64_t value) {
+  const int n = size();
+  std::vector<int64_t> out(n), counts(n, 8), displs(n);
+  for (int p = 0; p < n; ++p) displs[p] = 8 * p;
+  all_gather_v(&value, 8, out.data(), counts, displs);
+  return out;
+}
+
+namespace {
+
+class SingleRankCommunicator final : public Communicator {
+ public:
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+  std::string backend() const override { return "single"; }
+
+  void all_to_all_v(const void* send, std::span<const int64_t> send_counts,
+                    std::span<const int64_t> send_displs, void* recv,
+                    std::span<const int64_t> recv_counts,
+                    std::span<const int64_t> recv_displs) override {
+    check_spans(send_counts.size(), "send_counts");
+    check_spans(send_displs.size(), "send_displs");
+    check_spans(recv_counts.size(), "recv_counts");
+    check_spans(recv_displs.size(), "recv_displs");
+    FUSEDMOE_CHECK(send_counts[0] == recv_counts[0],
+                   "all_to_all_v: recv_counts[0] = ", recv_counts[0], " but rank 0 sends ",
+                   send_counts[0], " bytes");
+    if (send_counts[0] > 0)
+      std::memcpy(static_cast<char*>(recv) + recv_displs[0],
+                  static_cast<const char*>(send) + send_displs[0], send_counts[0]);
+  }
+  void all_reduce_sum(float*, int64_t) override {}
+  void all_gather_v(const void* send, int64_t send_bytes, void* recv,
+                    std::span<const int64_t> recv_counts,
+                    std::span<const int64_t> recv_displs) override {
+    check_spans(recv_counts.size(), "recv_counts");
+    check_spans(recv_displs.size(), "recv_displs");
+    FUSEDMOE_CHECK(recv_counts[0] == send_bytes, "all_gather_v: recv_counts[0] = ", recv_counts[0],
+                   " but rank 0 sends ", send_bytes, " bytes");
+    if (send_bytes > 0 && static_cast<char*>(recv) + recv_displs[0] != send)
+      std::memmove(static_cast<char*>(recv) + recv_displs[0], send, send_bytes);
+  }
+  void reduce_scatter_sum(const float* send, float* recv,
+                          std::span<const int64_t> recv_counts) override {
+    check_spans(recv_counts.size(), "recv_counts");
+    if (recv_counts[0] > 0) std::memcpy(recv, send, recv_counts[0] * sizeof(float));
+  }
+  void broadcast(void*, int64_t, int root) override {
+    FUSEDMOE_CHECK(root == 0, "broadcast: root must be 0 on a single rank, got ", root);
+  }
+  void barrier() override {}
+  std::unique_ptr<Communicator> split(int, int) override {
+    return std::make_unique<SingleRankCommunicator>();
+  }
+  [[noreturn]] void abort(int code) override { std::exit(code); }
+
+ private:
+  static void check_spans(size_t n, const char* name) {
+    FUSEDMOE_CHECK(n == 1, name, ": expected 1 entry (one rank), got ", n);
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<Communicator> make_single_rank_communicator() {
+  return std::make_unique<SingleRankCommunicator>();
+}
+
+bool launched_by_mpi() {
+  return std::getenv("OMPI_COMM_WORLD_SIZE") || std::getenv("PMI_SIZE") || std::getenv("PMIX_RANK");
+}
+
+std::unique_ptr<Communicator> make_world_communicator() {
+  if (launched_by_mpi()) return make_mpi_communicator();
+  return make_single_rank_communicator();
+}
+
+double comm_timeout_seconds() {
+  const char* s = std::getenv("FUSEDMOE_COMM_TIMEOUT_S");
+  if (!s || !*s) return 60.0;
+  char* end = nullptr;
+  const double v = std::strtod(s, &end);
+  FUSEDMOE_CHECK(end && *end == '\0' && std::isfinite(v) && v > 0,
+                 "FUSEDMOE_COMM_TIMEOUT_S: expected a positive number of seconds, got \"", s, "\"");
+  return v;
+}
+
+// ---- layout -------------------------------------------------------------------
+
+ParallelConfig parallel_config_for_rank(int rank, int ep_size, int tp_size, int dp_size) {
+  ParallelConfig c;
+  c.ep_size = ep_size;
+  c.tp_size = tp_size;
+  c.dp_size = dp_size;
+  c.tp_rank = rank % tp_size;
+  const int group = rank / tp_size;  // ep_rank (dp_size == 1) or dp_rank
+  if (dp_size > 1) {
+    c.dp_rank = group;
+    c.ep_rank = ep_size > 1 ? group : 0;
+  } else {
+    c.ep_rank = group;
+  }
+  return c;
+}
+
+ParallelGroups ParallelGroups::create(std::shared_ptr<Communicator> world, int ep_size, int tp_size,
+                                      int dp_size) {
+  FUSEDMOE_CHECK(world != nullptr, "ParallelGroups::create: world communicator is null");
+  FUSEDMOE_CHECK(ep_size >= 1, "ep_size: expected >= 1, got ", ep_size);
+  FUSEDMOE_CHECK(tp_size >= 1, "tp_size: expected >= 1, got ", tp_size);
+  FUSEDMOE_CHECK(dp_size >= 1, "dp_size: expected >= 1, got ", dp_size);
+  FUSEDMOE_CHECK(dp_size == 1 || ep_size == 1 || ep_size == dp_size,
+                 "ep_size: with dp_size = ", dp_size,
+                 " expected 1 or dp_size (experts spread over the DP group), got ", ep_size);
+  const int64_t groups = dp_size > 1 ? dp_size : ep_size;
+  const int64_t expected = groups * tp_size;
+  FUSEDMOE_CHECK(world->size() == expected, "world size: expected ", expected, " ranks (",
+                 dp_size > 1 ? "dp_size" : "ep_size", " ", groups, " x tp_size ", tp_size,
+                 "), got ", world->size());
+  ParallelGroups g;
+  g.config = parallel_config_for_rank(world->rank(), ep_size, tp_size, dp_size);
+  g.world = world;
+  const int group = world->rank() / tp_size;
+  // Same tp_rank: the EP / DP group. Same group index: the TP group.
+  g.ep = groups > 1 ? std::shared_ptr<Communicator>(world->split(g.config.tp_rank, group))
+                    : std::shared_ptr<Communicator>(make_single_rank_communicator());
+  g.tp = tp_size > 1 ? std::shared_ptr<Communicator>(world->split(group, g.config.tp_rank))
+                     : std::shared_ptr<Communicator>(make_single_rank_communicator());
+  return g;
+}
+
+ParallelGroups ParallelGroups::single() {
+  ParallelGroups g;
+  g.world = make_single_rank_communicator();
+  g.ep = make_single_rank_communicator();
+  g.tp = make_single_rank_communicator();
+  return g;
+}
+
+#ifndef FUSEDMOE_WITH_MPI
+bool mpi_built() {
+  return false;
+}
+std::unique_ptr<Communicator> make_mpi_communicator() {
+  FUSEDMOE_THROW(kUnsupported,
+                 "MPI communicator: this build of fusedmoe has no MPI (install libopenmpi-dev "
+                 "and reconfigure)");
+}
+#endif
+
+}  // namespace fusedmoe

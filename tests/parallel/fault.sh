@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# fault.sh MPIEXEC "PRE_FLAGS" NP_FLAG NP PROGRAM: runs test_parallel_fault in
+# both modes with a 2 s communicator timeout and checks that mpirun exits
+# non-zero, that a surviving rank reports the timeout, and that it took well
+# under the test's limit (no hang).
+set -u
+mpiexec=$1; pre=$2; npflag=$3; np=$4; prog=$5
+fail=0
+for mode in exit stuck; do
+  start=$(date +%s)
+  # orte_allowed_exit_without_sync: let the survivors notice by themselves
+  # (mpirun would otherwise kill them when the early rank exits).
+  out=$(FUSEDMOE_COMM_TIMEOUT_S=2 OMPI_MCA_orte_allowed_exit_without_sync=1 \
+        timeout 60 "$mpiexec" $pre "$npflag" "$np" "$prog" "$mode" 2>&1)
+  rc=$?
+  elapsed=$(( $(date +%s) - start ))
+  echo "---- mode $mode: rc $rc, ${elapsed} s"
+  echo "$out" | grep -v '^\s*$' | head -20
+  if [ "$rc" -eq 0 ]; then echo "FAIL ($mode): mpirun exited 0"; fail=1; fi
+  if [ "$rc" -eq 124 ]; then echo "FAIL ($mode): hung (killed after 60 s)"; fail=1; fi
+  if ! echo "$out" | grep -q "fusedmoe::Error: MPI .*timed out after 2 s (FUSEDMOE_COMM_TIMEOUT_S)"; then
+    echo "FAIL ($mode): no rank reported the communicator timeout"; fail=1
+  fi
+  if [ "$elapsed" -gt 30 ]; then echo "FAIL ($mode): took ${elapsed} s"; fail=1; fi
+done
+exit $fail

@@ -1,0 +1,277 @@
+// Single-process tests of the parallel part: expert placement, weight
+// shards, the single-rank communicator and layouts, FP8 dispatch
+// quantization, and the distributed experts on one rank. Multi-rank runs are
+// in tests/parallel (mpirun).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <random>
+#include <set>
+
+#include "../parallel/parallel_test_util.h"
+#include "fusedmoe/parallel/communicator.h"
+#include "fusedmoe/parallel/distributed_experts.h"
+#include "fusedmoe/parallel/ep_prepare_finalize.h"
+#include "fusedmoe/parallel/expert_map.h"
+
+namespace fusedmoe {
+namespace {
+
+TEST(ExpertMap, ContiguousAndRoundRobinCoverEveryExpertOnce) {
+  for (int64_t E : {1, 5, 7, 8, 13, 64})
+    for (int P = 1; P <= std::min<int64_t>(E, 6); ++P)
+      for (ExpertPlacement pl : {ExpertPlacement::kContiguous, ExpertPlacement::kRoundRobin}) {
+        SCOPED_TRACE(std::to_string(E) + " experts over " + std::to_string(P) + " " +
+                     to_string(pl));
+        const ExpertMap m(E, P, pl);
+        std::vector<int> seen(E, 0);
+        int64_t total = 0;
+        for (int r = 0; r < P; ++r) {
+          const std::vector<int64_t> mine = m.local_experts(r);
+          const std::vector<int32_t> g2l = m.global_to_local(r);
+          ASSERT_EQ(static_cast<int64_t>(mine.size()), m.num_local_experts(r));
+          // Balanced: counts differ by at most one.
+          EXPECT_GE(m.num_local_experts(r), E / P);
+          EXPECT_LE(m.num_local_experts(r), (E + P - 1) / P);
+          total += mine.size();
+          for (size_t i = 0; i < mine.size(); ++i) {
+            ++seen[mine[i]];
+            EXPECT_EQ(m.rank_of(mine[i]), r);
+            EXPECT_EQ(m.local_id(mine[i]), static_cast<int64_t>(i));
+            EXPECT_EQ(g2l[mine[i]], static_cast<int32_t>(i));
+          }
+          int64_t local = 0;
+          for (int64_t e = 0; e < E; ++e) local += g2l[e] >= 0;
+          EXPECT_EQ(local, m.num_local_experts(r)) << "g2l has -1 for other ranks' experts";
+        }
+        EXPECT_EQ(total, E);
+        for (int64_t e = 0; e < E; ++e) EXPECT_EQ(seen[e], 1);
+      }
+}
+
+TEST(ExpertMap, PlacementsByExample) {
+  const ExpertMap c(7, 3);  // 3, 2, 2
+  EXPECT_EQ(c.local_experts(0), (std::vector<int64_t>{0, 1, 2}));
+  EXPECT_EQ(c.local_experts(1), (std::vector<int64_t>{3, 4}));
+  EXPECT_EQ(c.local_experts(2), (std::vector<int64_t>{5, 6}));
+  EXPECT_EQ(c.global_to_local(1), (std::vector<int32_t>{-1, -1, -1, 0, 1, -1, -1}));
+  const ExpertMap rr(7, 3, ExpertPlacement::kRoundRobin);
+  EXPECT_EQ(rr.local_experts(0), (std::vector<int64_t>{0, 3, 6}));
+  EXPECT_EQ(rr.local_experts(2), (std::vector<int64_t>{2, 5}));
+  EXPECT_EQ(rr.global_to_local(2), (std::vector<int32_t>{-1, -1, 0, -1, -1, 1, -1}));
+  EXPECT_EQ(parse_expert_placement("round-robin"), ExpertPlacement::kRoundRobin);
+  EXPECT_THROW(parse_expert_placement("random"), Error);
+}
+
+TEST(ExpertMap, RejectsBadSizes) {
+  EXPECT_THROW(ExpertMap(0, 1), Error);
+  EXPECT_THROW(ExpertMap(4, 0), Error);
+  try {
+    ExpertMap(4, 5);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("ep_size: expected in [1, num_experts = 4], got 5"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(ExpertMap(4, 2).local_experts(2), Error);
+}
+
+TEST(ShardExpertWeights, SlicesGateUpHalvesW2ColumnsAndBiasOnce) {
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  for (DType dt : {DType::kF32, DType::kBF16}) {
+    const int64_t E = 5, H = 12, I = 10;
+    const ExpertWeights full = test::random_experts(rng, E, H, I, dt, true);
+    const std::vector<int64_t> experts{4, 1, 3};
+    const int tp = 3;
+    int64_t covered = 0;
+    for (int r = 0; r < tp; ++r) {
+      const auto [i0, It] = tp_slice(I, tp, r);
+      EXPECT_EQ(i0, covered);
+      covered += It;
+      const ExpertWeights s = shard_expert_weights(full, experts, tp, r);
+      s.validate(3, H, It, true, "shard");
+      const std::vector<double> f13 = test::to_f64_vector(full.w13),
+                                s13 = test::to_f64_vector(s.w13);
+      const std::vector<double> f2 = test::to_f64_vector(full.w2), s2 = test::to_f64_vector(s.w2);
+      const std::vector<double> fb13 = test::to_f64_vector(*full.w13_bias);
+      const std::vector<double> sb13 = test::to_f64_vector(*s.w13_bias);
+      const std::vector<double> fb2 = test::to_f64_vector(*full.w2_bias);
+      const std::vector<double> sb2 = test::to_f64_vector(*s.w2_bias);
+      for (int64_t n = 0; n < 3; ++n) {
+        const int64_t e = experts[n];
+        for (int64_t i = 0; i < It; ++i)
+          for (int64_t h = 0; h < H; ++h) {
+            ASSERT_EQ(s13[(n * 2 * It + i) * H + h], f13[(e * 2 * I + i0 + i) * H + h]);
+            ASSERT_EQ(s13[(n * 2 * It + It + i) * H + h], f13[(e * 2 * I + I + i0 + i) * H + h]);
+            ASSERT_EQ(s2[(n * H + h) * It + i], f2[(e * H + h) * I + i0 + i]);
+          }
+        for (int64_t i = 0; i < It; ++i) {
+          EXPECT_EQ(sb13[n * 2 * It + i], fb13[e * 2 * I + i0 + i]);
+          EXPECT_EQ(sb13[n * 2 * It + It + i], fb13[e * 2 * I + I + i0 + i]);
+        }
+        for (int64_t h = 0; h < H; ++h)
+          EXPECT_EQ(sb2[n * H + h], r == 0 ? fb2[e * H + h] : 0.0) << "w2_bias only on tp_rank 0";
+      }
+    }
+    EXPECT_EQ(covered, I);
+    // A contiguous run without TP shares the storage.
+    const std::vector<int64_t> run{2, 3};
+    const ExpertWeights v = shard_expert_weights(full, run, 1, 0);
+    EXPECT_EQ(v.w13.storage(), full.w13.storage());
+    EXPECT_EQ(v.w13.size(0), 2);
+  }
+  EXPECT_THROW(tp_slice(4, 5, 0), Error);
+}
+
+TEST(SingleRankCommunicator, CollectivesAreLocalCopies) {
+  auto c = make_single_rank_communicator();
+  EXPECT_EQ(c->rank(), 0);
+  EXPECT_EQ(c->size(), 1);
+  EXPECT_EQ(c->backend(), "single");
+  std::vector<int64_t> n{3}, d{0};
+  const char send[3] = {'a', 'b', 'c'};
+  char recv[3] = {0, 0, 0};
+  c->all_to_all_v(send, n, d, recv, n, d);
+  EXPECT_EQ(std::string(recv, 3), "abc");
+  float v[2] = {1.5f, -2.0f}, out[2] = {0, 0};
+  c->all_reduce_sum(v, 2);
+  EXPECT_EQ(v[0], 1.5f);
+  std::vector<int64_t> two{2};
+  c->reduce_scatter_sum(v, out, two);
+  EXPECT_EQ(out[1], -2.0f);
+  EXPECT_EQ(c->all_gather_int64(42), std::vector<int64_t>{42});
+  EXPECT_THROW(c->broadcast(v, 4, 1), Error);
+  std::vector<int64_t> wrong{3, 0}, wrong_d{0, 0};
+  EXPECT_THROW(c->all_to_all_v(send, wrong, wrong_d, recv, wrong, wrong_d), Error);
+}
+
+TEST(ParallelGroups, LayoutAndErrors) {
+  const ParallelConfig a = parallel_config_for_rank(5, 4, 2, 1);
+  EXPECT_EQ(a.ep_rank, 2);
+  EXPECT_EQ(a.tp_rank, 1);
+  const ParallelConfig b = parallel_config_for_rank(3, 4, 1, 4);
+  EXPECT_EQ(b.dp_rank, 3);
+  EXPECT_EQ(b.ep_rank, 3);
+  std::shared_ptr<Communicator> one = make_single_rank_communicator();
+  const ParallelGroups g = ParallelGroups::create(one, 1, 1, 1);
+  EXPECT_EQ(g.ep->size(), 1);
+  try {
+    ParallelGroups::create(one, 2, 1, 1);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("world size: expected 2 ranks"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(ParallelGroups::create(one, 2, 1, 3), Error);  // ep not in {1, dp}
+  EXPECT_THROW(ParallelGroups::create(one, 1, 0, 1), Error);
+}
+
+TEST(Communicator, TimeoutFromEnvironmentAndWorld) {
+  ::unsetenv("FUSEDMOE_COMM_TIMEOUT_S");
+  EXPECT_EQ(comm_timeout_seconds(), 60.0);
+  ::setenv("FUSEDMOE_COMM_TIMEOUT_S", "2.5", 1);
+  EXPECT_EQ(comm_timeout_seconds(), 2.5);
+  for (const char* bad : {"0", "-1", "abc", "5s"}) {
+    ::setenv("FUSEDMOE_COMM_TIMEOUT_S", bad, 1);
+    EXPECT_THROW(comm_timeout_seconds(), Error) << bad;
+  }
+  ::unsetenv("FUSEDMOE_COMM_TIMEOUT_S");
+  if (!launched_by_mpi()) EXPECT_EQ(make_world_communicator()->backend(), "single");
+  if (!mpi_built()) EXPECT_THROW(make_mpi_communicator(), Error);
+}
+
+TEST(Fp8Dispatch, GroupQuantizationRoundTrip) {
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const int64_t rows = 7, H = 300;  // groups of 128, 128, 44
+  Tensor x = test::randn_f32(rng, {rows, H}, 3.0f);
+  x.data_as<float>()[H + 5] = 1000.0f;  // one large value: its group's scale only
+  std::vector<uint8_t> q(rows * H);
+  std::vector<float> sc(rows * 3);
+  quantize_fp8_groups(x.data_as<float>(), rows, H, H, 128, q.data(), sc.data());
+  Tensor y = Tensor::empty(DType::kF32, {rows, H});
+  dequantize_fp8_groups(q.data(), sc.data(), rows, H, 128, y.data_as<float>(), H);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < 3; ++g) {
+      float amax = 0;
+      for (int64_t h = g * 128; h < std::min<int64_t>(H, g * 128 + 128); ++h)
+        amax = std::max(amax, std::fabs(x.data_as<float>()[r * H + h]));
+      EXPECT_FLOAT_EQ(sc[r * 3 + g], amax / 448.0f);
+      for (int64_t h = g * 128; h < std::min<int64_t>(H, g * 128 + 128); ++h) {
+        const float a = x.data_as<float>()[r * H + h], b = y.data_as<float>()[r * H + h];
+        // e4m3: 3 mantissa bits -> relative error <= 2^-4 for normal values.
+        EXPECT_LE(std::fabs(a - b), std::fabs(a) / 16 + sc[r * 3 + g] * 0.002f) << r << "," << h;
+      }
+    }
+  EXPECT_EQ(parse_dispatch_dtype("fp8"), DispatchDType::kFP8);
+  EXPECT_THROW(parse_dispatch_dtype("int4"), Error);
+}
+
+// One rank: EpPrepareFinalize and DistributedExperts give the modular kernel's bits.
+TEST(DistributedExperts, SingleRankMatchesModularKernelBitForBit) {
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  for (DType compute : {DType::kF32, DType::kBF16}) {
+    const int64_t E = 9, k = 3, H = 40, I = 24, T = 23;
+    const ExpertWeights full = test::random_experts(rng, E, H, I, DType::kBF16, true);
+    Tensor hidden = test::randn_f32(rng, {T, H});
+    Tensor ids, w;
+    test::random_routing(rng, T, k, E, 0.2, ids, w);
+    ExpertsParams params;
+    params.compute_dtype = compute;
+    const Tensor ref =
+        test::single_rank_routed(hidden.view(), ids.view(), w.view(), full, params, false);
+    MoEConfig config;
+    config.num_experts = E;
+    config.top_k = k;
+    config.hidden_size = H;
+    config.intermediate_size = I;
+    config.has_expert_bias = true;
+    DistributedExperts de(config, ParallelGroups::single(), full);
+    Tensor out = Tensor::empty(DType::kF32, {T, H});
+    test::poison(out.view());
+    Workspace ws;
+    de.forward(hidden.view(), ids.view(), w.view(), params, false, out.view(), ws);
+    EXPECT_TRUE(test::bit_identical(out.view(), ref.view()));
+
+    // The EP prepare/finalize itself over a one-rank group.
+    EpPrepareFinalize ep(make_single_rank_communicator(), ExpertMap(E, 1));
+    PrepareResult pr = ep.prepare(hidden.view(), ids.view(), w.view(), E, false, compute, ws);
+    const int64_t M = pr.permuted.size(0);
+    Tensor eo = Tensor::empty(DType::kF32, {M, H});
+    make_cpu_modular_kernel()->experts().apply(pr, full, params, eo.view(), ws);
+    Tensor out2 = Tensor::empty(DType::kF32, {T, H});
+    test::poison(out2.view());
+    ep.finalize(eo.view(), pr, w.view(), false, out2.view());
+    EXPECT_TRUE(test::bit_identical(out2.view(), ref.view()));
+    EXPECT_EQ(ep.stats().dispatch_bytes_sent, 0);  // nothing left the rank
+    EXPECT_EQ(ep.stats().dispatch_rows_sent, ep.stats().dispatch_rows_received);
+
+    // Bad ids are rejected before anything is written.
+    ids.data_as<int32_t>()[4] = static_cast<int32_t>(E);
+    test::poison(out.view());
+    EXPECT_THROW(de.forward(hidden.view(), ids.view(), w.view(), params, false, out.view(), ws),
+                 Error);
+    EXPECT_EQ(test::count_non_finite(out.view()), T * H);
+  }
+}
+
+TEST(DistributedExperts, RejectsWeightsOfTheWrongShard) {
+  std::mt19937_64 rng(1);
+  MoEConfig config;
+  config.num_experts = 6;
+  config.top_k = 2;
+  config.hidden_size = 16;
+  config.intermediate_size = 8;
+  const ExpertWeights five = test::random_experts(rng, 5, 16, 8, DType::kF32, false);
+  EXPECT_THROW(DistributedExperts(config, ParallelGroups::single(), five), Error);
+}
+
+}  // namespace
+}  // namespace fusedmoe
