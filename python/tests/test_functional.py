@@ -108,16 +108,15 @@ def test_select_experts_zero_experts_and_hash(rng):
     vocab = 50
     table = np.stack([rng.permutation(E)[:k] for _ in range(vocab)]).astype(np.int32)
     tokens = rng.integers(0, vocab, size=T).astype(np.int64)
-    w, ids = fusedmoe.select_experts(None if False else logits[:, :E], k, routing_method="hash",
+    w, ids = fusedmoe.select_experts(logits[:, :E], k, routing_method="hash",
                                      hash_vocab_size=vocab, hash_table=table, token_ids=tokens)
     np.testing.assert_array_equal(ids, table[tokens])
     np.testing.assert_allclose(w, 1.0 / k, rtol=1e-7)
 
 
-def test_select_experts_with_layer_config():
+def test_select_experts_with_layer_config(rng):
     from conftest import HF
     layer = fusedmoe.MoELayer.from_pretrained(HF / "qwen3_moe", layer=0)
-    rng = np.random.default_rng()
     logits = _logits(rng, 4, layer.num_experts)
     w, ids = fusedmoe.select_experts(logits, config=layer)
     rw, rids = ref_fused_topk(logits, layer.top_k, layer.config["renormalize"])
