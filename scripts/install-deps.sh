@@ -12,7 +12,7 @@ packages=(
   libgtest-dev libbenchmark-dev libcli11-dev nlohmann-json3-dev
   libopenblas-serial-dev
   openmpi-bin libopenmpi-dev
-  python3
+  python3 python3-venv python3-dev
 )
 
 missing=()
