@@ -16,6 +16,13 @@
 
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/workspace_slots.h"
+#ifdef FUSEDMOE_WITH_CUDA
+#include "kernels/cuda/cuda_moe_layer.h"
+#else
+namespace fusedmoe::cuda {
+class CudaMoELayer {};  // no CUDA backend in this build
+}  // namespace fusedmoe::cuda
+#endif
 
 namespace fusedmoe {
 
@@ -109,6 +116,20 @@ MoERunner::MoERunner(MoEConfig config, MoELayerWeights weights, RunnerOptions op
   router_ = create_router(config_, weights_.router_params);
   kernel_ = make_cpu_modular_kernel(options_.pool);
   workspace_ = std::make_unique<Workspace>();
+  if (options_.device.type == DeviceType::kCUDA) {
+#ifdef FUSEDMOE_WITH_CUDA
+    FUSEDMOE_CHECK(options_.compute_dtype == DType::kBF16,
+                   "compute_dtype: the CUDA backend computes in bf16 (f32 accumulation); "
+                   "expected bf16, got ",
+                   dtype_name(options_.compute_dtype));
+    if (options_.max_num_tokens <= 0) options_.max_num_tokens = 8192;
+    cuda_ = std::make_unique<cuda::CudaMoELayer>(config_, weights_, options_.max_num_tokens);
+#else
+    FUSEDMOE_THROW(kUnsupported,
+                   "device: this build of fusedmoe has no CUDA backend "
+                   "(configure with FUSEDMOE_ENABLE_CUDA=ON and nvcc)");
+#endif
+  }
 }
 
 MoERunner::~MoERunner() = default;
@@ -117,6 +138,18 @@ MoERunner::MoERunner(MoERunner&&) noexcept = default;
 void MoERunner::compute_router_logits(const TensorView& hidden_states,
                                       const TensorView& router_logits) {
   const int64_t H = config_.hidden_size, L = config_.num_router_logits();
+#ifdef FUSEDMOE_WITH_CUDA
+  if (cuda_) {
+    check_tensor(hidden_states, "hidden_states", hidden_states.dtype(), {-1, H}, true,
+                 options_.device);
+    const int64_t T = hidden_states.size(0);
+    check_tensor(router_logits, "router_logits", DType::kF32, {T, L}, true, options_.device);
+    if (T == 0) return;
+    cuda_->router_logits(hidden_states, router_logits,
+                         static_cast<cuda::Stream>(options_.cuda_stream));
+    return;
+  }
+#endif
   check_tensor(hidden_states, "hidden_states", DType::kF32, {-1, H});
   const int64_t T = hidden_states.size(0);
   check_tensor(router_logits, "router_logits", DType::kF32, {T, L});
@@ -134,6 +167,30 @@ void MoERunner::forward(const TensorView& hidden_states, const TensorView& outpu
                         const TensorView* router_logits, const TensorView* token_ids,
                         const ForwardOutputs* outputs) {
   const int64_t H = config_.hidden_size, L = config_.num_router_logits(), k = config_.top_k;
+#ifdef FUSEDMOE_WITH_CUDA
+  if (cuda_) {
+    // Same boundary checks on device tensors (f32 or bf16 activations).
+    const Device dev = options_.device;
+    check_tensor(hidden_states, "hidden_states", hidden_states.dtype(), {-1, H}, true, dev);
+    const int64_t T = hidden_states.size(0);
+    check_tensor(output, "output", output.dtype(), {T, H}, true, dev);
+    FUSEDMOE_CHECK(!overlaps(output, hidden_states),
+                   "output: must not alias hidden_states (the shared expert reads hidden_states "
+                   "after the routed output is written)");
+    if (router_logits)
+      check_tensor(*router_logits, "router_logits", DType::kF32, {T, L}, true, dev);
+    if (token_ids) check_tensor(*token_ids, "token_ids", DType::kI32, {T}, true, dev);
+    if (outputs && outputs->router_logits.data() != nullptr)
+      check_tensor(outputs->router_logits, "outputs.router_logits", DType::kF32, {T, L}, true, dev);
+    if (outputs && outputs->topk_ids.data() != nullptr)
+      check_tensor(outputs->topk_ids, "outputs.topk_ids", DType::kI32, {T, k}, true, dev);
+    if (outputs && outputs->topk_weights.data() != nullptr)
+      check_tensor(outputs->topk_weights, "outputs.topk_weights", DType::kF32, {T, k}, true, dev);
+    cuda_->forward(hidden_states, output, router_logits, token_ids, outputs,
+                   static_cast<cuda::Stream>(options_.cuda_stream));
+    return;
+  }
+#endif
   // ---- boundary checks (nothing is written before they pass) ----
   check_tensor(hidden_states, "hidden_states", DType::kF32, {-1, H});
   const int64_t T = hidden_states.size(0);
@@ -240,6 +297,10 @@ void MoERunner::forward(const TensorView& hidden_states, const TensorView& outpu
 }
 
 Tensor MoERunner::forward(const TensorView& hidden_states, const TensorView* router_logits) {
+  if (cuda_)
+    FUSEDMOE_THROW(kUnsupported,
+                   "MoERunner::forward: the allocating overload is CPU-only; pass a "
+                   "device output tensor");
   check_tensor(hidden_states, "hidden_states", DType::kF32, {-1, config_.hidden_size});
   Tensor out = Tensor::empty(DType::kF32, {hidden_states.size(0), config_.hidden_size});
   forward(hidden_states, out.view(), router_logits);

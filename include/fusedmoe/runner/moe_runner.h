@@ -23,6 +23,10 @@
 
 namespace fusedmoe {
 
+namespace cuda {
+class CudaMoELayer;
+}
+
 struct MoELayerWeights {
   Tensor gate_weight;                           // f32/bf16 [E + num_zero_experts, H] (router)
   std::optional<Tensor> gate_bias;              // f32/bf16 [E + num_zero_experts]
@@ -40,6 +44,15 @@ struct MoELayerWeights {
 struct RunnerOptions {
   DType compute_dtype = DType::kF32;  // kF32 or kBF16
   ThreadPool* pool = nullptr;         // nullptr: ThreadPool::global()
+  // Backend: CPU (default) or CUDA (builds with FUSEDMOE_WITH_CUDA; compute_dtype
+  // must be kBF16). With CUDA the weights are uploaded to the current device at
+  // construction, a workspace for max_num_tokens tokens is allocated once, and
+  // forward() takes device tensors (hidden_states/output f32 or bf16), enqueues
+  // on cuda_stream (a cudaStream_t; nullptr: the legacy default stream) and
+  // returns without synchronising or allocating (CUDA-graph capturable).
+  Device device{};
+  int64_t max_num_tokens = 0;  // CUDA: the largest T forward() accepts (0: 8192)
+  void* cuda_stream = nullptr;
 };
 
 // Optional caller buffers that receive the router's results.
@@ -65,7 +78,7 @@ class MoERunner {
   void forward(const TensorView& hidden_states, const TensorView& output,
                const TensorView* router_logits = nullptr, const TensorView* token_ids = nullptr,
                const ForwardOutputs* outputs = nullptr);
-  // Convenience: allocates and returns the output.
+  // Convenience: allocates and returns the output (CPU backend only).
   Tensor forward(const TensorView& hidden_states, const TensorView* router_logits = nullptr);
 
   // router_logits f32 [T, E + Z] = hidden_states . gate_weight^T (+ gate_bias).
@@ -82,6 +95,7 @@ class MoERunner {
   std::unique_ptr<Router> router_;
   std::unique_ptr<ModularKernel> kernel_;
   std::unique_ptr<Workspace> workspace_;
+  std::unique_ptr<cuda::CudaMoELayer> cuda_;  // CUDA backend, else null
 };
 
 }  // namespace fusedmoe

@@ -1,0 +1,329 @@
+// fusedmoe CUDA benchmark: routed experts (align -> w13 GEMM + SiLU-GLU ->
+// w2 GEMM x topk_weights -> finalize) on layer shapes of Mixtral-8x7B,
+// Qwen3-30B-A3B and DeepSeek-V3, bf16 weights and activations, uniform routing.
+//
+// Inputs are counter-based (value = f(seed, index), see hash_uniform below) so
+// that bench/cuda/torch_baseline.py regenerates the very same weights in
+// PyTorch; routings (topk ids / weights) and hidden states are written to
+// --dump-dir with a manifest, together with our output for routing 0, so the
+// PyTorch baselines run on the same inputs and check our result.
+//
+// Timing: each routing's forward is captured in a CUDA graph; replays cycle
+// through --routings different routings (so the touched experts' weights come
+// from HBM, not L2), each replay timed with CUDA events; the median is
+// reported. Floor = max(bytes / 4.8 TB/s, FLOPs / 790 TFLOP/s), bytes = distinct
+// experts touched (averaged over the routings) x expert bytes + activations.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "fusedmoe/kernels/cuda.h"
+
+using namespace fusedmoe;
+
+#define CK(expr)                                                                                 \
+  do {                                                                                           \
+    cudaError_t e_ = (expr);                                                                     \
+    if (e_ != cudaSuccess) {                                                                     \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                              \
+    }                                                                                            \
+  } while (0)
+
+namespace {
+
+// Counter-based uniform in [-scale/2, scale/2): lowbias32 mixing of the 64-bit
+// index and a seed; every step is exact in f32 so PyTorch reproduces it.
+__host__ __device__ inline uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  return x;
+}
+__host__ __device__ inline float hash_uniform(uint32_t seed, uint64_t i, float scale) {
+  uint32_t x = mix32(static_cast<uint32_t>(i) ^ seed);
+  x = mix32(x ^ static_cast<uint32_t>(i >> 32) * 0x9e3779b9u);
+  return (static_cast<float>(x >> 8) * (1.0f / 16777216.0f) - 0.5f) * scale;
+}
+
+__global__ void fill_hash_bf16(uint16_t* p, uint64_t n, uint32_t seed, float scale) {
+  for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
+    const __nv_bfloat16 b = __float2bfloat16_rn(hash_uniform(seed, i, scale));
+    p[i] = __bfloat16_as_ushort(b);
+  }
+}
+
+struct Shape {
+  const char* name;
+  int64_t E, k, H, I;
+};
+const Shape kShapes[] = {
+    {"mixtral", 8, 2, 4096, 14336},
+    {"qwen3", 128, 8, 2048, 768},
+    {"deepseek", 256, 8, 7168, 2048},
+};
+
+constexpr uint32_t kSeedW13 = 11, kSeedW2 = 12, kSeedX = 13;
+
+std::vector<int64_t> parse_list(const char* s) {
+  std::vector<int64_t> v;
+  std::string t(s);
+  size_t p = 0;
+  while (p < t.size()) {
+    size_t q = t.find(',', p);
+    if (q == std::string::npos) q = t.size();
+    v.push_back(std::stoll(t.substr(p, q - p)));
+    p = q + 1;
+  }
+  return v;
+}
+
+void write_file(const std::string& path, const void* data, size_t bytes) {
+  std::ofstream f(path, std::ios::binary);
+  f.write(static_cast<const char*>(data), static_cast<std::streamsize>(bytes));
+  if (!f) {
+    std::fprintf(stderr, "cannot write %s\n", path.c_str());
+    std::exit(1);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string shapes_arg = "mixtral,qwen3,deepseek", dump_dir;
+  std::vector<int64_t> tokens = {1, 16, 64, 128, 256, 1024, 4096};
+  int routings = 8, iters = 40;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&]() -> const char* {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "%s needs a value\n", a.c_str());
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (a == "--shapes")
+      shapes_arg = next();
+    else if (a == "--tokens")
+      tokens = parse_list(next());
+    else if (a == "--routings")
+      routings = std::atoi(next());
+    else if (a == "--iters")
+      iters = std::atoi(next());
+    else if (a == "--dump-dir")
+      dump_dir = next();
+    else {
+      std::fprintf(stderr,
+                   "usage: bench_cuda_moe [--shapes mixtral,qwen3,deepseek] [--tokens 1,16,...] "
+                   "[--routings 8] [--iters 40] [--dump-dir DIR]\n");
+      return 2;
+    }
+  }
+  if (cuda::device_count() == 0) {
+    std::printf("bench_cuda_moe: skipped: no CUDA device\n");
+    return 0;
+  }
+  cudaDeviceProp prop{};
+  CK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("# device: %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount,
+              prop.l2CacheSize >> 20);
+  std::string manifest = "{\"routings\": " + std::to_string(routings) + ", \"cases\": [\n";
+  bool first_case = true;
+  std::printf("| shape | T | tile | time us | TFLOP/s | GB/s | floor us | %% of floor |\n");
+  std::printf("|---|---|---|---|---|---|---|---|\n");
+  cudaStream_t stream;
+  CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+
+  for (const Shape& s : kShapes) {
+    if (shapes_arg.find(s.name) == std::string::npos) continue;
+    const int64_t E = s.E, k = s.k, H = s.H, I = s.I;
+    const int64_t Tmax = *std::max_element(tokens.begin(), tokens.end());
+    // ---- weights and inputs (counter-based) ----
+    uint16_t *w13, *w2, *x;
+    CK(cudaMalloc(&w13, E * 2 * I * H * 2));
+    CK(cudaMalloc(&w2, E * H * I * 2));
+    CK(cudaMalloc(&x, Tmax * H * 2));
+    fill_hash_bf16<<<4096, 256>>>(w13, E * 2 * I * H, kSeedW13, 2.0f / std::sqrt(float(H)));
+    fill_hash_bf16<<<4096, 256>>>(w2, E * H * I, kSeedW2, 2.0f / std::sqrt(float(I)));
+    fill_hash_bf16<<<4096, 256>>>(x, Tmax * H, kSeedX, 2.0f);
+    CK(cudaGetLastError());
+    const int64_t slots_max = Tmax * k;
+    const int64_t padded_max = cuda::max_padded_rows(slots_max, E, 128);
+    int32_t *ids, *sorted, *counts, *cursor;
+    int64_t* offsets;
+    float *wts, *y;
+    uint16_t *inter, *out;
+    CK(cudaMalloc(&ids, routings * slots_max * 4));
+    CK(cudaMalloc(&wts, routings * slots_max * 4));
+    CK(cudaMalloc(&sorted, padded_max * 4));
+    CK(cudaMalloc(&counts, E * 4));
+    CK(cudaMalloc(&cursor, E * 4));
+    CK(cudaMalloc(&offsets, (E + 1) * 8));
+    CK(cudaMalloc(&inter, padded_max * I * 2));
+    CK(cudaMalloc(&y, slots_max * H * 4));
+    CK(cudaMalloc(&out, Tmax * H * 2));
+
+    for (int64_t T : tokens) {
+      // ---- uniform routings: k distinct experts per token, weights summing to 1 ----
+      std::mt19937_64 rng(1000 + T);
+      std::vector<int32_t> ids_h(routings * T * k);
+      std::vector<float> w_h(routings * T * k);
+      double touched = 0;
+      for (int r = 0; r < routings; ++r) {
+        std::set<int32_t> distinct;
+        for (int64_t t = 0; t < T; ++t) {
+          std::vector<int32_t> pick;
+          while (static_cast<int64_t>(pick.size()) < k) {
+            const int32_t e = static_cast<int32_t>(rng() % E);
+            if (std::find(pick.begin(), pick.end(), e) == pick.end()) pick.push_back(e);
+          }
+          float sum = 0;
+          for (int64_t j = 0; j < k; ++j) {
+            ids_h[(r * T + t) * k + j] = pick[j];
+            distinct.insert(pick[j]);
+            w_h[(r * T + t) * k + j] = 0.5f + static_cast<float>(rng() % 1000) / 1000.0f;
+            sum += w_h[(r * T + t) * k + j];
+          }
+          for (int64_t j = 0; j < k; ++j) w_h[(r * T + t) * k + j] /= sum;
+        }
+        touched += static_cast<double>(distinct.size()) / routings;
+      }
+      CK(cudaMemcpy(ids, ids_h.data(), ids_h.size() * 4, cudaMemcpyHostToDevice));
+      CK(cudaMemcpy(wts, w_h.data(), w_h.size() * 4, cudaMemcpyHostToDevice));
+
+      const int64_t slots = T * k;
+      const double exp_touched =
+          static_cast<double>(E) * (1.0 - std::pow(1.0 - static_cast<double>(k) / E, T));
+      const int64_t rows = static_cast<int64_t>(std::ceil(slots / std::max(1.0, exp_touched)));
+      const cuda::GemmTile tile = cuda::pick_gemm_tile(rows, 2 * I, H);
+      auto enqueue = [&](int r) {
+        cuda::AlignArgs al;
+        al.topk_ids = ids + r * slots;
+        al.num_slots = slots;
+        al.num_experts = E;
+        al.block_m = cuda::gemm_tile_block_m(tile);
+        al.expert_offsets = offsets;
+        al.sorted_slot = sorted;
+        al.expert_counts = counts;
+        al.expert_cursor = cursor;
+        cuda::align(al, stream);
+        cuda::GroupedGemmArgs g;
+        g.epilogue = cuda::GemmEpilogue::kGlu;
+        g.tile = tile;
+        g.a = x;
+        g.lda = H;
+        g.gather = true;
+        g.a_div = static_cast<int>(k);
+        g.sorted_slot = sorted;
+        g.expert_offsets = offsets;
+        g.num_experts = E;
+        g.m = slots;
+        g.w = w13;
+        g.n = 2 * I;
+        g.k = H;
+        g.out = inter;
+        g.ldc = I;
+        cuda::grouped_gemm(g, stream);
+        cuda::GroupedGemmArgs g2 = g;
+        g2.epilogue = cuda::GemmEpilogue::kScatter;
+        g2.a = inter;
+        g2.lda = I;
+        g2.gather = false;
+        g2.w = w2;
+        g2.n = H;
+        g2.k = I;
+        g2.row_scale = wts + r * slots;
+        g2.out = y;
+        g2.ldc = H;
+        cuda::grouped_gemm(g2, stream);
+        cuda::FinalizeArgs f;
+        f.y = y;
+        f.topk_ids = ids + r * slots;
+        f.num_tokens = T;
+        f.top_k = k;
+        f.hidden = H;
+        f.out = out;
+        f.out_dtype = DType::kBF16;
+        f.ldo = H;
+        cuda::finalize(f, stream);
+      };
+      // Warm-up (sets kernel attributes outside capture), then one graph per routing.
+      enqueue(0);
+      CK(cudaStreamSynchronize(stream));
+      if (!dump_dir.empty()) {
+        const std::string base = dump_dir + "/" + s.name + "_T" + std::to_string(T);
+        std::vector<uint16_t> out_h(T * H);
+        CK(cudaMemcpy(out_h.data(), out, T * H * 2, cudaMemcpyDeviceToHost));
+        write_file(base + "_ids.bin", ids_h.data(), ids_h.size() * 4);
+        write_file(base + "_weights.bin", w_h.data(), w_h.size() * 4);
+        write_file(base + "_out0.bin", out_h.data(), out_h.size() * 2);
+      }
+      std::vector<cudaGraphExec_t> execs(routings);
+      for (int r = 0; r < routings; ++r) {
+        cudaGraph_t g;
+        CK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+        enqueue(r);
+        CK(cudaStreamEndCapture(stream, &g));
+        CK(cudaGraphInstantiate(&execs[r], g, 0));
+        CK(cudaGraphDestroy(g));
+      }
+      for (int r = 0; r < routings; ++r) CK(cudaGraphLaunch(execs[r], stream));  // warm-up
+      std::vector<cudaEvent_t> ev(2 * iters);
+      for (auto& e : ev) CK(cudaEventCreate(&e));
+      for (int i = 0; i < iters; ++i) {
+        CK(cudaEventRecord(ev[2 * i], stream));
+        CK(cudaGraphLaunch(execs[i % routings], stream));
+        CK(cudaEventRecord(ev[2 * i + 1], stream));
+      }
+      CK(cudaStreamSynchronize(stream));
+      std::vector<float> ms(iters);
+      for (int i = 0; i < iters; ++i) CK(cudaEventElapsedTime(&ms[i], ev[2 * i], ev[2 * i + 1]));
+      for (auto& e : ev) CK(cudaEventDestroy(e));
+      for (auto& e : execs) CK(cudaGraphExecDestroy(e));
+      std::sort(ms.begin(), ms.end());
+      const double us = ms[iters / 2] * 1e3;
+      const double flops = 2.0 * slots * 3.0 * H * I;
+      const double bytes = touched * 3.0 * H * I * 2 + 2.0 * T * H * 2;
+      const double floor_us = std::max(bytes / 4.8e12, flops / 790e12) * 1e6;
+      const char* tname = tile == cuda::GemmTile::kM16N64    ? "m16n64"
+                          : tile == cuda::GemmTile::kM64N128 ? "m64n128"
+                                                             : "m128n128";
+      std::printf("| %s | %lld | %s | %.1f | %.1f | %.0f | %.1f | %.0f%% |\n", s.name,
+                  static_cast<long long>(T), tname, us, flops / us * 1e-6, bytes / us * 1e-3,
+                  floor_us, 100.0 * floor_us / us);
+      std::fflush(stdout);
+      char buf[512];
+      std::snprintf(buf, sizeof buf,
+                    "%s{\"shape\": \"%s\", \"E\": %lld, \"k\": %lld, \"H\": %lld, \"I\": %lld, "
+                    "\"T\": %lld, \"us\": %.3f, \"floor_us\": %.3f, \"touched\": %.2f, "
+                    "\"tile\": \"%s\"}",
+                    first_case ? "" : ",\n", s.name, (long long)E, (long long)k, (long long)H,
+                    (long long)I, (long long)T, us, floor_us, touched, tname);
+      manifest += buf;
+      first_case = false;
+    }
+    for (void* p :
+         {(void*)w13, (void*)w2, (void*)x, (void*)ids, (void*)wts, (void*)sorted, (void*)counts,
+          (void*)cursor, (void*)offsets, (void*)inter, (void*)y, (void*)out})
+      CK(cudaFree(p));
+  }
+  manifest += "\n], \"seeds\": {\"w13\": 11, \"w2\": 12, \"x\": 13}}\n";
+  if (!dump_dir.empty()) {
+    std::ofstream f(dump_dir + "/manifest.json");
+    f << manifest;
+  }
+  return 0;
+}

@@ -1,0 +1,148 @@
+// fusedmoe: the CUDA backend (NVIDIA Hopper, sm_90a) — host launchers.
+//
+// Three layers, dependencies one way (see ../shared/style.md):
+//   device kernels (src/kernels/cuda/*.cu): raw pointers, sizes, a stream;
+//   these launchers: validate arguments, pick tile configurations from the
+//     tuning table (src/kernels/cuda/gemm_configs.cpp), launch;
+//   MoERunner (runner/moe_runner.h) with RunnerOptions::device = CUDA on top.
+// Every launcher is asynchronous on `stream`, performs no host synchronisation
+// and no allocation, so a sequence of them can be captured in a CUDA graph.
+// Pointers are device pointers unless stated. Sizes the host does not know
+// (per-expert row counts) stay on the device.
+//
+// Built only with FUSEDMOE_WITH_CUDA; device_count() exists in every build and
+// returns 0 without CUDA.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "fusedmoe/config/moe_config.h"
+#include "fusedmoe/experts/expert_weights.h"
+
+struct CUstream_st;  // cudaStream_t is CUstream_st*
+
+namespace fusedmoe::cuda {
+
+using Stream = CUstream_st*;
+
+// Number of usable CUDA devices; 0 when the build has no CUDA, there is no
+// driver or no device (never throws).
+int device_count();
+
+// ---- routing ----------------------------------------------------------------
+// router_logits f32 [T, E + Z] (row stride logits_ld >= E + Z) -> topk_ids i32
+// [T, k], topk_weights f32 [T, k] (contiguous rows). The same selection and
+// weights as the CPU routers of routing/router.h (kTopK with any scoring_func,
+// renormalize and optional selection bias [E + Z]; kTopKSoftmax; kGroupedTopK
+// with bias [E]; kLlama4; kHash with hash_table i32 [vocab, k] and token_ids i32
+// [T]), one warp per token, scores in double. Zero experts become id -1.
+// NaN logits are not detected (that would need a host sync): a NaN is never
+// selected while a non-NaN column remains, ids stay in range.
+// Throws Error(kUnsupported) for kSimulated or more than 1024 logit columns.
+struct RouteArgs {
+  const float* router_logits = nullptr;
+  int64_t logits_ld = 0;
+  const float* bias = nullptr;          // e_score_correction_bias (f32) or null
+  const int32_t* hash_table = nullptr;  // kHash
+  const int32_t* token_ids = nullptr;   // kHash
+  int32_t* topk_ids = nullptr;
+  float* topk_weights = nullptr;
+};
+void route(const MoEConfig& config, const RouteArgs& args, int64_t num_tokens, Stream stream);
+
+// ---- align / permute -----------------------------------------------------------
+// Groups the T*k routed slots by expert, each expert's rows padded to block_m:
+//   expert_offsets i64 [E + 1]: padded rows of expert e are [off[e], off[e+1]),
+//                               every off[e] a multiple of block_m;
+//   sorted_slot    i32 [max_padded_rows]: slot t*k+j of each padded row, -1 for
+//                               padding (only [0, off[E]) is written);
+//   expert_counts  i32 [E] (scratch: routed rows per expert).
+// Slots with id -1 are skipped. Rows of one expert appear in no particular
+// order (atomics); results downstream do not depend on it.
+int64_t max_padded_rows(int64_t num_slots, int64_t num_experts, int block_m);
+struct AlignArgs {
+  const int32_t* topk_ids = nullptr;  // [T, k] contiguous
+  int64_t num_slots = 0;              // T * k
+  int64_t num_experts = 0;
+  int block_m = 16;
+  int64_t* expert_offsets = nullptr;
+  int32_t* sorted_slot = nullptr;
+  int32_t* expert_counts = nullptr;  // scratch [E]
+  int32_t* expert_cursor = nullptr;  // scratch [E]
+};
+void align(const AlignArgs& args, Stream stream);
+
+// ---- grouped GEMM experts ------------------------------------------------------
+// Tile configurations (the tuning table lives in gemm_configs.cpp).
+enum class GemmTile : uint8_t { kM16N64, kM64N128, kM128N128 };
+int gemm_tile_block_m(GemmTile tile);
+// The tile the heuristic picks for `rows_per_expert` expected rows, N and K.
+GemmTile pick_gemm_tile(int64_t rows_per_expert, int64_t n, int64_t k);
+
+// One grouped GEMM over experts, C[r] = A[r] . W[e]^T (bf16 in, f32 accumulate):
+//   A rows: gather ? a[(sorted_slot[r] / a_div) * lda] : a[r * lda] (bf16, K wide);
+//           rows whose slot is -1 (padding) read as zeros.
+//   W:      bf16 [E, N, K] (row-major, K contiguous); K % 8 == 0.
+//   rows of expert e: [expert_offsets[e], expert_offsets[e+1]) (multiples of
+//           block_m of `tile`); with expert_offsets == null, one expert, rows [0, M).
+// Epilogue kGlu (w13, N = 2I): out_bf16[r, i] = act(C[r, i] + b[i], C[r, I + i] + b[I + i])
+//   for i < I, every row of a tile written (padding too), row stride ldc.
+// Epilogue kScatter (w2, N = H): for rows with slot s != -1:
+//   out_f32[s * ldc + n] = scale * (C[r, n] + b[n]), scale = row_scale[s] or 1.
+//   Without expert_offsets (dense, shared expert): out_f32[r * ldc + n], r < M.
+enum class GemmEpilogue : uint8_t { kGlu, kScatter };
+struct GroupedGemmArgs {
+  GemmEpilogue epilogue = GemmEpilogue::kGlu;
+  GemmTile tile = GemmTile::kM64N128;
+  const uint16_t* a = nullptr;  // bf16 bits
+  int64_t lda = 0;
+  bool gather = false;
+  int a_div = 1;
+  const int32_t* sorted_slot = nullptr;
+  const int64_t* expert_offsets = nullptr;
+  int64_t num_experts = 1;
+  int64_t m = 0;                // dense mode rows; routed mode: host upper bound of padded rows
+  const uint16_t* w = nullptr;  // bf16 bits [E, N, K]
+  int64_t n = 0, k = 0;
+  const float* bias = nullptr;       // f32 [E, N] or null
+  ActivationParams act;              // kGlu
+  const float* row_scale = nullptr;  // kScatter: f32 per slot, or null
+  void* out = nullptr;
+  int64_t ldc = 0;
+};
+void grouped_gemm(const GroupedGemmArgs& args, Stream stream);
+
+// ---- finalize ------------------------------------------------------------------
+// out[t, h] = sum_{j < k, topk_ids[t, j] != -1} y[(t*k + j) * H + h]   (slot order,
+//             deterministic)  + shared_scale_t * shared[t * H + h]  (if shared)
+// shared_scale_t = sigmoid(x_t . shared_gate) when shared_gate (f32 [H]) and
+// x (bf16 [T, H], row stride ldx) are given, else 1. y, shared: f32.
+// out: f32 or bf16 (out_dtype), row stride ldo.
+struct FinalizeArgs {
+  const float* y = nullptr;
+  const int32_t* topk_ids = nullptr;
+  int64_t num_tokens = 0, top_k = 0, hidden = 0;
+  const float* shared = nullptr;
+  const float* shared_gate = nullptr;
+  const uint16_t* x = nullptr;
+  int64_t ldx = 0;
+  void* out = nullptr;
+  DType out_dtype = DType::kF32;
+  int64_t ldo = 0;
+};
+void finalize(const FinalizeArgs& args, Stream stream);
+
+// ---- small helpers ---------------------------------------------------------------
+// xb[t, h] = bf16(x[t, h] * (row_scale ? row_scale[t * scale_stride] : 1)),
+// x f32 or bf16 (in_dtype) with row stride ldx; xb contiguous [T, H].
+void to_bf16_rows(const void* x, DType in_dtype, int64_t ldx, int64_t num_tokens, int64_t hidden,
+                  const float* row_scale, int64_t scale_stride, uint16_t* xb, Stream stream);
+// router_logits f32 [T, L] (row stride ldl) = x . gate_w^T + gate_b, in f32.
+// x f32 or bf16 (x_dtype, row stride ldx), gate_w f32 or bf16 [L, H] (w_dtype),
+// gate_b f32 [L] or null.
+void router_gemm(const void* x, DType x_dtype, int64_t ldx, int64_t num_tokens, int64_t hidden,
+                 const void* gate_w, DType w_dtype, int64_t num_logits, const float* gate_b,
+                 float* router_logits, int64_t ldl, Stream stream);
+
+}  // namespace fusedmoe::cuda

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Runs the CUDA tests and benchmark on a device machine, from binaries built
+# here (scripts/device_pack.sh puts them with their libraries in .devbin/).
+# Usage (on the device, repository root): scripts/device_run.sh [tests|bench|all] [gtest filter]
+# Logs go to $OUT (or ./out).
+set -uo pipefail
+what=${1:-all}
+filter=${2:-*}
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+root=$PWD
+# Test data paths are compiled in as /work/main/tests/data: point that at this tree.
+if [ "$root" != /work/main ]; then mkdir -p /work && ln -sfn "$root" /work/main; fi
+export LD_LIBRARY_PATH=$root/.devbin/lib:${LD_LIBRARY_PATH:-}
+bin=$root/.devbin
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
+rc=0
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  for t in test_cuda_routing test_cuda_align test_cuda_runner test_cuda_conformance_hf; do
+    timeout 300 "$bin/$t" --gtest_filter="$filter" >"$OUT/$t.log" 2>&1
+    r=$?
+    [ $r -ne 0 ] && rc=1
+    echo "== $t rc=$r: $(grep -E '^\[  (PASSED|FAILED)|tests ran' "$OUT/$t.log" | tr '\n' ' ')"
+    grep -E "Failure|FAILED|error|Expected|Which is|actual|seed" "$OUT/$t.log" | head -25
+  done
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  mkdir -p /tmp/dump
+  timeout 240 "$bin/bench_cuda_moe" --dump-dir /tmp/dump ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.md"
+  PYTHONUNBUFFERED=1 timeout 300 python3 bench/cuda/torch_baseline.py /tmp/dump --iters ${TORCH_ITERS:-10} \
+    2>&1 | tee "$OUT/bench_torch.md"
+fi
+exit $rc

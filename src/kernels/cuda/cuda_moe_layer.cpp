@@ -1,0 +1,429 @@
+// fusedmoe CUDA: CudaMoELayer — device weights, workspace, forward orchestration.
+#include "kernels/cuda/cuda_moe_layer.h"
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "fusedmoe/core/dtype.h"
+#include "kernels/cuda/cuda_check.h"
+
+namespace fusedmoe::cuda {
+namespace {
+
+// Owning device allocation.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(size_t bytes) : bytes_(bytes) {
+    if (bytes > 0) FUSEDMOE_CUDA_CHECK(cudaMalloc(&ptr_, bytes));
+  }
+  ~DeviceBuffer() {
+    if (ptr_) cudaFree(ptr_);
+  }
+  DeviceBuffer(DeviceBuffer&& o) noexcept : ptr_(o.ptr_), bytes_(o.bytes_) {
+    o.ptr_ = nullptr;
+    o.bytes_ = 0;
+  }
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
+    std::swap(ptr_, o.ptr_);
+    std::swap(bytes_, o.bytes_);
+    return *this;
+  }
+  void* get() const { return ptr_; }
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(ptr_);
+  }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// Host tensor -> device, as bf16 (f32 converted in chunks; bf16 copied).
+DeviceBuffer upload_bf16(const Tensor& t) {
+  const int64_t n = t.numel();
+  DeviceBuffer d(static_cast<size_t>(n) * 2);
+  if (t.dtype() == DType::kBF16) {
+    FUSEDMOE_CUDA_CHECK(cudaMemcpy(d.get(), t.data(), d.bytes(), cudaMemcpyHostToDevice));
+    return d;
+  }
+  FUSEDMOE_CHECK(t.dtype() == DType::kF32, "upload: expected f32 or bf16 weights, got ",
+                 t.view().str());
+  constexpr int64_t kChunk = int64_t{1} << 22;
+  std::vector<uint16_t> buf(static_cast<size_t>(std::min(n, kChunk)));
+  const float* src = t.data_as<const float>();
+  for (int64_t i = 0; i < n; i += kChunk) {
+    const int64_t m = std::min(kChunk, n - i);
+    for (int64_t j = 0; j < m; ++j) buf[j] = f32_to_bf16(src[i + j]);
+    FUSEDMOE_CUDA_CHECK(
+        cudaMemcpy(d.as<uint16_t>() + i, buf.data(), m * 2, cudaMemcpyHostToDevice));
+  }
+  return d;
+}
+
+// Host tensor (f32/bf16/any floating) -> device f32.
+DeviceBuffer upload_f32(const Tensor& t) {
+  const Tensor f = to_f32(t.view());
+  DeviceBuffer d(f.nbytes());
+  FUSEDMOE_CUDA_CHECK(cudaMemcpy(d.get(), f.data(), f.nbytes(), cudaMemcpyHostToDevice));
+  return d;
+}
+
+DeviceBuffer upload_raw(const Tensor& t) {
+  const Tensor c = Tensor::copy_of(t.view());
+  DeviceBuffer d(c.nbytes());
+  FUSEDMOE_CUDA_CHECK(cudaMemcpy(d.get(), c.data(), c.nbytes(), cudaMemcpyHostToDevice));
+  return d;
+}
+
+struct DeviceExperts {
+  DeviceBuffer w13, w2, w13_bias, w2_bias;
+  int64_t num_experts = 0, inter = 0;
+  void upload(const ExpertWeights& w) {
+    num_experts = w.num_experts();
+    inter = w.intermediate_size();
+    w13 = upload_bf16(w.w13);
+    w2 = upload_bf16(w.w2);
+    if (w.w13_bias) w13_bias = upload_f32(*w.w13_bias);
+    if (w.w2_bias) w2_bias = upload_f32(*w.w2_bias);
+  }
+  size_t bytes() const { return w13.bytes() + w2.bytes() + w13_bias.bytes() + w2_bias.bytes(); }
+};
+
+constexpr int kMaxBlockM = 128;
+
+void check_device_view(const TensorView& t, const char* name, std::initializer_list<DType> dtypes) {
+  FUSEDMOE_CHECK(t.device().type == DeviceType::kCUDA, name,
+                 ": expected a CUDA tensor (CUDA backend), got a CPU tensor ", t.str());
+  bool ok = false;
+  for (DType d : dtypes) ok |= t.dtype() == d;
+  FUSEDMOE_CHECK(ok, name, ": unsupported dtype ", t.str());
+  FUSEDMOE_CHECK(t.rows_contiguous(), name, ": expected contiguous rows, got ", t.str());
+}
+
+}  // namespace
+
+struct CudaMoELayer::Impl {
+  MoEConfig cfg;
+  int64_t max_tokens = 0;
+  int device = 0;
+  // weights
+  DeviceBuffer gate_w, gate_b, score_bias, hash_table, shared_gate;
+  DType gate_dtype = DType::kF32;
+  DeviceExperts experts, shared;
+  // workspace
+  DeviceBuffer ws;
+  float* logits = nullptr;
+  int32_t* ids = nullptr;
+  float* weights = nullptr;
+  uint16_t* xb = nullptr;
+  uint16_t* xs = nullptr;
+  int32_t* counts = nullptr;
+  int32_t* cursor = nullptr;
+  int64_t* offsets = nullptr;
+  int32_t* sorted_slot = nullptr;
+  uint16_t* inter = nullptr;
+  float* y = nullptr;
+  uint16_t* inter_s = nullptr;
+  float* shared_out = nullptr;
+  // second stream for the shared expert
+  cudaStream_t side = nullptr;
+  cudaEvent_t fork = nullptr, join = nullptr;
+
+  ~Impl() {
+    if (fork) cudaEventDestroy(fork);
+    if (join) cudaEventDestroy(join);
+    if (side) cudaStreamDestroy(side);
+  }
+};
+
+CudaMoELayer::CudaMoELayer(const MoEConfig& config, const MoELayerWeights& w,
+                           int64_t max_num_tokens)
+    : impl_(std::make_unique<Impl>()) {
+  Impl& s = *impl_;
+  s.cfg = config;
+  const MoEConfig& c = s.cfg;
+  FUSEDMOE_CHECK(max_num_tokens > 0, "max_num_tokens: expected > 0, got ", max_num_tokens);
+  s.max_tokens = max_num_tokens;
+  const int64_t H = c.hidden_size, I = c.intermediate_size, E = c.num_experts, k = c.top_k;
+  const int64_t L = c.num_router_logits();
+  if (H % 8 != 0 || I % 8 != 0)
+    FUSEDMOE_THROW(kUnsupported,
+                   "CUDA backend: hidden_size and intermediate_size must be "
+                   "multiples of 8, got H = ",
+                   H, ", I = ", I);
+  if (c.has_shared_expert() && c.shared_intermediate_size % 8 != 0)
+    FUSEDMOE_THROW(kUnsupported,
+                   "CUDA backend: shared_intermediate_size must be a multiple of 8, "
+                   "got ",
+                   c.shared_intermediate_size);
+  if (k > 32) FUSEDMOE_THROW(kUnsupported, "CUDA backend: top_k at most 32, got ", k);
+  if (c.routing_method == RoutingMethod::kSimulated)
+    FUSEDMOE_THROW(kUnsupported,
+                   "CUDA backend: simulated routing runs on the host only "
+                   "(route on the CPU and pass topk ids to the CUDA kernels)");
+  FUSEDMOE_CUDA_CHECK(cudaGetDevice(&s.device));
+
+  // ---- weights ----
+  s.gate_dtype = w.gate_weight.dtype() == DType::kBF16 ? DType::kBF16 : DType::kF32;
+  s.gate_w = s.gate_dtype == DType::kBF16 ? upload_raw(w.gate_weight) : upload_f32(w.gate_weight);
+  if (w.gate_bias) s.gate_b = upload_f32(*w.gate_bias);
+  if (c.has_e_score_correction_bias && w.router_params.e_score_correction_bias)
+    s.score_bias = upload_f32(*w.router_params.e_score_correction_bias);
+  if (w.router_params.hash_table) s.hash_table = upload_raw(*w.router_params.hash_table);
+  s.experts.upload(w.experts);
+  if (w.shared_experts) s.shared.upload(*w.shared_experts);
+  if (w.shared_expert_gate) s.shared_gate = upload_f32(*w.shared_expert_gate);
+
+  // ---- workspace (one allocation, carved) ----
+  const int64_t Tm = max_num_tokens, slots = Tm * k;
+  const int64_t padded = max_padded_rows(slots, E, kMaxBlockM);
+  const int64_t Is = c.shared_intermediate_size;
+  struct Part {
+    void** ptr;
+    size_t bytes;
+  };
+  std::vector<Part> parts = {
+      {reinterpret_cast<void**>(&s.logits), sizeof(float) * Tm * L},
+      {reinterpret_cast<void**>(&s.ids), sizeof(int32_t) * slots},
+      {reinterpret_cast<void**>(&s.weights), sizeof(float) * slots},
+      {reinterpret_cast<void**>(&s.xb), size_t{2} * Tm * H},
+      {reinterpret_cast<void**>(&s.counts), sizeof(int32_t) * E},
+      {reinterpret_cast<void**>(&s.cursor), sizeof(int32_t) * E},
+      {reinterpret_cast<void**>(&s.offsets), sizeof(int64_t) * (E + 1)},
+      {reinterpret_cast<void**>(&s.sorted_slot), sizeof(int32_t) * padded},
+      {reinterpret_cast<void**>(&s.inter), size_t{2} * padded * I},
+      {reinterpret_cast<void**>(&s.y), sizeof(float) * slots * H},
+  };
+  if (c.apply_router_weight_on_input)
+    parts.push_back({reinterpret_cast<void**>(&s.xs), size_t{2} * Tm * H});
+  if (c.has_shared_expert()) {
+    parts.push_back({reinterpret_cast<void**>(&s.inter_s), size_t{2} * Tm * Is});
+    parts.push_back({reinterpret_cast<void**>(&s.shared_out), sizeof(float) * Tm * H});
+  }
+  size_t total = 0;
+  for (const Part& p : parts) total += (p.bytes + 255) / 256 * 256;
+  s.ws = DeviceBuffer(total);
+  size_t off = 0;
+  for (const Part& p : parts) {
+    *p.ptr = static_cast<char*>(s.ws.get()) + off;
+    off += (p.bytes + 255) / 256 * 256;
+  }
+  if (c.has_shared_expert()) {
+    FUSEDMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s.side, cudaStreamNonBlocking));
+    FUSEDMOE_CUDA_CHECK(cudaEventCreateWithFlags(&s.fork, cudaEventDisableTiming));
+    FUSEDMOE_CUDA_CHECK(cudaEventCreateWithFlags(&s.join, cudaEventDisableTiming));
+  }
+}
+
+CudaMoELayer::~CudaMoELayer() = default;
+
+int64_t CudaMoELayer::max_num_tokens() const {
+  return impl_->max_tokens;
+}
+size_t CudaMoELayer::weight_bytes() const {
+  const Impl& s = *impl_;
+  return s.gate_w.bytes() + s.gate_b.bytes() + s.score_bias.bytes() + s.hash_table.bytes() +
+         s.shared_gate.bytes() + s.experts.bytes() + s.shared.bytes();
+}
+size_t CudaMoELayer::workspace_bytes() const {
+  return impl_->ws.bytes();
+}
+
+void CudaMoELayer::router_logits(const TensorView& hidden_states, const TensorView& logits,
+                                 Stream stream) {
+  const Impl& s = *impl_;
+  check_device_view(hidden_states, "hidden_states", {DType::kF32, DType::kBF16});
+  check_device_view(logits, "router_logits", {DType::kF32});
+  const int64_t T = hidden_states.size(0);
+  router_gemm(hidden_states.data(), hidden_states.dtype(), hidden_states.stride(0), T,
+              s.cfg.hidden_size, s.gate_w.get(), s.gate_dtype, s.cfg.num_router_logits(),
+              s.gate_b.as<float>(), logits.data_as<float>(), logits.stride(0), stream);
+}
+
+void CudaMoELayer::forward(const TensorView& hidden_states, const TensorView& output,
+                           const TensorView* router_logits_in, const TensorView* token_ids,
+                           const ForwardOutputs* outputs, Stream stream) {
+  Impl& s = *impl_;
+  const MoEConfig& c = s.cfg;
+  const int64_t H = c.hidden_size, I = c.intermediate_size, E = c.num_experts, k = c.top_k;
+  const int64_t L = c.num_router_logits();
+  check_device_view(hidden_states, "hidden_states", {DType::kF32, DType::kBF16});
+  check_device_view(output, "output", {DType::kF32, DType::kBF16});
+  const int64_t T = hidden_states.size(0);
+  FUSEDMOE_CHECK(T <= s.max_tokens, "hidden_states: at most max_num_tokens = ", s.max_tokens,
+                 " tokens (RunnerOptions::max_num_tokens), got ", T);
+  if (router_logits_in) check_device_view(*router_logits_in, "router_logits", {DType::kF32});
+  if (token_ids) {
+    FUSEDMOE_CHECK(token_ids->device().type == DeviceType::kCUDA && token_ids->is_contiguous(),
+                   "token_ids: expected a contiguous CUDA i32 tensor, got ", token_ids->str());
+  }
+  const bool want_logits = outputs && outputs->router_logits.data() != nullptr;
+  const bool want_ids = outputs && outputs->topk_ids.data() != nullptr;
+  const bool want_weights = outputs && outputs->topk_weights.data() != nullptr;
+  if (want_logits)
+    check_device_view(outputs->router_logits, "outputs.router_logits", {DType::kF32});
+  if (want_ids) check_device_view(outputs->topk_ids, "outputs.topk_ids", {DType::kI32});
+  if (want_weights) check_device_view(outputs->topk_weights, "outputs.topk_weights", {DType::kF32});
+  FUSEDMOE_CHECK(c.routing_method != RoutingMethod::kHash || token_ids != nullptr,
+                 "token_ids: required by hash routing");
+  if (T == 0) return;
+
+  // ---- router ----
+  const float* logits = nullptr;
+  int64_t ldl = L;
+  if (router_logits_in) {
+    logits = router_logits_in->data_as<const float>();
+    ldl = router_logits_in->stride(0);
+  } else if (c.routing_method != RoutingMethod::kHash || want_logits) {
+    float* dst = want_logits ? outputs->router_logits.data_as<float>() : s.logits;
+    ldl = want_logits ? outputs->router_logits.stride(0) : L;
+    router_gemm(hidden_states.data(), hidden_states.dtype(), hidden_states.stride(0), T, H,
+                s.gate_w.get(), s.gate_dtype, L, s.gate_b.as<float>(), dst, ldl, stream);
+    logits = dst;
+  }
+  RouteArgs ra;
+  ra.router_logits = logits;
+  ra.logits_ld = ldl;
+  ra.bias = s.score_bias.as<float>();
+  ra.hash_table = s.hash_table.as<int32_t>();
+  ra.token_ids = token_ids ? token_ids->data_as<const int32_t>() : nullptr;
+  ra.topk_ids = s.ids;
+  ra.topk_weights = s.weights;
+  route(c, ra, T, stream);
+  if (want_logits && router_logits_in) {
+    FUSEDMOE_CUDA_CHECK(cudaMemcpy2DAsync(outputs->router_logits.data(),
+                                          outputs->router_logits.stride(0) * 4, logits, ldl * 4,
+                                          L * 4, T, cudaMemcpyDeviceToDevice, stream));
+  }
+  if (want_ids)
+    FUSEDMOE_CUDA_CHECK(cudaMemcpy2DAsync(outputs->topk_ids.data(), outputs->topk_ids.stride(0) * 4,
+                                          s.ids, k * 4, k * 4, T, cudaMemcpyDeviceToDevice,
+                                          stream));
+  if (want_weights)
+    FUSEDMOE_CUDA_CHECK(cudaMemcpy2DAsync(outputs->topk_weights.data(),
+                                          outputs->topk_weights.stride(0) * 4, s.weights, k * 4,
+                                          k * 4, T, cudaMemcpyDeviceToDevice, stream));
+
+  // ---- bf16 expert inputs ----
+  to_bf16_rows(hidden_states.data(), hidden_states.dtype(), hidden_states.stride(0), T, H, nullptr,
+               0, s.xb, stream);
+  const uint16_t* routed_in = s.xb;
+  if (c.apply_router_weight_on_input) {  // Llama-4 (k = 1): x * topk_weight, then bf16
+    to_bf16_rows(hidden_states.data(), hidden_states.dtype(), hidden_states.stride(0), T, H,
+                 s.weights, k, s.xs, stream);
+    routed_in = s.xs;
+  }
+
+  // ---- shared expert on the side stream ----
+  const bool has_shared = c.has_shared_expert();
+  if (has_shared) {
+    FUSEDMOE_CUDA_CHECK(cudaEventRecord(s.fork, stream));
+    FUSEDMOE_CUDA_CHECK(cudaStreamWaitEvent(s.side, s.fork, 0));
+    const int64_t Is = c.shared_intermediate_size;
+    GroupedGemmArgs g;
+    g.epilogue = GemmEpilogue::kGlu;
+    g.tile = pick_gemm_tile(T, 2 * Is, H);
+    g.a = s.xb;
+    g.lda = H;
+    g.m = T;
+    g.w = s.shared.w13.as<uint16_t>();
+    g.n = 2 * Is;
+    g.k = H;
+    g.act = ActivationParams::from_config(c);
+    g.out = s.inter_s;
+    g.ldc = Is;
+    grouped_gemm(g, s.side);
+    GroupedGemmArgs g2;
+    g2.epilogue = GemmEpilogue::kScatter;
+    g2.tile = pick_gemm_tile(T, H, Is);
+    g2.a = s.inter_s;
+    g2.lda = Is;
+    g2.m = T;
+    g2.w = s.shared.w2.as<uint16_t>();
+    g2.n = H;
+    g2.k = Is;
+    g2.out = s.shared_out;
+    g2.ldc = H;
+    grouped_gemm(g2, s.side);
+    FUSEDMOE_CUDA_CHECK(cudaEventRecord(s.join, s.side));
+  }
+
+  // ---- routed experts ----
+  const int64_t slots = T * k;
+  const double touched =
+      static_cast<double>(E) * (1.0 - std::pow(1.0 - static_cast<double>(k) / E, T));
+  const int64_t rows_per_expert = static_cast<int64_t>(std::ceil(slots / std::max(1.0, touched)));
+  const GemmTile tile13 = pick_gemm_tile(rows_per_expert, 2 * I, H);
+  const GemmTile tile2 = tile13;  // one alignment serves both GEMMs
+  AlignArgs al;
+  al.topk_ids = s.ids;
+  al.num_slots = slots;
+  al.num_experts = E;
+  al.block_m = gemm_tile_block_m(tile13);
+  al.expert_offsets = s.offsets;
+  al.sorted_slot = s.sorted_slot;
+  al.expert_counts = s.counts;
+  al.expert_cursor = s.cursor;
+  align(al, stream);
+
+  GroupedGemmArgs g;
+  g.epilogue = GemmEpilogue::kGlu;
+  g.tile = tile13;
+  g.a = routed_in;
+  g.lda = H;
+  g.gather = true;
+  g.a_div = static_cast<int>(k);
+  g.sorted_slot = s.sorted_slot;
+  g.expert_offsets = s.offsets;
+  g.num_experts = E;
+  g.m = slots;
+  g.w = s.experts.w13.as<uint16_t>();
+  g.n = 2 * I;
+  g.k = H;
+  g.bias = s.experts.w13_bias.as<float>();
+  g.act = ActivationParams::from_config(c);
+  g.out = s.inter;
+  g.ldc = I;
+  grouped_gemm(g, stream);
+
+  GroupedGemmArgs g2 = g;
+  g2.epilogue = GemmEpilogue::kScatter;
+  g2.tile = tile2;
+  g2.a = s.inter;
+  g2.lda = I;
+  g2.gather = false;
+  g2.w = s.experts.w2.as<uint16_t>();
+  g2.n = H;
+  g2.k = I;
+  g2.bias = s.experts.w2_bias.as<float>();
+  g2.row_scale = c.apply_router_weight_on_input ? nullptr : s.weights;
+  g2.out = s.y;
+  g2.ldc = H;
+  grouped_gemm(g2, stream);
+
+  // ---- finalize ----
+  if (has_shared) FUSEDMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, s.join, 0));
+  FinalizeArgs f;
+  f.y = s.y;
+  f.topk_ids = s.ids;
+  f.num_tokens = T;
+  f.top_k = k;
+  f.hidden = H;
+  f.shared = has_shared ? s.shared_out : nullptr;
+  f.shared_gate = s.shared_gate.as<float>();
+  f.x = s.xb;
+  f.ldx = H;
+  f.out = output.data();
+  f.out_dtype = output.dtype();
+  f.ldo = output.stride(0);
+  finalize(f, stream);
+}
+
+}  // namespace fusedmoe::cuda

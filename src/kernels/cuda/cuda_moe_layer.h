@@ -1,0 +1,48 @@
+// fusedmoe internal: one MoE layer on a CUDA device — device-resident weights,
+// a workspace sized once for max_num_tokens, and the forward pass
+//   gate GEMM -> route -> bf16 input -> align -> w13 GEMM + activation ->
+//   w2 GEMM x topk_weights (scatter by slot) -> finalize (+ shared expert,
+//   computed on a second stream joined with events)
+// with no allocation and no host synchronisation, so it can be captured in a
+// CUDA graph. Used by MoERunner when RunnerOptions::device is CUDA.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "fusedmoe/kernels/cuda.h"
+#include "fusedmoe/runner/moe_runner.h"
+
+namespace fusedmoe::cuda {
+
+class CudaMoELayer {
+ public:
+  // Uploads `weights` (experts converted to bf16, biases and gates to f32 where
+  // the kernels want them) to the current device and allocates the workspace.
+  // Throws Error(kUnsupported) for what the kernels do not handle (H or I not a
+  // multiple of 8, top_k > 32, simulated routing), Error(kInternal) on CUDA errors.
+  CudaMoELayer(const MoEConfig& config, const MoELayerWeights& weights, int64_t max_num_tokens);
+  ~CudaMoELayer();
+  CudaMoELayer(const CudaMoELayer&) = delete;
+  CudaMoELayer& operator=(const CudaMoELayer&) = delete;
+
+  // Device views (checked by the caller: shapes; here: device, dtypes, T <= max).
+  // hidden_states f32/bf16 [T, H]; output f32/bf16 [T, H]; router_logits f32
+  // [T, E + Z] (any row stride) or null; token_ids i32 [T] (hash routing);
+  // outputs: optional device buffers for the router's results.
+  void forward(const TensorView& hidden_states, const TensorView& output,
+               const TensorView* router_logits, const TensorView* token_ids,
+               const ForwardOutputs* outputs, Stream stream);
+  // router_logits f32 [T, E + Z] = hidden_states . gate^T (+ bias), on the device.
+  void router_logits(const TensorView& hidden_states, const TensorView& logits, Stream stream);
+
+  int64_t max_num_tokens() const;
+  size_t weight_bytes() const;
+  size_t workspace_bytes() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace fusedmoe::cuda

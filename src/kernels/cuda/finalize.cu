@@ -1,0 +1,282 @@
+// fusedmoe CUDA: finalize (sum each token's k weighted expert rows in slot
+// order, add the shared expert), input conversion to bf16, the f32 router GEMM,
+// and device queries.
+#include <mutex>
+#include <vector>
+
+#include "fusedmoe/kernels/cuda.h"
+#include "kernels/cuda/cuda_common.cuh"
+
+namespace fusedmoe::cuda {
+
+int device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky "no driver" error
+    return 0;
+  }
+  return n;
+}
+
+int num_sms() {
+  static std::mutex mu;
+  static std::vector<int> cache;
+  int dev = 0;
+  FUSEDMOE_CUDA_CHECK(cudaGetDevice(&dev));
+  std::lock_guard<std::mutex> lock(mu);
+  if (static_cast<int>(cache.size()) <= dev) cache.resize(dev + 1, 0);
+  if (cache[dev] == 0)
+    FUSEDMOE_CUDA_CHECK(cudaDeviceGetAttribute(&cache[dev], cudaDevAttrMultiProcessorCount, dev));
+  return cache[dev];
+}
+
+namespace {
+
+constexpr int kFinalizeThreads = 256;
+
+template <typename Out>
+__device__ __forceinline__ void store_out(Out* p, float v);
+template <>
+__device__ __forceinline__ void store_out<float>(float* p, float v) {
+  *p = v;
+}
+template <>
+__device__ __forceinline__ void store_out<uint16_t>(uint16_t* p, float v) {
+  *p = float_to_bf16_bits(v);
+}
+
+// One block per token.
+template <typename Out>
+__global__ void __launch_bounds__(kFinalizeThreads)
+    finalize_kernel(const float* __restrict__ y, const int32_t* __restrict__ ids, int top_k,
+                    int64_t hidden, const float* __restrict__ shared,
+                    const float* __restrict__ shared_gate, const uint16_t* __restrict__ x,
+                    int64_t ldx, Out* __restrict__ out, int64_t ldo) {
+  __shared__ int32_t valid[32];
+  __shared__ float red[kFinalizeThreads / 32];
+  __shared__ float gate_s;
+  const int64_t t = blockIdx.x;
+  if (threadIdx.x < top_k) valid[threadIdx.x] = ids[t * top_k + threadIdx.x] >= 0;
+  float gate = 1.0f;
+  if (shared != nullptr && shared_gate != nullptr) {
+    float d = 0.0f;
+    for (int64_t h = threadIdx.x; h < hidden; h += blockDim.x)
+      d += bf16_bits_to_float(x[t * ldx + h]) * shared_gate[h];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = d;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float s = 0.0f;
+      for (int w = 0; w < kFinalizeThreads / 32; ++w) s += red[w];
+      gate_s = 1.0f / (1.0f + expf(-s));
+    }
+  }
+  __syncthreads();
+  if (shared != nullptr && shared_gate != nullptr) gate = gate_s;
+  const float* yt = y + t * top_k * hidden;
+  Out* o = out + t * ldo;
+  const float* st = shared ? shared + t * hidden : nullptr;
+  // hidden % 4 == 0 (checked): float4 reads of y and shared.
+  for (int64_t h = static_cast<int64_t>(threadIdx.x) * 4; h < hidden; h += blockDim.x * 4) {
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int j = 0; j < top_k; ++j) {
+      if (!valid[j]) continue;
+      const float4 v = *reinterpret_cast<const float4*>(yt + j * hidden + h);
+      acc.x += v.x;
+      acc.y += v.y;
+      acc.z += v.z;
+      acc.w += v.w;
+    }
+    if (st) {
+      const float4 v = *reinterpret_cast<const float4*>(st + h);
+      acc.x += gate * v.x;
+      acc.y += gate * v.y;
+      acc.z += gate * v.z;
+      acc.w += gate * v.w;
+    }
+    store_out(o + h, acc.x);
+    store_out(o + h + 1, acc.y);
+    store_out(o + h + 2, acc.z);
+    store_out(o + h + 3, acc.w);
+  }
+}
+
+template <typename In>
+__device__ __forceinline__ float load_in(const In* p);
+template <>
+__device__ __forceinline__ float load_in<float>(const float* p) {
+  return *p;
+}
+template <>
+__device__ __forceinline__ float load_in<uint16_t>(const uint16_t* p) {
+  return bf16_bits_to_float(*p);
+}
+
+template <typename In>
+__global__ void to_bf16_kernel(const In* __restrict__ x, int64_t ldx, int64_t hidden,
+                               const float* __restrict__ row_scale, int64_t scale_stride,
+                               uint16_t* __restrict__ xb) {
+  const int64_t t = blockIdx.x;
+  const float s = row_scale ? row_scale[t * scale_stride] : 1.0f;
+  for (int64_t h = threadIdx.x; h < hidden; h += blockDim.x) {
+    const float v = load_in(x + t * ldx + h);
+    xb[t * hidden + h] = float_to_bf16_bits(row_scale ? v * s : v);
+  }
+}
+
+// ---- router GEMM (f32 math) ----
+// Tiled: 64 tokens x 64 logits per block, 256 threads, 4 x 4 outputs each.
+constexpr int kRgTile = 64, kRgK = 16;
+
+template <typename X, typename W>
+__global__ void __launch_bounds__(256)
+    router_gemm_tiled(const X* __restrict__ x, int64_t ldx, int64_t T, int64_t H,
+                      const W* __restrict__ w, int64_t L, const float* __restrict__ b,
+                      float* __restrict__ out, int64_t ldl) {
+  __shared__ float xs[kRgK][kRgTile + 4];
+  __shared__ float ws[kRgK][kRgTile + 4];
+  const int64_t t0 = static_cast<int64_t>(blockIdx.y) * kRgTile;
+  const int64_t l0 = static_cast<int64_t>(blockIdx.x) * kRgTile;
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  float acc[4][4] = {};
+  for (int64_t k0 = 0; k0 < H; k0 += kRgK) {
+    for (int i = threadIdx.x; i < kRgTile * kRgK; i += 256) {
+      const int r = i / kRgK, kk = i % kRgK;
+      const int64_t kg = k0 + kk;
+      xs[kk][r] = (t0 + r < T && kg < H) ? load_in(x + (t0 + r) * ldx + kg) : 0.0f;
+      ws[kk][r] = (l0 + r < L && kg < H) ? load_in(w + (l0 + r) * H + kg) : 0.0f;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < kRgK; ++kk) {
+      float a[4], bb[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) a[i] = xs[kk][ty * 4 + i];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) bb[j] = ws[kk][tx * 4 + j];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(a[i], bb[j], acc[i][j]);
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int64_t t = t0 + ty * 4 + i, l = l0 + tx * 4 + j;
+      if (t < T && l < L) out[t * ldl + l] = acc[i][j] + (b ? b[l] : 0.0f);
+    }
+}
+
+// Few tokens: one warp per logit, up to 8 tokens per block row, weights read once.
+constexpr int kRgSmallTokens = 8;
+template <typename X, typename W>
+__global__ void __launch_bounds__(256)
+    router_gemm_small(const X* __restrict__ x, int64_t ldx, int64_t T, int64_t H,
+                      const W* __restrict__ w, int64_t L, const float* __restrict__ b,
+                      float* __restrict__ out, int64_t ldl) {
+  const int lane = threadIdx.x & 31;
+  const int64_t l = static_cast<int64_t>(blockIdx.x) * 8 + (threadIdx.x >> 5);
+  const int64_t t0 = static_cast<int64_t>(blockIdx.y) * kRgSmallTokens;
+  if (l >= L) return;
+  float acc[kRgSmallTokens] = {};
+  const int nt = static_cast<int>(T - t0 < kRgSmallTokens ? T - t0 : kRgSmallTokens);
+  for (int64_t h = lane; h < H; h += 32) {
+    const float wv = load_in(w + l * H + h);
+#pragma unroll
+    for (int i = 0; i < kRgSmallTokens; ++i)
+      if (i < nt) acc[i] = fmaf(load_in(x + (t0 + i) * ldx + h), wv, acc[i]);
+  }
+#pragma unroll
+  for (int i = 0; i < kRgSmallTokens; ++i) {
+    float v = acc[i];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (lane == 0 && i < nt) out[(t0 + i) * ldl + l] = v + (b ? b[l] : 0.0f);
+  }
+}
+
+template <typename X, typename W>
+void launch_router_gemm(const X* x, int64_t ldx, int64_t T, int64_t H, const W* w, int64_t L,
+                        const float* b, float* out, int64_t ldl, Stream stream) {
+  if (T <= 32) {
+    dim3 grid(static_cast<unsigned>(ceil_div(L, 8)),
+              static_cast<unsigned>(ceil_div(T, kRgSmallTokens)));
+    router_gemm_small<X, W><<<grid, 256, 0, stream>>>(x, ldx, T, H, w, L, b, out, ldl);
+  } else {
+    dim3 grid(static_cast<unsigned>(ceil_div(L, kRgTile)),
+              static_cast<unsigned>(ceil_div(T, kRgTile)));
+    router_gemm_tiled<X, W><<<grid, 256, 0, stream>>>(x, ldx, T, H, w, L, b, out, ldl);
+  }
+  FUSEDMOE_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void finalize(const FinalizeArgs& a, Stream stream) {
+  if (a.num_tokens == 0) return;
+  FUSEDMOE_CHECK(a.hidden % 4 == 0, "finalize: hidden size must be a multiple of 4, got ",
+                 a.hidden);
+  FUSEDMOE_CHECK(a.top_k >= 1 && a.top_k <= 32, "finalize: top_k must be in [1, 32], got ",
+                 a.top_k);
+  FUSEDMOE_CHECK(a.shared_gate == nullptr || a.x != nullptr,
+                 "finalize: the shared expert gate needs x");
+  FUSEDMOE_CHECK(a.out_dtype == DType::kF32 || a.out_dtype == DType::kBF16,
+                 "finalize: output dtype must be f32 or bf16, got ", dtype_name(a.out_dtype));
+  const unsigned grid = static_cast<unsigned>(a.num_tokens);
+  if (a.out_dtype == DType::kF32)
+    finalize_kernel<float><<<grid, kFinalizeThreads, 0, stream>>>(
+        a.y, a.topk_ids, static_cast<int>(a.top_k), a.hidden, a.shared, a.shared_gate, a.x, a.ldx,
+        static_cast<float*>(a.out), a.ldo);
+  else
+    finalize_kernel<uint16_t><<<grid, kFinalizeThreads, 0, stream>>>(
+        a.y, a.topk_ids, static_cast<int>(a.top_k), a.hidden, a.shared, a.shared_gate, a.x, a.ldx,
+        static_cast<uint16_t*>(a.out), a.ldo);
+  FUSEDMOE_CUDA_CHECK_LAUNCH();
+}
+
+void to_bf16_rows(const void* x, DType in_dtype, int64_t ldx, int64_t num_tokens, int64_t hidden,
+                  const float* row_scale, int64_t scale_stride, uint16_t* xb, Stream stream) {
+  if (num_tokens == 0) return;
+  FUSEDMOE_CHECK(in_dtype == DType::kF32 || in_dtype == DType::kBF16,
+                 "to_bf16_rows: input dtype must be f32 or bf16, got ", dtype_name(in_dtype));
+  const unsigned grid = static_cast<unsigned>(num_tokens);
+  const int threads = hidden >= 1024 ? 256 : 128;
+  if (in_dtype == DType::kF32)
+    to_bf16_kernel<float><<<grid, threads, 0, stream>>>(static_cast<const float*>(x), ldx, hidden,
+                                                        row_scale, scale_stride, xb);
+  else
+    to_bf16_kernel<uint16_t><<<grid, threads, 0, stream>>>(static_cast<const uint16_t*>(x), ldx,
+                                                           hidden, row_scale, scale_stride, xb);
+  FUSEDMOE_CUDA_CHECK_LAUNCH();
+}
+
+void router_gemm(const void* x, DType x_dtype, int64_t ldx, int64_t num_tokens, int64_t hidden,
+                 const void* gate_w, DType w_dtype, int64_t num_logits, const float* gate_b,
+                 float* router_logits, int64_t ldl, Stream stream) {
+  if (num_tokens == 0) return;
+  const bool xf = x_dtype == DType::kF32, wf = w_dtype == DType::kF32;
+  FUSEDMOE_CHECK(xf || x_dtype == DType::kBF16, "router_gemm: x must be f32 or bf16");
+  FUSEDMOE_CHECK(wf || w_dtype == DType::kBF16, "router_gemm: gate weight must be f32 or bf16");
+  const auto* xp32 = static_cast<const float*>(x);
+  const auto* xp16 = static_cast<const uint16_t*>(x);
+  const auto* wp32 = static_cast<const float*>(gate_w);
+  const auto* wp16 = static_cast<const uint16_t*>(gate_w);
+  if (xf && wf)
+    launch_router_gemm(xp32, ldx, num_tokens, hidden, wp32, num_logits, gate_b, router_logits, ldl,
+                       stream);
+  else if (xf)
+    launch_router_gemm(xp32, ldx, num_tokens, hidden, wp16, num_logits, gate_b, router_logits, ldl,
+                       stream);
+  else if (wf)
+    launch_router_gemm(xp16, ldx, num_tokens, hidden, wp32, num_logits, gate_b, router_logits, ldl,
+                       stream);
+  else
+    launch_router_gemm(xp16, ldx, num_tokens, hidden, wp16, num_logits, gate_b, router_logits, ldl,
+                       stream);
+}
+
+}  // namespace fusedmoe::cuda

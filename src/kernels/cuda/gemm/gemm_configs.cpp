@@ -1,0 +1,71 @@
+// fusedmoe CUDA: grouped-GEMM tile configurations and the heuristic that picks
+// one (tuning data, kept apart from the kernels), and the validating launcher.
+//
+// Heuristic by the expected rows per touched expert (rows = T * k / touched):
+//   <= 16 rows  m16n64:   decode; weight streaming, many small n tiles so that
+//                         the few touched experts still spread over all SMs
+//   <= 64 rows  m64n128
+//   otherwise   m128n128: prefill; tensor-core bound
+// Measured on an H200: see bench/results/*cuda*.md.
+#include "fusedmoe/kernels/cuda.h"
+#include "kernels/cuda/gemm/gemm_instances.h"
+
+namespace fusedmoe::cuda {
+
+namespace {
+struct TileRow {
+  GemmTile tile;
+  const char* name;
+  int block_m;
+  int64_t max_rows_per_expert;  // pick this tile up to this many expected rows
+};
+constexpr TileRow kTiles[] = {
+    {GemmTile::kM16N64, "m16n64", 16, 16},
+    {GemmTile::kM64N128, "m64n128", 64, 64},
+    {GemmTile::kM128N128, "m128n128", 128, INT64_MAX},
+};
+}  // namespace
+
+int gemm_tile_block_m(GemmTile tile) {
+  for (const TileRow& r : kTiles)
+    if (r.tile == tile) return r.block_m;
+  FUSEDMOE_THROW(kInvalidArgument, "gemm_tile_block_m: unknown tile ", static_cast<int>(tile));
+}
+
+GemmTile pick_gemm_tile(int64_t rows_per_expert, int64_t /*n*/, int64_t /*k*/) {
+  for (const TileRow& r : kTiles)
+    if (rows_per_expert <= r.max_rows_per_expert) return r.tile;
+  return GemmTile::kM128N128;
+}
+
+void grouped_gemm(const GroupedGemmArgs& a, Stream stream) {
+  FUSEDMOE_CHECK(a.a != nullptr && a.w != nullptr && a.out != nullptr,
+                 "grouped_gemm: a, w and out are required");
+  FUSEDMOE_CHECK(a.k > 0 && a.k % 8 == 0, "grouped_gemm: K must be a positive multiple of 8, got ",
+                 a.k);
+  FUSEDMOE_CHECK(a.lda % 8 == 0 && a.lda >= a.k, "grouped_gemm: lda must be a multiple of 8 >= K (",
+                 a.k, "), got ", a.lda);
+  FUSEDMOE_CHECK(a.n > 0 && a.n % 2 == 0, "grouped_gemm: N must be positive and even, got ", a.n);
+  FUSEDMOE_CHECK(a.ldc % 2 == 0 && a.ldc >= (a.epilogue == GemmEpilogue::kGlu ? a.n / 2 : a.n),
+                 "grouped_gemm: ldc must be even and cover the output row, got ", a.ldc);
+  FUSEDMOE_CHECK(a.num_experts >= 1, "grouped_gemm: num_experts must be >= 1");
+  FUSEDMOE_CHECK(a.expert_offsets != nullptr || a.num_experts == 1,
+                 "grouped_gemm: dense mode (no expert_offsets) takes one expert");
+  FUSEDMOE_CHECK(a.expert_offsets == nullptr || a.sorted_slot != nullptr,
+                 "grouped_gemm: routed mode needs sorted_slot");
+  FUSEDMOE_CHECK(!a.gather || a.a_div >= 1, "grouped_gemm: a_div must be >= 1");
+  if (a.m == 0) return;
+  switch (a.tile) {
+    case GemmTile::kM16N64:
+      gemm::launch_m16n64(a, stream);
+      break;
+    case GemmTile::kM64N128:
+      gemm::launch_m64n128(a, stream);
+      break;
+    case GemmTile::kM128N128:
+      gemm::launch_m128n128(a, stream);
+      break;
+  }
+}
+
+}  // namespace fusedmoe::cuda

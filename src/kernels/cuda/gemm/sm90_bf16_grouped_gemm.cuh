@@ -1,0 +1,381 @@
+// fusedmoe CUDA: bf16 grouped GEMM over experts, f32 accumulation, tensor
+// cores through mma.sync.m16n8k16 (ldmatrix from XOR-swizzled shared memory,
+// cp.async multi-stage pipeline), persistent CTAs over (expert, n tile, m tile)
+// work items, epilogues fused: gated activation (w13) or weighted scatter by
+// slot (w2). Included by one .cu per tile configuration (compile time).
+//
+// Work order: expert-major, then n tile, then m tile innermost, so the CTAs
+// running at one time share each expert's weight panel (read once from HBM)
+// and the expert's activation rows stay in L2 across its n tiles.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "fusedmoe/kernels/cuda.h"
+#include "kernels/cuda/cuda_common.cuh"
+
+namespace fusedmoe::cuda::gemm {
+
+constexpr int kBK = 64;  // k elements per stage: 128-byte rows, 8 chunks of 16 bytes
+
+template <int kBM_, int kBN_, int kWarpsM_, int kWarpsN_, int kStages_>
+struct TileConfig {
+  static constexpr int kBM = kBM_, kBN = kBN_, kWarpsM = kWarpsM_, kWarpsN = kWarpsN_;
+  static constexpr int kStages = kStages_;
+  static constexpr int kThreads = kWarpsM * kWarpsN * 32;
+  static constexpr int kWTM = kBM / kWarpsM, kWTN = kBN / kWarpsN;  // warp tile
+  static constexpr int kMI = kWTM / 16, kNI = kWTN / 8;             // mma tiles per warp
+  static constexpr int kStageBytes = (kBM + kBN) * kBK * 2;
+  static constexpr int kSmemBytes = kStages * kStageBytes + kBM * 2 * 4;
+  static_assert(kWTM % 16 == 0 && kWTN % 16 == 0, "warp tile must be a multiple of 16 x 16");
+  static_assert((kBM * 8) % kThreads == 0 && (kBN * 8) % kThreads == 0, "load balance");
+};
+
+// Kernel parameters (device pointers; see GroupedGemmArgs in kernels/cuda.h).
+struct Params {
+  const __nv_bfloat16* a;
+  int64_t lda;
+  int gather;
+  int a_div;
+  const int32_t* sorted_slot;
+  const int64_t* expert_offsets;  // null: dense (one expert, rows [0, m))
+  int num_experts;
+  int64_t m;
+  const __nv_bfloat16* w;
+  int64_t n, k;
+  int64_t inter;  // kGlu: I (= n / 2)
+  int n_tiles;
+  const float* bias;
+  Activation act;
+  float swiglu_alpha, swiglu_limit;
+  const float* row_scale;
+  void* out;
+  int64_t ldc;
+};
+
+// ---- PTX wrappers ----
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
+  const int size = valid ? 16 : 0;  // 0: zero-fill, nothing read
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(size));
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::);
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+__device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2,
+                                            uint32_t& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+__device__ __forceinline__ void mma_bf16_16816(float* c, const uint32_t* a, const uint32_t* b) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+// Byte offset of 16-byte chunk `chunk` of row `row` in a [rows][64] bf16 tile.
+__device__ __forceinline__ uint32_t swz(int row, int chunk) {
+  return static_cast<uint32_t>(row * 128 + ((chunk ^ (row & 7)) << 4));
+}
+
+__device__ __forceinline__ float act_glu(Activation act, float g, float u, float alpha,
+                                         float limit) {
+  switch (act) {
+    case Activation::kSiluGlu:
+      return g / (1.0f + expf(-g)) * u;
+    case Activation::kGeluGlu:
+      return 0.5f * g * erfcf(g * -0.70710678118654752f) * u;
+    case Activation::kGeluTanhGlu: {
+      const float z = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+      return g / (1.0f + expf(-2.0f * z)) * u;  // g/2 (1 + tanh z) = g sigmoid(2z)
+    }
+    case Activation::kSwigluOai: {
+      const float gg = fminf(g, limit);
+      const float uu = fminf(fmaxf(u, -limit), limit);
+      return (uu + 1.0f) * (gg / (1.0f + expf(-alpha * gg)));
+    }
+  }
+  return 0.0f;
+}
+
+template <class Cfg, bool kGlu>
+__global__ void __launch_bounds__(Cfg::kThreads) grouped_gemm_kernel(const Params p) {
+  constexpr int BM = Cfg::kBM, BN = Cfg::kBN, STAGES = Cfg::kStages;
+  constexpr int MI = Cfg::kMI, NI = Cfg::kNI, WTM = Cfg::kWTM, WTN = Cfg::kWTN;
+  constexpr int kThreads = Cfg::kThreads;
+  extern __shared__ __align__(128) uint8_t smem[];
+  int32_t* s_src = reinterpret_cast<int32_t*>(smem + STAGES * Cfg::kStageBytes);  // A row, -1
+  int32_t* s_slot = s_src + BM;                                                   // slot, -1
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wm = warp / Cfg::kWarpsN, wn = warp % Cfg::kWarpsN;
+  const bool dense = p.expert_offsets == nullptr;
+  const int64_t total_tiles = dense ? (p.m + BM - 1) / BM : p.expert_offsets[p.num_experts] / BM;
+  const int64_t total_work = total_tiles * p.n_tiles;
+  const int64_t K = p.k;
+  const int k_tiles = static_cast<int>((K + kBK - 1) / kBK);
+  const uint32_t smem_base = smem_u32(smem);
+
+  for (int64_t work = blockIdx.x; work < total_work; work += gridDim.x) {
+    // ---- decode (expert, n tile, m tile) ----
+    int e = 0;
+    int64_t tile_begin = 0, tiles_e = total_tiles;
+    if (!dense) {
+      int lo = 0, hi = p.num_experts - 1;  // largest e with start(e) <= work
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (p.expert_offsets[mid] / BM * p.n_tiles <= work)
+          lo = mid;
+        else
+          hi = mid - 1;
+      }
+      e = lo;
+      tile_begin = p.expert_offsets[e] / BM;
+      tiles_e = p.expert_offsets[e + 1] / BM - tile_begin;
+    }
+    const int64_t local = work - tile_begin * p.n_tiles;
+    const int n_tile = static_cast<int>(local / tiles_e);
+    const int64_t row0 = (tile_begin + local % tiles_e) * BM;
+
+    // ---- rows of this tile ----
+    for (int r = tid; r < BM; r += kThreads) {
+      const int64_t row = row0 + r;
+      int32_t slot, src;
+      if (dense) {
+        slot = row < p.m ? static_cast<int32_t>(row) : -1;
+        src = slot;
+      } else {
+        slot = p.sorted_slot[row];
+        src = slot < 0 ? -1 : (p.gather ? slot / p.a_div : static_cast<int32_t>(row));
+      }
+      s_src[r] = src;
+      s_slot[r] = slot;
+    }
+    __syncthreads();
+
+    const __nv_bfloat16* w_e = p.w + static_cast<int64_t>(e) * p.n * K;
+    // Per-thread load assignments (fixed per tile).
+    constexpr int kAChunks = BM * 8 / kThreads, kBChunks = BN * 8 / kThreads;
+    const __nv_bfloat16* a_ptr[kAChunks];
+    bool a_ok[kAChunks];
+    uint32_t a_dst[kAChunks];
+    int a_chunk[kAChunks];
+#pragma unroll
+    for (int i = 0; i < kAChunks; ++i) {
+      const int idx = tid + i * kThreads, r = idx >> 3, c = idx & 7;
+      const int32_t src = s_src[r];
+      a_ok[i] = src >= 0;
+      a_ptr[i] = p.a + (src >= 0 ? static_cast<int64_t>(src) * p.lda : 0) + c * 8;
+      a_dst[i] = swz(r, c);
+      a_chunk[i] = c;
+    }
+    const __nv_bfloat16* b_ptr[kBChunks];
+    bool b_ok[kBChunks];
+    uint32_t b_dst[kBChunks];
+    int b_chunk[kBChunks];
+#pragma unroll
+    for (int i = 0; i < kBChunks; ++i) {
+      const int idx = tid + i * kThreads, rr = idx >> 3, c = idx & 7;
+      int64_t wrow;
+      bool ok;
+      if (kGlu) {
+        const int half = rr >= BN / 2;
+        const int64_t col = static_cast<int64_t>(n_tile) * (BN / 2) + (rr - half * (BN / 2));
+        ok = col < p.inter;
+        wrow = half * p.inter + col;
+      } else {
+        wrow = static_cast<int64_t>(n_tile) * BN + rr;
+        ok = wrow < p.n;
+      }
+      b_ok[i] = ok;
+      b_ptr[i] = w_e + (ok ? wrow * K : 0) + c * 8;
+      b_dst[i] = BM * 128 + swz(rr, c);
+      b_chunk[i] = c;
+    }
+    auto load_stage = [&](int stage, int kt) {
+      const uint32_t base = smem_base + stage * Cfg::kStageBytes;
+      const int64_t k0 = static_cast<int64_t>(kt) * kBK;
+#pragma unroll
+      for (int i = 0; i < kAChunks; ++i) {
+        const bool ok = a_ok[i] && k0 + a_chunk[i] * 8 < K;
+        cp_async_16(base + a_dst[i], ok ? a_ptr[i] + k0 : p.a, ok);
+      }
+#pragma unroll
+      for (int i = 0; i < kBChunks; ++i) {
+        const bool ok = b_ok[i] && k0 + b_chunk[i] * 8 < K;
+        cp_async_16(base + b_dst[i], ok ? b_ptr[i] + k0 : p.w, ok);
+      }
+    };
+
+    float acc[MI][NI][4];
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[mi][ni][c] = 0.0f;
+
+    // B rows of this lane's ldmatrix.x4 address for mma tile pair (ni, ni + 1).
+    auto b_row = [&](int ni) {
+      if (kGlu) {
+        return ni < NI / 2 ? wn * (WTN / 2) + ni * 8 : BN / 2 + wn * (WTN / 2) + (ni - NI / 2) * 8;
+      }
+      return wn * WTN + ni * 8;
+    };
+
+    // ---- main loop ----
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+      if (s < k_tiles) load_stage(s, s);
+      cp_async_commit();
+    }
+    for (int kt = 0; kt < k_tiles; ++kt) {
+      cp_async_wait<STAGES - 2>();
+      __syncthreads();
+      const int pf = kt + STAGES - 1;
+      if (pf < k_tiles) load_stage(pf % STAGES, pf);
+      cp_async_commit();
+
+      const uint32_t a_base = smem_base + (kt % STAGES) * Cfg::kStageBytes;
+      const uint32_t b_base = a_base + BM * 128;
+#pragma unroll
+      for (int ks = 0; ks < kBK / 16; ++ks) {
+        uint32_t af[MI][4], bf[NI][2];
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi) {
+          const int r = wm * WTM + mi * 16 + (lane & 15);
+          const int c = ks * 2 + (lane >> 4);
+          ldmatrix_x4(a_base + swz(r, c), af[mi][0], af[mi][1], af[mi][2], af[mi][3]);
+        }
+#pragma unroll
+        for (int ni = 0; ni < NI; ni += 2) {
+          const int r = b_row(ni + (lane >> 4)) + (lane & 7);
+          const int c = ks * 2 + ((lane >> 3) & 1);
+          ldmatrix_x4(b_base + swz(r, c), bf[ni][0], bf[ni][1], bf[ni + 1][0], bf[ni + 1][1]);
+        }
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+          for (int ni = 0; ni < NI; ++ni) mma_bf16_16816(acc[mi][ni], af[mi], bf[ni]);
+      }
+    }
+    cp_async_wait<0>();
+
+    // ---- epilogue (registers -> global) ----
+    const int g_row = lane >> 2, g_col = (lane & 3) * 2;
+    if (kGlu) {
+      auto* out = static_cast<__nv_bfloat16*>(p.out);
+      const float* bias = p.bias ? p.bias + static_cast<int64_t>(e) * p.n : nullptr;
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < NI / 2; ++ni)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int r = wm * WTM + mi * 16 + g_row + h * 8;
+            const int64_t i =
+                static_cast<int64_t>(n_tile) * (BN / 2) + wn * (WTN / 2) + ni * 8 + g_col;
+            if (i >= p.inter || (dense && row0 + r >= p.m)) continue;
+            float g0 = acc[mi][ni][2 * h], g1 = acc[mi][ni][2 * h + 1];
+            float u0 = acc[mi][ni + NI / 2][2 * h], u1 = acc[mi][ni + NI / 2][2 * h + 1];
+            if (bias) {
+              g0 += bias[i];
+              g1 += bias[i + 1];
+              u0 += bias[p.inter + i];
+              u1 += bias[p.inter + i + 1];
+            }
+            __nv_bfloat162 v;
+            v.x = __float2bfloat16_rn(act_glu(p.act, g0, u0, p.swiglu_alpha, p.swiglu_limit));
+            v.y = __float2bfloat16_rn(act_glu(p.act, g1, u1, p.swiglu_alpha, p.swiglu_limit));
+            *reinterpret_cast<__nv_bfloat162*>(out + (row0 + r) * p.ldc + i) = v;
+          }
+    } else {
+      auto* out = static_cast<float*>(p.out);
+      const float* bias = p.bias ? p.bias + static_cast<int64_t>(e) * p.n : nullptr;
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = wm * WTM + mi * 16 + g_row + h * 8;
+          const int32_t slot = s_slot[r];
+          if (slot < 0) continue;
+          const float scale = p.row_scale ? p.row_scale[slot] : 1.0f;
+          float* orow = out + static_cast<int64_t>(slot) * p.ldc;
+#pragma unroll
+          for (int ni = 0; ni < NI; ++ni) {
+            const int64_t n = static_cast<int64_t>(n_tile) * BN + wn * WTN + ni * 8 + g_col;
+            if (n >= p.n) continue;
+            float v0 = acc[mi][ni][2 * h], v1 = acc[mi][ni][2 * h + 1];
+            if (bias) {
+              v0 += bias[n];
+              v1 += bias[n + 1];
+            }
+            *reinterpret_cast<float2*>(orow + n) = make_float2(scale * v0, scale * v1);
+          }
+        }
+    }
+    __syncthreads();  // s_src / s_slot and the stages are reused by the next tile
+  }
+}
+
+// Host side: launches one instantiation (validated by grouped_gemm()).
+template <class Cfg>
+void launch(const GroupedGemmArgs& a, Stream stream) {
+  Params p{};
+  p.a = reinterpret_cast<const __nv_bfloat16*>(a.a);
+  p.lda = a.lda;
+  p.gather = a.gather ? 1 : 0;
+  p.a_div = a.a_div;
+  p.sorted_slot = a.sorted_slot;
+  p.expert_offsets = a.expert_offsets;
+  p.num_experts = static_cast<int>(a.num_experts);
+  p.m = a.m;
+  p.w = reinterpret_cast<const __nv_bfloat16*>(a.w);
+  p.n = a.n;
+  p.k = a.k;
+  const bool glu = a.epilogue == GemmEpilogue::kGlu;
+  p.inter = glu ? a.n / 2 : a.n;
+  p.n_tiles = static_cast<int>(glu ? ceil_div(p.inter, Cfg::kBN / 2) : ceil_div(a.n, Cfg::kBN));
+  p.bias = a.bias;
+  p.act = a.act.activation;
+  p.swiglu_alpha = a.act.swiglu_alpha;
+  p.swiglu_limit = a.act.swiglu_limit;
+  p.row_scale = a.row_scale;
+  p.out = a.out;
+  p.ldc = a.ldc;
+
+  // Upper bound of work items known to the host (the true count is on the device).
+  const int64_t max_tiles = a.expert_offsets
+                                ? max_padded_rows(a.m, a.num_experts, Cfg::kBM) / Cfg::kBM
+                                : ceil_div(a.m, Cfg::kBM);
+  const int64_t max_work = max_tiles * p.n_tiles;
+  if (max_work == 0) return;
+
+  auto kernel = glu ? grouped_gemm_kernel<Cfg, true> : grouped_gemm_kernel<Cfg, false>;
+  static thread_local int occupancy[2] = {0, 0};  // per epilogue, after the attribute is set
+  int& occ = occupancy[glu ? 0 : 1];
+  if (occ == 0) {
+    FUSEDMOE_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
+    FUSEDMOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, Cfg::kThreads,
+                                                                      Cfg::kSmemBytes));
+    if (occ < 1) occ = 1;
+  }
+  const int64_t slots = static_cast<int64_t>(num_sms()) * occ;
+  const unsigned grid = static_cast<unsigned>(max_work < slots ? max_work : slots);
+  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
+  FUSEDMOE_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace fusedmoe::cuda::gemm

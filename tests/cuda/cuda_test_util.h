@@ -1,0 +1,156 @@
+// fusedmoe CUDA tests: device buffers, skipping without a device, random layers.
+#pragma once
+
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "fusedmoe/kernels/cuda.h"
+#include "fusedmoe/runner/moe_runner.h"
+#include "test_util.h"
+
+// Every CUDA test starts with this: no device (or no driver) -> skipped.
+#define FUSEDMOE_REQUIRE_CUDA()                                                           \
+  do {                                                                                    \
+    if (::fusedmoe::cuda::device_count() == 0) GTEST_SKIP() << "skipped: no CUDA device"; \
+  } while (0)
+
+#define CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << #expr << ": " << cudaGetErrorString(expr)
+
+namespace fusedmoe::test {
+
+inline void cuda_ok(cudaError_t e, const char* what) {
+  if (e != cudaSuccess)
+    FUSEDMOE_THROW(kInternal, what, ": ", cudaGetErrorName(e), " ", cudaGetErrorString(e));
+}
+
+// Owning device tensor (contiguous unless a row stride is given).
+class DeviceTensor {
+ public:
+  DeviceTensor() = default;
+  DeviceTensor(DType dtype, std::vector<int64_t> shape, int64_t row_stride = -1)
+      : dtype_(dtype), shape_(std::move(shape)) {
+    int64_t rows = 1;
+    for (size_t i = 0; i + 1 < shape_.size(); ++i) rows *= shape_[i];
+    const int64_t cols = shape_.empty() ? 1 : shape_.back();
+    ld_ = row_stride >= 0 ? row_stride : cols;
+    bytes_ = static_cast<size_t>(std::max<int64_t>(rows * ld_, 1)) * dtype_size(dtype);
+    void* p = nullptr;
+    cuda_ok(cudaMalloc(&p, bytes_), "cudaMalloc");
+    ptr_ = std::shared_ptr<void>(p, [](void* q) { cudaFree(q); });
+  }
+  // Upload of a contiguous host tensor (same dtype), optionally with a row stride.
+  static DeviceTensor from_host(const TensorView& h, int64_t row_stride = -1) {
+    std::vector<int64_t> shape(h.shape().begin(), h.shape().end());
+    DeviceTensor d(h.dtype(), shape, row_stride);
+    const int64_t cols = shape.empty() ? 1 : shape.back();
+    const int64_t rows = cols == 0 ? 0 : h.numel() / cols;
+    const size_t es = dtype_size(h.dtype());
+    if (rows > 0)
+      cuda_ok(cudaMemcpy2D(d.data(), d.ld_ * es, h.data(), cols * es, cols * es, rows,
+                           cudaMemcpyHostToDevice),
+              "upload");
+    return d;
+  }
+  TensorView view() const {
+    std::vector<int64_t> strides(shape_.size(), 1);
+    if (!shape_.empty()) {
+      int64_t s = ld_;
+      for (int i = static_cast<int>(shape_.size()) - 2; i >= 0; --i) {
+        strides[i] = s;
+        s *= shape_[i];
+      }
+    }
+    return TensorView(ptr_.get(), dtype_, shape_, strides, Device{DeviceType::kCUDA, 0});
+  }
+  operator TensorView() const { return view(); }  // NOLINT
+  void* data() const { return ptr_.get(); }
+  template <typename T>
+  T* data_as() const {
+    return static_cast<T*>(ptr_.get());
+  }
+  // Contiguous host copy.
+  Tensor to_host() const {
+    Tensor h = Tensor::empty(dtype_, std::span<const int64_t>(shape_.data(), shape_.size()));
+    const int64_t cols = shape_.empty() ? 1 : shape_.back();
+    const int64_t rows = cols == 0 ? 0 : h.numel() / cols;
+    const size_t es = dtype_size(dtype_);
+    if (rows > 0)
+      cuda_ok(cudaMemcpy2D(h.data(), cols * es, data(), ld_ * es, cols * es, rows,
+                           cudaMemcpyDeviceToHost),
+              "download");
+    return h;
+  }
+  // Every byte 0xff: NaN for f32 / bf16, -1 for integers.
+  void poison() const { cuda_ok(cudaMemset(data(), 0xff, bytes_), "poison"); }
+  int64_t ld() const { return ld_; }
+
+ private:
+  DType dtype_ = DType::kF32;
+  std::vector<int64_t> shape_;
+  int64_t ld_ = 0;
+  size_t bytes_ = 0;
+  std::shared_ptr<void> ptr_;
+};
+
+inline Tensor weight_tensor(std::mt19937_64& rng, std::initializer_list<int64_t> shape, float scale,
+                            DType dtype) {
+  Tensor t = random_f32(rng, shape, -scale, scale);
+  return dtype == DType::kBF16 ? to_bf16(t) : t;
+}
+
+inline ExpertWeights make_experts(std::mt19937_64& rng, int64_t E, int64_t H, int64_t I,
+                                  DType dtype, bool bias) {
+  ExpertWeights w;
+  w.w13 = weight_tensor(rng, {E, 2 * I, H}, 2.0f / std::sqrt(static_cast<float>(H)), dtype);
+  w.w2 = weight_tensor(rng, {E, H, I}, 2.0f / std::sqrt(static_cast<float>(I)), dtype);
+  if (bias) {
+    w.w13_bias = weight_tensor(rng, {E, 2 * I}, 0.5f, dtype);
+    w.w2_bias = weight_tensor(rng, {E, H}, 0.5f, dtype);
+  }
+  return w;
+}
+
+inline MoELayerWeights make_layer(std::mt19937_64& rng, const MoEConfig& c, DType dtype) {
+  MoELayerWeights w;
+  const int64_t L = c.num_router_logits(), H = c.hidden_size;
+  w.gate_weight = weight_tensor(rng, {L, H}, 3.0f / std::sqrt(static_cast<float>(H)), dtype);
+  if (c.has_router_bias) w.gate_bias = weight_tensor(rng, {L}, 0.5f, dtype);
+  if (c.has_e_score_correction_bias)
+    w.router_params.e_score_correction_bias = random_f32(
+        rng,
+        {c.routing_method == RoutingMethod::kGroupedTopK || c.num_expert_group > 1 ? c.num_experts
+                                                                                   : L},
+        -0.1f, 0.1f);
+  if (c.routing_method == RoutingMethod::kHash) {
+    Tensor table = Tensor::empty(DType::kI32, {c.hash_vocab_size, c.top_k});
+    std::vector<int32_t> perm(static_cast<size_t>(L));
+    for (int64_t v = 0; v < c.hash_vocab_size; ++v) {
+      for (int64_t e = 0; e < L; ++e) perm[e] = static_cast<int32_t>(e);
+      std::shuffle(perm.begin(), perm.end(), rng);
+      for (int64_t j = 0; j < c.top_k; ++j) table.data_as<int32_t>()[v * c.top_k + j] = perm[j];
+    }
+    w.router_params.hash_table = table;
+  }
+  w.experts = make_experts(rng, c.num_experts, H, c.intermediate_size, dtype, c.has_expert_bias);
+  if (c.has_shared_expert())
+    w.shared_experts = make_experts(rng, 1, H, c.shared_intermediate_size, dtype, false);
+  if (c.has_shared_expert_gate) w.shared_expert_gate = weight_tensor(rng, {1, H}, 0.3f, dtype);
+  return w;
+}
+
+inline MoEConfig base_config(int64_t E, int64_t k, int64_t H, int64_t I) {
+  MoEConfig c;
+  c.num_experts = E;
+  c.top_k = k;
+  c.hidden_size = H;
+  c.intermediate_size = I;
+  return c;
+}
+
+}  // namespace fusedmoe::test

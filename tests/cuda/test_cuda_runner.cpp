@@ -1,0 +1,307 @@
+// MoERunner on the CUDA backend against the CPU backend and the float64
+// reference: every architecture's shape, T / E / k grids with H and I that are
+// not multiples of the tile, -1 ids, strided router_logits, poisoned outputs,
+// bit-identical reruns, CUDA-graph capture and replay, 64-bit offsets.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "cuda_test_util.h"
+#include "reference_moe.h"
+
+namespace fusedmoe {
+namespace {
+
+using test::DeviceTensor;
+
+TensorView f64_view(std::vector<double>& v, int64_t rows, int64_t cols) {
+  return TensorView(v.data(), DType::kF64, {rows, cols});
+}
+
+RunnerOptions cuda_options(int64_t max_tokens, cudaStream_t stream = nullptr) {
+  RunnerOptions o;
+  o.compute_dtype = DType::kBF16;
+  o.device = Device{DeviceType::kCUDA, 0};
+  o.max_num_tokens = max_tokens;
+  o.cuda_stream = stream;
+  return o;
+}
+
+bool same_bits(const Tensor& a, const Tensor& b) {
+  return a.nbytes() == b.nbytes() && std::memcmp(a.data(), b.data(), a.nbytes()) == 0;
+}
+
+// One case: CPU runner (bf16) vs CUDA runner on the same hidden states.
+void check_runner(const MoEConfig& c, int64_t T, std::mt19937_64& rng, DType io_dtype) {
+  const int64_t H = c.hidden_size, k = c.top_k, L = c.num_router_logits();
+  SCOPED_TRACE("T " + std::to_string(T) + " E " + std::to_string(c.num_experts) + " k " +
+               std::to_string(k) + " H " + std::to_string(H) + " I " +
+               std::to_string(c.intermediate_size) + " io " + dtype_name(io_dtype));
+  MoELayerWeights lw = test::make_layer(rng, c, DType::kBF16);
+  RunnerOptions cpu_opts;
+  cpu_opts.compute_dtype = DType::kBF16;
+  MoERunner cpu(c, lw, cpu_opts);
+  MoERunner gpu(c, lw, cuda_options(std::max<int64_t>(T, 1)));
+
+  Tensor x = test::randn_f32(rng, {T, H});
+  if (io_dtype == DType::kBF16) x = to_f32(test::to_bf16(x));  // the same values on both sides
+  Tensor logits_h = Tensor::empty(DType::kF32, {T, L});
+  Tensor ids_h = Tensor::empty(DType::kI32, {T, k}), w_h = Tensor::empty(DType::kF32, {T, k});
+  Tensor out_cpu = Tensor::empty(DType::kF32, {T, H});
+  ForwardOutputs fo{logits_h, ids_h, w_h};
+  cpu.forward(x, out_cpu, nullptr, nullptr, &fo);
+
+  // 1) CPU's logits passed in (strided): ids must equal the CPU router's.
+  DeviceTensor x_d = DeviceTensor::from_host(io_dtype == DType::kBF16 ? test::to_bf16(x) : x,
+                                             H + 8);  // row stride > H
+  DeviceTensor logits_d = DeviceTensor::from_host(logits_h, L + 3);
+  DeviceTensor out_d(io_dtype, {T, H}), ids_d(DType::kI32, {T, k}), w_d(DType::kF32, {T, k});
+  out_d.poison();
+  ids_d.poison();
+  w_d.poison();
+  ForwardOutputs fo_d{TensorView(), ids_d, w_d};
+  const TensorView lv = logits_d.view();
+  gpu.forward(x_d, out_d, &lv, nullptr, &fo_d);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const Tensor ids_g = ids_d.to_host(), w_g = w_d.to_host();
+  for (int64_t i = 0; i < T * k; ++i) {
+    ASSERT_EQ(ids_g.data_as<int32_t>()[i], ids_h.data_as<int32_t>()[i]) << "slot " << i;
+    const float a = w_g.data_as<float>()[i], b = w_h.data_as<float>()[i];
+    ASSERT_LE(std::abs(a - b), 1e-6f * std::abs(b) + 1e-30f) << "slot " << i;
+  }
+  const Tensor out_g = to_f32(out_d.to_host());
+  ASSERT_EQ(test::count_non_finite(out_g), 0) << "unwritten (NaN-poisoned) or non-finite output";
+  std::vector<double> ref = test::reference_moe_layer(c, lw, x, ids_h, w_h);
+  const double err = T ? test::rel_l2(out_g, f64_view(ref, T, H)) : 0.0;
+  EXPECT_LE(err, 1e-2) << "CUDA vs float64 reference";
+  if (T) EXPECT_LE(test::rel_l2(out_g, out_cpu), 1e-2) << "CUDA vs CPU bf16 backend";
+
+  // 2) Same call again: bit-identical.
+  out_d.poison();
+  gpu.forward(x_d, out_d, &lv, nullptr, &fo_d);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_TRUE(same_bits(to_f32(out_d.to_host()), out_g)) << "rerun not bit-identical";
+
+  // 3) The CUDA gate GEMM: logits within f32 rounding of the CPU's.
+  if (c.routing_method != RoutingMethod::kHash && T > 0) {
+    DeviceTensor lg(DType::kF32, {T, L});
+    lg.poison();
+    ForwardOutputs fo2{lg, ids_d, w_d};
+    out_d.poison();
+    gpu.forward(x_d, out_d, nullptr, nullptr, &fo2);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_LE(test::rel_l2(lg.to_host(), logits_h), 1e-5) << "router logits";
+    const Tensor o2 = to_f32(out_d.to_host());
+    const Tensor ids2 = ids_d.to_host(), w2 = w_d.to_host();
+    std::vector<double> ref2 = test::reference_moe_layer(c, lw, x, ids2, w2);
+    EXPECT_LE(test::rel_l2(o2, f64_view(ref2, T, H)), 1e-2) << "own gate GEMM";
+  }
+}
+
+std::vector<std::pair<std::string, MoEConfig>> arch_configs() {
+  using test::base_config;
+  std::vector<std::pair<std::string, MoEConfig>> v;
+  {
+    MoEConfig c = base_config(8, 2, 96, 80);  // Mixtral / Qwen3 / OLMoE
+    c.renormalize = true;
+    v.emplace_back("mixtral", c);
+  }
+  {
+    MoEConfig c = base_config(12, 4, 72, 40);  // Qwen2-MoE: shared expert + gate
+    c.shared_intermediate_size = 56;
+    c.has_shared_expert_gate = true;
+    v.emplace_back("qwen2_moe", c);
+  }
+  {
+    MoEConfig c = base_config(16, 4, 64, 24);  // DeepSeek-V3
+    c.routing_method = RoutingMethod::kGroupedTopK;
+    c.scoring_func = ScoringFunc::kSigmoid;
+    c.num_expert_group = 4;
+    c.topk_group = 2;
+    c.group_score = GroupScore::kSumTop2;
+    c.has_e_score_correction_bias = true;
+    c.renormalize = true;
+    c.routed_scaling_factor = 2.5f;
+    c.shared_intermediate_size = 48;
+    v.emplace_back("deepseek_v3", c);
+  }
+  {
+    MoEConfig c = base_config(8, 2, 80, 32);  // gpt-oss
+    c.routing_method = RoutingMethod::kTopKSoftmax;
+    c.has_router_bias = true;
+    c.has_expert_bias = true;
+    c.activation = Activation::kSwigluOai;
+    v.emplace_back("gpt_oss", c);
+  }
+  {
+    MoEConfig c = base_config(8, 1, 64, 40);  // Llama-4: weight on the input
+    c.routing_method = RoutingMethod::kLlama4;
+    c.scoring_func = ScoringFunc::kSigmoid;
+    c.apply_router_weight_on_input = true;
+    c.shared_intermediate_size = 40;
+    v.emplace_back("llama4", c);
+  }
+  {
+    MoEConfig c = base_config(10, 3, 48, 32);  // zero experts (ids -1), GELU-tanh
+    c.num_zero_experts = 3;
+    c.activation = Activation::kGeluTanhGlu;
+    v.emplace_back("zero_experts", c);
+  }
+  {
+    MoEConfig c = base_config(60, 6, 96, 80);  // GELU (erf), sigmoid scores
+    c.activation = Activation::kGeluGlu;
+    c.scoring_func = ScoringFunc::kSigmoid;
+    c.renormalize = true;
+    v.emplace_back("gelu_sigmoid", c);
+  }
+  return v;
+}
+
+class CudaRunnerArch : public ::testing::TestWithParam<int> {};
+
+TEST_P(CudaRunnerArch, MatchesCpuBackendAndReference) {
+  FUSEDMOE_REQUIRE_CUDA();
+  const auto [name, c] = arch_configs()[GetParam()];
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed) + " " + name);
+  std::mt19937_64 rng(seed);
+  for (int64_t T : {0, 1, 3, 17, 130}) {
+    check_runner(c, T, rng, DType::kF32);
+    if (HasFailure()) return;
+  }
+  check_runner(c, 33, rng, DType::kBF16);
+}
+
+INSTANTIATE_TEST_SUITE_P(Architectures, CudaRunnerArch, ::testing::Range(0, 7),
+                         [](const auto& p) { return arch_configs()[p.param].first; });
+
+// T, E, k, H, I grid (H, I not multiples of the tiles).
+struct Shape {
+  int64_t T, E, k, H, I;
+};
+class CudaRunnerShapes : public ::testing::TestWithParam<Shape> {};
+
+TEST_P(CudaRunnerShapes, MatchesCpuBackendAndReference) {
+  FUSEDMOE_REQUIRE_CUDA();
+  const Shape s = GetParam();
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  MoEConfig c = test::base_config(s.E, s.k, s.H, s.I);
+  c.renormalize = true;
+  check_runner(c, s.T, rng, DType::kF32);
+}
+
+INSTANTIATE_TEST_SUITE_P(Grid, CudaRunnerShapes,
+                         ::testing::Values(Shape{0, 8, 2, 96, 80}, Shape{1, 8, 2, 96, 80},
+                                           Shape{1, 256, 8, 96, 80}, Shape{3, 10, 1, 96, 80},
+                                           Shape{17, 60, 6, 96, 80}, Shape{130, 128, 8, 96, 80},
+                                           Shape{1000, 256, 8, 96, 80}, Shape{4096, 128, 8, 96, 80},
+                                           Shape{4096, 8, 2, 104, 80}, Shape{1000, 8, 2, 96, 1408},
+                                           Shape{130, 60, 6, 264, 1408},
+                                           Shape{17, 10, 2, 1032, 1408},
+                                           Shape{1000, 10, 2, 1032, 88}),
+                         [](const auto& p) {
+                           const Shape& s = p.param;
+                           return "T" + std::to_string(s.T) + "_E" + std::to_string(s.E) + "_k" +
+                                  std::to_string(s.k) + "_H" + std::to_string(s.H) + "_I" +
+                                  std::to_string(s.I);
+                         });
+
+TEST(CudaRunner, GraphCaptureReplaysWithNewInputs) {
+  FUSEDMOE_REQUIRE_CUDA();
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  MoEConfig c = arch_configs()[2].second;  // DeepSeek-V3 shape: grouped routing, shared expert
+  MoELayerWeights lw = test::make_layer(rng, c, DType::kBF16);
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const int64_t T = 48, H = c.hidden_size;
+  MoERunner gpu(c, lw, cuda_options(64, stream));
+  DeviceTensor x(DType::kF32, {T, H}), out(DType::kF32, {T, H});
+  const Tensor x0 = test::randn_f32(rng, {T, H});
+  CUDA_OK(cudaMemcpy(x.data(), x0.data(), x0.nbytes(), cudaMemcpyHostToDevice));
+  gpu.forward(x, out);  // warm-up: attributes set, nothing lazily allocated during capture
+  CUDA_OK(cudaStreamSynchronize(stream));
+
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  gpu.forward(x, out);
+  CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+
+  for (int rep = 0; rep < 3; ++rep) {
+    const Tensor xi = test::randn_f32(rng, {T, H});
+    CUDA_OK(cudaMemcpy(x.data(), xi.data(), xi.nbytes(), cudaMemcpyHostToDevice));
+    out.poison();
+    CUDA_OK(cudaGraphLaunch(exec, stream));
+    CUDA_OK(cudaStreamSynchronize(stream));
+    const Tensor replayed = out.to_host();
+    out.poison();
+    gpu.forward(x, out);  // eager
+    CUDA_OK(cudaStreamSynchronize(stream));
+    const Tensor eager = out.to_host();
+    ASSERT_EQ(test::count_non_finite(replayed), 0);
+    EXPECT_TRUE(same_bits(replayed, eager)) << "replay " << rep << " differs from eager";
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+TEST(CudaRunner, RejectsBadArguments) {
+  FUSEDMOE_REQUIRE_CUDA();
+  std::mt19937_64 rng(1);
+  MoEConfig c = test::base_config(8, 2, 64, 48);
+  MoELayerWeights lw = test::make_layer(rng, c, DType::kBF16);
+  RunnerOptions f32 = cuda_options(16);
+  f32.compute_dtype = DType::kF32;
+  EXPECT_THROW(MoERunner(c, lw, f32), Error);
+  MoERunner gpu(c, lw, cuda_options(16));
+  DeviceTensor x(DType::kF32, {17, 64}), out(DType::kF32, {17, 64});
+  EXPECT_THROW(gpu.forward(x, out), Error);  // more than max_num_tokens
+  Tensor xh = Tensor::empty(DType::kF32, {4, 64}), oh = Tensor::empty(DType::kF32, {4, 64});
+  EXPECT_THROW(gpu.forward(xh, oh), Error);         // host tensors on the CUDA backend
+  MoEConfig odd = test::base_config(8, 2, 60, 48);  // H % 8 != 0
+  MoELayerWeights lw2 = test::make_layer(rng, odd, DType::kBF16);
+  EXPECT_THROW(MoERunner(odd, lw2, cuda_options(16)), Error);
+}
+
+// T * k * H > 2^31 elements in the routed buffers: 64-bit offsets. Checked on
+// a sample of tokens against the float64 reference.
+TEST(CudaRunner, SixtyFourBitOffsets) {
+  FUSEDMOE_REQUIRE_CUDA();
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const int64_t T = 16384, E = 8, k = 8, H = 16392, I = 64;
+  ASSERT_GT(T * k * H, int64_t{1} << 31);
+  MoEConfig c = test::base_config(E, k, H, I);
+  c.renormalize = true;
+  MoELayerWeights lw = test::make_layer(rng, c, DType::kBF16);
+  MoERunner gpu(c, lw, cuda_options(T));
+  const Tensor x = test::random_f32(rng, {T, H}, -1.0f, 1.0f);
+  DeviceTensor x_d = DeviceTensor::from_host(x);
+  DeviceTensor out(DType::kBF16, {T, H}), ids(DType::kI32, {T, k}), w(DType::kF32, {T, k});
+  out.poison();
+  ForwardOutputs fo{TensorView(), ids, w};
+  gpu.forward(x_d, out, nullptr, nullptr, &fo);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const Tensor out_h = to_f32(out.to_host());
+  ASSERT_EQ(test::count_non_finite(out_h), 0);
+  const Tensor ids_h = ids.to_host(), w_h = w.to_host();
+  for (int64_t t : {int64_t{0}, int64_t{1}, T / 2, T - 2, T - 1}) {
+    const TensorView xs = x.view().narrow(0, t, 1);
+    const TensorView is = ids_h.view().narrow(0, t, 1), ws = w_h.view().narrow(0, t, 1);
+    std::vector<double> ref = test::reference_moe_layer(c, lw, xs, is, ws);
+    EXPECT_LE(test::rel_l2(out_h.view().narrow(0, t, 1), f64_view(ref, 1, H)), 1e-2)
+        << "token " << t;
+  }
+}
+
+}  // namespace
+}  // namespace fusedmoe
