@@ -190,15 +190,29 @@ void MoEConfig::validate() const {
                  "has_shared_expert_gate: expected false without a shared expert "
                  "(shared_intermediate_size = 0), got true");
 
-  auto single = [](int size, int rank, const char* size_name, const char* rank_name,
-                   const char* what) {
-    FUSEDMOE_CHECK(size == 1, size_name, ": expected 1 (", what, " is not implemented yet), got ",
-                   size);
-    FUSEDMOE_CHECK(rank == 0, rank_name, ": expected 0 (", size_name, " = 1), got ", rank);
+  auto sized = [](int size, int rank, const char* size_name, const char* rank_name) {
+    FUSEDMOE_CHECK(size >= 1, size_name, ": expected >= 1, got ", size);
+    FUSEDMOE_CHECK(rank >= 0 && rank < size, rank_name, ": expected in [0, ", size_name, " = ",
+                   size, "), got ", rank);
   };
-  single(parallel.ep_size, parallel.ep_rank, "ep_size", "ep_rank", "expert parallelism");
-  single(parallel.tp_size, parallel.tp_rank, "tp_size", "tp_rank", "tensor parallelism");
-  single(parallel.dp_size, parallel.dp_rank, "dp_size", "dp_rank", "data parallelism");
+  sized(parallel.ep_size, parallel.ep_rank, "ep_size", "ep_rank");
+  sized(parallel.tp_size, parallel.tp_rank, "tp_size", "tp_rank");
+  sized(parallel.dp_size, parallel.dp_rank, "dp_size", "dp_rank");
+  FUSEDMOE_CHECK(parallel.ep_size <= num_experts, "ep_size: expected <= num_experts (", num_experts,
+                 "), got ", parallel.ep_size);
+  FUSEDMOE_CHECK(parallel.tp_size <= intermediate_size, "tp_size: expected <= intermediate_size (",
+                 intermediate_size, "), got ", parallel.tp_size);
+  FUSEDMOE_CHECK(!has_shared_expert() || parallel.tp_size <= shared_intermediate_size,
+                 "tp_size: expected <= shared_intermediate_size (", shared_intermediate_size,
+                 "), got ", parallel.tp_size);
+  FUSEDMOE_CHECK(
+      parallel.dp_size == 1 || parallel.ep_size == 1 || parallel.ep_size == parallel.dp_size,
+      "ep_size: with dp_size = ", parallel.dp_size,
+      " expected 1 or dp_size (experts spread over the DP group), got ", parallel.ep_size);
+  FUSEDMOE_CHECK(
+      parallel.dp_size == 1 || parallel.ep_size == 1 || parallel.ep_rank == parallel.dp_rank,
+      "ep_rank: expected dp_rank (", parallel.dp_rank,
+      ") when experts are spread over the DP group, got ", parallel.ep_rank);
 }
 
 std::string MoEConfig::summary() const {
@@ -236,7 +250,9 @@ std::string MoEConfig::summary() const {
      << "shared_expert_gate:           " << (has_shared_expert_gate ? "yes" : "no") << "\n"
      << "parallel:                     ep " << parallel.ep_rank << "/" << parallel.ep_size
      << ", tp " << parallel.tp_rank << "/" << parallel.tp_size << ", dp " << parallel.dp_rank << "/"
-     << parallel.dp_size << "\n";
+     << parallel.dp_size
+     << (parallel.expert_placement == ExpertPlacement::kRoundRobin ? ", round-robin experts" : "")
+     << "\n";
   return os.str();
 }
 

@@ -28,6 +28,7 @@
 
 #include "fusedmoe/core/error.h"
 #include "fusedmoe/core/thread_pool.h"
+#include "fusedmoe/parallel/expert_map.h"
 
 namespace fusedmoe {
 
@@ -255,14 +256,16 @@ void parallel_over(int64_t n, const std::function<void(int64_t)>& fn) {
 
 // Per-expert layout: fetches all 3*E tensors first (checks, serial: Checkpoint
 // is not thread-safe), then copies them in parallel.
-ExpertWeights load_per_expert(const Reader& rd, const Checkpoint& ckpt, int64_t E, int64_t H,
-                              int64_t I, const std::string& expert_fmt, const char* gate_n,
-                              const char* up_n, const char* down_n, Progress* progress) {
+ExpertWeights load_per_expert(const Reader& rd, const Checkpoint& ckpt,
+                              const std::vector<int64_t>& experts, int64_t H, int64_t I,
+                              const std::string& expert_fmt, const char* gate_n, const char* up_n,
+                              const char* down_n, Progress* progress) {
+  const int64_t E = static_cast<int64_t>(experts.size());
   std::vector<Source> gate, up, down;
   gate.reserve(E);
   up.reserve(E);
   down.reserve(E);
-  for (int64_t e = 0; e < E; ++e) {
+  for (int64_t e : experts) {
     const std::string p = expert_fmt.empty() ? std::string() : expert_fmt + std::to_string(e) + ".";
     gate.push_back(rd.get(p + gate_n, {I, H}));
     up.push_back(rd.get(p + up_n, {I, H}));
@@ -299,7 +302,17 @@ MoELayerWeights load_moe_layer(const Checkpoint& checkpoint, const ModelInfo& in
   const std::string& mt = info.model_type;
   const std::string prefix = info.moe_prefix(layer);
   Reader rd(checkpoint, prefix);
-  Progress progress(options.progress, layer, E);
+  // This rank's experts (global ids, local order) and TP slice.
+  const ParallelConfig& par = options.parallel;
+  std::vector<int64_t> experts;
+  if (par.ep_size > 1) {
+    experts = ExpertMap(E, par.ep_size, par.expert_placement).local_experts(par.ep_rank);
+  } else {
+    experts.resize(E);
+    for (int64_t e = 0; e < E; ++e) experts[e] = e;
+  }
+  const int64_t n = static_cast<int64_t>(experts.size());
+  Progress progress(options.progress, layer, n);
   MoELayerWeights out;
 
   // ---- router ----
@@ -328,17 +341,27 @@ MoELayerWeights load_moe_layer(const Checkpoint& checkpoint, const ModelInfo& in
     }
     const bool interleaved = mt == "gpt_oss";
     ExpertWeights& w = out.experts;
-    w.w13 = Tensor::empty(dt, {E, 2 * I, H});
-    w.w2 = Tensor::empty(dt, {E, H, I});
+    w.w13 = Tensor::empty(dt, {n, 2 * I, H});
+    w.w2 = Tensor::empty(dt, {n, H, I});
     const DType bdt = gub ? target_dtype(*gub) : dt;
     if (gub) {
       check_dtype(*dnb, bdt, checkpoint.path(), gub->name);
-      w.w13_bias = Tensor::empty(bdt, {E, 2 * I});
-      w.w2_bias = as_f32_or_bf16(dnb->t);
+      w.w13_bias = Tensor::empty(bdt, {n, 2 * I});
+      const Tensor b2 = as_f32_or_bf16(dnb->t);
+      if (n == E) {
+        w.w2_bias = b2;
+      } else {
+        w.w2_bias = Tensor::empty(b2.dtype(), {n, H});
+        const size_t b2s = dtype_size(b2.dtype());
+        for (int64_t i = 0; i < n; ++i)
+          std::memcpy(static_cast<char*>(w.w2_bias->data()) + i * H * b2s,
+                      static_cast<const char*>(b2.data()) + experts[i] * H * b2s, H * b2s);
+      }
     }
     const size_t es = dtype_size(dt), bes = dtype_size(bdt);
-    parallel_over(E, [&](int64_t e) {
-      char* d13 = static_cast<char*>(w.w13.data()) + static_cast<size_t>(e * 2 * I * H) * es;
+    parallel_over(n, [&](int64_t i) {
+      const int64_t e = experts[i];
+      char* d13 = static_cast<char*>(w.w13.data()) + static_cast<size_t>(i * 2 * I * H) * es;
       // gpt-oss: gate = columns 0, 2, 4, ...; up = 1, 3, 5, ... Llama-4: gate = [0, I), up = [I,
       // 2I).
       const int64_t gate_c0 = 0, up_c0 = interleaved ? 1 : I, step = interleaved ? 2 : 1;
@@ -346,9 +369,9 @@ MoELayerWeights load_moe_layer(const Checkpoint& checkpoint, const ModelInfo& in
       gather_transposed(gu.t.view(), e, up_c0, step, I, d13 + static_cast<size_t>(I * H) * es, dt);
       // down_proj [E, I, H] -> w2 [E, H, I].
       gather_transposed(dn.t.view(), e, 0, 1, H,
-                        static_cast<char*>(w.w2.data()) + static_cast<size_t>(e * H * I) * es, dt);
+                        static_cast<char*>(w.w2.data()) + static_cast<size_t>(i * H * I) * es, dt);
       if (gub) {
-        char* b = static_cast<char*>(w.w13_bias->data()) + static_cast<size_t>(e * 2 * I) * bes;
+        char* b = static_cast<char*>(w.w13_bias->data()) + static_cast<size_t>(i * 2 * I) * bes;
         gather_bias(gub->t.view(), e, gate_c0, step, I, b, bdt);
         gather_bias(gub->t.view(), e, up_c0, step, I, b + static_cast<size_t>(I) * bes, bdt);
       }
@@ -365,12 +388,18 @@ MoELayerWeights load_moe_layer(const Checkpoint& checkpoint, const ModelInfo& in
     check_dtype(dn, target_dtype(gu), checkpoint.path(), gu.name);
     out.experts.w13 = as_f32_or_bf16(gu.t);
     out.experts.w2 = as_f32_or_bf16(dn.t);
+    if (n != E) out.experts = shard_expert_weights(out.experts, experts, 1, 0);  // views
   } else if (mt == "mixtral") {
-    out.experts = load_per_expert(rd, checkpoint, E, H, I, "experts.", "w1.weight", "w3.weight",
-                                  "w2.weight", &progress);
+    out.experts = load_per_expert(rd, checkpoint, experts, H, I, "experts.", "w1.weight",
+                                  "w3.weight", "w2.weight", &progress);
   } else {
-    out.experts = load_per_expert(rd, checkpoint, E, H, I, "experts.", "gate_proj.weight",
+    out.experts = load_per_expert(rd, checkpoint, experts, H, I, "experts.", "gate_proj.weight",
                                   "up_proj.weight", "down_proj.weight", &progress);
+  }
+  if (par.tp_size > 1) {
+    std::vector<int64_t> all(n);
+    for (int64_t i = 0; i < n; ++i) all[i] = i;
+    out.experts = shard_expert_weights(out.experts, all, par.tp_size, par.tp_rank);
   }
 
   // ---- shared expert ----
@@ -380,8 +409,12 @@ MoELayerWeights load_moe_layer(const Checkpoint& checkpoint, const ModelInfo& in
         (mt == "deepseek_v2" || mt == "deepseek_v3") ? "shared_experts." : "shared_expert.";
     const std::string p = sp;
     out.shared_experts =
-        load_per_expert(rd, checkpoint, 1, H, S, "", (p + "gate_proj.weight").c_str(),
+        load_per_expert(rd, checkpoint, {0}, H, S, "", (p + "gate_proj.weight").c_str(),
                         (p + "up_proj.weight").c_str(), (p + "down_proj.weight").c_str(), nullptr);
+    if (par.tp_size > 1) {
+      const std::vector<int64_t> one{0};
+      out.shared_experts = shard_expert_weights(*out.shared_experts, one, par.tp_size, par.tp_rank);
+    }
     if (cfg.has_shared_expert_gate)
       out.shared_expert_gate = as_f32_or_bf16(rd.get("shared_expert_gate.weight", {1, H}).t);
   }

@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <functional>
 #include <limits>
@@ -141,12 +142,43 @@ TEST(MoEConfig, RejectsBadScalingAndWeightOnInput) {
                  {"top_k", "apply_router_weight_on_input", "got 4"});
 }
 
-TEST(MoEConfig, RejectsParallelLayouts) {
-  expect_invalid(with([](MoEConfig& c) { c.parallel.ep_size = 2; }),
-                 {"ep_size: expected 1 (expert parallelism is not implemented yet), got 2"});
-  expect_invalid(with([](MoEConfig& c) { c.parallel.tp_size = 4; }), {"tp_size", "got 4"});
-  expect_invalid(with([](MoEConfig& c) { c.parallel.dp_size = 2; }), {"dp_size", "got 2"});
-  expect_invalid(with([](MoEConfig& c) { c.parallel.ep_rank = 1; }), {"ep_rank", "got 1"});
+TEST(MoEConfig, ParallelLayouts) {
+  // Accepted: EP (E not a multiple of ep_size), TP, EP x TP, DP + EP, DP.
+  for (auto [ep, tp, dp] :
+       {std::array<int, 3>{3, 1, 1}, {1, 4, 1}, {2, 2, 1}, {4, 1, 4}, {1, 1, 2}, {16, 1, 1}}) {
+    MoEConfig c = valid_config();
+    c.parallel.ep_size = ep;
+    c.parallel.tp_size = tp;
+    c.parallel.dp_size = dp;
+    c.parallel.ep_rank = ep - 1;
+    c.parallel.tp_rank = tp - 1;
+    c.parallel.dp_rank = dp > 1 && ep > 1 ? ep - 1 : dp - 1;
+    EXPECT_NO_THROW(c.validate()) << ep << " " << tp << " " << dp;
+  }
+  expect_invalid(with([](MoEConfig& c) { c.parallel.ep_size = 0; }), {"ep_size", "got 0"});
+  expect_invalid(with([](MoEConfig& c) { c.parallel.ep_size = 17; }),
+                 {"ep_size: expected <= num_experts (16), got 17"});
+  expect_invalid(with([](MoEConfig& c) { c.parallel.tp_size = 49; }),
+                 {"tp_size: expected <= intermediate_size (48), got 49"});
+  expect_invalid(with([](MoEConfig& c) {
+                   c.shared_intermediate_size = 2;
+                   c.parallel.tp_size = 4;
+                 }),
+                 {"tp_size", "shared_intermediate_size (2)", "got 4"});
+  expect_invalid(with([](MoEConfig& c) {
+                   c.parallel.dp_size = 2;
+                   c.parallel.ep_size = 4;
+                 }),
+                 {"ep_size", "dp_size = 2", "got 4"});
+  expect_invalid(with([](MoEConfig& c) {
+                   c.parallel.dp_size = 2;
+                   c.parallel.ep_size = 2;
+                   c.parallel.ep_rank = 1;
+                 }),
+                 {"ep_rank: expected dp_rank (0)", "got 1"});
+  expect_invalid(with([](MoEConfig& c) { c.parallel.ep_rank = 1; }),
+                 {"ep_rank: expected in [0, ep_size = 1), got 1"});
+  expect_invalid(with([](MoEConfig& c) { c.parallel.tp_rank = -1; }), {"tp_rank", "got -1"});
 }
 
 TEST(MoEConfig, RejectsSimulatorAndHashParameters) {

@@ -6,10 +6,14 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <random>
 #include <set>
 
 #include "../parallel/parallel_test_util.h"
+#include "fixtures.h"
+#include "fusedmoe/io/hf_config.h"
+#include "fusedmoe/io/loader.h"
 #include "fusedmoe/parallel/communicator.h"
 #include "fusedmoe/parallel/distributed_experts.h"
 #include "fusedmoe/parallel/ep_prepare_finalize.h"
@@ -271,6 +275,62 @@ TEST(DistributedExperts, RejectsWeightsOfTheWrongShard) {
   config.intermediate_size = 8;
   const ExpertWeights five = test::random_experts(rng, 5, 16, 8, DType::kF32, false);
   EXPECT_THROW(DistributedExperts(config, ParallelGroups::single(), five), Error);
+}
+
+}  // namespace
+}  // namespace fusedmoe
+
+namespace fusedmoe {
+namespace {
+
+bool same_bytes(const Tensor& a, const Tensor& b) {
+  return a.dtype() == b.dtype() && a.shape_str() == b.shape_str() &&
+         std::memcmp(Tensor::copy_of(a.view()).data(), Tensor::copy_of(b.view()).data(),
+                     a.nbytes()) == 0;
+}
+
+// The loader's per-rank read equals slicing the full layer, for every layout
+// (per-expert, gpt-oss packed with biases, Llama-4 packed) and placement.
+TEST(LoadMoELayer, ReadsOnlyThisRanksShare) {
+  for (const std::string& arch : test::hf_fixture_archs()) {
+    SCOPED_TRACE(arch);
+    const std::string dir = test::hf_fixture_dir(arch);
+    const ModelInfo info = load_model_info(dir);
+    const Checkpoint ckpt = Checkpoint::open(dir);
+    const int64_t layer = info.moe_layers.front();
+    const MoEConfig& c = info.layer_config(layer);
+    LoadOptions quiet;
+    quiet.progress = false;
+    const MoELayerWeights full = load_moe_layer(ckpt, info, layer, quiet);
+    const int ep = static_cast<int>(std::min<int64_t>(3, c.num_experts));
+    for (ExpertPlacement pl : {ExpertPlacement::kContiguous, ExpertPlacement::kRoundRobin})
+      for (int tp : {1, 2})
+        for (int r = 0; r < ep * tp; ++r) {
+          LoadOptions o = quiet;
+          o.parallel = parallel_config_for_rank(r, ep, tp, 1);
+          o.parallel.expert_placement = pl;
+          const MoELayerWeights part = load_moe_layer(ckpt, info, layer, o);
+          const std::vector<int64_t> mine =
+              ExpertMap(c.num_experts, ep, pl).local_experts(o.parallel.ep_rank);
+          const ExpertWeights want =
+              shard_expert_weights(full.experts, mine, tp, o.parallel.tp_rank);
+          EXPECT_TRUE(same_bytes(part.experts.w13, want.w13)) << "rank " << r;
+          EXPECT_TRUE(same_bytes(part.experts.w2, want.w2)) << "rank " << r;
+          ASSERT_EQ(part.experts.w13_bias.has_value(), want.w13_bias.has_value());
+          if (want.w13_bias) {
+            EXPECT_TRUE(same_bytes(*part.experts.w13_bias, *want.w13_bias));
+            EXPECT_TRUE(same_bytes(*part.experts.w2_bias, *want.w2_bias));
+          }
+          if (c.has_shared_expert()) {
+            const std::vector<int64_t> zero{0};
+            const ExpertWeights s =
+                shard_expert_weights(*full.shared_experts, zero, tp, o.parallel.tp_rank);
+            EXPECT_TRUE(same_bytes(part.shared_experts->w13, s.w13));
+            EXPECT_TRUE(same_bytes(part.shared_experts->w2, s.w2));
+          }
+          EXPECT_TRUE(same_bytes(part.gate_weight, full.gate_weight));
+        }
+  }
 }
 
 }  // namespace

@@ -63,10 +63,20 @@ Activation parse_activation(const std::string& s);
 ScoringFunc parse_scoring_func(const std::string& s);
 SimulatedRouting parse_simulated_routing(const std::string& s);
 
+// Which EP rank holds which expert (parallel/expert_map.h): blocks of
+// consecutive experts (vLLM's default), or expert e on rank e % ep_size.
+enum class ExpertPlacement : uint8_t { kContiguous, kRoundRobin };
+
+// How one layer is spread over ranks (parallel/communicator.h, ParallelGroups):
+// experts over ep_size ranks, each expert's intermediate size over tp_size
+// ranks; dp_size > 1 = data-parallel token groups (ep_size 1 or dp_size).
+// World size = (dp_size > 1 ? dp_size : ep_size) * tp_size.
 struct ParallelConfig {
   int ep_size = 1, ep_rank = 0;
   int tp_size = 1, tp_rank = 0;
   int dp_size = 1, dp_rank = 0;
+  ExpertPlacement expert_placement = ExpertPlacement::kContiguous;
+  bool is_parallel() const { return ep_size > 1 || tp_size > 1 || dp_size > 1; }
 };
 
 struct MoEConfig {
@@ -113,8 +123,9 @@ struct MoEConfig {
   // Throws Error(kInvalidArgument) for configurations that cannot work:
   // non-positive sizes, top_k > experts, num_experts % num_expert_group != 0,
   // topk_group > num_expert_group, top_k > topk_group * experts per group,
-  // apply_router_weight_on_input with top_k != 1, parallel sizes other than 1
-  // (not supported yet), NaN/negative scaling, zipf_s <= 0, ...
+  // apply_router_weight_on_input with top_k != 1, parallel sizes < 1, ranks
+  // out of range, ep_size > num_experts, tp_size > intermediate sizes,
+  // dp_size > 1 with ep_size not 1 or dp_size, NaN/negative scaling, zipf_s <= 0, ...
   void validate() const;
 
   // One line per field, for `fusedmoe inspect` and messages.

@@ -24,6 +24,11 @@ namespace fusedmoe {
 struct LoadOptions {
   // Draw a progress bar on stderr when it is a terminal and loading takes long.
   bool progress = true;
+  // Only this rank's share of the routed experts is read (parallel/expert_map.h):
+  // the experts ExpertMap(E, ep_size, expert_placement) gives ep_rank, in local
+  // id order, each narrowed to TP slice tp_rank of I, and the shared expert
+  // narrowed likewise (shard_expert_weights). Default: everything.
+  ParallelConfig parallel;
 };
 
 // Throws Error(kInvalidArgument) if `layer` is not an MoE layer, Error(kIo)

@@ -19,8 +19,7 @@
 
 namespace fusedmoe {
 
-enum class ExpertPlacement : uint8_t { kContiguous, kRoundRobin };
-
+// ExpertPlacement is declared in config/moe_config.h (ParallelConfig).
 const char* to_string(ExpertPlacement p);
 // "contiguous" or "round-robin" (also "round_robin"); Error(kInvalidArgument) otherwise.
 ExpertPlacement parse_expert_placement(const std::string& s);
