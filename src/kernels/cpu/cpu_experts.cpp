@@ -40,16 +40,21 @@ int64_t build_items(const int64_t* offsets, int64_t E, int64_t cols, int64_t col
   return n;
 }
 
-// Runs fn(item, thread_index) for every item on the pool, items claimed dynamically.
+// Runs fn(item, next_item, thread_index) for every item on the pool, items
+// claimed dynamically, one ahead: next_item is the item this thread runs next
+// (-1 if none), so fn can have its weights prefetched.
 template <typename Fn>
 void run_items(ThreadPool& pool, int64_t n, Fn&& fn) {
   std::atomic<int64_t> next{0};
   pool.parallel_for(
       std::min<int64_t>(n, pool.num_threads()),
       [&](int64_t, int64_t, int tid) {
-        for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n;
-             i = next.fetch_add(1, std::memory_order_relaxed))
-          fn(i, tid);
+        int64_t i = next.fetch_add(1, std::memory_order_relaxed);
+        while (i < n) {
+          const int64_t j = next.fetch_add(1, std::memory_order_relaxed);
+          fn(i, j < n ? j : -1, tid);
+          i = j;
+        }
       },
       1);
 }
@@ -90,19 +95,28 @@ void CpuExperts::apply(const PrepareResult& prepared, const ExpertWeights& weigh
 
   // Phase 1: act[rows, i0:i1] = act_fn(X . w13[gate rows i0:i1]^T, X . w13[up rows]^T).
   int64_t n = build_items(offsets, E, I, kW13Block, items);
-  run_items(tp, n, [&](int64_t i, int tid) {
+  // Gate rows of item i (its up rows start I rows later).
+  const auto gate_rows = [&](int64_t i) {
+    return w13 + (items[i].expert * 2 * I + items[i].col0) * H * wsz;
+  };
+  run_items(tp, n, [&](int64_t i, int64_t next_i, int tid) {
     const WorkItem it = items[i];
     const int64_t e = it.expert, row = offsets[e] + it.row0;
     const int64_t rows = std::min(kRowBlock, offsets[e + 1] - row);
     const int64_t i0 = it.col0, nb = std::min(kW13Block, I - i0);
     float* gu = scratch + tid * per_thread;  // [rows, 2 * kW13Block]: gate | up
     const float* x = X.data_as<const float>() + row * ldx;
-    const char* we = w13 + e * 2 * I * H * wsz;
+    const char* wg = gate_rows(i);
     const char* be = b13 ? b13 + e * 2 * I * b13sz : nullptr;
-    gemm_nt(rows, nb, H, x, ldx, we + i0 * H * wsz, wdt, H, be ? be + i0 * b13sz : nullptr, b13t,
-            gu, 2 * kW13Block);
-    gemm_nt(rows, nb, H, x, ldx, we + (I + i0) * H * wsz, wdt, H,
-            be ? be + (I + i0) * b13sz : nullptr, b13t, gu + kW13Block, 2 * kW13Block);
+    const int64_t row_bytes = H * static_cast<int64_t>(wsz);
+    const GemmPrefetch up_next{wg + I * row_bytes, nb, row_bytes, row_bytes};
+    const GemmPrefetch item_next{next_i >= 0 ? gate_rows(next_i) : nullptr,
+                                 next_i >= 0 ? std::min(kW13Block, I - items[next_i].col0) : 0,
+                                 row_bytes, row_bytes};
+    gemm_nt(rows, nb, H, x, ldx, wg, wdt, H, be ? be + i0 * b13sz : nullptr, b13t, gu,
+            2 * kW13Block, &up_next);
+    gemm_nt(rows, nb, H, x, ldx, wg + I * row_bytes, wdt, H, be ? be + (I + i0) * b13sz : nullptr,
+            b13t, gu + kW13Block, 2 * kW13Block, next_i >= 0 ? &item_next : nullptr);
     activation_rows(params.activation, gu, gu + kW13Block, 2 * kW13Block, act + row * I + i0, I,
                     rows, nb, round_bf16);
   });
@@ -110,14 +124,20 @@ void CpuExperts::apply(const PrepareResult& prepared, const ExpertWeights& weigh
   // Phase 2: out[rows, h0:h1] = act[rows] . w2[h0:h1]^T (+ bias).
   n = build_items(offsets, E, H, kW2Block, items);
   float* o = out.data_as<float>();
-  run_items(tp, n, [&](int64_t i, int) {
+  run_items(tp, n, [&](int64_t i, int64_t next_i, int) {
     const WorkItem it = items[i];
     const int64_t e = it.expert, row = offsets[e] + it.row0;
     const int64_t rows = std::min(kRowBlock, offsets[e + 1] - row);
     const int64_t h0 = it.col0, hb = std::min(kW2Block, H - h0);
     const char* we = w2 + (e * H + h0) * I * wsz;
     const char* be = b2 ? b2 + (e * H + h0) * b2sz : nullptr;
-    gemm_nt(rows, hb, I, act + row * I, I, we, wdt, I, be, b2t, o + row * ldo + h0, ldo);
+    const int64_t row_bytes = I * static_cast<int64_t>(wsz);
+    GemmPrefetch pf;
+    if (next_i >= 0)
+      pf = {w2 + (items[next_i].expert * H + items[next_i].col0) * row_bytes,
+            std::min(kW2Block, H - items[next_i].col0), row_bytes, row_bytes};
+    gemm_nt(rows, hb, I, act + row * I, I, we, wdt, I, be, b2t, o + row * ldo + h0, ldo,
+            next_i >= 0 ? &pf : nullptr);
   });
 }
 

@@ -20,7 +20,7 @@ namespace fusedmoe::cpu {
 // over K padded with zeros to a multiple of 16, then the fixed tree.
 void gemm_nt_scalar(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const void* W,
                     bool w_bf16, int64_t ldw, const void* bias, bool bias_bf16, float* C,
-                    int64_t ldc) {
+                    int64_t ldc, const GemmPrefetch*) {
   const DType wt = w_bf16 ? DType::kBF16 : DType::kF32;
   const DType bt = bias_bf16 ? DType::kBF16 : DType::kF32;
   const int64_t k_pad = (K + 15) / 16 * 16;
@@ -158,11 +158,11 @@ void set_gemm_isa(CpuIsa isa) {
 // ---------------------------------------------------------------- entry points
 
 void gemm_nt(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const void* W,
-             DType w_dtype, int64_t ldw, const void* bias, DType bias_dtype, float* C,
-             int64_t ldc) {
+             DType w_dtype, int64_t ldw, const void* bias, DType bias_dtype, float* C, int64_t ldc,
+             const GemmPrefetch* next) {
   if (M <= 0 || N <= 0) return;
   current_kernel()(M, N, K, A, lda, W, w_dtype == DType::kBF16, ldw, bias,
-                   bias_dtype == DType::kBF16, C, ldc);
+                   bias_dtype == DType::kBF16, C, ldc, next);
 }
 
 void gemm_nt_parallel(ThreadPool& pool, int64_t M, int64_t N, int64_t K, const float* A,
@@ -185,7 +185,7 @@ void gemm_nt_parallel(ThreadPool& pool, int64_t M, int64_t N, int64_t K, const f
           kernel(std::min(mb, M - m0), std::min(nb, N - n0), K, A + m0 * lda, lda,
                  static_cast<const char*>(W) + n0 * ldw * wsize, w_bf16, ldw,
                  bias ? static_cast<const char*>(bias) + n0 * bsize : nullptr, bias_bf16,
-                 C + m0 * ldc + n0, ldc);
+                 C + m0 * ldc + n0, ldc, nullptr);
         }
       },
       1);

@@ -38,15 +38,19 @@
 
 #include "fusedmoe/core/dtype.h"
 #include "fusedmoe/core/thread_pool.h"
+#include "kernels/cpu/gemm_kernels.h"  // GemmPrefetch
 
 namespace fusedmoe::cpu {
 
 // Serial GEMM on the calling thread (see the file comment). w_dtype: kF32 or
 // kBF16; bias: nullptr or N values of bias_dtype (kF32 or kBF16).
-// K = 0 gives C = bias (or 0); M or N of 0 writes nothing. Uses a grow-only
-// per-thread scratch block (at most ~0.6 MiB) for M >= 8.
+// K = 0 gives C = bias (or 0); M or N of 0 writes nothing. Large M uses a
+// per-thread scratch (~1.3 MiB, allocated on the thread's first such call).
+// `next`: optional hint of the weights this thread multiplies next (see
+// GemmPrefetch in gemm_kernels.h); it never changes the result.
 void gemm_nt(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const void* W,
-             DType w_dtype, int64_t ldw, const void* bias, DType bias_dtype, float* C, int64_t ldc);
+             DType w_dtype, int64_t ldw, const void* bias, DType bias_dtype, float* C, int64_t ldc,
+             const GemmPrefetch* next = nullptr);
 
 // The same product split over `pool` in (row block, column block) work items.
 // Results are bit-identical to gemm_nt.

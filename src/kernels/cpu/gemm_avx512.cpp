@@ -77,8 +77,8 @@ constexpr int64_t kLargeMinM = 8;
 
 void gemm_nt_avx512(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const void* W,
                     bool w_bf16, int64_t ldw, const void* bias, bool bias_bf16, float* C,
-                    int64_t ldc) {
-  gemm_entry(M, N, K, A, lda, W, w_bf16, ldw, bias, bias_bf16, C, ldc);
+                    int64_t ldc, const GemmPrefetch* next) {
+  gemm_entry(M, N, K, A, lda, W, w_bf16, ldw, bias, bias_bf16, C, ldc, next);
 }
 
 }  // namespace fusedmoe::cpu
