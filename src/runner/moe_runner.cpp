@@ -79,14 +79,32 @@ void MoELayerWeights::validate(const MoEConfig& config) const {
     FUSEDMOE_CHECK(!gate_bias.has_value(),
                    "gate_bias: given, but the config has no router bias (has_router_bias = false)");
   }
-  experts.validate(E, H, config.intermediate_size, config.has_expert_bias, "experts");
+  // Under a parallel layout the experts may be this rank's share only.
+  const ParallelConfig& pc = config.parallel;
+  const bool full_experts =
+      !pc.is_parallel() || (experts.w13.ndim() == 3 && experts.w13.size(0) == E &&
+                            experts.w13.size(1) == 2 * config.intermediate_size);
+  if (full_experts) {
+    experts.validate(E, H, config.intermediate_size, config.has_expert_bias, "experts");
+  } else {
+    const int64_t E_local =
+        ExpertMap(E, pc.ep_size, pc.expert_placement).num_local_experts(pc.ep_rank);
+    const int64_t I_local = tp_slice(config.intermediate_size, pc.tp_size, pc.tp_rank).second;
+    experts.validate(E_local, H, I_local, config.has_expert_bias,
+                     "experts (neither the whole layer nor this rank's share)");
+  }
+  const int64_t S_local =
+      config.has_shared_expert() && shared_experts && shared_experts->w2.ndim() == 3 &&
+              shared_experts->w2.size(2) != config.shared_intermediate_size && pc.tp_size > 1
+          ? tp_slice(config.shared_intermediate_size, pc.tp_size, pc.tp_rank).second
+          : config.shared_intermediate_size;
   if (config.has_shared_expert()) {
     FUSEDMOE_CHECK(shared_experts.has_value(), "shared_experts: missing (expected w13 [1, ",
                    2 * config.shared_intermediate_size, ", ", H, "], w2 [1, ", H, ", ",
                    config.shared_intermediate_size,
                    "]; the config has shared_intermediate_size = ", config.shared_intermediate_size,
                    ")");
-    shared_experts->validate(1, H, config.shared_intermediate_size, false, "shared_experts");
+    shared_experts->validate(1, H, S_local, false, "shared_experts");
   } else {
     FUSEDMOE_CHECK(!shared_experts.has_value(),
                    "shared_experts: given, but the config has no shared expert "
@@ -116,6 +134,42 @@ MoERunner::MoERunner(MoEConfig config, MoELayerWeights weights, RunnerOptions op
   router_ = create_router(config_, weights_.router_params);
   kernel_ = make_cpu_modular_kernel(options_.pool);
   workspace_ = std::make_unique<Workspace>();
+  if (config_.parallel.is_parallel()) {
+    const ParallelConfig& pc = config_.parallel;
+    if (options_.device.type != DeviceType::kCPU)
+      FUSEDMOE_THROW(kUnsupported,
+                     "parallel layouts (ep/tp/dp size > 1) run on the CPU backend only so far");
+    std::shared_ptr<Communicator> world =
+        options_.communicator ? options_.communicator
+                              : std::shared_ptr<Communicator>(make_single_rank_communicator());
+    ParallelGroups groups = ParallelGroups::create(world, pc.ep_size, pc.tp_size, pc.dp_size);
+    const ParallelConfig& g = groups.config;
+    FUSEDMOE_CHECK(g.ep_rank == pc.ep_rank && g.tp_rank == pc.tp_rank && g.dp_rank == pc.dp_rank,
+                   "config.parallel: ranks (ep ", pc.ep_rank, ", tp ", pc.tp_rank, ", dp ",
+                   pc.dp_rank, ") do not match communicator rank ", world->rank(), " (ep ",
+                   g.ep_rank, ", tp ", g.tp_rank, ", dp ", g.dp_rank,
+                   "; see parallel_config_for_rank)");
+    // Keep only this rank's share (a no-op for weights loaded with LoadOptions.parallel).
+    const int64_t E = config_.num_experts, I = config_.intermediate_size;
+    if (weights_.experts.num_experts() == E && weights_.experts.w13.size(1) == 2 * I &&
+        (pc.ep_size > 1 || pc.tp_size > 1)) {
+      const std::vector<int64_t> mine =
+          ExpertMap(E, pc.ep_size, pc.expert_placement).local_experts(pc.ep_rank);
+      weights_.experts = shard_expert_weights(weights_.experts, mine, pc.tp_size, pc.tp_rank);
+    }
+    if (weights_.shared_experts && pc.tp_size > 1 &&
+        weights_.shared_experts->intermediate_size() == config_.shared_intermediate_size) {
+      const std::vector<int64_t> zero{0};
+      weights_.shared_experts =
+          shard_expert_weights(*weights_.shared_experts, zero, pc.tp_size, pc.tp_rank);
+    }
+    DistributedOptions dopts;
+    dopts.placement = pc.expert_placement;
+    dopts.dispatch_dtype = options_.dispatch_dtype;
+    dopts.pool = options_.pool;
+    parallel_ =
+        std::make_unique<DistributedExperts>(config_, std::move(groups), weights_.experts, dopts);
+  }
   if (options_.device.type == DeviceType::kCUDA) {
 #ifdef FUSEDMOE_WITH_CUDA
     FUSEDMOE_CHECK(options_.compute_dtype == DType::kBF16,
@@ -208,7 +262,20 @@ void MoERunner::forward(const TensorView& hidden_states, const TensorView& outpu
   if (want_ids) check_tensor(outputs->topk_ids, "outputs.topk_ids", DType::kI32, {T, k});
   if (want_weights)
     check_tensor(outputs->topk_weights, "outputs.topk_weights", DType::kF32, {T, k});
-  if (T == 0) return;
+  ExpertsParams params;
+  params.activation = ActivationParams::from_config(config_);
+  params.compute_dtype = options_.compute_dtype;
+  if (T == 0) {
+    if (parallel_) {
+      // This rank has no tokens, but the EP / DP group's collectives still run.
+      Workspace& ws = *workspace_;
+      const TensorView no_ids(ws.get(cpu::kWsTopkIds, 64), DType::kI32, {0, k});
+      const TensorView no_weights(ws.get(cpu::kWsTopkWeights, 64), DType::kF32, {0, k});
+      parallel_->forward(hidden_states, no_ids, no_weights, params,
+                         config_.apply_router_weight_on_input, output, ws);
+    }
+    return;
+  }
 
   Workspace& ws = *workspace_;
   ThreadPool& pool = options_.pool ? *options_.pool : ThreadPool::global();
@@ -241,15 +308,19 @@ void MoERunner::forward(const TensorView& hidden_states, const TensorView& outpu
                   L * sizeof(float));
   }
 
-  // ---- routed experts ----
-  ExpertsParams params;
-  params.activation = ActivationParams::from_config(config_);
-  params.compute_dtype = options_.compute_dtype;
-  kernel_->forward(hidden_states, ids, weights, weights_.experts, params,
-                   config_.apply_router_weight_on_input, output, ws);
+  // ---- routed experts (over ranks under a parallel layout) ----
+  if (parallel_)
+    parallel_->forward(hidden_states, ids, weights, params, config_.apply_router_weight_on_input,
+                       output, ws);
+  else
+    kernel_->forward(hidden_states, ids, weights, weights_.experts, params,
+                     config_.apply_router_weight_on_input, output, ws);
 
   // ---- shared expert: the same Experts machinery with E = 1, every token routed to it ----
-  if (!config_.has_shared_expert()) return;
+  if (!config_.has_shared_expert()) {
+    if (parallel_) parallel_->reduce_tp(output);  // the one TP all-reduce (routed only)
+    return;
+  }
   PrepareResult shared;
   if (options_.compute_dtype == DType::kBF16) {
     auto* x = static_cast<float*>(ws.get(cpu::kWsSharedInput, T * H * sizeof(float)));
@@ -294,6 +365,8 @@ void MoERunner::forward(const TensorView& hidden_states, const TensorView& outpu
       }
     }
   });
+  // The one TP all-reduce, of routed + shared together.
+  if (parallel_) parallel_->reduce_tp(output);
 }
 
 Tensor MoERunner::forward(const TensorView& hidden_states, const TensorView* router_logits) {

@@ -76,3 +76,24 @@ inline bool bit_identical(const TensorView& a, const TensorView& b) {
 }
 
 }  // namespace fusedmoe::test
+
+#include "fusedmoe/runner/moe_runner.h"
+
+namespace fusedmoe::test {
+
+// A random full layer for `c` (router, routed experts, shared expert, gates).
+inline MoELayerWeights random_layer(std::mt19937_64& rng, const MoEConfig& c, DType dtype) {
+  MoELayerWeights w;
+  const int64_t L = c.num_router_logits(), H = c.hidden_size;
+  w.gate_weight = random_weight(rng, {L, H}, 3.0f / std::sqrt(static_cast<float>(H)), dtype);
+  if (c.has_router_bias) w.gate_bias = random_weight(rng, {L}, 0.5f, dtype);
+  if (c.has_e_score_correction_bias)
+    w.router_params.e_score_correction_bias = random_f32(rng, {c.num_experts}, -0.1f, 0.1f);
+  w.experts = random_experts(rng, c.num_experts, H, c.intermediate_size, dtype, c.has_expert_bias);
+  if (c.has_shared_expert())
+    w.shared_experts = random_experts(rng, 1, H, c.shared_intermediate_size, dtype, false);
+  if (c.has_shared_expert_gate) w.shared_expert_gate = random_weight(rng, {1, H}, 0.3f, dtype);
+  return w;
+}
+
+}  // namespace fusedmoe::test

@@ -140,7 +140,16 @@ void run_case(std::mt19937_64& rng, const Layout& L, const ParallelGroups& group
   if (ep_a2a) {
     const EpStats* st = de.ep_stats();
     ASSERT_NE(st, nullptr);
-    EXPECT_GT(st->dispatch_rows_sent, 0);
+    // One row per (token, destination rank), not one per expert.
+    int64_t rows = 0;
+    for (int64_t t = off[g]; t < off[g + 1]; ++t) {
+      std::vector<bool> hit(pc.ep_size, false);
+      for (int64_t j = 0; j < k; ++j) {
+        const int32_t id = ids.data_as<int32_t>()[t * k + j];
+        if (id >= 0 && !hit[map.rank_of(id)]) hit[map.rank_of(id)] = true, ++rows;
+      }
+    }
+    EXPECT_EQ(st->dispatch_rows_sent, rows);
   }
 }
 

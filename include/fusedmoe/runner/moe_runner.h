@@ -9,6 +9,13 @@
 // routed_scaling_factor is applied once, in the router, to topk_weights (as HF
 // DeepseekV3 does). Llama-4 scales the expert input (apply_router_weight_on_input).
 // The order of operations per architecture follows the HF modeling files.
+//
+// Parallel layouts (config.parallel, RunnerOptions.communicator): each rank
+// brings its own tokens (EP / DP groups; TP ranks of a group bring the same
+// ones) and computes the routed experts with DistributedExperts; the shared
+// expert runs once per token (on the token's rank; TP ranks each compute their
+// slice of it); routed + shared are summed over the TP group by one
+// all-reduce; expert biases are added once (w2_bias on tp_rank 0 only).
 #pragma once
 
 #include <memory>
@@ -19,6 +26,7 @@
 #include "fusedmoe/core/thread_pool.h"
 #include "fusedmoe/experts/expert_weights.h"
 #include "fusedmoe/kernels/modular_kernel.h"
+#include "fusedmoe/parallel/distributed_experts.h"
 #include "fusedmoe/routing/router.h"
 
 namespace fusedmoe {
@@ -53,6 +61,13 @@ struct RunnerOptions {
   Device device{};
   int64_t max_num_tokens = 0;  // CUDA: the largest T forward() accepts (0: 8192)
   void* cuda_stream = nullptr;
+  // Parallel layouts (config.parallel sizes > 1; CPU backend): the communicator
+  // over all ranks of the layout (parallel/communicator.h ParallelGroups; its
+  // rank must match config.parallel's ranks; nullptr: one rank). The weights
+  // may be the whole layer (the runner keeps this rank's share) or only this
+  // rank's share, as load_moe_layer with LoadOptions.parallel reads it.
+  std::shared_ptr<Communicator> communicator;
+  DispatchDType dispatch_dtype = DispatchDType::kAuto;  // EP all-to-all payload
 };
 
 // Optional caller buffers that receive the router's results.
@@ -87,6 +102,9 @@ class MoERunner {
   const MoEConfig& config() const { return config_; }
   const MoELayerWeights& weights() const { return weights_; }
   const Router& router() const { return *router_; }
+  // The routed experts over ranks when config.parallel is not all 1, else null
+  // (expert map, groups, dispatch/combine statistics of the last forward).
+  const DistributedExperts* distributed() const { return parallel_.get(); }
 
  private:
   MoEConfig config_;
@@ -95,7 +113,8 @@ class MoERunner {
   std::unique_ptr<Router> router_;
   std::unique_ptr<ModularKernel> kernel_;
   std::unique_ptr<Workspace> workspace_;
-  std::unique_ptr<cuda::CudaMoELayer> cuda_;  // CUDA backend, else null
+  std::unique_ptr<cuda::CudaMoELayer> cuda_;      // CUDA backend, else null
+  std::unique_ptr<DistributedExperts> parallel_;  // parallel layouts, else null
 };
 
 }  // namespace fusedmoe
