@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs the CUDA tests and benchmark on a device machine, from binaries built
 # here (scripts/device_pack.sh puts them with their libraries in .devbin/).
-# Usage (on the device, repository root): scripts/device_run.sh [tests|bench|all] [gtest filter]
+# Usage (on the device, repository root): scripts/device_run.sh [tests|sanitize|bench|all] [gtest filter]
+# Env: BENCH_ARGS (e.g. --sweep), SKIP_TORCH=1, TORCH_ITERS.
 # Logs go to $OUT (or ./out).
 set -uo pipefail
 what=${1:-all}
@@ -16,7 +17,7 @@ bin=$root/.devbin
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
 rc=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  for t in test_cuda_routing test_cuda_align test_cuda_runner test_cuda_conformance_hf; do
+  for t in test_cuda_routing test_cuda_align test_cuda_gemm test_cuda_runner test_cuda_conformance_hf; do
     timeout 300 "$bin/$t" --gtest_filter="$filter" >"$OUT/$t.log" 2>&1
     r=$?
     [ $r -ne 0 ] && rc=1
@@ -24,10 +25,24 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     grep -E "Failure|FAILED|error|Expected|Which is|actual|seed" "$OUT/$t.log" | head -25
   done
 fi
+if [ "$what" = sanitize ] || [ "$what" = all ]; then
+  # compute-sanitizer on small cases (memcheck: bounds and leaks; racecheck: shared memory).
+  timeout 150 compute-sanitizer --tool memcheck --leak-check full --error-exitcode 9 \
+    "$bin/test_cuda_gemm" >"$OUT/memcheck_gemm.log" 2>&1
+  echo "== memcheck test_cuda_gemm rc=$? $(grep -E 'ERROR SUMMARY|PASSED|FAILED' "$OUT/memcheck_gemm.log" | tr '\n' ' ')"
+  timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 "$bin/test_cuda_runner" \
+    --gtest_filter='Architectures/*' >"$OUT/memcheck_runner.log" 2>&1
+  echo "== memcheck test_cuda_runner rc=$? $(grep -E 'ERROR SUMMARY|PASSED|FAILED' "$OUT/memcheck_runner.log" | tr '\n' ' ')"
+  timeout 150 compute-sanitizer --tool racecheck --error-exitcode 9 "$bin/test_cuda_runner" \
+    --gtest_filter='Architectures/*.*/deepseek_v3' >"$OUT/racecheck_runner.log" 2>&1
+  echo "== racecheck test_cuda_runner rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED' "$OUT/racecheck_runner.log" | tr '\n' ' ')"
+fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   mkdir -p /tmp/dump
-  timeout 240 "$bin/bench_cuda_moe" --dump-dir /tmp/dump ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.md"
-  PYTHONUNBUFFERED=1 timeout 300 python3 bench/cuda/torch_baseline.py /tmp/dump --iters ${TORCH_ITERS:-10} \
-    2>&1 | tee "$OUT/bench_torch.md"
+  timeout 300 "$bin/bench_cuda_moe" --dump-dir /tmp/dump ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.md"
+  if [ -z "${SKIP_TORCH:-}" ]; then
+    PYTHONUNBUFFERED=1 timeout 300 python3 bench/cuda/torch_baseline.py /tmp/dump --iters ${TORCH_ITERS:-10} \
+      2>&1 | tee "$OUT/bench_torch.md"
+  fi
 fi
 exit $rc

@@ -1,4 +1,5 @@
-// fusedmoe CUDA benchmark: routed experts (align -> w13 GEMM + SiLU-GLU ->
+// fusedmoe CUDA benchmark (run_cuda_bench; bench_cuda_moe and `fusedmoe bench
+// --backend cuda` call it): routed experts (align -> w13 GEMM + SiLU-GLU ->
 // w2 GEMM x topk_weights -> finalize) on layer shapes of Mixtral-8x7B,
 // Qwen3-30B-A3B and DeepSeek-V3, bf16 weights and activations, uniform routing.
 //
@@ -27,9 +28,10 @@
 #include <string>
 #include <vector>
 
+#include "bench/cuda/cuda_bench.h"
 #include "fusedmoe/kernels/cuda.h"
 
-using namespace fusedmoe;
+namespace fusedmoe::bench {
 
 #define CK(expr)                                                                                 \
   do {                                                                                           \
@@ -78,19 +80,6 @@ const Shape kShapes[] = {
 
 constexpr uint32_t kSeedW13 = 11, kSeedW2 = 12, kSeedX = 13;
 
-std::vector<int64_t> parse_list(const char* s) {
-  std::vector<int64_t> v;
-  std::string t(s);
-  size_t p = 0;
-  while (p < t.size()) {
-    size_t q = t.find(',', p);
-    if (q == std::string::npos) q = t.size();
-    v.push_back(std::stoll(t.substr(p, q - p)));
-    p = q + 1;
-  }
-  return v;
-}
-
 void write_file(const std::string& path, const void* data, size_t bytes) {
   std::ofstream f(path, std::ios::binary);
   f.write(static_cast<const char*>(data), static_cast<std::streamsize>(bytes));
@@ -102,38 +91,17 @@ void write_file(const std::string& path, const void* data, size_t bytes) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  std::string shapes_arg = "mixtral,qwen3,deepseek", dump_dir;
-  std::vector<int64_t> tokens = {1, 16, 64, 128, 256, 1024, 4096};
-  int routings = 8, iters = 40;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    auto next = [&]() -> const char* {
-      if (i + 1 >= argc) {
-        std::fprintf(stderr, "%s needs a value\n", a.c_str());
-        std::exit(2);
-      }
-      return argv[++i];
-    };
-    if (a == "--shapes")
-      shapes_arg = next();
-    else if (a == "--tokens")
-      tokens = parse_list(next());
-    else if (a == "--routings")
-      routings = std::atoi(next());
-    else if (a == "--iters")
-      iters = std::atoi(next());
-    else if (a == "--dump-dir")
-      dump_dir = next();
-    else {
-      std::fprintf(stderr,
-                   "usage: bench_cuda_moe [--shapes mixtral,qwen3,deepseek] [--tokens 1,16,...] "
-                   "[--routings 8] [--iters 40] [--dump-dir DIR]\n");
-      return 2;
-    }
+int run_cuda_bench(const CudaBenchOptions& o) {
+  const std::string shapes_arg = o.shapes, dump_dir = o.dump_dir;
+  const std::vector<int64_t> tokens = o.tokens;
+  const int routings = o.routings, iters = o.iters;
+  const bool sweep = o.sweep;
+  if (tokens.empty() || routings < 1 || iters < 1) {
+    std::fprintf(stderr, "cuda bench: need tokens, routings >= 1, iters >= 1\n");
+    return 2;
   }
   if (cuda::device_count() == 0) {
-    std::printf("bench_cuda_moe: skipped: no CUDA device\n");
+    std::printf("cuda bench: skipped: no CUDA device\n");
     return 0;
   }
   cudaDeviceProp prop{};
@@ -207,8 +175,9 @@ int main(int argc, char** argv) {
       const int64_t slots = T * k;
       const double exp_touched =
           static_cast<double>(E) * (1.0 - std::pow(1.0 - static_cast<double>(k) / E, T));
-      const int64_t rows = static_cast<int64_t>(std::ceil(slots / std::max(1.0, exp_touched)));
-      const cuda::GemmTile tile = cuda::pick_gemm_tile(rows, 2 * I, H);
+      const int64_t rows = static_cast<int64_t>(std::llround(slots / std::max(1.0, exp_touched)));
+      const cuda::GemmTile picked = cuda::pick_gemm_tile(rows, 2 * I, H);
+      cuda::GemmTile tile = picked;
       auto enqueue = [&](int r) {
         cuda::AlignArgs al;
         al.topk_ids = ids + r * slots;
@@ -261,49 +230,62 @@ int main(int argc, char** argv) {
         cuda::finalize(f, stream);
       };
       // Warm-up (sets kernel attributes outside capture), then one graph per routing.
-      enqueue(0);
-      CK(cudaStreamSynchronize(stream));
+      auto time_tile = [&](cuda::GemmTile t) {
+        tile = t;
+        enqueue(0);
+        CK(cudaStreamSynchronize(stream));
+        std::vector<cudaGraphExec_t> execs(routings);
+        for (int r = 0; r < routings; ++r) {
+          cudaGraph_t g;
+          CK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+          enqueue(r);
+          CK(cudaStreamEndCapture(stream, &g));
+          CK(cudaGraphInstantiate(&execs[r], g, 0));
+          CK(cudaGraphDestroy(g));
+        }
+        for (int r = 0; r < routings; ++r) CK(cudaGraphLaunch(execs[r], stream));  // warm-up
+        std::vector<cudaEvent_t> ev(2 * iters);
+        for (auto& e : ev) CK(cudaEventCreate(&e));
+        for (int i = 0; i < iters; ++i) {
+          CK(cudaEventRecord(ev[2 * i], stream));
+          CK(cudaGraphLaunch(execs[i % routings], stream));
+          CK(cudaEventRecord(ev[2 * i + 1], stream));
+        }
+        CK(cudaStreamSynchronize(stream));
+        std::vector<float> ms(iters);
+        for (int i = 0; i < iters; ++i) CK(cudaEventElapsedTime(&ms[i], ev[2 * i], ev[2 * i + 1]));
+        for (auto& e : ev) CK(cudaEventDestroy(e));
+        for (auto& e : execs) CK(cudaGraphExecDestroy(e));
+        std::sort(ms.begin(), ms.end());
+        return ms[iters / 2] * 1e3;
+      };
+      std::string sweep_text;
+      if (sweep) {
+        for (int ti = 0; ti < cuda::kNumGemmTiles; ++ti) {
+          const auto t = static_cast<cuda::GemmTile>(ti);
+          char b2[64];
+          std::snprintf(b2, sizeof b2, " %s %.1f", cuda::gemm_tile_name(t), time_tile(t));
+          sweep_text += b2;
+        }
+      }
+      const double us = time_tile(picked);
       if (!dump_dir.empty()) {
         const std::string base = dump_dir + "/" + s.name + "_T" + std::to_string(T);
         std::vector<uint16_t> out_h(T * H);
+        enqueue(0);
+        CK(cudaStreamSynchronize(stream));
         CK(cudaMemcpy(out_h.data(), out, T * H * 2, cudaMemcpyDeviceToHost));
         write_file(base + "_ids.bin", ids_h.data(), ids_h.size() * 4);
         write_file(base + "_weights.bin", w_h.data(), w_h.size() * 4);
         write_file(base + "_out0.bin", out_h.data(), out_h.size() * 2);
       }
-      std::vector<cudaGraphExec_t> execs(routings);
-      for (int r = 0; r < routings; ++r) {
-        cudaGraph_t g;
-        CK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-        enqueue(r);
-        CK(cudaStreamEndCapture(stream, &g));
-        CK(cudaGraphInstantiate(&execs[r], g, 0));
-        CK(cudaGraphDestroy(g));
-      }
-      for (int r = 0; r < routings; ++r) CK(cudaGraphLaunch(execs[r], stream));  // warm-up
-      std::vector<cudaEvent_t> ev(2 * iters);
-      for (auto& e : ev) CK(cudaEventCreate(&e));
-      for (int i = 0; i < iters; ++i) {
-        CK(cudaEventRecord(ev[2 * i], stream));
-        CK(cudaGraphLaunch(execs[i % routings], stream));
-        CK(cudaEventRecord(ev[2 * i + 1], stream));
-      }
-      CK(cudaStreamSynchronize(stream));
-      std::vector<float> ms(iters);
-      for (int i = 0; i < iters; ++i) CK(cudaEventElapsedTime(&ms[i], ev[2 * i], ev[2 * i + 1]));
-      for (auto& e : ev) CK(cudaEventDestroy(e));
-      for (auto& e : execs) CK(cudaGraphExecDestroy(e));
-      std::sort(ms.begin(), ms.end());
-      const double us = ms[iters / 2] * 1e3;
       const double flops = 2.0 * slots * 3.0 * H * I;
       const double bytes = touched * 3.0 * H * I * 2 + 2.0 * T * H * 2;
       const double floor_us = std::max(bytes / 4.8e12, flops / 790e12) * 1e6;
-      const char* tname = tile == cuda::GemmTile::kM16N64    ? "m16n64"
-                          : tile == cuda::GemmTile::kM64N128 ? "m64n128"
-                                                             : "m128n128";
-      std::printf("| %s | %lld | %s | %.1f | %.1f | %.0f | %.1f | %.0f%% |\n", s.name,
+      const char* tname = cuda::gemm_tile_name(picked);
+      std::printf("| %s | %lld | %s | %.1f | %.1f | %.0f | %.1f | %.0f%% |%s\n", s.name,
                   static_cast<long long>(T), tname, us, flops / us * 1e-6, bytes / us * 1e-3,
-                  floor_us, 100.0 * floor_us / us);
+                  floor_us, 100.0 * floor_us / us, sweep_text.c_str());
       std::fflush(stdout);
       char buf[512];
       std::snprintf(buf, sizeof buf,
@@ -327,3 +309,5 @@ int main(int argc, char** argv) {
   }
   return 0;
 }
+
+}  // namespace fusedmoe::bench

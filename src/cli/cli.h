@@ -36,6 +36,8 @@ struct RunOptions {
   double tolerance = -1.0;  // < 0: default for the compute dtype
   int repeat = 1;
   bool quiet = false;
+  std::string backend = "cpu";  // cpu or cuda (bf16 compute on the GPU)
+  bool compute_dtype_given = false;
 };
 CLI::App* add_run_command(CLI::App& app, RunOptions& opts);
 int run_run(const RunOptions& opts);
@@ -52,7 +54,10 @@ struct BenchOptions {
   double memory_fraction = 0.25;
   uint64_t seed = 1234;
   bool no_baseline = false;
-  int64_t max_experts = 0;  // > 0: cap E of every shape (quick runs, tests)
+  std::string backend = "cpu";  // cpu or cuda (bench/cuda/cuda_bench.cu: CUDA events, graphs)
+  bool sweep = false;           // cuda: also time every GEMM tile configuration
+  std::string dump_dir;         // cuda: inputs and outputs for bench/cuda/torch_baseline.py
+  int64_t max_experts = 0;      // > 0: cap E of every shape (quick runs, tests)
 };
 CLI::App* add_bench_command(CLI::App& app, BenchOptions& opts);
 int run_bench(const BenchOptions& opts);

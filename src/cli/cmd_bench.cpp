@@ -10,6 +10,9 @@
 #include "cli/bench_common.h"
 #include "cli/cli.h"
 #include "fusedmoe/core/thread_pool.h"
+#ifdef FUSEDMOE_WITH_CUDA
+#include "bench/cuda/cuda_bench.h"
+#endif
 
 namespace fusedmoe::cli {
 namespace {
@@ -57,11 +60,32 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& o) {
                   "Use at most this many experts per shape (quick runs; k, H, I are kept)")
       ->check(CLI::PositiveNumber);
   cmd->add_flag("--no-baseline", o.no_baseline, "Skip the BLAS-per-expert baseline");
+  cmd->add_option("--backend", o.backend,
+                  "cpu, or cuda: routed experts on the GPU (bf16, CUDA graphs and events, "
+                  "uniform routing; shapes mixtral, qwen3, deepseek)")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
+  cmd->add_flag("--sweep", o.sweep, "cuda: also time every GEMM tile configuration");
+  cmd->add_option("--dump-dir", o.dump_dir,
+                  "cuda: write routings, outputs and manifest.json for "
+                  "bench/cuda/torch_baseline.py (PyTorch on the same inputs)");
   return cmd;
 }
 
 int run_bench(const BenchOptions& o) {
   using namespace fusedmoe::bench;
+  if (o.backend == "cuda") {
+#ifdef FUSEDMOE_WITH_CUDA
+    CudaBenchOptions c;
+    c.shapes = o.shapes;
+    c.tokens = parse_int_list(o.tokens, "--tokens");
+    c.sweep = o.sweep;
+    c.dump_dir = o.dump_dir;
+    return run_cuda_bench(c);
+#else
+    FUSEDMOE_THROW(kUnsupported, "--backend cuda: this build has no CUDA backend");
+#endif
+  }
   const std::vector<int64_t> token_counts = parse_int_list(o.tokens, "--tokens");
   std::vector<LayerShape> shapes;
   for (const auto& name : split_list(o.shapes)) shapes.push_back(find_shape(name));

@@ -16,6 +16,9 @@
 #include "fusedmoe/io/loader.h"
 #include "fusedmoe/io/safetensors.h"
 #include "fusedmoe/runner/moe_runner.h"
+#ifdef FUSEDMOE_WITH_CUDA
+#include "fusedmoe/kernels/cuda.h"
+#endif
 
 namespace fusedmoe::cli {
 namespace {
@@ -136,7 +139,7 @@ void print_histogram(const std::vector<int64_t>& counts, int64_t routed) {
 }  // namespace
 
 CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
-  CLI::App* cmd = app.add_subcommand("run", "Run one MoE layer forward on CPU");
+  CLI::App* cmd = app.add_subcommand("run", "Run one MoE layer forward on CPU or CUDA");
   cmd->add_option("--model", o.model,
                   "HF model directory (default: the bundled tiny DeepSeek-V3 model)");
   cmd->add_option("--layer", o.layer, "MoE layer index (default: the first MoE layer)");
@@ -152,8 +155,13 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
   seed->needs(tokens);
   cmd->add_option("--output", o.output,
                   "Write output, topk_ids, topk_weights, router_logits to this .safetensors file");
-  cmd->add_option("--compute-dtype", o.compute_dtype, "f32 or bf16")
-      ->check(CLI::IsMember({"f32", "bf16"}));
+  auto* cdt = cmd->add_option("--compute-dtype", o.compute_dtype, "f32 or bf16")
+                  ->check(CLI::IsMember({"f32", "bf16"}));
+  cmd->add_option("--backend", o.backend,
+                  "cpu, or cuda: the layer on the GPU (bf16 compute, f32 accumulation; the "
+                  "time is the forward plus a device synchronisation, copies excluded)")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
   cmd->add_option("--threads", o.threads, "Worker threads (default: all cores)")
       ->check(CLI::NonNegativeNumber);
   auto* ref = cmd->add_option("--reference", o.reference,
@@ -167,7 +175,10 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
   cmd->add_option("--repeat", o.repeat, "Run the forward N times; the median time is reported")
       ->check(CLI::PositiveNumber);
   cmd->add_flag("--quiet", o.quiet, "Leave out the expert load histogram");
-  cmd->callback([&o, seed] { o.seed_given = seed->count() > 0; });
+  cmd->callback([&o, seed, cdt] {
+    o.seed_given = seed->count() > 0;
+    o.compute_dtype_given = cdt->count() > 0;
+  });
   return cmd;
 }
 
@@ -175,7 +186,11 @@ int run_run(const RunOptions& o) {
   FUSEDMOE_CHECK(!o.input.empty() || o.tokens >= 0,
                  "no input: give --input FILE --input-key KEY, or --tokens T");
   if (o.threads > 0) ThreadPool::set_global_num_threads(o.threads);
-  const DType compute_dtype = o.compute_dtype == "bf16" ? DType::kBF16 : DType::kF32;
+  const bool on_cuda = o.backend == "cuda";
+  FUSEDMOE_CHECK(!on_cuda || !o.compute_dtype_given || o.compute_dtype == "bf16",
+                 "--backend cuda computes in bf16 (f32 accumulation); got --compute-dtype ",
+                 o.compute_dtype);
+  const DType compute_dtype = on_cuda || o.compute_dtype == "bf16" ? DType::kBF16 : DType::kF32;
 
   // Model and layer.
   const std::string model_dir = o.model.empty() ? bundled_model_dir() : o.model;
@@ -232,6 +247,15 @@ int run_run(const RunOptions& o) {
   const size_t weight_bytes = weights.nbytes();
   RunnerOptions ropts;
   ropts.compute_dtype = compute_dtype;
+  if (on_cuda) {
+#ifdef FUSEDMOE_WITH_CUDA
+    FUSEDMOE_CHECK(cuda::device_count() > 0, "--backend cuda: no CUDA device found");
+    ropts.device = Device{DeviceType::kCUDA, 0};
+    ropts.max_num_tokens = std::max<int64_t>(T, 1);
+#else
+    FUSEDMOE_THROW(kUnsupported, "--backend cuda: this build of fusedmoe has no CUDA backend");
+#endif
+  }
   MoERunner runner(config, std::move(weights), ropts);
 
   Tensor output = Tensor::empty(DType::kF32, {T, H});
@@ -241,11 +265,38 @@ int run_run(const RunOptions& o) {
   ForwardOutputs outs{router_logits, topk_ids, topk_weights};
 
   std::vector<double> times;
-  for (int r = 0; r < o.repeat; ++r) {
-    const auto t0 = std::chrono::steady_clock::now();
-    runner.forward(input, output, nullptr, nullptr, &outs);
-    const auto t1 = std::chrono::steady_clock::now();
-    times.push_back(std::chrono::duration<double>(t1 - t0).count());
+  if (!on_cuda) {
+    for (int r = 0; r < o.repeat; ++r) {
+      const auto t0 = std::chrono::steady_clock::now();
+      runner.forward(input, output, nullptr, nullptr, &outs);
+      const auto t1 = std::chrono::steady_clock::now();
+      times.push_back(std::chrono::duration<double>(t1 - t0).count());
+    }
+  } else {
+#ifdef FUSEDMOE_WITH_CUDA
+    // Device copies of the input and of every output; the timed region is the
+    // forward plus a device synchronisation (copies excluded).
+    const Device dev{DeviceType::kCUDA, 0};
+    cuda::DeviceBuffer x_d(input.nbytes()), out_d(output.nbytes()), ids_d(topk_ids.nbytes()),
+        w_d(topk_weights.nbytes()), lg_d(router_logits.nbytes());
+    x_d.upload(input.data(), input.nbytes());
+    const TensorView xv(x_d.data(), DType::kF32, {T, H}, dev);
+    const TensorView ov(out_d.data(), DType::kF32, {T, H}, dev);
+    ForwardOutputs douts{TensorView(lg_d.data(), DType::kF32, {T, num_logits}, dev),
+                         TensorView(ids_d.data(), DType::kI32, {T, k}, dev),
+                         TensorView(w_d.data(), DType::kF32, {T, k}, dev)};
+    for (int r = 0; r < o.repeat; ++r) {
+      const auto t0 = std::chrono::steady_clock::now();
+      runner.forward(xv, ov, nullptr, nullptr, &douts);
+      cuda::synchronize();
+      const auto t1 = std::chrono::steady_clock::now();
+      times.push_back(std::chrono::duration<double>(t1 - t0).count());
+    }
+    out_d.download(output.data(), output.nbytes());
+    ids_d.download(topk_ids.data(), topk_ids.nbytes());
+    w_d.download(topk_weights.data(), topk_weights.nbytes());
+    lg_d.download(router_logits.data(), router_logits.nbytes());
+#endif
   }
   std::sort(times.begin(), times.end());
   const double median = times[times.size() / 2];
@@ -293,7 +344,10 @@ int run_run(const RunOptions& o) {
               format_bytes(static_cast<double>(weight_bytes)).c_str());
   std::printf("input          %s, T = %lld\n", input_desc.c_str(), static_cast<long long>(T));
   std::printf("compute dtype  %s\n", dtype_name(compute_dtype));
-  std::printf("threads        %d\n", ThreadPool::global().num_threads());
+  if (on_cuda)
+    std::printf("backend        cuda (device 0)\n");
+  else
+    std::printf("threads        %d\n", ThreadPool::global().num_threads());
   std::printf("time           %.3f ms (median of %d)\n", median * 1e3, o.repeat);
   std::printf("throughput     %.0f tokens/s\n", median > 0 ? static_cast<double>(T) / median : 0.0);
   if (reference.defined())

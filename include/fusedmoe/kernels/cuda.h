@@ -10,8 +10,8 @@
 // Pointers are device pointers unless stated. Sizes the host does not know
 // (per-expert row counts) stay on the device.
 //
-// Built only with FUSEDMOE_WITH_CUDA; device_count() exists in every build and
-// returns 0 without CUDA.
+// Defined only in builds with FUSEDMOE_WITH_CUDA (the macro is a public compile
+// definition of the fusedmoe target): guard calls with #ifdef FUSEDMOE_WITH_CUDA.
 #pragma once
 
 #include <cstddef>
@@ -26,9 +26,31 @@ namespace fusedmoe::cuda {
 
 using Stream = CUstream_st*;
 
-// Number of usable CUDA devices; 0 when the build has no CUDA, there is no
-// driver or no device (never throws).
+// Number of usable CUDA devices; 0 when there is no driver or no device (never throws).
 int device_count();
+
+// Owning device memory on the current device (cudaMalloc / cudaFree), for
+// front ends that hold no CUDA headers. Throws Error(kInternal) on CUDA errors.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(size_t bytes);
+  ~DeviceBuffer();
+  DeviceBuffer(DeviceBuffer&& other) noexcept;
+  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  void* data() const { return ptr_; }
+  size_t bytes() const { return bytes_; }
+  void upload(const void* host, size_t bytes);    // synchronous, bytes <= bytes()
+  void download(void* host, size_t bytes) const;  // synchronous, bytes <= bytes()
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+// Waits for all work on the current device; throws Error(kInternal) if any failed.
+void synchronize();
 
 // ---- routing ----------------------------------------------------------------
 // router_logits f32 [T, E + Z] (row stride logits_ld >= E + Z) -> topk_ids i32
@@ -75,8 +97,10 @@ void align(const AlignArgs& args, Stream stream);
 
 // ---- grouped GEMM experts ------------------------------------------------------
 // Tile configurations (the tuning table lives in gemm_configs.cpp).
-enum class GemmTile : uint8_t { kM16N64, kM64N128, kM128N128 };
+enum class GemmTile : uint8_t { kM16N64, kM64N128, kM128N128, kM128N256 };
+inline constexpr int kNumGemmTiles = 4;
 int gemm_tile_block_m(GemmTile tile);
+const char* gemm_tile_name(GemmTile tile);  // "m16n64", ...
 // The tile the heuristic picks for `rows_per_expert` expected rows, N and K.
 GemmTile pick_gemm_tile(int64_t rows_per_expert, int64_t n, int64_t k);
 

@@ -93,6 +93,62 @@ __global__ void scatter_kernel(const int32_t* __restrict__ ids, int64_t n, int n
   }
 }
 
+// Small batches (the decode path): one block does count, scan and scatter in
+// shared memory — one launch instead of memset + three.
+constexpr int kFusedThreads = 1024;
+constexpr int64_t kFusedMaxSlots = 16384;
+constexpr int kFusedMaxExperts = 1024;
+
+__global__ void __launch_bounds__(kFusedThreads)
+    align_fused_kernel(const int32_t* __restrict__ ids, int n, int num_experts, int block_m,
+                       int64_t* __restrict__ offsets, int32_t* __restrict__ sorted_slot) {
+  __shared__ int32_t cnt[kFusedMaxExperts];
+  __shared__ int32_t cur[kFusedMaxExperts];
+  __shared__ int32_t warp_sums[kFusedThreads / 32];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  for (int e = tid; e < num_experts; e += kFusedThreads) cnt[e] = 0;
+  __syncthreads();
+  for (int i = tid; i < n; i += kFusedThreads) {
+    const int32_t e = ids[i];
+    if (e >= 0 && e < num_experts) atomicAdd(&cnt[e], 1);
+  }
+  __syncthreads();
+  // Exclusive scan of padded counts; experts per thread = ceil(E / 1024) <= 1.
+  const int e = tid;
+  const int32_t c = e < num_experts ? cnt[e] : 0;
+  const int32_t padded = (c + block_m - 1) / block_m * block_m;
+  int32_t v = padded;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int32_t u = __shfl_up_sync(0xffffffffu, v, o);
+    if (lane >= o) v += u;
+  }
+  if (lane == 31) warp_sums[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    int32_t s = warp_sums[lane];
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int32_t u = __shfl_up_sync(0xffffffffu, s, o);
+      if (lane >= o) s += u;
+    }
+    warp_sums[lane] = s;
+  }
+  __syncthreads();
+  const int32_t start = (warp > 0 ? warp_sums[warp - 1] : 0) + v - padded;
+  if (e < num_experts) {
+    offsets[e] = start;
+    cur[e] = start;
+    for (int32_t r = start + c; r < start + padded; ++r) sorted_slot[r] = -1;
+  }
+  if (tid == kFusedThreads - 1) offsets[num_experts] = start + padded;
+  __syncthreads();
+  for (int i = tid; i < n; i += kFusedThreads) {
+    const int32_t ex = ids[i];
+    if (ex >= 0 && ex < num_experts) sorted_slot[atomicAdd(&cur[ex], 1)] = i;
+  }
+}
+
 }  // namespace
 
 int64_t max_padded_rows(int64_t num_slots, int64_t num_experts, int block_m) {
@@ -107,6 +163,12 @@ void align(const AlignArgs& a, Stream stream) {
   FUSEDMOE_CHECK(a.expert_offsets && a.sorted_slot && a.expert_counts && a.expert_cursor,
                  "align: output and scratch pointers are required");
   const int E = static_cast<int>(a.num_experts);
+  if (a.num_slots <= kFusedMaxSlots && E <= kFusedMaxExperts) {
+    align_fused_kernel<<<1, kFusedThreads, 0, stream>>>(
+        a.topk_ids, static_cast<int>(a.num_slots), E, a.block_m, a.expert_offsets, a.sorted_slot);
+    FUSEDMOE_CUDA_CHECK_LAUNCH();
+    return;
+  }
   FUSEDMOE_CUDA_CHECK(cudaMemsetAsync(a.expert_counts, 0, sizeof(int32_t) * E, stream));
   if (a.num_slots > 0) {
     const int threads = 256;

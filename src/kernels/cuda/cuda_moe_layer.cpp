@@ -15,20 +15,20 @@ namespace fusedmoe::cuda {
 namespace {
 
 // Owning device allocation.
-class DeviceBuffer {
+class DeviceMemory {
  public:
-  DeviceBuffer() = default;
-  explicit DeviceBuffer(size_t bytes) : bytes_(bytes) {
+  DeviceMemory() = default;
+  explicit DeviceMemory(size_t bytes) : bytes_(bytes) {
     if (bytes > 0) FUSEDMOE_CUDA_CHECK(cudaMalloc(&ptr_, bytes));
   }
-  ~DeviceBuffer() {
+  ~DeviceMemory() {
     if (ptr_) cudaFree(ptr_);
   }
-  DeviceBuffer(DeviceBuffer&& o) noexcept : ptr_(o.ptr_), bytes_(o.bytes_) {
+  DeviceMemory(DeviceMemory&& o) noexcept : ptr_(o.ptr_), bytes_(o.bytes_) {
     o.ptr_ = nullptr;
     o.bytes_ = 0;
   }
-  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
+  DeviceMemory& operator=(DeviceMemory&& o) noexcept {
     std::swap(ptr_, o.ptr_);
     std::swap(bytes_, o.bytes_);
     return *this;
@@ -46,9 +46,9 @@ class DeviceBuffer {
 };
 
 // Host tensor -> device, as bf16 (f32 converted in chunks; bf16 copied).
-DeviceBuffer upload_bf16(const Tensor& t) {
+DeviceMemory upload_bf16(const Tensor& t) {
   const int64_t n = t.numel();
-  DeviceBuffer d(static_cast<size_t>(n) * 2);
+  DeviceMemory d(static_cast<size_t>(n) * 2);
   if (t.dtype() == DType::kBF16) {
     FUSEDMOE_CUDA_CHECK(cudaMemcpy(d.get(), t.data(), d.bytes(), cudaMemcpyHostToDevice));
     return d;
@@ -68,22 +68,22 @@ DeviceBuffer upload_bf16(const Tensor& t) {
 }
 
 // Host tensor (f32/bf16/any floating) -> device f32.
-DeviceBuffer upload_f32(const Tensor& t) {
+DeviceMemory upload_f32(const Tensor& t) {
   const Tensor f = to_f32(t.view());
-  DeviceBuffer d(f.nbytes());
+  DeviceMemory d(f.nbytes());
   FUSEDMOE_CUDA_CHECK(cudaMemcpy(d.get(), f.data(), f.nbytes(), cudaMemcpyHostToDevice));
   return d;
 }
 
-DeviceBuffer upload_raw(const Tensor& t) {
+DeviceMemory upload_raw(const Tensor& t) {
   const Tensor c = Tensor::copy_of(t.view());
-  DeviceBuffer d(c.nbytes());
+  DeviceMemory d(c.nbytes());
   FUSEDMOE_CUDA_CHECK(cudaMemcpy(d.get(), c.data(), c.nbytes(), cudaMemcpyHostToDevice));
   return d;
 }
 
 struct DeviceExperts {
-  DeviceBuffer w13, w2, w13_bias, w2_bias;
+  DeviceMemory w13, w2, w13_bias, w2_bias;
   int64_t num_experts = 0, inter = 0;
   void upload(const ExpertWeights& w) {
     num_experts = w.num_experts();
@@ -114,11 +114,11 @@ struct CudaMoELayer::Impl {
   int64_t max_tokens = 0;
   int device = 0;
   // weights
-  DeviceBuffer gate_w, gate_b, score_bias, hash_table, shared_gate;
+  DeviceMemory gate_w, gate_b, score_bias, hash_table, shared_gate;
   DType gate_dtype = DType::kF32;
   DeviceExperts experts, shared;
   // workspace
-  DeviceBuffer ws;
+  DeviceMemory ws;
   float* logits = nullptr;
   int32_t* ids = nullptr;
   float* weights = nullptr;
@@ -209,7 +209,7 @@ CudaMoELayer::CudaMoELayer(const MoEConfig& config, const MoELayerWeights& w,
   }
   size_t total = 0;
   for (const Part& p : parts) total += (p.bytes + 255) / 256 * 256;
-  s.ws = DeviceBuffer(total);
+  s.ws = DeviceMemory(total);
   size_t off = 0;
   for (const Part& p : parts) {
     *p.ptr = static_cast<char*>(s.ws.get()) + off;
@@ -359,7 +359,8 @@ void CudaMoELayer::forward(const TensorView& hidden_states, const TensorView& ou
   const int64_t slots = T * k;
   const double touched =
       static_cast<double>(E) * (1.0 - std::pow(1.0 - static_cast<double>(k) / E, T));
-  const int64_t rows_per_expert = static_cast<int64_t>(std::ceil(slots / std::max(1.0, touched)));
+  const int64_t rows_per_expert =
+      static_cast<int64_t>(std::llround(slots / std::max(1.0, touched)));
   const GemmTile tile13 = pick_gemm_tile(rows_per_expert, 2 * I, H);
   const GemmTile tile2 = tile13;  // one alignment serves both GEMMs
   AlignArgs al;

@@ -1,12 +1,15 @@
 // fusedmoe CUDA: grouped-GEMM tile configurations and the heuristic that picks
 // one (tuning data, kept apart from the kernels), and the validating launcher.
 //
-// Heuristic by the expected rows per touched expert (rows = T * k / touched):
-//   <= 16 rows  m16n64:   decode; weight streaming, many small n tiles so that
-//                         the few touched experts still spread over all SMs
-//   <= 64 rows  m64n128
-//   otherwise   m128n128: prefill; tensor-core bound
-// Measured on an H200: see bench/results/*cuda*.md.
+// Heuristic by the expected rows per touched expert (rows = T * k / touched,
+// rounded), from a sweep of every tile over the Mixtral / Qwen3 / DeepSeek-V3
+// shapes at T = 1 .. 4096 on an H200 (bench/results/2026-11-29-cuda-bench.md):
+//   <= 16 rows   m16n64:   decode; weight streaming, many small n tiles so the
+//                          few touched experts still spread over all SMs
+//   <= 256 rows  m64n128:  (Mixtral T = 1024: 2.74 ms vs 3.01 ms with m128n128;
+//                          Qwen3 T = 4096: 1.43 vs 1.66 ms)
+//   otherwise    m128n128: (Mixtral T = 4096: 9.40 ms vs 10.0 ms with m64n128)
+// m128n256 (64 x 64 warp tiles) was never faster by more than 1.5 %: not picked.
 #include "fusedmoe/kernels/cuda.h"
 #include "kernels/cuda/gemm/gemm_instances.h"
 
@@ -21,10 +24,17 @@ struct TileRow {
 };
 constexpr TileRow kTiles[] = {
     {GemmTile::kM16N64, "m16n64", 16, 16},
-    {GemmTile::kM64N128, "m64n128", 64, 64},
+    {GemmTile::kM64N128, "m64n128", 64, 256},
     {GemmTile::kM128N128, "m128n128", 128, INT64_MAX},
+    {GemmTile::kM128N256, "m128n256", 128, -1},  // never picked (see above)
 };
 }  // namespace
+
+const char* gemm_tile_name(GemmTile tile) {
+  for (const TileRow& r : kTiles)
+    if (r.tile == tile) return r.name;
+  return "?";
+}
 
 int gemm_tile_block_m(GemmTile tile) {
   for (const TileRow& r : kTiles)
@@ -64,6 +74,9 @@ void grouped_gemm(const GroupedGemmArgs& a, Stream stream) {
       break;
     case GemmTile::kM128N128:
       gemm::launch_m128n128(a, stream);
+      break;
+    case GemmTile::kM128N256:
+      gemm::launch_m128n256(a, stream);
       break;
   }
 }

@@ -6,11 +6,12 @@
 
 namespace fusedmoe::cuda::gemm {
 
-// BM x BN tile, warps (M x N), pipeline stages. Keep in sync with
-// gemm_configs.cpp (block_m) and the .cu files.
-void launch_m16n64(const GroupedGemmArgs& args, Stream stream);   // 16 x 64, 1 x 4 warps, 6 stages
-void launch_m64n128(const GroupedGemmArgs& args, Stream stream);  // 64 x 128, 2 x 2 warps, 4 stages
-void launch_m128n128(const GroupedGemmArgs& args,
-                     Stream stream);  // 128 x 128, 2 x 4 warps, 4 stages
+// BM x BN tile, warps (M x N) and pipeline stages of each:
+//   m16n64: 1 x 4 warps, 6 stages     m64n128: 2 x 2 warps, 4 stages
+//   m128n128: 2 x 4 warps, 4 stages   m128n256: 2 x 4 warps (64 x 64 each), 3 stages
+void launch_m16n64(const GroupedGemmArgs& args, Stream stream);
+void launch_m64n128(const GroupedGemmArgs& args, Stream stream);
+void launch_m128n128(const GroupedGemmArgs& args, Stream stream);
+void launch_m128n256(const GroupedGemmArgs& args, Stream stream);
 
 }  // namespace fusedmoe::cuda::gemm

@@ -1,0 +1,24 @@
+// fusedmoe CUDA benchmark entry point, shared by bench_cuda_moe and
+// `fusedmoe bench --backend cuda`. See cuda_bench.cu for what is timed.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace fusedmoe::bench {
+
+struct CudaBenchOptions {
+  std::string shapes = "mixtral,qwen3,deepseek";  // layer shapes (names in cuda_bench.cu)
+  std::vector<int64_t> tokens = {1, 16, 64, 128, 256, 1024, 4096};
+  int routings = 8;      // different uniform routings cycled through (weights from HBM)
+  int iters = 40;        // timed graph replays per case (median reported)
+  bool sweep = false;    // also time every GEMM tile configuration
+  std::string dump_dir;  // write routings, our output and manifest.json (torch_baseline.py)
+};
+
+// Prints a markdown table (time, TFLOP/s, GB/s, floor, % of floor) to stdout.
+// Returns 0 (also when there is no CUDA device: then it says so), 2 on bad options.
+int run_cuda_bench(const CudaBenchOptions& options);
+
+}  // namespace fusedmoe::bench
