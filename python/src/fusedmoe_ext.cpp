@@ -190,126 +190,40 @@ DType parse_compute_dtype(const std::string& s, const char* name) {
 
 // ---- MoEConfig <-> dict ------------------------------------------------------------
 
-template <typename E, size_t N>
-E parse_enum(const std::string& s, const E (&values)[N], const char* field) {
-  std::string known;
-  for (E v : values) {
-    if (s == to_string(v)) return v;
-    known += std::string(known.empty() ? "" : ", ") + to_string(v);
-  }
-  FUSEDMOE_THROW(kInvalidArgument, field, ": expected one of ", known, ", got \"", s, "\"");
-}
-
-const RoutingMethod kRoutingMethods[] = {RoutingMethod::kTopK,        RoutingMethod::kTopKSoftmax,
-                                         RoutingMethod::kGroupedTopK, RoutingMethod::kLlama4,
-                                         RoutingMethod::kHash,        RoutingMethod::kSimulated};
-const GroupScore kGroupScores[] = {GroupScore::kMax, GroupScore::kSumTop2};
-
-// The keys of `fusedmoe inspect --json` (config_json in src/cli/cmd_inspect.cpp).
+// MoEConfig <-> dict through its JSON form (MoEConfig::to_json / from_json: the
+// keys of `fusedmoe inspect --json`). from_json reads any subset of the keys;
+// unknown keys, wrong value types and unknown enum names raise ValueError.
 nb::dict config_to_dict(const MoEConfig& c) {
-  nb::dict d;
-  d["num_experts"] = c.num_experts;
-  d["top_k"] = c.top_k;
-  d["hidden_size"] = c.hidden_size;
-  d["intermediate_size"] = c.intermediate_size;
-  d["routing_method"] = to_string(c.routing_method);
-  d["scoring_func"] = to_string(c.scoring_func);
-  d["renormalize"] = c.renormalize;
-  d["num_expert_group"] = c.num_expert_group;
-  d["topk_group"] = c.topk_group;
-  d["group_score"] = to_string(c.group_score);
-  d["e_score_correction_bias"] = c.has_e_score_correction_bias;
-  d["routed_scaling_factor"] = c.routed_scaling_factor;
-  d["apply_router_weight_on_input"] = c.apply_router_weight_on_input;
-  d["router_bias"] = c.has_router_bias;
-  d["num_zero_experts"] = c.num_zero_experts;
-  d["activation"] = to_string(c.activation);
-  d["swiglu_alpha"] = c.swiglu_alpha;
-  d["swiglu_limit"] = c.swiglu_limit;
-  d["expert_bias"] = c.has_expert_bias;
-  d["shared_intermediate_size"] = c.shared_intermediate_size;
-  d["shared_expert_gate"] = c.has_shared_expert_gate;
-  d["hash_vocab_size"] = c.hash_vocab_size;
-  d["simulated"] = to_string(c.simulated);
-  d["zipf_s"] = c.zipf_s;
-  d["simulation_seed"] = c.simulation_seed;
-  return d;
+  return nb::cast<nb::dict>(nb::module_::import_("json").attr("loads")(c.to_json()));
 }
 
-template <typename T>
-T field(nb::handle value, const std::string& key) {
-  T out;
-  if (!nb::try_cast<T>(value, out))
-    throw nb::type_error(("config." + key + ": expected " +
-                          (std::is_same_v<T, bool>          ? "bool"
-                           : std::is_same_v<T, std::string> ? "str"
-                           : std::is_floating_point_v<T>    ? "float"
-                                                            : "int") +
-                          ", got " + nb::type_name(value.type()).c_str())
-                             .c_str());
-  return out;
-}
-
-// Fills a MoEConfig from a dict with the keys of config_to_dict (any subset;
-// the rest keep MoEConfig's defaults). Unknown keys raise ValueError.
+// Wrong Python types raise TypeError (the JSON type of each key's default value
+// says what it takes); everything else is left to MoEConfig::from_json.
 MoEConfig config_from_dict(const nb::dict& d) {
-  MoEConfig c;
+  const nb::dict defaults = config_to_dict(MoEConfig{});
   for (auto [k, v] : d) {
-    const std::string key = nb::cast<std::string>(k);
-    if (key == "num_experts")
-      c.num_experts = field<int64_t>(v, key);
-    else if (key == "top_k")
-      c.top_k = field<int64_t>(v, key);
-    else if (key == "hidden_size")
-      c.hidden_size = field<int64_t>(v, key);
-    else if (key == "intermediate_size")
-      c.intermediate_size = field<int64_t>(v, key);
-    else if (key == "routing_method")
-      c.routing_method = parse_enum(field<std::string>(v, key), kRoutingMethods, "routing_method");
-    else if (key == "scoring_func")
-      c.scoring_func = parse_scoring_func(field<std::string>(v, key));
-    else if (key == "renormalize")
-      c.renormalize = field<bool>(v, key);
-    else if (key == "num_expert_group")
-      c.num_expert_group = field<int64_t>(v, key);
-    else if (key == "topk_group")
-      c.topk_group = field<int64_t>(v, key);
-    else if (key == "group_score")
-      c.group_score = parse_enum(field<std::string>(v, key), kGroupScores, "group_score");
-    else if (key == "e_score_correction_bias")
-      c.has_e_score_correction_bias = field<bool>(v, key);
-    else if (key == "routed_scaling_factor")
-      c.routed_scaling_factor = field<float>(v, key);
-    else if (key == "apply_router_weight_on_input")
-      c.apply_router_weight_on_input = field<bool>(v, key);
-    else if (key == "router_bias")
-      c.has_router_bias = field<bool>(v, key);
-    else if (key == "num_zero_experts")
-      c.num_zero_experts = field<int64_t>(v, key);
-    else if (key == "activation")
-      c.activation = parse_activation(field<std::string>(v, key));
-    else if (key == "swiglu_alpha")
-      c.swiglu_alpha = field<float>(v, key);
-    else if (key == "swiglu_limit")
-      c.swiglu_limit = field<float>(v, key);
-    else if (key == "expert_bias")
-      c.has_expert_bias = field<bool>(v, key);
-    else if (key == "shared_intermediate_size")
-      c.shared_intermediate_size = field<int64_t>(v, key);
-    else if (key == "shared_expert_gate")
-      c.has_shared_expert_gate = field<bool>(v, key);
-    else if (key == "hash_vocab_size")
-      c.hash_vocab_size = field<int64_t>(v, key);
-    else if (key == "simulated")
-      c.simulated = parse_simulated_routing(field<std::string>(v, key));
-    else if (key == "zipf_s")
-      c.zipf_s = field<double>(v, key);
-    else if (key == "simulation_seed")
-      c.simulation_seed = field<uint64_t>(v, key);
-    else
-      FUSEDMOE_THROW(kInvalidArgument, "config: unknown field \"", key, "\"");
+    if (!defaults.contains(k)) continue;  // from_json reports the unknown key
+    const nb::handle want = defaults[k];
+    const bool is_bool = nb::isinstance<nb::bool_>(v);
+    bool ok;
+    const char* expected;
+    if (nb::isinstance<nb::bool_>(want)) {
+      ok = is_bool, expected = "bool";
+    } else if (nb::isinstance<nb::int_>(want)) {
+      ok = !is_bool && nb::isinstance<nb::int_>(v), expected = "int";
+    } else if (nb::isinstance<nb::float_>(want)) {
+      ok = !is_bool && (nb::isinstance<nb::float_>(v) || nb::isinstance<nb::int_>(v)),
+      expected = "float";
+    } else {
+      ok = nb::isinstance<nb::str>(v), expected = "str";
+    }
+    if (!ok)
+      throw nb::type_error(("config." + nb::cast<std::string>(k) + ": expected " + expected +
+                            ", got " + nb::type_name(v.type()).c_str())
+                               .c_str());
   }
-  return c;
+  const auto text = nb::cast<std::string>(nb::module_::import_("json").attr("dumps")(d));
+  return MoEConfig::from_json(text, "config");
 }
 
 // ---- functional ops ----------------------------------------------------------------

@@ -33,31 +33,7 @@ bool is_file(const std::string& p) {
 }
 
 ojson config_json(const MoEConfig& c) {
-  ojson j;
-  j["num_experts"] = c.num_experts;
-  j["top_k"] = c.top_k;
-  j["hidden_size"] = c.hidden_size;
-  j["intermediate_size"] = c.intermediate_size;
-  j["routing_method"] = to_string(c.routing_method);
-  j["scoring_func"] = to_string(c.scoring_func);
-  j["renormalize"] = c.renormalize;
-  j["num_expert_group"] = c.num_expert_group;
-  j["topk_group"] = c.topk_group;
-  j["group_score"] = to_string(c.group_score);
-  j["e_score_correction_bias"] = c.has_e_score_correction_bias;
-  j["routed_scaling_factor"] = c.routed_scaling_factor;
-  j["apply_router_weight_on_input"] = c.apply_router_weight_on_input;
-  j["router_bias"] = c.has_router_bias;
-  j["num_zero_experts"] = c.num_zero_experts;
-  j["activation"] = to_string(c.activation);
-  if (c.activation == Activation::kSwigluOai) {
-    j["swiglu_alpha"] = c.swiglu_alpha;
-    j["swiglu_limit"] = c.swiglu_limit;
-  }
-  j["expert_bias"] = c.has_expert_bias;
-  j["shared_intermediate_size"] = c.shared_intermediate_size;
-  j["shared_expert_gate"] = c.has_shared_expert_gate;
-  return j;
+  return ojson::parse(c.to_json());
 }
 
 struct LayerBytes {

@@ -4,7 +4,9 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <nlohmann/json.hpp>
 #include <sstream>
+#include <type_traits>
 
 #include "fusedmoe/core/error.h"
 
@@ -254,6 +256,131 @@ std::string MoEConfig::summary() const {
      << (parallel.expert_placement == ExpertPlacement::kRoundRobin ? ", round-robin experts" : "")
      << "\n";
   return os.str();
+}
+
+// ---- JSON ----------------------------------------------------------------------
+
+namespace {
+
+using ojson = nlohmann::ordered_json;
+
+// One table drives both directions: key, writer, reader.
+struct JsonField {
+  const char* key;
+  void (*write)(const MoEConfig&, ojson&, const char*);
+  void (*read)(MoEConfig&, const ojson&, const std::string&);
+};
+
+template <typename T>
+T json_value(const ojson& v, const std::string& where) {
+  if constexpr (std::is_same_v<T, bool>) {
+    FUSEDMOE_CHECK(v.is_boolean(), where, ": expected a boolean, got ", v.dump());
+  } else if constexpr (std::is_integral_v<T>) {
+    FUSEDMOE_CHECK(v.is_number_integer(), where, ": expected an integer, got ", v.dump());
+    if constexpr (std::is_unsigned_v<T>)
+      FUSEDMOE_CHECK(v.is_number_unsigned(), where, ": expected a non-negative integer, got ",
+                     v.dump());
+  } else if constexpr (std::is_floating_point_v<T>) {
+    FUSEDMOE_CHECK(v.is_number(), where, ": expected a number, got ", v.dump());
+  } else {
+    FUSEDMOE_CHECK(v.is_string(), where, ": expected a string, got ", v.dump());
+  }
+  return v.get<T>();
+}
+
+template <typename E, size_t N>
+E json_enum(const ojson& v, const std::string& where, const E (&values)[N]) {
+  const std::string s = json_value<std::string>(v, where);
+  std::string known;
+  for (E e : values) {
+    if (s == to_string(e)) return e;
+    known += std::string(known.empty() ? "" : ", ") + to_string(e);
+  }
+  FUSEDMOE_THROW(kInvalidArgument, where, ": expected one of ", known, ", got \"", s, "\"");
+}
+
+constexpr RoutingMethod kRoutingMethods[] = {
+    RoutingMethod::kTopK,   RoutingMethod::kTopKSoftmax, RoutingMethod::kGroupedTopK,
+    RoutingMethod::kLlama4, RoutingMethod::kHash,        RoutingMethod::kSimulated};
+constexpr ScoringFunc kScoringFuncs[] = {ScoringFunc::kSoftmax, ScoringFunc::kSigmoid,
+                                         ScoringFunc::kSqrtSoftplus};
+constexpr GroupScore kGroupScores[] = {GroupScore::kMax, GroupScore::kSumTop2};
+constexpr SimulatedRouting kSimulated[] = {SimulatedRouting::kUniform, SimulatedRouting::kZipf,
+                                           SimulatedRouting::kAllToOne};
+constexpr Activation kActivations[] = {Activation::kSiluGlu, Activation::kGeluGlu,
+                                       Activation::kGeluTanhGlu, Activation::kSwigluOai};
+
+#define FUSEDMOE_JSON_FIELD(key, member)                                       \
+  JsonField {                                                                  \
+    key, [](const MoEConfig& c, ojson& j, const char* k) { j[k] = c.member; }, \
+        [](MoEConfig& c, const ojson& v, const std::string& w) {               \
+          c.member = json_value<std::decay_t<decltype(c.member)>>(v, w);       \
+        }                                                                      \
+  }
+#define FUSEDMOE_JSON_ENUM(key, member, values)                                           \
+  JsonField {                                                                             \
+    key, [](const MoEConfig& c, ojson& j, const char* k) { j[k] = to_string(c.member); }, \
+        [](MoEConfig& c, const ojson& v, const std::string& w) {                          \
+          c.member = json_enum(v, w, values);                                             \
+        }                                                                                 \
+  }
+
+const JsonField kJsonFields[] = {
+    FUSEDMOE_JSON_FIELD("num_experts", num_experts),
+    FUSEDMOE_JSON_FIELD("top_k", top_k),
+    FUSEDMOE_JSON_FIELD("hidden_size", hidden_size),
+    FUSEDMOE_JSON_FIELD("intermediate_size", intermediate_size),
+    FUSEDMOE_JSON_ENUM("routing_method", routing_method, kRoutingMethods),
+    FUSEDMOE_JSON_ENUM("scoring_func", scoring_func, kScoringFuncs),
+    FUSEDMOE_JSON_FIELD("renormalize", renormalize),
+    FUSEDMOE_JSON_FIELD("num_expert_group", num_expert_group),
+    FUSEDMOE_JSON_FIELD("topk_group", topk_group),
+    FUSEDMOE_JSON_ENUM("group_score", group_score, kGroupScores),
+    FUSEDMOE_JSON_FIELD("e_score_correction_bias", has_e_score_correction_bias),
+    FUSEDMOE_JSON_FIELD("routed_scaling_factor", routed_scaling_factor),
+    FUSEDMOE_JSON_FIELD("apply_router_weight_on_input", apply_router_weight_on_input),
+    FUSEDMOE_JSON_FIELD("router_bias", has_router_bias),
+    FUSEDMOE_JSON_FIELD("num_zero_experts", num_zero_experts),
+    FUSEDMOE_JSON_ENUM("activation", activation, kActivations),
+    FUSEDMOE_JSON_FIELD("swiglu_alpha", swiglu_alpha),
+    FUSEDMOE_JSON_FIELD("swiglu_limit", swiglu_limit),
+    FUSEDMOE_JSON_FIELD("expert_bias", has_expert_bias),
+    FUSEDMOE_JSON_FIELD("shared_intermediate_size", shared_intermediate_size),
+    FUSEDMOE_JSON_FIELD("shared_expert_gate", has_shared_expert_gate),
+    FUSEDMOE_JSON_FIELD("hash_vocab_size", hash_vocab_size),
+    FUSEDMOE_JSON_ENUM("simulated", simulated, kSimulated),
+    FUSEDMOE_JSON_FIELD("zipf_s", zipf_s),
+    FUSEDMOE_JSON_FIELD("simulation_seed", simulation_seed),
+};
+
+#undef FUSEDMOE_JSON_FIELD
+#undef FUSEDMOE_JSON_ENUM
+
+}  // namespace
+
+std::string MoEConfig::to_json() const {
+  ojson j = ojson::object();
+  for (const JsonField& f : kJsonFields) f.write(*this, j, f.key);
+  return j.dump();
+}
+
+MoEConfig MoEConfig::from_json(const std::string& json, const std::string& source) {
+  ojson j;
+  try {
+    j = ojson::parse(json);
+  } catch (const nlohmann::json::exception& e) {
+    FUSEDMOE_THROW(kInvalidArgument, source, ": not valid JSON (", e.what(), ")");
+  }
+  FUSEDMOE_CHECK(j.is_object(), source, ": expected a JSON object, got ", j.type_name());
+  MoEConfig c;
+  for (const auto& [key, value] : j.items()) {
+    const JsonField* field = nullptr;
+    for (const JsonField& f : kJsonFields)
+      if (key == f.key) field = &f;
+    FUSEDMOE_CHECK(field != nullptr, source, ": unknown field \"", key, "\"");
+    field->read(c, value, source + "." + key);
+  }
+  return c;
 }
 
 }  // namespace fusedmoe

@@ -243,5 +243,50 @@ TEST(MoEConfig, SummaryListsFields) {
   EXPECT_GT(std::count(s.begin(), s.end(), '\n'), 15);
 }
 
+TEST(MoEConfigJson, RoundTripAndErrors) {
+  MoEConfig c;
+  c.num_experts = 16;
+  c.top_k = 4;
+  c.hidden_size = 128;
+  c.intermediate_size = 48;
+  c.routing_method = RoutingMethod::kGroupedTopK;
+  c.scoring_func = ScoringFunc::kSigmoid;
+  c.renormalize = true;
+  c.num_expert_group = 4;
+  c.topk_group = 2;
+  c.has_e_score_correction_bias = true;
+  c.routed_scaling_factor = 2.5f;
+  c.activation = Activation::kSwigluOai;
+  c.shared_intermediate_size = 96;
+  c.simulation_seed = 1234567890123ull;
+  const MoEConfig r = MoEConfig::from_json(c.to_json());
+  EXPECT_EQ(r.to_json(), c.to_json());
+  EXPECT_EQ(r.routing_method, RoutingMethod::kGroupedTopK);
+  EXPECT_EQ(r.activation, Activation::kSwigluOai);
+  EXPECT_FLOAT_EQ(r.routed_scaling_factor, 2.5f);
+  EXPECT_EQ(r.simulation_seed, 1234567890123ull);
+  EXPECT_NE(c.to_json().find("\"e_score_correction_bias\":true"), std::string::npos);
+  // A subset keeps the defaults.
+  const MoEConfig s = MoEConfig::from_json(R"({"num_experts": 8, "top_k": 2})");
+  EXPECT_EQ(s.num_experts, 8);
+  EXPECT_EQ(s.hidden_size, 0);
+  auto expect_error = [](const std::string& json, const std::string& part) {
+    try {
+      MoEConfig::from_json(json, "cfg");
+      ADD_FAILURE() << "no error for " << json;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+    }
+  };
+  expect_error(R"({"num_expertz": 8})", "cfg: unknown field \"num_expertz\"");
+  expect_error(R"({"top_k": "2"})", "cfg.top_k: expected an integer");
+  expect_error(R"({"top_k": 2.5})", "cfg.top_k: expected an integer");
+  expect_error(R"({"renormalize": 1})", "cfg.renormalize: expected a boolean");
+  expect_error(R"({"activation": "relu"})", "cfg.activation: expected one of");
+  expect_error(R"({"simulation_seed": -1})", "cfg.simulation_seed: expected a non-negative");
+  expect_error("[1, 2]", "cfg: expected a JSON object");
+  expect_error("{oops", "cfg: not valid JSON");
+}
+
 }  // namespace
 }  // namespace fusedmoe

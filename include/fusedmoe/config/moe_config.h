@@ -130,6 +130,16 @@ struct MoEConfig {
 
   // One line per field, for `fusedmoe inspect` and messages.
   std::string summary() const;
+
+  // The layer's fields as one JSON object (parallel layout excluded), with the
+  // keys `fusedmoe inspect --json` and the Python module use: the field names,
+  // with "has_" dropped (e.g. "e_score_correction_bias": true) and enums as
+  // their to_string() names. from_json() reads any subset of those keys (the
+  // rest keep their defaults) and does not validate; it throws
+  // Error(kInvalidArgument) naming `source` and the key for an unknown key, a
+  // value of the wrong JSON type or an unknown enum name, and for malformed JSON.
+  std::string to_json() const;
+  static MoEConfig from_json(const std::string& json, const std::string& source = "config");
 };
 
 }  // namespace fusedmoe
