@@ -38,6 +38,10 @@ struct RunOptions {
   bool quiet = false;
   std::string backend = "cpu";  // cpu or cuda (bf16 compute on the GPU)
   bool compute_dtype_given = false;
+  // Parallel layout (under mpirun; world = (dp > 1 ? dp : ep) * tp ranks).
+  int ep_size = 1, tp_size = 1, dp_size = 1;
+  std::string expert_placement = "contiguous";
+  std::string dispatch_dtype = "auto";
 };
 CLI::App* add_run_command(CLI::App& app, RunOptions& opts);
 int run_run(const RunOptions& opts);
@@ -58,9 +62,14 @@ struct BenchOptions {
   bool sweep = false;           // cuda: also time every GEMM tile configuration
   std::string dump_dir;         // cuda: inputs and outputs for bench/cuda/torch_baseline.py
   int64_t max_experts = 0;      // > 0: cap E of every shape (quick runs, tests)
+  int ep_size = 1, tp_size = 1, dp_size = 1;  // > 1: run_bench_parallel (under mpirun)
+  std::string expert_placement = "contiguous";
+  std::string dispatch_dtype = "auto";
 };
 CLI::App* add_bench_command(CLI::App& app, BenchOptions& opts);
 int run_bench(const BenchOptions& opts);
+// The routed experts spread over ranks: layer time, dispatch / combine bandwidth.
+int run_bench_parallel(const BenchOptions& opts);
 
 // ---- helpers (main.cpp) -------------------------------------------------------
 // The bundled tiny model: the source-tree copy when it exists, else the

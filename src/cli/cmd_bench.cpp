@@ -60,6 +60,20 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& o) {
                   "Use at most this many experts per shape (quick runs; k, H, I are kept)")
       ->check(CLI::PositiveNumber);
   cmd->add_flag("--no-baseline", o.no_baseline, "Skip the BLAS-per-expert baseline");
+  cmd->add_option("--ep-size", o.ep_size,
+                  "Expert parallelism under mpirun (-np = ep or dp size x tp size): layer time, "
+                  "dispatch and combine bandwidth; --tokens are per rank")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--tp-size", o.tp_size, "Tensor parallelism inside experts")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--dp-size", o.dp_size, "Data-parallel token groups (naive DP + EP)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--expert-placement", o.expert_placement, "contiguous or round-robin")
+      ->check(CLI::IsMember({"contiguous", "round-robin"}))
+      ->capture_default_str();
+  cmd->add_option("--dispatch-dtype", o.dispatch_dtype, "EP dispatch payload: auto, f32, bf16, fp8")
+      ->check(CLI::IsMember({"auto", "f32", "bf16", "fp8"}))
+      ->capture_default_str();
   cmd->add_option("--backend", o.backend,
                   "cpu, or cuda: routed experts on the GPU (bf16, CUDA graphs and events, "
                   "uniform routing; shapes mixtral, qwen3, deepseek)")
@@ -73,6 +87,7 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& o) {
 }
 
 int run_bench(const BenchOptions& o) {
+  if (o.ep_size > 1 || o.tp_size > 1 || o.dp_size > 1) return run_bench_parallel(o);
   using namespace fusedmoe::bench;
   if (o.backend == "cuda") {
 #ifdef FUSEDMOE_WITH_CUDA

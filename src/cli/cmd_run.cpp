@@ -15,6 +15,7 @@
 #include "fusedmoe/io/hf_config.h"
 #include "fusedmoe/io/loader.h"
 #include "fusedmoe/io/safetensors.h"
+#include "fusedmoe/parallel/communicator.h"
 #include "fusedmoe/runner/moe_runner.h"
 #ifdef FUSEDMOE_WITH_CUDA
 #include "fusedmoe/kernels/cuda.h"
@@ -175,6 +176,24 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
   cmd->add_option("--repeat", o.repeat, "Run the forward N times; the median time is reported")
       ->check(CLI::PositiveNumber);
   cmd->add_flag("--quiet", o.quiet, "Leave out the expert load histogram");
+  cmd->add_option("--ep-size", o.ep_size,
+                  "Expert parallelism over ranks (mpirun -np N ... --ep-size N): each EP rank "
+                  "runs a share of the tokens and holds a share of the experts; rank 0 writes")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--tp-size", o.tp_size,
+                  "Tensor parallelism inside experts (ranks = ep or dp size x tp size)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--dp-size", o.dp_size,
+                  "Data-parallel token groups; with --ep-size equal to it, experts are spread "
+                  "over them (all-gather / reduce-scatter)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--expert-placement", o.expert_placement, "contiguous or round-robin")
+      ->check(CLI::IsMember({"contiguous", "round-robin"}))
+      ->capture_default_str();
+  cmd->add_option("--dispatch-dtype", o.dispatch_dtype,
+                  "EP dispatch payload: auto, f32, bf16 or fp8 (e4m3, 1x128 group scales)")
+      ->check(CLI::IsMember({"auto", "f32", "bf16", "fp8"}))
+      ->capture_default_str();
   cmd->callback([&o, seed, cdt] {
     o.seed_given = seed->count() > 0;
     o.compute_dtype_given = cdt->count() > 0;
@@ -192,12 +211,31 @@ int run_run(const RunOptions& o) {
                  o.compute_dtype);
   const DType compute_dtype = on_cuda || o.compute_dtype == "bf16" ? DType::kBF16 : DType::kF32;
 
+  // Parallel layout: every rank loads its share and runs its token group's
+  // rows; the results are gathered and rank 0 reports and writes.
+  const bool parallel = o.ep_size > 1 || o.tp_size > 1 || o.dp_size > 1;
+  std::shared_ptr<Communicator> world;
+  if (parallel) {
+    FUSEDMOE_CHECK(!on_cuda,
+                   "--backend cuda: --ep-size / --tp-size / --dp-size run on the CPU backend only");
+    world = make_world_communicator();
+    const int need = (o.dp_size > 1 ? o.dp_size : o.ep_size) * o.tp_size;
+    FUSEDMOE_CHECK(world->size() == need, "--ep-size ", o.ep_size, " --tp-size ", o.tp_size,
+                   " --dp-size ", o.dp_size, ": expected ", need, " ranks (mpirun -np ", need,
+                   "), got ", world->size());
+  }
+  const bool root = !world || world->rank() == 0;
+
   // Model and layer.
   const std::string model_dir = o.model.empty() ? bundled_model_dir() : o.model;
   const ModelInfo info = load_model_info(model_dir);
   FUSEDMOE_CHECK(!info.moe_layers.empty(), model_dir, ": the model has no MoE layers");
   const int64_t layer = o.layer >= 0 ? o.layer : info.moe_layers.front();
-  const MoEConfig& config = info.layer_config(layer);
+  MoEConfig config = info.layer_config(layer);
+  if (parallel) {
+    config.parallel = parallel_config_for_rank(world->rank(), o.ep_size, o.tp_size, o.dp_size);
+    config.parallel.expert_placement = parse_expert_placement(o.expert_placement);
+  }
   const int64_t H = config.hidden_size, k = config.top_k;
   const int64_t num_logits = config.num_router_logits();
 
@@ -219,6 +257,7 @@ int run_run(const RunOptions& o) {
     uint64_t seed = o.seed;
     if (!o.seed_given)
       seed = (static_cast<uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}();
+    if (world) world->broadcast(&seed, sizeof seed, 0);  // the same tokens on every rank
     input = Tensor::empty(DType::kF32, {o.tokens, H});
     std::mt19937_64 rng(seed);
     std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -243,10 +282,15 @@ int run_run(const RunOptions& o) {
 
   // Weights and runner.
   const Checkpoint checkpoint = Checkpoint::open(model_dir);
-  MoELayerWeights weights = load_moe_layer(checkpoint, info, layer);
+  LoadOptions lopts;
+  lopts.progress = root;
+  lopts.parallel = config.parallel;  // this rank's share only
+  MoELayerWeights weights = load_moe_layer(checkpoint, info, layer, lopts);
   const size_t weight_bytes = weights.nbytes();
   RunnerOptions ropts;
   ropts.compute_dtype = compute_dtype;
+  ropts.communicator = world;
+  ropts.dispatch_dtype = parse_dispatch_dtype(o.dispatch_dtype);
   if (on_cuda) {
 #ifdef FUSEDMOE_WITH_CUDA
     FUSEDMOE_CHECK(cuda::device_count() > 0, "--backend cuda: no CUDA device found");
@@ -265,7 +309,36 @@ int run_run(const RunOptions& o) {
   ForwardOutputs outs{router_logits, topk_ids, topk_weights};
 
   std::vector<double> times;
-  if (!on_cuda) {
+  if (parallel) {
+    // Token group g (EP or DP rank) runs rows [T g / G, T (g + 1) / G).
+    const ParallelConfig& pc = config.parallel;
+    const int G = pc.dp_size > 1 ? pc.dp_size : pc.ep_size, P = world->size();
+    auto row0 = [&](int g) { return T * g / G; };
+    const int g = world->rank() / pc.tp_size;
+    const int64_t r0 = row0(g), n = row0(g + 1) - row0(g);
+    ForwardOutputs mine{router_logits.view().narrow(0, r0, n), topk_ids.view().narrow(0, r0, n),
+                        topk_weights.view().narrow(0, r0, n)};
+    for (int r = 0; r < o.repeat; ++r) {
+      const auto t0 = std::chrono::steady_clock::now();
+      runner.forward(input.view().narrow(0, r0, n), output.view().narrow(0, r0, n), nullptr,
+                     nullptr, &mine);
+      const auto t1 = std::chrono::steady_clock::now();
+      times.push_back(std::chrono::duration<double>(t1 - t0).count());
+    }
+    // Every group's rows from its tp_rank 0 rank, in place.
+    for (const Tensor* t : {&output, &topk_ids, &topk_weights, &router_logits}) {
+      const int64_t row_bytes = t->size(1) * static_cast<int64_t>(dtype_size(t->dtype()));
+      std::vector<int64_t> counts(P), displs(P);
+      for (int p = 0; p < P; ++p) {
+        const int pg = p / pc.tp_size;
+        counts[p] = p % pc.tp_size == 0 ? (row0(pg + 1) - row0(pg)) * row_bytes : 0;
+        displs[p] = row0(pg) * row_bytes;
+      }
+      world->all_gather_v(static_cast<char*>(t->data()) + displs[world->rank()],
+                          counts[world->rank()], t->data(), counts, displs);
+    }
+    if (!root) return 0;  // rank 0 compares, writes and reports
+  } else if (!on_cuda) {
     for (int r = 0; r < o.repeat; ++r) {
       const auto t0 = std::chrono::steady_clock::now();
       runner.forward(input, output, nullptr, nullptr, &outs);
@@ -344,6 +417,12 @@ int run_run(const RunOptions& o) {
               format_bytes(static_cast<double>(weight_bytes)).c_str());
   std::printf("input          %s, T = %lld\n", input_desc.c_str(), static_cast<long long>(T));
   std::printf("compute dtype  %s\n", dtype_name(compute_dtype));
+  if (parallel)
+    std::printf(
+        "parallel       %d ranks (%s): ep %d, tp %d, dp %d, experts %s; weights above "
+        "are rank 0's share\n",
+        world->size(), world->backend().c_str(), o.ep_size, o.tp_size, o.dp_size,
+        o.expert_placement.c_str());
   if (on_cuda)
     std::printf("backend        cuda (device 0)\n");
   else

@@ -1,0 +1,182 @@
+// `fusedmoe bench --ep-size N [--tp-size M] [--dp-size D]` under mpirun: the
+// routed experts of synthetic layers spread over the ranks (DistributedExperts),
+// timing the layer and, on the EP all-to-all path, dispatch and combine.
+// Every rank brings --tokens T tokens of its own (TP ranks of a group share
+// them); bandwidth = logical bytes that left their rank (summed over ranks) /
+// the slowest rank's dispatch (or combine) time.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "cli/bench_common.h"
+#include "cli/cli.h"
+#include "fusedmoe/core/thread_pool.h"
+#include "fusedmoe/parallel/communicator.h"
+#include "fusedmoe/parallel/distributed_experts.h"
+
+namespace fusedmoe::cli {
+
+namespace {
+
+// Values of every rank (f64).
+std::vector<double> gather_doubles(Communicator& c, double v) {
+  const int P = c.size();
+  std::vector<double> out(P);
+  std::vector<int64_t> n(P, 8), d(P);
+  for (int p = 0; p < P; ++p) d[p] = 8 * p;
+  c.all_gather_v(&v, 8, out.data(), n, d);
+  return out;
+}
+
+double max_of(const std::vector<double>& v) {
+  return *std::max_element(v.begin(), v.end());
+}
+double sum_of(const std::vector<double>& v) {
+  double s = 0;
+  for (double x : v) s += x;
+  return s;
+}
+
+}  // namespace
+
+int run_bench_parallel(const BenchOptions& o) {
+  using namespace fusedmoe::bench;
+  std::shared_ptr<Communicator> world = make_world_communicator();
+  const int groups_n = (o.dp_size > 1 ? o.dp_size : o.ep_size) * o.tp_size;
+  FUSEDMOE_CHECK(world->size() == groups_n, "--ep-size ", o.ep_size, " --tp-size ", o.tp_size,
+                 " --dp-size ", o.dp_size, ": expected ", groups_n, " ranks (mpirun -np ", groups_n,
+                 "), got ", world->size());
+  const ParallelGroups groups = ParallelGroups::create(world, o.ep_size, o.tp_size, o.dp_size);
+  const ParallelConfig& pc = groups.config;
+  const bool root = world->rank() == 0;
+  const std::vector<int64_t> token_counts = parse_int_list(o.tokens, "--tokens");
+  std::vector<LayerShape> shapes;
+  for (const auto& name : split_list(o.shapes)) shapes.push_back(find_shape(name));
+  FUSEDMOE_CHECK(!shapes.empty(), "--shapes: expected at least one shape, got \"", o.shapes, "\"");
+  const DType dtype = parse_dtype(o.dtype);
+  const SimulatedRouting routing = parse_simulated_routing(o.routing);
+  const ExpertPlacement placement = parse_expert_placement(o.expert_placement);
+  const DispatchDType dispatch = parse_dispatch_dtype(o.dispatch_dtype);
+  if (o.threads > 0) ThreadPool::set_global_num_threads(o.threads);
+  const int threads = ThreadPool::global().num_threads();
+  const bool a2a = pc.ep_size > 1 && pc.dp_size == 1;
+
+  if (root) {
+    std::printf("# fusedmoe bench (parallel)\n\n");
+    std::printf("- %d ranks (%s): ep %d, tp %d, dp %d; %d threads per rank; experts %s\n",
+                world->size(), world->backend().c_str(), pc.ep_size, pc.tp_size, pc.dp_size,
+                threads, to_string(placement));
+    std::printf("- weights and compute %s; routing simulated %s; dispatch payload %s\n",
+                dtype_name(dtype), o.routing.c_str(), to_string(dispatch));
+    std::printf(
+        "- T = tokens per token group (EP or DP rank; TP ranks share them); times: median over "
+        "ranks' medians of repeated runs; dispatch / combine GB/s = bytes that left their rank, "
+        "summed over ranks / slowest rank's time (median run); routed experts only\n\n");
+    std::fflush(stdout);
+  }
+
+  const size_t budget =
+      static_cast<size_t>(o.memory_fraction * static_cast<double>(physical_memory_bytes()));
+  uint64_t seed = o.seed;
+  for (const LayerShape& requested : shapes) {
+    LayerShape shape = requested;
+    if (o.max_experts > 0 && shape.E > o.max_experts) {
+      shape.E = std::max(o.max_experts, shape.k);
+      shape.note = "E capped " + std::to_string(requested.E) + " -> " + std::to_string(shape.E) +
+                   " by --max-experts";
+    }
+    shape.E = std::max<int64_t>(shape.E, pc.ep_size);
+    // This rank's share must fit the memory budget (all ranks share the machine here).
+    const ExpertMap map(shape.E, pc.ep_size, placement);
+    LayerShape local = shape;
+    local.E = map.num_local_experts(pc.ep_rank);
+    local.I = tp_slice(shape.I, pc.tp_size, pc.tp_rank).second;
+    FUSEDMOE_CHECK(
+        layer_bytes(local, dtype, false) * world->size() <= budget, shape.name,
+        ": the ranks' expert shares need ",
+        format_bytes(static_cast<double>(layer_bytes(local, dtype, false)) * world->size()),
+        ", over --memory-fraction of RAM; use --max-experts");
+    SyntheticLayer layer = make_synthetic_layer(local, dtype, ++seed + world->rank(), false);
+    MoEConfig config;
+    config.num_experts = shape.E;
+    config.top_k = shape.k;
+    config.hidden_size = shape.H;
+    config.intermediate_size = shape.I;
+    DistributedOptions dopts;
+    dopts.placement = placement;
+    dopts.dispatch_dtype = dispatch;
+    DistributedExperts de(config, groups, layer.weights, dopts);
+    ExpertsParams params;
+    params.compute_dtype = dtype;
+    Workspace ws;
+
+    if (root) {
+      std::printf("## %s: %s, E=%lld, k=%lld, H=%lld, I=%lld, %s weights, %s per rank\n\n",
+                  shape.name.c_str(), shape.model.c_str(), static_cast<long long>(shape.E),
+                  static_cast<long long>(shape.k), static_cast<long long>(shape.H),
+                  static_cast<long long>(shape.I), dtype_name(dtype),
+                  format_bytes(static_cast<double>(layer.weights.nbytes())).c_str());
+      if (!shape.note.empty()) std::printf("(%s)\n\n", shape.note.c_str());
+      std::printf(
+          "| T | layer ms | dispatch ms | dispatch GB/s | combine ms | combine GB/s | "
+          "dispatched rows (max rank) |\n|---:|---:|---:|---:|---:|---:|---:|\n");
+      std::fflush(stdout);
+    }
+    const int group = world->rank() / pc.tp_size;
+    for (int64_t T : token_counts) {
+      const std::vector<RoutedBatch> batches =
+          make_routed_batches(shape, T, routing, ++seed * 7919 + group);
+      Tensor out = Tensor::empty(DType::kF32, {T, shape.H});
+      size_t next = 0;
+      EpStats last;
+      std::vector<double> layer_s, dispatch_s, combine_s;
+      auto run = [&] {
+        const RoutedBatch& b = batches[next++ % batches.size()];
+        const auto t0 = std::chrono::steady_clock::now();
+        de.forward(b.hidden_states.view(), b.topk_ids.view(), b.topk_weights.view(), params, false,
+                   out.view(), ws);
+        de.reduce_tp(out.view());
+        layer_s.push_back(
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+        if (de.ep_stats()) {
+          last = *de.ep_stats();
+          dispatch_s.push_back(last.dispatch_seconds);
+          combine_s.push_back(last.combine_seconds);
+        }
+      };
+      // Warm-up, then the same number of runs on every rank (rank 0 decides).
+      run();
+      int reps = static_cast<int>(std::clamp(o.min_time / std::max(layer_s[0], 1e-6), 3.0, 1000.0));
+      world->broadcast(&reps, sizeof reps, 0);
+      layer_s.clear();
+      dispatch_s.clear();
+      combine_s.clear();
+      for (int r = 0; r < reps; ++r) run();
+      const double t_layer = median(gather_doubles(*world, median(layer_s)));
+      if (a2a) {
+        const double td = max_of(gather_doubles(*world, median(dispatch_s)));
+        const double tc = max_of(gather_doubles(*world, median(combine_s)));
+        const double bd =
+            sum_of(gather_doubles(*world, static_cast<double>(last.dispatch_bytes_sent)));
+        const double bc =
+            sum_of(gather_doubles(*world, static_cast<double>(last.combine_bytes_sent)));
+        const double rows =
+            max_of(gather_doubles(*world, static_cast<double>(last.dispatch_rows_received)));
+        if (root)
+          std::printf("| %lld | %.3f | %.3f | %.2f | %.3f | %.2f | %.0f |\n",
+                      static_cast<long long>(T), t_layer * 1e3, td * 1e3,
+                      td > 0 ? bd / td * 1e-9 : 0.0, tc * 1e3, tc > 0 ? bc / tc * 1e-9 : 0.0, rows);
+      } else if (root) {
+        std::printf("| %lld | %.3f | - | - | - | - | - |\n", static_cast<long long>(T),
+                    t_layer * 1e3);
+      }
+      if (root) std::fflush(stdout);
+    }
+    if (root) std::printf("\n");
+  }
+  return 0;
+}
+
+}  // namespace fusedmoe::cli
