@@ -62,7 +62,7 @@ struct V {
 // 16 ymm registers: tiles of 2 x 3 outputs are 12 ymm of accumulators.
 constexpr int kSmallMR = 2, kSmallNR = 3, kSmallNR1 = 4;
 constexpr int kLargeMR = 2, kLargeNR = 3;
-constexpr int64_t kLargeMinM = 8;
+constexpr int64_t kLargeMinMBF16 = 24, kLargeMinMF32 = 24;
 
 #include "kernels/cpu/gemm_impl.inc"
 

@@ -69,7 +69,7 @@ struct V {
 
 constexpr int kSmallMR = 4, kSmallNR = 4, kSmallNR1 = 8;
 constexpr int kLargeMR = 6, kLargeNR = 4;
-constexpr int64_t kLargeMinM = 8;
+constexpr int64_t kLargeMinMBF16 = 24, kLargeMinMF32 = 24;
 
 #include "kernels/cpu/gemm_impl.inc"
 
