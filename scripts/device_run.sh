@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the CUDA tests and benchmark on a device machine, from binaries built
 # here (scripts/device_pack.sh puts them with their libraries in .devbin/).
-# Usage (on the device, repository root): scripts/device_run.sh [tests|sanitize|bench|all] [gtest filter]
+# Usage (on the device, repository root): scripts/device_run.sh [tests|sanitize|bench|ncu|all] [gtest filter]
 # Env: BENCH_ARGS (e.g. --sweep), SKIP_TORCH=1, TORCH_ITERS.
 # Logs go to $OUT (or ./out).
 set -uo pipefail
@@ -44,5 +44,13 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
     PYTHONUNBUFFERED=1 timeout 300 python3 bench/cuda/torch_baseline.py /tmp/dump --iters ${TORCH_ITERS:-10} \
       2>&1 | tee "$OUT/bench_torch.md"
   fi
+fi
+if [ "$what" = ncu ] || [ "$what" = all ]; then
+  # Where the tensor-core path stands: the w13 GEMM of Mixtral at T = 4096.
+  timeout 150 ncu --clock-control none -k regex:grouped_gemm_kernel --launch-count 2 \
+    --section SpeedOfLight --section Occupancy --section WarpStateStats --section ComputeWorkloadAnalysis \
+    "$bin/bench_cuda_moe" --shapes mixtral --tokens 4096 --routings 1 --iters 1 >"$OUT/ncu.txt" 2>&1
+  echo "== ncu rc=$?"
+  grep -E "grouped_gemm_kernel|Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Executed Ipc|Stall|Warp Cycles Per Issued|One or More|No Eligible" "$OUT/ncu.txt" | head -40
 fi
 exit $rc

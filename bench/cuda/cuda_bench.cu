@@ -176,7 +176,7 @@ int run_cuda_bench(const CudaBenchOptions& o) {
       const double exp_touched =
           static_cast<double>(E) * (1.0 - std::pow(1.0 - static_cast<double>(k) / E, T));
       const int64_t rows = static_cast<int64_t>(std::llround(slots / std::max(1.0, exp_touched)));
-      const cuda::GemmTile picked = cuda::pick_gemm_tile(rows, 2 * I, H);
+      const cuda::GemmTile picked = cuda::pick_gemm_tile(rows, slots, 2 * I, H);
       cuda::GemmTile tile = picked;
       auto enqueue = [&](int r) {
         cuda::AlignArgs al;

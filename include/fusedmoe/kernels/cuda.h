@@ -97,12 +97,13 @@ void align(const AlignArgs& args, Stream stream);
 
 // ---- grouped GEMM experts ------------------------------------------------------
 // Tile configurations (the tuning table lives in gemm_configs.cpp).
-enum class GemmTile : uint8_t { kM16N64, kM64N128, kM128N128, kM128N256 };
-inline constexpr int kNumGemmTiles = 4;
+enum class GemmTile : uint8_t { kM16N64, kM64N128, kM128N128, kM128N256, kM8Gemv };
+inline constexpr int kNumGemmTiles = 5;
 int gemm_tile_block_m(GemmTile tile);
 const char* gemm_tile_name(GemmTile tile);  // "m16n64", ...
-// The tile the heuristic picks for `rows_per_expert` expected rows, N and K.
-GemmTile pick_gemm_tile(int64_t rows_per_expert, int64_t n, int64_t k);
+// The tile the heuristic picks for `rows_per_expert` expected rows per touched
+// expert, `routed_rows` rows in all (T * k; dense: M), N and K.
+GemmTile pick_gemm_tile(int64_t rows_per_expert, int64_t routed_rows, int64_t n, int64_t k);
 
 // One grouped GEMM over experts, C[r] = A[r] . W[e]^T (bf16 in, f32 accumulate):
 //   A rows: gather ? a[(sorted_slot[r] / a_div) * lda] : a[r * lda] (bf16, K wide);

@@ -329,7 +329,7 @@ void CudaMoELayer::forward(const TensorView& hidden_states, const TensorView& ou
     const int64_t Is = c.shared_intermediate_size;
     GroupedGemmArgs g;
     g.epilogue = GemmEpilogue::kGlu;
-    g.tile = pick_gemm_tile(T, 2 * Is, H);
+    g.tile = pick_gemm_tile(T, T, 2 * Is, H);
     g.a = s.xb;
     g.lda = H;
     g.m = T;
@@ -342,7 +342,7 @@ void CudaMoELayer::forward(const TensorView& hidden_states, const TensorView& ou
     grouped_gemm(g, s.side);
     GroupedGemmArgs g2;
     g2.epilogue = GemmEpilogue::kScatter;
-    g2.tile = pick_gemm_tile(T, H, Is);
+    g2.tile = pick_gemm_tile(T, T, H, Is);
     g2.a = s.inter_s;
     g2.lda = Is;
     g2.m = T;
@@ -361,7 +361,7 @@ void CudaMoELayer::forward(const TensorView& hidden_states, const TensorView& ou
       static_cast<double>(E) * (1.0 - std::pow(1.0 - static_cast<double>(k) / E, T));
   const int64_t rows_per_expert =
       static_cast<int64_t>(std::llround(slots / std::max(1.0, touched)));
-  const GemmTile tile13 = pick_gemm_tile(rows_per_expert, 2 * I, H);
+  const GemmTile tile13 = pick_gemm_tile(rows_per_expert, slots, 2 * I, H);
   const GemmTile tile2 = tile13;  // one alignment serves both GEMMs
   AlignArgs al;
   al.topk_ids = s.ids;

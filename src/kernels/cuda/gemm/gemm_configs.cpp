@@ -4,6 +4,9 @@
 // Heuristic by the expected rows per touched expert (rows = T * k / touched,
 // rounded), from a sweep of every tile over the Mixtral / Qwen3 / DeepSeek-V3
 // shapes at T = 1 .. 4096 on an H200 (bench/results/2026-11-29-cuda-bench.md):
+//   T * k <= 16  m8gemv:   single-token decode; CUDA-core GEMV, 16-byte weight
+//                          loads (Mixtral T = 1: 188 us vs 197 us with m16n64;
+//                          already slower at Qwen3 T = 16: 249 vs 220 us)
 //   <= 16 rows   m16n64:   decode; weight streaming, many small n tiles so the
 //                          few touched experts still spread over all SMs
 //   <= 256 rows  m64n128:  (Mixtral T = 1024: 2.74 ms vs 3.01 ms with m128n128;
@@ -16,6 +19,8 @@
 namespace fusedmoe::cuda {
 
 namespace {
+constexpr int64_t kGemvMaxRoutedRows = 16;
+
 struct TileRow {
   GemmTile tile;
   const char* name;
@@ -23,9 +28,9 @@ struct TileRow {
   int64_t max_rows_per_expert;  // pick this tile up to this many expected rows
 };
 constexpr TileRow kTiles[] = {
-    {GemmTile::kM16N64, "m16n64", 16, 16},
-    {GemmTile::kM64N128, "m64n128", 64, 256},
-    {GemmTile::kM128N128, "m128n128", 128, INT64_MAX},
+    // m8gemv is picked by routed_rows alone (see above), never by this column.
+    {GemmTile::kM8Gemv, "m8gemv", 8, -1},       {GemmTile::kM16N64, "m16n64", 16, 16},
+    {GemmTile::kM64N128, "m64n128", 64, 256},   {GemmTile::kM128N128, "m128n128", 128, INT64_MAX},
     {GemmTile::kM128N256, "m128n256", 128, -1},  // never picked (see above)
 };
 }  // namespace
@@ -42,7 +47,9 @@ int gemm_tile_block_m(GemmTile tile) {
   FUSEDMOE_THROW(kInvalidArgument, "gemm_tile_block_m: unknown tile ", static_cast<int>(tile));
 }
 
-GemmTile pick_gemm_tile(int64_t rows_per_expert, int64_t /*n*/, int64_t /*k*/) {
+GemmTile pick_gemm_tile(int64_t rows_per_expert, int64_t routed_rows, int64_t /*n*/,
+                        int64_t /*k*/) {
+  if (routed_rows <= kGemvMaxRoutedRows) return GemmTile::kM8Gemv;
   for (const TileRow& r : kTiles)
     if (rows_per_expert <= r.max_rows_per_expert) return r.tile;
   return GemmTile::kM128N128;
@@ -77,6 +84,9 @@ void grouped_gemm(const GroupedGemmArgs& a, Stream stream) {
       break;
     case GemmTile::kM128N256:
       gemm::launch_m128n256(a, stream);
+      break;
+    case GemmTile::kM8Gemv:
+      gemm::launch_m8gemv(a, stream);
       break;
   }
 }

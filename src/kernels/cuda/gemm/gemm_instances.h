@@ -13,5 +13,7 @@ void launch_m16n64(const GroupedGemmArgs& args, Stream stream);
 void launch_m64n128(const GroupedGemmArgs& args, Stream stream);
 void launch_m128n128(const GroupedGemmArgs& args, Stream stream);
 void launch_m128n256(const GroupedGemmArgs& args, Stream stream);
+// m8gemv: <= 8 rows per tile, CUDA-core GEMV streaming each weight row once (decode).
+void launch_m8gemv(const GroupedGemmArgs& args, Stream stream);
 
 }  // namespace fusedmoe::cuda::gemm

@@ -1,0 +1,205 @@
+// fusedmoe CUDA: the decode path of the grouped GEMM — at most 8 rows per
+// expert tile (block_m = 8), no tensor cores: each warp streams 4 weight rows
+// (w13: 4 gate + 4 up rows) once with 16-byte loads, several in flight per
+// lane, against the tile's <= 8 activation rows (read through L1), then one
+// recursive-halving warp reduction and the same fused epilogues as the MMA
+// kernel (gated activation -> bf16 intermediate; weighted scatter by slot).
+// Persistent warps over (tile, row group) items, row groups innermost so the
+// warps of an SM share the tile's activation rows.
+#include "kernels/cuda/gemm/gemm_instances.h"
+#include "kernels/cuda/gemm/sm90_bf16_grouped_gemm.cuh"
+
+namespace fusedmoe::cuda::gemm {
+namespace {
+
+constexpr int kTileRows = 8;     // activation rows per tile (block_m)
+constexpr int kRowsPerItem = 4;  // weight rows (w13: gate/up pairs) per warp item
+constexpr int kThreads = 128;    // 167 registers (w13): 3 blocks, 12 warps per SM
+
+__device__ __forceinline__ uint4 ld_nc(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+__device__ __forceinline__ void unpack8(const uint4& v, float* f) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __uint_as_float(w[i] << 16);
+    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
+
+// Sums v[0..N) over the warp by recursive halving; afterwards lane L holds the
+// totals of indices [L * N / 32, (L + 1) * N / 32) in v[0 .. N / 32).
+template <int kN, int kOffset>
+__device__ __forceinline__ void halving_step(float* v, int lane) {
+  const bool upper = (lane & kOffset) != 0;
+#pragma unroll
+  for (int i = 0; i < kN / 2; ++i) {
+    const float keep = upper ? v[i + kN / 2] : v[i];
+    const float send = upper ? v[i] : v[i + kN / 2];
+    v[i] = keep + __shfl_xor_sync(0xffffffffu, send, kOffset);
+  }
+}
+template <int N>
+__device__ __forceinline__ void warp_reduce_halving(float* v, int lane) {
+  halving_step<N, 16>(v, lane);
+  halving_step<N / 2, 8>(v, lane);
+  halving_step<N / 4, 4>(v, lane);
+  halving_step<N / 8, 2>(v, lane);
+  halving_step<N / 16, 1>(v, lane);
+}
+
+template <bool kGlu>
+__global__ void __launch_bounds__(kThreads) grouped_gemv_kernel(const Params p) {
+  constexpr int kW = kGlu ? 2 * kRowsPerItem : kRowsPerItem;  // weight rows streamed per item
+  constexpr int kAcc = kW * kTileRows;
+  const int lane = threadIdx.x & 31;
+  const int64_t warp_id = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) >> 5;
+  const int64_t num_warps = static_cast<int64_t>(gridDim.x) * (kThreads / 32);
+  const bool dense = p.expert_offsets == nullptr;
+  const int64_t total_tiles =
+      dense ? (p.m + kTileRows - 1) / kTileRows : p.expert_offsets[p.num_experts] / kTileRows;
+  const int64_t out_rows = kGlu ? p.inter : p.n;  // outputs per activation row
+  const int64_t groups = (out_rows + kRowsPerItem - 1) / kRowsPerItem;
+  const int64_t K = p.k;
+
+  for (int64_t item = warp_id; item < total_tiles * groups; item += num_warps) {
+    const int64_t tile = item / groups;
+    const int64_t n0 = (item % groups) * kRowsPerItem;
+    const int64_t row0 = tile * kTileRows;
+    int e = 0;
+    if (!dense) {
+      int lo = 0, hi = p.num_experts - 1;
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (p.expert_offsets[mid] <= row0)
+          lo = mid;
+        else
+          hi = mid - 1;
+      }
+      e = lo;
+    }
+    // Rows of the tile: lane r < 8 looks its row up, then everyone gets all 8.
+    int32_t my_slot = -1, my_src = -1;
+    if (lane < kTileRows) {
+      const int64_t row = row0 + lane;
+      if (dense) {
+        my_slot = row < p.m ? static_cast<int32_t>(row) : -1;
+        my_src = my_slot;
+      } else {
+        my_slot = p.sorted_slot[row];
+        my_src = my_slot < 0 ? -1 : (p.gather ? my_slot / p.a_div : static_cast<int32_t>(row));
+      }
+    }
+    int32_t src[kTileRows];
+#pragma unroll
+    for (int r = 0; r < kTileRows; ++r) src[r] = __shfl_sync(0xffffffffu, my_src, r);
+
+    const __nv_bfloat16* w_e = p.w + static_cast<int64_t>(e) * p.n * K;
+    const __nv_bfloat16* wrow[kW];
+    bool wok[kW];
+#pragma unroll
+    for (int j = 0; j < kW; ++j) {
+      const int64_t n = n0 + (j % kRowsPerItem);
+      wok[j] = n < out_rows;
+      const int64_t wr = kGlu ? (j < kRowsPerItem ? n : p.inter + n) : n;
+      wrow[j] = w_e + (wok[j] ? wr : 0) * K;
+    }
+
+    float acc[kAcc];  // index ((j % 4) * 8 + r) * (kGlu ? 2 : 1) + (j / 4)
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
+    for (int64_t k0 = lane * 8; k0 < K; k0 += 256) {
+      uint4 wraw[kW];  // all weight loads issued before any use
+#pragma unroll
+      for (int j = 0; j < kW; ++j) wraw[j] = wok[j] ? ld_nc(wrow[j] + k0) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+      for (int r = 0; r < kTileRows; ++r) {
+        if (src[r] < 0) continue;  // warp-uniform
+        float xf[8];
+        unpack8(ld_nc(p.a + static_cast<int64_t>(src[r]) * p.lda + k0), xf);
+#pragma unroll
+        for (int j = 0; j < kW; ++j) {
+          const int idx = kGlu ? (((j % kRowsPerItem) * kTileRows + r) * 2 + j / kRowsPerItem)
+                               : (j * kTileRows + r);
+          float wf[8];
+          unpack8(wraw[j], wf);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc[idx] = fmaf(wf[i], xf[i], acc[idx]);
+        }
+      }
+    }
+    warp_reduce_halving<kAcc>(acc, lane);
+
+    // Lane L now holds (weight row jj, activation row r) = (L / 8, L % 8):
+    // GLU: acc[0] = gate, acc[1] = up; scatter: acc[0].
+    const int jj = lane / kTileRows, r = lane % kTileRows;
+    const int64_t n = n0 + jj;
+    const int32_t slot = __shfl_sync(0xffffffffu, my_slot, r);
+    if (n >= out_rows) continue;
+    const float* bias = p.bias ? p.bias + static_cast<int64_t>(e) * p.n : nullptr;
+    if (kGlu) {
+      if (dense && row0 + r >= p.m) continue;
+      float g = acc[0], u = acc[1];
+      if (bias) {
+        g += bias[n];
+        u += bias[p.inter + n];
+      }
+      auto* out = static_cast<__nv_bfloat16*>(p.out);
+      out[(row0 + r) * p.ldc + n] =
+          __float2bfloat16_rn(act_glu(p.act, g, u, p.swiglu_alpha, p.swiglu_limit));
+    } else {
+      if (slot < 0) continue;
+      const float scale = p.row_scale ? p.row_scale[slot] : 1.0f;
+      static_cast<float*>(p.out)[static_cast<int64_t>(slot) * p.ldc + n] =
+          scale * (acc[0] + (bias ? bias[n] : 0.0f));
+    }
+  }
+}
+
+}  // namespace
+
+void launch_m8gemv(const GroupedGemmArgs& a, Stream stream) {
+  Params p{};
+  p.a = reinterpret_cast<const __nv_bfloat16*>(a.a);
+  p.lda = a.lda;
+  p.gather = a.gather ? 1 : 0;
+  p.a_div = a.a_div;
+  p.sorted_slot = a.sorted_slot;
+  p.expert_offsets = a.expert_offsets;
+  p.num_experts = static_cast<int>(a.num_experts);
+  p.m = a.m;
+  p.w = reinterpret_cast<const __nv_bfloat16*>(a.w);
+  p.n = a.n;
+  p.k = a.k;
+  const bool glu = a.epilogue == GemmEpilogue::kGlu;
+  p.inter = glu ? a.n / 2 : a.n;
+  p.bias = a.bias;
+  p.act = a.act.activation;
+  p.swiglu_alpha = a.act.swiglu_alpha;
+  p.swiglu_limit = a.act.swiglu_limit;
+  p.row_scale = a.row_scale;
+  p.out = a.out;
+  p.ldc = a.ldc;
+  const int64_t max_tiles = a.expert_offsets
+                                ? max_padded_rows(a.m, a.num_experts, kTileRows) / kTileRows
+                                : ceil_div(a.m, kTileRows);
+  const int64_t items = max_tiles * ceil_div(p.inter, kRowsPerItem);
+  if (items == 0) return;
+  const int64_t warps_per_block = kThreads / 32;
+  // Enough warps to keep many loads in flight; blocks beyond residency just queue.
+  const int64_t max_blocks = static_cast<int64_t>(num_sms()) * 8;
+  const unsigned grid =
+      static_cast<unsigned>(std::min<int64_t>(ceil_div(items, warps_per_block), max_blocks));
+  if (glu)
+    grouped_gemv_kernel<true><<<grid, kThreads, 0, stream>>>(p);
+  else
+    grouped_gemv_kernel<false><<<grid, kThreads, 0, stream>>>(p);
+  FUSEDMOE_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace fusedmoe::cuda::gemm
