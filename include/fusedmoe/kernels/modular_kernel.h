@@ -96,8 +96,10 @@ class ModularKernel {
   std::unique_ptr<Experts> experts_;
 };
 
-// CPU backend: fixed-order AVX-512 GEMMs (f32 accumulate; bf16 weights widened
-// in registers as they are loaded; batch invariant, unlike a BLAS sgemm),
+// CPU backend: fixed-summation-order GEMMs, AVX-512 / AVX2+FMA / scalar chosen
+// at run time (FUSEDMOE_CPU_ISA forces one) with bit-identical results on every
+// path (f32 accumulate; bf16 weights widened as they are loaded; batch
+// invariant, unlike a BLAS sgemm; see src/kernels/cpu/gemm.h),
 // multi-threaded over (expert, row block, weight-row block) work items on
 // `pool` (nullptr: ThreadPool::global() at call time).
 std::unique_ptr<ModularKernel> make_cpu_modular_kernel(ThreadPool* pool = nullptr);
