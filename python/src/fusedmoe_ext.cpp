@@ -14,12 +14,10 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
-#include <sys/stat.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -32,6 +30,7 @@
 #include "fusedmoe/core/thread_pool.h"
 #include "fusedmoe/experts/expert_weights.h"
 #include "fusedmoe/io/hf_config.h"
+#include "fusedmoe/io/inspect.h"
 #include "fusedmoe/io/loader.h"
 #include "fusedmoe/io/safetensors.h"
 #include "fusedmoe/kernels/modular_kernel.h"
@@ -404,105 +403,9 @@ class PyMoELayer {
 
 // ---- inspect -------------------------------------------------------------------------
 
-bool is_dir(const std::string& p) {
-  struct stat st {};
-  return ::stat(p.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
-}
-bool is_file(const std::string& p) {
-  struct stat st {};
-  return ::stat(p.c_str(), &st) == 0 && S_ISREG(st.st_mode);
-}
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() &&
-         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
-nb::list shape_list(std::span<const int64_t> shape) {
-  nb::list l;
-  for (int64_t s : shape) l.append(s);
-  return l;
-}
-
-// Same content as `fusedmoe inspect PATH --json`.
+// Same content as `fusedmoe inspect PATH --json` (io/inspect.h).
 nb::dict inspect(const std::string& path) {
-  nb::dict j;
-  if (ends_with(path, ".safetensors") && is_file(path)) {
-    auto file = SafetensorsFile::open(path);
-    nb::list tensors;
-    size_t total = 0;
-    for (const auto& name : file->names()) {
-      const Tensor t = file->get(name);
-      total += t.nbytes();
-      nb::dict e;
-      e["name"] = name;
-      e["dtype"] = dtype_name(t.dtype());
-      e["shape"] = shape_list(t.shape());
-      tensors.append(e);
-    }
-    nb::dict metadata;
-    for (const auto& [k, v] : file->metadata()) metadata[k.c_str()] = v;
-    j["file"] = path;
-    j["tensors"] = tensors;
-    j["bytes"] = total;
-    j["metadata"] = metadata;
-    return j;
-  }
-  if (!is_dir(path) && !is_file(path))
-    FUSEDMOE_THROW(kIo, path, ": no such model directory or file");
-  const ModelInfo info = load_model_info(path);
-  std::string dir = path;
-  if (!is_dir(path)) {
-    const auto slash = path.find_last_of('/');
-    dir = slash == std::string::npos ? "." : path.substr(0, slash);
-  }
-  const bool has_weights =
-      is_file(dir + "/model.safetensors") || is_file(dir + "/model.safetensors.index.json");
-  j["path"] = path;
-  j["model_type"] = info.model_type;
-  j["architecture"] = info.architecture;
-  j["num_hidden_layers"] = info.num_hidden_layers;
-  j["dtype"] = dtype_name(info.dtype);
-  nb::list moe_layers;
-  for (int64_t l : info.moe_layers) moe_layers.append(l);
-  j["moe_layers"] = moe_layers;
-  j["weights"] = has_weights;
-  std::optional<Checkpoint> ck;
-  std::vector<std::string> names;
-  if (has_weights) {
-    ck = Checkpoint::open(dir);
-    names = ck->names();
-  }
-  nb::list layers;
-  size_t total_bytes = 0;
-  for (int64_t layer : info.moe_layers) {
-    nb::dict l;
-    const std::string prefix = info.moe_prefix(layer);
-    l["layer"] = layer;
-    l["prefix"] = prefix;
-    l["config"] = config_to_dict(info.layer_config(layer));
-    if (has_weights) {
-      int64_t count = 0;
-      size_t bytes = 0;
-      std::map<std::string, int64_t> dtypes;
-      for (const auto& name : names) {
-        if (name.compare(0, prefix.size(), prefix) != 0) continue;
-        const Tensor t = ck->get(name);
-        ++count;
-        bytes += t.nbytes();
-        ++dtypes[dtype_name(t.dtype())];
-      }
-      nb::dict dt;
-      for (const auto& [k, v] : dtypes) dt[k.c_str()] = v;
-      l["tensors"] = count;
-      l["weight_dtypes"] = dt;
-      l["bytes"] = bytes;
-      total_bytes += bytes;
-    }
-    layers.append(l);
-  }
-  j["layers"] = layers;
-  if (has_weights) j["moe_bytes_total"] = total_bytes;
-  return j;
+  return nb::cast<nb::dict>(nb::module_::import_("json").attr("loads")(inspect_json(path)));
 }
 
 }  // namespace

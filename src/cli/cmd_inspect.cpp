@@ -1,52 +1,33 @@
-// `fusedmoe inspect PATH [--json]`: what a model's MoE layers are (from
-// config.json, through io/hf_config.h) and what their weights weigh (from the
-// checkpoint's safetensors headers, through io/safetensors.h). PATH may also be
-// a single .safetensors file: then its tensors are listed.
+// `fusedmoe inspect PATH [--json]`: what a model's MoE layers are and what
+// their weights weigh (io/inspect.h's inspect_json, printed as is with --json;
+// the text form renders it, with each layer's MoEConfig from io/hf_config.h).
+// PATH may also be a single .safetensors file: then its tensors are listed.
 #include <sys/stat.h>
 
 #include <cstdio>
 #include <iostream>
-#include <map>
 #include <nlohmann/json.hpp>
 #include <string>
 
 #include "cli/cli.h"
 #include "fusedmoe/io/hf_config.h"
-#include "fusedmoe/io/safetensors.h"
+#include "fusedmoe/io/inspect.h"
 
 namespace fusedmoe::cli {
 namespace {
 
 using ojson = nlohmann::ordered_json;
 
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() &&
-         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
 bool is_dir(const std::string& p) {
   struct stat st {};
   return ::stat(p.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
 }
-bool is_file(const std::string& p) {
-  struct stat st {};
-  return ::stat(p.c_str(), &st) == 0 && S_ISREG(st.st_mode);
-}
 
-ojson config_json(const MoEConfig& c) {
-  return ojson::parse(c.to_json());
-}
-
-struct LayerBytes {
-  int64_t tensors = 0;
-  size_t bytes = 0;
-  std::map<std::string, int64_t> dtypes;  // dtype name -> tensor count
-};
-
-std::string dtypes_str(const std::map<std::string, int64_t>& dtypes) {
+std::string dtypes_str(const ojson& dtypes) {  // {dtype name: tensor count}
   std::string s;
-  for (const auto& [name, count] : dtypes) {
+  for (const auto& [name, count] : dtypes.items()) {
     if (!s.empty()) s += ", ";
-    s += name + " (" + std::to_string(count) + ")";
+    s += name + " (" + std::to_string(count.get<int64_t>()) + ")";
   }
   return s.empty() ? "-" : s;
 }
@@ -82,26 +63,9 @@ void print_config(const MoEConfig& c) {
   std::printf("%s\n", c.has_expert_bias ? ", expert biases" : "");
 }
 
-int inspect_safetensors(const std::string& path, bool json) {
-  auto file = SafetensorsFile::open(path);
-  size_t total = 0;
-  ojson tensors = ojson::array();
-  for (const auto& name : file->names()) {
-    const Tensor t = file->get(name);
-    total += t.nbytes();
-    ojson shape = ojson::array();
-    for (int64_t s : t.shape()) shape.push_back(s);
-    tensors.push_back({{"name", name}, {"dtype", dtype_name(t.dtype())}, {"shape", shape}});
-  }
-  if (json) {
-    ojson j;
-    j["file"] = path;
-    j["tensors"] = tensors;
-    j["bytes"] = total;
-    j["metadata"] = file->metadata();
-    std::cout << j.dump(2) << "\n";
-    return 0;
-  }
+void print_safetensors(const std::string& path, const ojson& j) {
+  const ojson& tensors = j["tensors"];
+  const size_t total = j["bytes"].get<size_t>();
   std::printf("file: %s\n%zu tensors, %s\n", path.c_str(), tensors.size(),
               format_bytes(static_cast<double>(total)).c_str());
   for (const auto& t : tensors) {
@@ -112,9 +76,8 @@ int inspect_safetensors(const std::string& path, bool json) {
     std::printf("  %-50s %-6s %s\n", t["name"].get<std::string>().c_str(),
                 t["dtype"].get<std::string>().c_str(), shape.c_str());
   }
-  for (const auto& [k, v] : file->metadata())
-    std::printf("  metadata %s = %s\n", k.c_str(), v.c_str());
-  return 0;
+  for (const auto& [k, v] : j["metadata"].items())
+    std::printf("  metadata %s = %s\n", k.c_str(), v.get<std::string>().c_str());
 }
 
 }  // namespace
@@ -133,9 +96,16 @@ CLI::App* add_inspect_command(CLI::App& app, InspectOptions& opts) {
 
 int run_inspect(const InspectOptions& opts) {
   const std::string& path = opts.path;
-  if (ends_with(path, ".safetensors") && is_file(path)) return inspect_safetensors(path, opts.json);
-  if (!is_dir(path) && !is_file(path))
-    FUSEDMOE_THROW(kIo, path, ": no such model directory or file");
+  const std::string text = inspect_json(path);
+  if (opts.json) {
+    std::cout << text << "\n";
+    return 0;
+  }
+  const ojson j = ojson::parse(text);
+  if (j.contains("file")) {
+    print_safetensors(path, j);
+    return 0;
+  }
 
   const ModelInfo info = load_model_info(path);
   std::string dir = path;
@@ -143,55 +113,7 @@ int run_inspect(const InspectOptions& opts) {
     const auto slash = path.find_last_of('/');
     dir = slash == std::string::npos ? "." : path.substr(0, slash);
   }
-  const bool has_weights =
-      is_file(dir + "/model.safetensors") || is_file(dir + "/model.safetensors.index.json");
-
-  std::map<int64_t, LayerBytes> bytes;
-  size_t total_bytes = 0;
-  if (has_weights) {
-    const Checkpoint ck = Checkpoint::open(dir);
-    const auto names = ck.names();
-    for (int64_t layer : info.moe_layers) {
-      const std::string prefix = info.moe_prefix(layer);
-      LayerBytes& lb = bytes[layer];
-      for (const auto& name : names) {
-        if (name.compare(0, prefix.size(), prefix) != 0) continue;
-        const Tensor t = ck.get(name);
-        ++lb.tensors;
-        lb.bytes += t.nbytes();
-        ++lb.dtypes[dtype_name(t.dtype())];
-      }
-      total_bytes += lb.bytes;
-    }
-  }
-
-  if (opts.json) {
-    ojson j;
-    j["path"] = path;
-    j["model_type"] = info.model_type;
-    j["architecture"] = info.architecture;
-    j["num_hidden_layers"] = info.num_hidden_layers;
-    j["dtype"] = dtype_name(info.dtype);
-    j["moe_layers"] = info.moe_layers;
-    j["weights"] = has_weights;
-    ojson layers = ojson::array();
-    for (int64_t layer : info.moe_layers) {
-      ojson l;
-      l["layer"] = layer;
-      l["prefix"] = info.moe_prefix(layer);
-      l["config"] = config_json(info.layer_config(layer));
-      if (has_weights) {
-        l["tensors"] = bytes[layer].tensors;
-        l["weight_dtypes"] = bytes[layer].dtypes;
-        l["bytes"] = bytes[layer].bytes;
-      }
-      layers.push_back(l);
-    }
-    j["layers"] = layers;
-    if (has_weights) j["moe_bytes_total"] = total_bytes;
-    std::cout << j.dump(2) << "\n";
-    return 0;
-  }
+  const bool has_weights = j["weights"].get<bool>();
 
   std::printf("model          %s\n", path.c_str());
   std::printf("model type     %s%s%s\n", info.model_type.c_str(),
@@ -217,14 +139,14 @@ int run_inspect(const InspectOptions& opts) {
   }
   if (has_weights) {
     std::printf("weights (MoE blocks only)\n");
-    for (int64_t layer : info.moe_layers) {
-      const LayerBytes& lb = bytes[layer];
-      std::printf("  layer %-4lld %4lld tensors  %-12s %s\n", static_cast<long long>(layer),
-                  static_cast<long long>(lb.tensors),
-                  format_bytes(static_cast<double>(lb.bytes)).c_str(),
-                  dtypes_str(lb.dtypes).c_str());
+    for (const auto& l : j["layers"]) {
+      std::printf("  layer %-4lld %4lld tensors  %-12s %s\n",
+                  static_cast<long long>(l["layer"].get<int64_t>()),
+                  static_cast<long long>(l["tensors"].get<int64_t>()),
+                  format_bytes(l["bytes"].get<double>()).c_str(),
+                  dtypes_str(l["weight_dtypes"]).c_str());
     }
-    std::printf("  total       %s\n", format_bytes(static_cast<double>(total_bytes)).c_str());
+    std::printf("  total       %s\n", format_bytes(j["moe_bytes_total"].get<double>()).c_str());
   } else {
     std::printf("weights        none found (no model.safetensors or index in %s)\n", dir.c_str());
   }

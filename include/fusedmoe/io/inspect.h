@@ -1,0 +1,26 @@
+// fusedmoe: what a model's MoE layers are and what their weights weigh, as
+// JSON — the content of `fusedmoe inspect PATH --json` and of Python's
+// fusedmoe.inspect(PATH).
+#pragma once
+
+#include <string>
+
+namespace fusedmoe {
+
+// `path` is a HF model directory, its config.json, or a .safetensors file.
+//
+// Model (directory or config.json; layer configs from io/hf_config.h, weights
+// from the checkpoint's safetensors headers, io/safetensors.h): an object with
+// keys path, model_type, architecture, num_hidden_layers, dtype, moe_layers,
+// weights (whether model.safetensors or its index is next to config.json),
+// layers (one per MoE layer: layer, prefix, config = MoEConfig::to_json, and
+// with weights: tensors, weight_dtypes {dtype name: count}, bytes of the
+// tensors under the layer's MoE prefix) and, with weights, moe_bytes_total.
+// A .safetensors file: {file, tensors [{name, dtype, shape}], bytes, metadata}.
+//
+// Returns the object printed with 2-space indentation, keys in that order.
+// Throws Error(kIo) if `path` does not exist or cannot be read, and what
+// load_model_info throws for a bad config.json.
+std::string inspect_json(const std::string& path);
+
+}  // namespace fusedmoe

@@ -1,0 +1,124 @@
+// inspect_json: model info (io/hf_config.h) and the bytes, tensor counts and
+// dtypes of each MoE layer's weights (io/safetensors.h), or the tensor list of
+// one .safetensors file, as ordered JSON.
+#include "fusedmoe/io/inspect.h"
+
+#include <sys/stat.h>
+
+#include <map>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "fusedmoe/core/error.h"
+#include "fusedmoe/io/hf_config.h"
+#include "fusedmoe/io/safetensors.h"
+
+namespace fusedmoe {
+namespace {
+
+using ojson = nlohmann::ordered_json;
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() &&
+         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+bool is_dir(const std::string& p) {
+  struct stat st {};
+  return ::stat(p.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+bool is_file(const std::string& p) {
+  struct stat st {};
+  return ::stat(p.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+}
+
+ojson inspect_safetensors(const std::string& path) {
+  auto file = SafetensorsFile::open(path);
+  size_t total = 0;
+  ojson tensors = ojson::array();
+  for (const auto& name : file->names()) {
+    const Tensor t = file->get(name);
+    total += t.nbytes();
+    ojson shape = ojson::array();
+    for (int64_t s : t.shape()) shape.push_back(s);
+    tensors.push_back({{"name", name}, {"dtype", dtype_name(t.dtype())}, {"shape", shape}});
+  }
+  ojson j;
+  j["file"] = path;
+  j["tensors"] = tensors;
+  j["bytes"] = total;
+  j["metadata"] = file->metadata();
+  return j;
+}
+
+struct LayerBytes {
+  int64_t tensors = 0;
+  size_t bytes = 0;
+  std::map<std::string, int64_t> dtypes;  // dtype name -> tensor count
+};
+
+ojson inspect_model(const std::string& path) {
+  if (!is_dir(path) && !is_file(path))
+    FUSEDMOE_THROW(kIo, path, ": no such model directory or file");
+  const ModelInfo info = load_model_info(path);
+  std::string dir = path;
+  if (!is_dir(path)) {
+    const auto slash = path.find_last_of('/');
+    dir = slash == std::string::npos ? "." : path.substr(0, slash);
+  }
+  const bool has_weights =
+      is_file(dir + "/model.safetensors") || is_file(dir + "/model.safetensors.index.json");
+
+  std::map<int64_t, LayerBytes> bytes;
+  size_t total_bytes = 0;
+  if (has_weights) {
+    const Checkpoint ck = Checkpoint::open(dir);
+    const auto names = ck.names();
+    for (int64_t layer : info.moe_layers) {
+      const std::string prefix = info.moe_prefix(layer);
+      LayerBytes& lb = bytes[layer];
+      for (const auto& name : names) {
+        if (name.compare(0, prefix.size(), prefix) != 0) continue;
+        const Tensor t = ck.get(name);
+        ++lb.tensors;
+        lb.bytes += t.nbytes();
+        ++lb.dtypes[dtype_name(t.dtype())];
+      }
+      total_bytes += lb.bytes;
+    }
+  }
+
+  ojson j;
+  j["path"] = path;
+  j["model_type"] = info.model_type;
+  j["architecture"] = info.architecture;
+  j["num_hidden_layers"] = info.num_hidden_layers;
+  j["dtype"] = dtype_name(info.dtype);
+  j["moe_layers"] = info.moe_layers;
+  j["weights"] = has_weights;
+  ojson layers = ojson::array();
+  for (int64_t layer : info.moe_layers) {
+    ojson l;
+    l["layer"] = layer;
+    l["prefix"] = info.moe_prefix(layer);
+    l["config"] = ojson::parse(info.layer_config(layer).to_json());
+    if (has_weights) {
+      l["tensors"] = bytes[layer].tensors;
+      l["weight_dtypes"] = bytes[layer].dtypes;
+      l["bytes"] = bytes[layer].bytes;
+    }
+    layers.push_back(l);
+  }
+  j["layers"] = layers;
+  if (has_weights) j["moe_bytes_total"] = total_bytes;
+  return j;
+}
+
+}  // namespace
+
+std::string inspect_json(const std::string& path) {
+  const ojson j = ends_with(path, ".safetensors") && is_file(path) ? inspect_safetensors(path)
+                                                                   : inspect_model(path);
+  return j.dump(2);
+}
+
+}  // namespace fusedmoe

@@ -1,0 +1,126 @@
+// Tests of inspect_json (io/inspect.h): the keys and their order for every HF
+// fixture, each layer's config and weight bytes against the fixture's config
+// and safetensors headers, a bare config.json, a .safetensors file, and errors.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "fixtures.h"
+#include "fusedmoe/core/error.h"
+#include "fusedmoe/io/hf_config.h"
+#include "fusedmoe/io/inspect.h"
+#include "fusedmoe/io/safetensors.h"
+
+namespace fusedmoe {
+namespace {
+
+using ojson = nlohmann::ordered_json;
+namespace fs = std::filesystem;
+
+std::vector<std::string> keys(const ojson& j) {
+  std::vector<std::string> k;
+  for (const auto& [name, value] : j.items()) k.push_back(name);
+  return k;
+}
+
+TEST(InspectJson, EveryFixtureHasItsLayersAndWeightBytes) {
+  for (const auto& arch : test::hf_fixture_archs()) {
+    SCOPED_TRACE(arch);
+    const std::string dir = test::hf_fixture_dir(arch);
+    const ojson j = ojson::parse(inspect_json(dir));
+    EXPECT_EQ(keys(j), (std::vector<std::string>{"path", "model_type", "architecture",
+                                                 "num_hidden_layers", "dtype", "moe_layers",
+                                                 "weights", "layers", "moe_bytes_total"}));
+    const ModelInfo info = load_model_info(dir);
+    EXPECT_EQ(j["path"], dir);
+    EXPECT_EQ(j["model_type"], info.model_type);
+    EXPECT_EQ(j["num_hidden_layers"], info.num_hidden_layers);
+    EXPECT_EQ(j["moe_layers"].get<std::vector<int64_t>>(), info.moe_layers);
+    EXPECT_TRUE(j["weights"].get<bool>());
+    ASSERT_EQ(j["layers"].size(), info.moe_layers.size());
+
+    // Bytes, counts and dtypes of the tensors under each layer's MoE prefix,
+    // from the fixture's single model.safetensors.
+    auto file = SafetensorsFile::open(dir + "/model.safetensors");
+    size_t total = 0;
+    for (size_t i = 0; i < info.moe_layers.size(); ++i) {
+      const int64_t layer = info.moe_layers[i];
+      const ojson& l = j["layers"][i];
+      EXPECT_EQ(keys(l), (std::vector<std::string>{"layer", "prefix", "config", "tensors",
+                                                   "weight_dtypes", "bytes"}));
+      EXPECT_EQ(l["layer"], layer);
+      EXPECT_EQ(l["prefix"], info.moe_prefix(layer));
+      EXPECT_EQ(l["config"], ojson::parse(info.layer_config(layer).to_json()));
+      size_t bytes = 0;
+      int64_t count = 0;
+      for (const auto& name : file->names()) {
+        if (name.rfind(info.moe_prefix(layer), 0) != 0) continue;
+        bytes += file->get(name).nbytes();
+        ++count;
+      }
+      EXPECT_GT(count, 0);
+      EXPECT_EQ(l["tensors"], count);
+      EXPECT_EQ(l["bytes"], bytes);
+      EXPECT_EQ(l["weight_dtypes"], ojson({{"bf16", count}}));
+      total += bytes;
+    }
+    EXPECT_EQ(j["moe_bytes_total"], total);
+  }
+}
+
+TEST(InspectJson, ConfigJsonPathAndConfigWithoutWeights) {
+  const std::string dir = test::hf_fixture_dir("olmoe");
+  const ojson by_dir = ojson::parse(inspect_json(dir));
+  ojson by_config = ojson::parse(inspect_json(dir + "/config.json"));
+  EXPECT_EQ(by_config["path"], dir + "/config.json");
+  by_config["path"] = dir;
+  EXPECT_EQ(by_config, by_dir);
+
+  test::TempDir tmp("inspect");
+  fs::copy_file(dir + "/config.json", tmp.file("config.json"));
+  const ojson bare = ojson::parse(inspect_json(tmp.path()));
+  EXPECT_FALSE(bare["weights"].get<bool>());
+  EXPECT_FALSE(bare.contains("moe_bytes_total"));
+  ASSERT_FALSE(bare["layers"].empty());
+  for (const auto& l : bare["layers"])
+    EXPECT_EQ(keys(l), (std::vector<std::string>{"layer", "prefix", "config"}));
+}
+
+TEST(InspectJson, SafetensorsFileListsItsTensors) {
+  const std::string path = test::hf_fixture_dir("mixtral") + "/reference.safetensors";
+  const ojson j = ojson::parse(inspect_json(path));
+  EXPECT_EQ(keys(j), (std::vector<std::string>{"file", "tensors", "bytes", "metadata"}));
+  auto file = SafetensorsFile::open(path);
+  const auto names = file->names();
+  ASSERT_EQ(j["tensors"].size(), names.size());
+  size_t bytes = 0;
+  for (size_t i = 0; i < names.size(); ++i) {
+    const Tensor t = file->get(names[i]);
+    const ojson& e = j["tensors"][i];
+    EXPECT_EQ(e["name"], names[i]);
+    EXPECT_EQ(e["dtype"], dtype_name(t.dtype()));
+    EXPECT_EQ(e["shape"].get<std::vector<int64_t>>(),
+              std::vector<int64_t>(t.shape().begin(), t.shape().end()));
+    bytes += t.nbytes();
+  }
+  EXPECT_EQ(j["bytes"], bytes);
+  EXPECT_EQ(j["metadata"], ojson(file->metadata()));
+}
+
+TEST(InspectJson, MissingPathIsAnIoError) {
+  test::TempDir tmp("inspect");
+  const std::string missing = tmp.file("nothing");
+  try {
+    inspect_json(missing);
+    FAIL() << "no error for " << missing;
+  } catch (const Error& e) {
+    EXPECT_EQ(static_cast<int>(e.code()), static_cast<int>(ErrorCode::kIo)) << e.what();
+    EXPECT_NE(std::string(e.what()).find(missing), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace fusedmoe
