@@ -24,7 +24,7 @@ void check_tile(cuda::GemmTile tile, int64_t T, int64_t E, int64_t k, int64_t H,
     E = 1;
     k = 1;
   }
-  const ExpertWeights w = test::make_experts(rng, E, H, I, DType::kBF16, bias);
+  const ExpertWeights w = test::random_experts(rng, E, H, I, DType::kBF16, bias);
   const Tensor x = test::to_bf16(test::randn_f32(rng, {T, H}));
   Tensor ids_h = Tensor::empty(DType::kI32, {T, k});
   Tensor wt_h = test::random_f32(rng, {T, k}, 0.1f, 1.0f);

@@ -198,7 +198,7 @@ TEST(CudaRouting, HashRouting) {
   c.hash_vocab_size = 97;
   c.num_zero_experts = 2;
   c.routed_scaling_factor = 1.25f;
-  MoELayerWeights lw = test::make_layer(rng, c, DType::kF32);
+  MoELayerWeights lw = test::random_layer(rng, c, DType::kF32);
   auto router = create_router(c, lw.router_params);
   const int64_t T = 1000, k = c.top_k;
   Tensor tok = Tensor::empty(DType::kI32, {T});

@@ -39,7 +39,7 @@ void check_runner(const MoEConfig& c, int64_t T, std::mt19937_64& rng, DType io_
   SCOPED_TRACE("T " + std::to_string(T) + " E " + std::to_string(c.num_experts) + " k " +
                std::to_string(k) + " H " + std::to_string(H) + " I " +
                std::to_string(c.intermediate_size) + " io " + dtype_name(io_dtype));
-  MoELayerWeights lw = test::make_layer(rng, c, DType::kBF16);
+  MoELayerWeights lw = test::random_layer(rng, c, DType::kBF16);
   RunnerOptions cpu_opts;
   cpu_opts.compute_dtype = DType::kBF16;
   MoERunner cpu(c, lw, cpu_opts);
@@ -216,7 +216,7 @@ TEST(CudaRunner, GraphCaptureReplaysWithNewInputs) {
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
   MoEConfig c = arch_configs()[2].second;  // DeepSeek-V3 shape: grouped routing, shared expert
-  MoELayerWeights lw = test::make_layer(rng, c, DType::kBF16);
+  MoELayerWeights lw = test::random_layer(rng, c, DType::kBF16);
   cudaStream_t stream;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   const int64_t T = 48, H = c.hidden_size;
@@ -257,7 +257,7 @@ TEST(CudaRunner, RejectsBadArguments) {
   FUSEDMOE_REQUIRE_CUDA();
   std::mt19937_64 rng(1);
   MoEConfig c = test::base_config(8, 2, 64, 48);
-  MoELayerWeights lw = test::make_layer(rng, c, DType::kBF16);
+  MoELayerWeights lw = test::random_layer(rng, c, DType::kBF16);
   RunnerOptions f32 = cuda_options(16);
   f32.compute_dtype = DType::kF32;
   EXPECT_THROW(MoERunner(c, lw, f32), Error);
@@ -267,7 +267,7 @@ TEST(CudaRunner, RejectsBadArguments) {
   Tensor xh = Tensor::empty(DType::kF32, {4, 64}), oh = Tensor::empty(DType::kF32, {4, 64});
   EXPECT_THROW(gpu.forward(xh, oh), Error);         // host tensors on the CUDA backend
   MoEConfig odd = test::base_config(8, 2, 60, 48);  // H % 8 != 0
-  MoELayerWeights lw2 = test::make_layer(rng, odd, DType::kBF16);
+  MoELayerWeights lw2 = test::random_layer(rng, odd, DType::kBF16);
   EXPECT_THROW(MoERunner(odd, lw2, cuda_options(16)), Error);
 }
 
@@ -282,7 +282,7 @@ TEST(CudaRunner, SixtyFourBitOffsets) {
   ASSERT_GT(T * k * H, int64_t{1} << 31);
   MoEConfig c = test::base_config(E, k, H, I);
   c.renormalize = true;
-  MoELayerWeights lw = test::make_layer(rng, c, DType::kBF16);
+  MoELayerWeights lw = test::random_layer(rng, c, DType::kBF16);
   MoERunner gpu(c, lw, cuda_options(T));
   const Tensor x = test::random_f32(rng, {T, H}, -1.0f, 1.0f);
   DeviceTensor x_d = DeviceTensor::from_host(x);

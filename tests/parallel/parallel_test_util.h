@@ -9,28 +9,12 @@
 #include <vector>
 
 #include "fusedmoe/kernels/modular_kernel.h"
+#include "fusedmoe/parallel/communicator.h"
 #include "fusedmoe/parallel/distributed_experts.h"
+#include "random_layer.h"
 #include "test_util.h"
 
 namespace fusedmoe::test {
-
-inline Tensor random_weight(std::mt19937_64& rng, std::initializer_list<int64_t> shape, float scale,
-                            DType dtype) {
-  Tensor t = random_f32(rng, shape, -scale, scale);
-  return dtype == DType::kBF16 ? to_bf16(t) : t;
-}
-
-inline ExpertWeights random_experts(std::mt19937_64& rng, int64_t E, int64_t H, int64_t I,
-                                    DType dtype, bool bias) {
-  ExpertWeights w;
-  w.w13 = random_weight(rng, {E, 2 * I, H}, 2.0f / std::sqrt(static_cast<float>(H)), dtype);
-  w.w2 = random_weight(rng, {E, H, I}, 2.0f / std::sqrt(static_cast<float>(I)), dtype);
-  if (bias) {
-    w.w13_bias = random_weight(rng, {E, 2 * I}, 0.5f, dtype);
-    w.w2_bias = random_weight(rng, {E, H}, 0.5f, dtype);
-  }
-  return w;
-}
 
 // topk_ids i32 [T, k]: k distinct experts per token, each slot -1 with
 // probability p_none; topk_weights f32 [T, k] in [0.05, 1).
@@ -60,6 +44,13 @@ inline Tensor single_rank_routed(const TensorView& hidden, const TensorView& ids
   return out;
 }
 
+// The same seed on every rank of `world` (rank 0's fresh seed).
+inline uint64_t shared_seed(Communicator& world) {
+  uint64_t seed = world.rank() == 0 ? fresh_seed() : 0;
+  world.broadcast(&seed, sizeof(seed), 0);
+  return seed;
+}
+
 // Rows [row0, row0 + rows) of a contiguous 2-d tensor, as a view.
 inline TensorView rows_of(const Tensor& t, int64_t row0, int64_t rows) {
   return t.view().narrow(0, row0, rows);
@@ -73,27 +64,6 @@ inline bool bit_identical(const TensorView& a, const TensorView& b) {
                     b.data_as<const float>() + r * b.stride(0), a.size(1) * sizeof(float)) != 0)
       return false;
   return true;
-}
-
-}  // namespace fusedmoe::test
-
-#include "fusedmoe/runner/moe_runner.h"
-
-namespace fusedmoe::test {
-
-// A random full layer for `c` (router, routed experts, shared expert, gates).
-inline MoELayerWeights random_layer(std::mt19937_64& rng, const MoEConfig& c, DType dtype) {
-  MoELayerWeights w;
-  const int64_t L = c.num_router_logits(), H = c.hidden_size;
-  w.gate_weight = random_weight(rng, {L, H}, 3.0f / std::sqrt(static_cast<float>(H)), dtype);
-  if (c.has_router_bias) w.gate_bias = random_weight(rng, {L}, 0.5f, dtype);
-  if (c.has_e_score_correction_bias)
-    w.router_params.e_score_correction_bias = random_f32(rng, {c.num_experts}, -0.1f, 0.1f);
-  w.experts = random_experts(rng, c.num_experts, H, c.intermediate_size, dtype, c.has_expert_bias);
-  if (c.has_shared_expert())
-    w.shared_experts = random_experts(rng, 1, H, c.shared_intermediate_size, dtype, false);
-  if (c.has_shared_expert_gate) w.shared_expert_gate = random_weight(rng, {1, H}, 0.3f, dtype);
-  return w;
 }
 
 }  // namespace fusedmoe::test

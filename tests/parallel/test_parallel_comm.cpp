@@ -10,18 +10,13 @@
 #include <thread>
 
 #include "fusedmoe/parallel/communicator.h"
+#include "parallel_test_util.h"
 #include "test_util.h"
 
 namespace fusedmoe {
 namespace {
 
 std::shared_ptr<Communicator> g_world;
-
-uint64_t shared_seed() {
-  uint64_t seed = g_world->rank() == 0 ? test::fresh_seed() : 0;
-  g_world->broadcast(&seed, sizeof(seed), 0);
-  return seed;
-}
 
 // Byte b of the message from rank `from` to rank `to`.
 uint8_t pattern(int from, int to, int64_t b, uint64_t salt) {
@@ -37,7 +32,7 @@ TEST(MpiCommunicator, RankAndSize) {
 
 TEST(MpiCommunicator, AllToAllVUnevenAndZeroSizes) {
   const int P = g_world->size(), me = g_world->rank();
-  const uint64_t seed = shared_seed();
+  const uint64_t seed = test::shared_seed(*g_world);
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
   // bytes[from][to], the same table on every rank; some zero, one large (rendezvous).
@@ -72,7 +67,7 @@ TEST(MpiCommunicator, AllToAllVUnevenAndZeroSizes) {
 
 TEST(MpiCommunicator, AllReduceSumIsExactAndIdenticalOnAllRanks) {
   const int P = g_world->size(), me = g_world->rank();
-  const uint64_t seed = shared_seed();
+  const uint64_t seed = test::shared_seed(*g_world);
   std::mt19937_64 rng(seed + me);
   for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{P - 1}, int64_t{1000}, int64_t{300001}}) {
     // Small integers: exact sums, whatever the order.

@@ -21,13 +21,6 @@ namespace {
 
 std::shared_ptr<Communicator> g_world;
 
-// The same seed on every rank (rank 0's fresh seed).
-uint64_t shared_seed() {
-  uint64_t seed = g_world->rank() == 0 ? test::fresh_seed() : 0;
-  g_world->broadcast(&seed, sizeof(seed), 0);
-  return seed;
-}
-
 struct Layout {
   int ep, tp, dp;
 };
@@ -104,11 +97,7 @@ void run_case(std::mt19937_64& rng, const Layout& L, const ParallelGroups& group
   const ExpertMap map(E, pc.ep_size, opts.placement);
   const std::vector<int64_t> mine = map.local_experts(pc.ep_rank);
   ExpertWeights local = shard_expert_weights(full, mine, pc.tp_size, pc.tp_rank);
-  MoEConfig config;
-  config.num_experts = E;
-  config.top_k = k;
-  config.hidden_size = H;
-  config.intermediate_size = I;
+  MoEConfig config = test::base_config(E, k, H, I);
   config.has_expert_bias = bias;
   DistributedExperts de(config, groups, std::move(local), opts);
   Tensor out = Tensor::empty(DType::kF32, {Tg[g], H});
@@ -154,7 +143,7 @@ void run_case(std::mt19937_64& rng, const Layout& L, const ParallelGroups& group
 }
 
 TEST(ParallelMoE, EveryLayoutMatchesSingleRank) {
-  const uint64_t seed = shared_seed();
+  const uint64_t seed = test::shared_seed(*g_world);
   SCOPED_TRACE("seed " + std::to_string(seed) + " (FUSEDMOE_TEST_SEED to replay)");
   std::mt19937_64 rng(seed);
   for (const Layout& L : layouts(g_world->size())) {
@@ -169,12 +158,8 @@ TEST(ParallelMoE, AllRanksEmpty) {
   const int W = g_world->size();
   for (const Layout& L : {Layout{W, 1, 1}, Layout{W, 1, W}}) {
     const ParallelGroups groups = ParallelGroups::create(g_world, L.ep, L.tp, L.dp);
-    std::mt19937_64 rng(shared_seed());
-    MoEConfig config;
-    config.num_experts = W + 1;
-    config.top_k = 2;
-    config.hidden_size = 16;
-    config.intermediate_size = 8;
+    std::mt19937_64 rng(test::shared_seed(*g_world));
+    MoEConfig config = test::base_config(W + 1, 2, 16, 8);
     const ExpertWeights full = test::random_experts(rng, W + 1, 16, 8, DType::kF32, false);
     const ExpertMap map(W + 1, W);
     DistributedExperts de(
@@ -191,7 +176,7 @@ TEST(ParallelMoE, AllRanksEmpty) {
 TEST(ParallelMoE, AllTokensToOneRank) {
   const int W = g_world->size();
   const ParallelGroups groups = ParallelGroups::create(g_world, W, 1, 1);
-  const uint64_t seed = shared_seed();
+  const uint64_t seed = test::shared_seed(*g_world);
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
   const int64_t E = 2 * W + 1, H = 48, I = 16, k = 2, Tr = 9;
@@ -208,11 +193,7 @@ TEST(ParallelMoE, AllTokensToOneRank) {
   ExpertsParams params;
   const Tensor ref =
       test::single_rank_routed(hidden.view(), ids.view(), w.view(), full, params, false);
-  MoEConfig config;
-  config.num_experts = E;
-  config.top_k = k;
-  config.hidden_size = H;
-  config.intermediate_size = I;
+  MoEConfig config = test::base_config(E, k, H, I);
   DistributedExperts de(config, groups,
                         shard_expert_weights(full, map.local_experts(groups.config.ep_rank), 1, 0));
   Tensor out = Tensor::empty(DType::kF32, {Tr, H});

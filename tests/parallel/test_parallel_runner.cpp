@@ -23,12 +23,6 @@ namespace {
 
 std::shared_ptr<Communicator> g_world;
 
-uint64_t shared_seed() {
-  uint64_t seed = g_world->rank() == 0 ? test::fresh_seed() : 0;
-  g_world->broadcast(&seed, sizeof(seed), 0);
-  return seed;
-}
-
 struct Layout {
   int ep, tp, dp;
 };
@@ -42,30 +36,23 @@ std::vector<Layout> layouts(int W) {
   return v;
 }
 
-MoEConfig base(int64_t E, int64_t k, int64_t H, int64_t I) {
-  MoEConfig c;
-  c.num_experts = E;
-  c.top_k = k;
-  c.hidden_size = H;
-  c.intermediate_size = I;
-  return c;
-}
+using test::base_config;
 
 std::vector<std::pair<std::string, MoEConfig>> arch_configs() {
   std::vector<std::pair<std::string, MoEConfig>> v;
   {
-    MoEConfig c = base(9, 2, 64, 48);
+    MoEConfig c = base_config(9, 2, 64, 48);
     c.renormalize = true;
     v.emplace_back("mixtral", c);
   }
   {
-    MoEConfig c = base(11, 4, 72, 40);
+    MoEConfig c = base_config(11, 4, 72, 40);
     c.shared_intermediate_size = 56;
     c.has_shared_expert_gate = true;
     v.emplace_back("qwen2_moe", c);
   }
   {
-    MoEConfig c = base(16, 8, 64, 24);
+    MoEConfig c = base_config(16, 8, 64, 24);
     c.routing_method = RoutingMethod::kGroupedTopK;
     c.scoring_func = ScoringFunc::kSigmoid;
     c.num_expert_group = 4;
@@ -77,7 +64,7 @@ std::vector<std::pair<std::string, MoEConfig>> arch_configs() {
     v.emplace_back("deepseek_v3", c);
   }
   {
-    MoEConfig c = base(7, 2, 80, 32);
+    MoEConfig c = base_config(7, 2, 80, 32);
     c.routing_method = RoutingMethod::kTopKSoftmax;
     c.has_router_bias = true;
     c.has_expert_bias = true;
@@ -85,7 +72,7 @@ std::vector<std::pair<std::string, MoEConfig>> arch_configs() {
     v.emplace_back("gpt_oss", c);
   }
   {
-    MoEConfig c = base(9, 1, 64, 40);
+    MoEConfig c = base_config(9, 1, 64, 40);
     c.routing_method = RoutingMethod::kLlama4;
     c.scoring_func = ScoringFunc::kSigmoid;
     c.apply_router_weight_on_input = true;
@@ -93,7 +80,7 @@ std::vector<std::pair<std::string, MoEConfig>> arch_configs() {
     v.emplace_back("llama4", c);
   }
   {
-    MoEConfig c = base(10, 3, 48, 36);
+    MoEConfig c = base_config(10, 3, 48, 36);
     c.num_zero_experts = 3;
     c.activation = Activation::kGeluTanhGlu;
     v.emplace_back("zero_experts", c);
@@ -139,7 +126,7 @@ std::vector<int64_t> random_offsets(std::mt19937_64& rng, int G, int64_t max_t) 
 }
 
 TEST(ParallelRunner, RandomLayersOfEachArchitecture) {
-  const uint64_t seed = shared_seed();
+  const uint64_t seed = test::shared_seed(*g_world);
   SCOPED_TRACE("seed " + std::to_string(seed) + " (FUSEDMOE_TEST_SEED to replay)");
   std::mt19937_64 rng(seed);
   for (const Layout& L : layouts(g_world->size())) {
@@ -167,7 +154,7 @@ TEST(ParallelRunner, RandomLayersOfEachArchitecture) {
 }
 
 TEST(ParallelRunner, HfFixturesLoadedPerRank) {
-  const uint64_t seed = shared_seed();
+  const uint64_t seed = test::shared_seed(*g_world);
   std::mt19937_64 rng(seed);
   for (const Layout& L : layouts(g_world->size())) {
     const ParallelGroups groups = ParallelGroups::create(g_world, L.ep, L.tp, L.dp);

@@ -12,6 +12,7 @@
 
 #include "fusedmoe/kernels/modular_kernel.h"
 #include "kernels/cpu/gemm.h"
+#include "random_layer.h"
 #include "reference_moe.h"
 #include "test_util.h"
 
@@ -145,20 +146,17 @@ std::string describe(const KernelCase& c) {
   return os.str();
 }
 
-Tensor weight_tensor(std::mt19937_64& rng, std::initializer_list<int64_t> shape, float scale,
-                     DType dtype) {
-  Tensor t = test::random_f32(rng, shape, -scale, scale);
-  return dtype == DType::kBF16 ? test::to_bf16(t) : t;
-}
+using test::random_weight;
 
+// Like test::random_experts, but w2_bias is always f32.
 ExpertWeights make_experts(std::mt19937_64& rng, int64_t E, int64_t H, int64_t I, DType dtype,
                            bool bias) {
   ExpertWeights w;
-  w.w13 = weight_tensor(rng, {E, 2 * I, H}, 2.0f / std::sqrt(static_cast<float>(H)), dtype);
-  w.w2 = weight_tensor(rng, {E, H, I}, 2.0f / std::sqrt(static_cast<float>(I)), dtype);
+  w.w13 = random_weight(rng, {E, 2 * I, H}, 2.0f / std::sqrt(static_cast<float>(H)), dtype);
+  w.w2 = random_weight(rng, {E, H, I}, 2.0f / std::sqrt(static_cast<float>(I)), dtype);
   if (bias) {
-    w.w13_bias = weight_tensor(rng, {E, 2 * I}, 0.5f, dtype);
-    w.w2_bias = weight_tensor(rng, {E, H}, 0.5f, DType::kF32);
+    w.w13_bias = random_weight(rng, {E, 2 * I}, 0.5f, dtype);
+    w.w2_bias = random_weight(rng, {E, H}, 0.5f, DType::kF32);
   }
   return w;
 }
@@ -376,13 +374,13 @@ TEST(CpuModularKernel, RejectsBadInputsWithoutWriting) {
   p16.compute_dtype = DType::kF16;
   expect_error(run(hidden, ids, tw, w, out, p16), {"compute_dtype"});
   ExpertWeights w_bad = w;
-  w_bad.w2 = weight_tensor(rng, {E, H, I + 1}, 0.1f, DType::kBF16);
+  w_bad.w2 = random_weight(rng, {E, H, I + 1}, 0.1f, DType::kBF16);
   expect_error(run(hidden, ids, tw, w_bad, out), {"experts.w2"});
   ExpertWeights w_mixed = w;
-  w_mixed.w2 = weight_tensor(rng, {E, H, I}, 0.1f, DType::kF32);
+  w_mixed.w2 = random_weight(rng, {E, H, I}, 0.1f, DType::kF32);
   expect_error(run(hidden, ids, tw, w_mixed, out), {"experts", "same dtype"});
   ExpertWeights w_half_bias = w;
-  w_half_bias.w13_bias = weight_tensor(rng, {E, 2 * I}, 0.1f, DType::kF32);
+  w_half_bias.w13_bias = random_weight(rng, {E, 2 * I}, 0.1f, DType::kF32);
   expect_error(run(hidden, ids, tw, w_half_bias, out), {"experts.w2_bias"});
 
   for (int32_t bad : {static_cast<int32_t>(E), -2, 1000}) {

@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "expect_error.h"
 #include "fixtures.h"
 #include "fusedmoe/io/hf_config.h"
 #include "fusedmoe/io/safetensors.h"
@@ -14,20 +15,7 @@ namespace {
 
 using json = nlohmann::json;
 
-template <typename F>
-std::string error_of(F&& f, ErrorCode code) {
-  try {
-    f();
-  } catch (const Error& e) {
-    EXPECT_EQ(static_cast<int>(e.code()), static_cast<int>(code)) << e.what();
-    return e.what();
-  }
-  ADD_FAILURE() << "no fusedmoe::Error thrown";
-  return "";
-}
-
-#define EXPECT_HAS(haystack, needle) \
-  EXPECT_NE(std::string(haystack).find(needle), std::string::npos) << "message: " << (haystack)
+using test::error_of;
 
 json fixture_json(const std::string& arch) {
   std::ifstream in(test::hf_fixture_dir(arch) + "/config.json");

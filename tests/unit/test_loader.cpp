@@ -12,6 +12,7 @@
 #include <functional>
 #include <random>
 
+#include "expect_error.h"
 #include "fixtures.h"
 #include "fusedmoe/io/loader.h"
 #include "test_util.h"
@@ -21,20 +22,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-template <typename F>
-std::string error_of(F&& f, ErrorCode code) {
-  try {
-    f();
-  } catch (const Error& e) {
-    EXPECT_EQ(static_cast<int>(e.code()), static_cast<int>(code)) << e.what();
-    return e.what();
-  }
-  ADD_FAILURE() << "no fusedmoe::Error thrown";
-  return "";
-}
-
-#define EXPECT_HAS(haystack, needle) \
-  EXPECT_NE(std::string(haystack).find(needle), std::string::npos) << "message: " << (haystack)
+using test::error_of;
 
 // Element at `idx` (any strides) as double.
 double elem(const TensorView& t, std::initializer_list<int64_t> idx) {

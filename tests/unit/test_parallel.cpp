@@ -231,11 +231,7 @@ TEST(DistributedExperts, SingleRankMatchesModularKernelBitForBit) {
     params.compute_dtype = compute;
     const Tensor ref =
         test::single_rank_routed(hidden.view(), ids.view(), w.view(), full, params, false);
-    MoEConfig config;
-    config.num_experts = E;
-    config.top_k = k;
-    config.hidden_size = H;
-    config.intermediate_size = I;
+    MoEConfig config = test::base_config(E, k, H, I);
     config.has_expert_bias = true;
     DistributedExperts de(config, ParallelGroups::single(), full);
     Tensor out = Tensor::empty(DType::kF32, {T, H});
@@ -268,11 +264,7 @@ TEST(DistributedExperts, SingleRankMatchesModularKernelBitForBit) {
 
 TEST(DistributedExperts, RejectsWeightsOfTheWrongShard) {
   std::mt19937_64 rng(1);
-  MoEConfig config;
-  config.num_experts = 6;
-  config.top_k = 2;
-  config.hidden_size = 16;
-  config.intermediate_size = 8;
+  MoEConfig config = test::base_config(6, 2, 16, 8);
   const ExpertWeights five = test::random_experts(rng, 5, 16, 8, DType::kF32, false);
   EXPECT_THROW(DistributedExperts(config, ParallelGroups::single(), five), Error);
 }

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "fusedmoe/runner/moe_runner.h"
+#include "random_layer.h"
 #include "reference_moe.h"
 #include "test_util.h"
 
@@ -19,73 +20,27 @@ namespace {
 
 using test::fresh_seed;
 
-Tensor weight_tensor(std::mt19937_64& rng, std::initializer_list<int64_t> shape, float scale,
-                     DType dtype) {
-  Tensor t = test::random_f32(rng, shape, -scale, scale);
-  return dtype == DType::kBF16 ? test::to_bf16(t) : t;
-}
-
-ExpertWeights make_experts(std::mt19937_64& rng, int64_t E, int64_t H, int64_t I, DType dtype,
-                           bool bias) {
-  ExpertWeights w;
-  w.w13 = weight_tensor(rng, {E, 2 * I, H}, 2.0f / std::sqrt(static_cast<float>(H)), dtype);
-  w.w2 = weight_tensor(rng, {E, H, I}, 2.0f / std::sqrt(static_cast<float>(I)), dtype);
-  if (bias) {
-    w.w13_bias = weight_tensor(rng, {E, 2 * I}, 0.5f, dtype);
-    w.w2_bias = weight_tensor(rng, {E, H}, 0.5f, dtype);
-  }
-  return w;
-}
-
-MoELayerWeights make_layer(std::mt19937_64& rng, const MoEConfig& c, DType dtype) {
-  MoELayerWeights w;
-  const int64_t L = c.num_router_logits(), H = c.hidden_size;
-  w.gate_weight = weight_tensor(rng, {L, H}, 3.0f / std::sqrt(static_cast<float>(H)), dtype);
-  if (c.has_router_bias) w.gate_bias = weight_tensor(rng, {L}, 0.5f, dtype);
-  if (c.has_e_score_correction_bias)
-    w.router_params.e_score_correction_bias = test::random_f32(rng, {c.num_experts}, -0.1f, 0.1f);
-  if (c.routing_method == RoutingMethod::kHash) {
-    Tensor table = Tensor::empty(DType::kI32, {c.hash_vocab_size, c.top_k});
-    std::vector<int32_t> perm(c.num_experts);
-    for (int64_t v = 0; v < c.hash_vocab_size; ++v) {
-      for (int64_t e = 0; e < c.num_experts; ++e) perm[e] = static_cast<int32_t>(e);
-      std::shuffle(perm.begin(), perm.end(), rng);
-      for (int64_t j = 0; j < c.top_k; ++j) table.data_as<int32_t>()[v * c.top_k + j] = perm[j];
-    }
-    w.router_params.hash_table = table;
-  }
-  w.experts = make_experts(rng, c.num_experts, H, c.intermediate_size, dtype, c.has_expert_bias);
-  if (c.has_shared_expert())
-    w.shared_experts = make_experts(rng, 1, H, c.shared_intermediate_size, dtype, false);
-  if (c.has_shared_expert_gate) w.shared_expert_gate = weight_tensor(rng, {1, H}, 0.3f, dtype);
-  return w;
-}
-
-MoEConfig base(int64_t E, int64_t k, int64_t H, int64_t I) {
-  MoEConfig c;
-  c.num_experts = E;
-  c.top_k = k;
-  c.hidden_size = H;
-  c.intermediate_size = I;
-  return c;
-}
+using test::base_config;
+using test::random_experts;
+using test::random_layer;
+using test::random_weight;
 
 // Layers shaped like each architecture (small sizes, H, I, 2I all different).
 std::vector<std::pair<std::string, MoEConfig>> arch_configs() {
   std::vector<std::pair<std::string, MoEConfig>> v;
   {
-    MoEConfig c = base(8, 2, 64, 48);  // Mixtral / Qwen3 / OLMoE
+    MoEConfig c = base_config(8, 2, 64, 48);  // Mixtral / Qwen3 / OLMoE
     c.renormalize = true;
     v.emplace_back("mixtral", c);
   }
   {
-    MoEConfig c = base(12, 4, 72, 40);  // Qwen2-MoE
+    MoEConfig c = base_config(12, 4, 72, 40);  // Qwen2-MoE
     c.shared_intermediate_size = 56;
     c.has_shared_expert_gate = true;
     v.emplace_back("qwen2_moe", c);
   }
   {
-    MoEConfig c = base(16, 4, 64, 24);  // DeepSeek-V3
+    MoEConfig c = base_config(16, 4, 64, 24);  // DeepSeek-V3
     c.routing_method = RoutingMethod::kGroupedTopK;
     c.scoring_func = ScoringFunc::kSigmoid;
     c.num_expert_group = 4;
@@ -98,7 +53,7 @@ std::vector<std::pair<std::string, MoEConfig>> arch_configs() {
     v.emplace_back("deepseek_v3", c);
   }
   {
-    MoEConfig c = base(8, 2, 80, 32);  // gpt-oss
+    MoEConfig c = base_config(8, 2, 80, 32);  // gpt-oss
     c.routing_method = RoutingMethod::kTopKSoftmax;
     c.has_router_bias = true;
     c.has_expert_bias = true;
@@ -106,7 +61,7 @@ std::vector<std::pair<std::string, MoEConfig>> arch_configs() {
     v.emplace_back("gpt_oss", c);
   }
   {
-    MoEConfig c = base(8, 1, 64, 40);  // Llama-4
+    MoEConfig c = base_config(8, 1, 64, 40);  // Llama-4
     c.routing_method = RoutingMethod::kLlama4;
     c.scoring_func = ScoringFunc::kSigmoid;
     c.apply_router_weight_on_input = true;
@@ -114,7 +69,7 @@ std::vector<std::pair<std::string, MoEConfig>> arch_configs() {
     v.emplace_back("llama4", c);
   }
   {
-    MoEConfig c = base(10, 3, 48, 36);  // zero experts (ids -1), GELU
+    MoEConfig c = base_config(10, 3, 48, 36);  // zero experts (ids -1), GELU
     c.num_zero_experts = 3;
     c.activation = Activation::kGeluTanhGlu;
     v.emplace_back("zero_experts", c);
@@ -152,7 +107,7 @@ TEST(MoERunner, MatchesFloat64LayerForEachArchitecture) {
     for (DType wt : {DType::kF32, DType::kBF16})
       for (int64_t T : {1, 7, 66}) {
         SCOPED_TRACE(name + " W " + dtype_name(wt) + " T=" + std::to_string(T));
-        MoELayerWeights w = make_layer(rng, config, wt);
+        MoELayerWeights w = random_layer(rng, config, wt);
         MoERunner runner(config, w, {DType::kF32, &pool});
         Tensor hidden = test::random_f32(rng, {T, config.hidden_size}, -2.0f, 2.0f);
         RunResult r = run_with_outputs(runner, hidden);
@@ -198,7 +153,7 @@ TEST(MoERunner, StridedHiddenStatesAndStridedOutputs) {
   for (const auto& [name, config] : arch_configs()) {
     SCOPED_TRACE(name);
     const int64_t T = 9, H = config.hidden_size, L = config.num_router_logits();
-    MoERunner runner(config, make_layer(rng, config, DType::kBF16));
+    MoERunner runner(config, random_layer(rng, config, DType::kBF16));
     Tensor buf = test::random_f32(rng, {T, H + 7});
     const int64_t shape[] = {T, H}, strides[] = {H + 7, 1};
     const TensorView strided(buf.data(), DType::kF32, shape, strides);
@@ -233,10 +188,10 @@ TEST(MoERunner, HashRoutingUsesTokenIds) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   std::mt19937_64 rng(seed);
-  MoEConfig c = base(6, 2, 32, 24);
+  MoEConfig c = base_config(6, 2, 32, 24);
   c.routing_method = RoutingMethod::kHash;
   c.hash_vocab_size = 50;
-  MoELayerWeights w = make_layer(rng, c, DType::kF32);
+  MoELayerWeights w = random_layer(rng, c, DType::kF32);
   MoERunner runner(c, w);
   const int64_t T = 11;
   Tensor hidden = test::random_f32(rng, {T, c.hidden_size});
@@ -261,10 +216,10 @@ TEST(MoERunner, SimulatedRoutingSkipsLogits) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   std::mt19937_64 rng(seed);
-  MoEConfig c = base(16, 4, 48, 32);
+  MoEConfig c = base_config(16, 4, 48, 32);
   c.routing_method = RoutingMethod::kSimulated;
   c.simulation_seed = seed;
-  MoELayerWeights w = make_layer(rng, c, DType::kBF16);
+  MoELayerWeights w = random_layer(rng, c, DType::kBF16);
   MoERunner runner(c, w);
   const int64_t T = 13;
   Tensor hidden = test::random_f32(rng, {T, c.hidden_size});
@@ -283,7 +238,7 @@ TEST(MoERunner, ZeroTokens) {
   std::mt19937_64 rng(seed);
   for (const auto& [name, config] : arch_configs()) {
     SCOPED_TRACE(name);
-    MoERunner runner(config, make_layer(rng, config, DType::kF32));
+    MoERunner runner(config, random_layer(rng, config, DType::kF32));
     Tensor hidden = Tensor::empty(DType::kF32, {0, config.hidden_size});
     Tensor out = runner.forward(hidden);
     EXPECT_EQ(out.size(0), 0);
@@ -311,7 +266,7 @@ TEST(MoERunner, RejectsBadShapesBeforeWriting) {
   std::mt19937_64 rng(seed);
   MoEConfig c = arch_configs()[1].second;  // qwen2_moe: shared expert with gate
   const int64_t T = 5, H = c.hidden_size, L = c.num_router_logits(), k = c.top_k;
-  MoELayerWeights w = make_layer(rng, c, DType::kBF16);
+  MoELayerWeights w = random_layer(rng, c, DType::kBF16);
   MoERunner runner(c, w);
   Tensor hidden = test::random_f32(rng, {T, H});
   Tensor out = Tensor::empty(DType::kF32, {T, H});
@@ -347,18 +302,18 @@ TEST(MoERunner, RejectsBadShapesBeforeWriting) {
   no_gate.shared_expert_gate.reset();
   expect_error([&] { MoERunner r(c, no_gate); }, {"shared_expert_gate"});
   MoELayerWeights bad_gate = w;
-  bad_gate.gate_weight = weight_tensor(rng, {L, H + 1}, 0.1f, DType::kF32);
+  bad_gate.gate_weight = random_weight(rng, {L, H + 1}, 0.1f, DType::kF32);
   expect_error([&] { MoERunner r(c, bad_gate); }, {"gate_weight"});
   MoELayerWeights bad_shared = w;
   bad_shared.shared_experts =
-      make_experts(rng, 1, H, c.shared_intermediate_size + 1, DType::kBF16, false);
+      random_experts(rng, 1, H, c.shared_intermediate_size + 1, DType::kBF16, false);
   expect_error([&] { MoERunner r(c, bad_shared); }, {"shared_experts.w13"});
   MoELayerWeights bad_experts = w;
   bad_experts.experts =
-      make_experts(rng, c.num_experts - 1, H, c.intermediate_size, DType::kBF16, false);
+      random_experts(rng, c.num_experts - 1, H, c.intermediate_size, DType::kBF16, false);
   expect_error([&] { MoERunner r(c, bad_experts); }, {"experts.w13"});
   MoELayerWeights extra_bias = w;
-  extra_bias.gate_bias = weight_tensor(rng, {L}, 0.1f, DType::kF32);
+  extra_bias.gate_bias = random_weight(rng, {L}, 0.1f, DType::kF32);
   expect_error([&] { MoERunner r(c, extra_bias); }, {"gate_bias"});
   MoEConfig bad_config = c;
   bad_config.top_k = c.num_experts + 1;

@@ -8,6 +8,7 @@
 #include <fstream>
 #include <random>
 
+#include "expect_error.h"
 #include "fixtures.h"
 #include "fusedmoe/io/safetensors.h"
 #include "test_util.h"
@@ -18,21 +19,7 @@ namespace {
 namespace fs = std::filesystem;
 using test::TempDir;
 
-// Runs f, expects Error(code) and returns its message ("" if none was thrown).
-template <typename F>
-std::string error_of(F&& f, ErrorCode code = ErrorCode::kIo) {
-  try {
-    f();
-  } catch (const Error& e) {
-    EXPECT_EQ(static_cast<int>(e.code()), static_cast<int>(code)) << e.what();
-    return e.what();
-  }
-  ADD_FAILURE() << "no fusedmoe::Error thrown";
-  return "";
-}
-
-#define EXPECT_HAS(haystack, needle) \
-  EXPECT_NE(std::string(haystack).find(needle), std::string::npos) << "message: " << (haystack)
+using test::error_of;
 
 // Writes an 8-byte LE length, the header text and `data` bytes.
 void write_raw(const std::string& path, const std::string& header, size_t data_bytes,
