@@ -262,9 +262,12 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
   }
 
   info.num_hidden_layers = f.get_int({"num_hidden_layers"});
-  if (info.num_hidden_layers <= 0)
-    FUSEDMOE_THROW(kInvalidArgument, where, ": field 'num_hidden_layers': expected > 0, got ",
-                   info.num_hidden_layers);
+  // One MoEConfig is built per MoE layer: bound the count so a corrupt config
+  // cannot exhaust memory (the largest released models have < 200 layers).
+  constexpr int64_t kMaxLayers = 100000;
+  if (info.num_hidden_layers <= 0 || info.num_hidden_layers > kMaxLayers)
+    FUSEDMOE_THROW(kInvalidArgument, where, ": field 'num_hidden_layers': expected 1..", kMaxLayers,
+                   ", got ", info.num_hidden_layers);
 
   MoEConfig c;
   c.hidden_size = f.get_int({"hidden_size"});

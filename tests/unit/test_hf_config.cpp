@@ -325,5 +325,13 @@ TEST(HfConfig, GptOssSwigluFields) {
   EXPECT_FLOAT_EQ(c.swiglu_alpha, 1.5f);
 }
 
+TEST(HfConfig, AbsurdLayerCountIsRejectedNotAllocated) {
+  json j = fixture_json("mixtral");
+  j["num_hidden_layers"] = 100000000;
+  EXPECT_HAS(error_of([&] { parse(j); }, ErrorCode::kInvalidArgument), "num_hidden_layers");
+  j["num_hidden_layers"] = 0;
+  EXPECT_HAS(error_of([&] { parse(j); }, ErrorCode::kInvalidArgument), "num_hidden_layers");
+}
+
 }  // namespace
 }  // namespace fusedmoe
