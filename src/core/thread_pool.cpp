@@ -5,8 +5,11 @@
 #include <condition_variable>
 #include <exception>
 #include <mutex>
+#include <system_error>
 #include <thread>
 #include <vector>
+
+#include "fusedmoe/core/error.h"
 
 namespace fusedmoe {
 
@@ -71,9 +74,23 @@ struct ThreadPool::Impl {
 ThreadPool::ThreadPool(int num_threads) : impl_(std::make_unique<Impl>()) {
   if (num_threads <= 0)
     num_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  FUSEDMOE_CHECK(num_threads <= kMaxThreads, "num_threads: expected 1..", kMaxThreads,
+                 " (or <= 0 for all cores), got ", num_threads);
   impl_->num_threads = num_threads;
-  for (int i = 1; i < num_threads; ++i)
-    impl_->workers.emplace_back([this, i] { impl_->worker_loop(i); });
+  try {
+    for (int i = 1; i < num_threads; ++i)
+      impl_->workers.emplace_back([this, i] { impl_->worker_loop(i); });
+  } catch (const std::system_error& e) {
+    // Join the workers already started before impl_ goes away with the throw.
+    {
+      std::lock_guard<std::mutex> lk(impl_->mu);
+      impl_->stop = true;
+    }
+    impl_->cv_work.notify_all();
+    for (auto& w : impl_->workers) w.join();
+    FUSEDMOE_THROW(kInternal, "num_threads: could not start ", num_threads, " threads (", e.what(),
+                   ")");
+  }
 }
 
 ThreadPool::~ThreadPool() {

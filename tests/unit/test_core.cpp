@@ -78,7 +78,8 @@ TEST(DType, F16AllCodesAndRounding) {
   EXPECT_EQ(f32_to_f16(65519.0f), 0x7bffu);
   EXPECT_EQ(f32_to_f16(65520.0f), 0x7c00u);  // tie to even -> Inf
   std::mt19937_64 rng(test::fresh_seed());
-  std::uniform_real_distribution<double> d(-20, 15.99);  // below 65504 (values holds finite codes only)
+  std::uniform_real_distribution<double> d(-20,
+                                           15.99);  // below 65504 (values holds finite codes only)
   for (int i = 0; i < 2000; ++i) {
     const float x = static_cast<float>(std::exp2(d(rng)));
     const double want = nearest_even(x, values);
@@ -197,4 +198,18 @@ TEST(ThreadPool, CoversRangeOnceAndPropagatesErrors) {
   pool.parallel_for(50, [&](int64_t b, int64_t e, int) { n += e - b; });
   EXPECT_EQ(n.load(), 50);
   pool.parallel_for(0, [&](int64_t, int64_t, int) { FAIL(); });
+}
+
+TEST(ThreadPool, RejectsAbsurdThreadCounts) {
+  try {
+    ThreadPool pool(1000000);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("num_threads: expected 1..1024"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(ThreadPool::set_global_num_threads(1000000), Error);
+  std::atomic<int64_t> n{0};  // the global pool is still usable
+  ThreadPool::global().parallel_for(10, [&](int64_t b, int64_t e, int) { n += e - b; });
+  EXPECT_EQ(n.load(), 10);
 }

@@ -15,7 +15,10 @@ namespace fusedmoe {
 
 class ThreadPool {
  public:
-  // num_threads <= 0: std::thread::hardware_concurrency().
+  static constexpr int kMaxThreads = 1024;
+  // num_threads <= 0: std::thread::hardware_concurrency(). Throws
+  // Error(kInvalidArgument) above kMaxThreads, Error(kInternal) when the
+  // system cannot start the threads.
   explicit ThreadPool(int num_threads = 0);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
