@@ -364,7 +364,19 @@ void save_safetensors(const std::string& path,
   std::string h = header.dump();
   while (h.size() % 8 != 0) h.push_back(' ');  // data section 8-byte aligned
 
-  const fs::path target(path);
+  // The file is replaced by a rename, so only a regular file (or nothing) may be
+  // there: a device, FIFO or directory is refused, a symbolic link is written
+  // through (its target is replaced), never replaced itself.
+  fs::path target(path);
+  std::error_code ec;
+  if (fs::is_symlink(fs::symlink_status(target, ec))) {
+    const fs::path resolved = fs::canonical(target, ec);
+    if (ec) FUSEDMOE_THROW(kIo, path, ": symbolic link to a missing file (", ec.message(), ")");
+    target = resolved;
+  }
+  const fs::file_status st = fs::status(target, ec);
+  if (fs::exists(st) && !fs::is_regular_file(st))
+    FUSEDMOE_THROW(kIo, path, ": exists and is not a regular file (will not replace it)");
   fs::path dir = target.parent_path();
   if (dir.empty()) dir = ".";
   std::string tmp_name = ".";
@@ -408,7 +420,7 @@ void save_safetensors(const std::string& path,
     ::unlink(tmpl.c_str());
     FUSEDMOE_THROW(kIo, path, ": close failed: ", e);
   }
-  if (::rename(tmpl.c_str(), path.c_str()) != 0) {
+  if (::rename(tmpl.c_str(), target.c_str()) != 0) {
     std::string e = errno_str();
     ::unlink(tmpl.c_str());
     FUSEDMOE_THROW(kIo, path, ": rename failed: ", e);

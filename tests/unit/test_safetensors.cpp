@@ -326,5 +326,27 @@ TEST(Checkpoint, ShardedThroughIndex) {
   EXPECT_HAS(error_of([&] { Checkpoint::open(dir.file("bad.index.json")); }), "weight_map");
 }
 
+TEST(Safetensors, SaveWritesThroughSymlinksAndRefusesSpecialFiles) {
+  TempDir dir("st_special");
+  Tensor t = Tensor::zeros(DType::kF32, {2});
+  // A symbolic link: its target gets the file, the link stays a link.
+  const std::string target = dir.file("target.safetensors"), link = dir.file("link.safetensors");
+  { std::ofstream(target) << "old"; }
+  fs::create_symlink(target, link);
+  save_safetensors(link, {{"a", t}});
+  EXPECT_TRUE(fs::is_symlink(link));
+  EXPECT_TRUE(SafetensorsFile::open(target)->contains("a"));
+  // A directory (and likewise a device or FIFO) is refused, not replaced.
+  const std::string sub = dir.file("subdir");
+  fs::create_directory(sub);
+  EXPECT_NE(error_of([&] {
+              save_safetensors(sub, {{"a", t}});
+            }).find("not a regular file"),
+            std::string::npos);
+  EXPECT_TRUE(fs::is_directory(sub));
+  EXPECT_THROW(save_safetensors("/dev/null", {{"a", t}}), Error);
+  EXPECT_TRUE(fs::is_character_file("/dev/null"));
+}
+
 }  // namespace
 }  // namespace fusedmoe
