@@ -13,6 +13,22 @@
 
 namespace fusedmoe::cli {
 
+// Number checks with short messages ("expected a number > 0, got -1"); CLI11's
+// own PositiveNumber / NonNegativeNumber print the whole double range.
+inline CLI::Validator number_above(double bound, bool inclusive) {
+  const std::string want = std::string(inclusive ? ">= " : "> ") + CLI::detail::to_string(bound);
+  return CLI::Validator(
+      [bound, inclusive, want](std::string& input) -> std::string {
+        double v = 0;
+        if (!CLI::detail::lexical_cast(input, v) || !(inclusive ? v >= bound : v > bound))
+          return "expected a number " + want + ", got " + input;
+        return {};
+      },
+      "NUMBER " + want);
+}
+inline const CLI::Validator kPositive = number_above(0, false);
+inline const CLI::Validator kNonNegative = number_above(0, true);
+
 // ---- inspect ------------------------------------------------------------------
 struct InspectOptions {
   std::string path;  // model directory, config.json, or a .safetensors file

@@ -43,9 +43,9 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& o) {
       ->check(CLI::IsMember({"f32", "bf16"}))
       ->capture_default_str();
   cmd->add_option("--threads", o.threads, "Threads (default: all cores)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(kNonNegative);
   cmd->add_option("--min-time", o.min_time, "Minimum seconds of timed runs per measurement")
-      ->check(CLI::NonNegativeNumber)
+      ->check(kNonNegative)
       ->capture_default_str();
   cmd->add_option("--routing", o.routing, "Simulated routing: uniform, zipf or all-to-one")
       ->check(CLI::IsMember({"uniform", "zipf", "all-to-one"}))
@@ -58,16 +58,16 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& o) {
   cmd->add_option("--seed", o.seed, "Seed of weights, inputs and routing")->capture_default_str();
   cmd->add_option("--max-experts", o.max_experts,
                   "Use at most this many experts per shape (quick runs; k, H, I are kept)")
-      ->check(CLI::PositiveNumber);
+      ->check(kPositive);
   cmd->add_flag("--no-baseline", o.no_baseline, "Skip the BLAS-per-expert baseline");
   cmd->add_option("--ep-size", o.ep_size,
                   "Expert parallelism under mpirun (-np = ep or dp size x tp size): layer time, "
                   "dispatch and combine bandwidth; --tokens are per rank")
-      ->check(CLI::PositiveNumber);
+      ->check(kPositive);
   cmd->add_option("--tp-size", o.tp_size, "Tensor parallelism inside experts")
-      ->check(CLI::PositiveNumber);
+      ->check(kPositive);
   cmd->add_option("--dp-size", o.dp_size, "Data-parallel token groups (naive DP + EP)")
-      ->check(CLI::PositiveNumber);
+      ->check(kPositive);
   cmd->add_option("--expert-placement", o.expert_placement, "contiguous or round-robin")
       ->check(CLI::IsMember({"contiguous", "round-robin"}))
       ->capture_default_str();

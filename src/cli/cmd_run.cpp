@@ -143,13 +143,14 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
   CLI::App* cmd = app.add_subcommand("run", "Run one MoE layer forward on CPU or CUDA");
   cmd->add_option("--model", o.model,
                   "HF model directory (default: the bundled tiny DeepSeek-V3 model)");
-  cmd->add_option("--layer", o.layer, "MoE layer index (default: the first MoE layer)");
+  cmd->add_option("--layer", o.layer, "MoE layer index (default: the first MoE layer)")
+      ->check(kNonNegative);
   auto* input = cmd->add_option("--input", o.input,
                                 "Hidden states: .safetensors file (with --input-key) or .npy; "
                                 "f32/bf16/f16/f64 [T, H]");
   cmd->add_option("--input-key", o.input_key, "Tensor name in the --input safetensors file");
   auto* tokens = cmd->add_option("--tokens", o.tokens, "Use T random N(0,1) tokens as input")
-                     ->check(CLI::NonNegativeNumber);
+                     ->check(kNonNegative);
   input->excludes(tokens);
   tokens->excludes(input);
   auto* seed = cmd->add_option("--seed", o.seed, "Seed of the random input (default: random)");
@@ -164,7 +165,7 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str();
   cmd->add_option("--threads", o.threads, "Worker threads (default: all cores)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(kNonNegative);
   auto* ref = cmd->add_option("--reference", o.reference,
                               "File with the expected output (.safetensors with "
                               "--reference-key, or .npy)");
@@ -172,21 +173,22 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
       ->needs(ref);
   cmd->add_option("--tolerance", o.tolerance,
                   "Largest relative L2 error accepted (default: 1e-5 f32, 1e-2 bf16)")
+      ->check(kNonNegative)
       ->needs(ref);
   cmd->add_option("--repeat", o.repeat, "Run the forward N times; the median time is reported")
-      ->check(CLI::PositiveNumber);
+      ->check(kPositive);
   cmd->add_flag("--quiet", o.quiet, "Leave out the expert load histogram");
   cmd->add_option("--ep-size", o.ep_size,
                   "Expert parallelism over ranks (mpirun -np N ... --ep-size N): each EP rank "
                   "runs a share of the tokens and holds a share of the experts; rank 0 writes")
-      ->check(CLI::PositiveNumber);
+      ->check(kPositive);
   cmd->add_option("--tp-size", o.tp_size,
                   "Tensor parallelism inside experts (ranks = ep or dp size x tp size)")
-      ->check(CLI::PositiveNumber);
+      ->check(kPositive);
   cmd->add_option("--dp-size", o.dp_size,
                   "Data-parallel token groups; with --ep-size equal to it, experts are spread "
                   "over them (all-gather / reduce-scatter)")
-      ->check(CLI::PositiveNumber);
+      ->check(kPositive);
   cmd->add_option("--expert-placement", o.expert_placement, "contiguous or round-robin")
       ->check(CLI::IsMember({"contiguous", "round-robin"}))
       ->capture_default_str();

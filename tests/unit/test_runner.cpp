@@ -286,6 +286,12 @@ TEST(MoERunner, RejectsBadShapesBeforeWriting) {
   Tensor lg_nan = test::random_f32(rng, {T, L});
   lg_nan.data_as<float>()[2 * L + 1] = NAN;
   expect_error([&] { runner.forward(hidden, out, &lg_nan.view()); }, {});
+  Tensor h_inf = Tensor::copy_of(hidden);
+  h_inf.data_as<float>()[1 * H + 3] = INFINITY;
+  expect_error([&] { runner.forward(h_inf, out); },
+               {"hidden_states", "finite", "Inf at token 1, column 3"});
+  h_inf.data_as<float>()[1 * H + 3] = NAN;
+  expect_error([&] { runner.forward(h_inf, out); }, {"hidden_states", "NaN at token 1, column 3"});
   Tensor ids_bad = Tensor::empty(DType::kI32, {T, k + 1});
   ForwardOutputs o{TensorView(), ids_bad, TensorView()};
   expect_error([&] { runner.forward(hidden, out, nullptr, nullptr, &o); }, {"topk_ids"});
