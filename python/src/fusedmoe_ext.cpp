@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -216,6 +217,9 @@ MoEConfig config_from_dict(const nb::dict& d) {
     } else {
       ok = nb::isinstance<nb::str>(v), expected = "str";
     }
+    if (ok && nb::isinstance<nb::float_>(v) && !std::isfinite(nb::cast<double>(v)))
+      FUSEDMOE_THROW(kInvalidArgument, "config.", nb::cast<std::string>(k),
+                     ": expected a finite number, got ", nb::cast<double>(v));
     if (!ok)
       throw nb::type_error(("config." + nb::cast<std::string>(k) + ": expected " + expected +
                             ", got " + nb::type_name(v.type()).c_str())

@@ -97,6 +97,8 @@ def test_routing_errors():
         fusedmoe.grouped_topk(logits, 2, True, 4, 5)
     with pytest.raises(ValueError, match="e_score_correction_bias"):
         fusedmoe.grouped_topk(logits, 2, True, 4, 2, "sigmoid", np.zeros(7, np.float32))
+    with pytest.raises(ValueError, match="routed_scaling_factor: expected a finite number"):
+        fusedmoe.grouped_topk(logits, 2, True, 4, 2, routed_scaling_factor=float("nan"))
     with pytest.raises(ValueError, match="unknown field"):
         fusedmoe.select_experts(logits, 2, no_such_field=1)
     with pytest.raises(ValueError, match="routing_method"):

@@ -146,6 +146,7 @@ TEST(Tensor, ViewsAndCopies) {
   EXPECT_EQ(row.data_as<float>()[0], 12.0f);
   EXPECT_THROW(t.view().narrow(1, 4, 3), Error);
   EXPECT_THROW(t.view().reshape({5, 5}), Error);
+  EXPECT_THROW(Tensor::empty(DType::kF32, {int64_t{1} << 40, int64_t{1} << 40}), Error);
   EXPECT_EQ(t.view().reshape({24}).numel(), 24);
   Tensor b = from_f32(t, DType::kBF16);
   Tensor back = to_f32(b);
