@@ -329,9 +329,9 @@ __global__ void __launch_bounds__(Cfg::kThreads) grouped_gemm_kernel(const Param
   }
 }
 
-// Host side: launches one instantiation (validated by grouped_gemm()).
-template <class Cfg>
-void launch(const GroupedGemmArgs& a, Stream stream) {
+// Kernel parameters from the launcher's arguments (shared with the GEMV path);
+// n_tiles is left to the launch, it depends on the tile.
+inline Params make_params(const GroupedGemmArgs& a) {
   Params p{};
   p.a = reinterpret_cast<const __nv_bfloat16*>(a.a);
   p.lda = a.lda;
@@ -344,9 +344,7 @@ void launch(const GroupedGemmArgs& a, Stream stream) {
   p.w = reinterpret_cast<const __nv_bfloat16*>(a.w);
   p.n = a.n;
   p.k = a.k;
-  const bool glu = a.epilogue == GemmEpilogue::kGlu;
-  p.inter = glu ? a.n / 2 : a.n;
-  p.n_tiles = static_cast<int>(glu ? ceil_div(p.inter, Cfg::kBN / 2) : ceil_div(a.n, Cfg::kBN));
+  p.inter = a.epilogue == GemmEpilogue::kGlu ? a.n / 2 : a.n;
   p.bias = a.bias;
   p.act = a.act.activation;
   p.swiglu_alpha = a.act.swiglu_alpha;
@@ -354,6 +352,15 @@ void launch(const GroupedGemmArgs& a, Stream stream) {
   p.row_scale = a.row_scale;
   p.out = a.out;
   p.ldc = a.ldc;
+  return p;
+}
+
+// Host side: launches one instantiation (validated by grouped_gemm()).
+template <class Cfg>
+void launch(const GroupedGemmArgs& a, Stream stream) {
+  Params p = make_params(a);
+  const bool glu = a.epilogue == GemmEpilogue::kGlu;
+  p.n_tiles = static_cast<int>(glu ? ceil_div(p.inter, Cfg::kBN / 2) : ceil_div(a.n, Cfg::kBN));
 
   // Upper bound of work items known to the host (the true count is on the device).
   const int64_t max_tiles = a.expert_offsets

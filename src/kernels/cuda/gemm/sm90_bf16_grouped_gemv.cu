@@ -164,27 +164,8 @@ __global__ void __launch_bounds__(kThreads) grouped_gemv_kernel(const Params p) 
 }  // namespace
 
 void launch_m8gemv(const GroupedGemmArgs& a, Stream stream) {
-  Params p{};
-  p.a = reinterpret_cast<const __nv_bfloat16*>(a.a);
-  p.lda = a.lda;
-  p.gather = a.gather ? 1 : 0;
-  p.a_div = a.a_div;
-  p.sorted_slot = a.sorted_slot;
-  p.expert_offsets = a.expert_offsets;
-  p.num_experts = static_cast<int>(a.num_experts);
-  p.m = a.m;
-  p.w = reinterpret_cast<const __nv_bfloat16*>(a.w);
-  p.n = a.n;
-  p.k = a.k;
+  const Params p = make_params(a);
   const bool glu = a.epilogue == GemmEpilogue::kGlu;
-  p.inter = glu ? a.n / 2 : a.n;
-  p.bias = a.bias;
-  p.act = a.act.activation;
-  p.swiglu_alpha = a.act.swiglu_alpha;
-  p.swiglu_limit = a.act.swiglu_limit;
-  p.row_scale = a.row_scale;
-  p.out = a.out;
-  p.ldc = a.ldc;
   const int64_t max_tiles = a.expert_offsets
                                 ? max_padded_rows(a.m, a.num_experts, kTileRows) / kTileRows
                                 : ceil_div(a.m, kTileRows);
