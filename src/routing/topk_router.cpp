@@ -110,66 +110,50 @@ class TopKRouter final : public RouterBase {
   std::vector<double> bias_;  // [E + Z] or empty
 };
 
-// gpt-oss (HF GptOssTopKRouter): top-k over the raw logits, softmax over the k
-// selected logits, * routed_scaling_factor. scoring_func and renormalize are
-// ignored (the result is softmax -> top-k -> renormalize, already normalized).
-class TopKSoftmaxRouter final : public RouterBase {
+// Top-k over the raw logits (exact order), then weights from the k chosen
+// logits only, * routed_scaling_factor:
+//   kSoftmaxOverK: softmax over the k (gpt-oss, HF GptOssTopKRouter; equal to
+//     softmax -> top-k -> renormalize, so scoring_func/renormalize are ignored);
+//   kSigmoid: sigmoid of each, optionally renormalized with the 1e-20 guard
+//     (Llama-4, HF Llama4Router; the runner applies it to the expert input when
+//     apply_router_weight_on_input is set).
+class LogitTopKRouter final : public RouterBase {
  public:
-  explicit TopKSoftmaxRouter(const MoEConfig& c) : RouterBase(c, true, false) {}
-  const char* name() const override { return "topk_softmax"; }
+  enum class Weight { kSoftmaxOverK, kSigmoid };
+  LogitTopKRouter(const MoEConfig& c, Weight weight, const char* name)
+      : RouterBase(c, true, false), weight_(weight), name_(name) {}
+  const char* name() const override { return name_; }
 
  protected:
   void route(const RouteArgs& a, int64_t begin, int64_t end) const override {
     const int64_t cols = config_.num_router_logits(), k = config_.top_k;
     const double scale = config_.routed_scaling_factor;
     Scratch s(k);
+    std::vector<double> w(static_cast<size_t>(k));
     for (int64_t t = begin; t < end; ++t) {
       const float* row = a.logits + t * a.logits_ld;
       TopKList<float> top = select_logits(row, cols, k, s);
-      const double m = top.value(0);
-      double denom = 0.0;
-      for (int64_t j = 0; j < k; ++j) denom += rel_exp(top.value(j), m);
+      double sum = 0.0;
+      for (int64_t j = 0; j < k; ++j) {
+        w[j] = weight_ == Weight::kSoftmaxOverK ? rel_exp(top.value(j), top.value(0))
+                                                : sigmoid(top.value(j));
+        sum += w[j];
+      }
+      const double denom = weight_ == Weight::kSoftmaxOverK ? sum
+                           : config_.renormalize            ? sum + 1e-20
+                                                            : 1.0;
       int32_t* ids = a.ids + t * a.ids_ld;
       float* out = a.weights + t * a.weights_ld;
       for (int64_t j = 0; j < k; ++j) {
         ids[j] = out_id(top.id(j));
-        out[j] = static_cast<float>(rel_exp(top.value(j), m) / denom * scale);
+        out[j] = static_cast<float>(w[j] / denom * scale);
       }
     }
   }
-};
 
-// Llama-4 (HF Llama4Router): top-k over the raw logits, weight =
-// sigmoid(chosen logit) (optionally renormalized with the 1e-20 guard),
-// * routed_scaling_factor. The runner applies it to the expert input when
-// apply_router_weight_on_input is set.
-class Llama4Router final : public RouterBase {
- public:
-  explicit Llama4Router(const MoEConfig& c) : RouterBase(c, true, false) {}
-  const char* name() const override { return "llama4"; }
-
- protected:
-  void route(const RouteArgs& a, int64_t begin, int64_t end) const override {
-    const int64_t cols = config_.num_router_logits(), k = config_.top_k;
-    const double scale = config_.routed_scaling_factor;
-    Scratch s(k);
-    for (int64_t t = begin; t < end; ++t) {
-      const float* row = a.logits + t * a.logits_ld;
-      TopKList<float> top = select_logits(row, cols, k, s);
-      double denom = 1.0;
-      if (config_.renormalize) {
-        double sum = 0.0;
-        for (int64_t j = 0; j < k; ++j) sum += sigmoid(top.value(j));
-        denom = sum + 1e-20;
-      }
-      int32_t* ids = a.ids + t * a.ids_ld;
-      float* out = a.weights + t * a.weights_ld;
-      for (int64_t j = 0; j < k; ++j) {
-        ids[j] = out_id(top.id(j));
-        out[j] = static_cast<float>(sigmoid(top.value(j)) / denom * scale);
-      }
-    }
-  }
+ private:
+  Weight weight_;
+  const char* name_;
 };
 
 }  // namespace
@@ -178,10 +162,11 @@ std::unique_ptr<Router> make_topk_router(const MoEConfig& config, std::vector<do
   return std::make_unique<TopKRouter>(config, std::move(bias));
 }
 std::unique_ptr<Router> make_topk_softmax_router(const MoEConfig& config) {
-  return std::make_unique<TopKSoftmaxRouter>(config);
+  return std::make_unique<LogitTopKRouter>(config, LogitTopKRouter::Weight::kSoftmaxOverK,
+                                           "topk_softmax");
 }
 std::unique_ptr<Router> make_llama4_router(const MoEConfig& config) {
-  return std::make_unique<Llama4Router>(config);
+  return std::make_unique<LogitTopKRouter>(config, LogitTopKRouter::Weight::kSigmoid, "llama4");
 }
 
 }  // namespace fusedmoe::routing
