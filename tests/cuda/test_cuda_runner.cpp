@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -101,56 +102,19 @@ void check_runner(const MoEConfig& c, int64_t T, std::mt19937_64& rng, DType io_
 }
 
 std::vector<std::pair<std::string, MoEConfig>> arch_configs() {
-  using test::base_config;
   std::vector<std::pair<std::string, MoEConfig>> v;
+  for (const auto& [arch, E, k, H, I] :
+       std::vector<std::tuple<std::string, int64_t, int64_t, int64_t, int64_t>>{
+           {"mixtral", 8, 2, 96, 80},
+           {"qwen2_moe", 12, 4, 72, 40},
+           {"deepseek_v3", 16, 4, 64, 24},
+           {"gpt_oss", 8, 2, 80, 32},
+           {"llama4", 8, 1, 64, 40},
+           {"zero_experts", 10, 3, 48, 32},
+       })
+    v.emplace_back(arch, test::arch_config(arch, E, k, H, I));
   {
-    MoEConfig c = base_config(8, 2, 96, 80);  // Mixtral / Qwen3 / OLMoE
-    c.renormalize = true;
-    v.emplace_back("mixtral", c);
-  }
-  {
-    MoEConfig c = base_config(12, 4, 72, 40);  // Qwen2-MoE: shared expert + gate
-    c.shared_intermediate_size = 56;
-    c.has_shared_expert_gate = true;
-    v.emplace_back("qwen2_moe", c);
-  }
-  {
-    MoEConfig c = base_config(16, 4, 64, 24);  // DeepSeek-V3
-    c.routing_method = RoutingMethod::kGroupedTopK;
-    c.scoring_func = ScoringFunc::kSigmoid;
-    c.num_expert_group = 4;
-    c.topk_group = 2;
-    c.group_score = GroupScore::kSumTop2;
-    c.has_e_score_correction_bias = true;
-    c.renormalize = true;
-    c.routed_scaling_factor = 2.5f;
-    c.shared_intermediate_size = 48;
-    v.emplace_back("deepseek_v3", c);
-  }
-  {
-    MoEConfig c = base_config(8, 2, 80, 32);  // gpt-oss
-    c.routing_method = RoutingMethod::kTopKSoftmax;
-    c.has_router_bias = true;
-    c.has_expert_bias = true;
-    c.activation = Activation::kSwigluOai;
-    v.emplace_back("gpt_oss", c);
-  }
-  {
-    MoEConfig c = base_config(8, 1, 64, 40);  // Llama-4: weight on the input
-    c.routing_method = RoutingMethod::kLlama4;
-    c.scoring_func = ScoringFunc::kSigmoid;
-    c.apply_router_weight_on_input = true;
-    c.shared_intermediate_size = 40;
-    v.emplace_back("llama4", c);
-  }
-  {
-    MoEConfig c = base_config(10, 3, 48, 32);  // zero experts (ids -1), GELU-tanh
-    c.num_zero_experts = 3;
-    c.activation = Activation::kGeluTanhGlu;
-    v.emplace_back("zero_experts", c);
-  }
-  {
-    MoEConfig c = base_config(60, 6, 96, 80);  // GELU (erf), sigmoid scores
+    MoEConfig c = test::base_config(60, 6, 96, 80);  // GELU (erf), sigmoid scores
     c.activation = Activation::kGeluGlu;
     c.scoring_func = ScoringFunc::kSigmoid;
     c.renormalize = true;

@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <random>
 #include <thread>
+#include <tuple>
 
 #include "fixtures.h"
 #include "fusedmoe/io/hf_config.h"
@@ -40,51 +41,16 @@ using test::base_config;
 
 std::vector<std::pair<std::string, MoEConfig>> arch_configs() {
   std::vector<std::pair<std::string, MoEConfig>> v;
-  {
-    MoEConfig c = base_config(9, 2, 64, 48);
-    c.renormalize = true;
-    v.emplace_back("mixtral", c);
-  }
-  {
-    MoEConfig c = base_config(11, 4, 72, 40);
-    c.shared_intermediate_size = 56;
-    c.has_shared_expert_gate = true;
-    v.emplace_back("qwen2_moe", c);
-  }
-  {
-    MoEConfig c = base_config(16, 8, 64, 24);
-    c.routing_method = RoutingMethod::kGroupedTopK;
-    c.scoring_func = ScoringFunc::kSigmoid;
-    c.num_expert_group = 4;
-    c.topk_group = 2;
-    c.has_e_score_correction_bias = true;
-    c.renormalize = true;
-    c.routed_scaling_factor = 2.5f;
-    c.shared_intermediate_size = 48;
-    v.emplace_back("deepseek_v3", c);
-  }
-  {
-    MoEConfig c = base_config(7, 2, 80, 32);
-    c.routing_method = RoutingMethod::kTopKSoftmax;
-    c.has_router_bias = true;
-    c.has_expert_bias = true;
-    c.activation = Activation::kSwigluOai;
-    v.emplace_back("gpt_oss", c);
-  }
-  {
-    MoEConfig c = base_config(9, 1, 64, 40);
-    c.routing_method = RoutingMethod::kLlama4;
-    c.scoring_func = ScoringFunc::kSigmoid;
-    c.apply_router_weight_on_input = true;
-    c.shared_intermediate_size = 40;
-    v.emplace_back("llama4", c);
-  }
-  {
-    MoEConfig c = base_config(10, 3, 48, 36);
-    c.num_zero_experts = 3;
-    c.activation = Activation::kGeluTanhGlu;
-    v.emplace_back("zero_experts", c);
-  }
+  for (const auto& [arch, E, k, H, I] :
+       std::vector<std::tuple<std::string, int64_t, int64_t, int64_t, int64_t>>{
+           {"mixtral", 9, 2, 64, 48},
+           {"qwen2_moe", 11, 4, 72, 40},
+           {"deepseek_v3", 16, 8, 64, 24},
+           {"gpt_oss", 7, 2, 80, 32},
+           {"llama4", 9, 1, 64, 40},
+           {"zero_experts", 10, 3, 48, 36},
+       })
+    v.emplace_back(arch, test::arch_config(arch, E, k, H, I));
   return v;
 }
 

@@ -63,4 +63,40 @@ MoEConfig base_config(int64_t E, int64_t k, int64_t H, int64_t I) {
   return c;
 }
 
+MoEConfig arch_config(const std::string& arch, int64_t E, int64_t k, int64_t H, int64_t I) {
+  MoEConfig c = base_config(E, k, H, I);
+  if (arch == "mixtral") {
+    c.renormalize = true;
+  } else if (arch == "qwen2_moe") {
+    c.shared_intermediate_size = 56;
+    c.has_shared_expert_gate = true;
+  } else if (arch == "deepseek_v3") {
+    c.routing_method = RoutingMethod::kGroupedTopK;
+    c.scoring_func = ScoringFunc::kSigmoid;
+    c.num_expert_group = 4;
+    c.topk_group = 2;
+    c.group_score = GroupScore::kSumTop2;
+    c.has_e_score_correction_bias = true;
+    c.renormalize = true;
+    c.routed_scaling_factor = 2.5f;
+    c.shared_intermediate_size = 48;
+  } else if (arch == "gpt_oss") {
+    c.routing_method = RoutingMethod::kTopKSoftmax;
+    c.has_router_bias = true;
+    c.has_expert_bias = true;
+    c.activation = Activation::kSwigluOai;
+  } else if (arch == "llama4") {
+    c.routing_method = RoutingMethod::kLlama4;
+    c.scoring_func = ScoringFunc::kSigmoid;
+    c.apply_router_weight_on_input = true;
+    c.shared_intermediate_size = 40;
+  } else if (arch == "zero_experts") {
+    c.num_zero_experts = 3;
+    c.activation = Activation::kGeluTanhGlu;
+  } else {
+    FUSEDMOE_THROW(kInvalidArgument, "arch_config: unknown architecture '", arch, "'");
+  }
+  return c;
+}
+
 }  // namespace fusedmoe::test

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <random>
+#include <string>
 
 #include "fusedmoe/config/moe_config.h"
 #include "fusedmoe/core/tensor.h"
@@ -28,5 +29,13 @@ MoELayerWeights random_layer(std::mt19937_64& rng, const MoEConfig& c, DType dty
 
 // MoEConfig defaults with num_experts E, top_k k, hidden_size H, intermediate_size I.
 MoEConfig base_config(int64_t E, int64_t k, int64_t H, int64_t I);
+
+// base_config(E, k, H, I) with the routing, activation and shared expert of an
+// architecture: "mixtral" (softmax, renormalize), "qwen2_moe" (shared expert 56
+// with sigmoid gate), "deepseek_v3" (4 groups / top 2, sigmoid + bias, scaling
+// 2.5, shared 48), "gpt_oss" (top-k then softmax, router and expert biases,
+// clamped SwiGLU), "llama4" (sigmoid top-1 on the input, shared 40),
+// "zero_experts" (3 zero experts, GELU-tanh). Throws for other names.
+MoEConfig arch_config(const std::string& arch, int64_t E, int64_t k, int64_t H, int64_t I);
 
 }  // namespace fusedmoe::test
