@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <random>
 #include <string>
@@ -87,7 +88,11 @@ Tensor read_npy(const std::string& path) {
 
 // The tensor `key` of a .safetensors file (or the array of a .npy file).
 Tensor read_tensor(const std::string& path, const std::string& key, const char* what) {
-  if (ends_with(path, ".npy")) return read_npy(path);
+  if (ends_with(path, ".npy")) {
+    FUSEDMOE_CHECK(key.empty(), "--", what, "-key '", key, "': ", path,
+                   " is a .npy file, which holds one array and takes no key");
+    return read_npy(path);
+  }
   FUSEDMOE_CHECK(!key.empty(), "--", what, "-key is required with a .safetensors file");
   auto file = SafetensorsFile::open(path);
   if (!file->contains(key)) FUSEDMOE_THROW(kIo, path, ": no tensor named '", key, "'");
@@ -206,6 +211,14 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
 int run_run(const RunOptions& o) {
   FUSEDMOE_CHECK(!o.input.empty() || o.tokens >= 0,
                  "no input: give --input FILE --input-key KEY, or --tokens T");
+  // The output is written over an existing file only if it is none of the inputs.
+  for (const auto& [path, flag] : {std::pair{o.input, "--input"}, {o.reference, "--reference"}}) {
+    std::error_code ec;
+    FUSEDMOE_CHECK(
+        o.output.empty() || path.empty() || !std::filesystem::equivalent(o.output, path, ec),
+        "--output ", o.output, ": is the same file as ", flag, " ", path,
+        " (it would be overwritten)");
+  }
   if (o.threads > 0) ThreadPool::set_global_num_threads(o.threads);
   const bool on_cuda = o.backend == "cuda";
   FUSEDMOE_CHECK(!on_cuda || !o.compute_dtype_given || o.compute_dtype == "bf16",
