@@ -367,6 +367,14 @@ int run_run(const RunOptions& o) {
     const Device dev{DeviceType::kCUDA, 0};
     cuda::DeviceBuffer x_d(input.nbytes()), out_d(output.nbytes()), ids_d(topk_ids.nbytes()),
         w_d(topk_weights.nbytes()), lg_d(router_logits.nbytes());
+    // The device kernels do not check their input (that needs a host sync):
+    // a NaN or Inf hidden state is named here, as the CPU runner does.
+    if (const int64_t bad =
+            find_non_finite(input.data(), DType::kF32, static_cast<size_t>(input.numel()));
+        bad >= 0)
+      FUSEDMOE_THROW(kInvalidArgument, "hidden_states: expected finite values, got ",
+                     std::isnan(input.data_as<float>()[bad]) ? "NaN" : "Inf", " at token ", bad / H,
+                     ", column ", bad % H);
     x_d.upload(input.data(), input.nbytes());
     const TensorView xv(x_d.data(), DType::kF32, {T, H}, dev);
     const TensorView ov(out_d.data(), DType::kF32, {T, H}, dev);
@@ -380,6 +388,7 @@ int run_run(const RunOptions& o) {
       const auto t1 = std::chrono::steady_clock::now();
       times.push_back(std::chrono::duration<double>(t1 - t0).count());
     }
+    runner.check_errors();  // NaN router logits, recorded on the device
     out_d.download(output.data(), output.nbytes());
     ids_d.download(topk_ids.data(), topk_ids.nbytes());
     w_d.download(topk_weights.data(), topk_weights.nbytes());
