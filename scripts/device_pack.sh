@@ -8,7 +8,7 @@ rm -rf .devbin && mkdir -p .devbin/lib
 for t in test_cuda_routing test_cuda_align test_cuda_gemm test_cuda_runner test_cuda_conformance_hf; do
   cp "$build/tests/$t" .devbin/
 done
-cp "$build/bench_cuda_moe" "$build/fusedmoe" .devbin/
+cp "$build/bench_cuda_moe" "$build/bench_cuda_layer" "$build/fusedmoe" .devbin/
 # Every shared library the binaries need beyond glibc and libstdc++ (CUDA
 # runtime, OpenBLAS for the CLI's bench baseline, Open MPI): the device image
 # may lack them. Compressed: OpenBLAS alone is 35 MB and a call carries 64 MiB.

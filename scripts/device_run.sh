@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the CUDA tests and benchmark on a device machine, from binaries built
 # here (scripts/device_pack.sh puts them with their libraries in .devbin/).
-# Usage (on the device, repository root): scripts/device_run.sh [tests|cli|sanitize|bench|ncu|all] [gtest filter]
+# Usage (on the device, repository root): scripts/device_run.sh [tests|cli|sanitize|bench|layer|ncu|all] [gtest filter]
 # Env: BENCH_ARGS (e.g. --sweep), SKIP_TORCH=1, TORCH_ITERS.
 # Logs go to $OUT (or ./out).
 set -uo pipefail
@@ -65,6 +65,10 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
     PYTHONUNBUFFERED=1 timeout 300 python3 bench/cuda/torch_baseline.py /tmp/dump --iters ${TORCH_ITERS:-10} \
       2>&1 | tee "$OUT/bench_torch.md"
   fi
+fi
+if [ "$what" = layer ] || [ "$what" = all ]; then
+  # The whole layer through MoERunner (graph vs eager, routed part alone) and routing alone.
+  timeout 300 "$bin/bench_cuda_layer" ${LAYER_ARGS:-} 2>&1 | tee "$OUT/bench_layer.md"
 fi
 if [ "$what" = ncu ] || [ "$what" = all ]; then
   # Where the tensor-core path stands: the w13 GEMM of Mixtral at T = 4096.
