@@ -2,6 +2,7 @@
 #include <sys/stat.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <iostream>
 #include <sstream>
@@ -12,6 +13,18 @@
 #include "fusedmoe/core/error.h"
 
 namespace fusedmoe::cli {
+
+int local_rank(int world_rank) {
+  for (const char* name : {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"}) {
+    const char* v = std::getenv(name);
+    if (v && *v) {
+      char* end = nullptr;
+      const long r = std::strtol(v, &end, 10);
+      if (end && *end == '\0' && r >= 0) return static_cast<int>(r);
+    }
+  }
+  return world_rank;
+}
 
 std::string bundled_model_dir() {
   struct stat st {};
