@@ -45,18 +45,37 @@ __device__ __forceinline__ void store_out<uint16_t>(uint16_t* p, float v) {
   *p = float_to_bf16_bits(v);
 }
 
+// Expert-sorted y (kRows): y row of slot s is slot_row[s], weighted here.
+struct SortedRows {
+  const int32_t* slot_row;
+  const float* row_scale;  // or null: 1
+  const float* bias;       // f32 [E, H] or null
+};
+
 // One block per token.
-template <typename Out>
+template <typename Out, bool kRows>
 __global__ void __launch_bounds__(kFinalizeThreads)
     finalize_kernel(const float* __restrict__ y, const int32_t* __restrict__ ids, int top_k,
                     int64_t hidden, const float* __restrict__ shared,
                     const float* __restrict__ shared_gate, const uint16_t* __restrict__ x,
-                    int64_t ldx, Out* __restrict__ out, int64_t ldo) {
+                    int64_t ldx, Out* __restrict__ out, int64_t ldo, const SortedRows rows) {
   __shared__ int32_t valid[32];
+  __shared__ const float* src[32];
+  __shared__ const float* bias_row[32];
+  __shared__ float scale[32];
   __shared__ float red[kFinalizeThreads / 32];
   __shared__ float gate_s;
   const int64_t t = blockIdx.x;
-  if (threadIdx.x < top_k) valid[threadIdx.x] = ids[t * top_k + threadIdx.x] >= 0;
+  if (threadIdx.x < top_k) {
+    const int64_t s = t * top_k + threadIdx.x;
+    const int32_t e = ids[s];
+    valid[threadIdx.x] = e >= 0;
+    if (kRows) {
+      src[threadIdx.x] = e >= 0 ? y + static_cast<int64_t>(rows.slot_row[s]) * hidden : y;
+      bias_row[threadIdx.x] = rows.bias && e >= 0 ? rows.bias + e * hidden : nullptr;
+      scale[threadIdx.x] = rows.row_scale ? rows.row_scale[s] : 1.0f;
+    }
+  }
   float gate = 1.0f;
   if (shared != nullptr && shared_gate != nullptr) {
     float d = 0.0f;
@@ -82,6 +101,22 @@ __global__ void __launch_bounds__(kFinalizeThreads)
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int j = 0; j < top_k; ++j) {
       if (!valid[j]) continue;
+      if (kRows) {  // the same arithmetic as the kScatter epilogue: scale * (C + b)
+        float4 v = *reinterpret_cast<const float4*>(src[j] + h);
+        if (bias_row[j]) {
+          const float4 b = *reinterpret_cast<const float4*>(bias_row[j] + h);
+          v.x += b.x;
+          v.y += b.y;
+          v.z += b.z;
+          v.w += b.w;
+        }
+        const float c = scale[j];
+        acc.x += c * v.x;
+        acc.y += c * v.y;
+        acc.z += c * v.z;
+        acc.w += c * v.w;
+        continue;
+      }
       const float4 v = *reinterpret_cast<const float4*>(yt + j * hidden + h);
       acc.x += v.x;
       acc.y += v.y;
@@ -224,17 +259,23 @@ void finalize(const FinalizeArgs& a, Stream stream) {
                  a.top_k);
   FUSEDMOE_CHECK(a.shared_gate == nullptr || a.x != nullptr,
                  "finalize: the shared expert gate needs x");
+  FUSEDMOE_CHECK(a.slot_row != nullptr || (a.row_scale == nullptr && a.bias == nullptr),
+                 "finalize: row_scale and bias apply only with slot_row (expert-sorted y)");
   FUSEDMOE_CHECK(a.out_dtype == DType::kF32 || a.out_dtype == DType::kBF16,
                  "finalize: output dtype must be f32 or bf16, got ", dtype_name(a.out_dtype));
   const unsigned grid = static_cast<unsigned>(a.num_tokens);
-  if (a.out_dtype == DType::kF32)
-    finalize_kernel<float><<<grid, kFinalizeThreads, 0, stream>>>(
-        a.y, a.topk_ids, static_cast<int>(a.top_k), a.hidden, a.shared, a.shared_gate, a.x, a.ldx,
-        static_cast<float*>(a.out), a.ldo);
-  else
-    finalize_kernel<uint16_t><<<grid, kFinalizeThreads, 0, stream>>>(
-        a.y, a.topk_ids, static_cast<int>(a.top_k), a.hidden, a.shared, a.shared_gate, a.x, a.ldx,
-        static_cast<uint16_t*>(a.out), a.ldo);
+  const SortedRows rows{a.slot_row, a.row_scale, a.bias};
+  if (a.out_dtype == DType::kF32) {
+    auto kernel = a.slot_row ? finalize_kernel<float, true> : finalize_kernel<float, false>;
+    kernel<<<grid, kFinalizeThreads, 0, stream>>>(a.y, a.topk_ids, static_cast<int>(a.top_k),
+                                                  a.hidden, a.shared, a.shared_gate, a.x, a.ldx,
+                                                  static_cast<float*>(a.out), a.ldo, rows);
+  } else {
+    auto kernel16 = a.slot_row ? finalize_kernel<uint16_t, true> : finalize_kernel<uint16_t, false>;
+    kernel16<<<grid, kFinalizeThreads, 0, stream>>>(a.y, a.topk_ids, static_cast<int>(a.top_k),
+                                                    a.hidden, a.shared, a.shared_gate, a.x, a.ldx,
+                                                    static_cast<uint16_t*>(a.out), a.ldo, rows);
+  }
   FUSEDMOE_CUDA_CHECK_LAUNCH();
 }
 
