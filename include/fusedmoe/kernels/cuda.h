@@ -156,6 +156,14 @@ void grouped_gemm(const GroupedGemmArgs& args, Stream stream);
 // Error(kUnsupported) in builds without CUTLASS.
 // sm90_experts_available(): built with CUTLASS and the current device is sm_90.
 bool sm90_experts_available();
+// CUTLASS kernel configurations of the two grouped GEMMs (each its own .cu):
+//   k128x256Coop:     128 x 256 x 64 tile, cooperative (2 consumer warpgroups, one tile);
+//   k128x128Pingpong: 128 x 128 x 64 tile, pingpong (2 consumer warpgroups, alternate tiles).
+enum class Sm90GemmTile : uint8_t { k128x256Coop, k128x128Pingpong };
+inline constexpr int kNumSm90GemmTiles = 2;
+const char* sm90_gemm_tile_name(Sm90GemmTile tile);  // "coop128x256", "pingpong128x128"
+// The tuned choice (gemm_configs.cpp) for a grouped GEMM of N x K per expert.
+Sm90GemmTile pick_sm90_gemm_tile(int64_t rows_per_expert, int64_t n, int64_t k);
 // Bytes of `workspace` for up to num_slots = T * k routed rows.
 size_t sm90_experts_workspace_bytes(int64_t num_slots, int64_t num_experts, int64_t inter);
 struct Sm90ExpertsArgs {
@@ -169,9 +177,11 @@ struct Sm90ExpertsArgs {
   const float* w13_bias = nullptr;
   const uint16_t* w2 = nullptr;
   ActivationParams act;
-  uint16_t* inter_rows = nullptr;  // bf16 [T * k, I]
-  float* y_rows = nullptr;         // f32 [T * k, H]
-  int32_t* slot_row = nullptr;     // i32 [T * k]
+  Sm90GemmTile tile13 = Sm90GemmTile::k128x256Coop;  // w13 GEMM kernel
+  Sm90GemmTile tile2 = Sm90GemmTile::k128x256Coop;   // w2 GEMM kernel
+  uint16_t* inter_rows = nullptr;                    // bf16 [T * k, I]
+  float* y_rows = nullptr;                           // f32 [T * k, H]
+  int32_t* slot_row = nullptr;                       // i32 [T * k]
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
 };

@@ -99,9 +99,13 @@ bool sm90_experts_available() {
 size_t sm90_experts_workspace_bytes(int64_t num_slots, int64_t num_experts, int64_t inter) {
 #ifdef FUSEDMOE_WITH_CUTLASS
   const size_t h13 = (static_cast<size_t>(num_slots) * 2 * inter * 2 + 255) / 256 * 256;
-  const size_t g13 = sm90::workspace_bytes_bf16out(num_experts);
-  const size_t g2 = sm90::workspace_bytes_f32out(num_experts);
-  return h13 + (g13 > g2 ? g13 : g2);
+  size_t gemm = 0;
+  for (size_t b :
+       {sm90::workspace_bytes_bf16out(num_experts), sm90::workspace_bytes_f32out(num_experts),
+        sm90::workspace_bytes_bf16out_pingpong(num_experts),
+        sm90::workspace_bytes_f32out_pingpong(num_experts)})
+    gemm = b > gemm ? b : gemm;
+  return h13 + gemm;
 #else
   (void)num_slots;
   (void)num_experts;
@@ -156,7 +160,10 @@ void sm90_experts(const Sm90ExpertsArgs& a, Stream stream) {
   g.k = H;
   g.workspace = gemm_ws;
   g.workspace_bytes = gemm_ws_bytes;
-  sm90::grouped_gemm_bf16out(g, stream);
+  if (a.tile13 == Sm90GemmTile::k128x128Pingpong)
+    sm90::grouped_gemm_bf16out_pingpong(g, stream);
+  else
+    sm90::grouped_gemm_bf16out(g, stream);
 
   const int64_t vecs = slots * (I / 8);
   const int64_t glu_blocks = (vecs + 255) / 256 < blocks ? (vecs + 255) / 256 : blocks;
@@ -172,7 +179,10 @@ void sm90_experts(const Sm90ExpertsArgs& a, Stream stream) {
   g2.ldd = H;
   g2.n = H;
   g2.k = I;
-  sm90::grouped_gemm_f32out(g2, stream);
+  if (a.tile2 == Sm90GemmTile::k128x128Pingpong)
+    sm90::grouped_gemm_f32out_pingpong(g2, stream);
+  else
+    sm90::grouped_gemm_f32out(g2, stream);
 #else
   (void)a;
   (void)stream;

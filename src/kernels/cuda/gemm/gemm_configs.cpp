@@ -25,7 +25,7 @@ namespace {
 constexpr int64_t kGemvMaxRoutedRows = 16;
 // The sm_90a wgmma + TMA path (sm90_experts) from this many expected rows per
 // touched expert up (see the measurements above).
-constexpr int64_t kSm90MinRowsPerExpert = 128;
+constexpr int64_t kSm90MinRowsPerExpert = 32;
 
 struct TileRow {
   GemmTile tile;
@@ -77,6 +77,14 @@ bool pick_sm90_experts(int64_t rows_per_expert, int64_t /*routed_rows*/, int64_t
     return false;
   }
   return force_sm90 || rows_per_expert >= kSm90MinRowsPerExpert;
+}
+
+const char* sm90_gemm_tile_name(Sm90GemmTile tile) {
+  return tile == Sm90GemmTile::k128x128Pingpong ? "pingpong128x128" : "coop128x256";
+}
+
+Sm90GemmTile pick_sm90_gemm_tile(int64_t /*rows_per_expert*/, int64_t /*n*/, int64_t /*k*/) {
+  return Sm90GemmTile::k128x256Coop;
 }
 
 void grouped_gemm(const GroupedGemmArgs& a, Stream stream) {

@@ -1,4 +1,5 @@
-// fusedmoe CUDA: sm_90a CUTLASS grouped GEMM instantiation, bf16 D (the w13 GEMM).
+// fusedmoe CUDA: sm_90a CUTLASS grouped GEMM instantiation, tile 128 x 256 cooperative, bf16 D (the
+// w13 GEMM).
 #include "kernels/cuda/gemm/sm90_cutlass_grouped_gemm.cuh"
 
 namespace fusedmoe::cuda::sm90 {

@@ -1,4 +1,5 @@
-// fusedmoe CUDA: sm_90a CUTLASS grouped GEMM instantiation, f32 D (the w2 GEMM).
+// fusedmoe CUDA: sm_90a CUTLASS grouped GEMM instantiation, tile 128 x 256 cooperative, f32 D (the
+// w2 GEMM).
 #include "kernels/cuda/gemm/sm90_cutlass_grouped_gemm.cuh"
 
 namespace fusedmoe::cuda::sm90 {

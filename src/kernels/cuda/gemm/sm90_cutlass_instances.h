@@ -1,6 +1,7 @@
 // fusedmoe internal: the sm_90a CUTLASS grouped-GEMM instantiations, one
-// translation unit each (sm90_cutlass_grouped_gemm_<out>.cu): each is a heavy
-// compile (CUTLASS templates), so there are only two.
+// translation unit each (sm90_cutlass_grouped_gemm_<out>[_<schedule>].cu): each
+// is a heavy compile (CUTLASS templates, ~2 min and ~3.5 GB on one core), so
+// there are only four.
 #pragma once
 
 #include <cstddef>
@@ -26,10 +27,16 @@ struct Sm90GemmArgs {
   size_t workspace_bytes = 0;
 };
 
-// Tile 128 x 256 x 64, cooperative (2 consumer warpgroups), cluster 1 x 1.
+// Tile 128 x 256 x 64, cooperative (2 consumer warpgroups on one tile), cluster 1 x 1.
 void grouped_gemm_bf16out(const Sm90GemmArgs& args, Stream stream);  // d bf16 (w13)
 void grouped_gemm_f32out(const Sm90GemmArgs& args, Stream stream);   // d f32 (w2)
 size_t workspace_bytes_bf16out(int64_t num_experts);
 size_t workspace_bytes_f32out(int64_t num_experts);
+// Tile 128 x 128 x 64, pingpong (2 consumer warpgroups on alternate tiles: one's
+// epilogue overlaps the other's main loop), cluster 1 x 1.
+void grouped_gemm_bf16out_pingpong(const Sm90GemmArgs& args, Stream stream);
+void grouped_gemm_f32out_pingpong(const Sm90GemmArgs& args, Stream stream);
+size_t workspace_bytes_bf16out_pingpong(int64_t num_experts);
+size_t workspace_bytes_f32out_pingpong(int64_t num_experts);
 
 }  // namespace fusedmoe::cuda::sm90
