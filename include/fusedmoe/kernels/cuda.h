@@ -158,10 +158,10 @@ void grouped_gemm(const GroupedGemmArgs& args, Stream stream);
 bool sm90_experts_available();
 // CUTLASS kernel configurations of the two grouped GEMMs (each its own .cu):
 //   k128x256Coop:     128 x 256 x 64 tile, cooperative (2 consumer warpgroups, one tile);
-//   k128x128Pingpong: 128 x 128 x 64 tile, pingpong (2 consumer warpgroups, alternate tiles).
-enum class Sm90GemmTile : uint8_t { k128x256Coop, k128x128Pingpong };
+//   k128x256Coop2x1:  the same in clusters of 2 x 1 (weight tiles multicast to 2 M tiles).
+enum class Sm90GemmTile : uint8_t { k128x256Coop, k128x256Coop2x1 };
 inline constexpr int kNumSm90GemmTiles = 2;
-const char* sm90_gemm_tile_name(Sm90GemmTile tile);  // "coop128x256", "pingpong128x128"
+const char* sm90_gemm_tile_name(Sm90GemmTile tile);  // "coop128x256", "coop128x256c2x1"
 // The tuned choice (gemm_configs.cpp) for a grouped GEMM of N x K per expert.
 Sm90GemmTile pick_sm90_gemm_tile(int64_t rows_per_expert, int64_t n, int64_t k);
 // Bytes of `workspace` for up to num_slots = T * k routed rows.

@@ -102,8 +102,8 @@ size_t sm90_experts_workspace_bytes(int64_t num_slots, int64_t num_experts, int6
   size_t gemm = 0;
   for (size_t b :
        {sm90::workspace_bytes_bf16out(num_experts), sm90::workspace_bytes_f32out(num_experts),
-        sm90::workspace_bytes_bf16out_pingpong(num_experts),
-        sm90::workspace_bytes_f32out_pingpong(num_experts)})
+        sm90::workspace_bytes_bf16out_c2x1(num_experts),
+        sm90::workspace_bytes_f32out_c2x1(num_experts)})
     gemm = b > gemm ? b : gemm;
   return h13 + gemm;
 #else
@@ -160,8 +160,8 @@ void sm90_experts(const Sm90ExpertsArgs& a, Stream stream) {
   g.k = H;
   g.workspace = gemm_ws;
   g.workspace_bytes = gemm_ws_bytes;
-  if (a.tile13 == Sm90GemmTile::k128x128Pingpong)
-    sm90::grouped_gemm_bf16out_pingpong(g, stream);
+  if (a.tile13 == Sm90GemmTile::k128x256Coop2x1)
+    sm90::grouped_gemm_bf16out_c2x1(g, stream);
   else
     sm90::grouped_gemm_bf16out(g, stream);
 
@@ -179,8 +179,8 @@ void sm90_experts(const Sm90ExpertsArgs& a, Stream stream) {
   g2.ldd = H;
   g2.n = H;
   g2.k = I;
-  if (a.tile2 == Sm90GemmTile::k128x128Pingpong)
-    sm90::grouped_gemm_f32out_pingpong(g2, stream);
+  if (a.tile2 == Sm90GemmTile::k128x256Coop2x1)
+    sm90::grouped_gemm_f32out_c2x1(g2, stream);
   else
     sm90::grouped_gemm_f32out(g2, stream);
 #else

@@ -80,7 +80,7 @@ bool pick_sm90_experts(int64_t rows_per_expert, int64_t /*routed_rows*/, int64_t
 }
 
 const char* sm90_gemm_tile_name(Sm90GemmTile tile) {
-  return tile == Sm90GemmTile::k128x128Pingpong ? "pingpong128x128" : "coop128x256";
+  return tile == Sm90GemmTile::k128x256Coop2x1 ? "coop128x256c2x1" : "coop128x256";
 }
 
 Sm90GemmTile pick_sm90_gemm_tile(int64_t /*rows_per_expert*/, int64_t /*n*/, int64_t /*k*/) {
