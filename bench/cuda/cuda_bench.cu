@@ -190,9 +190,6 @@ int run_cuda_bench(const CudaBenchOptions& o) {
       cuda::GemmTile tile = picked;
       const bool picked_sm90 = cuda::pick_sm90_experts(rows, slots, H, I);
       bool sm90 = picked_sm90;
-      const cuda::Sm90GemmTile pick13 = cuda::pick_sm90_gemm_tile(rows, 2 * I, H),
-                               pick2 = cuda::pick_sm90_gemm_tile(rows, H, I);
-      cuda::Sm90GemmTile tile13 = pick13, tile2 = pick2;
       auto enqueue = [&](int r) {
         cuda::AlignArgs al;
         al.topk_ids = ids + r * slots;
@@ -221,8 +218,6 @@ int run_cuda_bench(const CudaBenchOptions& o) {
           a.inter_rows = inter;
           a.y_rows = y;
           a.slot_row = slot_row;
-          a.tile13 = tile13;
-          a.tile2 = tile2;
           a.workspace = sm90_ws;
           a.workspace_bytes = sm90_ws_bytes;
           cuda::sm90_experts(a, stream);
@@ -321,23 +316,14 @@ int run_cuda_bench(const CudaBenchOptions& o) {
         }
       }
       if ((sweep || o.sweep_sm90) && have_sm90) {
+        char b2[64];
         if (!sweep) {
-          char b2[64];
           std::snprintf(b2, sizeof b2, " mma:%s %.1f", cuda::gemm_tile_name(picked),
                         time_tile(picked));
           sweep_text += b2;
         }
-        for (int i13 = 0; i13 < cuda::kNumSm90GemmTiles; ++i13)
-          for (int i2 = 0; i2 < cuda::kNumSm90GemmTiles; ++i2) {
-            tile13 = static_cast<cuda::Sm90GemmTile>(i13);
-            tile2 = static_cast<cuda::Sm90GemmTile>(i2);
-            char b2[96];
-            std::snprintf(b2, sizeof b2, " sm90:%s/%s %.1f", cuda::sm90_gemm_tile_name(tile13),
-                          cuda::sm90_gemm_tile_name(tile2), time_tile(picked, true));
-            sweep_text += b2;
-          }
-        tile13 = pick13;
-        tile2 = pick2;
+        std::snprintf(b2, sizeof b2, " sm90 %.1f", time_tile(picked, true));
+        sweep_text += b2;
       }
       const double us = time_tile(picked, picked_sm90);
       sm90 = picked_sm90;
@@ -354,10 +340,7 @@ int run_cuda_bench(const CudaBenchOptions& o) {
       const double flops = 2.0 * slots * 3.0 * H * I;
       const double bytes = touched * 3.0 * H * I * 2 + 2.0 * T * H * 2;
       const double floor_us = std::max(bytes / 4.8e12, flops / 790e12) * 1e6;
-      const std::string tname_s = picked_sm90
-                                      ? std::string("sm90:") + cuda::sm90_gemm_tile_name(pick13) +
-                                            "/" + cuda::sm90_gemm_tile_name(pick2)
-                                      : std::string(cuda::gemm_tile_name(picked));
+      const std::string tname_s = picked_sm90 ? "sm90" : cuda::gemm_tile_name(picked);
       const char* tname = tname_s.c_str();
       std::printf("| %s | %lld | %s | %.1f | %.1f | %.0f | %.1f | %.0f%% |%s\n", s.name,
                   static_cast<long long>(T), tname, us, flops / us * 1e-6, bytes / us * 1e-3,

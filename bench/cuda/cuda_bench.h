@@ -14,7 +14,7 @@ struct CudaBenchOptions {
   int routings = 8;         // different uniform routings cycled through (weights from HBM)
   int iters = 40;           // timed graph replays per case (median reported)
   bool sweep = false;       // also time every GEMM tile configuration
-  bool sweep_sm90 = false;  // also time the mma.sync path's pick and every sm90 tile pair
+  bool sweep_sm90 = false;  // also time the mma.sync path's tile and the sm90 path
   std::string dump_dir;     // write routings, our output and manifest.json (torch_baseline.py)
 };
 

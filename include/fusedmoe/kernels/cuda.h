@@ -140,8 +140,8 @@ void grouped_gemm(const GroupedGemmArgs& args, Stream stream);
 
 // ---- routed experts, many rows per expert: sm_90a grouped GEMM -------------------
 // wgmma + TMA (CUTLASS 3.x ptr-array grouped GEMM, warp-specialized cooperative
-// kernel, f32 accumulation) over expert-contiguous rows. Needs align() with
-// block_m = 1 (no padding rows). In order, on `stream`:
+// kernel, 128 x 256 x 64 tiles, f32 accumulation) over expert-contiguous rows.
+// Needs align() with block_m = 1 (no padding rows). In order, on `stream`:
 //   1. xs[r] = x[sorted_slot[r] / top_k]  (bf16 [T*k, H], kept in y_rows), slot_row[s] = r;
 //   2. h13[r] = xs[r] . w13[e]^T           (bf16 [T*k, 2I], in `workspace`);
 //   3. inter_rows[r, i] = act(h13[r, i] + b[e, i], h13[r, I + i] + b[e, I + i])  (bf16);
@@ -156,14 +156,6 @@ void grouped_gemm(const GroupedGemmArgs& args, Stream stream);
 // Error(kUnsupported) in builds without CUTLASS.
 // sm90_experts_available(): built with CUTLASS and the current device is sm_90.
 bool sm90_experts_available();
-// CUTLASS kernel configurations of the two grouped GEMMs (each its own .cu):
-//   k128x256Coop:     128 x 256 x 64 tile, cooperative (2 consumer warpgroups, one tile);
-//   k128x256Coop2x1:  the same in clusters of 2 x 1 (weight tiles multicast to 2 M tiles).
-enum class Sm90GemmTile : uint8_t { k128x256Coop, k128x256Coop2x1 };
-inline constexpr int kNumSm90GemmTiles = 2;
-const char* sm90_gemm_tile_name(Sm90GemmTile tile);  // "coop128x256", "coop128x256c2x1"
-// The tuned choice (gemm_configs.cpp) for a grouped GEMM of N x K per expert.
-Sm90GemmTile pick_sm90_gemm_tile(int64_t rows_per_expert, int64_t n, int64_t k);
 // Bytes of `workspace` for up to num_slots = T * k routed rows.
 size_t sm90_experts_workspace_bytes(int64_t num_slots, int64_t num_experts, int64_t inter);
 struct Sm90ExpertsArgs {
@@ -177,11 +169,9 @@ struct Sm90ExpertsArgs {
   const float* w13_bias = nullptr;
   const uint16_t* w2 = nullptr;
   ActivationParams act;
-  Sm90GemmTile tile13 = Sm90GemmTile::k128x256Coop;  // w13 GEMM kernel
-  Sm90GemmTile tile2 = Sm90GemmTile::k128x256Coop;   // w2 GEMM kernel
-  uint16_t* inter_rows = nullptr;                    // bf16 [T * k, I]
-  float* y_rows = nullptr;                           // f32 [T * k, H]
-  int32_t* slot_row = nullptr;                       // i32 [T * k]
+  uint16_t* inter_rows = nullptr;  // bf16 [T * k, I]
+  float* y_rows = nullptr;         // f32 [T * k, H]
+  int32_t* slot_row = nullptr;     // i32 [T * k]
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
 };

@@ -401,8 +401,6 @@ void CudaMoELayer::forward(const TensorView& hidden_states, const TensorView& ou
     x.w13_bias = s.experts.w13_bias.as<float>();
     x.w2 = s.experts.w2.as<uint16_t>();
     x.act = ActivationParams::from_config(c);
-    x.tile13 = pick_sm90_gemm_tile(rows_per_expert, 2 * I, H);
-    x.tile2 = pick_sm90_gemm_tile(rows_per_expert, H, I);
     x.inter_rows = s.inter;
     x.y_rows = s.y;
     x.slot_row = s.slot_row;

@@ -16,6 +16,7 @@
 #endif
 
 namespace fusedmoe::cuda {
+#ifdef FUSEDMOE_WITH_CUTLASS
 namespace {
 
 constexpr int kPermuteThreads = 128;
@@ -81,6 +82,7 @@ __global__ void glu_rows_kernel(const uint16_t* __restrict__ h, const int32_t* _
 }
 
 }  // namespace
+#endif  // FUSEDMOE_WITH_CUTLASS
 
 bool sm90_experts_available() {
 #ifdef FUSEDMOE_WITH_CUTLASS
@@ -99,13 +101,9 @@ bool sm90_experts_available() {
 size_t sm90_experts_workspace_bytes(int64_t num_slots, int64_t num_experts, int64_t inter) {
 #ifdef FUSEDMOE_WITH_CUTLASS
   const size_t h13 = (static_cast<size_t>(num_slots) * 2 * inter * 2 + 255) / 256 * 256;
-  size_t gemm = 0;
-  for (size_t b :
-       {sm90::workspace_bytes_bf16out(num_experts), sm90::workspace_bytes_f32out(num_experts),
-        sm90::workspace_bytes_bf16out_c2x1(num_experts),
-        sm90::workspace_bytes_f32out_c2x1(num_experts)})
-    gemm = b > gemm ? b : gemm;
-  return h13 + gemm;
+  const size_t g13 = sm90::workspace_bytes_bf16out(num_experts);
+  const size_t g2 = sm90::workspace_bytes_f32out(num_experts);
+  return h13 + (g13 > g2 ? g13 : g2);
 #else
   (void)num_slots;
   (void)num_experts;
@@ -160,10 +158,7 @@ void sm90_experts(const Sm90ExpertsArgs& a, Stream stream) {
   g.k = H;
   g.workspace = gemm_ws;
   g.workspace_bytes = gemm_ws_bytes;
-  if (a.tile13 == Sm90GemmTile::k128x256Coop2x1)
-    sm90::grouped_gemm_bf16out_c2x1(g, stream);
-  else
-    sm90::grouped_gemm_bf16out(g, stream);
+  sm90::grouped_gemm_bf16out(g, stream);
 
   const int64_t vecs = slots * (I / 8);
   const int64_t glu_blocks = (vecs + 255) / 256 < blocks ? (vecs + 255) / 256 : blocks;
@@ -179,10 +174,7 @@ void sm90_experts(const Sm90ExpertsArgs& a, Stream stream) {
   g2.ldd = H;
   g2.n = H;
   g2.k = I;
-  if (a.tile2 == Sm90GemmTile::k128x256Coop2x1)
-    sm90::grouped_gemm_f32out_c2x1(g2, stream);
-  else
-    sm90::grouped_gemm_f32out(g2, stream);
+  sm90::grouped_gemm_f32out(g2, stream);
 #else
   (void)a;
   (void)stream;

@@ -13,6 +13,21 @@
 //                          Qwen3 T = 4096: 1.43 vs 1.66 ms)
 //   otherwise    m128n128: (Mixtral T = 4096: 9.40 ms vs 10.0 ms with m64n128)
 // m128n256 (64 x 64 warp tiles) was never faster by more than 1.5 %: not picked.
+//
+// From 32 expected rows per expert on, the routed experts take the sm_90a
+// wgmma + TMA path instead (sm90_experts, CUTLASS 128 x 256 cooperative tiles),
+// from the side-by-side runs of bench/results/2026-11-29-cuda-bench-wgmma.md
+// (bench_cuda_moe --sweep-sm90, us, mma.sync pick vs sm90):
+//   rows/expert  8: DeepSeek T = 256   5376 vs 5826   (mma)
+//               16: Qwen3 T = 256       351 vs 365, DeepSeek T = 512 5913 vs 6016 (mma)
+//               32: Mixtral T = 128     771 vs 788,  Qwen3 T = 512 438 vs 381,
+//                   DeepSeek T = 1024  6416 vs 6172  (sm90 on balance)
+//               64: Mixtral T = 256    1025 vs 778   (sm90)
+//             1024: Mixtral T = 4096   9446 vs 5315  (sm90)
+// Two other CUTLASS configurations were measured there and not kept (each
+// would cost two more heavy translation units): 128 x 128 pingpong and
+// 128 x 256 cooperative in 2 x 1 clusters (B multicast) were slower at every
+// shape except Mixtral T = 4096's w2 GEMM (5-7 %, inside run-to-run noise).
 #include <cstdlib>
 #include <cstring>
 
@@ -24,7 +39,7 @@ namespace fusedmoe::cuda {
 namespace {
 constexpr int64_t kGemvMaxRoutedRows = 16;
 // The sm_90a wgmma + TMA path (sm90_experts) from this many expected rows per
-// touched expert up (see the measurements above).
+// touched expert up (measurements above).
 constexpr int64_t kSm90MinRowsPerExpert = 32;
 
 struct TileRow {
@@ -77,14 +92,6 @@ bool pick_sm90_experts(int64_t rows_per_expert, int64_t /*routed_rows*/, int64_t
     return false;
   }
   return force_sm90 || rows_per_expert >= kSm90MinRowsPerExpert;
-}
-
-const char* sm90_gemm_tile_name(Sm90GemmTile tile) {
-  return tile == Sm90GemmTile::k128x256Coop2x1 ? "coop128x256c2x1" : "coop128x256";
-}
-
-Sm90GemmTile pick_sm90_gemm_tile(int64_t /*rows_per_expert*/, int64_t /*n*/, int64_t /*k*/) {
-  return Sm90GemmTile::k128x256Coop;
 }
 
 void grouped_gemm(const GroupedGemmArgs& a, Stream stream) {

@@ -1,7 +1,8 @@
 // fusedmoe internal: the sm_90a CUTLASS grouped-GEMM instantiations, one
-// translation unit each (sm90_cutlass_grouped_gemm_<out>[_<schedule>].cu): each
-// is a heavy compile (CUTLASS templates, ~2 min and ~3.5 GB on one core), so
-// there are only four.
+// translation unit each (sm90_cutlass_grouped_gemm_<out>.cu): each is a heavy
+// compile (CUTLASS templates, ~2 min and ~3.5 GB on one core). Two other
+// configurations were measured and not kept (128 x 128 pingpong; 2 x 1
+// clusters): see gemm_configs.cpp.
 #pragma once
 
 #include <cstddef>
@@ -32,13 +33,4 @@ void grouped_gemm_bf16out(const Sm90GemmArgs& args, Stream stream);  // d bf16 (
 void grouped_gemm_f32out(const Sm90GemmArgs& args, Stream stream);   // d f32 (w2)
 size_t workspace_bytes_bf16out(int64_t num_experts);
 size_t workspace_bytes_f32out(int64_t num_experts);
-// The same tile, cluster 2 x 1: the CTA pair of a cluster works on two M tiles
-// of one N tile and receives each B (weight) tile once, multicast by TMA (half
-// the L2 -> SM traffic for B; an expert with an odd number of M tiles leaves
-// one CTA of a pair idle on its last tile).
-void grouped_gemm_bf16out_c2x1(const Sm90GemmArgs& args, Stream stream);
-void grouped_gemm_f32out_c2x1(const Sm90GemmArgs& args, Stream stream);
-size_t workspace_bytes_bf16out_c2x1(int64_t num_experts);
-size_t workspace_bytes_f32out_c2x1(int64_t num_experts);
-
 }  // namespace fusedmoe::cuda::sm90
