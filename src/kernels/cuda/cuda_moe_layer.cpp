@@ -134,6 +134,10 @@ struct CudaMoELayer::Impl {
   uint16_t* inter_s = nullptr;
   float* shared_out = nullptr;
   int32_t* nan_token = nullptr;  // first token with a NaN router logit, else kNoNanToken
+  // sm90_experts (many rows per expert): slot -> sorted row, and its own workspace
+  int32_t* slot_row = nullptr;
+  void* sm90_ws = nullptr;
+  size_t sm90_ws_bytes = 0;
   // second stream for the shared expert
   cudaStream_t side = nullptr;
   cudaEvent_t fork = nullptr, join = nullptr;
@@ -209,6 +213,11 @@ CudaMoELayer::CudaMoELayer(const MoEConfig& config, const MoELayerWeights& w,
   if (c.has_shared_expert()) {
     parts.push_back({reinterpret_cast<void**>(&s.inter_s), size_t{2} * Tm * Is});
     parts.push_back({reinterpret_cast<void**>(&s.shared_out), sizeof(float) * Tm * H});
+  }
+  if (sm90_experts_available()) {
+    s.sm90_ws_bytes = sm90_experts_workspace_bytes(slots, E, I);
+    parts.push_back({reinterpret_cast<void**>(&s.slot_row), sizeof(int32_t) * slots});
+    parts.push_back({&s.sm90_ws, s.sm90_ws_bytes});
   }
   size_t total = 0;
   for (const Part& p : parts) total += (p.bytes + 255) / 256 * 256;
@@ -387,55 +396,83 @@ void CudaMoELayer::forward(const TensorView& hidden_states, const TensorView& ou
       static_cast<int64_t>(std::llround(slots / std::max(1.0, touched)));
   const GemmTile tile13 = pick_gemm_tile(rows_per_expert, slots, 2 * I, H);
   const GemmTile tile2 = tile13;  // one alignment serves both GEMMs
+  const bool sm90 = pick_sm90_experts(rows_per_expert, slots, H, I);
   AlignArgs al;
   al.topk_ids = s.ids;
   al.num_slots = slots;
   al.num_experts = E;
-  al.block_m = gemm_tile_block_m(tile13);
+  al.block_m = sm90 ? 1 : gemm_tile_block_m(tile13);  // TMA tiles need no padded rows
   al.expert_offsets = s.offsets;
   al.sorted_slot = s.sorted_slot;
   al.expert_counts = s.counts;
   al.expert_cursor = s.cursor;
   align(al, stream);
 
-  GroupedGemmArgs g;
-  g.epilogue = GemmEpilogue::kGlu;
-  g.tile = tile13;
-  g.a = routed_in;
-  g.lda = H;
-  g.gather = true;
-  g.a_div = static_cast<int>(k);
-  g.sorted_slot = s.sorted_slot;
-  g.expert_offsets = s.offsets;
-  g.num_experts = E;
-  g.m = slots;
-  g.w = s.experts.w13.as<uint16_t>();
-  g.n = 2 * I;
-  g.k = H;
-  g.bias = s.experts.w13_bias.as<float>();
-  g.act = ActivationParams::from_config(c);
-  g.out = s.inter;
-  g.ldc = I;
-  grouped_gemm(g, stream);
+  FinalizeArgs f;
+  if (sm90) {
+    Sm90ExpertsArgs x;
+    x.x = routed_in;
+    x.ldx = H;
+    x.topk_ids = s.ids;
+    x.sorted_slot = s.sorted_slot;
+    x.expert_offsets = s.offsets;
+    x.num_tokens = T;
+    x.top_k = k;
+    x.num_experts = E;
+    x.hidden = H;
+    x.inter = I;
+    x.w13 = s.experts.w13.as<uint16_t>();
+    x.w13_bias = s.experts.w13_bias.as<float>();
+    x.w2 = s.experts.w2.as<uint16_t>();
+    x.act = ActivationParams::from_config(c);
+    x.inter_rows = s.inter;
+    x.y_rows = s.y;
+    x.slot_row = s.slot_row;
+    x.workspace = s.sm90_ws;
+    x.workspace_bytes = s.sm90_ws_bytes;
+    sm90_experts(x, stream);
+    f.slot_row = s.slot_row;
+    f.row_scale = c.apply_router_weight_on_input ? nullptr : s.weights;
+    f.bias = s.experts.w2_bias.as<float>();
+  } else {
+    GroupedGemmArgs g;
+    g.epilogue = GemmEpilogue::kGlu;
+    g.tile = tile13;
+    g.a = routed_in;
+    g.lda = H;
+    g.gather = true;
+    g.a_div = static_cast<int>(k);
+    g.sorted_slot = s.sorted_slot;
+    g.expert_offsets = s.offsets;
+    g.num_experts = E;
+    g.m = slots;
+    g.w = s.experts.w13.as<uint16_t>();
+    g.n = 2 * I;
+    g.k = H;
+    g.bias = s.experts.w13_bias.as<float>();
+    g.act = ActivationParams::from_config(c);
+    g.out = s.inter;
+    g.ldc = I;
+    grouped_gemm(g, stream);
 
-  GroupedGemmArgs g2 = g;
-  g2.epilogue = GemmEpilogue::kScatter;
-  g2.tile = tile2;
-  g2.a = s.inter;
-  g2.lda = I;
-  g2.gather = false;
-  g2.w = s.experts.w2.as<uint16_t>();
-  g2.n = H;
-  g2.k = I;
-  g2.bias = s.experts.w2_bias.as<float>();
-  g2.row_scale = c.apply_router_weight_on_input ? nullptr : s.weights;
-  g2.out = s.y;
-  g2.ldc = H;
-  grouped_gemm(g2, stream);
+    GroupedGemmArgs g2 = g;
+    g2.epilogue = GemmEpilogue::kScatter;
+    g2.tile = tile2;
+    g2.a = s.inter;
+    g2.lda = I;
+    g2.gather = false;
+    g2.w = s.experts.w2.as<uint16_t>();
+    g2.n = H;
+    g2.k = I;
+    g2.bias = s.experts.w2_bias.as<float>();
+    g2.row_scale = c.apply_router_weight_on_input ? nullptr : s.weights;
+    g2.out = s.y;
+    g2.ldc = H;
+    grouped_gemm(g2, stream);
+  }
 
   // ---- finalize ----
   if (has_shared) FUSEDMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, s.join, 0));
-  FinalizeArgs f;
   f.y = s.y;
   f.topk_ids = s.ids;
   f.num_tokens = T;
