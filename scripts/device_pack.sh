@@ -5,9 +5,7 @@
 set -euo pipefail
 build=${1:-build-cuda}
 rm -rf .devbin && mkdir -p .devbin/lib
-for t in test_cuda_routing test_cuda_align test_cuda_gemm test_cuda_runner test_cuda_conformance_hf test_cuda_nccl; do
-  cp "$build/tests/$t" .devbin/
-done
+find "$build/tests" -maxdepth 1 -type f -perm -u+x -name 'test_cuda_*' -exec cp {} .devbin/ \;
 cp "$build/bench_cuda_moe" "$build/bench_cuda_layer" "$build/fusedmoe" .devbin/
 # Every shared library the binaries need beyond glibc and libstdc++ (CUDA
 # runtime, OpenBLAS for the CLI's bench baseline, Open MPI): the device image
