@@ -10,6 +10,7 @@
 
 #include "fusedmoe/core/dtype.h"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/routed_experts.h"
 
 namespace fusedmoe::cuda {
 namespace {
@@ -96,8 +97,6 @@ struct DeviceExperts {
   size_t bytes() const { return w13.bytes() + w2.bytes() + w13_bias.bytes() + w2_bias.bytes(); }
 };
 
-constexpr int kMaxBlockM = 128;
-
 void check_device_view(const TensorView& t, const char* name, std::initializer_list<DType> dtypes) {
   FUSEDMOE_CHECK(t.device().type == DeviceType::kCUDA, name,
                  ": expected a CUDA tensor (CUDA backend), got a CPU tensor ", t.str());
@@ -124,12 +123,8 @@ struct CudaMoELayer::Impl {
   float* weights = nullptr;
   uint16_t* xb = nullptr;
   uint16_t* xs = nullptr;
-  int32_t* counts = nullptr;
-  int32_t* cursor = nullptr;
-  int64_t* offsets = nullptr;
-  int32_t* sorted_slot = nullptr;
-  uint16_t* inter = nullptr;
-  float* y = nullptr;
+  void* routed_base = nullptr;
+  RoutedScratch routed;  // align / GEMM scratch of routed_experts (routed_experts.h)
   uint16_t* inter_s = nullptr;
   float* shared_out = nullptr;
   // second stream for the shared expert
@@ -183,7 +178,6 @@ CudaMoELayer::CudaMoELayer(const MoEConfig& config, const MoELayerWeights& w,
 
   // ---- workspace (one allocation, carved) ----
   const int64_t Tm = max_num_tokens, slots = Tm * k;
-  const int64_t padded = max_padded_rows(slots, E, kMaxBlockM);
   const int64_t Is = c.shared_intermediate_size;
   struct Part {
     void** ptr;
@@ -194,12 +188,7 @@ CudaMoELayer::CudaMoELayer(const MoEConfig& config, const MoELayerWeights& w,
       {reinterpret_cast<void**>(&s.ids), sizeof(int32_t) * slots},
       {reinterpret_cast<void**>(&s.weights), sizeof(float) * slots},
       {reinterpret_cast<void**>(&s.xb), size_t{2} * Tm * H},
-      {reinterpret_cast<void**>(&s.counts), sizeof(int32_t) * E},
-      {reinterpret_cast<void**>(&s.cursor), sizeof(int32_t) * E},
-      {reinterpret_cast<void**>(&s.offsets), sizeof(int64_t) * (E + 1)},
-      {reinterpret_cast<void**>(&s.sorted_slot), sizeof(int32_t) * padded},
-      {reinterpret_cast<void**>(&s.inter), size_t{2} * padded * I},
-      {reinterpret_cast<void**>(&s.y), sizeof(float) * slots * H},
+      {&s.routed_base, routed_scratch_bytes(Tm, k, E, H, I)},
   };
   if (c.apply_router_weight_on_input)
     parts.push_back({reinterpret_cast<void**>(&s.xs), size_t{2} * Tm * H});
@@ -215,6 +204,7 @@ CudaMoELayer::CudaMoELayer(const MoEConfig& config, const MoELayerWeights& w,
     *p.ptr = static_cast<char*>(s.ws.get()) + off;
     off += (p.bytes + 255) / 256 * 256;
   }
+  s.routed = carve_routed_scratch(s.routed_base, Tm, k, E, H, I);
   if (c.has_shared_expert()) {
     FUSEDMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s.side, cudaStreamNonBlocking));
     FUSEDMOE_CUDA_CHECK(cudaEventCreateWithFlags(&s.fork, cudaEventDisableTiming));
@@ -355,64 +345,28 @@ void CudaMoELayer::forward(const TensorView& hidden_states, const TensorView& ou
     FUSEDMOE_CUDA_CHECK(cudaEventRecord(s.join, s.side));
   }
 
-  // ---- routed experts ----
-  const int64_t slots = T * k;
-  const double touched =
-      static_cast<double>(E) * (1.0 - std::pow(1.0 - static_cast<double>(k) / E, T));
-  const int64_t rows_per_expert =
-      static_cast<int64_t>(std::llround(slots / std::max(1.0, touched)));
-  const GemmTile tile13 = pick_gemm_tile(rows_per_expert, slots, 2 * I, H);
-  const GemmTile tile2 = tile13;  // one alignment serves both GEMMs
-  AlignArgs al;
-  al.topk_ids = s.ids;
-  al.num_slots = slots;
-  al.num_experts = E;
-  al.block_m = gemm_tile_block_m(tile13);
-  al.expert_offsets = s.offsets;
-  al.sorted_slot = s.sorted_slot;
-  al.expert_counts = s.counts;
-  al.expert_cursor = s.cursor;
-  align(al, stream);
-
-  GroupedGemmArgs g;
-  g.epilogue = GemmEpilogue::kGlu;
-  g.tile = tile13;
-  g.a = routed_in;
-  g.lda = H;
-  g.gather = true;
-  g.a_div = static_cast<int>(k);
-  g.sorted_slot = s.sorted_slot;
-  g.expert_offsets = s.offsets;
-  g.num_experts = E;
-  g.m = slots;
-  g.w = s.experts.w13.as<uint16_t>();
-  g.n = 2 * I;
-  g.k = H;
-  g.bias = s.experts.w13_bias.as<float>();
-  g.act = ActivationParams::from_config(c);
-  g.out = s.inter;
-  g.ldc = I;
-  grouped_gemm(g, stream);
-
-  GroupedGemmArgs g2 = g;
-  g2.epilogue = GemmEpilogue::kScatter;
-  g2.tile = tile2;
-  g2.a = s.inter;
-  g2.lda = I;
-  g2.gather = false;
-  g2.w = s.experts.w2.as<uint16_t>();
-  g2.n = H;
-  g2.k = I;
-  g2.bias = s.experts.w2_bias.as<float>();
-  g2.row_scale = c.apply_router_weight_on_input ? nullptr : s.weights;
-  g2.out = s.y;
-  g2.ldc = H;
-  grouped_gemm(g2, stream);
+  // ---- routed experts (the pipeline of the functional cuda::fused_experts) ----
+  RoutedExpertsArgs r;
+  r.x = routed_in;
+  r.topk_ids = s.ids;
+  r.topk_weights = s.weights;
+  r.num_tokens = T;
+  r.top_k = k;
+  r.num_experts = E;
+  r.hidden = H;
+  r.inter = I;
+  r.w13 = s.experts.w13.as<uint16_t>();
+  r.w2 = s.experts.w2.as<uint16_t>();
+  r.w13_bias = s.experts.w13_bias.as<float>();
+  r.w2_bias = s.experts.w2_bias.as<float>();
+  r.act = ActivationParams::from_config(c);
+  r.apply_router_weight_on_input = c.apply_router_weight_on_input;
+  routed_experts(r, s.routed, stream);
 
   // ---- finalize ----
   if (has_shared) FUSEDMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, s.join, 0));
   FinalizeArgs f;
-  f.y = s.y;
+  f.y = s.routed.y;
   f.topk_ids = s.ids;
   f.num_tokens = T;
   f.top_k = k;

@@ -49,14 +49,17 @@ __device__ __forceinline__ void store_out<uint16_t>(uint16_t* p, float v) {
 template <typename Out>
 __global__ void __launch_bounds__(kFinalizeThreads)
     finalize_kernel(const float* __restrict__ y, const int32_t* __restrict__ ids, int top_k,
-                    int64_t hidden, const float* __restrict__ shared,
+                    int num_experts, int64_t hidden, const float* __restrict__ shared,
                     const float* __restrict__ shared_gate, const uint16_t* __restrict__ x,
                     int64_t ldx, Out* __restrict__ out, int64_t ldo) {
   __shared__ int32_t valid[32];
   __shared__ float red[kFinalizeThreads / 32];
   __shared__ float gate_s;
   const int64_t t = blockIdx.x;
-  if (threadIdx.x < top_k) valid[threadIdx.x] = ids[t * top_k + threadIdx.x] >= 0;
+  if (threadIdx.x < top_k) {
+    const int32_t e = ids[t * top_k + threadIdx.x];
+    valid[threadIdx.x] = e >= 0 && (num_experts <= 0 || e < num_experts);
+  }
   float gate = 1.0f;
   if (shared != nullptr && shared_gate != nullptr) {
     float d = 0.0f;
@@ -229,12 +232,12 @@ void finalize(const FinalizeArgs& a, Stream stream) {
   const unsigned grid = static_cast<unsigned>(a.num_tokens);
   if (a.out_dtype == DType::kF32)
     finalize_kernel<float><<<grid, kFinalizeThreads, 0, stream>>>(
-        a.y, a.topk_ids, static_cast<int>(a.top_k), a.hidden, a.shared, a.shared_gate, a.x, a.ldx,
-        static_cast<float*>(a.out), a.ldo);
+        a.y, a.topk_ids, static_cast<int>(a.top_k), static_cast<int>(a.num_experts), a.hidden,
+        a.shared, a.shared_gate, a.x, a.ldx, static_cast<float*>(a.out), a.ldo);
   else
     finalize_kernel<uint16_t><<<grid, kFinalizeThreads, 0, stream>>>(
-        a.y, a.topk_ids, static_cast<int>(a.top_k), a.hidden, a.shared, a.shared_gate, a.x, a.ldx,
-        static_cast<uint16_t*>(a.out), a.ldo);
+        a.y, a.topk_ids, static_cast<int>(a.top_k), static_cast<int>(a.num_experts), a.hidden,
+        a.shared, a.shared_gate, a.x, a.ldx, static_cast<uint16_t*>(a.out), a.ldo);
   FUSEDMOE_CUDA_CHECK_LAUNCH();
 }
 
