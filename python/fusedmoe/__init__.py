@@ -238,7 +238,7 @@ def _i32(x: Any, name: str) -> Any:
 def _weight(x: Any, name: str, weight_dtype: Optional[str]) -> Tuple[Any, bool]:
     """Expert weights: (array, uint16-is-bf16 flag)."""
     x = _contiguous(_as_array(x, name))
-    if isinstance(x, np.ndarray):
+    if isinstance(x, np.ndarray) or _is_cupy(x):
         if x.dtype.kind == "V" and x.dtype.name == "bfloat16":  # ml_dtypes.bfloat16
             return x.view(np.uint16), True
         if weight_dtype is not None:
@@ -389,7 +389,7 @@ def _fused_experts_impl(
     ws = _empty_like_framework(x, (ws_bytes,), "u8")
     _ext.fused_experts(
         _dl(x), _dl(w13), _dl(w2), _dl(tw), _dl(ids), _dl(out), activation, _dl(w13_bias),
-        _dl(w2_bias), bool(apply_router_weight_on_input), compute_dtype, False,
+        _dl(w2_bias), bool(apply_router_weight_on_input), compute_dtype, bf16_13 or bf16_2,
         float(swiglu_alpha), float(swiglu_limit), _dl(ws), _stream(x),
     )
     return out

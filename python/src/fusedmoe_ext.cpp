@@ -94,7 +94,7 @@ Device check_device(int32_t device_type, int32_t device_id, const char* name) {
 #else
   FUSEDMOE_THROW(kUnsupported, name, ": got a ", device_name(device_type), ":", device_id,
                  " array, but this build of fusedmoe has no CUDA backend (it was built "
-                 "without the CUDA toolkit, or with FUSEDMOE_CUDA=0); pass a CPU array "
+                 "without the CUDA toolkit, or with FUSEDMOE_CUDA=OFF); pass a CPU array "
                  "(tensor.cpu()) or rebuild with nvcc present");
 #endif
 }
@@ -677,7 +677,7 @@ class PyMoELayer {
 #else
       FUSEDMOE_THROW(kUnsupported,
                      "backend: \"cuda\", but this build of fusedmoe has no CUDA backend (built "
-                     "without the CUDA toolkit, or with FUSEDMOE_CUDA=0)");
+                     "without the CUDA toolkit, or with FUSEDMOE_CUDA=OFF)");
 #endif
     } else {
       FUSEDMOE_CHECK(backend == "cpu", "backend: expected \"cpu\" or \"cuda\", got \"", backend,
