@@ -126,9 +126,9 @@ def _dl(x: Any) -> Any:
         return _to_dlpack(x)
     if x is not None and _is_cupy(x):
         try:
-            return x.__dlpack__(stream=-1)
-        except (TypeError, ValueError, BufferError):
-            return x.toDlpack()
+            return x.__dlpack__(stream=-1)  # -1: no synchronisation (array API)
+        except Exception:
+            return x.__dlpack__()
     return x
 
 

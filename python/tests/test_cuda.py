@@ -168,8 +168,8 @@ def test_cupy_arrays(g):
     x, w13, w2, tw, ids, _, _ = _case(g, T=4)
     want = fusedmoe.fused_experts(x, w13, w2, tw, ids)
     cx, ctw, cids = (cupy.from_dlpack(t) for t in (x, tw, ids))
-    cw13 = cupy.from_dlpack(w13.view(torch.uint16)).view(cupy.uint16)
-    cw2 = cupy.from_dlpack(w2.view(torch.uint16)).view(cupy.uint16)
+    cw13 = cupy.from_dlpack(w13.view(torch.int16)).view(cupy.uint16)  # bf16 bit patterns
+    cw2 = cupy.from_dlpack(w2.view(torch.int16)).view(cupy.uint16)
     got = fusedmoe.fused_experts(cx, cw13, cw2, ctw, cids, weight_dtype="bf16")
     assert isinstance(got, cupy.ndarray)
     np.testing.assert_array_equal(cupy.asnumpy(got), want.cpu().numpy())
