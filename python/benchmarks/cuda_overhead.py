@@ -15,7 +15,10 @@ When a row's time is above the C++ row, the host (Python) is the bottleneck:
 the difference is the per-call overhead. The GPU time of the kernels alone is
 about the graph-replay row.
 
-    python python/benchmarks/cuda_overhead.py [--repeat 1000] [--rounds 7] [--csv FILE]
+    python python/benchmarks/cuda_overhead.py [--repeat 1000] [--rounds 7] [--passes 2] [--csv FILE]
+
+--passes N measures every shape N times and reports the last pass (the first
+warms PyTorch's allocator and dispatcher caches and the compiled functions).
 """
 
 from __future__ import annotations
@@ -121,12 +124,16 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeat", type=int, default=1000)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--csv", default=None)
     args = ap.parse_args()
     dev = torch.cuda.get_device_name()
     print(f"GPU: {dev}; torch {torch.__version__}; fusedmoe {fusedmoe.__version__}; "
           f"T = 1, bf16 weights and hidden states; {args.rounds} rounds x {args.repeat} calls")
     csv = ["shape,E,k,H,I,call,us_per_call,host_us_per_call,over_cpp_us"]
+    for _ in range(args.passes - 1):  # warm-up passes, not reported
+        for name, E, k, H, I in SHAPES:
+            bench(name, E, k, H, I, args.repeat, args.rounds, torch.bfloat16)
     for name, E, k, H, I in SHAPES:
         rows, cpp = bench(name, E, k, H, I, args.repeat, args.rounds, torch.bfloat16)
         print(f"\n## {name}: E={E}, k={k}, H={H}, I={I}\n")

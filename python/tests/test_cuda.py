@@ -163,6 +163,31 @@ def test_routing_cuda_matches_reference(g):
         assert rel_l2(wg.cpu().numpy(), wc.numpy()) <= 1e-6
 
 
+def test_routing_cuda_zero_experts_hash_and_layer_config(rng):
+    T, E, Z, k = 12, 8, 2, 3
+    logits = torch.from_numpy(rng.standard_normal((T, E + Z)).astype(np.float32)).cuda()
+    w, ids = fusedmoe.select_experts(logits, k, num_zero_experts=Z)
+    wc, ic = fusedmoe.select_experts(logits.cpu(), k, num_zero_experts=Z)
+    np.testing.assert_array_equal(ids.cpu().numpy(), ic.numpy())
+    assert rel_l2(w.cpu().numpy(), wc.numpy()) <= 1e-6
+    vocab = 50
+    table = np.stack([rng.permutation(E)[:k] for _ in range(vocab)]).astype(np.int32)
+    tokens = rng.integers(0, vocab, size=T).astype(np.int64)
+    w, ids = fusedmoe.select_experts(logits[:, :E], k, routing_method="hash",
+                                     hash_vocab_size=vocab,
+                                     hash_table=torch.from_numpy(table).cuda(),
+                                     token_ids=torch.from_numpy(tokens).cuda())
+    assert ids.is_cuda
+    np.testing.assert_array_equal(ids.cpu().numpy(), table[tokens])
+    np.testing.assert_allclose(w.cpu().numpy(), 1.0 / k, rtol=1e-7)
+    moe = _cuda_layer("qwen3_moe", 0)
+    lg = torch.from_numpy(rng.standard_normal((4, moe.num_experts)).astype(np.float32)).cuda()
+    w, ids = fusedmoe.select_experts(lg, config=moe)
+    rw, rids = ref_fused_topk(lg.cpu().numpy(), moe.top_k, moe.config["renormalize"])
+    np.testing.assert_array_equal(ids.cpu().numpy(), rids)
+    assert rel_l2(w.cpu().numpy(), rw) <= 1e-6
+
+
 def test_cupy_arrays(g):
     cupy = pytest.importorskip("cupy")
     x, w13, w2, tw, ids, _, _ = _case(g, T=4)
