@@ -8,11 +8,14 @@ rm -rf .devbin && mkdir -p .devbin/lib
 for t in test_cuda_routing test_cuda_align test_cuda_gemm test_cuda_runner test_cuda_conformance_hf; do
   cp "$build/tests/$t" .devbin/
 done
-cp "$build/bench_cuda_moe" "$build/fusedmoe" .devbin/
-for lib in libcudart.so.13; do
-  p=$( (ldd .devbin/test_cuda_runner .devbin/fusedmoe || true) | awk -v l="$lib" '$1 == l {print $3}' | head -1)
-  [ -n "$p" ] && cp -L "$p" .devbin/lib/
-done
+cp "$build/bench_cuda_moe" "$build/bench_cuda_layer" "$build/fusedmoe" .devbin/
+# Every shared library the binaries need beyond glibc and libstdc++ (CUDA
+# runtime, OpenBLAS for the CLI's bench baseline, Open MPI): the device image
+# may lack them. Compressed: OpenBLAS alone is 35 MB and a call carries 64 MiB.
+for b in .devbin/*; do ldd "$b" || true; done | awk '$2 == "=>" && $3 ~ /^\// {print $3}' | sort -u |
+  grep -v -E '/(libc|libm|libstdc\+\+|libgcc_s|libdl|libpthread|librt|ld-linux[^/]*)\.so' |
+  while read -r p; do cp -L "$p" .devbin/lib/; done
+tar -C .devbin -cJf .devbin/lib.tar.xz lib && rm -rf .devbin/lib
 mkdir -p .git/info
 grep -qx '/.devbin/' .git/info/exclude 2>/dev/null || echo '/.devbin/' >> .git/info/exclude
 du -sh .devbin

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the CUDA tests and benchmark on a device machine, from binaries built
 # here (scripts/device_pack.sh puts them with their libraries in .devbin/).
-# Usage (on the device, repository root): scripts/device_run.sh [tests|sanitize|bench|ncu|all] [gtest filter]
+# Usage (on the device, repository root): scripts/device_run.sh [tests|cli|sanitize|bench|layer|ncu|all] [gtest filter]
 # Env: BENCH_ARGS (e.g. --sweep), SKIP_TORCH=1, TORCH_ITERS.
 # Logs go to $OUT (or ./out).
 set -uo pipefail
@@ -12,7 +12,9 @@ mkdir -p "$OUT"
 root=$PWD
 # Test data paths are compiled in as /work/main/tests/data: point that at this tree.
 if [ "$root" != /work/main ]; then mkdir -p /work && ln -sfn "$root" /work/main; fi
-export LD_LIBRARY_PATH=$root/.devbin/lib:${LD_LIBRARY_PATH:-}
+# Libraries packed by device_pack.sh; the device's own come first where it has them.
+[ -f "$root/.devbin/lib.tar.xz" ] && tar -C "$root/.devbin" -xJf "$root/.devbin/lib.tar.xz"
+export LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}:$root/.devbin/lib
 bin=$root/.devbin
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
 rc=0
@@ -24,6 +26,25 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     echo "== $t rc=$r: $(grep -E '^\[  (PASSED|FAILED)|tests ran' "$OUT/$t.log" | tr '\n' ' ')"
     grep -E "Failure|FAILED|error|Expected|Which is|actual|seed" "$OUT/$t.log" | head -25
   done
+fi
+if [ "$what" = cli ] || [ "$what" = all ]; then
+  # `fusedmoe run --backend cuda` end to end: every HF fixture's MoE layers at
+  # T = 64 and the bundled model, checked against transformers' float64 output.
+  n=0
+  for dir in tests/data/hf/*/ tests/data/fp8/*/ models/tiny-deepseek-v3/; do
+    ref=$dir/reference.safetensors
+    [ -f "$ref" ] || continue
+    for key in $(python3 -c "import json,struct,sys; f=open(sys.argv[1],'rb'); n=struct.unpack('<Q',f.read(8))[0]; print(' '.join(k for k in json.loads(f.read(n)) if k.endswith('.T64.input')))" "$ref"); do
+      layer=${key#layers.}; layer=${layer%%.*}
+      line=$(timeout 60 "$bin/fusedmoe" run --backend cuda --model "$dir" --layer "$layer" --input "$ref" \
+        --input-key "$key" --reference "$ref" --reference-key "${key%.input}.output_f64" --quiet 2>&1)
+      r=$?
+      [ $r -ne 0 ] && rc=1
+      n=$((n + 1))
+      echo "$(basename "$dir") layer $layer rc=$r: $(echo "$line" | grep -E '^reference|error' | tr '\n' ' ')" | tee -a "$OUT/cli.log"
+    done
+  done
+  echo "== fusedmoe run --backend cuda: $n runs"
 fi
 if [ "$what" = sanitize ] || [ "$what" = all ]; then
   # compute-sanitizer on small cases (memcheck: bounds and leaks; racecheck: shared memory).
@@ -44,6 +65,10 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
     PYTHONUNBUFFERED=1 timeout 300 python3 bench/cuda/torch_baseline.py /tmp/dump --iters ${TORCH_ITERS:-10} \
       2>&1 | tee "$OUT/bench_torch.md"
   fi
+fi
+if [ "$what" = layer ] || [ "$what" = all ]; then
+  # The whole layer through MoERunner (graph vs eager, routed part alone) and routing alone.
+  timeout 300 "$bin/bench_cuda_layer" ${LAYER_ARGS:-} 2>&1 | tee "$OUT/bench_layer.md"
 fi
 if [ "$what" = ncu ] || [ "$what" = all ]; then
   # Where the tensor-core path stands: the w13 GEMM of Mixtral at T = 4096.

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <random>
 #include <string>
@@ -87,7 +88,11 @@ Tensor read_npy(const std::string& path) {
 
 // The tensor `key` of a .safetensors file (or the array of a .npy file).
 Tensor read_tensor(const std::string& path, const std::string& key, const char* what) {
-  if (ends_with(path, ".npy")) return read_npy(path);
+  if (ends_with(path, ".npy")) {
+    FUSEDMOE_CHECK(key.empty(), "--", what, "-key '", key, "': ", path,
+                   " is a .npy file, which holds one array and takes no key");
+    return read_npy(path);
+  }
   FUSEDMOE_CHECK(!key.empty(), "--", what, "-key is required with a .safetensors file");
   auto file = SafetensorsFile::open(path);
   if (!file->contains(key)) FUSEDMOE_THROW(kIo, path, ": no tensor named '", key, "'");
@@ -206,6 +211,14 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
 int run_run(const RunOptions& o) {
   FUSEDMOE_CHECK(!o.input.empty() || o.tokens >= 0,
                  "no input: give --input FILE --input-key KEY, or --tokens T");
+  // The output is written over an existing file only if it is none of the inputs.
+  for (const auto& [path, flag] : {std::pair{o.input, "--input"}, {o.reference, "--reference"}}) {
+    std::error_code ec;
+    FUSEDMOE_CHECK(
+        o.output.empty() || path.empty() || !std::filesystem::equivalent(o.output, path, ec),
+        "--output ", o.output, ": is the same file as ", flag, " ", path,
+        " (it would be overwritten)");
+  }
   if (o.threads > 0) ThreadPool::set_global_num_threads(o.threads);
   const bool on_cuda = o.backend == "cuda";
   FUSEDMOE_CHECK(!on_cuda || !o.compute_dtype_given || o.compute_dtype == "bf16",
@@ -354,6 +367,14 @@ int run_run(const RunOptions& o) {
     const Device dev{DeviceType::kCUDA, 0};
     cuda::DeviceBuffer x_d(input.nbytes()), out_d(output.nbytes()), ids_d(topk_ids.nbytes()),
         w_d(topk_weights.nbytes()), lg_d(router_logits.nbytes());
+    // The device kernels do not check their input (that needs a host sync):
+    // a NaN or Inf hidden state is named here, as the CPU runner does.
+    if (const int64_t bad =
+            find_non_finite(input.data(), DType::kF32, static_cast<size_t>(input.numel()));
+        bad >= 0)
+      FUSEDMOE_THROW(kInvalidArgument, "hidden_states: expected finite values, got ",
+                     std::isnan(input.data_as<float>()[bad]) ? "NaN" : "Inf", " at token ", bad / H,
+                     ", column ", bad % H);
     x_d.upload(input.data(), input.nbytes());
     const TensorView xv(x_d.data(), DType::kF32, {T, H}, dev);
     const TensorView ov(out_d.data(), DType::kF32, {T, H}, dev);
@@ -367,6 +388,7 @@ int run_run(const RunOptions& o) {
       const auto t1 = std::chrono::steady_clock::now();
       times.push_back(std::chrono::duration<double>(t1 - t0).count());
     }
+    runner.check_errors();  // NaN router logits, recorded on the device
     out_d.download(output.data(), output.nbytes());
     ids_d.download(topk_ids.data(), topk_ids.nbytes());
     w_d.download(topk_weights.data(), topk_weights.nbytes());

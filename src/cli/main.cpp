@@ -2,6 +2,7 @@
 #include <sys/stat.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <iostream>
 #include <sstream>
@@ -80,9 +81,21 @@ std::string one_line(std::string s) {
   return out;
 }
 
-int fail(const std::string& message, int code) {
+// This process's rank when started by mpirun/srun (-1 otherwise): every rank
+// parses the same arguments, so an argument error is printed by rank 0 only,
+// and other errors carry the rank that hit them.
+int launch_rank() {
+  for (const char* var : {"OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"})
+    if (const char* v = std::getenv(var)) return std::atoi(v);
+  return -1;
+}
+
+int fail(const std::string& message, int code, bool same_on_every_rank = false) {
   std::fflush(stdout);
-  std::fprintf(stderr, "fusedmoe: error: %s\n", one_line(message).c_str());
+  const int rank = launch_rank();
+  if (rank > 0 && same_on_every_rank) return code;
+  const std::string who = rank >= 0 ? "rank " + std::to_string(rank) + ": " : std::string();
+  std::fprintf(stderr, "fusedmoe: error: %s%s\n", who.c_str(), one_line(message).c_str());
   return code;
 }
 
@@ -110,8 +123,8 @@ int main(int argc, char** argv) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
     if (app.get_subcommands().empty())
-      return fail(std::string(e.what()) + ": inspect, run or bench (see fusedmoe --help)", 2);
-    return fail(e.what(), 2);
+      return fail(std::string(e.what()) + ": inspect, run or bench (see fusedmoe --help)", 2, true);
+    return fail(e.what(), 2, true);
   }
 
   try {

@@ -296,6 +296,37 @@ void convert_to_f32(const void* src, DType src_type, float* dst, size_t n) {
   FUSEDMOE_THROW(kUnsupported, "convert_to_f32: cannot convert ", dtype_name(src_type), " to f32");
 }
 
+namespace {
+template <typename U>
+int64_t first_masked(const void* data, size_t n, U mask, U value) {
+  const U* p = static_cast<const U*>(data);
+  for (size_t i = 0; i < n; ++i)
+    if ((p[i] & mask) == value) return static_cast<int64_t>(i);
+  return -1;
+}
+}  // namespace
+
+int64_t find_non_finite(const void* data, DType dtype, size_t n) {
+  switch (dtype) {
+    case DType::kF64:
+      return first_masked<uint64_t>(data, n, 0x7ff0000000000000ull, 0x7ff0000000000000ull);
+    case DType::kF32:
+      return first_masked<uint32_t>(data, n, 0x7f800000u, 0x7f800000u);
+    case DType::kBF16:
+      return first_masked<uint16_t>(data, n, 0x7f80, 0x7f80);
+    case DType::kF16:
+      return first_masked<uint16_t>(data, n, 0x7c00, 0x7c00);
+    case DType::kF8E4M3FN:
+      return first_masked<uint8_t>(data, n, 0x7f, 0x7f);
+    case DType::kF8E5M2:
+      return first_masked<uint8_t>(data, n, 0x7c, 0x7c);
+    case DType::kBool:
+      FUSEDMOE_THROW(kUnsupported, "find_non_finite: bool tensors have no finiteness");
+    default:
+      return -1;
+  }
+}
+
 void convert_from_f32(const float* src, void* dst, DType dst_type, size_t n) {
   switch (dst_type) {
     case DType::kF32: {

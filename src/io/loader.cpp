@@ -19,10 +19,13 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <mutex>
 #include <vector>
 
@@ -58,7 +61,8 @@ struct Source {
 
 class Reader {
  public:
-  Reader(const Checkpoint& ckpt, std::string prefix) : ckpt_(ckpt), prefix_(std::move(prefix)) {}
+  Reader(const Checkpoint& ckpt, std::string prefix, bool check_finite)
+      : ckpt_(ckpt), prefix_(std::move(prefix)), check_finite_(check_finite) {}
 
   bool has(const std::string& rel) const { return ckpt_.contains(prefix_ + rel); }
   std::string full(const std::string& rel) const { return prefix_ + rel; }
@@ -90,12 +94,57 @@ class Reader {
       FUSEDMOE_THROW(kIo, ckpt_.path(), ": tensor '", name, "': expected a floating dtype, got ",
                      dtype_name(d));
     }
+    if (check_finite_) {
+      require_finite(s.t.view(), name);
+      if (s.scale_inv) require_finite(s.scale_inv->view(), name + "_scale_inv");
+    }
     return s;
   }
 
  private:
+  // A NaN or Inf weight would give NaN outputs for every token routed there:
+  // name it at load time (one parallel read of the tensor) instead.
+  void require_finite(const TensorView& v, const std::string& name) const {
+    const size_t n = static_cast<size_t>(v.numel());
+    const size_t es = dtype_size(v.dtype());
+    constexpr size_t kChunk = size_t{1} << 20;
+    const int64_t chunks = static_cast<int64_t>((n + kChunk - 1) / kChunk);
+    std::atomic<int64_t> first{std::numeric_limits<int64_t>::max()};
+    ThreadPool::global().parallel_for(
+        chunks,
+        [&](int64_t b, int64_t e, int) {
+          for (int64_t c = b; c < e; ++c) {
+            const size_t begin = static_cast<size_t>(c) * kChunk;
+            const size_t len = std::min(kChunk, n - begin);
+            const int64_t i =
+                find_non_finite(static_cast<const char*>(v.data()) + begin * es, v.dtype(), len);
+            if (i < 0) continue;
+            int64_t idx = static_cast<int64_t>(begin) + i, cur = first.load();
+            while (idx < cur && !first.compare_exchange_weak(cur, idx)) {
+            }
+            return;
+          }
+        },
+        1);
+    const int64_t idx = first.load();
+    if (idx == std::numeric_limits<int64_t>::max()) return;
+    std::string where;
+    int64_t rest = idx;
+    for (int64_t dim = v.ndim() - 1; dim >= 0; --dim) {
+      where = std::to_string(rest % v.size(dim)) + (where.empty() ? "" : ", ") + where;
+      rest /= v.size(dim);
+    }
+    float value = 0.0f;
+    convert_to_f32(static_cast<const char*>(v.data()) + static_cast<size_t>(idx) * es, v.dtype(),
+                   &value, 1);
+    FUSEDMOE_THROW(kIo, ckpt_.path(), ": tensor '", name, "': expected finite values, got ",
+                   std::isnan(value) ? "NaN" : "Inf", " at [", where,
+                   "] (a corrupt checkpoint; LoadOptions::check_finite = false skips this check)");
+  }
+
   const Checkpoint& ckpt_;
   std::string prefix_;
+  bool check_finite_;
 };
 
 // The dtype a source is stored as after loading: f32/bf16 kept, everything else f32.
@@ -301,7 +350,7 @@ MoELayerWeights load_moe_layer(const Checkpoint& checkpoint, const ModelInfo& in
   const int64_t E = cfg.num_experts, H = cfg.hidden_size, I = cfg.intermediate_size;
   const std::string& mt = info.model_type;
   const std::string prefix = info.moe_prefix(layer);
-  Reader rd(checkpoint, prefix);
+  Reader rd(checkpoint, prefix, options.check_finite);
   // This rank's experts (global ids, local order) and TP slice.
   const ParallelConfig& par = options.parallel;
   std::vector<int64_t> experts;

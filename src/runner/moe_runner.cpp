@@ -17,10 +17,12 @@
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/workspace_slots.h"
 #ifdef FUSEDMOE_WITH_CUDA
+#include "kernels/cuda/cuda_graph_layer.h"
 #include "kernels/cuda/cuda_moe_layer.h"
 #else
 namespace fusedmoe::cuda {
 class CudaMoELayer {};  // no CUDA backend in this build
+class CudaGraphLayer {};
 }  // namespace fusedmoe::cuda
 #endif
 
@@ -178,6 +180,8 @@ MoERunner::MoERunner(MoEConfig config, MoELayerWeights weights, RunnerOptions op
                    dtype_name(options_.compute_dtype));
     if (options_.max_num_tokens <= 0) options_.max_num_tokens = 8192;
     cuda_ = std::make_unique<cuda::CudaMoELayer>(config_, weights_, options_.max_num_tokens);
+    if (!options_.cuda_graph_sizes.empty())
+      cuda_graphs_ = std::make_unique<cuda::CudaGraphLayer>(*cuda_, options_.cuda_graph_sizes);
 #else
     FUSEDMOE_THROW(kUnsupported,
                    "device: this build of fusedmoe has no CUDA backend "
@@ -188,6 +192,12 @@ MoERunner::MoERunner(MoEConfig config, MoELayerWeights weights, RunnerOptions op
 
 MoERunner::~MoERunner() = default;
 MoERunner::MoERunner(MoERunner&&) noexcept = default;
+
+void MoERunner::check_errors() {
+#ifdef FUSEDMOE_WITH_CUDA
+  if (cuda_) cuda_->check_errors(static_cast<cuda::Stream>(options_.cuda_stream));
+#endif
+}
 
 void MoERunner::compute_router_logits(const TensorView& hidden_states,
                                       const TensorView& router_logits) {
@@ -240,8 +250,11 @@ void MoERunner::forward(const TensorView& hidden_states, const TensorView& outpu
       check_tensor(outputs->topk_ids, "outputs.topk_ids", DType::kI32, {T, k}, true, dev);
     if (outputs && outputs->topk_weights.data() != nullptr)
       check_tensor(outputs->topk_weights, "outputs.topk_weights", DType::kF32, {T, k}, true, dev);
-    cuda_->forward(hidden_states, output, router_logits, token_ids, outputs,
-                   static_cast<cuda::Stream>(options_.cuda_stream));
+    const auto stream = static_cast<cuda::Stream>(options_.cuda_stream);
+    if (cuda_graphs_ && T > 0 && T <= cuda_graphs_->max_capture_size())
+      cuda_graphs_->forward(hidden_states, output, router_logits, token_ids, outputs, stream);
+    else
+      cuda_->forward(hidden_states, output, router_logits, token_ids, outputs, stream);
     return;
   }
 #endif

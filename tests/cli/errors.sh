@@ -74,6 +74,10 @@ expect_error "expert tensor dtype/shape mismatch" "$t" -- run --model "$TMP/dtyp
 t=$(corrupt_model "$TMP/missing" rename)
 expect_error "missing expert tensor" "$t" -- run --model "$TMP/missing" "${run_args[@]}"
 
+t=$(corrupt_model "$TMP/nan" nan-weight)
+expect_error "NaN in an expert weight" "'$t': expected finite values, got NaN at [0, 3]" -- \
+  run --model "$TMP/nan" "${run_args[@]}"
+
 mkdir -p "$TMP/noweights" && cp "$FIX/config.json" "$TMP/noweights/"
 expect_error "no model.safetensors" "model.safetensors" -- run --model "$TMP/noweights" "${run_args[@]}"
 
@@ -104,6 +108,17 @@ expect_error "bad --compute-dtype" "compute-dtype" -- run --model "$FIX" "${run_
 expect_error "unknown option" "--frobnicate" -- run --model "$FIX" "${run_args[@]}" --frobnicate
 expect_error "output into a missing folder" "$TMP/no/such/dir" -- run --model "$FIX" "${run_args[@]}" \
   --output "$TMP/no/such/dir/out.safetensors"
+
+python3 -c "import numpy" 2>/dev/null && {
+  python3 -c "import numpy as np; np.save('$TMP/x.npy', np.random.randn(3, 128).astype(np.float32))"
+  expect_error "--input-key with a .npy input" "--input-key 'x': $TMP/x.npy is a .npy file" -- \
+    run --model "$FIX" --layer 1 --input "$TMP/x.npy" --input-key x
+}
+cp "$REF" "$TMP/in.safetensors"
+expect_error "--output is the --input file" "is the same file as --input" -- run --model "$FIX" \
+  --layer 1 --input "$TMP/in.safetensors" --input-key layers.1.T5.input --output "$TMP/in.safetensors"
+cmp -s "$REF" "$TMP/in.safetensors" || { echo "FAIL: the input was changed"; failures=$((failures + 1)); }
+rm -f "$TMP/in.safetensors"
 
 # inspect fails cleanly too.
 rc=0

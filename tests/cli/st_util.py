@@ -103,6 +103,13 @@ def main():
             name = chosen = pick(header, pattern)
             header[name + ".renamed"] = header.pop(name)
             write(dst, header, data)
+        elif mode == "nan-weight":  # one element of an expert weight becomes NaN
+            name = chosen = pick(header, pattern)
+            assert header[name]["dtype"] == "BF16"
+            b, _ = header[name]["data_offsets"]
+            data = bytearray(data)
+            data[b + 6:b + 8] = struct.pack("<H", 0x7FC0)  # element [0, 3]
+            write(dst, header, bytes(data))
         elif mode == "bad-json":
             n = struct.unpack("<Q", raw[:8])[0]
             with open(dst, "wb") as f:

@@ -225,5 +225,53 @@ TEST(CudaRouting, HashRouting) {
   }
 }
 
+// num_valid_tokens (graph replay padding): rows at and past it get ids -1 and
+// weight 0 (so align counts them nowhere); rows before it are routed as usual.
+// nan_token: the first token with a NaN logit, padding rows excluded.
+TEST(CudaRouting, PaddingRowsAreRoutedNowhereAndNanTokenIsRecorded) {
+  FUSEDMOE_REQUIRE_CUDA();
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  MoEConfig c = plain(60, 6);
+  const int64_t T = 37, valid = 21, k = c.top_k, L = c.num_router_logits();
+  Tensor logits_h = test::random_f32(rng, {T, L}, -4.0f, 4.0f);
+  const Tensor clean = Tensor::copy_of(logits_h);         // the CPU router rejects NaN logits
+  logits_h.data_as<float>()[30 * L + 2] = std::nanf("");  // padding: not reported
+  logits_h.data_as<float>()[17 * L + 59] = std::nanf("");
+  logits_h.data_as<float>()[19 * L + 0] = std::nanf("");
+  Tensor ids_h = Tensor::empty(DType::kI32, {valid, k}),
+         w_h = Tensor::empty(DType::kF32, {valid, k});
+  create_router(c, {})->select_experts(TensorView(clean.data(), DType::kF32, {valid, L}), ids_h,
+                                       w_h);  // CPU: rows < valid
+  DeviceTensor logits = DeviceTensor::from_host(logits_h);
+  DeviceTensor ids(DType::kI32, {T, k}), w(DType::kF32, {T, k}), scalars(DType::kI32, {2});
+  ids.poison();
+  w.poison();
+  const int32_t init[2] = {static_cast<int32_t>(valid), 0x7fffffff};
+  ASSERT_EQ(cudaMemcpy(scalars.data(), init, sizeof init, cudaMemcpyHostToDevice), cudaSuccess);
+  cuda::RouteArgs a;
+  a.router_logits = logits.data_as<float>();
+  a.logits_ld = L;
+  a.topk_ids = ids.data_as<int32_t>();
+  a.topk_weights = w.data_as<float>();
+  a.num_valid_tokens = scalars.data_as<int32_t>();
+  a.nan_token = scalars.data_as<int32_t>() + 1;
+  cuda::route(c, a, T, nullptr);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const Tensor ids_d = ids.to_host(), w_d = w.to_host(), sc = scalars.to_host();
+  EXPECT_EQ(sc.data_as<int32_t>()[1], 17) << "first token with a NaN logit";
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t i = t * k + j;
+      if (t >= valid) {
+        ASSERT_EQ(ids_d.data_as<int32_t>()[i], -1) << "padding token " << t;
+        ASSERT_EQ(w_d.data_as<float>()[i], 0.0f) << "padding token " << t;
+      } else if (t != 17 && t != 19) {
+        ASSERT_EQ(ids_d.data_as<int32_t>()[i], ids_h.data_as<int32_t>()[i]) << "token " << t;
+      }
+    }
+}
+
 }  // namespace
 }  // namespace fusedmoe

@@ -217,6 +217,97 @@ TEST(CudaRunner, GraphCaptureReplaysWithNewInputs) {
   cudaStreamDestroy(stream);
 }
 
+// RunnerOptions::cuda_graph_sizes: each T replays the graph of the smallest
+// capture size >= T with rows T.. as padding; results equal the eager runner's
+// (same ids and weights; output within bf16 rounding, the tile may differ).
+// Larger T run eagerly.
+TEST(CudaRunner, GraphReplayPadsToCaptureSize) {
+  FUSEDMOE_REQUIRE_CUDA();
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  for (int arch : {2, 1}) {  // DeepSeek-V3 (grouped, shared expert), Qwen2-MoE (shared gate)
+    MoEConfig c = arch_configs()[arch].second;
+    SCOPED_TRACE(arch_configs()[arch].first);
+    MoELayerWeights lw = test::random_layer(rng, c, DType::kBF16);
+    const int64_t H = c.hidden_size, k = c.top_k, L = c.num_router_logits();
+    cudaStream_t stream;
+    CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    RunnerOptions go = cuda_options(64, stream);
+    go.cuda_graph_sizes = {16, 1, 4};
+    MoERunner graphed(c, lw, go);
+    MoERunner eager(c, lw, cuda_options(64, stream));
+    for (int64_t T : {1, 3, 4, 9, 16, 1, 30}) {
+      SCOPED_TRACE("T " + std::to_string(T));
+      const Tensor xh = test::randn_f32(rng, {T, H});
+      DeviceTensor x = DeviceTensor::from_host(xh);
+      DeviceTensor out_g(DType::kF32, {T, H}), out_e(DType::kF32, {T, H});
+      DeviceTensor ids_g(DType::kI32, {T, k}), ids_e(DType::kI32, {T, k});
+      DeviceTensor w_g(DType::kF32, {T, k}), w_e(DType::kF32, {T, k});
+      DeviceTensor lg_g(DType::kF32, {T, L});
+      out_g.poison();
+      ids_g.poison();
+      w_g.poison();
+      lg_g.poison();
+      ForwardOutputs fg{lg_g, ids_g, w_g}, fe{TensorView(), ids_e, w_e};
+      graphed.forward(x, out_g, nullptr, nullptr, &fg);
+      eager.forward(x, out_e, nullptr, nullptr, &fe);
+      CUDA_OK(cudaStreamSynchronize(stream));
+      EXPECT_TRUE(same_bits(ids_g.to_host(), ids_e.to_host())) << "topk_ids";
+      EXPECT_TRUE(same_bits(w_g.to_host(), w_e.to_host())) << "topk_weights";
+      const Tensor og = out_g.to_host(), oe = out_e.to_host();
+      ASSERT_EQ(test::count_non_finite(og), 0) << "unwritten rows";
+      ASSERT_EQ(test::count_non_finite(lg_g.to_host()), 0) << "unwritten router logits";
+      EXPECT_LE(test::rel_l2(og, oe), 1e-2);
+      std::vector<double> ref =
+          test::reference_moe_layer(c, lw, xh, ids_e.to_host(), w_e.to_host());
+      EXPECT_LE(test::rel_l2(og, f64_view(ref, T, H)), 1e-2) << "vs float64 reference";
+    }
+    CUDA_OK(cudaStreamDestroy(stream));
+  }
+}
+
+// NaN router logits: forward() cannot report them (no host sync); check_errors()
+// names the first such token once, then is clear. In graph replay, a stale NaN
+// in a padding row is not a token and is not reported.
+TEST(CudaRunner, CheckErrorsNamesNanLogitToken) {
+  FUSEDMOE_REQUIRE_CUDA();
+  std::mt19937_64 rng(test::fresh_seed());
+  MoEConfig c = test::base_config(8, 2, 64, 48);
+  MoELayerWeights lw = test::random_layer(rng, c, DType::kBF16);
+  RunnerOptions go = cuda_options(16);
+  go.cuda_graph_sizes = {4};
+  for (bool graph : {false, true}) {
+    SCOPED_TRACE(graph ? "graph replay" : "eager");
+    MoERunner gpu(c, lw, graph ? go : cuda_options(16));
+    const int64_t T = 4, H = 64, L = 8;
+    Tensor lh = test::randn_f32(rng, {T, L});
+    lh.data_as<float>()[3 * L + 5] = std::nanf("");
+    lh.data_as<float>()[2 * L + 1] = std::nanf("");
+    DeviceTensor x = DeviceTensor::from_host(test::randn_f32(rng, {T, H}));
+    DeviceTensor logits = DeviceTensor::from_host(lh), out(DType::kF32, {T, H});
+    const TensorView lv = logits.view();
+    gpu.forward(x, out, &lv);
+    try {
+      gpu.check_errors();
+      ADD_FAILURE() << "no error for NaN logits";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+      EXPECT_NE(std::string(e.what()).find("NaN at token 2"), std::string::npos) << e.what();
+    }
+    EXPECT_NO_THROW(gpu.check_errors());  // cleared
+    // T = 3: the graph's static row 3 still holds the NaN logits of the call above.
+    DeviceTensor x3 = DeviceTensor::from_host(test::randn_f32(rng, {3, H}));
+    DeviceTensor l3 = DeviceTensor::from_host(test::randn_f32(rng, {3, L}));
+    DeviceTensor out3(DType::kF32, {3, H});
+    out3.poison();
+    const TensorView lv3 = l3.view();
+    gpu.forward(x3, out3, &lv3);
+    EXPECT_NO_THROW(gpu.check_errors());
+    EXPECT_EQ(test::count_non_finite(out3.to_host()), 0);
+  }
+}
+
 TEST(CudaRunner, RejectsBadArguments) {
   FUSEDMOE_REQUIRE_CUDA();
   std::mt19937_64 rng(1);

@@ -85,6 +85,13 @@ fi
 grep -q "expected 3 ranks (mpirun -np 3), got 2" "$TMP/log" ||
   { echo "FAIL: no rank-count message"; cat "$TMP/log"; exit 1; }
 
+# An argument error is the same on every rank: printed once (by rank 0).
+if $mpiexec $pre "$npflag" 2 "$BIN" run --tokens 4 --ep-size 0 >"$TMP/log" 2>&1; then
+  echo "FAIL: --ep-size 0 succeeded"; exit 1
+fi
+[ "$(grep -c '^fusedmoe: error: .*--ep-size' "$TMP/log")" -eq 1 ] ||
+  { echo "FAIL: the argument error is not printed exactly once"; cat "$TMP/log"; exit 1; }
+
 # bench --ep-size 2: one table row per T with bandwidths.
 $mpiexec $pre "$npflag" 2 "$BIN" bench --ep-size 2 --shapes qwen3-cpu --max-experts 8 \
   --tokens 1,16 --min-time 0 >"$TMP/bench" 2>&1 || { cat "$TMP/bench"; exit 1; }

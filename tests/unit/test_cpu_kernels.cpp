@@ -375,7 +375,14 @@ TEST(CpuModularKernel, RejectsBadInputsWithoutWriting) {
   expect_error(run(hidden, ids, tw, w, out, p16), {"compute_dtype"});
   ExpertWeights w_bad = w;
   w_bad.w2 = random_weight(rng, {E, H, I + 1}, 0.1f, DType::kBF16);
-  expect_error(run(hidden, ids, tw, w_bad, out), {"experts.w2"});
+  expect_error(run(hidden, ids, tw, w_bad, out), {"experts.w13", "experts.w2", "disagree"});
+  // A wrong H is blamed on the weight that differs from hidden_states.
+  ExpertWeights w13_bad_h = w;
+  w13_bad_h.w13 = random_weight(rng, {E, 2 * I, H + 2}, 0.1f, DType::kBF16);
+  expect_error(run(hidden, ids, tw, w13_bad_h, out), {"experts.w13", "[5, 16, 18]"});
+  ExpertWeights w2_bad_h = w;
+  w2_bad_h.w2 = random_weight(rng, {E, H + 2, I}, 0.1f, DType::kBF16);
+  expect_error(run(hidden, ids, tw, w2_bad_h, out), {"experts.w2", "[5, 18, 8]"});
   ExpertWeights w_mixed = w;
   w_mixed.w2 = random_weight(rng, {E, H, I}, 0.1f, DType::kF32);
   expect_error(run(hidden, ids, tw, w_mixed, out), {"experts", "same dtype"});

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <random>
 
 #include "expect_error.h"
@@ -307,6 +308,58 @@ TEST(Loader, WrongShapeOrDtypeIsNamed) {
   msg = error_of([&] { load_moe_layer(ck, info, 1, {.progress = false}); }, ErrorCode::kIo);
   EXPECT_HAS(msg, "'" + bad_dtype + "'");
   EXPECT_HAS(msg, "f32");
+}
+
+// A NaN or Inf weight is named at load time (it would make every token routed
+// there NaN); check_finite = false loads it anyway.
+TEST(Loader, NonFiniteWeightIsNamed) {
+  test::TempDir dir("loader_nonfinite");
+  const std::string nan_name = "model.layers.1.block_sparse_moe.experts.3.w1.weight";
+  const std::string inf_name = "model.layers.0.block_sparse_moe.gate.weight";
+  // Element [r, c] of a 2-D tensor set to a non-finite value of its dtype.
+  auto poke = [](Tensor& t, int64_t r, int64_t c, bool nan) {
+    Tensor copy = Tensor::empty(t.dtype(), t.shape());
+    std::memcpy(copy.data(), t.data(), t.view().nbytes());
+    char* p = static_cast<char*>(copy.data()) +
+              static_cast<size_t>(r * t.size(1) + c) * dtype_size(t.dtype());
+    const float v =
+        nan ? std::numeric_limits<float>::quiet_NaN() : -std::numeric_limits<float>::infinity();
+    convert_from_f32(&v, p, t.dtype(), 1);
+    t = copy;
+  };
+  write_modified_fixture("mixtral", dir, [&](auto& ts) {
+    for (auto& [n, t] : ts) {
+      if (n == nan_name) poke(t, 2, 5, true);
+      if (n == inf_name) poke(t, 1, 7, false);
+    }
+  });
+  const ModelInfo info = load_model_info(dir.path());
+  const Checkpoint ck = Checkpoint::open(dir.path());
+  std::string msg =
+      error_of([&] { load_moe_layer(ck, info, 1, {.progress = false}); }, ErrorCode::kIo);
+  EXPECT_HAS(msg, "'" + nan_name + "'");
+  EXPECT_HAS(msg, "NaN at [2, 5]");
+  msg = error_of([&] { load_moe_layer(ck, info, 0, {.progress = false}); }, ErrorCode::kIo);
+  EXPECT_HAS(msg, "'" + inf_name + "'");
+  EXPECT_HAS(msg, "Inf at [1, 7]");
+  const MoELayerWeights w = load_moe_layer(ck, info, 1, {.progress = false, .check_finite = false});
+  EXPECT_EQ(w.experts.num_experts(), info.layer_config(1).num_experts);
+}
+
+TEST(Loader, FindNonFiniteReadsEveryFloatingDtype) {
+  for (DType d :
+       {DType::kF64, DType::kF32, DType::kBF16, DType::kF16, DType::kF8E4M3FN, DType::kF8E5M2}) {
+    std::vector<float> vals(37);
+    for (size_t i = 0; i < vals.size(); ++i) vals[i] = 0.25f * static_cast<float>(i) - 3.0f;
+    Tensor t = Tensor::empty(d, {37});
+    convert_from_f32(vals.data(), t.data(), d, vals.size());
+    EXPECT_EQ(find_non_finite(t.data(), d, 37), -1) << dtype_name(d);
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    convert_from_f32(&nan, static_cast<char*>(t.data()) + 29 * dtype_size(d), d, 1);
+    EXPECT_EQ(find_non_finite(t.data(), d, 37), 29) << dtype_name(d);
+  }
+  const int32_t ints[3] = {-1, 0x7f800000, 5};
+  EXPECT_EQ(find_non_finite(ints, DType::kI32, 3), -1);
 }
 
 TEST(Loader, MissingBiasAndRouterAreNamed) {

@@ -81,4 +81,10 @@ void convert_to_f32(const void* src, DType src_type, float* dst, size_t n);
 // Converts n floats to `dst_type` (floating dtypes only; f8 e4m3fn saturates).
 void convert_from_f32(const float* src, void* dst, DType dst_type, size_t n);
 
+// Index of the first NaN or Inf among n elements of `data` (dtype `dtype`), or
+// -1 when all are finite (always -1 for integer dtypes). Reads bit patterns
+// (IEEE exponent all ones; e4m3fn's NaN codes 0x7f/0xff, which has no Inf).
+// Throws Error(kUnsupported) for kBool.
+int64_t find_non_finite(const void* data, DType dtype, size_t n);
+
 }  // namespace fusedmoe

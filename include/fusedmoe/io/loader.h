@@ -29,10 +29,14 @@ struct LoadOptions {
   // id order, each narrowed to TP slice tp_rank of I, and the shared expert
   // narrowed likewise (shard_expert_weights). Default: everything.
   ParallelConfig parallel;
+  // Every tensor read is checked for NaN/Inf (one parallel pass over it);
+  // a non-finite value is an Error(kIo) naming the tensor and the index.
+  bool check_finite = true;
 };
 
 // Throws Error(kInvalidArgument) if `layer` is not an MoE layer, Error(kIo)
-// naming the tensor if one is missing or has the wrong shape/dtype.
+// naming the tensor if one is missing, has the wrong shape/dtype, or (with
+// check_finite) holds a NaN or Inf.
 MoELayerWeights load_moe_layer(const Checkpoint& checkpoint, const ModelInfo& info, int64_t layer,
                                const LoadOptions& options = {});
 

@@ -59,8 +59,9 @@ void synchronize();
 // renormalize and optional selection bias [E + Z]; kTopKSoftmax; kGroupedTopK
 // with bias [E]; kLlama4; kHash with hash_table i32 [vocab, k] and token_ids i32
 // [T]), one warp per token, scores in double. Zero experts become id -1.
-// NaN logits are not detected (that would need a host sync): a NaN is never
-// selected while a non-NaN column remains, ids stay in range.
+// NaN logits: a NaN is never selected while a non-NaN column remains, ids stay
+// in range, and with RouteArgs::nan_token the first such token is recorded on
+// the device (reporting it needs a host sync: CudaMoELayer::check_errors).
 // Throws Error(kUnsupported) for kSimulated or more than 1024 logit columns.
 struct RouteArgs {
   const float* router_logits = nullptr;
@@ -70,6 +71,12 @@ struct RouteArgs {
   const int32_t* token_ids = nullptr;   // kHash
   int32_t* topk_ids = nullptr;
   float* topk_weights = nullptr;
+  // Optional (device scalars): rows t >= *num_valid_tokens are padding (CUDA-graph
+  // replay at a capture size): ids -1, weights 0, never read. nan_token: the
+  // kernel lowers it to the first token with a NaN logit (atomicMin); the caller
+  // initialises it (e.g. INT32_MAX) and reads it after the stream synchronises.
+  const int32_t* num_valid_tokens = nullptr;
+  int32_t* nan_token = nullptr;
 };
 void route(const MoEConfig& config, const RouteArgs& args, int64_t num_tokens, Stream stream);
 

@@ -20,6 +20,7 @@
 
 #include <memory>
 #include <optional>
+#include <vector>
 
 #include "fusedmoe/config/moe_config.h"
 #include "fusedmoe/core/tensor.h"
@@ -33,7 +34,8 @@ namespace fusedmoe {
 
 namespace cuda {
 class CudaMoELayer;
-}
+class CudaGraphLayer;
+}  // namespace cuda
 
 struct MoELayerWeights {
   Tensor gate_weight;                           // f32/bf16 [E + num_zero_experts, H] (router)
@@ -61,6 +63,13 @@ struct RunnerOptions {
   Device device{};
   int64_t max_num_tokens = 0;  // CUDA: the largest T forward() accepts (0: 8192)
   void* cuda_stream = nullptr;
+  // CUDA: capture sizes for graph replay (e.g. 1, 2, 4, 8, 16, 32, 64; each
+  // <= max_num_tokens; empty: off). A forward of 0 < T <= the largest size
+  // replays the CUDA graph of the smallest size S >= T, captured on its first
+  // use: inputs are copied into static buffers of S rows, rows T..S-1 are
+  // padding routed to no expert (not counted), and T rows are copied back.
+  // Larger T run eagerly. Such a forward is not itself capturable.
+  std::vector<int64_t> cuda_graph_sizes;
   // Parallel layouts (config.parallel sizes > 1; CPU backend): the communicator
   // over all ranks of the layout (parallel/communicator.h ParallelGroups; its
   // rank must match config.parallel's ranks; nullptr: one rank). The weights
@@ -96,6 +105,13 @@ class MoERunner {
   // Convenience: allocates and returns the output (CPU backend only).
   Tensor forward(const TensorView& hidden_states, const TensorView* router_logits = nullptr);
 
+  // CUDA backend: synchronises cuda_stream, then throws Error(kInvalidArgument)
+  // naming the first token whose router logits held a NaN in a forward since
+  // the last call (detected by the routing kernels; reporting needs a host
+  // sync, so forward() cannot). No-op on the CPU backend, where forward()
+  // itself throws for NaN logits.
+  void check_errors();
+
   // router_logits f32 [T, E + Z] = hidden_states . gate_weight^T (+ gate_bias).
   void compute_router_logits(const TensorView& hidden_states, const TensorView& router_logits);
 
@@ -119,8 +135,9 @@ class MoERunner {
   std::unique_ptr<Router> router_;
   std::unique_ptr<ModularKernel> kernel_;
   std::unique_ptr<Workspace> workspace_;
-  std::unique_ptr<cuda::CudaMoELayer> cuda_;      // CUDA backend, else null
-  std::unique_ptr<DistributedExperts> parallel_;  // parallel layouts, else null
+  std::unique_ptr<cuda::CudaMoELayer> cuda_;           // CUDA backend, else null
+  std::unique_ptr<cuda::CudaGraphLayer> cuda_graphs_;  // cuda_graph_sizes given, else null
+  std::unique_ptr<DistributedExperts> parallel_;       // parallel layouts, else null
 };
 
 }  // namespace fusedmoe

@@ -16,8 +16,20 @@ void ModularKernel::forward(const TensorView& hidden_states, const TensorView& t
                  weights.w13.view().str());
   FUSEDMOE_CHECK(weights.w2.ndim() == 3, "experts.w2: expected a 3-d tensor [E, H, I], got ",
                  weights.w2.view().str());
-  // Sizes come from w13 [E, 2I, H], so a w2 that does not match is the one reported.
-  const int64_t E = weights.w13.size(0), H = weights.w13.size(2), I = weights.w13.size(1) / 2;
+  // Sizes: where w13 [E, 2I, H] and w2 [E, H, I] agree, they set E, I and H
+  // (and hidden_states is checked against them). Where they disagree on H,
+  // hidden_states says which one is wrong; on E or I nothing does, so both
+  // shapes are reported.
+  const TensorView& w13v = weights.w13.view();
+  const TensorView& w2v = weights.w2.view();
+  int64_t H = w13v.size(2);
+  if (w2v.size(1) != H && hidden_states.ndim() == 2 && w2v.size(1) == hidden_states.size(1))
+    H = w2v.size(1);  // w13 is the odd one out: validate() names it
+  FUSEDMOE_CHECK(
+      (w13v.size(0) == w2v.size(0) && w13v.size(1) == 2 * w2v.size(2)) || w13v.size(1) % 2 != 0,
+      "experts.w13 ", w13v.str(), " and experts.w2 ", w2v.str(),
+      " disagree: expected w13 [E, 2I, H] and w2 [E, H, I] with the same E and I");
+  const int64_t E = w13v.size(0), I = w13v.size(1) / 2;
   weights.validate(E, H, I, weights.w13_bias.has_value() || weights.w2_bias.has_value(), "experts");
   FUSEDMOE_CHECK(params.compute_dtype == DType::kF32 || params.compute_dtype == DType::kBF16,
                  "compute_dtype: expected f32 or bf16, got ", dtype_name(params.compute_dtype));

@@ -97,6 +97,8 @@ struct DeviceExperts {
   size_t bytes() const { return w13.bytes() + w2.bytes() + w13_bias.bytes() + w2_bias.bytes(); }
 };
 
+constexpr int32_t kNoNanToken = 0x7f7f7f7f;  // what cudaMemset(0x7f) writes
+
 void check_device_view(const TensorView& t, const char* name, std::initializer_list<DType> dtypes) {
   FUSEDMOE_CHECK(t.device().type == DeviceType::kCUDA, name,
                  ": expected a CUDA tensor (CUDA backend), got a CPU tensor ", t.str());
@@ -127,6 +129,7 @@ struct CudaMoELayer::Impl {
   RoutedScratch routed;  // align / GEMM scratch of routed_experts (routed_experts.h)
   uint16_t* inter_s = nullptr;
   float* shared_out = nullptr;
+  int32_t* nan_token = nullptr;  // first token with a NaN router logit, else kNoNanToken
   // second stream for the shared expert
   cudaStream_t side = nullptr;
   cudaEvent_t fork = nullptr, join = nullptr;
@@ -189,6 +192,7 @@ CudaMoELayer::CudaMoELayer(const MoEConfig& config, const MoELayerWeights& w,
       {reinterpret_cast<void**>(&s.weights), sizeof(float) * slots},
       {reinterpret_cast<void**>(&s.xb), size_t{2} * Tm * H},
       {&s.routed_base, routed_scratch_bytes(Tm, k, E, H, I)},
+      {reinterpret_cast<void**>(&s.nan_token), sizeof(int32_t)},
   };
   if (c.apply_router_weight_on_input)
     parts.push_back({reinterpret_cast<void**>(&s.xs), size_t{2} * Tm * H});
@@ -205,6 +209,8 @@ CudaMoELayer::CudaMoELayer(const MoEConfig& config, const MoELayerWeights& w,
     off += (p.bytes + 255) / 256 * 256;
   }
   s.routed = carve_routed_scratch(s.routed_base, Tm, k, E, H, I);
+  FUSEDMOE_CUDA_CHECK(cudaMemset(s.nan_token, 0x7f, sizeof(int32_t)));
+  FUSEDMOE_CUDA_CHECK(cudaDeviceSynchronize());
   if (c.has_shared_expert()) {
     FUSEDMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s.side, cudaStreamNonBlocking));
     FUSEDMOE_CUDA_CHECK(cudaEventCreateWithFlags(&s.fork, cudaEventDisableTiming));
@@ -217,6 +223,9 @@ CudaMoELayer::~CudaMoELayer() = default;
 int64_t CudaMoELayer::max_num_tokens() const {
   return impl_->max_tokens;
 }
+const MoEConfig& CudaMoELayer::config() const {
+  return impl_->cfg;
+}
 size_t CudaMoELayer::weight_bytes() const {
   const Impl& s = *impl_;
   return s.gate_w.bytes() + s.gate_b.bytes() + s.score_bias.bytes() + s.hash_table.bytes() +
@@ -224,6 +233,19 @@ size_t CudaMoELayer::weight_bytes() const {
 }
 size_t CudaMoELayer::workspace_bytes() const {
   return impl_->ws.bytes();
+}
+
+void CudaMoELayer::check_errors(Stream stream) {
+  Impl& s = *impl_;
+  int32_t token = kNoNanToken;
+  FUSEDMOE_CUDA_CHECK(
+      cudaMemcpyAsync(&token, s.nan_token, sizeof token, cudaMemcpyDeviceToHost, stream));
+  FUSEDMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  if (token == kNoNanToken) return;
+  FUSEDMOE_CUDA_CHECK(cudaMemsetAsync(s.nan_token, 0x7f, sizeof(int32_t), stream));
+  FUSEDMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  FUSEDMOE_THROW(kInvalidArgument, "router_logits: expected finite values, got NaN at token ",
+                 token, " (of a forward since the last check; its output is not meaningful)");
 }
 
 void CudaMoELayer::router_logits(const TensorView& hidden_states, const TensorView& logits,
@@ -239,7 +261,8 @@ void CudaMoELayer::router_logits(const TensorView& hidden_states, const TensorVi
 
 void CudaMoELayer::forward(const TensorView& hidden_states, const TensorView& output,
                            const TensorView* router_logits_in, const TensorView* token_ids,
-                           const ForwardOutputs* outputs, Stream stream) {
+                           const ForwardOutputs* outputs, Stream stream,
+                           const int32_t* num_valid_tokens) {
   Impl& s = *impl_;
   const MoEConfig& c = s.cfg;
   const int64_t H = c.hidden_size, I = c.intermediate_size, E = c.num_experts, k = c.top_k;
@@ -286,6 +309,8 @@ void CudaMoELayer::forward(const TensorView& hidden_states, const TensorView& ou
   ra.token_ids = token_ids ? token_ids->data_as<const int32_t>() : nullptr;
   ra.topk_ids = s.ids;
   ra.topk_weights = s.weights;
+  ra.num_valid_tokens = num_valid_tokens;
+  ra.nan_token = s.nan_token;
   route(c, ra, T, stream);
   if (want_logits && router_logits_in) {
     FUSEDMOE_CUDA_CHECK(cudaMemcpy2DAsync(outputs->router_logits.data(),

@@ -30,13 +30,21 @@ class CudaMoELayer {
   // hidden_states f32/bf16 [T, H]; output f32/bf16 [T, H]; router_logits f32
   // [T, E + Z] (any row stride) or null; token_ids i32 [T] (hash routing);
   // outputs: optional device buffers for the router's results.
+  // num_valid_tokens (device i32 scalar, optional): rows at and past it are
+  // padding (CUDA-graph replay at a capture size): routed to no expert.
   void forward(const TensorView& hidden_states, const TensorView& output,
                const TensorView* router_logits, const TensorView* token_ids,
-               const ForwardOutputs* outputs, Stream stream);
+               const ForwardOutputs* outputs, Stream stream,
+               const int32_t* num_valid_tokens = nullptr);
+  // Synchronises `stream`, then throws Error(kInvalidArgument) naming the first
+  // token whose router logits held a NaN in a forward since the last check
+  // (the routing kernels record it on the device; see cuda::route), and clears it.
+  void check_errors(Stream stream);
   // router_logits f32 [T, E + Z] = hidden_states . gate^T (+ bias), on the device.
   void router_logits(const TensorView& hidden_states, const TensorView& logits, Stream stream);
 
   int64_t max_num_tokens() const;
+  const MoEConfig& config() const;
   size_t weight_bytes() const;
   size_t workspace_bytes() const;
 

@@ -45,17 +45,22 @@ __device__ __forceinline__ void store_out<uint16_t>(uint16_t* p, float v) {
   *p = float_to_bf16_bits(v);
 }
 
-// One block per token.
+// One block per (token, chunk of kFinalizeThreads * 4 columns): a decode-size
+// T still spreads over many SMs. Each thread loads up to 8 of its token's k
+// rows before adding them (loads in flight together), and adds them in slot
+// order, skipping empty slots, so the sum is the same on every run.
 template <typename Out>
 __global__ void __launch_bounds__(kFinalizeThreads)
     finalize_kernel(const float* __restrict__ y, const int32_t* __restrict__ ids, int top_k,
-                    int num_experts, int64_t hidden, const float* __restrict__ shared,
-                    const float* __restrict__ shared_gate, const uint16_t* __restrict__ x,
-                    int64_t ldx, Out* __restrict__ out, int64_t ldo) {
+                    int num_experts, int64_t hidden, int64_t chunks,
+                    const float* __restrict__ shared, const float* __restrict__ shared_gate,
+                    const uint16_t* __restrict__ x, int64_t ldx, Out* __restrict__ out,
+                    int64_t ldo) {
   __shared__ int32_t valid[32];
   __shared__ float red[kFinalizeThreads / 32];
   __shared__ float gate_s;
-  const int64_t t = blockIdx.x;
+  const int64_t t = blockIdx.x / chunks;
+  const int64_t h = (blockIdx.x % chunks) * (kFinalizeThreads * 4) + threadIdx.x * 4;
   if (threadIdx.x < top_k) {
     const int32_t e = ids[t * top_k + threadIdx.x];
     valid[threadIdx.x] = e >= 0 && (num_experts <= 0 || e < num_experts);
@@ -63,46 +68,54 @@ __global__ void __launch_bounds__(kFinalizeThreads)
   float gate = 1.0f;
   if (shared != nullptr && shared_gate != nullptr) {
     float d = 0.0f;
-    for (int64_t h = threadIdx.x; h < hidden; h += blockDim.x)
-      d += bf16_bits_to_float(x[t * ldx + h]) * shared_gate[h];
+    for (int64_t c = threadIdx.x; c < hidden; c += blockDim.x)
+      d += bf16_bits_to_float(x[t * ldx + c]) * shared_gate[c];
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
     if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = d;
     __syncthreads();
     if (threadIdx.x == 0) {
-      float s = 0.0f;
-      for (int w = 0; w < kFinalizeThreads / 32; ++w) s += red[w];
-      gate_s = 1.0f / (1.0f + expf(-s));
+      float sum = 0.0f;
+      for (int w = 0; w < kFinalizeThreads / 32; ++w) sum += red[w];
+      gate_s = 1.0f / (1.0f + expf(-sum));
     }
   }
   __syncthreads();
   if (shared != nullptr && shared_gate != nullptr) gate = gate_s;
-  const float* yt = y + t * top_k * hidden;
-  Out* o = out + t * ldo;
-  const float* st = shared ? shared + t * hidden : nullptr;
+  if (h >= hidden) return;
+  const float* yt = y + t * top_k * hidden + h;
   // hidden % 4 == 0 (checked): float4 reads of y and shared.
-  for (int64_t h = static_cast<int64_t>(threadIdx.x) * 4; h < hidden; h += blockDim.x * 4) {
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int j = 0; j < top_k; ++j) {
-      if (!valid[j]) continue;
-      const float4 v = *reinterpret_cast<const float4*>(yt + j * hidden + h);
-      acc.x += v.x;
-      acc.y += v.y;
-      acc.z += v.z;
-      acc.w += v.w;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int j0 = 0; j0 < top_k; j0 += 8) {
+    float4 v[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      const int j = j0 + u;
+      v[u] = j < top_k && valid[j] ? *reinterpret_cast<const float4*>(yt + j * hidden)
+                                   : make_float4(0.f, 0.f, 0.f, 0.f);
     }
-    if (st) {
-      const float4 v = *reinterpret_cast<const float4*>(st + h);
-      acc.x += gate * v.x;
-      acc.y += gate * v.y;
-      acc.z += gate * v.z;
-      acc.w += gate * v.w;
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      const int j = j0 + u;
+      if (j >= top_k || !valid[j]) continue;
+      acc.x += v[u].x;
+      acc.y += v[u].y;
+      acc.z += v[u].z;
+      acc.w += v[u].w;
     }
-    store_out(o + h, acc.x);
-    store_out(o + h + 1, acc.y);
-    store_out(o + h + 2, acc.z);
-    store_out(o + h + 3, acc.w);
   }
+  if (shared) {
+    const float4 v = *reinterpret_cast<const float4*>(shared + t * hidden + h);
+    acc.x += gate * v.x;
+    acc.y += gate * v.y;
+    acc.z += gate * v.z;
+    acc.w += gate * v.w;
+  }
+  Out* o = out + t * ldo + h;
+  store_out(o, acc.x);
+  store_out(o + 1, acc.y);
+  store_out(o + 2, acc.z);
+  store_out(o + 3, acc.w);
 }
 
 template <typename In>
@@ -229,15 +242,18 @@ void finalize(const FinalizeArgs& a, Stream stream) {
                  "finalize: the shared expert gate needs x");
   FUSEDMOE_CHECK(a.out_dtype == DType::kF32 || a.out_dtype == DType::kBF16,
                  "finalize: output dtype must be f32 or bf16, got ", dtype_name(a.out_dtype));
-  const unsigned grid = static_cast<unsigned>(a.num_tokens);
+  const int64_t chunks = ceil_div(a.hidden, int64_t{kFinalizeThreads} * 4);
+  FUSEDMOE_CHECK(a.num_tokens * chunks < (int64_t{1} << 31),
+                 "finalize: too many tokens for one launch: ", a.num_tokens);
+  const unsigned grid = static_cast<unsigned>(a.num_tokens * chunks);
   if (a.out_dtype == DType::kF32)
     finalize_kernel<float><<<grid, kFinalizeThreads, 0, stream>>>(
         a.y, a.topk_ids, static_cast<int>(a.top_k), static_cast<int>(a.num_experts), a.hidden,
-        a.shared, a.shared_gate, a.x, a.ldx, static_cast<float*>(a.out), a.ldo);
+        chunks, a.shared, a.shared_gate, a.x, a.ldx, static_cast<float*>(a.out), a.ldo);
   else
     finalize_kernel<uint16_t><<<grid, kFinalizeThreads, 0, stream>>>(
         a.y, a.topk_ids, static_cast<int>(a.top_k), static_cast<int>(a.num_experts), a.hidden,
-        a.shared, a.shared_gate, a.x, a.ldx, static_cast<uint16_t*>(a.out), a.ldo);
+        chunks, a.shared, a.shared_gate, a.x, a.ldx, static_cast<uint16_t*>(a.out), a.ldo);
   FUSEDMOE_CUDA_CHECK_LAUNCH();
 }
 

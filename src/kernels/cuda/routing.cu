@@ -81,10 +81,18 @@ template <int kPerLane>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     route_topk_kernel(RouteParams p, const float* __restrict__ logits, int64_t ld,
                       const float* __restrict__ bias, int32_t* __restrict__ topk_ids,
-                      float* __restrict__ topk_weights, int64_t num_tokens) {
+                      float* __restrict__ topk_weights, int64_t num_tokens,
+                      const int32_t* __restrict__ num_valid, int32_t* __restrict__ nan_token) {
   const int lane = threadIdx.x & 31;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
   if (t >= num_tokens) return;
+  if (num_valid != nullptr && t >= *num_valid) {  // padding row: routed nowhere
+    if (lane < p.top_k) {
+      topk_ids[t * p.top_k + lane] = -1;
+      topk_weights[t * p.top_k + lane] = 0.0f;
+    }
+    return;
+  }
   const float* row = logits + t * ld;
 
   double x[kPerLane];      // raw logits (double)
@@ -96,6 +104,12 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     const int c = lane + 32 * i;
     x[i] = c < p.cols ? static_cast<double>(row[c]) : 0.0;
     if (c < p.cols) live |= 1u << i;
+  }
+  if (nan_token != nullptr) {  // the first token with a NaN logit, for check_errors()
+    bool has_nan = false;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) has_nan |= isnan(x[i]);
+    if (__any_sync(kFull, has_nan) && lane == 0) atomicMin(nan_token, static_cast<int32_t>(t));
   }
 
   // ---- scores and selection values ----
@@ -264,11 +278,16 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
 __global__ void route_hash_kernel(const int32_t* __restrict__ table,
                                   const int32_t* __restrict__ token_ids, int64_t num_tokens,
                                   int top_k, int experts, float weight,
-                                  int32_t* __restrict__ topk_ids,
-                                  float* __restrict__ topk_weights) {
+                                  int32_t* __restrict__ topk_ids, float* __restrict__ topk_weights,
+                                  const int32_t* __restrict__ num_valid) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= num_tokens * top_k) return;
   const int64_t t = i / top_k, j = i % top_k;
+  if (num_valid != nullptr && t >= *num_valid) {  // padding row: routed nowhere
+    topk_ids[i] = -1;
+    topk_weights[i] = 0.0f;
+    return;
+  }
   const int32_t id = table[static_cast<int64_t>(token_ids[t]) * top_k + j];
   topk_ids[i] = id < experts ? id : -1;
   topk_weights[i] = weight;
@@ -291,7 +310,7 @@ void route(const MoEConfig& c, const RouteArgs& a, int64_t num_tokens, Stream st
     const int64_t n = num_tokens * k;
     route_hash_kernel<<<static_cast<unsigned>(ceil_div(n, 256)), 256, 0, stream>>>(
         a.hash_table, a.token_ids, num_tokens, static_cast<int>(k), static_cast<int>(c.num_experts),
-        w, a.topk_ids, a.topk_weights);
+        w, a.topk_ids, a.topk_weights, a.num_valid_tokens);
     FUSEDMOE_CUDA_CHECK_LAUNCH();
     return;
   }
@@ -343,13 +362,16 @@ void route(const MoEConfig& c, const RouteArgs& a, int64_t num_tokens, Stream st
   const int threads = kWarpsPerBlock * 32;
   if (cols <= 128)
     route_topk_kernel<4><<<blocks, threads, 0, stream>>>(p, a.router_logits, a.logits_ld, bias,
-                                                         a.topk_ids, a.topk_weights, num_tokens);
+                                                         a.topk_ids, a.topk_weights, num_tokens,
+                                                         a.num_valid_tokens, a.nan_token);
   else if (cols <= 256)
     route_topk_kernel<8><<<blocks, threads, 0, stream>>>(p, a.router_logits, a.logits_ld, bias,
-                                                         a.topk_ids, a.topk_weights, num_tokens);
+                                                         a.topk_ids, a.topk_weights, num_tokens,
+                                                         a.num_valid_tokens, a.nan_token);
   else
     route_topk_kernel<32><<<blocks, threads, 0, stream>>>(p, a.router_logits, a.logits_ld, bias,
-                                                          a.topk_ids, a.topk_weights, num_tokens);
+                                                          a.topk_ids, a.topk_weights, num_tokens,
+                                                          a.num_valid_tokens, a.nan_token);
   FUSEDMOE_CUDA_CHECK_LAUNCH();
 }
 

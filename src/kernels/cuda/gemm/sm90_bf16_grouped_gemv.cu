@@ -12,9 +12,12 @@
 namespace fusedmoe::cuda::gemm {
 namespace {
 
-constexpr int kTileRows = 8;     // activation rows per tile (block_m)
-constexpr int kRowsPerItem = 4;  // weight rows (w13: gate/up pairs) per warp item
-constexpr int kThreads = 128;    // 167 registers (w13): 3 blocks, 12 warps per SM
+constexpr int kTileRows = 8;  // activation rows per tile (block_m)
+// Output rows per warp item: w13 4 gate/up pairs, w2 8 rows, so both stream 8
+// weight rows (128 bytes per lane in flight) per step.
+template <bool kGlu>
+constexpr int kRowsPerItem = kGlu ? 4 : 8;
+constexpr int kThreads = 128;  // ~160 registers: 3 blocks, 12 warps per SM
 
 __device__ __forceinline__ uint4 ld_nc(const void* p) {
   uint4 v;
@@ -55,6 +58,7 @@ __device__ __forceinline__ void warp_reduce_halving(float* v, int lane) {
 
 template <bool kGlu>
 __global__ void __launch_bounds__(kThreads) grouped_gemv_kernel(const Params p) {
+  constexpr int kRowsPerItem = ::fusedmoe::cuda::gemm::kRowsPerItem<kGlu>;
   constexpr int kW = kGlu ? 2 * kRowsPerItem : kRowsPerItem;  // weight rows streamed per item
   constexpr int kAcc = kW * kTileRows;
   const int lane = threadIdx.x & 31;
@@ -135,15 +139,15 @@ __global__ void __launch_bounds__(kThreads) grouped_gemv_kernel(const Params p) 
     }
     warp_reduce_halving<kAcc>(acc, lane);
 
-    // Lane L now holds (weight row jj, activation row r) = (L / 8, L % 8):
-    // GLU: acc[0] = gate, acc[1] = up; scatter: acc[0].
-    const int jj = lane / kTileRows, r = lane % kTileRows;
-    const int64_t n = n0 + jj;
-    const int32_t slot = __shfl_sync(0xffffffffu, my_slot, r);
-    if (n >= out_rows) continue;
+    // Lane L now holds accumulator indices [2L, 2L + 2). w13: (weight row L / 8,
+    // activation row L % 8) with acc[0] = gate, acc[1] = up; w2: weight row
+    // L / 4, activation rows 2 (L % 4) and 2 (L % 4) + 1.
+    static_assert(kAcc == 64, "the epilogue's lane mapping assumes 64 accumulators");
     const float* bias = p.bias ? p.bias + static_cast<int64_t>(e) * p.n : nullptr;
-    if (kGlu) {
-      if (dense && row0 + r >= p.m) continue;
+    if constexpr (kGlu) {
+      const int jj = lane / kTileRows, r = lane % kTileRows;
+      const int64_t n = n0 + jj;
+      if (n >= out_rows || (dense && row0 + r >= p.m)) continue;
       float g = acc[0], u = acc[1];
       if (bias) {
         g += bias[n];
@@ -153,10 +157,19 @@ __global__ void __launch_bounds__(kThreads) grouped_gemv_kernel(const Params p) 
       out[(row0 + r) * p.ldc + n] =
           __float2bfloat16_rn(act_glu(p.act, g, u, p.swiglu_alpha, p.swiglu_limit));
     } else {
-      if (slot < 0) continue;
-      const float scale = p.row_scale ? p.row_scale[slot] : 1.0f;
-      static_cast<float*>(p.out)[static_cast<int64_t>(slot) * p.ldc + n] =
-          scale * (acc[0] + (bias ? bias[n] : 0.0f));
+      const int jj = lane / 4, r0 = 2 * (lane % 4);
+      const int32_t slot0 = __shfl_sync(0xffffffffu, my_slot, r0);
+      const int32_t slot1 = __shfl_sync(0xffffffffu, my_slot, r0 + 1);
+      const int64_t n = n0 + jj;
+      if (n >= out_rows) continue;
+      const float b = bias ? bias[n] : 0.0f;
+      float* out = static_cast<float*>(p.out);
+      if (slot0 >= 0)
+        out[static_cast<int64_t>(slot0) * p.ldc + n] =
+            (p.row_scale ? p.row_scale[slot0] : 1.0f) * (acc[0] + b);
+      if (slot1 >= 0)
+        out[static_cast<int64_t>(slot1) * p.ldc + n] =
+            (p.row_scale ? p.row_scale[slot1] : 1.0f) * (acc[1] + b);
     }
   }
 }
@@ -169,7 +182,8 @@ void launch_m8gemv(const GroupedGemmArgs& a, Stream stream) {
   const int64_t max_tiles = a.expert_offsets
                                 ? max_padded_rows(a.m, a.num_experts, kTileRows) / kTileRows
                                 : ceil_div(a.m, kTileRows);
-  const int64_t items = max_tiles * ceil_div(p.inter, kRowsPerItem);
+  const int64_t items = max_tiles * (glu ? ceil_div(p.inter, kRowsPerItem<true>)
+                                         : ceil_div(p.n, kRowsPerItem<false>));
   if (items == 0) return;
   const int64_t warps_per_block = kThreads / 32;
   // Enough warps to keep many loads in flight; blocks beyond residency just queue.
