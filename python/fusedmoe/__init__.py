@@ -695,6 +695,17 @@ class MoELayer:
                                                               router_logits)
         return self._forward(hidden_states, router_logits, token_ids, True)
 
+    def check_errors(self) -> None:
+        """CUDA layers: waits for the current stream, then raises ValueError
+        naming the first token whose router logits held a NaN in a call since
+        the last check (the kernels record it on the device; reporting needs
+        this synchronisation, so calls do not raise for it). CPU layers raise
+        in the call itself; this is a no-op for them."""
+        stream = 0
+        if self.backend == "cuda" and _torch is not None and _torch.cuda.is_available():
+            stream = _torch.cuda.current_stream().cuda_stream
+        self._impl.check_errors(stream)
+
     def _forward(self, hidden_states, router_logits, token_ids, routing):
         x = _rows(_as_array(hidden_states, "hidden_states"))
         _ndim(x, "hidden_states", 2, f"[T, {self.hidden_size}]")

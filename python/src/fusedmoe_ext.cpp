@@ -745,6 +745,17 @@ class PyMoELayer {
                      want ? &outputs : nullptr);
   }
 
+  // CUDA: waits for `stream`, then raises ValueError naming the first token whose
+  // router logits held a NaN in a forward since the last check (MoERunner::
+  // check_errors). CPU: nothing (forward raises there).
+  void check_errors(uintptr_t stream) {
+    nb::gil_scoped_release release;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (device_.type != DeviceType::kCUDA) return;
+    runner_->set_cuda_stream(reinterpret_cast<void*>(stream));
+    runner_->check_errors();
+  }
+
   nb::dict config() const {
     return config_to_dict(runner_->config());
   }
@@ -882,6 +893,7 @@ NB_MODULE(_ext, m) {
       .def("forward", &PyMoELayer::forward, "hidden_states"_a, "output"_a, "router_logits"_a.none(),
            "out_router_logits"_a.none(), "out_topk_ids"_a.none(), "out_topk_weights"_a.none(),
            "token_ids"_a.none(), "stream"_a = 0)
+      .def("check_errors", &PyMoELayer::check_errors, "stream"_a = 0)
       .def_prop_ro("config", &PyMoELayer::config)
       .def_prop_ro("num_experts", [](const PyMoELayer& l) { return l.raw_config().num_experts; })
       .def_prop_ro("num_router_logits",

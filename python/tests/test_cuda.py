@@ -239,6 +239,19 @@ def test_cuda_errors_name_the_argument(g):
         cpu_layer(torch.randn(2, cpu_layer.hidden_size, device="cuda"))
 
 
+def test_nan_router_logits_reported_by_check_errors(g):
+    moe = _cuda_layer("mixtral", 0)
+    x = torch.randn(5, moe.hidden_size, generator=g, device="cuda")
+    logits = torch.randn(5, moe.num_router_logits, generator=g, device="cuda")
+    moe(x, router_logits=logits)
+    moe.check_errors()  # nothing recorded
+    logits[3, 1] = float("nan")
+    moe(x, router_logits=logits)  # no host sync in the call: recorded on the device
+    with pytest.raises(ValueError, match="NaN at token 3"):
+        moe.check_errors()
+    moe.check_errors()  # reported once
+
+
 def test_not_the_current_device(g):
     if torch.cuda.device_count() < 2:
         pytest.skip("skipped: needs 2 CUDA devices")
