@@ -5,15 +5,16 @@
 set -euo pipefail
 build=${1:-build-cuda}
 rm -rf .devbin && mkdir -p .devbin/lib
-for t in test_cuda_routing test_cuda_align test_cuda_gemm test_cuda_runner test_cuda_conformance_hf; do
+for t in test_cuda_routing test_cuda_align test_cuda_gemm test_cuda_runner test_cuda_conformance_hf test_cuda_nccl; do
   cp "$build/tests/$t" .devbin/
 done
 cp "$build/bench_cuda_moe" "$build/bench_cuda_layer" "$build/fusedmoe" .devbin/
 # Every shared library the binaries need beyond glibc and libstdc++ (CUDA
 # runtime, OpenBLAS for the CLI's bench baseline, Open MPI): the device image
-# may lack them. Compressed: OpenBLAS alone is 35 MB and a call carries 64 MiB.
+# may lack them (NCCL excepted). Compressed: OpenBLAS alone is 35 MB and a call carries 64 MiB.
 for b in .devbin/*; do ldd "$b" || true; done | awk '$2 == "=>" && $3 ~ /^\// {print $3}' | sort -u |
   grep -v -E '/(libc|libm|libstdc\+\+|libgcc_s|libdl|libpthread|librt|ld-linux[^/]*)\.so' |
+  grep -v '/libnccl\.so' |  # 218 MB; the device has NCCL in its PyTorch (device_run.sh)
   while read -r p; do cp -L "$p" .devbin/lib/; done
 tar -C .devbin -cJf .devbin/lib.tar.xz lib && rm -rf .devbin/lib
 mkdir -p .git/info

@@ -14,13 +14,15 @@ root=$PWD
 if [ "$root" != /work/main ]; then mkdir -p /work && ln -sfn "$root" /work/main; fi
 # Libraries packed by device_pack.sh; the device's own come first where it has them.
 [ -f "$root/.devbin/lib.tar.xz" ] && tar -C "$root/.devbin" -xJf "$root/.devbin/lib.tar.xz"
-export LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}:$root/.devbin/lib
+# NCCL: the one in the device image's PyTorch (nvidia-nccl-cu13).
+nccl_lib=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null)
+export LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}:$root/.devbin/lib${nccl_lib:+:$nccl_lib}
 bin=$root/.devbin
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
 rc=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  for t in test_cuda_routing test_cuda_align test_cuda_gemm test_cuda_runner test_cuda_conformance_hf; do
-    timeout 300 "$bin/$t" --gtest_filter="$filter" >"$OUT/$t.log" 2>&1
+  for t in test_cuda_routing test_cuda_align test_cuda_gemm test_cuda_runner test_cuda_conformance_hf test_cuda_nccl; do
+    FUSEDMOE_COMM_TIMEOUT_S=5 timeout 300 "$bin/$t" --gtest_filter="$filter" >"$OUT/$t.log" 2>&1
     r=$?
     [ $r -ne 0 ] && rc=1
     echo "== $t rc=$r: $(grep -E '^\[  (PASSED|FAILED)|tests ran' "$OUT/$t.log" | tr '\n' ' ')"

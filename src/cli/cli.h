@@ -79,6 +79,7 @@ struct BenchOptions {
   std::string dump_dir;         // cuda: inputs and outputs for bench/cuda/torch_baseline.py
   int64_t max_experts = 0;      // > 0: cap E of every shape (quick runs, tests)
   int ep_size = 1, tp_size = 1, dp_size = 1;  // > 1: run_bench_parallel (under mpirun)
+  bool nccl = false;  // cuda: the EP path over NCCL also at --ep-size 1 (one rank)
   std::string expert_placement = "contiguous";
   std::string dispatch_dtype = "auto";
 };
@@ -86,6 +87,9 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& opts);
 int run_bench(const BenchOptions& opts);
 // The routed experts spread over ranks: layer time, dispatch / combine bandwidth.
 int run_bench_parallel(const BenchOptions& opts);
+// --backend cuda: the layer with its experts spread over GPUs (NCCL, one GPU per
+// rank): layer time, dispatch and combine bandwidth (cmd_bench_parallel_cuda.cpp).
+int run_bench_parallel_cuda(const BenchOptions& opts);
 
 // ---- helpers (main.cpp) -------------------------------------------------------
 // The bundled tiny model: the source-tree copy when it exists, else the
@@ -96,5 +100,8 @@ std::string format_bytes(double bytes);
 // Comma-separated integers: "1,16,64" -> {1, 16, 64}. Throws Error naming `what`.
 std::vector<int64_t> parse_int_list(const std::string& text, const char* what);
 std::vector<std::string> split_list(const std::string& text);
+// This process's rank on its node (OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID,
+// SLURM_LOCALID), else `world_rank`: picks the GPU of a rank.
+int local_rank(int world_rank);
 
 }  // namespace fusedmoe::cli

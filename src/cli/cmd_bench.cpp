@@ -42,8 +42,7 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& o) {
   cmd->add_option("--dtype", o.dtype, "Weight and compute dtype: f32 or bf16")
       ->check(CLI::IsMember({"f32", "bf16"}))
       ->capture_default_str();
-  cmd->add_option("--threads", o.threads, "Threads (default: all cores)")
-      ->check(kNonNegative);
+  cmd->add_option("--threads", o.threads, "Threads (default: all cores)")->check(kNonNegative);
   cmd->add_option("--min-time", o.min_time, "Minimum seconds of timed runs per measurement")
       ->check(kNonNegative)
       ->capture_default_str();
@@ -64,8 +63,10 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& o) {
                   "Expert parallelism under mpirun (-np = ep or dp size x tp size): layer time, "
                   "dispatch and combine bandwidth; --tokens are per rank")
       ->check(kPositive);
-  cmd->add_option("--tp-size", o.tp_size, "Tensor parallelism inside experts")
-      ->check(kPositive);
+  cmd->add_flag("--nccl", o.nccl,
+                "--backend cuda: run the expert-parallel path over NCCL also at --ep-size 1 "
+                "(one rank: dispatch / combine through the communicator)");
+  cmd->add_option("--tp-size", o.tp_size, "Tensor parallelism inside experts")->check(kPositive);
   cmd->add_option("--dp-size", o.dp_size, "Data-parallel token groups (naive DP + EP)")
       ->check(kPositive);
   cmd->add_option("--expert-placement", o.expert_placement, "contiguous or round-robin")
@@ -87,6 +88,7 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& o) {
 }
 
 int run_bench(const BenchOptions& o) {
+  if (o.backend == "cuda" && (o.ep_size > 1 || o.nccl)) return run_bench_parallel_cuda(o);
   if (o.ep_size > 1 || o.tp_size > 1 || o.dp_size > 1) return run_bench_parallel(o);
   using namespace fusedmoe::bench;
   if (o.backend == "cuda") {

@@ -19,6 +19,8 @@
 #include "fusedmoe/parallel/communicator.h"
 #include "fusedmoe/runner/moe_runner.h"
 #ifdef FUSEDMOE_WITH_CUDA
+#include <cuda_runtime_api.h>
+
 #include "fusedmoe/kernels/cuda.h"
 #endif
 
@@ -231,8 +233,9 @@ int run_run(const RunOptions& o) {
   const bool parallel = o.ep_size > 1 || o.tp_size > 1 || o.dp_size > 1;
   std::shared_ptr<Communicator> world;
   if (parallel) {
-    FUSEDMOE_CHECK(!on_cuda,
-                   "--backend cuda: --ep-size / --tp-size / --dp-size run on the CPU backend only");
+    FUSEDMOE_CHECK(!on_cuda || (o.tp_size == 1 && o.dp_size == 1),
+                   "--backend cuda: --ep-size only (GPU expert parallelism over NCCL); "
+                   "--tp-size / --dp-size run on the CPU backend");
     world = make_world_communicator();
     const int need = (o.dp_size > 1 ? o.dp_size : o.ep_size) * o.tp_size;
     FUSEDMOE_CHECK(world->size() == need, "--ep-size ", o.ep_size, " --tp-size ", o.tp_size,
@@ -306,10 +309,19 @@ int run_run(const RunOptions& o) {
   ropts.compute_dtype = compute_dtype;
   ropts.communicator = world;
   ropts.dispatch_dtype = parse_dispatch_dtype(o.dispatch_dtype);
+  int cuda_device = 0;
   if (on_cuda) {
 #ifdef FUSEDMOE_WITH_CUDA
     FUSEDMOE_CHECK(cuda::device_count() > 0, "--backend cuda: no CUDA device found");
-    ropts.device = Device{DeviceType::kCUDA, 0};
+    if (parallel) {
+      // One GPU per rank (local rank % device count); NCCL over the GPUs, its
+      // unique id shared through the MPI world.
+      cuda_device = local_rank(world->rank()) % cuda::device_count();
+      FUSEDMOE_CHECK(cudaSetDevice(cuda_device) == cudaSuccess, "cudaSetDevice(", cuda_device,
+                     ") failed");
+      ropts.communicator = make_nccl_communicator(world, cuda_device);
+    }
+    ropts.device = Device{DeviceType::kCUDA, cuda_device};
     ropts.max_num_tokens = std::max<int64_t>(T, 1);
 #else
     FUSEDMOE_THROW(kUnsupported, "--backend cuda: this build of fusedmoe has no CUDA backend");
@@ -333,12 +345,42 @@ int run_run(const RunOptions& o) {
     const int64_t r0 = row0(g), n = row0(g + 1) - row0(g);
     ForwardOutputs mine{router_logits.view().narrow(0, r0, n), topk_ids.view().narrow(0, r0, n),
                         topk_weights.view().narrow(0, r0, n)};
-    for (int r = 0; r < o.repeat; ++r) {
-      const auto t0 = std::chrono::steady_clock::now();
-      runner.forward(input.view().narrow(0, r0, n), output.view().narrow(0, r0, n), nullptr,
-                     nullptr, &mine);
-      const auto t1 = std::chrono::steady_clock::now();
-      times.push_back(std::chrono::duration<double>(t1 - t0).count());
+    if (!on_cuda) {
+      for (int r = 0; r < o.repeat; ++r) {
+        const auto t0 = std::chrono::steady_clock::now();
+        runner.forward(input.view().narrow(0, r0, n), output.view().narrow(0, r0, n), nullptr,
+                       nullptr, &mine);
+        const auto t1 = std::chrono::steady_clock::now();
+        times.push_back(std::chrono::duration<double>(t1 - t0).count());
+      }
+    } else {
+#ifdef FUSEDMOE_WITH_CUDA
+      // This rank's rows on its GPU; the timed region is the forward plus a
+      // device synchronisation (copies excluded).
+      const Device dev{DeviceType::kCUDA, cuda_device};
+      const int64_t n1 = std::max<int64_t>(n, 1);
+      cuda::DeviceBuffer x_d(n1 * H * 4), out_d(n1 * H * 4), ids_d(n1 * k * 4), w_d(n1 * k * 4),
+          lg_d(n1 * num_logits * 4);
+      if (n > 0) x_d.upload(input.view().narrow(0, r0, n).data(), n * H * 4);
+      ForwardOutputs douts{TensorView(lg_d.data(), DType::kF32, {n, num_logits}, dev),
+                           TensorView(ids_d.data(), DType::kI32, {n, k}, dev),
+                           TensorView(w_d.data(), DType::kF32, {n, k}, dev)};
+      for (int r = 0; r < o.repeat; ++r) {
+        const auto t0 = std::chrono::steady_clock::now();
+        runner.forward(TensorView(x_d.data(), DType::kF32, {n, H}, dev),
+                       TensorView(out_d.data(), DType::kF32, {n, H}, dev), nullptr, nullptr,
+                       &douts);
+        cuda::synchronize();
+        const auto t1 = std::chrono::steady_clock::now();
+        times.push_back(std::chrono::duration<double>(t1 - t0).count());
+      }
+      if (n > 0) {
+        out_d.download(output.view().narrow(0, r0, n).data(), n * H * 4);
+        ids_d.download(mine.topk_ids.data(), n * k * 4);
+        w_d.download(mine.topk_weights.data(), n * k * 4);
+        lg_d.download(mine.router_logits.data(), n * num_logits * 4);
+      }
+#endif
     }
     // Every group's rows from its tp_rank 0 rank, in place.
     for (const Tensor* t : {&output, &topk_ids, &topk_weights, &router_logits}) {
@@ -448,7 +490,8 @@ int run_run(const RunOptions& o) {
         world->size(), world->backend().c_str(), o.ep_size, o.tp_size, o.dp_size,
         o.expert_placement.c_str());
   if (on_cuda)
-    std::printf("backend        cuda (device 0)\n");
+    std::printf("backend        cuda (device %d%s)\n", cuda_device,
+                parallel ? ", NCCL one GPU per rank" : "");
   else
     std::printf("threads        %d\n", ThreadPool::global().num_threads());
   std::printf("time           %.3f ms (median of %d)\n", median * 1e3, o.repeat);

@@ -14,6 +14,18 @@
 
 namespace fusedmoe::cli {
 
+int local_rank(int world_rank) {
+  for (const char* name : {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"}) {
+    const char* v = std::getenv(name);
+    if (v && *v) {
+      char* end = nullptr;
+      const long r = std::strtol(v, &end, 10);
+      if (end && *end == '\0' && r >= 0) return static_cast<int>(r);
+    }
+  }
+  return world_rank;
+}
+
 std::string bundled_model_dir() {
   struct stat st {};
   if (::stat(FUSEDMOE_BUNDLED_MODEL_DIR, &st) == 0 && S_ISDIR(st.st_mode))

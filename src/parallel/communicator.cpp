@@ -150,6 +150,22 @@ ParallelGroups ParallelGroups::single() {
   return g;
 }
 
+#ifndef FUSEDMOE_WITH_NCCL
+bool nccl_built() {
+  return false;
+}
+std::unique_ptr<Communicator> make_nccl_communicator(std::shared_ptr<Communicator>, int) {
+  FUSEDMOE_THROW(kUnsupported,
+                 "NCCL communicator: this build of fusedmoe has no NCCL (a CUDA build finds "
+                 "nccl.h and libnccl in the CUDA toolkit or NCCL_HOME)");
+}
+std::vector<std::unique_ptr<Communicator>> make_nccl_communicators(std::span<const int>) {
+  FUSEDMOE_THROW(kUnsupported,
+                 "NCCL communicator: this build of fusedmoe has no NCCL (a CUDA build finds "
+                 "nccl.h and libnccl in the CUDA toolkit or NCCL_HOME)");
+}
+#endif
+
 #ifndef FUSEDMOE_WITH_MPI
 bool mpi_built() {
   return false;

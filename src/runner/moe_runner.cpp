@@ -17,12 +17,14 @@
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/workspace_slots.h"
 #ifdef FUSEDMOE_WITH_CUDA
+#include "kernels/cuda/cuda_ep_moe_layer.h"
 #include "kernels/cuda/cuda_graph_layer.h"
 #include "kernels/cuda/cuda_moe_layer.h"
 #else
 namespace fusedmoe::cuda {
 class CudaMoELayer {};  // no CUDA backend in this build
 class CudaGraphLayer {};
+class CudaEpMoELayer {};
 }  // namespace fusedmoe::cuda
 #endif
 
@@ -136,11 +138,35 @@ MoERunner::MoERunner(MoEConfig config, MoELayerWeights weights, RunnerOptions op
   router_ = create_router(config_, weights_.router_params);
   kernel_ = make_cpu_modular_kernel(options_.pool);
   workspace_ = std::make_unique<Workspace>();
-  if (config_.parallel.is_parallel()) {
+  // CUDA backend + a communicator over device memory (NCCL): expert
+  // parallelism on GPUs (CudaEpMoELayer), also at ep_size 1.
+  const bool cuda_ep = options_.device.type == DeviceType::kCUDA && options_.communicator &&
+                       options_.communicator->device_buffers();
+  if (cuda_ep) {
+    const ParallelConfig& pc = config_.parallel;
+    const Communicator& comm = *options_.communicator;
+    FUSEDMOE_CHECK(pc.tp_size == 1 && pc.dp_size == 1,
+                   "config.parallel: the CUDA backend spreads experts only (tp_size = dp_size = "
+                   "1), got tp_size ",
+                   pc.tp_size, ", dp_size ", pc.dp_size);
+    FUSEDMOE_CHECK(pc.ep_size == comm.size() && pc.ep_rank == comm.rank(),
+                   "config.parallel: ep_size ", pc.ep_size, " / ep_rank ", pc.ep_rank,
+                   " do not match the communicator (size ", comm.size(), ", rank ", comm.rank(),
+                   ")");
+    const int64_t E = config_.num_experts;
+    if (weights_.experts.num_experts() == E && pc.ep_size > 1) {
+      const std::vector<int64_t> mine =
+          ExpertMap(E, pc.ep_size, pc.expert_placement).local_experts(pc.ep_rank);
+      weights_.experts = shard_expert_weights(weights_.experts, mine, 1, 0);
+    }
+  } else if (config_.parallel.is_parallel()) {
     const ParallelConfig& pc = config_.parallel;
     if (options_.device.type != DeviceType::kCPU)
       FUSEDMOE_THROW(kUnsupported,
-                     "parallel layouts (ep/tp/dp size > 1) run on the CPU backend only so far");
+                     "parallel layouts on the CUDA backend: expert parallelism only, with a "
+                     "communicator over device memory (RunnerOptions::communicator = "
+                     "make_nccl_communicator(...)); got ",
+                     options_.communicator ? options_.communicator->backend() : "none");
     std::shared_ptr<Communicator> world =
         options_.communicator ? options_.communicator
                               : std::shared_ptr<Communicator>(make_single_rank_communicator());
@@ -179,9 +205,23 @@ MoERunner::MoERunner(MoEConfig config, MoELayerWeights weights, RunnerOptions op
                    "expected bf16, got ",
                    dtype_name(options_.compute_dtype));
     if (options_.max_num_tokens <= 0) options_.max_num_tokens = 8192;
-    cuda_ = std::make_unique<cuda::CudaMoELayer>(config_, weights_, options_.max_num_tokens);
-    if (!options_.cuda_graph_sizes.empty())
+    if (cuda_ep) {
+      // The local experts compute every rank's rows: ep_size * max_num_tokens.
+      const int P = options_.communicator->size();
+      cuda_ = std::make_unique<cuda::CudaMoELayer>(config_, weights_, P * options_.max_num_tokens);
+      cuda_ep_ = std::make_unique<cuda::CudaEpMoELayer>(
+          *cuda_, config_, options_.communicator,
+          ExpertMap(config_.num_experts, P, config_.parallel.expert_placement),
+          options_.max_num_tokens);
+    } else {
+      cuda_ = std::make_unique<cuda::CudaMoELayer>(config_, weights_, options_.max_num_tokens);
+    }
+    if (!options_.cuda_graph_sizes.empty()) {
+      FUSEDMOE_CHECK(!cuda_ep,
+                     "cuda_graph_sizes: graph replay is not available with expert "
+                     "parallelism on GPUs (its exchanges synchronise with the host)");
       cuda_graphs_ = std::make_unique<cuda::CudaGraphLayer>(*cuda_, options_.cuda_graph_sizes);
+    }
 #else
     FUSEDMOE_THROW(kUnsupported,
                    "device: this build of fusedmoe has no CUDA backend "
@@ -251,7 +291,9 @@ void MoERunner::forward(const TensorView& hidden_states, const TensorView& outpu
     if (outputs && outputs->topk_weights.data() != nullptr)
       check_tensor(outputs->topk_weights, "outputs.topk_weights", DType::kF32, {T, k}, true, dev);
     const auto stream = static_cast<cuda::Stream>(options_.cuda_stream);
-    if (cuda_graphs_ && T > 0 && T <= cuda_graphs_->max_capture_size())
+    if (cuda_ep_)
+      cuda_ep_->forward(hidden_states, output, router_logits, token_ids, outputs, stream);
+    else if (cuda_graphs_ && T > 0 && T <= cuda_graphs_->max_capture_size())
       cuda_graphs_->forward(hidden_states, output, router_logits, token_ids, outputs, stream);
     else
       cuda_->forward(hidden_states, output, router_logits, token_ids, outputs, stream);
@@ -395,6 +437,13 @@ void MoERunner::forward(const TensorView& hidden_states, const TensorView& outpu
   });
   // The one TP all-reduce, of routed + shared together.
   if (parallel_) parallel_->reduce_tp(output);
+}
+
+const EpStats* MoERunner::cuda_ep_stats() const {
+#ifdef FUSEDMOE_WITH_CUDA
+  if (cuda_ep_) return &cuda_ep_->stats();
+#endif
+  return nullptr;
 }
 
 Tensor MoERunner::forward(const TensorView& hidden_states, const TensorView* router_logits) {

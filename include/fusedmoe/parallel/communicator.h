@@ -5,8 +5,8 @@
 //   - single rank (always available): every collective is a local copy;
 //   - MPI (builds that found MPI: FUSEDMOE_WITH_MPI): CPU ranks started by
 //     `mpirun`; created over MPI_COMM_WORLD by make_mpi_communicator();
-//   - NCCL (GPU ranks): not built yet; the interface takes raw pointers and
-//     byte counts so that a device implementation fits behind it.
+//   - NCCL (builds that found NCCL: FUSEDMOE_WITH_NCCL): GPU ranks, one
+//     device each; buffers are device memory (see "NCCL" below).
 //
 // Failures never hang: every MPI operation is non-blocking and polled with a
 // deadline of FUSEDMOE_COMM_TIMEOUT_S seconds (default 60, read when the
@@ -17,7 +17,8 @@
 // message. After such an error the communicator is broken: every later call
 // throws, and the process should end (abort() stops the other ranks too).
 //
-// Buffers are host memory for the CPU implementations. Byte counts and
+// Buffers are host memory for the CPU implementations and device memory of
+// the communicator's GPU for NCCL (device_buffers()). Byte counts and
 // displacements are int64; all collectives are in place-safe only where said.
 #pragma once
 
@@ -39,6 +40,9 @@ class Communicator {
   virtual int size() const = 0;
   // "single", "mpi" or "nccl".
   virtual std::string backend() const = 0;
+  // True when the buffers of every collective are device memory (NCCL), false
+  // for host memory (single rank, MPI).
+  virtual bool device_buffers() const { return false; }
 
   // All-to-all with per-peer sizes, in bytes: rank p sends
   // send[send_displs[p], + send_counts[p]) to each peer p, and receives into
@@ -97,6 +101,53 @@ bool launched_by_mpi();
 std::unique_ptr<Communicator> make_mpi_communicator();
 // make_mpi_communicator() when launched_by_mpi(), else a single rank.
 std::unique_ptr<Communicator> make_world_communicator();
+
+// ---- NCCL (GPU ranks) ----------------------------------------------------------
+//
+// One rank per GPU. All buffers are device memory of the communicator's
+// device (checked: a host pointer is Error(kInvalidArgument)); counts and
+// displacements are host spans as above. all_to_all_v, all_gather_v are
+// grouped ncclSend/ncclRecv (the copy to itself is a device memcpy);
+// all_reduce_sum is ncclAllReduce; reduce_scatter_sum with per-rank sizes is
+// one grouped ncclReduce per rank; broadcast is ncclBroadcast; barrier an
+// all-reduce of one float; split is ncclCommSplit; abort is ncclCommAbort
+// followed by the bootstrap's abort (MPI_Abort ends the job) or std::exit.
+//
+// Stream semantics: each collective is enqueued on the communicator's own
+// stream (created on its device) and the call returns when it has completed
+// — synchronous with respect to the host, like the MPI communicator. It does
+// not wait for other streams: the caller makes sure the input is written
+// (synchronises the stream that produced it) before calling, and may use the
+// output as soon as the call returns. Why: the Communicator interface is
+// host-synchronous for every backend, so the EP code above it is one code
+// path; and a deadline can only be enforced by a host that waits. The price
+// is one host round trip per collective (the GPU EP path needs the counts on
+// the host anyway, so it is not graph-capturable).
+//
+// Failures never hang: communicators are created non-blocking
+// (ncclConfig_t.blocking = 0); every wait (initialisation, split, group
+// launch, stream completion) polls ncclCommGetAsyncError and the stream with
+// the deadline comm_timeout_seconds(). On timeout or NCCL error the
+// communicator is aborted (ncclCommAbort) and Error(kIo) names the
+// operation, the rank and NCCL's message; every later call throws.
+// A communicator is used by one host thread at a time; each call makes its
+// device current and restores the caller's.
+
+// True when this build has the NCCL communicator (FUSEDMOE_WITH_NCCL).
+bool nccl_built();
+// Rank bootstrap->rank() of bootstrap->size() on CUDA device `device`:
+// rank 0 creates the ncclUniqueId and bootstrap->broadcast()s it (host memory;
+// collective over bootstrap, e.g. the MPI world or a single rank). The
+// bootstrap is kept for abort(). Throws Error(kUnsupported) without NCCL,
+// Error(kInvalidArgument) for a device out of range, Error(kIo) on NCCL
+// errors or when the other ranks do not join within the deadline.
+std::unique_ptr<Communicator> make_nccl_communicator(std::shared_ptr<Communicator> bootstrap,
+                                                     int device);
+// One process, several GPUs: rank i on devices[i] (distinct), created together
+// (ncclGroupStart / ncclCommInitRankConfig per device / ncclGroupEnd, which is
+// ncclCommInitAll with a non-blocking config). Collectives must then be called
+// from one host thread per rank, concurrently. Throws as above.
+std::vector<std::unique_ptr<Communicator>> make_nccl_communicators(std::span<const int> devices);
 
 // Seconds from FUSEDMOE_COMM_TIMEOUT_S (default 60). Throws
 // Error(kInvalidArgument) for a value that is not a positive number.

@@ -35,6 +35,7 @@ namespace fusedmoe {
 namespace cuda {
 class CudaMoELayer;
 class CudaGraphLayer;
+class CudaEpMoELayer;
 }  // namespace cuda
 
 struct MoELayerWeights {
@@ -70,6 +71,17 @@ struct RunnerOptions {
   // padding routed to no expert (not counted), and T rows are copied back.
   // Larger T run eagerly. Such a forward is not itself capturable.
   std::vector<int64_t> cuda_graph_sizes;
+  // CUDA backend with a communicator over device memory (make_nccl_communicator,
+  // one GPU per rank, the current device): expert parallelism on GPUs,
+  // ep_size = communicator size (1 included), tp_size = dp_size = 1; each
+  // rank's forward() takes its own tokens (T <= max_num_tokens, may be 0) and
+  // is collective. Route on the device, dispatch each token once per
+  // destination rank, local experts, combine in slot order: bit-identical to
+  // one GPU on all ranks' tokens given the same router_logits (with each
+  // rank's own gate GEMM: within ~1e-7 relative, as the device gate GEMM's
+  // summation order depends on T). That path synchronises cuda_stream at each
+  // exchange (the counts go to the host), so it is not graph-capturable; its
+  // workspace holds ep_size * max_num_tokens received rows.
   // Parallel layouts (config.parallel sizes > 1; CPU backend): the communicator
   // over all ranks of the layout (parallel/communicator.h ParallelGroups; its
   // rank must match config.parallel's ranks; nullptr: one rank). The weights
@@ -127,6 +139,9 @@ class MoERunner {
   // The routed experts over ranks when config.parallel is not all 1, else null
   // (expert map, groups, dispatch/combine statistics of the last forward).
   const DistributedExperts* distributed() const { return parallel_.get(); }
+  // CUDA expert parallelism: rows, bytes and times of the last forward's
+  // dispatch and combine on this rank; null on other paths.
+  const EpStats* cuda_ep_stats() const;
 
  private:
   MoEConfig config_;
@@ -137,6 +152,7 @@ class MoERunner {
   std::unique_ptr<Workspace> workspace_;
   std::unique_ptr<cuda::CudaMoELayer> cuda_;           // CUDA backend, else null
   std::unique_ptr<cuda::CudaGraphLayer> cuda_graphs_;  // cuda_graph_sizes given, else null
+  std::unique_ptr<cuda::CudaEpMoELayer> cuda_ep_;      // CUDA + device communicator, else null
   std::unique_ptr<DistributedExperts> parallel_;       // parallel layouts, else null
 };
 

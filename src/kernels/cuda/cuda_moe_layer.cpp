@@ -406,4 +406,199 @@ void CudaMoELayer::forward(const TensorView& hidden_states, const TensorView& ou
   finalize(f, stream);
 }
 
+// ---- expert parallelism: forward() in three parts (CudaEpMoELayer) ----------------
+
+GemmTile CudaMoELayer::routed_gemm_tile(const MoEConfig& c, int64_t T) {
+  const int64_t I = c.intermediate_size, H = c.hidden_size, E = c.num_experts, k = c.top_k;
+  const int64_t slots = T * k;
+  const double touched =
+      static_cast<double>(E) * (1.0 - std::pow(1.0 - static_cast<double>(k) / E, T));
+  const int64_t rows_per_expert =
+      static_cast<int64_t>(std::llround(slots / std::max(1.0, touched)));
+  return pick_gemm_tile(rows_per_expert, slots, 2 * I, H);
+}
+
+const int32_t* CudaMoELayer::topk_ids() const {
+  return impl_->ids;
+}
+const float* CudaMoELayer::topk_weights() const {
+  return impl_->weights;
+}
+const uint16_t* CudaMoELayer::expert_input() const {
+  return impl_->cfg.apply_router_weight_on_input ? impl_->xs : impl_->xb;
+}
+
+void CudaMoELayer::ep_route(const TensorView& hidden_states, const TensorView* router_logits_in,
+                            const TensorView* token_ids, const ForwardOutputs* outputs,
+                            Stream stream) {
+  Impl& s = *impl_;
+  const MoEConfig& c = s.cfg;
+  const int64_t H = c.hidden_size, k = c.top_k, L = c.num_router_logits();
+  check_device_view(hidden_states, "hidden_states", {DType::kF32, DType::kBF16});
+  const int64_t T = hidden_states.size(0);
+  FUSEDMOE_CHECK(T <= s.max_tokens, "hidden_states: at most max_num_tokens = ", s.max_tokens,
+                 " tokens (RunnerOptions::max_num_tokens), got ", T);
+  if (router_logits_in) check_device_view(*router_logits_in, "router_logits", {DType::kF32});
+  FUSEDMOE_CHECK(c.routing_method != RoutingMethod::kHash || token_ids != nullptr,
+                 "token_ids: required by hash routing");
+  const bool want_logits = outputs && outputs->router_logits.data() != nullptr;
+  const bool want_ids = outputs && outputs->topk_ids.data() != nullptr;
+  const bool want_weights = outputs && outputs->topk_weights.data() != nullptr;
+  if (T == 0) return;
+  const float* logits = nullptr;
+  int64_t ldl = L;
+  if (router_logits_in) {
+    logits = router_logits_in->data_as<const float>();
+    ldl = router_logits_in->stride(0);
+  } else if (c.routing_method != RoutingMethod::kHash || want_logits) {
+    float* dst = want_logits ? outputs->router_logits.data_as<float>() : s.logits;
+    ldl = want_logits ? outputs->router_logits.stride(0) : L;
+    router_gemm(hidden_states.data(), hidden_states.dtype(), hidden_states.stride(0), T, H,
+                s.gate_w.get(), s.gate_dtype, L, s.gate_b.as<float>(), dst, ldl, stream);
+    logits = dst;
+  }
+  RouteArgs ra;
+  ra.router_logits = logits;
+  ra.logits_ld = ldl;
+  ra.bias = s.score_bias.as<float>();
+  ra.hash_table = s.hash_table.as<int32_t>();
+  ra.token_ids = token_ids ? token_ids->data_as<const int32_t>() : nullptr;
+  ra.topk_ids = s.ids;
+  ra.topk_weights = s.weights;
+  route(c, ra, T, stream);
+  if (want_logits && router_logits_in)
+    FUSEDMOE_CUDA_CHECK(cudaMemcpy2DAsync(outputs->router_logits.data(),
+                                          outputs->router_logits.stride(0) * 4, logits, ldl * 4,
+                                          L * 4, T, cudaMemcpyDeviceToDevice, stream));
+  if (want_ids)
+    FUSEDMOE_CUDA_CHECK(cudaMemcpy2DAsync(outputs->topk_ids.data(), outputs->topk_ids.stride(0) * 4,
+                                          s.ids, k * 4, k * 4, T, cudaMemcpyDeviceToDevice,
+                                          stream));
+  if (want_weights)
+    FUSEDMOE_CUDA_CHECK(cudaMemcpy2DAsync(outputs->topk_weights.data(),
+                                          outputs->topk_weights.stride(0) * 4, s.weights, k * 4,
+                                          k * 4, T, cudaMemcpyDeviceToDevice, stream));
+  to_bf16_rows(hidden_states.data(), hidden_states.dtype(), hidden_states.stride(0), T, H, nullptr,
+               0, s.xb, stream);
+  if (c.apply_router_weight_on_input)
+    to_bf16_rows(hidden_states.data(), hidden_states.dtype(), hidden_states.stride(0), T, H,
+                 s.weights, k, s.xs, stream);
+}
+
+void CudaMoELayer::ep_shared(int64_t T, int64_t tile_tokens, Stream stream) {
+  Impl& s = *impl_;
+  const MoEConfig& c = s.cfg;
+  const int64_t H = c.hidden_size;
+  if (T == 0 || !c.has_shared_expert()) return;
+  FUSEDMOE_CUDA_CHECK(cudaEventRecord(s.fork, stream));
+  FUSEDMOE_CUDA_CHECK(cudaStreamWaitEvent(s.side, s.fork, 0));
+  const int64_t Is = c.shared_intermediate_size;
+  GroupedGemmArgs g;
+  g.epilogue = GemmEpilogue::kGlu;
+  g.tile = pick_gemm_tile(tile_tokens, tile_tokens, 2 * Is, H);
+  g.a = s.xb;
+  g.lda = H;
+  g.m = T;
+  g.w = s.shared.w13.as<uint16_t>();
+  g.n = 2 * Is;
+  g.k = H;
+  g.act = ActivationParams::from_config(c);
+  g.out = s.inter_s;
+  g.ldc = Is;
+  grouped_gemm(g, s.side);
+  GroupedGemmArgs g2;
+  g2.epilogue = GemmEpilogue::kScatter;
+  g2.tile = pick_gemm_tile(tile_tokens, tile_tokens, H, Is);
+  g2.a = s.inter_s;
+  g2.lda = Is;
+  g2.m = T;
+  g2.w = s.shared.w2.as<uint16_t>();
+  g2.n = H;
+  g2.k = Is;
+  g2.out = s.shared_out;
+  g2.ldc = H;
+  grouped_gemm(g2, s.side);
+  FUSEDMOE_CUDA_CHECK(cudaEventRecord(s.join, s.side));
+}
+
+const float* CudaMoELayer::experts(const uint16_t* x, int64_t ldx, const int32_t* topk_ids,
+                                   const float* topk_weights, int64_t M, GemmTile tile,
+                                   Stream stream) {
+  Impl& s = *impl_;
+  const MoEConfig& c = s.cfg;
+  const int64_t H = c.hidden_size, I = c.intermediate_size, k = c.top_k;
+  const int64_t E_local = s.experts.num_experts;
+  FUSEDMOE_CHECK(M >= 0 && M <= s.max_tokens, "experts: num_rows: expected in [0, ", s.max_tokens,
+                 "], got ", M);
+  FUSEDMOE_CHECK(ldx >= H && ldx % 8 == 0, "experts: ldx: expected >= ", H,
+                 " and a multiple of 8, got ", ldx);
+  if (M == 0) return s.y;
+  AlignArgs al;
+  al.topk_ids = topk_ids;
+  al.num_slots = M * k;
+  al.num_experts = E_local;
+  al.block_m = gemm_tile_block_m(tile);
+  al.expert_offsets = s.offsets;
+  al.sorted_slot = s.sorted_slot;
+  al.expert_counts = s.counts;
+  al.expert_cursor = s.cursor;
+  align(al, stream);
+  GroupedGemmArgs g;
+  g.epilogue = GemmEpilogue::kGlu;
+  g.tile = tile;
+  g.a = x;
+  g.lda = ldx;
+  g.gather = true;
+  g.a_div = static_cast<int>(k);
+  g.sorted_slot = s.sorted_slot;
+  g.expert_offsets = s.offsets;
+  g.num_experts = E_local;
+  g.m = M * k;
+  g.w = s.experts.w13.as<uint16_t>();
+  g.n = 2 * I;
+  g.k = H;
+  g.bias = s.experts.w13_bias.as<float>();
+  g.act = ActivationParams::from_config(c);
+  g.out = s.inter;
+  g.ldc = I;
+  grouped_gemm(g, stream);
+  GroupedGemmArgs g2 = g;
+  g2.epilogue = GemmEpilogue::kScatter;
+  g2.a = s.inter;
+  g2.lda = I;
+  g2.gather = false;
+  g2.w = s.experts.w2.as<uint16_t>();
+  g2.n = H;
+  g2.k = I;
+  g2.bias = s.experts.w2_bias.as<float>();
+  g2.row_scale = c.apply_router_weight_on_input ? nullptr : topk_weights;
+  g2.out = s.y;
+  g2.ldc = H;
+  grouped_gemm(g2, stream);
+  return s.y;
+}
+
+void CudaMoELayer::ep_finalize(const float* y, const TensorView& output, int64_t T, Stream stream) {
+  Impl& s = *impl_;
+  const MoEConfig& c = s.cfg;
+  check_device_view(output, "output", {DType::kF32, DType::kBF16});
+  if (T == 0) return;
+  const bool has_shared = c.has_shared_expert();
+  if (has_shared) FUSEDMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, s.join, 0));
+  FinalizeArgs f;
+  f.y = y;
+  f.topk_ids = s.ids;
+  f.num_tokens = T;
+  f.top_k = c.top_k;
+  f.hidden = c.hidden_size;
+  f.shared = has_shared ? s.shared_out : nullptr;
+  f.shared_gate = s.shared_gate.as<float>();
+  f.x = s.xb;
+  f.ldx = c.hidden_size;
+  f.out = output.data();
+  f.out_dtype = output.dtype();
+  f.ldo = output.stride(0);
+  finalize(f, stream);
+}
+
 }  // namespace fusedmoe::cuda

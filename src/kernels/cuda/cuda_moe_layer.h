@@ -43,6 +43,38 @@ class CudaMoELayer {
   // router_logits f32 [T, E + Z] = hidden_states . gate^T (+ bias), on the device.
   void router_logits(const TensorView& hidden_states, const TensorView& logits, Stream stream);
 
+  // ---- expert parallelism (CudaEpMoELayer, kernels/cuda/cuda_ep_moe_layer.h) ----
+  // The layer is then built over this rank's experts only (weights.experts =
+  // E_local experts, local ids), routing over all E (config.num_experts).
+  // ep_route(): forward() up to the routed experts — gate GEMM, router
+  // (global topk_ids), the bf16 expert inputs (x * topk_weight with
+  // apply_router_weight_on_input). Its results stay in the layer (topk_ids(),
+  // topk_weights(), expert_input(): [T, k], [T, k], bf16 [T, H]) until
+  // ep_finalize().
+  void ep_route(const TensorView& hidden_states, const TensorView* router_logits,
+                const TensorView* token_ids, const ForwardOutputs* outputs, Stream stream);
+  // The shared expert of ep_route()'s T tokens, launched on the side stream
+  // (joined by ep_finalize), with the GEMM tiles forward() picks for
+  // tile_tokens tokens (the batch whose output this must reproduce).
+  void ep_shared(int64_t num_tokens, int64_t tile_tokens, Stream stream);
+  // The routed experts on given rows: x bf16 [M, H] (row stride ldx elements,
+  // a multiple of 8), topk_ids i32 [M, k] LOCAL ids in [-1, E_local),
+  // topk_weights f32 [M, k]. Returns y f32 [M * k, H] (the layer's buffer,
+  // valid until the next call): y[m*k + j] = w[m, j] * expert_j(x[m]) (no
+  // weight with apply_router_weight_on_input) for ids != -1; other rows are
+  // not written. `tile` is the GEMM tile (routed_gemm_tile of the batch whose
+  // output this must reproduce). M <= max_num_tokens().
+  const float* experts(const uint16_t* x, int64_t ldx, const int32_t* topk_ids,
+                       const float* topk_weights, int64_t num_rows, GemmTile tile, Stream stream);
+  // forward()'s end for ep_route()'s T tokens: output [T, H] = sum over slots
+  // j (in order, ids != -1) of y[t*k + j] + the (gated) shared expert.
+  void ep_finalize(const float* y, const TensorView& output, int64_t num_tokens, Stream stream);
+  const int32_t* topk_ids() const;
+  const float* topk_weights() const;
+  const uint16_t* expert_input() const;
+  // The tile forward() picks for T tokens of `config` (all E experts).
+  static GemmTile routed_gemm_tile(const MoEConfig& config, int64_t num_tokens);
+
   int64_t max_num_tokens() const;
   const MoEConfig& config() const;
   size_t weight_bytes() const;

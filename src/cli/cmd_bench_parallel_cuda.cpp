@@ -1,0 +1,207 @@
+// `fusedmoe bench --backend cuda --ep-size N` under mpirun (or `--ep-size 1
+// --nccl`, one rank): MoERunner on the CUDA backend with its experts spread
+// over GPUs through NCCL (one GPU per rank: local rank % device count). Every
+// rank brings --tokens T tokens of its own, routed by a random gate (the same
+// on every rank). Reports the layer time (forward + device synchronisation)
+// and the dispatch / combine time and bandwidth from the EP path's statistics
+// (host wall clock of each phase, including its stream synchronisation):
+// logical GB/s = bytes that left their rank, summed over ranks / the slowest
+// rank's time; payload GB/s = all payload bytes including a rank's copy to
+// itself / that time (the only traffic at one rank).
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cli/bench_common.h"
+#include "cli/cli.h"
+#include "fusedmoe/parallel/communicator.h"
+#include "fusedmoe/runner/moe_runner.h"
+#ifdef FUSEDMOE_WITH_CUDA
+#include <cuda_runtime_api.h>
+
+#include "fusedmoe/kernels/cuda.h"
+#endif
+
+namespace fusedmoe::cli {
+
+#ifndef FUSEDMOE_WITH_CUDA
+int run_bench_parallel_cuda(const BenchOptions&) {
+  FUSEDMOE_THROW(kUnsupported, "--backend cuda: this build of fusedmoe has no CUDA backend");
+}
+#else
+
+namespace {
+
+std::vector<double> gather(Communicator& c, double v) {
+  const int P = c.size();
+  std::vector<double> out(P);
+  std::vector<int64_t> n(P, 8), d(P);
+  for (int p = 0; p < P; ++p) d[p] = 8 * p;
+  c.all_gather_v(&v, 8, out.data(), n, d);
+  return out;
+}
+double max_of(const std::vector<double>& v) {
+  return *std::max_element(v.begin(), v.end());
+}
+double sum_of(const std::vector<double>& v) {
+  double s = 0;
+  for (double x : v) s += x;
+  return s;
+}
+
+void cuda_check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess)
+    FUSEDMOE_THROW(kInternal, what, ": ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ")");
+}
+
+}  // namespace
+
+int run_bench_parallel_cuda(const BenchOptions& o) {
+  using namespace fusedmoe::bench;
+  FUSEDMOE_CHECK(o.tp_size == 1 && o.dp_size == 1,
+                 "--backend cuda: --ep-size only (GPU expert parallelism); got --tp-size ",
+                 o.tp_size, " --dp-size ", o.dp_size);
+  FUSEDMOE_CHECK(nccl_built(), "--backend cuda --ep-size: this build of fusedmoe has no NCCL");
+  const int devices = cuda::device_count();
+  FUSEDMOE_CHECK(devices > 0, "--backend cuda: no CUDA device found");
+  std::shared_ptr<Communicator> world = make_world_communicator();
+  FUSEDMOE_CHECK(world->size() == o.ep_size, "--ep-size ", o.ep_size, ": expected ", o.ep_size,
+                 " ranks (mpirun -np ", o.ep_size, "), got ", world->size());
+  const int rank = world->rank(), P = world->size();
+  const bool root = rank == 0;
+  const int device = local_rank(rank) % devices;
+  cuda_check(cudaSetDevice(device), "cudaSetDevice");
+  std::shared_ptr<Communicator> nccl = make_nccl_communicator(world, device);
+  const std::vector<int64_t> token_counts = parse_int_list(o.tokens, "--tokens");
+  std::vector<LayerShape> shapes;
+  for (const auto& name : split_list(o.shapes)) shapes.push_back(find_shape(name));
+  FUSEDMOE_CHECK(!shapes.empty(), "--shapes: expected at least one shape, got \"", o.shapes, "\"");
+  const ExpertPlacement placement = parse_expert_placement(o.expert_placement);
+  const int64_t t_max = *std::max_element(token_counts.begin(), token_counts.end());
+  cudaDeviceProp prop{};
+  cuda_check(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
+
+  if (root) {
+    std::printf("# fusedmoe bench (cuda, expert parallel over NCCL)\n\n");
+    std::printf("- %d ranks, one GPU each (%s); experts %s; bf16 weights, f32 accumulation\n", P,
+                prop.name, to_string(placement));
+    std::printf(
+        "- T = tokens per rank, routed by a random gate (softmax top-k, renormalized); times: "
+        "median over runs, slowest rank; layer = forward + device sync; dispatch = layout, pack, "
+        "counts and records all-to-all; combine = pack, all-to-all, unpack (host wall clock, "
+        "stream syncs included); logical GB/s = bytes to other ranks summed over ranks / time; "
+        "payload GB/s = all payload bytes incl. a rank's copy to itself / time\n\n");
+    std::fflush(stdout);
+  }
+
+  uint64_t seed = o.seed;
+  for (const LayerShape& requested : shapes) {
+    LayerShape shape = requested;
+    if (o.max_experts > 0 && shape.E > o.max_experts) {
+      shape.E = std::max(o.max_experts, shape.k);
+      shape.note = "E capped " + std::to_string(requested.E) + " -> " + std::to_string(shape.E) +
+                   " by --max-experts";
+    }
+    shape.E = std::max<int64_t>(shape.E, P);
+    const ExpertMap map(shape.E, P, placement);
+    LayerShape local = shape;
+    local.E = map.num_local_experts(rank);
+    MoEConfig config;
+    config.num_experts = shape.E;
+    config.top_k = shape.k;
+    config.hidden_size = shape.H;
+    config.intermediate_size = shape.I;
+    config.renormalize = true;
+    config.parallel = parallel_config_for_rank(rank, P, 1, 1);
+    config.parallel.expert_placement = placement;
+    MoELayerWeights w;
+    {
+      std::mt19937_64 rng(++seed);  // the same gate on every rank
+      std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+      w.gate_weight = Tensor::empty(DType::kF32, {shape.E, shape.H});
+      float* g = w.gate_weight.data_as<float>();
+      for (int64_t i = 0; i < shape.E * shape.H; ++i) g[i] = u(rng);
+    }
+    w.experts = make_synthetic_layer(local, DType::kBF16, seed * 31 + rank, false).weights;
+    const size_t expert_bytes_rank = w.experts.nbytes();
+    RunnerOptions ro;
+    ro.compute_dtype = DType::kBF16;
+    ro.device = Device{DeviceType::kCUDA, device};
+    ro.max_num_tokens = std::max<int64_t>(t_max, 1);
+    ro.communicator = nccl;
+    MoERunner runner(config, std::move(w), ro);
+
+    if (root) {
+      std::printf("## %s: %s, E=%lld, k=%lld, H=%lld, I=%lld, bf16, %s of experts per rank\n\n",
+                  shape.name.c_str(), shape.model.c_str(), static_cast<long long>(shape.E),
+                  static_cast<long long>(shape.k), static_cast<long long>(shape.H),
+                  static_cast<long long>(shape.I),
+                  format_bytes(static_cast<double>(expert_bytes_rank)).c_str());
+      if (!shape.note.empty()) std::printf("(%s)\n\n", shape.note.c_str());
+      std::printf(
+          "| T | layer ms | dispatch ms | dispatch GB/s logical | dispatch GB/s payload | "
+          "combine ms | combine GB/s logical | combine GB/s payload | rows received (max rank) "
+          "|\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+      std::fflush(stdout);
+    }
+    const int64_t H = shape.H, k = shape.k;
+    const int64_t rec = (2 * H + 8 * k + 15) / 16 * 16;  // dispatch record bytes
+    for (int64_t T : token_counts) {
+      const Device dev{DeviceType::kCUDA, device};
+      const int64_t T1 = std::max<int64_t>(T, 1);
+      cuda::DeviceBuffer x(T1 * H * 4), out(T1 * H * 4);
+      {
+        std::mt19937_64 rng(seed * 7919 + T * 131 + rank);
+        std::normal_distribution<float> nd(0.0f, 1.0f);
+        std::vector<float> h(T * H);
+        for (auto& v : h) v = nd(rng);
+        if (T > 0) x.upload(h.data(), h.size() * 4);
+      }
+      const TensorView xv(x.data(), DType::kF32, {T, H}, dev);
+      const TensorView ov(out.data(), DType::kF32, {T, H}, dev);
+      std::vector<double> layer_s, dispatch_s, combine_s;
+      EpStats last;
+      auto run = [&] {
+        const auto t0 = std::chrono::steady_clock::now();
+        runner.forward(xv, ov);
+        cuda::synchronize();
+        layer_s.push_back(
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+        last = *runner.cuda_ep_stats();
+        dispatch_s.push_back(last.dispatch_seconds);
+        combine_s.push_back(last.combine_seconds);
+      };
+      run();  // warm-up
+      int reps = static_cast<int>(std::clamp(o.min_time / std::max(layer_s[0], 1e-6), 5.0, 1000.0));
+      world->broadcast(&reps, sizeof reps, 0);
+      layer_s.clear();
+      dispatch_s.clear();
+      combine_s.clear();
+      for (int r = 0; r < reps; ++r) run();
+      const double tl = max_of(gather(*world, median(layer_s)));
+      const double td = max_of(gather(*world, median(dispatch_s)));
+      const double tc = max_of(gather(*world, median(combine_s)));
+      const double bd = sum_of(gather(*world, static_cast<double>(last.dispatch_bytes_sent)));
+      const double bc = sum_of(gather(*world, static_cast<double>(last.combine_bytes_sent)));
+      const double pd = sum_of(gather(*world, static_cast<double>(last.dispatch_rows_sent) * rec));
+      // Every slot is valid (no zero experts): T * k f32 rows of H come back.
+      const double pc = sum_of(gather(*world, static_cast<double>(T * k * H * 4)));
+      const double rows = max_of(gather(*world, static_cast<double>(last.dispatch_rows_received)));
+      if (root)
+        std::printf("| %lld | %.3f | %.3f | %.2f | %.2f | %.3f | %.2f | %.2f | %.0f |\n",
+                    static_cast<long long>(T), tl * 1e3, td * 1e3, td > 0 ? bd / td * 1e-9 : 0.0,
+                    td > 0 ? pd / td * 1e-9 : 0.0, tc * 1e3, tc > 0 ? bc / tc * 1e-9 : 0.0,
+                    tc > 0 ? pc / tc * 1e-9 : 0.0, rows);
+      if (root) std::fflush(stdout);
+    }
+    if (root) std::printf("\n");
+  }
+  return 0;
+}
+
+#endif  // FUSEDMOE_WITH_CUDA
+
+}  // namespace fusedmoe::cli

@@ -1,0 +1,73 @@
+// fusedmoe internal: one MoE layer with its experts spread over GPUs (expert
+// parallelism), the GPU counterpart of EpPrepareFinalize (parallel/
+// ep_prepare_finalize.h). Every rank of the EP communicator (a device-buffer
+// communicator: NCCL) brings its own tokens (T may differ and be 0) and holds
+// the experts ExpertMap assigns it; forward() is collective:
+//   1. route on the device (global topk_ids);
+//   2. layout kernel: per destination rank, the tokens with at least one of
+//      their k experts there and the slots going there (block scans in token
+//      order); pack kernel: one record per (token, destination rank) — the
+//      bf16 hidden state once per rank, not once per expert — with the local
+//      expert ids (-1 for slots held elsewhere) and the k topk_weights;
+//   3. all-to-all of the counts (rows, slots, T per peer), then of the records
+//      (the shared expert runs meanwhile on the side stream);
+//   4. the local experts on the received rows (CudaMoELayer::experts, the GEMM
+//      tile the single-GPU layer would pick for the global batch);
+//   5. combine: every valid (row, slot) result goes back to its source rank in
+//      the order the source sent it (all-to-all), is put at its slot, and the
+//      source sums each token's k slots in order j = 0..k-1 with the
+//      single-GPU finalize (+ shared expert).
+// A routed row's value does not depend on the other rows of its batch, the
+// GEMM tiles (routed and shared expert) are the ones the single-GPU layer
+// picks for the global batch (sum of T over ranks, from the counts exchange),
+// and the sum over slots is the single-GPU finalize, so given the same router
+// logits the output is bit-identical to CudaMoELayer::forward on the
+// concatenation of all ranks' tokens, whatever the arrival order (tested).
+// With each rank's own gate GEMM the logits may differ from one GPU's in f32
+// rounding (router_gemm sums in another order for T <= 32 than for larger
+// batches), and so the topk_weights and outputs, by ~1e-7 relative.
+// Not graph-capturable: the counts are copied to the host (to size the
+// all-to-all) and the communicator is host-synchronous; the stream is
+// synchronised at each exchange.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "fusedmoe/parallel/communicator.h"
+#include "fusedmoe/parallel/ep_prepare_finalize.h"
+#include "fusedmoe/parallel/expert_map.h"
+#include "kernels/cuda/cuda_moe_layer.h"
+
+namespace fusedmoe::cuda {
+
+class CudaEpMoELayer {
+ public:
+  // layer: this rank's layer, built over map.local_experts(comm->rank()) with
+  // max_num_tokens >= comm->size() * max_tokens_per_rank (it computes every
+  // rank's rows for its experts); it must outlive this object. comm: the EP
+  // group, device buffers, size map.ep_size(). max_tokens_per_rank: the
+  // largest T any rank passes to forward(). Allocates the exchange buffers on
+  // the current device. Throws Error(kInvalidArgument) on mismatched sizes.
+  CudaEpMoELayer(CudaMoELayer& layer, const MoEConfig& config, std::shared_ptr<Communicator> comm,
+                 ExpertMap map, int64_t max_tokens_per_rank);
+  ~CudaEpMoELayer();
+  CudaEpMoELayer(const CudaEpMoELayer&) = delete;
+  CudaEpMoELayer& operator=(const CudaEpMoELayer&) = delete;
+
+  // Collective. Arguments as CudaMoELayer::forward (device views, T <=
+  // max_tokens_per_rank); returns with the output enqueued on `stream`.
+  void forward(const TensorView& hidden_states, const TensorView& output,
+               const TensorView* router_logits, const TensorView* token_ids,
+               const ForwardOutputs* outputs, Stream stream);
+
+  // Rows, bytes (logical: to / from other ranks) and host times of the last forward.
+  const EpStats& stats() const;
+  const ExpertMap& expert_map() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace fusedmoe::cuda

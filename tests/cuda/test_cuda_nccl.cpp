@@ -1,0 +1,625 @@
+// The NCCL communicator and expert parallelism on GPUs (MoERunner, CUDA backend,
+// a device-buffer communicator):
+//   - every collective against expected values on a one-rank NCCL communicator,
+//     and on every visible GPU (one process, one thread per rank) when >= 2;
+//   - a timeout: rank 0 of a two-rank communicator whose rank 1 never joins
+//     fails with Error(kIo) within the deadline;
+//   - the EP layer through NCCL at ep_size 1, and through an in-process
+//     device-buffer communicator at ep_size 2..4 on one GPU (threads as ranks:
+//     it exercises the same dispatch / combine kernels), and through NCCL at
+//     ep_size = device_count when >= 2: outputs bit-identical to one GPU on
+//     all ranks' tokens given the same router logits (<= 1e-6 relative with
+//     each rank's own gate GEMM) (random layers with E not a multiple of ep_size,
+//     uneven T, T = 0 on some ranks, k up to 8; HF fixtures).
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cuda_test_util.h"
+#include "expect_error.h"
+#include "fixtures.h"
+#include "fusedmoe/io/hf_config.h"
+#include "fusedmoe/io/loader.h"
+#include "fusedmoe/parallel/communicator.h"
+
+namespace fusedmoe {
+namespace {
+
+using test::DeviceTensor;
+
+// Expects Error(code) from expr with `needle` in its message.
+#define FUSEDMOE_EXPECT_ERROR(expr, code, needle) \
+  EXPECT_HAS(test::error_of([&] { (void)(expr); }, ErrorCode::code), needle)
+
+#define FUSEDMOE_REQUIRE_NCCL()                                                        \
+  do {                                                                                 \
+    FUSEDMOE_REQUIRE_CUDA();                                                           \
+    if (!nccl_built()) GTEST_SKIP() << "skipped: this build has no NCCL communicator"; \
+  } while (0)
+
+// Runs fn(rank) on one thread per rank; rethrows the first exception.
+void run_ranks(int n, const std::function<void(int)>& fn) {
+  std::vector<std::exception_ptr> errors(n);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        fn(r);
+      } catch (...) {
+        errors[r] = std::current_exception();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+}
+
+template <typename T>
+DeviceTensor upload_vec(const std::vector<T>& v, DType dtype) {
+  DeviceTensor d(dtype, {static_cast<int64_t>(v.size())});
+  test::cuda_ok(cudaMemcpy(d.data(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice),
+                "upload");
+  return d;
+}
+template <typename T>
+std::vector<T> download_vec(const DeviceTensor& d, size_t n) {
+  std::vector<T> v(n);
+  test::cuda_ok(cudaMemcpy(v.data(), d.data(), n * sizeof(T), cudaMemcpyDeviceToHost), "download");
+  return v;
+}
+
+// ---- every collective, checked on rank r of P --------------------------------
+// Values are small integers in f32, so sums are exact in any order.
+void check_collectives(Communicator& c) {
+  const int P = c.size(), r = c.rank();
+  SCOPED_TRACE("rank " + std::to_string(r) + " of " + std::to_string(P));
+  EXPECT_EQ(c.backend(), "nccl");
+  EXPECT_TRUE(c.device_buffers());
+  // all_to_all_v: rank r sends (r + p + 1) int32 values r*1000 + p*10 + i to p.
+  {
+    std::vector<int64_t> sc(P), sd(P), rc(P), rd(P);
+    std::vector<int32_t> send;
+    int64_t off = 0, roff = 0;
+    for (int p = 0; p < P; ++p) {
+      sd[p] = off * 4;
+      sc[p] = (r + p + 1) * 4;
+      for (int i = 0; i < r + p + 1; ++i) send.push_back(r * 1000 + p * 10 + i);
+      off += r + p + 1;
+      rd[p] = roff * 4;
+      rc[p] = (p + r + 1) * 4;
+      roff += p + r + 1;
+    }
+    DeviceTensor s = upload_vec(send, DType::kI32), d(DType::kI32, {roff});
+    d.poison();
+    c.all_to_all_v(s.data(), sc, sd, d.data(), rc, rd);
+    const std::vector<int32_t> got = download_vec<int32_t>(d, roff);
+    for (int p = 0, k = 0; p < P; ++p)
+      for (int i = 0; i < p + r + 1; ++i, ++k)
+        ASSERT_EQ(got[k], p * 1000 + r * 10 + i) << "all_to_all_v from " << p << " item " << i;
+  }
+  // all_reduce_sum: element i = sum_p (p + 1) * (i + 1).
+  {
+    const int64_t n = 1000;
+    std::vector<float> v(n);
+    for (int64_t i = 0; i < n; ++i) v[i] = static_cast<float>((r + 1) * (i + 1));
+    DeviceTensor d = upload_vec(v, DType::kF32);
+    c.all_reduce_sum(d.data_as<float>(), n);
+    const std::vector<float> got = download_vec<float>(d, n);
+    const float ranks = static_cast<float>(P * (P + 1) / 2);
+    for (int64_t i = 0; i < n; ++i) ASSERT_EQ(got[i], ranks * (i + 1)) << "all_reduce_sum " << i;
+  }
+  // all_gather_v: rank p contributes 3p + 1 bytes of value p + 7 (rank 0: 1 byte).
+  {
+    std::vector<int64_t> rc(P), rd(P);
+    int64_t tot = 0;
+    for (int p = 0; p < P; ++p) {
+      rd[p] = tot;
+      rc[p] = 3 * p + 1;
+      tot += rc[p];
+    }
+    std::vector<uint8_t> mine(3 * r + 1, static_cast<uint8_t>(r + 7));
+    DeviceTensor s = upload_vec(mine, DType::kU8), d(DType::kU8, {tot});
+    d.poison();
+    c.all_gather_v(s.data(), 3 * r + 1, d.data(), rc, rd);
+    const std::vector<uint8_t> got = download_vec<uint8_t>(d, tot);
+    for (int p = 0; p < P; ++p)
+      for (int64_t i = 0; i < rc[p]; ++i)
+        ASSERT_EQ(got[rd[p] + i], p + 7) << "all_gather_v from " << p;
+  }
+  // reduce_scatter_sum: block p has p + 2 floats; rank q's block p value (q + 1) * (i + p).
+  {
+    std::vector<int64_t> rc(P);
+    std::vector<float> send;
+    for (int p = 0; p < P; ++p) {
+      rc[p] = p + 2;
+      for (int i = 0; i < p + 2; ++i) send.push_back(static_cast<float>((r + 1) * (i + p)));
+    }
+    DeviceTensor s = upload_vec(send, DType::kF32), d(DType::kF32, {r + 2});
+    d.poison();
+    c.reduce_scatter_sum(s.data_as<float>(), d.data_as<float>(), rc);
+    const std::vector<float> got = download_vec<float>(d, r + 2);
+    const float ranks = static_cast<float>(P * (P + 1) / 2);
+    for (int i = 0; i < r + 2; ++i)
+      ASSERT_EQ(got[i], ranks * (i + r)) << "reduce_scatter_sum " << i;
+  }
+  // broadcast from the last rank.
+  {
+    const int root = P - 1;
+    std::vector<int32_t> v(77);
+    for (int i = 0; i < 77; ++i) v[i] = r == root ? 5 * i + 3 : -i;
+    DeviceTensor d = upload_vec(v, DType::kI32);
+    c.broadcast(d.data(), 77 * 4, root);
+    const std::vector<int32_t> got = download_vec<int32_t>(d, 77);
+    for (int i = 0; i < 77; ++i) ASSERT_EQ(got[i], 5 * i + 3) << "broadcast " << i;
+  }
+  c.barrier();
+  // split: even / odd ranks, reversed order by key.
+  {
+    std::unique_ptr<Communicator> sub = c.split(r % 2, P - r);
+    const int n = (P - r % 2 + 1) / 2;
+    EXPECT_EQ(sub->size(), n);
+    // Ranks of one color ordered by key = P - r: the highest world rank is rank 0.
+    int expect = 0;
+    for (int q = r + 2; q < P; q += 2) ++expect;
+    EXPECT_EQ(sub->rank(), expect);
+    std::vector<float> one{static_cast<float>(r)};
+    DeviceTensor d = upload_vec(one, DType::kF32);
+    sub->all_reduce_sum(d.data_as<float>(), 1);
+    float want = 0;
+    for (int q = r % 2; q < P; q += 2) want += static_cast<float>(q);
+    EXPECT_EQ(download_vec<float>(d, 1)[0], want) << "all_reduce_sum over the split";
+  }
+  // Host memory is a clear error, not a crash.
+  {
+    std::vector<float> host(4, 1.0f);
+    FUSEDMOE_EXPECT_ERROR(c.all_reduce_sum(host.data(), 4), kInvalidArgument, "device memory");
+  }
+}
+
+TEST(NcclCommunicator, OneRankCollectives) {
+  FUSEDMOE_REQUIRE_NCCL();
+  std::unique_ptr<Communicator> c =
+      make_nccl_communicator(std::shared_ptr<Communicator>(make_single_rank_communicator()), 0);
+  ASSERT_EQ(c->size(), 1);
+  ASSERT_EQ(c->rank(), 0);
+  check_collectives(*c);
+  // Bad sizes name the argument.
+  std::vector<int64_t> two{0, 0};
+  FUSEDMOE_EXPECT_ERROR(c->all_to_all_v(nullptr, two, two, nullptr, two, two), kInvalidArgument,
+                        "send_counts");
+  FUSEDMOE_EXPECT_ERROR(
+      make_nccl_communicator(std::shared_ptr<Communicator>(make_single_rank_communicator()), 9999),
+      kInvalidArgument, "device");
+}
+
+TEST(NcclCommunicator, EveryVisibleGpuOneProcess) {
+  FUSEDMOE_REQUIRE_NCCL();
+  const int n = cuda::device_count();
+  if (n < 2) GTEST_SKIP() << "skipped: needs >= 2 CUDA devices, found " << n;
+  std::vector<int> devices(n);
+  for (int i = 0; i < n; ++i) devices[i] = i;
+  std::vector<std::unique_ptr<Communicator>> comms = make_nccl_communicators(devices);
+  ASSERT_EQ(static_cast<int>(comms.size()), n);
+  run_ranks(n, [&](int r) {
+    test::cuda_ok(cudaSetDevice(r), "cudaSetDevice");
+    check_collectives(*comms[r]);
+  });
+  // Destroyed together (each rank's finalize may wait for its peers').
+  run_ranks(n, [&](int r) { comms[r].reset(); });
+}
+
+// A bootstrap that claims to be rank 0 of 2 but has no peer: rank 1 never joins.
+class LonelyBootstrap final : public Communicator {
+ public:
+  int rank() const override { return 0; }
+  int size() const override { return 2; }
+  std::string backend() const override { return "lonely"; }
+  void all_to_all_v(const void*, std::span<const int64_t>, std::span<const int64_t>, void*,
+                    std::span<const int64_t>, std::span<const int64_t>) override {
+    FUSEDMOE_THROW(kUnsupported, "lonely bootstrap: broadcast only");
+  }
+  void all_reduce_sum(float*, int64_t) override {
+    FUSEDMOE_THROW(kUnsupported, "lonely bootstrap: broadcast only");
+  }
+  void all_gather_v(const void*, int64_t, void*, std::span<const int64_t>,
+                    std::span<const int64_t>) override {
+    FUSEDMOE_THROW(kUnsupported, "lonely bootstrap: broadcast only");
+  }
+  void reduce_scatter_sum(const float*, float*, std::span<const int64_t>) override {
+    FUSEDMOE_THROW(kUnsupported, "lonely bootstrap: broadcast only");
+  }
+  void broadcast(void*, int64_t, int) override {}  // rank 0 is the root: nothing to receive
+  void barrier() override {}
+  std::unique_ptr<Communicator> split(int, int) override {
+    FUSEDMOE_THROW(kUnsupported, "lonely bootstrap: broadcast only");
+  }
+  [[noreturn]] void abort(int code) override { std::exit(code); }
+};
+
+TEST(NcclCommunicator, MissingRankTimesOutWithError) {
+  FUSEDMOE_REQUIRE_NCCL();
+  const char* old = std::getenv("FUSEDMOE_COMM_TIMEOUT_S");
+  const std::string saved = old ? old : "";
+  setenv("FUSEDMOE_COMM_TIMEOUT_S", "3", 1);
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    make_nccl_communicator(std::make_shared<LonelyBootstrap>(), 0);
+    ADD_FAILURE() << "a two-rank NCCL communicator was created with one rank";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kIo) << e.what();
+    EXPECT_NE(std::string(e.what()).find("timed out"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("ncclCommInitRankConfig"), std::string::npos) << e.what();
+  }
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(s, 30.0) << "the deadline of 3 s was not kept";
+  if (old)
+    setenv("FUSEDMOE_COMM_TIMEOUT_S", saved.c_str(), 1);
+  else
+    unsetenv("FUSEDMOE_COMM_TIMEOUT_S");
+}
+
+// ---- an in-process device-buffer communicator: P threads on one GPU ---------------
+// all_to_all_v / all_gather_v by device-to-device copies after a rendezvous.
+// Only what the EP path uses (and all_gather_v) is implemented; it exercises
+// the GPU dispatch / combine at ep_size > 1 on a single GPU, where NCCL allows
+// one rank per device.
+class ThreadGroup {
+ public:
+  explicit ThreadGroup(int n) : n_(n), posts_(n) {}
+  int size() const { return n_; }
+  struct Post {
+    const char* send = nullptr;
+    std::vector<int64_t> counts, displs;
+  };
+  void arrive() {
+    std::unique_lock<std::mutex> lock(mu_);
+    const uint64_t gen = gen_;
+    if (++waiting_ == n_) {
+      waiting_ = 0;
+      ++gen_;
+      cv_.notify_all();
+      return;
+    }
+    if (!cv_.wait_for(lock, std::chrono::seconds(60), [&] { return gen_ != gen; }))
+      FUSEDMOE_THROW(kIo, "thread group: a rank did not arrive within 60 s");
+  }
+  std::vector<Post>& posts() { return posts_; }
+
+ private:
+  int n_;
+  std::vector<Post> posts_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int waiting_ = 0;
+  uint64_t gen_ = 0;
+};
+
+class ThreadCommunicator final : public Communicator {
+ public:
+  ThreadCommunicator(std::shared_ptr<ThreadGroup> g, int rank) : g_(std::move(g)), rank_(rank) {}
+  int rank() const override { return rank_; }
+  int size() const override { return g_->size(); }
+  std::string backend() const override { return "threads"; }
+  bool device_buffers() const override { return true; }
+  void all_to_all_v(const void* send, std::span<const int64_t> sc, std::span<const int64_t> sd,
+                    void* recv, std::span<const int64_t> rc, std::span<const int64_t> rd) override {
+    const int P = size();
+    g_->posts()[rank_] = {
+        static_cast<const char*>(send), {sc.begin(), sc.end()}, {sd.begin(), sd.end()}};
+    g_->arrive();
+    for (int p = 0; p < P; ++p) {
+      const ThreadGroup::Post& q = g_->posts()[p];
+      FUSEDMOE_CHECK(q.counts[rank_] == rc[p], "threads all_to_all_v: rank ", p, " sends ",
+                     q.counts[rank_], " bytes, rank ", rank_, " expects ", rc[p]);
+      if (rc[p] > 0)
+        test::cuda_ok(cudaMemcpy(static_cast<char*>(recv) + rd[p], q.send + q.displs[rank_], rc[p],
+                                 cudaMemcpyDeviceToDevice),
+                      "threads all_to_all_v copy");
+    }
+    g_->arrive();  // senders keep their buffers until every rank has copied
+  }
+  void all_gather_v(const void* send, int64_t bytes, void* recv, std::span<const int64_t> rc,
+                    std::span<const int64_t> rd) override {
+    const int P = size();
+    std::vector<int64_t> sc(P, bytes), sd(P, 0);
+    all_to_all_v(send, sc, sd, recv, rc, rd);
+  }
+  void all_reduce_sum(float*, int64_t) override {
+    FUSEDMOE_THROW(kUnsupported, "threads communicator: all_to_all_v / all_gather_v only");
+  }
+  void reduce_scatter_sum(const float*, float*, std::span<const int64_t>) override {
+    FUSEDMOE_THROW(kUnsupported, "threads communicator: all_to_all_v / all_gather_v only");
+  }
+  void broadcast(void*, int64_t, int) override {
+    FUSEDMOE_THROW(kUnsupported, "threads communicator: all_to_all_v / all_gather_v only");
+  }
+  void barrier() override { g_->arrive(); }
+  std::unique_ptr<Communicator> split(int, int) override {
+    FUSEDMOE_THROW(kUnsupported, "threads communicator: all_to_all_v / all_gather_v only");
+  }
+  [[noreturn]] void abort(int code) override { std::exit(code); }
+
+ private:
+  std::shared_ptr<ThreadGroup> g_;
+  int rank_;
+};
+
+RunnerOptions cuda_options(int64_t max_tokens) {
+  RunnerOptions o;
+  o.compute_dtype = DType::kBF16;
+  o.device = Device{DeviceType::kCUDA, 0};
+  o.max_num_tokens = max_tokens;
+  return o;
+}
+
+bool same_bits(const Tensor& a, const Tensor& b) {
+  return a.nbytes() == b.nbytes() && std::memcmp(a.data(), b.data(), a.nbytes()) == 0;
+}
+
+// Rows [r0, r0 + n) of a host [T, C] tensor (contiguous copy).
+Tensor rows_of(const Tensor& t, int64_t r0, int64_t n) {
+  const int64_t C = t.view().size(1);
+  Tensor out = Tensor::empty(t.dtype(), {n, C});
+  if (n > 0)
+    std::memcpy(out.data(), static_cast<const char*>(t.data()) + r0 * C * dtype_size(t.dtype()),
+                n * C * dtype_size(t.dtype()));
+  return out;
+}
+
+// One EP case: ranks r = 0..P-1 bring tokens[r] tokens each; their concatenation
+// runs on one GPU (MoERunner without communicator) and must give bit-identical
+// outputs and topk ids. comms[r] is rank r's device-buffer communicator on
+// devices[r]; passes the whole layer (the runner keeps its experts).
+// With `logits` the router logits are given (else each rank's gate GEMM).
+void check_ep(const MoEConfig& base, const MoELayerWeights& w, const std::vector<int64_t>& tokens,
+              std::vector<std::shared_ptr<Communicator>> comms, const std::vector<int>& devices,
+              ExpertPlacement placement, std::mt19937_64& rng, bool give_logits) {
+  const int P = static_cast<int>(tokens.size());
+  const int64_t H = base.hidden_size, k = base.top_k, L = base.num_router_logits();
+  std::string trace = "ep_size " + std::to_string(P) + " T";
+  for (int64_t t : tokens) trace += " " + std::to_string(t);
+  trace += std::string(" ") + to_string(placement) + " E " + std::to_string(base.num_experts) +
+           " k " + std::to_string(k) + (give_logits ? " logits given" : " own gate");
+  SCOPED_TRACE(trace);
+  int64_t total = 0, tmax = 1;
+  std::vector<int64_t> start(P);
+  for (int r = 0; r < P; ++r) {
+    start[r] = total;
+    total += tokens[r];
+    tmax = std::max(tmax, tokens[r]);
+  }
+  const Tensor x = test::randn_f32(rng, {total, H});
+  const Tensor logits = test::randn_f32(rng, {total, L}, 2.0f);
+  // One GPU, all tokens.
+  Tensor want, want_ids;
+  {
+    test::cuda_ok(cudaSetDevice(devices[0]), "cudaSetDevice");
+    MoERunner one(base, w, cuda_options(std::max<int64_t>(total, 1)));
+    DeviceTensor xd = DeviceTensor::from_host(x), ld = DeviceTensor::from_host(logits);
+    DeviceTensor out(DType::kF32, {total, H}), ids(DType::kI32, {total, k});
+    out.poison();
+    ForwardOutputs fo{TensorView(), ids, TensorView()};
+    const TensorView lv = ld.view();
+    one.forward(xd, out, give_logits ? &lv : nullptr, nullptr, &fo);
+    test::cuda_ok(cudaDeviceSynchronize(), "sync");
+    want = out.to_host();
+    want_ids = ids.to_host();
+  }
+  std::vector<Tensor> got(P), got_ids(P);
+  std::vector<EpStats> stats(P);
+  run_ranks(P, [&](int r) {
+    test::cuda_ok(cudaSetDevice(devices[r]), "cudaSetDevice");
+    MoEConfig c = base;
+    c.parallel = parallel_config_for_rank(r, P, 1, 1);
+    c.parallel.expert_placement = placement;
+    RunnerOptions o = cuda_options(tmax);
+    o.device = Device{DeviceType::kCUDA, devices[r]};
+    o.communicator = comms[r];
+    MoERunner ep(c, w, o);
+    const int64_t T = tokens[r];
+    DeviceTensor xd = DeviceTensor::from_host(rows_of(x, start[r], T));
+    DeviceTensor ld = DeviceTensor::from_host(rows_of(logits, start[r], T));
+    DeviceTensor out(DType::kF32, {T, H}), ids(DType::kI32, {T, k});
+    out.poison();
+    ForwardOutputs fo{TensorView(), ids, TensorView()};
+    const TensorView lv = ld.view();
+    // Twice: the second call reuses every buffer (stale data must not leak in).
+    for (int rep = 0; rep < 2; ++rep) {
+      out.poison();
+      ep.forward(xd, out, give_logits ? &lv : nullptr, nullptr, &fo);
+      test::cuda_ok(cudaDeviceSynchronize(), "sync");
+    }
+    got[r] = out.to_host();
+    got_ids[r] = ids.to_host();
+    ASSERT_NE(ep.cuda_ep_stats(), nullptr);
+    stats[r] = *ep.cuda_ep_stats();
+  });
+  int64_t sent = 0, received = 0, cs = 0, cr = 0;
+  for (int r = 0; r < P; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    const Tensor w_r = rows_of(want, start[r], tokens[r]);
+    const Tensor ids_r = rows_of(want_ids, start[r], tokens[r]);
+    EXPECT_TRUE(same_bits(got_ids[r], ids_r)) << "topk_ids differ from one GPU's";
+    EXPECT_EQ(test::count_non_finite(got[r]), 0) << "unwritten (NaN-poisoned) output";
+    // Given logits (or one rank: the same gate GEMM): bit-identical. Each
+    // rank's own gate GEMM over fewer tokens may sum in another order
+    // (router_gemm: T <= 32 vs tiled), so logits and weights differ in f32 rounding.
+    const double rel = tokens[r] ? test::rel_l2(got[r], w_r) : 0.0;
+    if (give_logits || P == 1) {
+      if (!same_bits(got[r], w_r))
+        ADD_FAILURE() << "output not bit-identical to one GPU: rel L2 " << rel;
+    } else {
+      EXPECT_LE(rel, 1e-6) << "own gate GEMM: output vs one GPU";
+    }
+    sent += stats[r].dispatch_bytes_sent;
+    received += stats[r].dispatch_bytes_received;
+    cs += stats[r].combine_bytes_sent;
+    cr += stats[r].combine_bytes_received;
+  }
+  EXPECT_EQ(sent, received) << "dispatch bytes sent / received over all ranks";
+  EXPECT_EQ(cs, cr) << "combine bytes sent / received over all ranks";
+}
+
+std::vector<std::pair<std::string, MoEConfig>> ep_configs() {
+  std::vector<std::pair<std::string, MoEConfig>> v;
+  v.emplace_back("mixtral", test::arch_config("mixtral", 10, 2, 96, 80));
+  v.emplace_back("qwen2_moe", test::arch_config("qwen2_moe", 13, 4, 72, 40));
+  v.emplace_back("deepseek_v3", test::arch_config("deepseek_v3", 16, 8, 64, 24));
+  v.emplace_back("gpt_oss", test::arch_config("gpt_oss", 9, 2, 80, 32));
+  v.emplace_back("llama4", test::arch_config("llama4", 7, 1, 64, 40));
+  v.emplace_back("zero_experts", test::arch_config("zero_experts", 10, 3, 48, 32));
+  {
+    MoEConfig c = test::base_config(11, 8, 96, 80);  // k = 8, E not a multiple of 2, 3, 4
+    c.renormalize = true;
+    v.emplace_back("k8", c);
+  }
+  return v;
+}
+
+std::shared_ptr<Communicator> one_rank_nccl() {
+  return std::shared_ptr<Communicator>(
+      make_nccl_communicator(std::shared_ptr<Communicator>(make_single_rank_communicator()), 0));
+}
+
+TEST(CudaEp, OneRankNcclMatchesOneGpu) {
+  FUSEDMOE_REQUIRE_NCCL();
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  std::shared_ptr<Communicator> comm = one_rank_nccl();
+  for (const auto& [name, c] : ep_configs()) {
+    SCOPED_TRACE(name);
+    const MoELayerWeights w = test::random_layer(rng, c, DType::kBF16);
+    for (int64_t T : {0, 1, 5, 37, 300}) {
+      for (bool logits : {true, false}) {
+        check_ep(c, w, {T}, {comm}, {0}, ExpertPlacement::kContiguous, rng, logits);
+        if (HasFailure()) return;
+      }
+    }
+  }
+}
+
+TEST(CudaEp, ThreadRanksOnOneGpuMatchOneGpu) {
+  FUSEDMOE_REQUIRE_CUDA();
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const std::vector<std::vector<int64_t>> splits = {{7, 0},     {0, 0},         {1, 50},
+                                                    {33, 0, 9}, {20, 3, 0, 41}, {130, 61, 17, 5}};
+  for (const auto& [name, c] : ep_configs()) {
+    SCOPED_TRACE(name);
+    const MoELayerWeights w = test::random_layer(rng, c, DType::kBF16);
+    for (const auto& tokens : splits) {
+      const int P = static_cast<int>(tokens.size());
+      if (P > c.num_experts) continue;
+      auto group = std::make_shared<ThreadGroup>(P);
+      std::vector<std::shared_ptr<Communicator>> comms;
+      for (int r = 0; r < P; ++r) comms.push_back(std::make_shared<ThreadCommunicator>(group, r));
+      for (ExpertPlacement pl : {ExpertPlacement::kContiguous, ExpertPlacement::kRoundRobin}) {
+        check_ep(c, w, tokens, comms, std::vector<int>(P, 0), pl, rng, true);
+        if (HasFailure()) return;
+      }
+    }
+  }
+}
+
+// Each rank's own gate GEMM on its tokens: the same logits (and so the same
+// output) as the gate GEMM over all tokens on one GPU.
+TEST(CudaEp, ThreadRanksOwnGateMatchOneGpu) {
+  FUSEDMOE_REQUIRE_CUDA();
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  for (const auto& [name, c] : ep_configs()) {
+    SCOPED_TRACE(name);
+    const MoELayerWeights w = test::random_layer(rng, c, DType::kBF16);
+    const std::vector<int64_t> tokens = {45, 0, 12};
+    auto group = std::make_shared<ThreadGroup>(3);
+    std::vector<std::shared_ptr<Communicator>> comms;
+    for (int r = 0; r < 3; ++r) comms.push_back(std::make_shared<ThreadCommunicator>(group, r));
+    check_ep(c, w, tokens, comms, {0, 0, 0}, ExpertPlacement::kContiguous, rng, false);
+    if (HasFailure()) return;
+  }
+}
+
+TEST(CudaEp, EveryVisibleGpuNcclMatchesOneGpu) {
+  FUSEDMOE_REQUIRE_NCCL();
+  const int n = cuda::device_count();
+  if (n < 2) GTEST_SKIP() << "skipped: needs >= 2 CUDA devices, found " << n;
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  std::vector<int> devices(n);
+  for (int i = 0; i < n; ++i) devices[i] = i;
+  std::vector<std::unique_ptr<Communicator>> made = make_nccl_communicators(devices);
+  std::vector<std::shared_ptr<Communicator>> comms;
+  for (auto& c : made) comms.push_back(std::move(c));
+  std::vector<int64_t> tokens(n);
+  for (int r = 0; r < n; ++r) tokens[r] = r % 3 == 1 ? 0 : 17 + 29 * r;  // T = 0 on some ranks
+  for (const auto& [name, c] : ep_configs()) {
+    SCOPED_TRACE(name);
+    if (n > c.num_experts) continue;
+    const MoELayerWeights w = test::random_layer(rng, c, DType::kBF16);
+    for (ExpertPlacement pl : {ExpertPlacement::kContiguous, ExpertPlacement::kRoundRobin}) {
+      check_ep(c, w, tokens, comms, devices, pl, rng, true);
+      if (HasFailure()) break;
+    }
+    if (HasFailure()) break;
+  }
+  // Destroyed together (each rank's finalize may wait for its peers').
+  run_ranks(n, [&](int r) { comms[r].reset(); });
+}
+
+// HF fixtures (real weights and configs) through EP: one-rank NCCL and two thread ranks.
+TEST(CudaEp, HfFixturesMatchOneGpu) {
+  FUSEDMOE_REQUIRE_CUDA();
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  std::shared_ptr<Communicator> nccl = nccl_built() ? one_rank_nccl() : nullptr;
+  for (const std::string arch : {"deepseek_v3", "qwen2_moe", "gpt_oss", "mixtral"}) {
+    const std::string dir = test::hf_fixture_dir(arch);
+    const ModelInfo info = load_model_info(dir);
+    const Checkpoint ckpt = Checkpoint::open(dir);
+    const int64_t layer = info.moe_layers.front();
+    const MoEConfig& cfg = info.layer_config(layer);
+    const MoELayerWeights w = load_moe_layer(ckpt, info, layer, LoadOptions{false});
+    SCOPED_TRACE(arch);
+    if (nccl) check_ep(cfg, w, {23}, {nccl}, {0}, ExpertPlacement::kContiguous, rng, false);
+    auto group = std::make_shared<ThreadGroup>(2);
+    std::vector<std::shared_ptr<Communicator>> comms{
+        std::make_shared<ThreadCommunicator>(group, 0),
+        std::make_shared<ThreadCommunicator>(group, 1)};
+    check_ep(cfg, w, {19, 4}, comms, {0, 0}, ExpertPlacement::kContiguous, rng, false);
+    if (HasFailure()) return;
+  }
+}
+
+TEST(CudaEp, RejectsHostCommunicatorAndMismatchedSizes) {
+  FUSEDMOE_REQUIRE_CUDA();
+  std::mt19937_64 rng(7);
+  MoEConfig c = test::base_config(8, 2, 64, 32);
+  const MoELayerWeights w = test::random_layer(rng, c, DType::kBF16);
+  // ep_size 2 with a host communicator on the CUDA backend.
+  c.parallel = parallel_config_for_rank(0, 2, 1, 1);
+  RunnerOptions o = cuda_options(16);
+  FUSEDMOE_EXPECT_ERROR(MoERunner(c, w, o), kUnsupported, "communicator over device memory");
+  // ep_size 2 with a one-rank device communicator.
+  auto group = std::make_shared<ThreadGroup>(1);
+  o.communicator = std::make_shared<ThreadCommunicator>(group, 0);
+  FUSEDMOE_EXPECT_ERROR(MoERunner(c, w, o), kInvalidArgument, "ep_size");
+  // TP on the CUDA backend.
+  c.parallel = parallel_config_for_rank(0, 1, 2, 1);
+  FUSEDMOE_EXPECT_ERROR(MoERunner(c, w, o), kInvalidArgument, "tp_size");
+}
+
+}  // namespace
+}  // namespace fusedmoe
