@@ -409,13 +409,7 @@ void CudaMoELayer::forward(const TensorView& hidden_states, const TensorView& ou
 // ---- expert parallelism: forward() in three parts (CudaEpMoELayer) ----------------
 
 GemmTile CudaMoELayer::routed_gemm_tile(const MoEConfig& c, int64_t T) {
-  const int64_t I = c.intermediate_size, H = c.hidden_size, E = c.num_experts, k = c.top_k;
-  const int64_t slots = T * k;
-  const double touched =
-      static_cast<double>(E) * (1.0 - std::pow(1.0 - static_cast<double>(k) / E, T));
-  const int64_t rows_per_expert =
-      static_cast<int64_t>(std::llround(slots / std::max(1.0, touched)));
-  return pick_gemm_tile(rows_per_expert, slots, 2 * I, H);
+  return cuda::routed_gemm_tile(T, c.top_k, c.num_experts, c.hidden_size, c.intermediate_size);
 }
 
 const int32_t* CudaMoELayer::topk_ids() const {
@@ -532,50 +526,26 @@ const float* CudaMoELayer::experts(const uint16_t* x, int64_t ldx, const int32_t
                  "], got ", M);
   FUSEDMOE_CHECK(ldx >= H && ldx % 8 == 0, "experts: ldx: expected >= ", H,
                  " and a multiple of 8, got ", ldx);
-  if (M == 0) return s.y;
-  AlignArgs al;
-  al.topk_ids = topk_ids;
-  al.num_slots = M * k;
-  al.num_experts = E_local;
-  al.block_m = gemm_tile_block_m(tile);
-  al.expert_offsets = s.offsets;
-  al.sorted_slot = s.sorted_slot;
-  al.expert_counts = s.counts;
-  al.expert_cursor = s.cursor;
-  align(al, stream);
-  GroupedGemmArgs g;
-  g.epilogue = GemmEpilogue::kGlu;
-  g.tile = tile;
-  g.a = x;
-  g.lda = ldx;
-  g.gather = true;
-  g.a_div = static_cast<int>(k);
-  g.sorted_slot = s.sorted_slot;
-  g.expert_offsets = s.offsets;
-  g.num_experts = E_local;
-  g.m = M * k;
-  g.w = s.experts.w13.as<uint16_t>();
-  g.n = 2 * I;
-  g.k = H;
-  g.bias = s.experts.w13_bias.as<float>();
-  g.act = ActivationParams::from_config(c);
-  g.out = s.inter;
-  g.ldc = I;
-  grouped_gemm(g, stream);
-  GroupedGemmArgs g2 = g;
-  g2.epilogue = GemmEpilogue::kScatter;
-  g2.a = s.inter;
-  g2.lda = I;
-  g2.gather = false;
-  g2.w = s.experts.w2.as<uint16_t>();
-  g2.n = H;
-  g2.k = I;
-  g2.bias = s.experts.w2_bias.as<float>();
-  g2.row_scale = c.apply_router_weight_on_input ? nullptr : topk_weights;
-  g2.out = s.y;
-  g2.ldc = H;
-  grouped_gemm(g2, stream);
-  return s.y;
+  if (M == 0) return s.routed.y;
+  RoutedExpertsArgs r;  // the routed pipeline of forward() (routed_experts.h), local experts
+  r.x = x;
+  r.ldx = ldx;
+  r.topk_ids = topk_ids;
+  r.topk_weights = topk_weights;
+  r.num_tokens = M;
+  r.top_k = k;
+  r.num_experts = E_local;
+  r.hidden = H;
+  r.inter = I;
+  r.w13 = s.experts.w13.as<uint16_t>();
+  r.w2 = s.experts.w2.as<uint16_t>();
+  r.w13_bias = s.experts.w13_bias.as<float>();
+  r.w2_bias = s.experts.w2_bias.as<float>();
+  r.act = ActivationParams::from_config(c);
+  r.apply_router_weight_on_input = c.apply_router_weight_on_input;
+  r.tile = tile;
+  routed_experts(r, s.routed, stream);
+  return s.routed.y;
 }
 
 void CudaMoELayer::ep_finalize(const float* y, const TensorView& output, int64_t T, Stream stream) {

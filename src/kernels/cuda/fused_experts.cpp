@@ -60,16 +60,20 @@ RoutedScratch carve_routed_scratch(void* base, int64_t num_tokens, int64_t top_k
   return carve(c, num_tokens, top_k, num_experts, hidden, inter);
 }
 
-void routed_experts(const RoutedExpertsArgs& a, const RoutedScratch& s, Stream stream) {
-  const int64_t T = a.num_tokens, k = a.top_k, E = a.num_experts, H = a.hidden, I = a.inter;
-  // One tile for both GEMMs (one alignment serves both), picked from the
-  // expected rows per touched expert under uniform routing.
+GemmTile routed_gemm_tile(int64_t T, int64_t k, int64_t E, int64_t H, int64_t I) {
   const int64_t slots = T * k;
   const double touched =
       static_cast<double>(E) * (1.0 - std::pow(1.0 - static_cast<double>(k) / E, T));
   const int64_t rows_per_expert =
       static_cast<int64_t>(std::llround(slots / std::max(1.0, touched)));
-  const GemmTile tile = pick_gemm_tile(rows_per_expert, slots, 2 * I, H);
+  return pick_gemm_tile(rows_per_expert, slots, 2 * I, H);
+}
+
+void routed_experts(const RoutedExpertsArgs& a, const RoutedScratch& s, Stream stream) {
+  const int64_t T = a.num_tokens, k = a.top_k, E = a.num_experts, H = a.hidden, I = a.inter;
+  const int64_t slots = T * k;
+  // One tile for both GEMMs (one alignment serves both).
+  const GemmTile tile = a.tile ? *a.tile : routed_gemm_tile(T, k, E, H, I);
   AlignArgs al;
   al.topk_ids = a.topk_ids;
   al.num_slots = slots;
@@ -85,7 +89,7 @@ void routed_experts(const RoutedExpertsArgs& a, const RoutedScratch& s, Stream s
   g.epilogue = GemmEpilogue::kGlu;
   g.tile = tile;
   g.a = a.x;
-  g.lda = H;
+  g.lda = a.ldx > 0 ? a.ldx : H;
   g.gather = true;
   g.a_div = static_cast<int>(k);
   g.sorted_slot = s.sorted_slot;

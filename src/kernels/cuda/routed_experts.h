@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 
 #include "fusedmoe/kernels/cuda.h"
 
@@ -32,9 +33,15 @@ size_t routed_scratch_bytes(int64_t num_tokens, int64_t top_k, int64_t num_exper
 RoutedScratch carve_routed_scratch(void* base, int64_t num_tokens, int64_t top_k,
                                    int64_t num_experts, int64_t hidden, int64_t inter);
 
+// The GEMM tile for T tokens routed uniformly to k of E experts: from the
+// expected rows per touched expert, E * (1 - (1 - k/E)^T) experts touched.
+GemmTile routed_gemm_tile(int64_t num_tokens, int64_t top_k, int64_t num_experts, int64_t hidden,
+                          int64_t inter);
+
 struct RoutedExpertsArgs {
-  const uint16_t* x = nullptr;  // bf16 [T, H] contiguous (already scaled when the weight is
-                                // applied on the input)
+  const uint16_t* x = nullptr;  // bf16 [T, H] (already scaled when the weight is applied on
+                                // the input), row stride ldx
+  int64_t ldx = 0;              // 0: H; else >= H and a multiple of 8
   const int32_t* topk_ids = nullptr;
   const float* topk_weights = nullptr;  // scales y unless apply_router_weight_on_input
   int64_t num_tokens = 0, top_k = 0, num_experts = 0, hidden = 0, inter = 0;
@@ -44,6 +51,9 @@ struct RoutedExpertsArgs {
   const float* w2_bias = nullptr;
   ActivationParams act;
   bool apply_router_weight_on_input = false;
+  // The tile of both GEMMs; default routed_gemm_tile(T, k, E, H, I). Expert
+  // parallelism passes the tile of the global batch (the same on every rank).
+  std::optional<GemmTile> tile;
 };
 // Writes scratch.y (rows of slots whose id is -1 are left unwritten). T > 0.
 void routed_experts(const RoutedExpertsArgs& args, const RoutedScratch& scratch, Stream stream);
