@@ -5,7 +5,7 @@
 set -euo pipefail
 build=${1:-build-cuda}
 rm -rf .devbin && mkdir -p .devbin/lib
-for t in test_cuda_routing test_cuda_align test_cuda_gemm test_cuda_runner test_cuda_conformance_hf test_cuda_nccl; do
+for t in test_cuda_routing test_cuda_align test_cuda_gemm test_cuda_runner test_cuda_conformance_hf test_cuda_nccl test_cuda_fused_experts; do
   cp "$build/tests/$t" .devbin/
 done
 cp "$build/bench_cuda_moe" "$build/bench_cuda_layer" "$build/fusedmoe" .devbin/

@@ -21,7 +21,7 @@ bin=$root/.devbin
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
 rc=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  for t in test_cuda_routing test_cuda_align test_cuda_gemm test_cuda_runner test_cuda_conformance_hf test_cuda_nccl; do
+  for t in test_cuda_routing test_cuda_align test_cuda_gemm test_cuda_runner test_cuda_conformance_hf test_cuda_nccl test_cuda_fused_experts; do
     FUSEDMOE_COMM_TIMEOUT_S=5 timeout 300 "$bin/$t" --gtest_filter="$filter" >"$OUT/$t.log" 2>&1
     r=$?
     [ $r -ne 0 ] && rc=1
