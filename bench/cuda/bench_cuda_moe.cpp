@@ -1,6 +1,6 @@
 // bench_cuda_moe: the CUDA routed-experts benchmark (see cuda_bench.cu).
 // usage: bench_cuda_moe [--shapes mixtral,qwen3,deepseek] [--tokens 1,16,...]
-//                       [--routings 8] [--iters 40] [--dump-dir DIR] [--sweep]
+//                       [--routings 8] [--iters 40] [--dump-dir DIR] [--sweep] [--sweep-sm90]
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -14,6 +14,8 @@ int main(int argc, char** argv) {
     const bool has_value = i + 1 < argc;
     if (a == "--sweep") {
       o.sweep = true;
+    } else if (a == "--sweep-sm90") {
+      o.sweep_sm90 = true;
     } else if (a == "--shapes" && has_value) {
       o.shapes = argv[++i];
     } else if (a == "--tokens" && has_value) {
@@ -34,7 +36,7 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: bench_cuda_moe [--shapes mixtral,qwen3,deepseek] [--tokens 1,16,...] "
-                   "[--routings 8] [--iters 40] [--dump-dir DIR] [--sweep]\n");
+                   "[--routings 8] [--iters 40] [--dump-dir DIR] [--sweep] [--sweep-sm90]\n");
       return 2;
     }
   }

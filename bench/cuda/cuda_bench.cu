@@ -143,6 +143,16 @@ int run_cuda_bench(const CudaBenchOptions& o) {
     CK(cudaMalloc(&inter, padded_max * I * 2));
     CK(cudaMalloc(&y, slots_max * H * 4));
     CK(cudaMalloc(&out, Tmax * H * 2));
+    // The sm_90a wgmma + TMA path (sm90_experts), where this build and device have it.
+    const bool have_sm90 = cuda::sm90_experts_available();
+    int32_t* slot_row = nullptr;
+    void* sm90_ws = nullptr;
+    const size_t sm90_ws_bytes =
+        have_sm90 ? cuda::sm90_experts_workspace_bytes(slots_max, E, I) : 0;
+    if (have_sm90) {
+      CK(cudaMalloc(&slot_row, slots_max * 4));
+      CK(cudaMalloc(&sm90_ws, sm90_ws_bytes));
+    }
 
     for (int64_t T : tokens) {
       // ---- uniform routings: k distinct experts per token, weights summing to 1 ----
@@ -178,17 +188,53 @@ int run_cuda_bench(const CudaBenchOptions& o) {
       const int64_t rows = static_cast<int64_t>(std::llround(slots / std::max(1.0, exp_touched)));
       const cuda::GemmTile picked = cuda::pick_gemm_tile(rows, slots, 2 * I, H);
       cuda::GemmTile tile = picked;
+      const bool picked_sm90 = cuda::pick_sm90_experts(rows, slots, H, I);
+      bool sm90 = picked_sm90;
       auto enqueue = [&](int r) {
         cuda::AlignArgs al;
         al.topk_ids = ids + r * slots;
         al.num_slots = slots;
         al.num_experts = E;
-        al.block_m = cuda::gemm_tile_block_m(tile);
+        al.block_m = sm90 ? 1 : cuda::gemm_tile_block_m(tile);
         al.expert_offsets = offsets;
         al.sorted_slot = sorted;
         al.expert_counts = counts;
         al.expert_cursor = cursor;
         cuda::align(al, stream);
+        if (sm90) {
+          cuda::Sm90ExpertsArgs a;
+          a.x = x;
+          a.ldx = H;
+          a.topk_ids = ids + r * slots;
+          a.sorted_slot = sorted;
+          a.expert_offsets = offsets;
+          a.num_tokens = T;
+          a.top_k = k;
+          a.num_experts = E;
+          a.hidden = H;
+          a.inter = I;
+          a.w13 = w13;
+          a.w2 = w2;
+          a.inter_rows = inter;
+          a.y_rows = y;
+          a.slot_row = slot_row;
+          a.workspace = sm90_ws;
+          a.workspace_bytes = sm90_ws_bytes;
+          cuda::sm90_experts(a, stream);
+          cuda::FinalizeArgs f;
+          f.y = y;
+          f.topk_ids = ids + r * slots;
+          f.num_tokens = T;
+          f.top_k = k;
+          f.hidden = H;
+          f.out = out;
+          f.out_dtype = DType::kBF16;
+          f.ldo = H;
+          f.slot_row = slot_row;
+          f.row_scale = wts + r * slots;
+          cuda::finalize(f, stream);
+          return;
+        }
         cuda::GroupedGemmArgs g;
         g.epilogue = cuda::GemmEpilogue::kGlu;
         g.tile = tile;
@@ -230,8 +276,9 @@ int run_cuda_bench(const CudaBenchOptions& o) {
         cuda::finalize(f, stream);
       };
       // Warm-up (sets kernel attributes outside capture), then one graph per routing.
-      auto time_tile = [&](cuda::GemmTile t) {
+      auto time_tile = [&](cuda::GemmTile t, bool use_sm90 = false) {
         tile = t;
+        sm90 = use_sm90;
         enqueue(0);
         CK(cudaStreamSynchronize(stream));
         std::vector<cudaGraphExec_t> execs(routings);
@@ -268,7 +315,18 @@ int run_cuda_bench(const CudaBenchOptions& o) {
           sweep_text += b2;
         }
       }
-      const double us = time_tile(picked);
+      if ((sweep || o.sweep_sm90) && have_sm90) {
+        char b2[64];
+        if (!sweep) {
+          std::snprintf(b2, sizeof b2, " mma:%s %.1f", cuda::gemm_tile_name(picked),
+                        time_tile(picked));
+          sweep_text += b2;
+        }
+        std::snprintf(b2, sizeof b2, " sm90 %.1f", time_tile(picked, true));
+        sweep_text += b2;
+      }
+      const double us = time_tile(picked, picked_sm90);
+      sm90 = picked_sm90;
       if (!dump_dir.empty()) {
         const std::string base = dump_dir + "/" + s.name + "_T" + std::to_string(T);
         std::vector<uint16_t> out_h(T * H);
@@ -282,7 +340,8 @@ int run_cuda_bench(const CudaBenchOptions& o) {
       const double flops = 2.0 * slots * 3.0 * H * I;
       const double bytes = touched * 3.0 * H * I * 2 + 2.0 * T * H * 2;
       const double floor_us = std::max(bytes / 4.8e12, flops / 790e12) * 1e6;
-      const char* tname = cuda::gemm_tile_name(picked);
+      const std::string tname_s = picked_sm90 ? "sm90" : cuda::gemm_tile_name(picked);
+      const char* tname = tname_s.c_str();
       std::printf("| %s | %lld | %s | %.1f | %.1f | %.0f | %.1f | %.0f%% |%s\n", s.name,
                   static_cast<long long>(T), tname, us, flops / us * 1e-6, bytes / us * 1e-3,
                   floor_us, 100.0 * floor_us / us, sweep_text.c_str());
@@ -297,9 +356,9 @@ int run_cuda_bench(const CudaBenchOptions& o) {
       manifest += buf;
       first_case = false;
     }
-    for (void* p :
-         {(void*)w13, (void*)w2, (void*)x, (void*)ids, (void*)wts, (void*)sorted, (void*)counts,
-          (void*)cursor, (void*)offsets, (void*)inter, (void*)y, (void*)out})
+    for (void* p : {(void*)w13, (void*)w2, (void*)x, (void*)ids, (void*)wts, (void*)sorted,
+                    (void*)counts, (void*)cursor, (void*)offsets, (void*)inter, (void*)y,
+                    (void*)out, (void*)slot_row, sm90_ws})
       CK(cudaFree(p));
   }
   manifest += "\n], \"seeds\": {\"w13\": 11, \"w2\": 12, \"x\": 13}}\n";

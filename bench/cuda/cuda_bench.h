@@ -11,10 +11,11 @@ namespace fusedmoe::bench {
 struct CudaBenchOptions {
   std::string shapes = "mixtral,qwen3,deepseek";  // layer shapes (names in cuda_bench.cu)
   std::vector<int64_t> tokens = {1, 16, 64, 128, 256, 1024, 4096};
-  int routings = 8;      // different uniform routings cycled through (weights from HBM)
-  int iters = 40;        // timed graph replays per case (median reported)
-  bool sweep = false;    // also time every GEMM tile configuration
-  std::string dump_dir;  // write routings, our output and manifest.json (torch_baseline.py)
+  int routings = 8;         // different uniform routings cycled through (weights from HBM)
+  int iters = 40;           // timed graph replays per case (median reported)
+  bool sweep = false;       // also time every GEMM tile configuration
+  bool sweep_sm90 = false;  // also time the mma.sync path's tile and the sm90 path
+  std::string dump_dir;     // write routings, our output and manifest.json (torch_baseline.py)
 };
 
 // Prints a markdown table (time, TFLOP/s, GB/s, floor, % of floor) to stdout.

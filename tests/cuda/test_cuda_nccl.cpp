@@ -184,6 +184,16 @@ void check_collectives(Communicator& c) {
   }
 }
 
+// GPU EP runs its local experts on the mma.sync kernels at every T (the wgmma
+// path's expert-sorted output does not feed the combine yet), so the one-GPU
+// reference is pinned to the same kernels: outputs stay bit-identical.
+class MmaExpertsEnvironment : public ::testing::Environment {
+ public:
+  void SetUp() override { setenv("FUSEDMOE_CUDA_EXPERTS", "mma", 1); }
+};
+[[maybe_unused]] ::testing::Environment* const kMmaExperts =
+    ::testing::AddGlobalTestEnvironment(new MmaExpertsEnvironment);
+
 TEST(NcclCommunicator, OneRankCollectives) {
   FUSEDMOE_REQUIRE_NCCL();
   std::unique_ptr<Communicator> c =

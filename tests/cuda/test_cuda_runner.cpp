@@ -4,6 +4,7 @@
 // bit-identical reruns, CUDA-graph capture and replay, 64-bit offsets.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -140,6 +141,45 @@ TEST_P(CudaRunnerArch, MatchesCpuBackendAndReference) {
 
 INSTANTIATE_TEST_SUITE_P(Architectures, CudaRunnerArch, ::testing::Range(0, 7),
                          [](const auto& p) { return arch_configs()[p.param].first; });
+
+// The sm_90a wgmma + TMA path (sm90_experts) forced for every architecture and
+// small T too (most experts empty: M = 0 groups); large T takes it by default.
+struct ForceExperts {
+  explicit ForceExperts(const char* path) { setenv("FUSEDMOE_CUDA_EXPERTS", path, 1); }
+  ~ForceExperts() { unsetenv("FUSEDMOE_CUDA_EXPERTS"); }
+};
+
+TEST_P(CudaRunnerArch, Sm90ExpertsPathMatches) {
+  FUSEDMOE_REQUIRE_CUDA();
+  if (!cuda::sm90_experts_available()) GTEST_SKIP() << "skipped: no sm_90 device or no CUTLASS";
+  const ForceExperts force("sm90");
+  const auto [name, c] = arch_configs()[GetParam()];
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed) + " " + name + " sm90");
+  std::mt19937_64 rng(seed);
+  for (int64_t T : {1, 17, 300}) {
+    check_runner(c, T, rng, DType::kF32);
+    if (HasFailure()) return;
+  }
+  check_runner(c, 33, rng, DType::kBF16);
+}
+
+TEST(CudaRunner, ForcedMmaPathAtLargeT) {
+  FUSEDMOE_REQUIRE_CUDA();
+  const ForceExperts force("mma");
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  MoEConfig c = test::base_config(8, 2, 96, 80);
+  c.renormalize = true;
+  check_runner(c, 1000, rng, DType::kF32);
+}
+
+TEST(CudaRunner, RejectsUnknownExpertsPath) {
+  FUSEDMOE_REQUIRE_CUDA();
+  const ForceExperts force("wgmma");
+  EXPECT_THROW(cuda::pick_sm90_experts(4096, 4096, 96, 80), Error);
+}
 
 // T, E, k, H, I grid (H, I not multiples of the tiles).
 struct Shape {

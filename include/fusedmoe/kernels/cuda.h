@@ -145,6 +145,49 @@ struct GroupedGemmArgs {
 };
 void grouped_gemm(const GroupedGemmArgs& args, Stream stream);
 
+// ---- routed experts, many rows per expert: sm_90a grouped GEMM -------------------
+// wgmma + TMA (CUTLASS 3.x ptr-array grouped GEMM, warp-specialized cooperative
+// kernel, 128 x 256 x 64 tiles, f32 accumulation) over expert-contiguous rows.
+// Needs align() with block_m = 1 (no padding rows). In order, on `stream`:
+//   1. xs[r] = x[sorted_slot[r] / top_k]  (bf16 [T*k, H], kept in y_rows), slot_row[s] = r;
+//   2. h13[r] = xs[r] . w13[e]^T           (bf16 [T*k, 2I], in `workspace`);
+//   3. inter_rows[r, i] = act(h13[r, i] + b[e, i], h13[r, I + i] + b[e, I + i])  (bf16);
+//   4. y_rows[r] = inter_rows[r] . w2[e]^T (f32 [T*k, H], unweighted, without w2 bias);
+// for rows r < expert_offsets[E], e the expert of row r. finalize() with
+// slot_row, row_scale = topk_weights and bias = w2 bias then sums each token's
+// rows in slot order. The per-expert problem shapes and pointers are written
+// on the device from expert_offsets (no host sync; graph-capturable).
+// x: bf16 [T, H] rows (stride ldx); w13 bf16 [E, 2I, H]; w13_bias f32 [E, 2I]
+// or null; w2 bf16 [E, H, I]. H % 8 == 0 and I % 8 == 0.
+// Throws Error(kInvalidArgument) on bad sizes or a short workspace,
+// Error(kUnsupported) in builds without CUTLASS.
+// sm90_experts_available(): built with CUTLASS and the current device is sm_90.
+bool sm90_experts_available();
+// Bytes of `workspace` for up to num_slots = T * k routed rows.
+size_t sm90_experts_workspace_bytes(int64_t num_slots, int64_t num_experts, int64_t inter);
+struct Sm90ExpertsArgs {
+  const uint16_t* x = nullptr;  // bf16 bits
+  int64_t ldx = 0;
+  const int32_t* topk_ids = nullptr;        // i32 [T, k]
+  const int32_t* sorted_slot = nullptr;     // from align(block_m = 1)
+  const int64_t* expert_offsets = nullptr;  // from align(block_m = 1)
+  int64_t num_tokens = 0, top_k = 0, num_experts = 0, hidden = 0, inter = 0;
+  const uint16_t* w13 = nullptr;
+  const float* w13_bias = nullptr;
+  const uint16_t* w2 = nullptr;
+  ActivationParams act;
+  uint16_t* inter_rows = nullptr;  // bf16 [T * k, I]
+  float* y_rows = nullptr;         // f32 [T * k, H]
+  int32_t* slot_row = nullptr;     // i32 [T * k]
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+};
+void sm90_experts(const Sm90ExpertsArgs& args, Stream stream);
+// Whether the routed experts take sm90_experts() (true) or the mma.sync / GEMV
+// grouped GEMMs (tuning data in gemm_configs.cpp). FUSEDMOE_CUDA_EXPERTS=sm90
+// or =mma in the environment forces one (sm90 only where available).
+bool pick_sm90_experts(int64_t rows_per_expert, int64_t routed_rows, int64_t hidden, int64_t inter);
+
 // ---- finalize ------------------------------------------------------------------
 // out[t, h] = sum_{j < k, topk_ids[t, j] valid} y[(t*k + j) * H + h]   (slot order,
 //             deterministic)  + shared_scale_t * shared[t * H + h]  (if shared)
@@ -152,6 +195,10 @@ void grouped_gemm(const GroupedGemmArgs& args, Stream stream);
 // x (bf16 [T, H], row stride ldx) are given, else 1. y, shared: f32.
 // out: f32 or bf16 (out_dtype), row stride ldo. An id is valid when >= 0 and,
 // with num_experts > 0, < num_experts (align skips the others too).
+// Expert-sorted y (sm90_experts): with slot_row (i32 [T * k]) the term of slot
+// s is row_scale[s] * (y[slot_row[s] * H + h] + bias[topk_ids[s] * H + h])
+// (row_scale null: 1; bias f32 [E, H] or null: 0) — the kScatter epilogue's
+// arithmetic, summed in the same slot order.
 struct FinalizeArgs {
   const float* y = nullptr;
   const int32_t* topk_ids = nullptr;
@@ -164,6 +211,9 @@ struct FinalizeArgs {
   void* out = nullptr;
   DType out_dtype = DType::kF32;
   int64_t ldo = 0;
+  const int32_t* slot_row = nullptr;
+  const float* row_scale = nullptr;
+  const float* bias = nullptr;
 };
 void finalize(const FinalizeArgs& args, Stream stream);
 

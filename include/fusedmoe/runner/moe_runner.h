@@ -81,7 +81,10 @@ struct RunnerOptions {
   // rank's own gate GEMM: within ~1e-7 relative, as the device gate GEMM's
   // summation order depends on T). That path synchronises cuda_stream at each
   // exchange (the counts go to the host), so it is not graph-capturable; its
-  // workspace holds ep_size * max_num_tokens received rows.
+  // workspace holds ep_size * max_num_tokens received rows. Its local experts
+  // run on the mma.sync kernels at every T: bit-identical to one GPU run with
+  // FUSEDMOE_CUDA_EXPERTS=mma; where one GPU picks the sm_90a wgmma path (many
+  // rows per expert), the two agree to bf16 rounding.
   // Parallel layouts (config.parallel sizes > 1; CPU backend): the communicator
   // over all ranks of the layout (parallel/communicator.h ParallelGroups; its
   // rank must match config.parallel's ranks; nullptr: one rank). The weights

@@ -10,7 +10,6 @@
 
 #include "fusedmoe/core/dtype.h"
 #include "kernels/cuda/cuda_check.h"
-#include "kernels/cuda/routed_experts.h"
 
 namespace fusedmoe::cuda {
 namespace {
@@ -97,6 +96,7 @@ struct DeviceExperts {
   size_t bytes() const { return w13.bytes() + w2.bytes() + w13_bias.bytes() + w2_bias.bytes(); }
 };
 
+constexpr int kMaxBlockM = 128;
 constexpr int32_t kNoNanToken = 0x7f7f7f7f;  // what cudaMemset(0x7f) writes
 
 void check_device_view(const TensorView& t, const char* name, std::initializer_list<DType> dtypes) {
@@ -125,11 +125,19 @@ struct CudaMoELayer::Impl {
   float* weights = nullptr;
   uint16_t* xb = nullptr;
   uint16_t* xs = nullptr;
-  void* routed_base = nullptr;
-  RoutedScratch routed;  // align / GEMM scratch of routed_experts (routed_experts.h)
+  int32_t* counts = nullptr;
+  int32_t* cursor = nullptr;
+  int64_t* offsets = nullptr;
+  int32_t* sorted_slot = nullptr;
+  uint16_t* inter = nullptr;
+  float* y = nullptr;
   uint16_t* inter_s = nullptr;
   float* shared_out = nullptr;
   int32_t* nan_token = nullptr;  // first token with a NaN router logit, else kNoNanToken
+  // sm90_experts (many rows per expert): slot -> sorted row, and its own workspace
+  int32_t* slot_row = nullptr;
+  void* sm90_ws = nullptr;
+  size_t sm90_ws_bytes = 0;
   // second stream for the shared expert
   cudaStream_t side = nullptr;
   cudaEvent_t fork = nullptr, join = nullptr;
@@ -181,6 +189,7 @@ CudaMoELayer::CudaMoELayer(const MoEConfig& config, const MoELayerWeights& w,
 
   // ---- workspace (one allocation, carved) ----
   const int64_t Tm = max_num_tokens, slots = Tm * k;
+  const int64_t padded = max_padded_rows(slots, E, kMaxBlockM);
   const int64_t Is = c.shared_intermediate_size;
   struct Part {
     void** ptr;
@@ -191,7 +200,12 @@ CudaMoELayer::CudaMoELayer(const MoEConfig& config, const MoELayerWeights& w,
       {reinterpret_cast<void**>(&s.ids), sizeof(int32_t) * slots},
       {reinterpret_cast<void**>(&s.weights), sizeof(float) * slots},
       {reinterpret_cast<void**>(&s.xb), size_t{2} * Tm * H},
-      {&s.routed_base, routed_scratch_bytes(Tm, k, E, H, I)},
+      {reinterpret_cast<void**>(&s.counts), sizeof(int32_t) * E},
+      {reinterpret_cast<void**>(&s.cursor), sizeof(int32_t) * E},
+      {reinterpret_cast<void**>(&s.offsets), sizeof(int64_t) * (E + 1)},
+      {reinterpret_cast<void**>(&s.sorted_slot), sizeof(int32_t) * padded},
+      {reinterpret_cast<void**>(&s.inter), size_t{2} * padded * I},
+      {reinterpret_cast<void**>(&s.y), sizeof(float) * slots * H},
       {reinterpret_cast<void**>(&s.nan_token), sizeof(int32_t)},
   };
   if (c.apply_router_weight_on_input)
@@ -199,6 +213,11 @@ CudaMoELayer::CudaMoELayer(const MoEConfig& config, const MoELayerWeights& w,
   if (c.has_shared_expert()) {
     parts.push_back({reinterpret_cast<void**>(&s.inter_s), size_t{2} * Tm * Is});
     parts.push_back({reinterpret_cast<void**>(&s.shared_out), sizeof(float) * Tm * H});
+  }
+  if (sm90_experts_available()) {
+    s.sm90_ws_bytes = sm90_experts_workspace_bytes(slots, E, I);
+    parts.push_back({reinterpret_cast<void**>(&s.slot_row), sizeof(int32_t) * slots});
+    parts.push_back({&s.sm90_ws, s.sm90_ws_bytes});
   }
   size_t total = 0;
   for (const Part& p : parts) total += (p.bytes + 255) / 256 * 256;
@@ -208,7 +227,6 @@ CudaMoELayer::CudaMoELayer(const MoEConfig& config, const MoELayerWeights& w,
     *p.ptr = static_cast<char*>(s.ws.get()) + off;
     off += (p.bytes + 255) / 256 * 256;
   }
-  s.routed = carve_routed_scratch(s.routed_base, Tm, k, E, H, I);
   FUSEDMOE_CUDA_CHECK(cudaMemset(s.nan_token, 0x7f, sizeof(int32_t)));
   FUSEDMOE_CUDA_CHECK(cudaDeviceSynchronize());
   if (c.has_shared_expert()) {
@@ -370,28 +388,92 @@ void CudaMoELayer::forward(const TensorView& hidden_states, const TensorView& ou
     FUSEDMOE_CUDA_CHECK(cudaEventRecord(s.join, s.side));
   }
 
-  // ---- routed experts (the pipeline of the functional cuda::fused_experts) ----
-  RoutedExpertsArgs r;
-  r.x = routed_in;
-  r.topk_ids = s.ids;
-  r.topk_weights = s.weights;
-  r.num_tokens = T;
-  r.top_k = k;
-  r.num_experts = E;
-  r.hidden = H;
-  r.inter = I;
-  r.w13 = s.experts.w13.as<uint16_t>();
-  r.w2 = s.experts.w2.as<uint16_t>();
-  r.w13_bias = s.experts.w13_bias.as<float>();
-  r.w2_bias = s.experts.w2_bias.as<float>();
-  r.act = ActivationParams::from_config(c);
-  r.apply_router_weight_on_input = c.apply_router_weight_on_input;
-  routed_experts(r, s.routed, stream);
+  // ---- routed experts ----
+  const int64_t slots = T * k;
+  const double touched =
+      static_cast<double>(E) * (1.0 - std::pow(1.0 - static_cast<double>(k) / E, T));
+  const int64_t rows_per_expert =
+      static_cast<int64_t>(std::llround(slots / std::max(1.0, touched)));
+  const GemmTile tile13 = pick_gemm_tile(rows_per_expert, slots, 2 * I, H);
+  const GemmTile tile2 = tile13;  // one alignment serves both GEMMs
+  const bool sm90 = pick_sm90_experts(rows_per_expert, slots, H, I);
+  AlignArgs al;
+  al.topk_ids = s.ids;
+  al.num_slots = slots;
+  al.num_experts = E;
+  al.block_m = sm90 ? 1 : gemm_tile_block_m(tile13);  // TMA tiles need no padded rows
+  al.expert_offsets = s.offsets;
+  al.sorted_slot = s.sorted_slot;
+  al.expert_counts = s.counts;
+  al.expert_cursor = s.cursor;
+  align(al, stream);
+
+  FinalizeArgs f;
+  if (sm90) {
+    Sm90ExpertsArgs x;
+    x.x = routed_in;
+    x.ldx = H;
+    x.topk_ids = s.ids;
+    x.sorted_slot = s.sorted_slot;
+    x.expert_offsets = s.offsets;
+    x.num_tokens = T;
+    x.top_k = k;
+    x.num_experts = E;
+    x.hidden = H;
+    x.inter = I;
+    x.w13 = s.experts.w13.as<uint16_t>();
+    x.w13_bias = s.experts.w13_bias.as<float>();
+    x.w2 = s.experts.w2.as<uint16_t>();
+    x.act = ActivationParams::from_config(c);
+    x.inter_rows = s.inter;
+    x.y_rows = s.y;
+    x.slot_row = s.slot_row;
+    x.workspace = s.sm90_ws;
+    x.workspace_bytes = s.sm90_ws_bytes;
+    sm90_experts(x, stream);
+    f.slot_row = s.slot_row;
+    f.row_scale = c.apply_router_weight_on_input ? nullptr : s.weights;
+    f.bias = s.experts.w2_bias.as<float>();
+  } else {
+    GroupedGemmArgs g;
+    g.epilogue = GemmEpilogue::kGlu;
+    g.tile = tile13;
+    g.a = routed_in;
+    g.lda = H;
+    g.gather = true;
+    g.a_div = static_cast<int>(k);
+    g.sorted_slot = s.sorted_slot;
+    g.expert_offsets = s.offsets;
+    g.num_experts = E;
+    g.m = slots;
+    g.w = s.experts.w13.as<uint16_t>();
+    g.n = 2 * I;
+    g.k = H;
+    g.bias = s.experts.w13_bias.as<float>();
+    g.act = ActivationParams::from_config(c);
+    g.out = s.inter;
+    g.ldc = I;
+    grouped_gemm(g, stream);
+
+    GroupedGemmArgs g2 = g;
+    g2.epilogue = GemmEpilogue::kScatter;
+    g2.tile = tile2;
+    g2.a = s.inter;
+    g2.lda = I;
+    g2.gather = false;
+    g2.w = s.experts.w2.as<uint16_t>();
+    g2.n = H;
+    g2.k = I;
+    g2.bias = s.experts.w2_bias.as<float>();
+    g2.row_scale = c.apply_router_weight_on_input ? nullptr : s.weights;
+    g2.out = s.y;
+    g2.ldc = H;
+    grouped_gemm(g2, stream);
+  }
 
   // ---- finalize ----
   if (has_shared) FUSEDMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, s.join, 0));
-  FinalizeArgs f;
-  f.y = s.routed.y;
+  f.y = s.y;
   f.topk_ids = s.ids;
   f.num_tokens = T;
   f.top_k = k;
@@ -409,7 +491,13 @@ void CudaMoELayer::forward(const TensorView& hidden_states, const TensorView& ou
 // ---- expert parallelism: forward() in three parts (CudaEpMoELayer) ----------------
 
 GemmTile CudaMoELayer::routed_gemm_tile(const MoEConfig& c, int64_t T) {
-  return cuda::routed_gemm_tile(T, c.top_k, c.num_experts, c.hidden_size, c.intermediate_size);
+  const int64_t I = c.intermediate_size, H = c.hidden_size, E = c.num_experts, k = c.top_k;
+  const int64_t slots = T * k;
+  const double touched =
+      static_cast<double>(E) * (1.0 - std::pow(1.0 - static_cast<double>(k) / E, T));
+  const int64_t rows_per_expert =
+      static_cast<int64_t>(std::llround(slots / std::max(1.0, touched)));
+  return pick_gemm_tile(rows_per_expert, slots, 2 * I, H);
 }
 
 const int32_t* CudaMoELayer::topk_ids() const {
@@ -526,26 +614,50 @@ const float* CudaMoELayer::experts(const uint16_t* x, int64_t ldx, const int32_t
                  "], got ", M);
   FUSEDMOE_CHECK(ldx >= H && ldx % 8 == 0, "experts: ldx: expected >= ", H,
                  " and a multiple of 8, got ", ldx);
-  if (M == 0) return s.routed.y;
-  RoutedExpertsArgs r;  // the routed pipeline of forward() (routed_experts.h), local experts
-  r.x = x;
-  r.ldx = ldx;
-  r.topk_ids = topk_ids;
-  r.topk_weights = topk_weights;
-  r.num_tokens = M;
-  r.top_k = k;
-  r.num_experts = E_local;
-  r.hidden = H;
-  r.inter = I;
-  r.w13 = s.experts.w13.as<uint16_t>();
-  r.w2 = s.experts.w2.as<uint16_t>();
-  r.w13_bias = s.experts.w13_bias.as<float>();
-  r.w2_bias = s.experts.w2_bias.as<float>();
-  r.act = ActivationParams::from_config(c);
-  r.apply_router_weight_on_input = c.apply_router_weight_on_input;
-  r.tile = tile;
-  routed_experts(r, s.routed, stream);
-  return s.routed.y;
+  if (M == 0) return s.y;
+  AlignArgs al;
+  al.topk_ids = topk_ids;
+  al.num_slots = M * k;
+  al.num_experts = E_local;
+  al.block_m = gemm_tile_block_m(tile);
+  al.expert_offsets = s.offsets;
+  al.sorted_slot = s.sorted_slot;
+  al.expert_counts = s.counts;
+  al.expert_cursor = s.cursor;
+  align(al, stream);
+  GroupedGemmArgs g;
+  g.epilogue = GemmEpilogue::kGlu;
+  g.tile = tile;
+  g.a = x;
+  g.lda = ldx;
+  g.gather = true;
+  g.a_div = static_cast<int>(k);
+  g.sorted_slot = s.sorted_slot;
+  g.expert_offsets = s.offsets;
+  g.num_experts = E_local;
+  g.m = M * k;
+  g.w = s.experts.w13.as<uint16_t>();
+  g.n = 2 * I;
+  g.k = H;
+  g.bias = s.experts.w13_bias.as<float>();
+  g.act = ActivationParams::from_config(c);
+  g.out = s.inter;
+  g.ldc = I;
+  grouped_gemm(g, stream);
+  GroupedGemmArgs g2 = g;
+  g2.epilogue = GemmEpilogue::kScatter;
+  g2.a = s.inter;
+  g2.lda = I;
+  g2.gather = false;
+  g2.w = s.experts.w2.as<uint16_t>();
+  g2.n = H;
+  g2.k = I;
+  g2.bias = s.experts.w2_bias.as<float>();
+  g2.row_scale = c.apply_router_weight_on_input ? nullptr : topk_weights;
+  g2.out = s.y;
+  g2.ldc = H;
+  grouped_gemm(g2, stream);
+  return s.y;
 }
 
 void CudaMoELayer::ep_finalize(const float* y, const TensorView& output, int64_t T, Stream stream) {

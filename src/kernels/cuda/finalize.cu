@@ -45,25 +45,44 @@ __device__ __forceinline__ void store_out<uint16_t>(uint16_t* p, float v) {
   *p = float_to_bf16_bits(v);
 }
 
+// Expert-sorted y (kRows): y row of slot s is slot_row[s], weighted here.
+struct SortedRows {
+  const int32_t* slot_row;
+  const float* row_scale;  // or null: 1
+  const float* bias;       // f32 [E, H] or null
+};
+
 // One block per (token, chunk of kFinalizeThreads * 4 columns): a decode-size
 // T still spreads over many SMs. Each thread loads up to 8 of its token's k
 // rows before adding them (loads in flight together), and adds them in slot
 // order, skipping empty slots, so the sum is the same on every run.
-template <typename Out>
+template <typename Out, bool kRows>
 __global__ void __launch_bounds__(kFinalizeThreads)
     finalize_kernel(const float* __restrict__ y, const int32_t* __restrict__ ids, int top_k,
                     int num_experts, int64_t hidden, int64_t chunks,
                     const float* __restrict__ shared, const float* __restrict__ shared_gate,
-                    const uint16_t* __restrict__ x, int64_t ldx, Out* __restrict__ out,
-                    int64_t ldo) {
+                    const uint16_t* __restrict__ x, int64_t ldx, Out* __restrict__ out, int64_t ldo,
+                    const SortedRows rows) {
   __shared__ int32_t valid[32];
+  __shared__ const float* src[32];
+  __shared__ const float* bias_row[32];
+  __shared__ float scale[32];
   __shared__ float red[kFinalizeThreads / 32];
   __shared__ float gate_s;
   const int64_t t = blockIdx.x / chunks;
   const int64_t h = (blockIdx.x % chunks) * (kFinalizeThreads * 4) + threadIdx.x * 4;
   if (threadIdx.x < top_k) {
-    const int32_t e = ids[t * top_k + threadIdx.x];
-    valid[threadIdx.x] = e >= 0 && (num_experts <= 0 || e < num_experts);
+    const int64_t s = t * top_k + threadIdx.x;
+    const int32_t e = ids[s];
+    const bool ok = e >= 0 && (num_experts <= 0 || e < num_experts);
+    valid[threadIdx.x] = ok;
+    if (kRows) {
+      src[threadIdx.x] = ok ? y + static_cast<int64_t>(rows.slot_row[s]) * hidden : y;
+      bias_row[threadIdx.x] = rows.bias && ok ? rows.bias + e * hidden : nullptr;
+      scale[threadIdx.x] = rows.row_scale ? rows.row_scale[s] : 1.0f;
+    } else {
+      src[threadIdx.x] = y + s * hidden;
+    }
   }
   float gate = 1.0f;
   if (shared != nullptr && shared_gate != nullptr) {
@@ -83,33 +102,47 @@ __global__ void __launch_bounds__(kFinalizeThreads)
   __syncthreads();
   if (shared != nullptr && shared_gate != nullptr) gate = gate_s;
   if (h >= hidden) return;
-  const float* yt = y + t * top_k * hidden + h;
-  // hidden % 4 == 0 (checked): float4 reads of y and shared.
-  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  // hidden % 4 == 0 (checked): float4 reads of y, bias and shared.
+  const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+  float4 acc = zero;
   for (int j0 = 0; j0 < top_k; j0 += 8) {
     float4 v[8];
 #pragma unroll
     for (int u = 0; u < 8; ++u) {
       const int j = j0 + u;
-      v[u] = j < top_k && valid[j] ? *reinterpret_cast<const float4*>(yt + j * hidden)
-                                   : make_float4(0.f, 0.f, 0.f, 0.f);
+      v[u] = j < top_k && valid[j] ? *reinterpret_cast<const float4*>(src[j] + h) : zero;
     }
 #pragma unroll
     for (int u = 0; u < 8; ++u) {
       const int j = j0 + u;
       if (j >= top_k || !valid[j]) continue;
-      acc.x += v[u].x;
-      acc.y += v[u].y;
-      acc.z += v[u].z;
-      acc.w += v[u].w;
+      float4 w = v[u];
+      if (kRows) {  // the same arithmetic as the kScatter epilogue: scale * (C + b)
+        if (bias_row[j]) {
+          const float4 b = *reinterpret_cast<const float4*>(bias_row[j] + h);
+          w.x += b.x;
+          w.y += b.y;
+          w.z += b.z;
+          w.w += b.w;
+        }
+        const float c = scale[j];
+        w.x *= c;
+        w.y *= c;
+        w.z *= c;
+        w.w *= c;
+      }
+      acc.x += w.x;
+      acc.y += w.y;
+      acc.z += w.z;
+      acc.w += w.w;
     }
   }
   if (shared) {
-    const float4 v = *reinterpret_cast<const float4*>(shared + t * hidden + h);
-    acc.x += gate * v.x;
-    acc.y += gate * v.y;
-    acc.z += gate * v.z;
-    acc.w += gate * v.w;
+    const float4 w = *reinterpret_cast<const float4*>(shared + t * hidden + h);
+    acc.x += gate * w.x;
+    acc.y += gate * w.y;
+    acc.z += gate * w.z;
+    acc.w += gate * w.w;
   }
   Out* o = out + t * ldo + h;
   store_out(o, acc.x);
@@ -240,20 +273,27 @@ void finalize(const FinalizeArgs& a, Stream stream) {
                  a.top_k);
   FUSEDMOE_CHECK(a.shared_gate == nullptr || a.x != nullptr,
                  "finalize: the shared expert gate needs x");
+  FUSEDMOE_CHECK(a.slot_row != nullptr || (a.row_scale == nullptr && a.bias == nullptr),
+                 "finalize: row_scale and bias apply only with slot_row (expert-sorted y)");
   FUSEDMOE_CHECK(a.out_dtype == DType::kF32 || a.out_dtype == DType::kBF16,
                  "finalize: output dtype must be f32 or bf16, got ", dtype_name(a.out_dtype));
   const int64_t chunks = ceil_div(a.hidden, int64_t{kFinalizeThreads} * 4);
   FUSEDMOE_CHECK(a.num_tokens * chunks < (int64_t{1} << 31),
                  "finalize: too many tokens for one launch: ", a.num_tokens);
   const unsigned grid = static_cast<unsigned>(a.num_tokens * chunks);
-  if (a.out_dtype == DType::kF32)
-    finalize_kernel<float><<<grid, kFinalizeThreads, 0, stream>>>(
-        a.y, a.topk_ids, static_cast<int>(a.top_k), static_cast<int>(a.num_experts), a.hidden,
-        chunks, a.shared, a.shared_gate, a.x, a.ldx, static_cast<float*>(a.out), a.ldo);
-  else
-    finalize_kernel<uint16_t><<<grid, kFinalizeThreads, 0, stream>>>(
-        a.y, a.topk_ids, static_cast<int>(a.top_k), static_cast<int>(a.num_experts), a.hidden,
-        chunks, a.shared, a.shared_gate, a.x, a.ldx, static_cast<uint16_t*>(a.out), a.ldo);
+  const SortedRows rows{a.slot_row, a.row_scale, a.bias};
+  const int num_experts = static_cast<int>(a.num_experts);
+  if (a.out_dtype == DType::kF32) {
+    auto kernel = a.slot_row ? finalize_kernel<float, true> : finalize_kernel<float, false>;
+    kernel<<<grid, kFinalizeThreads, 0, stream>>>(
+        a.y, a.topk_ids, static_cast<int>(a.top_k), num_experts, a.hidden, chunks, a.shared,
+        a.shared_gate, a.x, a.ldx, static_cast<float*>(a.out), a.ldo, rows);
+  } else {
+    auto kernel16 = a.slot_row ? finalize_kernel<uint16_t, true> : finalize_kernel<uint16_t, false>;
+    kernel16<<<grid, kFinalizeThreads, 0, stream>>>(
+        a.y, a.topk_ids, static_cast<int>(a.top_k), num_experts, a.hidden, chunks, a.shared,
+        a.shared_gate, a.x, a.ldx, static_cast<uint16_t*>(a.out), a.ldo, rows);
+  }
   FUSEDMOE_CUDA_CHECK_LAUNCH();
 }
 

@@ -13,6 +13,24 @@
 //                          Qwen3 T = 4096: 1.43 vs 1.66 ms)
 //   otherwise    m128n128: (Mixtral T = 4096: 9.40 ms vs 10.0 ms with m64n128)
 // m128n256 (64 x 64 warp tiles) was never faster by more than 1.5 %: not picked.
+//
+// From 32 expected rows per expert on, the routed experts take the sm_90a
+// wgmma + TMA path instead (sm90_experts, CUTLASS 128 x 256 cooperative tiles),
+// from the side-by-side runs of bench/results/2026-11-29-cuda-bench-wgmma.md
+// (bench_cuda_moe --sweep-sm90, us, mma.sync pick vs sm90):
+//   rows/expert  8: DeepSeek T = 256   5376 vs 5826   (mma)
+//               16: Qwen3 T = 256       351 vs 365, DeepSeek T = 512 5913 vs 6016 (mma)
+//               32: Mixtral T = 128     771 vs 788,  Qwen3 T = 512 438 vs 381,
+//                   DeepSeek T = 1024  6416 vs 6172  (sm90 on balance)
+//               64: Mixtral T = 256    1025 vs 778   (sm90)
+//             1024: Mixtral T = 4096   9446 vs 5315  (sm90)
+// Two other CUTLASS configurations were measured there and not kept (each
+// would cost two more heavy translation units): 128 x 128 pingpong and
+// 128 x 256 cooperative in 2 x 1 clusters (B multicast) were slower at every
+// shape except Mixtral T = 4096's w2 GEMM (5-7 %, inside run-to-run noise).
+#include <cstdlib>
+#include <cstring>
+
 #include "fusedmoe/kernels/cuda.h"
 #include "kernels/cuda/gemm/gemm_instances.h"
 
@@ -20,6 +38,9 @@ namespace fusedmoe::cuda {
 
 namespace {
 constexpr int64_t kGemvMaxRoutedRows = 16;
+// The sm_90a wgmma + TMA path (sm90_experts) from this many expected rows per
+// touched expert up (measurements above).
+constexpr int64_t kSm90MinRowsPerExpert = 32;
 
 struct TileRow {
   GemmTile tile;
@@ -53,6 +74,24 @@ GemmTile pick_gemm_tile(int64_t rows_per_expert, int64_t routed_rows, int64_t /*
   for (const TileRow& r : kTiles)
     if (rows_per_expert <= r.max_rows_per_expert) return r.tile;
   return GemmTile::kM128N128;
+}
+
+bool pick_sm90_experts(int64_t rows_per_expert, int64_t /*routed_rows*/, int64_t /*hidden*/,
+                       int64_t /*inter*/) {
+  const char* env = std::getenv("FUSEDMOE_CUDA_EXPERTS");
+  const bool force_mma = env != nullptr && std::strcmp(env, "mma") == 0;
+  const bool force_sm90 = env != nullptr && std::strcmp(env, "sm90") == 0;
+  FUSEDMOE_CHECK(env == nullptr || env[0] == '\0' || force_mma || force_sm90,
+                 "FUSEDMOE_CUDA_EXPERTS: expected sm90 or mma, got ", env);
+  if (force_mma) return false;
+  if (!sm90_experts_available()) {
+    if (force_sm90)
+      FUSEDMOE_THROW(kUnsupported,
+                     "FUSEDMOE_CUDA_EXPERTS=sm90: the sm_90a grouped GEMM is not available (no "
+                     "CUTLASS in this build, or the device is not sm_90)");
+    return false;
+  }
+  return force_sm90 || rows_per_expert >= kSm90MinRowsPerExpert;
 }
 
 void grouped_gemm(const GroupedGemmArgs& a, Stream stream) {

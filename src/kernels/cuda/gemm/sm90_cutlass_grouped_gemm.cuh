@@ -1,0 +1,191 @@
+// fusedmoe CUDA: bf16 grouped GEMM over experts on Hopper tensor cores (wgmma,
+// TMA loads and stores, warp-specialized producer / consumer warpgroups on an
+// mbarrier pipeline), from CUTLASS 3.x's sm90 ptr-array grouped GEMM
+// (KernelPtrArrayTmaWarpSpecializedCooperative, GroupProblemShape).
+//
+// The rows of expert e are the contiguous rows [off[e], off[e+1]) of A (the
+// expert-sorted copy of the input made by sm90_experts.cu): TMA reads tiles,
+// it cannot gather rows. Per-expert problem shapes and A / B / D pointers are
+// written ON THE DEVICE from expert_offsets by a one-block kernel (no host
+// sync; the idea of vLLM's cutlass_moe_mm get_group_gemm_starts), so the whole
+// sequence stays graph-capturable. Experts with no rows are M = 0 groups,
+// which CUTLASS's group tile scheduler skips.
+//
+// Included by one .cu per instantiation (compile time, ~minutes each).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/group_array_problem_shape.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/util/packed_stride.hpp"
+#include "kernels/cuda/cuda_common.cuh"
+#include "kernels/cuda/gemm/sm90_cutlass_instances.h"
+
+namespace fusedmoe::cuda::sm90 {
+
+using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
+
+// One grouped-GEMM type: D[e] (M_e x N, row-major, ElementD) = A[e] (M_e x K,
+// row-major bf16) . B[e]^T (B[e]: N x K, K contiguous = CUTLASS ColumnMajor),
+// f32 accumulation, no source C (ElementC = void).
+template <class ElementD_, class TileShape_, class ClusterShape_, class KernelSchedule_,
+          class EpilogueSchedule_>
+struct GroupedGemm {
+  using ElementA = cutlass::bfloat16_t;
+  using ElementB = cutlass::bfloat16_t;
+  using ElementD = ElementD_;
+  using LayoutA = cutlass::layout::RowMajor;
+  using LayoutB = cutlass::layout::ColumnMajor;
+  using LayoutD = cutlass::layout::RowMajor;
+  static constexpr int kAlignA = 8, kAlignB = 8;  // 16 bytes of bf16: K % 8 == 0
+  static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
+
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape_, ClusterShape_,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD*, kAlignD,
+      ElementD, LayoutD*, kAlignD, EpilogueSchedule_,
+      cutlass::epilogue::fusion::LinearCombination<ElementD, float, void, float>>::CollectiveOp;
+
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, LayoutA*, kAlignA, ElementB,
+      LayoutB*, kAlignB, float, TileShape_, ClusterShape_,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      KernelSchedule_>::CollectiveOp;
+
+  using Kernel =
+      cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+  using StrideD = typename Kernel::InternalStrideD;
+  using Shape = typename ProblemShape::UnderlyingProblemShape;
+};
+
+// Device-side argument arrays, carved from the front of the workspace.
+template <class G>
+struct GroupArrays {
+  typename G::Shape* shape;
+  const typename G::ElementA** a;
+  const typename G::ElementB** b;
+  typename G::ElementD** d;
+  typename G::StrideA* stride_a;
+  typename G::StrideB* stride_b;
+  typename G::StrideD* stride_d;
+
+  static size_t bytes(int64_t groups) {
+    auto r = [](size_t b) { return (b + 255) / 256 * 256; };
+    return r(sizeof(typename G::Shape) * groups) + 3 * r(sizeof(void*) * groups) +
+           r(sizeof(typename G::StrideA) * groups) + r(sizeof(typename G::StrideB) * groups) +
+           r(sizeof(typename G::StrideD) * groups);
+  }
+  static GroupArrays carve(void* ws, int64_t groups) {
+    auto r = [](size_t b) { return (b + 255) / 256 * 256; };
+    char* p = static_cast<char*>(ws);
+    GroupArrays g;
+    g.shape = reinterpret_cast<typename G::Shape*>(p);
+    p += r(sizeof(typename G::Shape) * groups);
+    g.a = reinterpret_cast<const typename G::ElementA**>(p);
+    p += r(sizeof(void*) * groups);
+    g.b = reinterpret_cast<const typename G::ElementB**>(p);
+    p += r(sizeof(void*) * groups);
+    g.d = reinterpret_cast<typename G::ElementD**>(p);
+    p += r(sizeof(void*) * groups);
+    g.stride_a = reinterpret_cast<typename G::StrideA*>(p);
+    p += r(sizeof(typename G::StrideA) * groups);
+    g.stride_b = reinterpret_cast<typename G::StrideB*>(p);
+    p += r(sizeof(typename G::StrideB) * groups);
+    g.stride_d = reinterpret_cast<typename G::StrideD*>(p);
+    return g;
+  }
+};
+
+// One thread per expert: shape (M_e, N, K), pointers and packed strides.
+template <class G>
+__global__ void group_args_kernel(GroupArrays<G> g, const int64_t* __restrict__ offsets,
+                                  int num_experts, const typename G::ElementA* a,
+                                  const typename G::ElementB* b, typename G::ElementD* d, int n,
+                                  int k, int64_t ldd) {
+  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
+    const int64_t row0 = offsets[e];
+    const int m = static_cast<int>(offsets[e + 1] - row0);
+    g.shape[e] = typename G::Shape(m, n, k);
+    g.a[e] = a + row0 * k;
+    g.b[e] = b + static_cast<int64_t>(e) * n * k;
+    g.d[e] = d + row0 * ldd;
+    g.stride_a[e] = cutlass::make_cute_packed_stride(typename G::StrideA{}, {m, k, 1});
+    g.stride_b[e] = cutlass::make_cute_packed_stride(typename G::StrideB{}, {n, k, 1});
+    typename G::StrideD sd{};
+    cute::get<0>(sd) = ldd;
+    g.stride_d[e] = sd;
+  }
+}
+
+template <class G>
+typename G::Gemm::Arguments make_arguments(const GroupArrays<G>& g, int64_t groups, int sm_count,
+                                           int device) {
+  cutlass::KernelHardwareInfo hw;
+  hw.device_id = device;
+  hw.sm_count = sm_count;
+  typename G::Gemm::Arguments args;
+  decltype(args.epilogue.thread) fusion{};
+  fusion.alpha = 1.0f;
+  fusion.beta = 0.0f;
+  args = typename G::Gemm::Arguments{cutlass::gemm::GemmUniversalMode::kGrouped,
+                                     {static_cast<int>(groups), g.shape, nullptr},
+                                     {g.a, g.stride_a, g.b, g.stride_b},
+                                     {fusion, nullptr, nullptr, g.d, g.stride_d},
+                                     hw};
+  return args;
+}
+
+template <class G>
+size_t workspace_bytes(int64_t groups) {
+  int device = 0;
+  FUSEDMOE_CUDA_CHECK(cudaGetDevice(&device));
+  GroupArrays<G> g = GroupArrays<G>::carve(nullptr, groups);
+  const auto args = make_arguments<G>(g, groups, num_sms(), device);
+  return GroupArrays<G>::bytes(groups) + G::Gemm::get_workspace_size(args) + 256;
+}
+
+template <class G>
+void run(const Sm90GemmArgs& a, Stream stream) {
+  const size_t front = GroupArrays<G>::bytes(a.num_experts);
+  FUSEDMOE_CHECK(a.workspace != nullptr && a.workspace_bytes >= workspace_bytes<G>(a.num_experts),
+                 "sm90 grouped GEMM: workspace of ", workspace_bytes<G>(a.num_experts),
+                 " bytes needed, got ", a.workspace_bytes);
+  GroupArrays<G> g = GroupArrays<G>::carve(a.workspace, a.num_experts);
+  group_args_kernel<G><<<1, 256, 0, stream>>>(g, a.expert_offsets, static_cast<int>(a.num_experts),
+                                              reinterpret_cast<const typename G::ElementA*>(a.a),
+                                              reinterpret_cast<const typename G::ElementB*>(a.w),
+                                              static_cast<typename G::ElementD*>(a.d),
+                                              static_cast<int>(a.n), static_cast<int>(a.k), a.ldd);
+  FUSEDMOE_CUDA_CHECK_LAUNCH();
+  int device = 0;
+  FUSEDMOE_CUDA_CHECK(cudaGetDevice(&device));
+  const auto args = make_arguments<G>(g, a.num_experts, num_sms(), device);
+  typename G::Gemm gemm;
+  cutlass::Status st = gemm.can_implement(args);
+  FUSEDMOE_CHECK(st == cutlass::Status::kSuccess,
+                 "sm90 grouped GEMM: CUTLASS cannot implement N = ", a.n, ", K = ", a.k, ": ",
+                 cutlassGetStatusString(st));
+  void* cutlass_ws = static_cast<char*>(a.workspace) + (front + 255) / 256 * 256;
+  st = gemm.initialize(args, cutlass_ws, stream);
+  FUSEDMOE_CHECK(st == cutlass::Status::kSuccess,
+                 "sm90 grouped GEMM: initialize failed: ", cutlassGetStatusString(st));
+  st = gemm.run(stream);
+  FUSEDMOE_CHECK(st == cutlass::Status::kSuccess,
+                 "sm90 grouped GEMM: launch failed: ", cutlassGetStatusString(st));
+  FUSEDMOE_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace fusedmoe::cuda::sm90

@@ -1,0 +1,36 @@
+// fusedmoe internal: the sm_90a CUTLASS grouped-GEMM instantiations, one
+// translation unit each (sm90_cutlass_grouped_gemm_<out>.cu): each is a heavy
+// compile (CUTLASS templates, ~2 min and ~3.5 GB on one core). Two other
+// configurations were measured and not kept (128 x 128 pingpong; 2 x 1
+// clusters): see gemm_configs.cpp.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "fusedmoe/kernels/cuda.h"
+
+namespace fusedmoe::cuda::sm90 {
+
+// D rows [off[e], off[e+1]) = A rows [off[e], off[e+1)) . W[e]^T for every e:
+//   a: bf16 [rows, K] contiguous (expert-sorted), w: bf16 [E, N, K],
+//   d: [rows, ldd] (bf16 or f32 by the instantiation), K % 8 == 0, N % 8 == 0
+//   (TMA: 16-byte aligned rows), ldd % 8 == 0.
+struct Sm90GemmArgs {
+  const uint16_t* a = nullptr;
+  const uint16_t* w = nullptr;
+  void* d = nullptr;
+  int64_t ldd = 0;
+  const int64_t* expert_offsets = nullptr;  // i64 [E + 1], on the device
+  int64_t num_experts = 0;
+  int64_t n = 0, k = 0;
+  void* workspace = nullptr;  // device, workspace_bytes_*(num_experts) bytes
+  size_t workspace_bytes = 0;
+};
+
+// Tile 128 x 256 x 64, cooperative (2 consumer warpgroups on one tile), cluster 1 x 1.
+void grouped_gemm_bf16out(const Sm90GemmArgs& args, Stream stream);  // d bf16 (w13)
+void grouped_gemm_f32out(const Sm90GemmArgs& args, Stream stream);   // d f32 (w2)
+size_t workspace_bytes_bf16out(int64_t num_experts);
+size_t workspace_bytes_f32out(int64_t num_experts);
+}  // namespace fusedmoe::cuda::sm90

@@ -1,0 +1,187 @@
+// fusedmoe CUDA: routed experts for many rows per expert on Hopper tensor
+// cores — permute the input into expert-contiguous rows, the w13 grouped GEMM
+// (CUTLASS sm90, wgmma + TMA), the gated activation, the w2 grouped GEMM into
+// f32 rows that finalize() weights and sums per token in slot order.
+//
+// TMA loads whole tiles, it cannot gather rows, so unlike the mma.sync kernels
+// (which gather A rows with cp.async and fuse the activation and the weighted
+// scatter into their epilogues) this path materialises the sorted input and
+// the w13 output (bf16). At large T those extra passes cost a few percent of
+// the GEMMs; the GEMMs run at wgmma speed.
+#include "fusedmoe/kernels/cuda.h"
+#include "kernels/cuda/cuda_common.cuh"
+#include "kernels/cuda/gemm/sm90_bf16_grouped_gemm.cuh"  // act_glu
+#ifdef FUSEDMOE_WITH_CUTLASS
+#include "kernels/cuda/gemm/sm90_cutlass_instances.h"
+#endif
+
+namespace fusedmoe::cuda {
+#ifdef FUSEDMOE_WITH_CUTLASS
+namespace {
+
+constexpr int kPermuteThreads = 128;
+
+// xs[r] = x[sorted_slot[r] / top_k] (zeros for a -1 row), slot_row[slot] = r,
+// for rows r < offsets[E]; one block per row (grid-stride).
+__global__ void __launch_bounds__(kPermuteThreads)
+    permute_rows_kernel(const uint16_t* __restrict__ x, int64_t ldx,
+                        const int32_t* __restrict__ sorted_slot,
+                        const int64_t* __restrict__ offsets, int num_experts, int top_k,
+                        int64_t hidden, int64_t max_rows, uint16_t* __restrict__ xs,
+                        int32_t* __restrict__ slot_row) {
+  const int64_t rows = offsets[num_experts];
+  const int64_t vecs = hidden / 8;
+  for (int64_t r = blockIdx.x; r < rows && r < max_rows; r += gridDim.x) {
+    const int32_t slot = sorted_slot[r];
+    uint4* dst = reinterpret_cast<uint4*>(xs + r * hidden);
+    if (slot < 0) {
+      for (int64_t v = threadIdx.x; v < vecs; v += blockDim.x) dst[v] = make_uint4(0, 0, 0, 0);
+      continue;
+    }
+    if (threadIdx.x == 0) slot_row[slot] = static_cast<int32_t>(r);
+    const uint4* src = reinterpret_cast<const uint4*>(x + (slot / top_k) * ldx);
+    for (int64_t v = threadIdx.x; v < vecs; v += blockDim.x) dst[v] = src[v];
+  }
+}
+
+// inter[r, i] = act(h[r, i] + b[e, i], h[r, I + i] + b[e, I + i]), 8 columns a
+// thread, e = topk_ids[sorted_slot[r]]; -1 rows get zeros.
+__global__ void glu_rows_kernel(const uint16_t* __restrict__ h, const int32_t* __restrict__ ids,
+                                const int32_t* __restrict__ sorted_slot,
+                                const int64_t* __restrict__ offsets, int num_experts, int64_t inter,
+                                int64_t max_rows, const float* __restrict__ bias,
+                                ActivationParams act, uint16_t* __restrict__ out) {
+  const int64_t rows = offsets[num_experts];
+  const int64_t vecs = inter / 8;
+  const int64_t total = (rows < max_rows ? rows : max_rows) * vecs;
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = idx / vecs, i = (idx % vecs) * 8;
+    const int32_t slot = sorted_slot[r];
+    uint4 res = make_uint4(0, 0, 0, 0);
+    if (slot >= 0) {
+      const uint4 g4 = *reinterpret_cast<const uint4*>(h + r * 2 * inter + i);
+      const uint4 u4 = *reinterpret_cast<const uint4*>(h + r * 2 * inter + inter + i);
+      const uint16_t* g = reinterpret_cast<const uint16_t*>(&g4);
+      const uint16_t* u = reinterpret_cast<const uint16_t*>(&u4);
+      const float* b = bias ? bias + static_cast<int64_t>(ids[slot]) * 2 * inter : nullptr;
+      uint16_t* o = reinterpret_cast<uint16_t*>(&res);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        float gv = bf16_bits_to_float(g[j]), uv = bf16_bits_to_float(u[j]);
+        if (b) {
+          gv += b[i + j];
+          uv += b[inter + i + j];
+        }
+        o[j] = float_to_bf16_bits(
+            gemm::act_glu(act.activation, gv, uv, act.swiglu_alpha, act.swiglu_limit));
+      }
+    }
+    *reinterpret_cast<uint4*>(out + r * inter + i) = res;
+  }
+}
+
+}  // namespace
+#endif  // FUSEDMOE_WITH_CUTLASS
+
+bool sm90_experts_available() {
+#ifdef FUSEDMOE_WITH_CUTLASS
+  int dev = 0, major = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return major == 9;
+#else
+  return false;
+#endif
+}
+
+size_t sm90_experts_workspace_bytes(int64_t num_slots, int64_t num_experts, int64_t inter) {
+#ifdef FUSEDMOE_WITH_CUTLASS
+  const size_t h13 = (static_cast<size_t>(num_slots) * 2 * inter * 2 + 255) / 256 * 256;
+  const size_t g13 = sm90::workspace_bytes_bf16out(num_experts);
+  const size_t g2 = sm90::workspace_bytes_f32out(num_experts);
+  return h13 + (g13 > g2 ? g13 : g2);
+#else
+  (void)num_slots;
+  (void)num_experts;
+  (void)inter;
+  FUSEDMOE_THROW(kUnsupported,
+                 "sm90_experts: this build has no CUTLASS (scripts/install-deps.sh installs the "
+                 "headers; FUSEDMOE_CUTLASS_DIR points CMake at them)");
+#endif
+}
+
+void sm90_experts(const Sm90ExpertsArgs& a, Stream stream) {
+#ifdef FUSEDMOE_WITH_CUTLASS
+  const int64_t H = a.hidden, I = a.inter, E = a.num_experts, slots = a.num_tokens * a.top_k;
+  FUSEDMOE_CHECK(a.x && a.sorted_slot && a.expert_offsets && a.topk_ids && a.w13 && a.w2 &&
+                     a.inter_rows && a.y_rows && a.slot_row && a.workspace,
+                 "sm90_experts: x, sorted_slot, expert_offsets, topk_ids, w13, w2, inter_rows, "
+                 "y_rows, slot_row and workspace are required");
+  FUSEDMOE_CHECK(H > 0 && H % 8 == 0, "sm90_experts: hidden must be a positive multiple of 8, got ",
+                 H);
+  FUSEDMOE_CHECK(I > 0 && I % 8 == 0, "sm90_experts: inter must be a positive multiple of 8, got ",
+                 I);
+  FUSEDMOE_CHECK(a.ldx % 8 == 0 && a.ldx >= H, "sm90_experts: ldx must be a multiple of 8 >= ", H,
+                 ", got ", a.ldx);
+  FUSEDMOE_CHECK(E >= 1 && a.top_k >= 1, "sm90_experts: num_experts and top_k must be >= 1");
+  FUSEDMOE_CHECK(slots <= INT32_MAX, "sm90_experts: at most 2^31 - 1 routed rows, got ", slots);
+  const size_t need = sm90_experts_workspace_bytes(slots, E, I);
+  FUSEDMOE_CHECK(a.workspace_bytes >= need, "sm90_experts: workspace of ", need,
+                 " bytes needed, got ", a.workspace_bytes);
+  if (slots == 0) return;
+
+  // The permuted input lives in y_rows (f32 [slots, H] >= bf16 [slots, H]) until w2 writes it.
+  auto* xs = reinterpret_cast<uint16_t*>(a.y_rows);
+  auto* h13 = static_cast<uint16_t*>(a.workspace);
+  const size_t h13_bytes = (static_cast<size_t>(slots) * 2 * I * 2 + 255) / 256 * 256;
+  void* gemm_ws = static_cast<char*>(a.workspace) + h13_bytes;
+  const size_t gemm_ws_bytes = a.workspace_bytes - h13_bytes;
+
+  const int64_t blocks = static_cast<int64_t>(num_sms()) * 16;
+  permute_rows_kernel<<<static_cast<unsigned>(slots < blocks ? slots : blocks), kPermuteThreads, 0,
+                        stream>>>(a.x, a.ldx, a.sorted_slot, a.expert_offsets, static_cast<int>(E),
+                                  static_cast<int>(a.top_k), H, slots, xs, a.slot_row);
+  FUSEDMOE_CUDA_CHECK_LAUNCH();
+
+  sm90::Sm90GemmArgs g;
+  g.a = xs;
+  g.w = a.w13;
+  g.d = h13;
+  g.ldd = 2 * I;
+  g.expert_offsets = a.expert_offsets;
+  g.num_experts = E;
+  g.n = 2 * I;
+  g.k = H;
+  g.workspace = gemm_ws;
+  g.workspace_bytes = gemm_ws_bytes;
+  sm90::grouped_gemm_bf16out(g, stream);
+
+  const int64_t vecs = slots * (I / 8);
+  const int64_t glu_blocks = (vecs + 255) / 256 < blocks ? (vecs + 255) / 256 : blocks;
+  glu_rows_kernel<<<static_cast<unsigned>(glu_blocks), 256, 0, stream>>>(
+      h13, a.topk_ids, a.sorted_slot, a.expert_offsets, static_cast<int>(E), I, slots, a.w13_bias,
+      a.act, a.inter_rows);
+  FUSEDMOE_CUDA_CHECK_LAUNCH();
+
+  sm90::Sm90GemmArgs g2 = g;
+  g2.a = a.inter_rows;
+  g2.w = a.w2;
+  g2.d = a.y_rows;
+  g2.ldd = H;
+  g2.n = H;
+  g2.k = I;
+  sm90::grouped_gemm_f32out(g2, stream);
+#else
+  (void)a;
+  (void)stream;
+  FUSEDMOE_THROW(kUnsupported,
+                 "sm90_experts: this build has no CUTLASS (scripts/install-deps.sh installs the "
+                 "headers; FUSEDMOE_CUTLASS_DIR points CMake at them)");
+#endif
+}
+
+}  // namespace fusedmoe::cuda
