@@ -223,9 +223,10 @@ void finalize(const FinalizeArgs& args, Stream stream);
 // with x_j = x[t], s_j = topk_weights[t, j]; or, apply_router_weight_on_input
 // (Llama-4), x_j = topk_weights[t, j] * x[t] and s_j = 1. The expert input and
 // the intermediate are rounded to bf16, GEMMs accumulate in f32, the k rows of a
-// token are summed in slot order (deterministic). The pipeline is the routed
-// part of the CUDA MoE layer: to_bf16_rows -> align -> grouped_gemm (kGlu) ->
-// grouped_gemm (kScatter) -> finalize.
+// token are summed in slot order (deterministic). The pipeline is the mma.sync
+// path of the CUDA MoE layer's routed experts: to_bf16_rows -> align ->
+// grouped_gemm (kGlu) -> grouped_gemm (kScatter) -> finalize (the layer's sm90
+// wgmma path for many rows per expert is not taken here yet).
 //   hidden_states f32 or bf16 [T, H] (row stride ldx >= H);
 //   w13 bf16 [E, 2I, H] (rows 0..I-1 gate, I..2I-1 up), w2 bf16 [E, H, I], contiguous;
 //   w13_bias f32 [E, 2I] and w2_bias f32 [E, H], or null;

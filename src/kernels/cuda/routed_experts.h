@@ -1,9 +1,13 @@
-// fusedmoe internal: the routed-expert pipeline shared by the functional
-// cuda::fused_experts (kernels/cuda.h) and CudaMoELayer::forward:
+// fusedmoe internal: the routed-expert pipeline of the functional
+// cuda::fused_experts (kernels/cuda.h), the same launches as the mma.sync path
+// of CudaMoELayer::forward:
 //   align (group slots by expert) -> w13 grouped GEMM + activation ->
 //   w2 grouped GEMM (x topk_weights, scattered by slot into y f32 [T*k, H]).
-// The caller converts the input to bf16 before and runs finalize after (the
-// layer adds its shared expert there).
+// The caller converts the input to bf16 before and runs finalize after.
+// (CudaMoELayer::forward and ::experts kept their own copy of these launches
+// when main gained the sm90 wgmma path beside them; moving both paths here so
+// that the layer, expert parallelism and the functional entry share them is
+// open work.)
 #pragma once
 
 #include <cstddef>
