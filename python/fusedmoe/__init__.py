@@ -1,12 +1,21 @@
 """fusedmoe: the Mixture-of-Experts layer of HF models (router, expert GEMMs,
-shared experts) on the CPU, from Python.
+shared experts) on the CPU and on NVIDIA GPUs (CUDA backend), from Python.
 
-Arrays go in and out through DLPack: NumPy arrays and PyTorch CPU tensors are
-read without a copy when their layout allows (rows contiguous for activations,
-fully contiguous for weights; otherwise a contiguous copy is made). Outputs are
-NumPy arrays for NumPy inputs and torch tensors (allocated by PyTorch) for
-torch inputs. Device (CUDA) arrays raise NotImplementedError: this build has
-a CPU backend only.
+Arrays go in and out through DLPack: NumPy arrays, PyTorch CPU/CUDA tensors
+and CuPy arrays are read without a copy when their layout allows (rows
+contiguous for activations, fully contiguous for weights; otherwise a
+contiguous copy is made). Outputs are NumPy arrays for NumPy inputs, torch
+tensors (allocated by PyTorch, on the inputs' device) for torch inputs and
+CuPy arrays for CuPy inputs.
+
+CUDA arrays (builds with the CUDA backend, ``fusedmoe.cuda_built``) run on the
+CUDA backend: all arrays of a call on one device, the current one; the work is
+enqueued on the caller's current stream (torch.cuda.current_stream(),
+cupy.cuda.get_current_stream()) without synchronisation and without device
+allocation outside the caller's framework, so calls can be captured in a CUDA
+graph. The CUDA backend computes in bf16 (f32 accumulation): expert weights
+bf16, hidden states f32 or bf16 (the output has the hidden states' dtype).
+Without the CUDA backend a CUDA array raises NotImplementedError.
 
 dtypes: hidden states and topk_weights are float32, topk_ids int32 (int64 is
 converted); router logits of any floating dtype are converted to float32;
@@ -51,6 +60,7 @@ __all__ = [
     "set_num_threads",
     "get_num_threads",
     "cuda_built",
+    "cuda_fused_experts_workspace_bytes",
     "__version__",
 ]
 
@@ -67,8 +77,21 @@ if not os.environ.get("FUSEDMOE_NO_TORCH") and importlib.util.find_spec("torch")
 
 def set_num_threads(num_threads: int) -> None:
     """Threads of the global pool used by the functional ops and by layers
-    created without ``threads`` (<= 0: all cores)."""
-    _ext.set_num_threads(int(num_threads))
+    created without ``threads`` (0: all cores, as ``fusedmoe run --threads 0``;
+    negative: ValueError)."""
+    _ext.set_num_threads(_int(num_threads, "num_threads"))
+
+
+def cuda_fused_experts_workspace_bytes(num_tokens: int, hidden_size: int, intermediate_size: int,
+                                       num_experts: int, top_k: int,
+                                       apply_router_weight_on_input: bool = False) -> int:
+    """Device bytes of workspace ``fused_experts`` needs on CUDA for these sizes
+    (the functions below allocate it with the caller's framework)."""
+    if not cuda_built:
+        raise NotImplementedError("this build of fusedmoe has no CUDA backend")
+    return _ext.cuda_fused_experts_workspace_bytes(num_tokens, hidden_size, intermediate_size,
+                                                   num_experts, top_k,
+                                                   apply_router_weight_on_input)
 
 
 def get_num_threads() -> int:
@@ -82,6 +105,58 @@ def _is_torch(x: Any) -> bool:
     return _torch is not None and isinstance(x, _torch.Tensor)
 
 
+def _is_cupy(x: Any) -> bool:
+    return type(x).__module__.startswith("cupy")
+
+
+def _int(v: Any, name: str) -> int:
+    """An integer argument: Python/NumPy integers; bool and floats raise TypeError."""
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+        raise TypeError(f"{name}: expected an int, got {type(v).__name__} {v!r}")
+    return int(v)
+
+
+def _dl(x: Any) -> Any:
+    """What the extension imports: torch tensors as DLPack capsules made with
+    no stream synchronisation (the extension enqueues on the caller's current
+    stream, where the data was produced; Tensor.__dlpack__ without a stream
+    would make the legacy default stream wait, which fails inside CUDA-graph
+    capture), CuPy arrays likewise; anything else as is."""
+    if _is_torch(x):
+        return _to_dlpack(x)
+    if x is not None and _is_cupy(x):
+        try:
+            return x.__dlpack__(stream=-1)  # -1: no synchronisation (array API)
+        except Exception:
+            return x.__dlpack__()
+    return x
+
+
+_to_dlpack: Any = None
+_raw_stream: Any = None
+if _torch is not None:
+    from torch.utils.dlpack import to_dlpack as _to_dlpack  # noqa: F811
+
+    _raw_stream = getattr(_torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _stream(x: Any) -> int:
+    """The caller's current CUDA stream (a cudaStream_t as an int) for arrays
+    on a CUDA device, else 0."""
+    if _is_torch(x):
+        if not x.is_cuda:
+            return 0
+        idx = x.device.index
+        if _raw_stream is not None:
+            return _raw_stream(idx)
+        return _torch.cuda.current_stream(x.device).cuda_stream
+    if _is_cupy(x):
+        import cupy
+
+        return cupy.cuda.get_current_stream().ptr
+    return 0
+
+
 def _ndim(x: Any, name: str, ndim: int, what: str) -> None:
     if x.ndim != ndim:
         raise ValueError(f"{name}: expected a {ndim}-d array {what}, got shape {tuple(x.shape)}")
@@ -90,12 +165,16 @@ def _ndim(x: Any, name: str, ndim: int, what: str) -> None:
 def _as_array(x: Any, name: str) -> Any:
     """NumPy arrays and torch tensors pass through; DLPack objects too (the
     extension imports them); anything else goes through np.asarray."""
-    if isinstance(x, np.ndarray) or _is_torch(x):
+    if isinstance(x, np.ndarray):
+        if not x.dtype.isnative:  # big-endian: DLPack carries native byte order only
+            x = x.astype(x.dtype.newbyteorder("="))
         return x
-    if hasattr(x, "__dlpack__"):
+    if _is_torch(x) or hasattr(x, "__dlpack__"):
         return x
     try:
-        return np.asarray(x)
+        return _as_array(np.asarray(x), name)
+    except TypeError:
+        raise
     except Exception as e:  # pragma: no cover - exotic objects
         raise TypeError(f"{name}: expected an array, got {type(x).__name__}") from e
 
@@ -159,7 +238,7 @@ def _i32(x: Any, name: str) -> Any:
 def _weight(x: Any, name: str, weight_dtype: Optional[str]) -> Tuple[Any, bool]:
     """Expert weights: (array, uint16-is-bf16 flag)."""
     x = _contiguous(_as_array(x, name))
-    if isinstance(x, np.ndarray):
+    if isinstance(x, np.ndarray) or _is_cupy(x):
         if x.dtype.kind == "V" and x.dtype.name == "bfloat16":  # ml_dtypes.bfloat16
             return x.view(np.uint16), True
         if weight_dtype is not None:
@@ -173,23 +252,47 @@ def _weight(x: Any, name: str, weight_dtype: Optional[str]) -> Tuple[Any, bool]:
     return x, False
 
 
-_NP_DTYPES = {"f32": np.float32, "i32": np.int32}
+_NP_DTYPES = {"f32": np.float32, "i32": np.int32, "u8": np.uint8}
+_TORCH_DTYPES: dict = {}
+if _torch is not None:
+    _TORCH_DTYPES = {"f32": _torch.float32, "i32": _torch.int32, "u8": _torch.uint8,
+                     "bf16": _torch.bfloat16}
 
 
 def _empty_like_framework(ref: Any, shape: Tuple[int, ...], dtype: str) -> Any:
+    """An uninitialised array of the framework and device of `ref`. dtype:
+    "f32", "i32", "u8", or "same" (ref's dtype)."""
     if _is_torch(ref):
-        return ref.new_empty(shape, dtype=_torch.float32 if dtype == "f32" else _torch.int32)
+        return _torch.empty(shape, dtype=ref.dtype if dtype == "same" else _TORCH_DTYPES[dtype],
+                            device=ref.device)
+    if _is_cupy(ref):
+        import cupy
+
+        with ref.device:
+            return cupy.empty(shape, dtype=ref.dtype if dtype == "same" else _NP_DTYPES[dtype])
+    if dtype == "same":
+        return np.empty(shape, dtype=ref.dtype)
     return np.empty(shape, dtype=_NP_DTYPES[dtype])
 
 
-def _check_backend(backend: str) -> None:
-    if backend == "cpu":
-        return
-    if backend == "cuda":
-        raise NotImplementedError(
-            "backend='cuda': this build of fusedmoe has no CUDA backend yet; use backend='cpu'"
-        )
-    raise ValueError(f"backend: expected 'cpu' or 'cuda', got {backend!r}")
+def _on_cuda(x: Any) -> bool:
+    if _is_torch(x):
+        return x.is_cuda
+    if _is_cupy(x):
+        return True
+    if hasattr(x, "__dlpack_device__") and not isinstance(x, np.ndarray):
+        return x.__dlpack_device__()[0] == 2  # kDLCUDA
+    return False
+
+
+def _f32(x: Any) -> Any:
+    """Biases on CUDA: float32 (what the kernels read), contiguous."""
+    if _is_torch(x) and x.dtype != _torch.float32:
+        x = x.float()
+    elif isinstance(x, np.ndarray) or _is_cupy(x):
+        if x.dtype != np.float32:
+            x = x.astype(np.float32)
+    return _contiguous(x)
 
 
 def _use_torch_ops(*xs: Any) -> bool:
@@ -209,7 +312,7 @@ def fused_experts(
     w13_bias: Any = None,
     w2_bias: Any = None,
     apply_router_weight_on_input: bool = False,
-    compute_dtype: str = "f32",
+    compute_dtype: Optional[str] = None,
     *,
     weight_dtype: Optional[str] = None,
     swiglu_alpha: float = 1.702,
@@ -223,7 +326,17 @@ def fused_experts(
     in [-1, E) (-1: no expert). activation: "silu", "gelu",
     "gelu_pytorch_tanh" or "swiglu_oai" (gpt-oss, with swiglu_alpha/limit).
     apply_router_weight_on_input: scale the expert input instead of its output
-    (Llama-4). Returns f32 [T, H]. vLLM's ``fused_experts`` layout and names.
+    (Llama-4). compute_dtype: "f32" or "bf16" (default: "f32" on the CPU,
+    "bf16" on CUDA). Returns [T, H] in hidden_states' dtype. vLLM's
+    ``fused_experts`` layout and names.
+
+    On CUDA (torch CUDA tensors or CuPy arrays, all on the current device):
+    w13/w2 bf16, hidden_states f32 or bf16, biases converted to f32,
+    compute_dtype "bf16" only, apply_router_weight_on_input with top_k = 1
+    only; a workspace of ``cuda_fused_experts_workspace_bytes(...)`` bytes is
+    allocated with the caller's framework on each call; the work runs on the
+    current stream. topk_ids outside [0, E) add nothing there (they are not
+    reported: that would need a synchronisation), where the CPU raises ValueError.
     """
     if _use_torch_ops(hidden_states, w13):
         if weight_dtype is not None:
@@ -244,21 +357,46 @@ def _fused_experts_impl(
 ):
     x = _rows(_as_array(hidden_states, "hidden_states"))
     _ndim(x, "hidden_states", 2, "[T, H]")
+    cuda = _on_cuda(x)
+    if compute_dtype is None:
+        compute_dtype = "bf16" if cuda else "f32"
     w13, bf16_13 = _weight(w13, "w13", weight_dtype)
     w2, bf16_2 = _weight(w2, "w2", weight_dtype)
     if w13_bias is not None:
-        w13_bias, _ = _weight(w13_bias, "w13_bias", weight_dtype)
+        w13_bias = _f32(w13_bias) if cuda else _weight(w13_bias, "w13_bias", weight_dtype)[0]
     if w2_bias is not None:
-        w2_bias, _ = _weight(w2_bias, "w2_bias", weight_dtype)
+        w2_bias = _f32(w2_bias) if cuda else _weight(w2_bias, "w2_bias", weight_dtype)[0]
     tw = _rows(_as_array(topk_weights, "topk_weights"))
     ids = _i32(_as_array(topk_ids, "topk_ids"), "topk_ids")
-    out = _empty_like_framework(x, (x.shape[0], x.shape[1]), "f32")
+    T, H = x.shape[0], x.shape[1]
+    if not cuda:
+        out = _empty_like_framework(x, (T, H), "f32")
+        _ext.fused_experts(
+            _dl(x), _dl(w13), _dl(w2), _dl(tw), _dl(ids), _dl(out), activation, _dl(w13_bias),
+            _dl(w2_bias), bool(apply_router_weight_on_input), compute_dtype, bf16_13 or bf16_2,
+            float(swiglu_alpha), float(swiglu_limit),
+        )
+        return out
+    # CUDA: output in the hidden states' dtype, workspace from the caller's
+    # framework (its caching allocator; the graph's pool under CUDA-graph capture).
+    out = _empty_like_framework(x, (T, H), "same")
+    if _ndim_ok(w13, 3) and _ndim_ok(tw, 2) and min(w13.shape[0], w13.shape[1], tw.shape[1]) > 0:
+        ws_bytes = _ext.cuda_fused_experts_workspace_bytes(
+            T, max(H, 1), max(w13.shape[1] // 2, 1), w13.shape[0], tw.shape[1],
+            bool(apply_router_weight_on_input))
+    else:
+        ws_bytes = 0  # the extension reports the bad shape
+    ws = _empty_like_framework(x, (ws_bytes,), "u8")
     _ext.fused_experts(
-        x, w13, w2, tw, ids, out, activation, w13_bias, w2_bias,
-        bool(apply_router_weight_on_input), compute_dtype, bf16_13 or bf16_2,
-        float(swiglu_alpha), float(swiglu_limit),
+        _dl(x), _dl(w13), _dl(w2), _dl(tw), _dl(ids), _dl(out), activation, _dl(w13_bias),
+        _dl(w2_bias), bool(apply_router_weight_on_input), compute_dtype, bf16_13 or bf16_2,
+        float(swiglu_alpha), float(swiglu_limit), _dl(ws), _stream(x),
     )
     return out
+
+
+def _ndim_ok(x: Any, ndim: int) -> bool:
+    return getattr(x, "ndim", None) == ndim
 
 
 def _route(logits: Any, config: dict, e_score_correction_bias: Any = None, token_ids: Any = None,
@@ -269,15 +407,16 @@ def _route(logits: Any, config: dict, e_score_correction_bias: Any = None, token
     ids = _empty_like_framework(logits, (T, k), "i32")
     weights = _empty_like_framework(logits, (T, k), "f32")
     if e_score_correction_bias is not None:
-        e_score_correction_bias = _f32_logits(
+        e_score_correction_bias = _contiguous(_f32_logits(
             _as_array(e_score_correction_bias, "e_score_correction_bias"),
-            "e_score_correction_bias")
+            "e_score_correction_bias"))
     if token_ids is not None:
         token_ids = _i32(_as_array(token_ids, "token_ids"), "token_ids")
     if hash_table is not None:
         hash_table = _contiguous(_i32(_as_array(hash_table, "hash_table"), "hash_table"))
-    _ext.select_experts(logits, ids, weights, config, e_score_correction_bias, token_ids,
-                        hash_table)
+    _ext.select_experts(_dl(logits), _dl(ids), _dl(weights), config,
+                        _dl(e_score_correction_bias), _dl(token_ids), _dl(hash_table),
+                        _stream(logits))
     return weights, ids
 
 
@@ -293,7 +432,8 @@ def fused_topk(
     id), weights renormalized to sum 1 if ``renormalize``. ``hidden_states``
     is only checked for its token count (may be None). scoring_func:
     "softmax", "sigmoid" or "sqrtsoftplus". Returns (topk_weights f32 [T, k],
-    topk_ids int32 [T, k])."""
+    topk_ids int32 [T, k]), on gating_output's device."""
+    topk = _int(topk, "topk")
     if _use_torch_ops(gating_output):
         return _torch.ops.fusedmoe.fused_topk(gating_output, topk, renormalize, scoring_func)
     return _fused_topk_impl(hidden_states, gating_output, topk, renormalize, scoring_func)
@@ -307,7 +447,7 @@ def _fused_topk_impl(hidden_states, gating_output, topk, renormalize, scoring_fu
             f"hidden_states: expected {logits.shape[0]} tokens (rows of gating_output), "
             f"got shape {tuple(hidden_states.shape)}")
     config = {
-        "num_experts": int(logits.shape[1]), "top_k": int(topk), "hidden_size": 1,
+        "num_experts": int(logits.shape[1]), "top_k": _int(topk, "topk"), "hidden_size": 1,
         "intermediate_size": 1, "routing_method": "topk", "scoring_func": scoring_func,
         "renormalize": bool(renormalize),
     }
@@ -333,6 +473,9 @@ def grouped_topk(
     "max", as vLLM); ``topk`` experts by score + bias among the kept groups;
     weights = unbiased scores, renormalized if set, times
     ``routed_scaling_factor``. Returns (topk_weights f32 [T, k], topk_ids int32 [T, k])."""
+    topk = _int(topk, "topk")
+    num_expert_group = _int(num_expert_group, "num_expert_group")
+    topk_group = _int(topk_group, "topk_group")
     if _use_torch_ops(gating_output):
         return _torch.ops.fusedmoe.grouped_topk(
             gating_output, topk, renormalize, num_expert_group, topk_group, scoring_func,
@@ -348,10 +491,11 @@ def _grouped_topk_impl(gating_output, topk, renormalize, num_expert_group, topk_
     _ndim(logits, "gating_output", 2, "[T, E]")
     has_bias = e_score_correction_bias is not None
     config = {
-        "num_experts": int(logits.shape[1]), "top_k": int(topk), "hidden_size": 1,
+        "num_experts": int(logits.shape[1]), "top_k": _int(topk, "topk"), "hidden_size": 1,
         "intermediate_size": 1, "routing_method": "grouped_topk", "scoring_func": scoring_func,
-        "renormalize": bool(renormalize), "num_expert_group": int(num_expert_group),
-        "topk_group": int(topk_group), "e_score_correction_bias": has_bias,
+        "renormalize": bool(renormalize),
+        "num_expert_group": _int(num_expert_group, "num_expert_group"),
+        "topk_group": _int(topk_group, "topk_group"), "e_score_correction_bias": has_bias,
         "routed_scaling_factor": float(routed_scaling_factor),
         "group_score": group_score or ("sum_top2" if has_bias else "max"),
     }
@@ -381,7 +525,7 @@ def select_experts(
     cfg = dict(config or {})
     cfg.update(fields)
     if top_k is not None:
-        cfg["top_k"] = int(top_k)
+        cfg["top_k"] = _int(top_k, "top_k")
     if "top_k" not in cfg:
         raise ValueError("top_k: required (as an argument or in config)")
     logits = _f32_logits(_as_array(router_logits, "router_logits"), "router_logits")
@@ -425,16 +569,32 @@ class MoELayer:
         model_dir: "os.PathLike[str] | str",
         layer: Optional[int] = None,
         backend: str = "cpu",
-        dtype: str = "f32",
+        dtype: Optional[str] = None,
         threads: Optional[int] = None,
+        max_num_tokens: Optional[int] = None,
     ) -> "MoELayer":
         """Loads MoE layer ``layer`` (default: the first MoE layer) of the HF
         checkpoint in ``model_dir`` (config.json + model.safetensors, sharded or
-        not; weights memory-mapped, bf16 stays bf16). ``dtype``: compute dtype
-        "f32" or "bf16". ``threads``: a private pool of that many threads
-        (default: the global pool, see set_num_threads)."""
-        _check_backend(backend)
-        return cls(_ext.MoELayer.from_pretrained(os.fspath(model_dir), layer, dtype, threads))
+        not; weights memory-mapped, bf16 stays bf16).
+
+        ``backend``: "cpu", or "cuda": the weights are uploaded (experts as
+        bf16) to the current CUDA device and a workspace for ``max_num_tokens``
+        tokens (default 8192) is allocated once; the layer then takes and
+        returns CUDA tensors (torch or CuPy) on that device and runs on the
+        caller's current stream (CUDA-graph capturable). ``dtype``: compute
+        dtype "f32" or "bf16" (default "f32" on the CPU; CUDA computes in
+        "bf16" only). ``threads`` (CPU): a private pool of that many threads;
+        0 or None: the global pool (all cores unless set_num_threads changed
+        it), as ``fusedmoe run --threads 0``."""
+        if backend not in ("cpu", "cuda"):
+            raise ValueError(f"backend: expected 'cpu' or 'cuda', got {backend!r}")
+        if dtype is None:
+            dtype = "bf16" if backend == "cuda" else "f32"
+        if threads is not None:
+            threads = _int(threads, "threads")
+        mnt = 0 if max_num_tokens is None else _int(max_num_tokens, "max_num_tokens")
+        return cls(_ext.MoELayer.from_pretrained(os.fspath(model_dir), layer, dtype, threads,
+                                                 backend, mnt))
 
     # -- properties
     @property
@@ -489,19 +649,32 @@ class MoELayer:
 
     @property
     def backend(self) -> str:
-        return "cpu"
+        """'cpu' or 'cuda'."""
+        return "cpu" if self._impl.device == "cpu" else "cuda"
+
+    @property
+    def device(self) -> str:
+        """'cpu' or 'cuda:N': where the weights live and the inputs must be."""
+        return self._impl.device
+
+    @property
+    def max_num_tokens(self) -> int:
+        """CUDA: the most tokens one call takes (0 on the CPU: no limit)"""
+        return self._impl.max_num_tokens
 
     def __repr__(self) -> str:
         c = self.config
         return (f"MoELayer(source={self._impl.source!r}, layer={self.layer}, "
                 f"num_experts={c['num_experts']}, top_k={c['top_k']}, "
                 f"hidden_size={c['hidden_size']}, intermediate_size={c['intermediate_size']}, "
-                f"weights={self.weights_dtype}, compute_dtype={self.compute_dtype!r})")
+                f"weights={self.weights_dtype}, compute_dtype={self.compute_dtype!r}, "
+                f"device={self.device!r})")
 
     # -- forward
     def __call__(self, hidden_states: Any, router_logits: Any = None, *, token_ids: Any = None,
                  return_routing: bool = False) -> Any:
-        """hidden_states f32 [T, H] -> output f32 [T, H]. ``router_logits``
+        """hidden_states f32 [T, H] -> output f32 [T, H] (CUDA layers: f32 or
+        bf16 CUDA tensors, the output in the input's dtype). ``router_logits``
         f32 [T, E + Z]: skip the gate GEMM and route these. ``token_ids``
         int32 [T]: hash routing only. ``return_routing``: return
         (output, topk_ids, topk_weights, router_logits) instead."""
@@ -522,6 +695,17 @@ class MoELayer:
                                                               router_logits)
         return self._forward(hidden_states, router_logits, token_ids, True)
 
+    def check_errors(self) -> None:
+        """CUDA layers: waits for the current stream, then raises ValueError
+        naming the first token whose router logits held a NaN in a call since
+        the last check (the kernels record it on the device; reporting needs
+        this synchronisation, so calls do not raise for it). CPU layers raise
+        in the call itself; this is a no-op for them."""
+        stream = 0
+        if self.backend == "cuda" and _torch is not None and _torch.cuda.is_available():
+            stream = _torch.cuda.current_stream().cuda_stream
+        self._impl.check_errors(stream)
+
     def _forward(self, hidden_states, router_logits, token_ids, routing):
         x = _rows(_as_array(hidden_states, "hidden_states"))
         _ndim(x, "hidden_states", 2, f"[T, {self.hidden_size}]")
@@ -531,14 +715,18 @@ class MoELayer:
                                         "router_logits")
         if token_ids is not None:
             token_ids = _i32(_as_array(token_ids, "token_ids"), "token_ids")
-        out = _empty_like_framework(x, (T, self.hidden_size), "f32")
+        cuda = _on_cuda(x)
+        out = _empty_like_framework(x, (T, self.hidden_size), "same" if cuda else "f32")
+        stream = _stream(x) if cuda else 0
         if not routing:
-            self._impl.forward(x, out, router_logits, None, None, None, token_ids)
+            self._impl.forward(_dl(x), _dl(out), _dl(router_logits), None, None, None,
+                               _dl(token_ids), stream)
             return out
         logits = _empty_like_framework(x, (T, self.num_router_logits), "f32")
         ids = _empty_like_framework(x, (T, self.top_k), "i32")
         weights = _empty_like_framework(x, (T, self.top_k), "f32")
-        self._impl.forward(x, out, router_logits, logits, ids, weights, token_ids)
+        self._impl.forward(_dl(x), _dl(out), _dl(router_logits), _dl(logits), _dl(ids),
+                           _dl(weights), _dl(token_ids), stream)
         return out, ids, weights, logits
 
 

@@ -12,12 +12,20 @@ __version__: str
 
 cuda_built: bool
 
-def fused_experts(hidden_states: Annotated[NDArray, dict(writable=False)], w13: Annotated[NDArray, dict(writable=False)], w2: Annotated[NDArray, dict(writable=False)], topk_weights: Annotated[NDArray, dict(writable=False)], topk_ids: Annotated[NDArray, dict(writable=False)], output: NDArray, activation: str, w13_bias: Annotated[NDArray, dict(writable=False)] | None, w2_bias: Annotated[NDArray, dict(writable=False)] | None, apply_router_weight_on_input: bool, compute_dtype: str, weights_u16_is_bf16: bool, swiglu_alpha: float, swiglu_limit: float) -> None:
+def fused_experts(hidden_states: Annotated[NDArray, dict(writable=False)], w13: Annotated[NDArray, dict(writable=False)], w2: Annotated[NDArray, dict(writable=False)], topk_weights: Annotated[NDArray, dict(writable=False)], topk_ids: Annotated[NDArray, dict(writable=False)], output: NDArray, activation: str, w13_bias: Annotated[NDArray, dict(writable=False)] | None, w2_bias: Annotated[NDArray, dict(writable=False)] | None, apply_router_weight_on_input: bool, compute_dtype: str, weights_u16_is_bf16: bool, swiglu_alpha: float, swiglu_limit: float, workspace: NDArray | None = None, stream: int = 0) -> None:
     """
-    Routed experts (prepare -> w13 GEMM -> activation -> w2 GEMM -> weighted sum) into `output` f32 [T, H].
+    Routed experts (prepare -> w13 GEMM -> activation -> w2 GEMM -> weighted sum) into `output` [T, H]. CUDA arrays: `workspace` uint8 of at least cuda_fused_experts_workspace_bytes(...) bytes, `stream` a cudaStream_t.
     """
 
-def select_experts(router_logits: Annotated[NDArray, dict(writable=False)], topk_ids: NDArray, topk_weights: NDArray, config: dict, e_score_correction_bias: Annotated[NDArray, dict(writable=False)] | None, token_ids: Annotated[NDArray, dict(writable=False)] | None, hash_table: Annotated[NDArray, dict(writable=False)] | None) -> None:
+def cuda_fused_experts_workspace_bytes(num_tokens: int, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, apply_router_weight_on_input: bool = False) -> int:
+    """
+    Device bytes of workspace the CUDA fused_experts needs for these sizes.
+    """
+
+def cuda_device_count() -> int:
+    """Usable CUDA devices (0 without a driver or without the CUDA backend)."""
+
+def select_experts(router_logits: Annotated[NDArray, dict(writable=False)], topk_ids: NDArray, topk_weights: NDArray, config: dict, e_score_correction_bias: Annotated[NDArray, dict(writable=False)] | None, token_ids: Annotated[NDArray, dict(writable=False)] | None, hash_table: Annotated[NDArray, dict(writable=False)] | None, stream: int = 0) -> None:
     """
     Routes router_logits f32 [T, E + Z] into topk_ids i32 [T, k] and topk_weights f32 [T, k] with the router a MoEConfig (given as a dict) selects.
     """
@@ -34,15 +42,17 @@ def inspect(path: str) -> dict:
     """
 
 def set_num_threads(num_threads: int) -> None:
-    """Sets the threads of the global pool (<= 0: all cores)."""
+    """Sets the threads of the global pool (0: all cores)."""
 
 def get_num_threads() -> int: ...
 
 class MoELayer:
     @staticmethod
-    def from_pretrained(model_dir: str, layer: int | None = None, dtype: str = 'f32', threads: int | None = None) -> MoELayer: ...
+    def from_pretrained(model_dir: str, layer: int | None = None, dtype: str = 'f32', threads: int | None = None, backend: str = 'cpu', max_num_tokens: int = 0) -> MoELayer: ...
 
-    def forward(self, hidden_states: Annotated[NDArray, dict(writable=False)], output: NDArray, router_logits: Annotated[NDArray, dict(writable=False)] | None, out_router_logits: NDArray | None, out_topk_ids: NDArray | None, out_topk_weights: NDArray | None, token_ids: Annotated[NDArray, dict(writable=False)] | None) -> None: ...
+    def forward(self, hidden_states: Annotated[NDArray, dict(writable=False)], output: NDArray, router_logits: Annotated[NDArray, dict(writable=False)] | None, out_router_logits: NDArray | None, out_topk_ids: NDArray | None, out_topk_weights: NDArray | None, token_ids: Annotated[NDArray, dict(writable=False)] | None, stream: int = 0) -> None: ...
+
+    def check_errors(self, stream: int = 0) -> None: ...
 
     @property
     def config(self) -> dict: ...
@@ -76,3 +86,9 @@ class MoELayer:
 
     @property
     def threads(self) -> int: ...
+
+    @property
+    def device(self) -> str: ...
+
+    @property
+    def max_num_tokens(self) -> int: ...

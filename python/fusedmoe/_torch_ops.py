@@ -2,21 +2,25 @@
 
 Registered with ``torch.library.custom_op`` (outputs allocated by PyTorch,
 no input mutated) and a fake implementation each, so that a model calling
-them compiles with ``torch.compile(fullgraph=True)``. Imported by
+them compiles with ``torch.compile(fullgraph=True)``. One implementation
+serves every device: CPU tensors run on the CPU backend, CUDA tensors on the
+CUDA backend (on torch's current stream, outputs and workspace from PyTorch's
+caching allocator, nothing synchronised), so the ops can be captured in a
+``torch.cuda.CUDAGraph``. Imported by
 ``fusedmoe/__init__.py`` when torch is importable; the public functions of
 ``fusedmoe`` route torch tensors through these ops.
 
 Ops:
   fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation,
                 w13_bias, w2_bias, apply_router_weight_on_input, compute_dtype,
-                swiglu_alpha, swiglu_limit) -> Tensor f32 [T, H]
+                swiglu_alpha, swiglu_limit) -> Tensor [T, H] (hidden_states' dtype)
   fused_topk(gating_output, topk, renormalize, scoring_func) -> (f32 [T, k], i32 [T, k])
   grouped_topk(gating_output, topk, renormalize, num_expert_group, topk_group,
                scoring_func, e_score_correction_bias, routed_scaling_factor,
                group_score) -> (f32 [T, k], i32 [T, k])
-  moe_layer(hidden_states, layer_id, router_logits) -> f32 [T, H]
+  moe_layer(hidden_states, layer_id, router_logits) -> [T, H] (hidden_states' dtype)
   moe_layer_with_routing(hidden_states, layer_id, router_logits)
-      -> (f32 [T, H], i32 [T, k], f32 [T, k], f32 [T, E + Z])
+      -> ([T, H], i32 [T, k], f32 [T, k], f32 [T, E + Z])
 ``layer_id`` is ``MoELayer._id`` (a constant in a traced graph).
 """
 
@@ -48,7 +52,7 @@ def fused_experts(
     w13_bias: Optional[Tensor] = None,
     w2_bias: Optional[Tensor] = None,
     apply_router_weight_on_input: bool = False,
-    compute_dtype: str = "f32",
+    compute_dtype: Optional[str] = None,
     swiglu_alpha: float = 1.702,
     swiglu_limit: float = 7.0,
 ) -> Tensor:
@@ -60,10 +64,10 @@ def fused_experts(
 
 @fused_experts.register_fake
 def _(hidden_states, w13, w2, topk_weights, topk_ids, activation="silu", w13_bias=None,
-      w2_bias=None, apply_router_weight_on_input=False, compute_dtype="f32",
+      w2_bias=None, apply_router_weight_on_input=False, compute_dtype=None,
       swiglu_alpha=1.702, swiglu_limit=7.0):
     _check_2d(hidden_states, "hidden_states")
-    return hidden_states.new_empty(hidden_states.shape, dtype=torch.float32)
+    return hidden_states.new_empty(hidden_states.shape)
 
 
 def _fake_routing(gating_output: Tensor, topk: int) -> Tuple[Tensor, Tensor]:
@@ -117,8 +121,7 @@ def moe_layer(hidden_states: Tensor, layer_id: int,
 def _(hidden_states, layer_id, router_logits=None):
     layer = _fm._layer_by_id(layer_id)
     _check_2d(hidden_states, "hidden_states")
-    return hidden_states.new_empty((hidden_states.shape[0], layer.hidden_size),
-                                   dtype=torch.float32)
+    return hidden_states.new_empty((hidden_states.shape[0], layer.hidden_size))
 
 
 @torch.library.custom_op(f"{_LIB}::moe_layer_with_routing", mutates_args=())
@@ -135,7 +138,7 @@ def _(hidden_states, layer_id, router_logits=None):
     layer = _fm._layer_by_id(layer_id)
     _check_2d(hidden_states, "hidden_states")
     T = hidden_states.shape[0]
-    return (hidden_states.new_empty((T, layer.hidden_size), dtype=torch.float32),
+    return (hidden_states.new_empty((T, layer.hidden_size)),
             hidden_states.new_empty((T, layer.top_k), dtype=torch.int32),
             hidden_states.new_empty((T, layer.top_k), dtype=torch.float32),
             hidden_states.new_empty((T, layer.num_router_logits), dtype=torch.float32))

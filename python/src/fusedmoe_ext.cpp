@@ -7,11 +7,19 @@
 //
 // Errors: fusedmoe::Error is translated by code — kInvalidArgument ->
 // ValueError, kIo -> OSError, kUnsupported -> NotImplementedError, kInternal ->
-// RuntimeError; an unsupported dtype -> TypeError. Device arrays (CUDA) raise
-// NotImplementedError until the CUDA backend exists: see check_device().
+// RuntimeError; an unsupported dtype -> TypeError.
+//
+// Devices: CPU arrays run on the CPU backend; CUDA arrays (builds with
+// FUSEDMOE_WITH_CUDA) on the CUDA backend, zero copy, enqueued on the stream the
+// Python layer passes (the caller's current stream) with no synchronisation
+// and no allocation (outputs and workspace come from the caller's framework),
+// so calls can be captured in a CUDA graph. All arrays of a call must be on one
+// device, and a CUDA device must be the current one (ValueError otherwise).
+// Without the CUDA backend a CUDA array raises NotImplementedError.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -37,6 +45,12 @@
 #include "fusedmoe/kernels/modular_kernel.h"
 #include "fusedmoe/routing/router.h"
 #include "fusedmoe/runner/moe_runner.h"
+
+#ifdef FUSEDMOE_WITH_CUDA
+#include <cuda_runtime_api.h>
+
+#include "fusedmoe/kernels/cuda.h"
+#endif
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -68,14 +82,67 @@ const char* device_name(int32_t device_type) {
   }
 }
 
-// The one place that decides which devices a call can run on. The CUDA
-// backend will accept kDLCUDA here (and route to it); today only the CPU.
+// The one place that decides which devices a call can run on: the CPU (pinned
+// host memory too) and, in builds with the CUDA backend, CUDA devices.
 Device check_device(int32_t device_type, int32_t device_id, const char* name) {
   if (device_type == nb::device::cpu::value || device_type == nb::device::cuda_host::value)
     return Device{};
+#ifdef FUSEDMOE_WITH_CUDA
+  if (device_type == nb::device::cuda::value) return Device{DeviceType::kCUDA, device_id};
   FUSEDMOE_THROW(kUnsupported, name, ": got a ", device_name(device_type), ":", device_id,
-                 " array, but this build of fusedmoe runs on the CPU only (no CUDA backend ",
-                 "yet); pass a CPU array (tensor.cpu())");
+                 " array; fusedmoe runs on the CPU and on CUDA devices");
+#else
+  FUSEDMOE_THROW(kUnsupported, name, ": got a ", device_name(device_type), ":", device_id,
+                 " array, but this build of fusedmoe has no CUDA backend (it was built "
+                 "without the CUDA toolkit, or with FUSEDMOE_CUDA=OFF); pass a CPU array "
+                 "(tensor.cpu()) or rebuild with nvcc present");
+#endif
+}
+
+std::string device_str(Device d) {
+  return d.is_cpu() ? std::string("cpu") : "cuda:" + std::to_string(d.index);
+}
+
+// One device for all arrays of a call (the first defined one's), which for a
+// CUDA device must be the current device. Null entries (absent optional
+// arguments) are skipped. Throws Error(kInvalidArgument) naming the argument.
+struct NamedView {
+  const TensorView* view;
+  const char* name;
+};
+Device common_device(std::initializer_list<NamedView> args) {
+  const NamedView* ref = nullptr;
+  for (const NamedView& a : args) {
+    if (!a.view) continue;
+    if (!ref) {
+      ref = &a;
+      continue;
+    }
+    FUSEDMOE_CHECK(a.view->device() == ref->view->device(), a.name, ": expected an array on ",
+                   device_str(ref->view->device()), " (the device of ", ref->name, "), got one on ",
+                   device_str(a.view->device()));
+  }
+  if (!ref) return Device{};
+  const Device d = ref->view->device();
+#ifdef FUSEDMOE_WITH_CUDA
+  if (d.type == DeviceType::kCUDA) {
+    int current = -1;
+    if (cudaGetDevice(&current) != cudaSuccess) {
+      cudaGetLastError();
+      FUSEDMOE_THROW(kInternal, "cudaGetDevice failed (no usable CUDA driver?)");
+    }
+    FUSEDMOE_CHECK(current == d.index, ref->name, ": on ", device_str(d),
+                   ", but the current CUDA device is cuda:", current,
+                   "; make it current first (torch.cuda.set_device(", d.index,
+                   ") or `with torch.cuda.device(", d.index, "):`, cupy.cuda.Device(", d.index,
+                   ").use())");
+  }
+#endif
+  return d;
+}
+
+const TensorView* opt(const std::optional<TensorView>& v) {
+  return v ? &*v : nullptr;
 }
 
 std::string dlpack_dtype_str(nb::dlpack::dtype dt) {
@@ -243,33 +310,135 @@ FunctionalState& functional_state() {
   return *s;
 }
 
+#ifdef FUSEDMOE_WITH_CUDA
+// Validated arguments of the CUDA functional fused_experts (cuda::fused_experts)
+// from device views; the caller checked that they share the current device.
+cuda::FusedExpertsArgs cuda_fused_experts_args(const TensorView& x, const ExpertWeights& w,
+                                               const TensorView& tw, const TensorView& ti,
+                                               const TensorView& out, const ExpertsParams& params,
+                                               bool apply_router_weight_on_input,
+                                               const std::optional<TensorView>& ws) {
+  const Device dev = x.device();
+  check_dtype(x, "hidden_states", {DType::kF32, DType::kBF16});
+  for (const auto& [t, name] : {std::pair{&w.w13, "w13"}, std::pair{&w.w2, "w2"}})
+    if (t->dtype() != DType::kBF16)
+      throw nb::type_error((std::string(name) + ": the CUDA backend takes bf16 expert weights, " +
+                            "got " + t->view().str() + "; convert them once (" + name +
+                            ".to(torch.bfloat16))")
+                               .c_str());
+  if (w.w13_bias) check_dtype(w.w13_bias->view(), "w13_bias", {DType::kF32});
+  if (w.w2_bias) check_dtype(w.w2_bias->view(), "w2_bias", {DType::kF32});
+  check_dtype(out, "output", {DType::kF32, DType::kBF16});
+  FUSEDMOE_CHECK(params.compute_dtype == DType::kBF16,
+                 "compute_dtype: the CUDA backend computes in bf16 (f32 accumulation); expected "
+                 "\"bf16\", got \"",
+                 dtype_name(params.compute_dtype), "\"");
+  FUSEDMOE_CHECK(x.ndim() == 2, "hidden_states: expected [T, H], got ", x.str());
+  FUSEDMOE_CHECK(w.w13.ndim() == 3, "w13: expected [E, 2I, H], got ", w.w13.view().str());
+  const int64_t T = x.size(0), H = x.size(1), E = w.w13.size(0), I2 = w.w13.size(1);
+  FUSEDMOE_CHECK(I2 % 2 == 0, "w13: expected [E, 2I, H] (an even middle size), got ",
+                 w.w13.view().str());
+  const int64_t I = I2 / 2;
+  FUSEDMOE_CHECK(tw.ndim() == 2, "topk_weights: expected [T, k], got ", tw.str());
+  const int64_t k = tw.size(1);
+  check_tensor(x, "hidden_states", x.dtype(), {T, H}, true, dev);
+  check_tensor(w.w13, "w13", DType::kBF16, {E, 2 * I, H}, true, dev);
+  check_tensor(w.w2, "w2", DType::kBF16, {E, H, I}, true, dev);
+  FUSEDMOE_CHECK(w.w13.view().is_contiguous(), "w13: expected a contiguous tensor, got strides");
+  FUSEDMOE_CHECK(w.w2.view().is_contiguous(), "w2: expected a contiguous tensor");
+  if (w.w13_bias) {
+    check_tensor(*w.w13_bias, "w13_bias", DType::kF32, {E, 2 * I}, true, dev);
+    FUSEDMOE_CHECK(w.w13_bias->view().is_contiguous(), "w13_bias: expected a contiguous tensor");
+  }
+  if (w.w2_bias) {
+    check_tensor(*w.w2_bias, "w2_bias", DType::kF32, {E, H}, true, dev);
+    FUSEDMOE_CHECK(w.w2_bias->view().is_contiguous(), "w2_bias: expected a contiguous tensor");
+  }
+  check_tensor(tw, "topk_weights", DType::kF32, {T, k}, true, dev);
+  check_tensor(ti, "topk_ids", DType::kI32, {T, k}, true, dev);
+  FUSEDMOE_CHECK(tw.is_contiguous(), "topk_weights: expected a contiguous tensor");
+  FUSEDMOE_CHECK(ti.is_contiguous(), "topk_ids: expected a contiguous tensor");
+  check_tensor(out, "output", out.dtype(), {T, H}, true, dev);
+  const size_t need =
+      cuda::fused_experts_workspace_bytes(T, H, I, E, k, apply_router_weight_on_input);
+  FUSEDMOE_CHECK(ws.has_value(), "workspace: required on CUDA (a uint8 device tensor of ", need,
+                 " bytes: fusedmoe.cuda_fused_experts_workspace_bytes)");
+  check_tensor(*ws, "workspace", ws->dtype(), {-1}, true, dev);
+  FUSEDMOE_CHECK(ws->nbytes() >= need, "workspace: expected at least ", need, " bytes, got ",
+                 ws->nbytes());
+  cuda::FusedExpertsArgs a;
+  a.hidden_states = x.data();
+  a.hidden_dtype = x.dtype();
+  a.ldx = x.stride(0);
+  a.num_tokens = T;
+  a.hidden_size = H;
+  a.intermediate_size = I;
+  a.num_experts = E;
+  a.top_k = k;
+  a.w13 = w.w13.data_as<const uint16_t>();
+  a.w2 = w.w2.data_as<const uint16_t>();
+  a.w13_bias = w.w13_bias ? w.w13_bias->data_as<const float>() : nullptr;
+  a.w2_bias = w.w2_bias ? w.w2_bias->data_as<const float>() : nullptr;
+  a.topk_ids = ti.data_as<const int32_t>();
+  a.topk_weights = tw.data_as<const float>();
+  a.activation = params.activation;
+  a.apply_router_weight_on_input = apply_router_weight_on_input;
+  a.output = out.data();
+  a.output_dtype = out.dtype();
+  a.ldo = out.stride(0);
+  return a;
+}
+#endif
+
 void fused_experts(const InArray& hidden_states, const InArray& w13, const InArray& w2,
                    const InArray& topk_weights, const InArray& topk_ids, const OutArray& output,
                    const std::string& activation, const OptIn& w13_bias, const OptIn& w2_bias,
                    bool apply_router_weight_on_input, const std::string& compute_dtype,
-                   bool weights_u16_is_bf16, float swiglu_alpha, float swiglu_limit) {
+                   bool weights_u16_is_bf16, float swiglu_alpha, float swiglu_limit,
+                   const OptOut& workspace, uintptr_t stream) {
   const TensorView x = view_of(hidden_states, "hidden_states");
-  check_dtype(x, "hidden_states", {DType::kF32});
   ExpertWeights weights;
   weights.w13 = borrow(view_of(w13, "w13", weights_u16_is_bf16));
   weights.w2 = borrow(view_of(w2, "w2", weights_u16_is_bf16));
-  check_dtype(weights.w13.view(), "w13", {DType::kF32, DType::kBF16});
-  check_dtype(weights.w2.view(), "w2", {DType::kF32, DType::kBF16});
   if (w13_bias) weights.w13_bias = borrow(view_of(*w13_bias, "w13_bias", weights_u16_is_bf16));
   if (w2_bias) weights.w2_bias = borrow(view_of(*w2_bias, "w2_bias", weights_u16_is_bf16));
   FUSEDMOE_CHECK(w13_bias.has_value() == w2_bias.has_value(),
                  "w13_bias, w2_bias: give both biases or neither (got ",
                  w13_bias ? "w13_bias only" : "w2_bias only", ")");
   const TensorView tw = view_of(topk_weights, "topk_weights");
-  check_dtype(tw, "topk_weights", {DType::kF32});
   const TensorView ti = view_of(topk_ids, "topk_ids");
-  check_dtype(ti, "topk_ids", {DType::kI32});
   const TensorView out = view_of(output, "output");
+  std::optional<TensorView> ws;
+  if (workspace) ws = view_of(*workspace, "workspace");
+  const Device dev =
+      common_device({{&x, "hidden_states"},
+                     {&weights.w13.view(), "w13"},
+                     {&weights.w2.view(), "w2"},
+                     {weights.w13_bias ? &weights.w13_bias->view() : nullptr, "w13_bias"},
+                     {weights.w2_bias ? &weights.w2_bias->view() : nullptr, "w2_bias"},
+                     {&tw, "topk_weights"},
+                     {&ti, "topk_ids"},
+                     {&out, "output"},
+                     {opt(ws), "workspace"}});
   ExpertsParams params;
   params.activation.activation = parse_activation(activation);
   params.activation.swiglu_alpha = swiglu_alpha;
   params.activation.swiglu_limit = swiglu_limit;
   params.compute_dtype = parse_compute_dtype(compute_dtype, "compute_dtype");
+  if (dev.type == DeviceType::kCUDA) {
+#ifdef FUSEDMOE_WITH_CUDA
+    const cuda::FusedExpertsArgs a =
+        cuda_fused_experts_args(x, weights, tw, ti, out, params, apply_router_weight_on_input, ws);
+    nb::gil_scoped_release release;
+    cuda::fused_experts(a, ws->data(), ws->nbytes(), reinterpret_cast<cuda::Stream>(stream));
+#endif
+    return;
+  }
+  check_dtype(x, "hidden_states", {DType::kF32});
+  check_dtype(weights.w13.view(), "w13", {DType::kF32, DType::kBF16});
+  check_dtype(weights.w2.view(), "w2", {DType::kF32, DType::kBF16});
+  check_dtype(tw, "topk_weights", {DType::kF32});
+  check_dtype(ti, "topk_ids", {DType::kI32});
 
   FunctionalState& s = functional_state();
   nb::gil_scoped_release release;
@@ -304,24 +473,155 @@ std::vector<double> time_fused_experts(const InArray& hidden_states, const InArr
   return times;
 }
 
+// Benchmark hook: `repeat` back-to-back cuda::fused_experts calls (silu, bf16
+// weights, no Python in the loop) on `stream`, then one stream synchronisation.
+// Returns (seconds from the first call to the end of the synchronisation,
+// seconds spent enqueueing) for all calls together.
+std::pair<double, double> time_fused_experts_cuda(const InArray& hidden_states, const InArray& w13,
+                                                  const InArray& w2, const InArray& topk_weights,
+                                                  const InArray& topk_ids, const OutArray& output,
+                                                  const OutArray& workspace, int repeat,
+                                                  uintptr_t stream) {
+#ifndef FUSEDMOE_WITH_CUDA
+  (void)hidden_states, (void)w13, (void)w2, (void)topk_weights, (void)topk_ids, (void)output,
+      (void)workspace, (void)repeat, (void)stream;
+  FUSEDMOE_THROW(kUnsupported, "this build of fusedmoe has no CUDA backend");
+#else
+  ExpertWeights weights;
+  weights.w13 = borrow(view_of(w13, "w13"));
+  weights.w2 = borrow(view_of(w2, "w2"));
+  const TensorView x = view_of(hidden_states, "hidden_states");
+  const TensorView tw = view_of(topk_weights, "topk_weights");
+  const TensorView ti = view_of(topk_ids, "topk_ids");
+  const TensorView out = view_of(output, "output");
+  const std::optional<TensorView> ws = view_of(workspace, "workspace");
+  const Device dev = common_device({{&x, "hidden_states"},
+                                    {&weights.w13.view(), "w13"},
+                                    {&weights.w2.view(), "w2"},
+                                    {&tw, "topk_weights"},
+                                    {&ti, "topk_ids"},
+                                    {&out, "output"},
+                                    {&*ws, "workspace"}});
+  FUSEDMOE_CHECK(dev.type == DeviceType::kCUDA, "hidden_states: expected CUDA arrays");
+  ExpertsParams params;
+  params.compute_dtype = DType::kBF16;
+  const cuda::FusedExpertsArgs a =
+      cuda_fused_experts_args(x, weights, tw, ti, out, params, false, ws);
+  const auto s = reinterpret_cast<cuda::Stream>(stream);
+  nb::gil_scoped_release release;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < repeat; ++i) cuda::fused_experts(a, ws->data(), ws->nbytes(), s);
+  const auto t1 = std::chrono::steady_clock::now();
+  FUSEDMOE_CHECK(cudaStreamSynchronize(s) == cudaSuccess, "stream: synchronisation failed");
+  const auto t2 = std::chrono::steady_clock::now();
+  return {std::chrono::duration<double>(t2 - t0).count(),
+          std::chrono::duration<double>(t1 - t0).count()};
+#endif
+}
+
+// The same bindings in builds with and without the CUDA backend (one stub).
+size_t cuda_workspace_bytes(int64_t num_tokens, int64_t hidden_size, int64_t intermediate_size,
+                            int64_t num_experts, int64_t top_k, bool apply_router_weight_on_input) {
+#ifdef FUSEDMOE_WITH_CUDA
+  return cuda::fused_experts_workspace_bytes(num_tokens, hidden_size, intermediate_size,
+                                             num_experts, top_k, apply_router_weight_on_input);
+#else
+  (void)num_tokens, (void)hidden_size, (void)intermediate_size, (void)num_experts, (void)top_k,
+      (void)apply_router_weight_on_input;
+  FUSEDMOE_THROW(kUnsupported, "this build of fusedmoe has no CUDA backend");
+#endif
+}
+int cuda_device_count() {
+#ifdef FUSEDMOE_WITH_CUDA
+  return cuda::device_count();
+#else
+  return 0;
+#endif
+}
+
+#ifdef FUSEDMOE_WITH_CUDA
+// cuda::route on device views (the caller checked the device): the same
+// arguments the CPU routers check in create_router, checked here on shapes only
+// (values stay on the device).
+void select_experts_cuda(const MoEConfig& c, const TensorView& logits, const TensorView& ids,
+                         const TensorView& weights, const std::optional<TensorView>& bias,
+                         const std::optional<TensorView>& tok,
+                         const std::optional<TensorView>& table, uintptr_t stream) {
+  c.validate();
+  const Device dev = logits.device();
+  const int64_t L = c.num_router_logits(), k = c.top_k;
+  FUSEDMOE_CHECK(logits.ndim() == 2, "router_logits: expected [T, ", L, "], got ", logits.str());
+  const int64_t T = logits.size(0);
+  check_tensor(logits, "router_logits", DType::kF32, {T, L}, true, dev);
+  check_tensor(ids, "topk_ids", DType::kI32, {T, k}, true, dev);
+  check_tensor(weights, "topk_weights", DType::kF32, {T, k}, true, dev);
+  FUSEDMOE_CHECK(ids.is_contiguous() && weights.is_contiguous(),
+                 "topk_ids, topk_weights: expected contiguous outputs");
+  const RoutingMethod m = c.routing_method;
+  const bool grouped = m == RoutingMethod::kGroupedTopK || c.num_expert_group > 1;
+  const bool uses_bias = m == RoutingMethod::kTopK || m == RoutingMethod::kGroupedTopK ||
+                         (m == RoutingMethod::kTopKSoftmax && c.num_expert_group > 1);
+  FUSEDMOE_CHECK(!bias || (uses_bias && c.has_e_score_correction_bias),
+                 "e_score_correction_bias: given, but the ", to_string(m),
+                 " router with this config does not use one (it would be ignored)");
+  if (c.has_e_score_correction_bias && uses_bias) {
+    const int64_t n = grouped ? c.num_experts : L;
+    FUSEDMOE_CHECK(bias.has_value(), "e_score_correction_bias: expected f32 [", n,
+                   "] (config e_score_correction_bias is true), got none");
+    check_tensor(*bias, "e_score_correction_bias", DType::kF32, {n}, true, dev);
+  }
+  if (m == RoutingMethod::kHash) {
+    FUSEDMOE_CHECK(table.has_value(), "hash_table: expected i32 [", c.hash_vocab_size, ", ", k,
+                   "] for hash routing, got none");
+    check_tensor(*table, "hash_table", DType::kI32, {c.hash_vocab_size, k}, true, dev);
+    FUSEDMOE_CHECK(table->is_contiguous(), "hash_table: expected a contiguous tensor");
+    FUSEDMOE_CHECK(tok.has_value(), "token_ids: required by hash routing");
+    check_tensor(*tok, "token_ids", DType::kI32, {T}, true, dev);
+  }
+  cuda::RouteArgs ra;
+  ra.router_logits = logits.data_as<const float>();
+  ra.logits_ld = logits.stride(0);
+  ra.bias = bias ? bias->data_as<const float>() : nullptr;
+  ra.hash_table = table ? table->data_as<const int32_t>() : nullptr;
+  ra.token_ids = tok ? tok->data_as<const int32_t>() : nullptr;
+  ra.topk_ids = ids.data_as<int32_t>();
+  ra.topk_weights = weights.data_as<float>();
+  if (T == 0) return;
+  nb::gil_scoped_release release;
+  cuda::route(c, ra, T, reinterpret_cast<cuda::Stream>(stream));
+}
+#endif
+
 // Routing with a MoEConfig given as a dict (see config_from_dict).
 void select_experts(const InArray& router_logits, const OutArray& topk_ids,
                     const OutArray& topk_weights, const nb::dict& config,
                     const OptIn& e_score_correction_bias, const OptIn& token_ids,
-                    const OptIn& hash_table) {
+                    const OptIn& hash_table, uintptr_t stream) {
   const MoEConfig c = config_from_dict(config);
-  RouterParams params;
-  if (e_score_correction_bias)
-    params.e_score_correction_bias =
-        borrow(view_of(*e_score_correction_bias, "e_score_correction_bias"));
-  if (hash_table) params.hash_table = borrow(view_of(*hash_table, "hash_table"));
-  const auto router = create_router(c, params);
   const TensorView logits = view_of(router_logits, "router_logits");
-  check_dtype(logits, "router_logits", {DType::kF32});
   const TensorView ids = view_of(topk_ids, "topk_ids");
   const TensorView weights = view_of(topk_weights, "topk_weights");
-  std::optional<TensorView> tok;
+  std::optional<TensorView> bias, tok, table;
+  if (e_score_correction_bias) bias = view_of(*e_score_correction_bias, "e_score_correction_bias");
   if (token_ids) tok = view_of(*token_ids, "token_ids");
+  if (hash_table) table = view_of(*hash_table, "hash_table");
+  const Device dev = common_device({{&logits, "router_logits"},
+                                    {&ids, "topk_ids"},
+                                    {&weights, "topk_weights"},
+                                    {opt(bias), "e_score_correction_bias"},
+                                    {opt(tok), "token_ids"},
+                                    {opt(table), "hash_table"}});
+  check_dtype(logits, "router_logits", {DType::kF32});
+  if (dev.type == DeviceType::kCUDA) {
+#ifdef FUSEDMOE_WITH_CUDA
+    select_experts_cuda(c, logits, ids, weights, bias, tok, table, stream);
+#endif
+    return;
+  }
+  RouterParams params;
+  if (bias) params.e_score_correction_bias = borrow(*bias);
+  if (table) params.hash_table = borrow(*table);
+  const auto router = create_router(c, params);
   nb::gil_scoped_release release;
   router->select_experts(logits, ids, weights, tok ? &*tok : nullptr);
 }
@@ -330,23 +630,59 @@ void select_experts(const InArray& router_logits, const OutArray& topk_ids,
 
 class PyMoELayer {
  public:
+  // device: CPU, or CUDA (the current device; weights uploaded there and a
+  // workspace for max_num_tokens tokens allocated once).
   PyMoELayer(MoEConfig config, MoELayerWeights weights, DType compute_dtype,
-             std::optional<int> threads, std::string source, int64_t layer)
-      : source_(std::move(source)), layer_(layer) {
+             std::optional<int> threads, std::string source, int64_t layer, Device device,
+             int64_t max_num_tokens)
+      : source_(std::move(source)), layer_(layer), device_(device) {
     if (threads) {
-      FUSEDMOE_CHECK(*threads > 0, "threads: expected > 0, got ", *threads);
-      pool_ = std::make_unique<ThreadPool>(*threads);
+      // 0: the global pool (all cores unless set_num_threads changed it), as
+      // `fusedmoe run --threads 0`; N > 0: a private pool of N threads.
+      FUSEDMOE_CHECK(*threads >= 0, "threads: expected >= 0 (0: all cores), got ", *threads);
+      if (*threads > 0) pool_ = std::make_unique<ThreadPool>(*threads);
     }
     RunnerOptions options;
     options.compute_dtype = compute_dtype;
     options.pool = pool_.get();
-    runner_ = std::make_unique<MoERunner>(std::move(config), std::move(weights), options);
+    options.device = device;
+    options.max_num_tokens = max_num_tokens;
+    if (device.type == DeviceType::kCUDA) {
+      nb::gil_scoped_release release;  // uploads the weights
+      runner_ = std::make_unique<MoERunner>(std::move(config), std::move(weights), options);
+    } else {
+      runner_ = std::make_unique<MoERunner>(std::move(config), std::move(weights), options);
+    }
     compute_dtype_ = compute_dtype;
+    max_num_tokens_ =
+        device.type == DeviceType::kCUDA ? (max_num_tokens > 0 ? max_num_tokens : 8192) : 0;
   }
 
   static PyMoELayer* from_pretrained(const std::string& model_dir, std::optional<int64_t> layer,
-                                     const std::string& dtype, std::optional<int> threads) {
+                                     const std::string& dtype, std::optional<int> threads,
+                                     const std::string& backend, int64_t max_num_tokens) {
     const DType compute = parse_compute_dtype(dtype, "dtype");
+    Device device;
+    if (backend == "cuda") {
+#ifdef FUSEDMOE_WITH_CUDA
+      FUSEDMOE_CHECK(cuda::device_count() > 0, "backend: \"cuda\", but no CUDA device is visible");
+      int current = 0;
+      FUSEDMOE_CHECK(cudaGetDevice(&current) == cudaSuccess, "backend: cudaGetDevice failed");
+      device = Device{DeviceType::kCUDA, current};
+      FUSEDMOE_CHECK(compute == DType::kBF16,
+                     "dtype: the CUDA backend computes in bf16 (f32 accumulation); expected "
+                     "\"bf16\", got \"",
+                     dtype, "\"");
+      FUSEDMOE_CHECK(max_num_tokens >= 0, "max_num_tokens: expected >= 0, got ", max_num_tokens);
+#else
+      FUSEDMOE_THROW(kUnsupported,
+                     "backend: \"cuda\", but this build of fusedmoe has no CUDA backend (built "
+                     "without the CUDA toolkit, or with FUSEDMOE_CUDA=OFF)");
+#endif
+    } else {
+      FUSEDMOE_CHECK(backend == "cpu", "backend: expected \"cpu\" or \"cuda\", got \"", backend,
+                     "\"");
+    }
     MoEConfig config;
     MoELayerWeights weights;
     int64_t l = 0;
@@ -361,40 +697,95 @@ class PyMoELayer {
       options.progress = false;
       weights = load_moe_layer(checkpoint, info, l, options);
     }
-    return new PyMoELayer(std::move(config), std::move(weights), compute, threads, model_dir, l);
+    return new PyMoELayer(std::move(config), std::move(weights), compute, threads, model_dir, l,
+                          device, max_num_tokens);
   }
 
+  // stream: the cudaStream_t (as an integer) CUDA layers enqueue on.
   void forward(const InArray& hidden_states, const OutArray& output, const OptIn& router_logits,
                const OptOut& out_router_logits, const OptOut& out_topk_ids,
-               const OptOut& out_topk_weights, const OptIn& token_ids) {
+               const OptOut& out_topk_weights, const OptIn& token_ids, uintptr_t stream) {
     const TensorView x = view_of(hidden_states, "hidden_states");
-    check_dtype(x, "hidden_states", {DType::kF32});
     const TensorView out = view_of(output, "output");
-    std::optional<TensorView> logits, tok;
-    if (router_logits) {
-      logits = view_of(*router_logits, "router_logits");
-      check_dtype(*logits, "router_logits", {DType::kF32});
-    }
+    std::optional<TensorView> logits, tok, o_logits, o_ids, o_weights;
+    if (router_logits) logits = view_of(*router_logits, "router_logits");
     if (token_ids) tok = view_of(*token_ids, "token_ids");
+    if (out_router_logits) o_logits = view_of(*out_router_logits, "router_logits");
+    if (out_topk_ids) o_ids = view_of(*out_topk_ids, "topk_ids");
+    if (out_topk_weights) o_weights = view_of(*out_topk_weights, "topk_weights");
+    const Device dev = common_device({{&x, "hidden_states"},
+                                      {&out, "output"},
+                                      {opt(logits), "router_logits"},
+                                      {opt(tok), "token_ids"},
+                                      {opt(o_logits), "router_logits"},
+                                      {opt(o_ids), "topk_ids"},
+                                      {opt(o_weights), "topk_weights"}});
+    if (dev != device_)
+      FUSEDMOE_THROW(kInvalidArgument, "hidden_states: expected an array on ", device_str(device_),
+                     " (this layer's backend), got one on ", device_str(dev));
+    check_dtype(x, "hidden_states",
+                dev.is_cpu() ? std::initializer_list<DType>{DType::kF32}
+                             : std::initializer_list<DType>{DType::kF32, DType::kBF16});
+    if (logits) check_dtype(*logits, "router_logits", {DType::kF32});
+    if (max_num_tokens_ > 0 && x.ndim() == 2 && x.size(0) > max_num_tokens_)
+      FUSEDMOE_THROW(kInvalidArgument, "hidden_states: at most max_num_tokens = ", max_num_tokens_,
+                     " tokens for this CUDA layer (MoELayer.from_pretrained(..., "
+                     "max_num_tokens=N)), got ",
+                     x.size(0));
     ForwardOutputs outputs;
-    if (out_router_logits) outputs.router_logits = view_of(*out_router_logits, "router_logits");
-    if (out_topk_ids) outputs.topk_ids = view_of(*out_topk_ids, "topk_ids");
-    if (out_topk_weights) outputs.topk_weights = view_of(*out_topk_weights, "topk_weights");
-    const bool want = out_router_logits || out_topk_ids || out_topk_weights;
+    if (o_logits) outputs.router_logits = *o_logits;
+    if (o_ids) outputs.topk_ids = *o_ids;
+    if (o_weights) outputs.topk_weights = *o_weights;
+    const bool want = o_logits || o_ids || o_weights;
     nb::gil_scoped_release release;
     std::lock_guard<std::mutex> lock(mu_);
+    if (device_.type == DeviceType::kCUDA)
+      runner_->set_cuda_stream(reinterpret_cast<void*>(stream));
     runner_->forward(x, out, logits ? &*logits : nullptr, tok ? &*tok : nullptr,
                      want ? &outputs : nullptr);
   }
 
-  nb::dict config() const { return config_to_dict(runner_->config()); }
-  const MoEConfig& raw_config() const { return runner_->config(); }
-  std::string compute_dtype() const { return dtype_name(compute_dtype_); }
-  const std::string& source() const { return source_; }
-  int64_t layer() const { return layer_; }
-  size_t weights_nbytes() const { return runner_->weights().nbytes(); }
-  std::string weights_dtype() const { return dtype_name(runner_->weights().experts.dtype()); }
-  int threads() const { return pool_ ? pool_->num_threads() : ThreadPool::global().num_threads(); }
+  // CUDA: waits for `stream`, then raises ValueError naming the first token whose
+  // router logits held a NaN in a forward since the last check (MoERunner::
+  // check_errors). CPU: nothing (forward raises there).
+  void check_errors(uintptr_t stream) {
+    nb::gil_scoped_release release;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (device_.type != DeviceType::kCUDA) return;
+    runner_->set_cuda_stream(reinterpret_cast<void*>(stream));
+    runner_->check_errors();
+  }
+
+  nb::dict config() const {
+    return config_to_dict(runner_->config());
+  }
+  const MoEConfig& raw_config() const {
+    return runner_->config();
+  }
+  std::string compute_dtype() const {
+    return dtype_name(compute_dtype_);
+  }
+  const std::string& source() const {
+    return source_;
+  }
+  int64_t layer() const {
+    return layer_;
+  }
+  size_t weights_nbytes() const {
+    return runner_->weights().nbytes();
+  }
+  std::string weights_dtype() const {
+    return dtype_name(runner_->weights().experts.dtype());
+  }
+  int threads() const {
+    return pool_ ? pool_->num_threads() : ThreadPool::global().num_threads();
+  }
+  std::string device() const {
+    return device_str(device_);
+  }
+  int64_t max_num_tokens() const {
+    return max_num_tokens_;
+  }
 
  private:
   std::unique_ptr<ThreadPool> pool_;
@@ -403,6 +794,8 @@ class PyMoELayer {
   DType compute_dtype_ = DType::kF32;
   std::string source_;
   int64_t layer_ = 0;
+  Device device_{};
+  int64_t max_num_tokens_ = 0;  // CUDA: the workspace's token capacity
 };
 
 // ---- inspect -------------------------------------------------------------------------
@@ -452,15 +845,27 @@ NB_MODULE(_ext, m) {
   m.def("fused_experts", &fused_experts, "hidden_states"_a, "w13"_a, "w2"_a, "topk_weights"_a,
         "topk_ids"_a, "output"_a, "activation"_a, "w13_bias"_a.none(), "w2_bias"_a.none(),
         "apply_router_weight_on_input"_a, "compute_dtype"_a, "weights_u16_is_bf16"_a,
-        "swiglu_alpha"_a, "swiglu_limit"_a,
+        "swiglu_alpha"_a, "swiglu_limit"_a, "workspace"_a.none() = nb::none(), "stream"_a = 0,
         "Routed experts (prepare -> w13 GEMM -> activation -> w2 GEMM -> weighted sum) into "
-        "`output` f32 [T, H].");
+        "`output` [T, H]. CUDA arrays: `workspace` uint8 of at least "
+        "cuda_fused_experts_workspace_bytes(...) bytes, `stream` a cudaStream_t.");
+  m.def("cuda_fused_experts_workspace_bytes", &cuda_workspace_bytes, "num_tokens"_a,
+        "hidden_size"_a, "intermediate_size"_a, "num_experts"_a, "top_k"_a,
+        "apply_router_weight_on_input"_a = false,
+        "Device bytes of workspace the CUDA fused_experts needs for these sizes.");
+  m.def("_time_fused_experts_cuda", &time_fused_experts_cuda, "hidden_states"_a, "w13"_a, "w2"_a,
+        "topk_weights"_a, "topk_ids"_a, "output"_a, "workspace"_a, "repeat"_a, "stream"_a,
+        "Benchmark hook: (total seconds incl. one final stream sync, enqueue seconds) of "
+        "`repeat` back-to-back C++ cuda::fused_experts calls.");
+  m.def("cuda_device_count", &cuda_device_count,
+        "Usable CUDA devices (0 without a driver or without the CUDA backend).");
   m.def("_time_fused_experts", &time_fused_experts, "hidden_states"_a, "w13"_a, "w2"_a,
         "topk_weights"_a, "topk_ids"_a, "output"_a, "repeat"_a,
         "Benchmark hook: per-call seconds of `repeat` C++ fused_experts calls (silu, f32 "
         "compute).");
   m.def("select_experts", &select_experts, "router_logits"_a, "topk_ids"_a, "topk_weights"_a,
         "config"_a, "e_score_correction_bias"_a.none(), "token_ids"_a.none(), "hash_table"_a.none(),
+        "stream"_a = 0,
         "Routes router_logits f32 [T, E + Z] into topk_ids i32 [T, k] and topk_weights f32 "
         "[T, k] with the router a MoEConfig (given as a dict) selects.");
   m.def(
@@ -472,17 +877,23 @@ NB_MODULE(_ext, m) {
   m.def("inspect", &inspect, "path"_a,
         "Describes a model directory (or lists a .safetensors file): the content of "
         "`fusedmoe inspect PATH --json`.");
-  m.def("set_num_threads", &ThreadPool::set_global_num_threads, "num_threads"_a,
-        "Sets the threads of the global pool (<= 0: all cores).");
+  m.def(
+      "set_num_threads",
+      [](int n) {
+        FUSEDMOE_CHECK(n >= 0, "num_threads: expected >= 0 (0: all cores), got ", n);
+        ThreadPool::set_global_num_threads(n);
+      },
+      "num_threads"_a, "Sets the threads of the global pool (0: all cores).");
   m.def("get_num_threads", [] { return ThreadPool::global().num_threads(); });
 
   nb::class_<PyMoELayer>(m, "MoELayer")
       .def_static("from_pretrained", &PyMoELayer::from_pretrained, "model_dir"_a,
                   "layer"_a.none() = nb::none(), "dtype"_a = "f32", "threads"_a.none() = nb::none(),
-                  nb::rv_policy::take_ownership)
+                  "backend"_a = "cpu", "max_num_tokens"_a = 0, nb::rv_policy::take_ownership)
       .def("forward", &PyMoELayer::forward, "hidden_states"_a, "output"_a, "router_logits"_a.none(),
            "out_router_logits"_a.none(), "out_topk_ids"_a.none(), "out_topk_weights"_a.none(),
-           "token_ids"_a.none())
+           "token_ids"_a.none(), "stream"_a = 0)
+      .def("check_errors", &PyMoELayer::check_errors, "stream"_a = 0)
       .def_prop_ro("config", &PyMoELayer::config)
       .def_prop_ro("num_experts", [](const PyMoELayer& l) { return l.raw_config().num_experts; })
       .def_prop_ro("num_router_logits",
@@ -494,5 +905,7 @@ NB_MODULE(_ext, m) {
       .def_prop_ro("weights_nbytes", &PyMoELayer::weights_nbytes)
       .def_prop_ro("source", &PyMoELayer::source)
       .def_prop_ro("layer", &PyMoELayer::layer)
-      .def_prop_ro("threads", &PyMoELayer::threads);
+      .def_prop_ro("threads", &PyMoELayer::threads)
+      .def_prop_ro("device", &PyMoELayer::device)
+      .def_prop_ro("max_num_tokens", &PyMoELayer::max_num_tokens);
 }

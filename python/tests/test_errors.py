@@ -111,6 +111,30 @@ def test_routing_errors():
         fusedmoe.select_experts(logits, 2, routing_method="hash", hash_vocab_size=4)
 
 
+def test_integer_arguments_reject_bool_and_float():
+    logits = np.random.default_rng().standard_normal((4, 8)).astype(np.float32)
+    with pytest.raises(TypeError, match="topk: expected an int, got bool"):
+        fusedmoe.fused_topk(None, logits, True, True)
+    with pytest.raises(TypeError, match="topk"):
+        fusedmoe.fused_topk(None, logits, 2.0, True)
+    with pytest.raises(TypeError, match="num_expert_group"):
+        fusedmoe.grouped_topk(logits, 2, True, True, 1)
+    with pytest.raises(TypeError, match="top_k"):
+        fusedmoe.select_experts(logits, False)
+    assert fusedmoe.fused_topk(None, logits, np.int64(2), True)[1].shape == (4, 2)
+
+
+def test_big_endian_arrays_are_converted(case):
+    logits = np.random.default_rng().standard_normal((4, 8)).astype(np.float32)
+    w, ids = fusedmoe.fused_topk(None, logits.astype(">f4"), 2, True)
+    w_ref, ids_ref = fusedmoe.fused_topk(None, logits, 2, True)
+    np.testing.assert_array_equal(ids, ids_ref)
+    np.testing.assert_array_equal(w, w_ref)
+    be = {k: v.astype(v.dtype.newbyteorder(">")) for k, v in case.items()}
+    np.testing.assert_array_equal(
+        fusedmoe.fused_experts(be["x"], be["w13"], be["w2"], be["tw"], be["ids"]), _fe(case))
+
+
 def test_layer_errors(layer):
     H = layer.hidden_size
     with pytest.raises(ValueError, match="hidden_states"):
@@ -131,9 +155,20 @@ def test_from_pretrained_errors(tmp_path):
     with pytest.raises(ValueError, match="dtype"):
         fusedmoe.MoELayer.from_pretrained(HF / "mixtral", dtype="f8")
     with pytest.raises(ValueError, match="threads"):
-        fusedmoe.MoELayer.from_pretrained(HF / "mixtral", threads=0)
-    with pytest.raises(NotImplementedError, match="cuda"):
-        fusedmoe.MoELayer.from_pretrained(HF / "mixtral", backend="cuda")
+        fusedmoe.MoELayer.from_pretrained(HF / "mixtral", threads=-1)
+    with pytest.raises(TypeError, match="threads"):
+        fusedmoe.MoELayer.from_pretrained(HF / "mixtral", threads=True)
+    # threads=0: the global pool (all cores), as `fusedmoe run --threads 0`
+    assert (fusedmoe.MoELayer.from_pretrained(HF / "mixtral", threads=0).threads
+            == fusedmoe.get_num_threads())
+    with pytest.raises(ValueError, match="num_threads"):
+        fusedmoe.set_num_threads(-2)
+    if not fusedmoe.cuda_built:
+        with pytest.raises(NotImplementedError, match="CUDA backend"):
+            fusedmoe.MoELayer.from_pretrained(HF / "mixtral", backend="cuda")
+    elif fusedmoe._ext.cuda_device_count() == 0:
+        with pytest.raises(ValueError, match="no CUDA device"):
+            fusedmoe.MoELayer.from_pretrained(HF / "mixtral", backend="cuda")
     with pytest.raises(ValueError, match="backend"):
         fusedmoe.MoELayer.from_pretrained(HF / "mixtral", backend="tpu")
     (tmp_path / "config.json").write_text("{not json")

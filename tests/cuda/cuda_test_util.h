@@ -89,7 +89,12 @@ class DeviceTensor {
     return h;
   }
   // Every byte 0xff: NaN for f32 / bf16, -1 for integers.
-  void poison() const { cuda_ok(cudaMemset(data(), 0xff, bytes_), "poison"); }
+  // NaN bits everywhere; synchronous, so work on any stream afterwards sees it
+  // (cudaMemset on the legacy stream does not order non-blocking streams).
+  void poison() const {
+    cuda_ok(cudaMemset(data(), 0xff, bytes_), "poison");
+    cuda_ok(cudaDeviceSynchronize(), "poison");
+  }
   int64_t ld() const { return ld_; }
 
  private:

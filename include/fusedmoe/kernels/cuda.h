@@ -189,11 +189,12 @@ void sm90_experts(const Sm90ExpertsArgs& args, Stream stream);
 bool pick_sm90_experts(int64_t rows_per_expert, int64_t routed_rows, int64_t hidden, int64_t inter);
 
 // ---- finalize ------------------------------------------------------------------
-// out[t, h] = sum_{j < k, topk_ids[t, j] != -1} y[(t*k + j) * H + h]   (slot order,
+// out[t, h] = sum_{j < k, topk_ids[t, j] valid} y[(t*k + j) * H + h]   (slot order,
 //             deterministic)  + shared_scale_t * shared[t * H + h]  (if shared)
 // shared_scale_t = sigmoid(x_t . shared_gate) when shared_gate (f32 [H]) and
 // x (bf16 [T, H], row stride ldx) are given, else 1. y, shared: f32.
-// out: f32 or bf16 (out_dtype), row stride ldo.
+// out: f32 or bf16 (out_dtype), row stride ldo. An id is valid when >= 0 and,
+// with num_experts > 0, < num_experts (align skips the others too).
 // Expert-sorted y (sm90_experts): with slot_row (i32 [T * k]) the term of slot
 // s is row_scale[s] * (y[slot_row[s] * H + h] + bias[topk_ids[s] * H + h])
 // (row_scale null: 1; bias f32 [E, H] or null: 0) — the kScatter epilogue's
@@ -202,6 +203,7 @@ struct FinalizeArgs {
   const float* y = nullptr;
   const int32_t* topk_ids = nullptr;
   int64_t num_tokens = 0, top_k = 0, hidden = 0;
+  int64_t num_experts = 0;
   const float* shared = nullptr;
   const float* shared_gate = nullptr;
   const uint16_t* x = nullptr;
@@ -214,6 +216,53 @@ struct FinalizeArgs {
   const float* bias = nullptr;
 };
 void finalize(const FinalizeArgs& args, Stream stream);
+
+// ---- functional routed experts (vLLM's fused_experts) -------------------------
+// output[t] = sum_{j < k, topk_ids[t, j] != -1} s_j * (w2[e] . act(w13[e] . x_j + w13_bias[e])
+//             + w2_bias[e]),   e = topk_ids[t, j],
+// with x_j = x[t], s_j = topk_weights[t, j]; or, apply_router_weight_on_input
+// (Llama-4), x_j = topk_weights[t, j] * x[t] and s_j = 1. The expert input and
+// the intermediate are rounded to bf16, GEMMs accumulate in f32, the k rows of a
+// token are summed in slot order (deterministic). The pipeline is the mma.sync
+// path of the CUDA MoE layer's routed experts: to_bf16_rows -> align ->
+// grouped_gemm (kGlu) -> grouped_gemm (kScatter) -> finalize (the layer's sm90
+// wgmma path for many rows per expert is not taken here yet).
+//   hidden_states f32 or bf16 [T, H] (row stride ldx >= H);
+//   w13 bf16 [E, 2I, H] (rows 0..I-1 gate, I..2I-1 up), w2 bf16 [E, H, I], contiguous;
+//   w13_bias f32 [E, 2I] and w2_bias f32 [E, H], or null;
+//   topk_ids i32 [T, k], topk_weights f32 [T, k], contiguous. Ids outside [0, E)
+//     (-1: no expert) add nothing — they are not reported (that needs a host sync);
+//   output f32 or bf16 [T, H] (row stride ldo >= H), must not alias hidden_states.
+// `workspace` is caller-owned device memory of at least
+// fused_experts_workspace_bytes(...) bytes (256-byte aligned), so that nothing
+// is allocated here: the call is asynchronous on `stream` and can be captured in
+// a CUDA graph. Throws Error(kInvalidArgument) naming the field for sizes,
+// strides, dtypes, null pointers or a workspace that is too small, and
+// Error(kUnsupported) when H or I is not a multiple of 8, k > 32, or
+// apply_router_weight_on_input with k != 1.
+struct FusedExpertsArgs {
+  const void* hidden_states = nullptr;
+  DType hidden_dtype = DType::kF32;
+  int64_t ldx = 0;
+  int64_t num_tokens = 0, hidden_size = 0, intermediate_size = 0, num_experts = 0, top_k = 0;
+  const uint16_t* w13 = nullptr;  // bf16 bits
+  const uint16_t* w2 = nullptr;   // bf16 bits
+  const float* w13_bias = nullptr;
+  const float* w2_bias = nullptr;
+  const int32_t* topk_ids = nullptr;
+  const float* topk_weights = nullptr;
+  ActivationParams activation;
+  bool apply_router_weight_on_input = false;
+  void* output = nullptr;
+  DType output_dtype = DType::kF32;
+  int64_t ldo = 0;
+};
+// Device bytes fused_experts needs as workspace for these sizes (grows with T).
+size_t fused_experts_workspace_bytes(int64_t num_tokens, int64_t hidden_size,
+                                     int64_t intermediate_size, int64_t num_experts, int64_t top_k,
+                                     bool apply_router_weight_on_input);
+void fused_experts(const FusedExpertsArgs& args, void* workspace, size_t workspace_bytes,
+                   Stream stream);
 
 // ---- small helpers ---------------------------------------------------------------
 // xb[t, h] = bf16(x[t, h] * (row_scale ? row_scale[t * scale_stride] : 1)),

@@ -130,6 +130,12 @@ class MoERunner {
   // router_logits f32 [T, E + Z] = hidden_states . gate_weight^T (+ gate_bias).
   void compute_router_logits(const TensorView& hidden_states, const TensorView& router_logits);
 
+  // CUDA backend: the stream later forward() / compute_router_logits() calls
+  // enqueue on (a cudaStream_t; nullptr: the legacy default stream), replacing
+  // RunnerOptions::cuda_stream — for front ends that follow the caller's
+  // current stream (PyTorch, CuPy). Not thread-safe against a running forward.
+  void set_cuda_stream(void* stream) { options_.cuda_stream = stream; }
+
   const MoEConfig& config() const { return config_; }
   const MoELayerWeights& weights() const { return weights_; }
   const Router& router() const { return *router_; }

@@ -59,9 +59,10 @@ struct SortedRows {
 template <typename Out, bool kRows>
 __global__ void __launch_bounds__(kFinalizeThreads)
     finalize_kernel(const float* __restrict__ y, const int32_t* __restrict__ ids, int top_k,
-                    int64_t hidden, int64_t chunks, const float* __restrict__ shared,
-                    const float* __restrict__ shared_gate, const uint16_t* __restrict__ x,
-                    int64_t ldx, Out* __restrict__ out, int64_t ldo, const SortedRows rows) {
+                    int num_experts, int64_t hidden, int64_t chunks,
+                    const float* __restrict__ shared, const float* __restrict__ shared_gate,
+                    const uint16_t* __restrict__ x, int64_t ldx, Out* __restrict__ out, int64_t ldo,
+                    const SortedRows rows) {
   __shared__ int32_t valid[32];
   __shared__ const float* src[32];
   __shared__ const float* bias_row[32];
@@ -73,10 +74,11 @@ __global__ void __launch_bounds__(kFinalizeThreads)
   if (threadIdx.x < top_k) {
     const int64_t s = t * top_k + threadIdx.x;
     const int32_t e = ids[s];
-    valid[threadIdx.x] = e >= 0;
+    const bool ok = e >= 0 && (num_experts <= 0 || e < num_experts);
+    valid[threadIdx.x] = ok;
     if (kRows) {
-      src[threadIdx.x] = e >= 0 ? y + static_cast<int64_t>(rows.slot_row[s]) * hidden : y;
-      bias_row[threadIdx.x] = rows.bias && e >= 0 ? rows.bias + e * hidden : nullptr;
+      src[threadIdx.x] = ok ? y + static_cast<int64_t>(rows.slot_row[s]) * hidden : y;
+      bias_row[threadIdx.x] = rows.bias && ok ? rows.bias + e * hidden : nullptr;
       scale[threadIdx.x] = rows.row_scale ? rows.row_scale[s] : 1.0f;
     } else {
       src[threadIdx.x] = y + s * hidden;
@@ -280,16 +282,17 @@ void finalize(const FinalizeArgs& a, Stream stream) {
                  "finalize: too many tokens for one launch: ", a.num_tokens);
   const unsigned grid = static_cast<unsigned>(a.num_tokens * chunks);
   const SortedRows rows{a.slot_row, a.row_scale, a.bias};
+  const int num_experts = static_cast<int>(a.num_experts);
   if (a.out_dtype == DType::kF32) {
     auto kernel = a.slot_row ? finalize_kernel<float, true> : finalize_kernel<float, false>;
-    kernel<<<grid, kFinalizeThreads, 0, stream>>>(a.y, a.topk_ids, static_cast<int>(a.top_k),
-                                                  a.hidden, chunks, a.shared, a.shared_gate, a.x,
-                                                  a.ldx, static_cast<float*>(a.out), a.ldo, rows);
+    kernel<<<grid, kFinalizeThreads, 0, stream>>>(
+        a.y, a.topk_ids, static_cast<int>(a.top_k), num_experts, a.hidden, chunks, a.shared,
+        a.shared_gate, a.x, a.ldx, static_cast<float*>(a.out), a.ldo, rows);
   } else {
     auto kernel16 = a.slot_row ? finalize_kernel<uint16_t, true> : finalize_kernel<uint16_t, false>;
     kernel16<<<grid, kFinalizeThreads, 0, stream>>>(
-        a.y, a.topk_ids, static_cast<int>(a.top_k), a.hidden, chunks, a.shared, a.shared_gate, a.x,
-        a.ldx, static_cast<uint16_t*>(a.out), a.ldo, rows);
+        a.y, a.topk_ids, static_cast<int>(a.top_k), num_experts, a.hidden, chunks, a.shared,
+        a.shared_gate, a.x, a.ldx, static_cast<uint16_t*>(a.out), a.ldo, rows);
   }
   FUSEDMOE_CUDA_CHECK_LAUNCH();
 }

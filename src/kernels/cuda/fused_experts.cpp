@@ -1,0 +1,230 @@
+// fusedmoe CUDA: the routed-expert pipeline (routed_experts.h) and the
+// functional fused_experts over caller-owned workspace (kernels/cuda.h).
+#include <algorithm>
+#include <cmath>
+
+#include "fusedmoe/core/error.h"
+#include "kernels/cuda/routed_experts.h"
+
+namespace fusedmoe::cuda {
+namespace {
+
+constexpr size_t kAlign = 256;
+size_t aligned(size_t bytes) {
+  return (bytes + kAlign - 1) / kAlign * kAlign;
+}
+
+// Hands out consecutive 256-byte aligned pieces of one buffer (base may be null
+// to only count).
+class Carver {
+ public:
+  explicit Carver(void* base) : base_(static_cast<char*>(base)) {}
+  template <typename T>
+  T* take(size_t count) {
+    T* p = base_ ? reinterpret_cast<T*>(base_ + used_) : nullptr;
+    used_ += aligned(sizeof(T) * count);
+    return p;
+  }
+  size_t used() const { return used_; }
+
+ private:
+  char* base_;
+  size_t used_ = 0;
+};
+
+RoutedScratch carve(Carver& c, int64_t T, int64_t k, int64_t E, int64_t H, int64_t I) {
+  const int64_t slots = T * k;
+  const int64_t padded = max_padded_rows(slots, E, kMaxBlockM);
+  RoutedScratch s;
+  s.counts = c.take<int32_t>(E);
+  s.cursor = c.take<int32_t>(E);
+  s.offsets = c.take<int64_t>(E + 1);
+  s.sorted_slot = c.take<int32_t>(padded);
+  s.inter = c.take<uint16_t>(padded * I);
+  s.y = c.take<float>(slots * H);
+  return s;
+}
+
+}  // namespace
+
+size_t routed_scratch_bytes(int64_t num_tokens, int64_t top_k, int64_t num_experts, int64_t hidden,
+                            int64_t inter) {
+  Carver c(nullptr);
+  carve(c, num_tokens, top_k, num_experts, hidden, inter);
+  return c.used();
+}
+
+RoutedScratch carve_routed_scratch(void* base, int64_t num_tokens, int64_t top_k,
+                                   int64_t num_experts, int64_t hidden, int64_t inter) {
+  Carver c(base);
+  return carve(c, num_tokens, top_k, num_experts, hidden, inter);
+}
+
+GemmTile routed_gemm_tile(int64_t T, int64_t k, int64_t E, int64_t H, int64_t I) {
+  const int64_t slots = T * k;
+  const double touched =
+      static_cast<double>(E) * (1.0 - std::pow(1.0 - static_cast<double>(k) / E, T));
+  const int64_t rows_per_expert =
+      static_cast<int64_t>(std::llround(slots / std::max(1.0, touched)));
+  return pick_gemm_tile(rows_per_expert, slots, 2 * I, H);
+}
+
+void routed_experts(const RoutedExpertsArgs& a, const RoutedScratch& s, Stream stream) {
+  const int64_t T = a.num_tokens, k = a.top_k, E = a.num_experts, H = a.hidden, I = a.inter;
+  const int64_t slots = T * k;
+  // One tile for both GEMMs (one alignment serves both).
+  const GemmTile tile = a.tile ? *a.tile : routed_gemm_tile(T, k, E, H, I);
+  AlignArgs al;
+  al.topk_ids = a.topk_ids;
+  al.num_slots = slots;
+  al.num_experts = E;
+  al.block_m = gemm_tile_block_m(tile);
+  al.expert_offsets = s.offsets;
+  al.sorted_slot = s.sorted_slot;
+  al.expert_counts = s.counts;
+  al.expert_cursor = s.cursor;
+  align(al, stream);
+
+  GroupedGemmArgs g;
+  g.epilogue = GemmEpilogue::kGlu;
+  g.tile = tile;
+  g.a = a.x;
+  g.lda = a.ldx > 0 ? a.ldx : H;
+  g.gather = true;
+  g.a_div = static_cast<int>(k);
+  g.sorted_slot = s.sorted_slot;
+  g.expert_offsets = s.offsets;
+  g.num_experts = E;
+  g.m = slots;
+  g.w = a.w13;
+  g.n = 2 * I;
+  g.k = H;
+  g.bias = a.w13_bias;
+  g.act = a.act;
+  g.out = s.inter;
+  g.ldc = I;
+  grouped_gemm(g, stream);
+
+  GroupedGemmArgs g2 = g;
+  g2.epilogue = GemmEpilogue::kScatter;
+  g2.a = s.inter;
+  g2.lda = I;
+  g2.gather = false;
+  g2.w = a.w2;
+  g2.n = H;
+  g2.k = I;
+  g2.bias = a.w2_bias;
+  g2.row_scale = a.apply_router_weight_on_input ? nullptr : a.topk_weights;
+  g2.out = s.y;
+  g2.ldc = H;
+  grouped_gemm(g2, stream);
+}
+
+// ---- functional fused_experts ----
+
+namespace {
+
+struct FunctionalWorkspace {
+  uint16_t* xb = nullptr;  // bf16 [T, H] (the expert input, scaled for apply-on-input)
+  RoutedScratch routed;
+};
+
+FunctionalWorkspace carve_functional(Carver& c, int64_t T, int64_t H, int64_t I, int64_t E,
+                                     int64_t k) {
+  FunctionalWorkspace w;
+  w.xb = c.take<uint16_t>(T * H);
+  w.routed = carve(c, T, k, E, H, I);
+  return w;
+}
+
+}  // namespace
+
+size_t fused_experts_workspace_bytes(int64_t num_tokens, int64_t hidden_size,
+                                     int64_t intermediate_size, int64_t num_experts, int64_t top_k,
+                                     bool /*apply_router_weight_on_input: same bytes*/) {
+  FUSEDMOE_CHECK(
+      num_tokens >= 0 && hidden_size > 0 && intermediate_size > 0 && num_experts > 0 && top_k > 0,
+      "fused_experts_workspace_bytes: expected num_tokens >= 0 and positive sizes, got "
+      "T = ",
+      num_tokens, ", H = ", hidden_size, ", I = ", intermediate_size, ", E = ", num_experts,
+      ", k = ", top_k);
+  Carver c(nullptr);
+  carve_functional(c, num_tokens, hidden_size, intermediate_size, num_experts, top_k);
+  return c.used();
+}
+
+void fused_experts(const FusedExpertsArgs& a, void* workspace, size_t workspace_bytes,
+                   Stream stream) {
+  const int64_t T = a.num_tokens, H = a.hidden_size, I = a.intermediate_size, E = a.num_experts,
+                k = a.top_k;
+  // ---- validate ----
+  const size_t need = fused_experts_workspace_bytes(T, H, I, E, k, a.apply_router_weight_on_input);
+  if (H % 8 != 0 || I % 8 != 0)
+    FUSEDMOE_THROW(kUnsupported,
+                   "fused_experts (CUDA): hidden_size and intermediate_size must be multiples of "
+                   "8, got H = ",
+                   H, ", I = ", I);
+  if (k > 32) FUSEDMOE_THROW(kUnsupported, "fused_experts (CUDA): top_k at most 32, got ", k);
+  if (a.apply_router_weight_on_input && k != 1)
+    FUSEDMOE_THROW(kUnsupported,
+                   "apply_router_weight_on_input: the CUDA backend supports it with top_k = 1 "
+                   "only (as vLLM), got top_k = ",
+                   k);
+  FUSEDMOE_CHECK(a.hidden_dtype == DType::kF32 || a.hidden_dtype == DType::kBF16,
+                 "hidden_states: expected dtype f32 or bf16, got ", dtype_name(a.hidden_dtype));
+  FUSEDMOE_CHECK(a.output_dtype == DType::kF32 || a.output_dtype == DType::kBF16,
+                 "output: expected dtype f32 or bf16, got ", dtype_name(a.output_dtype));
+  FUSEDMOE_CHECK(a.ldx >= H, "hidden_states: row stride must be >= H = ", H, ", got ", a.ldx);
+  FUSEDMOE_CHECK(a.ldo >= H, "output: row stride must be >= H = ", H, ", got ", a.ldo);
+  FUSEDMOE_CHECK(workspace_bytes >= need, "workspace: expected at least ", need,
+                 " bytes (fused_experts_workspace_bytes), got ", workspace_bytes);
+  FUSEDMOE_CHECK(reinterpret_cast<uintptr_t>(workspace) % kAlign == 0,
+                 "workspace: expected a 256-byte aligned pointer");
+  if (T == 0) return;
+  FUSEDMOE_CHECK(
+      a.hidden_states && a.w13 && a.w2 && a.topk_ids && a.topk_weights && a.output && workspace,
+      "fused_experts (CUDA): hidden_states, w13, w2, topk_ids, topk_weights, output "
+      "and workspace must be non-null");
+  const char* x_end = static_cast<const char*>(a.hidden_states) +
+                      ((T - 1) * a.ldx + H) * dtype_size(a.hidden_dtype);
+  const char* o_end =
+      static_cast<const char*>(a.output) + ((T - 1) * a.ldo + H) * dtype_size(a.output_dtype);
+  FUSEDMOE_CHECK(x_end <= static_cast<const char*>(a.output) ||
+                     o_end <= static_cast<const char*>(a.hidden_states),
+                 "output: must not alias hidden_states");
+
+  // ---- launch ----
+  Carver c(workspace);
+  const FunctionalWorkspace w = carve_functional(c, T, H, I, E, k);
+  to_bf16_rows(a.hidden_states, a.hidden_dtype, a.ldx, T, H,
+               a.apply_router_weight_on_input ? a.topk_weights : nullptr, k, w.xb, stream);
+  RoutedExpertsArgs r;
+  r.x = w.xb;
+  r.topk_ids = a.topk_ids;
+  r.topk_weights = a.topk_weights;
+  r.num_tokens = T;
+  r.top_k = k;
+  r.num_experts = E;
+  r.hidden = H;
+  r.inter = I;
+  r.w13 = a.w13;
+  r.w2 = a.w2;
+  r.w13_bias = a.w13_bias;
+  r.w2_bias = a.w2_bias;
+  r.act = a.activation;
+  r.apply_router_weight_on_input = a.apply_router_weight_on_input;
+  routed_experts(r, w.routed, stream);
+  FinalizeArgs f;
+  f.y = w.routed.y;
+  f.topk_ids = a.topk_ids;
+  f.num_tokens = T;
+  f.top_k = k;
+  f.hidden = H;
+  f.num_experts = E;
+  f.out = a.output;
+  f.out_dtype = a.output_dtype;
+  f.ldo = a.ldo;
+  finalize(f, stream);
+}
+
+}  // namespace fusedmoe::cuda

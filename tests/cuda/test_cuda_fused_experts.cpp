@@ -1,0 +1,198 @@
+// The functional cuda::fused_experts (kernels/cuda.h) against the float64
+// reference: T / E / k / H / I grids, f32 and bf16 hidden states and outputs,
+// biases with gpt-oss's clamped SwiGLU, -1 and out-of-range ids (add nothing),
+// row-strided input and output, router weight on the input (k = 1), a
+// poisoned workspace of exactly fused_experts_workspace_bytes, bit-identical
+// reruns; and the argument checks, which need no device.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "cuda_test_util.h"
+#include "expect_error.h"
+#include "reference_moe.h"
+
+namespace fusedmoe {
+namespace {
+
+using test::DeviceTensor;
+
+struct Case {
+  int64_t T, E, k, H, I;
+  Activation act;
+  bool bias;
+  DType io;  // hidden states and output
+};
+
+std::string name(const Case& c) {
+  return "T" + std::to_string(c.T) + " E" + std::to_string(c.E) + " k" + std::to_string(c.k) +
+         " H" + std::to_string(c.H) + " I" + std::to_string(c.I) + " act" +
+         std::to_string(static_cast<int>(c.act)) + (c.bias ? " bias" : "") + " " + dtype_name(c.io);
+}
+
+void run_case(const Case& c, std::mt19937_64& rng, bool on_input = false) {
+  SCOPED_TRACE(name(c) + (on_input ? " on-input" : ""));
+  const int64_t T = c.T, E = c.E, k = c.k, H = c.H, I = c.I;
+  const ExpertWeights w = test::random_experts(rng, E, H, I, DType::kBF16, c.bias);
+  Tensor x = test::randn_f32(rng, {T, H});
+  if (c.io == DType::kBF16) x = to_f32(test::to_bf16(x));  // the values the kernel reads
+  // ids: k distinct experts per token; some -1 and some >= E (both add nothing)
+  Tensor ids = Tensor::empty(DType::kI32, {T, k}), ref_ids = Tensor::empty(DType::kI32, {T, k});
+  Tensor tw = test::random_f32(rng, {T, k}, 0.1f, 1.0f);
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<int32_t> perm(static_cast<size_t>(E));
+    for (int64_t e = 0; e < E; ++e) perm[e] = static_cast<int32_t>(e);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    for (int64_t j = 0; j < k; ++j) {
+      int32_t id = perm[j], ref = id;
+      if (t % 7 == 3 && j == 0) id = ref = -1;
+      if (t % 11 == 5 && j == k - 1) id = static_cast<int32_t>(E + 3), ref = -1;
+      ids.data_as<int32_t>()[t * k + j] = id;
+      ref_ids.data_as<int32_t>()[t * k + j] = ref;
+    }
+  }
+  ActivationParams act;
+  act.activation = c.act;
+  const std::vector<double> want = test::reference_experts(x, ref_ids, tw, w, act, on_input);
+
+  DeviceTensor x_d = DeviceTensor::from_host(c.io == DType::kBF16 ? test::to_bf16(x) : x, H + 8);
+  DeviceTensor w13 = DeviceTensor::from_host(w.w13), w2 = DeviceTensor::from_host(w.w2);
+  DeviceTensor b13, b2;
+  if (c.bias) {
+    b13 = DeviceTensor::from_host(to_f32(*w.w13_bias));
+    b2 = DeviceTensor::from_host(to_f32(*w.w2_bias));
+  }
+  DeviceTensor ids_d = DeviceTensor::from_host(ids), tw_d = DeviceTensor::from_host(tw);
+  DeviceTensor out(c.io, {T, H}, H + 16);
+  const size_t ws_bytes = cuda::fused_experts_workspace_bytes(T, H, I, E, k, on_input);
+  DeviceTensor ws(DType::kU8, {static_cast<int64_t>(ws_bytes)});
+  out.poison();
+  ws.poison();
+
+  cuda::FusedExpertsArgs a;
+  a.hidden_states = x_d.data();
+  a.hidden_dtype = c.io;
+  a.ldx = x_d.ld();
+  a.num_tokens = T;
+  a.hidden_size = H;
+  a.intermediate_size = I;
+  a.num_experts = E;
+  a.top_k = k;
+  a.w13 = w13.data_as<const uint16_t>();
+  a.w2 = w2.data_as<const uint16_t>();
+  a.w13_bias = c.bias ? b13.data_as<const float>() : nullptr;
+  a.w2_bias = c.bias ? b2.data_as<const float>() : nullptr;
+  a.topk_ids = ids_d.data_as<const int32_t>();
+  a.topk_weights = tw_d.data_as<const float>();
+  a.activation = act;
+  a.apply_router_weight_on_input = on_input;
+  a.output = out.data();
+  a.output_dtype = c.io;
+  a.ldo = out.ld();
+  cuda::fused_experts(a, ws.data(), ws_bytes, nullptr);
+  CUDA_OK(cudaDeviceSynchronize());
+  Tensor got = out.to_host();
+  if (c.io == DType::kBF16) got = to_f32(got);
+  EXPECT_EQ(test::count_non_finite(got), 0);
+  std::vector<double> want_copy = want;
+  const TensorView want_v(want_copy.data(), DType::kF64, {T, H});
+  if (T > 0) EXPECT_LE(test::rel_l2(got, want_v), 1e-2);
+
+  // the same call again, on a poisoned output: the same bits
+  out.poison();
+  cuda::fused_experts(a, ws.data(), ws_bytes, nullptr);
+  CUDA_OK(cudaDeviceSynchronize());
+  Tensor again = out.to_host();
+  if (c.io == DType::kBF16) again = to_f32(again);
+  EXPECT_EQ(std::memcmp(again.data(), got.data(), got.nbytes()), 0);
+}
+
+TEST(CudaFusedExperts, MatchesFloat64Reference) {
+  FUSEDMOE_REQUIRE_CUDA();
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const std::vector<Case> cases = {
+      {1, 8, 2, 64, 48, Activation::kSiluGlu, false, DType::kF32},
+      {5, 8, 2, 64, 48, Activation::kSiluGlu, false, DType::kBF16},
+      {64, 8, 2, 64, 48, Activation::kGeluGlu, false, DType::kF32},
+      {33, 32, 4, 256, 72, Activation::kSwigluOai, true, DType::kF32},
+      {300, 16, 8, 128, 40, Activation::kSiluGlu, true, DType::kBF16},
+      {3, 128, 8, 2048, 768, Activation::kSiluGlu, false, DType::kBF16},
+      {0, 8, 2, 64, 48, Activation::kSiluGlu, false, DType::kF32},
+  };
+  for (const Case& c : cases) run_case(c, rng);
+  run_case({9, 4, 1, 32, 16, Activation::kSiluGlu, false, DType::kF32}, rng, /*on_input=*/true);
+}
+
+// Argument checks run before anything touches the device: no GPU needed.
+TEST(CudaFusedExperts, ArgumentErrorsNameTheField) {
+  auto* fake = reinterpret_cast<void*>(uintptr_t{1} << 20);  // never dereferenced
+  cuda::FusedExpertsArgs a;
+  a.hidden_states = fake;
+  a.hidden_dtype = DType::kF32;
+  a.ldx = 64;
+  a.num_tokens = 4;
+  a.hidden_size = 64;
+  a.intermediate_size = 32;
+  a.num_experts = 8;
+  a.top_k = 2;
+  a.w13 = static_cast<const uint16_t*>(fake);
+  a.w2 = static_cast<const uint16_t*>(fake);
+  a.topk_ids = static_cast<const int32_t*>(fake);
+  a.topk_weights = static_cast<const float*>(fake);
+  a.output = reinterpret_cast<void*>(uintptr_t{1} << 30);
+  a.ldo = 64;
+  const size_t need = cuda::fused_experts_workspace_bytes(4, 64, 32, 8, 2, false);
+  EXPECT_GT(need, size_t{4} * 64 * 2);
+  EXPECT_GE(cuda::fused_experts_workspace_bytes(400, 64, 32, 8, 2, false), need);
+  void* ws = reinterpret_cast<void*>(uintptr_t{1} << 24);
+  auto call = [&](cuda::FusedExpertsArgs b, size_t bytes = 0, void* w = nullptr) {
+    return [=] { cuda::fused_experts(b, w ? w : ws, bytes ? bytes : need, nullptr); };
+  };
+  using test::error_of;
+  EXPECT_HAS(error_of(call(a, need - 1), ErrorCode::kInvalidArgument), "workspace");
+  EXPECT_HAS(error_of(call(a, need, reinterpret_cast<void*>((uintptr_t{1} << 24) + 8)),
+                      ErrorCode::kInvalidArgument),
+             "256-byte");
+  cuda::FusedExpertsArgs b = a;
+  b.ldx = 32;
+  EXPECT_HAS(error_of(call(b), ErrorCode::kInvalidArgument), "hidden_states: row stride");
+  b = a;
+  b.ldo = 8;
+  EXPECT_HAS(error_of(call(b), ErrorCode::kInvalidArgument), "output: row stride");
+  b = a;
+  b.hidden_dtype = DType::kF64;
+  EXPECT_HAS(error_of(call(b), ErrorCode::kInvalidArgument), "hidden_states: expected dtype");
+  b = a;
+  b.output_dtype = DType::kI32;
+  EXPECT_HAS(error_of(call(b), ErrorCode::kInvalidArgument), "output: expected dtype");
+  b = a;
+  b.topk_ids = nullptr;
+  EXPECT_HAS(error_of(call(b), ErrorCode::kInvalidArgument), "non-null");
+  b = a;
+  b.output = const_cast<void*>(a.hidden_states);
+  EXPECT_HAS(error_of(call(b), ErrorCode::kInvalidArgument), "alias");
+  b = a;
+  b.top_k = 2;
+  b.apply_router_weight_on_input = true;
+  EXPECT_HAS(error_of(call(b), ErrorCode::kUnsupported), "apply_router_weight_on_input");
+  b = a;
+  b.intermediate_size = 36;
+  EXPECT_HAS(error_of(call(b, cuda::fused_experts_workspace_bytes(4, 64, 36, 8, 2, false)),
+                      ErrorCode::kUnsupported),
+             "multiples of 8");
+  b = a;
+  b.top_k = 33;
+  EXPECT_HAS(error_of(call(b, cuda::fused_experts_workspace_bytes(4, 64, 32, 8, 33, false)),
+                      ErrorCode::kUnsupported),
+             "top_k");
+  EXPECT_HAS(error_of([] { cuda::fused_experts_workspace_bytes(-1, 64, 32, 8, 2, false); },
+                      ErrorCode::kInvalidArgument),
+             "num_tokens");
+}
+
+}  // namespace
+}  // namespace fusedmoe
