@@ -15,6 +15,9 @@ for b in .devbin/*; do ldd "$b" || true; done | awk '$2 == "=>" && $3 ~ /^\// {p
   grep -v '/libnccl\.so' |  # 218 MB; the device has NCCL in its PyTorch (device_run.sh)
   while read -r p; do cp -L "$p" .devbin/lib/; done
 tar -C .devbin -cJf .devbin/lib.tar.xz lib && rm -rf .devbin/lib
+# The Python extension for the device's python3 (3.12), when built (e.g.
+# cmake -B build-py312 -DFUSEDMOE_BUILD_PYTHON=ON -DPython_EXECUTABLE=.../python3.12).
+for so in ${PY_BUILD:-build-py312}/python/_ext.cpython-*.so; do [ -f "$so" ] && cp "$so" .devbin/; done
 mkdir -p .git/info
 grep -qx '/.devbin/' .git/info/exclude 2>/dev/null || echo '/.devbin/' >> .git/info/exclude
 du -sh .devbin

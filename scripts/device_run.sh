@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the CUDA tests and benchmark on a device machine, from binaries built
 # here (scripts/device_pack.sh puts them with their libraries in .devbin/).
-# Usage (on the device, repository root): scripts/device_run.sh [tests|cli|sanitize|bench|layer|ncu|all] [gtest filter]
+# Usage (on the device, repository root): scripts/device_run.sh [tests|cli|python|sanitize|bench|layer|ncu|all] [gtest filter]
 # Env: BENCH_ARGS (e.g. --sweep), SKIP_TORCH=1, TORCH_ITERS.
 # Logs go to $OUT (or ./out).
 set -uo pipefail
@@ -47,6 +47,22 @@ if [ "$what" = cli ] || [ "$what" = all ]; then
     done
   done
   echo "== fusedmoe run --backend cuda: $n runs"
+fi
+if [ "$what" = python ] || [ "$what" = all ]; then
+  # The Python package (packed extension + python/fusedmoe) on torch CUDA tensors,
+  # then the per-call overhead benchmark.
+  pyt=$(mktemp -d) && mkdir -p "$pyt/fusedmoe" && cp python/fusedmoe/* "$pyt/fusedmoe/" &&
+    cp "$bin"/_ext.cpython-*.so "$pyt/fusedmoe/"
+  PYTHONPATH=$pyt PYTHONUNBUFFERED=1 timeout 300 python3 -m pytest -q -rs -p no:cacheprovider \
+    python/tests --deselect python/tests/test_stubs.py::test_stub_is_current >"$OUT/pytest.log" 2>&1
+  r=$?
+  [ $r -ne 0 ] && rc=1
+  echo "== pytest rc=$r: $(tail -1 "$OUT/pytest.log")"
+  grep -E "FAILED|Error" "$OUT/pytest.log" | head -20
+  PYTHONPATH=$pyt timeout 150 python3 python/benchmarks/cuda_overhead.py --repeat 500 --rounds 5 \
+    --passes 2 >"$OUT/python_overhead.txt" 2>&1
+  echo "== python overhead rc=$?"
+  tail -14 "$OUT/python_overhead.txt"
 fi
 if [ "$what" = sanitize ] || [ "$what" = all ]; then
   # compute-sanitizer on small cases (memcheck: bounds and leaks; racecheck: shared memory).
