@@ -18,6 +18,8 @@ tar -C .devbin -cJf .devbin/lib.tar.xz lib && rm -rf .devbin/lib
 # The Python extension for the device's python3 (3.12), when built (e.g.
 # cmake -B build-py312 -DFUSEDMOE_BUILD_PYTHON=ON -DPython_EXECUTABLE=.../python3.12).
 for so in ${PY_BUILD:-build-py312}/python/_ext.cpython-*.so; do [ -f "$so" ] && cp "$so" .devbin/; done
+# Symbol tables are not needed there; the call carries at most 64 MiB with the tree.
+strip --strip-unneeded .devbin/test_cuda_* .devbin/bench_cuda_* .devbin/fusedmoe .devbin/_ext.*.so 2>/dev/null || true
 mkdir -p .git/info
 grep -qx '/.devbin/' .git/info/exclude 2>/dev/null || echo '/.devbin/' >> .git/info/exclude
 du -sh .devbin
