@@ -14,9 +14,6 @@ void launch_m64n128(const GroupedGemmArgs& args, Stream stream);
 void launch_m128n128(const GroupedGemmArgs& args, Stream stream);
 void launch_m128n256(const GroupedGemmArgs& args, Stream stream);
 // m8gemv: <= 8 rows per tile, CUDA-core GEMV streaming each weight row once (decode).
-// Decode (T * k <= E) uses a pairwise form with fewer registers; gemv_narrow():
-// FUSEDMOE_GEMV_NARROW = 1 / 0 forces it on / off (-1: unset, the heuristic).
 void launch_m8gemv(const GroupedGemmArgs& args, Stream stream);
-int gemv_narrow();
 
 }  // namespace fusedmoe::cuda::gemm

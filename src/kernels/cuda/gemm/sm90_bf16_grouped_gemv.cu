@@ -6,9 +6,6 @@
 // kernel (gated activation -> bf16 intermediate; weighted scatter by slot).
 // Persistent warps over (tile, row group) items, row groups innermost so the
 // warps of an SM share the tile's activation rows.
-#include <cstdlib>
-#include <type_traits>
-
 #include "kernels/cuda/gemm/gemm_instances.h"
 #include "kernels/cuda/gemm/sm90_bf16_grouped_gemm.cuh"
 
@@ -177,174 +174,7 @@ __global__ void __launch_bounds__(kThreads) grouped_gemv_kernel(const Params p) 
   }
 }
 
-// Few routed rows per expert (decode: T * k <= E): the tile's 8 rows are taken
-// two at a time, and a pair with no routed row is skipped, so at T = 1 each
-// expert's weights stream once with 16 accumulators instead of 64. The smaller
-// register footprint keeps twice as many warps (and their loads) in flight.
-// Same results as grouped_gemv_kernel: each output is one warp's fixed-order sum.
-template <bool kGlu>
-__global__ void __launch_bounds__(kThreads) grouped_gemv_narrow_kernel(const Params p) {
-  constexpr int kRowsPerItem = ::fusedmoe::cuda::gemm::kRowsPerItem<kGlu>;
-  constexpr int kW = kGlu ? 2 * kRowsPerItem : kRowsPerItem;  // 8 weight rows per item
-  constexpr int kPair = 2;
-  constexpr int kAcc = kW * kPair;  // 16
-  const int lane = threadIdx.x & 31;
-  const int64_t warp_id = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) >> 5;
-  const int64_t num_warps = static_cast<int64_t>(gridDim.x) * (kThreads / 32);
-  const bool dense = p.expert_offsets == nullptr;
-  const int64_t total_tiles =
-      dense ? (p.m + kTileRows - 1) / kTileRows : p.expert_offsets[p.num_experts] / kTileRows;
-  const int64_t out_rows = kGlu ? p.inter : p.n;
-  const int64_t groups = (out_rows + kRowsPerItem - 1) / kRowsPerItem;
-  const int64_t K = p.k;
-
-  for (int64_t item = warp_id; item < total_tiles * groups; item += num_warps) {
-    const int64_t tile = item / groups;
-    const int64_t n0 = (item % groups) * kRowsPerItem;
-    const int64_t row0 = tile * kTileRows;
-    int e = 0;
-    if (!dense) {
-      int lo = 0, hi = p.num_experts - 1;
-      while (lo < hi) {
-        const int mid = (lo + hi + 1) >> 1;
-        if (p.expert_offsets[mid] <= row0)
-          lo = mid;
-        else
-          hi = mid - 1;
-      }
-      e = lo;
-    }
-    int32_t my_slot = -1, my_src = -1;
-    if (lane < kTileRows) {
-      const int64_t row = row0 + lane;
-      if (dense) {
-        my_slot = row < p.m ? static_cast<int32_t>(row) : -1;
-        my_src = my_slot;
-      } else {
-        my_slot = p.sorted_slot[row];
-        my_src = my_slot < 0 ? -1 : (p.gather ? my_slot / p.a_div : static_cast<int32_t>(row));
-      }
-    }
-    const __nv_bfloat16* w_e = p.w + static_cast<int64_t>(e) * p.n * K;
-    const float* bias = p.bias ? p.bias + static_cast<int64_t>(e) * p.n : nullptr;
-
-    for (int pr = 0; pr < kTileRows / kPair; ++pr) {
-      const int32_t src0 = __shfl_sync(0xffffffffu, my_src, kPair * pr);
-      const int32_t src1 = __shfl_sync(0xffffffffu, my_src, kPair * pr + 1);
-      const int32_t slot0 = __shfl_sync(0xffffffffu, my_slot, kPair * pr);
-      const int32_t slot1 = __shfl_sync(0xffffffffu, my_slot, kPair * pr + 1);
-      // acc index: GLU ((j % 4) * 2 + r) * 2 + j / 4; scatter j * 2 + r.
-      float acc[kAcc];
-#pragma unroll
-      for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
-      if (src0 >= 0 || src1 >= 0) {  // warp-uniform
-        // Weight row j: base0 + j K (GLU: gate rows j < 4, up rows base1 + (j - 4) K);
-        // rows past out_rows are not read (bit j of wok clear).
-        const __nv_bfloat16* base0 = w_e + n0 * K;
-        const __nv_bfloat16* base1 = kGlu ? w_e + (p.inter + n0) * K : base0;
-        uint32_t wok = 0;
-#pragma unroll
-        for (int j = 0; j < kW; ++j)
-          if (n0 + (j % kRowsPerItem) < out_rows) wok |= 1u << j;
-        auto wrow = [&](int j) {
-          return kGlu && j >= kRowsPerItem ? base1 + (j - kRowsPerItem) * K : base0 + j * K;
-        };
-        // Software pipelined: the next step's weight and activation loads are
-        // issued before this step's FMAs, so a warp always has loads in flight.
-        const __nv_bfloat16* a0 = src0 >= 0 ? p.a + static_cast<int64_t>(src0) * p.lda : nullptr;
-        const __nv_bfloat16* a1 = src1 >= 0 ? p.a + static_cast<int64_t>(src1) * p.lda : nullptr;
-        auto load_step = [&](int64_t k0, uint4* w, uint4& x0, uint4& x1) {
-          const bool in = k0 < K;
-#pragma unroll
-          for (int j = 0; j < kW; ++j)
-            w[j] = in && (wok >> j & 1u) ? ld_nc(wrow(j) + k0) : make_uint4(0, 0, 0, 0);
-          x0 = in && a0 ? ld_nc(a0 + k0) : make_uint4(0, 0, 0, 0);
-          x1 = in && a1 ? ld_nc(a1 + k0) : make_uint4(0, 0, 0, 0);
-        };
-        uint4 wcur[kW], xc0, xc1;
-        load_step(lane * 8, wcur, xc0, xc1);
-        for (int64_t k0 = lane * 8; k0 < K; k0 += 256) {
-          uint4 wnext[kW], xn0, xn1;
-          load_step(k0 + 256, wnext, xn0, xn1);
-          // The pair's two rows, each with a compile-time accumulator index.
-          auto row_fma = [&](auto rc, bool valid, const uint4& xraw) {
-            constexpr int r = decltype(rc)::value;
-            if (!valid) return;  // warp-uniform
-            float xf[8];
-            unpack8(xraw, xf);
-#pragma unroll
-            for (int j = 0; j < kW; ++j) {
-              constexpr int kRpi = kRowsPerItem;
-              const int idx = kGlu ? (((j % kRpi) * kPair + r) * 2 + j / kRpi) : (j * kPair + r);
-              float wf[8];
-              unpack8(wcur[j], wf);
-#pragma unroll
-              for (int i = 0; i < 8; ++i) acc[idx] = fmaf(wf[i], xf[i], acc[idx]);
-            }
-          };
-          row_fma(std::integral_constant<int, 0>{}, src0 >= 0, xc0);
-          row_fma(std::integral_constant<int, 1>{}, src1 >= 0, xc1);
-#pragma unroll
-          for (int j = 0; j < kW; ++j) wcur[j] = wnext[j];
-          xc0 = xn0;
-          xc1 = xn1;
-        }
-        // Butterfly: every lane ends with all kAcc sums (the same on every lane).
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1)
-#pragma unroll
-          for (int i = 0; i < kAcc; ++i) acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], o);
-      }
-      // Epilogue: GLU lanes 0..7 = (weight row lane / 2, pair row lane % 2), every
-      // row of the tile written (padding: the activation of the bias alone, as the
-      // wide kernel writes); scatter lanes 0..15 = (weight row lane / 2, pair row
-      // lane % 2), routed rows only.
-      const int jj = lane / kPair, r = lane % kPair;
-      const int32_t slot = r == 0 ? slot0 : slot1;
-      if (kGlu) {
-        const int64_t n = n0 + jj;
-        if (lane >= kRowsPerItem * kPair || n >= out_rows) continue;
-        const int64_t row = row0 + kPair * pr + r;
-        if (dense && row >= p.m) continue;
-        float g = 0.0f, u = 0.0f;
-#pragma unroll
-        for (int i = 0; i < kAcc; ++i) {
-          if (i == (jj * kPair + r) * 2) g = acc[i];
-          if (i == (jj * kPair + r) * 2 + 1) u = acc[i];
-        }
-        if (bias) {
-          g += bias[n];
-          u += bias[p.inter + n];
-        }
-        auto* out = static_cast<__nv_bfloat16*>(p.out);
-        out[row * p.ldc + n] =
-            __float2bfloat16_rn(act_glu(p.act, g, u, p.swiglu_alpha, p.swiglu_limit));
-      } else {
-        const int64_t n = n0 + jj;
-        if (lane >= kRowsPerItem * kPair || n >= out_rows || slot < 0) continue;
-        float v = 0.0f;
-#pragma unroll
-        for (int i = 0; i < kAcc; ++i)
-          if (i == jj * kPair + r) v = acc[i];
-        const float scale = p.row_scale ? p.row_scale[slot] : 1.0f;
-        static_cast<float*>(p.out)[static_cast<int64_t>(slot) * p.ldc + n] =
-            scale * (v + (bias ? bias[n] : 0.0f));
-      }
-    }
-  }
-}
-
 }  // namespace
-
-// FUSEDMOE_GEMV_NARROW=1 / 0 forces the decode kernel's pairwise / 8-row form
-// (tests and benchmarks); unset: the heuristic in launch_m8gemv. Read once.
-int gemv_narrow() {
-  static const int v = [] {
-    const char* e = std::getenv("FUSEDMOE_GEMV_NARROW");
-    return e && (e[0] == '0' || e[0] == '1') ? e[0] - '0' : -1;
-  }();
-  return v;
-}
 
 void launch_m8gemv(const GroupedGemmArgs& a, Stream stream) {
   const Params p = make_params(a);
@@ -356,19 +186,11 @@ void launch_m8gemv(const GroupedGemmArgs& a, Stream stream) {
                                          : ceil_div(p.n, kRowsPerItem<false>));
   if (items == 0) return;
   const int64_t warps_per_block = kThreads / 32;
-  // Decode: at most about one routed row per expert (T * k <= E; dense: <= 2
-  // rows) -> the pairwise kernel (gemv_narrow() can force either; tests use it).
-  const bool narrow = gemv_narrow() >= 0 ? gemv_narrow() == 1
-                                         : (a.expert_offsets ? a.m <= a.num_experts : a.m <= 2);
   // Enough warps to keep many loads in flight; blocks beyond residency just queue.
-  const int64_t max_blocks = static_cast<int64_t>(num_sms()) * (narrow ? 16 : 8);
+  const int64_t max_blocks = static_cast<int64_t>(num_sms()) * 8;
   const unsigned grid =
       static_cast<unsigned>(std::min<int64_t>(ceil_div(items, warps_per_block), max_blocks));
-  if (narrow && glu)
-    grouped_gemv_narrow_kernel<true><<<grid, kThreads, 0, stream>>>(p);
-  else if (narrow)
-    grouped_gemv_narrow_kernel<false><<<grid, kThreads, 0, stream>>>(p);
-  else if (glu)
+  if (glu)
     grouped_gemv_kernel<true><<<grid, kThreads, 0, stream>>>(p);
   else
     grouped_gemv_kernel<false><<<grid, kThreads, 0, stream>>>(p);
