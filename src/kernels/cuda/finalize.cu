@@ -220,20 +220,25 @@ __global__ void __launch_bounds__(256)
     }
 }
 
-// Few tokens: one warp per logit, up to 8 tokens per block row, weights read once.
 constexpr int kRgSmallTokens = 8;
+constexpr int kRgSmallThreads = 256;
+// Few tokens (decode): one block per (logit, group of 8 tokens), its 256
+// threads striding over H (loads unrolled 4 deep, so many are in flight: a
+// warp per logit looping over all of H took ~50 us for Mixtral's 8 logits),
+// then a fixed-order block reduction: the same logits on every run.
 template <typename X, typename W>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(kRgSmallThreads)
     router_gemm_small(const X* __restrict__ x, int64_t ldx, int64_t T, int64_t H,
                       const W* __restrict__ w, int64_t L, const float* __restrict__ b,
                       float* __restrict__ out, int64_t ldl) {
-  const int lane = threadIdx.x & 31;
-  const int64_t l = static_cast<int64_t>(blockIdx.x) * 8 + (threadIdx.x >> 5);
+  __shared__ float red[kRgSmallThreads / 32][kRgSmallTokens];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t l = blockIdx.x;
   const int64_t t0 = static_cast<int64_t>(blockIdx.y) * kRgSmallTokens;
-  if (l >= L) return;
   float acc[kRgSmallTokens] = {};
   const int nt = static_cast<int>(T - t0 < kRgSmallTokens ? T - t0 : kRgSmallTokens);
-  for (int64_t h = lane; h < H; h += 32) {
+#pragma unroll 4
+  for (int64_t h = threadIdx.x; h < H; h += kRgSmallThreads) {
     const float wv = load_in(w + l * H + h);
 #pragma unroll
     for (int i = 0; i < kRgSmallTokens; ++i)
@@ -244,7 +249,14 @@ __global__ void __launch_bounds__(256)
     float v = acc[i];
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    if (lane == 0 && i < nt) out[(t0 + i) * ldl + l] = v + (b ? b[l] : 0.0f);
+    if (lane == 0) red[warp][i] = v;
+  }
+  __syncthreads();
+  if (threadIdx.x < nt) {
+    float v = 0.0f;
+#pragma unroll
+    for (int wi = 0; wi < kRgSmallThreads / 32; ++wi) v += red[wi][threadIdx.x];
+    out[(t0 + threadIdx.x) * ldl + l] = v + (b ? b[l] : 0.0f);
   }
 }
 
@@ -252,9 +264,8 @@ template <typename X, typename W>
 void launch_router_gemm(const X* x, int64_t ldx, int64_t T, int64_t H, const W* w, int64_t L,
                         const float* b, float* out, int64_t ldl, Stream stream) {
   if (T <= 32) {
-    dim3 grid(static_cast<unsigned>(ceil_div(L, 8)),
-              static_cast<unsigned>(ceil_div(T, kRgSmallTokens)));
-    router_gemm_small<X, W><<<grid, 256, 0, stream>>>(x, ldx, T, H, w, L, b, out, ldl);
+    dim3 grid(static_cast<unsigned>(L), static_cast<unsigned>(ceil_div(T, kRgSmallTokens)));
+    router_gemm_small<X, W><<<grid, kRgSmallThreads, 0, stream>>>(x, ldx, T, H, w, L, b, out, ldl);
   } else {
     dim3 grid(static_cast<unsigned>(ceil_div(L, kRgTile)),
               static_cast<unsigned>(ceil_div(T, kRgTile)));
