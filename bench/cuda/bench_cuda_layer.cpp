@@ -139,27 +139,8 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-// Median time (us) of `iters` replays of `exec`, each timed with events.
-double time_graph(cudaGraphExec_t exec, cudaStream_t s, int iters) {
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  for (int i = 0; i < 3; ++i) CK(cudaGraphLaunch(exec, s));
-  std::vector<double> ts;
-  for (int i = 0; i < iters; ++i) {
-    CK(cudaEventRecord(a, s));
-    CK(cudaGraphLaunch(exec, s));
-    CK(cudaEventRecord(b, s));
-    CK(cudaEventSynchronize(b));
-    float ms = 0;
-    CK(cudaEventElapsedTime(&ms, a, b));
-    ts.push_back(ms * 1e3);
-  }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  return median(ts);
-}
-
+// Median time (us) of `iters` calls of `fn` (after 3 warm-up calls), each timed
+// with events on `s`.
 template <typename Fn>
 double time_eager(Fn&& fn, cudaStream_t s, int iters) {
   cudaEvent_t a, b;
@@ -179,6 +160,11 @@ double time_eager(Fn&& fn, cudaStream_t s, int iters) {
   cudaEventDestroy(a);
   cudaEventDestroy(b);
   return median(ts);
+}
+
+// The same for replays of a captured graph.
+double time_graph(cudaGraphExec_t exec, cudaStream_t s, int iters) {
+  return time_eager([&] { CK(cudaGraphLaunch(exec, s)); }, s, iters);
 }
 
 template <typename Fn>
