@@ -224,12 +224,18 @@ def _i32(x: Any, name: str) -> Any:
         if x.dtype != np.int32:
             if x.dtype.kind not in "iu":
                 raise TypeError(f"{name}: expected an integer dtype (int32), got {x.dtype}")
+            if x.size and (int(x.min()) < -2**31 or int(x.max()) >= 2**31):
+                raise ValueError(f"{name}: values must fit int32, got range "
+                                 f"[{int(x.min())}, {int(x.max())}] ({x.dtype})")
             x = x.astype(np.int32)
         return _rows(x)
     if _is_torch(x):
         if x.dtype != _torch.int32:
             if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == _torch.bool:
                 raise TypeError(f"{name}: expected an integer dtype (int32), got {x.dtype}")
+            if x.numel() and (int(x.min()) < -2**31 or int(x.max()) >= 2**31):
+                raise ValueError(f"{name}: values must fit int32, got range "
+                                 f"[{int(x.min())}, {int(x.max())}] ({x.dtype})")
             x = x.to(_torch.int32)
         return _rows(x)
     return x
@@ -403,6 +409,13 @@ def _route(logits: Any, config: dict, e_score_correction_bias: Any = None, token
            hash_table: Any = None) -> Tuple[Any, Any]:
     _ndim(logits, "router_logits", 2, "[T, E]")
     k = config["top_k"]
+    # Before the outputs are allocated: a bad top_k would otherwise surface as
+    # the array library's allocation error, naming nothing.
+    if not isinstance(k, (int, np.integer)) or isinstance(k, (bool, np.bool_)):
+        raise TypeError(f"top_k: expected an int, got {type(k).__name__} {k!r}")
+    if not 1 <= k <= logits.shape[1]:
+        raise ValueError(f"top_k: expected 1 <= top_k <= {logits.shape[1]} (router logit "
+                         f"columns), got {k}")
     T = logits.shape[0]
     ids = _empty_like_framework(logits, (T, k), "i32")
     weights = _empty_like_framework(logits, (T, k), "f32")
@@ -590,9 +603,16 @@ class MoELayer:
             raise ValueError(f"backend: expected 'cpu' or 'cuda', got {backend!r}")
         if dtype is None:
             dtype = "bf16" if backend == "cuda" else "f32"
+        if not isinstance(dtype, str):
+            raise TypeError(f"dtype: expected 'f32' or 'bf16', got {type(dtype).__name__} "
+                            f"{dtype!r}")
+        if layer is not None:
+            layer = _int(layer, "layer")
         if threads is not None:
             threads = _int(threads, "threads")
         mnt = 0 if max_num_tokens is None else _int(max_num_tokens, "max_num_tokens")
+        if mnt < 0:
+            raise ValueError(f"max_num_tokens: expected >= 0 (0: the default 8192), got {mnt}")
         return cls(_ext.MoELayer.from_pretrained(os.fspath(model_dir), layer, dtype, threads,
                                                  backend, mnt))
 

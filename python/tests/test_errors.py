@@ -179,3 +179,39 @@ def test_from_pretrained_errors(tmp_path):
         fusedmoe.inspect(tmp_path)
     with pytest.raises(OSError):
         fusedmoe.inspect(tmp_path / "nothing")
+
+
+def test_non_finite_inputs_are_named(case):
+    x = case["x"].copy()
+    x[1, 5] = np.nan
+    with pytest.raises(ValueError, match="hidden_states: expected finite values, got NaN at token 1, column 5"):
+        _fe(case, x=x)
+    tw = case["tw"].copy()
+    tw[2, 1] = np.inf
+    with pytest.raises(ValueError, match="topk_weights: expected finite values, got Inf at token 2"):
+        _fe(case, tw=tw)
+
+
+def test_topk_ids_outside_int32_are_refused(case):
+    with pytest.raises(ValueError, match="topk_ids: values must fit int32"):
+        _fe(case, ids=case["ids"].astype(np.int64) + 2**32)
+    with pytest.raises(ValueError, match="topk_ids: values must fit int32"):
+        _fe(case, ids=np.full(case["ids"].shape, 2**32 - 1, dtype=np.uint32))
+
+
+def test_topk_is_checked_before_allocation():
+    g = np.random.default_rng().standard_normal((3, 8)).astype(np.float32)
+    for bad in (-1, 0, 9, 2**40):
+        with pytest.raises(ValueError, match="top_k: expected 1 <= top_k <= 8"):
+            fusedmoe.fused_topk(None, g, bad, True)
+
+
+def test_from_pretrained_argument_types():
+    with pytest.raises(TypeError, match="layer"):
+        fusedmoe.MoELayer.from_pretrained(HF / "mixtral", layer=True)
+    with pytest.raises(TypeError, match="layer"):
+        fusedmoe.MoELayer.from_pretrained(HF / "mixtral", layer=1.0)
+    with pytest.raises(TypeError, match="dtype"):
+        fusedmoe.MoELayer.from_pretrained(HF / "mixtral", layer=0, dtype=np.float32)
+    with pytest.raises(ValueError, match="max_num_tokens"):
+        fusedmoe.MoELayer.from_pretrained(HF / "mixtral", layer=0, max_num_tokens=-5)

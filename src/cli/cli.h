@@ -26,6 +26,19 @@ inline CLI::Validator number_above(double bound, bool inclusive) {
       },
       "NUMBER " + want);
 }
+// lo <= v <= hi; NaN fails (CLI::Range lets NaN through: its comparisons are false).
+inline CLI::Validator number_in(double lo, double hi) {
+  const std::string want =
+      "in [" + CLI::detail::to_string(lo) + ", " + CLI::detail::to_string(hi) + "]";
+  return CLI::Validator(
+      [lo, hi, want](std::string& input) -> std::string {
+        double v = 0;
+        if (!CLI::detail::lexical_cast(input, v) || !(v >= lo && v <= hi))
+          return "expected a number " + want + ", got " + input;
+        return {};
+      },
+      "NUMBER " + want);
+}
 inline const CLI::Validator kPositive = number_above(0, false);
 inline const CLI::Validator kNonNegative = number_above(0, true);
 

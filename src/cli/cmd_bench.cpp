@@ -52,7 +52,7 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& o) {
   cmd->add_option("--csv", o.csv, "Also write the results to this CSV file");
   cmd->add_option("--memory-fraction", o.memory_fraction,
                   "Share of physical memory a layer may use; larger shapes get fewer experts")
-      ->check(CLI::Range(0.01, 0.95))
+      ->check(number_in(0.01, 0.95))
       ->capture_default_str();
   cmd->add_option("--seed", o.seed, "Seed of weights, inputs and routing")->capture_default_str();
   cmd->add_option("--max-experts", o.max_experts,

@@ -39,6 +39,7 @@ std::string base_name(const std::string& p) {
 
 // Minimal .npy reader (format versions 1-3, little-endian f2/f4/f8, C order).
 Tensor read_npy(const std::string& path) {
+  require_regular_file(path);
   std::ifstream f(path, std::ios::binary);
   if (!f) FUSEDMOE_THROW(kIo, path, ": cannot open");
   char magic[8];
@@ -459,6 +460,15 @@ int run_run(const RunOptions& o) {
     tol = o.tolerance >= 0.0 ? o.tolerance : (compute_dtype == DType::kBF16 ? 1e-2 : 1e-5);
     failed = !(rel <= tol);
   }
+
+  // A finite input can still overflow f32 inside the experts (|x| ~ 1e38):
+  // report it rather than write NaN/Inf rows.
+  if (const int64_t bad =
+          find_non_finite(output.data(), DType::kF32, static_cast<size_t>(output.numel()));
+      bad >= 0)
+    FUSEDMOE_THROW(kInvalidArgument, "output: non-finite value at token ", bad / H, ", column ",
+                   bad % H,
+                   " (the input or the weights overflow f32 arithmetic); no output written");
 
   // Output file (written atomically by save_safetensors).
   if (!o.output.empty()) {

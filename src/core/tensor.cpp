@@ -1,5 +1,6 @@
 #include "fusedmoe/core/tensor.h"
 
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
@@ -223,6 +224,22 @@ void check_tensor(const TensorView& t, const char* name, DType dtype,
                    t.ndim() ? t.stride(t.ndim() - 1) : 0);
   for (int d = 0; d < t.ndim(); ++d)
     FUSEDMOE_CHECK(t.stride(d) >= 0, name, ": negative stride ", t.stride(d), " in dimension ", d);
+}
+
+void check_finite_rows(const TensorView& t, const char* name, const char* row_name) {
+  if (t.ndim() != 2 || t.numel() == 0) return;
+  const size_t es = dtype_size(t.dtype());
+  const int64_t cols = t.size(1);
+  for (int64_t r = 0; r < t.size(0); ++r) {
+    const char* row =
+        static_cast<const char*>(t.data()) + static_cast<size_t>(r * t.stride(0)) * es;
+    const int64_t c = find_non_finite(row, t.dtype(), static_cast<size_t>(cols));
+    if (c < 0) continue;
+    float v = 0.0f;
+    convert_to_f32(row + static_cast<size_t>(c) * es, t.dtype(), &v, 1);
+    FUSEDMOE_THROW(kInvalidArgument, name, ": expected finite values, got ",
+                   std::isnan(v) ? "NaN" : "Inf", " at ", row_name, " ", r, ", column ", c);
+  }
 }
 
 }  // namespace fusedmoe

@@ -18,6 +18,7 @@
 #include <sstream>
 
 #include "fusedmoe/core/error.h"
+#include "fusedmoe/io/safetensors.h"
 
 namespace fusedmoe {
 
@@ -199,6 +200,7 @@ ModelInfo load_model_info(const std::string& model_dir) {
   std::error_code ec;
   fs::path p(model_dir);
   if (fs::is_directory(p, ec)) p /= "config.json";
+  require_regular_file(p.string());
   std::ifstream in(p, std::ios::binary);
   if (!in) FUSEDMOE_THROW(kIo, p.string(), ": cannot open: ", std::strerror(errno));
   std::ostringstream ss;

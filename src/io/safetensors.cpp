@@ -87,8 +87,21 @@ const char* safetensors_dtype_name(DType dtype) {
 
 // ---- SafetensorsFile -------------------------------------------------------
 
+void require_regular_file(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) return;
+  if (!S_ISREG(st.st_mode))
+    FUSEDMOE_THROW(kIo, path, ": not a regular file (",
+                   S_ISFIFO(st.st_mode)  ? "a FIFO"
+                   : S_ISDIR(st.st_mode) ? "a directory"
+                                         : "a device or socket",
+                   ")");
+}
+
 std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  require_regular_file(path);
+  // O_NONBLOCK: a FIFO swapped in after the check still cannot block open().
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) FUSEDMOE_THROW(kIo, path, ": cannot open: ", errno_str());
   struct stat st {};
   if (::fstat(fd, &st) != 0) {
@@ -273,6 +286,7 @@ Checkpoint Checkpoint::open(const std::string& path) {
   // Sharded: {"metadata": {...}, "weight_map": {"tensor": "shard file", ...}}.
   std::string text;
   {
+    require_regular_file(index.string());
     FILE* fp = std::fopen(index.c_str(), "rb");
     if (!fp) FUSEDMOE_THROW(kIo, index.string(), ": cannot open: ", errno_str());
     char buf[65536];

@@ -311,19 +311,7 @@ void MoERunner::forward(const TensorView& hidden_states, const TensorView& outpu
   if (token_ids) check_tensor(*token_ids, "token_ids", DType::kI32, {T});
   // A NaN or Inf input would poison its token's output (and be reported as a
   // NaN router logit): name it here, where the caller put it.
-  {
-    const float* x = hidden_states.data_as<const float>();
-    const int64_t ld = hidden_states.stride(0);
-    for (int64_t t = 0; t < T; ++t) {
-      const float* row = x + t * ld;
-      bool finite = true;
-      for (int64_t h = 0; h < H; ++h) finite &= std::isfinite(row[h]);
-      if (finite) continue;
-      for (int64_t h = 0; h < H; ++h)
-        FUSEDMOE_CHECK(std::isfinite(row[h]), "hidden_states: expected finite values, got ",
-                       std::isnan(row[h]) ? "NaN" : "Inf", " at token ", t, ", column ", h);
-    }
-  }
+  check_finite_rows(hidden_states, "hidden_states");
   const bool want_logits = outputs && outputs->router_logits.data() != nullptr;
   const bool want_ids = outputs && outputs->topk_ids.data() != nullptr;
   const bool want_weights = outputs && outputs->topk_weights.data() != nullptr;

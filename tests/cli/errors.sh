@@ -120,6 +120,33 @@ expect_error "--output is the --input file" "is the same file as --input" -- run
 cmp -s "$REF" "$TMP/in.safetensors" || { echo "FAIL: the input was changed"; failures=$((failures + 1)); }
 rm -f "$TMP/in.safetensors"
 
+# A FIFO where a file is expected: a clear error, not a reader blocked forever.
+mkfifo "$TMP/fifo.safetensors"
+rc=0
+timeout 20 "$BIN" run --model "$FIX" --layer 1 --input "$TMP/fifo.safetensors" --input-key x \
+  >"$TMP/stdout" 2>"$TMP/stderr" || rc=$?
+if [ "$rc" -eq 124 ] || ! grep -qF "not a regular file (a FIFO)" "$TMP/stderr"; then
+  echo "FAIL FIFO as --input (exit $rc)"; cat "$TMP/stderr"; failures=$((failures + 1))
+else
+  echo "ok   FIFO as --input: $(cat "$TMP/stderr")"
+fi
+
+# A finite input that overflows f32 inside the experts: an error, no output file.
+python3 -c "import numpy" 2>/dev/null && {
+  python3 -c "import numpy as np; np.save('$TMP/huge.npy', np.full((2, 128), 1e37, np.float32))"
+  expect_error "input overflowing f32" "output: non-finite value at token 0" -- \
+    run --model "$FIX" --layer 1 --input "$TMP/huge.npy"
+}
+
+# bench: a NaN --memory-fraction is refused (CLI::Range lets NaN through).
+rc=0
+"$BIN" bench --memory-fraction nan --shapes qwen3-cpu --tokens 1 >"$TMP/stdout" 2>"$TMP/stderr" || rc=$?
+if [ "$rc" -eq 0 ] || ! grep -qF -- "--memory-fraction" "$TMP/stderr"; then
+  echo "FAIL bench --memory-fraction nan (exit $rc)"; cat "$TMP/stderr"; failures=$((failures + 1))
+else
+  echo "ok   bench --memory-fraction nan: $(cat "$TMP/stderr")"
+fi
+
 # inspect fails cleanly too.
 rc=0
 "$BIN" inspect "$TMP/unknown" >/dev/null 2>"$TMP/stderr" || rc=$?

@@ -134,4 +134,9 @@ void check_tensor(const TensorView& t, const char* name, DType dtype,
                   std::initializer_list<int64_t> expected_shape, bool rows_contiguous = true,
                   Device device = {});
 
+// A 2-D host view with contiguous rows (any dtype; integers always pass):
+// throws Error(kInvalidArgument) "hidden_states: expected finite values, got
+// NaN at token 3, column 17" for its first NaN or Inf (`row_name` names rows).
+void check_finite_rows(const TensorView& t, const char* name, const char* row_name = "token");
+
 }  // namespace fusedmoe

@@ -18,6 +18,11 @@
 
 namespace fusedmoe {
 
+// Throws Error(kIo) naming `path` when it exists and is not a regular file (a
+// FIFO would block a reader forever; a device or directory is no checkpoint).
+// A missing path is left to the opener's own error.
+void require_regular_file(const std::string& path);
+
 // Safetensors dtype strings ("F32", "BF16", "F8_E4M3", ...) <-> DType.
 DType parse_safetensors_dtype(const std::string& s);  // throws Error(kIo) if unknown
 const char* safetensors_dtype_name(DType dtype);

@@ -39,6 +39,9 @@ void ModularKernel::forward(const TensorView& hidden_states, const TensorView& t
   const int64_t k = topk_ids.size(1);
   check_tensor(topk_weights, "topk_weights", DType::kF32, {T, k});
   check_tensor(output, "output", DType::kF32, {T, H});
+  // Non-finite inputs would silently give NaN outputs (O(T * (H + k)) reads).
+  check_finite_rows(hidden_states, "hidden_states");
+  check_finite_rows(topk_weights, "topk_weights");
   if (T == 0) return;
   const int32_t* ids = topk_ids.data_as<const int32_t>();
   const int64_t ld_ids = topk_ids.stride(0);
