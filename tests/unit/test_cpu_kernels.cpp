@@ -368,6 +368,12 @@ TEST(CpuModularKernel, RejectsBadInputsWithoutWriting) {
   expect_error(run(hidden, ids_rows, tw, w, out), {"topk_ids"});
   Tensor tw_bad = test::random_f32(rng, {T, k + 1});
   expect_error(run(hidden, ids, tw_bad, w, out), {"topk_weights"});
+  Tensor h_nan = Tensor::copy_of(hidden);
+  h_nan.data_as<float>()[2 * H + 7] = std::nanf("");
+  expect_error(run(h_nan, ids, tw, w, out), {"hidden_states", "NaN at token 2, column 7"});
+  Tensor tw_inf = Tensor::copy_of(tw);
+  tw_inf.data_as<float>()[1 * k + 1] = INFINITY;
+  expect_error(run(hidden, ids, tw_inf, w, out), {"topk_weights", "Inf at token 1, column 1"});
   Tensor out_bad = Tensor::empty(DType::kF32, {T, H - 1});
   expect_error(run(hidden, ids, tw, w, out_bad), {"output"});
   ExpertsParams p16;
