@@ -236,6 +236,29 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
     FUSEDMOE_THROW(kUnsupported, source, ": model_type '", mt,
                    "' is not supported (supported: ", kSupported, ")");
 
+  // Quantized checkpoints: only DeepSeek-V3's FP8 format (e4m3 weights with
+  // one f32 scale per 128 x 128 block, io/loader.h) is read; anything else
+  // would be loaded as if it were plain weights.
+  if (const auto q = root.find("quantization_config"); q != root.end() && !q->is_null()) {
+    const std::string method =
+        q->is_object() && q->contains("quant_method") && (*q)["quant_method"].is_string()
+            ? (*q)["quant_method"].get<std::string>()
+            : std::string();
+    if (method != "fp8")
+      FUSEDMOE_THROW(kUnsupported, source, ": quantization_config.quant_method '", method,
+                     "' is not supported (supported: unquantized weights, and 'fp8' with 128 x 128 "
+                     "weight blocks as DeepSeek-V3 ships)");
+    if (const auto b = q->find("weight_block_size"); b != q->end() && !b->is_null()) {
+      const bool ok = b->is_array() && b->size() == 2 && (*b)[0].is_number_integer() &&
+                      (*b)[1].is_number_integer() && (*b)[0].get<int64_t>() == 128 &&
+                      (*b)[1].get<int64_t>() == 128;
+      if (!ok)
+        FUSEDMOE_THROW(kUnsupported, source,
+                       ": quantization_config.weight_block_size: expected [128, 128], got ",
+                       b->dump());
+    }
+  }
+
   // Multimodal Llama-4: the language model's settings live in text_config.
   const json* cfg = &root;
   std::string where = source;

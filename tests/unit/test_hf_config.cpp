@@ -293,6 +293,20 @@ TEST(HfConfig, DeepseekV3Defaults) {
   EXPECT_HAS(error_of([&] { parse(j); }, ErrorCode::kUnsupported), "topk_method 'greedy'");
 }
 
+// Only DeepSeek's FP8 format (128 x 128 weight blocks) is read; any other
+// quantization would be loaded as if the weights were plain.
+TEST(HfConfig, QuantizationConfigOnlyFp8With128Blocks) {
+  json j = fixture_json("deepseek_v3");
+  j["quantization_config"] = {{"quant_method", "fp8"}, {"weight_block_size", {128, 128}}};
+  EXPECT_NO_THROW(parse(j));
+  j["quantization_config"]["weight_block_size"] = {64, 64};
+  EXPECT_HAS(error_of([&] { parse(j); }, ErrorCode::kUnsupported),
+             "quantization_config.weight_block_size: expected [128, 128], got [64,64]");
+  j["quantization_config"] = {{"quant_method", "awq"}, {"bits", 4}};
+  EXPECT_HAS(error_of([&] { parse(j); }, ErrorCode::kUnsupported),
+             "quantization_config.quant_method 'awq' is not supported");
+}
+
 TEST(HfConfig, QwenSparseStepAndMlpOnlyLayers) {
   json j = fixture_json("qwen2_moe");
   j["num_hidden_layers"] = 8;
