@@ -156,7 +156,8 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
   auto* input = cmd->add_option("--input", o.input,
                                 "Hidden states: .safetensors file (with --input-key) or .npy; "
                                 "f32/bf16/f16/f64 [T, H]");
-  cmd->add_option("--input-key", o.input_key, "Tensor name in the --input safetensors file");
+  cmd->add_option("--input-key", o.input_key, "Tensor name in the --input safetensors file")
+      ->needs(input);
   auto* tokens = cmd->add_option("--tokens", o.tokens, "Use T random N(0,1) tokens as input")
                      ->check(kNonNegative);
   input->excludes(tokens);

@@ -1,6 +1,7 @@
 // fusedmoe: command-line entry point. Subcommands: inspect, run, bench.
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
@@ -73,6 +74,10 @@ std::vector<int64_t> parse_int_list(const std::string& text, const char* what) {
     out.push_back(v);
   }
   FUSEDMOE_CHECK(!out.empty(), what, ": expected at least one value, got \"", text, "\"");
+  const auto commas = static_cast<size_t>(std::count(text.begin(), text.end(), ','));
+  FUSEDMOE_CHECK(out.size() == commas + 1, what,
+                 ": expected a comma-separated list of non-negative integers, got \"", text,
+                 "\" (an empty item)");
   return out;
 }
 
@@ -116,7 +121,8 @@ int fail(const std::string& message, int code, bool same_on_every_rank = false) 
 int main(int argc, char** argv) {
   using namespace fusedmoe::cli;
   CLI::App app{
-      "fusedmoe: run and benchmark the Mixture-of-Experts layer of HF models on the CPU.\n"
+      "fusedmoe: run and benchmark the Mixture-of-Experts layer of HF models on the CPU or a\n"
+      "CUDA GPU (--backend cuda), on one rank or several (mpirun).\n"
       "Bundled model: " +
           bundled_model_dir(),
       "fusedmoe"};

@@ -427,7 +427,17 @@ void save_safetensors(const std::string& path,
       if (!write_all(fd, c.data(), c.nbytes())) fail("write failed");
     }
   }
-  if (::fchmod(fd, 0644) != 0) fail("chmod failed");
+  // A replaced file keeps its permission bits; a new one gets 0666 less the umask
+  // (what open(O_CREAT) would give; mkstemp made the temporary 0600).
+  mode_t mode = 0644;
+  if (fs::exists(st)) {
+    mode = static_cast<mode_t>(st.permissions()) & 07777;
+  } else {
+    const mode_t mask = ::umask(0);
+    ::umask(mask);
+    mode = 0666 & ~mask;
+  }
+  if (::fchmod(fd, mode) != 0) fail("chmod failed");
   if (::fsync(fd) != 0) fail("fsync failed");
   if (::close(fd) != 0) {
     std::string e = errno_str();
