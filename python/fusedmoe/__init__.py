@@ -535,6 +535,9 @@ def select_experts(
     Returns (topk_weights f32 [T, k], topk_ids int32 [T, k]; id -1 = zero expert)."""
     if isinstance(config, MoELayer):
         config = config.config
+    if config is not None and not isinstance(config, dict):
+        raise TypeError(f"config: expected a dict, a MoELayer or None, got "
+                        f"{type(config).__name__} {config!r}")
     cfg = dict(config or {})
     cfg.update(fields)
     if top_k is not None:

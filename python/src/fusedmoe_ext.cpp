@@ -211,7 +211,8 @@ TensorView view_of(const Array& a, const char* name, bool u16_is_bf16 = false) {
   if (!dtype)
     throw nb::type_error(
         (std::string(name) + ": unsupported dtype " + dlpack_dtype_str(a.dtype()) +
-         (a.dtype().code == uint8_t(nb::dlpack::dtype_code::UInt) && a.dtype().bits == 16
+         (a.dtype().code == uint8_t(nb::dlpack::dtype_code::UInt) && a.dtype().bits == 16 &&
+                  name[0] == 'w'  // the expert weights and biases take weight_dtype
               ? " (pass weight_dtype=\"bf16\" for bfloat16 bit patterns)"
               : ""))
             .c_str());
@@ -400,8 +401,14 @@ void fused_experts(const InArray& hidden_states, const InArray& w13, const InArr
   ExpertWeights weights;
   weights.w13 = borrow(view_of(w13, "w13", weights_u16_is_bf16));
   weights.w2 = borrow(view_of(w2, "w2", weights_u16_is_bf16));
-  if (w13_bias) weights.w13_bias = borrow(view_of(*w13_bias, "w13_bias", weights_u16_is_bf16));
-  if (w2_bias) weights.w2_bias = borrow(view_of(*w2_bias, "w2_bias", weights_u16_is_bf16));
+  if (w13_bias) {
+    weights.w13_bias = borrow(view_of(*w13_bias, "w13_bias", weights_u16_is_bf16));
+    check_dtype(weights.w13_bias->view(), "w13_bias", {DType::kF32, DType::kBF16});
+  }
+  if (w2_bias) {
+    weights.w2_bias = borrow(view_of(*w2_bias, "w2_bias", weights_u16_is_bf16));
+    check_dtype(weights.w2_bias->view(), "w2_bias", {DType::kF32, DType::kBF16});
+  }
   FUSEDMOE_CHECK(w13_bias.has_value() == w2_bias.has_value(),
                  "w13_bias, w2_bias: give both biases or neither (got ",
                  w13_bias ? "w13_bias only" : "w2_bias only", ")");

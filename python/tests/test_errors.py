@@ -215,3 +215,15 @@ def test_from_pretrained_argument_types():
         fusedmoe.MoELayer.from_pretrained(HF / "mixtral", layer=0, dtype=np.float32)
     with pytest.raises(ValueError, match="max_num_tokens"):
         fusedmoe.MoELayer.from_pretrained(HF / "mixtral", layer=0, max_num_tokens=-5)
+
+
+def test_bias_dtype_and_config_type_errors(case):
+    E, I2 = case["w13"].shape[:2]
+    H = case["w2"].shape[1]
+    with pytest.raises(TypeError, match="w13_bias: expected dtype f32 or bf16"):
+        _fe(case, w13_bias=np.zeros((E, I2)), w2_bias=np.zeros((E, H), np.float32))
+    with pytest.raises(TypeError, match="hidden_states: unsupported dtype") as e:
+        _fe(case, x=case["x"].view(np.uint16)[:, ::2].copy())
+    assert "weight_dtype" not in str(e.value)
+    with pytest.raises(TypeError, match="config: expected a dict"):
+        fusedmoe.select_experts(np.zeros((3, 8), np.float32), 2, config=5)
