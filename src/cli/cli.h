@@ -11,6 +11,10 @@
 #include <string>
 #include <vector>
 
+namespace fusedmoe {
+class Communicator;
+}  // namespace fusedmoe
+
 namespace fusedmoe::cli {
 
 // Number checks with short messages ("expected a number > 0, got -1"); CLI11's
@@ -103,6 +107,12 @@ int run_bench_parallel(const BenchOptions& opts);
 // --backend cuda: the layer with its experts spread over GPUs (NCCL, one GPU per
 // rank): layer time, dispatch and combine bandwidth (cmd_bench_parallel_cuda.cpp).
 int run_bench_parallel_cuda(const BenchOptions& opts);
+// Per-rank statistics of both parallel benchmarks (cmd_bench_parallel.cpp):
+// every rank's `value` (a collective over a host-buffer communicator), their
+// maximum and sum.
+std::vector<double> gather_doubles(Communicator& comm, double value);
+double max_of(const std::vector<double>& v);
+double sum_of(const std::vector<double>& v);
 
 // ---- helpers (main.cpp) -------------------------------------------------------
 // The bundled tiny model: the source-tree copy when it exists, else the

@@ -18,9 +18,6 @@
 
 namespace fusedmoe::cli {
 
-namespace {
-
-// Values of every rank (f64).
 std::vector<double> gather_doubles(Communicator& c, double v) {
   const int P = c.size();
   std::vector<double> out(P);
@@ -38,8 +35,6 @@ double sum_of(const std::vector<double>& v) {
   for (double x : v) s += x;
   return s;
 }
-
-}  // namespace
 
 int run_bench_parallel(const BenchOptions& o) {
   using namespace fusedmoe::bench;

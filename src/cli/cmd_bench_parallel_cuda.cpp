@@ -35,23 +35,6 @@ int run_bench_parallel_cuda(const BenchOptions&) {
 
 namespace {
 
-std::vector<double> gather(Communicator& c, double v) {
-  const int P = c.size();
-  std::vector<double> out(P);
-  std::vector<int64_t> n(P, 8), d(P);
-  for (int p = 0; p < P; ++p) d[p] = 8 * p;
-  c.all_gather_v(&v, 8, out.data(), n, d);
-  return out;
-}
-double max_of(const std::vector<double>& v) {
-  return *std::max_element(v.begin(), v.end());
-}
-double sum_of(const std::vector<double>& v) {
-  double s = 0;
-  for (double x : v) s += x;
-  return s;
-}
-
 void cuda_check(cudaError_t e, const char* what) {
   if (e != cudaSuccess)
     FUSEDMOE_THROW(kInternal, what, ": ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ")");
@@ -181,15 +164,19 @@ int run_bench_parallel_cuda(const BenchOptions& o) {
       dispatch_s.clear();
       combine_s.clear();
       for (int r = 0; r < reps; ++r) run();
-      const double tl = max_of(gather(*world, median(layer_s)));
-      const double td = max_of(gather(*world, median(dispatch_s)));
-      const double tc = max_of(gather(*world, median(combine_s)));
-      const double bd = sum_of(gather(*world, static_cast<double>(last.dispatch_bytes_sent)));
-      const double bc = sum_of(gather(*world, static_cast<double>(last.combine_bytes_sent)));
-      const double pd = sum_of(gather(*world, static_cast<double>(last.dispatch_rows_sent) * rec));
+      const double tl = max_of(gather_doubles(*world, median(layer_s)));
+      const double td = max_of(gather_doubles(*world, median(dispatch_s)));
+      const double tc = max_of(gather_doubles(*world, median(combine_s)));
+      const double bd =
+          sum_of(gather_doubles(*world, static_cast<double>(last.dispatch_bytes_sent)));
+      const double bc =
+          sum_of(gather_doubles(*world, static_cast<double>(last.combine_bytes_sent)));
+      const double pd =
+          sum_of(gather_doubles(*world, static_cast<double>(last.dispatch_rows_sent) * rec));
       // Every slot is valid (no zero experts): T * k f32 rows of H come back.
-      const double pc = sum_of(gather(*world, static_cast<double>(T * k * H * 4)));
-      const double rows = max_of(gather(*world, static_cast<double>(last.dispatch_rows_received)));
+      const double pc = sum_of(gather_doubles(*world, static_cast<double>(T * k * H * 4)));
+      const double rows =
+          max_of(gather_doubles(*world, static_cast<double>(last.dispatch_rows_received)));
       if (root)
         std::printf("| %lld | %.3f | %.3f | %.2f | %.2f | %.3f | %.2f | %.2f | %.0f |\n",
                     static_cast<long long>(T), tl * 1e3, td * 1e3, td > 0 ? bd / td * 1e-9 : 0.0,
