@@ -2,12 +2,17 @@
 // random expert layers, random routings, the single-rank routed result.
 #pragma once
 
+#include <gtest/gtest.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <random>
+#include <thread>
 #include <vector>
 
+#include "fusedmoe/core/thread_pool.h"
 #include "fusedmoe/kernels/modular_kernel.h"
 #include "fusedmoe/parallel/communicator.h"
 #include "fusedmoe/parallel/distributed_experts.h"
@@ -15,6 +20,19 @@
 #include "test_util.h"
 
 namespace fusedmoe::test {
+
+// main() of the mpirun gtest programs: `world` over MPI_COMM_WORLD, the ranks
+// share the machine's cores, the tests run, and the communicator is released
+// before MPI finalizes.
+inline int run_mpi_tests(int argc, char** argv, std::shared_ptr<Communicator>& world) {
+  ::testing::InitGoogleTest(&argc, argv);
+  world = make_mpi_communicator();
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  ThreadPool::set_global_num_threads(std::max(1, cores / world->size()));
+  const int rc = RUN_ALL_TESTS();
+  world.reset();
+  return rc;
+}
 
 // topk_ids i32 [T, k]: k distinct experts per token, each slot -1 with
 // probability p_none; topk_weights f32 [T, k] in [0.05, 1).

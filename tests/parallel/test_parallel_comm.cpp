@@ -168,9 +168,5 @@ TEST(MpiCommunicator, SplitAndParallelGroups) {
 }  // namespace fusedmoe
 
 int main(int argc, char** argv) {
-  ::testing::InitGoogleTest(&argc, argv);
-  fusedmoe::g_world = fusedmoe::make_mpi_communicator();
-  const int rc = RUN_ALL_TESTS();
-  fusedmoe::g_world.reset();
-  return rc;
+  return fusedmoe::test::run_mpi_tests(argc, argv, fusedmoe::g_world);
 }

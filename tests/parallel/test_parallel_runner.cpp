@@ -164,11 +164,5 @@ TEST(ParallelRunner, HfFixturesLoadedPerRank) {
 }  // namespace fusedmoe
 
 int main(int argc, char** argv) {
-  ::testing::InitGoogleTest(&argc, argv);
-  fusedmoe::g_world = fusedmoe::make_mpi_communicator();
-  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  fusedmoe::ThreadPool::set_global_num_threads(std::max(1, cores / fusedmoe::g_world->size()));
-  const int rc = RUN_ALL_TESTS();
-  fusedmoe::g_world.reset();
-  return rc;
+  return fusedmoe::test::run_mpi_tests(argc, argv, fusedmoe::g_world);
 }
