@@ -8,6 +8,7 @@
 
 #include "cuda_test_util.h"
 #include "fusedmoe/routing/router.h"
+#include "routing/simulated_routing.h"
 
 namespace fusedmoe {
 namespace {
@@ -271,6 +272,77 @@ TEST(CudaRouting, PaddingRowsAreRoutedNowhereAndNanTokenIsRecorded) {
         ASSERT_EQ(ids_d.data_as<int32_t>()[i], ids_h.data_as<int32_t>()[i]) << "token " << t;
       }
     }
+}
+
+// kSimulated: the same per-token draw as the CPU simulator (ids and weights
+// equal), for every distribution, with zero experts (-1 ids) and a skew large
+// enough that zipf draws fall back to the exact walk; padding rows get -1.
+TEST(CudaRouting, SimulatedRoutingMatchesCpuSimulator) {
+  FUSEDMOE_REQUIRE_CUDA();
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  struct Case {
+    SimulatedRouting kind;
+    double zipf_s;
+  };
+  for (const Case& cs :
+       {Case{SimulatedRouting::kUniform, 1.0}, Case{SimulatedRouting::kZipf, 1.1},
+        Case{SimulatedRouting::kZipf, 4.0}, Case{SimulatedRouting::kAllToOne, 1.0}}) {
+    SCOPED_TRACE(std::string(to_string(cs.kind)) + " s " + std::to_string(cs.zipf_s));
+    MoEConfig c = plain(60, 6);
+    c.routing_method = RoutingMethod::kSimulated;
+    c.simulated = cs.kind;
+    c.zipf_s = cs.zipf_s;
+    c.simulation_seed = seed;
+    c.num_zero_experts = 2;
+    c.routed_scaling_factor = 1.5f;
+    const int64_t T = 1000, valid = 990, k = c.top_k, L = c.num_router_logits();
+    Tensor ids_h = Tensor::empty(DType::kI32, {T, k}), w_h = Tensor::empty(DType::kF32, {T, k});
+    create_router(c, {})->select_experts(TensorView(), ids_h, w_h);
+    std::vector<double> pmf, cdf;
+    routing::simulated::zipf_tables(L, c.zipf_s, pmf, cdf);
+    DeviceTensor pmf_d = DeviceTensor::from_host(TensorView(pmf.data(), DType::kF64, {L}));
+    DeviceTensor cdf_d = DeviceTensor::from_host(TensorView(cdf.data(), DType::kF64, {L}));
+    DeviceTensor ids(DType::kI32, {T, k}), w(DType::kF32, {T, k}), nv(DType::kI32, {1});
+    ids.poison();
+    w.poison();
+    const int32_t valid32 = static_cast<int32_t>(valid);
+    ASSERT_EQ(cudaMemcpy(nv.data(), &valid32, 4, cudaMemcpyHostToDevice), cudaSuccess);
+    cuda::RouteArgs a;
+    a.topk_ids = ids.data_as<int32_t>();
+    a.topk_weights = w.data_as<float>();
+    a.num_valid_tokens = nv.data_as<int32_t>();
+    if (cs.kind == SimulatedRouting::kZipf) {
+      a.zipf_pmf = pmf_d.data_as<double>();
+      a.zipf_cdf = cdf_d.data_as<double>();
+    }
+    cuda::route(c, a, T, nullptr);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const Tensor ids_d = ids.to_host(), w_d = w.to_host();
+    int64_t zero_expert_slots = 0;
+    for (int64_t i = 0; i < T * k; ++i) {
+      const bool pad = i / k >= valid;
+      ASSERT_EQ(ids_d.data_as<int32_t>()[i], pad ? -1 : ids_h.data_as<int32_t>()[i])
+          << "slot " << i;
+      ASSERT_EQ(w_d.data_as<float>()[i], pad ? 0.0f : w_h.data_as<float>()[i]) << "slot " << i;
+      zero_expert_slots += !pad && ids_d.data_as<int32_t>()[i] == -1;
+    }
+    if (cs.kind == SimulatedRouting::kUniform) EXPECT_GT(zero_expert_slots, 0);
+  }
+  // Zipf without its tables is an error naming them.
+  MoEConfig c = plain(60, 6);
+  c.routing_method = RoutingMethod::kSimulated;
+  c.simulated = SimulatedRouting::kZipf;
+  DeviceTensor ids(DType::kI32, {4, 6}), w(DType::kF32, {4, 6});
+  cuda::RouteArgs a;
+  a.topk_ids = ids.data_as<int32_t>();
+  a.topk_weights = w.data_as<float>();
+  try {
+    cuda::route(c, a, 4, nullptr);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("zipf_pmf"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace

@@ -62,7 +62,10 @@ void synchronize();
 // NaN logits: a NaN is never selected while a non-NaN column remains, ids stay
 // in range, and with RouteArgs::nan_token the first such token is recorded on
 // the device (reporting it needs a host sync: CudaMoELayer::check_errors).
-// Throws Error(kUnsupported) for kSimulated or more than 1024 logit columns.
+// kSimulated (benchmarks) ignores the logits: one thread per token runs the CPU
+// simulator's draw (routing/simulated_router.cpp), so ids equal the CPU's for
+// the same simulation_seed; kZipf needs zipf_pmf / zipf_cdf.
+// Throws Error(kUnsupported) for more than 1024 logit columns or top_k > 32.
 struct RouteArgs {
   const float* router_logits = nullptr;
   int64_t logits_ld = 0;
@@ -77,6 +80,11 @@ struct RouteArgs {
   // initialises it (e.g. INT32_MAX) and reads it after the stream synchronises.
   const int32_t* num_valid_tokens = nullptr;
   int32_t* nan_token = nullptr;
+  // kSimulated + kZipf: device f64 [E + Z] tables pmf[c] = (c + 1)^-zipf_s and
+  // their prefix sums, computed on the host (routing::simulated::zipf_tables in
+  // src/routing/simulated_routing.h) so that the draws match the CPU's.
+  const double* zipf_pmf = nullptr;
+  const double* zipf_cdf = nullptr;
 };
 void route(const MoEConfig& config, const RouteArgs& args, int64_t num_tokens, Stream stream);
 

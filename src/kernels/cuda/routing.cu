@@ -295,13 +295,16 @@ __global__ void route_hash_kernel(const int32_t* __restrict__ table,
 
 }  // namespace
 
+// kSimulated: simulated_routing.cu.
+void route_simulated(const MoEConfig& c, const RouteArgs& a, int64_t num_tokens, Stream stream);
+
 void route(const MoEConfig& c, const RouteArgs& a, int64_t num_tokens, Stream stream) {
   const int64_t cols = c.num_router_logits(), k = c.top_k;
   FUSEDMOE_CHECK(a.topk_ids != nullptr && a.topk_weights != nullptr,
                  "route: topk_ids and topk_weights are required");
   if (num_tokens == 0) return;
   if (c.routing_method == RoutingMethod::kSimulated)
-    FUSEDMOE_THROW(kUnsupported, "route: simulated routing has no CUDA kernel (route on the host)");
+    return route_simulated(c, a, num_tokens, stream);
   if (c.routing_method == RoutingMethod::kHash) {
     FUSEDMOE_CHECK(a.hash_table && a.token_ids,
                    "route: hash routing needs hash_table and token_ids");
