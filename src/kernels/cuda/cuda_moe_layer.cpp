@@ -169,8 +169,9 @@ struct CudaMoELayer::Impl {
 
   // The shared expert of the T rows of xb into shared_out, on the side stream
   // after `stream`'s work so far (joined by the `join` event), on the path and
-  // tiles forward() picks for tile_tokens tokens.
-  void launch_shared(int64_t T, int64_t tile_tokens, cudaStream_t stream);
+  // tiles forward() picks for tile_tokens tokens. Returns true when it took the
+  // sm90 path (sm90_dense_expert).
+  bool launch_shared(int64_t T, int64_t tile_tokens, cudaStream_t stream);
 
   ~Impl() {
     if (fork) cudaEventDestroy(fork);
@@ -389,7 +390,7 @@ void CudaMoELayer::forward(const TensorView& hidden_states, const TensorView& ou
 
   // ---- shared expert on the side stream ----
   const bool has_shared = c.has_shared_expert();
-  if (has_shared) s.launch_shared(T, T, stream);
+  const bool shared_sm90 = has_shared && s.launch_shared(T, T, stream);
 
   // ---- routed experts ----
   const int64_t slots = T * k;
@@ -411,6 +412,14 @@ void CudaMoELayer::forward(const TensorView& hidden_states, const TensorView& ou
   al.expert_cursor = s.cursor;
   align(al, stream);
 
+  // Both on the sm90 path (many rows): the CUTLASS GEMMs are persistent
+  // kernels, one CTA per SM, and each fills the GPU alone. Run side by side
+  // (the routed GEMM's CTAs then wait for SMs the shared expert holds), the
+  // graph replay of DeepSeek-V3 at T = 4096 took 9374 us (eager 8721 us,
+  // routed part alone 7666 us); with the routed experts waiting for the
+  // shared expert (which still overlaps align on the side stream): 8628 us
+  // graph, 8638 us eager (bench/results/2026-11-29-layer.md).
+  if (shared_sm90 && sm90) FUSEDMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, s.join, 0));
   FinalizeArgs f;
   if (sm90) {
     Sm90ExpertsArgs x;
@@ -575,13 +584,14 @@ void CudaMoELayer::ep_shared(int64_t T, int64_t tile_tokens, Stream stream) {
   impl_->launch_shared(T, tile_tokens, stream);
 }
 
-void CudaMoELayer::Impl::launch_shared(int64_t T, int64_t tile_tokens, cudaStream_t stream) {
+bool CudaMoELayer::Impl::launch_shared(int64_t T, int64_t tile_tokens, cudaStream_t stream) {
   const MoEConfig& c = cfg;
   const int64_t H = c.hidden_size, Is = c.shared_intermediate_size;
   FUSEDMOE_CUDA_CHECK(cudaEventRecord(fork, stream));
   FUSEDMOE_CUDA_CHECK(cudaStreamWaitEvent(side, fork, 0));
   // One expert over all T rows: T rows per expert, the routed experts' threshold.
-  if (shared_sm90_ws != nullptr && pick_sm90_experts(tile_tokens, tile_tokens, H, Is)) {
+  const bool sm90 = shared_sm90_ws != nullptr && pick_sm90_experts(tile_tokens, tile_tokens, H, Is);
+  if (sm90) {
     Sm90DenseExpertArgs d;
     d.x = xb;
     d.num_tokens = T;
@@ -623,6 +633,7 @@ void CudaMoELayer::Impl::launch_shared(int64_t T, int64_t tile_tokens, cudaStrea
     grouped_gemm(g2, side);
   }
   FUSEDMOE_CUDA_CHECK(cudaEventRecord(join, side));
+  return sm90;
 }
 
 const float* CudaMoELayer::experts(const uint16_t* x, int64_t ldx, const int32_t* topk_ids,
