@@ -82,6 +82,27 @@ DeviceMemory upload_raw(const Tensor& t) {
   return d;
 }
 
+// The router gate on the device: bf16 when that loses nothing (a bf16
+// checkpoint, or f32 values that are all bf16 numbers, e.g. a bf16 checkpoint
+// loaded as f32), so that router_gemm can take the tensor cores for bf16
+// activations; f32 otherwise (e.g. f32 HF fixtures). *dtype says which.
+DeviceMemory upload_gate(const Tensor& gate, DType* dtype) {
+  if (gate.dtype() == DType::kBF16) {
+    *dtype = DType::kBF16;
+    return upload_raw(gate);
+  }
+  const Tensor f = to_f32(gate.view());
+  const float* v = f.data_as<const float>();
+  const int64_t n = f.numel();
+  bool exact = true;
+  for (int64_t i = 0; i < n && exact; ++i) {
+    const float r = round_to_bf16(v[i]);
+    exact = std::memcmp(&r, &v[i], sizeof r) == 0;
+  }
+  *dtype = exact ? DType::kBF16 : DType::kF32;
+  return exact ? upload_bf16(f) : upload_f32(f);
+}
+
 struct DeviceExperts {
   DeviceMemory w13, w2, w13_bias, w2_bias;
   int64_t num_experts = 0, inter = 0;
@@ -138,9 +159,19 @@ struct CudaMoELayer::Impl {
   int32_t* slot_row = nullptr;
   void* sm90_ws = nullptr;
   size_t sm90_ws_bytes = 0;
+  // the shared expert on the sm90 path (many rows): its own workspace, as it
+  // runs on the side stream beside the routed experts
+  void* shared_sm90_ws = nullptr;
+  size_t shared_sm90_ws_bytes = 0;
   // second stream for the shared expert
   cudaStream_t side = nullptr;
   cudaEvent_t fork = nullptr, join = nullptr;
+
+  // The shared expert of the T rows of xb into shared_out, on the side stream
+  // after `stream`'s work so far (joined by the `join` event), on the path and
+  // tiles forward() picks for tile_tokens tokens. Returns true when it took the
+  // sm90 path (sm90_dense_expert).
+  bool launch_shared(int64_t T, int64_t tile_tokens, cudaStream_t stream);
 
   ~Impl() {
     if (fork) cudaEventDestroy(fork);
@@ -177,8 +208,7 @@ CudaMoELayer::CudaMoELayer(const MoEConfig& config, const MoELayerWeights& w,
   FUSEDMOE_CUDA_CHECK(cudaGetDevice(&s.device));
 
   // ---- weights ----
-  s.gate_dtype = w.gate_weight.dtype() == DType::kBF16 ? DType::kBF16 : DType::kF32;
-  s.gate_w = s.gate_dtype == DType::kBF16 ? upload_raw(w.gate_weight) : upload_f32(w.gate_weight);
+  s.gate_w = upload_gate(w.gate_weight, &s.gate_dtype);
   if (w.gate_bias) s.gate_b = upload_f32(*w.gate_bias);
   if (c.has_e_score_correction_bias && w.router_params.e_score_correction_bias)
     s.score_bias = upload_f32(*w.router_params.e_score_correction_bias);
@@ -218,6 +248,10 @@ CudaMoELayer::CudaMoELayer(const MoEConfig& config, const MoELayerWeights& w,
     s.sm90_ws_bytes = sm90_experts_workspace_bytes(slots, E, I);
     parts.push_back({reinterpret_cast<void**>(&s.slot_row), sizeof(int32_t) * slots});
     parts.push_back({&s.sm90_ws, s.sm90_ws_bytes});
+    if (c.has_shared_expert()) {
+      s.shared_sm90_ws_bytes = sm90_dense_expert_workspace_bytes(Tm, Is);
+      parts.push_back({&s.shared_sm90_ws, s.shared_sm90_ws_bytes});
+    }
   }
   size_t total = 0;
   for (const Part& p : parts) total += (p.bytes + 255) / 256 * 256;
@@ -356,37 +390,7 @@ void CudaMoELayer::forward(const TensorView& hidden_states, const TensorView& ou
 
   // ---- shared expert on the side stream ----
   const bool has_shared = c.has_shared_expert();
-  if (has_shared) {
-    FUSEDMOE_CUDA_CHECK(cudaEventRecord(s.fork, stream));
-    FUSEDMOE_CUDA_CHECK(cudaStreamWaitEvent(s.side, s.fork, 0));
-    const int64_t Is = c.shared_intermediate_size;
-    GroupedGemmArgs g;
-    g.epilogue = GemmEpilogue::kGlu;
-    g.tile = pick_gemm_tile(T, T, 2 * Is, H);
-    g.a = s.xb;
-    g.lda = H;
-    g.m = T;
-    g.w = s.shared.w13.as<uint16_t>();
-    g.n = 2 * Is;
-    g.k = H;
-    g.act = ActivationParams::from_config(c);
-    g.out = s.inter_s;
-    g.ldc = Is;
-    grouped_gemm(g, s.side);
-    GroupedGemmArgs g2;
-    g2.epilogue = GemmEpilogue::kScatter;
-    g2.tile = pick_gemm_tile(T, T, H, Is);
-    g2.a = s.inter_s;
-    g2.lda = Is;
-    g2.m = T;
-    g2.w = s.shared.w2.as<uint16_t>();
-    g2.n = H;
-    g2.k = Is;
-    g2.out = s.shared_out;
-    g2.ldc = H;
-    grouped_gemm(g2, s.side);
-    FUSEDMOE_CUDA_CHECK(cudaEventRecord(s.join, s.side));
-  }
+  const bool shared_sm90 = has_shared && s.launch_shared(T, T, stream);
 
   // ---- routed experts ----
   const int64_t slots = T * k;
@@ -408,6 +412,14 @@ void CudaMoELayer::forward(const TensorView& hidden_states, const TensorView& ou
   al.expert_cursor = s.cursor;
   align(al, stream);
 
+  // Both on the sm90 path (many rows): the CUTLASS GEMMs are persistent
+  // kernels, one CTA per SM, and each fills the GPU alone. Run side by side
+  // (the routed GEMM's CTAs then wait for SMs the shared expert holds), the
+  // graph replay of DeepSeek-V3 at T = 4096 took 9374 us (eager 8721 us,
+  // routed part alone 7666 us); with the routed experts waiting for the
+  // shared expert (which still overlaps align on the side stream): 8628 us
+  // graph, 8638 us eager (bench/results/2026-11-29-layer.md).
+  if (shared_sm90 && sm90) FUSEDMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, s.join, 0));
   FinalizeArgs f;
   if (sm90) {
     Sm90ExpertsArgs x;
@@ -568,39 +580,60 @@ void CudaMoELayer::ep_route(const TensorView& hidden_states, const TensorView* r
 }
 
 void CudaMoELayer::ep_shared(int64_t T, int64_t tile_tokens, Stream stream) {
-  Impl& s = *impl_;
-  const MoEConfig& c = s.cfg;
-  const int64_t H = c.hidden_size;
-  if (T == 0 || !c.has_shared_expert()) return;
-  FUSEDMOE_CUDA_CHECK(cudaEventRecord(s.fork, stream));
-  FUSEDMOE_CUDA_CHECK(cudaStreamWaitEvent(s.side, s.fork, 0));
-  const int64_t Is = c.shared_intermediate_size;
-  GroupedGemmArgs g;
-  g.epilogue = GemmEpilogue::kGlu;
-  g.tile = pick_gemm_tile(tile_tokens, tile_tokens, 2 * Is, H);
-  g.a = s.xb;
-  g.lda = H;
-  g.m = T;
-  g.w = s.shared.w13.as<uint16_t>();
-  g.n = 2 * Is;
-  g.k = H;
-  g.act = ActivationParams::from_config(c);
-  g.out = s.inter_s;
-  g.ldc = Is;
-  grouped_gemm(g, s.side);
-  GroupedGemmArgs g2;
-  g2.epilogue = GemmEpilogue::kScatter;
-  g2.tile = pick_gemm_tile(tile_tokens, tile_tokens, H, Is);
-  g2.a = s.inter_s;
-  g2.lda = Is;
-  g2.m = T;
-  g2.w = s.shared.w2.as<uint16_t>();
-  g2.n = H;
-  g2.k = Is;
-  g2.out = s.shared_out;
-  g2.ldc = H;
-  grouped_gemm(g2, s.side);
-  FUSEDMOE_CUDA_CHECK(cudaEventRecord(s.join, s.side));
+  if (T == 0 || !impl_->cfg.has_shared_expert()) return;
+  impl_->launch_shared(T, tile_tokens, stream);
+}
+
+bool CudaMoELayer::Impl::launch_shared(int64_t T, int64_t tile_tokens, cudaStream_t stream) {
+  const MoEConfig& c = cfg;
+  const int64_t H = c.hidden_size, Is = c.shared_intermediate_size;
+  FUSEDMOE_CUDA_CHECK(cudaEventRecord(fork, stream));
+  FUSEDMOE_CUDA_CHECK(cudaStreamWaitEvent(side, fork, 0));
+  // One expert over all T rows: T rows per expert, the routed experts' threshold.
+  const bool sm90 = shared_sm90_ws != nullptr && pick_sm90_experts(tile_tokens, tile_tokens, H, Is);
+  if (sm90) {
+    Sm90DenseExpertArgs d;
+    d.x = xb;
+    d.num_tokens = T;
+    d.hidden = H;
+    d.inter = Is;
+    d.w13 = shared.w13.as<uint16_t>();
+    d.w2 = shared.w2.as<uint16_t>();
+    d.act = ActivationParams::from_config(c);
+    d.inter_rows = inter_s;
+    d.out = shared_out;
+    d.workspace = shared_sm90_ws;
+    d.workspace_bytes = shared_sm90_ws_bytes;
+    sm90_dense_expert(d, side);
+  } else {
+    GroupedGemmArgs g;
+    g.epilogue = GemmEpilogue::kGlu;
+    g.tile = pick_gemm_tile(tile_tokens, tile_tokens, 2 * Is, H);
+    g.a = xb;
+    g.lda = H;
+    g.m = T;
+    g.w = shared.w13.as<uint16_t>();
+    g.n = 2 * Is;
+    g.k = H;
+    g.act = ActivationParams::from_config(c);
+    g.out = inter_s;
+    g.ldc = Is;
+    grouped_gemm(g, side);
+    GroupedGemmArgs g2;
+    g2.epilogue = GemmEpilogue::kScatter;
+    g2.tile = pick_gemm_tile(tile_tokens, tile_tokens, H, Is);
+    g2.a = inter_s;
+    g2.lda = Is;
+    g2.m = T;
+    g2.w = shared.w2.as<uint16_t>();
+    g2.n = H;
+    g2.k = Is;
+    g2.out = shared_out;
+    g2.ldc = H;
+    grouped_gemm(g2, side);
+  }
+  FUSEDMOE_CUDA_CHECK(cudaEventRecord(join, side));
+  return sm90;
 }
 
 const float* CudaMoELayer::experts(const uint16_t* x, int64_t ldx, const int32_t* topk_ids,

@@ -1,5 +1,6 @@
 // fusedmoe CUDA: finalize (sum each token's k weighted expert rows in slot
-// order, add the shared expert), input conversion to bf16, the f32 router GEMM,
+// order, add the shared expert), input conversion to bf16, the router GEMM
+// (f32 accumulation: CUDA cores, or tensor cores for bf16 inputs at T > 32),
 // and device queries.
 #include <mutex>
 #include <vector>
@@ -260,6 +261,21 @@ __global__ void __launch_bounds__(kRgSmallThreads)
   }
 }
 
+// bf16 x and bf16 gate weights, T > kRgTensorCoreMinTokens: the dense mma.sync
+// GEMM of the experts (sm90_bf16_grouped_gemm.cuh: one expert, kScatter
+// epilogue adds the bias and stores f32 with any N and row stride). Its bf16 x
+// bf16 products are exact in f32 and accumulate in f32, as on the CUDA cores;
+// only the order of the f32 sums differs. Tile (estimated from the data each
+// work item reads, not swept): m64n128 once it gives ~3/4 of a wave of work
+// items (DeepSeek-V3 T = 4096: 64 x 2), else m16n64 (more, smaller items: a
+// few hundred tokens, or few logits as Mixtral's 8).
+constexpr int64_t kRgTensorCoreMinTokens = 32;
+
+GemmTile router_gemm_tile(int64_t T, int64_t L) {
+  const int64_t big_items = ceil_div(T, int64_t{64}) * ceil_div(L, int64_t{128});
+  return big_items * 4 >= int64_t{num_sms()} * 3 ? GemmTile::kM64N128 : GemmTile::kM16N64;
+}
+
 template <typename X, typename W>
 void launch_router_gemm(const X* x, int64_t ldx, int64_t T, int64_t H, const W* w, int64_t L,
                         const float* b, float* out, int64_t ldl, Stream stream) {
@@ -331,6 +347,30 @@ void router_gemm(const void* x, DType x_dtype, int64_t ldx, int64_t num_tokens, 
   const bool xf = x_dtype == DType::kF32, wf = w_dtype == DType::kF32;
   FUSEDMOE_CHECK(xf || x_dtype == DType::kBF16, "router_gemm: x must be f32 or bf16");
   FUSEDMOE_CHECK(wf || w_dtype == DType::kBF16, "router_gemm: gate weight must be f32 or bf16");
+  FUSEDMOE_CHECK(ldx >= hidden, "router_gemm: ldx must be >= hidden = ", hidden, ", got ", ldx);
+  FUSEDMOE_CHECK(num_logits >= 1 && ldl >= num_logits,
+                 "router_gemm: ldl must be >= num_logits = ", num_logits, ", got ", ldl);
+  // 16-byte aligned rows for cp.async: true for every contiguous bf16 [T, H]
+  // with H % 8 == 0 (the CUDA layer checks H % 8); otherwise the CUDA-core path.
+  const bool aligned16 = reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+                         reinterpret_cast<uintptr_t>(gate_w) % 16 == 0 && hidden % 8 == 0 &&
+                         ldx % 8 == 0;
+  if (!xf && !wf && num_tokens > kRgTensorCoreMinTokens && aligned16) {
+    GroupedGemmArgs g;
+    g.epilogue = GemmEpilogue::kScatter;
+    g.tile = router_gemm_tile(num_tokens, num_logits);
+    g.a = static_cast<const uint16_t*>(x);
+    g.lda = ldx;
+    g.m = num_tokens;
+    g.w = static_cast<const uint16_t*>(gate_w);
+    g.n = num_logits;
+    g.k = hidden;
+    g.bias = gate_b;
+    g.out = router_logits;
+    g.ldc = ldl;
+    grouped_gemm(g, stream);
+    return;
+  }
   const auto* xp32 = static_cast<const float*>(x);
   const auto* xp16 = static_cast<const uint16_t*>(x);
   const auto* wp32 = static_cast<const float*>(gate_w);

@@ -316,12 +316,20 @@ __global__ void __launch_bounds__(Cfg::kThreads) grouped_gemm_kernel(const Param
           for (int ni = 0; ni < NI; ++ni) {
             const int64_t n = static_cast<int64_t>(n_tile) * BN + wn * WTN + ni * 8 + g_col;
             if (n >= p.n) continue;
+            const bool pair = n + 1 < p.n;  // N may be odd (router logits)
             float v0 = acc[mi][ni][2 * h], v1 = acc[mi][ni][2 * h + 1];
             if (bias) {
               v0 += bias[n];
-              v1 += bias[n + 1];
+              if (pair) v1 += bias[n + 1];
             }
-            *reinterpret_cast<float2*>(orow + n) = make_float2(scale * v0, scale * v1);
+            // One 8-byte store where aligned (even N and ldc: every expert GEMM);
+            // an odd ldc (any row stride of router_logits) stores single words.
+            if (pair && (reinterpret_cast<uintptr_t>(orow + n) & 7) == 0) {
+              *reinterpret_cast<float2*>(orow + n) = make_float2(scale * v0, scale * v1);
+            } else {
+              orow[n] = scale * v0;
+              if (pair) orow[n + 1] = scale * v1;
+            }
           }
         }
     }
