@@ -63,6 +63,7 @@ struct RouteParams {
   int top_k;
   int groups, per_group, topk_group;
   int group_lanes;  // > 0: each group is group_lanes whole lanes (a power of two)
+  int group_shift;  // log2(group_lanes)
   bool sum_top2;
   double scale;
 };
@@ -210,6 +211,169 @@ __device__ __forceinline__ uint64_t warp_best(uint64_t h, int& owner) {
   return static_cast<uint64_t>(mh) << 32 | ml;
 }
 
+// ---- screened selection (sigmoid / sqrtsoftplus score + bias, kN <= 8) ----
+// The double scores cost most of the wide kernel, so they are computed only
+// where they can matter. Every column first gets an f32 choice c_f (score + bias)
+// with a bound eps on |c_f - c_d|, c_d the double value the CPU compares:
+//   f32 score: expf (<= 2 ulp) and a correctly rounded reciprocal (sigmoid) or
+//   log1pf / sqrtf (sqrtsoftplus): relative error < 2^-21 of the score, taken
+//   as 2^-20; the f32 bias add: 2^-24 of |c_f|, taken as 2^-23; 2^-62 absolute
+//   for underflow (sqrt of a subnormal softplus). eps = the row's largest bound.
+// Groups (grouped top-k): f32 group scores are within 2 eps of the exact ones;
+// when the topk_group-th and the next differ by more than 4 eps the kept groups
+// are the exact ones, else the token takes the full double path (rare).
+// Experts: T = the k-th largest of the lanes' best c_f (k distinct columns have
+// c_f >= T, so exact values >= T - eps); a column with c_f < T - 2 eps is below
+// all k of them exactly and cannot be chosen. The others (typically ~k + 3) are
+// compacted one per lane in column order, their double scores computed, and k
+// redux rounds pick exactly as the CPU does (ties: lower column = lower lane).
+// More than 32 such columns (ties, near ties), NaN or infinity: full double path.
+// Returns false when the token needs the full double path (nothing written).
+__device__ __forceinline__ float score_f(ScoringFunc f, float x) {
+  if (f == ScoringFunc::kSigmoid) return __frcp_rn(1.0f + expf(-x));
+  return sqrtf(fmaxf(x, 0.0f) + log1pf(expf(-fabsf(x))));
+}
+
+template <int kN>
+__device__ __forceinline__ bool route_screened(const RouteParams& p, const float* __restrict__ row,
+                                               const float* __restrict__ bias, int lane, int c0,
+                                               const float (&x)[kN], int* s_cols,
+                                               int32_t* __restrict__ ids,
+                                               float* __restrict__ weights) {
+  float b[kN];
+  if (bias != nullptr) {
+    load_cols<kN>(bias, c0, p.cols, p.vec_bias, b);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kN; ++i) b[i] = 0.0f;
+  }
+  float cf[kN];
+  uint32_t eps_bits = 0;  // bounds are >= 0 (or NaN: the largest bits), so bits order them
+#pragma unroll
+  for (int i = 0; i < kN; ++i) {
+    const float sf = score_f(p.scoring, x[i]);
+    const float c = bias != nullptr ? sf + b[i] : sf;
+    const float e = fabsf(0x1p-20f * sf + 0x1p-23f * fabsf(c) + 0x1p-62f);
+    const bool live = c0 + i < p.cols;
+    cf[i] = live ? c : -INFINITY;
+    if (live) eps_bits = max(eps_bits, __float_as_uint(e));
+  }
+  const float eps = __uint_as_float(__reduce_max_sync(kFull, eps_bits));
+  if (!(eps < INFINITY)) return false;  // NaN or infinite scores / bias
+
+  // ---- groups: f32 group scores, kept only when certain ----
+  if (p.variant == Variant::kGrouped) {
+    const int gl = p.group_lanes;
+    if (gl == 0) return false;  // groups not aligned to lanes: full path
+    uint32_t k1 = 0, k2 = 0;
+#pragma unroll
+    for (int i = 0; i < kN; ++i)
+      if (c0 + i < p.cols) {
+        const uint32_t k = key32(cf[i]);
+        if (k > k1) {
+          k2 = k1;
+          k1 = k;
+        } else if (k > k2) {
+          k2 = k;
+        }
+      }
+    for (int o = 1; o < gl; o <<= 1) {
+      const uint32_t o1 = __shfl_xor_sync(kFull, k1, o), o2 = __shfl_xor_sync(kFull, k2, o);
+      k2 = max(min(k1, o1), max(k2, o2));
+      k1 = max(k1, o1);
+    }
+    uint64_t gkey = 0;
+    if ((lane & (gl - 1)) == 0 && (lane >> p.group_shift) < p.groups) {
+      const double g1 = from_key32(k1);
+      gkey = key64(p.sum_top2 ? g1 + static_cast<double>(from_key32(k2)) : g1);
+    }
+    uint32_t kept = 0;
+    uint64_t last = 0;
+    for (int r = 0; r < p.topk_group; ++r) {
+      int owner;
+      last = warp_best<true>(gkey, owner);
+      kept |= 1u << (owner >> p.group_shift);
+      if (lane == owner) gkey = 0;
+    }
+    if (p.topk_group < p.groups) {
+      int owner;
+      const double tg = from_key64(last), ng = from_key64(warp_best<true>(gkey, owner));
+      if (!(tg - ng > 4.0 * eps + 0x1p-48 * fabs(tg))) return false;  // too close to call
+    }
+    if (!(kept >> (lane >> p.group_shift) & 1u))
+#pragma unroll
+      for (int i = 0; i < kN; ++i) cf[i] = -INFINITY;
+  }
+
+  // ---- T: the k-th largest of the lanes' best ----
+  uint32_t lane_best = 0;
+#pragma unroll
+  for (int i = 0; i < kN; ++i)
+    if (cf[i] != -INFINITY) lane_best = max(lane_best, key32(cf[i]));
+  uint32_t tk = 0;
+  for (int j = 0; j < p.top_k; ++j) {
+    tk = __reduce_max_sync(kFull, lane_best);
+    const int owner = __ffs(__ballot_sync(kFull, lane_best == tk)) - 1;
+    if (lane == owner) lane_best = 0;
+  }
+  // Columns that can still be chosen: c_f >= T - 2 eps (all live ones if fewer
+  // than k lanes hold columns).
+  const double lo = tk != 0 ? static_cast<double>(from_key32(tk)) - 2.0 * eps -
+                                  0x1p-48 * fabs(static_cast<double>(from_key32(tk)))
+                            : -INFINITY;
+  uint32_t band = 0;
+#pragma unroll
+  for (int i = 0; i < kN; ++i)
+    if (cf[i] != -INFINITY && static_cast<double>(cf[i]) >= lo) band |= 1u << i;
+
+  // ---- compaction in column order: lane q gets the q-th candidate ----
+  const int n = __popc(band);
+  int incl = n;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int v = __shfl_up_sync(kFull, incl, o);
+    if (lane >= o) incl += v;
+  }
+  const int total = __shfl_sync(kFull, incl, 31);
+  if (total > 32) return false;
+  const int base = incl - n;
+#pragma unroll
+  for (int i = 0; i < kN; ++i)
+    if (band >> i & 1u) s_cols[base + __popc(band & ((1u << i) - 1u))] = c0 + i;
+  __syncwarp();
+  const bool has = lane < total;
+  const int col = has ? s_cols[lane] : 0;
+  __syncwarp();  // s_cols is free for the next token of this warp slot
+  double sd = 0.0;
+  uint64_t key = 0;
+  if (has) {
+    sd = elementwise_d(p.scoring, __ldg(row + col));
+    key = key64(bias != nullptr ? sd + static_cast<double>(__ldg(bias + col)) : sd);
+  }
+
+  // ---- k exact rounds over the candidates; lane j keeps the j-th ----
+  int my_c = 0;
+  double w = 0.0;
+  for (int j = 0; j < p.top_k; ++j) {
+    int owner;
+    warp_best<true>(key, owner);
+    const int c = __shfl_sync(kFull, col, owner);
+    const double s = __shfl_sync(kFull, sd, owner);
+    if (lane == j) {
+      my_c = c;
+      w = s;
+    }
+    if (lane == owner) key = 0;
+  }
+  const bool in_k = lane < p.top_k;
+  if (p.renormalize) w /= warp_sum(in_k ? w : 0.0) + 1e-20;
+  if (in_k) {
+    ids[lane] = my_c < p.experts ? my_c : -1;
+    weights[lane] = static_cast<float>(w * p.scale);
+  }
+  return true;
+}
+
 // One warp per token. kWide: selection on double score + bias (kTopKBias,
 // kGrouped); otherwise on the f32 logits. Up to 256 columns, at most 64
 // registers so that 8 blocks (32 warps) fit an SM: T = 4096 runs in one wave.
@@ -239,6 +403,14 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, kN <= 8 ? 8 : 1)
 #pragma unroll
     for (int i = 0; i < kN; ++i) has_nan |= isnan(x[i]);
     if (__any_sync(kFull, has_nan) && lane == 0) atomicMin(nan_token, static_cast<int32_t>(t));
+  }
+
+  if constexpr (kWide && kN <= 8) {
+    __shared__ int s_cols[kWarpsPerBlock][32];
+    if (p.scoring != ScoringFunc::kSoftmax &&
+        route_screened<kN>(p, row, bias, lane, c0, x, s_cols[threadIdx.x >> 5],
+                           topk_ids + t * p.top_k, topk_weights + t * p.top_k))
+      return;
   }
 
   // ---- selection keys ----
@@ -292,7 +464,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, kN <= 8 ? 8 : 1)
 #pragma unroll
         for (int i = 0; i < kN; ++i) top2_push(m1, m2, key[i]);
         for (int o = 1; o < gl; o <<= 1) top2_merge_xor(m1, m2, o);
-        if (lane % gl == 0 && lane / gl < p.groups) gkey = group_key(m1, m2, p.sum_top2);
+        if ((lane & (gl - 1)) == 0 && (lane >> p.group_shift) < p.groups)
+          gkey = group_key(m1, m2, p.sum_top2);
       } else {
 #pragma unroll
         for (int i = 0; i < kN; ++i) gi[i] = c0 + i < p.cols ? (c0 + i) / p.per_group : -1;
@@ -310,11 +483,11 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, kN <= 8 ? 8 : 1)
       for (int r = 0; r < p.topk_group; ++r) {
         int owner;
         warp_best<true>(gkey, owner);
-        kept |= 1u << (gl > 0 ? owner / gl : owner);
+        kept |= 1u << (gl > 0 ? owner >> p.group_shift : owner);
         if (lane == owner) gkey = 0;
       }
       if (gl > 0) {
-        if (!(kept >> (lane / gl) & 1u))
+        if (!(kept >> (lane >> p.group_shift) & 1u))
 #pragma unroll
           for (int i = 0; i < kN; ++i) key[i] = 0;
       } else {
@@ -506,7 +679,10 @@ void route(const MoEConfig& c, const RouteArgs& a, int64_t num_tokens, Stream st
     // A group of whole lanes, a power of two of them: butterfly inside the group.
     if (p.per_group % per_lane == 0) {
       const int lanes = p.per_group / per_lane;
-      if ((lanes & (lanes - 1)) == 0) p.group_lanes = lanes;
+      if ((lanes & (lanes - 1)) == 0) {
+        p.group_lanes = lanes;
+        while ((1 << p.group_shift) < lanes) ++p.group_shift;
+      }
     }
     FUSEDMOE_CHECK(!c.has_e_score_correction_bias || a.bias != nullptr,
                    "route: e_score_correction_bias required by the config, got none");
