@@ -62,8 +62,9 @@ struct RouteParams {
   int experts;      // E
   int top_k;
   int groups, per_group, topk_group;
-  int group_lanes;  // > 0: each group is group_lanes whole lanes (a power of two)
-  int group_shift;  // log2(group_lanes)
+  int group_lanes;      // > 0: each group is group_lanes whole lanes (a power of two)
+  int group_shift;      // log2(group_lanes)
+  int per_group_shift;  // log2(per_group) when group_lanes > 0
   bool sum_top2;
   double scale;
 };
@@ -215,23 +216,67 @@ __device__ __forceinline__ uint64_t warp_best(uint64_t h, int& owner) {
 // The double scores cost most of the wide kernel, so they are computed only
 // where they can matter. Every column first gets an f32 choice c_f (score + bias)
 // with a bound eps on |c_f - c_d|, c_d the double value the CPU compares:
-//   f32 score: expf (<= 2 ulp) and a correctly rounded reciprocal (sigmoid) or
-//   log1pf / sqrtf (sqrtsoftplus): relative error < 2^-21 of the score, taken
-//   as 2^-20; the f32 bias add: 2^-24 of |c_f|, taken as 2^-23; 2^-62 absolute
-//   for underflow (sqrt of a subnormal softplus). eps = the row's largest bound.
-// Groups (grouped top-k): f32 group scores are within 2 eps of the exact ones;
-// when the topk_group-th and the next differ by more than 4 eps the kept groups
-// are the exact ones, else the token takes the full double path (rare).
+//   f32 score: expf (<= 2 ulp) and a correctly rounded reciprocal (sigmoid:
+//   relative error <= 1.5 * 2^-22) or log1pf (1 ulp) and sqrtf (sqrtsoftplus:
+//   <= 2^-21.8), taken as 2^-21 of the score; the f32 bias add: 2^-24 of |c_f|, taken as 2^-23;
+//   2^-62 absolute for underflow (sqrt of a subnormal softplus). eps = the row's largest bound.
+// Groups (grouped top-k): f32 group scores (sum of the two best c_f, rounded
+// to f32) are within 2 eps + 2^-23 relative of the exact ones; when the
+// topk_group-th and the next differ by more than that twice over, the kept
+// groups are the exact ones. Else (about 1 token in 10^4 on random logits) the
+// exact group scores are computed from the columns that can be a group's top
+// two (c_f >= its f32 second best - 2 eps), compacted as below.
 // Experts: T = the k-th largest of the lanes' best c_f (k distinct columns have
 // c_f >= T, so exact values >= T - eps); a column with c_f < T - 2 eps is below
 // all k of them exactly and cannot be chosen. The others (typically ~k + 3) are
-// compacted one per lane in column order, their double scores computed, and k
-// redux rounds pick exactly as the CPU does (ties: lower column = lower lane).
+// compacted one per lane in column order, their double scores computed, and
+// each one's rank among them (larger value, then lower column = lower lane)
+// says which pick it is, exactly as on the CPU.
 // More than 32 such columns (ties, near ties), NaN or infinity: full double path.
 // Returns false when the token needs the full double path (nothing written).
 __device__ __forceinline__ float score_f(ScoringFunc f, float x) {
   if (f == ScoringFunc::kSigmoid) return __frcp_rn(1.0f + expf(-x));
   return sqrtf(fmaxf(x, 0.0f) + log1pf(expf(-fabsf(x))));
+}
+
+// Compacts the columns flagged in `band` (bit i: column c0 + i) one per lane
+// in column order: lane q < total gets the q-th in `col`. Returns total (the
+// caller gives up when it exceeds 32; then `col` is not set).
+template <int kN>
+__device__ __forceinline__ int compact_columns(uint32_t band, int lane, int c0, int* s_cols,
+                                               int& col) {
+  const int n = __popc(band);
+  int incl = n;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int v = __shfl_up_sync(kFull, incl, o);
+    if (lane >= o) incl += v;
+  }
+  const int total = __shfl_sync(kFull, incl, 31);
+  if (total > 32) return total;
+  const int base = incl - n;
+#pragma unroll
+  for (int i = 0; i < kN; ++i)
+    if (band >> i & 1u) s_cols[base + __popc(band & ((1u << i) - 1u))] = c0 + i;
+  __syncwarp();
+  col = lane < total ? s_cols[lane] : 0;
+  __syncwarp();  // s_cols may be written again
+  return total;
+}
+
+// The CPU's double score of column col and the key of score + bias.
+__device__ __forceinline__ uint64_t exact_choice(ScoringFunc f, const float* __restrict__ row,
+                                                 const float* __restrict__ bias, int col,
+                                                 double& score) {
+  score = elementwise_d(f, __ldg(row + col));
+  return key64(bias != nullptr ? score + static_cast<double>(__ldg(bias + col)) : score);
+}
+
+// c_f below this cannot be among the exact values of the columns holding the
+// top f32 values down to t (t - 2 eps, rounded down to f32).
+__device__ __forceinline__ float screen_floor(float t, float eps) {
+  const double td = t;
+  return __double2float_rd(td - 2.0 * eps - 0x1p-48 * fabs(td));
 }
 
 template <int kN>
@@ -253,7 +298,7 @@ __device__ __forceinline__ bool route_screened(const RouteParams& p, const float
   for (int i = 0; i < kN; ++i) {
     const float sf = score_f(p.scoring, x[i]);
     const float c = bias != nullptr ? sf + b[i] : sf;
-    const float e = fabsf(0x1p-20f * sf + 0x1p-23f * fabsf(c) + 0x1p-62f);
+    const float e = fabsf(0x1p-21f * sf + 0x1p-23f * fabsf(c) + 0x1p-62f);
     const bool live = c0 + i < p.cols;
     cf[i] = live ? c : -INFINITY;
     if (live) eps_bits = max(eps_bits, __float_as_uint(e));
@@ -261,11 +306,11 @@ __device__ __forceinline__ bool route_screened(const RouteParams& p, const float
   const float eps = __uint_as_float(__reduce_max_sync(kFull, eps_bits));
   if (!(eps < INFINITY)) return false;  // NaN or infinite scores / bias
 
-  // ---- groups: f32 group scores, kept only when certain ----
+  // ---- groups: f32 group scores; exact ones when too close to call ----
   if (p.variant == Variant::kGrouped) {
     const int gl = p.group_lanes;
     if (gl == 0) return false;  // groups not aligned to lanes: full path
-    uint32_t k1 = 0, k2 = 0;
+    uint32_t k1 = 0, k2 = 0;    // the group's two best f32 keys (all its lanes)
 #pragma unroll
     for (int i = 0; i < kN; ++i)
       if (c0 + i < p.cols) {
@@ -282,94 +327,110 @@ __device__ __forceinline__ bool route_screened(const RouteParams& p, const float
       k2 = max(min(k1, o1), max(k2, o2));
       k1 = max(k1, o1);
     }
-    uint64_t gkey = 0;
+    // f32 group scores (rounded to f32: 2^-24 relative more) on the group's first lane.
+    uint32_t gkey = 0;
     if ((lane & (gl - 1)) == 0 && (lane >> p.group_shift) < p.groups) {
       const double g1 = from_key32(k1);
-      gkey = key64(p.sum_top2 ? g1 + static_cast<double>(from_key32(k2)) : g1);
+      gkey = key32(static_cast<float>(p.sum_top2 ? g1 + static_cast<double>(from_key32(k2)) : g1));
     }
-    uint32_t kept = 0;
-    uint64_t last = 0;
-    for (int r = 0; r < p.topk_group; ++r) {
-      int owner;
-      last = warp_best<true>(gkey, owner);
-      kept |= 1u << (owner >> p.group_shift);
-      if (lane == owner) gkey = 0;
+    bool kept = false;  // on the group's first lane
+    int taken = 0;
+    uint32_t last = 0;
+    while (taken < p.topk_group) {  // equal scores taken together
+      last = __reduce_max_sync(kFull, gkey);
+      taken += __popc(__ballot_sync(kFull, gkey == last));
+      if (gkey == last) {
+        kept = true;
+        gkey = 0;
+      }
     }
-    if (p.topk_group < p.groups) {
-      int owner;
-      const double tg = from_key64(last), ng = from_key64(warp_best<true>(gkey, owner));
-      if (!(tg - ng > 4.0 * eps + 0x1p-48 * fabs(tg))) return false;  // too close to call
+    bool certain = taken == p.topk_group;
+    if (certain && p.topk_group < p.groups) {
+      const double tg = from_key32(last), ng = from_key32(__reduce_max_sync(kFull, gkey));
+      certain = tg - ng > 4.0 * eps + 0x1p-21 * (fabs(tg) + fabs(ng));
     }
-    if (!(kept >> (lane >> p.group_shift) & 1u))
+    uint32_t kept_groups = __reduce_or_sync(kFull, kept ? 1u << (lane >> p.group_shift) : 0u);
+    if (!certain) {
+      // Exact group scores: a group's exact top two are among its columns with
+      // c_f >= (its f32 second best, or best for kMax) - 2 eps.
+      const float lo = screen_floor(from_key32(p.sum_top2 ? k2 : k1), eps);
+      uint32_t band = 0;
+#pragma unroll
+      for (int i = 0; i < kN; ++i)
+        if (c0 + i < p.cols && cf[i] >= lo) band |= 1u << i;
+      int col;
+      const int total = compact_columns<kN>(band, lane, c0, s_cols, col);
+      if (total > 32) return false;
+      double sd;
+      uint64_t m1 = lane < total ? exact_choice(p.scoring, row, bias, col, sd) : 0, m2 = 0;
+      const int g =
+          lane < total ? col >> p.per_group_shift : -1;  // lanes of a group are contiguous
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {  // segmented top two: the group's first lane gets it
+        const uint64_t o1 = __shfl_down_sync(kFull, m1, o), o2 = __shfl_down_sync(kFull, m2, o);
+        const int og = __shfl_down_sync(kFull, g, o);
+        if (lane + o < 32 && og == g) {
+          m2 = max(min(m1, o1), max(m2, o2));
+          m1 = max(m1, o1);
+        }
+      }
+      const int prev = __shfl_up_sync(kFull, g, 1);
+      uint64_t ekey = 0;
+      if (g >= 0 && (lane == 0 || prev != g))
+        ekey = key64(p.sum_top2 ? from_key64(m1) + from_key64(m2) : from_key64(m1));
+      kept = false;
+      for (int r = 0; r < p.topk_group; ++r) {  // ties: lower group = lower lane
+        int owner;
+        warp_best<true>(ekey, owner);
+        if (lane == owner) {
+          kept = true;
+          ekey = 0;
+        }
+      }
+      kept_groups = __reduce_or_sync(kFull, kept ? 1u << g : 0u);
+    }
+    if (!(kept_groups >> (lane >> p.group_shift) & 1u))
 #pragma unroll
       for (int i = 0; i < kN; ++i) cf[i] = -INFINITY;
   }
 
-  // ---- T: the k-th largest of the lanes' best ----
+  // ---- T: the k-th largest of the lanes' best (equal ones taken together) ----
   uint32_t lane_best = 0;
 #pragma unroll
   for (int i = 0; i < kN; ++i)
     if (cf[i] != -INFINITY) lane_best = max(lane_best, key32(cf[i]));
   uint32_t tk = 0;
-  for (int j = 0; j < p.top_k; ++j) {
+  for (int taken = 0; taken < p.top_k;) {
     tk = __reduce_max_sync(kFull, lane_best);
-    const int owner = __ffs(__ballot_sync(kFull, lane_best == tk)) - 1;
-    if (lane == owner) lane_best = 0;
+    if (tk == 0) break;  // fewer than k lanes hold columns: all are candidates
+    taken += __popc(__ballot_sync(kFull, lane_best == tk));
+    if (lane_best == tk) lane_best = 0;
   }
-  // Columns that can still be chosen: c_f >= T - 2 eps (all live ones if fewer
-  // than k lanes hold columns).
-  const double lo = tk != 0 ? static_cast<double>(from_key32(tk)) - 2.0 * eps -
-                                  0x1p-48 * fabs(static_cast<double>(from_key32(tk)))
-                            : -INFINITY;
+  // Columns that can still be chosen: c_f >= T - 2 eps.
+  const float lo = tk != 0 ? screen_floor(from_key32(tk), eps) : -INFINITY;
   uint32_t band = 0;
 #pragma unroll
   for (int i = 0; i < kN; ++i)
-    if (cf[i] != -INFINITY && static_cast<double>(cf[i]) >= lo) band |= 1u << i;
-
-  // ---- compaction in column order: lane q gets the q-th candidate ----
-  const int n = __popc(band);
-  int incl = n;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int v = __shfl_up_sync(kFull, incl, o);
-    if (lane >= o) incl += v;
-  }
-  const int total = __shfl_sync(kFull, incl, 31);
+    if (cf[i] != -INFINITY && cf[i] >= lo) band |= 1u << i;
+  int col;
+  const int total = compact_columns<kN>(band, lane, c0, s_cols, col);
   if (total > 32) return false;
-  const int base = incl - n;
-#pragma unroll
-  for (int i = 0; i < kN; ++i)
-    if (band >> i & 1u) s_cols[base + __popc(band & ((1u << i) - 1u))] = c0 + i;
-  __syncwarp();
-  const bool has = lane < total;
-  const int col = has ? s_cols[lane] : 0;
-  __syncwarp();  // s_cols is free for the next token of this warp slot
   double sd = 0.0;
-  uint64_t key = 0;
-  if (has) {
-    sd = elementwise_d(p.scoring, __ldg(row + col));
-    key = key64(bias != nullptr ? sd + static_cast<double>(__ldg(bias + col)) : sd);
-  }
+  const uint64_t key = lane < total ? exact_choice(p.scoring, row, bias, col, sd) : 0;
 
-  // ---- k exact rounds over the candidates; lane j keeps the j-th ----
-  int my_c = 0;
-  double w = 0.0;
-  for (int j = 0; j < p.top_k; ++j) {
-    int owner;
-    warp_best<true>(key, owner);
-    const int c = __shfl_sync(kFull, col, owner);
-    const double s = __shfl_sync(kFull, sd, owner);
-    if (lane == j) {
-      my_c = c;
-      w = s;
-    }
-    if (lane == owner) key = 0;
+  // ---- exact ranks among the candidates: larger double value, then lower column
+  // (= lower lane); rank j < k is the j-th pick ----
+  int rank = 0;
+  for (int q = 0; q < total; ++q) {
+    const uint64_t kq = __shfl_sync(kFull, key, q);
+    rank += kq > key || (kq == key && q < lane);
   }
-  const bool in_k = lane < p.top_k;
-  if (p.renormalize) w /= warp_sum(in_k ? w : 0.0) + 1e-20;
-  if (in_k) {
-    ids[lane] = my_c < p.experts ? my_c : -1;
-    weights[lane] = static_cast<float>(w * p.scale);
+  const bool picked = lane < total && rank < p.top_k;
+  double w = picked ? sd : 0.0;
+  if (p.renormalize) w /= warp_sum(w) + 1e-20;
+  if (picked) {
+    ids[rank] = col < p.experts ? col : -1;
+    weights[rank] = static_cast<float>(w * p.scale);
   }
   return true;
 }
@@ -682,6 +743,7 @@ void route(const MoEConfig& c, const RouteArgs& a, int64_t num_tokens, Stream st
       if ((lanes & (lanes - 1)) == 0) {
         p.group_lanes = lanes;
         while ((1 << p.group_shift) < lanes) ++p.group_shift;
+        while ((1 << p.per_group_shift) < p.per_group) ++p.per_group_shift;
       }
     }
     FUSEDMOE_CHECK(!c.has_e_score_correction_bias || a.bias != nullptr,
