@@ -24,6 +24,10 @@
 // redux rounds; experts of the other groups are never selected.
 // Weights: only the k chosen columns, lane j computing the j-th, in double with
 // the CPU's formulas (the full-row softmax denominator too), stored as f32.
+// Sigmoid / sqrtsoftplus score variants (DeepSeek-V3) first take a screened
+// path (route_screened below): f32 scores with a proven error bound, double
+// scores only for the few columns that can still be chosen, exact ranks among
+// them; the path above is its fallback (ties, near ties, NaN, other layouts).
 //
 // Precision: scores are double (CUDA's exp/log1p are within 1 ulp of the CPU
 // libm), so ids equal the CPU's whenever competing score + bias values differ
