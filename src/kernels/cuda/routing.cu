@@ -164,6 +164,18 @@ __device__ __forceinline__ void load_cols(const float* __restrict__ src, int c0,
   for (int i = 0; i < kN; ++i) v[i] = c0 + i < cols ? __ldg(src + c0 + i) : 0.0f;
 }
 
+// The lane's selection-bias columns, or zeros without a bias.
+template <int kN>
+__device__ __forceinline__ void load_bias(const float* __restrict__ bias, int c0, int cols,
+                                          bool vec, float (&b)[kN]) {
+  if (bias != nullptr) {
+    load_cols<kN>(bias, c0, cols, vec, b);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kN; ++i) b[i] = 0.0f;
+  }
+}
+
 // a before b in the selection order: larger key, then (wide keys) lower column.
 template <bool kWide>
 __device__ __forceinline__ bool before(uint64_t ka, int ia, uint64_t kb, int ib) {
@@ -290,12 +302,7 @@ __device__ __forceinline__ bool route_screened(const RouteParams& p, const float
                                                int32_t* __restrict__ ids,
                                                float* __restrict__ weights) {
   float b[kN];
-  if (bias != nullptr) {
-    load_cols<kN>(bias, c0, p.cols, p.vec_bias, b);
-  } else {
-#pragma unroll
-    for (int i = 0; i < kN; ++i) b[i] = 0.0f;
-  }
+  load_bias<kN>(bias, c0, p.cols, p.vec_bias, b);
   float cf[kN];
   uint32_t eps_bits = 0;  // bounds are >= 0 (or NaN: the largest bits), so bits order them
 #pragma unroll
@@ -504,12 +511,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, kN <= 8 ? 8 : 1)
       row_denom = warp_sum(d);
     }
     float b[kN];
-    if (bias != nullptr) {
-      load_cols<kN>(bias, c0, p.cols, p.vec_bias, b);
-    } else {
-#pragma unroll
-      for (int i = 0; i < kN; ++i) b[i] = 0.0f;
-    }
+    load_bias<kN>(bias, c0, p.cols, p.vec_bias, b);
 #pragma unroll
     for (int i = 0; i < kN; ++i) {
       const double sc = p.scoring == ScoringFunc::kSoftmax ? rel_exp_d(x[i], row_max) / row_denom
