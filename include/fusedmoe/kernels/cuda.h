@@ -133,6 +133,11 @@ GemmTile pick_gemm_tile(int64_t rows_per_expert, int64_t routed_rows, int64_t n,
 //   out_f32[s * ldc + n] = scale * (C[r, n] + b[n]), scale = row_scale[s] or 1.
 //   Without expert_offsets (dense, shared expert): out_f32[r * ldc + n], r < M.
 //   Any N >= 1 and ldc >= N (the dense router GEMM: E + Z logits, any row stride).
+// l2_prefetch_w (optional hint, kGlu on the m8gemv tile): the next GEMM's weights,
+//   expert e's l2_prefetch_expert_bytes bytes (a multiple of 16) at
+//   l2_prefetch_w + e * l2_prefetch_expert_bytes; when those of every expert this
+//   GEMM can touch fit in half of L2, they are prefetched into L2 while this GEMM
+//   runs (the result does not change).
 enum class GemmEpilogue : uint8_t { kGlu, kScatter };
 struct GroupedGemmArgs {
   GemmEpilogue epilogue = GemmEpilogue::kGlu;
@@ -152,6 +157,8 @@ struct GroupedGemmArgs {
   const float* row_scale = nullptr;  // kScatter: f32 per slot, or null
   void* out = nullptr;
   int64_t ldc = 0;
+  const void* l2_prefetch_w = nullptr;
+  int64_t l2_prefetch_expert_bytes = 0;
 };
 void grouped_gemm(const GroupedGemmArgs& args, Stream stream);
 
@@ -320,9 +327,12 @@ void to_bf16_rows(const void* x, DType in_dtype, int64_t ldx, int64_t num_tokens
 //     accumulation); HF transformers upcasts both to f32 first, which gives
 //     the same products, so the logits differ from HF's in f32 rounding only;
 //   otherwise: CUDA cores, 64 x 64 f32 tiles.
+// x_bf16 (optional): also writes to_bf16_rows(x) there (bf16 [T, H], contiguous;
+// the same values): at T <= 32 inside the router kernel (one launch fewer on
+// the decode path), otherwise by a to_bf16_rows launch after it.
 // Throws Error(kInvalidArgument) for other dtypes or strides.
 void router_gemm(const void* x, DType x_dtype, int64_t ldx, int64_t num_tokens, int64_t hidden,
                  const void* gate_w, DType w_dtype, int64_t num_logits, const float* gate_b,
-                 float* router_logits, int64_t ldl, Stream stream);
+                 float* router_logits, int64_t ldl, Stream stream, uint16_t* x_bf16 = nullptr);
 
 }  // namespace fusedmoe::cuda

@@ -343,6 +343,9 @@ void CudaMoELayer::forward(const TensorView& hidden_states, const TensorView& ou
   // ---- router ----
   const float* logits = nullptr;
   int64_t ldl = L;
+  // The router GEMM also writes the bf16 expert inputs xb (in its own kernel
+  // at decode sizes: one launch fewer); without it, to_bf16_rows below.
+  bool have_xb = false;
   if (router_logits_in) {
     logits = router_logits_in->data_as<const float>();
     ldl = router_logits_in->stride(0);
@@ -350,8 +353,9 @@ void CudaMoELayer::forward(const TensorView& hidden_states, const TensorView& ou
     float* dst = want_logits ? outputs->router_logits.data_as<float>() : s.logits;
     ldl = want_logits ? outputs->router_logits.stride(0) : L;
     router_gemm(hidden_states.data(), hidden_states.dtype(), hidden_states.stride(0), T, H,
-                s.gate_w.get(), s.gate_dtype, L, s.gate_b.as<float>(), dst, ldl, stream);
+                s.gate_w.get(), s.gate_dtype, L, s.gate_b.as<float>(), dst, ldl, stream, s.xb);
     logits = dst;
+    have_xb = true;
   }
   RouteArgs ra;
   ra.router_logits = logits;
@@ -379,8 +383,9 @@ void CudaMoELayer::forward(const TensorView& hidden_states, const TensorView& ou
                                           k * 4, T, cudaMemcpyDeviceToDevice, stream));
 
   // ---- bf16 expert inputs ----
-  to_bf16_rows(hidden_states.data(), hidden_states.dtype(), hidden_states.stride(0), T, H, nullptr,
-               0, s.xb, stream);
+  if (!have_xb)
+    to_bf16_rows(hidden_states.data(), hidden_states.dtype(), hidden_states.stride(0), T, H,
+                 nullptr, 0, s.xb, stream);
   const uint16_t* routed_in = s.xb;
   if (c.apply_router_weight_on_input) {  // Llama-4 (k = 1): x * topk_weight, then bf16
     to_bf16_rows(hidden_states.data(), hidden_states.dtype(), hidden_states.stride(0), T, H,
@@ -465,9 +470,12 @@ void CudaMoELayer::forward(const TensorView& hidden_states, const TensorView& ou
     g.act = ActivationParams::from_config(c);
     g.out = s.inter;
     g.ldc = I;
+    g.l2_prefetch_w = s.experts.w2.get();  // w2's weights into L2 (T = 1, small experts)
+    g.l2_prefetch_expert_bytes = 2 * H * I;
     grouped_gemm(g, stream);
 
     GroupedGemmArgs g2 = g;
+    g2.l2_prefetch_w = nullptr;
     g2.epilogue = GemmEpilogue::kScatter;
     g2.tile = tile2;
     g2.a = s.inter;
@@ -541,6 +549,9 @@ void CudaMoELayer::ep_route(const TensorView& hidden_states, const TensorView* r
   if (T == 0) return;
   const float* logits = nullptr;
   int64_t ldl = L;
+  // The router GEMM also writes the bf16 expert inputs xb (in its own kernel
+  // at decode sizes: one launch fewer); without it, to_bf16_rows below.
+  bool have_xb = false;
   if (router_logits_in) {
     logits = router_logits_in->data_as<const float>();
     ldl = router_logits_in->stride(0);
@@ -548,8 +559,9 @@ void CudaMoELayer::ep_route(const TensorView& hidden_states, const TensorView* r
     float* dst = want_logits ? outputs->router_logits.data_as<float>() : s.logits;
     ldl = want_logits ? outputs->router_logits.stride(0) : L;
     router_gemm(hidden_states.data(), hidden_states.dtype(), hidden_states.stride(0), T, H,
-                s.gate_w.get(), s.gate_dtype, L, s.gate_b.as<float>(), dst, ldl, stream);
+                s.gate_w.get(), s.gate_dtype, L, s.gate_b.as<float>(), dst, ldl, stream, s.xb);
     logits = dst;
+    have_xb = true;
   }
   RouteArgs ra;
   ra.router_logits = logits;
@@ -572,8 +584,9 @@ void CudaMoELayer::ep_route(const TensorView& hidden_states, const TensorView* r
     FUSEDMOE_CUDA_CHECK(cudaMemcpy2DAsync(outputs->topk_weights.data(),
                                           outputs->topk_weights.stride(0) * 4, s.weights, k * 4,
                                           k * 4, T, cudaMemcpyDeviceToDevice, stream));
-  to_bf16_rows(hidden_states.data(), hidden_states.dtype(), hidden_states.stride(0), T, H, nullptr,
-               0, s.xb, stream);
+  if (!have_xb)
+    to_bf16_rows(hidden_states.data(), hidden_states.dtype(), hidden_states.stride(0), T, H,
+                 nullptr, 0, s.xb, stream);
   if (c.apply_router_weight_on_input)
     to_bf16_rows(hidden_states.data(), hidden_states.dtype(), hidden_states.stride(0), T, H,
                  s.weights, k, s.xs, stream);
@@ -618,6 +631,8 @@ bool CudaMoELayer::Impl::launch_shared(int64_t T, int64_t tile_tokens, cudaStrea
     g.act = ActivationParams::from_config(c);
     g.out = inter_s;
     g.ldc = Is;
+    g.l2_prefetch_w = shared.w2.get();
+    g.l2_prefetch_expert_bytes = 2 * H * Is;
     grouped_gemm(g, side);
     GroupedGemmArgs g2;
     g2.epilogue = GemmEpilogue::kScatter;
@@ -676,8 +691,11 @@ const float* CudaMoELayer::experts(const uint16_t* x, int64_t ldx, const int32_t
   g.act = ActivationParams::from_config(c);
   g.out = s.inter;
   g.ldc = I;
+  g.l2_prefetch_w = s.experts.w2.get();
+  g.l2_prefetch_expert_bytes = 2 * H * I;
   grouped_gemm(g, stream);
   GroupedGemmArgs g2 = g;
+  g2.l2_prefetch_w = nullptr;
   g2.epilogue = GemmEpilogue::kScatter;
   g2.a = s.inter;
   g2.lda = I;

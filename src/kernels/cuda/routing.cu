@@ -17,6 +17,7 @@
 
 #include "fusedmoe/kernels/cuda.h"
 #include "kernels/cuda/cuda_common.cuh"
+#include "kernels/cuda/pdl.cuh"
 
 namespace fusedmoe::cuda {
 namespace {
@@ -83,6 +84,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
                       const float* __restrict__ bias, int32_t* __restrict__ topk_ids,
                       float* __restrict__ topk_weights, int64_t num_tokens,
                       const int32_t* __restrict__ num_valid, int32_t* __restrict__ nan_token) {
+  pdl_wait();  // logits from the router GEMM; ids and weights read by the kernels before
+  pdl_launch_dependents();
   const int lane = threadIdx.x & 31;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
   if (t >= num_tokens) return;
@@ -363,19 +366,11 @@ void route(const MoEConfig& c, const RouteArgs& a, int64_t num_tokens, Stream st
   }
   const unsigned blocks = static_cast<unsigned>(ceil_div(num_tokens, kWarpsPerBlock));
   const int threads = kWarpsPerBlock * 32;
-  if (cols <= 128)
-    route_topk_kernel<4><<<blocks, threads, 0, stream>>>(p, a.router_logits, a.logits_ld, bias,
-                                                         a.topk_ids, a.topk_weights, num_tokens,
-                                                         a.num_valid_tokens, a.nan_token);
-  else if (cols <= 256)
-    route_topk_kernel<8><<<blocks, threads, 0, stream>>>(p, a.router_logits, a.logits_ld, bias,
-                                                         a.topk_ids, a.topk_weights, num_tokens,
-                                                         a.num_valid_tokens, a.nan_token);
-  else
-    route_topk_kernel<32><<<blocks, threads, 0, stream>>>(p, a.router_logits, a.logits_ld, bias,
-                                                          a.topk_ids, a.topk_weights, num_tokens,
-                                                          a.num_valid_tokens, a.nan_token);
-  FUSEDMOE_CUDA_CHECK_LAUNCH();
+  auto kernel = cols <= 128   ? route_topk_kernel<4>
+                : cols <= 256 ? route_topk_kernel<8>
+                              : route_topk_kernel<32>;
+  launch_pdl(kernel, blocks, threads, 0, stream, p, a.router_logits, a.logits_ld, bias, a.topk_ids,
+             a.topk_weights, num_tokens, a.num_valid_tokens, a.nan_token);
 }
 
 }  // namespace fusedmoe::cuda
