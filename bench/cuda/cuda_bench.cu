@@ -268,11 +268,8 @@ int run_cuda_bench(const CudaBenchOptions& o) {
         g.k = H;
         g.out = inter;
         g.ldc = I;
-        g.l2_prefetch_w = w2;
-        g.l2_prefetch_expert_bytes = 2 * H * I;
         cuda::grouped_gemm(g, stream);
         cuda::GroupedGemmArgs g2 = g;
-        g2.l2_prefetch_w = nullptr;
         g2.epilogue = cuda::GemmEpilogue::kScatter;
         g2.a = inter;
         g2.lda = I;

@@ -133,11 +133,6 @@ GemmTile pick_gemm_tile(int64_t rows_per_expert, int64_t routed_rows, int64_t n,
 //   out_f32[s * ldc + n] = scale * (C[r, n] + b[n]), scale = row_scale[s] or 1.
 //   Without expert_offsets (dense, shared expert): out_f32[r * ldc + n], r < M.
 //   Any N >= 1 and ldc >= N (the dense router GEMM: E + Z logits, any row stride).
-// l2_prefetch_w (optional hint, kGlu on the m8gemv tile): the next GEMM's weights,
-//   expert e's l2_prefetch_expert_bytes bytes (a multiple of 16) at
-//   l2_prefetch_w + e * l2_prefetch_expert_bytes; when those of every expert this
-//   GEMM can touch fit in half of L2, they are prefetched into L2 while this GEMM
-//   runs (the result does not change).
 enum class GemmEpilogue : uint8_t { kGlu, kScatter };
 struct GroupedGemmArgs {
   GemmEpilogue epilogue = GemmEpilogue::kGlu;
@@ -157,8 +152,6 @@ struct GroupedGemmArgs {
   const float* row_scale = nullptr;  // kScatter: f32 per slot, or null
   void* out = nullptr;
   int64_t ldc = 0;
-  const void* l2_prefetch_w = nullptr;
-  int64_t l2_prefetch_expert_bytes = 0;
 };
 void grouped_gemm(const GroupedGemmArgs& args, Stream stream);
 

@@ -470,12 +470,9 @@ void CudaMoELayer::forward(const TensorView& hidden_states, const TensorView& ou
     g.act = ActivationParams::from_config(c);
     g.out = s.inter;
     g.ldc = I;
-    g.l2_prefetch_w = s.experts.w2.get();  // w2's weights into L2 (T = 1, small experts)
-    g.l2_prefetch_expert_bytes = 2 * H * I;
     grouped_gemm(g, stream);
 
     GroupedGemmArgs g2 = g;
-    g2.l2_prefetch_w = nullptr;
     g2.epilogue = GemmEpilogue::kScatter;
     g2.tile = tile2;
     g2.a = s.inter;
@@ -631,8 +628,6 @@ bool CudaMoELayer::Impl::launch_shared(int64_t T, int64_t tile_tokens, cudaStrea
     g.act = ActivationParams::from_config(c);
     g.out = inter_s;
     g.ldc = Is;
-    g.l2_prefetch_w = shared.w2.get();
-    g.l2_prefetch_expert_bytes = 2 * H * Is;
     grouped_gemm(g, side);
     GroupedGemmArgs g2;
     g2.epilogue = GemmEpilogue::kScatter;
@@ -691,11 +686,8 @@ const float* CudaMoELayer::experts(const uint16_t* x, int64_t ldx, const int32_t
   g.act = ActivationParams::from_config(c);
   g.out = s.inter;
   g.ldc = I;
-  g.l2_prefetch_w = s.experts.w2.get();
-  g.l2_prefetch_expert_bytes = 2 * H * I;
   grouped_gemm(g, stream);
   GroupedGemmArgs g2 = g;
-  g2.l2_prefetch_w = nullptr;
   g2.epilogue = GemmEpilogue::kScatter;
   g2.a = s.inter;
   g2.lda = I;

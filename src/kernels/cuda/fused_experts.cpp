@@ -103,12 +103,9 @@ void routed_experts(const RoutedExpertsArgs& a, const RoutedScratch& s, Stream s
   g.act = a.act;
   g.out = s.inter;
   g.ldc = I;
-  g.l2_prefetch_w = a.w2;  // w2's weights into L2 (T = 1, small experts)
-  g.l2_prefetch_expert_bytes = 2 * H * I;
   grouped_gemm(g, stream);
 
   GroupedGemmArgs g2 = g;
-  g2.l2_prefetch_w = nullptr;
   g2.epilogue = GemmEpilogue::kScatter;
   g2.a = s.inter;
   g2.lda = I;

@@ -116,10 +116,6 @@ void grouped_gemm(const GroupedGemmArgs& a, Stream stream) {
   FUSEDMOE_CHECK(a.expert_offsets == nullptr || a.sorted_slot != nullptr,
                  "grouped_gemm: routed mode needs sorted_slot");
   FUSEDMOE_CHECK(!a.gather || a.a_div >= 1, "grouped_gemm: a_div must be >= 1");
-  FUSEDMOE_CHECK(
-      a.l2_prefetch_expert_bytes >= 0 && a.l2_prefetch_expert_bytes % 16 == 0,
-      "grouped_gemm: l2_prefetch_expert_bytes must be a non-negative multiple of 16, got ",
-      a.l2_prefetch_expert_bytes);
   if (a.m == 0) return;
   switch (a.tile) {
     case GemmTile::kM16N64:

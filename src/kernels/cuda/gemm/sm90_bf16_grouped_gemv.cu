@@ -5,20 +5,9 @@
 // recursive-halving warp reduction and the same fused epilogues as the MMA
 // kernel (gated activation -> bf16 intermediate; weighted scatter by slot).
 // Persistent warps over (tile, row group) items, row groups innermost so the
-// warps of an SM share the tile's activation rows.
-//
-// Launched with Programmatic Dependent Launch (pdl.cuh): the kernel's blocks
-// start while the previous kernel (align, or the w13 GEMV) drains. When the
-// next GEMM's weights of the touched experts fit in L2 (T = 1 of small
-// experts, e.g. Qwen3-30B-A3B's 8 x 3 MB of w2), the w13 GEMV also prefetches
-// them into L2 (cp.async.bulk.prefetch.L2), each warp a slice of its expert's
-// w2 after streaming its own w13 rows, so that the w2 GEMV reads L2 instead
-// of starting its HBM stream cold.
-#include <algorithm>
-#include <cstdlib>
-#include <mutex>
-#include <vector>
-
+// warps of an SM share the tile's activation rows. Launched with Programmatic
+// Dependent Launch (pdl.cuh): the blocks start while the kernel before (align,
+// or the w13 GEMV) drains.
 #include "kernels/cuda/gemm/gemm_instances.h"
 #include "kernels/cuda/gemm/sm90_bf16_grouped_gemm.cuh"
 #include "kernels/cuda/pdl.cuh"
@@ -31,7 +20,7 @@ constexpr int kTileRows = 8;  // activation rows per tile (block_m)
 // weight rows (128 bytes per lane in flight) per step.
 template <bool kGlu>
 constexpr int kRowsPerItem = kGlu ? 4 : 8;
-constexpr int kThreads = 128;  // <= 168 registers: 3 blocks, 12 warps per SM
+constexpr int kThreads = 128;  // ~160 registers: 3 blocks, 12 warps per SM
 
 __device__ __forceinline__ uint4 ld_nc(const void* p) {
   uint4 v;
@@ -40,63 +29,6 @@ __device__ __forceinline__ uint4 ld_nc(const void* p) {
                : "l"(p));
   return v;
 }
-// The next GEMM's weights to prefetch into L2: expert e's expert_bytes bytes
-// at base + e * expert_bytes; base null: none. mode: 1 after the item's
-// main loop, 2 before it (both normal L2 priority), 3 before it, evict_last.
-struct L2Prefetch {
-  const char* base;
-  int64_t expert_bytes;
-  int mode;
-};
-
-// Lane `lane` of a warp prefetches its part of slice `g` of `groups` equal
-// slices (16-byte multiples) of [p, p + bytes); bytes % 16 == 0.
-__device__ __forceinline__ void prefetch_l2_slice(const char* p, int64_t bytes, int64_t g,
-                                                  int64_t groups, int lane, bool evict_last) {
-  const int64_t per_lane = ((bytes + groups * 32 - 1) / (groups * 32) + 15) / 16 * 16;
-  const int64_t start = (g * 32 + lane) * per_lane;
-  if (start >= bytes) return;
-  const uint32_t size = static_cast<uint32_t>(min(per_lane, bytes - start));
-  if (evict_last) {
-    uint64_t policy;
-    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(policy));
-    asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;\n" ::"l"(p + start),
-                 "r"(size), "l"(policy));
-  } else {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p + start), "r"(size));
-  }
-}
-
-// The next GEMM's weights of every expert with rows, into L2: expert e's
-// bytes in `groups` slices, slice g by the warp of item (first tile of e, g),
-// in the warps' item order of the kernel below. A loop of its own, before or
-// after the kernel's main loop, so the main loop's registers stay as they are.
-__device__ __forceinline__ void prefetch_next_weights(const Params& p, const L2Prefetch& pf,
-                                                      int64_t total_tiles, int64_t groups,
-                                                      int64_t warp_id, int64_t num_warps,
-                                                      int lane) {
-  for (int64_t item = warp_id; item < total_tiles * groups; item += num_warps) {
-    const int64_t tile = item / groups, row0 = tile * kTileRows;
-    int e = 0;
-    if (p.expert_offsets != nullptr) {
-      int lo = 0, hi = p.num_experts - 1;
-      while (lo < hi) {
-        const int mid = (lo + hi + 1) >> 1;
-        if (p.expert_offsets[mid] <= row0)
-          lo = mid;
-        else
-          hi = mid - 1;
-      }
-      e = lo;
-      if (p.expert_offsets[e] != row0) continue;  // not the expert's first tile
-    } else if (tile != 0) {
-      continue;
-    }
-    prefetch_l2_slice(pf.base + static_cast<int64_t>(e) * pf.expert_bytes, pf.expert_bytes,
-                      item % groups, groups, lane, pf.mode == 3);
-  }
-}
-
 __device__ __forceinline__ void unpack8(const uint4& v, float* f) {
   const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
@@ -128,8 +60,7 @@ __device__ __forceinline__ void warp_reduce_halving(float* v, int lane) {
 }
 
 template <bool kGlu>
-__global__ void __launch_bounds__(kThreads, 3)
-    grouped_gemv_kernel(const Params p, const L2Prefetch pf) {
+__global__ void __launch_bounds__(kThreads) grouped_gemv_kernel(const Params p) {
   pdl_wait();  // expert_offsets, sorted_slot and a come from the kernels before
   pdl_launch_dependents();
   constexpr int kRowsPerItem = ::fusedmoe::cuda::gemm::kRowsPerItem<kGlu>;
@@ -144,8 +75,6 @@ __global__ void __launch_bounds__(kThreads, 3)
   const int64_t out_rows = kGlu ? p.inter : p.n;  // outputs per activation row
   const int64_t groups = (out_rows + kRowsPerItem - 1) / kRowsPerItem;
   const int64_t K = p.k;
-  if (pf.base != nullptr && pf.mode >= 2)
-    prefetch_next_weights(p, pf, total_tiles, groups, warp_id, num_warps, lane);
 
   for (int64_t item = warp_id; item < total_tiles * groups; item += num_warps) {
     const int64_t tile = item / groups;
@@ -248,21 +177,6 @@ __global__ void __launch_bounds__(kThreads, 3)
             (p.row_scale ? p.row_scale[slot1] : 1.0f) * (acc[1] + b);
     }
   }
-  if (pf.base != nullptr && pf.mode == 1)
-    prefetch_next_weights(p, pf, total_tiles, groups, warp_id, num_warps, lane);
-}
-
-// L2 bytes of the current device (cached per device index).
-int64_t l2_cache_bytes() {
-  static std::mutex mu;
-  static std::vector<int> cache;
-  int dev = 0;
-  FUSEDMOE_CUDA_CHECK(cudaGetDevice(&dev));
-  std::lock_guard<std::mutex> lock(mu);
-  if (static_cast<int>(cache.size()) <= dev) cache.resize(dev + 1, -1);
-  if (cache[dev] < 0)
-    FUSEDMOE_CUDA_CHECK(cudaDeviceGetAttribute(&cache[dev], cudaDevAttrL2CacheSize, dev));
-  return cache[dev];
 }
 
 }  // namespace
@@ -281,22 +195,8 @@ void launch_m8gemv(const GroupedGemmArgs& a, Stream stream) {
   const int64_t max_blocks = static_cast<int64_t>(num_sms()) * 8;
   const unsigned grid =
       static_cast<unsigned>(std::min<int64_t>(ceil_div(items, warps_per_block), max_blocks));
-  // The next GEMM's weights into L2 when those of every expert this GEMM can
-  // touch take at most half of L2 (they then survive until that GEMM reads them).
-  L2Prefetch pf{nullptr, 0, 0};
-  if (glu && a.l2_prefetch_w != nullptr && a.l2_prefetch_expert_bytes > 0) {
-    static const int mode = [] {
-      const char* v = std::getenv("FUSEDMOE_GEMV_L2_PREFETCH");
-      return v == nullptr ? 1 : std::atoi(v);
-    }();
-    const int64_t experts = a.expert_offsets ? std::min<int64_t>(a.m, a.num_experts) : 1;
-    if (mode > 0 && experts * a.l2_prefetch_expert_bytes <= l2_cache_bytes() / 2)
-      pf = L2Prefetch{static_cast<const char*>(a.l2_prefetch_w), a.l2_prefetch_expert_bytes, mode};
-  }
-  if (glu)
-    launch_pdl(grouped_gemv_kernel<true>, grid, kThreads, 0, stream, p, pf);
-  else
-    launch_pdl(grouped_gemv_kernel<false>, grid, kThreads, 0, stream, p, pf);
+  launch_pdl(glu ? grouped_gemv_kernel<true> : grouped_gemv_kernel<false>, grid, kThreads, 0,
+             stream, p);
 }
 
 }  // namespace fusedmoe::cuda::gemm
