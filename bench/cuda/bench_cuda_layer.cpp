@@ -15,6 +15,10 @@
 // weights are random, so routing is near uniform, not exactly uniform).
 //
 // Usage: bench_cuda_layer [--shapes mixtral,qwen3,deepseek] [--tokens 1,16,...] [--iters 30]
+//                         [--routing-only]
+// --routing-only: the routing kernel alone, no layer weights: the --tokens
+// given (default 4096), for Qwen3 (softmax top-8 of 128), softmax top-8 of
+// 256 and DeepSeek-V3 (grouped top-8 of 256 with bias).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -321,19 +325,22 @@ int main(int argc, char** argv) {
   try {
     std::string shapes = "mixtral,qwen3,deepseek", toks = "1,16,64,128,256,1024,4096";
     int iters = 30;
+    bool routing_only = false, toks_given = false;
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
-      if (a == "--shapes" && i + 1 < argc)
+      if (a == "--routing-only")
+        routing_only = true;
+      else if (a == "--shapes" && i + 1 < argc)
         shapes = argv[++i];
       else if (a == "--tokens" && i + 1 < argc)
-        toks = argv[++i];
+        toks = argv[++i], toks_given = true;
       else if (a == "--iters" && i + 1 < argc)
         iters = std::max(1, std::atoi(argv[++i]));
       else {
         std::fprintf(
             stderr,
             "usage: bench_cuda_layer [--shapes mixtral,qwen3,deepseek] [--tokens 1,16,...] "
-            "[--iters 30]\n");
+            "[--iters 30] [--routing-only]\n");
         return 2;
       }
     }
@@ -347,6 +354,22 @@ int main(int argc, char** argv) {
     const std::vector<int64_t> tokens = parse_list(toks);
     cudaStream_t s;
     CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    if (routing_only) {
+      std::printf(
+          "## Routing kernel alone (router logits given; 100 launches in one graph)\n\n"
+          "| shape | T | E | us per launch |\n|---|---|---|---|\n");
+      std::vector<Shape> rs;
+      for (const Shape& sh : all_shapes())
+        if (sh.name != "mixtral") rs.push_back(sh);
+      Shape s256 = rs.front();  // Qwen3's softmax top-8 (renormalized) over 256 experts
+      s256.name = "softmax-e256";
+      s256.config.num_experts = 256;
+      rs.insert(rs.begin() + 1, s256);
+      for (const Shape& sh : rs)
+        for (int64_t T : toks_given ? tokens : std::vector<int64_t>{4096}) run_routing(sh, T, s);
+      cudaStreamDestroy(s);
+      return 0;
+    }
     std::printf(
         "## Full layer (router GEMM + routing + routed experts + shared expert), bf16 in/out\n\n"
         "| shape | T | experts touched | graph us | eager us | launch overhead us | TFLOP/s | "
