@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <string>
 #include <utility>
@@ -110,6 +111,45 @@ TEST(CudaRouterGemm, OtherInputsKeepTheCudaCorePath) {
   EXPECT_THROW(cuda::router_gemm(xd.data(), DType::kBF16, H, T, H, wd.data(), DType::kBF16, L,
                                  nullptr, out.data_as<float>(), L - 1, nullptr),
                Error);  // ldl < L
+}
+
+// x_bf16: the router GEMM also writes x as bf16 (inside its kernel at T <= 32,
+// by to_bf16_rows otherwise), bit for bit what to_bf16_rows writes, and the
+// logits stay bit for bit those of the call without it.
+TEST(CudaRouterGemm, AlsoWritesBf16Inputs) {
+  FUSEDMOE_REQUIRE_CUDA();
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const int64_t H = 200, L = 37;  // H not a multiple of the 256 threads of a block
+  const Tensor w = test::to_bf16(test::random_f32(rng, {L, H}, -0.3f, 0.3f));
+  DeviceTensor wd = DeviceTensor::from_host(w);
+  for (const int64_t T : {int64_t{1}, int64_t{9}, int64_t{32}, int64_t{33}, int64_t{70}}) {
+    for (const DType xt : {DType::kF32, DType::kBF16}) {
+      SCOPED_TRACE("T " + std::to_string(T) + (xt == DType::kF32 ? " f32 x" : " bf16 x"));
+      const Tensor x32 = test::randn_f32(rng, {T, H});
+      DeviceTensor xd = xt == DType::kF32 ? DeviceTensor::from_host(x32, H + 8)
+                                          : DeviceTensor::from_host(test::to_bf16(x32), H + 8);
+      DeviceTensor want_xb(DType::kBF16, {T, H}), got_xb(DType::kBF16, {T, H});
+      DeviceTensor want_l(DType::kF32, {T, L}), got_l(DType::kF32, {T, L});
+      want_xb.poison();
+      got_xb.poison();
+      want_l.poison();
+      got_l.poison();
+      cuda::to_bf16_rows(xd.data(), xt, xd.ld(), T, H, nullptr, 0, want_xb.data_as<uint16_t>(),
+                         nullptr);
+      cuda::router_gemm(xd.data(), xt, xd.ld(), T, H, wd.data(), DType::kBF16, L, nullptr,
+                        want_l.data_as<float>(), L, nullptr);
+      cuda::router_gemm(xd.data(), xt, xd.ld(), T, H, wd.data(), DType::kBF16, L, nullptr,
+                        got_l.data_as<float>(), L, nullptr, got_xb.data_as<uint16_t>());
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const Tensor a = want_xb.to_host(), b = got_xb.to_host();
+      EXPECT_EQ(std::memcmp(a.data(), b.data(), a.nbytes()), 0) << "x_bf16 differs";
+      const Tensor la = want_l.to_host(), lb = got_l.to_host();
+      ASSERT_EQ(test::count_non_finite(lb), 0);
+      EXPECT_EQ(std::memcmp(la.data(), lb.data(), la.nbytes()), 0) << "logits differ";
+    }
+  }
 }
 
 // The smallest gap, in float64 selection scores, between a choice the router

@@ -320,9 +320,12 @@ void to_bf16_rows(const void* x, DType in_dtype, int64_t ldx, int64_t num_tokens
 //     accumulation); HF transformers upcasts both to f32 first, which gives
 //     the same products, so the logits differ from HF's in f32 rounding only;
 //   otherwise: CUDA cores, 64 x 64 f32 tiles.
+// x_bf16 (optional): also writes to_bf16_rows(x) there (bf16 [T, H], contiguous;
+// the same values): at T <= 32 inside the router kernel (one launch fewer on
+// the decode path), otherwise by a to_bf16_rows launch after it.
 // Throws Error(kInvalidArgument) for other dtypes or strides.
 void router_gemm(const void* x, DType x_dtype, int64_t ldx, int64_t num_tokens, int64_t hidden,
                  const void* gate_w, DType w_dtype, int64_t num_logits, const float* gate_b,
-                 float* router_logits, int64_t ldl, Stream stream);
+                 float* router_logits, int64_t ldl, Stream stream, uint16_t* x_bf16 = nullptr);
 
 }  // namespace fusedmoe::cuda

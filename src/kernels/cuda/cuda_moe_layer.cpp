@@ -343,6 +343,9 @@ void CudaMoELayer::forward(const TensorView& hidden_states, const TensorView& ou
   // ---- router ----
   const float* logits = nullptr;
   int64_t ldl = L;
+  // The router GEMM also writes the bf16 expert inputs xb (in its own kernel
+  // at decode sizes: one launch fewer); without it, to_bf16_rows below.
+  bool have_xb = false;
   if (router_logits_in) {
     logits = router_logits_in->data_as<const float>();
     ldl = router_logits_in->stride(0);
@@ -350,8 +353,9 @@ void CudaMoELayer::forward(const TensorView& hidden_states, const TensorView& ou
     float* dst = want_logits ? outputs->router_logits.data_as<float>() : s.logits;
     ldl = want_logits ? outputs->router_logits.stride(0) : L;
     router_gemm(hidden_states.data(), hidden_states.dtype(), hidden_states.stride(0), T, H,
-                s.gate_w.get(), s.gate_dtype, L, s.gate_b.as<float>(), dst, ldl, stream);
+                s.gate_w.get(), s.gate_dtype, L, s.gate_b.as<float>(), dst, ldl, stream, s.xb);
     logits = dst;
+    have_xb = true;
   }
   RouteArgs ra;
   ra.router_logits = logits;
@@ -379,8 +383,9 @@ void CudaMoELayer::forward(const TensorView& hidden_states, const TensorView& ou
                                           k * 4, T, cudaMemcpyDeviceToDevice, stream));
 
   // ---- bf16 expert inputs ----
-  to_bf16_rows(hidden_states.data(), hidden_states.dtype(), hidden_states.stride(0), T, H, nullptr,
-               0, s.xb, stream);
+  if (!have_xb)
+    to_bf16_rows(hidden_states.data(), hidden_states.dtype(), hidden_states.stride(0), T, H,
+                 nullptr, 0, s.xb, stream);
   const uint16_t* routed_in = s.xb;
   if (c.apply_router_weight_on_input) {  // Llama-4 (k = 1): x * topk_weight, then bf16
     to_bf16_rows(hidden_states.data(), hidden_states.dtype(), hidden_states.stride(0), T, H,
@@ -541,6 +546,9 @@ void CudaMoELayer::ep_route(const TensorView& hidden_states, const TensorView* r
   if (T == 0) return;
   const float* logits = nullptr;
   int64_t ldl = L;
+  // The router GEMM also writes the bf16 expert inputs xb (in its own kernel
+  // at decode sizes: one launch fewer); without it, to_bf16_rows below.
+  bool have_xb = false;
   if (router_logits_in) {
     logits = router_logits_in->data_as<const float>();
     ldl = router_logits_in->stride(0);
@@ -548,8 +556,9 @@ void CudaMoELayer::ep_route(const TensorView& hidden_states, const TensorView* r
     float* dst = want_logits ? outputs->router_logits.data_as<float>() : s.logits;
     ldl = want_logits ? outputs->router_logits.stride(0) : L;
     router_gemm(hidden_states.data(), hidden_states.dtype(), hidden_states.stride(0), T, H,
-                s.gate_w.get(), s.gate_dtype, L, s.gate_b.as<float>(), dst, ldl, stream);
+                s.gate_w.get(), s.gate_dtype, L, s.gate_b.as<float>(), dst, ldl, stream, s.xb);
     logits = dst;
+    have_xb = true;
   }
   RouteArgs ra;
   ra.router_logits = logits;
@@ -572,8 +581,9 @@ void CudaMoELayer::ep_route(const TensorView& hidden_states, const TensorView* r
     FUSEDMOE_CUDA_CHECK(cudaMemcpy2DAsync(outputs->topk_weights.data(),
                                           outputs->topk_weights.stride(0) * 4, s.weights, k * 4,
                                           k * 4, T, cudaMemcpyDeviceToDevice, stream));
-  to_bf16_rows(hidden_states.data(), hidden_states.dtype(), hidden_states.stride(0), T, H, nullptr,
-               0, s.xb, stream);
+  if (!have_xb)
+    to_bf16_rows(hidden_states.data(), hidden_states.dtype(), hidden_states.stride(0), T, H,
+                 nullptr, 0, s.xb, stream);
   if (c.apply_router_weight_on_input)
     to_bf16_rows(hidden_states.data(), hidden_states.dtype(), hidden_states.stride(0), T, H,
                  s.weights, k, s.xs, stream);

@@ -7,6 +7,7 @@
 
 #include "fusedmoe/kernels/cuda.h"
 #include "kernels/cuda/cuda_common.cuh"
+#include "kernels/cuda/pdl.cuh"
 
 namespace fusedmoe::cuda {
 
@@ -70,6 +71,8 @@ __global__ void __launch_bounds__(kFinalizeThreads)
   __shared__ float scale[32];
   __shared__ float red[kFinalizeThreads / 32];
   __shared__ float gate_s;
+  pdl_wait();  // y, ids, shared from the kernels before; out may be read by them
+  pdl_launch_dependents();
   const int64_t t = blockIdx.x / chunks;
   const int64_t h = (blockIdx.x % chunks) * (kFinalizeThreads * 4) + threadIdx.x * 4;
   if (threadIdx.x < top_k) {
@@ -167,6 +170,8 @@ template <typename In>
 __global__ void to_bf16_kernel(const In* __restrict__ x, int64_t ldx, int64_t hidden,
                                const float* __restrict__ row_scale, int64_t scale_stride,
                                uint16_t* __restrict__ xb) {
+  pdl_wait();  // x (and row_scale) from the kernels before; xb read by them
+  pdl_launch_dependents();
   const int64_t t = blockIdx.x;
   const float s = row_scale ? row_scale[t * scale_stride] : 1.0f;
   for (int64_t h = threadIdx.x; h < hidden; h += blockDim.x) {
@@ -226,13 +231,16 @@ constexpr int kRgSmallThreads = 256;
 // Few tokens (decode): one block per (logit, group of 8 tokens), its 256
 // threads striding over H (loads unrolled 4 deep, so many are in flight: a
 // warp per logit looping over all of H took ~50 us for Mixtral's 8 logits),
-// then a fixed-order block reduction: the same logits on every run.
+// then a fixed-order block reduction: the same logits on every run. With xb,
+// the blocks of a token group also write its rows as bf16 (as to_bf16_kernel).
 template <typename X, typename W>
 __global__ void __launch_bounds__(kRgSmallThreads)
     router_gemm_small(const X* __restrict__ x, int64_t ldx, int64_t T, int64_t H,
                       const W* __restrict__ w, int64_t L, const float* __restrict__ b,
-                      float* __restrict__ out, int64_t ldl) {
+                      float* __restrict__ out, int64_t ldl, uint16_t* __restrict__ xb) {
   __shared__ float red[kRgSmallThreads / 32][kRgSmallTokens];
+  pdl_wait();  // x from the kernels before; out read by them
+  pdl_launch_dependents();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t l = blockIdx.x;
   const int64_t t0 = static_cast<int64_t>(blockIdx.y) * kRgSmallTokens;
@@ -259,6 +267,10 @@ __global__ void __launch_bounds__(kRgSmallThreads)
     for (int wi = 0; wi < kRgSmallThreads / 32; ++wi) v += red[wi][threadIdx.x];
     out[(t0 + threadIdx.x) * ldl + l] = v + (b ? b[l] : 0.0f);
   }
+  if (xb != nullptr)
+    for (int i = 0; i < nt; ++i)
+      for (int64_t h = l * kRgSmallThreads + threadIdx.x; h < H; h += L * kRgSmallThreads)
+        xb[(t0 + i) * H + h] = float_to_bf16_bits(load_in(x + (t0 + i) * ldx + h));
 }
 
 // bf16 x and bf16 gate weights, T > kRgTensorCoreMinTokens: the dense mma.sync
@@ -276,12 +288,16 @@ GemmTile router_gemm_tile(int64_t T, int64_t L) {
   return big_items * 4 >= int64_t{num_sms()} * 3 ? GemmTile::kM64N128 : GemmTile::kM16N64;
 }
 
+// xb: written by router_gemm_small only (T <= 32); the caller converts otherwise.
+constexpr int64_t kRgSmallMaxTokens = 32;
 template <typename X, typename W>
 void launch_router_gemm(const X* x, int64_t ldx, int64_t T, int64_t H, const W* w, int64_t L,
-                        const float* b, float* out, int64_t ldl, Stream stream) {
-  if (T <= 32) {
+                        const float* b, float* out, int64_t ldl, Stream stream, uint16_t* xb) {
+  if (T <= kRgSmallMaxTokens) {
     dim3 grid(static_cast<unsigned>(L), static_cast<unsigned>(ceil_div(T, kRgSmallTokens)));
-    router_gemm_small<X, W><<<grid, kRgSmallThreads, 0, stream>>>(x, ldx, T, H, w, L, b, out, ldl);
+    launch_pdl(router_gemm_small<X, W>, grid, kRgSmallThreads, 0, stream, x, ldx, T, H, w, L, b,
+               out, ldl, xb);
+    return;
   } else {
     dim3 grid(static_cast<unsigned>(ceil_div(L, kRgTile)),
               static_cast<unsigned>(ceil_div(T, kRgTile)));
@@ -312,16 +328,15 @@ void finalize(const FinalizeArgs& a, Stream stream) {
   const int num_experts = static_cast<int>(a.num_experts);
   if (a.out_dtype == DType::kF32) {
     auto kernel = a.slot_row ? finalize_kernel<float, true> : finalize_kernel<float, false>;
-    kernel<<<grid, kFinalizeThreads, 0, stream>>>(
-        a.y, a.topk_ids, static_cast<int>(a.top_k), num_experts, a.hidden, chunks, a.shared,
-        a.shared_gate, a.x, a.ldx, static_cast<float*>(a.out), a.ldo, rows);
+    launch_pdl(kernel, grid, kFinalizeThreads, 0, stream, a.y, a.topk_ids,
+               static_cast<int>(a.top_k), num_experts, a.hidden, chunks, a.shared, a.shared_gate,
+               a.x, a.ldx, static_cast<float*>(a.out), a.ldo, rows);
   } else {
     auto kernel16 = a.slot_row ? finalize_kernel<uint16_t, true> : finalize_kernel<uint16_t, false>;
-    kernel16<<<grid, kFinalizeThreads, 0, stream>>>(
-        a.y, a.topk_ids, static_cast<int>(a.top_k), num_experts, a.hidden, chunks, a.shared,
-        a.shared_gate, a.x, a.ldx, static_cast<uint16_t*>(a.out), a.ldo, rows);
+    launch_pdl(kernel16, grid, kFinalizeThreads, 0, stream, a.y, a.topk_ids,
+               static_cast<int>(a.top_k), num_experts, a.hidden, chunks, a.shared, a.shared_gate,
+               a.x, a.ldx, static_cast<uint16_t*>(a.out), a.ldo, rows);
   }
-  FUSEDMOE_CUDA_CHECK_LAUNCH();
 }
 
 void to_bf16_rows(const void* x, DType in_dtype, int64_t ldx, int64_t num_tokens, int64_t hidden,
@@ -332,17 +347,16 @@ void to_bf16_rows(const void* x, DType in_dtype, int64_t ldx, int64_t num_tokens
   const unsigned grid = static_cast<unsigned>(num_tokens);
   const int threads = hidden >= 1024 ? 256 : 128;
   if (in_dtype == DType::kF32)
-    to_bf16_kernel<float><<<grid, threads, 0, stream>>>(static_cast<const float*>(x), ldx, hidden,
-                                                        row_scale, scale_stride, xb);
+    launch_pdl(to_bf16_kernel<float>, grid, threads, 0, stream, static_cast<const float*>(x), ldx,
+               hidden, row_scale, scale_stride, xb);
   else
-    to_bf16_kernel<uint16_t><<<grid, threads, 0, stream>>>(static_cast<const uint16_t*>(x), ldx,
-                                                           hidden, row_scale, scale_stride, xb);
-  FUSEDMOE_CUDA_CHECK_LAUNCH();
+    launch_pdl(to_bf16_kernel<uint16_t>, grid, threads, 0, stream, static_cast<const uint16_t*>(x),
+               ldx, hidden, row_scale, scale_stride, xb);
 }
 
 void router_gemm(const void* x, DType x_dtype, int64_t ldx, int64_t num_tokens, int64_t hidden,
                  const void* gate_w, DType w_dtype, int64_t num_logits, const float* gate_b,
-                 float* router_logits, int64_t ldl, Stream stream) {
+                 float* router_logits, int64_t ldl, Stream stream, uint16_t* x_bf16) {
   if (num_tokens == 0) return;
   const bool xf = x_dtype == DType::kF32, wf = w_dtype == DType::kF32;
   FUSEDMOE_CHECK(xf || x_dtype == DType::kBF16, "router_gemm: x must be f32 or bf16");
@@ -369,6 +383,7 @@ void router_gemm(const void* x, DType x_dtype, int64_t ldx, int64_t num_tokens, 
     g.out = router_logits;
     g.ldc = ldl;
     grouped_gemm(g, stream);
+    if (x_bf16) to_bf16_rows(x, x_dtype, ldx, num_tokens, hidden, nullptr, 0, x_bf16, stream);
     return;
   }
   const auto* xp32 = static_cast<const float*>(x);
@@ -377,16 +392,18 @@ void router_gemm(const void* x, DType x_dtype, int64_t ldx, int64_t num_tokens, 
   const auto* wp16 = static_cast<const uint16_t*>(gate_w);
   if (xf && wf)
     launch_router_gemm(xp32, ldx, num_tokens, hidden, wp32, num_logits, gate_b, router_logits, ldl,
-                       stream);
+                       stream, x_bf16);
   else if (xf)
     launch_router_gemm(xp32, ldx, num_tokens, hidden, wp16, num_logits, gate_b, router_logits, ldl,
-                       stream);
+                       stream, x_bf16);
   else if (wf)
     launch_router_gemm(xp16, ldx, num_tokens, hidden, wp32, num_logits, gate_b, router_logits, ldl,
-                       stream);
+                       stream, x_bf16);
   else
     launch_router_gemm(xp16, ldx, num_tokens, hidden, wp16, num_logits, gate_b, router_logits, ldl,
-                       stream);
+                       stream, x_bf16);
+  if (x_bf16 && num_tokens > kRgSmallMaxTokens)
+    to_bf16_rows(x, x_dtype, ldx, num_tokens, hidden, nullptr, 0, x_bf16, stream);
 }
 
 }  // namespace fusedmoe::cuda

@@ -47,6 +47,7 @@
 
 #include "fusedmoe/kernels/cuda.h"
 #include "kernels/cuda/cuda_common.cuh"
+#include "kernels/cuda/pdl.cuh"
 
 namespace fusedmoe::cuda {
 namespace {
@@ -455,6 +456,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, kN <= 8 ? 8 : 1)
                       const float* __restrict__ bias, int32_t* __restrict__ topk_ids,
                       float* __restrict__ topk_weights, int64_t num_tokens,
                       const int32_t* __restrict__ num_valid, int32_t* __restrict__ nan_token) {
+  pdl_wait();  // logits from the router GEMM; ids and weights read by the kernels before
+  pdl_launch_dependents();
   const int lane = threadIdx.x & 31;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
   if (t >= num_tokens) return;
@@ -649,9 +652,9 @@ template <int kN, bool kWide>
 void launch_topk(const RouteParams& p, const RouteArgs& a, const float* bias, int64_t num_tokens,
                  Stream stream) {
   const unsigned blocks = static_cast<unsigned>(ceil_div(num_tokens, kWarpsPerBlock));
-  route_topk_kernel<kN, kWide><<<blocks, kWarpsPerBlock * 32, 0, stream>>>(
-      p, a.router_logits, a.logits_ld, bias, a.topk_ids, a.topk_weights, num_tokens,
-      a.num_valid_tokens, a.nan_token);
+  launch_pdl(route_topk_kernel<kN, kWide>, blocks, kWarpsPerBlock * 32, 0, stream, p,
+             a.router_logits, a.logits_ld, bias, a.topk_ids, a.topk_weights, num_tokens,
+             a.num_valid_tokens, a.nan_token);
 }
 
 template <bool kWide>

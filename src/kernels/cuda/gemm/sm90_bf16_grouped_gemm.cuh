@@ -16,6 +16,7 @@
 
 #include "fusedmoe/kernels/cuda.h"
 #include "kernels/cuda/cuda_common.cuh"
+#include "kernels/cuda/pdl.cuh"
 
 namespace fusedmoe::cuda::gemm {
 
@@ -117,6 +118,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) grouped_gemm_kernel(const Param
   extern __shared__ __align__(128) uint8_t smem[];
   int32_t* s_src = reinterpret_cast<int32_t*>(smem + STAGES * Cfg::kStageBytes);  // A row, -1
   int32_t* s_slot = s_src + BM;                                                   // slot, -1
+  pdl_wait();  // expert_offsets, sorted_slot and a come from the kernels before (pdl.cuh)
+  pdl_launch_dependents();
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wm = warp / Cfg::kWarpsN, wn = warp % Cfg::kWarpsN;
@@ -389,8 +392,7 @@ void launch(const GroupedGemmArgs& a, Stream stream) {
   }
   const int64_t slots = static_cast<int64_t>(num_sms()) * occ;
   const unsigned grid = static_cast<unsigned>(max_work < slots ? max_work : slots);
-  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
-  FUSEDMOE_CUDA_CHECK_LAUNCH();
+  launch_pdl(kernel, grid, Cfg::kThreads, Cfg::kSmemBytes, stream, p);
 }
 
 }  // namespace fusedmoe::cuda::gemm
