@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the CUDA tests and benchmark on a device machine, from binaries built
 # here (scripts/device_pack.sh puts them with their libraries in .devbin/).
-# Usage (on the device, repository root): scripts/device_run.sh [tests|cli|python|sanitize|bench|layer|ncu|all] [gtest filter]
+# Usage (on the device, repository root): scripts/device_run.sh [tests|cli|python|sanitize|bench|layer|ep|ncu|all] [gtest filter]
 # Env: BENCH_ARGS (e.g. --sweep), SKIP_TORCH=1, TORCH_ITERS.
 # Logs go to $OUT (or ./out).
 set -uo pipefail
@@ -87,6 +87,30 @@ fi
 if [ "$what" = layer ] || [ "$what" = all ]; then
   # The whole layer through MoERunner (graph vs eager, routed part alone) and routing alone.
   timeout 300 "$bin/bench_cuda_layer" ${LAYER_ARGS:-} 2>&1 | tee "$OUT/bench_layer.md"
+fi
+if [ "$what" = ep ] || [ "$what" = all ]; then
+  # Expert parallelism over NCCL on every visible GPU (needs >= 2; test_cuda_nccl's
+  # EveryVisibleGpu* tests run in `tests`): mpirun, one rank per GPU, against one GPU.
+  export NCCL_NVLS_ENABLE=0  # never NVLink multicast on shared machines (device KINDS.md)
+  ngpu=$(nvidia-smi -L | wc -l)
+  if [ "$ngpu" -lt 2 ] || ! command -v mpirun >/dev/null; then
+    echo "== ep: skipped ($ngpu GPU(s), mpirun $(command -v mpirun || echo missing))"
+  else
+    mpi=(mpirun --allow-run-as-root --oversubscribe -np "$ngpu" -x LD_LIBRARY_PATH -x NCCL_NVLS_ENABLE
+      -x FUSEDMOE_COMM_TIMEOUT_S=60)
+    for m in "$root/models/tiny-deepseek-v3" tests/data/hf/qwen2_moe tests/data/hf/mixtral; do
+      timeout 60 "$bin/fusedmoe" run --backend cuda --model "$m" --tokens 256 --seed 1 \
+        --output "$OUT/one.safetensors" --quiet >"$OUT/ep_one.log" 2>&1
+      timeout 120 "${mpi[@]}" "$bin/fusedmoe" run --backend cuda --ep-size "$ngpu" --model "$m" \
+        --tokens 256 --seed 1 --reference "$OUT/one.safetensors" --reference-key output \
+        --tolerance 1e-6 --quiet >"$OUT/ep_run.log" 2>&1
+      r=$?
+      [ $r -ne 0 ] && rc=1
+      echo "== ep run $(basename "$m") on $ngpu GPUs vs one GPU rc=$r: $(grep -E 'reference|error' "$OUT/ep_run.log" | head -3 | tr '\n' ' ')"
+    done
+    timeout 300 "${mpi[@]}" "$bin/fusedmoe" bench --backend cuda --ep-size "$ngpu" \
+      --shapes deepseek,qwen3,mixtral --tokens 1,128,1024,4096 2>&1 | tee "$OUT/ep_bench.md"
+  fi
 fi
 if [ "$what" = ncu ] || [ "$what" = all ]; then
   # Where the tensor-core path stands: the w13 GEMM of Mixtral at T = 4096.
