@@ -223,10 +223,11 @@ void finalize(const FinalizeArgs& args, Stream stream);
 // with x_j = x[t], s_j = topk_weights[t, j]; or, apply_router_weight_on_input
 // (Llama-4), x_j = topk_weights[t, j] * x[t] and s_j = 1. The expert input and
 // the intermediate are rounded to bf16, GEMMs accumulate in f32, the k rows of a
-// token are summed in slot order (deterministic). The pipeline is the mma.sync
-// path of the CUDA MoE layer's routed experts: to_bf16_rows -> align ->
-// grouped_gemm (kGlu) -> grouped_gemm (kScatter) -> finalize (the layer's sm90
-// wgmma path for many rows per expert is not taken here yet).
+// token are summed in slot order (deterministic). The pipeline is the CUDA MoE
+// layer's routed experts (the same code): to_bf16_rows -> align -> either
+// grouped_gemm (kGlu) -> grouped_gemm (kScatter), or, for many rows per expert
+// on an sm_90 device (pick_sm90_experts, FUSEDMOE_CUDA_EXPERTS), sm90_experts
+// -> finalize; so its output equals the layer's for the same inputs.
 //   hidden_states f32 or bf16 [T, H] (row stride ldx >= H);
 //   w13 bf16 [E, 2I, H] (rows 0..I-1 gate, I..2I-1 up), w2 bf16 [E, H, I], contiguous;
 //   w13_bias f32 [E, 2I] and w2_bias f32 [E, H], or null;
@@ -257,7 +258,8 @@ struct FusedExpertsArgs {
   DType output_dtype = DType::kF32;
   int64_t ldo = 0;
 };
-// Device bytes fused_experts needs as workspace for these sizes (grows with T).
+// Device bytes fused_experts needs as workspace for these sizes (grows with T;
+// includes the sm90_experts scratch when sm90_experts_available()).
 size_t fused_experts_workspace_bytes(int64_t num_tokens, int64_t hidden_size,
                                      int64_t intermediate_size, int64_t num_experts, int64_t top_k,
                                      bool apply_router_weight_on_input);

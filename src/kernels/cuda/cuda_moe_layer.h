@@ -1,8 +1,8 @@
 // fusedmoe internal: one MoE layer on a CUDA device — device-resident weights,
 // a workspace sized once for max_num_tokens, and the forward pass
-//   gate GEMM -> route -> bf16 input -> align -> w13 GEMM + activation ->
-//   w2 GEMM x topk_weights (scatter by slot) -> finalize (+ shared expert,
-//   computed on a second stream joined with events)
+//   gate GEMM -> route -> bf16 input (ep_route) -> shared expert on a second
+//   stream joined with events (ep_shared) -> routed experts (routed_experts.h:
+//   align -> w13 GEMM + activation -> w2 GEMM, mma.sync or sm90) -> finalize
 // with no allocation and no host synchronisation, so it can be captured in a
 // CUDA graph. Used by MoERunner when RunnerOptions::device is CUDA.
 #pragma once
@@ -51,8 +51,10 @@ class CudaMoELayer {
   // apply_router_weight_on_input). Its results stay in the layer (topk_ids(),
   // topk_weights(), expert_input(): [T, k], [T, k], bf16 [T, H]) until
   // ep_finalize().
+  // num_valid_tokens: as forward()'s. A NaN logit is recorded for check_errors().
   void ep_route(const TensorView& hidden_states, const TensorView* router_logits,
-                const TensorView* token_ids, const ForwardOutputs* outputs, Stream stream);
+                const TensorView* token_ids, const ForwardOutputs* outputs, Stream stream,
+                const int32_t* num_valid_tokens = nullptr);
   // The shared expert of ep_route()'s T tokens, launched on the side stream
   // (joined by ep_finalize), with the GEMM tiles forward() picks for
   // tile_tokens tokens (the batch whose output this must reproduce).
@@ -81,6 +83,9 @@ class CudaMoELayer {
   size_t workspace_bytes() const;
 
  private:
+  // finalize() of the routed part `f` (y, topk_ids, sizes, and for the sm90
+  // path slot_row / row_scale / bias) plus the shared expert into `output`.
+  void finish(FinalizeArgs f, const TensorView& output, Stream stream);
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
