@@ -120,6 +120,45 @@ def test_fused_experts_cuda_matches_f64_reference(g, T, activation, hidden_dtype
     torch.testing.assert_close(out2, out, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("T,E,k", [(7, 8, 2), (300, 16, 8)])  # 300: the sm90 path on an H200
+@pytest.mark.parametrize("hidden_dtype", [torch.float16, torch.float32, torch.bfloat16])
+def test_fused_experts_cuda_float16_weights(g, T, E, k, hidden_dtype):
+    x, w13, w2, tw, ids, b13, b2 = _case(g, T=T, E=E, H=64, I=48, k=k, hidden_dtype=hidden_dtype,
+                                         bias=True)
+    w13h, w2h = w13.to(torch.float16), w2.to(torch.float16)  # bf16 values: exact in f16
+    out = fusedmoe.fused_experts(x, w13h, w2h, tw, ids, "silu", b13, b2)
+    assert out.is_cuda and out.dtype == hidden_dtype and out.shape == x.shape
+    xr = x.half() if hidden_dtype != torch.float16 else x  # the expert input is rounded to f16
+    err = rel_l2(out.float().cpu().numpy(), _ref(xr, w13h, w2h, tw, ids, b13, b2))
+    assert err <= 1e-2, err
+    # bf16 weights with f16 activations: converted to bf16
+    if hidden_dtype == torch.float16:
+        outb = fusedmoe.fused_experts(x, w13, w2, tw, ids, "silu", b13, b2)
+        assert outb.dtype == torch.float16
+        assert rel_l2(outb.float().cpu().numpy(), _ref(x, w13, w2, tw, ids, b13, b2)) <= 1e-2
+    with pytest.raises(TypeError, match="w2"):
+        fusedmoe.fused_experts(x, w13h, w2, tw, ids)  # mixed weight dtypes
+    with pytest.raises(ValueError, match="compute_dtype"):
+        fusedmoe.fused_experts(x, w13h, w2h, tw, ids, compute_dtype="bf16")
+
+
+def test_hf_fixture_cuda_layer_float16():
+    arch, layer, T = next(c for c in CASES if c[0] == "mixtral")
+    ref = read_safetensors(HF / arch / "reference.safetensors")
+    moe = fusedmoe.MoELayer.from_pretrained(HF / arch, layer=layer, backend="cuda", dtype="f16",
+                                            max_num_tokens=128)
+    assert moe.compute_dtype == "f16"
+    p = f"layers.{layer}.T{T}."
+    x = torch.from_numpy(ref[p + "input"]).cuda()
+    logits = torch.from_numpy(ref[p + "router_logits"]).cuda()
+    out = moe(x.half(), router_logits=logits)
+    assert out.dtype == torch.float16 and out.shape == x.shape
+    assert rel_l2(out.float().cpu().numpy(), ref[p + "output_f64"]) <= 1e-2
+    out32 = moe(x, router_logits=logits)
+    assert out32.dtype == torch.float32
+    assert rel_l2(out32.cpu().numpy(), ref[p + "output_f64"]) <= 1e-2
+
+
 def test_fused_experts_cuda_qwen3_shape_and_router_weight_on_input(g):
     x, w13, w2, tw, ids, _, _ = _case(g, T=3, E=128, H=2048, I=768, k=8)
     out = fusedmoe.fused_experts(x, w13, w2, tw, ids)

@@ -92,7 +92,7 @@ void check_runner(const MoEConfig& c, int64_t T, std::mt19937_64& rng, DType io_
   if (!c.has_shared_expert() && T > 0) {
     const ExpertWeights& ew = lw.experts;
     DeviceTensor w13 = DeviceTensor::from_host(ew.w13), w2 = DeviceTensor::from_host(ew.w2);
-    DeviceTensor b13, b2;
+    DeviceTensor b13, b2;  // empty: no bias
     if (ew.w13_bias) b13 = DeviceTensor::from_host(to_f32(*ew.w13_bias));
     if (ew.w2_bias) b2 = DeviceTensor::from_host(to_f32(*ew.w2_bias));
     const size_t ws_bytes = cuda::fused_experts_workspace_bytes(
@@ -100,26 +100,9 @@ void check_runner(const MoEConfig& c, int64_t T, std::mt19937_64& rng, DType io_
     DeviceTensor ws(DType::kU8, {static_cast<int64_t>(ws_bytes)}), fout(io_dtype, {T, H});
     ws.poison();
     fout.poison();
-    cuda::FusedExpertsArgs a;
-    a.hidden_states = x_d.data();
-    a.hidden_dtype = io_dtype;
-    a.ldx = x_d.ld();
-    a.num_tokens = T;
-    a.hidden_size = H;
-    a.intermediate_size = c.intermediate_size;
-    a.num_experts = c.num_experts;
-    a.top_k = k;
-    a.w13 = w13.data_as<const uint16_t>();
-    a.w2 = w2.data_as<const uint16_t>();
-    a.w13_bias = ew.w13_bias ? b13.data_as<const float>() : nullptr;
-    a.w2_bias = ew.w2_bias ? b2.data_as<const float>() : nullptr;
-    a.topk_ids = ids_d.data_as<const int32_t>();
-    a.topk_weights = w_d.data_as<const float>();
-    a.activation = ActivationParams::from_config(c);
-    a.apply_router_weight_on_input = c.apply_router_weight_on_input;
-    a.output = fout.data();
-    a.output_dtype = io_dtype;
-    a.ldo = fout.ld();
+    const cuda::FusedExpertsArgs a =
+        test::fused_experts_args(x_d, w13, w2, b13, b2, ids_d, w_d, fout,
+                                 ActivationParams::from_config(c), c.apply_router_weight_on_input);
     cuda::fused_experts(a, ws.data(), ws_bytes, nullptr);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     EXPECT_TRUE(same_bits(to_f32(fout.to_host()), out_g))

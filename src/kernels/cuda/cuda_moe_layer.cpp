@@ -46,22 +46,41 @@ class DeviceMemory {
   size_t bytes_ = 0;
 };
 
-// Host tensor -> device, as bf16 (f32 converted in chunks; bf16 copied).
-DeviceMemory upload_bf16(const Tensor& t) {
+// Host tensor (f32, bf16 or f16) -> device, as `half` (kBF16 or kF16): a
+// tensor of that type is copied, others converted in chunks (round to nearest
+// even, via f32, which holds bf16 / f16 values exactly). A finite value beyond
+// the f16 range (65504) is an error naming the tensor, not a silent inf.
+DeviceMemory upload_half(const Tensor& t, DType half, const char* name) {
   const int64_t n = t.numel();
   DeviceMemory d(static_cast<size_t>(n) * 2);
-  if (t.dtype() == DType::kBF16) {
+  if (t.dtype() == half) {
     FUSEDMOE_CUDA_CHECK(cudaMemcpy(d.get(), t.data(), d.bytes(), cudaMemcpyHostToDevice));
     return d;
   }
-  FUSEDMOE_CHECK(t.dtype() == DType::kF32, "upload: expected f32 or bf16 weights, got ",
-                 t.view().str());
+  FUSEDMOE_CHECK(t.dtype() == DType::kF32 || t.dtype() == DType::kBF16 || t.dtype() == DType::kF16,
+                 "upload: expected f32, bf16 or f16 weights, got ", t.view().str());
+  auto load = [&](int64_t i) {
+    switch (t.dtype()) {
+      case DType::kBF16:
+        return bf16_to_f32(t.data_as<const uint16_t>()[i]);
+      case DType::kF16:
+        return f16_to_f32(t.data_as<const uint16_t>()[i]);
+      default:
+        return t.data_as<const float>()[i];
+    }
+  };
   constexpr int64_t kChunk = int64_t{1} << 22;
   std::vector<uint16_t> buf(static_cast<size_t>(std::min(n, kChunk)));
-  const float* src = t.data_as<const float>();
   for (int64_t i = 0; i < n; i += kChunk) {
     const int64_t m = std::min(kChunk, n - i);
-    for (int64_t j = 0; j < m; ++j) buf[j] = f32_to_bf16(src[i + j]);
+    for (int64_t j = 0; j < m; ++j) {
+      const float v = load(i + j);
+      if (half == DType::kF16 && std::isfinite(v) && std::abs(v) > 65504.0f)
+        FUSEDMOE_THROW(kInvalidArgument, name, ": value ", v, " at element ", i + j,
+                       " is beyond the f16 range (65504); run these experts in bf16 "
+                       "(compute_dtype bf16)");
+      buf[j] = half == DType::kF16 ? f32_to_f16(v) : f32_to_bf16(v);
+    }
     FUSEDMOE_CUDA_CHECK(
         cudaMemcpy(d.as<uint16_t>() + i, buf.data(), m * 2, cudaMemcpyHostToDevice));
   }
@@ -86,11 +105,11 @@ DeviceMemory upload_raw(const Tensor& t) {
 struct DeviceExperts {
   DeviceMemory w13, w2, w13_bias, w2_bias;
   int64_t num_experts = 0, inter = 0;
-  void upload(const ExpertWeights& w) {
+  void upload(const ExpertWeights& w, DType half, const char* w13_name, const char* w2_name) {
     num_experts = w.num_experts();
     inter = w.intermediate_size();
-    w13 = upload_bf16(w.w13);
-    w2 = upload_bf16(w.w2);
+    w13 = upload_half(w.w13, half, w13_name);
+    w2 = upload_half(w.w2, half, w2_name);
     if (w.w13_bias) w13_bias = upload_f32(*w.w13_bias);
     if (w.w2_bias) w2_bias = upload_f32(*w.w2_bias);
   }
@@ -117,6 +136,7 @@ struct CudaMoELayer::Impl {
   // weights
   DeviceMemory gate_w, gate_b, score_bias, hash_table, shared_gate;
   DType gate_dtype = DType::kF32;
+  DType dtype = DType::kBF16;  // of the expert weights, expert inputs and intermediates
   DeviceExperts experts, shared;
   // workspace
   DeviceMemory ws;
@@ -138,6 +158,7 @@ struct CudaMoELayer::Impl {
   RoutedExpertsArgs routed_args(const uint16_t* x, int64_t ldx, const int32_t* topk_ids,
                                 const float* topk_weights, int64_t M) const {
     RoutedExpertsArgs r;
+    r.dtype = dtype;
     r.x = x;
     r.ldx = ldx;
     r.topk_ids = topk_ids;
@@ -164,7 +185,7 @@ struct CudaMoELayer::Impl {
 };
 
 CudaMoELayer::CudaMoELayer(const MoEConfig& config, const MoELayerWeights& w,
-                           int64_t max_num_tokens)
+                           int64_t max_num_tokens, DType expert_dtype)
     : impl_(std::make_unique<Impl>()) {
   Impl& s = *impl_;
   s.cfg = config;
@@ -197,8 +218,13 @@ CudaMoELayer::CudaMoELayer(const MoEConfig& config, const MoELayerWeights& w,
   if (c.has_e_score_correction_bias && w.router_params.e_score_correction_bias)
     s.score_bias = upload_f32(*w.router_params.e_score_correction_bias);
   if (w.router_params.hash_table) s.hash_table = upload_raw(*w.router_params.hash_table);
-  s.experts.upload(w.experts);
-  if (w.shared_experts) s.shared.upload(*w.shared_experts);
+  FUSEDMOE_CHECK(expert_dtype == DType::kBF16 || expert_dtype == DType::kF16,
+                 "compute_dtype: the CUDA backend runs the experts in bf16 or f16, got ",
+                 dtype_name(expert_dtype));
+  s.dtype = expert_dtype;
+  s.experts.upload(w.experts, s.dtype, "experts.w13", "experts.w2");
+  if (w.shared_experts)
+    s.shared.upload(*w.shared_experts, s.dtype, "shared_experts.w13", "shared_experts.w2");
   if (w.shared_expert_gate) s.shared_gate = upload_f32(*w.shared_expert_gate);
 
   // ---- workspace (one allocation, carved) ----
@@ -254,6 +280,9 @@ size_t CudaMoELayer::weight_bytes() const {
   return s.gate_w.bytes() + s.gate_b.bytes() + s.score_bias.bytes() + s.hash_table.bytes() +
          s.shared_gate.bytes() + s.experts.bytes() + s.shared.bytes();
 }
+DType CudaMoELayer::dtype() const {
+  return impl_->dtype;
+}
 size_t CudaMoELayer::workspace_bytes() const {
   return impl_->ws.bytes();
 }
@@ -274,7 +303,7 @@ void CudaMoELayer::check_errors(Stream stream) {
 void CudaMoELayer::router_logits(const TensorView& hidden_states, const TensorView& logits,
                                  Stream stream) {
   const Impl& s = *impl_;
-  check_device_view(hidden_states, "hidden_states", {DType::kF32, DType::kBF16});
+  check_device_view(hidden_states, "hidden_states", {DType::kF32, DType::kBF16, DType::kF16});
   check_device_view(logits, "router_logits", {DType::kF32});
   const int64_t T = hidden_states.size(0);
   router_gemm(hidden_states.data(), hidden_states.dtype(), hidden_states.stride(0), T,
@@ -291,8 +320,8 @@ void CudaMoELayer::forward(const TensorView& hidden_states, const TensorView& ou
                            const int32_t* num_valid_tokens) {
   Impl& s = *impl_;
   const MoEConfig& c = s.cfg;
-  check_device_view(hidden_states, "hidden_states", {DType::kF32, DType::kBF16});
-  check_device_view(output, "output", {DType::kF32, DType::kBF16});
+  check_device_view(hidden_states, "hidden_states", {DType::kF32, DType::kBF16, DType::kF16});
+  check_device_view(output, "output", {DType::kF32, DType::kBF16, DType::kF16});
   ep_route(hidden_states, router_logits_in, token_ids, outputs, stream, num_valid_tokens);
   const int64_t T = hidden_states.size(0);
   if (T == 0) return;
@@ -323,7 +352,7 @@ void CudaMoELayer::ep_route(const TensorView& hidden_states, const TensorView* r
   Impl& s = *impl_;
   const MoEConfig& c = s.cfg;
   const int64_t H = c.hidden_size, k = c.top_k, L = c.num_router_logits();
-  check_device_view(hidden_states, "hidden_states", {DType::kF32, DType::kBF16});
+  check_device_view(hidden_states, "hidden_states", {DType::kF32, DType::kBF16, DType::kF16});
   const int64_t T = hidden_states.size(0);
   FUSEDMOE_CHECK(T <= s.max_tokens, "hidden_states: at most max_num_tokens = ", s.max_tokens,
                  " tokens (RunnerOptions::max_num_tokens), got ", T);
@@ -381,12 +410,12 @@ void CudaMoELayer::ep_route(const TensorView& hidden_states, const TensorView* r
                                           outputs->topk_weights.stride(0) * 4, s.weights, k * 4,
                                           k * 4, T, cudaMemcpyDeviceToDevice, stream));
 
-  // ---- bf16 expert inputs ----
-  to_bf16_rows(hidden_states.data(), hidden_states.dtype(), hidden_states.stride(0), T, H, nullptr,
-               0, s.xb, stream);
-  if (c.apply_router_weight_on_input)  // Llama-4 (k = 1): x * topk_weight, then bf16
-    to_bf16_rows(hidden_states.data(), hidden_states.dtype(), hidden_states.stride(0), T, H,
-                 s.weights, k, s.xs, stream);
+  // ---- expert inputs (bf16 / f16) ----
+  to_half_rows(hidden_states.data(), hidden_states.dtype(), hidden_states.stride(0), T, H, nullptr,
+               0, s.dtype, s.xb, stream);
+  if (c.apply_router_weight_on_input)  // Llama-4 (k = 1): x * topk_weight, then bf16 / f16
+    to_half_rows(hidden_states.data(), hidden_states.dtype(), hidden_states.stride(0), T, H,
+                 s.weights, k, s.dtype, s.xs, stream);
 }
 
 void CudaMoELayer::ep_shared(int64_t T, int64_t tile_tokens, Stream stream) {
@@ -400,6 +429,7 @@ void CudaMoELayer::ep_shared(int64_t T, int64_t tile_tokens, Stream stream) {
   GroupedGemmArgs g;
   g.epilogue = GemmEpilogue::kGlu;
   g.tile = pick_gemm_tile(tile_tokens, tile_tokens, 2 * Is, H);
+  g.dtype = s.dtype;
   g.a = s.xb;
   g.lda = H;
   g.m = T;
@@ -413,6 +443,7 @@ void CudaMoELayer::ep_shared(int64_t T, int64_t tile_tokens, Stream stream) {
   GroupedGemmArgs g2;
   g2.epilogue = GemmEpilogue::kScatter;
   g2.tile = pick_gemm_tile(tile_tokens, tile_tokens, H, Is);
+  g2.dtype = s.dtype;
   g2.a = s.inter_s;
   g2.lda = Is;
   g2.m = T;
@@ -442,7 +473,7 @@ const float* CudaMoELayer::experts(const uint16_t* x, int64_t ldx, const int32_t
 }
 
 void CudaMoELayer::ep_finalize(const float* y, const TensorView& output, int64_t T, Stream stream) {
-  check_device_view(output, "output", {DType::kF32, DType::kBF16});
+  check_device_view(output, "output", {DType::kF32, DType::kBF16, DType::kF16});
   if (T == 0) return;
   FinalizeArgs f;
   f.y = y;
@@ -460,6 +491,7 @@ void CudaMoELayer::finish(FinalizeArgs f, const TensorView& output, Stream strea
   f.shared = has_shared ? s.shared_out : nullptr;
   f.shared_gate = s.shared_gate.as<float>();
   f.x = s.xb;
+  f.x_dtype = s.dtype;
   f.ldx = s.cfg.hidden_size;
   f.out = output.data();
   f.out_dtype = output.dtype();

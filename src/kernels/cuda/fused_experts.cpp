@@ -107,6 +107,7 @@ FinalizeArgs routed_experts(const RoutedExpertsArgs& a, const RoutedScratch& s, 
   const float* row_scale = a.apply_router_weight_on_input ? nullptr : a.topk_weights;
   if (sm90) {
     Sm90ExpertsArgs x;
+    x.dtype = a.dtype;
     x.x = a.x;
     x.ldx = ldx;
     x.topk_ids = a.topk_ids;
@@ -136,6 +137,7 @@ FinalizeArgs routed_experts(const RoutedExpertsArgs& a, const RoutedScratch& s, 
   GroupedGemmArgs g;
   g.epilogue = GemmEpilogue::kGlu;
   g.tile = tile;
+  g.dtype = a.dtype;
   g.a = a.x;
   g.lda = ldx;
   g.gather = true;
@@ -174,7 +176,7 @@ FinalizeArgs routed_experts(const RoutedExpertsArgs& a, const RoutedScratch& s, 
 namespace {
 
 struct FunctionalWorkspace {
-  uint16_t* xb = nullptr;  // bf16 [T, H] (the expert input, scaled for apply-on-input)
+  uint16_t* xb = nullptr;  // bf16 / f16 [T, H] (the expert input, scaled for apply-on-input)
   RoutedScratch routed;
 };
 
@@ -219,10 +221,17 @@ void fused_experts(const FusedExpertsArgs& a, void* workspace, size_t workspace_
                    "apply_router_weight_on_input: the CUDA backend supports it with top_k = 1 "
                    "only (as vLLM), got top_k = ",
                    k);
-  FUSEDMOE_CHECK(a.hidden_dtype == DType::kF32 || a.hidden_dtype == DType::kBF16,
-                 "hidden_states: expected dtype f32 or bf16, got ", dtype_name(a.hidden_dtype));
-  FUSEDMOE_CHECK(a.output_dtype == DType::kF32 || a.output_dtype == DType::kBF16,
-                 "output: expected dtype f32 or bf16, got ", dtype_name(a.output_dtype));
+  auto f32_or_half = [](DType d) {
+    return d == DType::kF32 || d == DType::kBF16 || d == DType::kF16;
+  };
+  FUSEDMOE_CHECK(f32_or_half(a.hidden_dtype),
+                 "hidden_states: expected dtype f32, bf16 or f16, got ",
+                 dtype_name(a.hidden_dtype));
+  FUSEDMOE_CHECK(f32_or_half(a.output_dtype), "output: expected dtype f32, bf16 or f16, got ",
+                 dtype_name(a.output_dtype));
+  FUSEDMOE_CHECK(a.weight_dtype == DType::kBF16 || a.weight_dtype == DType::kF16,
+                 "weight_dtype: expected bf16 or f16 (w13 and w2), got ",
+                 dtype_name(a.weight_dtype));
   FUSEDMOE_CHECK(a.ldx >= H, "hidden_states: row stride must be >= H = ", H, ", got ", a.ldx);
   FUSEDMOE_CHECK(a.ldo >= H, "output: row stride must be >= H = ", H, ", got ", a.ldo);
   FUSEDMOE_CHECK(workspace_bytes >= need, "workspace: expected at least ", need,
@@ -245,9 +254,11 @@ void fused_experts(const FusedExpertsArgs& a, void* workspace, size_t workspace_
   // ---- launch ----
   Carver c(workspace);
   const FunctionalWorkspace w = carve_functional(c, T, H, I, E, k);
-  to_bf16_rows(a.hidden_states, a.hidden_dtype, a.ldx, T, H,
-               a.apply_router_weight_on_input ? a.topk_weights : nullptr, k, w.xb, stream);
+  to_half_rows(a.hidden_states, a.hidden_dtype, a.ldx, T, H,
+               a.apply_router_weight_on_input ? a.topk_weights : nullptr, k, a.weight_dtype, w.xb,
+               stream);
   RoutedExpertsArgs r;
+  r.dtype = a.weight_dtype;
   r.x = w.xb;
   r.topk_ids = a.topk_ids;
   r.topk_weights = a.topk_weights;

@@ -7,7 +7,8 @@
 //     sm_90a wgmma + TMA (sm90_experts, many rows per expert): permute ->
 //       w13 GEMM -> activation -> w2 GEMM into expert-sorted y rows,
 //       weighted and biased by finalize through slot_row.
-// The caller converts the input to bf16 before and runs finalize after, with
+// The caller converts the input to the weights' half type (bf16 or f16)
+// before and runs finalize after, with
 // the FinalizeArgs routed_experts() returns (plus output / shared expert).
 #pragma once
 
@@ -28,7 +29,7 @@ struct RoutedScratch {
   int32_t* cursor = nullptr;       // [E]
   int64_t* offsets = nullptr;      // [E + 1]
   int32_t* sorted_slot = nullptr;  // [max_padded_rows(T*k, E, kMaxBlockM)]
-  uint16_t* inter = nullptr;       // bf16 [padded rows, I]
+  uint16_t* inter = nullptr;       // bf16 / f16 [padded rows, I]
   float* y = nullptr;              // f32 [T*k, H]: by slot (mma) or by sorted row (sm90)
   // Only when carved with sm90 = true (else null / 0): the sm90_experts path.
   int32_t* slot_row = nullptr;  // [T*k]: slot -> sorted row
@@ -51,10 +52,11 @@ GemmTile routed_gemm_tile(int64_t num_tokens, int64_t top_k, int64_t num_experts
                           int64_t inter);
 
 struct RoutedExpertsArgs {
-  const uint16_t* x = nullptr;          // bf16 [T, H] (already scaled when the weight is applied on
-                                        // the input), row stride ldx
-  int64_t ldx = 0;                      // 0: H; else >= H and a multiple of 8
-  const int32_t* topk_ids = nullptr;    // i32 [T, k], ids in [-1, E)
+  DType dtype = DType::kBF16;         // of x, w13, w2 and the intermediate: kBF16 or kF16
+  const uint16_t* x = nullptr;        // dtype [T, H] (already scaled when the weight is applied on
+                                      // the input), row stride ldx
+  int64_t ldx = 0;                    // 0: H; else >= H and a multiple of 8
+  const int32_t* topk_ids = nullptr;  // i32 [T, k], ids in [-1, E)
   const float* topk_weights = nullptr;  // scales y unless apply_router_weight_on_input
   int64_t num_tokens = 0, top_k = 0, num_experts = 0, hidden = 0, inter = 0;
   const uint16_t* w13 = nullptr;

@@ -6,8 +6,8 @@
 // TMA loads whole tiles, it cannot gather rows, so unlike the mma.sync kernels
 // (which gather A rows with cp.async and fuse the activation and the weighted
 // scatter into their epilogues) this path materialises the sorted input and
-// the w13 output (bf16). At large T those extra passes cost a few percent of
-// the GEMMs; the GEMMs run at wgmma speed.
+// the w13 output (bf16 or f16, the weights' type). At large T those extra passes cost a few percent
+// of the GEMMs; the GEMMs run at wgmma speed.
 #include "fusedmoe/kernels/cuda.h"
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/gemm/sm90_bf16_grouped_gemm.cuh"  // act_glu
@@ -45,7 +45,9 @@ __global__ void __launch_bounds__(kPermuteThreads)
 }
 
 // inter[r, i] = act(h[r, i] + b[e, i], h[r, I + i] + b[e, I + i]), 8 columns a
-// thread, e = topk_ids[sorted_slot[r]]; -1 rows get zeros.
+// thread, e = topk_ids[sorted_slot[r]]; -1 rows get zeros. h and inter: T
+// (__nv_bfloat16 or __half) bits.
+template <class T>
 __global__ void glu_rows_kernel(const uint16_t* __restrict__ h, const int32_t* __restrict__ ids,
                                 const int32_t* __restrict__ sorted_slot,
                                 const int64_t* __restrict__ offsets, int num_experts, int64_t inter,
@@ -68,12 +70,12 @@ __global__ void glu_rows_kernel(const uint16_t* __restrict__ h, const int32_t* _
       uint16_t* o = reinterpret_cast<uint16_t*>(&res);
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        float gv = bf16_bits_to_float(g[j]), uv = bf16_bits_to_float(u[j]);
+        float gv = gemm::to_float<T>(g[j]), uv = gemm::to_float<T>(u[j]);
         if (b) {
           gv += b[i + j];
           uv += b[inter + i + j];
         }
-        o[j] = float_to_bf16_bits(
+        o[j] = gemm::from_float_bits<T>(
             gemm::act_glu(act.activation, gv, uv, act.swiglu_alpha, act.swiglu_limit));
       }
     }
@@ -101,9 +103,13 @@ bool sm90_experts_available() {
 size_t sm90_experts_workspace_bytes(int64_t num_slots, int64_t num_experts, int64_t inter) {
 #ifdef FUSEDMOE_WITH_CUTLASS
   const size_t h13 = (static_cast<size_t>(num_slots) * 2 * inter * 2 + 255) / 256 * 256;
-  const size_t g13 = sm90::workspace_bytes_bf16out(num_experts);
-  const size_t g2 = sm90::workspace_bytes_f32out(num_experts);
-  return h13 + (g13 > g2 ? g13 : g2);
+  size_t gemm = 0;  // the largest of the instances (bf16 and f16)
+  for (const size_t b :
+       {sm90::workspace_bytes_bf16out(num_experts), sm90::workspace_bytes_f32out(num_experts),
+        sm90::workspace_bytes_f16_f16out(num_experts),
+        sm90::workspace_bytes_f16_f32out(num_experts)})
+    gemm = b > gemm ? b : gemm;
+  return h13 + gemm;
 #else
   (void)num_slots;
   (void)num_experts;
@@ -128,6 +134,9 @@ void sm90_experts(const Sm90ExpertsArgs& a, Stream stream) {
   FUSEDMOE_CHECK(a.ldx % 8 == 0 && a.ldx >= H, "sm90_experts: ldx must be a multiple of 8 >= ", H,
                  ", got ", a.ldx);
   FUSEDMOE_CHECK(E >= 1 && a.top_k >= 1, "sm90_experts: num_experts and top_k must be >= 1");
+  FUSEDMOE_CHECK(a.dtype == DType::kBF16 || a.dtype == DType::kF16,
+                 "sm90_experts: dtype must be bf16 or f16, got ", dtype_name(a.dtype));
+  const bool f16 = a.dtype == DType::kF16;
   FUSEDMOE_CHECK(slots <= INT32_MAX, "sm90_experts: at most 2^31 - 1 routed rows, got ", slots);
   const size_t need = sm90_experts_workspace_bytes(slots, E, I);
   FUSEDMOE_CHECK(a.workspace_bytes >= need, "sm90_experts: workspace of ", need,
@@ -158,11 +167,15 @@ void sm90_experts(const Sm90ExpertsArgs& a, Stream stream) {
   g.k = H;
   g.workspace = gemm_ws;
   g.workspace_bytes = gemm_ws_bytes;
-  sm90::grouped_gemm_bf16out(g, stream);
+  if (f16)
+    sm90::grouped_gemm_f16_f16out(g, stream);
+  else
+    sm90::grouped_gemm_bf16out(g, stream);
 
   const int64_t vecs = slots * (I / 8);
   const int64_t glu_blocks = (vecs + 255) / 256 < blocks ? (vecs + 255) / 256 : blocks;
-  glu_rows_kernel<<<static_cast<unsigned>(glu_blocks), 256, 0, stream>>>(
+  auto glu_rows = f16 ? glu_rows_kernel<__half> : glu_rows_kernel<__nv_bfloat16>;
+  glu_rows<<<static_cast<unsigned>(glu_blocks), 256, 0, stream>>>(
       h13, a.topk_ids, a.sorted_slot, a.expert_offsets, static_cast<int>(E), I, slots, a.w13_bias,
       a.act, a.inter_rows);
   FUSEDMOE_CUDA_CHECK_LAUNCH();
@@ -174,7 +187,10 @@ void sm90_experts(const Sm90ExpertsArgs& a, Stream stream) {
   g2.ldd = H;
   g2.n = H;
   g2.k = I;
-  sm90::grouped_gemm_f32out(g2, stream);
+  if (f16)
+    sm90::grouped_gemm_f16_f32out(g2, stream);
+  else
+    sm90::grouped_gemm_f32out(g2, stream);
 #else
   (void)a;
   (void)stream;
