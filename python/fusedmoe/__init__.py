@@ -604,13 +604,14 @@ class MoELayer:
         once; the layer then takes and returns CUDA tensors (torch or CuPy;
         f32, bf16 or float16) on that device and runs on the caller's current
         stream (CUDA-graph capturable). ``dtype``: compute dtype "f32" or
-        "bf16" on the CPU (default "f32"); "bf16" (default) or "f16" on CUDA. ``threads`` (CPU): a private pool of that many threads;
+        "bf16" on the CPU (default "f32"); "bf16" or "f16" on CUDA (default:
+        "f16" for a float16 checkpoint, else "bf16"). ``threads`` (CPU): a private pool of that many threads;
         0 or None: the global pool (all cores unless set_num_threads changed
         it), as ``fusedmoe run --threads 0``."""
         if backend not in ("cpu", "cuda"):
             raise ValueError(f"backend: expected 'cpu' or 'cuda', got {backend!r}")
-        if dtype is None:
-            dtype = "bf16" if backend == "cuda" else "f32"
+        if dtype is None:  # CUDA: f16 for an f16 checkpoint, else bf16
+            dtype = "auto" if backend == "cuda" else "f32"
         if not isinstance(dtype, str):
             raise TypeError(f"dtype: expected 'f32', 'bf16' or 'f16', got {type(dtype).__name__} "
                             f"{dtype!r}")

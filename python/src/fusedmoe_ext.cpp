@@ -675,7 +675,9 @@ class PyMoELayer {
   static PyMoELayer* from_pretrained(const std::string& model_dir, std::optional<int64_t> layer,
                                      const std::string& dtype, std::optional<int> threads,
                                      const std::string& backend, int64_t max_num_tokens) {
-    const DType compute = parse_compute_dtype(dtype, "dtype");
+    // "auto" (CUDA): f16 for an f16 checkpoint, else bf16 (decided below).
+    const bool auto_dtype = dtype == "auto" && backend == "cuda";
+    DType compute = auto_dtype ? DType::kBF16 : parse_compute_dtype(dtype, "dtype");
     Device device;
     if (backend == "cuda") {
 #ifdef FUSEDMOE_WITH_CUDA
@@ -706,6 +708,7 @@ class PyMoELayer {
       FUSEDMOE_CHECK(!info.moe_layers.empty(), "model_dir: ", model_dir, " has no MoE layer");
       l = layer ? *layer : info.moe_layers.front();
       config = info.layer_config(l);
+      if (auto_dtype && info.dtype == DType::kF16) compute = DType::kF16;
       const Checkpoint checkpoint = Checkpoint::open(model_dir);
       LoadOptions options;
       options.progress = false;

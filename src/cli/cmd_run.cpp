@@ -167,8 +167,9 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
   cmd->add_option("--output", o.output,
                   "Write output, topk_ids, topk_weights, router_logits to this .safetensors file");
   auto* cdt = cmd->add_option("--compute-dtype", o.compute_dtype,
-                              "f32 or bf16; with --backend cuda bf16 (default) or f16: the "
-                              "experts' type on the GPU (weights converted)")
+                              "f32 or bf16; with --backend cuda bf16 or f16: the experts' type on "
+                              "the GPU (weights converted; default: f16 for an f16 checkpoint, "
+                              "else bf16)")
                   ->check(CLI::IsMember({"f32", "bf16", "f16"}));
   cmd->add_option("--backend", o.backend,
                   "cpu, or cuda: the layer on the GPU (bf16 or f16 compute, f32 accumulation; the "
@@ -234,9 +235,9 @@ int run_run(const RunOptions& o) {
   FUSEDMOE_CHECK(on_cuda || o.compute_dtype != "f16",
                  "--compute-dtype f16: needs --backend cuda (the CPU backend computes in f32 or "
                  "bf16)");
-  const DType compute_dtype = o.compute_dtype == "f16"               ? DType::kF16
-                              : on_cuda || o.compute_dtype == "bf16" ? DType::kBF16
-                                                                     : DType::kF32;
+  DType compute_dtype = o.compute_dtype == "f16"               ? DType::kF16
+                        : on_cuda || o.compute_dtype == "bf16" ? DType::kBF16
+                                                               : DType::kF32;
 
   // Parallel layout: every rank loads its share and runs its token group's
   // rows; the results are gathered and rank 0 reports and writes.
@@ -260,6 +261,8 @@ int run_run(const RunOptions& o) {
   FUSEDMOE_CHECK(!info.moe_layers.empty(), model_dir, ": the model has no MoE layers");
   const int64_t layer = o.layer >= 0 ? o.layer : info.moe_layers.front();
   MoEConfig config = info.layer_config(layer);
+  // On the GPU an f16 checkpoint stays f16 unless --compute-dtype says otherwise.
+  if (on_cuda && !o.compute_dtype_given && info.dtype == DType::kF16) compute_dtype = DType::kF16;
   if (parallel) {
     config.parallel = parallel_config_for_rank(world->rank(), o.ep_size, o.tp_size, o.dp_size);
     config.parallel.expert_placement = parse_expert_placement(o.expert_placement);
