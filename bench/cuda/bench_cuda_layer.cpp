@@ -1,7 +1,7 @@
 // bench_cuda_layer: the whole MoE layer on the CUDA backend through the public
 // MoERunner API — router GEMM + routing + routed experts + shared expert —
 // for the Mixtral-8x7B, Qwen3-30B-A3B and DeepSeek-V3 layer shapes
-// (../shared/perf-targets.md), plus the routing kernel alone.
+// (../shared/perf-targets.md), plus the routing kernel and the router GEMM alone.
 //
 // Per T: the forward captured in one CUDA graph (replayed; median of CUDA-event
 // timed replays), the same forward launched eagerly (launch overhead = eager -
@@ -15,6 +15,10 @@
 // weights are random, so routing is near uniform, not exactly uniform).
 //
 // Usage: bench_cuda_layer [--shapes mixtral,qwen3,deepseek] [--tokens 1,16,...] [--iters 30]
+//                         [--routing-only]
+// --routing-only: the routing kernel alone, no layer weights: the --tokens
+// given (default 4096), for Qwen3 (softmax top-8 of 128), softmax top-8 of
+// 256 and DeepSeek-V3 (grouped top-8 of 256 with bias).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -287,25 +291,56 @@ void run_routing(const Shape& sh, int64_t T, cudaStream_t s) {
               static_cast<long long>(c.num_experts), us);
 }
 
+// The router GEMM alone at T tokens: bf16 x and bf16 gate (real checkpoints),
+// f32 logits; 20 launches in one graph.
+void run_router_gemm(const Shape& sh, int64_t T, cudaStream_t s) {
+  const MoEConfig& c = sh.config;
+  const int64_t L = c.num_router_logits(), H = c.hidden_size;
+  const Tensor xh = random_bf16({T, H}, 2.0f, 13), wh = random_bf16({L, H}, 0.02f, 14);
+  Dev x(xh.nbytes()), w(wh.nbytes()), out(size_t(T) * L * 4);
+  CK(cudaMemcpy(x.p, xh.data(), xh.nbytes(), cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(w.p, wh.data(), wh.nbytes(), cudaMemcpyHostToDevice));
+  constexpr int kLaunches = 20;
+  auto once = [&] {
+    cuda::router_gemm(x.p, DType::kBF16, H, T, H, w.p, DType::kBF16, L, nullptr,
+                      static_cast<float*>(out.p), L, s);
+  };
+  once();
+  CK(cudaStreamSynchronize(s));
+  cudaGraphExec_t g = capture(
+      [&] {
+        for (int i = 0; i < kLaunches; ++i) once();
+      },
+      s);
+  const double us = time_graph(g, s, 10) / kLaunches;
+  cudaGraphExecDestroy(g);
+  std::printf("| %s | %lld | %lld | %lld | %.1f | %.0f |\n", sh.name.c_str(),
+              static_cast<long long>(T), static_cast<long long>(L), static_cast<long long>(H), us,
+              2.0 * T * L * H / (us * 1e-6) / 1e12);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   try {
     std::string shapes = "mixtral,qwen3,deepseek", toks = "1,16,64,128,256,1024,4096";
     int iters = 30;
+    bool routing_only = false, toks_given = false;
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
-      if (a == "--shapes" && i + 1 < argc)
+      if (a == "--routing-only")
+        routing_only = true;
+      else if (a == "--shapes" && i + 1 < argc)
         shapes = argv[++i];
       else if (a == "--tokens" && i + 1 < argc)
-        toks = argv[++i];
+        toks = argv[++i], toks_given = true;
       else if (a == "--iters" && i + 1 < argc)
         iters = std::max(1, std::atoi(argv[++i]));
       else {
         std::fprintf(
             stderr,
             "usage: bench_cuda_layer [--shapes mixtral,qwen3,deepseek] [--tokens 1,16,...] "
-            "[--iters 30]\n");
+            "[--iters 30] [--routing-only]\n");
         return 2;
       }
     }
@@ -319,6 +354,22 @@ int main(int argc, char** argv) {
     const std::vector<int64_t> tokens = parse_list(toks);
     cudaStream_t s;
     CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    if (routing_only) {
+      std::printf(
+          "## Routing kernel alone (router logits given; 100 launches in one graph)\n\n"
+          "| shape | T | E | us per launch |\n|---|---|---|---|\n");
+      std::vector<Shape> rs;
+      for (const Shape& sh : all_shapes())
+        if (sh.name != "mixtral") rs.push_back(sh);
+      Shape s256 = rs.front();  // Qwen3's softmax top-8 (renormalized) over 256 experts
+      s256.name = "softmax-e256";
+      s256.config.num_experts = 256;
+      rs.insert(rs.begin() + 1, s256);
+      for (const Shape& sh : rs)
+        for (int64_t T : toks_given ? tokens : std::vector<int64_t>{4096}) run_routing(sh, T, s);
+      cudaStreamDestroy(s);
+      return 0;
+    }
     std::printf(
         "## Full layer (router GEMM + routing + routed experts + shared expert), bf16 in/out\n\n"
         "| shape | T | experts touched | graph us | eager us | launch overhead us | TFLOP/s | "
@@ -337,6 +388,12 @@ int main(int argc, char** argv) {
         "| shape | T | E | us per launch |\n|---|---|---|---|\n");
     for (const Shape& sh : all_shapes())
       if (sh.name != "mixtral") run_routing(sh, 4096, s);
+    std::printf(
+        "\n## Router GEMM alone (bf16 x, bf16 gate, f32 logits; 20 launches in one graph)\n\n"
+        "| shape | T | logits | H | us per launch | TFLOP/s |\n|---|---|---|---|---|---|\n");
+    for (const Shape& sh : all_shapes())
+      if (want.count(sh.name))
+        for (int64_t T : tokens) run_router_gemm(sh, T, s);
     cudaStreamDestroy(s);
     return 0;
   } catch (const std::exception& e) {

@@ -1,7 +1,8 @@
 // fusedmoe CUDA benchmark (run_cuda_bench; bench_cuda_moe and `fusedmoe bench
 // --backend cuda` call it): routed experts (align -> w13 GEMM + SiLU-GLU ->
 // w2 GEMM x topk_weights -> finalize) on layer shapes of Mixtral-8x7B,
-// Qwen3-30B-A3B and DeepSeek-V3, bf16 weights and activations, uniform routing.
+// Qwen3-30B-A3B and DeepSeek-V3, bf16 weights and activations, uniform routing
+// (or the routing simulator's zipf / all-to-one: CudaBenchOptions::routing).
 //
 // Inputs are counter-based (value = f(seed, index), see hash_uniform below) so
 // that bench/cuda/torch_baseline.py regenerates the very same weights in
@@ -30,6 +31,7 @@
 
 #include "bench/cuda/cuda_bench.h"
 #include "fusedmoe/kernels/cuda.h"
+#include "fusedmoe/routing/router.h"
 
 namespace fusedmoe::bench {
 
@@ -106,8 +108,8 @@ int run_cuda_bench(const CudaBenchOptions& o) {
   }
   cudaDeviceProp prop{};
   CK(cudaGetDeviceProperties(&prop, 0));
-  std::printf("# device: %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount,
-              prop.l2CacheSize >> 20);
+  std::printf("# device: %s, %d SMs, L2 %d MB; routing: %s\n", prop.name, prop.multiProcessorCount,
+              prop.l2CacheSize >> 20, to_string(o.routing));
   std::string manifest = "{\"routings\": " + std::to_string(routings) + ", \"cases\": [\n";
   bool first_case = true;
   std::printf("| shape | T | tile | time us | TFLOP/s | GB/s | floor us | %% of floor |\n");
@@ -155,15 +157,30 @@ int run_cuda_bench(const CudaBenchOptions& o) {
     }
 
     for (int64_t T : tokens) {
-      // ---- uniform routings: k distinct experts per token, weights summing to 1 ----
+      // ---- routings: k distinct experts per token, weights summing to 1 ----
       std::mt19937_64 rng(1000 + T);
       std::vector<int32_t> ids_h(routings * T * k);
       std::vector<float> w_h(routings * T * k);
       double touched = 0;
       for (int r = 0; r < routings; ++r) {
         std::set<int32_t> distinct;
+        if (o.routing != SimulatedRouting::kUniform) {  // the simulator's ids, for all T
+          MoEConfig sc;
+          sc.num_experts = E;
+          sc.top_k = k;
+          sc.hidden_size = H;
+          sc.intermediate_size = I;
+          sc.routing_method = RoutingMethod::kSimulated;
+          sc.simulated = o.routing;
+          sc.simulation_seed = 1000 + static_cast<uint64_t>(T) * 131 + r;
+          create_router(sc)->select_experts(
+              TensorView(), TensorView(ids_h.data() + r * T * k, DType::kI32, {T, k}),
+              TensorView(w_h.data() + r * T * k, DType::kF32, {T, k}));
+        }
         for (int64_t t = 0; t < T; ++t) {
           std::vector<int32_t> pick;
+          if (o.routing != SimulatedRouting::kUniform)
+            pick.assign(ids_h.begin() + (r * T + t) * k, ids_h.begin() + (r * T + t + 1) * k);
           while (static_cast<int64_t>(pick.size()) < k) {
             const int32_t e = static_cast<int32_t>(rng() % E);
             if (std::find(pick.begin(), pick.end(), e) == pick.end()) pick.push_back(e);

@@ -83,7 +83,7 @@ int run_run(const RunOptions& opts);
 struct BenchOptions {
   std::string tokens = "1,16,64,256";
   std::string shapes = "mixtral,qwen3,deepseek,qwen3-cpu";
-  std::string dtype = "f32";
+  std::string dtype;  // f32 or bf16; empty: f32 (the CPU), bf16 (--backend cuda)
   int threads = 0;
   double min_time = 0.3;
   std::string routing = "uniform";

@@ -39,9 +39,9 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& o) {
                   "(E=128,k=8,H=2048,I=768), deepseek (E=256,k=8,H=7168,I=2048), qwen3-cpu "
                   "(E=64,k=8,H=2048,I=768)")
       ->capture_default_str();
-  cmd->add_option("--dtype", o.dtype, "Weight and compute dtype: f32 or bf16")
-      ->check(CLI::IsMember({"f32", "bf16"}))
-      ->capture_default_str();
+  cmd->add_option("--dtype", o.dtype,
+                  "Weight and compute dtype: f32 or bf16 (default f32; --backend cuda: bf16)")
+      ->check(CLI::IsMember({"f32", "bf16"}));
   cmd->add_option("--threads", o.threads, "Threads (default: all cores)")->check(kNonNegative);
   cmd->add_option("--min-time", o.min_time, "Minimum seconds of timed runs per measurement")
       ->check(kNonNegative)
@@ -77,7 +77,7 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& o) {
       ->capture_default_str();
   cmd->add_option("--backend", o.backend,
                   "cpu, or cuda: routed experts on the GPU (bf16, CUDA graphs and events, "
-                  "uniform routing; shapes mixtral, qwen3, deepseek)")
+                  "--routing as on the CPU; shapes mixtral, qwen3, deepseek)")
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str();
   cmd->add_flag("--sweep", o.sweep, "cuda: also time every GEMM tile configuration");
@@ -88,7 +88,37 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& o) {
 }
 
 int run_bench(const BenchOptions& o) {
-  if (o.backend == "cuda" && (o.ep_size > 1 || o.nccl)) return run_bench_parallel_cuda(o);
+  if (o.backend == "cuda") {
+    // Options of the CPU bench that the CUDA benches do not take: an error, not
+    // a result that silently ignores them.
+    const BenchOptions d;
+    const bool parallel = o.ep_size > 1 || o.nccl;
+    FUSEDMOE_CHECK(o.dtype.empty() || o.dtype == "bf16",
+                   "--dtype: --backend cuda benchmarks bf16 weights and activations, got ",
+                   o.dtype);
+    FUSEDMOE_CHECK(!parallel || o.routing == d.routing,
+                   "--routing: the CUDA expert-parallel bench routes with a random gate, got ",
+                   o.routing);
+    FUSEDMOE_CHECK(
+        o.csv.empty(),
+        "--csv: not written with --backend cuda (it prints a markdown "
+        "table; --dump-dir writes its routings and outputs for bench/cuda/torch_baseline.py), got ",
+        o.csv);
+    FUSEDMOE_CHECK(o.threads == d.threads, "--threads: a CPU option, got ", o.threads,
+                   " with --backend cuda");
+    FUSEDMOE_CHECK(!o.no_baseline,
+                   "--no-baseline: a CPU option (the CUDA bench's baseline is "
+                   "bench/cuda/torch_baseline.py on --dump-dir), got it with --backend cuda");
+    FUSEDMOE_CHECK(o.memory_fraction == d.memory_fraction, "--memory-fraction: a CPU option, got ",
+                   o.memory_fraction, " with --backend cuda");
+    if (!parallel) {
+      FUSEDMOE_CHECK(o.min_time == d.min_time && o.seed == d.seed && o.max_experts == 0,
+                     "--min-time, --seed and --max-experts: not taken by the single-GPU CUDA "
+                     "bench (fixed counter-based inputs, median of a fixed number of graph "
+                     "replays); drop them");
+    }
+    if (parallel) return run_bench_parallel_cuda(o);
+  }
   if (o.ep_size > 1 || o.tp_size > 1 || o.dp_size > 1) return run_bench_parallel(o);
   using namespace fusedmoe::bench;
   if (o.backend == "cuda") {
@@ -98,6 +128,7 @@ int run_bench(const BenchOptions& o) {
     c.tokens = parse_int_list(o.tokens, "--tokens");
     c.sweep = o.sweep;
     c.dump_dir = o.dump_dir;
+    c.routing = parse_simulated_routing(o.routing);
     return run_cuda_bench(c);
 #else
     FUSEDMOE_THROW(kUnsupported, "--backend cuda: this build has no CUDA backend");
@@ -107,7 +138,7 @@ int run_bench(const BenchOptions& o) {
   std::vector<LayerShape> shapes;
   for (const auto& name : split_list(o.shapes)) shapes.push_back(find_shape(name));
   FUSEDMOE_CHECK(!shapes.empty(), "--shapes: expected at least one shape, got \"", o.shapes, "\"");
-  const DType dtype = parse_dtype(o.dtype);
+  const DType dtype = parse_dtype(o.dtype.empty() ? "f32" : o.dtype);
   const SimulatedRouting routing = parse_simulated_routing(o.routing);
   if (o.threads > 0) ThreadPool::set_global_num_threads(o.threads);
   const int threads = ThreadPool::global().num_threads();

@@ -50,7 +50,7 @@ int run_bench_parallel(const BenchOptions& o) {
   std::vector<LayerShape> shapes;
   for (const auto& name : split_list(o.shapes)) shapes.push_back(find_shape(name));
   FUSEDMOE_CHECK(!shapes.empty(), "--shapes: expected at least one shape, got \"", o.shapes, "\"");
-  const DType dtype = parse_dtype(o.dtype);
+  const DType dtype = parse_dtype(o.dtype.empty() ? "f32" : o.dtype);
   const SimulatedRouting routing = parse_simulated_routing(o.routing);
   const ExpertPlacement placement = parse_expert_placement(o.expert_placement);
   const DispatchDType dispatch = parse_dispatch_dtype(o.dispatch_dtype);

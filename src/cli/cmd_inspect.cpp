@@ -97,11 +97,14 @@ CLI::App* add_inspect_command(CLI::App& app, InspectOptions& opts) {
 int run_inspect(const InspectOptions& opts) {
   const std::string& path = opts.path;
   const std::string text = inspect_json(path);
+  const ojson j = ojson::parse(text);
   if (opts.json) {
     std::cout << text << "\n";
-    return 0;
+    bool ok = true;
+    if (j.contains("layers"))
+      for (const auto& l : j["layers"]) ok &= l.value("weights_ok", true);
+    return ok ? 0 : 1;
   }
-  const ojson j = ojson::parse(text);
   if (j.contains("file")) {
     print_safetensors(path, j);
     return 0;
@@ -137,6 +140,7 @@ int run_inspect(const InspectOptions& opts) {
     print_config(c);
     previous = summary;
   }
+  int bad_layers = 0;
   if (has_weights) {
     std::printf("weights (MoE blocks only)\n");
     for (const auto& l : j["layers"]) {
@@ -145,12 +149,19 @@ int run_inspect(const InspectOptions& opts) {
                   static_cast<long long>(l["tensors"].get<int64_t>()),
                   format_bytes(l["bytes"].get<double>()).c_str(),
                   dtypes_str(l["weight_dtypes"]).c_str());
+      if (!l["weights_ok"].get<bool>()) {
+        ++bad_layers;
+        std::printf("    error: %s\n", l["weights_error"].get<std::string>().c_str());
+      }
     }
     std::printf("  total       %s\n", format_bytes(j["moe_bytes_total"].get<double>()).c_str());
+    std::printf("  check       %s\n", bad_layers == 0
+                                          ? "every MoE layer's tensors have the expected shapes"
+                                          : "some MoE layers cannot be loaded (errors above)");
   } else {
     std::printf("weights        none found (no model.safetensors or index in %s)\n", dir.c_str());
   }
-  return 0;
+  return bad_layers == 0 ? 0 : 1;
 }
 
 }  // namespace fusedmoe::cli

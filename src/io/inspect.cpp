@@ -11,6 +11,7 @@
 
 #include "fusedmoe/core/error.h"
 #include "fusedmoe/io/hf_config.h"
+#include "fusedmoe/io/loader.h"
 #include "fusedmoe/io/safetensors.h"
 
 namespace fusedmoe {
@@ -51,6 +52,7 @@ ojson inspect_safetensors(const std::string& path) {
 }
 
 struct LayerBytes {
+  std::string error;  // what check_moe_layer threw, if anything
   int64_t tensors = 0;
   size_t bytes = 0;
   std::map<std::string, int64_t> dtypes;  // dtype name -> tensor count
@@ -76,6 +78,11 @@ ojson inspect_model(const std::string& path) {
     for (int64_t layer : info.moe_layers) {
       const std::string prefix = info.moe_prefix(layer);
       LayerBytes& lb = bytes[layer];
+      try {
+        check_moe_layer(ck, info, layer);
+      } catch (const Error& e) {
+        lb.error = e.what();
+      }
       for (const auto& name : names) {
         if (name.compare(0, prefix.size(), prefix) != 0) continue;
         const Tensor t = ck.get(name);
@@ -105,6 +112,8 @@ ojson inspect_model(const std::string& path) {
       l["tensors"] = bytes[layer].tensors;
       l["weight_dtypes"] = bytes[layer].dtypes;
       l["bytes"] = bytes[layer].bytes;
+      l["weights_ok"] = bytes[layer].error.empty();
+      if (!bytes[layer].error.empty()) l["weights_error"] = bytes[layer].error;
     }
     layers.push_back(l);
   }

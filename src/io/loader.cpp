@@ -308,7 +308,7 @@ void parallel_over(int64_t n, const std::function<void(int64_t)>& fn) {
 ExpertWeights load_per_expert(const Reader& rd, const Checkpoint& ckpt,
                               const std::vector<int64_t>& experts, int64_t H, int64_t I,
                               const std::string& expert_fmt, const char* gate_n, const char* up_n,
-                              const char* down_n, Progress* progress) {
+                              const char* down_n, Progress* progress, bool check_only) {
   const int64_t E = static_cast<int64_t>(experts.size());
   std::vector<Source> gate, up, down;
   gate.reserve(E);
@@ -327,6 +327,7 @@ ExpertWeights load_per_expert(const Reader& rd, const Checkpoint& ckpt,
     check_dtype(down[e], dt, ckpt.path(), gate[0].name);
   }
   ExpertWeights w;
+  if (check_only) return w;
   w.w13 = Tensor::empty(dt, {E, 2 * I, H});
   w.w2 = Tensor::empty(dt, {E, H, I});
   const size_t es = dtype_size(dt);
@@ -344,8 +345,12 @@ ExpertWeights load_per_expert(const Reader& rd, const Checkpoint& ckpt,
 
 }  // namespace
 
-MoELayerWeights load_moe_layer(const Checkpoint& checkpoint, const ModelInfo& info, int64_t layer,
-                               const LoadOptions& options) {
+namespace {
+
+// load_moe_layer, or with check_only its checks alone: every tensor fetched and
+// its shape and dtype checked, nothing copied (the returned weights are empty).
+MoELayerWeights load_or_check(const Checkpoint& checkpoint, const ModelInfo& info, int64_t layer,
+                              const LoadOptions& options, bool check_only) {
   const MoEConfig& cfg = info.layer_config(layer);  // Error(kInvalidArgument) if not MoE
   const int64_t E = cfg.num_experts, H = cfg.hidden_size, I = cfg.intermediate_size;
   const std::string& mt = info.model_type;
@@ -387,14 +392,15 @@ MoELayerWeights load_moe_layer(const Checkpoint& checkpoint, const ModelInfo& in
     if (cfg.has_expert_bias) {
       gub = rd.get("experts.gate_up_proj_bias", {E, 2 * I});
       dnb = rd.get("experts.down_proj_bias", {E, H});
+      check_dtype(*dnb, target_dtype(*gub), checkpoint.path(), gub->name);
     }
+    if (check_only) return out;
     const bool interleaved = mt == "gpt_oss";
     ExpertWeights& w = out.experts;
     w.w13 = Tensor::empty(dt, {n, 2 * I, H});
     w.w2 = Tensor::empty(dt, {n, H, I});
     const DType bdt = gub ? target_dtype(*gub) : dt;
     if (gub) {
-      check_dtype(*dnb, bdt, checkpoint.path(), gub->name);
       w.w13_bias = Tensor::empty(bdt, {n, 2 * I});
       const Tensor b2 = as_f32_or_bf16(dnb->t);
       if (n == E) {
@@ -435,17 +441,18 @@ MoELayerWeights load_moe_layer(const Checkpoint& checkpoint, const ModelInfo& in
       FUSEDMOE_THROW(kUnsupported, checkpoint.path(), ": tensor '", gu.name,
                      "': packed FP8 experts are not supported");
     check_dtype(dn, target_dtype(gu), checkpoint.path(), gu.name);
+    if (check_only) return out;
     out.experts.w13 = as_f32_or_bf16(gu.t);
     out.experts.w2 = as_f32_or_bf16(dn.t);
     if (n != E) out.experts = shard_expert_weights(out.experts, experts, 1, 0);  // views
   } else if (mt == "mixtral") {
     out.experts = load_per_expert(rd, checkpoint, experts, H, I, "experts.", "w1.weight",
-                                  "w3.weight", "w2.weight", &progress);
+                                  "w3.weight", "w2.weight", &progress, check_only);
   } else {
     out.experts = load_per_expert(rd, checkpoint, experts, H, I, "experts.", "gate_proj.weight",
-                                  "up_proj.weight", "down_proj.weight", &progress);
+                                  "up_proj.weight", "down_proj.weight", &progress, check_only);
   }
-  if (par.tp_size > 1) {
+  if (par.tp_size > 1 && !check_only) {
     std::vector<int64_t> all(n);
     for (int64_t i = 0; i < n; ++i) all[i] = i;
     out.experts = shard_expert_weights(out.experts, all, par.tp_size, par.tp_rank);
@@ -457,10 +464,10 @@ MoELayerWeights load_moe_layer(const Checkpoint& checkpoint, const ModelInfo& in
     const char* sp =
         (mt == "deepseek_v2" || mt == "deepseek_v3") ? "shared_experts." : "shared_expert.";
     const std::string p = sp;
-    out.shared_experts =
-        load_per_expert(rd, checkpoint, {0}, H, S, "", (p + "gate_proj.weight").c_str(),
-                        (p + "up_proj.weight").c_str(), (p + "down_proj.weight").c_str(), nullptr);
-    if (par.tp_size > 1) {
+    out.shared_experts = load_per_expert(
+        rd, checkpoint, {0}, H, S, "", (p + "gate_proj.weight").c_str(),
+        (p + "up_proj.weight").c_str(), (p + "down_proj.weight").c_str(), nullptr, check_only);
+    if (par.tp_size > 1 && !check_only) {
       const std::vector<int64_t> one{0};
       out.shared_experts = shard_expert_weights(*out.shared_experts, one, par.tp_size, par.tp_rank);
     }
@@ -468,6 +475,20 @@ MoELayerWeights load_moe_layer(const Checkpoint& checkpoint, const ModelInfo& in
       out.shared_expert_gate = as_f32_or_bf16(rd.get("shared_expert_gate.weight", {1, H}).t);
   }
   return out;
+}
+
+}  // namespace
+
+MoELayerWeights load_moe_layer(const Checkpoint& checkpoint, const ModelInfo& info, int64_t layer,
+                               const LoadOptions& options) {
+  return load_or_check(checkpoint, info, layer, options, false);
+}
+
+void check_moe_layer(const Checkpoint& checkpoint, const ModelInfo& info, int64_t layer) {
+  LoadOptions options;
+  options.progress = false;
+  options.check_finite = false;
+  load_or_check(checkpoint, info, layer, options, true);
 }
 
 }  // namespace fusedmoe

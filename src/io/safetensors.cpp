@@ -18,6 +18,7 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <unordered_set>
 
 #include "fusedmoe/core/error.h"
 
@@ -140,12 +141,25 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) 
   const size_t data_size = file_size - f->data_start_;
 
   json header;
+  // JSON lets a key repeat (the last one wins); a header that names a tensor
+  // twice is corrupt, so the parser's key events at the top level are checked.
+  std::unordered_set<std::string> names;
+  std::string duplicate;
+  const json::parser_callback_t on_key = [&](int depth, json::parse_event_t event, json& parsed) {
+    if (event == json::parse_event_t::key && depth == 1 && duplicate.empty() &&
+        !names.insert(parsed.get<std::string>()).second)
+      duplicate = parsed.get<std::string>();
+    return true;
+  };
   try {
     header = json::parse(reinterpret_cast<const char*>(bytes + 8),
-                         reinterpret_cast<const char*>(bytes + 8 + header_len));
+                         reinterpret_cast<const char*>(bytes + 8 + header_len), on_key);
   } catch (const json::exception& e) {
     FUSEDMOE_THROW(kIo, path, ": header is not valid JSON: ", e.what());
   }
+  if (!duplicate.empty())
+    FUSEDMOE_THROW(kIo, path, ": header names tensor '", duplicate,
+                   "' more than once (a corrupt file: which entry is meant is unknown)");
   if (!header.is_object())
     FUSEDMOE_THROW(kIo, path, ": header is not a JSON object (got ", header.type_name(), ")");
 

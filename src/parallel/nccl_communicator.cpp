@@ -15,6 +15,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -152,28 +153,8 @@ class NcclCommunicator final : public Communicator {
     FUSEDMOE_CHECK(send_counts[rank_] == recv_counts[rank_], op, ": recv_counts[", rank_,
                    "] = ", recv_counts[rank_], " but this rank sends itself ", send_counts[rank_],
                    " bytes");
-    const char* s = static_cast<const char*>(send);
-    char* d = static_cast<char*>(recv);
-    if (send_counts[rank_] > 0)
-      enqueue_cuda(op, cudaMemcpyAsync(d + recv_displs[rank_], s + send_displs[rank_],
-                                       send_counts[rank_], cudaMemcpyDeviceToDevice, stream_));
-    group(op, [&] {
-      for (int p = 0; p < size_; ++p) {
-        if (p == rank_) continue;
-        if (send_counts[p] > 0)
-          if (ncclResult_t r = ncclSend(s + send_displs[p], static_cast<size_t>(send_counts[p]),
-                                        ncclInt8, p, comm_, stream_);
-              r != ncclSuccess && r != ncclInProgress)
-            return r;
-        if (recv_counts[p] > 0)
-          if (ncclResult_t r = ncclRecv(d + recv_displs[p], static_cast<size_t>(recv_counts[p]),
-                                        ncclInt8, p, comm_, stream_);
-              r != ncclSuccess && r != ncclInProgress)
-            return r;
-      }
-      return ncclSuccess;
-    });
-    wait(op);
+    exchange(op, static_cast<const char*>(send), send_counts, send_displs, static_cast<char*>(recv),
+             recv_counts, recv_displs);
   }
 
   void all_reduce_sum(float* data, int64_t count) override {
@@ -208,27 +189,11 @@ class NcclCommunicator final : public Communicator {
                    "] = ", recv_counts[rank_], " but this rank sends ", send_bytes, " bytes");
     if (send_bytes > 0) check_device_pointer(op, "send", send);
     if (recv_total > 0) check_device_pointer(op, "recv", recv);
-    char* d = static_cast<char*>(recv);
-    if (send_bytes > 0 && d + recv_displs[rank_] != send)
-      enqueue_cuda(op, cudaMemcpyAsync(d + recv_displs[rank_], send, send_bytes,
-                                       cudaMemcpyDeviceToDevice, stream_));
-    group(op, [&] {
-      for (int p = 0; p < size_; ++p) {
-        if (p == rank_) continue;
-        if (send_bytes > 0)
-          if (ncclResult_t r =
-                  ncclSend(send, static_cast<size_t>(send_bytes), ncclInt8, p, comm_, stream_);
-              r != ncclSuccess && r != ncclInProgress)
-            return r;
-        if (recv_counts[p] > 0)
-          if (ncclResult_t r = ncclRecv(d + recv_displs[p], static_cast<size_t>(recv_counts[p]),
-                                        ncclInt8, p, comm_, stream_);
-              r != ncclSuccess && r != ncclInProgress)
-            return r;
-      }
-      return ncclSuccess;
-    });
-    wait(op);
+    // Every peer gets the same bytes: an all-to-all whose sends all start at 0.
+    const std::vector<int64_t> send_counts(static_cast<size_t>(size_), send_bytes);
+    const std::vector<int64_t> send_displs(static_cast<size_t>(size_), 0);
+    exchange(op, static_cast<const char*>(send), send_counts, send_displs, static_cast<char*>(recv),
+             recv_counts, recv_displs);
   }
 
   void reduce_scatter_sum(const float* send, float* recv,
@@ -352,6 +317,33 @@ class NcclCommunicator final : public Communicator {
     ncclCommAbort(comm_);
     FUSEDMOE_THROW(kIo, op, ": ", cudaGetErrorName(e), " (", cudaGetErrorString(e),
                    ") on NCCL rank ", rank_, " of ", size_, "; the communicator was aborted");
+  }
+  // The byte exchange of all_to_all_v and all_gather_v (arguments checked by
+  // them): this rank's own part by a device copy (none when in place), every
+  // peer's by one grouped ncclSend / ncclRecv pair; waits for completion.
+  void exchange(const char* op, const char* s, std::span<const int64_t> send_counts,
+                std::span<const int64_t> send_displs, char* d, std::span<const int64_t> recv_counts,
+                std::span<const int64_t> recv_displs) {
+    if (send_counts[rank_] > 0 && d + recv_displs[rank_] != s + send_displs[rank_])
+      enqueue_cuda(op, cudaMemcpyAsync(d + recv_displs[rank_], s + send_displs[rank_],
+                                       send_counts[rank_], cudaMemcpyDeviceToDevice, stream_));
+    group(op, [&] {
+      for (int p = 0; p < size_; ++p) {
+        if (p == rank_) continue;
+        if (send_counts[p] > 0)
+          if (ncclResult_t r = ncclSend(s + send_displs[p], static_cast<size_t>(send_counts[p]),
+                                        ncclInt8, p, comm_, stream_);
+              r != ncclSuccess && r != ncclInProgress)
+            return r;
+        if (recv_counts[p] > 0)
+          if (ncclResult_t r = ncclRecv(d + recv_displs[p], static_cast<size_t>(recv_counts[p]),
+                                        ncclInt8, p, comm_, stream_);
+              r != ncclSuccess && r != ncclInProgress)
+            return r;
+      }
+      return ncclSuccess;
+    });
+    wait(op);
   }
   // ncclGroupStart; body (the NCCL calls); ncclGroupEnd; poll until launched.
   template <typename Body>

@@ -147,6 +147,19 @@ else
   echo "ok   bench --memory-fraction nan: $(cat "$TMP/stderr")"
 fi
 
+# bench --backend cuda: CPU-only options are refused before any device is used.
+for args in "--dtype f32:--dtype" "--csv $TMP/b.csv:--csv" "--threads 2:--threads" \
+  "--no-baseline:--no-baseline" "--seed 7:--seed"; do
+  rc=0
+  # shellcheck disable=SC2086
+  "$BIN" bench --backend cuda --shapes qwen3 --tokens 1 ${args%%:*} >"$TMP/stdout" 2>"$TMP/stderr" || rc=$?
+  if [ "$rc" -eq 0 ] || [ "$rc" -ge 128 ] || ! grep -qF -- "${args##*:}" "$TMP/stderr" || [ -e "$TMP/b.csv" ]; then
+    echo "FAIL bench --backend cuda ${args%%:*} (exit $rc)"; cat "$TMP/stderr"; failures=$((failures + 1))
+  else
+    echo "ok   bench --backend cuda ${args%%:*}: $(cat "$TMP/stderr")"
+  fi
+done
+
 # inspect fails cleanly too.
 rc=0
 "$BIN" inspect "$TMP/unknown" >/dev/null 2>"$TMP/stderr" || rc=$?

@@ -198,6 +198,27 @@ TEST(CudaRunner, ForcedMmaPathAtLargeT) {
   check_runner(c, 1000, rng, DType::kF32);
 }
 
+// The shared expert at many rows: sm90_dense_expert (by default from T = 32 on,
+// and forced) and the mma.sync kernels (forced), with the routed experts on the
+// same path; a shared intermediate size (264) and H (264) off the tiles.
+TEST(CudaRunner, SharedExpertBothPathsAtLargeT) {
+  FUSEDMOE_REQUIRE_CUDA();
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  for (const char* arch : {"deepseek_v3", "qwen2_moe"}) {
+    MoEConfig c = test::arch_config(arch, 16, 4, 264, 40);
+    c.shared_intermediate_size = 264;
+    for (const char* path : {"", "mma", "sm90"}) {
+      if (std::string(path) == "sm90" && !cuda::sm90_experts_available()) continue;
+      SCOPED_TRACE(std::string(arch) + " path '" + path + "'");
+      const ForceExperts force(path);
+      check_runner(c, 600, rng, DType::kBF16);
+      if (HasFailure()) return;
+    }
+  }
+}
+
 TEST(CudaRunner, RejectsUnknownExpertsPath) {
   FUSEDMOE_REQUIRE_CUDA();
   const ForceExperts force("wgmma");

@@ -50,7 +50,8 @@ TEST(InspectJson, EveryFixtureHasItsLayersAndWeightBytes) {
       const int64_t layer = info.moe_layers[i];
       const ojson& l = j["layers"][i];
       EXPECT_EQ(keys(l), (std::vector<std::string>{"layer", "prefix", "config", "tensors",
-                                                   "weight_dtypes", "bytes"}));
+                                                   "weight_dtypes", "bytes", "weights_ok"}));
+      EXPECT_TRUE(l["weights_ok"].get<bool>());
       EXPECT_EQ(l["layer"], layer);
       EXPECT_EQ(l["prefix"], info.moe_prefix(layer));
       EXPECT_EQ(l["config"], ojson::parse(info.layer_config(layer).to_json()));
@@ -87,6 +88,45 @@ TEST(InspectJson, ConfigJsonPathAndConfigWithoutWeights) {
   ASSERT_FALSE(bare["layers"].empty());
   for (const auto& l : bare["layers"])
     EXPECT_EQ(keys(l), (std::vector<std::string>{"layer", "prefix", "config"}));
+}
+
+// A checkpoint whose expert tensor has the wrong shape: inspect still describes
+// the model, and the layer says what load_moe_layer would throw.
+TEST(InspectJson, WrongWeightShapeIsReportedPerLayer) {
+  const std::string dir = test::hf_fixture_dir("olmoe");
+  const ModelInfo info = load_model_info(dir);
+  const int64_t layer = info.moe_layers.at(0);
+  const std::string bad = info.moe_prefix(layer) + "experts.1.up_proj.weight";
+  auto file = SafetensorsFile::open(dir + "/model.safetensors");
+  std::vector<Tensor> keep;
+  std::vector<std::pair<std::string, TensorView>> tensors;
+  for (const auto& name : file->names()) {
+    Tensor t = file->get(name);
+    if (name == bad) {  // [I, H] -> [I / 2, 2 H]: same bytes, wrong shape
+      const Tensor c = Tensor::copy_of(t.view());
+      t = c;
+      tensors.emplace_back(name, c.view().reshape({c.size(0) / 2, c.size(1) * 2}));
+    } else {
+      tensors.emplace_back(name, t.view());
+    }
+    keep.push_back(t);
+  }
+  test::TempDir tmp("inspect");
+  fs::copy_file(dir + "/config.json", tmp.file("config.json"));
+  save_safetensors(tmp.file("model.safetensors"), tensors);
+  const ojson j = ojson::parse(inspect_json(tmp.path()));
+  for (const auto& l : j["layers"]) {
+    SCOPED_TRACE(l["layer"].dump());
+    if (l["layer"] != layer) {
+      EXPECT_TRUE(l["weights_ok"].get<bool>());
+      EXPECT_FALSE(l.contains("weights_error"));
+      continue;
+    }
+    EXPECT_FALSE(l["weights_ok"].get<bool>());
+    const std::string msg = l["weights_error"].get<std::string>();
+    EXPECT_NE(msg.find("'" + bad + "'"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("expected shape"), std::string::npos) << msg;
+  }
 }
 
 TEST(InspectJson, SafetensorsFileListsItsTensors) {

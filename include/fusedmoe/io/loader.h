@@ -40,4 +40,11 @@ struct LoadOptions {
 MoELayerWeights load_moe_layer(const Checkpoint& checkpoint, const ModelInfo& info, int64_t layer,
                                const LoadOptions& options = {});
 
+// What load_moe_layer checks before it copies anything: every tensor the layer
+// needs is present with the expected shape and a supported dtype (and FP8 ones
+// with their block scales). Reads only the safetensors headers: no weight is
+// copied or scanned for NaN/Inf. Throws what load_moe_layer throws for those.
+// Used by inspect_json (io/inspect.h).
+void check_moe_layer(const Checkpoint& checkpoint, const ModelInfo& info, int64_t layer);
+
 }  // namespace fusedmoe

@@ -62,7 +62,10 @@ void synchronize();
 // NaN logits: a NaN is never selected while a non-NaN column remains, ids stay
 // in range, and with RouteArgs::nan_token the first such token is recorded on
 // the device (reporting it needs a host sync: CudaMoELayer::check_errors).
-// Throws Error(kUnsupported) for kSimulated or more than 1024 logit columns.
+// kSimulated (benchmarks) ignores the logits: one thread per token runs the CPU
+// simulator's draw (routing/simulated_router.cpp), so ids equal the CPU's for
+// the same simulation_seed; kZipf needs zipf_pmf / zipf_cdf.
+// Throws Error(kUnsupported) for more than 1024 logit columns or top_k > 32.
 struct RouteArgs {
   const float* router_logits = nullptr;
   int64_t logits_ld = 0;
@@ -77,6 +80,11 @@ struct RouteArgs {
   // initialises it (e.g. INT32_MAX) and reads it after the stream synchronises.
   const int32_t* num_valid_tokens = nullptr;
   int32_t* nan_token = nullptr;
+  // kSimulated + kZipf: device f64 [E + Z] tables pmf[c] = (c + 1)^-zipf_s and
+  // their prefix sums, computed on the host (routing::simulated::zipf_tables in
+  // src/routing/simulated_routing.h) so that the draws match the CPU's.
+  const double* zipf_pmf = nullptr;
+  const double* zipf_cdf = nullptr;
 };
 void route(const MoEConfig& config, const RouteArgs& args, int64_t num_tokens, Stream stream);
 
@@ -121,10 +129,11 @@ GemmTile pick_gemm_tile(int64_t rows_per_expert, int64_t routed_rows, int64_t n,
 //           block_m of `tile`); with expert_offsets == null, one expert, rows [0, M).
 // Epilogue kGlu (w13, N = 2I): out[r, i] = act(C[r, i] + b[i], C[r, I + i] + b[I + i])
 //   (dtype, rounded to nearest; f16 values beyond 65504 become +-inf) for i < I,
-//   every row of a tile written (padding too), row stride ldc.
+//   every row of a tile written (padding too), row stride ldc. N even, ldc even.
 // Epilogue kScatter (w2, N = H): for rows with slot s != -1:
 //   out_f32[s * ldc + n] = scale * (C[r, n] + b[n]), scale = row_scale[s] or 1.
 //   Without expert_offsets (dense, shared expert): out_f32[r * ldc + n], r < M.
+//   Any N >= 1 and ldc >= N (the dense router GEMM: E + Z logits, any row stride).
 enum class GemmEpilogue : uint8_t { kGlu, kScatter };
 struct GroupedGemmArgs {
   GemmEpilogue epilogue = GemmEpilogue::kGlu;
@@ -189,9 +198,38 @@ struct Sm90ExpertsArgs {
   size_t workspace_bytes = 0;
 };
 void sm90_experts(const Sm90ExpertsArgs& args, Stream stream);
+
+// One dense expert over all T rows (the shared expert) on the same sm_90a path:
+// no permute, A = x itself; in order on `stream`:
+//   h13 = x . w13^T (dtype [T, 2I], in `workspace`),
+//   inter_rows[t, i] = act(h13[t, i] + b[i], h13[t, I + i] + b[I + i]) (dtype),
+//   out = inter_rows . w2^T (f32 [T, H], contiguous).
+// x: dtype (bf16 or f16) [T, H] contiguous, 16-byte aligned; w13 dtype [2I, H]; w13_bias f32
+// [2I] or null; w2 dtype [H, I]. H % 8 == 0 and I % 8 == 0. The same arithmetic
+// as grouped_gemm's dense kGlu + kScatter (dtype in, f32 accumulation, dtype
+// intermediate), up to the order of the f32 sums.
+// Throws Error(kInvalidArgument) on bad sizes or a short workspace,
+// Error(kUnsupported) in builds without CUTLASS.
+size_t sm90_dense_expert_workspace_bytes(int64_t num_tokens, int64_t inter);
+struct Sm90DenseExpertArgs {
+  DType dtype = DType::kBF16;   // of x, w13, w2, inter_rows: kBF16 or kF16
+  const uint16_t* x = nullptr;  // bf16 / f16 bits
+  int64_t num_tokens = 0, hidden = 0, inter = 0;
+  const uint16_t* w13 = nullptr;
+  const float* w13_bias = nullptr;
+  const uint16_t* w2 = nullptr;
+  ActivationParams act;
+  uint16_t* inter_rows = nullptr;  // dtype [T, I]
+  float* out = nullptr;            // f32 [T, H]
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+};
+void sm90_dense_expert(const Sm90DenseExpertArgs& args, Stream stream);
 // Whether the routed experts take sm90_experts() (true) or the mma.sync / GEMV
 // grouped GEMMs (tuning data in gemm_configs.cpp). FUSEDMOE_CUDA_EXPERTS=sm90
 // or =mma in the environment forces one (sm90 only where available).
+// The shared expert (one expert, T rows) takes sm90_dense_expert() when
+// pick_sm90_experts(T, T, H, I_shared) says so: the same threshold.
 bool pick_sm90_experts(int64_t rows_per_expert, int64_t routed_rows, int64_t hidden, int64_t inter);
 
 // ---- finalize ------------------------------------------------------------------
@@ -290,11 +328,25 @@ void to_half_rows(const void* x, DType in_dtype, int64_t ldx, int64_t num_tokens
                   Stream stream);
 void to_bf16_rows(const void* x, DType in_dtype, int64_t ldx, int64_t num_tokens, int64_t hidden,
                   const float* row_scale, int64_t scale_stride, uint16_t* xb, Stream stream);
-// router_logits f32 [T, L] (row stride ldl) = x . gate_w^T + gate_b, in f32.
-// x f32, bf16 or f16 (x_dtype, row stride ldx), gate_w f32 or bf16 [L, H] (w_dtype),
-// gate_b f32 [L] or null.
+// router_logits f32 [T, L] (row stride ldl >= L) = x . gate_w^T + gate_b, in f32.
+// x f32, bf16 or f16 (x_dtype, row stride ldx >= H), gate_w f32 or bf16 [L, H]
+// contiguous (w_dtype), gate_b f32 [L] or null. Every product is formed from
+// the inputs' exact values and summed in f32 (the order of the sums depends on
+// the path, so results agree to f32 rounding, not bit for bit, across paths):
+//   T <= 32: CUDA cores, one block per (logit, 8 tokens);
+//   x and gate_w bf16 (16-byte aligned rows: H, ldx multiples of 8), T > 32:
+//     tensor cores (the dense mma.sync GEMM of grouped_gemm, kScatter epilogue;
+//     bf16 x bf16 products are exact in f32, accumulation in f32). This is
+//     what vLLM and SGLang run for DeepSeek-V3's gate (bf16 inputs, f32
+//     accumulation); HF transformers upcasts both to f32 first, which gives
+//     the same products, so the logits differ from HF's in f32 rounding only;
+//   otherwise: CUDA cores, 64 x 64 f32 tiles.
+// x_bf16 (optional): also writes to_bf16_rows(x) there (bf16 [T, H], contiguous;
+// the same values): at T <= 32 inside the router kernel (one launch fewer on
+// the decode path), otherwise by a to_bf16_rows launch after it.
+// Throws Error(kInvalidArgument) for other dtypes or strides.
 void router_gemm(const void* x, DType x_dtype, int64_t ldx, int64_t num_tokens, int64_t hidden,
                  const void* gate_w, DType w_dtype, int64_t num_logits, const float* gate_b,
-                 float* router_logits, int64_t ldl, Stream stream);
+                 float* router_logits, int64_t ldl, Stream stream, uint16_t* x_bf16 = nullptr);
 
 }  // namespace fusedmoe::cuda

@@ -7,6 +7,7 @@
 // not know (counts, offsets, the number of tiles) stays on the device.
 #include "fusedmoe/kernels/cuda.h"
 #include "kernels/cuda/cuda_common.cuh"
+#include "kernels/cuda/pdl.cuh"
 
 namespace fusedmoe::cuda {
 namespace {
@@ -105,6 +106,8 @@ __global__ void __launch_bounds__(kFusedThreads)
   __shared__ int32_t cnt[kFusedMaxExperts];
   __shared__ int32_t cur[kFusedMaxExperts];
   __shared__ int32_t warp_sums[kFusedThreads / 32];
+  pdl_wait();  // ids from route; offsets and sorted_slot read by the kernels before
+  pdl_launch_dependents();
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   for (int e = tid; e < num_experts; e += kFusedThreads) cnt[e] = 0;
   __syncthreads();
@@ -164,9 +167,8 @@ void align(const AlignArgs& a, Stream stream) {
                  "align: output and scratch pointers are required");
   const int E = static_cast<int>(a.num_experts);
   if (a.num_slots <= kFusedMaxSlots && E <= kFusedMaxExperts) {
-    align_fused_kernel<<<1, kFusedThreads, 0, stream>>>(
-        a.topk_ids, static_cast<int>(a.num_slots), E, a.block_m, a.expert_offsets, a.sorted_slot);
-    FUSEDMOE_CUDA_CHECK_LAUNCH();
+    launch_pdl(align_fused_kernel, 1, kFusedThreads, 0, stream, a.topk_ids,
+               static_cast<int>(a.num_slots), E, a.block_m, a.expert_offsets, a.sorted_slot);
     return;
   }
   FUSEDMOE_CUDA_CHECK(cudaMemsetAsync(a.expert_counts, 0, sizeof(int32_t) * E, stream));

@@ -102,6 +102,27 @@ DeviceMemory upload_raw(const Tensor& t) {
   return d;
 }
 
+// The router gate on the device: bf16 when that loses nothing (a bf16
+// checkpoint, or f32 values that are all bf16 numbers, e.g. a bf16 checkpoint
+// loaded as f32), so that router_gemm can take the tensor cores for bf16
+// activations; f32 otherwise (e.g. f32 HF fixtures). *dtype says which.
+DeviceMemory upload_gate(const Tensor& gate, DType* dtype) {
+  if (gate.dtype() == DType::kBF16) {
+    *dtype = DType::kBF16;
+    return upload_raw(gate);
+  }
+  const Tensor f = to_f32(gate.view());
+  const float* v = f.data_as<const float>();
+  const int64_t n = f.numel();
+  bool exact = true;
+  for (int64_t i = 0; i < n && exact; ++i) {
+    const float r = round_to_bf16(v[i]);
+    exact = std::memcmp(&r, &v[i], sizeof r) == 0;
+  }
+  *dtype = exact ? DType::kBF16 : DType::kF32;
+  return exact ? upload_half(f, DType::kBF16, "gate_weight") : upload_f32(f);
+}
+
 struct DeviceExperts {
   DeviceMemory w13, w2, w13_bias, w2_bias;
   int64_t num_experts = 0, inter = 0;
@@ -150,9 +171,19 @@ struct CudaMoELayer::Impl {
   uint16_t* inter_s = nullptr;
   float* shared_out = nullptr;
   int32_t* nan_token = nullptr;  // first token with a NaN router logit, else kNoNanToken
+  // the shared expert on the sm90 path (many rows): its own workspace, as it
+  // runs on the side stream beside the routed experts
+  void* shared_sm90_ws = nullptr;
+  size_t shared_sm90_ws_bytes = 0;
   // second stream for the shared expert
   cudaStream_t side = nullptr;
   cudaEvent_t fork = nullptr, join = nullptr;
+
+  // The shared expert of the T rows of xb into shared_out, on the side stream
+  // after `stream`'s work so far (joined by the `join` event), on the path and
+  // tiles forward() picks for tile_tokens tokens. Returns true when it took the
+  // sm90 path (sm90_dense_expert).
+  bool launch_shared(int64_t T, int64_t tile_tokens, cudaStream_t stream);
 
   // The routed experts of the M rows x (row stride ldx) with their ids / weights.
   RoutedExpertsArgs routed_args(const uint16_t* x, int64_t ldx, const int32_t* topk_ids,
@@ -212,8 +243,7 @@ CudaMoELayer::CudaMoELayer(const MoEConfig& config, const MoELayerWeights& w,
   FUSEDMOE_CUDA_CHECK(cudaGetDevice(&s.device));
 
   // ---- weights ----
-  s.gate_dtype = w.gate_weight.dtype() == DType::kBF16 ? DType::kBF16 : DType::kF32;
-  s.gate_w = s.gate_dtype == DType::kBF16 ? upload_raw(w.gate_weight) : upload_f32(w.gate_weight);
+  s.gate_w = upload_gate(w.gate_weight, &s.gate_dtype);
   if (w.gate_bias) s.gate_b = upload_f32(*w.gate_bias);
   if (c.has_e_score_correction_bias && w.router_params.e_score_correction_bias)
     s.score_bias = upload_f32(*w.router_params.e_score_correction_bias);
@@ -248,6 +278,10 @@ CudaMoELayer::CudaMoELayer(const MoEConfig& config, const MoELayerWeights& w,
   if (c.has_shared_expert()) {
     parts.push_back({reinterpret_cast<void**>(&s.inter_s), size_t{2} * Tm * Is});
     parts.push_back({reinterpret_cast<void**>(&s.shared_out), sizeof(float) * Tm * H});
+    if (sm90) {
+      s.shared_sm90_ws_bytes = sm90_dense_expert_workspace_bytes(Tm, Is);
+      parts.push_back({&s.shared_sm90_ws, s.shared_sm90_ws_bytes});
+    }
   }
   size_t total = 0;
   for (const Part& p : parts) total += (p.bytes + 255) / 256 * 256;
@@ -325,8 +359,16 @@ void CudaMoELayer::forward(const TensorView& hidden_states, const TensorView& ou
   ep_route(hidden_states, router_logits_in, token_ids, outputs, stream, num_valid_tokens);
   const int64_t T = hidden_states.size(0);
   if (T == 0) return;
-  ep_shared(T, T, stream);
+  const bool shared_sm90 = c.has_shared_expert() && s.launch_shared(T, T, stream);
   RoutedExpertsArgs r = s.routed_args(expert_input(), c.hidden_size, s.ids, s.weights, T);
+  // Both on the sm90 path (many rows): the CUTLASS GEMMs are persistent
+  // kernels, one CTA per SM, and each fills the GPU alone. Run side by side
+  // (the routed GEMM's CTAs then wait for SMs the shared expert holds), the
+  // graph replay of DeepSeek-V3 at T = 4096 took 9374 us (eager 8721 us,
+  // routed part alone 7666 us); with the routed experts waiting for the
+  // shared expert (which still overlaps align on the side stream): 8628 us
+  // graph, 8638 us eager (bench/results/2026-11-29-layer.md).
+  if (shared_sm90) r.sm90_wait_event = s.join;
   finish(routed_experts(r, s.routed, stream), output, stream);
 }
 
@@ -375,14 +417,20 @@ void CudaMoELayer::ep_route(const TensorView& hidden_states, const TensorView* r
   // ---- router ----
   const float* logits = nullptr;
   int64_t ldl = L;
+  // With bf16 experts the router GEMM also writes the bf16 expert inputs xb
+  // (in its own kernel at decode sizes: one launch fewer); otherwise
+  // to_half_rows below.
+  bool have_xb = false;
   if (router_logits_in) {
     logits = router_logits_in->data_as<const float>();
     ldl = router_logits_in->stride(0);
   } else if (c.routing_method != RoutingMethod::kHash || want_logits) {
     float* dst = want_logits ? outputs->router_logits.data_as<float>() : s.logits;
     ldl = want_logits ? outputs->router_logits.stride(0) : L;
+    have_xb = s.dtype == DType::kBF16;
     router_gemm(hidden_states.data(), hidden_states.dtype(), hidden_states.stride(0), T, H,
-                s.gate_w.get(), s.gate_dtype, L, s.gate_b.as<float>(), dst, ldl, stream);
+                s.gate_w.get(), s.gate_dtype, L, s.gate_b.as<float>(), dst, ldl, stream,
+                have_xb ? s.xb : nullptr);
     logits = dst;
   }
   RouteArgs ra;
@@ -411,49 +459,72 @@ void CudaMoELayer::ep_route(const TensorView& hidden_states, const TensorView* r
                                           k * 4, T, cudaMemcpyDeviceToDevice, stream));
 
   // ---- expert inputs (bf16 / f16) ----
-  to_half_rows(hidden_states.data(), hidden_states.dtype(), hidden_states.stride(0), T, H, nullptr,
-               0, s.dtype, s.xb, stream);
+  if (!have_xb)
+    to_half_rows(hidden_states.data(), hidden_states.dtype(), hidden_states.stride(0), T, H,
+                 nullptr, 0, s.dtype, s.xb, stream);
   if (c.apply_router_weight_on_input)  // Llama-4 (k = 1): x * topk_weight, then bf16 / f16
     to_half_rows(hidden_states.data(), hidden_states.dtype(), hidden_states.stride(0), T, H,
                  s.weights, k, s.dtype, s.xs, stream);
 }
 
 void CudaMoELayer::ep_shared(int64_t T, int64_t tile_tokens, Stream stream) {
-  Impl& s = *impl_;
-  const MoEConfig& c = s.cfg;
-  const int64_t H = c.hidden_size;
-  if (T == 0 || !c.has_shared_expert()) return;
-  FUSEDMOE_CUDA_CHECK(cudaEventRecord(s.fork, stream));
-  FUSEDMOE_CUDA_CHECK(cudaStreamWaitEvent(s.side, s.fork, 0));
-  const int64_t Is = c.shared_intermediate_size;
-  GroupedGemmArgs g;
-  g.epilogue = GemmEpilogue::kGlu;
-  g.tile = pick_gemm_tile(tile_tokens, tile_tokens, 2 * Is, H);
-  g.dtype = s.dtype;
-  g.a = s.xb;
-  g.lda = H;
-  g.m = T;
-  g.w = s.shared.w13.as<uint16_t>();
-  g.n = 2 * Is;
-  g.k = H;
-  g.act = ActivationParams::from_config(c);
-  g.out = s.inter_s;
-  g.ldc = Is;
-  grouped_gemm(g, s.side);
-  GroupedGemmArgs g2;
-  g2.epilogue = GemmEpilogue::kScatter;
-  g2.tile = pick_gemm_tile(tile_tokens, tile_tokens, H, Is);
-  g2.dtype = s.dtype;
-  g2.a = s.inter_s;
-  g2.lda = Is;
-  g2.m = T;
-  g2.w = s.shared.w2.as<uint16_t>();
-  g2.n = H;
-  g2.k = Is;
-  g2.out = s.shared_out;
-  g2.ldc = H;
-  grouped_gemm(g2, s.side);
-  FUSEDMOE_CUDA_CHECK(cudaEventRecord(s.join, s.side));
+  if (T == 0 || !impl_->cfg.has_shared_expert()) return;
+  impl_->launch_shared(T, tile_tokens, stream);
+}
+
+bool CudaMoELayer::Impl::launch_shared(int64_t T, int64_t tile_tokens, cudaStream_t stream) {
+  const MoEConfig& c = cfg;
+  const int64_t H = c.hidden_size, Is = c.shared_intermediate_size;
+  FUSEDMOE_CUDA_CHECK(cudaEventRecord(fork, stream));
+  FUSEDMOE_CUDA_CHECK(cudaStreamWaitEvent(side, fork, 0));
+  // One expert over all T rows: T rows per expert, the routed experts' threshold.
+  const bool sm90 = shared_sm90_ws != nullptr && pick_sm90_experts(tile_tokens, tile_tokens, H, Is);
+  if (sm90) {
+    Sm90DenseExpertArgs d;
+    d.dtype = dtype;
+    d.x = xb;
+    d.num_tokens = T;
+    d.hidden = H;
+    d.inter = Is;
+    d.w13 = shared.w13.as<uint16_t>();
+    d.w2 = shared.w2.as<uint16_t>();
+    d.act = ActivationParams::from_config(c);
+    d.inter_rows = inter_s;
+    d.out = shared_out;
+    d.workspace = shared_sm90_ws;
+    d.workspace_bytes = shared_sm90_ws_bytes;
+    sm90_dense_expert(d, side);
+  } else {
+    GroupedGemmArgs g;
+    g.epilogue = GemmEpilogue::kGlu;
+    g.tile = pick_gemm_tile(tile_tokens, tile_tokens, 2 * Is, H);
+    g.dtype = dtype;
+    g.a = xb;
+    g.lda = H;
+    g.m = T;
+    g.w = shared.w13.as<uint16_t>();
+    g.n = 2 * Is;
+    g.k = H;
+    g.act = ActivationParams::from_config(c);
+    g.out = inter_s;
+    g.ldc = Is;
+    grouped_gemm(g, side);
+    GroupedGemmArgs g2;
+    g2.epilogue = GemmEpilogue::kScatter;
+    g2.tile = pick_gemm_tile(tile_tokens, tile_tokens, H, Is);
+    g2.dtype = dtype;
+    g2.a = inter_s;
+    g2.lda = Is;
+    g2.m = T;
+    g2.w = shared.w2.as<uint16_t>();
+    g2.n = H;
+    g2.k = Is;
+    g2.out = shared_out;
+    g2.ldc = H;
+    grouped_gemm(g2, side);
+  }
+  FUSEDMOE_CUDA_CHECK(cudaEventRecord(join, side));
+  return sm90;
 }
 
 const float* CudaMoELayer::experts(const uint16_t* x, int64_t ldx, const int32_t* topk_ids,

@@ -1,6 +1,7 @@
 // fusedmoe CUDA: finalize (sum each token's k weighted expert rows in slot
-// order, add the shared expert), input conversion to bf16 / f16, the f32 router
-// GEMM, and device queries.
+// order, add the shared expert), input conversion to bf16 / f16, the router GEMM
+// (f32 accumulation: CUDA cores, or tensor cores for bf16 inputs at T > 32),
+// and device queries.
 #include <cuda_fp16.h>
 
 #include <mutex>
@@ -9,6 +10,7 @@
 
 #include "fusedmoe/kernels/cuda.h"
 #include "kernels/cuda/cuda_common.cuh"
+#include "kernels/cuda/pdl.cuh"
 
 namespace fusedmoe::cuda {
 
@@ -76,6 +78,8 @@ __global__ void __launch_bounds__(kFinalizeThreads)
   __shared__ float scale[32];
   __shared__ float red[kFinalizeThreads / 32];
   __shared__ float gate_s;
+  pdl_wait();  // y, ids, shared from the kernels before; out may be read by them
+  pdl_launch_dependents();
   const int64_t t = blockIdx.x / chunks;
   const int64_t h = (blockIdx.x % chunks) * (kFinalizeThreads * 4) + threadIdx.x * 4;
   if (threadIdx.x < top_k) {
@@ -179,6 +183,8 @@ template <typename In, typename Out>
 __global__ void to_half_kernel(const In* __restrict__ x, int64_t ldx, int64_t hidden,
                                const float* __restrict__ row_scale, int64_t scale_stride,
                                Out* __restrict__ xb) {
+  pdl_wait();  // x (and row_scale) from the kernels before; xb read by them
+  pdl_launch_dependents();
   const int64_t t = blockIdx.x;
   const float s = row_scale ? row_scale[t * scale_stride] : 1.0f;
   for (int64_t h = threadIdx.x; h < hidden; h += blockDim.x) {
@@ -193,12 +199,11 @@ void launch_to_half(const In* x, int64_t ldx, int64_t T, int64_t H, const float*
   const unsigned grid = static_cast<unsigned>(T);
   const int threads = H >= 1024 ? 256 : 128;
   if (out_dtype == DType::kF16)
-    to_half_kernel<In, __half><<<grid, threads, 0, stream>>>(x, ldx, H, row_scale, scale_stride,
-                                                             static_cast<__half*>(out));
+    launch_pdl(to_half_kernel<In, __half>, grid, threads, 0, stream, x, ldx, H, row_scale,
+               scale_stride, static_cast<__half*>(out));
   else
-    to_half_kernel<In, uint16_t><<<grid, threads, 0, stream>>>(x, ldx, H, row_scale, scale_stride,
-                                                               static_cast<uint16_t*>(out));
-  FUSEDMOE_CUDA_CHECK_LAUNCH();
+    launch_pdl(to_half_kernel<In, uint16_t>, grid, threads, 0, stream, x, ldx, H, row_scale,
+               scale_stride, static_cast<uint16_t*>(out));
 }
 
 // ---- router GEMM (f32 math) ----
@@ -252,13 +257,16 @@ constexpr int kRgSmallThreads = 256;
 // Few tokens (decode): one block per (logit, group of 8 tokens), its 256
 // threads striding over H (loads unrolled 4 deep, so many are in flight: a
 // warp per logit looping over all of H took ~50 us for Mixtral's 8 logits),
-// then a fixed-order block reduction: the same logits on every run.
+// then a fixed-order block reduction: the same logits on every run. With xb,
+// the blocks of a token group also write its rows as bf16 (as to_bf16_kernel).
 template <typename X, typename W>
 __global__ void __launch_bounds__(kRgSmallThreads)
     router_gemm_small(const X* __restrict__ x, int64_t ldx, int64_t T, int64_t H,
                       const W* __restrict__ w, int64_t L, const float* __restrict__ b,
-                      float* __restrict__ out, int64_t ldl) {
+                      float* __restrict__ out, int64_t ldl, uint16_t* __restrict__ xb) {
   __shared__ float red[kRgSmallThreads / 32][kRgSmallTokens];
+  pdl_wait();  // x from the kernels before; out read by them
+  pdl_launch_dependents();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t l = blockIdx.x;
   const int64_t t0 = static_cast<int64_t>(blockIdx.y) * kRgSmallTokens;
@@ -285,14 +293,37 @@ __global__ void __launch_bounds__(kRgSmallThreads)
     for (int wi = 0; wi < kRgSmallThreads / 32; ++wi) v += red[wi][threadIdx.x];
     out[(t0 + threadIdx.x) * ldl + l] = v + (b ? b[l] : 0.0f);
   }
+  if (xb != nullptr)
+    for (int i = 0; i < nt; ++i)
+      for (int64_t h = l * kRgSmallThreads + threadIdx.x; h < H; h += L * kRgSmallThreads)
+        xb[(t0 + i) * H + h] = float_to_bf16_bits(load_in(x + (t0 + i) * ldx + h));
 }
 
+// bf16 x and bf16 gate weights, T > kRgTensorCoreMinTokens: the dense mma.sync
+// GEMM of the experts (sm90_bf16_grouped_gemm.cuh: one expert, kScatter
+// epilogue adds the bias and stores f32 with any N and row stride). Its bf16 x
+// bf16 products are exact in f32 and accumulate in f32, as on the CUDA cores;
+// only the order of the f32 sums differs. Tile (estimated from the data each
+// work item reads, not swept): m64n128 once it gives ~3/4 of a wave of work
+// items (DeepSeek-V3 T = 4096: 64 x 2), else m16n64 (more, smaller items: a
+// few hundred tokens, or few logits as Mixtral's 8).
+constexpr int64_t kRgTensorCoreMinTokens = 32;
+
+GemmTile router_gemm_tile(int64_t T, int64_t L) {
+  const int64_t big_items = ceil_div(T, int64_t{64}) * ceil_div(L, int64_t{128});
+  return big_items * 4 >= int64_t{num_sms()} * 3 ? GemmTile::kM64N128 : GemmTile::kM16N64;
+}
+
+// xb: written by router_gemm_small only (T <= 32); the caller converts otherwise.
+constexpr int64_t kRgSmallMaxTokens = 32;
 template <typename X, typename W>
 void launch_router_gemm(const X* x, int64_t ldx, int64_t T, int64_t H, const W* w, int64_t L,
-                        const float* b, float* out, int64_t ldl, Stream stream) {
-  if (T <= 32) {
+                        const float* b, float* out, int64_t ldl, Stream stream, uint16_t* xb) {
+  if (T <= kRgSmallMaxTokens) {
     dim3 grid(static_cast<unsigned>(L), static_cast<unsigned>(ceil_div(T, kRgSmallTokens)));
-    router_gemm_small<X, W><<<grid, kRgSmallThreads, 0, stream>>>(x, ldx, T, H, w, L, b, out, ldl);
+    launch_pdl(router_gemm_small<X, W>, grid, kRgSmallThreads, 0, stream, x, ldx, T, H, w, L, b,
+               out, ldl, xb);
+    return;
   } else {
     dim3 grid(static_cast<unsigned>(ceil_div(L, kRgTile)),
               static_cast<unsigned>(ceil_div(T, kRgTile)));
@@ -328,9 +359,9 @@ void finalize(const FinalizeArgs& a, Stream stream) {
   auto launch = [&](auto* out) {
     using Out = std::remove_pointer_t<decltype(out)>;
     auto kernel = a.slot_row ? finalize_kernel<Out, true> : finalize_kernel<Out, false>;
-    kernel<<<grid, kFinalizeThreads, 0, stream>>>(
-        a.y, a.topk_ids, static_cast<int>(a.top_k), num_experts, a.hidden, chunks, a.shared,
-        a.shared_gate, a.x, x_f16, a.ldx, out, a.ldo, rows);
+    launch_pdl(kernel, grid, kFinalizeThreads, 0, stream, a.y, a.topk_ids,
+               static_cast<int>(a.top_k), num_experts, a.hidden, chunks, a.shared, a.shared_gate,
+               a.x, x_f16, a.ldx, out, a.ldo, rows);
   };
   if (a.out_dtype == DType::kF32)
     launch(static_cast<float*>(a.out));
@@ -338,7 +369,6 @@ void finalize(const FinalizeArgs& a, Stream stream) {
     launch(static_cast<__half*>(a.out));
   else
     launch(static_cast<uint16_t*>(a.out));
-  FUSEDMOE_CUDA_CHECK_LAUNCH();
 }
 
 void to_half_rows(const void* x, DType in_dtype, int64_t ldx, int64_t num_tokens, int64_t hidden,
@@ -368,26 +398,53 @@ void to_bf16_rows(const void* x, DType in_dtype, int64_t ldx, int64_t num_tokens
 
 void router_gemm(const void* x, DType x_dtype, int64_t ldx, int64_t num_tokens, int64_t hidden,
                  const void* gate_w, DType w_dtype, int64_t num_logits, const float* gate_b,
-                 float* router_logits, int64_t ldl, Stream stream) {
+                 float* router_logits, int64_t ldl, Stream stream, uint16_t* x_bf16) {
   if (num_tokens == 0) return;
-  const bool wf = w_dtype == DType::kF32;
-  FUSEDMOE_CHECK(x_dtype == DType::kF32 || x_dtype == DType::kBF16 || x_dtype == DType::kF16,
-                 "router_gemm: x must be f32, bf16 or f16");
+  const bool xf = x_dtype == DType::kF32, wf = w_dtype == DType::kF32;
+  const bool xh = x_dtype == DType::kF16;
+  FUSEDMOE_CHECK(xf || xh || x_dtype == DType::kBF16, "router_gemm: x must be f32, bf16 or f16");
   FUSEDMOE_CHECK(wf || w_dtype == DType::kBF16, "router_gemm: gate weight must be f32 or bf16");
+  FUSEDMOE_CHECK(ldx >= hidden, "router_gemm: ldx must be >= hidden = ", hidden, ", got ", ldx);
+  FUSEDMOE_CHECK(num_logits >= 1 && ldl >= num_logits,
+                 "router_gemm: ldl must be >= num_logits = ", num_logits, ", got ", ldl);
+  // 16-byte aligned rows for cp.async: true for every contiguous bf16 [T, H]
+  // with H % 8 == 0 (the CUDA layer checks H % 8); otherwise the CUDA-core path.
+  const bool aligned16 = reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+                         reinterpret_cast<uintptr_t>(gate_w) % 16 == 0 && hidden % 8 == 0 &&
+                         ldx % 8 == 0;
+  if (!xf && !xh && !wf && num_tokens > kRgTensorCoreMinTokens && aligned16) {
+    GroupedGemmArgs g;
+    g.epilogue = GemmEpilogue::kScatter;
+    g.tile = router_gemm_tile(num_tokens, num_logits);
+    g.a = static_cast<const uint16_t*>(x);
+    g.lda = ldx;
+    g.m = num_tokens;
+    g.w = static_cast<const uint16_t*>(gate_w);
+    g.n = num_logits;
+    g.k = hidden;
+    g.bias = gate_b;
+    g.out = router_logits;
+    g.ldc = ldl;
+    grouped_gemm(g, stream);
+    if (x_bf16) to_bf16_rows(x, x_dtype, ldx, num_tokens, hidden, nullptr, 0, x_bf16, stream);
+    return;
+  }
   auto with_w = [&](const auto* xp) {
     if (wf)
       launch_router_gemm(xp, ldx, num_tokens, hidden, static_cast<const float*>(gate_w), num_logits,
-                         gate_b, router_logits, ldl, stream);
+                         gate_b, router_logits, ldl, stream, x_bf16);
     else
       launch_router_gemm(xp, ldx, num_tokens, hidden, static_cast<const uint16_t*>(gate_w),
-                         num_logits, gate_b, router_logits, ldl, stream);
+                         num_logits, gate_b, router_logits, ldl, stream, x_bf16);
   };
-  if (x_dtype == DType::kF32)
+  if (xf)
     with_w(static_cast<const float*>(x));
-  else if (x_dtype == DType::kF16)
+  else if (xh)
     with_w(static_cast<const __half*>(x));
   else
     with_w(static_cast<const uint16_t*>(x));
+  if (x_bf16 && num_tokens > kRgSmallMaxTokens)
+    to_bf16_rows(x, x_dtype, ldx, num_tokens, hidden, nullptr, 0, x_bf16, stream);
 }
 
 }  // namespace fusedmoe::cuda

@@ -1,9 +1,12 @@
 // fusedmoe CUDA: the routed-expert pipeline (routed_experts.h) and the
 // functional fused_experts over caller-owned workspace (kernels/cuda.h).
+#include <cuda_runtime_api.h>
+
 #include <algorithm>
 #include <cmath>
 
 #include "fusedmoe/core/error.h"
+#include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/routed_experts.h"
 
 namespace fusedmoe::cuda {
@@ -106,6 +109,7 @@ FinalizeArgs routed_experts(const RoutedExpertsArgs& a, const RoutedScratch& s, 
   f.num_experts = E;
   const float* row_scale = a.apply_router_weight_on_input ? nullptr : a.topk_weights;
   if (sm90) {
+    if (a.sm90_wait_event) FUSEDMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, a.sm90_wait_event, 0));
     Sm90ExpertsArgs x;
     x.dtype = a.dtype;
     x.x = a.x;

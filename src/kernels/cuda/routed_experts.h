@@ -18,6 +18,8 @@
 
 #include "fusedmoe/kernels/cuda.h"
 
+struct CUevent_st;  // cudaEvent_t is CUevent_st*
+
 namespace fusedmoe::cuda {
 
 // The largest block_m of any GEMM tile: scratch sized for it fits every tile.
@@ -72,6 +74,10 @@ struct RoutedExpertsArgs {
   // expert of T tokens; the scratch must then be carved with sm90). Expert
   // parallelism passes false: it needs y by slot.
   bool allow_sm90 = true;
+  // On the sm90 path: `stream` waits for this event (a cudaEvent_t) after
+  // align, before the GEMMs (the layer's shared expert on the sm90 path: its
+  // persistent GEMMs and the routed ones each fill the GPU). Null: no wait.
+  CUevent_st* sm90_wait_event = nullptr;
 };
 // Launches the routed experts of T > 0 tokens on `stream` and returns the
 // arguments of finalize() for them: y, topk_ids, num_tokens, top_k, hidden,

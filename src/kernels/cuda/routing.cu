@@ -1,10 +1,39 @@
 // fusedmoe CUDA: routing kernels — router logits to (topk_ids, topk_weights).
 //
-// One warp per token. Lane l holds logit columns c = l + 32 i (coalesced loads).
-// Selection is k rounds of a warp arg-max over (value desc, id asc), the tie
-// rule of the CPU routers (routing/router.h); scores and weights are computed
-// in double like the CPU routers, so ids match exactly on tie-free inputs and
-// weights agree to f32 rounding. Variants (same formulas as src/routing/):
+// One warp per token; lane l holds the kN contiguous logit columns
+// c = l * kN + i (float4 loads when rows are 16-byte aligned), kN = the
+// smallest power of two with 32 * kN >= E + Z.
+//
+// Selection reproduces the CPU routers' order (value descending, then column
+// ascending) exactly. Every candidate gets an order-preserving 64-bit key of
+// its selection value:
+//   logit variants (kTopK without bias, kTopKSoftmax, kLlama4): the f32 logit
+//     (the CPU also selects on the raw f32 logits), the low word holding the
+//     lane-local column so keys are unique;
+//   score variants (kTopK with bias, kGroupedTopK): the double score + bias,
+//     computed with the CPU's double formulas (see "Precision" below), ties
+//     broken by the column kept beside the key.
+// Each lane sorts its kN candidates (bitonic network in registers, ties by
+// column), then k rounds take the warp's best head: two redux.sync max
+// reductions (high, then low key word) and a ballot; the lowest lane holding the
+// best key owns the lowest column (lanes hold contiguous columns), and pops it.
+// Grouped top-k: group scores (max, or sum of the top two, of score + bias) by
+// a butterfly inside each group's lanes when a group spans a power of two of
+// whole lanes (DeepSeek-V3: 256 experts, 8 groups: 4 lanes per group), else by
+// a loop over groups; the topk_group best groups (ties: lower group) by the same
+// redux rounds; experts of the other groups are never selected.
+// Weights: only the k chosen columns, lane j computing the j-th, in double with
+// the CPU's formulas (the full-row softmax denominator too), stored as f32.
+// Sigmoid / sqrtsoftplus score variants (DeepSeek-V3) first take a screened
+// path (route_screened below): f32 scores with a proven error bound, double
+// scores only for the few columns that can still be chosen, exact ranks among
+// them; the path above is its fallback (ties, near ties, NaN, other layouts).
+//
+// Precision: scores are double (CUDA's exp/log1p are within 1 ulp of the CPU
+// libm), so ids equal the CPU's whenever competing score + bias values differ
+// by more than ~1e-15 relative, and exact ties (equal inputs) resolve to the
+// lower column as on the CPU; logit variants compare the f32 logits exactly.
+// Variants (same formulas as src/routing/):
 //   kTopK        scoring (softmax/sigmoid/sqrtsoftplus) [+ selection bias],
 //                renormalize, * routed_scaling_factor    (Mixtral, Qwen, OLMoE)
 //   kTopKSoftmax top-k of logits, softmax over the k     (gpt-oss)
@@ -13,16 +42,17 @@
 //   kLlama4      top-k of logits, sigmoid weight          (Llama-4)
 //   kHash        ids from a table indexed by token id
 #include <cmath>
+#include <cstdint>
 #include <limits>
 
 #include "fusedmoe/kernels/cuda.h"
 #include "kernels/cuda/cuda_common.cuh"
+#include "kernels/cuda/pdl.cuh"
 
 namespace fusedmoe::cuda {
 namespace {
 
 constexpr int kWarpsPerBlock = 4;
-constexpr int kNoId = 0x7fffffff;
 constexpr unsigned kFull = 0xffffffffu;
 
 enum class Variant : int { kTopK, kTopKBias, kTopKSoftmax, kGrouped, kLlama4 };
@@ -31,14 +61,20 @@ struct RouteParams {
   Variant variant;
   ScoringFunc scoring;
   bool renormalize;
-  int cols;     // E + Z
-  int experts;  // E
+  bool vec_logits;  // logits rows 16-byte aligned: float4 loads
+  bool vec_bias;    // bias 16-byte aligned
+  int cols;         // E + Z
+  int experts;      // E
   int top_k;
   int groups, per_group, topk_group;
+  int group_lanes;      // > 0: each group is group_lanes whole lanes (a power of two)
+  int group_shift;      // log2(group_lanes)
+  int per_group_shift;  // log2(per_group) when group_lanes > 0
   bool sum_top2;
   double scale;
 };
 
+// ---- scores (double, the CPU routers' formulas: routing/router_impl.h) ----
 __device__ __forceinline__ double sigmoid_d(double x) {
   return 1.0 / (1.0 + exp(-x));
 }
@@ -58,31 +94,370 @@ __device__ __forceinline__ double warp_sum(double v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
   return v;
 }
-__device__ __forceinline__ double warp_max(double v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmax(v, __shfl_xor_sync(kFull, v, o));
-  return v;
+
+// ---- order-preserving keys: a > b (as numbers) <=> key(a) > key(b) ----
+// -0 is folded into +0 (they compare equal on the CPU). Key 0 marks "no
+// candidate"; live keys are at least 1 (only the all-ones NaN maps below).
+__device__ __forceinline__ uint32_t key32(float v) {
+  uint32_t u = __float_as_uint(v);
+  if (u == 0x80000000u) u = 0;
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
-// (v, id) -> the warp's best: larger value, then lower id; kNoId never wins.
-__device__ __forceinline__ void warp_argmax(double& v, int& id) {
+__device__ __forceinline__ float from_key32(uint32_t k) {
+  return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+__device__ __forceinline__ uint64_t key64(double v) {
+  uint64_t u = static_cast<uint64_t>(__double_as_longlong(v));
+  if (u == 0x8000000000000000ull) u = 0;
+  const uint64_t k = (u >> 63) ? ~u : (u | 0x8000000000000000ull);
+  return k > 1 ? k : 1;
+}
+
+__device__ __forceinline__ double from_key64(uint64_t k) {
+  return __longlong_as_double(static_cast<long long>((k >> 63) ? (k & 0x7fffffffffffffffull) : ~k));
+}
+
+// The top two keys of a multiset (0: none), pushed one by one or merged
+// across lanes; the CPU's group score is the max or the sum of the two values.
+__device__ __forceinline__ void top2_push(uint64_t& m1, uint64_t& m2, uint64_t v) {
+  if (v > m1) {
+    m2 = m1;
+    m1 = v;
+  } else if (v > m2) {
+    m2 = v;
+  }
+}
+__device__ __forceinline__ void top2_merge_xor(uint64_t& m1, uint64_t& m2, int o) {
+  const uint64_t o1 = __shfl_xor_sync(kFull, m1, o);
+  const uint64_t o2 = __shfl_xor_sync(kFull, m2, o);
+  const uint64_t hi = max(m1, o1), lo = min(m1, o1);
+  m2 = max(lo, max(m2, o2));
+  m1 = hi;
+}
+__device__ __forceinline__ uint64_t group_key(uint64_t m1, uint64_t m2, bool sum_top2) {
+  return sum_top2 ? key64(from_key64(m1) + from_key64(m2)) : m1;
+}
+
+// kN values of `src` from column c0 on (columns >= cols read as 0).
+template <int kN>
+__device__ __forceinline__ void load_cols(const float* __restrict__ src, int c0, int cols, bool vec,
+                                          float (&v)[kN]) {
+  if constexpr (kN % 4 == 0) {
+    if (vec) {
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const double ov = __shfl_xor_sync(kFull, v, o);
-    const int oid = __shfl_xor_sync(kFull, id, o);
-    const bool take = oid != kNoId && (id == kNoId || ov > v || (ov == v && oid < id));
-    if (take) {
-      v = ov;
-      id = oid;
+      for (int q = 0; q < kN / 4; ++q) {
+        const int c = c0 + 4 * q;
+        if (c + 3 < cols) {
+          const float4 f = __ldg(reinterpret_cast<const float4*>(src + c));
+          v[4 * q] = f.x;
+          v[4 * q + 1] = f.y;
+          v[4 * q + 2] = f.z;
+          v[4 * q + 3] = f.w;
+        } else {
+#pragma unroll
+          for (int r = 0; r < 4; ++r) v[4 * q + r] = c + r < cols ? __ldg(src + c + r) : 0.0f;
+        }
+      }
+      return;
     }
+  }
+#pragma unroll
+  for (int i = 0; i < kN; ++i) v[i] = c0 + i < cols ? __ldg(src + c0 + i) : 0.0f;
+}
+
+// The lane's selection-bias columns, or zeros without a bias.
+template <int kN>
+__device__ __forceinline__ void load_bias(const float* __restrict__ bias, int c0, int cols,
+                                          bool vec, float (&b)[kN]) {
+  if (bias != nullptr) {
+    load_cols<kN>(bias, c0, cols, vec, b);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kN; ++i) b[i] = 0.0f;
   }
 }
 
-template <int kPerLane>
-__global__ void __launch_bounds__(kWarpsPerBlock * 32)
+// a before b in the selection order: larger key, then (wide keys) lower column.
+template <bool kWide>
+__device__ __forceinline__ bool before(uint64_t ka, int ia, uint64_t kb, int ib) {
+  if constexpr (kWide) return ka > kb || (ka == kb && ia < ib);
+  return ka > kb;  // narrow keys carry the column in their low word (unique)
+}
+
+// Sorts a lane's candidates best first (bitonic network, kN a power of two);
+// idx follows the keys for wide keys only.
+template <int kN, bool kWide>
+__device__ __forceinline__ void sort_candidates(uint64_t (&key)[kN], int (&idx)[kN]) {
+#pragma unroll
+  for (int size = 2; size <= kN; size <<= 1)
+#pragma unroll
+    for (int stride = size >> 1; stride > 0; stride >>= 1)
+#pragma unroll
+      for (int i = 0; i < kN; ++i) {
+        const int j = i ^ stride;
+        if (j > i) {
+          const bool best_first = (i & size) == 0;
+          if (before<kWide>(key[j], idx[j], key[i], idx[i]) == best_first) {
+            const uint64_t tk = key[i];
+            key[i] = key[j];
+            key[j] = tk;
+            if constexpr (kWide) {  // narrow keys carry the index in their low word
+              const int ti = idx[i];
+              idx[i] = idx[j];
+              idx[j] = ti;
+            }
+          }
+        }
+      }
+}
+
+// The best of the lanes' keys `h` (warp-uniform result) and the lowest lane
+// holding it. Narrow keys (kWide = false) have equal low words for equal high
+// words across lanes only if the lane-local index is equal, so the high word
+// decides and the lowest lane wins; wide keys compare both words.
+template <bool kWide>
+__device__ __forceinline__ uint64_t warp_best(uint64_t h, int& owner) {
+  const uint32_t hh = static_cast<uint32_t>(h >> 32), hl = static_cast<uint32_t>(h);
+  const uint32_t mh = __reduce_max_sync(kFull, hh);
+  uint32_t ml = 0;
+  bool mine = hh == mh;
+  if constexpr (kWide) {
+    ml = __reduce_max_sync(kFull, mine ? hl : 0u);
+    mine = mine && hl == ml;
+  }
+  owner = __ffs(__ballot_sync(kFull, mine)) - 1;
+  return static_cast<uint64_t>(mh) << 32 | ml;
+}
+
+// ---- screened selection (sigmoid / sqrtsoftplus score + bias, kN <= 8) ----
+// The double scores cost most of the wide kernel, so they are computed only
+// where they can matter. Every column first gets an f32 choice c_f (score + bias)
+// with a bound eps on |c_f - c_d|, c_d the double value the CPU compares:
+//   f32 score: expf (<= 2 ulp) and a correctly rounded reciprocal (sigmoid:
+//   relative error <= 1.5 * 2^-22) or log1pf (1 ulp) and sqrtf (sqrtsoftplus:
+//   <= 2^-21.8), taken as 2^-21 of the score; the f32 bias add: 2^-24 of |c_f|, taken as 2^-23;
+//   2^-62 absolute for underflow (sqrt of a subnormal softplus). eps = the row's largest bound.
+// Groups (grouped top-k): f32 group scores (sum of the two best c_f, rounded
+// to f32) are within 2 eps + 2^-23 relative of the exact ones; when the
+// topk_group-th and the next differ by more than that twice over, the kept
+// groups are the exact ones. Else (about 1 token in 10^4 on random logits) the
+// exact group scores are computed from the columns that can be a group's top
+// two (c_f >= its f32 second best - 2 eps), compacted as below.
+// Experts: T = the k-th largest of the lanes' best c_f (k distinct columns have
+// c_f >= T, so exact values >= T - eps); a column with c_f < T - 2 eps is below
+// all k of them exactly and cannot be chosen. The others (typically ~k + 3) are
+// compacted one per lane in column order, their double scores computed, and
+// each one's rank among them (larger value, then lower column = lower lane)
+// says which pick it is, exactly as on the CPU.
+// More than 32 such columns (ties, near ties), NaN or infinity: full double path.
+// Returns false when the token needs the full double path (nothing written).
+__device__ __forceinline__ float score_f(ScoringFunc f, float x) {
+  if (f == ScoringFunc::kSigmoid) return __frcp_rn(1.0f + expf(-x));
+  return sqrtf(fmaxf(x, 0.0f) + log1pf(expf(-fabsf(x))));
+}
+
+// Compacts the columns flagged in `band` (bit i: column c0 + i) one per lane
+// in column order: lane q < total gets the q-th in `col`. Returns total (the
+// caller gives up when it exceeds 32; then `col` is not set).
+template <int kN>
+__device__ __forceinline__ int compact_columns(uint32_t band, int lane, int c0, int* s_cols,
+                                               int& col) {
+  const int n = __popc(band);
+  int incl = n;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int v = __shfl_up_sync(kFull, incl, o);
+    if (lane >= o) incl += v;
+  }
+  const int total = __shfl_sync(kFull, incl, 31);
+  if (total > 32) return total;
+  const int base = incl - n;
+#pragma unroll
+  for (int i = 0; i < kN; ++i)
+    if (band >> i & 1u) s_cols[base + __popc(band & ((1u << i) - 1u))] = c0 + i;
+  __syncwarp();
+  col = lane < total ? s_cols[lane] : 0;
+  __syncwarp();  // s_cols may be written again
+  return total;
+}
+
+// The CPU's double score of column col and the key of score + bias.
+__device__ __forceinline__ uint64_t exact_choice(ScoringFunc f, const float* __restrict__ row,
+                                                 const float* __restrict__ bias, int col,
+                                                 double& score) {
+  score = elementwise_d(f, __ldg(row + col));
+  return key64(bias != nullptr ? score + static_cast<double>(__ldg(bias + col)) : score);
+}
+
+// c_f below this cannot be among the exact values of the columns holding the
+// top f32 values down to t (t - 2 eps, rounded down to f32).
+__device__ __forceinline__ float screen_floor(float t, float eps) {
+  const double td = t;
+  return __double2float_rd(td - 2.0 * eps - 0x1p-48 * fabs(td));
+}
+
+template <int kN>
+__device__ __forceinline__ bool route_screened(const RouteParams& p, const float* __restrict__ row,
+                                               const float* __restrict__ bias, int lane, int c0,
+                                               const float (&x)[kN], int* s_cols,
+                                               int32_t* __restrict__ ids,
+                                               float* __restrict__ weights) {
+  float b[kN];
+  load_bias<kN>(bias, c0, p.cols, p.vec_bias, b);
+  float cf[kN];
+  uint32_t eps_bits = 0;  // bounds are >= 0 (or NaN: the largest bits), so bits order them
+#pragma unroll
+  for (int i = 0; i < kN; ++i) {
+    const float sf = score_f(p.scoring, x[i]);
+    const float c = bias != nullptr ? sf + b[i] : sf;
+    const float e = fabsf(0x1p-21f * sf + 0x1p-23f * fabsf(c) + 0x1p-62f);
+    const bool live = c0 + i < p.cols;
+    cf[i] = live ? c : -INFINITY;
+    if (live) eps_bits = max(eps_bits, __float_as_uint(e));
+  }
+  const float eps = __uint_as_float(__reduce_max_sync(kFull, eps_bits));
+  if (!(eps < INFINITY)) return false;  // NaN or infinite scores / bias
+
+  // ---- groups: f32 group scores; exact ones when too close to call ----
+  if (p.variant == Variant::kGrouped) {
+    const int gl = p.group_lanes;
+    if (gl == 0) return false;  // groups not aligned to lanes: full path
+    uint32_t k1 = 0, k2 = 0;    // the group's two best f32 keys (all its lanes)
+#pragma unroll
+    for (int i = 0; i < kN; ++i)
+      if (c0 + i < p.cols) {
+        const uint32_t k = key32(cf[i]);
+        if (k > k1) {
+          k2 = k1;
+          k1 = k;
+        } else if (k > k2) {
+          k2 = k;
+        }
+      }
+    for (int o = 1; o < gl; o <<= 1) {
+      const uint32_t o1 = __shfl_xor_sync(kFull, k1, o), o2 = __shfl_xor_sync(kFull, k2, o);
+      k2 = max(min(k1, o1), max(k2, o2));
+      k1 = max(k1, o1);
+    }
+    // f32 group scores (rounded to f32: 2^-24 relative more) on the group's first lane.
+    uint32_t gkey = 0;
+    if ((lane & (gl - 1)) == 0 && (lane >> p.group_shift) < p.groups) {
+      const double g1 = from_key32(k1);
+      gkey = key32(static_cast<float>(p.sum_top2 ? g1 + static_cast<double>(from_key32(k2)) : g1));
+    }
+    bool kept = false;  // on the group's first lane
+    int taken = 0;
+    uint32_t last = 0;
+    while (taken < p.topk_group) {  // equal scores taken together
+      last = __reduce_max_sync(kFull, gkey);
+      taken += __popc(__ballot_sync(kFull, gkey == last));
+      if (gkey == last) {
+        kept = true;
+        gkey = 0;
+      }
+    }
+    bool certain = taken == p.topk_group;
+    if (certain && p.topk_group < p.groups) {
+      const double tg = from_key32(last), ng = from_key32(__reduce_max_sync(kFull, gkey));
+      certain = tg - ng > 4.0 * eps + 0x1p-21 * (fabs(tg) + fabs(ng));
+    }
+    uint32_t kept_groups = __reduce_or_sync(kFull, kept ? 1u << (lane >> p.group_shift) : 0u);
+    if (!certain) {
+      // Exact group scores: a group's exact top two are among its columns with
+      // c_f >= (its f32 second best, or best for kMax) - 2 eps.
+      const float lo = screen_floor(from_key32(p.sum_top2 ? k2 : k1), eps);
+      uint32_t band = 0;
+#pragma unroll
+      for (int i = 0; i < kN; ++i)
+        if (c0 + i < p.cols && cf[i] >= lo) band |= 1u << i;
+      int col;
+      const int total = compact_columns<kN>(band, lane, c0, s_cols, col);
+      if (total > 32) return false;
+      double sd;
+      uint64_t m1 = lane < total ? exact_choice(p.scoring, row, bias, col, sd) : 0, m2 = 0;
+      const int g =
+          lane < total ? col >> p.per_group_shift : -1;  // lanes of a group are contiguous
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {  // segmented top two: the group's first lane gets it
+        const uint64_t o1 = __shfl_down_sync(kFull, m1, o), o2 = __shfl_down_sync(kFull, m2, o);
+        const int og = __shfl_down_sync(kFull, g, o);
+        if (lane + o < 32 && og == g) {
+          m2 = max(min(m1, o1), max(m2, o2));
+          m1 = max(m1, o1);
+        }
+      }
+      const int prev = __shfl_up_sync(kFull, g, 1);
+      uint64_t ekey = 0;
+      if (g >= 0 && (lane == 0 || prev != g))
+        ekey = key64(p.sum_top2 ? from_key64(m1) + from_key64(m2) : from_key64(m1));
+      kept = false;
+      for (int r = 0; r < p.topk_group; ++r) {  // ties: lower group = lower lane
+        int owner;
+        warp_best<true>(ekey, owner);
+        if (lane == owner) {
+          kept = true;
+          ekey = 0;
+        }
+      }
+      kept_groups = __reduce_or_sync(kFull, kept ? 1u << g : 0u);
+    }
+    if (!(kept_groups >> (lane >> p.group_shift) & 1u))
+#pragma unroll
+      for (int i = 0; i < kN; ++i) cf[i] = -INFINITY;
+  }
+
+  // ---- T: the k-th largest of the lanes' best (equal ones taken together) ----
+  uint32_t lane_best = 0;
+#pragma unroll
+  for (int i = 0; i < kN; ++i)
+    if (cf[i] != -INFINITY) lane_best = max(lane_best, key32(cf[i]));
+  uint32_t tk = 0;
+  for (int taken = 0; taken < p.top_k;) {
+    tk = __reduce_max_sync(kFull, lane_best);
+    if (tk == 0) break;  // fewer than k lanes hold columns: all are candidates
+    taken += __popc(__ballot_sync(kFull, lane_best == tk));
+    if (lane_best == tk) lane_best = 0;
+  }
+  // Columns that can still be chosen: c_f >= T - 2 eps.
+  const float lo = tk != 0 ? screen_floor(from_key32(tk), eps) : -INFINITY;
+  uint32_t band = 0;
+#pragma unroll
+  for (int i = 0; i < kN; ++i)
+    if (cf[i] != -INFINITY && cf[i] >= lo) band |= 1u << i;
+  int col;
+  const int total = compact_columns<kN>(band, lane, c0, s_cols, col);
+  if (total > 32) return false;
+  double sd = 0.0;
+  const uint64_t key = lane < total ? exact_choice(p.scoring, row, bias, col, sd) : 0;
+
+  // ---- exact ranks among the candidates: larger double value, then lower column
+  // (= lower lane); rank j < k is the j-th pick ----
+  int rank = 0;
+  for (int q = 0; q < total; ++q) {
+    const uint64_t kq = __shfl_sync(kFull, key, q);
+    rank += kq > key || (kq == key && q < lane);
+  }
+  const bool picked = lane < total && rank < p.top_k;
+  double w = picked ? sd : 0.0;
+  if (p.renormalize) w /= warp_sum(w) + 1e-20;
+  if (picked) {
+    ids[rank] = col < p.experts ? col : -1;
+    weights[rank] = static_cast<float>(w * p.scale);
+  }
+  return true;
+}
+
+// One warp per token. kWide: selection on double score + bias (kTopKBias,
+// kGrouped); otherwise on the f32 logits. Up to 256 columns, at most 64
+// registers so that 8 blocks (32 warps) fit an SM: T = 4096 runs in one wave.
+template <int kN, bool kWide>
+__global__ void __launch_bounds__(kWarpsPerBlock * 32, kN <= 8 ? 8 : 1)
     route_topk_kernel(RouteParams p, const float* __restrict__ logits, int64_t ld,
                       const float* __restrict__ bias, int32_t* __restrict__ topk_ids,
                       float* __restrict__ topk_weights, int64_t num_tokens,
                       const int32_t* __restrict__ num_valid, int32_t* __restrict__ nan_token) {
+  pdl_wait();  // logits from the router GEMM; ids and weights read by the kernels before
+  pdl_launch_dependents();
   const int lane = threadIdx.x & 31;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
   if (t >= num_tokens) return;
@@ -94,183 +469,163 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     return;
   }
   const float* row = logits + t * ld;
+  const int c0 = lane * kN;
 
-  double x[kPerLane];      // raw logits (double)
-  double score[kPerLane];  // what the weights are taken from (variants with scores)
-  double sel[kPerLane];    // what is selected on
-  uint32_t live = 0;       // bit i: column lane + 32 i exists and may still be chosen
-#pragma unroll
-  for (int i = 0; i < kPerLane; ++i) {
-    const int c = lane + 32 * i;
-    x[i] = c < p.cols ? static_cast<double>(row[c]) : 0.0;
-    if (c < p.cols) live |= 1u << i;
-  }
+  float x[kN];
+  load_cols<kN>(row, c0, p.cols, p.vec_logits, x);
   if (nan_token != nullptr) {  // the first token with a NaN logit, for check_errors()
     bool has_nan = false;
 #pragma unroll
-    for (int i = 0; i < kPerLane; ++i) has_nan |= isnan(x[i]);
+    for (int i = 0; i < kN; ++i) has_nan |= isnan(x[i]);
     if (__any_sync(kFull, has_nan) && lane == 0) atomicMin(nan_token, static_cast<int32_t>(t));
   }
 
-  // ---- scores and selection values ----
-  double row_max = -INFINITY, row_denom = 1.0;
-  const bool need_scores = p.variant == Variant::kTopKBias || p.variant == Variant::kGrouped;
-  if (need_scores && p.scoring == ScoringFunc::kSoftmax) {
-    double m = -INFINITY;
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i)
-      if (live >> i & 1u) m = fmax(m, x[i]);
-    m = warp_max(m);
-    double d = 0.0;
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i)
-      if (live >> i & 1u) d += rel_exp_d(x[i], m);
-    d = warp_sum(d);
-    row_max = m;
-    row_denom = d;
-  }
-#pragma unroll
-  for (int i = 0; i < kPerLane; ++i) {
-    const int c = lane + 32 * i;
-    if (need_scores) {
-      score[i] = p.scoring == ScoringFunc::kSoftmax ? rel_exp_d(x[i], row_max) / row_denom
-                                                    : elementwise_d(p.scoring, x[i]);
-      sel[i] = score[i] + ((bias != nullptr && c < p.cols) ? static_cast<double>(bias[c]) : 0.0);
-    } else {
-      score[i] = 0.0;
-      sel[i] = x[i];
-    }
+  if constexpr (kWide && kN <= 8) {
+    __shared__ int s_cols[kWarpsPerBlock][32];
+    if (p.scoring != ScoringFunc::kSoftmax &&
+        route_screened<kN>(p, row, bias, lane, c0, x, s_cols[threadIdx.x >> 5],
+                           topk_ids + t * p.top_k, topk_weights + t * p.top_k))
+      return;
   }
 
-  // ---- grouped top-k: keep the topk_group best groups ----
-  if (p.variant == Variant::kGrouped) {
-    double my_group = -INFINITY;  // lane g holds group g's score (groups <= 32)
-    for (int g = 0; g < p.groups; ++g) {
-      double m1 = -INFINITY, m2 = -INFINITY;
+  // ---- selection keys ----
+  uint64_t key[kN];
+  int idx[kN];
+  double row_max = 0.0, row_denom = 1.0;  // softmax scores (wide)
 #pragma unroll
-      for (int i = 0; i < kPerLane; ++i) {
-        const int c = lane + 32 * i;
-        if ((live >> i & 1u) && c / p.per_group == g) {
-          const double v = sel[i];
-          if (v > m1) {
-            m2 = m1;
-            m1 = v;
-          } else if (v > m2) {
-            m2 = v;
-          }
+  for (int i = 0; i < kN; ++i) idx[i] = i;
+  if constexpr (!kWide) {
+#pragma unroll
+    for (int i = 0; i < kN; ++i)
+      key[i] = c0 + i < p.cols
+                   ? static_cast<uint64_t>(key32(x[i])) << 32 | static_cast<uint32_t>(kN - i)
+                   : 0;
+  } else {
+    if (p.scoring == ScoringFunc::kSoftmax) {
+      uint32_t mk = 0;
+#pragma unroll
+      for (int i = 0; i < kN; ++i)
+        if (c0 + i < p.cols) mk = max(mk, key32(x[i]));
+      row_max = from_key32(__reduce_max_sync(kFull, mk));
+      double d = 0.0;
+#pragma unroll
+      for (int i = 0; i < kN; ++i)
+        if (c0 + i < p.cols) d += rel_exp_d(x[i], row_max);
+      row_denom = warp_sum(d);
+    }
+    float b[kN];
+    load_bias<kN>(bias, c0, p.cols, p.vec_bias, b);
+#pragma unroll
+    for (int i = 0; i < kN; ++i) {
+      const double sc = p.scoring == ScoringFunc::kSoftmax ? rel_exp_d(x[i], row_max) / row_denom
+                                                           : elementwise_d(p.scoring, x[i]);
+      key[i] = c0 + i < p.cols ? key64(bias != nullptr ? sc + static_cast<double>(b[i]) : sc) : 0;
+    }
+
+    // ---- grouped top-k: keep the topk_group best groups ----
+    // Group scores from the keys (order-preserving, so the top two keys are the
+    // top two values; from_key64 gives the values back exactly).
+    if (p.variant == Variant::kGrouped) {
+      const int gl = p.group_lanes;
+      uint64_t gkey = 0;  // the group score key on the lane that stands for the group
+      int gi[kN];         // group of each column (loop layout only)
+      if (gl > 0) {
+        uint64_t m1 = 0, m2 = 0;
+#pragma unroll
+        for (int i = 0; i < kN; ++i) top2_push(m1, m2, key[i]);
+        for (int o = 1; o < gl; o <<= 1) top2_merge_xor(m1, m2, o);
+        if ((lane & (gl - 1)) == 0 && (lane >> p.group_shift) < p.groups)
+          gkey = group_key(m1, m2, p.sum_top2);
+      } else {
+#pragma unroll
+        for (int i = 0; i < kN; ++i) gi[i] = c0 + i < p.cols ? (c0 + i) / p.per_group : -1;
+        for (int g = 0; g < p.groups; ++g) {
+          uint64_t m1 = 0, m2 = 0;
+#pragma unroll
+          for (int i = 0; i < kN; ++i)
+            if (gi[i] == g) top2_push(m1, m2, key[i]);
+#pragma unroll
+          for (int o = 1; o < 32; o <<= 1) top2_merge_xor(m1, m2, o);
+          if (lane == g) gkey = group_key(m1, m2, p.sum_top2);
         }
       }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-        const double o1 = __shfl_xor_sync(kFull, m1, o);
-        const double o2 = __shfl_xor_sync(kFull, m2, o);
-        const double hi = fmax(m1, o1), lo = fmin(m1, o1);
-        m2 = fmax(lo, fmax(m2, o2));
-        m1 = hi;
+      uint32_t kept = 0;
+      for (int r = 0; r < p.topk_group; ++r) {
+        int owner;
+        warp_best<true>(gkey, owner);
+        kept |= 1u << (gl > 0 ? owner >> p.group_shift : owner);
+        if (lane == owner) gkey = 0;
       }
-      const double gs = p.sum_top2 ? m1 + m2 : m1;
-      if (lane == g) my_group = gs;
-    }
-    uint32_t kept = 0;
-    double gv = lane < p.groups ? my_group : -INFINITY;
-    int gid = lane < p.groups ? lane : kNoId;
-    for (int r = 0; r < p.topk_group; ++r) {
-      double v = gv;
-      int id = gid;
-      warp_argmax(v, id);
-      kept |= 1u << id;
-      if (lane == id) gid = kNoId;
-    }
+      if (gl > 0) {
+        if (!(kept >> (lane >> p.group_shift) & 1u))
 #pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      const int c = lane + 32 * i;
-      if ((live >> i & 1u) && !(kept >> (c / p.per_group) & 1u)) live &= ~(1u << i);
+          for (int i = 0; i < kN; ++i) key[i] = 0;
+      } else {
+#pragma unroll
+        for (int i = 0; i < kN; ++i)
+          if (gi[i] < 0 || !(kept >> gi[i] & 1u)) key[i] = 0;
+      }
     }
   }
 
-  // ---- k rounds of arg-max; lane j keeps the j-th pick ----
-  int my_id = -1;
-  double my_x = 0.0, my_score = 0.0;
-  double top_value = 0.0;
+  // ---- k rounds over the lanes' sorted candidates; lane j keeps the j-th ----
+  sort_candidates<kN, kWide>(key, idx);
+  int my_c = 0;
+  uint64_t my_key = 0, top_key = 0;
   for (int j = 0; j < p.top_k; ++j) {
-    double v = -INFINITY;
-    int id = kNoId;
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      const int c = lane + 32 * i;
-      if ((live >> i & 1u) && (id == kNoId || sel[i] > v)) {
-        v = sel[i];
-        id = c;
-      }
-    }
-    warp_argmax(v, id);
-    if (j == 0) top_value = v;
-    // The owner lane removes the pick and hands its x / score to lane j.
-    double px = 0.0, ps = 0.0;
-    const int owner = id & 31, slot = id >> 5;
-    if (lane == owner) {
-#pragma unroll
-      for (int i = 0; i < kPerLane; ++i)
-        if (i == slot) {
-          px = x[i];
-          ps = score[i];
-          live &= ~(1u << i);
-        }
-    }
-    px = __shfl_sync(kFull, px, owner);
-    ps = __shfl_sync(kFull, ps, owner);
+    int owner;
+    const uint64_t best = warp_best<kWide>(key[0], owner);
+    const int head = kWide ? idx[0] : kN - static_cast<int>(static_cast<uint32_t>(key[0]));
+    const int c = __shfl_sync(kFull, c0 + head, owner);
+    if (j == 0) top_key = best;
     if (lane == j) {
-      my_id = id;
-      my_x = px;
-      my_score = ps;
+      my_c = c;
+      my_key = best;
+    }
+    if (lane == owner) {  // pop the head
+#pragma unroll
+      for (int i = 0; i + 1 < kN; ++i) {
+        key[i] = key[i + 1];
+        if constexpr (kWide) idx[i] = idx[i + 1];
+      }
+      key[kN - 1] = 0;
     }
   }
 
-  // ---- weights ----
+  // ---- weights of the k chosen columns (double, the CPU's formulas) ----
   const bool in_k = lane < p.top_k;
   double w = 0.0;
-  switch (p.variant) {
-    case Variant::kTopK: {
-      if (p.scoring == ScoringFunc::kSoftmax) {
-        const double m = top_value;
-        double denom;
-        if (p.renormalize) {
-          denom = warp_sum(in_k ? rel_exp_d(my_x, m) : 0.0);
-        } else {
-          double d = 0.0;
+  if constexpr (!kWide) {
+    const double xj =
+        in_k ? static_cast<double>(from_key32(static_cast<uint32_t>(my_key >> 32))) : 0.0;
+    const double top = from_key32(static_cast<uint32_t>(top_key >> 32));  // the row maximum
+    if (p.variant == Variant::kTopKSoftmax ||
+        (p.variant == Variant::kTopK && p.scoring == ScoringFunc::kSoftmax && p.renormalize)) {
+      const double e = in_k ? rel_exp_d(xj, top) : 0.0;
+      w = e / warp_sum(e);
+    } else if (p.variant == Variant::kTopK && p.scoring == ScoringFunc::kSoftmax) {
+      double d = 0.0;
 #pragma unroll
-          for (int i = 0; i < kPerLane; ++i)
-            if (lane + 32 * i < p.cols) d += rel_exp_d(x[i], m);
-          denom = warp_sum(d);
-        }
-        w = rel_exp_d(my_x, m) / denom;
-      } else {
-        w = elementwise_d(p.scoring, my_x);
-        if (p.renormalize) w /= warp_sum(in_k ? w : 0.0) + 1e-20;
-      }
-      break;
+      for (int i = 0; i < kN; ++i)
+        if (c0 + i < p.cols) d += rel_exp_d(x[i], top);
+      const double denom = warp_sum(d);
+      w = in_k ? rel_exp_d(xj, top) / denom : 0.0;
+    } else {  // sigmoid / sqrtsoftplus of the logit (kTopK), sigmoid (kLlama4)
+      const ScoringFunc f = p.variant == Variant::kLlama4 ? ScoringFunc::kSigmoid : p.scoring;
+      w = in_k ? elementwise_d(f, xj) : 0.0;
+      if (p.renormalize) w /= warp_sum(w) + 1e-20;
     }
-    case Variant::kTopKBias:
-      w = my_score;
-      if (p.renormalize)
-        w /= warp_sum(in_k ? w : 0.0) + (p.scoring == ScoringFunc::kSoftmax ? 0.0 : 1e-20);
-      break;
-    case Variant::kTopKSoftmax: {
-      const double e = rel_exp_d(my_x, top_value);
-      w = e / warp_sum(in_k ? e : 0.0);
-      break;
-    }
-    case Variant::kGrouped:
-      w = my_score;
-      if (p.renormalize) w /= warp_sum(in_k ? w : 0.0) + 1e-20;
-      break;
-    case Variant::kLlama4:
-      w = sigmoid_d(my_x);
-      if (p.renormalize) w /= warp_sum(in_k ? w : 0.0) + 1e-20;
-      break;
+  } else {
+    const float xf = in_k && my_c < p.cols ? __ldg(row + my_c) : 0.0f;
+    if (in_k)
+      w = p.scoring == ScoringFunc::kSoftmax ? rel_exp_d(xf, row_max) / row_denom
+                                             : elementwise_d(p.scoring, xf);
+    if (p.renormalize)
+      w /= warp_sum(w) +
+           (p.variant == Variant::kTopKBias && p.scoring == ScoringFunc::kSoftmax ? 0.0 : 1e-20);
   }
   if (in_k) {
-    topk_ids[t * p.top_k + lane] = my_id < p.experts ? my_id : -1;
+    topk_ids[t * p.top_k + lane] = my_c < p.experts ? my_c : -1;
     topk_weights[t * p.top_k + lane] = static_cast<float>(w * p.scale);
   }
 }
@@ -293,7 +648,42 @@ __global__ void route_hash_kernel(const int32_t* __restrict__ table,
   topk_weights[i] = weight;
 }
 
+template <int kN, bool kWide>
+void launch_topk(const RouteParams& p, const RouteArgs& a, const float* bias, int64_t num_tokens,
+                 Stream stream) {
+  const unsigned blocks = static_cast<unsigned>(ceil_div(num_tokens, kWarpsPerBlock));
+  launch_pdl(route_topk_kernel<kN, kWide>, blocks, kWarpsPerBlock * 32, 0, stream, p,
+             a.router_logits, a.logits_ld, bias, a.topk_ids, a.topk_weights, num_tokens,
+             a.num_valid_tokens, a.nan_token);
+}
+
+template <bool kWide>
+void launch_topk(int per_lane, const RouteParams& p, const RouteArgs& a, const float* bias,
+                 int64_t num_tokens, Stream stream) {
+  switch (per_lane) {
+    case 1:
+      return launch_topk<1, kWide>(p, a, bias, num_tokens, stream);
+    case 2:
+      return launch_topk<2, kWide>(p, a, bias, num_tokens, stream);
+    case 4:
+      return launch_topk<4, kWide>(p, a, bias, num_tokens, stream);
+    case 8:
+      return launch_topk<8, kWide>(p, a, bias, num_tokens, stream);
+    case 16:
+      return launch_topk<16, kWide>(p, a, bias, num_tokens, stream);
+    default:
+      return launch_topk<32, kWide>(p, a, bias, num_tokens, stream);
+  }
+}
+
+bool aligned16(const void* ptr) {
+  return reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
+}
+
 }  // namespace
+
+// kSimulated: simulated_routing.cu.
+void route_simulated(const MoEConfig& c, const RouteArgs& a, int64_t num_tokens, Stream stream);
 
 void route(const MoEConfig& c, const RouteArgs& a, int64_t num_tokens, Stream stream) {
   const int64_t cols = c.num_router_logits(), k = c.top_k;
@@ -301,7 +691,7 @@ void route(const MoEConfig& c, const RouteArgs& a, int64_t num_tokens, Stream st
                  "route: topk_ids and topk_weights are required");
   if (num_tokens == 0) return;
   if (c.routing_method == RoutingMethod::kSimulated)
-    FUSEDMOE_THROW(kUnsupported, "route: simulated routing has no CUDA kernel (route on the host)");
+    return route_simulated(c, a, num_tokens, stream);
   if (c.routing_method == RoutingMethod::kHash) {
     FUSEDMOE_CHECK(a.hash_table && a.token_ids,
                    "route: hash routing needs hash_table and token_ids");
@@ -320,10 +710,15 @@ void route(const MoEConfig& c, const RouteArgs& a, int64_t num_tokens, Stream st
   if (cols > 1024)
     FUSEDMOE_THROW(kUnsupported, "route: at most 1024 logit columns on CUDA, got ", cols);
   if (k > 32) FUSEDMOE_THROW(kUnsupported, "route: top_k at most 32 on CUDA, got ", k);
+  FUSEDMOE_CHECK(k >= 1 && k <= cols, "route: top_k: expected 1..", cols, ", got ", k);
+
+  int per_lane = 1;  // columns per lane: the smallest power of two with 32 * per_lane >= cols
+  while (32 * per_lane < cols) per_lane *= 2;
 
   RouteParams p{};
   p.scoring = c.scoring_func;
   p.renormalize = c.renormalize;
+  p.vec_logits = aligned16(a.router_logits) && a.logits_ld % 4 == 0;
   p.cols = static_cast<int>(cols);
   p.experts = static_cast<int>(c.num_experts);
   p.top_k = static_cast<int>(k);
@@ -331,6 +726,7 @@ void route(const MoEConfig& c, const RouteArgs& a, int64_t num_tokens, Stream st
   p.groups = 1;
   p.per_group = static_cast<int>(cols);
   p.topk_group = 1;
+  p.group_lanes = 0;
   p.sum_top2 = false;
   const float* bias = nullptr;
   const RoutingMethod m = c.routing_method;
@@ -346,6 +742,22 @@ void route(const MoEConfig& c, const RouteArgs& a, int64_t num_tokens, Stream st
       FUSEDMOE_THROW(kUnsupported, "route: at most 32 expert groups on CUDA, got ", p.groups);
     if (p.sum_top2 && p.per_group < 2)
       FUSEDMOE_THROW(kUnsupported, "route: sum-of-top-2 group scores need >= 2 experts per group");
+    FUSEDMOE_CHECK(p.groups >= 1 && p.topk_group >= 1 && p.topk_group <= p.groups &&
+                       static_cast<int64_t>(p.groups) * p.per_group == cols &&
+                       k <= static_cast<int64_t>(p.topk_group) * p.per_group,
+                   "route: grouped top-k: expected E + Z = num_expert_group * experts per group "
+                   "and top_k <= topk_group * experts per group, got E + Z ",
+                   cols, ", num_expert_group ", p.groups, ", topk_group ", p.topk_group, ", top_k ",
+                   k);
+    // A group of whole lanes, a power of two of them: butterfly inside the group.
+    if (p.per_group % per_lane == 0) {
+      const int lanes = p.per_group / per_lane;
+      if ((lanes & (lanes - 1)) == 0) {
+        p.group_lanes = lanes;
+        while ((1 << p.group_shift) < lanes) ++p.group_shift;
+        while ((1 << p.per_group_shift) < p.per_group) ++p.per_group_shift;
+      }
+    }
     FUSEDMOE_CHECK(!c.has_e_score_correction_bias || a.bias != nullptr,
                    "route: e_score_correction_bias required by the config, got none");
     bias = c.has_e_score_correction_bias ? a.bias : nullptr;
@@ -358,20 +770,11 @@ void route(const MoEConfig& c, const RouteArgs& a, int64_t num_tokens, Stream st
   } else {
     p.variant = Variant::kTopK;
   }
-  const unsigned blocks = static_cast<unsigned>(ceil_div(num_tokens, kWarpsPerBlock));
-  const int threads = kWarpsPerBlock * 32;
-  if (cols <= 128)
-    route_topk_kernel<4><<<blocks, threads, 0, stream>>>(p, a.router_logits, a.logits_ld, bias,
-                                                         a.topk_ids, a.topk_weights, num_tokens,
-                                                         a.num_valid_tokens, a.nan_token);
-  else if (cols <= 256)
-    route_topk_kernel<8><<<blocks, threads, 0, stream>>>(p, a.router_logits, a.logits_ld, bias,
-                                                         a.topk_ids, a.topk_weights, num_tokens,
-                                                         a.num_valid_tokens, a.nan_token);
+  p.vec_bias = bias != nullptr && aligned16(bias);
+  if (p.variant == Variant::kTopKBias || p.variant == Variant::kGrouped)
+    launch_topk<true>(per_lane, p, a, bias, num_tokens, stream);
   else
-    route_topk_kernel<32><<<blocks, threads, 0, stream>>>(p, a.router_logits, a.logits_ld, bias,
-                                                          a.topk_ids, a.topk_weights, num_tokens,
-                                                          a.num_valid_tokens, a.nan_token);
+    launch_topk<false>(per_lane, p, a, bias, num_tokens, stream);
   FUSEDMOE_CUDA_CHECK_LAUNCH();
 }
 

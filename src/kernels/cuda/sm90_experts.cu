@@ -7,7 +7,9 @@
 // (which gather A rows with cp.async and fuse the activation and the weighted
 // scatter into their epilogues) this path materialises the sorted input and
 // the w13 output (bf16 or f16, the weights' type). At large T those extra passes cost a few percent
-// of the GEMMs; the GEMMs run at wgmma speed.
+// of the GEMMs; the GEMMs run at wgmma speed. One dense expert over all rows (the shared expert,
+// sm90_dense_expert) takes the same GEMM / activation / GEMM sequence on its input rows as they
+// are: no permute.
 #include "fusedmoe/kernels/cuda.h"
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/gemm/sm90_bf16_grouped_gemm.cuh"  // act_glu
@@ -45,8 +47,9 @@ __global__ void __launch_bounds__(kPermuteThreads)
 }
 
 // inter[r, i] = act(h[r, i] + b[e, i], h[r, I + i] + b[e, I + i]), 8 columns a
-// thread, e = topk_ids[sorted_slot[r]]; -1 rows get zeros. h and inter: T
-// (__nv_bfloat16 or __half) bits.
+// thread, e = topk_ids[sorted_slot[r]]; -1 rows get zeros. Without sorted_slot
+// (one dense expert): every row r < offsets[num_experts] is valid, e = 0.
+// h and out: T (__nv_bfloat16 or __half) bits.
 template <class T>
 __global__ void glu_rows_kernel(const uint16_t* __restrict__ h, const int32_t* __restrict__ ids,
                                 const int32_t* __restrict__ sorted_slot,
@@ -59,14 +62,15 @@ __global__ void glu_rows_kernel(const uint16_t* __restrict__ h, const int32_t* _
   for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t r = idx / vecs, i = (idx % vecs) * 8;
-    const int32_t slot = sorted_slot[r];
+    const int32_t slot = sorted_slot ? sorted_slot[r] : 0;
     uint4 res = make_uint4(0, 0, 0, 0);
     if (slot >= 0) {
       const uint4 g4 = *reinterpret_cast<const uint4*>(h + r * 2 * inter + i);
       const uint4 u4 = *reinterpret_cast<const uint4*>(h + r * 2 * inter + inter + i);
       const uint16_t* g = reinterpret_cast<const uint16_t*>(&g4);
       const uint16_t* u = reinterpret_cast<const uint16_t*>(&u4);
-      const float* b = bias ? bias + static_cast<int64_t>(ids[slot]) * 2 * inter : nullptr;
+      const int64_t e = sorted_slot ? ids[slot] : 0;
+      const float* b = bias ? bias + e * 2 * inter : nullptr;
       uint16_t* o = reinterpret_cast<uint16_t*>(&res);
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
@@ -81,6 +85,86 @@ __global__ void glu_rows_kernel(const uint16_t* __restrict__ h, const int32_t* _
     }
     *reinterpret_cast<uint4*>(out + r * inter + i) = res;
   }
+}
+
+// One dense expert: expert_offsets {0, T} (the CUTLASS group arguments are
+// built from device offsets; written here so that T stays a launch argument).
+__global__ void dense_offsets_kernel(int64_t* offsets, int64_t rows) {
+  offsets[0] = 0;
+  offsets[1] = rows;
+}
+
+// The part shared by the routed experts and one dense expert, on rows of `a`
+// that are already expert-contiguous (rows of expert e: [offsets[e],
+// offsets[e+1]), at most max_rows): h13 = a . w13[e]^T (bf16, in the front of
+// `workspace`), inter_rows = act(h13 + b13) (dtype), y_rows = inter_rows .
+// w2[e]^T (f32, unweighted, no w2 bias). sorted_slot / topk_ids: as in
+// glu_rows_kernel (null sorted_slot: one dense expert).
+struct GemmGluGemm {
+  DType dtype;  // of a, w13, w2, h13 and inter_rows: kBF16 or kF16
+  const uint16_t* a;
+  int64_t max_rows;
+  const int64_t* offsets;
+  int64_t num_experts;
+  const int32_t* topk_ids;
+  const int32_t* sorted_slot;
+  int64_t hidden, inter;
+  const uint16_t* w13;
+  const float* w13_bias;
+  const uint16_t* w2;
+  ActivationParams act;
+  uint16_t* inter_rows;
+  float* y_rows;
+  void* workspace;
+  size_t workspace_bytes;
+};
+
+size_t h13_bytes(int64_t rows, int64_t inter) {
+  return (static_cast<size_t>(rows) * 2 * inter * 2 + 255) / 256 * 256;
+}
+
+void gemm_glu_gemm(const GemmGluGemm& a, Stream stream) {
+  const int64_t H = a.hidden, I = a.inter, E = a.num_experts, rows = a.max_rows;
+  auto* h13 = static_cast<uint16_t*>(a.workspace);
+  const size_t h13b = h13_bytes(rows, I);
+
+  sm90::Sm90GemmArgs g;
+  g.a = a.a;
+  g.w = a.w13;
+  g.d = h13;
+  g.ldd = 2 * I;
+  g.expert_offsets = a.offsets;
+  g.num_experts = E;
+  g.n = 2 * I;
+  g.k = H;
+  g.workspace = static_cast<char*>(a.workspace) + h13b;
+  g.workspace_bytes = a.workspace_bytes - h13b;
+  const bool f16 = a.dtype == DType::kF16;
+  if (f16)
+    sm90::grouped_gemm_f16_f16out(g, stream);
+  else
+    sm90::grouped_gemm_bf16out(g, stream);
+
+  const int64_t blocks = static_cast<int64_t>(num_sms()) * 16;
+  const int64_t vecs = rows * (I / 8);
+  const int64_t glu_blocks = (vecs + 255) / 256 < blocks ? (vecs + 255) / 256 : blocks;
+  auto glu_rows = f16 ? glu_rows_kernel<__half> : glu_rows_kernel<__nv_bfloat16>;
+  glu_rows<<<static_cast<unsigned>(glu_blocks), 256, 0, stream>>>(
+      h13, a.topk_ids, a.sorted_slot, a.offsets, static_cast<int>(E), I, rows, a.w13_bias, a.act,
+      a.inter_rows);
+  FUSEDMOE_CUDA_CHECK_LAUNCH();
+
+  sm90::Sm90GemmArgs g2 = g;
+  g2.a = a.inter_rows;
+  g2.w = a.w2;
+  g2.d = a.y_rows;
+  g2.ldd = H;
+  g2.n = H;
+  g2.k = I;
+  if (f16)
+    sm90::grouped_gemm_f16_f32out(g2, stream);
+  else
+    sm90::grouped_gemm_f32out(g2, stream);
 }
 
 }  // namespace
@@ -102,7 +186,7 @@ bool sm90_experts_available() {
 
 size_t sm90_experts_workspace_bytes(int64_t num_slots, int64_t num_experts, int64_t inter) {
 #ifdef FUSEDMOE_WITH_CUTLASS
-  const size_t h13 = (static_cast<size_t>(num_slots) * 2 * inter * 2 + 255) / 256 * 256;
+  const size_t h13 = h13_bytes(num_slots, inter);
   size_t gemm = 0;  // the largest of the instances (bf16 and f16)
   for (const size_t b :
        {sm90::workspace_bytes_bf16out(num_experts), sm90::workspace_bytes_f32out(num_experts),
@@ -136,67 +220,68 @@ void sm90_experts(const Sm90ExpertsArgs& a, Stream stream) {
   FUSEDMOE_CHECK(E >= 1 && a.top_k >= 1, "sm90_experts: num_experts and top_k must be >= 1");
   FUSEDMOE_CHECK(a.dtype == DType::kBF16 || a.dtype == DType::kF16,
                  "sm90_experts: dtype must be bf16 or f16, got ", dtype_name(a.dtype));
-  const bool f16 = a.dtype == DType::kF16;
   FUSEDMOE_CHECK(slots <= INT32_MAX, "sm90_experts: at most 2^31 - 1 routed rows, got ", slots);
   const size_t need = sm90_experts_workspace_bytes(slots, E, I);
   FUSEDMOE_CHECK(a.workspace_bytes >= need, "sm90_experts: workspace of ", need,
                  " bytes needed, got ", a.workspace_bytes);
   if (slots == 0) return;
 
-  // The permuted input lives in y_rows (f32 [slots, H] >= bf16 [slots, H]) until w2 writes it.
+  // The permuted input lives in y_rows (f32 [slots, H] >= bf16 / f16 [slots, H]) until w2 writes
+  // it.
   auto* xs = reinterpret_cast<uint16_t*>(a.y_rows);
-  auto* h13 = static_cast<uint16_t*>(a.workspace);
-  const size_t h13_bytes = (static_cast<size_t>(slots) * 2 * I * 2 + 255) / 256 * 256;
-  void* gemm_ws = static_cast<char*>(a.workspace) + h13_bytes;
-  const size_t gemm_ws_bytes = a.workspace_bytes - h13_bytes;
-
   const int64_t blocks = static_cast<int64_t>(num_sms()) * 16;
   permute_rows_kernel<<<static_cast<unsigned>(slots < blocks ? slots : blocks), kPermuteThreads, 0,
                         stream>>>(a.x, a.ldx, a.sorted_slot, a.expert_offsets, static_cast<int>(E),
                                   static_cast<int>(a.top_k), H, slots, xs, a.slot_row);
   FUSEDMOE_CUDA_CHECK_LAUNCH();
 
-  sm90::Sm90GemmArgs g;
-  g.a = xs;
-  g.w = a.w13;
-  g.d = h13;
-  g.ldd = 2 * I;
-  g.expert_offsets = a.expert_offsets;
-  g.num_experts = E;
-  g.n = 2 * I;
-  g.k = H;
-  g.workspace = gemm_ws;
-  g.workspace_bytes = gemm_ws_bytes;
-  if (f16)
-    sm90::grouped_gemm_f16_f16out(g, stream);
-  else
-    sm90::grouped_gemm_bf16out(g, stream);
-
-  const int64_t vecs = slots * (I / 8);
-  const int64_t glu_blocks = (vecs + 255) / 256 < blocks ? (vecs + 255) / 256 : blocks;
-  auto glu_rows = f16 ? glu_rows_kernel<__half> : glu_rows_kernel<__nv_bfloat16>;
-  glu_rows<<<static_cast<unsigned>(glu_blocks), 256, 0, stream>>>(
-      h13, a.topk_ids, a.sorted_slot, a.expert_offsets, static_cast<int>(E), I, slots, a.w13_bias,
-      a.act, a.inter_rows);
-  FUSEDMOE_CUDA_CHECK_LAUNCH();
-
-  sm90::Sm90GemmArgs g2 = g;
-  g2.a = a.inter_rows;
-  g2.w = a.w2;
-  g2.d = a.y_rows;
-  g2.ldd = H;
-  g2.n = H;
-  g2.k = I;
-  if (f16)
-    sm90::grouped_gemm_f16_f32out(g2, stream);
-  else
-    sm90::grouped_gemm_f32out(g2, stream);
+  gemm_glu_gemm({a.dtype, xs, slots, a.expert_offsets, E, a.topk_ids, a.sorted_slot, H, I, a.w13,
+                 a.w13_bias, a.w2, a.act, a.inter_rows, a.y_rows, a.workspace, a.workspace_bytes},
+                stream);
 #else
   (void)a;
   (void)stream;
   FUSEDMOE_THROW(kUnsupported,
                  "sm90_experts: this build has no CUTLASS (scripts/install-deps.sh installs the "
                  "headers; FUSEDMOE_CUTLASS_DIR points CMake at them)");
+#endif
+}
+
+size_t sm90_dense_expert_workspace_bytes(int64_t num_tokens, int64_t inter) {
+  // expert_offsets {0, T} (256 bytes), then sm90_experts' layout for one expert.
+  return 256 + sm90_experts_workspace_bytes(num_tokens, 1, inter);
+}
+
+void sm90_dense_expert(const Sm90DenseExpertArgs& a, Stream stream) {
+#ifdef FUSEDMOE_WITH_CUTLASS
+  const int64_t H = a.hidden, I = a.inter, T = a.num_tokens;
+  FUSEDMOE_CHECK(a.x && a.w13 && a.w2 && a.inter_rows && a.out && a.workspace,
+                 "sm90_dense_expert: x, w13, w2, inter_rows, out and workspace are required");
+  FUSEDMOE_CHECK(H > 0 && H % 8 == 0,
+                 "sm90_dense_expert: hidden must be a positive multiple of 8, got ", H);
+  FUSEDMOE_CHECK(I > 0 && I % 8 == 0,
+                 "sm90_dense_expert: inter must be a positive multiple of 8, got ", I);
+  FUSEDMOE_CHECK(T >= 0 && T <= INT32_MAX,
+                 "sm90_dense_expert: num_tokens must be in [0, 2^31), got ", T);
+  FUSEDMOE_CHECK(a.dtype == DType::kBF16 || a.dtype == DType::kF16,
+                 "sm90_dense_expert: dtype must be bf16 or f16, got ", dtype_name(a.dtype));
+  const size_t need = sm90_dense_expert_workspace_bytes(T, I);
+  FUSEDMOE_CHECK(a.workspace_bytes >= need, "sm90_dense_expert: workspace of ", need,
+                 " bytes needed, got ", a.workspace_bytes);
+  if (T == 0) return;
+  auto* offsets = static_cast<int64_t*>(a.workspace);
+  dense_offsets_kernel<<<1, 1, 0, stream>>>(offsets, T);
+  FUSEDMOE_CUDA_CHECK_LAUNCH();
+  gemm_glu_gemm(
+      {a.dtype, a.x, T, offsets, 1, nullptr, nullptr, H, I, a.w13, a.w13_bias, a.w2, a.act,
+       a.inter_rows, a.out, static_cast<char*>(a.workspace) + 256, a.workspace_bytes - 256},
+      stream);
+#else
+  (void)a;
+  (void)stream;
+  FUSEDMOE_THROW(kUnsupported,
+                 "sm90_dense_expert: this build has no CUTLASS (scripts/install-deps.sh installs "
+                 "the headers; FUSEDMOE_CUTLASS_DIR points CMake at them)");
 #endif
 }
 

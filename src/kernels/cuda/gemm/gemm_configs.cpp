@@ -101,9 +101,15 @@ void grouped_gemm(const GroupedGemmArgs& a, Stream stream) {
                  a.k);
   FUSEDMOE_CHECK(a.lda % 8 == 0 && a.lda >= a.k, "grouped_gemm: lda must be a multiple of 8 >= K (",
                  a.k, "), got ", a.lda);
-  FUSEDMOE_CHECK(a.n > 0 && a.n % 2 == 0, "grouped_gemm: N must be positive and even, got ", a.n);
-  FUSEDMOE_CHECK(a.ldc % 2 == 0 && a.ldc >= (a.epilogue == GemmEpilogue::kGlu ? a.n / 2 : a.n),
-                 "grouped_gemm: ldc must be even and cover the output row, got ", a.ldc);
+  if (a.epilogue == GemmEpilogue::kGlu) {
+    FUSEDMOE_CHECK(a.n > 0 && a.n % 2 == 0,
+                   "grouped_gemm: N must be positive and even (gate and up halves), got ", a.n);
+    FUSEDMOE_CHECK(a.ldc % 2 == 0 && a.ldc >= a.n / 2,
+                   "grouped_gemm: ldc must be even and >= N / 2 = ", a.n / 2, ", got ", a.ldc);
+  } else {
+    FUSEDMOE_CHECK(a.n > 0, "grouped_gemm: N must be positive, got ", a.n);
+    FUSEDMOE_CHECK(a.ldc >= a.n, "grouped_gemm: ldc must be >= N = ", a.n, ", got ", a.ldc);
+  }
   FUSEDMOE_CHECK(a.num_experts >= 1, "grouped_gemm: num_experts must be >= 1");
   FUSEDMOE_CHECK(a.expert_offsets != nullptr || a.num_experts == 1,
                  "grouped_gemm: dense mode (no expert_offsets) takes one expert");

@@ -19,6 +19,7 @@
 
 #include "fusedmoe/kernels/cuda.h"
 #include "kernels/cuda/cuda_common.cuh"
+#include "kernels/cuda/pdl.cuh"
 
 namespace fusedmoe::cuda::gemm {
 
@@ -150,6 +151,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) grouped_gemm_kernel(const Param
   extern __shared__ __align__(128) uint8_t smem[];
   int32_t* s_src = reinterpret_cast<int32_t*>(smem + STAGES * Cfg::kStageBytes);  // A row, -1
   int32_t* s_slot = s_src + BM;                                                   // slot, -1
+  pdl_wait();  // expert_offsets, sorted_slot and a come from the kernels before (pdl.cuh)
+  pdl_launch_dependents();
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wm = warp / Cfg::kWarpsN, wn = warp % Cfg::kWarpsN;
@@ -348,12 +351,20 @@ __global__ void __launch_bounds__(Cfg::kThreads) grouped_gemm_kernel(const Param
           for (int ni = 0; ni < NI; ++ni) {
             const int64_t n = static_cast<int64_t>(n_tile) * BN + wn * WTN + ni * 8 + g_col;
             if (n >= p.n) continue;
+            const bool pair = n + 1 < p.n;  // N may be odd (router logits)
             float v0 = acc[mi][ni][2 * h], v1 = acc[mi][ni][2 * h + 1];
             if (bias) {
               v0 += bias[n];
-              v1 += bias[n + 1];
+              if (pair) v1 += bias[n + 1];
             }
-            *reinterpret_cast<float2*>(orow + n) = make_float2(scale * v0, scale * v1);
+            // One 8-byte store where aligned (even N and ldc: every expert GEMM);
+            // an odd ldc (any row stride of router_logits) stores single words.
+            if (pair && (reinterpret_cast<uintptr_t>(orow + n) & 7) == 0) {
+              *reinterpret_cast<float2*>(orow + n) = make_float2(scale * v0, scale * v1);
+            } else {
+              orow[n] = scale * v0;
+              if (pair) orow[n + 1] = scale * v1;
+            }
           }
         }
     }
@@ -413,8 +424,7 @@ void launch_typed(const GroupedGemmArgs& a, Stream stream) {
   }
   const int64_t slots = static_cast<int64_t>(num_sms()) * occ;
   const unsigned grid = static_cast<unsigned>(max_work < slots ? max_work : slots);
-  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
-  FUSEDMOE_CUDA_CHECK_LAUNCH();
+  launch_pdl(kernel, grid, Cfg::kThreads, Cfg::kSmemBytes, stream, p);
 }
 // The instantiation of the element type args.dtype (kBF16 or kF16).
 template <class Cfg>

@@ -5,9 +5,12 @@
 // recursive-halving warp reduction and the same fused epilogues as the MMA
 // kernel (gated activation -> bf16 or f16 intermediate; weighted scatter by slot).
 // Persistent warps over (tile, row group) items, row groups innermost so the
-// warps of an SM share the tile's activation rows.
+// warps of an SM share the tile's activation rows. Launched with Programmatic
+// Dependent Launch (pdl.cuh): the blocks start while the kernel before (align,
+// or the w13 GEMV) drains.
 #include "kernels/cuda/gemm/gemm_instances.h"
 #include "kernels/cuda/gemm/sm90_bf16_grouped_gemm.cuh"
+#include "kernels/cuda/pdl.cuh"
 
 namespace fusedmoe::cuda::gemm {
 namespace {
@@ -66,6 +69,8 @@ __device__ __forceinline__ void warp_reduce_halving(float* v, int lane) {
 
 template <class T, bool kGlu>
 __global__ void __launch_bounds__(kThreads) grouped_gemv_kernel(const Params p) {
+  pdl_wait();  // expert_offsets, sorted_slot and a come from the kernels before
+  pdl_launch_dependents();
   constexpr int kRowsPerItem = ::fusedmoe::cuda::gemm::kRowsPerItem<kGlu>;
   constexpr int kW = kGlu ? 2 * kRowsPerItem : kRowsPerItem;  // weight rows streamed per item
   constexpr int kAcc = kW * kTileRows;
@@ -197,11 +202,8 @@ void launch_gemv(const GroupedGemmArgs& a, Stream stream) {
   const int64_t max_blocks = static_cast<int64_t>(num_sms()) * 8;
   const unsigned grid =
       static_cast<unsigned>(std::min<int64_t>(ceil_div(items, warps_per_block), max_blocks));
-  if (glu)
-    grouped_gemv_kernel<T, true><<<grid, kThreads, 0, stream>>>(p);
-  else
-    grouped_gemv_kernel<T, false><<<grid, kThreads, 0, stream>>>(p);
-  FUSEDMOE_CUDA_CHECK_LAUNCH();
+  launch_pdl(glu ? grouped_gemv_kernel<T, true> : grouped_gemv_kernel<T, false>, grid, kThreads,
+             0, stream, p);
 }
 
 }  // namespace
