@@ -13,8 +13,10 @@ CUDA backend: all arrays of a call on one device, the current one; the work is
 enqueued on the caller's current stream (torch.cuda.current_stream(),
 cupy.cuda.get_current_stream()) without synchronisation and without device
 allocation outside the caller's framework, so calls can be captured in a CUDA
-graph. The CUDA backend computes in bf16 (f32 accumulation): expert weights
-bf16, hidden states f32 or bf16 (the output has the hidden states' dtype).
+graph. The CUDA backend computes in bf16 or fp16 (f32 accumulation): expert
+weights bf16 or float16, hidden states f32, bf16 or float16 (converted to the
+weights' type; the output has the hidden states' dtype, and a float16 output
+value beyond 65504 becomes inf, as torch's ``.half()``).
 Without the CUDA backend a CUDA array raises NotImplementedError.
 
 dtypes: hidden states and topk_weights are float32, topk_ids int32 (int64 is
@@ -333,12 +335,13 @@ def fused_experts(
     "gelu_pytorch_tanh" or "swiglu_oai" (gpt-oss, with swiglu_alpha/limit).
     apply_router_weight_on_input: scale the expert input instead of its output
     (Llama-4). compute_dtype: "f32" or "bf16" (default: "f32" on the CPU,
-    "bf16" on CUDA). Returns [T, H] in hidden_states' dtype. vLLM's
+    the weights' type on CUDA). Returns [T, H] in hidden_states' dtype. vLLM's
     ``fused_experts`` layout and names.
 
     On CUDA (torch CUDA tensors or CuPy arrays, all on the current device):
-    w13/w2 bf16, hidden_states f32 or bf16, biases converted to f32,
-    compute_dtype "bf16" only, apply_router_weight_on_input with top_k = 1
+    w13/w2 both bf16 or both float16, hidden_states f32, bf16 or float16
+    (converted to the weights' type), biases converted to f32, compute_dtype
+    the weights' type ("bf16" / "f16"), apply_router_weight_on_input with top_k = 1
     only; a workspace of ``cuda_fused_experts_workspace_bytes(...)`` bytes is
     allocated with the caller's framework on each call; the work runs on the
     current stream. topk_ids outside [0, E) add nothing there (they are not
@@ -365,7 +368,9 @@ def _fused_experts_impl(
     _ndim(x, "hidden_states", 2, "[T, H]")
     cuda = _on_cuda(x)
     if compute_dtype is None:
-        compute_dtype = "bf16" if cuda else "f32"
+        # CUDA computes in the weights' half type (bf16 or f16).
+        f16 = _is_torch(w13) and w13.dtype == _torch.float16
+        compute_dtype = ("f16" if f16 else "bf16") if cuda else "f32"
     w13, bf16_13 = _weight(w13, "w13", weight_dtype)
     w2, bf16_2 = _weight(w2, "w2", weight_dtype)
     if w13_bias is not None:
@@ -594,20 +599,21 @@ class MoELayer:
         not; weights memory-mapped, bf16 stays bf16).
 
         ``backend``: "cpu", or "cuda": the weights are uploaded (experts as
-        bf16) to the current CUDA device and a workspace for ``max_num_tokens``
-        tokens (default 8192) is allocated once; the layer then takes and
-        returns CUDA tensors (torch or CuPy) on that device and runs on the
-        caller's current stream (CUDA-graph capturable). ``dtype``: compute
-        dtype "f32" or "bf16" (default "f32" on the CPU; CUDA computes in
-        "bf16" only). ``threads`` (CPU): a private pool of that many threads;
+        bf16, or f16 with ``dtype="f16"``) to the current CUDA device and a
+        workspace for ``max_num_tokens`` tokens (default 8192) is allocated
+        once; the layer then takes and returns CUDA tensors (torch or CuPy;
+        f32, bf16 or float16) on that device and runs on the caller's current
+        stream (CUDA-graph capturable). ``dtype``: compute dtype "f32" or
+        "bf16" on the CPU (default "f32"); "bf16" or "f16" on CUDA (default:
+        "f16" for a float16 checkpoint, else "bf16"). ``threads`` (CPU): a private pool of that many threads;
         0 or None: the global pool (all cores unless set_num_threads changed
         it), as ``fusedmoe run --threads 0``."""
         if backend not in ("cpu", "cuda"):
             raise ValueError(f"backend: expected 'cpu' or 'cuda', got {backend!r}")
-        if dtype is None:
-            dtype = "bf16" if backend == "cuda" else "f32"
+        if dtype is None:  # CUDA: f16 for an f16 checkpoint, else bf16
+            dtype = "auto" if backend == "cuda" else "f32"
         if not isinstance(dtype, str):
-            raise TypeError(f"dtype: expected 'f32' or 'bf16', got {type(dtype).__name__} "
+            raise TypeError(f"dtype: expected 'f32', 'bf16' or 'f16', got {type(dtype).__name__} "
                             f"{dtype!r}")
         if layer is not None:
             layer = _int(layer, "layer")

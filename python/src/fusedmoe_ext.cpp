@@ -251,8 +251,8 @@ void check_dtype(const TensorView& v, const char* name, std::initializer_list<DT
 
 DType parse_compute_dtype(const std::string& s, const char* name) {
   const DType d = parse_dtype(s);
-  FUSEDMOE_CHECK(d == DType::kF32 || d == DType::kBF16, name,
-                 ": expected \"f32\" or \"bf16\", got \"", s, "\"");
+  FUSEDMOE_CHECK(d == DType::kF32 || d == DType::kBF16 || d == DType::kF16, name,
+                 ": expected \"f32\", \"bf16\" or \"f16\" (f16: CUDA only), got \"", s, "\"");
   return d;
 }
 
@@ -320,20 +320,24 @@ cuda::FusedExpertsArgs cuda_fused_experts_args(const TensorView& x, const Expert
                                                bool apply_router_weight_on_input,
                                                const std::optional<TensorView>& ws) {
   const Device dev = x.device();
-  check_dtype(x, "hidden_states", {DType::kF32, DType::kBF16});
+  check_dtype(x, "hidden_states", {DType::kF32, DType::kBF16, DType::kF16});
   for (const auto& [t, name] : {std::pair{&w.w13, "w13"}, std::pair{&w.w2, "w2"}})
-    if (t->dtype() != DType::kBF16)
-      throw nb::type_error((std::string(name) + ": the CUDA backend takes bf16 expert weights, " +
-                            "got " + t->view().str() + "; convert them once (" + name +
-                            ".to(torch.bfloat16))")
-                               .c_str());
+    if (t->dtype() != DType::kBF16 && t->dtype() != DType::kF16)
+      throw nb::type_error(
+          (std::string(name) + ": the CUDA backend takes bf16 or f16 expert weights, got " +
+           t->view().str() + "; convert them once (" + name + ".to(torch.bfloat16))")
+              .c_str());
+  if (w.w2.dtype() != w.w13.dtype())
+    throw nb::type_error(("w2: expected the dtype of w13 (" +
+                          std::string(dtype_name(w.w13.dtype())) + "), got " + w.w2.view().str())
+                             .c_str());
   if (w.w13_bias) check_dtype(w.w13_bias->view(), "w13_bias", {DType::kF32});
   if (w.w2_bias) check_dtype(w.w2_bias->view(), "w2_bias", {DType::kF32});
-  check_dtype(out, "output", {DType::kF32, DType::kBF16});
-  FUSEDMOE_CHECK(params.compute_dtype == DType::kBF16,
-                 "compute_dtype: the CUDA backend computes in bf16 (f32 accumulation); expected "
-                 "\"bf16\", got \"",
-                 dtype_name(params.compute_dtype), "\"");
+  check_dtype(out, "output", {DType::kF32, DType::kBF16, DType::kF16});
+  FUSEDMOE_CHECK(params.compute_dtype == w.w13.dtype(),
+                 "compute_dtype: the CUDA backend computes in the expert weights' half type "
+                 "(f32 accumulation); expected \"",
+                 dtype_name(w.w13.dtype()), "\", got \"", dtype_name(params.compute_dtype), "\"");
   FUSEDMOE_CHECK(x.ndim() == 2, "hidden_states: expected [T, H], got ", x.str());
   FUSEDMOE_CHECK(w.w13.ndim() == 3, "w13: expected [E, 2I, H], got ", w.w13.view().str());
   const int64_t T = x.size(0), H = x.size(1), E = w.w13.size(0), I2 = w.w13.size(1);
@@ -343,8 +347,8 @@ cuda::FusedExpertsArgs cuda_fused_experts_args(const TensorView& x, const Expert
   FUSEDMOE_CHECK(tw.ndim() == 2, "topk_weights: expected [T, k], got ", tw.str());
   const int64_t k = tw.size(1);
   check_tensor(x, "hidden_states", x.dtype(), {T, H}, true, dev);
-  check_tensor(w.w13, "w13", DType::kBF16, {E, 2 * I, H}, true, dev);
-  check_tensor(w.w2, "w2", DType::kBF16, {E, H, I}, true, dev);
+  check_tensor(w.w13, "w13", w.w13.dtype(), {E, 2 * I, H}, true, dev);
+  check_tensor(w.w2, "w2", w.w13.dtype(), {E, H, I}, true, dev);
   FUSEDMOE_CHECK(w.w13.view().is_contiguous(), "w13: expected a contiguous tensor, got strides");
   FUSEDMOE_CHECK(w.w2.view().is_contiguous(), "w2: expected a contiguous tensor");
   if (w.w13_bias) {
@@ -376,6 +380,7 @@ cuda::FusedExpertsArgs cuda_fused_experts_args(const TensorView& x, const Expert
   a.intermediate_size = I;
   a.num_experts = E;
   a.top_k = k;
+  a.weight_dtype = w.w13.dtype();
   a.w13 = w.w13.data_as<const uint16_t>();
   a.w2 = w.w2.data_as<const uint16_t>();
   a.w13_bias = w.w13_bias ? w.w13_bias->data_as<const float>() : nullptr;
@@ -441,6 +446,8 @@ void fused_experts(const InArray& hidden_states, const InArray& w13, const InArr
 #endif
     return;
   }
+  FUSEDMOE_CHECK(params.compute_dtype != DType::kF16,
+                 "compute_dtype: \"f16\" runs on the CUDA backend only (CUDA tensors)");
   check_dtype(x, "hidden_states", {DType::kF32});
   check_dtype(weights.w13.view(), "w13", {DType::kF32, DType::kBF16});
   check_dtype(weights.w2.view(), "w2", {DType::kF32, DType::kBF16});
@@ -668,7 +675,9 @@ class PyMoELayer {
   static PyMoELayer* from_pretrained(const std::string& model_dir, std::optional<int64_t> layer,
                                      const std::string& dtype, std::optional<int> threads,
                                      const std::string& backend, int64_t max_num_tokens) {
-    const DType compute = parse_compute_dtype(dtype, "dtype");
+    // "auto" (CUDA): f16 for an f16 checkpoint, else bf16 (decided below).
+    const bool auto_dtype = dtype == "auto" && backend == "cuda";
+    DType compute = auto_dtype ? DType::kBF16 : parse_compute_dtype(dtype, "dtype");
     Device device;
     if (backend == "cuda") {
 #ifdef FUSEDMOE_WITH_CUDA
@@ -676,9 +685,9 @@ class PyMoELayer {
       int current = 0;
       FUSEDMOE_CHECK(cudaGetDevice(&current) == cudaSuccess, "backend: cudaGetDevice failed");
       device = Device{DeviceType::kCUDA, current};
-      FUSEDMOE_CHECK(compute == DType::kBF16,
-                     "dtype: the CUDA backend computes in bf16 (f32 accumulation); expected "
-                     "\"bf16\", got \"",
+      FUSEDMOE_CHECK(compute == DType::kBF16 || compute == DType::kF16,
+                     "dtype: the CUDA backend computes in bf16 or f16 (f32 accumulation); "
+                     "expected \"bf16\" or \"f16\", got \"",
                      dtype, "\"");
       FUSEDMOE_CHECK(max_num_tokens >= 0, "max_num_tokens: expected >= 0, got ", max_num_tokens);
 #else
@@ -699,6 +708,7 @@ class PyMoELayer {
       FUSEDMOE_CHECK(!info.moe_layers.empty(), "model_dir: ", model_dir, " has no MoE layer");
       l = layer ? *layer : info.moe_layers.front();
       config = info.layer_config(l);
+      if (auto_dtype && info.dtype == DType::kF16) compute = DType::kF16;
       const Checkpoint checkpoint = Checkpoint::open(model_dir);
       LoadOptions options;
       options.progress = false;
@@ -731,8 +741,9 @@ class PyMoELayer {
       FUSEDMOE_THROW(kInvalidArgument, "hidden_states: expected an array on ", device_str(device_),
                      " (this layer's backend), got one on ", device_str(dev));
     check_dtype(x, "hidden_states",
-                dev.is_cpu() ? std::initializer_list<DType>{DType::kF32}
-                             : std::initializer_list<DType>{DType::kF32, DType::kBF16});
+                dev.is_cpu()
+                    ? std::initializer_list<DType>{DType::kF32}
+                    : std::initializer_list<DType>{DType::kF32, DType::kBF16, DType::kF16});
     if (logits) check_dtype(*logits, "router_logits", {DType::kF32});
     if (max_num_tokens_ > 0 && x.ndim() == 2 && x.size(0) > max_num_tokens_)
       FUSEDMOE_THROW(kInvalidArgument, "hidden_states: at most max_num_tokens = ", max_num_tokens_,

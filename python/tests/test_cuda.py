@@ -7,14 +7,18 @@ built with the CUDA backend."""
 
 from __future__ import annotations
 
+import json
+import struct
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
 import fusedmoe  # noqa: E402
-from conftest import (ARCHS, HF, read_safetensors, ref_fused_experts, ref_fused_topk,  # noqa: E402
-                      ref_grouped_topk, rel_l2)
+from conftest import (ARCHS, HF, bf16_to_f32, read_safetensors, ref_fused_experts,  # noqa: E402
+                      ref_fused_topk, ref_grouped_topk, rel_l2)
 from test_hf_fixtures import CASES  # noqa: E402
 
 
@@ -118,6 +122,88 @@ def test_fused_experts_cuda_matches_f64_reference(g, T, activation, hidden_dtype
     xs.copy_(x)
     out2 = fusedmoe.fused_experts(xs, w13, w2, tw, ids.long(), activation, b13, b2)
     torch.testing.assert_close(out2, out, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("T,E,k", [(7, 8, 2), (300, 16, 8)])  # 300: the sm90 path on an H200
+@pytest.mark.parametrize("hidden_dtype", [torch.float16, torch.float32, torch.bfloat16])
+def test_fused_experts_cuda_float16_weights(g, T, E, k, hidden_dtype):
+    x, w13, w2, tw, ids, b13, b2 = _case(g, T=T, E=E, H=64, I=48, k=k, hidden_dtype=hidden_dtype,
+                                         bias=True)
+    w13h, w2h = w13.to(torch.float16), w2.to(torch.float16)  # bf16 values: exact in f16
+    out = fusedmoe.fused_experts(x, w13h, w2h, tw, ids, "silu", b13, b2)
+    assert out.is_cuda and out.dtype == hidden_dtype and out.shape == x.shape
+    xr = x.half() if hidden_dtype != torch.float16 else x  # the expert input is rounded to f16
+    err = rel_l2(out.float().cpu().numpy(), _ref(xr, w13h, w2h, tw, ids, b13, b2))
+    assert err <= 1e-2, err
+    # bf16 weights with f16 activations: converted to bf16
+    if hidden_dtype == torch.float16:
+        outb = fusedmoe.fused_experts(x, w13, w2, tw, ids, "silu", b13, b2)
+        assert outb.dtype == torch.float16
+        assert rel_l2(outb.float().cpu().numpy(), _ref(x, w13, w2, tw, ids, b13, b2)) <= 1e-2
+    with pytest.raises(TypeError, match="w2"):
+        fusedmoe.fused_experts(x, w13h, w2, tw, ids)  # mixed weight dtypes
+    with pytest.raises(ValueError, match="compute_dtype"):
+        fusedmoe.fused_experts(x, w13h, w2h, tw, ids, compute_dtype="bf16")
+
+
+def test_hf_fixture_cuda_layer_float16():
+    arch, layer, T = next(c for c in CASES if c[0] == "mixtral")
+    ref = read_safetensors(HF / arch / "reference.safetensors")
+    moe = fusedmoe.MoELayer.from_pretrained(HF / arch, layer=layer, backend="cuda", dtype="f16",
+                                            max_num_tokens=128)
+    assert moe.compute_dtype == "f16"
+    p = f"layers.{layer}.T{T}."
+    x = torch.from_numpy(ref[p + "input"]).cuda()
+    logits = torch.from_numpy(ref[p + "router_logits"]).cuda()
+    out = moe(x.half(), router_logits=logits)
+    assert out.dtype == torch.float16 and out.shape == x.shape
+    assert rel_l2(out.float().cpu().numpy(), ref[p + "output_f64"]) <= 1e-2
+    out32 = moe(x, router_logits=logits)
+    assert out32.dtype == torch.float32
+    assert rel_l2(out32.cpu().numpy(), ref[p + "output_f64"]) <= 1e-2
+
+
+def _write_safetensors(path, tensors: dict) -> None:
+    header, blobs, off = {}, [], 0
+    for name, a in tensors.items():
+        a = np.ascontiguousarray(a)
+        dt = {np.dtype(np.float16): "F16", np.dtype(np.float32): "F32", np.dtype(np.int64): "I64",
+              np.dtype(np.int32): "I32"}[a.dtype]
+        header[name] = {"dtype": dt, "shape": list(a.shape), "data_offsets": [off, off + a.nbytes]}
+        blobs.append(a.tobytes())
+        off += a.nbytes
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    path.write_bytes(struct.pack("<Q", len(h)) + h + b"".join(blobs))
+
+
+def test_float16_checkpoint_stays_float16_on_cuda(tmp_path):
+    """A float16 checkpoint (the mixtral fixture's bf16 weights, exact in f16):
+    MoELayer(backend="cuda") runs it in f16 by default."""
+    arch, layer, T = next(c for c in CASES if c[0] == "mixtral")
+    src = HF / arch
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["dtype"] = cfg["torch_dtype"] = "float16"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    w = read_safetensors(src / "model.safetensors")
+    raw = read_safetensors_raw_dtypes(src / "model.safetensors")
+    _write_safetensors(tmp_path / "model.safetensors",
+                       {k: (bf16_to_f32(v).astype(np.float16) if raw[k] == "BF16" else v)
+                        for k, v in w.items()})
+    moe = fusedmoe.MoELayer.from_pretrained(tmp_path, layer=layer, backend="cuda",
+                                            max_num_tokens=128)
+    assert moe.compute_dtype == "f16"
+    ref = read_safetensors(src / "reference.safetensors")
+    p = f"layers.{layer}.T{T}."
+    x = torch.from_numpy(ref[p + "input"]).cuda()
+    out = moe(x, router_logits=torch.from_numpy(ref[p + "router_logits"]).cuda())
+    assert rel_l2(out.cpu().numpy(), ref[p + "output_f64"]) <= 1e-2
+
+
+def read_safetensors_raw_dtypes(path) -> dict:
+    raw = Path(path).read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return {k: e["dtype"] for k, e in json.loads(raw[8:8 + n]).items() if k != "__metadata__"}
 
 
 def test_fused_experts_cuda_qwen3_shape_and_router_weight_on_input(g):

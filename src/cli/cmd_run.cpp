@@ -166,10 +166,13 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
   seed->needs(tokens);
   cmd->add_option("--output", o.output,
                   "Write output, topk_ids, topk_weights, router_logits to this .safetensors file");
-  auto* cdt = cmd->add_option("--compute-dtype", o.compute_dtype, "f32 or bf16")
-                  ->check(CLI::IsMember({"f32", "bf16"}));
+  auto* cdt = cmd->add_option("--compute-dtype", o.compute_dtype,
+                              "f32 or bf16; with --backend cuda bf16 or f16: the experts' type on "
+                              "the GPU (weights converted; default: f16 for an f16 checkpoint, "
+                              "else bf16)")
+                  ->check(CLI::IsMember({"f32", "bf16", "f16"}));
   cmd->add_option("--backend", o.backend,
-                  "cpu, or cuda: the layer on the GPU (bf16 compute, f32 accumulation; the "
+                  "cpu, or cuda: the layer on the GPU (bf16 or f16 compute, f32 accumulation; the "
                   "time is the forward plus a device synchronisation, copies excluded)")
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str();
@@ -181,7 +184,7 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
   cmd->add_option("--reference-key", o.reference_key, "Tensor name in the --reference file")
       ->needs(ref);
   cmd->add_option("--tolerance", o.tolerance,
-                  "Largest relative L2 error accepted (default: 1e-5 f32, 1e-2 bf16)")
+                  "Largest relative L2 error accepted (default: 1e-5 f32, 1e-2 bf16 / f16)")
       ->check(kNonNegative)
       ->needs(ref);
   cmd->add_option("--repeat", o.repeat, "Run the forward N times; the median time is reported")
@@ -225,10 +228,16 @@ int run_run(const RunOptions& o) {
   }
   if (o.threads > 0) ThreadPool::set_global_num_threads(o.threads);
   const bool on_cuda = o.backend == "cuda";
-  FUSEDMOE_CHECK(!on_cuda || !o.compute_dtype_given || o.compute_dtype == "bf16",
-                 "--backend cuda computes in bf16 (f32 accumulation); got --compute-dtype ",
-                 o.compute_dtype);
-  const DType compute_dtype = on_cuda || o.compute_dtype == "bf16" ? DType::kBF16 : DType::kF32;
+  FUSEDMOE_CHECK(
+      !on_cuda || !o.compute_dtype_given || o.compute_dtype == "bf16" || o.compute_dtype == "f16",
+      "--backend cuda computes in bf16 or f16 (f32 accumulation); got --compute-dtype ",
+      o.compute_dtype);
+  FUSEDMOE_CHECK(on_cuda || o.compute_dtype != "f16",
+                 "--compute-dtype f16: needs --backend cuda (the CPU backend computes in f32 or "
+                 "bf16)");
+  DType compute_dtype = o.compute_dtype == "f16"               ? DType::kF16
+                        : on_cuda || o.compute_dtype == "bf16" ? DType::kBF16
+                                                               : DType::kF32;
 
   // Parallel layout: every rank loads its share and runs its token group's
   // rows; the results are gathered and rank 0 reports and writes.
@@ -252,6 +261,8 @@ int run_run(const RunOptions& o) {
   FUSEDMOE_CHECK(!info.moe_layers.empty(), model_dir, ": the model has no MoE layers");
   const int64_t layer = o.layer >= 0 ? o.layer : info.moe_layers.front();
   MoEConfig config = info.layer_config(layer);
+  // On the GPU an f16 checkpoint stays f16 unless --compute-dtype says otherwise.
+  if (on_cuda && !o.compute_dtype_given && info.dtype == DType::kF16) compute_dtype = DType::kF16;
   if (parallel) {
     config.parallel = parallel_config_for_rank(world->rank(), o.ep_size, o.tp_size, o.dp_size);
     config.parallel.expert_placement = parse_expert_placement(o.expert_placement);
@@ -458,7 +469,7 @@ int run_run(const RunOptions& o) {
     }
     rel = den > 0.0 ? std::sqrt(num / den) : std::sqrt(num);
     if (!finite) rel = std::numeric_limits<double>::infinity();
-    tol = o.tolerance >= 0.0 ? o.tolerance : (compute_dtype == DType::kBF16 ? 1e-2 : 1e-5);
+    tol = o.tolerance >= 0.0 ? o.tolerance : (compute_dtype == DType::kF32 ? 1e-5 : 1e-2);
     failed = !(rel <= tol);
   }
 

@@ -133,8 +133,11 @@ MoERunner::MoERunner(MoEConfig config, MoELayerWeights weights, RunnerOptions op
     : config_(std::move(config)), weights_(std::move(weights)), options_(options) {
   config_.validate();
   weights_.validate(config_);
-  FUSEDMOE_CHECK(options_.compute_dtype == DType::kF32 || options_.compute_dtype == DType::kBF16,
-                 "compute_dtype: expected f32 or bf16, got ", dtype_name(options_.compute_dtype));
+  FUSEDMOE_CHECK(
+      options_.compute_dtype == DType::kF32 || options_.compute_dtype == DType::kBF16 ||
+          (options_.compute_dtype == DType::kF16 && options_.device.type == DeviceType::kCUDA),
+      "compute_dtype: expected f32 or bf16 (f16: CUDA backend only), got ",
+      dtype_name(options_.compute_dtype));
   router_ = create_router(config_, weights_.router_params);
   kernel_ = make_cpu_modular_kernel(options_.pool);
   workspace_ = std::make_unique<Workspace>();
@@ -200,21 +203,24 @@ MoERunner::MoERunner(MoEConfig config, MoELayerWeights weights, RunnerOptions op
   }
   if (options_.device.type == DeviceType::kCUDA) {
 #ifdef FUSEDMOE_WITH_CUDA
-    FUSEDMOE_CHECK(options_.compute_dtype == DType::kBF16,
-                   "compute_dtype: the CUDA backend computes in bf16 (f32 accumulation); "
-                   "expected bf16, got ",
-                   dtype_name(options_.compute_dtype));
+    FUSEDMOE_CHECK(
+        options_.compute_dtype == DType::kBF16 || options_.compute_dtype == DType::kF16,
+        "compute_dtype: the CUDA backend computes in bf16 or f16 (f32 accumulation); expected "
+        "bf16 or f16, got ",
+        dtype_name(options_.compute_dtype));
     if (options_.max_num_tokens <= 0) options_.max_num_tokens = 8192;
     if (cuda_ep) {
       // The local experts compute every rank's rows: ep_size * max_num_tokens.
       const int P = options_.communicator->size();
-      cuda_ = std::make_unique<cuda::CudaMoELayer>(config_, weights_, P * options_.max_num_tokens);
+      cuda_ = std::make_unique<cuda::CudaMoELayer>(config_, weights_, P * options_.max_num_tokens,
+                                                   options_.compute_dtype);
       cuda_ep_ = std::make_unique<cuda::CudaEpMoELayer>(
           *cuda_, config_, options_.communicator,
           ExpertMap(config_.num_experts, P, config_.parallel.expert_placement),
           options_.max_num_tokens);
     } else {
-      cuda_ = std::make_unique<cuda::CudaMoELayer>(config_, weights_, options_.max_num_tokens);
+      cuda_ = std::make_unique<cuda::CudaMoELayer>(config_, weights_, options_.max_num_tokens,
+                                                   options_.compute_dtype);
     }
     if (!options_.cuda_graph_sizes.empty()) {
       FUSEDMOE_CHECK(!cuda_ep,
@@ -273,7 +279,7 @@ void MoERunner::forward(const TensorView& hidden_states, const TensorView& outpu
   const int64_t H = config_.hidden_size, L = config_.num_router_logits(), k = config_.top_k;
 #ifdef FUSEDMOE_WITH_CUDA
   if (cuda_) {
-    // Same boundary checks on device tensors (f32 or bf16 activations).
+    // Same boundary checks on device tensors (f32, bf16 or f16 activations).
     const Device dev = options_.device;
     check_tensor(hidden_states, "hidden_states", hidden_states.dtype(), {-1, H}, true, dev);
     const int64_t T = hidden_states.size(0);

@@ -105,4 +105,38 @@ class DeviceTensor {
   std::shared_ptr<void> ptr_;
 };
 
+// cuda::FusedExpertsArgs over device tensors: hidden states x [T, H] and
+// output out [T, H] (dtypes and row strides from the tensors), w13 [E, 2I, H]
+// and w2 [E, H, I] (weight_dtype: w13's), f32 biases (empty tensor: none),
+// topk_ids / topk_weights [T, k].
+inline cuda::FusedExpertsArgs fused_experts_args(const DeviceTensor& x, const DeviceTensor& w13,
+                                                 const DeviceTensor& w2, const DeviceTensor& b13,
+                                                 const DeviceTensor& b2, const DeviceTensor& ids,
+                                                 const DeviceTensor& tw, const DeviceTensor& out,
+                                                 const ActivationParams& act, bool on_input) {
+  const TensorView xv = x.view(), wv = w13.view();
+  cuda::FusedExpertsArgs a;
+  a.hidden_states = x.data();
+  a.hidden_dtype = xv.dtype();
+  a.ldx = x.ld();
+  a.num_tokens = xv.size(0);
+  a.hidden_size = xv.size(1);
+  a.intermediate_size = wv.size(1) / 2;
+  a.num_experts = wv.size(0);
+  a.top_k = ids.view().size(1);
+  a.weight_dtype = wv.dtype();
+  a.w13 = w13.data_as<const uint16_t>();
+  a.w2 = w2.data_as<const uint16_t>();
+  a.w13_bias = b13.data_as<const float>();
+  a.w2_bias = b2.data_as<const float>();
+  a.topk_ids = ids.data_as<const int32_t>();
+  a.topk_weights = tw.data_as<const float>();
+  a.activation = act;
+  a.apply_router_weight_on_input = on_input;
+  a.output = out.data();
+  a.output_dtype = out.view().dtype();
+  a.ldo = out.ld();
+  return a;
+}
+
 }  // namespace fusedmoe::test

@@ -71,26 +71,8 @@ void run_case(const Case& c, std::mt19937_64& rng, bool on_input = false) {
   out.poison();
   ws.poison();
 
-  cuda::FusedExpertsArgs a;
-  a.hidden_states = x_d.data();
-  a.hidden_dtype = c.io;
-  a.ldx = x_d.ld();
-  a.num_tokens = T;
-  a.hidden_size = H;
-  a.intermediate_size = I;
-  a.num_experts = E;
-  a.top_k = k;
-  a.w13 = w13.data_as<const uint16_t>();
-  a.w2 = w2.data_as<const uint16_t>();
-  a.w13_bias = c.bias ? b13.data_as<const float>() : nullptr;
-  a.w2_bias = c.bias ? b2.data_as<const float>() : nullptr;
-  a.topk_ids = ids_d.data_as<const int32_t>();
-  a.topk_weights = tw_d.data_as<const float>();
-  a.activation = act;
-  a.apply_router_weight_on_input = on_input;
-  a.output = out.data();
-  a.output_dtype = c.io;
-  a.ldo = out.ld();
+  const cuda::FusedExpertsArgs a =
+      test::fused_experts_args(x_d, w13, w2, b13, b2, ids_d, tw_d, out, act, on_input);
   cuda::fused_experts(a, ws.data(), ws_bytes, nullptr);
   CUDA_OK(cudaDeviceSynchronize());
   Tensor got = out.to_host();

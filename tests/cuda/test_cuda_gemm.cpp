@@ -16,17 +16,20 @@ namespace {
 
 using test::DeviceTensor;
 
+// dt: the element type of x, the weights and the intermediate (bf16 or f16).
 void check_tile(cuda::GemmTile tile, int64_t T, int64_t E, int64_t k, int64_t H, int64_t I,
-                Activation act, bool bias, bool dense, std::mt19937_64& rng) {
+                Activation act, bool bias, bool dense, std::mt19937_64& rng,
+                DType dt = DType::kBF16) {
   SCOPED_TRACE(std::string(cuda::gemm_tile_name(tile)) + " T " + std::to_string(T) + " E " +
                std::to_string(E) + " k " + std::to_string(k) + " H " + std::to_string(H) + " I " +
-               std::to_string(I) + (dense ? " dense" : " routed"));
+               std::to_string(I) + (dense ? " dense" : " routed") + " " + dtype_name(dt));
   if (dense) {
     E = 1;
     k = 1;
   }
-  const ExpertWeights w = test::random_experts(rng, E, H, I, DType::kBF16, bias);
-  const Tensor x = test::to_bf16(test::randn_f32(rng, {T, H}));
+  const ExpertWeights w = test::random_experts(rng, E, H, I, dt, bias);
+  const Tensor x = dt == DType::kF16 ? test::to_f16(test::randn_f32(rng, {T, H}))
+                                     : test::to_bf16(test::randn_f32(rng, {T, H}));
   Tensor ids_h = Tensor::empty(DType::kI32, {T, k});
   Tensor wt_h = test::random_f32(rng, {T, k}, 0.1f, 1.0f);
   for (int64_t t = 0; t < T; ++t)
@@ -47,7 +50,7 @@ void check_tile(cuda::GemmTile tile, int64_t T, int64_t E, int64_t k, int64_t H,
   }
   DeviceTensor offsets(DType::kI64, {E + 1}), sorted(DType::kI32, {padded}),
       counts(DType::kI32, {E}), cursor(DType::kI32, {E});
-  DeviceTensor inter(DType::kBF16, {padded, I}), y(DType::kF32, {std::max<int64_t>(slots, 1), H});
+  DeviceTensor inter(dt, {padded, I}), y(DType::kF32, {std::max<int64_t>(slots, 1), H});
   y.poison();
   if (!dense) {
     cuda::AlignArgs al;
@@ -64,6 +67,7 @@ void check_tile(cuda::GemmTile tile, int64_t T, int64_t E, int64_t k, int64_t H,
   cuda::GroupedGemmArgs g;
   g.epilogue = cuda::GemmEpilogue::kGlu;
   g.tile = tile;
+  g.dtype = dt;
   g.a = xd.data_as<uint16_t>();
   g.lda = H;
   g.gather = !dense;
@@ -153,16 +157,33 @@ TEST(CudaGroupedGemm, EveryTileEveryMode) {
   }
 }
 
+// The f16 instantiation of every tile (mma.sync .f16, the GEMV's f16 loads).
+TEST(CudaGroupedGemm, EveryTileF16) {
+  FUSEDMOE_REQUIRE_CUDA();
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  for (int ti = 0; ti < cuda::kNumGemmTiles; ++ti) {
+    const auto tile = static_cast<cuda::GemmTile>(ti);
+    check_tile(tile, 37, 5, 2, 96, 80, Activation::kSiluGlu, false, false, rng, DType::kF16);
+    check_tile(tile, 300, 4, 3, 136, 200, Activation::kSwigluOai, true, false, rng, DType::kF16);
+    check_tile(tile, 77, 1, 1, 200, 136, Activation::kGeluTanhGlu, false, true, rng, DType::kF16);
+    if (HasFailure()) return;
+  }
+}
+
 // sm90_experts (CUTLASS wgmma + TMA grouped GEMMs over expert-sorted rows) and
 // finalize's expert-sorted mode against float64: per token
 // sum_j w_j * (w2 . act(w13 . x + b13) + b2), -1 ids, experts with no rows,
 // H and I not multiples of the 128 x 256 tile; a second run bit-identical.
 void check_sm90(int64_t T, int64_t E, int64_t k, int64_t H, int64_t I, Activation act, bool bias,
-                std::mt19937_64& rng) {
+                std::mt19937_64& rng, DType dt = DType::kBF16) {
   SCOPED_TRACE("sm90 T " + std::to_string(T) + " E " + std::to_string(E) + " k " +
-               std::to_string(k) + " H " + std::to_string(H) + " I " + std::to_string(I));
-  const ExpertWeights w = test::random_experts(rng, E, H, I, DType::kBF16, bias);
-  const Tensor x = test::to_bf16(test::randn_f32(rng, {T, H}));
+               std::to_string(k) + " H " + std::to_string(H) + " I " + std::to_string(I) + " " +
+               dtype_name(dt));
+  const ExpertWeights w = test::random_experts(rng, E, H, I, dt, bias);
+  const Tensor x = dt == DType::kF16 ? test::to_f16(test::randn_f32(rng, {T, H}))
+                                     : test::to_bf16(test::randn_f32(rng, {T, H}));
   Tensor ids_h = Tensor::empty(DType::kI32, {T, k});
   Tensor wt_h = test::random_f32(rng, {T, k}, 0.1f, 1.0f);
   for (int64_t t = 0; t < T; ++t)
@@ -182,8 +203,8 @@ void check_sm90(int64_t T, int64_t E, int64_t k, int64_t H, int64_t I, Activatio
   }
   DeviceTensor offsets(DType::kI64, {E + 1}), sorted(DType::kI32, {slots}),
       counts(DType::kI32, {E}), cursor(DType::kI32, {E});
-  DeviceTensor inter(DType::kBF16, {slots, I}), y(DType::kF32, {slots, H}),
-      slot_row(DType::kI32, {slots}), out(DType::kF32, {T, H});
+  DeviceTensor inter(dt, {slots, I}), y(DType::kF32, {slots, H}), slot_row(DType::kI32, {slots}),
+      out(DType::kF32, {T, H});
   const size_t ws_bytes = cuda::sm90_experts_workspace_bytes(slots, E, I);
   DeviceTensor ws(DType::kU8, {static_cast<int64_t>(ws_bytes)});
   inter.poison();
@@ -200,6 +221,7 @@ void check_sm90(int64_t T, int64_t E, int64_t k, int64_t H, int64_t I, Activatio
   al.expert_counts = counts.data_as<int32_t>();
   al.expert_cursor = cursor.data_as<int32_t>();
   cuda::Sm90ExpertsArgs a;
+  a.dtype = dt;
   a.x = xd.data_as<uint16_t>();
   a.ldx = H;
   a.topk_ids = ids.data_as<int32_t>();
@@ -301,6 +323,17 @@ TEST(CudaSm90Experts, MatchesFloat64) {
   check_sm90(9, 60, 6, 264, 24, Activation::kGeluGlu, false, rng);
   check_sm90(1, 8, 1, 64, 40, Activation::kGeluTanhGlu, true, rng);
   check_sm90(700, 8, 2, 328, 296, Activation::kSiluGlu, true, rng);  // > 1 M tile, > 1 N tile
+}
+
+// The f16 CUTLASS instances and the f16 activation kernel.
+TEST(CudaSm90Experts, MatchesFloat64F16) {
+  FUSEDMOE_REQUIRE_CUDA();
+  if (!cuda::sm90_experts_available()) GTEST_SKIP() << "skipped: no sm_90 device or no CUTLASS";
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  check_sm90(300, 4, 3, 136, 200, Activation::kSwigluOai, true, rng, DType::kF16);
+  check_sm90(700, 8, 2, 328, 296, Activation::kSiluGlu, true, rng, DType::kF16);
 }
 
 TEST(CudaSm90Experts, RejectsBadArguments) {

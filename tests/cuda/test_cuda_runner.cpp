@@ -86,6 +86,29 @@ void check_runner(const MoEConfig& c, int64_t T, std::mt19937_64& rng, DType io_
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   EXPECT_TRUE(same_bits(to_f32(out_d.to_host()), out_g)) << "rerun not bit-identical";
 
+  // 2b) The functional cuda::fused_experts on the same input, ids and weights:
+  //     the same routed-expert code as the layer, so the same bits (layers
+  //     without a shared expert; on whichever path the layer took).
+  if (!c.has_shared_expert() && T > 0) {
+    const ExpertWeights& ew = lw.experts;
+    DeviceTensor w13 = DeviceTensor::from_host(ew.w13), w2 = DeviceTensor::from_host(ew.w2);
+    DeviceTensor b13, b2;  // empty: no bias
+    if (ew.w13_bias) b13 = DeviceTensor::from_host(to_f32(*ew.w13_bias));
+    if (ew.w2_bias) b2 = DeviceTensor::from_host(to_f32(*ew.w2_bias));
+    const size_t ws_bytes = cuda::fused_experts_workspace_bytes(
+        T, H, c.intermediate_size, c.num_experts, k, c.apply_router_weight_on_input);
+    DeviceTensor ws(DType::kU8, {static_cast<int64_t>(ws_bytes)}), fout(io_dtype, {T, H});
+    ws.poison();
+    fout.poison();
+    const cuda::FusedExpertsArgs a =
+        test::fused_experts_args(x_d, w13, w2, b13, b2, ids_d, w_d, fout,
+                                 ActivationParams::from_config(c), c.apply_router_weight_on_input);
+    cuda::fused_experts(a, ws.data(), ws_bytes, nullptr);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_TRUE(same_bits(to_f32(fout.to_host()), out_g))
+        << "cuda::fused_experts differs from the layer's routed experts";
+  }
+
   // 3) The CUDA gate GEMM: logits within f32 rounding of the CPU's.
   if (c.routing_method != RoutingMethod::kHash && T > 0) {
     DeviceTensor lg(DType::kF32, {T, L});

@@ -11,7 +11,7 @@ namespace fusedmoe::test {
 Tensor random_weight(std::mt19937_64& rng, std::initializer_list<int64_t> shape, float scale,
                      DType dtype) {
   Tensor t = random_f32(rng, shape, -scale, scale);
-  return dtype == DType::kBF16 ? to_bf16(t) : t;
+  return dtype == DType::kBF16 ? to_bf16(t) : dtype == DType::kF16 ? to_f16(t) : t;
 }
 
 ExpertWeights random_experts(std::mt19937_64& rng, int64_t E, int64_t H, int64_t I, DType dtype,

@@ -12,7 +12,7 @@
 
 namespace fusedmoe::test {
 
-// Uniform [-scale, scale) values, stored as `dtype` (kF32, or kBF16 rounded).
+// Uniform [-scale, scale) values, stored as `dtype` (kF32, or kBF16 / kF16 rounded).
 Tensor random_weight(std::mt19937_64& rng, std::initializer_list<int64_t> shape, float scale,
                      DType dtype);
 

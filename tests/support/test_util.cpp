@@ -34,6 +34,11 @@ Tensor to_bf16(const TensorView& f32) {
   return from_f32(c, DType::kBF16);
 }
 
+Tensor to_f16(const TensorView& f32) {
+  Tensor c = Tensor::copy_of(f32);
+  return from_f32(c, DType::kF16);
+}
+
 std::vector<double> to_f64_vector(const TensorView& t) {
   Tensor c = Tensor::copy_of(t);
   std::vector<double> out(static_cast<size_t>(c.numel()));

@@ -21,6 +21,8 @@ Tensor random_f32(std::mt19937_64& rng, std::initializer_list<int64_t> shape, fl
 Tensor randn_f32(std::mt19937_64& rng, std::initializer_list<int64_t> shape, float stddev = 1.0f);
 // Same values rounded to bf16 and stored as bf16.
 Tensor to_bf16(const TensorView& f32);
+// f32 -> f16 (round to nearest even; beyond 65504: inf).
+Tensor to_f16(const TensorView& f32);
 // Fills any floating tensor with NaN (integers with 0x7f7f7f7f-style garbage).
 void poison(const TensorView& t);
 // Number of NaN/Inf elements of an f32 tensor (any strides).

@@ -120,15 +120,16 @@ const char* gemm_tile_name(GemmTile tile);  // "m16n64", ...
 // expert, `routed_rows` rows in all (T * k; dense: M), N and K.
 GemmTile pick_gemm_tile(int64_t rows_per_expert, int64_t routed_rows, int64_t n, int64_t k);
 
-// One grouped GEMM over experts, C[r] = A[r] . W[e]^T (bf16 in, f32 accumulate):
-//   A rows: gather ? a[(sorted_slot[r] / a_div) * lda] : a[r * lda] (bf16, K wide);
+// One grouped GEMM over experts, C[r] = A[r] . W[e]^T (bf16 or f16 in, as
+// `dtype`, f32 accumulate; mma.sync m16n8k16 .bf16 / .f16):
+//   A rows: gather ? a[(sorted_slot[r] / a_div) * lda] : a[r * lda] (dtype, K wide);
 //           rows whose slot is -1 (padding) read as zeros.
-//   W:      bf16 [E, N, K] (row-major, K contiguous); K % 8 == 0.
+//   W:      dtype [E, N, K] (row-major, K contiguous); K % 8 == 0.
 //   rows of expert e: [expert_offsets[e], expert_offsets[e+1]) (multiples of
 //           block_m of `tile`); with expert_offsets == null, one expert, rows [0, M).
-// Epilogue kGlu (w13, N = 2I): out_bf16[r, i] = act(C[r, i] + b[i], C[r, I + i] + b[I + i])
-//   for i < I, every row of a tile written (padding too), row stride ldc.
-//   N even, ldc even.
+// Epilogue kGlu (w13, N = 2I): out[r, i] = act(C[r, i] + b[i], C[r, I + i] + b[I + i])
+//   (dtype, rounded to nearest; f16 values beyond 65504 become +-inf) for i < I,
+//   every row of a tile written (padding too), row stride ldc. N even, ldc even.
 // Epilogue kScatter (w2, N = H): for rows with slot s != -1:
 //   out_f32[s * ldc + n] = scale * (C[r, n] + b[n]), scale = row_scale[s] or 1.
 //   Without expert_offsets (dense, shared expert): out_f32[r * ldc + n], r < M.
@@ -137,7 +138,8 @@ enum class GemmEpilogue : uint8_t { kGlu, kScatter };
 struct GroupedGemmArgs {
   GemmEpilogue epilogue = GemmEpilogue::kGlu;
   GemmTile tile = GemmTile::kM64N128;
-  const uint16_t* a = nullptr;  // bf16 bits
+  DType dtype = DType::kBF16;   // of a, w and the kGlu output: kBF16 or kF16
+  const uint16_t* a = nullptr;  // bf16 / f16 bits
   int64_t lda = 0;
   bool gather = false;
   int a_div = 1;
@@ -145,7 +147,7 @@ struct GroupedGemmArgs {
   const int64_t* expert_offsets = nullptr;
   int64_t num_experts = 1;
   int64_t m = 0;                // dense mode rows; routed mode: host upper bound of padded rows
-  const uint16_t* w = nullptr;  // bf16 bits [E, N, K]
+  const uint16_t* w = nullptr;  // bf16 / f16 bits [E, N, K]
   int64_t n = 0, k = 0;
   const float* bias = nullptr;       // f32 [E, N] or null
   ActivationParams act;              // kGlu
@@ -158,17 +160,19 @@ void grouped_gemm(const GroupedGemmArgs& args, Stream stream);
 // ---- routed experts, many rows per expert: sm_90a grouped GEMM -------------------
 // wgmma + TMA (CUTLASS 3.x ptr-array grouped GEMM, warp-specialized cooperative
 // kernel, 128 x 256 x 64 tiles, f32 accumulation) over expert-contiguous rows.
-// Needs align() with block_m = 1 (no padding rows). In order, on `stream`:
-//   1. xs[r] = x[sorted_slot[r] / top_k]  (bf16 [T*k, H], kept in y_rows), slot_row[s] = r;
-//   2. h13[r] = xs[r] . w13[e]^T           (bf16 [T*k, 2I], in `workspace`);
-//   3. inter_rows[r, i] = act(h13[r, i] + b[e, i], h13[r, I + i] + b[e, I + i])  (bf16);
+// Needs align() with block_m = 1 (no padding rows). x, the weights and the
+// intermediates are of one half type, `dtype` (bf16 or f16; CUTLASS instances
+// of each). In order, on `stream`:
+//   1. xs[r] = x[sorted_slot[r] / top_k]  (dtype [T*k, H], kept in y_rows), slot_row[s] = r;
+//   2. h13[r] = xs[r] . w13[e]^T           (dtype [T*k, 2I], in `workspace`);
+//   3. inter_rows[r, i] = act(h13[r, i] + b[e, i], h13[r, I + i] + b[e, I + i])  (dtype);
 //   4. y_rows[r] = inter_rows[r] . w2[e]^T (f32 [T*k, H], unweighted, without w2 bias);
 // for rows r < expert_offsets[E], e the expert of row r. finalize() with
 // slot_row, row_scale = topk_weights and bias = w2 bias then sums each token's
 // rows in slot order. The per-expert problem shapes and pointers are written
 // on the device from expert_offsets (no host sync; graph-capturable).
-// x: bf16 [T, H] rows (stride ldx); w13 bf16 [E, 2I, H]; w13_bias f32 [E, 2I]
-// or null; w2 bf16 [E, H, I]. H % 8 == 0 and I % 8 == 0.
+// x: dtype [T, H] rows (stride ldx); w13 dtype [E, 2I, H]; w13_bias f32 [E, 2I]
+// or null; w2 dtype [E, H, I]. H % 8 == 0 and I % 8 == 0.
 // Throws Error(kInvalidArgument) on bad sizes or a short workspace,
 // Error(kUnsupported) in builds without CUTLASS.
 // sm90_experts_available(): built with CUTLASS and the current device is sm_90.
@@ -176,7 +180,8 @@ bool sm90_experts_available();
 // Bytes of `workspace` for up to num_slots = T * k routed rows.
 size_t sm90_experts_workspace_bytes(int64_t num_slots, int64_t num_experts, int64_t inter);
 struct Sm90ExpertsArgs {
-  const uint16_t* x = nullptr;  // bf16 bits
+  DType dtype = DType::kBF16;   // of x, w13, w2, inter_rows: kBF16 or kF16
+  const uint16_t* x = nullptr;  // bf16 / f16 bits
   int64_t ldx = 0;
   const int32_t* topk_ids = nullptr;        // i32 [T, k]
   const int32_t* sorted_slot = nullptr;     // from align(block_m = 1)
@@ -186,7 +191,7 @@ struct Sm90ExpertsArgs {
   const float* w13_bias = nullptr;
   const uint16_t* w2 = nullptr;
   ActivationParams act;
-  uint16_t* inter_rows = nullptr;  // bf16 [T * k, I]
+  uint16_t* inter_rows = nullptr;  // dtype [T * k, I]
   float* y_rows = nullptr;         // f32 [T * k, H]
   int32_t* slot_row = nullptr;     // i32 [T * k]
   void* workspace = nullptr;
@@ -196,24 +201,25 @@ void sm90_experts(const Sm90ExpertsArgs& args, Stream stream);
 
 // One dense expert over all T rows (the shared expert) on the same sm_90a path:
 // no permute, A = x itself; in order on `stream`:
-//   h13 = x . w13^T (bf16 [T, 2I], in `workspace`),
-//   inter_rows[t, i] = act(h13[t, i] + b[i], h13[t, I + i] + b[I + i]) (bf16),
+//   h13 = x . w13^T (dtype [T, 2I], in `workspace`),
+//   inter_rows[t, i] = act(h13[t, i] + b[i], h13[t, I + i] + b[I + i]) (dtype),
 //   out = inter_rows . w2^T (f32 [T, H], contiguous).
-// x: bf16 [T, H] contiguous, 16-byte aligned; w13 bf16 [2I, H]; w13_bias f32
-// [2I] or null; w2 bf16 [H, I]. H % 8 == 0 and I % 8 == 0. The same arithmetic
-// as grouped_gemm's dense kGlu + kScatter (bf16 in, f32 accumulation, bf16
+// x: dtype (bf16 or f16) [T, H] contiguous, 16-byte aligned; w13 dtype [2I, H]; w13_bias f32
+// [2I] or null; w2 dtype [H, I]. H % 8 == 0 and I % 8 == 0. The same arithmetic
+// as grouped_gemm's dense kGlu + kScatter (dtype in, f32 accumulation, dtype
 // intermediate), up to the order of the f32 sums.
 // Throws Error(kInvalidArgument) on bad sizes or a short workspace,
 // Error(kUnsupported) in builds without CUTLASS.
 size_t sm90_dense_expert_workspace_bytes(int64_t num_tokens, int64_t inter);
 struct Sm90DenseExpertArgs {
-  const uint16_t* x = nullptr;  // bf16 bits
+  DType dtype = DType::kBF16;   // of x, w13, w2, inter_rows: kBF16 or kF16
+  const uint16_t* x = nullptr;  // bf16 / f16 bits
   int64_t num_tokens = 0, hidden = 0, inter = 0;
   const uint16_t* w13 = nullptr;
   const float* w13_bias = nullptr;
   const uint16_t* w2 = nullptr;
   ActivationParams act;
-  uint16_t* inter_rows = nullptr;  // bf16 [T, I]
+  uint16_t* inter_rows = nullptr;  // dtype [T, I]
   float* out = nullptr;            // f32 [T, H]
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
@@ -230,13 +236,14 @@ bool pick_sm90_experts(int64_t rows_per_expert, int64_t routed_rows, int64_t hid
 // out[t, h] = sum_{j < k, topk_ids[t, j] valid} y[(t*k + j) * H + h]   (slot order,
 //             deterministic)  + shared_scale_t * shared[t * H + h]  (if shared)
 // shared_scale_t = sigmoid(x_t . shared_gate) when shared_gate (f32 [H]) and
-// x (bf16 [T, H], row stride ldx) are given, else 1. y, shared: f32.
-// out: f32 or bf16 (out_dtype), row stride ldo. An id is valid when >= 0 and,
-// with num_experts > 0, < num_experts (align skips the others too).
-// Expert-sorted y (sm90_experts): with slot_row (i32 [T * k]) the term of slot
-// s is row_scale[s] * (y[slot_row[s] * H + h] + bias[topk_ids[s] * H + h])
-// (row_scale null: 1; bias f32 [E, H] or null: 0) — the kScatter epilogue's
-// arithmetic, summed in the same slot order.
+// x (bf16 or f16 as x_dtype, [T, H], row stride ldx) are given, else 1. y,
+// shared: f32. out: f32, bf16 or f16 (out_dtype; rounded to nearest: an f16
+// value beyond 65504 becomes +-inf, as torch's .half()), row stride ldo. An id
+// is valid when >= 0 and, with num_experts > 0, < num_experts (align skips the
+// others too). Expert-sorted y (sm90_experts): with slot_row (i32 [T * k]) the
+// term of slot s is row_scale[s] * (y[slot_row[s] * H + h] + bias[topk_ids[s] *
+// H + h]) (row_scale null: 1; bias f32 [E, H] or null: 0) — the kScatter
+// epilogue's arithmetic, summed in the same slot order.
 struct FinalizeArgs {
   const float* y = nullptr;
   const int32_t* topk_ids = nullptr;
@@ -245,6 +252,7 @@ struct FinalizeArgs {
   const float* shared = nullptr;
   const float* shared_gate = nullptr;
   const uint16_t* x = nullptr;
+  DType x_dtype = DType::kBF16;
   int64_t ldx = 0;
   void* out = nullptr;
   DType out_dtype = DType::kF32;
@@ -260,17 +268,24 @@ void finalize(const FinalizeArgs& args, Stream stream);
 //             + w2_bias[e]),   e = topk_ids[t, j],
 // with x_j = x[t], s_j = topk_weights[t, j]; or, apply_router_weight_on_input
 // (Llama-4), x_j = topk_weights[t, j] * x[t] and s_j = 1. The expert input and
-// the intermediate are rounded to bf16, GEMMs accumulate in f32, the k rows of a
-// token are summed in slot order (deterministic). The pipeline is the mma.sync
-// path of the CUDA MoE layer's routed experts: to_bf16_rows -> align ->
-// grouped_gemm (kGlu) -> grouped_gemm (kScatter) -> finalize (the layer's sm90
-// wgmma path for many rows per expert is not taken here yet).
-//   hidden_states f32 or bf16 [T, H] (row stride ldx >= H);
-//   w13 bf16 [E, 2I, H] (rows 0..I-1 gate, I..2I-1 up), w2 bf16 [E, H, I], contiguous;
+// the intermediate are rounded to the weights' half type (weight_dtype: bf16
+// or f16; f16 hidden states with bf16 weights are converted to bf16, and bf16
+// ones with f16 weights to f16), GEMMs accumulate in f32, the k rows of a
+// token are summed in slot order (deterministic). The pipeline is the CUDA MoE
+// layer's routed experts (the same code): to_half_rows -> align -> either
+// grouped_gemm (kGlu) -> grouped_gemm (kScatter), or, for many rows per expert
+// on an sm_90 device (pick_sm90_experts, FUSEDMOE_CUDA_EXPERTS), sm90_experts
+// -> finalize; so its output equals the layer's for the same inputs.
+//   hidden_states f32, bf16 or f16 [T, H] (row stride ldx >= H);
+//   w13 [E, 2I, H] (rows 0..I-1 gate, I..2I-1 up), w2 [E, H, I], contiguous,
+//     both of weight_dtype;
 //   w13_bias f32 [E, 2I] and w2_bias f32 [E, H], or null;
 //   topk_ids i32 [T, k], topk_weights f32 [T, k], contiguous. Ids outside [0, E)
 //     (-1: no expert) add nothing — they are not reported (that needs a host sync);
-//   output f32 or bf16 [T, H] (row stride ldo >= H), must not alias hidden_states.
+//   output f32, bf16 or f16 [T, H] (row stride ldo >= H), must not alias
+//     hidden_states. An f16 output value beyond 65504 becomes +-inf (round to
+//     nearest, as torch's .half()); so does an f16 intermediate (activation
+//     output) value, which then makes the token's output inf or NaN.
 // `workspace` is caller-owned device memory of at least
 // fused_experts_workspace_bytes(...) bytes (256-byte aligned), so that nothing
 // is allocated here: the call is asynchronous on `stream` and can be captured in
@@ -283,8 +298,9 @@ struct FusedExpertsArgs {
   DType hidden_dtype = DType::kF32;
   int64_t ldx = 0;
   int64_t num_tokens = 0, hidden_size = 0, intermediate_size = 0, num_experts = 0, top_k = 0;
-  const uint16_t* w13 = nullptr;  // bf16 bits
-  const uint16_t* w2 = nullptr;   // bf16 bits
+  DType weight_dtype = DType::kBF16;  // of w13 and w2: kBF16 or kF16
+  const uint16_t* w13 = nullptr;      // bf16 / f16 bits
+  const uint16_t* w2 = nullptr;       // bf16 / f16 bits
   const float* w13_bias = nullptr;
   const float* w2_bias = nullptr;
   const int32_t* topk_ids = nullptr;
@@ -295,7 +311,8 @@ struct FusedExpertsArgs {
   DType output_dtype = DType::kF32;
   int64_t ldo = 0;
 };
-// Device bytes fused_experts needs as workspace for these sizes (grows with T).
+// Device bytes fused_experts needs as workspace for these sizes (grows with T;
+// includes the sm90_experts scratch when sm90_experts_available()).
 size_t fused_experts_workspace_bytes(int64_t num_tokens, int64_t hidden_size,
                                      int64_t intermediate_size, int64_t num_experts, int64_t top_k,
                                      bool apply_router_weight_on_input);
@@ -303,12 +320,16 @@ void fused_experts(const FusedExpertsArgs& args, void* workspace, size_t workspa
                    Stream stream);
 
 // ---- small helpers ---------------------------------------------------------------
-// xb[t, h] = bf16(x[t, h] * (row_scale ? row_scale[t * scale_stride] : 1)),
-// x f32 or bf16 (in_dtype) with row stride ldx; xb contiguous [T, H].
+// out[t, h] = half(x[t, h] * (row_scale ? row_scale[t * scale_stride] : 1)),
+// x f32, bf16 or f16 (in_dtype) with row stride ldx; out contiguous [T, H] of
+// out_dtype (kBF16 or kF16, rounded to nearest even). to_bf16_rows: out_dtype kBF16.
+void to_half_rows(const void* x, DType in_dtype, int64_t ldx, int64_t num_tokens, int64_t hidden,
+                  const float* row_scale, int64_t scale_stride, DType out_dtype, void* out,
+                  Stream stream);
 void to_bf16_rows(const void* x, DType in_dtype, int64_t ldx, int64_t num_tokens, int64_t hidden,
                   const float* row_scale, int64_t scale_stride, uint16_t* xb, Stream stream);
 // router_logits f32 [T, L] (row stride ldl >= L) = x . gate_w^T + gate_b, in f32.
-// x f32 or bf16 (x_dtype, row stride ldx >= H), gate_w f32 or bf16 [L, H]
+// x f32, bf16 or f16 (x_dtype, row stride ldx >= H), gate_w f32 or bf16 [L, H]
 // contiguous (w_dtype), gate_b f32 [L] or null. Every product is formed from
 // the inputs' exact values and summed in f32 (the order of the sums depends on
 // the path, so results agree to f32 rounding, not bit for bit, across paths):

@@ -53,12 +53,19 @@ struct MoELayerWeights {
 };
 
 struct RunnerOptions {
-  DType compute_dtype = DType::kF32;  // kF32 or kBF16
-  ThreadPool* pool = nullptr;         // nullptr: ThreadPool::global()
+  // kF32 or kBF16 (CPU); kBF16 or kF16 (CUDA: the half type the expert weights
+  // are kept in on the device — f32 / bf16 weights converted, an f16 checkpoint,
+  // which the loader reads as exact f32, kept in f16 with kF16 — and that the
+  // expert inputs are rounded to; f32 accumulation either way; a weight beyond
+  // the f16 range is an error with kF16).
+  DType compute_dtype = DType::kF32;
+  ThreadPool* pool = nullptr;  // nullptr: ThreadPool::global()
   // Backend: CPU (default) or CUDA (builds with FUSEDMOE_WITH_CUDA; compute_dtype
-  // must be kBF16). With CUDA the weights are uploaded to the current device at
+  // kBF16 or kF16). With CUDA the weights are uploaded to the current device at
   // construction, a workspace for max_num_tokens tokens is allocated once, and
-  // forward() takes device tensors (hidden_states/output f32 or bf16), enqueues
+  // forward() takes device tensors (hidden_states/output f32, bf16 or f16: other
+  // activation types are converted to the weights' type; an f16 output value
+  // beyond 65504 becomes +-inf, rounded to nearest as torch's .half()), enqueues
   // on cuda_stream (a cudaStream_t; nullptr: the legacy default stream) and
   // returns without synchronising or allocating (CUDA-graph capturable).
   Device device{};

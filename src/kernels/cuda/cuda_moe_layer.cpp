@@ -10,6 +10,7 @@
 
 #include "fusedmoe/core/dtype.h"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/routed_experts.h"
 
 namespace fusedmoe::cuda {
 namespace {
@@ -45,22 +46,41 @@ class DeviceMemory {
   size_t bytes_ = 0;
 };
 
-// Host tensor -> device, as bf16 (f32 converted in chunks; bf16 copied).
-DeviceMemory upload_bf16(const Tensor& t) {
+// Host tensor (f32, bf16 or f16) -> device, as `half` (kBF16 or kF16): a
+// tensor of that type is copied, others converted in chunks (round to nearest
+// even, via f32, which holds bf16 / f16 values exactly). A finite value beyond
+// the f16 range (65504) is an error naming the tensor, not a silent inf.
+DeviceMemory upload_half(const Tensor& t, DType half, const char* name) {
   const int64_t n = t.numel();
   DeviceMemory d(static_cast<size_t>(n) * 2);
-  if (t.dtype() == DType::kBF16) {
+  if (t.dtype() == half) {
     FUSEDMOE_CUDA_CHECK(cudaMemcpy(d.get(), t.data(), d.bytes(), cudaMemcpyHostToDevice));
     return d;
   }
-  FUSEDMOE_CHECK(t.dtype() == DType::kF32, "upload: expected f32 or bf16 weights, got ",
-                 t.view().str());
+  FUSEDMOE_CHECK(t.dtype() == DType::kF32 || t.dtype() == DType::kBF16 || t.dtype() == DType::kF16,
+                 "upload: expected f32, bf16 or f16 weights, got ", t.view().str());
+  auto load = [&](int64_t i) {
+    switch (t.dtype()) {
+      case DType::kBF16:
+        return bf16_to_f32(t.data_as<const uint16_t>()[i]);
+      case DType::kF16:
+        return f16_to_f32(t.data_as<const uint16_t>()[i]);
+      default:
+        return t.data_as<const float>()[i];
+    }
+  };
   constexpr int64_t kChunk = int64_t{1} << 22;
   std::vector<uint16_t> buf(static_cast<size_t>(std::min(n, kChunk)));
-  const float* src = t.data_as<const float>();
   for (int64_t i = 0; i < n; i += kChunk) {
     const int64_t m = std::min(kChunk, n - i);
-    for (int64_t j = 0; j < m; ++j) buf[j] = f32_to_bf16(src[i + j]);
+    for (int64_t j = 0; j < m; ++j) {
+      const float v = load(i + j);
+      if (half == DType::kF16 && std::isfinite(v) && std::abs(v) > 65504.0f)
+        FUSEDMOE_THROW(kInvalidArgument, name, ": value ", v, " at element ", i + j,
+                       " is beyond the f16 range (65504); run these experts in bf16 "
+                       "(compute_dtype bf16)");
+      buf[j] = half == DType::kF16 ? f32_to_f16(v) : f32_to_bf16(v);
+    }
     FUSEDMOE_CUDA_CHECK(
         cudaMemcpy(d.as<uint16_t>() + i, buf.data(), m * 2, cudaMemcpyHostToDevice));
   }
@@ -100,24 +120,23 @@ DeviceMemory upload_gate(const Tensor& gate, DType* dtype) {
     exact = std::memcmp(&r, &v[i], sizeof r) == 0;
   }
   *dtype = exact ? DType::kBF16 : DType::kF32;
-  return exact ? upload_bf16(f) : upload_f32(f);
+  return exact ? upload_half(f, DType::kBF16, "gate_weight") : upload_f32(f);
 }
 
 struct DeviceExperts {
   DeviceMemory w13, w2, w13_bias, w2_bias;
   int64_t num_experts = 0, inter = 0;
-  void upload(const ExpertWeights& w) {
+  void upload(const ExpertWeights& w, DType half, const char* w13_name, const char* w2_name) {
     num_experts = w.num_experts();
     inter = w.intermediate_size();
-    w13 = upload_bf16(w.w13);
-    w2 = upload_bf16(w.w2);
+    w13 = upload_half(w.w13, half, w13_name);
+    w2 = upload_half(w.w2, half, w2_name);
     if (w.w13_bias) w13_bias = upload_f32(*w.w13_bias);
     if (w.w2_bias) w2_bias = upload_f32(*w.w2_bias);
   }
   size_t bytes() const { return w13.bytes() + w2.bytes() + w13_bias.bytes() + w2_bias.bytes(); }
 };
 
-constexpr int kMaxBlockM = 128;
 constexpr int32_t kNoNanToken = 0x7f7f7f7f;  // what cudaMemset(0x7f) writes
 
 void check_device_view(const TensorView& t, const char* name, std::initializer_list<DType> dtypes) {
@@ -138,6 +157,7 @@ struct CudaMoELayer::Impl {
   // weights
   DeviceMemory gate_w, gate_b, score_bias, hash_table, shared_gate;
   DType gate_dtype = DType::kF32;
+  DType dtype = DType::kBF16;  // of the expert weights, expert inputs and intermediates
   DeviceExperts experts, shared;
   // workspace
   DeviceMemory ws;
@@ -146,19 +166,11 @@ struct CudaMoELayer::Impl {
   float* weights = nullptr;
   uint16_t* xb = nullptr;
   uint16_t* xs = nullptr;
-  int32_t* counts = nullptr;
-  int32_t* cursor = nullptr;
-  int64_t* offsets = nullptr;
-  int32_t* sorted_slot = nullptr;
-  uint16_t* inter = nullptr;
-  float* y = nullptr;
+  void* routed_base = nullptr;
+  RoutedScratch routed;  // carved from routed_base (with the sm90 path where available)
   uint16_t* inter_s = nullptr;
   float* shared_out = nullptr;
   int32_t* nan_token = nullptr;  // first token with a NaN router logit, else kNoNanToken
-  // sm90_experts (many rows per expert): slot -> sorted row, and its own workspace
-  int32_t* slot_row = nullptr;
-  void* sm90_ws = nullptr;
-  size_t sm90_ws_bytes = 0;
   // the shared expert on the sm90 path (many rows): its own workspace, as it
   // runs on the side stream beside the routed experts
   void* shared_sm90_ws = nullptr;
@@ -173,6 +185,29 @@ struct CudaMoELayer::Impl {
   // sm90 path (sm90_dense_expert).
   bool launch_shared(int64_t T, int64_t tile_tokens, cudaStream_t stream);
 
+  // The routed experts of the M rows x (row stride ldx) with their ids / weights.
+  RoutedExpertsArgs routed_args(const uint16_t* x, int64_t ldx, const int32_t* topk_ids,
+                                const float* topk_weights, int64_t M) const {
+    RoutedExpertsArgs r;
+    r.dtype = dtype;
+    r.x = x;
+    r.ldx = ldx;
+    r.topk_ids = topk_ids;
+    r.topk_weights = topk_weights;
+    r.num_tokens = M;
+    r.top_k = cfg.top_k;
+    r.num_experts = experts.num_experts;
+    r.hidden = cfg.hidden_size;
+    r.inter = cfg.intermediate_size;
+    r.w13 = experts.w13.as<uint16_t>();
+    r.w2 = experts.w2.as<uint16_t>();
+    r.w13_bias = experts.w13_bias.as<float>();
+    r.w2_bias = experts.w2_bias.as<float>();
+    r.act = ActivationParams::from_config(cfg);
+    r.apply_router_weight_on_input = cfg.apply_router_weight_on_input;
+    return r;
+  }
+
   ~Impl() {
     if (fork) cudaEventDestroy(fork);
     if (join) cudaEventDestroy(join);
@@ -181,7 +216,7 @@ struct CudaMoELayer::Impl {
 };
 
 CudaMoELayer::CudaMoELayer(const MoEConfig& config, const MoELayerWeights& w,
-                           int64_t max_num_tokens)
+                           int64_t max_num_tokens, DType expert_dtype)
     : impl_(std::make_unique<Impl>()) {
   Impl& s = *impl_;
   s.cfg = config;
@@ -213,13 +248,18 @@ CudaMoELayer::CudaMoELayer(const MoEConfig& config, const MoELayerWeights& w,
   if (c.has_e_score_correction_bias && w.router_params.e_score_correction_bias)
     s.score_bias = upload_f32(*w.router_params.e_score_correction_bias);
   if (w.router_params.hash_table) s.hash_table = upload_raw(*w.router_params.hash_table);
-  s.experts.upload(w.experts);
-  if (w.shared_experts) s.shared.upload(*w.shared_experts);
+  FUSEDMOE_CHECK(expert_dtype == DType::kBF16 || expert_dtype == DType::kF16,
+                 "compute_dtype: the CUDA backend runs the experts in bf16 or f16, got ",
+                 dtype_name(expert_dtype));
+  s.dtype = expert_dtype;
+  s.experts.upload(w.experts, s.dtype, "experts.w13", "experts.w2");
+  if (w.shared_experts)
+    s.shared.upload(*w.shared_experts, s.dtype, "shared_experts.w13", "shared_experts.w2");
   if (w.shared_expert_gate) s.shared_gate = upload_f32(*w.shared_expert_gate);
 
   // ---- workspace (one allocation, carved) ----
   const int64_t Tm = max_num_tokens, slots = Tm * k;
-  const int64_t padded = max_padded_rows(slots, E, kMaxBlockM);
+  const bool sm90 = sm90_experts_available();
   const int64_t Is = c.shared_intermediate_size;
   struct Part {
     void** ptr;
@@ -230,12 +270,7 @@ CudaMoELayer::CudaMoELayer(const MoEConfig& config, const MoELayerWeights& w,
       {reinterpret_cast<void**>(&s.ids), sizeof(int32_t) * slots},
       {reinterpret_cast<void**>(&s.weights), sizeof(float) * slots},
       {reinterpret_cast<void**>(&s.xb), size_t{2} * Tm * H},
-      {reinterpret_cast<void**>(&s.counts), sizeof(int32_t) * E},
-      {reinterpret_cast<void**>(&s.cursor), sizeof(int32_t) * E},
-      {reinterpret_cast<void**>(&s.offsets), sizeof(int64_t) * (E + 1)},
-      {reinterpret_cast<void**>(&s.sorted_slot), sizeof(int32_t) * padded},
-      {reinterpret_cast<void**>(&s.inter), size_t{2} * padded * I},
-      {reinterpret_cast<void**>(&s.y), sizeof(float) * slots * H},
+      {&s.routed_base, routed_scratch_bytes(Tm, k, E, H, I, sm90)},
       {reinterpret_cast<void**>(&s.nan_token), sizeof(int32_t)},
   };
   if (c.apply_router_weight_on_input)
@@ -243,12 +278,7 @@ CudaMoELayer::CudaMoELayer(const MoEConfig& config, const MoELayerWeights& w,
   if (c.has_shared_expert()) {
     parts.push_back({reinterpret_cast<void**>(&s.inter_s), size_t{2} * Tm * Is});
     parts.push_back({reinterpret_cast<void**>(&s.shared_out), sizeof(float) * Tm * H});
-  }
-  if (sm90_experts_available()) {
-    s.sm90_ws_bytes = sm90_experts_workspace_bytes(slots, E, I);
-    parts.push_back({reinterpret_cast<void**>(&s.slot_row), sizeof(int32_t) * slots});
-    parts.push_back({&s.sm90_ws, s.sm90_ws_bytes});
-    if (c.has_shared_expert()) {
+    if (sm90) {
       s.shared_sm90_ws_bytes = sm90_dense_expert_workspace_bytes(Tm, Is);
       parts.push_back({&s.shared_sm90_ws, s.shared_sm90_ws_bytes});
     }
@@ -261,6 +291,7 @@ CudaMoELayer::CudaMoELayer(const MoEConfig& config, const MoELayerWeights& w,
     *p.ptr = static_cast<char*>(s.ws.get()) + off;
     off += (p.bytes + 255) / 256 * 256;
   }
+  s.routed = carve_routed_scratch(s.routed_base, Tm, k, E, H, I, sm90);
   FUSEDMOE_CUDA_CHECK(cudaMemset(s.nan_token, 0x7f, sizeof(int32_t)));
   FUSEDMOE_CUDA_CHECK(cudaDeviceSynchronize());
   if (c.has_shared_expert()) {
@@ -283,6 +314,9 @@ size_t CudaMoELayer::weight_bytes() const {
   return s.gate_w.bytes() + s.gate_b.bytes() + s.score_bias.bytes() + s.hash_table.bytes() +
          s.shared_gate.bytes() + s.experts.bytes() + s.shared.bytes();
 }
+DType CudaMoELayer::dtype() const {
+  return impl_->dtype;
+}
 size_t CudaMoELayer::workspace_bytes() const {
   return impl_->ws.bytes();
 }
@@ -303,7 +337,7 @@ void CudaMoELayer::check_errors(Stream stream) {
 void CudaMoELayer::router_logits(const TensorView& hidden_states, const TensorView& logits,
                                  Stream stream) {
   const Impl& s = *impl_;
-  check_device_view(hidden_states, "hidden_states", {DType::kF32, DType::kBF16});
+  check_device_view(hidden_states, "hidden_states", {DType::kF32, DType::kBF16, DType::kF16});
   check_device_view(logits, "router_logits", {DType::kF32});
   const int64_t T = hidden_states.size(0);
   router_gemm(hidden_states.data(), hidden_states.dtype(), hidden_states.stride(0), T,
@@ -311,16 +345,56 @@ void CudaMoELayer::router_logits(const TensorView& hidden_states, const TensorVi
               s.gate_b.as<float>(), logits.data_as<float>(), logits.stride(0), stream);
 }
 
+// forward() = ep_route -> ep_shared -> the routed experts -> finalize: the
+// same steps (and launches) as expert parallelism, with the routed experts of
+// all E experts here instead of a dispatch / experts() / combine.
 void CudaMoELayer::forward(const TensorView& hidden_states, const TensorView& output,
                            const TensorView* router_logits_in, const TensorView* token_ids,
                            const ForwardOutputs* outputs, Stream stream,
                            const int32_t* num_valid_tokens) {
   Impl& s = *impl_;
   const MoEConfig& c = s.cfg;
-  const int64_t H = c.hidden_size, I = c.intermediate_size, E = c.num_experts, k = c.top_k;
-  const int64_t L = c.num_router_logits();
-  check_device_view(hidden_states, "hidden_states", {DType::kF32, DType::kBF16});
-  check_device_view(output, "output", {DType::kF32, DType::kBF16});
+  check_device_view(hidden_states, "hidden_states", {DType::kF32, DType::kBF16, DType::kF16});
+  check_device_view(output, "output", {DType::kF32, DType::kBF16, DType::kF16});
+  ep_route(hidden_states, router_logits_in, token_ids, outputs, stream, num_valid_tokens);
+  const int64_t T = hidden_states.size(0);
+  if (T == 0) return;
+  const bool shared_sm90 = c.has_shared_expert() && s.launch_shared(T, T, stream);
+  RoutedExpertsArgs r = s.routed_args(expert_input(), c.hidden_size, s.ids, s.weights, T);
+  // Both on the sm90 path (many rows): the CUTLASS GEMMs are persistent
+  // kernels, one CTA per SM, and each fills the GPU alone. Run side by side
+  // (the routed GEMM's CTAs then wait for SMs the shared expert holds), the
+  // graph replay of DeepSeek-V3 at T = 4096 took 9374 us (eager 8721 us,
+  // routed part alone 7666 us); with the routed experts waiting for the
+  // shared expert (which still overlaps align on the side stream): 8628 us
+  // graph, 8638 us eager (bench/results/2026-11-29-layer.md).
+  if (shared_sm90) r.sm90_wait_event = s.join;
+  finish(routed_experts(r, s.routed, stream), output, stream);
+}
+
+// ---- expert parallelism: forward() in three parts (CudaEpMoELayer) ----------------
+
+GemmTile CudaMoELayer::routed_gemm_tile(const MoEConfig& c, int64_t T) {
+  return cuda::routed_gemm_tile(T, c.top_k, c.num_experts, c.hidden_size, c.intermediate_size);
+}
+
+const int32_t* CudaMoELayer::topk_ids() const {
+  return impl_->ids;
+}
+const float* CudaMoELayer::topk_weights() const {
+  return impl_->weights;
+}
+const uint16_t* CudaMoELayer::expert_input() const {
+  return impl_->cfg.apply_router_weight_on_input ? impl_->xs : impl_->xb;
+}
+
+void CudaMoELayer::ep_route(const TensorView& hidden_states, const TensorView* router_logits_in,
+                            const TensorView* token_ids, const ForwardOutputs* outputs,
+                            Stream stream, const int32_t* num_valid_tokens) {
+  Impl& s = *impl_;
+  const MoEConfig& c = s.cfg;
+  const int64_t H = c.hidden_size, k = c.top_k, L = c.num_router_logits();
+  check_device_view(hidden_states, "hidden_states", {DType::kF32, DType::kBF16, DType::kF16});
   const int64_t T = hidden_states.size(0);
   FUSEDMOE_CHECK(T <= s.max_tokens, "hidden_states: at most max_num_tokens = ", s.max_tokens,
                  " tokens (RunnerOptions::max_num_tokens), got ", T);
@@ -343,8 +417,9 @@ void CudaMoELayer::forward(const TensorView& hidden_states, const TensorView& ou
   // ---- router ----
   const float* logits = nullptr;
   int64_t ldl = L;
-  // The router GEMM also writes the bf16 expert inputs xb (in its own kernel
-  // at decode sizes: one launch fewer); without it, to_bf16_rows below.
+  // With bf16 experts the router GEMM also writes the bf16 expert inputs xb
+  // (in its own kernel at decode sizes: one launch fewer); otherwise
+  // to_half_rows below.
   bool have_xb = false;
   if (router_logits_in) {
     logits = router_logits_in->data_as<const float>();
@@ -352,10 +427,11 @@ void CudaMoELayer::forward(const TensorView& hidden_states, const TensorView& ou
   } else if (c.routing_method != RoutingMethod::kHash || want_logits) {
     float* dst = want_logits ? outputs->router_logits.data_as<float>() : s.logits;
     ldl = want_logits ? outputs->router_logits.stride(0) : L;
+    have_xb = s.dtype == DType::kBF16;
     router_gemm(hidden_states.data(), hidden_states.dtype(), hidden_states.stride(0), T, H,
-                s.gate_w.get(), s.gate_dtype, L, s.gate_b.as<float>(), dst, ldl, stream, s.xb);
+                s.gate_w.get(), s.gate_dtype, L, s.gate_b.as<float>(), dst, ldl, stream,
+                have_xb ? s.xb : nullptr);
     logits = dst;
-    have_xb = true;
   }
   RouteArgs ra;
   ra.router_logits = logits;
@@ -382,211 +458,13 @@ void CudaMoELayer::forward(const TensorView& hidden_states, const TensorView& ou
                                           outputs->topk_weights.stride(0) * 4, s.weights, k * 4,
                                           k * 4, T, cudaMemcpyDeviceToDevice, stream));
 
-  // ---- bf16 expert inputs ----
+  // ---- expert inputs (bf16 / f16) ----
   if (!have_xb)
-    to_bf16_rows(hidden_states.data(), hidden_states.dtype(), hidden_states.stride(0), T, H,
-                 nullptr, 0, s.xb, stream);
-  const uint16_t* routed_in = s.xb;
-  if (c.apply_router_weight_on_input) {  // Llama-4 (k = 1): x * topk_weight, then bf16
-    to_bf16_rows(hidden_states.data(), hidden_states.dtype(), hidden_states.stride(0), T, H,
-                 s.weights, k, s.xs, stream);
-    routed_in = s.xs;
-  }
-
-  // ---- shared expert on the side stream ----
-  const bool has_shared = c.has_shared_expert();
-  const bool shared_sm90 = has_shared && s.launch_shared(T, T, stream);
-
-  // ---- routed experts ----
-  const int64_t slots = T * k;
-  const double touched =
-      static_cast<double>(E) * (1.0 - std::pow(1.0 - static_cast<double>(k) / E, T));
-  const int64_t rows_per_expert =
-      static_cast<int64_t>(std::llround(slots / std::max(1.0, touched)));
-  const GemmTile tile13 = pick_gemm_tile(rows_per_expert, slots, 2 * I, H);
-  const GemmTile tile2 = tile13;  // one alignment serves both GEMMs
-  const bool sm90 = pick_sm90_experts(rows_per_expert, slots, H, I);
-  AlignArgs al;
-  al.topk_ids = s.ids;
-  al.num_slots = slots;
-  al.num_experts = E;
-  al.block_m = sm90 ? 1 : gemm_tile_block_m(tile13);  // TMA tiles need no padded rows
-  al.expert_offsets = s.offsets;
-  al.sorted_slot = s.sorted_slot;
-  al.expert_counts = s.counts;
-  al.expert_cursor = s.cursor;
-  align(al, stream);
-
-  // Both on the sm90 path (many rows): the CUTLASS GEMMs are persistent
-  // kernels, one CTA per SM, and each fills the GPU alone. Run side by side
-  // (the routed GEMM's CTAs then wait for SMs the shared expert holds), the
-  // graph replay of DeepSeek-V3 at T = 4096 took 9374 us (eager 8721 us,
-  // routed part alone 7666 us); with the routed experts waiting for the
-  // shared expert (which still overlaps align on the side stream): 8628 us
-  // graph, 8638 us eager (bench/results/2026-11-29-layer.md).
-  if (shared_sm90 && sm90) FUSEDMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, s.join, 0));
-  FinalizeArgs f;
-  if (sm90) {
-    Sm90ExpertsArgs x;
-    x.x = routed_in;
-    x.ldx = H;
-    x.topk_ids = s.ids;
-    x.sorted_slot = s.sorted_slot;
-    x.expert_offsets = s.offsets;
-    x.num_tokens = T;
-    x.top_k = k;
-    x.num_experts = E;
-    x.hidden = H;
-    x.inter = I;
-    x.w13 = s.experts.w13.as<uint16_t>();
-    x.w13_bias = s.experts.w13_bias.as<float>();
-    x.w2 = s.experts.w2.as<uint16_t>();
-    x.act = ActivationParams::from_config(c);
-    x.inter_rows = s.inter;
-    x.y_rows = s.y;
-    x.slot_row = s.slot_row;
-    x.workspace = s.sm90_ws;
-    x.workspace_bytes = s.sm90_ws_bytes;
-    sm90_experts(x, stream);
-    f.slot_row = s.slot_row;
-    f.row_scale = c.apply_router_weight_on_input ? nullptr : s.weights;
-    f.bias = s.experts.w2_bias.as<float>();
-  } else {
-    GroupedGemmArgs g;
-    g.epilogue = GemmEpilogue::kGlu;
-    g.tile = tile13;
-    g.a = routed_in;
-    g.lda = H;
-    g.gather = true;
-    g.a_div = static_cast<int>(k);
-    g.sorted_slot = s.sorted_slot;
-    g.expert_offsets = s.offsets;
-    g.num_experts = E;
-    g.m = slots;
-    g.w = s.experts.w13.as<uint16_t>();
-    g.n = 2 * I;
-    g.k = H;
-    g.bias = s.experts.w13_bias.as<float>();
-    g.act = ActivationParams::from_config(c);
-    g.out = s.inter;
-    g.ldc = I;
-    grouped_gemm(g, stream);
-
-    GroupedGemmArgs g2 = g;
-    g2.epilogue = GemmEpilogue::kScatter;
-    g2.tile = tile2;
-    g2.a = s.inter;
-    g2.lda = I;
-    g2.gather = false;
-    g2.w = s.experts.w2.as<uint16_t>();
-    g2.n = H;
-    g2.k = I;
-    g2.bias = s.experts.w2_bias.as<float>();
-    g2.row_scale = c.apply_router_weight_on_input ? nullptr : s.weights;
-    g2.out = s.y;
-    g2.ldc = H;
-    grouped_gemm(g2, stream);
-  }
-
-  // ---- finalize ----
-  if (has_shared) FUSEDMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, s.join, 0));
-  f.y = s.y;
-  f.topk_ids = s.ids;
-  f.num_tokens = T;
-  f.top_k = k;
-  f.hidden = H;
-  f.shared = has_shared ? s.shared_out : nullptr;
-  f.shared_gate = s.shared_gate.as<float>();
-  f.x = s.xb;
-  f.ldx = H;
-  f.out = output.data();
-  f.out_dtype = output.dtype();
-  f.ldo = output.stride(0);
-  finalize(f, stream);
-}
-
-// ---- expert parallelism: forward() in three parts (CudaEpMoELayer) ----------------
-
-GemmTile CudaMoELayer::routed_gemm_tile(const MoEConfig& c, int64_t T) {
-  const int64_t I = c.intermediate_size, H = c.hidden_size, E = c.num_experts, k = c.top_k;
-  const int64_t slots = T * k;
-  const double touched =
-      static_cast<double>(E) * (1.0 - std::pow(1.0 - static_cast<double>(k) / E, T));
-  const int64_t rows_per_expert =
-      static_cast<int64_t>(std::llround(slots / std::max(1.0, touched)));
-  return pick_gemm_tile(rows_per_expert, slots, 2 * I, H);
-}
-
-const int32_t* CudaMoELayer::topk_ids() const {
-  return impl_->ids;
-}
-const float* CudaMoELayer::topk_weights() const {
-  return impl_->weights;
-}
-const uint16_t* CudaMoELayer::expert_input() const {
-  return impl_->cfg.apply_router_weight_on_input ? impl_->xs : impl_->xb;
-}
-
-void CudaMoELayer::ep_route(const TensorView& hidden_states, const TensorView* router_logits_in,
-                            const TensorView* token_ids, const ForwardOutputs* outputs,
-                            Stream stream) {
-  Impl& s = *impl_;
-  const MoEConfig& c = s.cfg;
-  const int64_t H = c.hidden_size, k = c.top_k, L = c.num_router_logits();
-  check_device_view(hidden_states, "hidden_states", {DType::kF32, DType::kBF16});
-  const int64_t T = hidden_states.size(0);
-  FUSEDMOE_CHECK(T <= s.max_tokens, "hidden_states: at most max_num_tokens = ", s.max_tokens,
-                 " tokens (RunnerOptions::max_num_tokens), got ", T);
-  if (router_logits_in) check_device_view(*router_logits_in, "router_logits", {DType::kF32});
-  FUSEDMOE_CHECK(c.routing_method != RoutingMethod::kHash || token_ids != nullptr,
-                 "token_ids: required by hash routing");
-  const bool want_logits = outputs && outputs->router_logits.data() != nullptr;
-  const bool want_ids = outputs && outputs->topk_ids.data() != nullptr;
-  const bool want_weights = outputs && outputs->topk_weights.data() != nullptr;
-  if (T == 0) return;
-  const float* logits = nullptr;
-  int64_t ldl = L;
-  // The router GEMM also writes the bf16 expert inputs xb (in its own kernel
-  // at decode sizes: one launch fewer); without it, to_bf16_rows below.
-  bool have_xb = false;
-  if (router_logits_in) {
-    logits = router_logits_in->data_as<const float>();
-    ldl = router_logits_in->stride(0);
-  } else if (c.routing_method != RoutingMethod::kHash || want_logits) {
-    float* dst = want_logits ? outputs->router_logits.data_as<float>() : s.logits;
-    ldl = want_logits ? outputs->router_logits.stride(0) : L;
-    router_gemm(hidden_states.data(), hidden_states.dtype(), hidden_states.stride(0), T, H,
-                s.gate_w.get(), s.gate_dtype, L, s.gate_b.as<float>(), dst, ldl, stream, s.xb);
-    logits = dst;
-    have_xb = true;
-  }
-  RouteArgs ra;
-  ra.router_logits = logits;
-  ra.logits_ld = ldl;
-  ra.bias = s.score_bias.as<float>();
-  ra.hash_table = s.hash_table.as<int32_t>();
-  ra.token_ids = token_ids ? token_ids->data_as<const int32_t>() : nullptr;
-  ra.topk_ids = s.ids;
-  ra.topk_weights = s.weights;
-  route(c, ra, T, stream);
-  if (want_logits && router_logits_in)
-    FUSEDMOE_CUDA_CHECK(cudaMemcpy2DAsync(outputs->router_logits.data(),
-                                          outputs->router_logits.stride(0) * 4, logits, ldl * 4,
-                                          L * 4, T, cudaMemcpyDeviceToDevice, stream));
-  if (want_ids)
-    FUSEDMOE_CUDA_CHECK(cudaMemcpy2DAsync(outputs->topk_ids.data(), outputs->topk_ids.stride(0) * 4,
-                                          s.ids, k * 4, k * 4, T, cudaMemcpyDeviceToDevice,
-                                          stream));
-  if (want_weights)
-    FUSEDMOE_CUDA_CHECK(cudaMemcpy2DAsync(outputs->topk_weights.data(),
-                                          outputs->topk_weights.stride(0) * 4, s.weights, k * 4,
-                                          k * 4, T, cudaMemcpyDeviceToDevice, stream));
-  if (!have_xb)
-    to_bf16_rows(hidden_states.data(), hidden_states.dtype(), hidden_states.stride(0), T, H,
-                 nullptr, 0, s.xb, stream);
-  if (c.apply_router_weight_on_input)
-    to_bf16_rows(hidden_states.data(), hidden_states.dtype(), hidden_states.stride(0), T, H,
-                 s.weights, k, s.xs, stream);
+    to_half_rows(hidden_states.data(), hidden_states.dtype(), hidden_states.stride(0), T, H,
+                 nullptr, 0, s.dtype, s.xb, stream);
+  if (c.apply_router_weight_on_input)  // Llama-4 (k = 1): x * topk_weight, then bf16 / f16
+    to_half_rows(hidden_states.data(), hidden_states.dtype(), hidden_states.stride(0), T, H,
+                 s.weights, k, s.dtype, s.xs, stream);
 }
 
 void CudaMoELayer::ep_shared(int64_t T, int64_t tile_tokens, Stream stream) {
@@ -603,6 +481,7 @@ bool CudaMoELayer::Impl::launch_shared(int64_t T, int64_t tile_tokens, cudaStrea
   const bool sm90 = shared_sm90_ws != nullptr && pick_sm90_experts(tile_tokens, tile_tokens, H, Is);
   if (sm90) {
     Sm90DenseExpertArgs d;
+    d.dtype = dtype;
     d.x = xb;
     d.num_tokens = T;
     d.hidden = H;
@@ -619,6 +498,7 @@ bool CudaMoELayer::Impl::launch_shared(int64_t T, int64_t tile_tokens, cudaStrea
     GroupedGemmArgs g;
     g.epilogue = GemmEpilogue::kGlu;
     g.tile = pick_gemm_tile(tile_tokens, tile_tokens, 2 * Is, H);
+    g.dtype = dtype;
     g.a = xb;
     g.lda = H;
     g.m = T;
@@ -632,6 +512,7 @@ bool CudaMoELayer::Impl::launch_shared(int64_t T, int64_t tile_tokens, cudaStrea
     GroupedGemmArgs g2;
     g2.epilogue = GemmEpilogue::kScatter;
     g2.tile = pick_gemm_tile(tile_tokens, tile_tokens, H, Is);
+    g2.dtype = dtype;
     g2.a = inter_s;
     g2.lda = Is;
     g2.m = T;
@@ -650,76 +531,39 @@ const float* CudaMoELayer::experts(const uint16_t* x, int64_t ldx, const int32_t
                                    const float* topk_weights, int64_t M, GemmTile tile,
                                    Stream stream) {
   Impl& s = *impl_;
-  const MoEConfig& c = s.cfg;
-  const int64_t H = c.hidden_size, I = c.intermediate_size, k = c.top_k;
-  const int64_t E_local = s.experts.num_experts;
+  const int64_t H = s.cfg.hidden_size;
   FUSEDMOE_CHECK(M >= 0 && M <= s.max_tokens, "experts: num_rows: expected in [0, ", s.max_tokens,
                  "], got ", M);
   FUSEDMOE_CHECK(ldx >= H && ldx % 8 == 0, "experts: ldx: expected >= ", H,
                  " and a multiple of 8, got ", ldx);
-  if (M == 0) return s.y;
-  AlignArgs al;
-  al.topk_ids = topk_ids;
-  al.num_slots = M * k;
-  al.num_experts = E_local;
-  al.block_m = gemm_tile_block_m(tile);
-  al.expert_offsets = s.offsets;
-  al.sorted_slot = s.sorted_slot;
-  al.expert_counts = s.counts;
-  al.expert_cursor = s.cursor;
-  align(al, stream);
-  GroupedGemmArgs g;
-  g.epilogue = GemmEpilogue::kGlu;
-  g.tile = tile;
-  g.a = x;
-  g.lda = ldx;
-  g.gather = true;
-  g.a_div = static_cast<int>(k);
-  g.sorted_slot = s.sorted_slot;
-  g.expert_offsets = s.offsets;
-  g.num_experts = E_local;
-  g.m = M * k;
-  g.w = s.experts.w13.as<uint16_t>();
-  g.n = 2 * I;
-  g.k = H;
-  g.bias = s.experts.w13_bias.as<float>();
-  g.act = ActivationParams::from_config(c);
-  g.out = s.inter;
-  g.ldc = I;
-  grouped_gemm(g, stream);
-  GroupedGemmArgs g2 = g;
-  g2.epilogue = GemmEpilogue::kScatter;
-  g2.a = s.inter;
-  g2.lda = I;
-  g2.gather = false;
-  g2.w = s.experts.w2.as<uint16_t>();
-  g2.n = H;
-  g2.k = I;
-  g2.bias = s.experts.w2_bias.as<float>();
-  g2.row_scale = c.apply_router_weight_on_input ? nullptr : topk_weights;
-  g2.out = s.y;
-  g2.ldc = H;
-  grouped_gemm(g2, stream);
-  return s.y;
+  if (M == 0) return s.routed.y;
+  RoutedExpertsArgs r = s.routed_args(x, ldx, topk_ids, topk_weights, M);
+  r.tile = tile;
+  r.allow_sm90 = false;  // y by slot, for the combine
+  return routed_experts(r, s.routed, stream).y;
 }
 
 void CudaMoELayer::ep_finalize(const float* y, const TensorView& output, int64_t T, Stream stream) {
-  Impl& s = *impl_;
-  const MoEConfig& c = s.cfg;
-  check_device_view(output, "output", {DType::kF32, DType::kBF16});
+  check_device_view(output, "output", {DType::kF32, DType::kBF16, DType::kF16});
   if (T == 0) return;
-  const bool has_shared = c.has_shared_expert();
-  if (has_shared) FUSEDMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, s.join, 0));
   FinalizeArgs f;
   f.y = y;
-  f.topk_ids = s.ids;
+  f.topk_ids = impl_->ids;
   f.num_tokens = T;
-  f.top_k = c.top_k;
-  f.hidden = c.hidden_size;
+  f.top_k = impl_->cfg.top_k;
+  f.hidden = impl_->cfg.hidden_size;
+  finish(f, output, stream);
+}
+
+void CudaMoELayer::finish(FinalizeArgs f, const TensorView& output, Stream stream) {
+  Impl& s = *impl_;
+  const bool has_shared = s.cfg.has_shared_expert();
+  if (has_shared) FUSEDMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, s.join, 0));
   f.shared = has_shared ? s.shared_out : nullptr;
   f.shared_gate = s.shared_gate.as<float>();
   f.x = s.xb;
-  f.ldx = c.hidden_size;
+  f.x_dtype = s.dtype;
+  f.ldx = s.cfg.hidden_size;
   f.out = output.data();
   f.out_dtype = output.dtype();
   f.ldo = output.stride(0);

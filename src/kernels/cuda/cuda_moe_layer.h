@@ -1,8 +1,8 @@
 // fusedmoe internal: one MoE layer on a CUDA device — device-resident weights,
 // a workspace sized once for max_num_tokens, and the forward pass
-//   gate GEMM -> route -> bf16 input -> align -> w13 GEMM + activation ->
-//   w2 GEMM x topk_weights (scatter by slot) -> finalize (+ shared expert,
-//   computed on a second stream joined with events)
+//   gate GEMM -> route -> bf16 input (ep_route) -> shared expert on a second
+//   stream joined with events (ep_shared) -> routed experts (routed_experts.h:
+//   align -> w13 GEMM + activation -> w2 GEMM, mma.sync or sm90) -> finalize
 // with no allocation and no host synchronisation, so it can be captured in a
 // CUDA graph. Used by MoERunner when RunnerOptions::device is CUDA.
 #pragma once
@@ -17,17 +17,25 @@ namespace fusedmoe::cuda {
 
 class CudaMoELayer {
  public:
-  // Uploads `weights` (experts converted to bf16, biases and gates to f32 where
-  // the kernels want them) to the current device and allocates the workspace.
+  // Uploads `weights` (biases and gates as f32 where the kernels want them) to
+  // the current device and allocates the workspace. The expert weights (routed
+  // and shared) are kept as expert_dtype (kBF16 or kF16; f32, bf16 and f16
+  // host weights are converted: bf16 -> f16 is exact within the f16 range),
+  // the expert inputs and the intermediates take that type too (hidden states
+  // of the other types are converted), accumulation is f32 (dtype() tells which).
   // Throws Error(kUnsupported) for what the kernels do not handle (H or I not a
-  // multiple of 8, top_k > 32, simulated routing), Error(kInternal) on CUDA errors.
-  CudaMoELayer(const MoEConfig& config, const MoELayerWeights& weights, int64_t max_num_tokens);
+  // multiple of 8, top_k > 32, simulated routing), Error(kInvalidArgument) for
+  // an expert_dtype other than bf16 / f16 or, with f16, a weight beyond the f16
+  // range (naming the tensor), Error(kInternal) on CUDA errors.
+  CudaMoELayer(const MoEConfig& config, const MoELayerWeights& weights, int64_t max_num_tokens,
+               DType expert_dtype = DType::kBF16);
   ~CudaMoELayer();
   CudaMoELayer(const CudaMoELayer&) = delete;
   CudaMoELayer& operator=(const CudaMoELayer&) = delete;
 
   // Device views (checked by the caller: shapes; here: device, dtypes, T <= max).
-  // hidden_states f32/bf16 [T, H]; output f32/bf16 [T, H]; router_logits f32
+  // hidden_states f32/bf16/f16 [T, H]; output f32/bf16/f16 [T, H] (f16: values
+  // beyond 65504 become +-inf, rounded to nearest as torch's .half()); router_logits f32
   // [T, E + Z] (any row stride) or null; token_ids i32 [T] (hash routing);
   // outputs: optional device buffers for the router's results.
   // num_valid_tokens (device i32 scalar, optional): rows at and past it are
@@ -47,17 +55,19 @@ class CudaMoELayer {
   // The layer is then built over this rank's experts only (weights.experts =
   // E_local experts, local ids), routing over all E (config.num_experts).
   // ep_route(): forward() up to the routed experts — gate GEMM, router
-  // (global topk_ids), the bf16 expert inputs (x * topk_weight with
-  // apply_router_weight_on_input). Its results stay in the layer (topk_ids(),
-  // topk_weights(), expert_input(): [T, k], [T, k], bf16 [T, H]) until
+  // (global topk_ids), the bf16 / f16 (dtype()) expert inputs (x * topk_weight
+  // with apply_router_weight_on_input). Its results stay in the layer (topk_ids(),
+  // topk_weights(), expert_input(): [T, k], [T, k], dtype() [T, H]) until
   // ep_finalize().
+  // num_valid_tokens: as forward()'s. A NaN logit is recorded for check_errors().
   void ep_route(const TensorView& hidden_states, const TensorView* router_logits,
-                const TensorView* token_ids, const ForwardOutputs* outputs, Stream stream);
+                const TensorView* token_ids, const ForwardOutputs* outputs, Stream stream,
+                const int32_t* num_valid_tokens = nullptr);
   // The shared expert of ep_route()'s T tokens, launched on the side stream
   // (joined by ep_finalize), with the GEMM tiles forward() picks for
   // tile_tokens tokens (the batch whose output this must reproduce).
   void ep_shared(int64_t num_tokens, int64_t tile_tokens, Stream stream);
-  // The routed experts on given rows: x bf16 [M, H] (row stride ldx elements,
+  // The routed experts on given rows: x dtype() [M, H] (row stride ldx elements,
   // a multiple of 8), topk_ids i32 [M, k] LOCAL ids in [-1, E_local),
   // topk_weights f32 [M, k]. Returns y f32 [M * k, H] (the layer's buffer,
   // valid until the next call): y[m*k + j] = w[m, j] * expert_j(x[m]) (no
@@ -78,9 +88,13 @@ class CudaMoELayer {
   int64_t max_num_tokens() const;
   const MoEConfig& config() const;
   size_t weight_bytes() const;
+  DType dtype() const;  // the experts' half type: kBF16 or kF16
   size_t workspace_bytes() const;
 
  private:
+  // finalize() of the routed part `f` (y, topk_ids, sizes, and for the sm90
+  // path slot_row / row_scale / bias) plus the shared expert into `output`.
+  void finish(FinalizeArgs f, const TensorView& output, Stream stream);
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

@@ -1,8 +1,11 @@
 // fusedmoe CUDA: finalize (sum each token's k weighted expert rows in slot
-// order, add the shared expert), input conversion to bf16, the router GEMM
+// order, add the shared expert), input conversion to bf16 / f16, the router GEMM
 // (f32 accumulation: CUDA cores, or tensor cores for bf16 inputs at T > 32),
 // and device queries.
+#include <cuda_fp16.h>
+
 #include <mutex>
+#include <type_traits>
 #include <vector>
 
 #include "fusedmoe/kernels/cuda.h"
@@ -43,8 +46,12 @@ __device__ __forceinline__ void store_out<float>(float* p, float v) {
   *p = v;
 }
 template <>
-__device__ __forceinline__ void store_out<uint16_t>(uint16_t* p, float v) {
+__device__ __forceinline__ void store_out<uint16_t>(uint16_t* p, float v) {  // bf16
   *p = float_to_bf16_bits(v);
+}
+template <>
+__device__ __forceinline__ void store_out<__half>(__half* p, float v) {  // beyond 65504: +-inf
+  *p = __float2half_rn(v);
 }
 
 // Expert-sorted y (kRows): y row of slot s is slot_row[s], weighted here.
@@ -63,8 +70,8 @@ __global__ void __launch_bounds__(kFinalizeThreads)
     finalize_kernel(const float* __restrict__ y, const int32_t* __restrict__ ids, int top_k,
                     int num_experts, int64_t hidden, int64_t chunks,
                     const float* __restrict__ shared, const float* __restrict__ shared_gate,
-                    const uint16_t* __restrict__ x, int64_t ldx, Out* __restrict__ out, int64_t ldo,
-                    const SortedRows rows) {
+                    const uint16_t* __restrict__ x, bool x_f16, int64_t ldx, Out* __restrict__ out,
+                    int64_t ldo, const SortedRows rows) {
   __shared__ int32_t valid[32];
   __shared__ const float* src[32];
   __shared__ const float* bias_row[32];
@@ -92,7 +99,9 @@ __global__ void __launch_bounds__(kFinalizeThreads)
   if (shared != nullptr && shared_gate != nullptr) {
     float d = 0.0f;
     for (int64_t c = threadIdx.x; c < hidden; c += blockDim.x)
-      d += bf16_bits_to_float(x[t * ldx + c]) * shared_gate[c];
+      d += (x_f16 ? __half2float(__ushort_as_half(x[t * ldx + c]))
+                  : bf16_bits_to_float(x[t * ldx + c])) *
+           shared_gate[c];
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
     if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = d;
@@ -162,22 +171,39 @@ __device__ __forceinline__ float load_in<float>(const float* p) {
   return *p;
 }
 template <>
-__device__ __forceinline__ float load_in<uint16_t>(const uint16_t* p) {
+__device__ __forceinline__ float load_in<uint16_t>(const uint16_t* p) {  // bf16
   return bf16_bits_to_float(*p);
 }
+template <>
+__device__ __forceinline__ float load_in<__half>(const __half* p) {
+  return __half2float(*p);
+}
 
-template <typename In>
-__global__ void to_bf16_kernel(const In* __restrict__ x, int64_t ldx, int64_t hidden,
+template <typename In, typename Out>
+__global__ void to_half_kernel(const In* __restrict__ x, int64_t ldx, int64_t hidden,
                                const float* __restrict__ row_scale, int64_t scale_stride,
-                               uint16_t* __restrict__ xb) {
+                               Out* __restrict__ xb) {
   pdl_wait();  // x (and row_scale) from the kernels before; xb read by them
   pdl_launch_dependents();
   const int64_t t = blockIdx.x;
   const float s = row_scale ? row_scale[t * scale_stride] : 1.0f;
   for (int64_t h = threadIdx.x; h < hidden; h += blockDim.x) {
     const float v = load_in(x + t * ldx + h);
-    xb[t * hidden + h] = float_to_bf16_bits(row_scale ? v * s : v);
+    store_out(xb + t * hidden + h, row_scale ? v * s : v);
   }
+}
+
+template <typename In>
+void launch_to_half(const In* x, int64_t ldx, int64_t T, int64_t H, const float* row_scale,
+                    int64_t scale_stride, DType out_dtype, void* out, Stream stream) {
+  const unsigned grid = static_cast<unsigned>(T);
+  const int threads = H >= 1024 ? 256 : 128;
+  if (out_dtype == DType::kF16)
+    launch_pdl(to_half_kernel<In, __half>, grid, threads, 0, stream, x, ldx, H, row_scale,
+               scale_stride, static_cast<__half*>(out));
+  else
+    launch_pdl(to_half_kernel<In, uint16_t>, grid, threads, 0, stream, x, ldx, H, row_scale,
+               scale_stride, static_cast<uint16_t*>(out));
 }
 
 // ---- router GEMM (f32 math) ----
@@ -318,40 +344,56 @@ void finalize(const FinalizeArgs& a, Stream stream) {
                  "finalize: the shared expert gate needs x");
   FUSEDMOE_CHECK(a.slot_row != nullptr || (a.row_scale == nullptr && a.bias == nullptr),
                  "finalize: row_scale and bias apply only with slot_row (expert-sorted y)");
-  FUSEDMOE_CHECK(a.out_dtype == DType::kF32 || a.out_dtype == DType::kBF16,
-                 "finalize: output dtype must be f32 or bf16, got ", dtype_name(a.out_dtype));
+  FUSEDMOE_CHECK(
+      a.out_dtype == DType::kF32 || a.out_dtype == DType::kBF16 || a.out_dtype == DType::kF16,
+      "finalize: output dtype must be f32, bf16 or f16, got ", dtype_name(a.out_dtype));
+  FUSEDMOE_CHECK(a.x_dtype == DType::kBF16 || a.x_dtype == DType::kF16,
+                 "finalize: x dtype must be bf16 or f16, got ", dtype_name(a.x_dtype));
   const int64_t chunks = ceil_div(a.hidden, int64_t{kFinalizeThreads} * 4);
   FUSEDMOE_CHECK(a.num_tokens * chunks < (int64_t{1} << 31),
                  "finalize: too many tokens for one launch: ", a.num_tokens);
   const unsigned grid = static_cast<unsigned>(a.num_tokens * chunks);
   const SortedRows rows{a.slot_row, a.row_scale, a.bias};
   const int num_experts = static_cast<int>(a.num_experts);
-  if (a.out_dtype == DType::kF32) {
-    auto kernel = a.slot_row ? finalize_kernel<float, true> : finalize_kernel<float, false>;
+  const bool x_f16 = a.x_dtype == DType::kF16;
+  auto launch = [&](auto* out) {
+    using Out = std::remove_pointer_t<decltype(out)>;
+    auto kernel = a.slot_row ? finalize_kernel<Out, true> : finalize_kernel<Out, false>;
     launch_pdl(kernel, grid, kFinalizeThreads, 0, stream, a.y, a.topk_ids,
                static_cast<int>(a.top_k), num_experts, a.hidden, chunks, a.shared, a.shared_gate,
-               a.x, a.ldx, static_cast<float*>(a.out), a.ldo, rows);
-  } else {
-    auto kernel16 = a.slot_row ? finalize_kernel<uint16_t, true> : finalize_kernel<uint16_t, false>;
-    launch_pdl(kernel16, grid, kFinalizeThreads, 0, stream, a.y, a.topk_ids,
-               static_cast<int>(a.top_k), num_experts, a.hidden, chunks, a.shared, a.shared_gate,
-               a.x, a.ldx, static_cast<uint16_t*>(a.out), a.ldo, rows);
-  }
+               a.x, x_f16, a.ldx, out, a.ldo, rows);
+  };
+  if (a.out_dtype == DType::kF32)
+    launch(static_cast<float*>(a.out));
+  else if (a.out_dtype == DType::kF16)
+    launch(static_cast<__half*>(a.out));
+  else
+    launch(static_cast<uint16_t*>(a.out));
+}
+
+void to_half_rows(const void* x, DType in_dtype, int64_t ldx, int64_t num_tokens, int64_t hidden,
+                  const float* row_scale, int64_t scale_stride, DType out_dtype, void* out,
+                  Stream stream) {
+  if (num_tokens == 0) return;
+  FUSEDMOE_CHECK(in_dtype == DType::kF32 || in_dtype == DType::kBF16 || in_dtype == DType::kF16,
+                 "to_half_rows: input dtype must be f32, bf16 or f16, got ", dtype_name(in_dtype));
+  FUSEDMOE_CHECK(out_dtype == DType::kBF16 || out_dtype == DType::kF16,
+                 "to_half_rows: output dtype must be bf16 or f16, got ", dtype_name(out_dtype));
+  if (in_dtype == DType::kF32)
+    launch_to_half(static_cast<const float*>(x), ldx, num_tokens, hidden, row_scale, scale_stride,
+                   out_dtype, out, stream);
+  else if (in_dtype == DType::kF16)
+    launch_to_half(static_cast<const __half*>(x), ldx, num_tokens, hidden, row_scale, scale_stride,
+                   out_dtype, out, stream);
+  else
+    launch_to_half(static_cast<const uint16_t*>(x), ldx, num_tokens, hidden, row_scale,
+                   scale_stride, out_dtype, out, stream);
 }
 
 void to_bf16_rows(const void* x, DType in_dtype, int64_t ldx, int64_t num_tokens, int64_t hidden,
                   const float* row_scale, int64_t scale_stride, uint16_t* xb, Stream stream) {
-  if (num_tokens == 0) return;
-  FUSEDMOE_CHECK(in_dtype == DType::kF32 || in_dtype == DType::kBF16,
-                 "to_bf16_rows: input dtype must be f32 or bf16, got ", dtype_name(in_dtype));
-  const unsigned grid = static_cast<unsigned>(num_tokens);
-  const int threads = hidden >= 1024 ? 256 : 128;
-  if (in_dtype == DType::kF32)
-    launch_pdl(to_bf16_kernel<float>, grid, threads, 0, stream, static_cast<const float*>(x), ldx,
-               hidden, row_scale, scale_stride, xb);
-  else
-    launch_pdl(to_bf16_kernel<uint16_t>, grid, threads, 0, stream, static_cast<const uint16_t*>(x),
-               ldx, hidden, row_scale, scale_stride, xb);
+  to_half_rows(x, in_dtype, ldx, num_tokens, hidden, row_scale, scale_stride, DType::kBF16, xb,
+               stream);
 }
 
 void router_gemm(const void* x, DType x_dtype, int64_t ldx, int64_t num_tokens, int64_t hidden,
@@ -359,7 +401,8 @@ void router_gemm(const void* x, DType x_dtype, int64_t ldx, int64_t num_tokens, 
                  float* router_logits, int64_t ldl, Stream stream, uint16_t* x_bf16) {
   if (num_tokens == 0) return;
   const bool xf = x_dtype == DType::kF32, wf = w_dtype == DType::kF32;
-  FUSEDMOE_CHECK(xf || x_dtype == DType::kBF16, "router_gemm: x must be f32 or bf16");
+  const bool xh = x_dtype == DType::kF16;
+  FUSEDMOE_CHECK(xf || xh || x_dtype == DType::kBF16, "router_gemm: x must be f32, bf16 or f16");
   FUSEDMOE_CHECK(wf || w_dtype == DType::kBF16, "router_gemm: gate weight must be f32 or bf16");
   FUSEDMOE_CHECK(ldx >= hidden, "router_gemm: ldx must be >= hidden = ", hidden, ", got ", ldx);
   FUSEDMOE_CHECK(num_logits >= 1 && ldl >= num_logits,
@@ -369,7 +412,7 @@ void router_gemm(const void* x, DType x_dtype, int64_t ldx, int64_t num_tokens, 
   const bool aligned16 = reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
                          reinterpret_cast<uintptr_t>(gate_w) % 16 == 0 && hidden % 8 == 0 &&
                          ldx % 8 == 0;
-  if (!xf && !wf && num_tokens > kRgTensorCoreMinTokens && aligned16) {
+  if (!xf && !xh && !wf && num_tokens > kRgTensorCoreMinTokens && aligned16) {
     GroupedGemmArgs g;
     g.epilogue = GemmEpilogue::kScatter;
     g.tile = router_gemm_tile(num_tokens, num_logits);
@@ -386,22 +429,20 @@ void router_gemm(const void* x, DType x_dtype, int64_t ldx, int64_t num_tokens, 
     if (x_bf16) to_bf16_rows(x, x_dtype, ldx, num_tokens, hidden, nullptr, 0, x_bf16, stream);
     return;
   }
-  const auto* xp32 = static_cast<const float*>(x);
-  const auto* xp16 = static_cast<const uint16_t*>(x);
-  const auto* wp32 = static_cast<const float*>(gate_w);
-  const auto* wp16 = static_cast<const uint16_t*>(gate_w);
-  if (xf && wf)
-    launch_router_gemm(xp32, ldx, num_tokens, hidden, wp32, num_logits, gate_b, router_logits, ldl,
-                       stream, x_bf16);
-  else if (xf)
-    launch_router_gemm(xp32, ldx, num_tokens, hidden, wp16, num_logits, gate_b, router_logits, ldl,
-                       stream, x_bf16);
-  else if (wf)
-    launch_router_gemm(xp16, ldx, num_tokens, hidden, wp32, num_logits, gate_b, router_logits, ldl,
-                       stream, x_bf16);
+  auto with_w = [&](const auto* xp) {
+    if (wf)
+      launch_router_gemm(xp, ldx, num_tokens, hidden, static_cast<const float*>(gate_w), num_logits,
+                         gate_b, router_logits, ldl, stream, x_bf16);
+    else
+      launch_router_gemm(xp, ldx, num_tokens, hidden, static_cast<const uint16_t*>(gate_w),
+                         num_logits, gate_b, router_logits, ldl, stream, x_bf16);
+  };
+  if (xf)
+    with_w(static_cast<const float*>(x));
+  else if (xh)
+    with_w(static_cast<const __half*>(x));
   else
-    launch_router_gemm(xp16, ldx, num_tokens, hidden, wp16, num_logits, gate_b, router_logits, ldl,
-                       stream, x_bf16);
+    with_w(static_cast<const uint16_t*>(x));
   if (x_bf16 && num_tokens > kRgSmallMaxTokens)
     to_bf16_rows(x, x_dtype, ldx, num_tokens, hidden, nullptr, 0, x_bf16, stream);
 }

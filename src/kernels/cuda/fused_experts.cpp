@@ -1,9 +1,12 @@
 // fusedmoe CUDA: the routed-expert pipeline (routed_experts.h) and the
 // functional fused_experts over caller-owned workspace (kernels/cuda.h).
+#include <cuda_runtime_api.h>
+
 #include <algorithm>
 #include <cmath>
 
 #include "fusedmoe/core/error.h"
+#include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/routed_experts.h"
 
 namespace fusedmoe::cuda {
@@ -32,7 +35,7 @@ class Carver {
   size_t used_ = 0;
 };
 
-RoutedScratch carve(Carver& c, int64_t T, int64_t k, int64_t E, int64_t H, int64_t I) {
+RoutedScratch carve(Carver& c, int64_t T, int64_t k, int64_t E, int64_t H, int64_t I, bool sm90) {
   const int64_t slots = T * k;
   const int64_t padded = max_padded_rows(slots, E, kMaxBlockM);
   RoutedScratch s;
@@ -42,54 +45,105 @@ RoutedScratch carve(Carver& c, int64_t T, int64_t k, int64_t E, int64_t H, int64
   s.sorted_slot = c.take<int32_t>(padded);
   s.inter = c.take<uint16_t>(padded * I);
   s.y = c.take<float>(slots * H);
+  if (sm90) {
+    s.slot_row = c.take<int32_t>(slots);
+    s.sm90_ws_bytes = sm90_experts_workspace_bytes(slots, E, I);
+    s.sm90_ws = c.take<char>(s.sm90_ws_bytes);
+  }
   return s;
 }
 
 }  // namespace
 
 size_t routed_scratch_bytes(int64_t num_tokens, int64_t top_k, int64_t num_experts, int64_t hidden,
-                            int64_t inter) {
+                            int64_t inter, bool sm90) {
   Carver c(nullptr);
-  carve(c, num_tokens, top_k, num_experts, hidden, inter);
+  carve(c, num_tokens, top_k, num_experts, hidden, inter, sm90);
   return c.used();
 }
 
 RoutedScratch carve_routed_scratch(void* base, int64_t num_tokens, int64_t top_k,
-                                   int64_t num_experts, int64_t hidden, int64_t inter) {
+                                   int64_t num_experts, int64_t hidden, int64_t inter, bool sm90) {
   Carver c(base);
-  return carve(c, num_tokens, top_k, num_experts, hidden, inter);
+  return carve(c, num_tokens, top_k, num_experts, hidden, inter, sm90);
 }
 
-GemmTile routed_gemm_tile(int64_t T, int64_t k, int64_t E, int64_t H, int64_t I) {
+int64_t routed_rows_per_expert(int64_t T, int64_t k, int64_t E) {
   const int64_t slots = T * k;
   const double touched =
       static_cast<double>(E) * (1.0 - std::pow(1.0 - static_cast<double>(k) / E, T));
-  const int64_t rows_per_expert =
-      static_cast<int64_t>(std::llround(slots / std::max(1.0, touched)));
-  return pick_gemm_tile(rows_per_expert, slots, 2 * I, H);
+  return static_cast<int64_t>(std::llround(slots / std::max(1.0, touched)));
 }
 
-void routed_experts(const RoutedExpertsArgs& a, const RoutedScratch& s, Stream stream) {
+GemmTile routed_gemm_tile(int64_t T, int64_t k, int64_t E, int64_t H, int64_t I) {
+  return pick_gemm_tile(routed_rows_per_expert(T, k, E), T * k, 2 * I, H);
+}
+
+FinalizeArgs routed_experts(const RoutedExpertsArgs& a, const RoutedScratch& s, Stream stream) {
   const int64_t T = a.num_tokens, k = a.top_k, E = a.num_experts, H = a.hidden, I = a.inter;
   const int64_t slots = T * k;
+  const int64_t ldx = a.ldx > 0 ? a.ldx : H;
+  const int64_t rows_per_expert = routed_rows_per_expert(T, k, E);
   // One tile for both GEMMs (one alignment serves both).
-  const GemmTile tile = a.tile ? *a.tile : routed_gemm_tile(T, k, E, H, I);
+  const GemmTile tile = a.tile ? *a.tile : pick_gemm_tile(rows_per_expert, slots, 2 * I, H);
+  const bool sm90 = a.allow_sm90 && pick_sm90_experts(rows_per_expert, slots, H, I);
+  FUSEDMOE_CHECK(!sm90 || s.sm90_ws != nullptr,
+                 "routed_experts: the sm90 path needs scratch carved with sm90 = true");
   AlignArgs al;
   al.topk_ids = a.topk_ids;
   al.num_slots = slots;
   al.num_experts = E;
-  al.block_m = gemm_tile_block_m(tile);
+  al.block_m = sm90 ? 1 : gemm_tile_block_m(tile);  // TMA tiles need no padded rows
   al.expert_offsets = s.offsets;
   al.sorted_slot = s.sorted_slot;
   al.expert_counts = s.counts;
   al.expert_cursor = s.cursor;
   align(al, stream);
 
+  FinalizeArgs f;
+  f.y = s.y;
+  f.topk_ids = a.topk_ids;
+  f.num_tokens = T;
+  f.top_k = k;
+  f.hidden = H;
+  f.num_experts = E;
+  const float* row_scale = a.apply_router_weight_on_input ? nullptr : a.topk_weights;
+  if (sm90) {
+    if (a.sm90_wait_event) FUSEDMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, a.sm90_wait_event, 0));
+    Sm90ExpertsArgs x;
+    x.dtype = a.dtype;
+    x.x = a.x;
+    x.ldx = ldx;
+    x.topk_ids = a.topk_ids;
+    x.sorted_slot = s.sorted_slot;
+    x.expert_offsets = s.offsets;
+    x.num_tokens = T;
+    x.top_k = k;
+    x.num_experts = E;
+    x.hidden = H;
+    x.inter = I;
+    x.w13 = a.w13;
+    x.w13_bias = a.w13_bias;
+    x.w2 = a.w2;
+    x.act = a.act;
+    x.inter_rows = s.inter;
+    x.y_rows = s.y;
+    x.slot_row = s.slot_row;
+    x.workspace = s.sm90_ws;
+    x.workspace_bytes = s.sm90_ws_bytes;
+    sm90_experts(x, stream);
+    f.slot_row = s.slot_row;
+    f.row_scale = row_scale;
+    f.bias = a.w2_bias;
+    return f;
+  }
+
   GroupedGemmArgs g;
   g.epilogue = GemmEpilogue::kGlu;
   g.tile = tile;
+  g.dtype = a.dtype;
   g.a = a.x;
-  g.lda = a.ldx > 0 ? a.ldx : H;
+  g.lda = ldx;
   g.gather = true;
   g.a_div = static_cast<int>(k);
   g.sorted_slot = s.sorted_slot;
@@ -114,10 +168,11 @@ void routed_experts(const RoutedExpertsArgs& a, const RoutedScratch& s, Stream s
   g2.n = H;
   g2.k = I;
   g2.bias = a.w2_bias;
-  g2.row_scale = a.apply_router_weight_on_input ? nullptr : a.topk_weights;
+  g2.row_scale = row_scale;
   g2.out = s.y;
   g2.ldc = H;
   grouped_gemm(g2, stream);
+  return f;
 }
 
 // ---- functional fused_experts ----
@@ -125,7 +180,7 @@ void routed_experts(const RoutedExpertsArgs& a, const RoutedScratch& s, Stream s
 namespace {
 
 struct FunctionalWorkspace {
-  uint16_t* xb = nullptr;  // bf16 [T, H] (the expert input, scaled for apply-on-input)
+  uint16_t* xb = nullptr;  // bf16 / f16 [T, H] (the expert input, scaled for apply-on-input)
   RoutedScratch routed;
 };
 
@@ -133,7 +188,7 @@ FunctionalWorkspace carve_functional(Carver& c, int64_t T, int64_t H, int64_t I,
                                      int64_t k) {
   FunctionalWorkspace w;
   w.xb = c.take<uint16_t>(T * H);
-  w.routed = carve(c, T, k, E, H, I);
+  w.routed = carve(c, T, k, E, H, I, sm90_experts_available());
   return w;
 }
 
@@ -170,10 +225,17 @@ void fused_experts(const FusedExpertsArgs& a, void* workspace, size_t workspace_
                    "apply_router_weight_on_input: the CUDA backend supports it with top_k = 1 "
                    "only (as vLLM), got top_k = ",
                    k);
-  FUSEDMOE_CHECK(a.hidden_dtype == DType::kF32 || a.hidden_dtype == DType::kBF16,
-                 "hidden_states: expected dtype f32 or bf16, got ", dtype_name(a.hidden_dtype));
-  FUSEDMOE_CHECK(a.output_dtype == DType::kF32 || a.output_dtype == DType::kBF16,
-                 "output: expected dtype f32 or bf16, got ", dtype_name(a.output_dtype));
+  auto f32_or_half = [](DType d) {
+    return d == DType::kF32 || d == DType::kBF16 || d == DType::kF16;
+  };
+  FUSEDMOE_CHECK(f32_or_half(a.hidden_dtype),
+                 "hidden_states: expected dtype f32, bf16 or f16, got ",
+                 dtype_name(a.hidden_dtype));
+  FUSEDMOE_CHECK(f32_or_half(a.output_dtype), "output: expected dtype f32, bf16 or f16, got ",
+                 dtype_name(a.output_dtype));
+  FUSEDMOE_CHECK(a.weight_dtype == DType::kBF16 || a.weight_dtype == DType::kF16,
+                 "weight_dtype: expected bf16 or f16 (w13 and w2), got ",
+                 dtype_name(a.weight_dtype));
   FUSEDMOE_CHECK(a.ldx >= H, "hidden_states: row stride must be >= H = ", H, ", got ", a.ldx);
   FUSEDMOE_CHECK(a.ldo >= H, "output: row stride must be >= H = ", H, ", got ", a.ldo);
   FUSEDMOE_CHECK(workspace_bytes >= need, "workspace: expected at least ", need,
@@ -196,9 +258,11 @@ void fused_experts(const FusedExpertsArgs& a, void* workspace, size_t workspace_
   // ---- launch ----
   Carver c(workspace);
   const FunctionalWorkspace w = carve_functional(c, T, H, I, E, k);
-  to_bf16_rows(a.hidden_states, a.hidden_dtype, a.ldx, T, H,
-               a.apply_router_weight_on_input ? a.topk_weights : nullptr, k, w.xb, stream);
+  to_half_rows(a.hidden_states, a.hidden_dtype, a.ldx, T, H,
+               a.apply_router_weight_on_input ? a.topk_weights : nullptr, k, a.weight_dtype, w.xb,
+               stream);
   RoutedExpertsArgs r;
+  r.dtype = a.weight_dtype;
   r.x = w.xb;
   r.topk_ids = a.topk_ids;
   r.topk_weights = a.topk_weights;
@@ -213,14 +277,7 @@ void fused_experts(const FusedExpertsArgs& a, void* workspace, size_t workspace_
   r.w2_bias = a.w2_bias;
   r.act = a.activation;
   r.apply_router_weight_on_input = a.apply_router_weight_on_input;
-  routed_experts(r, w.routed, stream);
-  FinalizeArgs f;
-  f.y = w.routed.y;
-  f.topk_ids = a.topk_ids;
-  f.num_tokens = T;
-  f.top_k = k;
-  f.hidden = H;
-  f.num_experts = E;
+  FinalizeArgs f = routed_experts(r, w.routed, stream);
   f.out = a.output;
   f.out_dtype = a.output_dtype;
   f.ldo = a.ldo;

@@ -1,13 +1,15 @@
-// fusedmoe internal: the routed-expert pipeline of the functional
-// cuda::fused_experts (kernels/cuda.h), the same launches as the mma.sync path
-// of CudaMoELayer::forward:
-//   align (group slots by expert) -> w13 grouped GEMM + activation ->
-//   w2 grouped GEMM (x topk_weights, scattered by slot into y f32 [T*k, H]).
-// The caller converts the input to bf16 before and runs finalize after.
-// (CudaMoELayer::forward and ::experts kept their own copy of these launches
-// when main gained the sm90 wgmma path beside them; moving both paths here so
-// that the layer, expert parallelism and the functional entry share them is
-// open work.)
+// fusedmoe internal: the routed-expert pipeline, one piece of code behind
+// CudaMoELayer::forward, CudaMoELayer::experts (expert parallelism) and the
+// functional cuda::fused_experts (kernels/cuda.h):
+//   align (group slots by expert) -> either
+//     mma.sync / GEMV: w13 grouped GEMM + activation -> w2 grouped GEMM
+//       (x topk_weights, scattered by slot into y f32 [T*k, H]), or
+//     sm_90a wgmma + TMA (sm90_experts, many rows per expert): permute ->
+//       w13 GEMM -> activation -> w2 GEMM into expert-sorted y rows,
+//       weighted and biased by finalize through slot_row.
+// The caller converts the input to the weights' half type (bf16 or f16)
+// before and runs finalize after, with
+// the FinalizeArgs routed_experts() returns (plus output / shared expert).
 #pragma once
 
 #include <cstddef>
@@ -15,6 +17,8 @@
 #include <optional>
 
 #include "fusedmoe/kernels/cuda.h"
+
+struct CUevent_st;  // cudaEvent_t is CUevent_st*
 
 namespace fusedmoe::cuda {
 
@@ -27,26 +31,34 @@ struct RoutedScratch {
   int32_t* cursor = nullptr;       // [E]
   int64_t* offsets = nullptr;      // [E + 1]
   int32_t* sorted_slot = nullptr;  // [max_padded_rows(T*k, E, kMaxBlockM)]
-  uint16_t* inter = nullptr;       // bf16 [padded rows, I]
-  float* y = nullptr;              // f32 [T*k, H]: the weighted expert outputs, by slot
+  uint16_t* inter = nullptr;       // bf16 / f16 [padded rows, I]
+  float* y = nullptr;              // f32 [T*k, H]: by slot (mma) or by sorted row (sm90)
+  // Only when carved with sm90 = true (else null / 0): the sm90_experts path.
+  int32_t* slot_row = nullptr;  // [T*k]: slot -> sorted row
+  void* sm90_ws = nullptr;      // sm90_experts_workspace_bytes(T*k, E, I)
+  size_t sm90_ws_bytes = 0;
 };
-// Bytes of the scratch for up to num_tokens tokens (a multiple of 256).
+// Bytes of the scratch for up to num_tokens tokens (a multiple of 256). With
+// sm90, room for the sm90_experts path too (needs sm90_experts_available()).
 size_t routed_scratch_bytes(int64_t num_tokens, int64_t top_k, int64_t num_experts, int64_t hidden,
-                            int64_t inter);
+                            int64_t inter, bool sm90);
 // Carves the scratch out of `base` (256-byte aligned, routed_scratch_bytes long).
 RoutedScratch carve_routed_scratch(void* base, int64_t num_tokens, int64_t top_k,
-                                   int64_t num_experts, int64_t hidden, int64_t inter);
+                                   int64_t num_experts, int64_t hidden, int64_t inter, bool sm90);
 
-// The GEMM tile for T tokens routed uniformly to k of E experts: from the
-// expected rows per touched expert, E * (1 - (1 - k/E)^T) experts touched.
+// Expected rows per touched expert for T tokens routed uniformly to k of E
+// experts: T * k / (E * (1 - (1 - k/E)^T)), rounded.
+int64_t routed_rows_per_expert(int64_t num_tokens, int64_t top_k, int64_t num_experts);
+// The GEMM tile for that many rows per expert (pick_gemm_tile).
 GemmTile routed_gemm_tile(int64_t num_tokens, int64_t top_k, int64_t num_experts, int64_t hidden,
                           int64_t inter);
 
 struct RoutedExpertsArgs {
-  const uint16_t* x = nullptr;  // bf16 [T, H] (already scaled when the weight is applied on
-                                // the input), row stride ldx
-  int64_t ldx = 0;              // 0: H; else >= H and a multiple of 8
-  const int32_t* topk_ids = nullptr;
+  DType dtype = DType::kBF16;         // of x, w13, w2 and the intermediate: kBF16 or kF16
+  const uint16_t* x = nullptr;        // dtype [T, H] (already scaled when the weight is applied on
+                                      // the input), row stride ldx
+  int64_t ldx = 0;                    // 0: H; else >= H and a multiple of 8
+  const int32_t* topk_ids = nullptr;  // i32 [T, k], ids in [-1, E)
   const float* topk_weights = nullptr;  // scales y unless apply_router_weight_on_input
   int64_t num_tokens = 0, top_k = 0, num_experts = 0, hidden = 0, inter = 0;
   const uint16_t* w13 = nullptr;
@@ -55,11 +67,24 @@ struct RoutedExpertsArgs {
   const float* w2_bias = nullptr;
   ActivationParams act;
   bool apply_router_weight_on_input = false;
-  // The tile of both GEMMs; default routed_gemm_tile(T, k, E, H, I). Expert
+  // The tile of both mma GEMMs; default routed_gemm_tile(T, k, E, H, I). Expert
   // parallelism passes the tile of the global batch (the same on every rank).
   std::optional<GemmTile> tile;
+  // Whether the sm90 path may be taken (pick_sm90_experts for the rows per
+  // expert of T tokens; the scratch must then be carved with sm90). Expert
+  // parallelism passes false: it needs y by slot.
+  bool allow_sm90 = true;
+  // On the sm90 path: `stream` waits for this event (a cudaEvent_t) after
+  // align, before the GEMMs (the layer's shared expert on the sm90 path: its
+  // persistent GEMMs and the routed ones each fill the GPU). Null: no wait.
+  CUevent_st* sm90_wait_event = nullptr;
 };
-// Writes scratch.y (rows of slots whose id is -1 are left unwritten). T > 0.
-void routed_experts(const RoutedExpertsArgs& args, const RoutedScratch& scratch, Stream stream);
+// Launches the routed experts of T > 0 tokens on `stream` and returns the
+// arguments of finalize() for them: y, topk_ids, num_tokens, top_k, hidden,
+// num_experts and, on the sm90 path, slot_row / row_scale / bias. On the mma
+// path y holds rows by slot, weighted and biased (slots whose id is -1 are
+// left unwritten).
+FinalizeArgs routed_experts(const RoutedExpertsArgs& args, const RoutedScratch& scratch,
+                            Stream stream);
 
 }  // namespace fusedmoe::cuda

@@ -6,10 +6,10 @@
 // TMA loads whole tiles, it cannot gather rows, so unlike the mma.sync kernels
 // (which gather A rows with cp.async and fuse the activation and the weighted
 // scatter into their epilogues) this path materialises the sorted input and
-// the w13 output (bf16). At large T those extra passes cost a few percent of
-// the GEMMs; the GEMMs run at wgmma speed. One dense expert over all rows (the
-// shared expert, sm90_dense_expert) takes the same GEMM / activation / GEMM
-// sequence on its input rows as they are: no permute.
+// the w13 output (bf16 or f16, the weights' type). At large T those extra passes cost a few percent
+// of the GEMMs; the GEMMs run at wgmma speed. One dense expert over all rows (the shared expert,
+// sm90_dense_expert) takes the same GEMM / activation / GEMM sequence on its input rows as they
+// are: no permute.
 #include "fusedmoe/kernels/cuda.h"
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/gemm/sm90_bf16_grouped_gemm.cuh"  // act_glu
@@ -49,6 +49,8 @@ __global__ void __launch_bounds__(kPermuteThreads)
 // inter[r, i] = act(h[r, i] + b[e, i], h[r, I + i] + b[e, I + i]), 8 columns a
 // thread, e = topk_ids[sorted_slot[r]]; -1 rows get zeros. Without sorted_slot
 // (one dense expert): every row r < offsets[num_experts] is valid, e = 0.
+// h and out: T (__nv_bfloat16 or __half) bits.
+template <class T>
 __global__ void glu_rows_kernel(const uint16_t* __restrict__ h, const int32_t* __restrict__ ids,
                                 const int32_t* __restrict__ sorted_slot,
                                 const int64_t* __restrict__ offsets, int num_experts, int64_t inter,
@@ -72,12 +74,12 @@ __global__ void glu_rows_kernel(const uint16_t* __restrict__ h, const int32_t* _
       uint16_t* o = reinterpret_cast<uint16_t*>(&res);
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        float gv = bf16_bits_to_float(g[j]), uv = bf16_bits_to_float(u[j]);
+        float gv = gemm::to_float<T>(g[j]), uv = gemm::to_float<T>(u[j]);
         if (b) {
           gv += b[i + j];
           uv += b[inter + i + j];
         }
-        o[j] = float_to_bf16_bits(
+        o[j] = gemm::from_float_bits<T>(
             gemm::act_glu(act.activation, gv, uv, act.swiglu_alpha, act.swiglu_limit));
       }
     }
@@ -95,10 +97,11 @@ __global__ void dense_offsets_kernel(int64_t* offsets, int64_t rows) {
 // The part shared by the routed experts and one dense expert, on rows of `a`
 // that are already expert-contiguous (rows of expert e: [offsets[e],
 // offsets[e+1]), at most max_rows): h13 = a . w13[e]^T (bf16, in the front of
-// `workspace`), inter_rows = act(h13 + b13) (bf16), y_rows = inter_rows .
+// `workspace`), inter_rows = act(h13 + b13) (dtype), y_rows = inter_rows .
 // w2[e]^T (f32, unweighted, no w2 bias). sorted_slot / topk_ids: as in
 // glu_rows_kernel (null sorted_slot: one dense expert).
 struct GemmGluGemm {
+  DType dtype;  // of a, w13, w2, h13 and inter_rows: kBF16 or kF16
   const uint16_t* a;
   int64_t max_rows;
   const int64_t* offsets;
@@ -136,12 +139,17 @@ void gemm_glu_gemm(const GemmGluGemm& a, Stream stream) {
   g.k = H;
   g.workspace = static_cast<char*>(a.workspace) + h13b;
   g.workspace_bytes = a.workspace_bytes - h13b;
-  sm90::grouped_gemm_bf16out(g, stream);
+  const bool f16 = a.dtype == DType::kF16;
+  if (f16)
+    sm90::grouped_gemm_f16_f16out(g, stream);
+  else
+    sm90::grouped_gemm_bf16out(g, stream);
 
   const int64_t blocks = static_cast<int64_t>(num_sms()) * 16;
   const int64_t vecs = rows * (I / 8);
   const int64_t glu_blocks = (vecs + 255) / 256 < blocks ? (vecs + 255) / 256 : blocks;
-  glu_rows_kernel<<<static_cast<unsigned>(glu_blocks), 256, 0, stream>>>(
+  auto glu_rows = f16 ? glu_rows_kernel<__half> : glu_rows_kernel<__nv_bfloat16>;
+  glu_rows<<<static_cast<unsigned>(glu_blocks), 256, 0, stream>>>(
       h13, a.topk_ids, a.sorted_slot, a.offsets, static_cast<int>(E), I, rows, a.w13_bias, a.act,
       a.inter_rows);
   FUSEDMOE_CUDA_CHECK_LAUNCH();
@@ -153,7 +161,10 @@ void gemm_glu_gemm(const GemmGluGemm& a, Stream stream) {
   g2.ldd = H;
   g2.n = H;
   g2.k = I;
-  sm90::grouped_gemm_f32out(g2, stream);
+  if (f16)
+    sm90::grouped_gemm_f16_f32out(g2, stream);
+  else
+    sm90::grouped_gemm_f32out(g2, stream);
 }
 
 }  // namespace
@@ -176,9 +187,13 @@ bool sm90_experts_available() {
 size_t sm90_experts_workspace_bytes(int64_t num_slots, int64_t num_experts, int64_t inter) {
 #ifdef FUSEDMOE_WITH_CUTLASS
   const size_t h13 = h13_bytes(num_slots, inter);
-  const size_t g13 = sm90::workspace_bytes_bf16out(num_experts);
-  const size_t g2 = sm90::workspace_bytes_f32out(num_experts);
-  return h13 + (g13 > g2 ? g13 : g2);
+  size_t gemm = 0;  // the largest of the instances (bf16 and f16)
+  for (const size_t b :
+       {sm90::workspace_bytes_bf16out(num_experts), sm90::workspace_bytes_f32out(num_experts),
+        sm90::workspace_bytes_f16_f16out(num_experts),
+        sm90::workspace_bytes_f16_f32out(num_experts)})
+    gemm = b > gemm ? b : gemm;
+  return h13 + gemm;
 #else
   (void)num_slots;
   (void)num_experts;
@@ -203,13 +218,16 @@ void sm90_experts(const Sm90ExpertsArgs& a, Stream stream) {
   FUSEDMOE_CHECK(a.ldx % 8 == 0 && a.ldx >= H, "sm90_experts: ldx must be a multiple of 8 >= ", H,
                  ", got ", a.ldx);
   FUSEDMOE_CHECK(E >= 1 && a.top_k >= 1, "sm90_experts: num_experts and top_k must be >= 1");
+  FUSEDMOE_CHECK(a.dtype == DType::kBF16 || a.dtype == DType::kF16,
+                 "sm90_experts: dtype must be bf16 or f16, got ", dtype_name(a.dtype));
   FUSEDMOE_CHECK(slots <= INT32_MAX, "sm90_experts: at most 2^31 - 1 routed rows, got ", slots);
   const size_t need = sm90_experts_workspace_bytes(slots, E, I);
   FUSEDMOE_CHECK(a.workspace_bytes >= need, "sm90_experts: workspace of ", need,
                  " bytes needed, got ", a.workspace_bytes);
   if (slots == 0) return;
 
-  // The permuted input lives in y_rows (f32 [slots, H] >= bf16 [slots, H]) until w2 writes it.
+  // The permuted input lives in y_rows (f32 [slots, H] >= bf16 / f16 [slots, H]) until w2 writes
+  // it.
   auto* xs = reinterpret_cast<uint16_t*>(a.y_rows);
   const int64_t blocks = static_cast<int64_t>(num_sms()) * 16;
   permute_rows_kernel<<<static_cast<unsigned>(slots < blocks ? slots : blocks), kPermuteThreads, 0,
@@ -217,8 +235,8 @@ void sm90_experts(const Sm90ExpertsArgs& a, Stream stream) {
                                   static_cast<int>(a.top_k), H, slots, xs, a.slot_row);
   FUSEDMOE_CUDA_CHECK_LAUNCH();
 
-  gemm_glu_gemm({xs, slots, a.expert_offsets, E, a.topk_ids, a.sorted_slot, H, I, a.w13, a.w13_bias,
-                 a.w2, a.act, a.inter_rows, a.y_rows, a.workspace, a.workspace_bytes},
+  gemm_glu_gemm({a.dtype, xs, slots, a.expert_offsets, E, a.topk_ids, a.sorted_slot, H, I, a.w13,
+                 a.w13_bias, a.w2, a.act, a.inter_rows, a.y_rows, a.workspace, a.workspace_bytes},
                 stream);
 #else
   (void)a;
@@ -245,6 +263,8 @@ void sm90_dense_expert(const Sm90DenseExpertArgs& a, Stream stream) {
                  "sm90_dense_expert: inter must be a positive multiple of 8, got ", I);
   FUSEDMOE_CHECK(T >= 0 && T <= INT32_MAX,
                  "sm90_dense_expert: num_tokens must be in [0, 2^31), got ", T);
+  FUSEDMOE_CHECK(a.dtype == DType::kBF16 || a.dtype == DType::kF16,
+                 "sm90_dense_expert: dtype must be bf16 or f16, got ", dtype_name(a.dtype));
   const size_t need = sm90_dense_expert_workspace_bytes(T, I);
   FUSEDMOE_CHECK(a.workspace_bytes >= need, "sm90_dense_expert: workspace of ", need,
                  " bytes needed, got ", a.workspace_bytes);
@@ -253,8 +273,8 @@ void sm90_dense_expert(const Sm90DenseExpertArgs& a, Stream stream) {
   dense_offsets_kernel<<<1, 1, 0, stream>>>(offsets, T);
   FUSEDMOE_CUDA_CHECK_LAUNCH();
   gemm_glu_gemm(
-      {a.x, T, offsets, 1, nullptr, nullptr, H, I, a.w13, a.w13_bias, a.w2, a.act, a.inter_rows,
-       a.out, static_cast<char*>(a.workspace) + 256, a.workspace_bytes - 256},
+      {a.dtype, a.x, T, offsets, 1, nullptr, nullptr, H, I, a.w13, a.w13_bias, a.w2, a.act,
+       a.inter_rows, a.out, static_cast<char*>(a.workspace) + 256, a.workspace_bytes - 256},
       stream);
 #else
   (void)a;

@@ -116,6 +116,8 @@ void grouped_gemm(const GroupedGemmArgs& a, Stream stream) {
   FUSEDMOE_CHECK(a.expert_offsets == nullptr || a.sorted_slot != nullptr,
                  "grouped_gemm: routed mode needs sorted_slot");
   FUSEDMOE_CHECK(!a.gather || a.a_div >= 1, "grouped_gemm: a_div must be >= 1");
+  FUSEDMOE_CHECK(a.dtype == DType::kBF16 || a.dtype == DType::kF16,
+                 "grouped_gemm: dtype must be bf16 or f16, got ", dtype_name(a.dtype));
   if (a.m == 0) return;
   switch (a.tile) {
     case GemmTile::kM16N64:

@@ -1,5 +1,6 @@
-// fusedmoe CUDA: bf16 grouped GEMM over experts, f32 accumulation, tensor
-// cores through mma.sync.m16n8k16 (ldmatrix from XOR-swizzled shared memory,
+// fusedmoe CUDA: bf16 / fp16 grouped GEMM over experts (the element type a
+// template parameter: __nv_bfloat16 or __half), f32 accumulation, tensor
+// cores through mma.sync.m16n8k16 (.bf16 or .f16) (ldmatrix from XOR-swizzled shared memory,
 // cp.async multi-stage pipeline), persistent CTAs over (expert, n tile, m tile)
 // work items, epilogues fused: gated activation (w13) or weighted scatter by
 // slot (w2). Included by one .cu per tile configuration (compile time).
@@ -10,9 +11,11 @@
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "fusedmoe/kernels/cuda.h"
 #include "kernels/cuda/cuda_common.cuh"
@@ -36,8 +39,9 @@ struct TileConfig {
 };
 
 // Kernel parameters (device pointers; see GroupedGemmArgs in kernels/cuda.h).
+// a / w / the kGlu output hold elements of the kernel's type T (bf16 or f16 bits).
 struct Params {
-  const __nv_bfloat16* a;
+  const uint16_t* a;
   int64_t lda;
   int gather;
   int a_div;
@@ -45,7 +49,7 @@ struct Params {
   const int64_t* expert_offsets;  // null: dense (one expert, rows [0, m))
   int num_experts;
   int64_t m;
-  const __nv_bfloat16* w;
+  const uint16_t* w;
   int64_t n, k;
   int64_t inter;  // kGlu: I (= n / 2)
   int n_tiles;
@@ -78,13 +82,42 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t& r0, uint32_
                : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
                : "r"(addr));
 }
-__device__ __forceinline__ void mma_bf16_16816(float* c, const uint32_t* a, const uint32_t* b) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+// D += A . B, m16n8k16, f32 accumulators; T = __nv_bfloat16 or __half.
+#define FUSEDMOE_MMA_16816(ty)                                                          \
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." ty "." ty                       \
+               ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n" \
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                         \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]))
+template <class T>
+__device__ __forceinline__ void mma_16816(float* c, const uint32_t* a, const uint32_t* b) {
+  if constexpr (std::is_same_v<T, __half>)
+    FUSEDMOE_MMA_16816("f16");
+  else
+    FUSEDMOE_MMA_16816("bf16");
 }
+#undef FUSEDMOE_MMA_16816
+template <class T>
+__device__ __forceinline__ float to_float(uint16_t bits) {
+  if constexpr (std::is_same_v<T, __half>)
+    return __half2float(__ushort_as_half(bits));
+  else
+    return bf16_bits_to_float(bits);
+}
+// float -> T bits, round to nearest even (f16: beyond 65504 rounds to +-inf).
+template <class T>
+__device__ __forceinline__ uint16_t from_float_bits(float f) {
+  if constexpr (std::is_same_v<T, __half>)
+    return __half_as_ushort(__float2half_rn(f));
+  else
+    return float_to_bf16_bits(f);
+}
+// Two consecutive T elements from floats, one 4-byte store (p 4-byte aligned).
+template <class T>
+__device__ __forceinline__ void store2(T* p, float a, float b) {
+  *reinterpret_cast<uint32_t*>(p) = static_cast<uint32_t>(from_float_bits<T>(a)) |
+                                    (static_cast<uint32_t>(from_float_bits<T>(b)) << 16);
+}
+
 // Byte offset of 16-byte chunk `chunk` of row `row` in a [rows][64] bf16 tile.
 __device__ __forceinline__ uint32_t swz(int row, int chunk) {
   return static_cast<uint32_t>(row * 128 + ((chunk ^ (row & 7)) << 4));
@@ -110,7 +143,7 @@ __device__ __forceinline__ float act_glu(Activation act, float g, float u, float
   return 0.0f;
 }
 
-template <class Cfg, bool kGlu>
+template <class T, class Cfg, bool kGlu>
 __global__ void __launch_bounds__(Cfg::kThreads) grouped_gemm_kernel(const Params p) {
   constexpr int BM = Cfg::kBM, BN = Cfg::kBN, STAGES = Cfg::kStages;
   constexpr int MI = Cfg::kMI, NI = Cfg::kNI, WTM = Cfg::kWTM, WTN = Cfg::kWTN;
@@ -167,10 +200,10 @@ __global__ void __launch_bounds__(Cfg::kThreads) grouped_gemm_kernel(const Param
     }
     __syncthreads();
 
-    const __nv_bfloat16* w_e = p.w + static_cast<int64_t>(e) * p.n * K;
+    const uint16_t* w_e = p.w + static_cast<int64_t>(e) * p.n * K;
     // Per-thread load assignments (fixed per tile).
     constexpr int kAChunks = BM * 8 / kThreads, kBChunks = BN * 8 / kThreads;
-    const __nv_bfloat16* a_ptr[kAChunks];
+    const uint16_t* a_ptr[kAChunks];
     bool a_ok[kAChunks];
     uint32_t a_dst[kAChunks];
     int a_chunk[kAChunks];
@@ -183,7 +216,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) grouped_gemm_kernel(const Param
       a_dst[i] = swz(r, c);
       a_chunk[i] = c;
     }
-    const __nv_bfloat16* b_ptr[kBChunks];
+    const uint16_t* b_ptr[kBChunks];
     bool b_ok[kBChunks];
     uint32_t b_dst[kBChunks];
     int b_chunk[kBChunks];
@@ -270,7 +303,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) grouped_gemm_kernel(const Param
 #pragma unroll
         for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-          for (int ni = 0; ni < NI; ++ni) mma_bf16_16816(acc[mi][ni], af[mi], bf[ni]);
+          for (int ni = 0; ni < NI; ++ni) mma_16816<T>(acc[mi][ni], af[mi], bf[ni]);
       }
     }
     cp_async_wait<0>();
@@ -278,7 +311,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) grouped_gemm_kernel(const Param
     // ---- epilogue (registers -> global) ----
     const int g_row = lane >> 2, g_col = (lane & 3) * 2;
     if (kGlu) {
-      auto* out = static_cast<__nv_bfloat16*>(p.out);
+      auto* out = static_cast<T*>(p.out);
       const float* bias = p.bias ? p.bias + static_cast<int64_t>(e) * p.n : nullptr;
 #pragma unroll
       for (int mi = 0; mi < MI; ++mi)
@@ -298,10 +331,9 @@ __global__ void __launch_bounds__(Cfg::kThreads) grouped_gemm_kernel(const Param
               u0 += bias[p.inter + i];
               u1 += bias[p.inter + i + 1];
             }
-            __nv_bfloat162 v;
-            v.x = __float2bfloat16_rn(act_glu(p.act, g0, u0, p.swiglu_alpha, p.swiglu_limit));
-            v.y = __float2bfloat16_rn(act_glu(p.act, g1, u1, p.swiglu_alpha, p.swiglu_limit));
-            *reinterpret_cast<__nv_bfloat162*>(out + (row0 + r) * p.ldc + i) = v;
+            store2<T>(out + (row0 + r) * p.ldc + i,  // i and ldc even: 4-byte aligned
+                      act_glu(p.act, g0, u0, p.swiglu_alpha, p.swiglu_limit),
+                      act_glu(p.act, g1, u1, p.swiglu_alpha, p.swiglu_limit));
           }
     } else {
       auto* out = static_cast<float*>(p.out);
@@ -344,7 +376,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) grouped_gemm_kernel(const Param
 // n_tiles is left to the launch, it depends on the tile.
 inline Params make_params(const GroupedGemmArgs& a) {
   Params p{};
-  p.a = reinterpret_cast<const __nv_bfloat16*>(a.a);
+  p.a = a.a;
   p.lda = a.lda;
   p.gather = a.gather ? 1 : 0;
   p.a_div = a.a_div;
@@ -352,7 +384,7 @@ inline Params make_params(const GroupedGemmArgs& a) {
   p.expert_offsets = a.expert_offsets;
   p.num_experts = static_cast<int>(a.num_experts);
   p.m = a.m;
-  p.w = reinterpret_cast<const __nv_bfloat16*>(a.w);
+  p.w = a.w;
   p.n = a.n;
   p.k = a.k;
   p.inter = a.epilogue == GemmEpilogue::kGlu ? a.n / 2 : a.n;
@@ -367,8 +399,8 @@ inline Params make_params(const GroupedGemmArgs& a) {
 }
 
 // Host side: launches one instantiation (validated by grouped_gemm()).
-template <class Cfg>
-void launch(const GroupedGemmArgs& a, Stream stream) {
+template <class T, class Cfg>
+void launch_typed(const GroupedGemmArgs& a, Stream stream) {
   Params p = make_params(a);
   const bool glu = a.epilogue == GemmEpilogue::kGlu;
   p.n_tiles = static_cast<int>(glu ? ceil_div(p.inter, Cfg::kBN / 2) : ceil_div(a.n, Cfg::kBN));
@@ -380,7 +412,7 @@ void launch(const GroupedGemmArgs& a, Stream stream) {
   const int64_t max_work = max_tiles * p.n_tiles;
   if (max_work == 0) return;
 
-  auto kernel = glu ? grouped_gemm_kernel<Cfg, true> : grouped_gemm_kernel<Cfg, false>;
+  auto kernel = glu ? grouped_gemm_kernel<T, Cfg, true> : grouped_gemm_kernel<T, Cfg, false>;
   static thread_local int occupancy[2] = {0, 0};  // per epilogue, after the attribute is set
   int& occ = occupancy[glu ? 0 : 1];
   if (occ == 0) {
@@ -393,6 +425,14 @@ void launch(const GroupedGemmArgs& a, Stream stream) {
   const int64_t slots = static_cast<int64_t>(num_sms()) * occ;
   const unsigned grid = static_cast<unsigned>(max_work < slots ? max_work : slots);
   launch_pdl(kernel, grid, Cfg::kThreads, Cfg::kSmemBytes, stream, p);
+}
+// The instantiation of the element type args.dtype (kBF16 or kF16).
+template <class Cfg>
+void launch(const GroupedGemmArgs& a, Stream stream) {
+  if (a.dtype == DType::kF16)
+    launch_typed<__half, Cfg>(a, stream);
+  else
+    launch_typed<__nv_bfloat16, Cfg>(a, stream);
 }
 
 }  // namespace fusedmoe::cuda::gemm

@@ -3,7 +3,7 @@
 // (w13: 4 gate + 4 up rows) once with 16-byte loads, several in flight per
 // lane, against the tile's <= 8 activation rows (read through L1), then one
 // recursive-halving warp reduction and the same fused epilogues as the MMA
-// kernel (gated activation -> bf16 intermediate; weighted scatter by slot).
+// kernel (gated activation -> bf16 or f16 intermediate; weighted scatter by slot).
 // Persistent warps over (tile, row group) items, row groups innermost so the
 // warps of an SM share the tile's activation rows. Launched with Programmatic
 // Dependent Launch (pdl.cuh): the blocks start while the kernel before (align,
@@ -29,12 +29,20 @@ __device__ __forceinline__ uint4 ld_nc(const void* p) {
                : "l"(p));
   return v;
 }
+// 8 elements of type T (bf16 or f16) -> f32.
+template <class T>
 __device__ __forceinline__ void unpack8(const uint4& v, float* f) {
   const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    f[2 * i] = __uint_as_float(w[i] << 16);
-    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    if constexpr (std::is_same_v<T, __half>) {
+      const float2 h = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
+      f[2 * i] = h.x;
+      f[2 * i + 1] = h.y;
+    } else {
+      f[2 * i] = __uint_as_float(w[i] << 16);
+      f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
   }
 }
 
@@ -59,7 +67,7 @@ __device__ __forceinline__ void warp_reduce_halving(float* v, int lane) {
   halving_step<N / 16, 1>(v, lane);
 }
 
-template <bool kGlu>
+template <class T, bool kGlu>
 __global__ void __launch_bounds__(kThreads) grouped_gemv_kernel(const Params p) {
   pdl_wait();  // expert_offsets, sorted_slot and a come from the kernels before
   pdl_launch_dependents();
@@ -108,8 +116,8 @@ __global__ void __launch_bounds__(kThreads) grouped_gemv_kernel(const Params p) 
 #pragma unroll
     for (int r = 0; r < kTileRows; ++r) src[r] = __shfl_sync(0xffffffffu, my_src, r);
 
-    const __nv_bfloat16* w_e = p.w + static_cast<int64_t>(e) * p.n * K;
-    const __nv_bfloat16* wrow[kW];
+    const uint16_t* w_e = p.w + static_cast<int64_t>(e) * p.n * K;
+    const uint16_t* wrow[kW];
     bool wok[kW];
 #pragma unroll
     for (int j = 0; j < kW; ++j) {
@@ -130,13 +138,13 @@ __global__ void __launch_bounds__(kThreads) grouped_gemv_kernel(const Params p) 
       for (int r = 0; r < kTileRows; ++r) {
         if (src[r] < 0) continue;  // warp-uniform
         float xf[8];
-        unpack8(ld_nc(p.a + static_cast<int64_t>(src[r]) * p.lda + k0), xf);
+        unpack8<T>(ld_nc(p.a + static_cast<int64_t>(src[r]) * p.lda + k0), xf);
 #pragma unroll
         for (int j = 0; j < kW; ++j) {
           const int idx = kGlu ? (((j % kRowsPerItem) * kTileRows + r) * 2 + j / kRowsPerItem)
                                : (j * kTileRows + r);
           float wf[8];
-          unpack8(wraw[j], wf);
+          unpack8<T>(wraw[j], wf);
 #pragma unroll
           for (int i = 0; i < 8; ++i) acc[idx] = fmaf(wf[i], xf[i], acc[idx]);
         }
@@ -158,9 +166,9 @@ __global__ void __launch_bounds__(kThreads) grouped_gemv_kernel(const Params p) 
         g += bias[n];
         u += bias[p.inter + n];
       }
-      auto* out = static_cast<__nv_bfloat16*>(p.out);
+      auto* out = static_cast<uint16_t*>(p.out);
       out[(row0 + r) * p.ldc + n] =
-          __float2bfloat16_rn(act_glu(p.act, g, u, p.swiglu_alpha, p.swiglu_limit));
+          from_float_bits<T>(act_glu(p.act, g, u, p.swiglu_alpha, p.swiglu_limit));
     } else {
       const int jj = lane / 4, r0 = 2 * (lane % 4);
       const int32_t slot0 = __shfl_sync(0xffffffffu, my_slot, r0);
@@ -179,9 +187,8 @@ __global__ void __launch_bounds__(kThreads) grouped_gemv_kernel(const Params p) 
   }
 }
 
-}  // namespace
-
-void launch_m8gemv(const GroupedGemmArgs& a, Stream stream) {
+template <class T>
+void launch_gemv(const GroupedGemmArgs& a, Stream stream) {
   const Params p = make_params(a);
   const bool glu = a.epilogue == GemmEpilogue::kGlu;
   const int64_t max_tiles = a.expert_offsets
@@ -195,8 +202,17 @@ void launch_m8gemv(const GroupedGemmArgs& a, Stream stream) {
   const int64_t max_blocks = static_cast<int64_t>(num_sms()) * 8;
   const unsigned grid =
       static_cast<unsigned>(std::min<int64_t>(ceil_div(items, warps_per_block), max_blocks));
-  launch_pdl(glu ? grouped_gemv_kernel<true> : grouped_gemv_kernel<false>, grid, kThreads, 0,
-             stream, p);
+  launch_pdl(glu ? grouped_gemv_kernel<T, true> : grouped_gemv_kernel<T, false>, grid, kThreads,
+             0, stream, p);
+}
+
+}  // namespace
+
+void launch_m8gemv(const GroupedGemmArgs& a, Stream stream) {
+  if (a.dtype == DType::kF16)
+    launch_gemv<__half>(a, stream);
+  else
+    launch_gemv<__nv_bfloat16>(a, stream);
 }
 
 }  // namespace fusedmoe::cuda::gemm

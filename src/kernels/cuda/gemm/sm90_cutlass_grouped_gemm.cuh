@@ -35,18 +35,18 @@ namespace fusedmoe::cuda::sm90 {
 using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
 
 // One grouped-GEMM type: D[e] (M_e x N, row-major, ElementD) = A[e] (M_e x K,
-// row-major bf16) . B[e]^T (B[e]: N x K, K contiguous = CUTLASS ColumnMajor),
-// f32 accumulation, no source C (ElementC = void).
-template <class ElementD_, class TileShape_, class ClusterShape_, class KernelSchedule_,
-          class EpilogueSchedule_>
+// row-major ElementAB: bf16 or f16) . B[e]^T (B[e]: N x K, K contiguous =
+// CUTLASS ColumnMajor), f32 accumulation, no source C (ElementC = void).
+template <class ElementAB_, class ElementD_, class TileShape_, class ClusterShape_,
+          class KernelSchedule_, class EpilogueSchedule_>
 struct GroupedGemm {
-  using ElementA = cutlass::bfloat16_t;
-  using ElementB = cutlass::bfloat16_t;
+  using ElementA = ElementAB_;
+  using ElementB = ElementAB_;
   using ElementD = ElementD_;
   using LayoutA = cutlass::layout::RowMajor;
   using LayoutB = cutlass::layout::ColumnMajor;
   using LayoutD = cutlass::layout::RowMajor;
-  static constexpr int kAlignA = 8, kAlignB = 8;  // 16 bytes of bf16: K % 8 == 0
+  static constexpr int kAlignA = 8, kAlignB = 8;  // 16 bytes of bf16 / f16: K % 8 == 0
   static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
 
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
@@ -70,6 +70,15 @@ struct GroupedGemm {
   using StrideD = typename Kernel::InternalStrideD;
   using Shape = typename ProblemShape::UnderlyingProblemShape;
 };
+
+// The kept configuration: 128 x 256 x 64 tiles, cooperative (2 consumer
+// warpgroups on one tile), cluster 1 x 1; one instantiation per .cu file.
+template <class ElementAB, class ElementD>
+using Cooperative128x256 =
+    GroupedGemm<ElementAB, ElementD, cute::Shape<cute::_128, cute::_256, cute::_64>,
+                cute::Shape<cute::_1, cute::_1, cute::_1>,
+                cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
+                cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
 
 // Device-side argument arrays, carved from the front of the workspace.
 template <class G>

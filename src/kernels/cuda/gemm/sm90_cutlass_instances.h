@@ -13,8 +13,8 @@
 namespace fusedmoe::cuda::sm90 {
 
 // D rows [off[e], off[e+1]) = A rows [off[e], off[e+1)) . W[e]^T for every e:
-//   a: bf16 [rows, K] contiguous (expert-sorted), w: bf16 [E, N, K],
-//   d: [rows, ldd] (bf16 or f32 by the instantiation), K % 8 == 0, N % 8 == 0
+//   a: [rows, K] contiguous (expert-sorted), w: [E, N, K], both bf16 or both
+//   f16, d: [rows, ldd] (the input type or f32: by the instantiation), K % 8 == 0, N % 8 == 0
 //   (TMA: 16-byte aligned rows), ldd % 8 == 0.
 struct Sm90GemmArgs {
   const uint16_t* a = nullptr;
@@ -29,8 +29,12 @@ struct Sm90GemmArgs {
 };
 
 // Tile 128 x 256 x 64, cooperative (2 consumer warpgroups on one tile), cluster 1 x 1.
-void grouped_gemm_bf16out(const Sm90GemmArgs& args, Stream stream);  // d bf16 (w13)
-void grouped_gemm_f32out(const Sm90GemmArgs& args, Stream stream);   // d f32 (w2)
+void grouped_gemm_bf16out(const Sm90GemmArgs& args, Stream stream);     // bf16 -> bf16 (w13)
+void grouped_gemm_f32out(const Sm90GemmArgs& args, Stream stream);      // bf16 -> f32 (w2)
+void grouped_gemm_f16_f16out(const Sm90GemmArgs& args, Stream stream);  // f16 -> f16 (w13)
+void grouped_gemm_f16_f32out(const Sm90GemmArgs& args, Stream stream);  // f16 -> f32 (w2)
 size_t workspace_bytes_bf16out(int64_t num_experts);
 size_t workspace_bytes_f32out(int64_t num_experts);
+size_t workspace_bytes_f16_f16out(int64_t num_experts);
+size_t workspace_bytes_f16_f32out(int64_t num_experts);
 }  // namespace fusedmoe::cuda::sm90
