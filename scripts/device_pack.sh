@@ -20,6 +20,11 @@ tar -C .devbin -cJf .devbin/lib.tar.xz lib && rm -rf .devbin/lib
 for so in ${PY_BUILD:-build-py312}/python/_ext.cpython-*.so; do [ -f "$so" ] && cp "$so" .devbin/; done
 # Symbol tables are not needed there; the call carries at most 64 MiB with the tree.
 strip --strip-unneeded .devbin/test_cuda_* .devbin/bench_cuda_* .devbin/fusedmoe .devbin/_ext.*.so 2>/dev/null || true
+# The binaries share most of their device code: one xz stream over all of them
+# is a fraction of their size (device_run.sh unpacks it).
+(cd .devbin && tar -cf - --exclude=lib.tar.xz . | xz -6 -T2 >../.devbin-bin.tar.xz) &&
+  find .devbin -mindepth 1 -maxdepth 1 ! -name lib.tar.xz -exec rm -rf {} + &&
+  mv .devbin-bin.tar.xz .devbin/bin.tar.xz
 mkdir -p .git/info
 grep -qx '/.devbin/' .git/info/exclude 2>/dev/null || echo '/.devbin/' >> .git/info/exclude
 du -sh .devbin

@@ -14,6 +14,7 @@ root=$PWD
 if [ "$root" != /work/main ]; then mkdir -p /work && ln -sfn "$root" /work/main; fi
 # Libraries packed by device_pack.sh; the device's own come first where it has them.
 [ -f "$root/.devbin/lib.tar.xz" ] && tar -C "$root/.devbin" -xJf "$root/.devbin/lib.tar.xz"
+[ -f "$root/.devbin/bin.tar.xz" ] && tar -C "$root/.devbin" -xJf "$root/.devbin/bin.tar.xz"
 # NCCL: the one in the device image's PyTorch (nvidia-nccl-cu13).
 nccl_lib=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null)
 export LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}:$root/.devbin/lib${nccl_lib:+:$nccl_lib}

@@ -219,6 +219,52 @@ TEST(CudaRunner, SharedExpertBothPathsAtLargeT) {
   }
 }
 
+// kSimulated (benchmark routing) on the device: the ids and weights of the CPU
+// simulator for the same seed (no logits, no gate GEMM), and the layer's
+// output within bf16 tolerance of the float64 reference on those ids.
+TEST(CudaRunner, SimulatedRoutingMatchesCpuSimulator) {
+  FUSEDMOE_REQUIRE_CUDA();
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  for (const SimulatedRouting kind :
+       {SimulatedRouting::kUniform, SimulatedRouting::kZipf, SimulatedRouting::kAllToOne}) {
+    SCOPED_TRACE(to_string(kind));
+    MoEConfig c = test::base_config(24, 4, 64, 40);
+    c.routing_method = RoutingMethod::kSimulated;
+    c.simulated = kind;
+    c.zipf_s = 1.3;
+    c.simulation_seed = seed;
+    c.num_zero_experts = kind == SimulatedRouting::kUniform ? 2 : 0;
+    const int64_t T = 300, H = c.hidden_size, k = c.top_k;
+    MoELayerWeights lw = test::random_layer(rng, c, DType::kBF16);
+    RunnerOptions cpu_opts;
+    cpu_opts.compute_dtype = DType::kBF16;
+    MoERunner cpu(c, lw, cpu_opts);
+    MoERunner gpu(c, lw, cuda_options(T));
+    const Tensor x = test::randn_f32(rng, {T, H});
+    Tensor ids_h = Tensor::empty(DType::kI32, {T, k}), w_h = Tensor::empty(DType::kF32, {T, k});
+    Tensor out_cpu = Tensor::empty(DType::kF32, {T, H});
+    ForwardOutputs fo{TensorView(), ids_h, w_h};
+    cpu.forward(x, out_cpu, nullptr, nullptr, &fo);
+    DeviceTensor x_d = DeviceTensor::from_host(x), out_d(DType::kF32, {T, H});
+    DeviceTensor ids_d(DType::kI32, {T, k}), w_d(DType::kF32, {T, k});
+    out_d.poison();
+    ids_d.poison();
+    w_d.poison();
+    ForwardOutputs fo_d{TensorView(), ids_d, w_d};
+    gpu.forward(x_d, out_d, nullptr, nullptr, &fo_d);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const Tensor ids_g = ids_d.to_host(), w_g = w_d.to_host();
+    ASSERT_EQ(std::memcmp(ids_g.data(), ids_h.data(), ids_h.nbytes()), 0) << "topk_ids";
+    ASSERT_EQ(std::memcmp(w_g.data(), w_h.data(), w_h.nbytes()), 0) << "topk_weights";
+    const Tensor out_g = out_d.to_host();
+    ASSERT_EQ(test::count_non_finite(out_g), 0);
+    std::vector<double> ref = test::reference_moe_layer(c, lw, x, ids_h, w_h);
+    EXPECT_LE(test::rel_l2(out_g, f64_view(ref, T, H)), 1e-2);
+  }
+}
+
 TEST(CudaRunner, RejectsUnknownExpertsPath) {
   FUSEDMOE_REQUIRE_CUDA();
   const ForceExperts force("wgmma");

@@ -11,6 +11,7 @@
 #include "fusedmoe/core/dtype.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/routed_experts.h"
+#include "routing/simulated_routing.h"
 
 namespace fusedmoe::cuda {
 namespace {
@@ -156,6 +157,7 @@ struct CudaMoELayer::Impl {
   int device = 0;
   // weights
   DeviceMemory gate_w, gate_b, score_bias, hash_table, shared_gate;
+  DeviceMemory zipf_pmf, zipf_cdf;  // kSimulated + kZipf: f64 [E + Z]
   DType gate_dtype = DType::kF32;
   DType dtype = DType::kBF16;  // of the expert weights, expert inputs and intermediates
   DeviceExperts experts, shared;
@@ -236,10 +238,6 @@ CudaMoELayer::CudaMoELayer(const MoEConfig& config, const MoELayerWeights& w,
                    "got ",
                    c.shared_intermediate_size);
   if (k > 32) FUSEDMOE_THROW(kUnsupported, "CUDA backend: top_k at most 32, got ", k);
-  if (c.routing_method == RoutingMethod::kSimulated)
-    FUSEDMOE_THROW(kUnsupported,
-                   "CUDA backend: simulated routing runs on the host only "
-                   "(route on the CPU and pass topk ids to the CUDA kernels)");
   FUSEDMOE_CUDA_CHECK(cudaGetDevice(&s.device));
 
   // ---- weights ----
@@ -248,6 +246,12 @@ CudaMoELayer::CudaMoELayer(const MoEConfig& config, const MoELayerWeights& w,
   if (c.has_e_score_correction_bias && w.router_params.e_score_correction_bias)
     s.score_bias = upload_f32(*w.router_params.e_score_correction_bias);
   if (w.router_params.hash_table) s.hash_table = upload_raw(*w.router_params.hash_table);
+  if (c.routing_method == RoutingMethod::kSimulated && c.simulated == SimulatedRouting::kZipf) {
+    std::vector<double> pmf, cdf;  // the host's tables, so the draws match the CPU simulator
+    routing::simulated::zipf_tables(L, c.zipf_s, pmf, cdf);
+    s.zipf_pmf = upload_raw(Tensor::copy_of(TensorView(pmf.data(), DType::kF64, {L})));
+    s.zipf_cdf = upload_raw(Tensor::copy_of(TensorView(cdf.data(), DType::kF64, {L})));
+  }
   FUSEDMOE_CHECK(expert_dtype == DType::kBF16 || expert_dtype == DType::kF16,
                  "compute_dtype: the CUDA backend runs the experts in bf16 or f16, got ",
                  dtype_name(expert_dtype));
@@ -424,7 +428,9 @@ void CudaMoELayer::ep_route(const TensorView& hidden_states, const TensorView* r
   if (router_logits_in) {
     logits = router_logits_in->data_as<const float>();
     ldl = router_logits_in->stride(0);
-  } else if (c.routing_method != RoutingMethod::kHash || want_logits) {
+  } else if ((c.routing_method != RoutingMethod::kHash &&
+              c.routing_method != RoutingMethod::kSimulated) ||
+             want_logits) {  // hash and simulated routing ignore the logits
     float* dst = want_logits ? outputs->router_logits.data_as<float>() : s.logits;
     ldl = want_logits ? outputs->router_logits.stride(0) : L;
     have_xb = s.dtype == DType::kBF16;
@@ -443,6 +449,8 @@ void CudaMoELayer::ep_route(const TensorView& hidden_states, const TensorView* r
   ra.topk_weights = s.weights;
   ra.num_valid_tokens = num_valid_tokens;
   ra.nan_token = s.nan_token;
+  ra.zipf_pmf = s.zipf_pmf.as<double>();
+  ra.zipf_cdf = s.zipf_cdf.as<double>();
   route(c, ra, T, stream);
   if (want_logits && router_logits_in) {
     FUSEDMOE_CUDA_CHECK(cudaMemcpy2DAsync(outputs->router_logits.data(),

@@ -24,7 +24,7 @@ class CudaMoELayer {
   // the expert inputs and the intermediates take that type too (hidden states
   // of the other types are converted), accumulation is f32 (dtype() tells which).
   // Throws Error(kUnsupported) for what the kernels do not handle (H or I not a
-  // multiple of 8, top_k > 32, simulated routing), Error(kInvalidArgument) for
+  // multiple of 8, top_k > 32), Error(kInvalidArgument) for
   // an expert_dtype other than bf16 / f16 or, with f16, a weight beyond the f16
   // range (naming the tensor), Error(kInternal) on CUDA errors.
   CudaMoELayer(const MoEConfig& config, const MoELayerWeights& weights, int64_t max_num_tokens,
