@@ -216,9 +216,11 @@ void check_tensor(const TensorView& t, const char* name, DType dtype,
   }
   FUSEDMOE_CHECK(t.numel() == 0 || t.data() != nullptr, name, ": tensor ", t.str(),
                  " has no data (null pointer)");
-  FUSEDMOE_CHECK(t.device() == device, name, ": expected a tensor on ",
-                 device.is_cpu() ? "cpu" : "cuda", ", got one on ",
-                 t.device().is_cpu() ? "cpu" : "cuda");
+  const auto device_str = [](const Device& d) {
+    return d.is_cpu() ? std::string("cpu") : "cuda:" + std::to_string(d.index);
+  };
+  FUSEDMOE_CHECK(t.device() == device, name, ": expected a tensor on ", device_str(device),
+                 ", got one on ", device_str(t.device()));
   if (rows_contiguous)
     FUSEDMOE_CHECK(t.rows_contiguous(), name, ": expected unit stride in the last dimension, got ",
                    t.ndim() ? t.stride(t.ndim() - 1) : 0);

@@ -43,6 +43,7 @@ class DeviceTensor {
     ld_ = row_stride >= 0 ? row_stride : cols;
     bytes_ = static_cast<size_t>(std::max<int64_t>(rows * ld_, 1)) * dtype_size(dtype);
     void* p = nullptr;
+    cuda_ok(cudaGetDevice(&device_), "cudaGetDevice");  // the allocation's device
     cuda_ok(cudaMalloc(&p, bytes_), "cudaMalloc");
     ptr_ = std::shared_ptr<void>(p, [](void* q) { cudaFree(q); });
   }
@@ -68,7 +69,7 @@ class DeviceTensor {
         s *= shape_[i];
       }
     }
-    return TensorView(ptr_.get(), dtype_, shape_, strides, Device{DeviceType::kCUDA, 0});
+    return TensorView(ptr_.get(), dtype_, shape_, strides, Device{DeviceType::kCUDA, device_});
   }
   operator TensorView() const { return view(); }  // NOLINT
   void* data() const { return ptr_.get(); }
@@ -102,6 +103,7 @@ class DeviceTensor {
   std::vector<int64_t> shape_;
   int64_t ld_ = 0;
   size_t bytes_ = 0;
+  int device_ = 0;  // CUDA device of the allocation
   std::shared_ptr<void> ptr_;
 };
 

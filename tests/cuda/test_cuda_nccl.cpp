@@ -58,8 +58,20 @@ void run_ranks(int n, const std::function<void(int)>& fn) {
       }
     });
   for (auto& t : threads) t.join();
-  for (auto& e : errors)
-    if (e) std::rethrow_exception(e);
+  // Every rank's error: the first rank's is often only the timeout that a
+  // peer's failure caused.
+  std::string all;
+  for (int r = 0; r < n; ++r) {
+    if (!errors[r]) continue;
+    try {
+      std::rethrow_exception(errors[r]);
+    } catch (const std::exception& e) {
+      all += (all.empty() ? "" : "; ") + std::string("rank ") + std::to_string(r) + ": " + e.what();
+    } catch (...) {
+      all += (all.empty() ? "" : "; ") + std::string("rank ") + std::to_string(r) + ": unknown";
+    }
+  }
+  if (!all.empty()) throw std::runtime_error(all);
 }
 
 template <typename T>
