@@ -97,8 +97,10 @@ if [ "$what" = ep ] || [ "$what" = all ]; then
   if [ "$ngpu" -lt 2 ] || ! command -v mpirun >/dev/null; then
     echo "== ep: skipped ($ngpu GPU(s), mpirun $(command -v mpirun || echo missing))"
   else
+    # EP's local experts run the mma.sync kernels; pinned to them, one GPU gives the same bits.
+    export FUSEDMOE_CUDA_EXPERTS=mma
     mpi=(mpirun --allow-run-as-root --oversubscribe -np "$ngpu" -x LD_LIBRARY_PATH -x NCCL_NVLS_ENABLE
-      -x FUSEDMOE_COMM_TIMEOUT_S=60)
+      -x FUSEDMOE_CUDA_EXPERTS -x FUSEDMOE_COMM_TIMEOUT_S=60)
     for m in "$root/models/tiny-deepseek-v3" tests/data/hf/qwen2_moe tests/data/hf/mixtral; do
       timeout 60 "$bin/fusedmoe" run --backend cuda --model "$m" --tokens 256 --seed 1 \
         --output "$OUT/one.safetensors" --quiet >"$OUT/ep_one.log" 2>&1
@@ -109,6 +111,8 @@ if [ "$what" = ep ] || [ "$what" = all ]; then
       [ $r -ne 0 ] && rc=1
       echo "== ep run $(basename "$m") on $ngpu GPUs vs one GPU rc=$r: $(grep -E 'reference|error' "$OUT/ep_run.log" | head -3 | tr '\n' ' ')"
     done
+    unset FUSEDMOE_CUDA_EXPERTS
+    mpi=(mpirun --allow-run-as-root --oversubscribe -np "$ngpu" -x LD_LIBRARY_PATH -x NCCL_NVLS_ENABLE)
     timeout 300 "${mpi[@]}" "$bin/fusedmoe" bench --backend cuda --ep-size "$ngpu" \
       --shapes deepseek,qwen3,mixtral --tokens 1,128,1024,4096 2>&1 | tee "$OUT/ep_bench.md"
   fi
