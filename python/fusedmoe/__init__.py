@@ -369,7 +369,8 @@ def _fused_experts_impl(
     cuda = _on_cuda(x)
     if compute_dtype is None:
         # CUDA computes in the weights' half type (bf16 or f16).
-        f16 = _is_torch(w13) and w13.dtype == _torch.float16
+        # float16 weights of any array library (torch, CuPy: dtype names differ)
+        f16 = str(getattr(w13, "dtype", "")) in ("float16", "torch.float16")
         compute_dtype = ("f16" if f16 else "bf16") if cuda else "f32"
     w13, bf16_13 = _weight(w13, "w13", weight_dtype)
     w2, bf16_2 = _weight(w2, "w2", weight_dtype)

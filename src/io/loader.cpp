@@ -373,11 +373,14 @@ MoELayerWeights load_or_check(const Checkpoint& checkpoint, const ModelInfo& inf
   const bool router_named = mt == "gpt_oss" || mt == "llama4" || mt == "llama4_text";
   const std::string router = router_named ? "router." : "gate.";
   const int64_t R = cfg.num_router_logits();
-  out.gate_weight = as_f32_or_bf16(rd.get(router + "weight", {R, H}).t);
-  if (cfg.has_router_bias) out.gate_bias = as_f32_or_bf16(rd.get(router + "bias", {R}).t);
+  // Checked, then (unless check_only) kept as f32 or bf16 (a conversion reads the data).
+  const auto keep = [&](const Source& src) {
+    return check_only ? Tensor() : as_f32_or_bf16(src.t);
+  };
+  out.gate_weight = keep(rd.get(router + "weight", {R, H}));
+  if (cfg.has_router_bias) out.gate_bias = keep(rd.get(router + "bias", {R}));
   if (cfg.has_e_score_correction_bias)
-    out.router_params.e_score_correction_bias =
-        as_f32_or_bf16(rd.get("gate.e_score_correction_bias", {E}).t);
+    out.router_params.e_score_correction_bias = keep(rd.get("gate.e_score_correction_bias", {E}));
 
   // ---- routed experts ----
   if (mt == "gpt_oss" || mt == "llama4" || mt == "llama4_text") {
@@ -472,7 +475,7 @@ MoELayerWeights load_or_check(const Checkpoint& checkpoint, const ModelInfo& inf
       out.shared_experts = shard_expert_weights(*out.shared_experts, one, par.tp_size, par.tp_rank);
     }
     if (cfg.has_shared_expert_gate)
-      out.shared_expert_gate = as_f32_or_bf16(rd.get("shared_expert_gate.weight", {1, H}).t);
+      out.shared_expert_gate = keep(rd.get("shared_expert_gate.weight", {1, H}));
   }
   return out;
 }

@@ -6,6 +6,7 @@
 // must win as on the CPU.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -368,6 +369,17 @@ TEST(CudaRouting, PaddingRowsAreRoutedNowhereAndNanTokenIsRecorded) {
         ASSERT_EQ(ids_d.data_as<int32_t>()[i], ids_h.data_as<int32_t>()[i]) << "token " << t;
       }
     }
+  // The NaN tokens: k distinct experts in range, never the NaN column.
+  for (const auto& [t, nan_col] : {std::pair<int64_t, int32_t>{17, 59}, {19, 0}}) {
+    std::vector<int32_t> got(ids_d.data_as<int32_t>() + t * k,
+                             ids_d.data_as<int32_t>() + (t + 1) * k);
+    for (int32_t id : got) {
+      EXPECT_TRUE(id >= 0 && id < c.num_experts) << "token " << t << ": id " << id;
+      EXPECT_NE(id, nan_col) << "token " << t << ": the NaN column was selected";
+    }
+    std::sort(got.begin(), got.end());
+    EXPECT_EQ(std::adjacent_find(got.begin(), got.end()), got.end()) << "token " << t;
+  }
 }
 
 // kSimulated: the same per-token draw as the CPU simulator (ids and weights

@@ -173,6 +173,11 @@ void grouped_gemm(const GroupedGemmArgs& args, Stream stream);
 // on the device from expert_offsets (no host sync; graph-capturable).
 // x: dtype [T, H] rows (stride ldx); w13 dtype [E, 2I, H]; w13_bias f32 [E, 2I]
 // or null; w2 dtype [E, H, I]. H % 8 == 0 and I % 8 == 0.
+// Unlike grouped_gemm (activation on the f32 accumulators), step 2 rounds the
+// gate/up values to dtype before the activation: ~3e-3 relative apart from
+// the mma.sync path in bf16, and with f16 a gate/up value beyond 65504 becomes
+// +-inf (NaN after SiLU) where the mma.sync path stays finite (as vLLM's
+// fused_moe, which also stores the w13 output in the half type).
 // Throws Error(kInvalidArgument) on bad sizes or a short workspace,
 // Error(kUnsupported) in builds without CUTLASS.
 // sm90_experts_available(): built with CUTLASS and the current device is sm_90.
@@ -205,9 +210,10 @@ void sm90_experts(const Sm90ExpertsArgs& args, Stream stream);
 //   inter_rows[t, i] = act(h13[t, i] + b[i], h13[t, I + i] + b[I + i]) (dtype),
 //   out = inter_rows . w2^T (f32 [T, H], contiguous).
 // x: dtype (bf16 or f16) [T, H] contiguous, 16-byte aligned; w13 dtype [2I, H]; w13_bias f32
-// [2I] or null; w2 dtype [H, I]. H % 8 == 0 and I % 8 == 0. The same arithmetic
-// as grouped_gemm's dense kGlu + kScatter (dtype in, f32 accumulation, dtype
-// intermediate), up to the order of the f32 sums.
+// [2I] or null; w2 dtype [H, I]. H % 8 == 0 and I % 8 == 0. The arithmetic of
+// sm90_experts (the gate/up values rounded to dtype before the activation), not
+// quite grouped_gemm's dense kGlu + kScatter: the shared expert's output moves
+// by ~3e-3 relative (bf16) where the layer switches path (pick_sm90_experts).
 // Throws Error(kInvalidArgument) on bad sizes or a short workspace,
 // Error(kUnsupported) in builds without CUTLASS.
 size_t sm90_dense_expert_workspace_bytes(int64_t num_tokens, int64_t inter);

@@ -97,9 +97,12 @@ __device__ __forceinline__ double warp_sum(double v) {
 
 // ---- order-preserving keys: a > b (as numbers) <=> key(a) > key(b) ----
 // -0 is folded into +0 (they compare equal on the CPU). Key 0 marks "no
-// candidate"; live keys are at least 1 (only the all-ones NaN maps below).
+// candidate"; live keys are at least 1. Every NaN maps to 1, below every
+// number, so a NaN is never selected while a number remains (cuda.h's
+// contract; the token is reported through nan_token).
 __device__ __forceinline__ uint32_t key32(float v) {
   uint32_t u = __float_as_uint(v);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 1;  // NaN
   if (u == 0x80000000u) u = 0;
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
@@ -108,6 +111,7 @@ __device__ __forceinline__ float from_key32(uint32_t k) {
 }
 __device__ __forceinline__ uint64_t key64(double v) {
   uint64_t u = static_cast<uint64_t>(__double_as_longlong(v));
+  if ((u & 0x7fffffffffffffffull) > 0x7ff0000000000000ull) return 1;  // NaN
   if (u == 0x8000000000000000ull) u = 0;
   const uint64_t k = (u >> 63) ? ~u : (u | 0x8000000000000000ull);
   return k > 1 ? k : 1;

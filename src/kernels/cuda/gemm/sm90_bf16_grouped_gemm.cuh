@@ -413,8 +413,15 @@ void launch_typed(const GroupedGemmArgs& a, Stream stream) {
   if (max_work == 0) return;
 
   auto kernel = glu ? grouped_gemm_kernel<T, Cfg, true> : grouped_gemm_kernel<T, Cfg, false>;
-  static thread_local int occupancy[2] = {0, 0};  // per epilogue, after the attribute is set
-  int& occ = occupancy[glu ? 0 : 1];
+  // Per device (the shared-memory attribute is set per device: one thread may
+  // drive several GPUs) and epilogue, after the attribute is set.
+  constexpr int kMaxDevices = 64;
+  static thread_local int occupancy[kMaxDevices][2] = {};
+  int dev = 0;
+  FUSEDMOE_CUDA_CHECK(cudaGetDevice(&dev));
+  FUSEDMOE_CHECK(dev >= 0 && dev < kMaxDevices, "grouped_gemm: CUDA device index ", dev,
+                 " beyond the ", kMaxDevices, " supported");
+  int& occ = occupancy[dev][glu ? 0 : 1];
   if (occ == 0) {
     FUSEDMOE_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
