@@ -14,9 +14,8 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 # After the README's CMake build (build/), compile with the same compilers so
 # that ccache (used by CMakeLists.txt when installed) serves the objects that
-# build already made, the CUDA kernels too: pip's build then takes seconds, not
-# minutes (ccache hashes the compiler's name, and pip's build may find g++
-# where CMake found c++). FUSEDMOE_CUDA=OFF builds the CPU backend only.
+# build already made (ccache hashes the compiler's name, and pip's build may
+# find g++ where CMake found c++); the CUTLASS files may still compile again. FUSEDMOE_CUDA=OFF builds the CPU backend only.
 settings=()
 if [ -f build/CMakeCache.txt ]; then
   for lang in C CXX; do

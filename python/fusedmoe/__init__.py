@@ -118,6 +118,20 @@ def _int(v: Any, name: str) -> int:
     return int(v)
 
 
+def _float(v: Any, name: str) -> float:
+    """A real-number argument: Python/NumPy ints and floats; bool and str raise TypeError."""
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name}: expected a float, got {type(v).__name__} {v!r}")
+    return float(v)
+
+
+def _bool(v: Any, name: str) -> bool:
+    """A flag: Python/NumPy bools only (a str such as 'no' would be truthy)."""
+    if not isinstance(v, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected a bool, got {type(v).__name__} {v!r}")
+    return bool(v)
+
+
 def _dl(x: Any) -> Any:
     """What the extension imports: torch tensors as DLPack capsules made with
     no stream synchronisation (the extension enqueues on the caller's current
@@ -385,8 +399,8 @@ def _fused_experts_impl(
         out = _empty_like_framework(x, (T, H), "f32")
         _ext.fused_experts(
             _dl(x), _dl(w13), _dl(w2), _dl(tw), _dl(ids), _dl(out), activation, _dl(w13_bias),
-            _dl(w2_bias), bool(apply_router_weight_on_input), compute_dtype, bf16_13 or bf16_2,
-            float(swiglu_alpha), float(swiglu_limit),
+            _dl(w2_bias), _bool(apply_router_weight_on_input, "apply_router_weight_on_input"), compute_dtype, bf16_13 or bf16_2,
+            _float(swiglu_alpha, "swiglu_alpha"), _float(swiglu_limit, "swiglu_limit"),
         )
         return out
     # CUDA: output in the hidden states' dtype, workspace from the caller's
@@ -395,14 +409,14 @@ def _fused_experts_impl(
     if _ndim_ok(w13, 3) and _ndim_ok(tw, 2) and min(w13.shape[0], w13.shape[1], tw.shape[1]) > 0:
         ws_bytes = _ext.cuda_fused_experts_workspace_bytes(
             T, max(H, 1), max(w13.shape[1] // 2, 1), w13.shape[0], tw.shape[1],
-            bool(apply_router_weight_on_input))
+            _bool(apply_router_weight_on_input, "apply_router_weight_on_input"))
     else:
         ws_bytes = 0  # the extension reports the bad shape
     ws = _empty_like_framework(x, (ws_bytes,), "u8")
     _ext.fused_experts(
         _dl(x), _dl(w13), _dl(w2), _dl(tw), _dl(ids), _dl(out), activation, _dl(w13_bias),
-        _dl(w2_bias), bool(apply_router_weight_on_input), compute_dtype, bf16_13 or bf16_2,
-        float(swiglu_alpha), float(swiglu_limit), _dl(ws), _stream(x),
+        _dl(w2_bias), _bool(apply_router_weight_on_input, "apply_router_weight_on_input"), compute_dtype, bf16_13 or bf16_2,
+        _float(swiglu_alpha, "swiglu_alpha"), _float(swiglu_limit, "swiglu_limit"), _dl(ws), _stream(x),
     )
     return out
 
@@ -468,7 +482,7 @@ def _fused_topk_impl(hidden_states, gating_output, topk, renormalize, scoring_fu
     config = {
         "num_experts": int(logits.shape[1]), "top_k": _int(topk, "topk"), "hidden_size": 1,
         "intermediate_size": 1, "routing_method": "topk", "scoring_func": scoring_func,
-        "renormalize": bool(renormalize),
+        "renormalize": _bool(renormalize, "renormalize"),
     }
     return _route(logits, config)
 
@@ -512,10 +526,10 @@ def _grouped_topk_impl(gating_output, topk, renormalize, num_expert_group, topk_
     config = {
         "num_experts": int(logits.shape[1]), "top_k": _int(topk, "topk"), "hidden_size": 1,
         "intermediate_size": 1, "routing_method": "grouped_topk", "scoring_func": scoring_func,
-        "renormalize": bool(renormalize),
+        "renormalize": _bool(renormalize, "renormalize"),
         "num_expert_group": _int(num_expert_group, "num_expert_group"),
         "topk_group": _int(topk_group, "topk_group"), "e_score_correction_bias": has_bias,
-        "routed_scaling_factor": float(routed_scaling_factor),
+        "routed_scaling_factor": _float(routed_scaling_factor, "routed_scaling_factor"),
         "group_score": group_score or ("sum_top2" if has_bias else "max"),
     }
     return _route(logits, config, e_score_correction_bias)

@@ -105,6 +105,12 @@ def test_routing_errors():
         fusedmoe.select_experts(logits, 2, routing_method="best")
     with pytest.raises(TypeError, match="renormalize"):
         fusedmoe.select_experts(logits, 2, renormalize="yes")
+    # fused_topk / grouped_topk: a str flag is not truthy, a str / bool / None scale is not a number
+    with pytest.raises(TypeError, match="renormalize: expected a bool"):
+        fusedmoe.fused_topk(None, logits, 2, "no")
+    for bad in ("2", True, None):
+        with pytest.raises(TypeError, match="routed_scaling_factor: expected a float"):
+            fusedmoe.grouped_topk(logits, 2, True, 4, 2, routed_scaling_factor=bad)
     with pytest.raises(ValueError, match="top_k"):
         fusedmoe.select_experts(logits)
     with pytest.raises(ValueError, match="hash_table"):

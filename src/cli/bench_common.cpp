@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <string>
 #include <thread>
 
@@ -307,7 +308,7 @@ LayerShape find_shape(const std::string& name) {
     if (s.name == name) return s;
     known += (known.empty() ? "" : ", ") + s.name;
   }
-  FUSEDMOE_THROW(kInvalidArgument, "shape: expected one of ", known, ", got \"", name, "\"");
+  FUSEDMOE_THROW(kInvalidArgument, "--shapes: expected one of ", known, ", got \"", name, "\"");
 }
 
 size_t layer_bytes(const LayerShape& s, DType dtype, bool with_baseline) {
@@ -521,7 +522,8 @@ double rel_l2(const float* a, const float* b, size_t n) {
     num += d * d;
     den += static_cast<double>(b[i]) * b[i];
   }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+  if (den > 0) return std::sqrt(num / den);
+  return num == 0 ? 0.0 : std::numeric_limits<double>::infinity();  // all-zero reference
 }
 
 size_t peak_rss_bytes() {

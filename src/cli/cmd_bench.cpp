@@ -134,6 +134,9 @@ int run_bench(const BenchOptions& o) {
     FUSEDMOE_THROW(kUnsupported, "--backend cuda: this build has no CUDA backend");
 #endif
   }
+  FUSEDMOE_CHECK(o.dump_dir.empty() && !o.sweep,
+                 "--dump-dir and --sweep: options of --backend cuda (the CPU bench has its own "
+                 "BLAS baseline and tile-free kernels)");
   const std::vector<int64_t> token_counts = parse_int_list(o.tokens, "--tokens");
   std::vector<LayerShape> shapes;
   for (const auto& name : split_list(o.shapes)) shapes.push_back(find_shape(name));

@@ -176,7 +176,7 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
                   "time is the forward plus a device synchronisation, copies excluded)")
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str();
-  cmd->add_option("--threads", o.threads, "Worker threads (default: all cores)")
+  cmd->add_option("--threads", o.threads, "Worker threads, at most 1024 (default: all cores)")
       ->check(kNonNegative);
   auto* ref = cmd->add_option("--reference", o.reference,
                               "File with the expected output (.safetensors with "
@@ -226,6 +226,12 @@ int run_run(const RunOptions& o) {
         "--output ", o.output, ": is the same file as ", flag, " ", path,
         " (it would be overwritten)");
   }
+  FUSEDMOE_CHECK(o.output.size() < 4 || o.output.compare(o.output.size() - 4, 4, ".npy") != 0,
+                 "--output ", o.output,
+                 ": the output is a .safetensors file (output, topk_ids, topk_weights, "
+                 "router_logits), not .npy; name it *.safetensors");
+  FUSEDMOE_CHECK(o.threads <= ThreadPool::kMaxThreads, "--threads: expected 0 (all cores) to ",
+                 ThreadPool::kMaxThreads, ", got ", o.threads);
   if (o.threads > 0) ThreadPool::set_global_num_threads(o.threads);
   const bool on_cuda = o.backend == "cuda";
   FUSEDMOE_CHECK(
@@ -454,7 +460,7 @@ int run_run(const RunOptions& o) {
   const double median = times[times.size() / 2];
 
   // Compare with the reference.
-  bool failed = false;
+  bool failed = false, ref_all_zero = false;
   double rel = 0.0, tol = 0.0;
   if (reference.defined()) {
     const std::vector<double> ref = to_f64(reference);
@@ -467,8 +473,12 @@ int run_run(const RunOptions& o) {
       num += d * d;
       den += ref[i] * ref[i];
     }
-    rel = den > 0.0 ? std::sqrt(num / den) : std::sqrt(num);
+    // An all-zero reference: equal (0) or infinitely far, never ||out|| as if relative.
+    rel = den > 0.0  ? std::sqrt(num / den)
+          : num == 0 ? 0.0
+                     : std::numeric_limits<double>::infinity();
     if (!finite) rel = std::numeric_limits<double>::infinity();
+    ref_all_zero = den == 0.0;
     tol = o.tolerance >= 0.0 ? o.tolerance : (compute_dtype == DType::kF32 ? 1e-5 : 1e-2);
     failed = !(rel <= tol);
   }
@@ -519,9 +529,9 @@ int run_run(const RunOptions& o) {
   std::printf("time           %.3f ms (median of %d)\n", median * 1e3, o.repeat);
   std::printf("throughput     %.0f tokens/s\n", median > 0 ? static_cast<double>(T) / median : 0.0);
   if (reference.defined())
-    std::printf("reference      %s: relative L2 error %.3e (tolerance %.0e): %s\n",
+    std::printf("reference      %s: relative L2 error %.3e (tolerance %.0e)%s: %s\n",
                 o.reference_key.empty() ? o.reference.c_str() : o.reference_key.c_str(), rel, tol,
-                failed ? "FAIL" : "ok");
+                ref_all_zero ? " (the reference is all zeros)" : "", failed ? "FAIL" : "ok");
   if (!o.output.empty())
     std::printf("output         %s (output, topk_ids, topk_weights, router_logits)\n",
                 o.output.c_str());

@@ -278,6 +278,9 @@ Checkpoint Checkpoint::open(const std::string& path) {
   std::error_code ec;
   fs::path p(path);
   fs::path index;
+  // A model's config.json stands for its directory (as load_model_info takes it).
+  if (p.filename() == "config.json" && fs::is_regular_file(p, ec))
+    p = p.has_parent_path() ? p.parent_path() : fs::path(".");
   if (fs::is_directory(p, ec)) {
     if (fs::exists(p / "model.safetensors.index.json", ec)) {
       index = p / "model.safetensors.index.json";

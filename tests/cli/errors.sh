@@ -138,6 +138,16 @@ python3 -c "import numpy" 2>/dev/null && {
     run --model "$FIX" --layer 1 --input "$TMP/huge.npy"
 }
 
+expect_error "--output with a .npy name" "not .npy" -- \
+  run --model "$FIX" --layer 1 --tokens 3 --output "$OUTDIR/out.npy"
+expect_error "--threads beyond the pool's limit" "--threads: expected 0 (all cores) to 1024" -- \
+  run --model "$FIX" --layer 1 --tokens 3 --threads 5000
+python3 -c "import numpy" 2>/dev/null && {
+  python3 -c "import numpy as np; np.save('$TMP/x.npy', np.ones((2, 128), np.float32)); np.save('$TMP/zero.npy', np.zeros((2, 128), np.float32))"
+  expect_error "all-zero --reference" "relative L2 error inf" -- \
+    run --model "$FIX" --layer 1 --input "$TMP/x.npy" --reference "$TMP/zero.npy" --output "$TMP/zref.safetensors"
+}
+
 # bench: a NaN --memory-fraction is refused (CLI::Range lets NaN through).
 rc=0
 "$BIN" bench --memory-fraction nan --shapes qwen3-cpu --tokens 1 >"$TMP/stdout" 2>"$TMP/stderr" || rc=$?

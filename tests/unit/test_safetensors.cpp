@@ -279,7 +279,9 @@ TEST(Checkpoint, SingleFileDirectoryAndPath) {
   TempDir dir("ckpt_single");
   Tensor t = Tensor::zeros(DType::kBF16, {2, 3});
   save_safetensors(dir.file("model.safetensors"), {{"a.weight", t}, {"b.weight", t}});
-  for (const std::string& p : {dir.path(), dir.file("model.safetensors")}) {
+  { std::ofstream(dir.file("config.json")) << "{}"; }  // the model's config stands for its dir
+  for (const std::string& p :
+       {dir.path(), dir.file("model.safetensors"), dir.file("config.json")}) {
     Checkpoint c = Checkpoint::open(p);
     EXPECT_EQ(c.names(), (std::vector<std::string>{"a.weight", "b.weight"}));
     EXPECT_TRUE(c.contains("a.weight"));

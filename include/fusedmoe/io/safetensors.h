@@ -58,9 +58,9 @@ class SafetensorsFile {
 
 // A checkpoint directory: `model.safetensors`, or a sharded one through
 // `model.safetensors.index.json` (weight_map: tensor -> shard file), or a
-// single .safetensors file path. Shards are opened lazily, once each, so get()
-// is not thread-safe: fetch tensors from one thread (they may then be read anywhere).
-// Throws Error(kIo) when the path has none of these or the index is malformed.
+// single .safetensors file path; a model's config.json stands for its directory. Shards are opened
+// lazily, once each, so get() is not thread-safe: fetch tensors from one thread (they may then be
+// read anywhere). Throws Error(kIo) when the path has none of these or the index is malformed.
 class Checkpoint {
  public:
   static Checkpoint open(const std::string& path);
