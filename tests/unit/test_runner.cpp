@@ -225,6 +225,25 @@ void expect_error(Fn&& fn, std::initializer_list<std::string> parts) {
   }
 }
 
+// A finite input that overflows f32 inside the experts: an error naming the
+// output's first bad element, not NaN / Inf rows (with and without a shared expert).
+TEST(MoERunner, OverflowingInputIsAnError) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  for (int a : {0, 1}) {  // mixtral (no shared expert), qwen2_moe (shared expert)
+    const MoEConfig c = arch_configs()[a].second;
+    SCOPED_TRACE(arch_configs()[a].first);
+    const int64_t T = 4, H = c.hidden_size;
+    MoERunner runner(c, random_layer(rng, c, DType::kF32));
+    Tensor hidden = test::random_f32(rng, {T, H});
+    for (int64_t h = 0; h < H; ++h) hidden.data_as<float>()[2 * H + h] *= 1e30f;  // token 2
+    Tensor out = Tensor::empty(DType::kF32, {T, H});
+    expect_error([&] { runner.forward(hidden, out); },
+                 {"output: non-finite value at token 2", "overflow f32"});
+  }
+}
+
 TEST(MoERunner, RejectsBadShapesBeforeWriting) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE(testing::Message() << "seed " << seed);

@@ -120,7 +120,9 @@ class MoERunner {
   // router_logits: optional f32 [T, E + Z] (then the gate GEMM is skipped);
   // token_ids: i32 [T], for hash routing only; outputs: optional router results.
   // T = 0 is valid. Throws Error(kInvalidArgument) on any shape/dtype mismatch
-  // or NaN router logits, before writing the output.
+  // or NaN router logits, before writing the output; on the CPU also when the
+  // output holds a NaN / Inf (a finite input overflowing f32 in the experts),
+  // naming the token and column (the output is then written but invalid).
   void forward(const TensorView& hidden_states, const TensorView& output,
                const TensorView* router_logits = nullptr, const TensorView* token_ids = nullptr,
                const ForwardOutputs* outputs = nullptr);
@@ -154,6 +156,8 @@ class MoERunner {
   const EpStats* cuda_ep_stats() const;
 
  private:
+  // Throws Error(kInvalidArgument) naming the first NaN / Inf of the CPU output.
+  static void require_finite_output(const TensorView& output);
   MoEConfig config_;
   MoELayerWeights weights_;
   RunnerOptions options_;
