@@ -364,6 +364,14 @@ def fused_experts(
     if _use_torch_ops(hidden_states, w13):
         if weight_dtype is not None:
             raise ValueError("weight_dtype: only for NumPy uint16 weights, not torch tensors")
+        # torch.ops takes tensors only: name a NumPy array passed among them
+        args = {"hidden_states": hidden_states, "w13": w13, "w2": w2,
+                "topk_weights": topk_weights, "topk_ids": topk_ids,
+                "w13_bias": w13_bias, "w2_bias": w2_bias}
+        for name, v in args.items():
+            if v is not None and not _is_torch(v):
+                raise TypeError(f"{name}: expected a torch.Tensor like the other arguments, "
+                                f"got {type(v).__name__}")
         return _torch.ops.fusedmoe.fused_experts(
             hidden_states, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias,
             apply_router_weight_on_input, compute_dtype, swiglu_alpha, swiglu_limit,

@@ -116,3 +116,11 @@ def test_cuda_tensors_raise_without_cuda_backend():
                                torch.randn(2, 16, 4, device="cuda"),
                                torch.ones(2, 1, device="cuda"),
                                torch.zeros(2, 1, dtype=torch.int32, device="cuda"))
+
+
+def test_fused_experts_mixed_numpy_and_torch_is_a_type_error(trng):
+    x, w13, w2, tw, ids = _case(trng)
+    with pytest.raises(TypeError, match="hidden_states: expected a torch.Tensor"):
+        fusedmoe.fused_experts(x.numpy(), w13, w2, tw, ids)
+    with pytest.raises(TypeError, match="topk_ids: expected a torch.Tensor"):
+        fusedmoe.fused_experts(x, w13, w2, tw, ids.numpy())
