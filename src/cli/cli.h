@@ -7,8 +7,10 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <charconv>
 #include <cstdint>
 #include <string>
+#include <system_error>
 #include <vector>
 
 namespace fusedmoe {
@@ -26,6 +28,14 @@ inline CLI::Validator number_above(double bound, bool inclusive) {
         double v = 0;
         if (!CLI::detail::lexical_cast(input, v) || !(inclusive ? v >= bound : v > bound))
           return "expected a number " + want + ", got " + input;
+        // Integers beyond 64 bits: CLI11's conversion would clamp them silently.
+        if (input.find_first_not_of("+0123456789") == std::string::npos) {
+          int64_t i = 0;
+          const char* b = input.data() + (input[0] == '+' ? 1 : 0);
+          const auto r = std::from_chars(b, input.data() + input.size(), i);
+          if (r.ec == std::errc::result_out_of_range)
+            return "expected a number " + want + " that fits in 64 bits, got " + input;
+        }
         return {};
       },
       "NUMBER " + want);

@@ -162,7 +162,8 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
                      ->check(kNonNegative);
   input->excludes(tokens);
   tokens->excludes(input);
-  auto* seed = cmd->add_option("--seed", o.seed, "Seed of the random input (default: random)");
+  auto* seed = cmd->add_option("--seed", o.seed, "Seed of the random input (default: random)")
+                   ->check(kNonNegative);
   seed->needs(tokens);
   cmd->add_option("--output", o.output,
                   "Write output, topk_ids, topk_weights, router_logits to this .safetensors file");
@@ -248,6 +249,9 @@ int run_run(const RunOptions& o) {
   // Parallel layout: every rank loads its share and runs its token group's
   // rows; the results are gathered and rank 0 reports and writes.
   const bool parallel = o.ep_size > 1 || o.tp_size > 1 || o.dp_size > 1;
+  FUSEDMOE_CHECK(o.dispatch_dtype == "auto" || o.ep_size > 1 || o.dp_size > 1, "--dispatch-dtype ",
+                 o.dispatch_dtype,
+                 ": the expert-parallel dispatch payload, needs --ep-size > 1 (or --dp-size > 1)");
   std::shared_ptr<Communicator> world;
   if (parallel) {
     FUSEDMOE_CHECK(!on_cuda || (o.tp_size == 1 && o.dp_size == 1),

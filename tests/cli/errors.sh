@@ -138,6 +138,12 @@ python3 -c "import numpy" 2>/dev/null && {
     run --model "$FIX" --layer 1 --input "$TMP/huge.npy"
 }
 
+expect_error "--tokens beyond 64 bits" "--tokens: expected a number >= 0 that fits in 64 bits" -- \
+  run --model "$FIX" --layer 1 --tokens 99999999999999999999
+expect_error "negative --seed" "--seed: expected a number >= 0, got -1" -- \
+  run --model "$FIX" --layer 1 --tokens 3 --seed -1
+expect_error "--dispatch-dtype without expert parallelism" "--dispatch-dtype fp8" -- \
+  run --model "$FIX" --layer 1 --tokens 3 --dispatch-dtype fp8
 expect_error "--output with a .npy name" "not .npy" -- \
   run --model "$FIX" --layer 1 --tokens 3 --output "$OUTDIR/out.npy"
 expect_error "--threads beyond the pool's limit" "--threads: expected 0 (all cores) to 1024" -- \
