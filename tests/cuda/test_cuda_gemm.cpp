@@ -16,6 +16,46 @@ namespace {
 
 using test::DeviceTensor;
 
+// float64 w2[e] . act(w13[e] . x[s / k] + b13[e]) + b2[e] for every slot s =
+// t * k + j of expert e = topk_ids[s] (rows of -1 ids stay 0): [T * k, H].
+std::vector<double> slot_reference(const Tensor& x, const ExpertWeights& w, const Tensor& ids_h,
+                                   int64_t k, Activation act, bool bias) {
+  const int64_t slots = ids_h.numel(), H = w.w2.size(1), I = w.w2.size(2);
+  const Tensor xf = to_f32(x), w13f = to_f32(w.w13), w2f = to_f32(w.w2);
+  const Tensor b13f = bias ? to_f32(*w.w13_bias) : Tensor(),
+               b2f = bias ? to_f32(*w.w2_bias) : Tensor();
+  ActivationParams ap;
+  ap.activation = act;
+  std::vector<double> rows(slots * H, 0.0), h(I);
+  for (int64_t s = 0; s < slots; ++s) {
+    const int32_t e = ids_h.data_as<int32_t>()[s];
+    if (e < 0) continue;
+    const float* xr = xf.data_as<float>() + (s / k) * H;
+    for (int64_t i = 0; i < I; ++i) {
+      double gsum = 0, usum = 0;
+      const float* wg = w13f.data_as<float>() + (e * 2 * I + i) * H;
+      const float* wu = w13f.data_as<float>() + (e * 2 * I + I + i) * H;
+      for (int64_t c = 0; c < H; ++c) {
+        gsum += static_cast<double>(xr[c]) * wg[c];
+        usum += static_cast<double>(xr[c]) * wu[c];
+      }
+      if (bias) {
+        gsum += b13f.data_as<float>()[e * 2 * I + i];
+        usum += b13f.data_as<float>()[e * 2 * I + I + i];
+      }
+      h[i] = test::reference_activation(ap, gsum, usum);
+    }
+    for (int64_t n = 0; n < H; ++n) {
+      double acc = 0;
+      const float* wr = w2f.data_as<float>() + (e * H + n) * I;
+      for (int64_t i = 0; i < I; ++i) acc += h[i] * wr[i];
+      if (bias) acc += b2f.data_as<float>()[e * H + n];
+      rows[s * H + n] = acc;
+    }
+  }
+  return rows;
+}
+
 // dt: the element type of x, the weights and the intermediate (bf16 or f16).
 void check_tile(cuda::GemmTile tile, int64_t T, int64_t E, int64_t k, int64_t H, int64_t I,
                 Activation act, bool bias, bool dense, std::mt19937_64& rng,
@@ -101,38 +141,13 @@ void check_tile(cuda::GemmTile tile, int64_t T, int64_t E, int64_t k, int64_t H,
   const Tensor yh = y.to_host();
 
   // float64 per slot: scale * (w2 . act(w13 . x + b13) + b2).
-  const Tensor xf = to_f32(x), w13f = to_f32(w.w13), w2f = to_f32(w.w2);
-  const Tensor b13f = bias ? to_f32(*w.w13_bias) : Tensor(),
-               b2f = bias ? to_f32(*w.w2_bias) : Tensor();
-  ActivationParams ap;
-  ap.activation = act;
+  const std::vector<double> rows = slot_reference(x, w, ids_h, k, act, bias);
   double num = 0, den = 0;
-  std::vector<double> h(I);
   for (int64_t s = 0; s < slots; ++s) {
-    const int32_t e = ids_h.data_as<int32_t>()[s];
-    if (e < 0) continue;
-    const float* xr = xf.data_as<float>() + (s / k) * H;
-    for (int64_t i = 0; i < I; ++i) {
-      double gsum = 0, usum = 0;
-      const float* wg = w13f.data_as<float>() + (e * 2 * I + i) * H;
-      const float* wu = w13f.data_as<float>() + (e * 2 * I + I + i) * H;
-      for (int64_t c = 0; c < H; ++c) {
-        gsum += static_cast<double>(xr[c]) * wg[c];
-        usum += static_cast<double>(xr[c]) * wu[c];
-      }
-      if (bias) {
-        gsum += b13f.data_as<float>()[e * 2 * I + i];
-        usum += b13f.data_as<float>()[e * 2 * I + I + i];
-      }
-      h[i] = test::reference_activation(ap, gsum, usum);
-    }
+    if (ids_h.data_as<int32_t>()[s] < 0) continue;
     const double scale = dense ? 1.0 : wt_h.data_as<float>()[s];
     for (int64_t n = 0; n < H; ++n) {
-      double acc = 0;
-      const float* wr = w2f.data_as<float>() + (e * H + n) * I;
-      for (int64_t i = 0; i < I; ++i) acc += h[i] * wr[i];
-      if (bias) acc += b2f.data_as<float>()[e * H + n];
-      const double want = scale * acc, got = yh.data_as<float>()[s * H + n];
+      const double want = scale * rows[s * H + n], got = yh.data_as<float>()[s * H + n];
       ASSERT_TRUE(std::isfinite(got)) << "slot " << s << " col " << n << " not written";
       num += (got - want) * (got - want);
       den += want * want;
@@ -269,38 +284,12 @@ void check_sm90(int64_t T, int64_t E, int64_t k, int64_t H, int64_t I, Activatio
     }
   }
 
-  const Tensor xf = to_f32(x), w13f = to_f32(w.w13), w2f = to_f32(w.w2);
-  const Tensor b13f = bias ? to_f32(*w.w13_bias) : Tensor(),
-               b2f = bias ? to_f32(*w.w2_bias) : Tensor();
-  ActivationParams ap;
-  ap.activation = act;
-  std::vector<double> ref(T * H, 0.0), h(I);
+  const std::vector<double> rows = slot_reference(x, w, ids_h, k, act, bias);
+  std::vector<double> ref(T * H, 0.0);
   for (int64_t s = 0; s < slots; ++s) {
-    const int32_t e = ids_h.data_as<int32_t>()[s];
-    if (e < 0) continue;
-    const float* xr = xf.data_as<float>() + (s / k) * H;
-    for (int64_t i = 0; i < I; ++i) {
-      double gsum = 0, usum = 0;
-      const float* wg = w13f.data_as<float>() + (e * 2 * I + i) * H;
-      const float* wu = w13f.data_as<float>() + (e * 2 * I + I + i) * H;
-      for (int64_t c = 0; c < H; ++c) {
-        gsum += static_cast<double>(xr[c]) * wg[c];
-        usum += static_cast<double>(xr[c]) * wu[c];
-      }
-      if (bias) {
-        gsum += b13f.data_as<float>()[e * 2 * I + i];
-        usum += b13f.data_as<float>()[e * 2 * I + I + i];
-      }
-      h[i] = test::reference_activation(ap, gsum, usum);
-    }
+    if (ids_h.data_as<int32_t>()[s] < 0) continue;
     const double scale = wt_h.data_as<float>()[s];
-    for (int64_t n = 0; n < H; ++n) {
-      double acc = 0;
-      const float* wr = w2f.data_as<float>() + (e * H + n) * I;
-      for (int64_t i = 0; i < I; ++i) acc += h[i] * wr[i];
-      if (bias) acc += b2f.data_as<float>()[e * H + n];
-      ref[(s / k) * H + n] += scale * acc;
-    }
+    for (int64_t n = 0; n < H; ++n) ref[(s / k) * H + n] += scale * rows[s * H + n];
   }
   double num = 0, den = 0;
   for (int64_t i = 0; i < T * H; ++i) {
