@@ -311,6 +311,16 @@ LayerShape find_shape(const std::string& name) {
   FUSEDMOE_THROW(kInvalidArgument, "--shapes: expected one of ", known, ", got \"", name, "\"");
 }
 
+LayerShape cap_experts(const LayerShape& requested, int64_t max_experts) {
+  LayerShape shape = requested;
+  if (max_experts > 0 && shape.E > max_experts) {
+    shape.E = std::max(max_experts, shape.k);
+    shape.note = "E capped " + std::to_string(requested.E) + " -> " + std::to_string(shape.E) +
+                 " by --max-experts";
+  }
+  return shape;
+}
+
 size_t layer_bytes(const LayerShape& s, DType dtype, bool with_baseline) {
   size_t per = expert_bytes(s, dtype);
   if (with_baseline && dtype != DType::kF32) per += expert_bytes(s, DType::kF32);

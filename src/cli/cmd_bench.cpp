@@ -191,12 +191,7 @@ int run_bench(const BenchOptions& o) {
   uint64_t seed = o.seed;
   size_t max_peak = 0;
   for (const LayerShape& requested : shapes) {
-    LayerShape capped = requested;
-    if (o.max_experts > 0 && capped.E > o.max_experts) {
-      capped.E = std::max(o.max_experts, capped.k);
-      capped.note = "E capped " + std::to_string(requested.E) + " -> " + std::to_string(capped.E) +
-                    " by --max-experts";
-    }
+    LayerShape capped = cap_experts(requested, o.max_experts);
     const LayerShape shape = fit_to_memory(capped, dtype, baseline, budget);
     reset_peak_rss();
     const auto t0 = std::chrono::steady_clock::now();

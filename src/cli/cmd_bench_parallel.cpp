@@ -76,12 +76,7 @@ int run_bench_parallel(const BenchOptions& o) {
       static_cast<size_t>(o.memory_fraction * static_cast<double>(physical_memory_bytes()));
   uint64_t seed = o.seed;
   for (const LayerShape& requested : shapes) {
-    LayerShape shape = requested;
-    if (o.max_experts > 0 && shape.E > o.max_experts) {
-      shape.E = std::max(o.max_experts, shape.k);
-      shape.note = "E capped " + std::to_string(requested.E) + " -> " + std::to_string(shape.E) +
-                   " by --max-experts";
-    }
+    LayerShape shape = cap_experts(requested, o.max_experts);
     shape.E = std::max<int64_t>(shape.E, pc.ep_size);
     // This rank's share must fit the memory budget (all ranks share the machine here).
     const ExpertMap map(shape.E, pc.ep_size, placement);

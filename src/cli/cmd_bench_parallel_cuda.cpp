@@ -82,12 +82,7 @@ int run_bench_parallel_cuda(const BenchOptions& o) {
 
   uint64_t seed = o.seed;
   for (const LayerShape& requested : shapes) {
-    LayerShape shape = requested;
-    if (o.max_experts > 0 && shape.E > o.max_experts) {
-      shape.E = std::max(o.max_experts, shape.k);
-      shape.note = "E capped " + std::to_string(requested.E) + " -> " + std::to_string(shape.E) +
-                   " by --max-experts";
-    }
+    LayerShape shape = cap_experts(requested, o.max_experts);
     shape.E = std::max<int64_t>(shape.E, P);
     const ExpertMap map(shape.E, P, placement);
     LayerShape local = shape;
