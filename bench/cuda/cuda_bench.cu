@@ -218,6 +218,15 @@ int run_cuda_bench(const CudaBenchOptions& o) {
         al.expert_counts = counts;
         al.expert_cursor = cursor;
         cuda::align(al, stream);
+        cuda::FinalizeArgs f;  // output[t] = sum over t's slots of y (bf16 out)
+        f.y = y;
+        f.topk_ids = ids + r * slots;
+        f.num_tokens = T;
+        f.top_k = k;
+        f.hidden = H;
+        f.out = out;
+        f.out_dtype = DType::kBF16;
+        f.ldo = H;
         if (sm90) {
           cuda::Sm90ExpertsArgs a;
           a.x = x;
@@ -238,15 +247,7 @@ int run_cuda_bench(const CudaBenchOptions& o) {
           a.workspace = sm90_ws;
           a.workspace_bytes = sm90_ws_bytes;
           cuda::sm90_experts(a, stream);
-          cuda::FinalizeArgs f;
-          f.y = y;
-          f.topk_ids = ids + r * slots;
-          f.num_tokens = T;
-          f.top_k = k;
-          f.hidden = H;
-          f.out = out;
-          f.out_dtype = DType::kBF16;
-          f.ldo = H;
+          // y rows in expert order: finalize weights and sums them through slot_row
           f.slot_row = slot_row;
           f.row_scale = wts + r * slots;
           cuda::finalize(f, stream);
@@ -281,16 +282,7 @@ int run_cuda_bench(const CudaBenchOptions& o) {
         g2.out = y;
         g2.ldc = H;
         cuda::grouped_gemm(g2, stream);
-        cuda::FinalizeArgs f;
-        f.y = y;
-        f.topk_ids = ids + r * slots;
-        f.num_tokens = T;
-        f.top_k = k;
-        f.hidden = H;
-        f.out = out;
-        f.out_dtype = DType::kBF16;
-        f.ldo = H;
-        cuda::finalize(f, stream);
+        cuda::finalize(f, stream);  // y rows by slot, already weighted
       };
       // Warm-up (sets kernel attributes outside capture), then one graph per routing.
       auto time_tile = [&](cuda::GemmTile t, bool use_sm90 = false) {
