@@ -248,6 +248,7 @@ int run_cuda_bench(const CudaBenchOptions& o) {
           a.workspace_bytes = sm90_ws_bytes;
           cuda::sm90_experts(a, stream);
           // y rows in expert order: finalize weights and sums them through slot_row
+          f.y_dtype = DType::kBF16;  // sm90_experts' bf16 rows
           f.slot_row = slot_row;
           f.row_scale = wts + r * slots;
           cuda::finalize(f, stream);

@@ -265,6 +265,7 @@ void check_sm90(int64_t T, int64_t E, int64_t k, int64_t H, int64_t I, Activatio
   f.out = out.data();
   f.out_dtype = DType::kF32;
   f.ldo = H;
+  f.y_dtype = dt == DType::kBF16 ? DType::kBF16 : DType::kF32;  // sm90_experts' y rows
   f.slot_row = slot_row.data_as<int32_t>();
   f.row_scale = wt.data_as<float>();
   f.bias = bias ? b2.data_as<float>() : nullptr;
@@ -307,11 +308,17 @@ TEST(CudaSm90Experts, MatchesFloat64) {
   const uint64_t seed = test::fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
-  check_sm90(37, 5, 2, 96, 80, Activation::kSiluGlu, false, rng);
-  check_sm90(300, 4, 3, 136, 200, Activation::kSwigluOai, true, rng);
-  check_sm90(9, 60, 6, 264, 24, Activation::kGeluGlu, false, rng);
-  check_sm90(1, 8, 1, 64, 40, Activation::kGeluTanhGlu, true, rng);
-  check_sm90(700, 8, 2, 328, 296, Activation::kSiluGlu, true, rng);  // > 1 M tile, > 1 N tile
+  // bf16 has two tile configurations (pick_sm90_m64): each on every case.
+  for (const char* tile : {"m64", "m128"}) {
+    SCOPED_TRACE(std::string("FUSEDMOE_CUDA_SM90_TILE=") + tile);
+    setenv("FUSEDMOE_CUDA_SM90_TILE", tile, 1);
+    check_sm90(37, 5, 2, 96, 80, Activation::kSiluGlu, false, rng);
+    check_sm90(300, 4, 3, 136, 200, Activation::kSwigluOai, true, rng);
+    check_sm90(9, 60, 6, 264, 24, Activation::kGeluGlu, false, rng);
+    check_sm90(1, 8, 1, 64, 40, Activation::kGeluTanhGlu, true, rng);
+    check_sm90(700, 8, 2, 328, 296, Activation::kSiluGlu, true, rng);  // > 1 M tile, > 1 N tile
+  }
+  unsetenv("FUSEDMOE_CUDA_SM90_TILE");
 }
 
 // The f16 CUTLASS instances and the f16 activation kernel.
@@ -346,6 +353,26 @@ TEST(CudaSm90Experts, RejectsBadArguments) {
   a.inter = 32;
   a.workspace_bytes = 16;  // too small
   EXPECT_THROW(cuda::sm90_experts(a, nullptr), Error);
+
+  // finalize reads bf16 y only as sm90_experts' expert-sorted rows (through slot_row).
+  cuda::FinalizeArgs f;
+  f.y = buf.data();
+  f.y_dtype = DType::kBF16;
+  f.topk_ids = buf.data_as<int32_t>();
+  f.num_tokens = 4;
+  f.top_k = 2;
+  f.hidden = 64;
+  f.out = buf.data();
+  f.ldo = 64;
+  try {
+    cuda::finalize(f, nullptr);
+    ADD_FAILURE() << "bf16 y without slot_row accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("y dtype"), std::string::npos) << e.what();
+  }
+  f.y_dtype = DType::kF16;
+  f.slot_row = buf.data_as<int32_t>();
+  EXPECT_THROW(cuda::finalize(f, nullptr), Error);
 }
 
 }  // namespace

@@ -198,7 +198,7 @@ TEST(CudaRunner, ForcedMmaPathAtLargeT) {
   check_runner(c, 1000, rng, DType::kF32);
 }
 
-// The shared expert at many rows: sm90_dense_expert (by default from T = 32 on,
+// The shared expert at many rows: sm90_dense_expert (by default from T = 16 on,
 // and forced) and the mma.sync kernels (forced), with the routed experts on the
 // same path; a shared intermediate size (264) and H (264) off the tiles.
 TEST(CudaRunner, SharedExpertBothPathsAtLargeT) {

@@ -166,7 +166,10 @@ void grouped_gemm(const GroupedGemmArgs& args, Stream stream);
 //   1. xs[r] = x[sorted_slot[r] / top_k]  (dtype [T*k, H], kept in y_rows), slot_row[s] = r;
 //   2. h13[r] = xs[r] . w13[e]^T           (dtype [T*k, 2I], in `workspace`);
 //   3. inter_rows[r, i] = act(h13[r, i] + b[e, i], h13[r, I + i] + b[e, I + i])  (dtype);
-//   4. y_rows[r] = inter_rows[r] . w2[e]^T (f32 [T*k, H], unweighted, without w2 bias);
+//   4. y_rows[r] = inter_rows[r] . w2[e]^T ([T*k, H], unweighted, without w2 bias: bf16 for
+//      dtype bf16 (half the bytes of the largest intermediate; one more bf16 rounding per term,
+//      as vLLM's fused_moe), f32 for f16 (an f16 row could overflow where the weighted sum does
+//      not));
 // for rows r < expert_offsets[E], e the expert of row r. finalize() with
 // slot_row, row_scale = topk_weights and bias = w2 bias then sums each token's
 // rows in slot order. The per-expert problem shapes and pointers are written
@@ -197,7 +200,8 @@ struct Sm90ExpertsArgs {
   const uint16_t* w2 = nullptr;
   ActivationParams act;
   uint16_t* inter_rows = nullptr;  // dtype [T * k, I]
-  float* y_rows = nullptr;         // f32 [T * k, H]
+  void* y_rows = nullptr;          // [T * k, H]: bf16 (dtype bf16) or f32 (dtype f16), 16-byte
+                                   // aligned, room for T * k * H f32
   int32_t* slot_row = nullptr;     // i32 [T * k]
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
@@ -249,9 +253,11 @@ bool pick_sm90_experts(int64_t rows_per_expert, int64_t routed_rows, int64_t hid
 // others too). Expert-sorted y (sm90_experts): with slot_row (i32 [T * k]) the
 // term of slot s is row_scale[s] * (y[slot_row[s] * H + h] + bias[topk_ids[s] *
 // H + h]) (row_scale null: 1; bias f32 [E, H] or null: 0) — the kScatter
-// epilogue's arithmetic, summed in the same slot order.
+// epilogue's arithmetic, summed in the same slot order; y_dtype kBF16 there
+// reads sm90_experts' bf16 rows (each value widened to f32 first).
 struct FinalizeArgs {
-  const float* y = nullptr;
+  const void* y = nullptr;      // f32 [T * k, H], or bf16 by y_dtype
+  DType y_dtype = DType::kF32;  // kF32, or kBF16 with slot_row (hidden % 8 == 0)
   const int32_t* topk_ids = nullptr;
   int64_t num_tokens = 0, top_k = 0, hidden = 0;
   int64_t num_experts = 0;

@@ -548,7 +548,7 @@ const float* CudaMoELayer::experts(const uint16_t* x, int64_t ldx, const int32_t
   RoutedExpertsArgs r = s.routed_args(x, ldx, topk_ids, topk_weights, M);
   r.tile = tile;
   r.allow_sm90 = false;  // y by slot, for the combine
-  return routed_experts(r, s.routed, stream).y;
+  return static_cast<const float*>(routed_experts(r, s.routed, stream).y);  // f32: no sm90
 }
 
 void CudaMoELayer::ep_finalize(const float* y, const TensorView& output, int64_t T, Stream stream) {

@@ -37,8 +37,6 @@ int num_sms() {
 
 namespace {
 
-constexpr int kFinalizeThreads = 256;
-
 template <typename Out>
 __device__ __forceinline__ void store_out(Out* p, float v);
 template <>
@@ -61,40 +59,59 @@ struct SortedRows {
   const float* bias;       // f32 [E, H] or null
 };
 
-// One block per (token, chunk of kFinalizeThreads * 4 columns): a decode-size
-// T still spreads over many SMs. Each thread loads up to 8 of its token's k
-// rows before adding them (loads in flight together), and adds them in slot
-// order, skipping empty slots, so the sum is the same on every run.
-template <typename Out, bool kRows>
-__global__ void __launch_bounds__(kFinalizeThreads)
-    finalize_kernel(const float* __restrict__ y, const int32_t* __restrict__ ids, int top_k,
+// 16 bytes of y as f32: four f32 values, or eight bf16 (sm90_experts' rows).
+template <typename Y>
+struct YVec {
+  static constexpr int kCols = 4;
+  __device__ __forceinline__ static void load(const float* p, float* v) {
+    const float4 a = *reinterpret_cast<const float4*>(p);
+    v[0] = a.x;
+    v[1] = a.y;
+    v[2] = a.z;
+    v[3] = a.w;
+  }
+};
+template <>
+struct YVec<uint16_t> {
+  static constexpr int kCols = 8;
+  __device__ __forceinline__ static void load(const uint16_t* p, float* v) {
+    const uint4 a = *reinterpret_cast<const uint4*>(p);
+    const uint32_t w[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      v[2 * i] = __uint_as_float(w[i] << 16);
+      v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+  }
+};
+
+// One block per (token, chunk of 1024 columns: kCols = 4 f32 or 8 bf16 y values
+// a thread, 16-byte loads): a decode-size T still spreads over many SMs. The
+// kernel is latency-bound (ids -> y rows -> out), so every thread reads its
+// token's ids and slot rows itself (broadcast loads, no block barrier before
+// the y loads), loads up to 8 rows at once, and adds them in slot order,
+// skipping empty slots, so the sum is the same on every run.
+constexpr int kFinalizeCols = 1024;
+template <typename Y>
+__host__ __device__ constexpr int finalize_threads() {
+  return kFinalizeCols / YVec<Y>::kCols;
+}
+
+template <typename Out, bool kRows, typename Y = float>
+__global__ void __launch_bounds__(finalize_threads<Y>())
+    finalize_kernel(const Y* __restrict__ y, const int32_t* __restrict__ ids, int top_k,
                     int num_experts, int64_t hidden, int64_t chunks,
                     const float* __restrict__ shared, const float* __restrict__ shared_gate,
                     const uint16_t* __restrict__ x, bool x_f16, int64_t ldx, Out* __restrict__ out,
                     int64_t ldo, const SortedRows rows) {
-  __shared__ int32_t valid[32];
-  __shared__ const float* src[32];
-  __shared__ const float* bias_row[32];
-  __shared__ float scale[32];
-  __shared__ float red[kFinalizeThreads / 32];
+  constexpr int kCols = YVec<Y>::kCols;
+  constexpr int kThreads = finalize_threads<Y>();
+  __shared__ float red[kThreads / 32];
   __shared__ float gate_s;
   pdl_wait();  // y, ids, shared from the kernels before; out may be read by them
   pdl_launch_dependents();
   const int64_t t = blockIdx.x / chunks;
-  const int64_t h = (blockIdx.x % chunks) * (kFinalizeThreads * 4) + threadIdx.x * 4;
-  if (threadIdx.x < top_k) {
-    const int64_t s = t * top_k + threadIdx.x;
-    const int32_t e = ids[s];
-    const bool ok = e >= 0 && (num_experts <= 0 || e < num_experts);
-    valid[threadIdx.x] = ok;
-    if (kRows) {
-      src[threadIdx.x] = ok ? y + static_cast<int64_t>(rows.slot_row[s]) * hidden : y;
-      bias_row[threadIdx.x] = rows.bias && ok ? rows.bias + e * hidden : nullptr;
-      scale[threadIdx.x] = rows.row_scale ? rows.row_scale[s] : 1.0f;
-    } else {
-      src[threadIdx.x] = y + s * hidden;
-    }
-  }
+  const int64_t h = (blockIdx.x % chunks) * kFinalizeCols + threadIdx.x * kCols;
   float gate = 1.0f;
   if (shared != nullptr && shared_gate != nullptr) {
     float d = 0.0f;
@@ -108,60 +125,76 @@ __global__ void __launch_bounds__(kFinalizeThreads)
     __syncthreads();
     if (threadIdx.x == 0) {
       float sum = 0.0f;
-      for (int w = 0; w < kFinalizeThreads / 32; ++w) sum += red[w];
+      for (int w = 0; w < kThreads / 32; ++w) sum += red[w];
       gate_s = 1.0f / (1.0f + expf(-sum));
     }
+    __syncthreads();
+    gate = gate_s;
   }
-  __syncthreads();
-  if (shared != nullptr && shared_gate != nullptr) gate = gate_s;
   if (h >= hidden) return;
-  // hidden % 4 == 0 (checked): float4 reads of y, bias and shared.
-  const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
-  float4 acc = zero;
+  // hidden % kCols == 0 (checked): 16-byte reads of y, float4 reads of bias and shared.
+  float acc[kCols];
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) acc[c] = 0.0f;
   for (int j0 = 0; j0 < top_k; j0 += 8) {
-    float4 v[8];
+    int32_t e[8], row[8];
+    float sc[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {  // ids, slot rows and scales together: one round trip
+      const int64_t s = t * top_k + j0 + u;
+      const bool in = j0 + u < top_k;
+      e[u] = in ? ids[s] : -1;
+      row[u] = in && kRows ? rows.slot_row[s] : 0;
+      sc[u] = in && kRows && rows.row_scale ? rows.row_scale[s] : 1.0f;
+    }
+    float v[8][kCols];
 #pragma unroll
     for (int u = 0; u < 8; ++u) {
-      const int j = j0 + u;
-      v[u] = j < top_k && valid[j] ? *reinterpret_cast<const float4*>(src[j] + h) : zero;
+      const bool ok = e[u] >= 0 && (num_experts <= 0 || e[u] < num_experts);
+      if (!ok) e[u] = -1;
+      if (ok) {
+        const int64_t r = kRows ? static_cast<int64_t>(row[u]) : t * top_k + j0 + u;
+        YVec<Y>::load(y + r * hidden + h, v[u]);
+      } else {
+#pragma unroll
+        for (int c = 0; c < kCols; ++c) v[u][c] = 0.0f;
+      }
     }
 #pragma unroll
     for (int u = 0; u < 8; ++u) {
-      const int j = j0 + u;
-      if (j >= top_k || !valid[j]) continue;
-      float4 w = v[u];
+      if (e[u] < 0) continue;
       if (kRows) {  // the same arithmetic as the kScatter epilogue: scale * (C + b)
-        if (bias_row[j]) {
-          const float4 b = *reinterpret_cast<const float4*>(bias_row[j] + h);
-          w.x += b.x;
-          w.y += b.y;
-          w.z += b.z;
-          w.w += b.w;
+        if (rows.bias) {
+          const float* b = rows.bias + static_cast<int64_t>(e[u]) * hidden + h;
+#pragma unroll
+          for (int c = 0; c < kCols; c += 4) {
+            const float4 b4 = *reinterpret_cast<const float4*>(b + c);
+            v[u][c] += b4.x;
+            v[u][c + 1] += b4.y;
+            v[u][c + 2] += b4.z;
+            v[u][c + 3] += b4.w;
+          }
         }
-        const float c = scale[j];
-        w.x *= c;
-        w.y *= c;
-        w.z *= c;
-        w.w *= c;
+#pragma unroll
+        for (int c = 0; c < kCols; ++c) v[u][c] *= sc[u];
       }
-      acc.x += w.x;
-      acc.y += w.y;
-      acc.z += w.z;
-      acc.w += w.w;
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) acc[c] += v[u][c];
     }
   }
   if (shared) {
-    const float4 w = *reinterpret_cast<const float4*>(shared + t * hidden + h);
-    acc.x += gate * w.x;
-    acc.y += gate * w.y;
-    acc.z += gate * w.z;
-    acc.w += gate * w.w;
+#pragma unroll
+    for (int c = 0; c < kCols; c += 4) {
+      const float4 w = *reinterpret_cast<const float4*>(shared + t * hidden + h + c);
+      acc[c] += gate * w.x;
+      acc[c + 1] += gate * w.y;
+      acc[c + 2] += gate * w.z;
+      acc[c + 3] += gate * w.w;
+    }
   }
   Out* o = out + t * ldo + h;
-  store_out(o, acc.x);
-  store_out(o + 1, acc.y);
-  store_out(o + 2, acc.z);
-  store_out(o + 3, acc.w);
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) store_out(o + c, acc[c]);
 }
 
 template <typename In>
@@ -347,9 +380,15 @@ void finalize(const FinalizeArgs& a, Stream stream) {
   FUSEDMOE_CHECK(
       a.out_dtype == DType::kF32 || a.out_dtype == DType::kBF16 || a.out_dtype == DType::kF16,
       "finalize: output dtype must be f32, bf16 or f16, got ", dtype_name(a.out_dtype));
+  FUSEDMOE_CHECK(a.y_dtype == DType::kF32 || (a.y_dtype == DType::kBF16 && a.slot_row != nullptr),
+                 "finalize: y dtype must be f32, or bf16 with slot_row, got ",
+                 dtype_name(a.y_dtype), a.slot_row ? "" : " without slot_row");
   FUSEDMOE_CHECK(a.x_dtype == DType::kBF16 || a.x_dtype == DType::kF16,
                  "finalize: x dtype must be bf16 or f16, got ", dtype_name(a.x_dtype));
-  const int64_t chunks = ceil_div(a.hidden, int64_t{kFinalizeThreads} * 4);
+  const int64_t cols = a.y_dtype == DType::kBF16 ? 8 : 4;  // per thread: YVec
+  FUSEDMOE_CHECK(a.hidden % cols == 0, "finalize: hidden size must be a multiple of ", cols,
+                 " with ", dtype_name(a.y_dtype), " y, got ", a.hidden);
+  const int64_t chunks = ceil_div(a.hidden, int64_t{kFinalizeCols});
   FUSEDMOE_CHECK(a.num_tokens * chunks < (int64_t{1} << 31),
                  "finalize: too many tokens for one launch: ", a.num_tokens);
   const unsigned grid = static_cast<unsigned>(a.num_tokens * chunks);
@@ -358,10 +397,18 @@ void finalize(const FinalizeArgs& a, Stream stream) {
   const bool x_f16 = a.x_dtype == DType::kF16;
   auto launch = [&](auto* out) {
     using Out = std::remove_pointer_t<decltype(out)>;
-    auto kernel = a.slot_row ? finalize_kernel<Out, true> : finalize_kernel<Out, false>;
-    launch_pdl(kernel, grid, kFinalizeThreads, 0, stream, a.y, a.topk_ids,
-               static_cast<int>(a.top_k), num_experts, a.hidden, chunks, a.shared, a.shared_gate,
-               a.x, x_f16, a.ldx, out, a.ldo, rows);
+    auto go = [&](auto kernel, const auto* y) {
+      using Y = std::remove_const_t<std::remove_pointer_t<decltype(y)>>;
+      launch_pdl(kernel, grid, finalize_threads<Y>(), 0, stream, y, a.topk_ids,
+                 static_cast<int>(a.top_k), num_experts, a.hidden, chunks, a.shared, a.shared_gate,
+                 a.x, x_f16, a.ldx, out, a.ldo, rows);
+    };
+    if (a.y_dtype == DType::kBF16)
+      go(finalize_kernel<Out, true, uint16_t>, static_cast<const uint16_t*>(a.y));
+    else if (a.slot_row)
+      go(finalize_kernel<Out, true>, static_cast<const float*>(a.y));
+    else
+      go(finalize_kernel<Out, false>, static_cast<const float*>(a.y));
   };
   if (a.out_dtype == DType::kF32)
     launch(static_cast<float*>(a.out));

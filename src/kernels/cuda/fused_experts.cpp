@@ -132,6 +132,7 @@ FinalizeArgs routed_experts(const RoutedExpertsArgs& a, const RoutedScratch& s, 
     x.workspace = s.sm90_ws;
     x.workspace_bytes = s.sm90_ws_bytes;
     sm90_experts(x, stream);
+    f.y_dtype = a.dtype == DType::kBF16 ? DType::kBF16 : DType::kF32;  // sm90_experts' rows
     f.slot_row = s.slot_row;
     f.row_scale = row_scale;
     f.bias = a.w2_bias;

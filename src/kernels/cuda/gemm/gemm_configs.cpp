@@ -14,8 +14,8 @@
 //   otherwise    m128n128: (Mixtral T = 4096: 9.40 ms vs 10.0 ms with m64n128)
 // m128n256 (64 x 64 warp tiles) was never faster by more than 1.5 %: not picked.
 //
-// From 32 expected rows per expert on, the routed experts take the sm_90a
-// wgmma + TMA path instead (sm90_experts, CUTLASS 128 x 256 cooperative tiles),
+// From 16 expected rows per expert on (32 before session 4's 64-row tiles), the
+// routed experts take the sm_90a wgmma + TMA path instead (sm90_experts),
 // from the side-by-side runs of bench/results/2026-11-29-cuda-bench-wgmma.md
 // (bench_cuda_moe --sweep-sm90, us, mma.sync pick vs sm90):
 //   rows/expert  8: DeepSeek T = 256   5376 vs 5826   (mma)
@@ -24,6 +24,19 @@
 //                   DeepSeek T = 1024  6416 vs 6172  (sm90 on balance)
 //               64: Mixtral T = 256    1025 vs 778   (sm90)
 //             1024: Mixtral T = 4096   9446 vs 5315  (sm90)
+// Session 4 (bench/results/2026-11-29-session4.md; the w2 output rows in bf16,
+// bench_cuda_moe --sweep-sm90 and FUSEDMOE_CUDA_SM90_TILE=m64|m128, us):
+//   sm90 with 64 x 256 pingpong tiles now wins from 16 rows per expert:
+//     Mixtral T = 64  684 vs 762 (mma m16n64), Qwen3 T = 256 334 vs 356,
+//     DeepSeek T = 512 5348 vs 6333; at 8 rows a tie (Mixtral T = 32 687 vs
+//     709, Qwen3 T = 128 324 vs 324, DeepSeek T = 256 5199 vs 5188).
+//   64 x 256 pingpong vs 128 x 256 cooperative (bf16): better or equal at every
+//   point but one: Mixtral T = 128 702 vs 770, T = 512 917 vs 1010, T = 2048
+//   2300 vs 2443, T = 4096 4186-4654 vs 4547-4713; Qwen3 T = 512 362 vs 377,
+//   T = 2048 528 vs 542, T = 4096 785-797 vs 776-834 (noise); DeepSeek T = 1024
+//   5558 vs 5709, T = 2048 5931 vs 6060, T = 4096 7327 vs 7533; worse: Mixtral
+//   T = 256 (64 rows per expert) 784 vs 756. So bf16 takes m64 everywhere;
+//   f16 (and the f32-output dense shared expert) keeps the 128 x 256 instances.
 // Two other CUTLASS configurations were measured there and not kept (each
 // would cost two more heavy translation units): 128 x 128 pingpong and
 // 128 x 256 cooperative in 2 x 1 clusters (B multicast) were slower at every
@@ -33,6 +46,7 @@
 
 #include "fusedmoe/kernels/cuda.h"
 #include "kernels/cuda/gemm/gemm_instances.h"
+#include "kernels/cuda/routed_experts.h"
 
 namespace fusedmoe::cuda {
 
@@ -40,7 +54,7 @@ namespace {
 constexpr int64_t kGemvMaxRoutedRows = 16;
 // The sm_90a wgmma + TMA path (sm90_experts) from this many expected rows per
 // touched expert up (measurements above).
-constexpr int64_t kSm90MinRowsPerExpert = 32;
+constexpr int64_t kSm90MinRowsPerExpert = 16;
 
 struct TileRow {
   GemmTile tile;
@@ -92,6 +106,17 @@ bool pick_sm90_experts(int64_t rows_per_expert, int64_t /*routed_rows*/, int64_t
     return false;
   }
   return force_sm90 || rows_per_expert >= kSm90MinRowsPerExpert;
+}
+
+bool pick_sm90_m64(int64_t rows_per_expert, DType dtype) {
+  const char* env = std::getenv("FUSEDMOE_CUDA_SM90_TILE");
+  const bool force_m64 = env != nullptr && std::strcmp(env, "m64") == 0;
+  const bool force_m128 = env != nullptr && std::strcmp(env, "m128") == 0;
+  FUSEDMOE_CHECK(env == nullptr || env[0] == '\0' || force_m64 || force_m128,
+                 "FUSEDMOE_CUDA_SM90_TILE: expected m64 or m128, got ", env);
+  (void)force_m64;
+  (void)rows_per_expert;  // m64 at every measured size (see above)
+  return dtype == DType::kBF16 && !force_m128;
 }
 
 void grouped_gemm(const GroupedGemmArgs& a, Stream stream) {

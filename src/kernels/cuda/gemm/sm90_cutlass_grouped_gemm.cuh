@@ -80,6 +80,17 @@ using Cooperative128x256 =
                 cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
                 cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
 
+// For 32 to ~300 rows per expert: 64 x 256 x 64 tiles, pingpong (each consumer
+// warpgroup on its own tile, one's epilogue under the other's mainloop),
+// cluster 1 x 1. Half the M padding of the 128-row tiles where an expert's rows
+// are a little over a multiple of 128 (uniform routing: about half the experts).
+template <class ElementAB, class ElementD>
+using Pingpong64x256 =
+    GroupedGemm<ElementAB, ElementD, cute::Shape<cute::_64, cute::_256, cute::_64>,
+                cute::Shape<cute::_1, cute::_1, cute::_1>,
+                cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
+                cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong>;
+
 // Device-side argument arrays, carved from the front of the workspace.
 template <class G>
 struct GroupArrays {

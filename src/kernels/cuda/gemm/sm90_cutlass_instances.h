@@ -34,6 +34,9 @@ void grouped_gemm_f32out(const Sm90GemmArgs& args, Stream stream);      // bf16 
 void grouped_gemm_f16_f16out(const Sm90GemmArgs& args, Stream stream);  // f16 -> f16 (w13)
 void grouped_gemm_f16_f32out(const Sm90GemmArgs& args, Stream stream);  // f16 -> f32 (w2)
 size_t workspace_bytes_bf16out(int64_t num_experts);
+// Tile 64 x 256 x 64, pingpong (each consumer warpgroup on its own tile), cluster 1 x 1.
+void grouped_gemm_bf16out_m64(const Sm90GemmArgs& args, Stream stream);  // bf16 -> bf16
+size_t workspace_bytes_bf16out_m64(int64_t num_experts);
 size_t workspace_bytes_f32out(int64_t num_experts);
 size_t workspace_bytes_f16_f16out(int64_t num_experts);
 size_t workspace_bytes_f16_f32out(int64_t num_experts);
