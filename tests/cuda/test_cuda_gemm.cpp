@@ -168,6 +168,13 @@ TEST(CudaGroupedGemm, EveryTileEveryMode) {
     check_tile(tile, 9, 60, 6, 264, 24, Activation::kGeluGlu, false, false, rng);
     check_tile(tile, 77, 1, 1, 200, 136, Activation::kGeluTanhGlu, false, true, rng);
     check_tile(tile, 1, 1, 1, 64, 264, Activation::kSiluGlu, true, true, rng);
+    // The GEMV's 2-row variant (T = M / top_k <= 2), K off the 256-column step of its
+    // unrolled loads, repeated ids (T = 2, k = 4 > E = 2: experts with more rows than
+    // the variant takes at once), and dense 2 rows.
+    check_tile(tile, 2, 16, 8, 136, 264, Activation::kSiluGlu, true, false, rng);
+    check_tile(tile, 1, 16, 8, 264, 96, Activation::kSwigluOai, false, false, rng);
+    check_tile(tile, 2, 2, 4, 200, 136, Activation::kSiluGlu, true, false, rng);
+    check_tile(tile, 2, 1, 1, 520, 40, Activation::kGeluGlu, true, true, rng);
     if (HasFailure()) return;
   }
 }

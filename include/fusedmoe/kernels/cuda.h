@@ -142,7 +142,8 @@ struct GroupedGemmArgs {
   const uint16_t* a = nullptr;  // bf16 / f16 bits
   int64_t lda = 0;
   bool gather = false;
-  int a_div = 1;
+  int a_div = 1;  // top_k (routed); m8gemv also reads M / a_div as the token count, the most
+                  // rows an expert gets from distinct ids per token (a speed hint only)
   const int32_t* sorted_slot = nullptr;
   const int64_t* expert_offsets = nullptr;
   int64_t num_experts = 1;
