@@ -212,8 +212,9 @@ MoERunner::MoERunner(MoEConfig config, MoELayerWeights weights, RunnerOptions op
     if (cuda_ep) {
       // The local experts compute every rank's rows: ep_size * max_num_tokens.
       const int P = options_.communicator->size();
+      // Its experts() runs the mma.sync kernels only: no sm90 routed scratch.
       cuda_ = std::make_unique<cuda::CudaMoELayer>(config_, weights_, P * options_.max_num_tokens,
-                                                   options_.compute_dtype);
+                                                   options_.compute_dtype, /*routed_sm90=*/false);
       cuda_ep_ = std::make_unique<cuda::CudaEpMoELayer>(
           *cuda_, config_, options_.communicator,
           ExpertMap(config_.num_experts, P, config_.parallel.expert_placement),

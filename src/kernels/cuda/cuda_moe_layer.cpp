@@ -154,6 +154,7 @@ void check_device_view(const TensorView& t, const char* name, std::initializer_l
 struct CudaMoELayer::Impl {
   MoEConfig cfg;
   int64_t max_tokens = 0;
+  bool routed_sm90 = false;  // scratch carved for the sm90 routed path (forward may take it)
   int device = 0;
   // weights
   DeviceMemory gate_w, gate_b, score_bias, hash_table, shared_gate;
@@ -207,6 +208,7 @@ struct CudaMoELayer::Impl {
     r.w2_bias = experts.w2_bias.as<float>();
     r.act = ActivationParams::from_config(cfg);
     r.apply_router_weight_on_input = cfg.apply_router_weight_on_input;
+    r.allow_sm90 = routed_sm90;
     return r;
   }
 
@@ -218,7 +220,7 @@ struct CudaMoELayer::Impl {
 };
 
 CudaMoELayer::CudaMoELayer(const MoEConfig& config, const MoELayerWeights& w,
-                           int64_t max_num_tokens, DType expert_dtype)
+                           int64_t max_num_tokens, DType expert_dtype, bool routed_sm90)
     : impl_(std::make_unique<Impl>()) {
   Impl& s = *impl_;
   s.cfg = config;
@@ -264,6 +266,7 @@ CudaMoELayer::CudaMoELayer(const MoEConfig& config, const MoELayerWeights& w,
   // ---- workspace (one allocation, carved) ----
   const int64_t Tm = max_num_tokens, slots = Tm * k;
   const bool sm90 = sm90_experts_available();
+  s.routed_sm90 = sm90 && routed_sm90;
   const int64_t Is = c.shared_intermediate_size;
   struct Part {
     void** ptr;
@@ -274,7 +277,7 @@ CudaMoELayer::CudaMoELayer(const MoEConfig& config, const MoELayerWeights& w,
       {reinterpret_cast<void**>(&s.ids), sizeof(int32_t) * slots},
       {reinterpret_cast<void**>(&s.weights), sizeof(float) * slots},
       {reinterpret_cast<void**>(&s.xb), size_t{2} * Tm * H},
-      {&s.routed_base, routed_scratch_bytes(Tm, k, E, H, I, sm90)},
+      {&s.routed_base, routed_scratch_bytes(Tm, k, E, H, I, s.routed_sm90)},
       {reinterpret_cast<void**>(&s.nan_token), sizeof(int32_t)},
   };
   if (c.apply_router_weight_on_input)
@@ -295,7 +298,7 @@ CudaMoELayer::CudaMoELayer(const MoEConfig& config, const MoELayerWeights& w,
     *p.ptr = static_cast<char*>(s.ws.get()) + off;
     off += (p.bytes + 255) / 256 * 256;
   }
-  s.routed = carve_routed_scratch(s.routed_base, Tm, k, E, H, I, sm90);
+  s.routed = carve_routed_scratch(s.routed_base, Tm, k, E, H, I, s.routed_sm90);
   FUSEDMOE_CUDA_CHECK(cudaMemset(s.nan_token, 0x7f, sizeof(int32_t)));
   FUSEDMOE_CUDA_CHECK(cudaDeviceSynchronize());
   if (c.has_shared_expert()) {

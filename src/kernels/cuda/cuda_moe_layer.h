@@ -27,8 +27,11 @@ class CudaMoELayer {
   // multiple of 8, top_k > 32), Error(kInvalidArgument) for
   // an expert_dtype other than bf16 / f16 or, with f16, a weight beyond the f16
   // range (naming the tensor), Error(kInternal) on CUDA errors.
+  // routed_sm90 = false: no scratch for the sm90 routed-experts path (its [T*k, 2I]
+  // w13 output and CUTLASS arguments); the routed experts then always take the
+  // mma.sync / GEMV kernels — what expert parallelism's experts() runs anyway.
   CudaMoELayer(const MoEConfig& config, const MoELayerWeights& weights, int64_t max_num_tokens,
-               DType expert_dtype = DType::kBF16);
+               DType expert_dtype = DType::kBF16, bool routed_sm90 = true);
   ~CudaMoELayer();
   CudaMoELayer(const CudaMoELayer&) = delete;
   CudaMoELayer& operator=(const CudaMoELayer&) = delete;
