@@ -543,8 +543,9 @@ def _check_hidden_states(hidden_states: Any, gating_output: Any) -> None:
     cuda = _on_cuda(x)
     if _is_torch(x):  # dtype objects, not names: torch.compile traces this
         ok = x.dtype == _torch.float32 or (cuda and x.dtype in (_torch.bfloat16, _torch.float16))
-    else:
-        ok = str(x.dtype) == "float32" or (cuda and str(x.dtype) in ("bfloat16", "float16"))
+    else:  # NumPy, CuPy, other DLPack arrays (torch's too under FUSEDMOE_NO_TORCH)
+        name = str(x.dtype).replace("torch.", "")
+        ok = name == "float32" or (cuda and name in ("bfloat16", "float16"))
     if not ok:
         raise TypeError(f"hidden_states: expected dtype "
                         f"{'float32, bfloat16 or float16 (CUDA)' if cuda else 'float32'}, "
@@ -719,8 +720,8 @@ class MoELayer:
         f32, bf16 or float16) on that device and runs on the caller's current
         stream (CUDA-graph capturable). ``dtype``: compute dtype "f32" or
         "bf16" on the CPU (default "f32"); "bf16" or "f16" on CUDA (default:
-        "f16" for a float16 checkpoint, else "bf16"). ``threads`` (CPU): a private pool of that many threads (1..1024);
-        0 or None: the global pool (all cores unless set_num_threads changed
+        "f16" for a float16 checkpoint, else "bf16"). ``threads`` (CPU): a
+        private pool of that many threads (1..1024); 0 or None: the global pool (all cores unless set_num_threads changed
         it), as ``fusedmoe run --threads 0``."""
         model_dir = _path(model_dir, "model_dir")
         if backend not in ("cpu", "cuda"):
