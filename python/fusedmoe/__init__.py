@@ -90,11 +90,13 @@ def cuda_fused_experts_workspace_bytes(num_tokens: int, hidden_size: int, interm
                                        apply_router_weight_on_input: bool = False) -> int:
     """Device bytes of workspace ``fused_experts`` needs on CUDA for these sizes
     (the functions below allocate it with the caller's framework)."""
+    sizes = {"num_tokens": num_tokens, "hidden_size": hidden_size,
+             "intermediate_size": intermediate_size, "num_experts": num_experts, "top_k": top_k}
+    sizes = {k: _int_in(v, k, 0, _I64_MAX) for k, v in sizes.items()}
+    on_input = _bool(apply_router_weight_on_input, "apply_router_weight_on_input")
     if not cuda_built:
         raise NotImplementedError("this build of fusedmoe has no CUDA backend")
-    return _ext.cuda_fused_experts_workspace_bytes(num_tokens, hidden_size, intermediate_size,
-                                                   num_experts, top_k,
-                                                   apply_router_weight_on_input)
+    return _ext.cuda_fused_experts_workspace_bytes(**sizes, apply_router_weight_on_input=on_input)
 
 
 def get_num_threads() -> int:
@@ -131,6 +133,14 @@ def _bool(v: Any, name: str) -> bool:
     if not isinstance(v, (bool, np.bool_)):
         raise TypeError(f"{name}: expected a bool, got {type(v).__name__} {v!r}")
     return bool(v)
+
+
+def _str(v: Any, name: str, what: str) -> str:
+    """A str argument (the extension's conversion would fail with nanobind's
+    signature list)."""
+    if not isinstance(v, str):
+        raise TypeError(f"{name}: expected {what}, got {type(v).__name__} {v!r}")
+    return v
 
 
 def _int_in(v: Any, name: str, lo: int, hi: int, what: str = "") -> int:
@@ -400,6 +410,10 @@ def fused_experts(
     current stream. topk_ids outside [0, E) add nothing there (they are not
     reported: that would need a synchronisation), where the CPU raises ValueError.
     """
+    activation = _str(activation, "activation",
+                      "'silu', 'gelu', 'gelu_pytorch_tanh' or 'swiglu_oai'")
+    if compute_dtype is not None:
+        compute_dtype = _str(compute_dtype, "compute_dtype", "'f32', 'bf16', 'f16' or None")
     if _use_torch_ops(hidden_states, w13):
         if weight_dtype is not None:
             raise ValueError("weight_dtype: only for NumPy uint16 weights, not torch tensors")
@@ -724,6 +738,7 @@ class MoELayer:
         private pool of that many threads (1..1024); 0 or None: the global pool (all cores unless set_num_threads changed
         it), as ``fusedmoe run --threads 0``."""
         model_dir = _path(model_dir, "model_dir")
+        _str(backend, "backend", "'cpu' or 'cuda'")
         if backend not in ("cpu", "cuda"):
             raise ValueError(f"backend: expected 'cpu' or 'cuda', got {backend!r}")
         # the value is checked by the extension (aliases such as "bfloat16" too)

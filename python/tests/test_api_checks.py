@@ -161,6 +161,22 @@ def test_from_pretrained_checks_arguments_in_python():
     assert fusedmoe.inspect(bytes(HF / "mixtral")) == fusedmoe.inspect(HF / "mixtral")
 
 
+def test_str_arguments_are_checked_in_python(case):
+    c = case
+    for kw, name in [(dict(activation=5), "activation"), (dict(activation=None), "activation"),
+                     (dict(compute_dtype=5), "compute_dtype")]:
+        with pytest.raises(TypeError, match=f"^{name}: expected") as e:
+            fusedmoe.fused_experts(c["x"], c["w13"], c["w2"], c["tw"], c["ids"], **kw)
+        assert "incompatible function arguments" not in str(e.value)
+    with pytest.raises(TypeError, match="^backend: expected 'cpu' or 'cuda', got int"):
+        fusedmoe.MoELayer.from_pretrained(HF / "mixtral", backend=5)
+    # sizes are checked before the build is (a CPU-only build raises NotImplementedError)
+    with pytest.raises(ValueError, match=r"^num_tokens: expected 0\.\.2\*\*63-1, got"):
+        fusedmoe.cuda_fused_experts_workspace_bytes(2**70, 16, 8, 4, 2)
+    with pytest.raises(TypeError, match="^top_k: expected an int"):
+        fusedmoe.cuda_fused_experts_workspace_bytes(4, 16, 8, 4, 2.0)
+
+
 # ---- 6. dtype errors name the argument and list only its values ------------------------
 
 
