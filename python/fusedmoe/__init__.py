@@ -33,7 +33,8 @@ build does not handle raises NotImplementedError.
 When PyTorch is importable the ops are also registered as
 ``torch.ops.fusedmoe.*`` (see ``fusedmoe._torch_ops``), with fake
 implementations so that ``torch.compile(fullgraph=True)`` traces them; the
-functions below route torch tensors through those ops. Set the environment
+functions below route torch tensors through those ops. They are
+inference-only: backward through their outputs raises RuntimeError. Set the environment
 variable ``FUSEDMOE_NO_TORCH=1`` to skip importing torch.
 """
 
@@ -79,9 +80,9 @@ if not os.environ.get("FUSEDMOE_NO_TORCH") and importlib.util.find_spec("torch")
 
 def set_num_threads(num_threads: int) -> None:
     """Threads of the global pool used by the functional ops and by layers
-    created without ``threads`` (0: all cores, as ``fusedmoe run --threads 0``;
-    negative: ValueError)."""
-    _ext.set_num_threads(_int(num_threads, "num_threads"))
+    created without ``threads``: 1..1024, or 0 for all cores (as ``fusedmoe
+    run --threads 0``); anything else raises ValueError."""
+    _ext.set_num_threads(_num_threads(num_threads, "num_threads"))
 
 
 def cuda_fused_experts_workspace_bytes(num_tokens: int, hidden_size: int, intermediate_size: int,
@@ -89,11 +90,13 @@ def cuda_fused_experts_workspace_bytes(num_tokens: int, hidden_size: int, interm
                                        apply_router_weight_on_input: bool = False) -> int:
     """Device bytes of workspace ``fused_experts`` needs on CUDA for these sizes
     (the functions below allocate it with the caller's framework)."""
+    sizes = {"num_tokens": num_tokens, "hidden_size": hidden_size,
+             "intermediate_size": intermediate_size, "num_experts": num_experts, "top_k": top_k}
+    sizes = {k: _int_in(v, k, 0, _I64_MAX) for k, v in sizes.items()}
+    on_input = _bool(apply_router_weight_on_input, "apply_router_weight_on_input")
     if not cuda_built:
         raise NotImplementedError("this build of fusedmoe has no CUDA backend")
-    return _ext.cuda_fused_experts_workspace_bytes(num_tokens, hidden_size, intermediate_size,
-                                                   num_experts, top_k,
-                                                   apply_router_weight_on_input)
+    return _ext.cuda_fused_experts_workspace_bytes(**sizes, apply_router_weight_on_input=on_input)
 
 
 def get_num_threads() -> int:
@@ -130,6 +133,50 @@ def _bool(v: Any, name: str) -> bool:
     if not isinstance(v, (bool, np.bool_)):
         raise TypeError(f"{name}: expected a bool, got {type(v).__name__} {v!r}")
     return bool(v)
+
+
+def _str(v: Any, name: str, what: str) -> str:
+    """A str argument (the extension's conversion would fail with nanobind's
+    signature list)."""
+    if not isinstance(v, str):
+        raise TypeError(f"{name}: expected {what}, got {type(v).__name__} {v!r}")
+    return v
+
+
+def _int_in(v: Any, name: str, lo: int, hi: int, what: str = "") -> int:
+    """An integer argument in [lo, hi] (checked here: the extension's int
+    conversion would fail with nanobind's signature list for a huge value)."""
+    v = _int(v, name)
+    if not lo <= v <= hi:
+        raise ValueError(f"{name}: expected {lo}..{'2**63-1' if hi == _I64_MAX else hi}{what}, "
+                         f"got {v}")
+    return v
+
+
+_I64_MAX = 2**63 - 1
+
+
+def _num_threads(v: Any, name: str) -> int:
+    return _int_in(v, name, 0, _ext.max_num_threads, " (0: all cores)")
+
+
+def _path(v: Any, name: str) -> str:
+    """A filesystem path argument: str, bytes or os.PathLike, as a str."""
+    if not isinstance(v, (str, bytes, os.PathLike)):
+        raise TypeError(f"{name}: expected a path (str or os.PathLike), got "
+                        f"{type(v).__name__} {v!r}")
+    return os.fsdecode(os.fspath(v))
+
+
+def _same_library(ref_name: str, ref: Any, **others: Any) -> None:
+    """torch.ops take tensors only: with a torch tensor `ref`, every other
+    array argument given must be a torch tensor too (TypeError naming it)."""
+    if not _is_torch(ref):
+        return
+    for name, v in others.items():
+        if v is not None and not _is_torch(v):
+            raise TypeError(f"{name}: expected a torch.Tensor like {ref_name}, "
+                            f"got {type(v).__name__}")
 
 
 def _dl(x: Any) -> Any:
@@ -196,9 +243,11 @@ def _as_array(x: Any, name: str) -> Any:
 
 
 def _rows(x: Any) -> Any:
-    """Zero copy when the last dimension is contiguous, else a contiguous copy."""
+    """Zero copy when the last dimension is contiguous and no stride is
+    negative (the extension reads neither), else a contiguous copy."""
     if isinstance(x, np.ndarray):
-        if x.ndim and x.strides[-1] != x.itemsize and x.shape[-1] > 1:
+        if x.ndim and ((x.strides[-1] != x.itemsize and x.shape[-1] > 1)
+                       or any(s < 0 for s in x.strides)):
             return np.ascontiguousarray(x)
         return x
     if _is_torch(x):
@@ -361,17 +410,19 @@ def fused_experts(
     current stream. topk_ids outside [0, E) add nothing there (they are not
     reported: that would need a synchronisation), where the CPU raises ValueError.
     """
+    activation = _str(activation, "activation",
+                      "'silu', 'gelu', 'gelu_pytorch_tanh' or 'swiglu_oai'")
+    if compute_dtype is not None:
+        compute_dtype = _str(compute_dtype, "compute_dtype", "'f32', 'bf16', 'f16' or None")
     if _use_torch_ops(hidden_states, w13):
         if weight_dtype is not None:
             raise ValueError("weight_dtype: only for NumPy uint16 weights, not torch tensors")
         # torch.ops takes tensors only: name a NumPy array passed among them
-        args = {"hidden_states": hidden_states, "w13": w13, "w2": w2,
-                "topk_weights": topk_weights, "topk_ids": topk_ids,
-                "w13_bias": w13_bias, "w2_bias": w2_bias}
-        for name, v in args.items():
-            if v is not None and not _is_torch(v):
-                raise TypeError(f"{name}: expected a torch.Tensor like the other arguments, "
-                                f"got {type(v).__name__}")
+        ref_name, ref = ("hidden_states", hidden_states) if _is_torch(hidden_states) \
+            else ("w13", w13)
+        _same_library(ref_name, ref, hidden_states=hidden_states, w13=w13, w2=w2,
+                      topk_weights=topk_weights, topk_ids=topk_ids, w13_bias=w13_bias,
+                      w2_bias=w2_bias)
         return _torch.ops.fusedmoe.fused_experts(
             hidden_states, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias,
             apply_router_weight_on_input, compute_dtype, swiglu_alpha, swiglu_limit,
@@ -400,6 +451,15 @@ def _fused_experts_impl(
         w13_bias = _f32(w13_bias) if cuda else _weight(w13_bias, "w13_bias", weight_dtype)[0]
     if w2_bias is not None:
         w2_bias = _f32(w2_bias) if cuda else _weight(w2_bias, "w2_bias", weight_dtype)[0]
+    if _ndim_ok(w13, 3) and w13.shape[1] == 0:
+        raise ValueError(f"w13: the intermediate size is 0 (shape {tuple(w13.shape)}); expected "
+                         f"[E, 2I, H] with I >= 1")
+    if _ndim_ok(w2, 3) and w2.shape[2] == 0:
+        raise ValueError(f"w2: the intermediate size is 0 (shape {tuple(w2.shape)}); expected "
+                         f"[E, H, I] with I >= 1")
+    if x.shape[1] == 0:
+        raise ValueError(f"hidden_states: the hidden size is 0 (shape {tuple(x.shape)}); "
+                         f"expected [T, H] with H >= 1")
     tw = _rows(_as_array(topk_weights, "topk_weights"))
     ids = _i32(_as_array(topk_ids, "topk_ids"), "topk_ids")
     T, H = x.shape[0], x.shape[1]
@@ -434,8 +494,11 @@ def _ndim_ok(x: Any, ndim: int) -> bool:
 
 
 def _route(logits: Any, config: dict, e_score_correction_bias: Any = None, token_ids: Any = None,
-           hash_table: Any = None) -> Tuple[Any, Any]:
-    _ndim(logits, "router_logits", 2, "[T, E]")
+           hash_table: Any = None, logits_name: str = "router_logits") -> Tuple[Any, Any]:
+    _ndim(logits, logits_name, 2, "[T, E]")
+    if logits.shape[1] == 0:
+        raise ValueError(f"{logits_name}: 0 experts (shape {tuple(logits.shape)}); expected "
+                         f"one column per expert")
     k = config["top_k"]
     # Before the outputs are allocated: a bad top_k would otherwise surface as
     # the array library's allocation error, naming nothing.
@@ -471,28 +534,50 @@ def fused_topk(
     """vLLM's ``fused_topk``: scores = scoring_func(gating_output [T, E]), the
     ``topk`` best per token (ids in descending score order, ties to the lower
     id), weights renormalized to sum 1 if ``renormalize``. ``hidden_states``
-    is only checked for its token count (may be None). scoring_func:
+    (may be None) is not read: it is checked as in ``fused_experts`` (a 2-d
+    array, f32 on the CPU, f32/bf16/float16 on CUDA, one row per token of
+    gating_output). scoring_func:
     "softmax", "sigmoid" or "sqrtsoftplus". Returns (topk_weights f32 [T, k],
     topk_ids int32 [T, k]), on gating_output's device."""
     topk = _int(topk, "topk")
+    _same_library("gating_output", gating_output, hidden_states=hidden_states)
+    if hidden_states is not None:
+        _check_hidden_states(hidden_states, gating_output)
     if _use_torch_ops(gating_output):
         return _torch.ops.fusedmoe.fused_topk(gating_output, topk, renormalize, scoring_func)
     return _fused_topk_impl(hidden_states, gating_output, topk, renormalize, scoring_func)
 
 
+def _check_hidden_states(hidden_states: Any, gating_output: Any) -> None:
+    """fused_topk's hidden_states, which it does not read: a 2-d array of the
+    hidden states' dtype (f32 on the CPU; f32, bf16 or float16 on CUDA) with
+    one row per token of gating_output."""
+    x = _as_array(hidden_states, "hidden_states")
+    _ndim(x, "hidden_states", 2, "[T, H]")
+    cuda = _on_cuda(x)
+    if _is_torch(x):  # dtype objects, not names: torch.compile traces this
+        ok = x.dtype == _torch.float32 or (cuda and x.dtype in (_torch.bfloat16, _torch.float16))
+    else:  # NumPy, CuPy, other DLPack arrays (torch's too under FUSEDMOE_NO_TORCH)
+        name = str(x.dtype).replace("torch.", "")
+        ok = name == "float32" or (cuda and name in ("bfloat16", "float16"))
+    if not ok:
+        raise TypeError(f"hidden_states: expected dtype "
+                        f"{'float32, bfloat16 or float16 (CUDA)' if cuda else 'float32'}, "
+                        f"got {x.dtype}")
+    if getattr(gating_output, "ndim", 0) == 2 and x.shape[0] != gating_output.shape[0]:
+        raise ValueError(f"hidden_states: expected {gating_output.shape[0]} tokens (rows of "
+                         f"gating_output), got shape {tuple(x.shape)}")
+
+
 def _fused_topk_impl(hidden_states, gating_output, topk, renormalize, scoring_func):
     logits = _f32_logits(_as_array(gating_output, "gating_output"), "gating_output")
     _ndim(logits, "gating_output", 2, "[T, E]")
-    if hidden_states is not None and hidden_states.shape[0] != logits.shape[0]:
-        raise ValueError(
-            f"hidden_states: expected {logits.shape[0]} tokens (rows of gating_output), "
-            f"got shape {tuple(hidden_states.shape)}")
     config = {
         "num_experts": int(logits.shape[1]), "top_k": _int(topk, "topk"), "hidden_size": 1,
         "intermediate_size": 1, "routing_method": "topk", "scoring_func": scoring_func,
         "renormalize": _bool(renormalize, "renormalize"),
     }
-    return _route(logits, config)
+    return _route(logits, config, logits_name="gating_output")
 
 
 def grouped_topk(
@@ -517,6 +602,7 @@ def grouped_topk(
     topk = _int(topk, "topk")
     num_expert_group = _int(num_expert_group, "num_expert_group")
     topk_group = _int(topk_group, "topk_group")
+    _same_library("gating_output", gating_output, e_score_correction_bias=e_score_correction_bias)
     if _use_torch_ops(gating_output):
         return _torch.ops.fusedmoe.grouped_topk(
             gating_output, topk, renormalize, num_expert_group, topk_group, scoring_func,
@@ -540,7 +626,7 @@ def _grouped_topk_impl(gating_output, topk, renormalize, num_expert_group, topk_
         "routed_scaling_factor": _float(routed_scaling_factor, "routed_scaling_factor"),
         "group_score": group_score or ("sum_top2" if has_bias else "max"),
     }
-    return _route(logits, config, e_score_correction_bias)
+    return _route(logits, config, e_score_correction_bias, logits_name="gating_output")
 
 
 def select_experts(
@@ -560,8 +646,16 @@ def select_experts(
     renormalize, num_expert_group, topk_group, group_score,
     routed_scaling_factor, num_zero_experts, ...). ``num_experts`` defaults to
     the logits' columns minus num_zero_experts. router_logits: [T, E + Z].
+    With a MoELayer as ``config`` the layer's router parameters are used too
+    (``e_score_correction_bias``, ``hash_table``, unless given), so the result
+    is the layer's own routing of these logits.
     Returns (topk_weights f32 [T, k], topk_ids int32 [T, k]; id -1 = zero expert)."""
     if isinstance(config, MoELayer):
+        params = config._impl.router_params()
+        if e_score_correction_bias is None and params["e_score_correction_bias"] is not None:
+            e_score_correction_bias = _like(router_logits, params["e_score_correction_bias"])
+        if hash_table is None and params["hash_table"] is not None:
+            hash_table = _like(router_logits, params["hash_table"])
         config = config.config
     if config is not None and not isinstance(config, dict):
         raise TypeError(f"config: expected a dict, a MoELayer or None, got "
@@ -582,11 +676,23 @@ def select_experts(
     return _route(logits, cfg, e_score_correction_bias, token_ids, hash_table)
 
 
+def _like(ref: Any, a: np.ndarray) -> Any:
+    """NumPy array `a` in the array library and on the device of `ref`."""
+    if _is_torch(ref):
+        return _torch.from_numpy(a).to(ref.device)
+    if _is_cupy(ref):
+        import cupy
+
+        with ref.device:
+            return cupy.asarray(a)
+    return a
+
+
 def inspect(path: "os.PathLike[str] | str") -> dict:
     """Describes a HF model directory (or config.json): model type, MoE layers,
     each layer's config and weight bytes — the content of
     ``fusedmoe inspect PATH --json``. A ``.safetensors`` path lists its tensors."""
-    return _ext.inspect(os.fspath(path))
+    return _ext.inspect(_path(path, "path"))
 
 
 # ---- MoELayer ---------------------------------------------------------------------
@@ -628,25 +734,26 @@ class MoELayer:
         f32, bf16 or float16) on that device and runs on the caller's current
         stream (CUDA-graph capturable). ``dtype``: compute dtype "f32" or
         "bf16" on the CPU (default "f32"); "bf16" or "f16" on CUDA (default:
-        "f16" for a float16 checkpoint, else "bf16"). ``threads`` (CPU): a private pool of that many threads;
-        0 or None: the global pool (all cores unless set_num_threads changed
+        "f16" for a float16 checkpoint, else "bf16"). ``threads`` (CPU): a
+        private pool of that many threads (1..1024); 0 or None: the global pool (all cores unless set_num_threads changed
         it), as ``fusedmoe run --threads 0``."""
+        model_dir = _path(model_dir, "model_dir")
+        _str(backend, "backend", "'cpu' or 'cuda'")
         if backend not in ("cpu", "cuda"):
             raise ValueError(f"backend: expected 'cpu' or 'cuda', got {backend!r}")
+        # the value is checked by the extension (aliases such as "bfloat16" too)
+        if dtype is not None and not isinstance(dtype, str):
+            raise TypeError(f"dtype: expected 'f32', 'bf16' or 'f16' (f16: CUDA only) or None, "
+                            f"got {type(dtype).__name__} {dtype!r}")
         if dtype is None:  # CUDA: f16 for an f16 checkpoint, else bf16
             dtype = "auto" if backend == "cuda" else "f32"
-        if not isinstance(dtype, str):
-            raise TypeError(f"dtype: expected 'f32', 'bf16' or 'f16', got {type(dtype).__name__} "
-                            f"{dtype!r}")
         if layer is not None:
-            layer = _int(layer, "layer")
+            layer = _int_in(layer, "layer", 0, _I64_MAX, " (a layer index of the model)")
         if threads is not None:
-            threads = _int(threads, "threads")
-        mnt = 0 if max_num_tokens is None else _int(max_num_tokens, "max_num_tokens")
-        if mnt < 0:
-            raise ValueError(f"max_num_tokens: expected >= 0 (0: the default 8192), got {mnt}")
-        return cls(_ext.MoELayer.from_pretrained(os.fspath(model_dir), layer, dtype, threads,
-                                                 backend, mnt))
+            threads = _num_threads(threads, "threads")
+        mnt = 0 if max_num_tokens is None else _int_in(max_num_tokens, "max_num_tokens", 0,
+                                                       _I64_MAX, " (0: the default 8192)")
+        return cls(_ext.MoELayer.from_pretrained(model_dir, layer, dtype, threads, backend, mnt))
 
     # -- properties
     @property
@@ -732,6 +839,8 @@ class MoELayer:
         (output, topk_ids, topk_weights, router_logits) instead."""
         if return_routing:
             return self.forward_with_routing(hidden_states, router_logits, token_ids=token_ids)
+        _same_library("hidden_states", hidden_states, router_logits=router_logits,
+                      token_ids=token_ids)
         if token_ids is None and _use_torch_ops(hidden_states):
             return _torch.ops.fusedmoe.moe_layer(hidden_states, self._id, router_logits)
         return self._forward(hidden_states, router_logits, token_ids, False)
@@ -742,6 +851,8 @@ class MoELayer:
                              token_ids: Any = None) -> Tuple[Any, Any, Any, Any]:
         """Returns (output f32 [T, H], topk_ids int32 [T, k], topk_weights f32
         [T, k], router_logits f32 [T, E + Z])."""
+        _same_library("hidden_states", hidden_states, router_logits=router_logits,
+                      token_ids=token_ids)
         if token_ids is None and _use_torch_ops(hidden_states):
             return _torch.ops.fusedmoe.moe_layer_with_routing(hidden_states, self._id,
                                                               router_logits)
@@ -780,6 +891,12 @@ class MoELayer:
         self._impl.forward(_dl(x), _dl(out), _dl(router_logits), _dl(logits), _dl(ids),
                            _dl(weights), _dl(token_ids), stream)
         return out, ids, weights, logits
+
+
+def __dir__() -> list:
+    """The public API (``__all__``) and module dunders; the helper imports
+    (np, os, typing names, ...) stay out of ``dir(fusedmoe)``."""
+    return sorted(set(__all__) | {n for n in globals() if n.startswith("__")})
 
 
 def _layer_by_id(layer_id: int) -> MoELayer:

@@ -41,6 +41,8 @@ def inspect(path: str) -> dict:
     Describes a model directory (or lists a .safetensors file): the content of `fusedmoe inspect PATH --json`.
     """
 
+max_num_threads: int = 1024
+
 def set_num_threads(num_threads: int) -> None:
     """Sets the threads of the global pool (0: all cores)."""
 
@@ -56,6 +58,11 @@ class MoELayer:
 
     @property
     def config(self) -> dict: ...
+
+    def router_params(self) -> dict:
+        """
+        The router's parameters besides the config (NumPy copies, None when absent): e_score_correction_bias f32, hash_table i32.
+        """
 
     @property
     def num_experts(self) -> int: ...

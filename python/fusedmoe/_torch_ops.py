@@ -22,6 +22,12 @@ Ops:
   moe_layer_with_routing(hidden_states, layer_id, router_logits)
       -> ([T, H], i32 [T, k], f32 [T, k], f32 [T, E + Z])
 ``layer_id`` is ``MoELayer._id`` (a constant in a traced graph).
+
+Inference only: the ops have no backward. Each registers an autograd formula
+whose backward raises RuntimeError saying so (instead of torch's generic "no
+autograd formula was registered"); outputs of inputs that require grad still
+report ``requires_grad=True``, so call the ops under ``torch.no_grad()`` or
+``torch.inference_mode()`` (or detach the inputs) when no backward is wanted.
 """
 
 from __future__ import annotations
@@ -142,3 +148,27 @@ def _(hidden_states, layer_id, router_logits=None):
             hidden_states.new_empty((T, layer.top_k), dtype=torch.int32),
             hidden_states.new_empty((T, layer.top_k), dtype=torch.float32),
             hidden_states.new_empty((T, layer.num_router_logits), dtype=torch.float32))
+
+
+# ---- autograd: inference only -------------------------------------------------------
+
+
+def _no_backward(name: str):
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            f"fusedmoe.{name}: the fusedmoe ops are inference-only and have no backward (no "
+            f"gradient flows to their inputs); run them under torch.no_grad() or "
+            f"torch.inference_mode(), or detach the inputs, and do not call .backward() through "
+            f"their outputs")
+
+    return backward
+
+
+def _no_context(ctx, inputs, output) -> None:
+    pass
+
+
+for _name, _op in (("fused_experts", fused_experts), ("fused_topk", fused_topk),
+                   ("grouped_topk", grouped_topk), ("moe_layer", moe_layer),
+                   ("moe_layer_with_routing", moe_layer_with_routing)):
+    _op.register_autograd(_no_backward(_name), setup_context=_no_context)

@@ -249,11 +249,50 @@ void check_dtype(const TensorView& v, const char* name, std::initializer_list<DT
       (std::string(name) + ": expected dtype " + expected + ", got " + v.str()).c_str());
 }
 
+// A compute dtype: f32, bf16 or f16 (aliases as parse_dtype). The error lists
+// only these (parse_dtype's own message would list every storage dtype).
 DType parse_compute_dtype(const std::string& s, const char* name) {
-  const DType d = parse_dtype(s);
-  FUSEDMOE_CHECK(d == DType::kF32 || d == DType::kBF16 || d == DType::kF16, name,
+  std::optional<DType> d;
+  try {
+    d = parse_dtype(s);
+  } catch (const Error&) {
+  }
+  FUSEDMOE_CHECK(d && (*d == DType::kF32 || *d == DType::kBF16 || *d == DType::kF16), name,
                  ": expected \"f32\", \"bf16\" or \"f16\" (f16: CUDA only), got \"", s, "\"");
-  return d;
+  return *d;
+}
+
+// Arrays a router reads besides the logits, given although the configured
+// router would ignore them: token_ids / hash_table belong to hash routing only.
+void check_hash_inputs_used(const MoEConfig& c, bool has_token_ids, bool has_hash_table) {
+  const bool hash = c.routing_method == RoutingMethod::kHash;
+  FUSEDMOE_CHECK(hash || !has_token_ids, "token_ids: given, but the ", to_string(c.routing_method),
+                 " router does not use them (hash routing only; they would be ignored)");
+  FUSEDMOE_CHECK(hash || !has_hash_table, "hash_table: given, but the ",
+                 to_string(c.routing_method),
+                 " router does not use one (hash routing only; it would be ignored)");
+}
+
+// A NumPy copy of a host tensor: f32 for floating tensors (bf16 widened
+// exactly), i32 for integer ones.
+nb::object numpy_copy(const Tensor& t, const char* name) {
+  FUSEDMOE_CHECK(t.view().device().is_cpu() && t.view().is_contiguous(), name,
+                 ": expected a contiguous host tensor, got ", t.view().str());
+  std::vector<size_t> shape(static_cast<size_t>(t.ndim()));
+  for (int d = 0; d < t.ndim(); ++d) shape[static_cast<size_t>(d)] = static_cast<size_t>(t.size(d));
+  const size_t n = static_cast<size_t>(t.numel());
+  if (t.dtype() == DType::kI32 || t.dtype() == DType::kI64) {
+    auto* data = new int32_t[std::max<size_t>(n, 1)];
+    nb::capsule owner(data, [](void* p) noexcept { delete[] static_cast<int32_t*>(p); });
+    for (size_t i = 0; i < n; ++i)
+      data[i] = t.dtype() == DType::kI32 ? t.data_as<const int32_t>()[i]
+                                         : static_cast<int32_t>(t.data_as<const int64_t>()[i]);
+    return nb::cast(nb::ndarray<nb::numpy, int32_t>(data, shape.size(), shape.data(), owner));
+  }
+  auto* data = new float[std::max<size_t>(n, 1)];
+  nb::capsule owner(data, [](void* p) noexcept { delete[] static_cast<float*>(p); });
+  convert_to_f32(t.data(), t.dtype(), data, n);
+  return nb::cast(nb::ndarray<nb::numpy, float>(data, shape.size(), shape.data(), owner));
 }
 
 // ---- MoEConfig <-> dict ------------------------------------------------------------
@@ -626,6 +665,7 @@ void select_experts(const InArray& router_logits, const OutArray& topk_ids,
                                     {opt(tok), "token_ids"},
                                     {opt(table), "hash_table"}});
   check_dtype(logits, "router_logits", {DType::kF32});
+  check_hash_inputs_used(c, tok.has_value(), table.has_value());
   if (dev.type == DeviceType::kCUDA) {
 #ifdef FUSEDMOE_WITH_CUDA
     select_experts_cuda(c, logits, ids, weights, bias, tok, table, stream);
@@ -653,7 +693,8 @@ class PyMoELayer {
     if (threads) {
       // 0: the global pool (all cores unless set_num_threads changed it), as
       // `fusedmoe run --threads 0`; N > 0: a private pool of N threads.
-      FUSEDMOE_CHECK(*threads >= 0, "threads: expected >= 0 (0: all cores), got ", *threads);
+      FUSEDMOE_CHECK(*threads >= 0 && *threads <= ThreadPool::kMaxThreads, "threads: expected 0..",
+                     ThreadPool::kMaxThreads, " (0: all cores), got ", *threads);
       if (*threads > 0) pool_ = std::make_unique<ThreadPool>(*threads);
     }
     RunnerOptions options;
@@ -698,6 +739,9 @@ class PyMoELayer {
     } else {
       FUSEDMOE_CHECK(backend == "cpu", "backend: expected \"cpu\" or \"cuda\", got \"", backend,
                      "\"");
+      FUSEDMOE_CHECK(compute != DType::kF16,
+                     "dtype: \"f16\" runs on the CUDA backend only (backend=\"cuda\"); the CPU "
+                     "backend computes in \"f32\" or \"bf16\"");
     }
     MoEConfig config;
     MoELayerWeights weights;
@@ -745,6 +789,7 @@ class PyMoELayer {
                     ? std::initializer_list<DType>{DType::kF32}
                     : std::initializer_list<DType>{DType::kF32, DType::kBF16, DType::kF16});
     if (logits) check_dtype(*logits, "router_logits", {DType::kF32});
+    check_hash_inputs_used(runner_->config(), tok.has_value(), false);
     if (max_num_tokens_ > 0 && x.ndim() == 2 && x.size(0) > max_num_tokens_)
       FUSEDMOE_THROW(kInvalidArgument, "hidden_states: at most max_num_tokens = ", max_num_tokens_,
                      " tokens for this CUDA layer (MoELayer.from_pretrained(..., "
@@ -776,6 +821,18 @@ class PyMoELayer {
 
   nb::dict config() const {
     return config_to_dict(runner_->config());
+  }
+  // The router's parameters besides the config, as NumPy copies (None when the
+  // layer has none): e_score_correction_bias f32 [n], hash_table i32 [V, k].
+  nb::dict router_params() const {
+    const RouterParams& p = runner_->weights().router_params;
+    nb::dict d;
+    d["e_score_correction_bias"] =
+        p.e_score_correction_bias
+            ? numpy_copy(*p.e_score_correction_bias, "e_score_correction_bias")
+            : nb::none();
+    d["hash_table"] = p.hash_table ? numpy_copy(*p.hash_table, "hash_table") : nb::none();
+    return d;
   }
   const MoEConfig& raw_config() const {
     return runner_->config();
@@ -895,10 +952,12 @@ NB_MODULE(_ext, m) {
   m.def("inspect", &inspect, "path"_a,
         "Describes a model directory (or lists a .safetensors file): the content of "
         "`fusedmoe inspect PATH --json`.");
+  m.attr("max_num_threads") = ThreadPool::kMaxThreads;
   m.def(
       "set_num_threads",
       [](int n) {
-        FUSEDMOE_CHECK(n >= 0, "num_threads: expected >= 0 (0: all cores), got ", n);
+        FUSEDMOE_CHECK(n >= 0 && n <= ThreadPool::kMaxThreads, "num_threads: expected 0..",
+                       ThreadPool::kMaxThreads, " (0: all cores), got ", n);
         ThreadPool::set_global_num_threads(n);
       },
       "num_threads"_a, "Sets the threads of the global pool (0: all cores).");
@@ -913,6 +972,9 @@ NB_MODULE(_ext, m) {
            "token_ids"_a.none(), "stream"_a = 0)
       .def("check_errors", &PyMoELayer::check_errors, "stream"_a = 0)
       .def_prop_ro("config", &PyMoELayer::config)
+      .def("router_params", &PyMoELayer::router_params,
+           "The router's parameters besides the config (NumPy copies, None when absent): "
+           "e_score_correction_bias f32, hash_table i32.")
       .def_prop_ro("num_experts", [](const PyMoELayer& l) { return l.raw_config().num_experts; })
       .def_prop_ro("num_router_logits",
                    [](const PyMoELayer& l) { return l.raw_config().num_router_logits(); })

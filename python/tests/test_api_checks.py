@@ -1,0 +1,302 @@
+"""What a first-time user runs into: array layouts that must be copied, routing
+with a layer's own router parameters, argument checks with a clear message
+naming the argument, mixed array libraries, autograd (inference only), and a
+clean ``dir(fusedmoe)``. Torch tests are skipped when torch is not installed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import fusedmoe
+from conftest import HF, REPO
+
+TINY_DSV3 = REPO / "models" / "tiny-deepseek-v3"
+
+
+def _torch():
+    torch = pytest.importorskip("torch")
+    if fusedmoe._torch is None:
+        pytest.skip("fusedmoe was imported without torch (FUSEDMOE_NO_TORCH)")
+    return torch
+
+
+@pytest.fixture(scope="module")
+def mixtral():
+    return fusedmoe.MoELayer.from_pretrained(HF / "mixtral", layer=0)
+
+
+@pytest.fixture
+def case(rng):
+    T, E, H, I, k = 5, 4, 16, 8, 2
+    return dict(
+        x=rng.standard_normal((T, H)).astype(np.float32),
+        w13=(rng.standard_normal((E, 2 * I, H)) / 4).astype(np.float32),
+        w2=(rng.standard_normal((E, H, I)) / 3).astype(np.float32),
+        tw=rng.random((T, k)).astype(np.float32),
+        ids=np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32),
+    )
+
+
+# ---- 1. autograd: inference only -------------------------------------------------------
+
+
+def test_backward_raises_inference_only(mixtral):
+    torch = _torch()
+    H = mixtral.hidden_size
+    x = torch.randn(4, H, requires_grad=True)
+    g = torch.randn(4, 8, requires_grad=True)
+    w13 = torch.randn(4, 16, H, requires_grad=True)
+    w2 = torch.randn(4, H, 8)
+    tw, ids = torch.full((4, 2), 0.5), torch.zeros(4, 2, dtype=torch.int32)
+    calls = {
+        "moe_layer": lambda: mixtral(x),
+        "moe_layer_with_routing": lambda: mixtral(x, return_routing=True)[0],
+        "fused_experts": lambda: fusedmoe.fused_experts(x, w13, w2, tw, ids),
+        "fused_topk": lambda: fusedmoe.fused_topk(None, g, 2, True)[0],
+        "grouped_topk": lambda: fusedmoe.grouped_topk(g, 2, True, 4, 2)[0],
+    }
+    for name, call in calls.items():
+        out = call()
+        with pytest.raises(RuntimeError, match=f"fusedmoe.{name}: .*inference-only.*no backward"):
+            out.sum().backward()
+    with torch.no_grad():
+        assert not mixtral(x).requires_grad
+
+
+# ---- 2. negative strides are copied ----------------------------------------------------
+
+
+def test_negative_strides_are_copied(mixtral, case, rng):
+    H = mixtral.hidden_size
+    x = rng.standard_normal((8, H)).astype(np.float32)
+    np.testing.assert_array_equal(mixtral(x[::-1]), mixtral(x[::-1].copy()))
+    np.testing.assert_array_equal(mixtral(x[:, ::-1]), mixtral(x[:, ::-1].copy()))
+    logits = rng.standard_normal((8, mixtral.num_router_logits)).astype(np.float32)
+    np.testing.assert_array_equal(mixtral(x, router_logits=logits[::-1]),
+                                  mixtral(x, router_logits=logits[::-1].copy()))
+    c = case
+    ref = fusedmoe.fused_experts(c["x"][::-1].copy(), c["w13"][::-1].copy(), c["w2"][::-1].copy(),
+                                 c["tw"][::-1].copy(), c["ids"][::-1].copy())
+    np.testing.assert_array_equal(
+        fusedmoe.fused_experts(c["x"][::-1], c["w13"][::-1], c["w2"][::-1], c["tw"][::-1],
+                               c["ids"][::-1]), ref)
+    w, ids = fusedmoe.fused_topk(x[::-1], logits[::-1], 2, True)
+    w_ref, ids_ref = fusedmoe.fused_topk(None, logits[::-1].copy(), 2, True)
+    np.testing.assert_array_equal(ids, ids_ref)
+    np.testing.assert_array_equal(w, w_ref)
+    bias = rng.standard_normal(8).astype(np.float32)
+    np.testing.assert_array_equal(
+        fusedmoe.grouped_topk(logits, 2, True, 4, 2, "sigmoid", bias[::-1])[1],
+        fusedmoe.grouped_topk(logits, 2, True, 4, 2, "sigmoid", bias[::-1].copy())[1])
+
+
+# ---- 3. select_experts with a MoELayer routes as the layer -----------------------------
+
+
+@pytest.mark.parametrize("model_dir,layer", [(TINY_DSV3, 1), (HF / "deepseek_v3", 1)])
+def test_select_experts_with_layer_routes_as_the_layer(model_dir, layer, rng):
+    moe = fusedmoe.MoELayer.from_pretrained(model_dir, layer=layer)
+    assert moe.config["e_score_correction_bias"]
+    x = rng.standard_normal((9, moe.hidden_size)).astype(np.float32)
+    _, ids, weights, logits = moe.forward_with_routing(x)
+    w2, ids2 = fusedmoe.select_experts(logits, moe.top_k, config=moe)
+    np.testing.assert_array_equal(ids2, ids)
+    np.testing.assert_array_equal(w2, weights)
+    w3, ids3 = fusedmoe.select_experts(logits, config=moe)  # top_k from the layer
+    np.testing.assert_array_equal(ids3, ids)
+    np.testing.assert_array_equal(w3, weights)
+
+
+def test_select_experts_with_layer_torch(rng):
+    torch = _torch()
+    moe = fusedmoe.MoELayer.from_pretrained(TINY_DSV3, layer=1)
+    x = torch.from_numpy(rng.standard_normal((6, moe.hidden_size)).astype(np.float32))
+    _, ids, weights, logits = moe.forward_with_routing(x)
+    w2, ids2 = fusedmoe.select_experts(logits, config=moe)
+    assert isinstance(ids2, torch.Tensor)
+    assert torch.equal(ids2, ids) and torch.equal(w2, weights)
+
+
+# ---- 4. mixed array libraries ----------------------------------------------------------
+
+
+def test_layer_mixed_numpy_and_torch_is_a_type_error(mixtral):
+    torch = _torch()
+    x = torch.randn(2, mixtral.hidden_size)
+    logits = np.zeros((2, mixtral.num_router_logits), np.float32)
+    msg = "router_logits: expected a torch.Tensor like hidden_states"
+    with pytest.raises(TypeError, match=msg):
+        mixtral(x, router_logits=logits)
+    with pytest.raises(TypeError, match=msg):
+        mixtral(x, router_logits=logits, return_routing=True)
+    with pytest.raises(TypeError, match=msg):
+        mixtral.forward_with_routing(x, router_logits=logits)
+    with pytest.raises(TypeError, match="token_ids: expected a torch.Tensor like hidden_states"):
+        mixtral(x, token_ids=np.zeros(2, np.int32))
+    g = torch.randn(2, 8)
+    with pytest.raises(TypeError, match="e_score_correction_bias: expected a torch.Tensor"):
+        fusedmoe.grouped_topk(g, 2, True, 4, 2, "sigmoid", np.zeros(8, np.float32))
+    with pytest.raises(TypeError, match="hidden_states: expected a torch.Tensor like gating_"):
+        fusedmoe.fused_topk(x.numpy(), g, 2, True)
+
+
+# ---- 5. from_pretrained / inspect argument types -------------------------------------
+
+
+def test_from_pretrained_checks_arguments_in_python():
+    for kw, name in [(dict(layer=2**70), "layer"), (dict(layer=-1), "layer"),
+                     (dict(threads=2**40), "threads"), (dict(max_num_tokens=2**70),
+                                                        "max_num_tokens")]:
+        with pytest.raises(ValueError, match=f"^{name}: expected") as e:
+            fusedmoe.MoELayer.from_pretrained(HF / "mixtral", **kw)
+        assert "incompatible function arguments" not in str(e.value)
+    with pytest.raises(TypeError, match="^model_dir: expected a path"):
+        fusedmoe.MoELayer.from_pretrained(5)
+    with pytest.raises(TypeError, match="^path: expected a path"):
+        fusedmoe.inspect(None)
+    # bytes paths work as os functions take them
+    layer = fusedmoe.MoELayer.from_pretrained(bytes(HF / "mixtral"), layer=1)
+    assert layer.layer == 1
+    assert fusedmoe.inspect(bytes(HF / "mixtral")) == fusedmoe.inspect(HF / "mixtral")
+
+
+def test_str_arguments_are_checked_in_python(case):
+    c = case
+    for kw, name in [(dict(activation=5), "activation"), (dict(activation=None), "activation"),
+                     (dict(compute_dtype=5), "compute_dtype")]:
+        with pytest.raises(TypeError, match=f"^{name}: expected") as e:
+            fusedmoe.fused_experts(c["x"], c["w13"], c["w2"], c["tw"], c["ids"], **kw)
+        assert "incompatible function arguments" not in str(e.value)
+    with pytest.raises(TypeError, match="^backend: expected 'cpu' or 'cuda', got int"):
+        fusedmoe.MoELayer.from_pretrained(HF / "mixtral", backend=5)
+    # sizes are checked before the build is (a CPU-only build raises NotImplementedError)
+    with pytest.raises(ValueError, match=r"^num_tokens: expected 0\.\.2\*\*63-1, got"):
+        fusedmoe.cuda_fused_experts_workspace_bytes(2**70, 16, 8, 4, 2)
+    with pytest.raises(TypeError, match="^top_k: expected an int"):
+        fusedmoe.cuda_fused_experts_workspace_bytes(4, 16, 8, 4, 2.0)
+
+
+# ---- 6. dtype errors name the argument and list only its values ------------------------
+
+
+def test_dtype_errors_list_valid_values_and_name_the_argument(case):
+    with pytest.raises(ValueError, match='^dtype: expected "f32", "bf16" or "f16"') as e:
+        fusedmoe.MoELayer.from_pretrained(HF / "mixtral", dtype="f8")
+    assert "f8_e4m3fn" not in str(e.value)
+    with pytest.raises(ValueError, match='^dtype: "f16" runs on the CUDA backend only') as e:
+        fusedmoe.MoELayer.from_pretrained(HF / "mixtral", dtype="f16")
+    assert "compute_dtype" not in str(e.value)
+    assert (fusedmoe.MoELayer.from_pretrained(HF / "mixtral", dtype="bfloat16").compute_dtype
+            == "bf16")
+    with pytest.raises(ValueError, match='^compute_dtype: expected "f32", "bf16" or "f16"') as e:
+        fusedmoe.fused_experts(case["x"], case["w13"], case["w2"], case["tw"], case["ids"],
+                               compute_dtype="f8")
+    assert "f8_e4m3fn" not in str(e.value)
+    assert fusedmoe.MoELayer.from_pretrained(HF / "mixtral", dtype="bf16").compute_dtype == "bf16"
+
+
+# ---- 7. thread counts: the message says what is accepted --------------------------------
+
+
+def test_thread_count_range_matches_its_message():
+    n = fusedmoe.get_num_threads()
+    for bad in (-1, 1025, 5000, 2**40):
+        with pytest.raises(ValueError, match=r"^threads: expected 0\.\.1024 \(0: all cores\)"):
+            fusedmoe.MoELayer.from_pretrained(HF / "mixtral", threads=bad)
+        with pytest.raises(ValueError, match=r"^num_threads: expected 0\.\.1024 \(0: all cores\)"):
+            fusedmoe.set_num_threads(bad)
+    for bad in (-1, 2000):  # the extension's own check says the same
+        with pytest.raises(ValueError, match=r"^num_threads: expected 0\.\.1024 \(0: all cores\)"):
+            fusedmoe._ext.set_num_threads(bad)
+    assert fusedmoe.get_num_threads() == n
+    assert fusedmoe.MoELayer.from_pretrained(HF / "mixtral", threads=2).threads == 2
+
+
+# ---- 8. fused_topk / fused_experts edge cases -----------------------------------------
+
+
+def test_fused_topk_zero_experts_and_hidden_states_checks(rng):
+    g = rng.standard_normal((3, 8)).astype(np.float32)
+    h = rng.standard_normal((3, 16)).astype(np.float32)
+    with pytest.raises(ValueError, match=r"^gating_output: 0 experts \(shape \(3, 0\)\)"):
+        fusedmoe.fused_topk(h, g[:, :0], 1, True)
+    with pytest.raises(ValueError, match=r"^router_logits: 0 experts"):
+        fusedmoe.select_experts(g[:, :0], 1)
+    with pytest.raises(TypeError, match="^hidden_states: expected dtype float32, got float64"):
+        fusedmoe.fused_topk(h.astype(np.float64), g, 2, True)
+    with pytest.raises(TypeError, match="^hidden_states: expected dtype float32"):
+        fusedmoe.fused_topk(h.astype(np.float16), g, 2, True)
+    with pytest.raises(ValueError, match="^hidden_states: expected a 2-d array"):
+        fusedmoe.fused_topk(h[0], g, 2, True)
+    with pytest.raises(ValueError, match="^hidden_states: expected 3 tokens"):
+        fusedmoe.fused_topk(h[:2], g, 2, True)
+    w, ids = fusedmoe.fused_topk(h, g, 2, True)
+    w0, ids0 = fusedmoe.fused_topk(None, g, 2, True)
+    np.testing.assert_array_equal(ids, ids0)
+    np.testing.assert_array_equal(w, w0)
+
+
+def test_fused_topk_hidden_states_torch(rng):
+    torch = _torch()
+    g = torch.randn(3, 8)
+    with pytest.raises(TypeError, match="^hidden_states: expected dtype float32"):
+        fusedmoe.fused_topk(torch.zeros(3, 16, dtype=torch.float64), g, 2, True)
+    with pytest.raises(ValueError, match="^hidden_states: expected 3 tokens"):
+        fusedmoe.fused_topk(torch.zeros(2, 16), g, 2, True)
+
+
+def test_fused_experts_zero_intermediate_size(case):
+    c = case
+    with pytest.raises(ValueError, match=r"^w13: the intermediate size is 0"):
+        fusedmoe.fused_experts(c["x"], c["w13"][:, :0], c["w2"][:, :, :0], c["tw"], c["ids"])
+    with pytest.raises(ValueError, match=r"^w2: the intermediate size is 0"):
+        fusedmoe.fused_experts(c["x"], c["w13"], c["w2"][:, :, :0], c["tw"], c["ids"])
+    with pytest.raises(ValueError, match=r"^hidden_states: the hidden size is 0"):
+        fusedmoe.fused_experts(c["x"][:, :0], c["w13"][:, :, :0], c["w2"][:, :0], c["tw"],
+                               c["ids"])
+
+
+# ---- 9. token_ids off hash routing; router_logits dtypes ---------------------------------
+
+
+def test_token_ids_refused_off_hash_routing(mixtral, rng):
+    x = rng.standard_normal((2, mixtral.hidden_size)).astype(np.float32)
+    tok = np.zeros(2, np.int32)
+    with pytest.raises(ValueError, match="^token_ids: given, but the topk router"):
+        mixtral(x, token_ids=tok)
+    with pytest.raises(ValueError, match="^token_ids: given, but the"):
+        mixtral(x, token_ids=tok, return_routing=True)
+    g = rng.standard_normal((2, 8)).astype(np.float32)
+    with pytest.raises(ValueError, match="^token_ids: given, but the topk router"):
+        fusedmoe.select_experts(g, 2, token_ids=tok)
+    with pytest.raises(ValueError, match="^hash_table: given, but the topk router"):
+        fusedmoe.select_experts(g, 2, hash_table=np.zeros((4, 2), np.int32))
+
+
+def test_router_logits_of_any_float_dtype_are_converted(mixtral, rng):
+    x = rng.standard_normal((3, mixtral.hidden_size)).astype(np.float32)
+    logits = rng.standard_normal((3, mixtral.num_router_logits)).astype(np.float16)
+    ref = mixtral(x, router_logits=logits.astype(np.float32))
+    np.testing.assert_array_equal(mixtral(x, router_logits=logits), ref)
+    np.testing.assert_array_equal(mixtral(x, router_logits=logits.astype(np.float64)), ref)
+    with pytest.raises(TypeError, match="^router_logits: expected a floating dtype"):
+        mixtral(x, router_logits=logits.astype(np.int32))
+    with pytest.raises(TypeError, match="^hidden_states: expected dtype f32"):
+        mixtral(x.astype(np.float64))
+
+
+# ---- 10. dir(fusedmoe) ---------------------------------------------------------------
+
+
+def test_dir_lists_the_public_api_only():
+    names = dir(fusedmoe)
+    for leaked in ("Any", "Mapping", "Optional", "Tuple", "np", "os", "weakref", "itertools",
+                   "importlib", "annotations"):
+        assert leaked not in names, leaked
+    public = [n for n in names if not n.startswith("_")]
+    assert sorted(public) == sorted(n for n in fusedmoe.__all__ if not n.startswith("_"))
+    assert "__version__" in names and "__all__" in names
+    ns: dict = {}
+    exec("from fusedmoe import *", ns)  # the star import follows __all__
+    assert sorted(n for n in ns if n != "__builtins__") == sorted(fusedmoe.__all__)
