@@ -1,8 +1,13 @@
 // `fusedmoe bench`: fusedmoe's CPU MoE kernel against a BLAS-per-expert loop on
 // synthetic layers of published model shapes, with this machine's roofline
 // measured in the same run (see src/cli/bench_common.h, ../shared/perf-targets.md).
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <memory>
 #include <string>
@@ -122,6 +127,16 @@ int run_bench(const BenchOptions& o) {
                    "bench/cuda/torch_baseline.py on --dump-dir), got it with --backend cuda");
     FUSEDMOE_CHECK(o.memory_fraction == d.memory_fraction, "--memory-fraction: a CPU option, got ",
                    o.memory_fraction, " with --backend cuda");
+    if (!o.dump_dir.empty()) {
+      // Checked before the benchmark runs, with the OS reason.
+      struct stat st {};
+      if (::stat(o.dump_dir.c_str(), &st) != 0)
+        FUSEDMOE_THROW(kIo, "--dump-dir ", o.dump_dir, ": ", std::strerror(errno));
+      FUSEDMOE_CHECK(S_ISDIR(st.st_mode), "--dump-dir ", o.dump_dir,
+                     ": expected a directory (the bench writes several files into it)");
+      if (::access(o.dump_dir.c_str(), W_OK) != 0)
+        FUSEDMOE_THROW(kIo, "--dump-dir ", o.dump_dir, ": cannot write: ", std::strerror(errno));
+    }
     if (!parallel) {
       FUSEDMOE_CHECK(o.min_time == d.min_time && o.seed == d.seed && o.max_experts == 0,
                      "--min-time, --seed and --max-experts: not taken by the single-GPU CUDA "

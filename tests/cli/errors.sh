@@ -206,6 +206,12 @@ if ! nvidia-smi -L 2>/dev/null | grep -q "^GPU"; then
     run --backend cuda --model "$FIX" --layer 1 --tokens 1
 fi
 
+# --dump-dir: checked before the benchmark runs, with the OS reason.
+expect_error "bench --dump-dir missing" "--dump-dir $TMP/no-dump: No such file or directory" -- \
+  bench --backend cuda --shapes qwen3 --tokens 1 --dump-dir "$TMP/no-dump"
+expect_error "bench --dump-dir a file" "--dump-dir $FIX/config.json: expected a directory" -- \
+  bench --backend cuda --shapes qwen3 --tokens 1 --dump-dir "$FIX/config.json"
+
 # An unknown command is named, with the valid ones.
 expect_error "unknown command" "unknown command 'bogus': expected inspect, run or bench" -- bogus
 
