@@ -3,6 +3,7 @@
 //                       [--routings 8] [--iters 40] [--dump-dir DIR] [--sweep] [--sweep-sm90]
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <string>
 
 #include "bench/cuda/cuda_bench.h"
@@ -40,5 +41,10 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  return fusedmoe::bench::run_cuda_bench(o);
+  try {
+    return fusedmoe::bench::run_cuda_bench(o);
+  } catch (const std::exception& e) {  // e.g. a --dump-dir file that cannot be written
+    std::fprintf(stderr, "bench_cuda_moe: error: %s\n", e.what());
+    return 1;
+  }
 }

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "bench/cuda/cuda_bench.h"
+#include "fusedmoe/io/safetensors.h"
 #include "fusedmoe/kernels/cuda.h"
 #include "fusedmoe/routing/router.h"
 
@@ -82,13 +83,12 @@ const Shape kShapes[] = {
 
 constexpr uint32_t kSeedW13 = 11, kSeedW2 = 12, kSeedX = 13;
 
+// Each --dump-dir file is written in full or not at all; a failure throws
+// Error(kIo) naming the file and the OS reason.
 void write_file(const std::string& path, const void* data, size_t bytes) {
-  std::ofstream f(path, std::ios::binary);
-  f.write(static_cast<const char*>(data), static_cast<std::streamsize>(bytes));
-  if (!f) {
-    std::fprintf(stderr, "cannot write %s\n", path.c_str());
-    std::exit(1);
-  }
+  AtomicFile f(path);
+  f.write(data, bytes);
+  f.commit();
 }
 
 }  // namespace
@@ -372,10 +372,7 @@ int run_cuda_bench(const CudaBenchOptions& o) {
       CK(cudaFree(p));
   }
   manifest += "\n], \"seeds\": {\"w13\": 11, \"w2\": 12, \"x\": 13}}\n";
-  if (!dump_dir.empty()) {
-    std::ofstream f(dump_dir + "/manifest.json");
-    f << manifest;
-  }
+  if (!dump_dir.empty()) write_file(dump_dir + "/manifest.json", manifest.data(), manifest.size());
   return 0;
 }
 

@@ -53,6 +53,13 @@ inline CLI::Validator number_in(double lo, double hi) {
       },
       "NUMBER " + want);
 }
+// A path or name option given as "": an error naming the option, not the same
+// as leaving the option out.
+inline const CLI::Validator kNonEmpty(
+    [](std::string& input) -> std::string {
+      return input.empty() ? "expected a path, got an empty string" : std::string();
+    },
+    "PATH");
 inline const CLI::Validator kPositive = number_above(0, false);
 inline const CLI::Validator kNonNegative = number_above(0, true);
 

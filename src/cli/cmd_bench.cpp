@@ -1,17 +1,25 @@
 // `fusedmoe bench`: fusedmoe's CPU MoE kernel against a BLAS-per-expert loop on
 // synthetic layers of published model shapes, with this machine's roofline
 // measured in the same run (see src/cli/bench_common.h, ../shared/perf-targets.md).
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "cli/bench_common.h"
 #include "cli/cli.h"
 #include "fusedmoe/core/thread_pool.h"
+#include "fusedmoe/io/safetensors.h"
 #ifdef FUSEDMOE_WITH_CUDA
 #include "bench/cuda/cuda_bench.h"
+#include "fusedmoe/kernels/cuda.h"
 #endif
 
 namespace fusedmoe::cli {
@@ -43,13 +51,18 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& o) {
                   "Weight and compute dtype: f32 or bf16 (default f32; --backend cuda: bf16)")
       ->check(CLI::IsMember({"f32", "bf16"}));
   cmd->add_option("--threads", o.threads, "Threads (default: all cores)")->check(kNonNegative);
-  cmd->add_option("--min-time", o.min_time, "Minimum seconds of timed runs per measurement")
-      ->check(kNonNegative)
+  cmd->add_option("--min-time", o.min_time,
+                  "Minimum seconds of timed runs per measurement, at most 3600 (also at least 3 "
+                  "and at most 1000 runs)")
+      ->check(number_in(0, 3600))
       ->capture_default_str();
   cmd->add_option("--routing", o.routing, "Simulated routing: uniform, zipf or all-to-one")
       ->check(CLI::IsMember({"uniform", "zipf", "all-to-one"}))
       ->capture_default_str();
-  cmd->add_option("--csv", o.csv, "Also write the results to this CSV file");
+  cmd->add_option("--csv", o.csv,
+                  "Also write the results to this CSV file (written in full at the end; none on "
+                  "an error)")
+      ->check(kNonEmpty);
   cmd->add_option("--memory-fraction", o.memory_fraction,
                   "Share of physical memory a layer may use; larger shapes get fewer experts")
       ->check(number_in(0.01, 0.95))
@@ -85,7 +98,8 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& o) {
   cmd->add_flag("--sweep", o.sweep, "cuda: also time every GEMM tile configuration");
   cmd->add_option("--dump-dir", o.dump_dir,
                   "cuda: write routings, outputs and manifest.json for "
-                  "bench/cuda/torch_baseline.py (PyTorch on the same inputs)");
+                  "bench/cuda/torch_baseline.py (PyTorch on the same inputs)")
+      ->check(kNonEmpty);
   return cmd;
 }
 
@@ -113,6 +127,16 @@ int run_bench(const BenchOptions& o) {
                    "bench/cuda/torch_baseline.py on --dump-dir), got it with --backend cuda");
     FUSEDMOE_CHECK(o.memory_fraction == d.memory_fraction, "--memory-fraction: a CPU option, got ",
                    o.memory_fraction, " with --backend cuda");
+    if (!o.dump_dir.empty()) {
+      // Checked before the benchmark runs, with the OS reason.
+      struct stat st {};
+      if (::stat(o.dump_dir.c_str(), &st) != 0)
+        FUSEDMOE_THROW(kIo, "--dump-dir ", o.dump_dir, ": ", std::strerror(errno));
+      FUSEDMOE_CHECK(S_ISDIR(st.st_mode), "--dump-dir ", o.dump_dir,
+                     ": expected a directory (the bench writes several files into it)");
+      if (::access(o.dump_dir.c_str(), W_OK) != 0)
+        FUSEDMOE_THROW(kIo, "--dump-dir ", o.dump_dir, ": cannot write: ", std::strerror(errno));
+    }
     if (!parallel) {
       FUSEDMOE_CHECK(o.min_time == d.min_time && o.seed == d.seed && o.max_experts == 0,
                      "--min-time, --seed and --max-experts: not taken by the single-GPU CUDA "
@@ -121,10 +145,18 @@ int run_bench(const BenchOptions& o) {
     }
     if (parallel) return run_bench_parallel_cuda(o);
   }
-  if (o.ep_size > 1 || o.tp_size > 1 || o.dp_size > 1) return run_bench_parallel(o);
+  if (o.ep_size > 1 || o.tp_size > 1 || o.dp_size > 1) {
+    FUSEDMOE_CHECK(o.csv.empty(),
+                   "--csv: not written by the parallel bench (--ep-size, --tp-size, --dp-size); "
+                   "it prints its table only, got ",
+                   o.csv);
+    return run_bench_parallel(o);
+  }
   using namespace fusedmoe::bench;
   if (o.backend == "cuda") {
 #ifdef FUSEDMOE_WITH_CUDA
+    // As `run --backend cuda`: no device is an error, not a skipped benchmark.
+    FUSEDMOE_CHECK(cuda::device_count() > 0, "--backend cuda: no CUDA device found");
     CudaBenchOptions c;
     c.shapes = o.shapes;
     c.tokens = parse_int_list(o.tokens, "--tokens");
@@ -149,20 +181,26 @@ int run_bench(const BenchOptions& o) {
   const int threads = ThreadPool::global().num_threads();
   const bool baseline = !o.no_baseline;
 
-  std::FILE* csv = nullptr;
+  // The CSV goes to a temporary file beside it (created now, so a path that
+  // cannot be written fails before the benchmark runs), renamed into place
+  // once every row is there: an error on the way leaves no file.
+  std::unique_ptr<AtomicFile> csv;
   if (!o.csv.empty()) {
-    csv = std::fopen(o.csv.c_str(), "w");
-    FUSEDMOE_CHECK(csv != nullptr, "--csv: cannot write ", o.csv);
-    std::fprintf(csv,
-                 "shape,E,k,H,I,dtype,routing,T,experts_touched,ours_s,ours_gflops,ours_gbps,"
-                 "roofline_frac,bound,baseline_s,baseline_gflops,speedup,rel_diff\n");
+    try {
+      csv = std::make_unique<AtomicFile>(o.csv);
+    } catch (const Error& e) {
+      throw Error(e.code(), std::string("--csv: ") + e.what());
+    }
+    csv->write(
+        "shape,E,k,H,I,dtype,routing,T,experts_touched,ours_s,ours_gflops,ours_gbps,"
+        "roofline_frac,bound,baseline_s,baseline_gflops,speedup,rel_diff\n");
   }
 
   std::printf("# fusedmoe bench\n\n");
   std::printf("- CPU: %s, %d threads, SIMD %s\n", cpu_model_name().c_str(), threads, simd_isa());
   std::printf(
       "- weights and compute: %s; routing: simulated %s; timing: median after 1 warm-up, "
-      ">= 3 runs (2 if over 1 s each) and >= %.2f s\n",
+      ">= 3 runs (2 if over 1 s each) and >= %.2f s, at most 1000 runs\n",
       dtype_name(dtype), o.routing.c_str(), o.min_time);
   std::fflush(stdout);
   const Ceilings ceil = measure_ceilings(threads);
@@ -241,9 +279,10 @@ int run_bench(const BenchOptions& o) {
       }
       std::printf("\n");
       std::fflush(stdout);
-      if (csv)
-        std::fprintf(
-            csv,
+      if (csv) {
+        char row[512];
+        std::snprintf(
+            row, sizeof row,
             "%s,%lld,%lld,%lld,%lld,%s,%s,%lld,%.2f,%.6e,%.3f,%.3f,%.4f,%s,%.6e,%.3f,%.4f,%.3e\n",
             shape.name.c_str(), static_cast<long long>(shape.E), static_cast<long long>(shape.k),
             static_cast<long long>(shape.H), static_cast<long long>(shape.I), dtype_name(dtype),
@@ -251,6 +290,8 @@ int run_bench(const BenchOptions& o) {
             roof.flops / t_ours * 1e-9, roof.bytes / t_ours * 1e-9, frac,
             roof.memory_bound ? "memory" : "compute", t_base,
             baseline ? roof.flops / t_base * 1e-9 : 0.0, baseline ? t_base / t_ours : 0.0, diff);
+        csv->write(row);
+      }
     }
     const size_t peak = peak_rss_bytes();
     max_peak = std::max(max_peak, peak);
@@ -261,7 +302,7 @@ int run_bench(const BenchOptions& o) {
   }
   std::printf("largest peak resident memory of one shape: %s\n",
               format_bytes(static_cast<double>(max_peak)).c_str());
-  if (csv) std::fclose(csv);
+  if (csv) csv->commit();
   return 0;
 }
 

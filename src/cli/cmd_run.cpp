@@ -27,24 +27,23 @@
 namespace fusedmoe::cli {
 namespace {
 
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() &&
-         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
 std::string base_name(const std::string& p) {
   const auto slash = p.find_last_of('/');
   return slash == std::string::npos ? p : p.substr(slash + 1);
 }
 
-// Minimal .npy reader (format versions 1-3, little-endian f2/f4/f8, C order).
+constexpr char kNpyMagic[] = "\x93NUMPY";
+
+// Minimal .npy reader (format versions 1-3, C order): floats f2/f4/f8, signed and
+// unsigned integers, bool; little- or big-endian (big-endian data is byte-swapped
+// to the machine's order, as the Python API converts such arrays).
 Tensor read_npy(const std::string& path) {
   require_regular_file(path);
   std::ifstream f(path, std::ios::binary);
-  if (!f) FUSEDMOE_THROW(kIo, path, ": cannot open");
+  if (!f) FUSEDMOE_THROW(kIo, path, ": cannot open: ", std::strerror(errno));
   char magic[8];
   f.read(magic, 8);
-  if (!f || std::memcmp(magic, "\x93NUMPY", 6) != 0)
+  if (!f || std::memcmp(magic, kNpyMagic, 6) != 0)
     FUSEDMOE_THROW(kIo, path, ": not a .npy file (bad magic)");
   uint32_t header_len = 0;
   if (magic[6] == 1) {
@@ -67,15 +66,25 @@ Tensor read_npy(const std::string& path) {
   std::string descr = field("'descr':");
   descr = descr.substr(descr.find('\'') + 1);
   descr = descr.substr(0, descr.find('\''));
-  DType dtype;
-  if (descr == "<f4")
-    dtype = DType::kF32;
-  else if (descr == "<f8")
-    dtype = DType::kF64;
-  else if (descr == "<f2")
-    dtype = DType::kF16;
-  else
-    FUSEDMOE_THROW(kIo, path, ": .npy dtype '", descr, "' not supported (expected <f4, <f8, <f2)");
+  struct NpyType {
+    const char* code;  // without the byte-order character
+    DType dtype;
+  };
+  static constexpr NpyType kTypes[] = {
+      {"f2", DType::kF16}, {"f4", DType::kF32}, {"f8", DType::kF64},
+      {"i1", DType::kI8},  {"i2", DType::kI16}, {"i4", DType::kI32},
+      {"i8", DType::kI64}, {"u1", DType::kU8},  {"b1", DType::kBool}};
+  // '<' little-endian, '>' big-endian, '|' not applicable (1 byte), '=' native.
+  const char order = descr.empty() ? '?' : descr[0];
+  const NpyType* type = nullptr;
+  if (order == '<' || order == '>' || order == '|' || order == '=')
+    for (const NpyType& t : kTypes)
+      if (descr.compare(1, std::string::npos, t.code) == 0) type = &t;
+  if (type == nullptr)
+    FUSEDMOE_THROW(kIo, path, ": .npy dtype '", descr,
+                   "' not supported (expected f2, f4, f8, i1, i2, i4, i8, u1 or b1, little- or "
+                   "big-endian)");
+  const DType dtype = type->dtype;
   if (field("'fortran_order':").find("True") < 3)
     FUSEDMOE_THROW(kIo, path, ": Fortran-order .npy arrays are not supported");
   std::string shape_text = field("'shape':");
@@ -86,25 +95,53 @@ Tensor read_npy(const std::string& path) {
   Tensor t = Tensor::empty(dtype, shape);
   f.read(static_cast<char*>(t.data()), static_cast<std::streamsize>(t.nbytes()));
   if (!f) FUSEDMOE_THROW(kIo, path, ": .npy data shorter than its shape ", t.shape_str());
+  const size_t width = dtype_size(dtype);
+  if (order == '>' && width > 1) {
+    auto* p = static_cast<unsigned char*>(t.data());
+    for (size_t i = 0; i < t.nbytes(); i += width) std::reverse(p + i, p + i + width);
+  }
   return t;
 }
 
-// The tensor `key` of a .safetensors file (or the array of a .npy file).
+// The tensor `key` of a .safetensors file, or the array of a .npy file (told
+// apart by their content, whatever the name).
 Tensor read_tensor(const std::string& path, const std::string& key, const char* what) {
-  if (ends_with(path, ".npy")) {
-    FUSEDMOE_CHECK(key.empty(), "--", what, "-key '", key, "': ", path,
+  const std::string flag = std::string("--") + what;
+  // A directory, FIFO or device, a missing or unreadable file: named with the reason.
+  try {
+    require_regular_file(path);
+  } catch (const Error& e) {
+    throw Error(e.code(), flag + " " + e.what());
+  }
+  char magic[6] = {};
+  {
+    std::ifstream f(path, std::ios::binary);
+    if (!f) FUSEDMOE_THROW(kIo, flag, " ", path, ": cannot open: ", std::strerror(errno));
+    f.read(magic, sizeof magic);
+  }
+  if (std::memcmp(magic, kNpyMagic, 6) == 0) {
+    FUSEDMOE_CHECK(key.empty(), flag, "-key '", key, "': ", path,
                    " is a .npy file, which holds one array and takes no key");
     return read_npy(path);
   }
-  FUSEDMOE_CHECK(!key.empty(), "--", what, "-key is required with a .safetensors file");
-  auto file = SafetensorsFile::open(path);
+  std::shared_ptr<SafetensorsFile> file;
+  try {
+    file = SafetensorsFile::open(path);
+  } catch (const Error& e) {
+    std::string why = e.what();  // "PATH: reason"
+    if (why.rfind(path + ": ", 0) == 0) why.erase(0, path.size() + 2);
+    throw Error(e.code(), flag + " " + path +
+                              ": neither a .npy file nor a valid .safetensors file (" + why + ")");
+  }
+  FUSEDMOE_CHECK(!key.empty(), flag, "-key is required with a .safetensors file (", path, " has ",
+                 file->names().size(), " tensors; `fusedmoe inspect ", path, "` lists them)");
   if (!file->contains(key)) FUSEDMOE_THROW(kIo, path, ": no tensor named '", key, "'");
   return file->get(key);
 }
 
 std::string describe(const std::string& path, const std::string& key, const char* what) {
-  return ends_with(path, ".npy") ? std::string(what) + " " + path
-                                 : std::string(what) + " '" + key + "' in " + path;
+  return key.empty() ? std::string(what) + " " + path  // a .npy file
+                     : std::string(what) + " '" + key + "' in " + path;
 }
 
 // Values of a floating tensor as doubles (f64 kept exactly).
@@ -150,12 +187,15 @@ void print_histogram(const std::vector<int64_t>& counts, int64_t routed) {
 CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
   CLI::App* cmd = app.add_subcommand("run", "Run one MoE layer forward on CPU or CUDA");
   cmd->add_option("--model", o.model,
-                  "HF model directory (default: the bundled tiny DeepSeek-V3 model)");
+                  "HF model directory, its config.json, or its .safetensors file (default: the "
+                  "bundled tiny DeepSeek-V3 model)")
+      ->check(kNonEmpty);
   cmd->add_option("--layer", o.layer, "MoE layer index (default: the first MoE layer)")
       ->check(kNonNegative);
   auto* input = cmd->add_option("--input", o.input,
                                 "Hidden states: .safetensors file (with --input-key) or .npy; "
-                                "f32/bf16/f16/f64 [T, H]");
+                                "f32/bf16/f16/f64 [T, H]")
+                    ->check(kNonEmpty);
   cmd->add_option("--input-key", o.input_key, "Tensor name in the --input safetensors file")
       ->needs(input);
   auto* tokens = cmd->add_option("--tokens", o.tokens, "Use T random N(0,1) tokens as input")
@@ -166,7 +206,8 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
                    ->check(kNonNegative);
   seed->needs(tokens);
   cmd->add_option("--output", o.output,
-                  "Write output, topk_ids, topk_weights, router_logits to this .safetensors file");
+                  "Write output, topk_ids, topk_weights, router_logits to this .safetensors file")
+      ->check(kNonEmpty);
   auto* cdt = cmd->add_option("--compute-dtype", o.compute_dtype,
                               "f32 or bf16; with --backend cuda bf16 or f16: the experts' type on "
                               "the GPU (weights converted; default: f16 for an f16 checkpoint, "
@@ -181,7 +222,8 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
       ->check(kNonNegative);
   auto* ref = cmd->add_option("--reference", o.reference,
                               "File with the expected output (.safetensors with "
-                              "--reference-key, or .npy)");
+                              "--reference-key, or .npy)")
+                  ->check(kNonEmpty);
   cmd->add_option("--reference-key", o.reference_key, "Tensor name in the --reference file")
       ->needs(ref);
   cmd->add_option("--tolerance", o.tolerance,
@@ -292,8 +334,7 @@ int run_run(const RunOptions& o) {
                    ": expected a floating dtype (f32, bf16, f16, f64), got ",
                    dtype_name(raw.dtype()));
     input = raw.dtype() == DType::kF32 ? raw : to_f32(raw);
-    input_desc =
-        ends_with(o.input, ".npy") ? base_name(o.input) : base_name(o.input) + ":" + o.input_key;
+    input_desc = o.input_key.empty() ? base_name(o.input) : base_name(o.input) + ":" + o.input_key;
   } else {
     uint64_t seed = o.seed;
     if (!o.seed_given)

@@ -140,8 +140,16 @@ int main(int argc, char** argv) {
   } catch (const CLI::Success& e) {  // --help, --version
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
-    if (app.get_subcommands().empty())
+    if (app.get_subcommands().empty()) {
+      // The first word that is no option names the command: say so when it is none.
+      for (int i = 1; i < argc; ++i)
+        if (const std::string w = argv[i];
+            w[0] != '-' && w != "inspect" && w != "run" && w != "bench")
+          return fail(std::string("unknown command '") + argv[i] +
+                          "': expected inspect, run or bench (see fusedmoe --help)",
+                      2, true);
       return fail(std::string(e.what()) + ": inspect, run or bench (see fusedmoe --help)", 2, true);
+    }
     return fail(e.what(), 2, true);
   }
 

@@ -120,14 +120,17 @@ SimulatedRouting parse_simulated_routing(const std::string& s) {
 }
 
 void MoEConfig::validate() const {
-  auto positive = [](int64_t v, const char* name) {
+  auto positive = [](int64_t v, const char* name, int64_t max) {
     FUSEDMOE_CHECK(v > 0, name, ": expected > 0, got ", v);
+    FUSEDMOE_CHECK(v <= max, name, ": expected <= ", max, " (far above any released model), got ",
+                   v);
   };
-  positive(num_experts, "num_experts");
-  positive(top_k, "top_k");
-  positive(hidden_size, "hidden_size");
-  positive(intermediate_size, "intermediate_size");
-  FUSEDMOE_CHECK(num_zero_experts >= 0, "num_zero_experts: expected >= 0, got ", num_zero_experts);
+  positive(num_experts, "num_experts", kMaxNumExperts);
+  positive(top_k, "top_k", kMaxNumExperts);
+  positive(hidden_size, "hidden_size", kMaxHiddenSize);
+  positive(intermediate_size, "intermediate_size", kMaxIntermediateSize);
+  FUSEDMOE_CHECK(num_zero_experts >= 0 && num_zero_experts <= kMaxNumExperts,
+                 "num_zero_experts: expected 0 to ", kMaxNumExperts, ", got ", num_zero_experts);
   FUSEDMOE_CHECK(top_k <= num_router_logits(),
                  "top_k: expected <= num_experts + num_zero_experts (", num_experts, " + ",
                  num_zero_experts, " = ", num_router_logits(), "), got ", top_k);
@@ -185,9 +188,9 @@ void MoEConfig::validate() const {
                    swiglu_alpha);
   }
 
-  FUSEDMOE_CHECK(shared_intermediate_size >= 0,
-                 "shared_intermediate_size: expected >= 0 (0 = no shared expert), got ",
-                 shared_intermediate_size);
+  FUSEDMOE_CHECK(shared_intermediate_size >= 0 && shared_intermediate_size <= kMaxIntermediateSize,
+                 "shared_intermediate_size: expected 0 (no shared expert) to ",
+                 kMaxIntermediateSize, ", got ", shared_intermediate_size);
   FUSEDMOE_CHECK(!has_shared_expert_gate || has_shared_expert(),
                  "has_shared_expert_gate: expected false without a shared expert "
                  "(shared_intermediate_size = 0), got true");

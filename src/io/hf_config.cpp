@@ -67,6 +67,18 @@ class Fields {
     FUSEDMOE_THROW(kInvalidArgument, where_, ": field '", k, "': expected an integer, got ",
                    v->dump());
   }
+  // A size field: at most `max`, the error naming the key as config.json spells it.
+  int64_t get_size(std::initializer_list<const char*> keys, int64_t max,
+                   std::optional<int64_t> def = {}) const {
+    const int64_t v = get_int(keys, def);
+    if (v > max) {
+      const char* k = "";
+      find(keys, &k);
+      FUSEDMOE_THROW(kInvalidArgument, where_, ": field '", k, "': expected <= ", max,
+                     " (far above any released model), got ", v);
+    }
+    return v;
+  }
   double get_double(std::initializer_list<const char*> keys, double def) const {
     const char* k = nullptr;
     const json* v = find(keys, &k);
@@ -199,7 +211,16 @@ const MoEConfig& ModelInfo::layer_config(int64_t layer) const {
 ModelInfo load_model_info(const std::string& model_dir) {
   std::error_code ec;
   fs::path p(model_dir);
-  if (fs::is_directory(p, ec)) p /= "config.json";
+  if (fs::is_directory(p, ec)) {
+    p /= "config.json";
+  } else if (p.extension() == ".safetensors" && fs::is_regular_file(p, ec)) {
+    // A checkpoint file stands for its model: the config.json beside it.
+    p = (p.has_parent_path() ? p.parent_path() : fs::path(".")) / "config.json";
+    if (!fs::exists(p, ec))
+      FUSEDMOE_THROW(kIo, model_dir, ": a .safetensors file, whose folder has no config.json (",
+                     p.string(), "); expected a model directory, its config.json, or a ",
+                     "checkpoint file beside its config.json");
+  }
   require_regular_file(p.string());
   std::ifstream in(p, std::ios::binary);
   if (!in) FUSEDMOE_THROW(kIo, p.string(), ": cannot open: ", std::strerror(errno));
@@ -295,35 +316,36 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
                    ", got ", info.num_hidden_layers);
 
   MoEConfig c;
-  c.hidden_size = f.get_int({"hidden_size"});
-  c.top_k = f.get_int({"num_experts_per_tok"});
+  c.hidden_size = f.get_size({"hidden_size"}, kMaxHiddenSize);
+  c.top_k = f.get_size({"num_experts_per_tok"}, kMaxNumExperts);
   c.activation = activation_from_hf(f);
   std::vector<int64_t> layers;
   const int64_t L = info.num_hidden_layers;
 
   if (mt == "mixtral") {
     // MixtralSparseMoeBlock: softmax, top-k, always renormalized.
-    c.num_experts = f.get_int({"num_local_experts", "num_experts"});
-    c.intermediate_size = f.get_int({"intermediate_size"});
+    c.num_experts = f.get_size({"num_local_experts", "num_experts"}, kMaxNumExperts);
+    c.intermediate_size = f.get_size({"intermediate_size"}, kMaxIntermediateSize);
     c.routing_method = RoutingMethod::kTopK;
     c.scoring_func = ScoringFunc::kSoftmax;
     c.renormalize = true;
     layers = all_layers(L);
   } else if (mt == "qwen2_moe" || mt == "qwen3_moe") {
-    c.num_experts = f.get_int({"num_experts", "num_local_experts"});
-    c.intermediate_size = f.get_int({"moe_intermediate_size"});
+    c.num_experts = f.get_size({"num_experts", "num_local_experts"}, kMaxNumExperts);
+    c.intermediate_size = f.get_size({"moe_intermediate_size"}, kMaxIntermediateSize);
     c.routing_method = RoutingMethod::kTopK;
     c.scoring_func = ScoringFunc::kSoftmax;
     c.renormalize = f.get_bool({"norm_topk_prob"}, false);
     if (mt == "qwen2_moe") {
       // Qwen2MoeSparseMoeBlock: shared_expert + sigmoid(shared_expert_gate).
-      c.shared_intermediate_size = f.get_int({"shared_expert_intermediate_size"});
+      c.shared_intermediate_size =
+          f.get_size({"shared_expert_intermediate_size"}, kMaxIntermediateSize);
       c.has_shared_expert_gate = c.shared_intermediate_size > 0;
     }
     layers = qwen_moe_layers(f, L, c.num_experts);
   } else if (mt == "olmoe") {
-    c.num_experts = f.get_int({"num_experts", "num_local_experts"});
-    c.intermediate_size = f.get_int({"intermediate_size"});
+    c.num_experts = f.get_size({"num_experts", "num_local_experts"}, kMaxNumExperts);
+    c.intermediate_size = f.get_size({"intermediate_size"}, kMaxIntermediateSize);
     c.routing_method = RoutingMethod::kTopK;
     c.scoring_func = ScoringFunc::kSoftmax;
     c.renormalize = f.get_bool({"norm_topk_prob"}, false);
@@ -332,8 +354,8 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
     // DeepseekV2TopkRouter: softmax; "greedy" = plain top-k, "group_limited_greedy" =
     // groups scored by their max, top topk_group groups, then top-k. norm_topk_prob
     // follows DeepSeek's reference code (renormalize when set; default false).
-    c.num_experts = f.get_int({"n_routed_experts", "num_experts"});
-    c.intermediate_size = f.get_int({"moe_intermediate_size"});
+    c.num_experts = f.get_size({"n_routed_experts", "num_experts"}, kMaxNumExperts);
+    c.intermediate_size = f.get_size({"moe_intermediate_size"}, kMaxIntermediateSize);
     c.scoring_func = scoring_from_hf(f, "softmax");
     c.renormalize = f.get_bool({"norm_topk_prob"}, false);
     c.routed_scaling_factor = static_cast<float>(f.get_double({"routed_scaling_factor"}, 1.0));
@@ -355,13 +377,15 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
       FUSEDMOE_THROW(kUnsupported, where, ": topk_method '", method,
                      "' is not supported (supported: greedy, group_limited_greedy, noaux_tc)");
     }
-    c.shared_intermediate_size = f.get_int({"n_shared_experts"}, 2) * c.intermediate_size;
+    c.shared_intermediate_size =
+        f.get_size({"n_shared_experts"}, kMaxNumExperts, 2) * c.intermediate_size;
     layers = deepseek_moe_layers(f, L, 0);
   } else if (mt == "deepseek_v3") {
     // DeepseekV3TopkRouter (noaux_tc): sigmoid, + e_score_correction_bias for
     // selection, group score = sum of the top-2 biased scores per group.
-    c.num_experts = f.get_int({"n_routed_experts", "num_local_experts", "num_experts"});
-    c.intermediate_size = f.get_int({"moe_intermediate_size"});
+    c.num_experts =
+        f.get_size({"n_routed_experts", "num_local_experts", "num_experts"}, kMaxNumExperts);
+    c.intermediate_size = f.get_size({"moe_intermediate_size"}, kMaxIntermediateSize);
     const std::string method = f.get_string({"topk_method"}, std::string("noaux_tc"));
     if (method != "noaux_tc")
       FUSEDMOE_THROW(kUnsupported, where, ": topk_method '", method,
@@ -374,13 +398,14 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
     c.topk_group = f.get_int({"topk_group"}, 4);
     c.renormalize = f.get_bool({"norm_topk_prob"}, true);
     c.routed_scaling_factor = static_cast<float>(f.get_double({"routed_scaling_factor"}, 2.5));
-    c.shared_intermediate_size = f.get_int({"n_shared_experts"}, 1) * c.intermediate_size;
+    c.shared_intermediate_size =
+        f.get_size({"n_shared_experts"}, kMaxNumExperts, 1) * c.intermediate_size;
     layers = deepseek_moe_layers(f, L, 3);
   } else if (mt == "gpt_oss") {
     // GptOssTopKRouter: linear with bias, top-k over logits, softmax over the k.
     // GptOssExperts: interleaved gate/up, clamped SwiGLU (alpha, limit), biases.
-    c.num_experts = f.get_int({"num_local_experts", "num_experts"});
-    c.intermediate_size = f.get_int({"intermediate_size"});
+    c.num_experts = f.get_size({"num_local_experts", "num_experts"}, kMaxNumExperts);
+    c.intermediate_size = f.get_size({"intermediate_size"}, kMaxIntermediateSize);
     c.routing_method = RoutingMethod::kTopKSoftmax;
     c.scoring_func = ScoringFunc::kSoftmax;
     c.renormalize = false;
@@ -394,8 +419,8 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
     // Llama4TextMoe: top-1 logit, sigmoid, scales the expert input; experts and
     // the always-on shared expert both use intermediate_size (intermediate_size_mlp
     // is for the dense layers).
-    c.num_experts = f.get_int({"num_local_experts", "num_experts"});
-    c.intermediate_size = f.get_int({"intermediate_size"});
+    c.num_experts = f.get_size({"num_local_experts", "num_experts"}, kMaxNumExperts);
+    c.intermediate_size = f.get_size({"intermediate_size"}, kMaxIntermediateSize);
     c.routing_method = RoutingMethod::kLlama4;
     c.scoring_func = ScoringFunc::kSigmoid;
     c.renormalize = false;

@@ -395,6 +395,29 @@ void save_safetensors(const std::string& path,
   std::string h = header.dump();
   while (h.size() % 8 != 0) h.push_back(' ');  // data section 8-byte aligned
 
+  AtomicFile file(path);
+  unsigned char len_le[8];
+  uint64_t hl = h.size();
+  for (int i = 0; i < 8; ++i) len_le[i] = static_cast<unsigned char>(hl >> (8 * i));
+  file.write(len_le, 8);
+  file.write(h);
+  for (size_t i : order) {
+    const TensorView& t = tensors[i].second;
+    if (t.numel() == 0) continue;
+    if (t.is_contiguous()) {
+      file.write(t.data(), t.nbytes());
+    } else {
+      const Tensor c = Tensor::copy_of(t);
+      file.write(c.data(), c.nbytes());
+    }
+  }
+  file.commit();
+}
+
+// ---- AtomicFile --------------------------------------------------------------
+
+AtomicFile::AtomicFile(const std::string& path) : path_(path) {
+  FUSEDMOE_CHECK(!path.empty(), "output file: expected a path, got an empty string");
   // The file is replaced by a rename, so only a regular file (or nothing) may be
   // there: a device, FIFO or directory is refused, a symbolic link is written
   // through (its target is replaced), never replaced itself.
@@ -407,64 +430,65 @@ void save_safetensors(const std::string& path,
   }
   const fs::file_status st = fs::status(target, ec);
   if (fs::exists(st) && !fs::is_regular_file(st))
-    FUSEDMOE_THROW(kIo, path, ": exists and is not a regular file (will not replace it)");
-  fs::path dir = target.parent_path();
-  if (dir.empty()) dir = ".";
-  std::string tmp_name = ".";
-  tmp_name.append(target.filename().string()).append(".tmp.XXXXXX");
-  std::string tmpl = (dir / tmp_name).string();
-  int fd = ::mkstemp(tmpl.data());
-  if (fd < 0)
-    FUSEDMOE_THROW(kIo, path, ": cannot create a temporary file in ", dir.string(), ": ",
-                   errno_str());
-  auto fail = [&](const std::string& what) {
-    std::string e = errno_str();
-    ::close(fd);
-    ::unlink(tmpl.c_str());
-    FUSEDMOE_THROW(kIo, path, ": ", what, ": ", e);
-  };
-  unsigned char len_le[8];
-  uint64_t hl = h.size();
-  for (int i = 0; i < 8; ++i) len_le[i] = static_cast<unsigned char>(hl >> (8 * i));
-  if (!write_all(fd, len_le, 8) || !write_all(fd, h.data(), h.size())) fail("write failed");
-  for (size_t i : order) {
-    const TensorView& t = tensors[i].second;
-    if (t.numel() == 0) continue;
-    if (t.is_contiguous()) {
-      if (!write_all(fd, t.data(), t.nbytes())) fail("write failed");
-    } else {
-      Tensor c;
-      try {
-        c = Tensor::copy_of(t);
-      } catch (...) {
-        ::close(fd);
-        ::unlink(tmpl.c_str());
-        throw;
-      }
-      if (!write_all(fd, c.data(), c.nbytes())) fail("write failed");
-    }
-  }
-  // A replaced file keeps its permission bits; a new one gets 0666 less the umask
-  // (what open(O_CREAT) would give; mkstemp made the temporary 0600).
-  mode_t mode = 0644;
-  if (fs::exists(st)) {
-    mode = static_cast<mode_t>(st.permissions()) & 07777;
+    FUSEDMOE_THROW(kIo, path, ": exists and is not a regular file (",
+                   fs::is_directory(st) ? "a directory" : "a device, FIFO or socket",
+                   "; will not replace it)");
+  replaces_ = fs::exists(st);
+  if (replaces_) {
+    mode_ = static_cast<unsigned>(st.permissions()) & 07777;
   } else {
     const mode_t mask = ::umask(0);
     ::umask(mask);
-    mode = 0666 & ~mask;
+    mode_ = 0666 & ~mask;
   }
-  if (::fchmod(fd, mode) != 0) fail("chmod failed");
-  if (::fsync(fd) != 0) fail("fsync failed");
+  fs::path dir = target.parent_path();
+  if (dir.empty()) dir = ".";
+  target_ = target.string();
+  std::string tmp_name = ".";
+  tmp_name.append(target.filename().string()).append(".tmp.XXXXXX");
+  tmp_ = (dir / tmp_name).string();
+  fd_ = ::mkstemp(tmp_.data());
+  if (fd_ < 0)
+    FUSEDMOE_THROW(kIo, path, ": cannot create a temporary file in ", dir.string(), ": ",
+                   errno_str());
+}
+
+AtomicFile::~AtomicFile() {
+  if (fd_ >= 0) {
+    ::close(fd_);
+    ::unlink(tmp_.c_str());
+  }
+}
+
+void AtomicFile::fail(const char* what) {
+  const std::string e = errno_str();
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
+  ::unlink(tmp_.c_str());
+  FUSEDMOE_THROW(kIo, path_, ": ", what, ": ", e);
+}
+
+void AtomicFile::write(const void* data, size_t bytes) {
+  FUSEDMOE_CHECK(fd_ >= 0, path_, ": AtomicFile::write after commit");
+  if (!write_all(fd_, data, bytes)) fail("write failed");
+}
+
+void AtomicFile::commit() {
+  FUSEDMOE_CHECK(fd_ >= 0, path_, ": AtomicFile::commit called twice");
+  // mkstemp made the temporary 0600.
+  if (::fchmod(fd_, static_cast<mode_t>(mode_)) != 0) fail("chmod failed");
+  if (::fsync(fd_) != 0) fail("fsync failed");
+  const int fd = fd_;
+  fd_ = -1;
   if (::close(fd) != 0) {
-    std::string e = errno_str();
-    ::unlink(tmpl.c_str());
-    FUSEDMOE_THROW(kIo, path, ": close failed: ", e);
+    const std::string e = errno_str();
+    ::unlink(tmp_.c_str());
+    FUSEDMOE_THROW(kIo, path_, ": close failed: ", e);
   }
-  if (::rename(tmpl.c_str(), target.c_str()) != 0) {
-    std::string e = errno_str();
-    ::unlink(tmpl.c_str());
-    FUSEDMOE_THROW(kIo, path, ": rename failed: ", e);
+  if (::rename(tmp_.c_str(), target_.c_str()) != 0) {
+    const std::string e = errno_str();
+    ::unlink(tmp_.c_str());
+    FUSEDMOE_THROW(kIo, path_, ": rename failed: ", e);
   }
 }
 

@@ -44,8 +44,31 @@ header += " " * (63 - (10 + len(header)) % 64) + "\n"
 with open(sys.argv[2], "wb") as f:
     f.write(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header.encode())
     f.write(struct.pack("<%dd" % len(vals), *vals))
+# The same values big-endian, f8 and f4 (byte-swapped on load, as the Python API does),
+# and little-endian f4 to compare with.
+for name, code, fmt in (("be8", ">f8", ">%dd"), ("be4", ">f4", ">%df"), ("le4", "<f4", "<%df")):
+    header = "{'descr': '%s', 'fortran_order': False, 'shape': (5, 128), }" % code
+    header += " " * (63 - (10 + len(header)) % 64) + "\n"
+    with open(sys.argv[2].replace("x.npy", name + ".npy"), "wb") as f:
+        f.write(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header.encode())
+        f.write(struct.pack(fmt % len(vals), *vals))
 PY
 "$BIN" run --layer 1 --input "$TMP/x.npy" --reference "$REF" --reference-key layers.1.T5.output_f64 --quiet |
+  grep -q "relative L2 error .*: ok"
+for n in be8 be4 le4; do
+  "$BIN" run --layer 1 --input "$TMP/$n.npy" --reference "$REF" --reference-key layers.1.T5.output_f64 \
+    --output "$TMP/$n.safetensors" --quiet | grep -q "relative L2 error .*: ok"
+done
+cmp "$TMP/be4.safetensors" "$TMP/le4.safetensors" || { echo "FAIL: big-endian .npy input differs"; exit 1; }
+# A .npy file is told by its content, whatever its name.
+cp "$TMP/x.npy" "$TMP/x.bin"
+"$BIN" run --layer 1 --input "$TMP/x.bin" --reference "$REF" --reference-key layers.1.T5.output_f64 --quiet |
+  grep -q "relative L2 error .*: ok"
+
+# --model may name the checkpoint's .safetensors file (its folder's config.json):
+# the same output as the directory.
+"$BIN" run --model "$MODELS/tiny-deepseek-v3/model.safetensors" --layer 1 --input "$REF" \
+  --input-key layers.1.T5.input --reference "$REF" --reference-key layers.1.T5.output_f64 --quiet |
   grep -q "relative L2 error .*: ok"
 
 # A tiny benchmark run (8 experts of the CPU target shape) with CSV output.
@@ -53,6 +76,7 @@ PY
 grep -q "peak fp32 FMA" "$TMP/bench.txt"
 grep -q "E capped 64 -> 8" "$TMP/bench.txt"
 [ "$(wc -l <"$TMP/bench.csv")" -eq 3 ] || { echo "FAIL: bench CSV"; cat "$TMP/bench.csv"; exit 1; }
+[ -z "$(find "$TMP" -name '.bench.csv.tmp*')" ] || { echo "FAIL: bench CSV temporary left"; exit 1; }
 python3 - "$TMP/bench.csv" <<'PY'
 import csv, sys
 rows = list(csv.DictReader(open(sys.argv[1])))
@@ -60,4 +84,7 @@ for r in rows:
     assert float(r["ours_s"]) > 0 and float(r["baseline_s"]) > 0, r
     assert float(r["rel_diff"]) < 1e-4, r  # fusedmoe and the BLAS loop agree (f32)
 PY
+# A second run replaces the file in full.
+"$BIN" bench --shapes qwen3-cpu --max-experts 8 --tokens 2 --min-time 0 --no-baseline --csv "$TMP/bench.csv" >/dev/null
+[ "$(wc -l <"$TMP/bench.csv")" -eq 2 ] || { echo "FAIL: bench CSV not replaced"; cat "$TMP/bench.csv"; exit 1; }
 echo ok

@@ -21,6 +21,7 @@ expect_error() {
   shift 3
   local rc=0 out=(--output "$OUTDIR/out.safetensors")
   case " $* " in *" --output "*) out=() ;; esac
+  [ "$1" = run ] || out=()  # only `run` takes --output
   "$BIN" "$@" "${out[@]}" >"$TMP/stdout" 2>"$TMP/stderr" || rc=$?
   local lines
   lines=$(wc -l <"$TMP/stderr")
@@ -174,6 +175,95 @@ for args in "--dtype f32:--dtype" "--csv $TMP/b.csv:--csv" "--threads 2:--thread
   else
     echo "ok   bench --backend cuda ${args%%:*}: $(cat "$TMP/stderr")"
   fi
+done
+
+# bench --csv: written in full at the end or not at all (T = 1 succeeds, then the
+# second token count cannot be allocated): no CSV, no temporary file.
+expect_error "bench --csv, failing after a first row" "1000000000000000" -- \
+  bench --tokens 1,1000000000000000 --shapes qwen3-cpu --max-experts 8 --min-time 0 --no-baseline \
+  --csv "$OUTDIR/c.csv"
+# A --csv that cannot be written fails before the benchmark, with the OS reason.
+expect_error "bench --csv a directory" "--csv: $OUTDIR: exists and is not a regular file (a directory" -- \
+  bench --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0 --csv "$OUTDIR"
+expect_error "bench --csv in a missing folder" "$TMP/no/such/dir: No such file or directory" -- \
+  bench --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0 --csv "$TMP/no/such/dir/c.csv"
+expect_error "bench --csv \"\"" "--csv: expected a path, got an empty string" -- \
+  bench --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0 --csv ""
+expect_error "bench --csv with --ep-size" "--csv: not written by the parallel bench" -- \
+  bench --ep-size 2 --shapes qwen3-cpu --tokens 1 --csv "$OUTDIR/c.csv"
+# --min-time: finite and at most an hour (a measurement also stops at 1000 runs).
+for v in inf nan 1e9 -1; do
+  expect_error "bench --min-time $v" "--min-time: expected a number in [0, 3600], got $v" -- \
+    bench --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time "$v"
+done
+
+# bench --backend cuda without a GPU (or without the CUDA backend): an error, as
+# `run --backend cuda` gives, not a skipped benchmark with exit code 0.
+if ! nvidia-smi -L 2>/dev/null | grep -q "^GPU"; then
+  expect_error "bench --backend cuda without a GPU" "--backend cuda: " -- \
+    bench --backend cuda --shapes qwen3 --tokens 1
+  expect_error "run --backend cuda without a GPU" "--backend cuda: " -- \
+    run --backend cuda --model "$FIX" --layer 1 --tokens 1
+fi
+
+# --dump-dir: checked before the benchmark runs, with the OS reason.
+expect_error "bench --dump-dir missing" "--dump-dir $TMP/no-dump: No such file or directory" -- \
+  bench --backend cuda --shapes qwen3 --tokens 1 --dump-dir "$TMP/no-dump"
+expect_error "bench --dump-dir a file" "--dump-dir $FIX/config.json: expected a directory" -- \
+  bench --backend cuda --shapes qwen3 --tokens 1 --dump-dir "$FIX/config.json"
+
+# An unknown command is named, with the valid ones.
+expect_error "unknown command" "unknown command 'bogus': expected inspect, run or bench" -- bogus
+
+# --model: "" is no model (not the bundled one); a .safetensors file stands for
+# its model only beside its config.json.
+expect_error "--model \"\"" "--model: expected a path, got an empty string" -- run --model "" --tokens 2
+mkdir -p "$TMP/weights-only" && cp "$FIX/model.safetensors" "$TMP/weights-only/"
+expect_error "--model a .safetensors file without config.json" "$TMP/weights-only/config.json" -- \
+  run --model "$TMP/weights-only/model.safetensors" --layer 1 --tokens 2
+expect_error "--output \"\"" "--output: expected a path, got an empty string" -- \
+  run --model "$FIX" --layer 1 --tokens 2 --output ""
+expect_error "--input \"\"" "--input: expected a path, got an empty string" -- \
+  run --model "$FIX" --layer 1 --input ""
+
+# --input that is no tensor file: named as such, with the OS reason, before any key.
+expect_error "--input a directory" "--input $TMP: not a regular file (a directory)" -- \
+  run --model "$FIX" --layer 1 --input "$TMP"
+expect_error "--input a config.json" "--input $FIX/config.json: neither a .npy file nor a valid .safetensors file" -- \
+  run --model "$FIX" --layer 1 --input "$FIX/config.json"
+expect_error "--input missing (.txt)" "--input $TMP/x.txt: cannot open: No such file or directory" -- \
+  run --model "$FIX" --layer 1 --input "$TMP/x.txt"
+expect_error "--input missing (.npy)" "--input $TMP/none.npy: cannot open: No such file or directory" -- \
+  run --model "$FIX" --layer 1 --input "$TMP/none.npy"
+expect_error "--input .safetensors without --input-key" "--input-key is required with a .safetensors file" -- \
+  run --model "$FIX" --layer 1 --input "$REF"
+
+# --output through a symbolic link to a missing file: refused (README), nothing created.
+ln -s "$TMP/missing-target.safetensors" "$OUTDIR/dangling.safetensors"
+rc=0
+"$BIN" run --model "$FIX" --layer 1 --tokens 2 --output "$OUTDIR/dangling.safetensors" \
+  >"$TMP/stdout" 2>"$TMP/stderr" || rc=$?
+if [ "$rc" -ne 1 ] || ! grep -qF "symbolic link to a missing file" "$TMP/stderr" ||
+  [ -e "$TMP/missing-target.safetensors" ] || [ "$(ls -A "$OUTDIR")" != dangling.safetensors ]; then
+  echo "FAIL --output a dangling symbolic link (exit $rc)"; cat "$TMP/stderr"; failures=$((failures + 1))
+else
+  echo "ok   --output a dangling symbolic link: $(cat "$TMP/stderr")"
+fi
+rm -f "$OUTDIR/dangling.safetensors"
+
+# Absurd sizes in config.json: an error naming the field and value, not "out of memory".
+for field in n_routed_experts moe_intermediate_size hidden_size; do
+  mkdir -p "$TMP/huge-$field" && cp "$FIX/model.safetensors" "$TMP/huge-$field/"
+  python3 - "$FIX/config.json" "$TMP/huge-$field/config.json" "$field" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1]))
+assert sys.argv[3] in c
+c[sys.argv[3]] = 100000000000
+json.dump(c, open(sys.argv[2], "w"))
+PY
+  expect_error "config.json $field = 1e11" "field '$field': expected <= " -- \
+    run --model "$TMP/huge-$field" --layer 1 --tokens 2
+  expect_error "inspect: config.json $field = 1e11" "got 100000000000" -- inspect "$TMP/huge-$field"
 done
 
 # inspect fails cleanly too.

@@ -1,6 +1,7 @@
 // Tests of HF config.json -> ModelInfo / MoEConfig (io/hf_config.h).
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -185,6 +186,47 @@ TEST(HfConfig, MissingAndInvalidFields) {
              "x.json");
   EXPECT_HAS(error_of([] { load_model_info("/nonexistent/dir/config.json"); }, ErrorCode::kIo),
              "/nonexistent/dir/config.json");
+}
+
+TEST(HfConfig, AbsurdSizesNameTheField) {
+  // As config.json spells the key (not MoEConfig's name), with the value.
+  const struct {
+    const char* arch;
+    const char* field;
+  } cases[] = {{"deepseek_v3", "n_routed_experts"},
+               {"deepseek_v3", "moe_intermediate_size"},
+               {"deepseek_v3", "n_shared_experts"},
+               {"mixtral", "num_local_experts"},
+               {"mixtral", "intermediate_size"},
+               {"olmoe", "hidden_size"},
+               {"qwen2_moe", "shared_expert_intermediate_size"}};
+  for (const auto& c : cases) {
+    SCOPED_TRACE(std::string(c.arch) + " " + c.field);
+    json j = fixture_json(c.arch);
+    ASSERT_TRUE(j.contains(c.field));
+    j[c.field] = int64_t{100000000000};
+    const std::string msg = error_of([&] { parse(j); }, ErrorCode::kInvalidArgument);
+    EXPECT_HAS(msg, std::string("field '") + c.field + "': expected <= ");
+    EXPECT_HAS(msg, "got 100000000000");
+  }
+}
+
+TEST(HfConfig, SafetensorsFileStandsForItsModel) {
+  // A checkpoint's .safetensors file: the config.json beside it (as
+  // Checkpoint::open takes the file for the weights).
+  const std::string dir = test::hf_fixture_dir("deepseek_v3");
+  const ModelInfo a = load_model_info(dir + "/model.safetensors");
+  const ModelInfo b = load_model_info(dir);
+  EXPECT_EQ(a.model_type, b.model_type);
+  EXPECT_EQ(a.moe_layers, b.moe_layers);
+  EXPECT_EQ(a.layer_config(1).summary(), b.layer_config(1).summary());
+  // No config.json beside it: named.
+  test::TempDir tmp("hf_st");
+  std::filesystem::copy_file(dir + "/model.safetensors", tmp.file("model.safetensors"));
+  const std::string msg =
+      error_of([&] { load_model_info(tmp.file("model.safetensors")); }, ErrorCode::kIo);
+  EXPECT_HAS(msg, "no config.json");
+  EXPECT_HAS(msg, tmp.file("config.json"));
 }
 
 TEST(HfConfig, DtypeFromTorchDtype) {

@@ -89,6 +89,26 @@ TEST(MoEConfig, RejectsNonPositiveSizes) {
                  {"intermediate_size", "got -5"});
 }
 
+TEST(MoEConfig, RejectsAbsurdSizes) {
+  // Named with the value, not left to fail as an allocation of the weights.
+  expect_invalid(with([](MoEConfig& c) { c.num_experts = 100000000000; }),
+                 {"num_experts", "expected <= 65536", "got 100000000000"});
+  expect_invalid(with([](MoEConfig& c) { c.hidden_size = kMaxHiddenSize + 1; }),
+                 {"hidden_size", "got 1048577"});
+  expect_invalid(with([](MoEConfig& c) { c.intermediate_size = int64_t{1} << 40; }),
+                 {"intermediate_size"});
+  expect_invalid(with([](MoEConfig& c) { c.shared_intermediate_size = int64_t{1} << 40; }),
+                 {"shared_intermediate_size"});
+  expect_invalid(with([](MoEConfig& c) { c.num_zero_experts = int64_t{1} << 40; }),
+                 {"num_zero_experts"});
+  // The bounds themselves pass (real models: ~1k experts, H ~16k, I ~64k).
+  MoEConfig big = valid_config();
+  big.num_experts = kMaxNumExperts;
+  big.hidden_size = kMaxHiddenSize;
+  big.intermediate_size = kMaxIntermediateSize;
+  EXPECT_NO_THROW(big.validate());
+}
+
 TEST(MoEConfig, RejectsTopKAboveExperts) {
   expect_invalid(with([](MoEConfig& c) { c.top_k = 17; }), {"top_k", "16", "got 17"});
   expect_invalid(with([](MoEConfig& c) {

@@ -275,6 +275,38 @@ TEST(Safetensors, SaveIsAtomicAndChecksNames) {
   EXPECT_EQ(entries, 1u);
 }
 
+TEST(Safetensors, AtomicFileAllOrNothing) {
+  TempDir dir("atomic");
+  const std::string path = dir.file("t.csv");
+  const auto entries = [&] {
+    std::vector<std::string> names;
+    for (const auto& e : fs::directory_iterator(dir.path()))
+      names.push_back(e.path().filename().string());
+    return names;
+  };
+  {  // Destroyed before commit() (an error on the way): nothing is left.
+    AtomicFile f(path);
+    f.write("a,b\n");
+    EXPECT_EQ(entries().size(), 1u);  // the temporary only
+  }
+  EXPECT_TRUE(entries().empty());
+  {  // Committed: the file, and no temporary.
+    AtomicFile f(path);
+    f.write("a,b\n");
+    f.write("1,2\n");
+    f.commit();
+  }
+  EXPECT_EQ(entries(), std::vector<std::string>{"t.csv"});
+  std::ifstream in(path);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(text, "a,b\n1,2\n");
+  // Unwritable targets: named with the OS reason, before anything is written.
+  EXPECT_HAS(error_of([&] { AtomicFile f(dir.path()); }, ErrorCode::kIo), "a directory");
+  EXPECT_HAS(error_of([&] { AtomicFile f(dir.file("no/such/t.csv")); }, ErrorCode::kIo),
+             "No such file or directory");
+  EXPECT_HAS(error_of([&] { AtomicFile f(""); }, ErrorCode::kInvalidArgument), "empty");
+}
+
 TEST(Checkpoint, SingleFileDirectoryAndPath) {
   TempDir dir("ckpt_single");
   Tensor t = Tensor::zeros(DType::kBF16, {2, 3});

@@ -79,6 +79,14 @@ struct ParallelConfig {
   bool is_parallel() const { return ep_size > 1 || tp_size > 1 || dp_size > 1; }
 };
 
+// Upper bounds validate() puts on the shape fields: far above any released
+// model (~1k experts, H ~16k, I ~64k), low enough that a corrupt or mistyped
+// size (num_experts = 1e11) is an error naming the field, not an allocation
+// failure.
+inline constexpr int64_t kMaxNumExperts = int64_t{1} << 16;        // E, zero experts, top_k
+inline constexpr int64_t kMaxHiddenSize = int64_t{1} << 20;        // H
+inline constexpr int64_t kMaxIntermediateSize = int64_t{1} << 20;  // I, shared I
+
 struct MoEConfig {
   // --- shapes ---
   int64_t num_experts = 0;        // E: routed experts (global)
@@ -121,8 +129,8 @@ struct MoEConfig {
   int64_t num_router_logits() const { return num_experts + num_zero_experts; }
 
   // Throws Error(kInvalidArgument) for configurations that cannot work:
-  // non-positive sizes, top_k > experts, num_experts % num_expert_group != 0,
-  // topk_group > num_expert_group, top_k > topk_group * experts per group,
+  // non-positive sizes, sizes above the kMax* bounds, top_k > experts, num_experts %
+  // num_expert_group != 0, topk_group > num_expert_group, top_k > topk_group * experts per group,
   // apply_router_weight_on_input with top_k != 1, parallel sizes < 1, ranks
   // out of range, ep_size > num_experts, tp_size > intermediate sizes,
   // dp_size > 1 with ep_size not 1 or dp_size, NaN/negative scaling, zipf_s <= 0, ...

@@ -39,7 +39,9 @@ struct ModelInfo {
   const MoEConfig& layer_config(int64_t layer) const;
 };
 
-// Reads `model_dir`/config.json (or a path to a .json file).
+// Reads `model_dir`/config.json (or a path to a .json file; or a checkpoint's
+// .safetensors file, standing for the config.json beside it, as
+// Checkpoint::open takes that file for the weights).
 // Throws Error(kIo) if unreadable / not JSON, Error(kUnsupported) for an
 // unknown model_type (naming it and listing the supported ones),
 // Error(kInvalidArgument) for missing or invalid fields (naming them).

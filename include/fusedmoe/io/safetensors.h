@@ -76,6 +76,33 @@ class Checkpoint {
   mutable std::map<std::string, std::shared_ptr<SafetensorsFile>> shards_;
 };
 
+// A file written in full or not at all: the bytes go to a temporary file in the
+// target's folder, which commit() renames over `path` (fsync'd first; a replaced
+// file keeps its permission bits, a new one gets 0666 less the umask); destroyed
+// without commit() (an error on the way), the temporary is removed. The target
+// may be missing or a regular file; a symbolic link to an existing file is
+// written through (its target is replaced); a link to a missing file, a device,
+// FIFO or directory is refused. Every failure throws Error(kIo) naming `path`
+// and the OS reason.
+class AtomicFile {
+ public:
+  explicit AtomicFile(const std::string& path);  // creates the temporary
+  ~AtomicFile();
+  AtomicFile(const AtomicFile&) = delete;
+  AtomicFile& operator=(const AtomicFile&) = delete;
+  void write(const void* data, size_t bytes);
+  void write(const std::string& text) { write(text.data(), text.size()); }
+  void commit();
+  const std::string& path() const { return path_; }
+
+ private:
+  [[noreturn]] void fail(const char* what);  // removes the temporary, throws
+  std::string path_, target_, tmp_;
+  int fd_ = -1;
+  bool replaces_ = false;  // the target exists (keep its permission bits)
+  unsigned mode_ = 0;
+};
+
 // Writes tensors (any host views; written contiguous) and string metadata to
 // `path` atomically: a temporary file in the same folder is renamed over
 // `path` only after everything was written, so a failure leaves no partial file.
