@@ -4,6 +4,8 @@
 #include <atomic>
 #include <condition_variable>
 #include <exception>
+#include <map>
+#include <memory>
 #include <mutex>
 #include <system_error>
 #include <thread>
@@ -143,19 +145,48 @@ void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t, int64
 }
 
 namespace {
+// Every global pool stays until exit: a thread may still be inside a call on
+// the pool it got from global() when another thread replaces it
+// (set_global_num_threads), so a replaced pool is kept, idle, and reused when
+// its size is asked for again — never destroyed while in use.
 std::mutex g_pool_mu;
-std::unique_ptr<ThreadPool> g_pool;
+std::map<int, std::unique_ptr<ThreadPool>>& g_pools() {
+  static std::map<int, std::unique_ptr<ThreadPool>> pools;
+  return pools;
+}
+std::atomic<ThreadPool*> g_pool{nullptr};
+
+int resolve_threads(int num_threads) {
+  return num_threads > 0 ? num_threads
+                         : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
+
+// Under g_pool_mu: the pool of `num_threads` threads, made on first use.
+ThreadPool* pool_of_size(int num_threads) {
+  const int n = resolve_threads(num_threads);
+  std::unique_ptr<ThreadPool>& slot = g_pools()[n];
+  if (!slot) {
+    try {
+      slot = std::make_unique<ThreadPool>(n);
+    } catch (...) {
+      g_pools().erase(n);
+      throw;
+    }
+  }
+  return slot.get();
+}
 }  // namespace
 
 ThreadPool& ThreadPool::global() {
+  if (ThreadPool* p = g_pool.load(std::memory_order_acquire)) return *p;
   std::lock_guard<std::mutex> lk(g_pool_mu);
-  if (!g_pool) g_pool = std::make_unique<ThreadPool>(0);
-  return *g_pool;
+  if (!g_pool.load(std::memory_order_relaxed)) g_pool.store(pool_of_size(0));
+  return *g_pool.load(std::memory_order_relaxed);
 }
 
 void ThreadPool::set_global_num_threads(int num_threads) {
   std::lock_guard<std::mutex> lk(g_pool_mu);
-  g_pool = std::make_unique<ThreadPool>(num_threads);
+  g_pool.store(pool_of_size(num_threads), std::memory_order_release);
 }
 
 }  // namespace fusedmoe

@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <thread>
 #include <vector>
 
 #include "fusedmoe/core/dtype.h"
@@ -199,6 +200,24 @@ TEST(ThreadPool, CoversRangeOnceAndPropagatesErrors) {
   pool.parallel_for(50, [&](int64_t b, int64_t e, int) { n += e - b; });
   EXPECT_EQ(n.load(), 50);
   pool.parallel_for(0, [&](int64_t, int64_t, int) { FAIL(); });
+}
+
+// set_global_num_threads while another thread runs on the global pool (the
+// pool it replaces must stay alive for that call): no crash, no hang, every
+// item counted.
+TEST(ThreadPool, ResizingTheGlobalPoolWhileInUse) {
+  std::atomic<bool> done{false};
+  std::atomic<int64_t> total{0};
+  std::thread user([&] {
+    for (int i = 0; i < 400; ++i)
+      ThreadPool::global().parallel_for(
+          1000, [&](int64_t b, int64_t e, int) { total += e - b; }, 10);
+    done = true;
+  });
+  for (int i = 0; !done && i < 2000; ++i) ThreadPool::set_global_num_threads(1 + i % 3);
+  user.join();
+  EXPECT_EQ(total.load(), 400 * 1000);
+  ThreadPool::set_global_num_threads(0);
 }
 
 TEST(ThreadPool, RejectsAbsurdThreadCounts) {

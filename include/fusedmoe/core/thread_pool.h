@@ -33,7 +33,10 @@ class ThreadPool {
 
   // The process-wide pool used by kernels unless one is passed explicitly.
   static ThreadPool& global();
-  // Replaces the global pool with one of `num_threads` threads (<= 0: all cores).
+  // Makes the global pool one of `num_threads` threads (<= 0: all cores). Safe
+  // while other threads run on the pool it replaces: that pool is kept (idle)
+  // until exit, and reused when its size is asked for again. Throws as the
+  // constructor does; the global pool is then unchanged.
   static void set_global_num_threads(int num_threads);
 
  private:
