@@ -47,6 +47,16 @@ def _check_2d(x: Tensor, name: str) -> None:
         raise ValueError(f"{name}: expected a 2-d tensor, got shape {tuple(x.shape)}")
 
 
+def _check_devices(ref_name: str, ref: Tensor, **others: Optional[Tensor]) -> None:
+    """Every tensor on ref's device. The fake implementations run for meta
+    tensors too: a call mixing real (CPU / CUDA) and meta tensors dispatches
+    here and would return an uninitialised output instead of failing."""
+    for name, x in others.items():
+        if x is not None and x.device.type != ref.device.type:
+            raise ValueError(f"{name}: expected a tensor on {ref.device.type} (the device of "
+                             f"{ref_name}), got one on {x.device.type}")
+
+
 @torch.library.custom_op(f"{_LIB}::fused_experts", mutates_args=())
 def fused_experts(
     hidden_states: Tensor,
@@ -73,6 +83,8 @@ def _(hidden_states, w13, w2, topk_weights, topk_ids, activation="silu", w13_bia
       w2_bias=None, apply_router_weight_on_input=False, compute_dtype=None,
       swiglu_alpha=1.702, swiglu_limit=7.0):
     _check_2d(hidden_states, "hidden_states")
+    _check_devices("hidden_states", hidden_states, w13=w13, w2=w2, topk_weights=topk_weights,
+                   topk_ids=topk_ids, w13_bias=w13_bias, w2_bias=w2_bias)
     return hidden_states.new_empty(hidden_states.shape)
 
 
@@ -114,6 +126,8 @@ def grouped_topk(
 @grouped_topk.register_fake
 def _(gating_output, topk, renormalize, num_expert_group, topk_group, scoring_func="softmax",
       e_score_correction_bias=None, routed_scaling_factor=1.0, group_score=None):
+    _check_devices("gating_output", gating_output,
+                   e_score_correction_bias=e_score_correction_bias)
     return _fake_routing(gating_output, topk)
 
 
@@ -127,6 +141,7 @@ def moe_layer(hidden_states: Tensor, layer_id: int,
 def _(hidden_states, layer_id, router_logits=None):
     layer = _fm._layer_by_id(layer_id)
     _check_2d(hidden_states, "hidden_states")
+    _check_devices("hidden_states", hidden_states, router_logits=router_logits)
     return hidden_states.new_empty((hidden_states.shape[0], layer.hidden_size))
 
 
@@ -143,6 +158,7 @@ def moe_layer_with_routing(hidden_states: Tensor, layer_id: int,
 def _(hidden_states, layer_id, router_logits=None):
     layer = _fm._layer_by_id(layer_id)
     _check_2d(hidden_states, "hidden_states")
+    _check_devices("hidden_states", hidden_states, router_logits=router_logits)
     T = hidden_states.shape[0]
     return (hidden_states.new_empty((T, layer.hidden_size)),
             hidden_states.new_empty((T, layer.top_k), dtype=torch.int32),

@@ -300,3 +300,27 @@ def test_dir_lists_the_public_api_only():
     ns: dict = {}
     exec("from fusedmoe import *", ns)  # the star import follows __all__
     assert sorted(n for n in ns if n != "__builtins__") == sorted(fusedmoe.__all__)
+
+
+# ---- meta tensors among real ones ------------------------------------------------------
+
+
+def test_meta_tensors_among_real_ones_are_refused(mixtral, case):
+    """A call mixing CPU and meta tensors dispatches to the ops' fake implementations,
+    which returned an uninitialised CPU output; now a ValueError naming the argument."""
+    torch = _torch()
+    c = {k: torch.from_numpy(v) for k, v in case.items()}
+    with pytest.raises(ValueError, match="w13: expected a tensor on cpu"):
+        fusedmoe.fused_experts(c["x"], c["w13"].to("meta"), c["w2"].to("meta"),
+                               c["tw"].to("meta"), c["ids"].to("meta"))
+    with pytest.raises(ValueError, match="topk_ids: expected a tensor on cpu"):
+        torch.ops.fusedmoe.fused_experts(c["x"], c["w13"], c["w2"], c["tw"], c["ids"].to("meta"))
+    x = torch.randn(4, mixtral.hidden_size)
+    logits = torch.randn(4, mixtral.num_router_logits, device="meta")
+    with pytest.raises(ValueError, match="router_logits: expected a tensor on cpu"):
+        mixtral(x, router_logits=logits)
+    with pytest.raises(ValueError, match="router_logits: expected a tensor on cpu"):
+        mixtral(x, router_logits=logits, return_routing=True)
+    # All on meta: shape propagation, as torch.compile's tracing does.
+    out = fusedmoe.fused_experts(*(c[k].to("meta") for k in ("x", "w13", "w2", "tw", "ids")))
+    assert out.device.type == "meta" and tuple(out.shape) == tuple(case["x"].shape)
