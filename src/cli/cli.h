@@ -60,6 +60,18 @@ inline const CLI::Validator kNonEmpty(
       return input.empty() ? "expected a path, got an empty string" : std::string();
     },
     "PATH");
+// A seed: an integer in [0, 2^64) (run prints its random seeds in that range).
+inline const CLI::Validator kSeed(
+    [](std::string& input) -> std::string {
+      uint64_t v = 0;
+      const char* b = input.data() + (!input.empty() && input[0] == '+' ? 1 : 0);
+      const char* e = input.data() + input.size();
+      const auto r = std::from_chars(b, e, v);
+      if (b == e || r.ec != std::errc() || r.ptr != e)
+        return "expected an integer in [0, 2^64), got " + input;
+      return {};
+    },
+    "INTEGER in [0, 2^64)");
 inline const CLI::Validator kPositive = number_above(0, false);
 inline const CLI::Validator kNonNegative = number_above(0, true);
 

@@ -68,7 +68,7 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& o) {
       ->check(number_in(0.01, 0.95))
       ->capture_default_str();
   cmd->add_option("--seed", o.seed, "Seed of weights, inputs and routing")
-      ->check(kNonNegative)
+      ->check(kSeed)
       ->capture_default_str();
   cmd->add_option("--max-experts", o.max_experts,
                   "Use at most this many experts per shape (quick runs; k, H, I are kept)")

@@ -203,7 +203,7 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
   input->excludes(tokens);
   tokens->excludes(input);
   auto* seed = cmd->add_option("--seed", o.seed, "Seed of the random input (default: random)")
-                   ->check(kNonNegative);
+                   ->check(kSeed);
   seed->needs(tokens);
   cmd->add_option("--output", o.output,
                   "Write output, topk_ids, topk_weights, router_logits to this .safetensors file")
@@ -574,7 +574,7 @@ int run_run(const RunOptions& o) {
   std::printf("time           %.3f ms (median of %d)\n", median * 1e3, o.repeat);
   std::printf("throughput     %.0f tokens/s\n", median > 0 ? static_cast<double>(T) / median : 0.0);
   if (reference.defined())
-    std::printf("reference      %s: relative L2 error %.3e (tolerance %.0e)%s: %s\n",
+    std::printf("reference      %s: relative L2 error %.3e (tolerance %.6g)%s: %s\n",
                 o.reference_key.empty() ? o.reference.c_str() : o.reference_key.c_str(), rel, tol,
                 ref_all_zero ? " (the reference is all zeros)" : "", failed ? "FAIL" : "ok");
   if (!o.output.empty())
@@ -591,7 +591,7 @@ int run_run(const RunOptions& o) {
   std::fflush(stdout);
   if (failed) {
     char buf[64];
-    std::snprintf(buf, sizeof buf, "%.3e > tolerance %.0e", rel, tol);
+    std::snprintf(buf, sizeof buf, "%.3e > tolerance %.6g", rel, tol);
     FUSEDMOE_THROW(kInvalidArgument, "output differs from ", ref_what, ": relative L2 error ", buf);
   }
   return 0;

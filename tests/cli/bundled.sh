@@ -29,6 +29,17 @@ python3 "$HERE/st_util.py" check-run-output "$TMP/out.safetensors" 64 128 4 16
 "$BIN" run --tokens 17 --seed 7 --output "$TMP/b.safetensors" --quiet --threads 1 >/dev/null
 cmp "$TMP/a.safetensors" "$TMP/b.safetensors" || { echo "FAIL: same seed, different output"; exit 1; }
 python3 "$HERE/st_util.py" check-run-output "$TMP/a.safetensors" 17 128 4 16
+# The random seed run prints (any 64-bit value, also >= 2^63) reproduces that run.
+"$BIN" run --tokens 3 --output "$TMP/r1.safetensors" --quiet | tee "$TMP/seedlog" >/dev/null
+s=$(sed -n 's/.*seed \([0-9]*\).*/\1/p' "$TMP/seedlog" | head -1)
+[ -n "$s" ] || { echo "FAIL: no seed printed"; cat "$TMP/seedlog"; exit 1; }
+"$BIN" run --tokens 3 --seed "$s" --output "$TMP/r2.safetensors" --quiet >/dev/null
+cmp "$TMP/r1.safetensors" "$TMP/r2.safetensors" || { echo "FAIL: printed seed $s does not reproduce"; exit 1; }
+"$BIN" run --tokens 3 --seed 17340365956510856471 --quiet >/dev/null
+# The tolerance is printed as given (was rounded to one digit: "1.608e-07 > tolerance 2e-07").
+"$BIN" run --layer 1 --input "$REF" --input-key layers.1.T64.input --reference "$REF" \
+  --reference-key layers.1.T64.output_f64 --tolerance 1.6e-7 --quiet >"$TMP/tol" 2>&1 || true
+grep -q "tolerance 1.6e-07" "$TMP/tol" || { echo "FAIL: tolerance not printed as given"; cat "$TMP/tol"; exit 1; }
 "$BIN" run --tokens 0 --quiet | grep -q "T = 0"
 
 # .npy input (float64, as numpy writes it by default).

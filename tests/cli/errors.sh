@@ -141,8 +141,12 @@ python3 -c "import numpy" 2>/dev/null && {
 
 expect_error "--tokens beyond 64 bits" "--tokens: expected a number >= 0 that fits in 64 bits" -- \
   run --model "$FIX" --layer 1 --tokens 99999999999999999999
-expect_error "negative --seed" "--seed: expected a number >= 0, got -1" -- \
+expect_error "negative --seed" "--seed: expected an integer in [0, 2^64), got -1" -- \
   run --model "$FIX" --layer 1 --tokens 3 --seed -1
+expect_error "--seed beyond 64 bits" "--seed: expected an integer in [0, 2^64), got 18446744073709551616" -- \
+  run --model "$FIX" --layer 1 --tokens 3 --seed 18446744073709551616
+expect_error "bench --seed not an integer" "--seed: expected an integer in [0, 2^64), got 1.5" -- \
+  bench --shapes qwen3-cpu --tokens 1 --seed 1.5
 expect_error "--dispatch-dtype without expert parallelism" "--dispatch-dtype fp8" -- \
   run --model "$FIX" --layer 1 --tokens 3 --dispatch-dtype fp8
 expect_error "--output with a .npy name" "not .npy" -- \
