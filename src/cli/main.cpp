@@ -2,6 +2,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
@@ -12,6 +13,7 @@
 #include "cli/bench_common.h"
 #include "cli/cli.h"
 #include "fusedmoe/core/error.h"
+#include "fusedmoe/io/safetensors.h"
 
 namespace fusedmoe::cli {
 
@@ -118,7 +120,19 @@ int fail(const std::string& message, int code, bool same_on_every_rank = false) 
 
 }  // namespace
 
+namespace {
+// Interrupted (Ctrl-C, kill): remove the temporaries of unfinished output files
+// (bench --csv, run --output) so that no partial file is left, then die of the
+// signal as before.
+extern "C" void on_fatal_signal(int sig) {
+  fusedmoe::AtomicFile::remove_pending_temporaries();
+  std::signal(sig, SIG_DFL);
+  std::raise(sig);
+}
+}  // namespace
+
 int main(int argc, char** argv) {
+  for (const int sig : {SIGINT, SIGTERM, SIGHUP}) std::signal(sig, on_fatal_signal);
   using namespace fusedmoe::cli;
   CLI::App app{
       "fusedmoe: run and benchmark the Mixture-of-Experts layer of HF models on the CPU or a\n"

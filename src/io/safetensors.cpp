@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -416,6 +417,38 @@ void save_safetensors(const std::string& path,
 
 // ---- AtomicFile --------------------------------------------------------------
 
+namespace {
+// The temporaries of live AtomicFiles, for remove_pending_temporaries() from a
+// signal handler: fixed storage, slot states 0 free, 1 being written, 2 set.
+constexpr int kTempSlots = 16;
+struct TempSlot {
+  std::atomic<int> state{0};
+  char path[4096];
+};
+TempSlot g_temps[kTempSlots];
+
+int register_temp(const std::string& path) {
+  if (path.size() >= sizeof(TempSlot::path)) return -1;
+  for (int i = 0; i < kTempSlots; ++i) {
+    int expected = 0;
+    if (g_temps[i].state.compare_exchange_strong(expected, 1)) {
+      std::memcpy(g_temps[i].path, path.c_str(), path.size() + 1);
+      g_temps[i].state.store(2);
+      return i;
+    }
+  }
+  return -1;  // more than kTempSlots at once: that one is not removed on a signal
+}
+void unregister_temp(int slot) {
+  if (slot >= 0) g_temps[slot].state.store(0);
+}
+}  // namespace
+
+void AtomicFile::remove_pending_temporaries() noexcept {
+  for (TempSlot& t : g_temps)
+    if (t.state.load() == 2) ::unlink(t.path);
+}
+
 AtomicFile::AtomicFile(const std::string& path) : path_(path) {
   FUSEDMOE_CHECK(!path.empty(), "output file: expected a path, got an empty string");
   // The file is replaced by a rename, so only a regular file (or nothing) may be
@@ -451,6 +484,7 @@ AtomicFile::AtomicFile(const std::string& path) : path_(path) {
   if (fd_ < 0)
     FUSEDMOE_THROW(kIo, path, ": cannot create a temporary file in ", dir.string(), ": ",
                    errno_str());
+  slot_ = register_temp(tmp_);
 }
 
 AtomicFile::~AtomicFile() {
@@ -458,6 +492,7 @@ AtomicFile::~AtomicFile() {
     ::close(fd_);
     ::unlink(tmp_.c_str());
   }
+  unregister_temp(slot_);
 }
 
 void AtomicFile::fail(const char* what) {
@@ -465,6 +500,8 @@ void AtomicFile::fail(const char* what) {
   if (fd_ >= 0) ::close(fd_);
   fd_ = -1;
   ::unlink(tmp_.c_str());
+  unregister_temp(slot_);
+  slot_ = -1;
   FUSEDMOE_THROW(kIo, path_, ": ", what, ": ", e);
 }
 
@@ -490,6 +527,8 @@ void AtomicFile::commit() {
     ::unlink(tmp_.c_str());
     FUSEDMOE_THROW(kIo, path_, ": rename failed: ", e);
   }
+  unregister_temp(slot_);
+  slot_ = -1;
 }
 
 }  // namespace fusedmoe

@@ -99,3 +99,14 @@ PY
 "$BIN" bench --shapes qwen3-cpu --max-experts 8 --tokens 2 --min-time 0 --no-baseline --csv "$TMP/bench.csv" >/dev/null
 [ "$(wc -l <"$TMP/bench.csv")" -eq 2 ] || { echo "FAIL: bench CSV not replaced"; cat "$TMP/bench.csv"; exit 1; }
 echo ok
+
+# Interrupted (SIGINT, SIGTERM) while bench --csv runs (>= 2 s per row): no CSV and no
+# temporary file left behind (the CLI's signal handler removes unfinished temporaries).
+mkdir "$TMP/int"
+for sig in INT TERM; do
+  rc=0
+  timeout -s "$sig" 2 "$BIN" bench --shapes qwen3-cpu --max-experts 8 --tokens 1,16,64,256 \
+    --min-time 2 --csv "$TMP/int/c.csv" >/dev/null 2>&1 || rc=$?
+  [ "$rc" -eq 124 ] || { echo "FAIL: bench was not interrupted by SIG$sig (exit $rc)"; exit 1; }
+  [ -z "$(ls -A "$TMP/int")" ] || { echo "FAIL: SIG$sig left $(ls -A "$TMP/int")"; exit 1; }
+done

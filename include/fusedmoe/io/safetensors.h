@@ -94,12 +94,17 @@ class AtomicFile {
   void write(const std::string& text) { write(text.data(), text.size()); }
   void commit();
   const std::string& path() const { return path_; }
+  // Unlinks the temporaries of every AtomicFile not yet committed or destroyed
+  // (up to 16 at once): async-signal-safe, for a SIGINT / SIGTERM handler (the
+  // CLI installs one) so that an interrupted write leaves no file behind.
+  static void remove_pending_temporaries() noexcept;
 
  private:
   [[noreturn]] void fail(const char* what);  // removes the temporary, throws
   std::string path_, target_, tmp_;
   int fd_ = -1;
   bool replaces_ = false;  // the target exists (keep its permission bits)
+  int slot_ = -1;          // in the registry of remove_pending_temporaries()
   unsigned mode_ = 0;
 };
 
