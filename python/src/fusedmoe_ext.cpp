@@ -27,6 +27,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -897,21 +898,30 @@ NB_MODULE(_ext, m) {
 #endif
 
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    // A message may quote bytes that are not UTF-8 (a path, a damaged file's
+    // contents): \xNN escapes for those, never a UnicodeDecodeError instead.
+    auto set = [](PyObject* type, const char* what) {
+      PyObject* msg = PyUnicode_DecodeUTF8(what, static_cast<Py_ssize_t>(std::strlen(what)),
+                                           "backslashreplace");
+      if (msg == nullptr) return;  // the decoding error stays set
+      PyErr_SetObject(type, msg);
+      Py_DECREF(msg);
+    };
     try {
       std::rethrow_exception(p);
     } catch (const fusedmoe::Error& e) {
       switch (e.code()) {
         case ErrorCode::kInvalidArgument:
-          PyErr_SetString(PyExc_ValueError, e.what());
+          set(PyExc_ValueError, e.what());
           break;
         case ErrorCode::kIo:
-          PyErr_SetString(PyExc_OSError, e.what());
+          set(PyExc_OSError, e.what());
           break;
         case ErrorCode::kUnsupported:
-          PyErr_SetString(PyExc_NotImplementedError, e.what());
+          set(PyExc_NotImplementedError, e.what());
           break;
         default:
-          PyErr_SetString(PyExc_RuntimeError, e.what());
+          set(PyExc_RuntimeError, e.what());
           break;
       }
     }

@@ -324,3 +324,19 @@ def test_meta_tensors_among_real_ones_are_refused(mixtral, case):
     # All on meta: shape propagation, as torch.compile's tracing does.
     out = fusedmoe.fused_experts(*(c[k].to("meta") for k in ("x", "w13", "w2", "tw", "ids")))
     assert out.device.type == "meta" and tuple(out.shape) == tuple(case["x"].shape)
+
+
+# ---- error messages quoting bytes that are not UTF-8 ------------------------------------
+
+
+def test_error_message_with_non_utf8_bytes(tmp_path):
+    """A damaged config.json quoted in the error (a Latin-1 byte), or a binary file given
+    as the model, raised UnicodeDecodeError from the exception translation instead of
+    the library's error (\\xNN escapes now)."""
+    (tmp_path / "config.json").write_bytes(b'{"model_type": "mixtral", \xe9}')
+    bin_file = tmp_path / "x.npy"
+    bin_file.write_bytes(b"\x93NUMPY\x01\x00" + bytes(range(128, 256)))
+    for path in (tmp_path, bin_file):
+        with pytest.raises((ValueError, OSError)) as e:
+            fusedmoe.MoELayer.from_pretrained(path)
+        assert not isinstance(e.value, UnicodeError), repr(e.value)
