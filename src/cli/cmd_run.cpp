@@ -1,6 +1,7 @@
 // `fusedmoe run`: one MoE layer of a HF model on given or random hidden states,
 // optionally checked against a reference tensor (e.g. HF transformers' output).
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -64,6 +65,9 @@ Tensor read_npy(const std::string& path) {
     return header.substr(p + std::strlen(key));
   };
   std::string descr = field("'descr':");
+  const size_t q = descr.find_first_not_of(' ');
+  if (q != std::string::npos && descr[q] == '[')
+    FUSEDMOE_THROW(kIo, path, ": .npy structured dtypes (record arrays) are not supported");
   descr = descr.substr(descr.find('\'') + 1);
   descr = descr.substr(0, descr.find('\''));
   struct NpyType {
@@ -88,10 +92,33 @@ Tensor read_npy(const std::string& path) {
   if (field("'fortran_order':").find("True") < 3)
     FUSEDMOE_THROW(kIo, path, ": Fortran-order .npy arrays are not supported");
   std::string shape_text = field("'shape':");
-  shape_text = shape_text.substr(shape_text.find('(') + 1);
-  shape_text = shape_text.substr(0, shape_text.find(')'));
+  const size_t open = shape_text.find('('), close = shape_text.find(')');
+  if (open == std::string::npos || close == std::string::npos || close < open)
+    FUSEDMOE_THROW(kIo, path, ": .npy header: malformed shape ", shape_text.substr(0, 40));
+  shape_text = shape_text.substr(open + 1, close - open - 1);
   std::vector<int64_t> shape;
-  for (const auto& item : split_list(shape_text)) shape.push_back(std::stoll(item));
+  uint64_t bytes = dtype_size(dtype);
+  for (const auto& item : split_list(shape_text)) {
+    int64_t d = -1;
+    const char* b = item.data();
+    const char* e = b + item.size();
+    while (b < e && *b == ' ') ++b;
+    while (e > b && e[-1] == ' ') --e;
+    const auto r = std::from_chars(b, e, d);
+    if (r.ec != std::errc() || r.ptr != e || d < 0)
+      FUSEDMOE_THROW(kIo, path, ": .npy header: expected non-negative sizes in the shape, got (",
+                     shape_text, ")");
+    bytes = (d == 0 || bytes <= UINT64_MAX / static_cast<uint64_t>(d)) ? bytes * d : UINT64_MAX;
+    shape.push_back(d);
+  }
+  // The data must be there before anything is allocated for it.
+  const std::streamoff data_at = f.tellg();
+  f.seekg(0, std::ios::end);
+  const uint64_t available = static_cast<uint64_t>(f.tellg() - data_at);
+  f.seekg(data_at);
+  if (bytes > available)
+    FUSEDMOE_THROW(kIo, path, ": .npy data shorter than its shape (", shape_text, "): ", available,
+                   " bytes, expected ", bytes);
   Tensor t = Tensor::empty(dtype, shape);
   f.read(static_cast<char*>(t.data()), static_cast<std::streamsize>(t.nbytes()));
   if (!f) FUSEDMOE_THROW(kIo, path, ": .npy data shorter than its shape ", t.shape_str());
@@ -202,8 +229,8 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
                      ->check(kNonNegative);
   input->excludes(tokens);
   tokens->excludes(input);
-  auto* seed = cmd->add_option("--seed", o.seed, "Seed of the random input (default: random)")
-                   ->check(kSeed);
+  auto* seed =
+      cmd->add_option("--seed", o.seed, "Seed of the random input (default: random)")->check(kSeed);
   seed->needs(tokens);
   cmd->add_option("--output", o.output,
                   "Write output, topk_ids, topk_weights, router_logits to this .safetensors file")

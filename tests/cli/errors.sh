@@ -239,6 +239,26 @@ expect_error "--input missing (.txt)" "--input $TMP/x.txt: cannot open: No such 
   run --model "$FIX" --layer 1 --input "$TMP/x.txt"
 expect_error "--input missing (.npy)" "--input $TMP/none.npy: cannot open: No such file or directory" -- \
   run --model "$FIX" --layer 1 --input "$TMP/none.npy"
+# Malformed .npy headers: named errors, nothing allocated for a shape the data does not fill.
+python3 - "$TMP" <<'PY'
+import struct, sys
+def npy(name, header, data=b"\0" * 512):
+    h = header.encode()
+    h += b" " * ((64 - (10 + len(h) + 1) % 64) % 64) + b"\n"
+    open(f"{sys.argv[1]}/{name}", "wb").write(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(h)) + h + data)
+npy("unclosed.npy", "{'descr': '<f4', 'fortran_order': False, 'shape': (3, 128, }")
+npy("negative.npy", "{'descr': '<f4', 'fortran_order': False, 'shape': (-1, 128), }")
+npy("huge.npy", "{'descr': '<f4', 'fortran_order': False, 'shape': (1000000000000, 128), }")
+npy("record.npy", "{'descr': [('a', '<f4')], 'fortran_order': False, 'shape': (4,), }")
+PY
+expect_error ".npy shape unclosed" "unclosed.npy: .npy header: malformed shape" -- \
+  run --model "$FIX" --layer 1 --input "$TMP/unclosed.npy"
+expect_error ".npy negative size" "negative.npy: .npy header: expected non-negative sizes" -- \
+  run --model "$FIX" --layer 1 --input "$TMP/negative.npy"
+expect_error ".npy shape beyond its data" "huge.npy: .npy data shorter than its shape (1000000000000, 128): 512 bytes" -- \
+  run --model "$FIX" --layer 1 --input "$TMP/huge.npy"
+expect_error ".npy structured dtype" "record.npy: .npy structured dtypes (record arrays) are not supported" -- \
+  run --model "$FIX" --layer 1 --input "$TMP/record.npy"
 expect_error "--input .safetensors without --input-key" "--input-key is required with a .safetensors file" -- \
   run --model "$FIX" --layer 1 --input "$REF"
 
