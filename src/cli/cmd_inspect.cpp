@@ -89,7 +89,8 @@ CLI::App* add_inspect_command(CLI::App& app, InspectOptions& opts) {
   cmd->add_option("MODEL_DIR", opts.path,
                   "HF model directory (config.json + model.safetensors), a config.json, or a "
                   ".safetensors file")
-      ->required();
+      ->required()
+      ->check(kNonEmpty);
   cmd->add_flag("--json", opts.json, "Print JSON instead of text");
   return cmd;
 }

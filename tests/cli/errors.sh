@@ -227,6 +227,7 @@ expect_error "--model a .safetensors file without config.json" "$TMP/weights-onl
   run --model "$TMP/weights-only/model.safetensors" --layer 1 --tokens 2
 expect_error "--output \"\"" "--output: expected a path, got an empty string" -- \
   run --model "$FIX" --layer 1 --tokens 2 --output ""
+expect_error "inspect \"\"" "MODEL_DIR: expected a path, got an empty string" -- inspect ""
 expect_error "--input \"\"" "--input: expected a path, got an empty string" -- \
   run --model "$FIX" --layer 1 --input ""
 
