@@ -99,12 +99,9 @@ Tensor read_npy(const std::string& path) {
   std::vector<int64_t> shape;
   uint64_t bytes = dtype_size(dtype);
   for (const auto& item : split_list(shape_text)) {
-    int64_t d = -1;
-    const char* b = item.data();
-    const char* e = b + item.size();
-    while (b < e && *b == ' ') ++b;
-    while (e > b && e[-1] == ' ') --e;
-    const auto r = std::from_chars(b, e, d);
+    int64_t d = -1;  // split_list trimmed the item
+    const char* e = item.data() + item.size();
+    const auto r = std::from_chars(item.data(), e, d);
     if (r.ec != std::errc() || r.ptr != e || d < 0)
       FUSEDMOE_THROW(kIo, path, ": .npy header: expected non-negative sizes in the shape, got (",
                      shape_text, ")");

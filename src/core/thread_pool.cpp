@@ -18,6 +18,12 @@ namespace fusedmoe {
 namespace {
 // Set while a thread runs a parallel_for task: nested calls then run inline.
 thread_local bool t_in_parallel_region = false;
+
+// num_threads <= 0: every core.
+int resolve_threads(int num_threads) {
+  return num_threads > 0 ? num_threads
+                         : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
 }  // namespace
 
 // One job at a time: the caller publishes (fn, chunks), workers and the caller
@@ -74,8 +80,7 @@ struct ThreadPool::Impl {
 };
 
 ThreadPool::ThreadPool(int num_threads) : impl_(std::make_unique<Impl>()) {
-  if (num_threads <= 0)
-    num_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  num_threads = resolve_threads(num_threads);
   FUSEDMOE_CHECK(num_threads <= kMaxThreads, "num_threads: expected 1..", kMaxThreads,
                  " (or <= 0 for all cores), got ", num_threads);
   impl_->num_threads = num_threads;
@@ -155,11 +160,6 @@ std::map<int, std::unique_ptr<ThreadPool>>& g_pools() {
   return pools;
 }
 std::atomic<ThreadPool*> g_pool{nullptr};
-
-int resolve_threads(int num_threads) {
-  return num_threads > 0 ? num_threads
-                         : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-}
 
 // Under g_pool_mu: the pool of `num_threads` threads, made on first use.
 ThreadPool* pool_of_size(int num_threads) {
