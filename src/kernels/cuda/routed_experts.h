@@ -49,10 +49,10 @@ RoutedScratch carve_routed_scratch(void* base, int64_t num_tokens, int64_t top_k
 // Expected rows per touched expert for T tokens routed uniformly to k of E
 // experts: T * k / (E * (1 - (1 - k/E)^T)), rounded.
 int64_t routed_rows_per_expert(int64_t num_tokens, int64_t top_k, int64_t num_experts);
-// Whether sm90_experts' GEMMs take the 64 x 256 pingpong tiles (bf16 only) rather
-// than 128 x 256 cooperative, for that many expected rows per expert (tuning data in
-// gemm_configs.cpp). FUSEDMOE_CUDA_SM90_TILE=m64 or =m128 forces one (bf16).
-bool pick_sm90_m64(int64_t rows_per_expert, DType dtype);
+// Whether sm90_experts' GEMMs take the 64 x 256 pingpong tiles (bf16 only; at every
+// measured size, tuning data in gemm_configs.cpp) rather than 128 x 256 cooperative.
+// FUSEDMOE_CUDA_SM90_TILE=m64 or =m128 forces one (bf16).
+bool pick_sm90_m64(DType dtype);
 // The GEMM tile for that many rows per expert (pick_gemm_tile).
 GemmTile routed_gemm_tile(int64_t num_tokens, int64_t top_k, int64_t num_experts, int64_t hidden,
                           int64_t inter);

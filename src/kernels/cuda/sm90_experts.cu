@@ -13,7 +13,7 @@
 #include "fusedmoe/kernels/cuda.h"
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/gemm/sm90_bf16_grouped_gemm.cuh"  // act_glu
-#include "kernels/cuda/routed_experts.h"                 // routed_rows_per_expert
+#include "kernels/cuda/routed_experts.h"                 // pick_sm90_m64
 #ifdef FUSEDMOE_WITH_CUTLASS
 #include "kernels/cuda/gemm/sm90_cutlass_instances.h"
 #endif
@@ -100,8 +100,7 @@ __global__ void dense_offsets_kernel(int64_t* offsets, int64_t rows) {
 // offsets[e+1]), at most max_rows): h13 = a . w13[e]^T (bf16, in the front of
 // `workspace`), inter_rows = act(h13 + b13) (dtype), y_rows = inter_rows .
 // w2[e]^T (unweighted, no w2 bias; bf16 when y_bf16 (dtype bf16 only), else
-// f32). m64: the 64 x 256 pingpong instance (bf16 only) instead of 128 x 256
-// cooperative. sorted_slot / topk_ids: as in
+// f32). Tiles by pick_sm90_m64. sorted_slot / topk_ids: as in
 // glu_rows_kernel (null sorted_slot: one dense expert).
 struct GemmGluGemm {
   DType dtype;  // of a, w13, w2, h13 and inter_rows: kBF16 or kF16
@@ -119,7 +118,6 @@ struct GemmGluGemm {
   uint16_t* inter_rows;
   void* y_rows;
   bool y_bf16;
-  bool m64;
   void* workspace;
   size_t workspace_bytes;
 };
@@ -145,10 +143,11 @@ void gemm_glu_gemm(const GemmGluGemm& a, Stream stream) {
   g.workspace = static_cast<char*>(a.workspace) + h13b;
   g.workspace_bytes = a.workspace_bytes - h13b;
   const bool f16 = a.dtype == DType::kF16;
-  FUSEDMOE_CHECK(!f16 || (!a.y_bf16 && !a.m64), "sm90 experts: f16 has f32 rows and 128-row tiles");
+  FUSEDMOE_CHECK(!f16 || !a.y_bf16, "sm90 experts: f16 writes f32 rows");
+  const bool m64 = pick_sm90_m64(a.dtype);  // false for f16
   if (f16)
     sm90::grouped_gemm_f16_f16out(g, stream);
-  else if (a.m64)
+  else if (m64)
     sm90::grouped_gemm_bf16out_m64(g, stream);
   else
     sm90::grouped_gemm_bf16out(g, stream);
@@ -173,7 +172,7 @@ void gemm_glu_gemm(const GemmGluGemm& a, Stream stream) {
     sm90::grouped_gemm_f16_f32out(g2, stream);
   else if (!a.y_bf16)
     sm90::grouped_gemm_f32out(g2, stream);
-  else if (a.m64)
+  else if (m64)
     sm90::grouped_gemm_bf16out_m64(g2, stream);
   else
     sm90::grouped_gemm_bf16out(g2, stream);
@@ -249,7 +248,6 @@ void sm90_experts(const Sm90ExpertsArgs& a, Stream stream) {
 
   gemm_glu_gemm({a.dtype, xs, slots, a.expert_offsets, E, a.topk_ids, a.sorted_slot, H, I, a.w13,
                  a.w13_bias, a.w2, a.act, a.inter_rows, a.y_rows, a.dtype == DType::kBF16,
-                 pick_sm90_m64(routed_rows_per_expert(a.num_tokens, a.top_k, E), a.dtype),
                  a.workspace, a.workspace_bytes},
                 stream);
 #else
@@ -286,10 +284,10 @@ void sm90_dense_expert(const Sm90DenseExpertArgs& a, Stream stream) {
   auto* offsets = static_cast<int64_t*>(a.workspace);
   dense_offsets_kernel<<<1, 1, 0, stream>>>(offsets, T);
   FUSEDMOE_CUDA_CHECK_LAUNCH();
-  gemm_glu_gemm({a.dtype, a.x, T, offsets, 1, nullptr, nullptr, H, I, a.w13, a.w13_bias, a.w2,
-                 a.act, a.inter_rows, a.out, false, pick_sm90_m64(T, a.dtype),
-                 static_cast<char*>(a.workspace) + 256, a.workspace_bytes - 256},
-                stream);
+  gemm_glu_gemm(
+      {a.dtype, a.x, T, offsets, 1, nullptr, nullptr, H, I, a.w13, a.w13_bias, a.w2, a.act,
+       a.inter_rows, a.out, false, static_cast<char*>(a.workspace) + 256, a.workspace_bytes - 256},
+      stream);
 #else
   (void)a;
   (void)stream;

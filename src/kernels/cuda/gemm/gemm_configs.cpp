@@ -108,14 +108,13 @@ bool pick_sm90_experts(int64_t rows_per_expert, int64_t /*routed_rows*/, int64_t
   return force_sm90 || rows_per_expert >= kSm90MinRowsPerExpert;
 }
 
-bool pick_sm90_m64(int64_t rows_per_expert, DType dtype) {
+bool pick_sm90_m64(DType dtype) {
   const char* env = std::getenv("FUSEDMOE_CUDA_SM90_TILE");
   const bool force_m64 = env != nullptr && std::strcmp(env, "m64") == 0;
   const bool force_m128 = env != nullptr && std::strcmp(env, "m128") == 0;
   FUSEDMOE_CHECK(env == nullptr || env[0] == '\0' || force_m64 || force_m128,
                  "FUSEDMOE_CUDA_SM90_TILE: expected m64 or m128, got ", env);
-  (void)force_m64;
-  (void)rows_per_expert;  // m64 at every measured size (see above)
+  (void)force_m64;  // the default: m64 at every measured size (see above)
   return dtype == DType::kBF16 && !force_m128;
 }
 
