@@ -70,6 +70,9 @@ if [ "$what" = sanitize ] || [ "$what" = all ]; then
   timeout 150 compute-sanitizer --tool memcheck --leak-check full --error-exitcode 9 \
     "$bin/test_cuda_gemm" >"$OUT/memcheck_gemm.log" 2>&1
   echo "== memcheck test_cuda_gemm rc=$? $(grep -E 'ERROR SUMMARY|PASSED|FAILED' "$OUT/memcheck_gemm.log" | tr '\n' ' ')"
+  timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 "$bin/test_cuda_fused_experts" \
+    --gtest_filter='*Decode*' >"$OUT/memcheck_decode.log" 2>&1
+  echo "== memcheck decode kernels rc=$? $(grep -E 'ERROR SUMMARY|PASSED|FAILED' "$OUT/memcheck_decode.log" | tr '\n' ' ')"
   timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 "$bin/test_cuda_runner" \
     --gtest_filter='Architectures/*' >"$OUT/memcheck_runner.log" 2>&1
   echo "== memcheck test_cuda_runner rc=$? $(grep -E 'ERROR SUMMARY|PASSED|FAILED' "$OUT/memcheck_runner.log" | tr '\n' ' ')"

@@ -33,6 +33,7 @@
 #include "fusedmoe/io/safetensors.h"
 #include "fusedmoe/kernels/cuda.h"
 #include "fusedmoe/routing/router.h"
+#include "kernels/cuda/routed_experts.h"
 
 namespace fusedmoe::bench {
 
@@ -207,7 +208,39 @@ int run_cuda_bench(const CudaBenchOptions& o) {
       cuda::GemmTile tile = picked;
       const bool picked_sm90 = cuda::pick_sm90_experts(rows, slots, H, I);
       bool sm90 = picked_sm90;
+      // The decode path (decode_experts: no align, two weight-streaming kernels)
+      // where the layer takes it; FUSEDMOE_CUDA_DECODE=0 times the align + GEMV chain.
+      const bool picked_decode = !picked_sm90 && cuda::decode_experts_eligible(T, k);
+      bool decode = picked_decode;
       auto enqueue = [&](int r) {
+        if (decode) {
+          cuda::DecodeExpertsArgs d;
+          d.x = x;
+          d.ldx = H;
+          d.topk_ids = ids + r * slots;
+          d.row_scale = wts + r * slots;
+          d.num_tokens = T;
+          d.top_k = k;
+          d.num_experts = E;
+          d.hidden = H;
+          d.inter = I;
+          d.w13 = w13;
+          d.w2 = w2;
+          d.inter_rows = inter;
+          d.y = y;
+          cuda::decode_experts(d, stream);
+          cuda::FinalizeArgs f;
+          f.y = y;
+          f.topk_ids = ids + r * slots;
+          f.num_tokens = T;
+          f.top_k = k;
+          f.hidden = H;
+          f.out = out;
+          f.out_dtype = DType::kBF16;
+          f.ldo = H;
+          cuda::finalize(f, stream);
+          return;
+        }
         cuda::AlignArgs al;
         al.topk_ids = ids + r * slots;
         al.num_slots = slots;
@@ -286,9 +319,10 @@ int run_cuda_bench(const CudaBenchOptions& o) {
         cuda::finalize(f, stream);  // y rows by slot, already weighted
       };
       // Warm-up (sets kernel attributes outside capture), then one graph per routing.
-      auto time_tile = [&](cuda::GemmTile t, bool use_sm90 = false) {
+      auto time_tile = [&](cuda::GemmTile t, bool use_sm90 = false, bool use_decode = false) {
         tile = t;
         sm90 = use_sm90;
+        decode = use_decode;
         enqueue(0);
         CK(cudaStreamSynchronize(stream));
         std::vector<cudaGraphExec_t> execs(routings);
@@ -335,8 +369,14 @@ int run_cuda_bench(const CudaBenchOptions& o) {
         std::snprintf(b2, sizeof b2, " sm90 %.1f", time_tile(picked, true));
         sweep_text += b2;
       }
-      const double us = time_tile(picked, picked_sm90);
+      if ((sweep || o.sweep_sm90) && picked_decode) {
+        char b2[64];
+        std::snprintf(b2, sizeof b2, " %s %.1f", cuda::gemm_tile_name(picked), time_tile(picked));
+        sweep_text += b2;
+      }
+      const double us = time_tile(picked, picked_sm90, picked_decode);
       sm90 = picked_sm90;
+      decode = picked_decode;
       if (!dump_dir.empty()) {
         const std::string base = dump_dir + "/" + s.name + "_T" + std::to_string(T);
         std::vector<uint16_t> out_h(T * H);
@@ -350,7 +390,9 @@ int run_cuda_bench(const CudaBenchOptions& o) {
       const double flops = 2.0 * slots * 3.0 * H * I;
       const double bytes = touched * 3.0 * H * I * 2 + 2.0 * T * H * 2;
       const double floor_us = std::max(bytes / 4.8e12, flops / 790e12) * 1e6;
-      const std::string tname_s = picked_sm90 ? "sm90" : cuda::gemm_tile_name(picked);
+      const std::string tname_s = picked_sm90     ? "sm90"
+                                  : picked_decode ? "decode"
+                                                  : cuda::gemm_tile_name(picked);
       const char* tname = tname_s.c_str();
       std::printf("| %s | %lld | %s | %.1f | %.1f | %.0f | %.1f | %.0f%% |%s\n", s.name,
                   static_cast<long long>(T), tname, us, flops / us * 1e-6, bytes / us * 1e-3,

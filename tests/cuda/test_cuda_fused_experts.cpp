@@ -23,19 +23,22 @@ struct Case {
   int64_t T, E, k, H, I;
   Activation act;
   bool bias;
-  DType io;  // hidden states and output
+  DType io;                      // hidden states and output
+  bool repeats = false;          // ids drawn with replacement (an expert twice in a token)
+  DType weights = DType::kBF16;  // w13 / w2
 };
 
 std::string name(const Case& c) {
   return "T" + std::to_string(c.T) + " E" + std::to_string(c.E) + " k" + std::to_string(c.k) +
          " H" + std::to_string(c.H) + " I" + std::to_string(c.I) + " act" +
-         std::to_string(static_cast<int>(c.act)) + (c.bias ? " bias" : "") + " " + dtype_name(c.io);
+         std::to_string(static_cast<int>(c.act)) + (c.bias ? " bias" : "") + " " +
+         dtype_name(c.io) + (c.repeats ? " repeats" : "") + " weights " + dtype_name(c.weights);
 }
 
 void run_case(const Case& c, std::mt19937_64& rng, bool on_input = false) {
   SCOPED_TRACE(name(c) + (on_input ? " on-input" : ""));
   const int64_t T = c.T, E = c.E, k = c.k, H = c.H, I = c.I;
-  const ExpertWeights w = test::random_experts(rng, E, H, I, DType::kBF16, c.bias);
+  const ExpertWeights w = test::random_experts(rng, E, H, I, c.weights, c.bias);
   Tensor x = test::randn_f32(rng, {T, H});
   if (c.io == DType::kBF16) x = to_f32(test::to_bf16(x));  // the values the kernel reads
   // ids: k distinct experts per token; some -1 and some >= E (both add nothing)
@@ -46,7 +49,8 @@ void run_case(const Case& c, std::mt19937_64& rng, bool on_input = false) {
     for (int64_t e = 0; e < E; ++e) perm[e] = static_cast<int32_t>(e);
     std::shuffle(perm.begin(), perm.end(), rng);
     for (int64_t j = 0; j < k; ++j) {
-      int32_t id = perm[j], ref = id;
+      int32_t id = c.repeats ? static_cast<int32_t>(rng() % static_cast<uint64_t>(E)) : perm[j];
+      int32_t ref = id;
       if (t % 7 == 3 && j == 0) id = ref = -1;
       if (t % 11 == 5 && j == k - 1) id = static_cast<int32_t>(E + 3), ref = -1;
       ids.data_as<int32_t>()[t * k + j] = id;
@@ -107,6 +111,39 @@ TEST(CudaFusedExperts, MatchesFloat64Reference) {
   };
   for (const Case& c : cases) run_case(c, rng);
   run_case({9, 4, 1, 32, 16, Activation::kSiluGlu, false, DType::kF32}, rng, /*on_input=*/true);
+}
+
+// The decode path (T <= 4, T * k <= 32: two weight-streaming kernels straight
+// from topk_ids, src/kernels/cuda/decode_experts.cu) at every row count of its
+// templates (1, 2, 4 rows per work group), with repeated ids (more slots of an
+// expert than a group holds), -1 and out-of-range ids, H and I that are no
+// multiple of the 8-row / 4-pair items or of 256, biases, f16 weights, the
+// widest k (32) and the T * k = 32 edge.
+TEST(CudaFusedExperts, DecodePathMatchesFloat64Reference) {
+  FUSEDMOE_REQUIRE_CUDA();
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  using A = Activation;
+  const DType bf = DType::kBF16, f32 = DType::kF32, f16 = DType::kF16;
+  const std::vector<Case> cases = {
+      {1, 128, 8, 2048, 768, A::kSiluGlu, false, bf},
+      {1, 8, 2, 96, 80, A::kSiluGlu, false, f32},
+      {1, 6, 4, 72, 40, A::kGeluGlu, true, f32, /*repeats=*/true},
+      {1, 40, 32, 64, 24, A::kSiluGlu, false, bf},
+      {1, 5, 32, 64, 24, A::kSiluGlu, false, bf, true},
+      {2, 16, 4, 96, 80, A::kSwigluOai, true, f32},
+      {2, 4, 16, 104, 56, A::kSiluGlu, false, bf, true},
+      {3, 32, 4, 256, 72, A::kSiluGlu, false, bf},
+      {3, 3, 8, 64, 48, A::kGeluTanhGlu, false, f32, true},
+      {4, 64, 8, 520, 264, A::kSwigluOai, true, bf},
+      {4, 2, 8, 64, 16, A::kSiluGlu, false, f32, true},
+      {1, 8, 2, 96, 80, A::kSiluGlu, true, f32, false, f16},
+      {4, 8, 4, 64, 48, A::kSiluGlu, false, f16, true, f16},
+  };
+  for (const Case& c : cases) run_case(c, rng);
+  run_case({1, 4, 1, 32, 16, Activation::kSiluGlu, false, DType::kF32}, rng, /*on_input=*/true);
+  run_case({4, 4, 1, 32, 16, Activation::kSiluGlu, false, DType::kBF16}, rng, /*on_input=*/true);
 }
 
 // Argument checks run before anything touches the device: no GPU needed.

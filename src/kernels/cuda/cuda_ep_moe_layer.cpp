@@ -191,9 +191,8 @@ void CudaEpMoELayer::forward(const TensorView& hidden_states, const TensorView& 
   // ---- 4. local experts on the received rows ----
   ep_unpack(s.recv.as<void>(), M, static_cast<int>(k), H, s.ids_l.as<int32_t>(), s.w_l.as<float>(),
             s.cpos.as<int32_t>(), stream);
-  const GemmTile tile = CudaMoELayer::routed_gemm_tile(s.cfg, t_global);
   const float* y_local = layer.experts(s.recv.as<uint16_t>(), s.rec / 2, s.ids_l.as<int32_t>(),
-                                       s.w_l.as<float>(), M, tile, stream);
+                                       s.w_l.as<float>(), M, t_global, stream);
 
   // ---- 5. combine ----
   FUSEDMOE_CUDA_CHECK(cudaStreamSynchronize(stream));

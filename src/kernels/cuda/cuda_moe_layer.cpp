@@ -381,10 +381,6 @@ void CudaMoELayer::forward(const TensorView& hidden_states, const TensorView& ou
 
 // ---- expert parallelism: forward() in three parts (CudaEpMoELayer) ----------------
 
-GemmTile CudaMoELayer::routed_gemm_tile(const MoEConfig& c, int64_t T) {
-  return cuda::routed_gemm_tile(T, c.top_k, c.num_experts, c.hidden_size, c.intermediate_size);
-}
-
 const int32_t* CudaMoELayer::topk_ids() const {
   return impl_->ids;
 }
@@ -539,17 +535,22 @@ bool CudaMoELayer::Impl::launch_shared(int64_t T, int64_t tile_tokens, cudaStrea
 }
 
 const float* CudaMoELayer::experts(const uint16_t* x, int64_t ldx, const int32_t* topk_ids,
-                                   const float* topk_weights, int64_t M, GemmTile tile,
+                                   const float* topk_weights, int64_t M, int64_t batch_tokens,
                                    Stream stream) {
   Impl& s = *impl_;
   const int64_t H = s.cfg.hidden_size;
   FUSEDMOE_CHECK(M >= 0 && M <= s.max_tokens, "experts: num_rows: expected in [0, ", s.max_tokens,
                  "], got ", M);
+  FUSEDMOE_CHECK(batch_tokens >= M, "experts: batch_tokens: expected >= num_rows = ", M, ", got ",
+                 batch_tokens);
   FUSEDMOE_CHECK(ldx >= H && ldx % 8 == 0, "experts: ldx: expected >= ", H,
                  " and a multiple of 8, got ", ldx);
   if (M == 0) return s.routed.y;
   RoutedExpertsArgs r = s.routed_args(x, ldx, topk_ids, topk_weights, M);
-  r.tile = tile;
+  const MoEConfig& c = s.cfg;
+  r.tile = cuda::routed_gemm_tile(batch_tokens, c.top_k, c.num_experts, c.hidden_size,
+                                  c.intermediate_size);
+  r.allow_decode = decode_experts_eligible(batch_tokens, c.top_k);
   r.allow_sm90 = false;  // y by slot, for the combine
   return static_cast<const float*>(routed_experts(r, s.routed, stream).y);  // f32: no sm90
 }

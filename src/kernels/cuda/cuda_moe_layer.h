@@ -75,18 +75,18 @@ class CudaMoELayer {
   // topk_weights f32 [M, k]. Returns y f32 [M * k, H] (the layer's buffer,
   // valid until the next call): y[m*k + j] = w[m, j] * expert_j(x[m]) (no
   // weight with apply_router_weight_on_input) for ids != -1; other rows are
-  // not written. `tile` is the GEMM tile (routed_gemm_tile of the batch whose
-  // output this must reproduce). M <= max_num_tokens().
+  // not written. The kernels (GEMM tile, decode path) are those forward() picks
+  // for batch_tokens tokens (the batch whose output this must reproduce, bit for
+  // bit). M <= batch_tokens and M <= max_num_tokens().
   const float* experts(const uint16_t* x, int64_t ldx, const int32_t* topk_ids,
-                       const float* topk_weights, int64_t num_rows, GemmTile tile, Stream stream);
+                       const float* topk_weights, int64_t num_rows, int64_t batch_tokens,
+                       Stream stream);
   // forward()'s end for ep_route()'s T tokens: output [T, H] = sum over slots
   // j (in order, ids != -1) of y[t*k + j] + the (gated) shared expert.
   void ep_finalize(const float* y, const TensorView& output, int64_t num_tokens, Stream stream);
   const int32_t* topk_ids() const;
   const float* topk_weights() const;
   const uint16_t* expert_input() const;
-  // The tile forward() picks for T tokens of `config` (all E experts).
-  static GemmTile routed_gemm_tile(const MoEConfig& config, int64_t num_tokens);
 
   int64_t max_num_tokens() const;
   const MoEConfig& config() const;

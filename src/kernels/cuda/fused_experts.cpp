@@ -89,6 +89,36 @@ FinalizeArgs routed_experts(const RoutedExpertsArgs& a, const RoutedScratch& s, 
   const bool sm90 = a.allow_sm90 && pick_sm90_experts(rows_per_expert, slots, H, I);
   FUSEDMOE_CHECK(!sm90 || s.sm90_ws != nullptr,
                  "routed_experts: the sm90 path needs scratch carved with sm90 = true");
+  const float* row_scale = a.apply_router_weight_on_input ? nullptr : a.topk_weights;
+  FinalizeArgs f;
+  f.y = s.y;
+  f.topk_ids = a.topk_ids;
+  f.num_tokens = T;
+  f.top_k = k;
+  f.hidden = H;
+  f.num_experts = E;
+  if (!sm90 && a.allow_decode && decode_experts_eligible(T, k)) {
+    DecodeExpertsArgs d;
+    d.dtype = a.dtype;
+    d.x = a.x;
+    d.ldx = ldx;
+    d.topk_ids = a.topk_ids;
+    d.row_scale = row_scale;
+    d.num_tokens = T;
+    d.top_k = k;
+    d.num_experts = E;
+    d.hidden = H;
+    d.inter = I;
+    d.w13 = a.w13;
+    d.w2 = a.w2;
+    d.w13_bias = a.w13_bias;
+    d.w2_bias = a.w2_bias;
+    d.act = a.act;
+    d.inter_rows = s.inter;
+    d.y = s.y;
+    decode_experts(d, stream);
+    return f;
+  }
   AlignArgs al;
   al.topk_ids = a.topk_ids;
   al.num_slots = slots;
@@ -100,14 +130,6 @@ FinalizeArgs routed_experts(const RoutedExpertsArgs& a, const RoutedScratch& s, 
   al.expert_cursor = s.cursor;
   align(al, stream);
 
-  FinalizeArgs f;
-  f.y = s.y;
-  f.topk_ids = a.topk_ids;
-  f.num_tokens = T;
-  f.top_k = k;
-  f.hidden = H;
-  f.num_experts = E;
-  const float* row_scale = a.apply_router_weight_on_input ? nullptr : a.topk_weights;
   if (sm90) {
     if (a.sm90_wait_event) FUSEDMOE_CUDA_CHECK(cudaStreamWaitEvent(stream, a.sm90_wait_event, 0));
     Sm90ExpertsArgs x;

@@ -1,6 +1,8 @@
 // fusedmoe internal: the routed-expert pipeline, one piece of code behind
 // CudaMoELayer::forward, CudaMoELayer::experts (expert parallelism) and the
 // functional cuda::fused_experts (kernels/cuda.h):
+//   T <= 4 (decode_experts_eligible): decode_experts, two weight-streaming
+//     kernels from topk_ids (no align), y by slot; otherwise
 //   align (group slots by expert) -> either
 //     mma.sync / GEMV: w13 grouped GEMM + activation -> w2 grouped GEMM
 //       (x topk_weights, scattered by slot into y f32 [T*k, H]), or
@@ -57,6 +59,34 @@ bool pick_sm90_m64(DType dtype);
 GemmTile routed_gemm_tile(int64_t num_tokens, int64_t top_k, int64_t num_experts, int64_t hidden,
                           int64_t inter);
 
+// The decode path (decode_experts.cu): the routed experts of T <= 4 tokens
+// (T * k <= 32 slots) as two weight-streaming kernels read straight from
+// topk_ids (no align), for every dtype and tile of the mma path; writes y by
+// slot exactly as that path does (weighted, biased; invalid ids' slots left
+// unwritten). FUSEDMOE_CUDA_DECODE=0 in the environment turns it off (A/B timing).
+inline constexpr int64_t kDecodeMaxTokens = 4;
+inline constexpr int64_t kDecodeMaxSlots = 32;
+bool decode_experts_eligible(int64_t num_tokens, int64_t top_k);
+struct DecodeExpertsArgs {
+  DType dtype = DType::kBF16;   // of x, w13, w2, inter_rows: kBF16 or kF16
+  const uint16_t* x = nullptr;  // dtype [T, H], row stride ldx (multiple of 8)
+  int64_t ldx = 0;
+  const int32_t* topk_ids = nullptr;  // i32 [T, k]; ids outside [0, E) add nothing
+  const float* row_scale = nullptr;   // f32 [T * k] (topk_weights) or null (1)
+  int64_t num_tokens = 0, top_k = 0, num_experts = 0, hidden = 0, inter = 0;
+  const uint16_t* w13 = nullptr;    // dtype [E, 2I, H]
+  const uint16_t* w2 = nullptr;     // dtype [E, H, I]
+  const float* w13_bias = nullptr;  // f32 [E, 2I] or null
+  const float* w2_bias = nullptr;   // f32 [E, H] or null
+  ActivationParams act;
+  uint16_t* inter_rows = nullptr;  // dtype [T * k, I] (scratch)
+  float* y = nullptr;  // f32 [T * k, H]: y[s] = row_scale[s] * (w2[e] . inter[s] + b2[e])
+};
+// Launches decode_w13 and decode_w2 on `stream` (PDL). Throws
+// Error(kInvalidArgument) outside the limits above or for H, I, ldx not
+// multiples of 8.
+void decode_experts(const DecodeExpertsArgs& args, Stream stream);
+
 struct RoutedExpertsArgs {
   DType dtype = DType::kBF16;         // of x, w13, w2 and the intermediate: kBF16 or kF16
   const uint16_t* x = nullptr;        // dtype [T, H] (already scaled when the weight is applied on
@@ -78,6 +108,9 @@ struct RoutedExpertsArgs {
   // expert of T tokens; the scratch must then be carved with sm90). Expert
   // parallelism passes false: it needs y by slot.
   bool allow_sm90 = true;
+  // Whether the decode path may be taken (decode_experts_eligible(T, k)).
+  // Expert parallelism passes the global batch's choice (bit-identical to one GPU).
+  bool allow_decode = true;
   // On the sm90 path: `stream` waits for this event (a cudaEvent_t) after
   // align, before the GEMMs (the layer's shared expert on the sm90 path: its
   // persistent GEMMs and the routed ones each fill the GPU). Null: no wait.
