@@ -213,6 +213,15 @@ int run_cuda_bench(const CudaBenchOptions& o) {
       const bool picked_decode = !picked_sm90 && cuda::decode_experts_eligible(T, k);
       bool decode = picked_decode;
       auto enqueue = [&](int r) {
+        cuda::FinalizeArgs f;  // output[t] = sum over t's slots of y (bf16 out)
+        f.y = y;
+        f.topk_ids = ids + r * slots;
+        f.num_tokens = T;
+        f.top_k = k;
+        f.hidden = H;
+        f.out = out;
+        f.out_dtype = DType::kBF16;
+        f.ldo = H;
         if (decode) {
           cuda::DecodeExpertsArgs d;
           d.x = x;
@@ -229,16 +238,7 @@ int run_cuda_bench(const CudaBenchOptions& o) {
           d.inter_rows = inter;
           d.y = y;
           cuda::decode_experts(d, stream);
-          cuda::FinalizeArgs f;
-          f.y = y;
-          f.topk_ids = ids + r * slots;
-          f.num_tokens = T;
-          f.top_k = k;
-          f.hidden = H;
-          f.out = out;
-          f.out_dtype = DType::kBF16;
-          f.ldo = H;
-          cuda::finalize(f, stream);
+          cuda::finalize(f, stream);  // y rows by slot, already weighted
           return;
         }
         cuda::AlignArgs al;
@@ -251,15 +251,6 @@ int run_cuda_bench(const CudaBenchOptions& o) {
         al.expert_counts = counts;
         al.expert_cursor = cursor;
         cuda::align(al, stream);
-        cuda::FinalizeArgs f;  // output[t] = sum over t's slots of y (bf16 out)
-        f.y = y;
-        f.topk_ids = ids + r * slots;
-        f.num_tokens = T;
-        f.top_k = k;
-        f.hidden = H;
-        f.out = out;
-        f.out_dtype = DType::kBF16;
-        f.ldo = H;
         if (sm90) {
           cuda::Sm90ExpertsArgs a;
           a.x = x;
