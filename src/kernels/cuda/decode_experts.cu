@@ -18,17 +18,22 @@
 //   * decode_w2: warp items (group, 8 rows of w2), the same streaming against
 //     inter -> y[slot, H] = topk_weight * (. + b2) in f32, finalize() sums a
 //     token's slots in slot order (the mma path's contract: y by slot).
-// Both launched with Programmatic Dependent Launch (pdl.cuh). Items are dealt
-// round-robin to the warps of a grid no larger than the GPU holds at once.
-// Deterministic: no atomics, fixed reduction order; a slot's output does not
-// depend on T or on the other slots (so expert parallelism, which runs the
-// received rows of a batch, gives one GPU's bits).
+// Both launched with Programmatic Dependent Launch (pdl.cuh); decode_w2 reads
+// the ids (written two or more kernels before it, complete when it starts) and
+// issues its first item's first K step of weight loads before pdl_wait(), so
+// they are in flight while decode_w13 drains. Weight loads skip L1
+// (L1::no_allocate). Items are dealt round-robin to the warps of a grid no
+// larger than the GPU holds at once. Deterministic: no atomics, fixed
+// reduction order; a slot's output does not depend on T or on the other slots
+// (so expert parallelism, which runs the received rows of a batch, gives one
+// GPU's bits).
 // On an H200 (bench/results/2026-11-29-session5.md) this took T = 1 from
-// 38.3 to 30.6 us (Qwen3-30B-A3B), 194 to 179 us (Mixtral), 198 to 173 us
+// 38.3 to 27.8 us (Qwen3-30B-A3B), 194 to 180 us (Mixtral), 198 to 171 us
 // (DeepSeek-V3). Tried and slower there: asking L2 for decode_w2's first
 // weights before pdl_wait() (cp.async.bulk.prefetch.L2; with Mixtral the
 // prefetched w2 exceeds L2 and is read twice), a per-lane cp.async ring in
-// shared memory (4-8 stages, fewer resident warps), 4 or 16 rows per item.
+// shared memory (4-8 stages, fewer resident warps), 4 or 16 rows per item,
+// the L2::256B prefetch hint on the weight loads.
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -42,6 +47,16 @@ namespace fusedmoe::cuda {
 namespace {
 
 using gemm::ld_nc;
+
+// A weight load: read-only path, no L1 allocation (each byte is read once;
+// L1 keeps the input rows). On an H200 2-6 % faster than ld_nc at T <= 4.
+__device__ __forceinline__ uint4 ld_weight(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
 using gemm::unpack8;
 using gemm::warp_reduce_all;
 
@@ -109,42 +124,70 @@ __device__ __forceinline__ int group_members(const Groups& g, int w, int lane, i
   return expert;
 }
 
+// The weight chunks of K step k0 of a lane (rows as in stream_rows).
+template <int kW, int kParts, int R>
+__device__ __forceinline__ void load_step(const uint16_t* const* w, int valid, int64_t K,
+                                          int64_t k0, uint4 (&wraw)[kUnroll<R>][kW]) {
+  constexpr int kPer = kW / kParts, kU = kUnroll<R>;
+#pragma unroll
+  for (int u = 0; u < kU; ++u)
+#pragma unroll
+    for (int j = 0; j < kW; ++j)
+      wraw[u][j] = j % kPer < valid && k0 + u * 256 < K
+                       ? ld_weight(w[j / kPer] + (j % kPer) * K + k0 + u * 256)
+                       : make_uint4(0, 0, 0, 0);
+}
+
+// acc += the products of K step k0's weight chunks (wraw) with the input rows.
+template <class T, int kW, int R>
+__device__ __forceinline__ void fma_step(const uint4 (&wraw)[kUnroll<R>][kW],
+                                         const uint16_t* const* xrow, int64_t K, int64_t k0,
+                                         float* acc) {
+  constexpr int kU = kUnroll<R>;
+#pragma unroll
+  for (int u = 0; u < kU; ++u) {
+    const int64_t kk = k0 + u * 256;
+    if (kk >= K) break;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if (xrow[r] == nullptr) continue;
+      float xf[8];
+      unpack8<T>(ld_nc(xrow[r] + kk), xf);
+#pragma unroll
+      for (int j = 0; j < kW; ++j) {
+        float wf[8];
+        unpack8<T>(wraw[u][j], wf);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[j * R + r] = fmaf(wf[i], xf[i], acc[j * R + r]);
+      }
+    }
+  }
+}
+
 // acc[j * R + r] += dot(weight row j, input row r) over K, for kW weight rows:
 // rows j < kW / kParts of part q (0 .. kParts - 1) at w[q] + j * K, the first
 // `valid` of each part real (the others read as zeros); input rows at xrow
-// (null: skipped, warp-uniform). Lane L covers k = 8 L + 256 i.
-template <class T, int kW, int kParts, int R>
+// (null: skipped, warp-uniform). Lane L covers k = 8 L + 256 i. With kPre, the
+// first K step's chunks are `pre` (load_step, issued earlier).
+template <class T, int kW, int kParts, int R, bool kPre = false>
 __device__ __forceinline__ void stream_rows(const uint16_t* const* w, int valid,
                                             const uint16_t* const* xrow, int64_t K, int lane,
-                                            float* acc) {
-  constexpr int kPer = kW / kParts, kU = kUnroll<R>;
-  for (int64_t k0 = lane * 8; k0 < K; k0 += 256 * kU) {
-    uint4 wraw[kU][kW];  // all weight loads issued before any use
+                                            float* acc, const uint4 (*pre)[kW] = nullptr) {
+  constexpr int kU = kUnroll<R>;
+  int64_t k0 = lane * 8;
+  if constexpr (kPre) {
+    uint4 wraw[kU][kW];
 #pragma unroll
     for (int u = 0; u < kU; ++u)
 #pragma unroll
-      for (int j = 0; j < kW; ++j)
-        wraw[u][j] = j % kPer < valid && k0 + u * 256 < K
-                         ? ld_nc(w[j / kPer] + (j % kPer) * K + k0 + u * 256)
-                         : make_uint4(0, 0, 0, 0);
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      const int64_t kk = k0 + u * 256;
-      if (kk >= K) break;
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        if (xrow[r] == nullptr) continue;
-        float xf[8];
-        unpack8<T>(ld_nc(xrow[r] + kk), xf);
-#pragma unroll
-        for (int j = 0; j < kW; ++j) {
-          float wf[8];
-          unpack8<T>(wraw[u][j], wf);
-#pragma unroll
-          for (int i = 0; i < 8; ++i) acc[j * R + r] = fmaf(wf[i], xf[i], acc[j * R + r]);
-        }
-      }
-    }
+      for (int j = 0; j < kW; ++j) wraw[u][j] = pre[u][j];
+    if (k0 < K) fma_step<T, kW, R>(wraw, xrow, K, k0, acc);
+    k0 += 256 * kU;
+  }
+  for (; k0 < K; k0 += 256 * kU) {
+    uint4 wraw[kU][kW];  // all weight loads issued before any use
+    load_step<kW, kParts, R>(w, valid, K, k0, wraw);
+    fma_step<T, kW, R>(wraw, xrow, K, k0, acc);
   }
 }
 
@@ -169,8 +212,6 @@ __global__ void __launch_bounds__(kThreads, 4) decode_kernel(const DecodeParams 
   constexpr int kW = kItemRows<kW13>;   // weight rows streamed per item
   constexpr int kParts = kW13 ? 2 : 1;  // w13: gate rows, then up rows
   constexpr int kPer = kW / kParts;     // outputs per input row and item
-  pdl_wait();                           // ids, x and inter come from the kernels before
-  pdl_launch_dependents();
   const int lane = threadIdx.x & 31;
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) >> 5;
   const int64_t num_warps = static_cast<int64_t>(gridDim.x) * kWarps;
@@ -238,7 +279,30 @@ __global__ void __launch_bounds__(kThreads, 4) decode_kernel(const DecodeParams 
     }
   };
 
-  for (int64_t item = warp; item < items; item += num_warps) {
+  // decode_w2 may read the ids and the weights before pdl_wait() (written two
+  // or more kernels before / by none, pdl.cuh): its first K step is in flight
+  // while decode_w13 drains.
+  constexpr bool kPre = !kW13;
+  uint4 pre[kUnroll<R>][kW];
+  if (kPre && warp < items) {
+    const Item it = item_of(warp);
+    load_step<kW, kParts, R>(it.w, it.valid, K, lane * 8, pre);
+  }
+  pdl_wait();  // ids, x and inter come from the kernels before
+  pdl_launch_dependents();
+  int64_t item = warp;
+  if (kPre && item < items) {  // the first item, its first K step loaded above
+    const Item it = item_of(item);
+    const uint16_t* xrow[R];
+    input_rows(it, xrow);
+    float acc[kW * R];
+#pragma unroll
+    for (int i = 0; i < kW * R; ++i) acc[i] = 0.0f;
+    stream_rows<T, kW, kParts, R, true>(it.w, it.valid, xrow, K, lane, acc, pre);
+    epilogue(it, acc);
+    item += num_warps;
+  }
+  for (; item < items; item += num_warps) {
     const Item it = item_of(item);
     const uint16_t* xrow[R];
     input_rows(it, xrow);
