@@ -118,7 +118,7 @@ TEST(CudaFusedExperts, MatchesFloat64Reference) {
 // templates (1, 2, 4 rows per work group), with repeated ids (more slots of an
 // expert than a group holds), -1 and out-of-range ids, H and I that are no
 // multiple of the 8-row / 4-pair items or of 256, biases, f16 weights, the
-// widest k (32) and the T * k = 32 edge.
+// widest k (32), the T * k = 32 edge and I >= 4096 (4-row w2 items).
 TEST(CudaFusedExperts, DecodePathMatchesFloat64Reference) {
   FUSEDMOE_REQUIRE_CUDA();
   const uint64_t seed = test::fresh_seed();
@@ -140,6 +140,9 @@ TEST(CudaFusedExperts, DecodePathMatchesFloat64Reference) {
       {4, 2, 8, 64, 16, A::kSiluGlu, false, f32, true},
       {1, 8, 2, 96, 80, A::kSiluGlu, true, f32, false, f16},
       {4, 8, 4, 64, 48, A::kSiluGlu, false, f16, true, f16},
+      // I >= 4096: decode_w2 in 4-row items
+      {1, 4, 2, 64, 4096, A::kSiluGlu, true, bf},
+      {3, 3, 2, 72, 4104, A::kSwigluOai, true, f32, true},
   };
   for (const Case& c : cases) run_case(c, rng);
   run_case({1, 4, 1, 32, 16, Activation::kSiluGlu, false, DType::kF32}, rng, /*on_input=*/true);

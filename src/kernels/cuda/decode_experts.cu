@@ -15,7 +15,7 @@
 //     16-byte weight loads (two K steps in flight) against the group's <= R input
 //     rows (read through L1), a butterfly reduction, bias + gated activation ->
 //     inter[slot, I] (the weights' half type, as the other paths);
-//   * decode_w2: warp items (group, 8 rows of w2), the same streaming against
+//   * decode_w2: warp items (group, 8 rows of w2; 4 for I >= 4096), the same streaming against
 //     inter -> y[slot, H] = topk_weight * (. + b2) in f32, finalize() sums a
 //     token's slots in slot order (the mma path's contract: y by slot).
 // Both launched with Programmatic Dependent Launch (pdl.cuh); decode_w2 reads
@@ -28,7 +28,7 @@
 // (so expert parallelism, which runs the received rows of a batch, gives one
 // GPU's bits).
 // On an H200 (bench/results/2026-11-29-session5.md) this took T = 1 from
-// 38.3 to 27.8 us (Qwen3-30B-A3B), 194 to 180 us (Mixtral), 198 to 171 us
+// 38.3 to 27.6 us (Qwen3-30B-A3B), 194 to 172 us (Mixtral), 198 to 171 us
 // (DeepSeek-V3). Tried and slower there: asking L2 for decode_w2's first
 // weights before pdl_wait() (cp.async.bulk.prefetch.L2; with Mixtral the
 // prefetched w2 exceeds L2 and is read twice), a per-lane cp.async ring in
@@ -62,14 +62,16 @@ using gemm::warp_reduce_all;
 
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
-// Per warp item: w13 4 gate/up row pairs, w2 8 rows, so both stream 8 weight
-// rows; two K steps of 16-byte loads in flight per lane (one with 4 input
-// rows, within 128 registers). Measured against other shapes of the same
-// kernel in bench/results/2026-11-29-session5.md.
+// Per warp item: w13 4 gate/up row pairs, w2 8 rows (4 from kLongW2Row
+// intermediate columns on), each lane keeping 16 weight loads of 16 bytes in
+// flight (8 with 4 input rows, within 128 registers): kUnroll K steps of the
+// item's kW rows. Measured against other shapes of the same kernel in
+// bench/results/2026-11-29-session5.md.
 constexpr int kPairs = 4;
 constexpr int kW2Rows = 8;
-template <int R>
-constexpr int kUnroll = R >= 4 ? 1 : 2;
+constexpr int64_t kLongW2Row = 4096;
+template <int R, int kW>
+constexpr int kUnroll = (R >= 4 ? 8 : 16) / kW;
 
 struct DecodeParams {
   const uint16_t* x;
@@ -127,8 +129,8 @@ __device__ __forceinline__ int group_members(const Groups& g, int w, int lane, i
 // The weight chunks of K step k0 of a lane (rows as in stream_rows).
 template <int kW, int kParts, int R>
 __device__ __forceinline__ void load_step(const uint16_t* const* w, int valid, int64_t K,
-                                          int64_t k0, uint4 (&wraw)[kUnroll<R>][kW]) {
-  constexpr int kPer = kW / kParts, kU = kUnroll<R>;
+                                          int64_t k0, uint4 (&wraw)[kUnroll<R, kW>][kW]) {
+  constexpr int kPer = kW / kParts, kU = kUnroll<R, kW>;
 #pragma unroll
   for (int u = 0; u < kU; ++u)
 #pragma unroll
@@ -140,10 +142,10 @@ __device__ __forceinline__ void load_step(const uint16_t* const* w, int valid, i
 
 // acc += the products of K step k0's weight chunks (wraw) with the input rows.
 template <class T, int kW, int R>
-__device__ __forceinline__ void fma_step(const uint4 (&wraw)[kUnroll<R>][kW],
+__device__ __forceinline__ void fma_step(const uint4 (&wraw)[kUnroll<R, kW>][kW],
                                          const uint16_t* const* xrow, int64_t K, int64_t k0,
                                          float* acc) {
-  constexpr int kU = kUnroll<R>;
+  constexpr int kU = kUnroll<R, kW>;
 #pragma unroll
   for (int u = 0; u < kU; ++u) {
     const int64_t kk = k0 + u * 256;
@@ -173,7 +175,7 @@ template <class T, int kW, int kParts, int R, bool kPre = false>
 __device__ __forceinline__ void stream_rows(const uint16_t* const* w, int valid,
                                             const uint16_t* const* xrow, int64_t K, int lane,
                                             float* acc, const uint4 (*pre)[kW] = nullptr) {
-  constexpr int kU = kUnroll<R>;
+  constexpr int kU = kUnroll<R, kW>;
   int64_t k0 = lane * 8;
   if constexpr (kPre) {
     uint4 wraw[kU][kW];
@@ -203,15 +205,15 @@ __device__ __forceinline__ float pick(const float* acc, int o) {
 }
 
 // Weight rows per warp item.
-template <bool kW13>
-constexpr int kItemRows = kW13 ? 2 * kPairs : kW2Rows;
+template <bool kW13, int kW2>
+constexpr int kItemRows = kW13 ? 2 * kPairs : kW2;
 
 // decode_w13 (kW13) or decode_w2; see the file comment.
-template <class T, int R, bool kW13>
+template <class T, int R, bool kW13, int kW2>
 __global__ void __launch_bounds__(kThreads, 4) decode_kernel(const DecodeParams p) {
-  constexpr int kW = kItemRows<kW13>;   // weight rows streamed per item
-  constexpr int kParts = kW13 ? 2 : 1;  // w13: gate rows, then up rows
-  constexpr int kPer = kW / kParts;     // outputs per input row and item
+  constexpr int kW = kItemRows<kW13, kW2>;  // weight rows streamed per item
+  constexpr int kParts = kW13 ? 2 : 1;      // w13: gate rows, then up rows
+  constexpr int kPer = kW / kParts;         // outputs per input row and item
   const int lane = threadIdx.x & 31;
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) >> 5;
   const int64_t num_warps = static_cast<int64_t>(gridDim.x) * kWarps;
@@ -283,7 +285,7 @@ __global__ void __launch_bounds__(kThreads, 4) decode_kernel(const DecodeParams 
   // or more kernels before / by none, pdl.cuh): its first K step is in flight
   // while decode_w13 drains.
   constexpr bool kPre = !kW13;
-  uint4 pre[kUnroll<R>][kW];
+  uint4 pre[kUnroll<R, kW>][kW];
   if (kPre && warp < items) {
     const Item it = item_of(warp);
     load_step<kW, kParts, R>(it.w, it.valid, K, lane * 8, pre);
@@ -327,10 +329,10 @@ int64_t resident_blocks() {
   return blocks;
 }
 
-template <class T, int R, bool kW13>
+template <class T, int R, bool kW13, int kW2>
 void launch_kernel(const DecodeParams& p, Stream stream) {
-  constexpr auto kernel = decode_kernel<T, R, kW13>;
-  const int64_t per_group = ceil_div(kW13 ? p.inter : p.hidden, kW13 ? kPairs : kW2Rows);
+  constexpr auto kernel = decode_kernel<T, R, kW13, kW2>;
+  const int64_t per_group = ceil_div(kW13 ? p.inter : p.hidden, kW13 ? kPairs : kW2);
   // At most one work group per slot.
   const int64_t blocks = ceil_div(static_cast<int64_t>(p.slots) * per_group, kWarps);
   const auto grid = static_cast<unsigned>(std::min(blocks, resident_blocks<kernel>()));
@@ -339,8 +341,15 @@ void launch_kernel(const DecodeParams& p, Stream stream) {
 
 template <class T, int R>
 void launch_decode(const DecodeParams& p, Stream stream) {
-  launch_kernel<T, R, true>(p, stream);   // decode_w13
-  launch_kernel<T, R, false>(p, stream);  // decode_w2
+  launch_kernel<T, R, true, kW2Rows>(p, stream);  // decode_w13 (kW2 unused)
+  // decode_w2: long w2 rows (I >= 4096, Mixtral's 14336) stream in 4-row items,
+  // 4 K steps in flight: twice the warps at the same bytes in flight each
+  // (Mixtral T = 1 180 -> 172 us, T = 4 478 -> 456 us on an H200; Qwen3 and
+  // DeepSeek-V3 1-2 % slower with them, so 8 rows there).
+  if (p.inter >= kLongW2Row)
+    launch_kernel<T, R, false, kW2Rows / 2>(p, stream);
+  else
+    launch_kernel<T, R, false, kW2Rows>(p, stream);
 }
 
 template <class T>
