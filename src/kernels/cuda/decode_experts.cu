@@ -214,6 +214,12 @@ __global__ void __launch_bounds__(kThreads, 4) decode_kernel(const DecodeParams 
   constexpr int kW = kItemRows<kW13, kW2>;  // weight rows streamed per item
   constexpr int kParts = kW13 ? 2 : 1;      // w13: gate rows, then up rows
   constexpr int kPer = kW / kParts;         // outputs per input row and item
+  // decode_w13 reads the ids its predecessor (routing) may still be writing:
+  // wait first. decode_w2 waits below, after its first weight loads.
+  if constexpr (kW13) {
+    pdl_wait();
+    pdl_launch_dependents();
+  }
   const int lane = threadIdx.x & 31;
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) >> 5;
   const int64_t num_warps = static_cast<int64_t>(gridDim.x) * kWarps;
@@ -290,8 +296,10 @@ __global__ void __launch_bounds__(kThreads, 4) decode_kernel(const DecodeParams 
     const Item it = item_of(warp);
     load_step<kW, kParts, R>(it.w, it.valid, K, lane * 8, pre);
   }
-  pdl_wait();  // ids, x and inter come from the kernels before
-  pdl_launch_dependents();
+  if constexpr (kPre) {
+    pdl_wait();  // inter comes from decode_w13
+    pdl_launch_dependents();
+  }
   int64_t item = warp;
   if (kPre && item < items) {  // the first item, its first K step loaded above
     const Item it = item_of(item);
