@@ -86,7 +86,10 @@ bool launched_by_mpi() {
 }
 
 int launcher_world_size() {
-  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE"}) {
+  // srun with PMIx sets PMIX_RANK but no size of its own: the step's task count.
+  const bool pmix = std::getenv("PMIX_RANK") != nullptr;
+  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS"}) {
+    if (!pmix && std::strcmp(name, "SLURM_STEP_NUM_TASKS") == 0) continue;
     const char* v = std::getenv(name);
     if (!v || !*v) continue;
     char* end = nullptr;

@@ -203,23 +203,27 @@ TEST(Communicator, TimeoutFromEnvironmentAndWorld) {
 }
 
 TEST(Communicator, LauncherWorldSize) {
-  const char* names[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE"};
-  std::string saved[2];
-  bool had[2];
-  for (int i = 0; i < 2; ++i) {
+  const char* names[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS", "PMIX_RANK"};
+  std::string saved[4];
+  bool had[4];
+  for (int i = 0; i < 4; ++i) {
     const char* v = std::getenv(names[i]);
     had[i] = v != nullptr;
     if (v) saved[i] = v;
     ::unsetenv(names[i]);
   }
   EXPECT_EQ(launcher_world_size(), -1);
+  ::setenv("SLURM_STEP_NUM_TASKS", "5", 1);  // srun without MPI: not a launcher's size
+  EXPECT_EQ(launcher_world_size(), -1);
+  ::setenv("PMIX_RANK", "0", 1);  // srun --mpi=pmix
+  EXPECT_EQ(launcher_world_size(), 5);
   ::setenv("PMI_SIZE", "3", 1);  // MPICH / Intel MPI
   EXPECT_EQ(launcher_world_size(), 3);
   ::setenv("OMPI_COMM_WORLD_SIZE", "4", 1);  // Open MPI first
   EXPECT_EQ(launcher_world_size(), 4);
   ::setenv("OMPI_COMM_WORLD_SIZE", "x", 1);
   EXPECT_EQ(launcher_world_size(), 3);
-  for (int i = 0; i < 2; ++i) {
+  for (int i = 0; i < 4; ++i) {
     if (had[i])
       ::setenv(names[i], saved[i].c_str(), 1);
     else

@@ -97,8 +97,9 @@ bool mpi_built();
 // PMI_SIZE or PMIX_RANK in the environment). Does not initialize MPI.
 bool launched_by_mpi();
 // The number of ranks the launcher started, from its environment
-// (OMPI_COMM_WORLD_SIZE for Open MPI, PMI_SIZE for MPICH / Intel MPI), or -1
-// when not launched by MPI or the launcher does not say. Does not initialize MPI.
+// (OMPI_COMM_WORLD_SIZE for Open MPI, PMI_SIZE for MPICH / Intel MPI,
+// SLURM_STEP_NUM_TASKS for srun with PMIx), or -1 when not launched by MPI or
+// the launcher does not say. Does not initialize MPI.
 int launcher_world_size();
 // A communicator over MPI_COMM_WORLD; initializes MPI on first use
 // (MPI_THREAD_SERIALIZED; finalized at exit unless a communicator broke).
