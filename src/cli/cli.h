@@ -3,14 +3,18 @@
 // Each command registers its CLI11 subcommand (options bound to an options
 // struct) and has a run function called by main() after parsing. Run
 // functions report failures by throwing fusedmoe::Error; main() turns any
-// error into one line "fusedmoe: error: <message>" on stderr and exit code 1.
+// error into one line "fusedmoe: error: <message>" on stderr and exit code 1
+// (2 for argument errors and UsageError, as the parallel rank checks throw).
 #pragma once
 
 #include <CLI/CLI.hpp>
 #include <charconv>
 #include <cstdint>
+#include <memory>
+#include <stdexcept>
 #include <string>
 #include <system_error>
+#include <utility>
 #include <vector>
 
 namespace fusedmoe {
@@ -140,6 +144,9 @@ int run_bench_parallel_cuda(const BenchOptions& opts);
 // every rank's `value` (a collective over a host-buffer communicator), their
 // maximum and sum.
 std::vector<double> gather_doubles(Communicator& comm, double value);
+// The MPI world of both parallel benchmarks (make_parallel_world with the
+// options every rank must share; --threads is the rank's own).
+std::shared_ptr<Communicator> make_bench_world(const BenchOptions& opts);
 double max_of(const std::vector<double>& v);
 double sum_of(const std::vector<double>& v);
 
@@ -155,5 +162,32 @@ std::vector<std::string> split_list(const std::string& text);
 // This process's rank on its node (OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID,
 // SLURM_LOCALID), else `world_rank`: picks the GPU of a rank.
 int local_rank(int world_rank);
+
+// An error in how the command was invoked, found after parsing (the rank count
+// does not match the parallel sizes): main() prints it and exits with 2, as
+// for CLI11's parse errors.
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+// Ranks of a layout: (dp_size > 1 ? dp_size : ep_size) * tp_size.
+int ranks_needed(int ep_size, int tp_size, int dp_size);
+// Started by mpirun / srun with more than one rank (launcher_world_size()) for
+// sizes that need another number: UsageError naming the options and the world
+// size. Called before MPI is initialised, so that no rank waits in MPI_Init
+// for one that never joins (and -np 2 without sizes is not two separate runs).
+void check_launch_size(int ep_size, int tp_size, int dp_size);
+// The MPI world of a parallel run: its size must be ranks_needed()
+// (UsageError), and every rank must have been given the same `options`
+// (name, value), checked before any other collective (UsageError naming the
+// option and each rank's value; `command` starts the message).
+std::shared_ptr<Communicator> make_parallel_world(
+    int ep_size, int tp_size, int dp_size,
+    const std::vector<std::pair<std::string, std::string>>& options, const char* command);
+// A number as the options check compares it ("%.17g").
+std::string exact_number(double v);
+// An option's value for the options check: "(not given)" when empty.
+inline std::string or_not_given(const std::string& v) {
+  return v.empty() ? "(not given)" : v;
+}
 
 }  // namespace fusedmoe::cli

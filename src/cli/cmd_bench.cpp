@@ -104,6 +104,8 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& o) {
 }
 
 int run_bench(const BenchOptions& o) {
+  // Under mpirun the sizes must account for every rank (checked before MPI starts).
+  check_launch_size(o.ep_size, o.tp_size, o.dp_size);
   if (o.backend == "cuda") {
     // Options of the CPU bench that the CUDA benches do not take: an error, not
     // a result that silently ignores them.

@@ -36,13 +36,32 @@ double sum_of(const std::vector<double>& v) {
   return s;
 }
 
+std::shared_ptr<Communicator> make_bench_world(const BenchOptions& o) {
+  return make_parallel_world(o.ep_size, o.tp_size, o.dp_size,
+                             {{"--tokens", o.tokens},
+                              {"--shapes", o.shapes},
+                              {"--dtype", or_not_given(o.dtype)},
+                              {"--min-time", exact_number(o.min_time)},
+                              {"--routing", o.routing},
+                              {"--memory-fraction", exact_number(o.memory_fraction)},
+                              {"--seed", std::to_string(o.seed)},
+                              {"--no-baseline", o.no_baseline ? "true" : "false"},
+                              {"--backend", o.backend},
+                              {"--sweep", o.sweep ? "true" : "false"},
+                              {"--dump-dir", or_not_given(o.dump_dir)},
+                              {"--max-experts", std::to_string(o.max_experts)},
+                              {"--ep-size", std::to_string(o.ep_size)},
+                              {"--tp-size", std::to_string(o.tp_size)},
+                              {"--dp-size", std::to_string(o.dp_size)},
+                              {"--nccl", o.nccl ? "true" : "false"},
+                              {"--expert-placement", o.expert_placement},
+                              {"--dispatch-dtype", o.dispatch_dtype}},
+                             "fusedmoe bench");
+}
+
 int run_bench_parallel(const BenchOptions& o) {
   using namespace fusedmoe::bench;
-  std::shared_ptr<Communicator> world = make_world_communicator();
-  const int groups_n = (o.dp_size > 1 ? o.dp_size : o.ep_size) * o.tp_size;
-  FUSEDMOE_CHECK(world->size() == groups_n, "--ep-size ", o.ep_size, " --tp-size ", o.tp_size,
-                 " --dp-size ", o.dp_size, ": expected ", groups_n, " ranks (mpirun -np ", groups_n,
-                 "), got ", world->size());
+  std::shared_ptr<Communicator> world = make_bench_world(o);
   const ParallelGroups groups = ParallelGroups::create(world, o.ep_size, o.tp_size, o.dp_size);
   const ParallelConfig& pc = groups.config;
   const bool root = world->rank() == 0;

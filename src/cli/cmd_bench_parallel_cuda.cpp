@@ -50,9 +50,7 @@ int run_bench_parallel_cuda(const BenchOptions& o) {
   FUSEDMOE_CHECK(nccl_built(), "--backend cuda --ep-size: this build of fusedmoe has no NCCL");
   const int devices = cuda::device_count();
   FUSEDMOE_CHECK(devices > 0, "--backend cuda: no CUDA device found");
-  std::shared_ptr<Communicator> world = make_world_communicator();
-  FUSEDMOE_CHECK(world->size() == o.ep_size, "--ep-size ", o.ep_size, ": expected ", o.ep_size,
-                 " ranks (mpirun -np ", o.ep_size, "), got ", world->size());
+  std::shared_ptr<Communicator> world = make_bench_world(o);
   const int rank = world->rank(), P = world->size();
   const bool root = rank == 0;
   const int device = local_rank(rank) % devices;

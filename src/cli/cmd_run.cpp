@@ -318,16 +318,36 @@ int run_run(const RunOptions& o) {
   FUSEDMOE_CHECK(o.dispatch_dtype == "auto" || o.ep_size > 1 || o.dp_size > 1, "--dispatch-dtype ",
                  o.dispatch_dtype,
                  ": the expert-parallel dispatch payload, needs --ep-size > 1 (or --dp-size > 1)");
+  // Under mpirun the sizes must account for every rank (checked before MPI starts).
+  check_launch_size(o.ep_size, o.tp_size, o.dp_size);
   std::shared_ptr<Communicator> world;
   if (parallel) {
     FUSEDMOE_CHECK(!on_cuda || (o.tp_size == 1 && o.dp_size == 1),
                    "--backend cuda: --ep-size only (GPU expert parallelism over NCCL); "
                    "--tp-size / --dp-size run on the CPU backend");
-    world = make_world_communicator();
-    const int need = (o.dp_size > 1 ? o.dp_size : o.ep_size) * o.tp_size;
-    FUSEDMOE_CHECK(world->size() == need, "--ep-size ", o.ep_size, " --tp-size ", o.tp_size,
-                   " --dp-size ", o.dp_size, ": expected ", need, " ranks (mpirun -np ", need,
-                   "), got ", world->size());
+    // Every option that decides what a rank computes or sends, or what rank 0
+    // writes (--threads and --quiet are the rank's own).
+    world = make_parallel_world(
+        o.ep_size, o.tp_size, o.dp_size,
+        {{"--model", o.model.empty() ? "(the bundled model)" : o.model},
+         {"--layer", o.layer >= 0 ? std::to_string(o.layer) : "(the first MoE layer)"},
+         {"--input", or_not_given(o.input)},
+         {"--input-key", or_not_given(o.input_key)},
+         {"--tokens", o.tokens >= 0 ? std::to_string(o.tokens) : "(not given)"},
+         {"--seed", o.seed_given ? std::to_string(o.seed) : "(random)"},
+         {"--compute-dtype", dtype_name(compute_dtype)},
+         {"--backend", o.backend},
+         {"--ep-size", std::to_string(o.ep_size)},
+         {"--tp-size", std::to_string(o.tp_size)},
+         {"--dp-size", std::to_string(o.dp_size)},
+         {"--expert-placement", o.expert_placement},
+         {"--dispatch-dtype", o.dispatch_dtype},
+         {"--repeat", std::to_string(o.repeat)},
+         {"--output", or_not_given(o.output)},
+         {"--reference", or_not_given(o.reference)},
+         {"--reference-key", or_not_given(o.reference_key)},
+         {"--tolerance", o.tolerance >= 0 ? exact_number(o.tolerance) : "(default)"}},
+        "fusedmoe run");
   }
   const bool root = !world || world->rank() == 0;
 

@@ -14,6 +14,7 @@
 #include "cli/cli.h"
 #include "fusedmoe/core/error.h"
 #include "fusedmoe/io/safetensors.h"
+#include "fusedmoe/parallel/communicator.h"
 
 namespace fusedmoe::cli {
 
@@ -27,6 +28,50 @@ int local_rank(int world_rank) {
     }
   }
   return world_rank;
+}
+
+int ranks_needed(int ep_size, int tp_size, int dp_size) {
+  return (dp_size > 1 ? dp_size : ep_size) * tp_size;
+}
+
+void check_launch_size(int ep_size, int tp_size, int dp_size) {
+  const int world = launcher_world_size();
+  const int need = ranks_needed(ep_size, tp_size, dp_size);
+  if (world <= 1 || world == need) return;
+  throw UsageError(
+      "--ep-size " + std::to_string(ep_size) + " --tp-size " + std::to_string(tp_size) +
+      " --dp-size " + std::to_string(dp_size) + ": expected " + std::to_string(need) +
+      (need == 1 ? " rank" : " ranks") + ", but the MPI launcher started " + std::to_string(world) +
+      " (mpirun -np " + std::to_string(world) +
+      "); give every rank sizes whose product ((--dp-size > 1 ? --dp-size : "
+      "--ep-size) x --tp-size) is " +
+      std::to_string(world) + ", e.g. --ep-size " + std::to_string(world) + ", or run one rank");
+}
+
+std::shared_ptr<Communicator> make_parallel_world(
+    int ep_size, int tp_size, int dp_size,
+    const std::vector<std::pair<std::string, std::string>>& options, const char* command) {
+  check_launch_size(ep_size, tp_size, dp_size);
+  std::shared_ptr<Communicator> world = make_world_communicator();
+  const int need = ranks_needed(ep_size, tp_size, dp_size);
+  if (world->size() != need)
+    throw UsageError("--ep-size " + std::to_string(ep_size) + " --tp-size " +
+                     std::to_string(tp_size) + " --dp-size " + std::to_string(dp_size) +
+                     ": expected " + std::to_string(need) + " ranks (mpirun -np " +
+                     std::to_string(need) + "), got " + std::to_string(world->size()));
+  try {
+    check_same_on_all_ranks(*world, options, command);
+  } catch (const fusedmoe::Error& e) {
+    if (e.code() != fusedmoe::ErrorCode::kInvalidArgument) throw;  // a lost rank
+    throw UsageError(e.what());
+  }
+  return world;
+}
+
+std::string exact_number(double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.17g", v);
+  return buf;
 }
 
 std::string bundled_model_dir() {
@@ -175,6 +220,8 @@ int main(int argc, char** argv) {
       return run_bench(bench_opts);
     }
     return fail("no command given (try --help)", 2);
+  } catch (const UsageError& e) {
+    return fail(e.what(), 2);
   } catch (const fusedmoe::Error& e) {
     return fail(e.what(), 1);
   } catch (const std::bad_alloc&) {

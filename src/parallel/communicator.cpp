@@ -2,6 +2,8 @@
 // parallel layout (parallel/communicator.h).
 #include "fusedmoe/parallel/communicator.h"
 
+#include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -83,6 +85,20 @@ bool launched_by_mpi() {
   return std::getenv("OMPI_COMM_WORLD_SIZE") || std::getenv("PMI_SIZE") || std::getenv("PMIX_RANK");
 }
 
+int launcher_world_size() {
+  // srun with PMIx sets PMIX_RANK but no size of its own: the step's task count.
+  const bool pmix = std::getenv("PMIX_RANK") != nullptr;
+  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS"}) {
+    if (!pmix && std::strcmp(name, "SLURM_STEP_NUM_TASKS") == 0) continue;
+    const char* v = std::getenv(name);
+    if (!v || !*v) continue;
+    char* end = nullptr;
+    const long n = std::strtol(v, &end, 10);
+    if (end && *end == '\0' && n >= 1 && n <= INT_MAX) return static_cast<int>(n);
+  }
+  return -1;
+}
+
 std::unique_ptr<Communicator> make_world_communicator() {
   if (launched_by_mpi()) return make_mpi_communicator();
   return make_single_rank_communicator();
@@ -93,9 +109,76 @@ double comm_timeout_seconds() {
   if (!s || !*s) return 60.0;
   char* end = nullptr;
   const double v = std::strtod(s, &end);
-  FUSEDMOE_CHECK(end && *end == '\0' && std::isfinite(v) && v > 0,
-                 "FUSEDMOE_COMM_TIMEOUT_S: expected a positive number of seconds, got \"", s, "\"");
+  // Beyond kMaxCommTimeoutSeconds the deadline (int64 nanoseconds) would overflow.
+  FUSEDMOE_CHECK(end && end != s && *end == '\0' && v > 0 && v <= kMaxCommTimeoutSeconds,
+                 "FUSEDMOE_COMM_TIMEOUT_S: expected a number of seconds in (0, ",
+                 kMaxCommTimeoutSeconds, "], got \"", s, "\"");
   return v;
+}
+
+void check_same_on_all_ranks(Communicator& comm,
+                             const std::vector<std::pair<std::string, std::string>>& values,
+                             const std::string& context) {
+  // name \x1f value \x1e ..., every rank's blob gathered on every rank.
+  std::string mine;
+  for (const auto& [name, value] : values) mine += name + '\x1f' + value + '\x1e';
+  const int P = comm.size();
+  const std::vector<int64_t> sizes = comm.all_gather_int64(static_cast<int64_t>(mine.size()));
+  std::vector<int64_t> displs(P, 0);
+  for (int p = 1; p < P; ++p) displs[p] = displs[p - 1] + sizes[p - 1];
+  std::string all(static_cast<size_t>(displs[P - 1] + sizes[P - 1]), '\0');
+  comm.all_gather_v(mine.data(), static_cast<int64_t>(mine.size()), all.data(), sizes, displs);
+  // Rank p's list as (name, value) pairs.
+  std::vector<std::vector<std::pair<std::string, std::string>>> lists(P);
+  for (int p = 0; p < P; ++p) {
+    const std::string blob = all.substr(displs[p], sizes[p]);
+    for (size_t at = 0; at < blob.size();) {
+      const size_t sep = blob.find('\x1f', at), end = blob.find('\x1e', at);
+      if (sep == std::string::npos || end == std::string::npos || sep > end) break;
+      lists[p].emplace_back(blob.substr(at, sep - at), blob.substr(sep + 1, end - sep - 1));
+      at = end + 1;
+    }
+  }
+  // The first entry (in rank 0's order) whose value is not the same everywhere;
+  // every rank walks the same gathered lists, so every rank throws the same error.
+  const size_t n = lists[0].size();
+  for (size_t i = 0;; ++i) {
+    bool same = true;
+    for (int p = 1; p < P; ++p)
+      same = same &&
+             (i < n ? i < lists[p].size() && lists[p][i] == lists[0][i] : lists[p].size() <= n);
+    if (same) {
+      if (i >= n) return;
+      continue;
+    }
+    std::string name;  // rank 0's entry i, else the first rank's that has one
+    for (int p = 0; p < P && name.empty(); ++p)
+      if (i < lists[p].size()) name = lists[p][i].first;
+    // Distinct values in order of first appearance, each with its ranks.
+    std::vector<std::pair<std::string, std::vector<int>>> seen;
+    for (int p = 0; p < P; ++p) {
+      std::string v = "(not given)";
+      for (const auto& [key, val] : lists[p])
+        if (key == name) v = val.empty() ? "\"\"" : val;
+      auto it = std::find_if(seen.begin(), seen.end(), [&](const auto& e) { return e.first == v; });
+      if (it == seen.end())
+        seen.push_back({v, {p}});
+      else
+        it->second.push_back(p);
+    }
+    std::string list;
+    for (const auto& [v, ranks] : seen) {
+      if (!list.empty()) list += ", ";
+      list += v;
+      list += ranks.size() == 1 ? " on rank " : " on ranks ";
+      for (size_t j = 0; j < ranks.size(); ++j) {
+        if (j) list += ',';
+        list += std::to_string(ranks[j]);
+      }
+    }
+    FUSEDMOE_THROW(kInvalidArgument, context, ": the ranks disagree on ", name, ": ", list,
+                   " (every rank must be given the same value)");
+  }
 }
 
 // ---- layout -------------------------------------------------------------------

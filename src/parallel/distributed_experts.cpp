@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <string>
 
 namespace fusedmoe {
 
@@ -61,6 +62,22 @@ DistributedExperts::DistributedExperts(const MoEConfig& config, ParallelGroups g
   if (pc.ep_size > 1 && pc.dp_size == 1)
     ep_ =
         std::make_unique<EpPrepareFinalize>(groups_.ep, map_, options.dispatch_dtype, options.pool);
+  // What the exchanges rely on: the same layer shape, layout, placement and
+  // payload on every rank (a rank built differently would send rows of other
+  // sizes or to the wrong experts).
+  if (groups_.world && groups_.world->size() > 1)
+    check_same_on_all_ranks(*groups_.world,
+                            {{"num_experts", std::to_string(config.num_experts)},
+                             {"hidden_size", std::to_string(config.hidden_size)},
+                             {"intermediate_size", std::to_string(config.intermediate_size)},
+                             {"top_k", std::to_string(config.top_k)},
+                             {"has_expert_bias", config.has_expert_bias ? "true" : "false"},
+                             {"ep_size", std::to_string(pc.ep_size)},
+                             {"tp_size", std::to_string(pc.tp_size)},
+                             {"dp_size", std::to_string(pc.dp_size)},
+                             {"placement", to_string(options.placement)},
+                             {"dispatch_dtype", to_string(options.dispatch_dtype)}},
+                            "DistributedExperts");
 }
 
 DistributedExperts::~DistributedExperts() = default;

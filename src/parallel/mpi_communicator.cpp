@@ -1,8 +1,13 @@
 // fusedmoe: the MPI communicator (parallel/communicator.h).
 //
-// Every operation is non-blocking (point-to-point Isend/Irecv, MPI_Ibcast,
-// MPI_Ibarrier, MPI_Comm_idup) and completed by a polling loop with a deadline,
-// so that a lost peer becomes an Error(kIo) instead of a hang. The error
+// Every operation is non-blocking (point-to-point Isend, Improbe + Imrecv,
+// MPI_Ibcast, MPI_Ibarrier, MPI_Comm_idup) and completed by a polling loop
+// with a deadline, so that a lost peer becomes an Error(kIo) instead of a hang.
+// A receive is posted only once the probed message has the expected size, and
+// every pair of ranks exchanges at least one (maybe empty) message per
+// operation: ranks that disagree on a size (different options per rank) get an
+// Error naming both sizes, never a truncated receive (which Open MPI's
+// single-copy transport writes past the end of the buffer). The error
 // handler is MPI_ERRORS_RETURN. all_to_all_v, all_gather_v and
 // reduce_scatter_sum are direct point-to-point exchanges (one message per peer,
 // split into chunks of at most 1 GiB, so byte counts are 64-bit);
@@ -182,6 +187,18 @@ class MpiCommunicator final : public Communicator {
     const char* op = "broadcast";
     start(op);
     FUSEDMOE_CHECK(root >= 0 && root < size_, op, ": root must be in [0, ", size_, "), got ", root);
+    // MPI_Ibcast with other sizes or roots per rank truncates (or overruns):
+    // every rank checks every rank's (bytes, root) first, point to point.
+    {
+      const int64_t mine[2] = {bytes, root};
+      std::vector<int64_t> all(2 * static_cast<size_t>(size_)), counts(size_, 16), displs(size_);
+      for (int p = 0; p < size_; ++p) displs[p] = 16 * p;
+      all_gather_v(mine, 16, all.data(), counts, displs);
+      for (int p = 1; p < size_; ++p)
+        FUSEDMOE_CHECK(all[2 * p] == all[0] && all[2 * p + 1] == all[1], op,
+                       ": the ranks disagree: rank 0 broadcasts ", all[0], " bytes from rank ",
+                       all[1], ", rank ", p, " ", all[2 * p], " bytes from rank ", all[2 * p + 1]);
+    }
     for (int64_t off = 0; off < bytes; off += kChunkBytes) {
       Exchange x;
       x.reqs.emplace_back();
@@ -222,10 +239,20 @@ class MpiCommunicator final : public Communicator {
  private:
   // Requests of one operation; peer[i] = the rank request i talks to, with
   // recv requests first (for the timeout message), -1 for a collective.
+  // Receives not posted yet: matched with MPI_Improbe (in order per peer)
+  // and posted with MPI_Imrecv once their size is checked.
+  struct PendingRecv {
+    char* buf;
+    int64_t bytes;
+    int peer, tag;
+    bool posted = false;
+  };
   struct Exchange {
     std::vector<MPI_Request> reqs;
     std::vector<int> peer;
     std::vector<bool> is_recv;
+    std::vector<PendingRecv> pending;
+    size_t unposted = 0;
   };
 
   void start(const char* op) {
@@ -248,21 +275,19 @@ class MpiCommunicator final : public Communicator {
     MpiRuntime::get().broken = true;
   }
 
+  // Messages of `bytes` bytes: chunks of at most kChunkBytes, at least one
+  // (empty when bytes == 0, so that a peer expecting data hears of it).
   void post_recv(Exchange& x, void* buf, int64_t bytes, int peer, int tag, const char* op) {
     FUSEDMOE_CHECK(bytes >= 0, op, ": negative byte count ", bytes, " for rank ", peer);
-    for (int64_t off = 0; off < bytes; off += kChunkBytes) {
-      x.reqs.emplace_back();
-      x.peer.push_back(peer);
-      x.is_recv.push_back(true);
-      check(MPI_Irecv(static_cast<char*>(buf) + off,
-                      static_cast<int>(std::min(kChunkBytes, bytes - off)), MPI_BYTE, peer, tag,
-                      comm_, &x.reqs.back()),
-            op);
+    for (int64_t off = 0; off == 0 || off < bytes; off += kChunkBytes) {
+      x.pending.push_back(
+          {static_cast<char*>(buf) + off, std::min(kChunkBytes, bytes - off), peer, tag});
+      ++x.unposted;
     }
   }
   void post_send(Exchange& x, const void* buf, int64_t bytes, int peer, int tag, const char* op) {
     FUSEDMOE_CHECK(bytes >= 0, op, ": negative byte count ", bytes, " for rank ", peer);
-    for (int64_t off = 0; off < bytes; off += kChunkBytes) {
+    for (int64_t off = 0; off == 0 || off < bytes; off += kChunkBytes) {
       x.reqs.emplace_back();
       x.peer.push_back(peer);
       x.is_recv.push_back(false);
@@ -273,18 +298,53 @@ class MpiCommunicator final : public Communicator {
     }
   }
 
+  // Posts the pending receives whose message has arrived, in order per peer;
+  // a message of another size than expected is an error (nothing is received).
+  void post_arrived(Exchange& x, const char* op) {
+    if (x.unposted == 0) return;
+    blocked_.assign(static_cast<size_t>(size_), false);
+    for (PendingRecv& r : x.pending) {
+      if (r.posted || blocked_[r.peer]) continue;
+      int flag = 0;
+      MPI_Message msg = MPI_MESSAGE_NULL;
+      MPI_Status status;
+      check(MPI_Improbe(r.peer, r.tag, comm_, &flag, &msg, &status), op);
+      if (!flag) {
+        blocked_[r.peer] = true;  // its later chunks come after this one
+        continue;
+      }
+      MPI_Count got = 0;
+      check(MPI_Get_elements_x(&status, MPI_BYTE, &got), op);
+      if (got != r.bytes) {
+        fail();
+        FUSEDMOE_THROW(kIo, "MPI ", op, " (rank ", rank_, " of ", size_, "): rank ", r.peer,
+                       " sent a message of ", static_cast<long long>(got),
+                       " bytes, this rank expected ", r.bytes,
+                       ": the ranks disagree on the sizes (were they given different options "
+                       "or inputs?); nothing was received");
+      }
+      x.reqs.emplace_back();
+      x.peer.push_back(r.peer);
+      x.is_recv.push_back(true);
+      check(MPI_Imrecv(r.buf, static_cast<int>(r.bytes), MPI_BYTE, &msg, &x.reqs.back()), op);
+      r.posted = true;
+      --x.unposted;
+    }
+  }
+
   void wait(Exchange& x, const char* op) {
-    if (x.reqs.empty()) return;
+    if (x.reqs.empty() && x.unposted == 0) return;
     using clock = std::chrono::steady_clock;
     const auto deadline = clock::now() + std::chrono::duration_cast<clock::duration>(
                                              std::chrono::duration<double>(timeout_s_));
     int spins = 0;
     for (;;) {
+      post_arrived(x, op);
       int done = 0;
       const int rc =
           MPI_Testall(static_cast<int>(x.reqs.size()), x.reqs.data(), &done, MPI_STATUSES_IGNORE);
       if (rc != MPI_SUCCESS) check(rc, op);
-      if (done) return;
+      if (done && x.unposted == 0) return;
       if (clock::now() > deadline) timeout(x, op);
       // Spin briefly (latency), then yield the core (ranks may share cores).
       if (++spins > 200)
@@ -295,6 +355,11 @@ class MpiCommunicator final : public Communicator {
   [[noreturn]] void timeout(Exchange& x, const char* op) {
     fail();
     std::string missing;
+    for (const PendingRecv& r : x.pending) {
+      const std::string name = std::to_string(r.peer);
+      if (!r.posted && missing.find(" " + name + ",") == std::string::npos)
+        missing += " " + name + ",";
+    }
     for (size_t i = 0; i < x.reqs.size(); ++i) {
       if (x.peer[i] < 0 || !x.is_recv[i]) continue;
       int flag = 0;
@@ -314,6 +379,7 @@ class MpiCommunicator final : public Communicator {
   int rank_ = 0, size_ = 1;
   bool broken_ = false;
   std::vector<float> scratch_, reduced_;
+  std::vector<bool> blocked_;
 };
 
 }  // namespace

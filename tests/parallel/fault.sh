@@ -23,4 +23,18 @@ for mode in exit stuck; do
   fi
   if [ "$elapsed" -gt 30 ]; then echo "FAIL ($mode): took ${elapsed} s"; fail=1; fi
 done
+
+# Ranks that disagree on a message size: an error naming both sizes on every
+# rank, no write past the receive buffer (rc 4), no hang.
+out=$(FUSEDMOE_COMM_TIMEOUT_S=20 timeout 60 "$mpiexec" $pre "$npflag" "$np" "$prog" mismatch 2>&1)
+rc=$?
+echo "---- mode mismatch: rc $rc"
+echo "$out" | grep -v '^\s*$' | head -20
+if [ "$rc" -eq 0 ] || [ "$rc" -eq 124 ]; then echo "FAIL (mismatch): rc $rc"; fail=1; fi
+if echo "$out" | grep -q "written past the receive buffer"; then
+  echo "FAIL (mismatch): buffer overrun"; fail=1
+fi
+# Each rank names a peer whose message has another size than it expects.
+named=$(echo "$out" | grep -cE "rank [0-9]+ sent a message of [0-9]+ bytes, this rank expected [0-9]+")
+if [ "$named" -lt 2 ]; then echo "FAIL (mismatch): $named ranks named both sizes"; fail=1; fi
 exit $fail

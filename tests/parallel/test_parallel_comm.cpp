@@ -65,6 +65,48 @@ TEST(MpiCommunicator, AllToAllVUnevenAndZeroSizes) {
   }
 }
 
+// Every rank gets the same error, naming the first entry that differs and the
+// ranks of each value; the communicator is still usable afterwards.
+TEST(MpiCommunicator, SameOnAllRanksNamesTheFirstDifference) {
+  const int P = g_world->size(), me = g_world->rank();
+  check_same_on_all_ranks(*g_world, {{"--tokens", "8"}, {"--seed", "7"}}, "run");
+  auto expect_error = [&](const std::vector<std::pair<std::string, std::string>>& values,
+                          const std::string& want) {
+    try {
+      check_same_on_all_ranks(*g_world, values, "run");
+      ADD_FAILURE() << "no error, expected: " << want;
+    } catch (const Error& e) {
+      EXPECT_EQ(std::string(e.what()), want);
+    }
+  };
+  std::string others;  // "0,2,3" : every rank but 1
+  for (int p = 0; p < P; ++p)
+    if (p != 1) others += (others.empty() ? "" : ",") + std::to_string(p);
+  const std::string on_others = (P > 2 ? " on ranks " : " on rank ") + others;
+  expect_error(
+      {{"--tokens", "8"}, {"--seed", me == 1 ? "9" : "7"}, {"--layer", std::to_string(me)}},
+      "run: the ranks disagree on --seed: 7" + on_others +
+          ", 9 on rank 1 (every rank must be given the same value)");
+  // An entry only rank 1 has.
+  std::vector<std::pair<std::string, std::string>> extra{{"--tokens", "8"}};
+  if (me == 1) extra.emplace_back("--output", "");
+  expect_error(extra, "run: the ranks disagree on --output: (not given)" + on_others +
+                          ", \"\" on rank 1 (every rank must be given the same value)");
+  const std::vector<int64_t> ranks = g_world->all_gather_int64(me);
+  for (int p = 0; p < P; ++p) EXPECT_EQ(ranks[p], p);
+}
+
+// Broadcasts with other sizes per rank: an error on every rank, not a truncated
+// or overrun buffer.
+TEST(MpiCommunicator, BroadcastOfOtherSizesIsAnError) {
+  const int me = g_world->rank();
+  std::vector<char> buf(64, 'a');
+  EXPECT_THROW(g_world->broadcast(buf.data(), me == 1 ? 64 : 32, 0), Error);
+  int64_t x = me == 0 ? 42 : 0;
+  g_world->broadcast(&x, sizeof x, 0);  // still usable
+  EXPECT_EQ(x, 42);
+}
+
 TEST(MpiCommunicator, AllReduceSumIsExactAndIdenticalOnAllRanks) {
   const int P = g_world->size(), me = g_world->rank();
   const uint64_t seed = test::shared_seed(*g_world);

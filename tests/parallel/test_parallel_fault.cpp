@@ -4,6 +4,11 @@
 // status, the message and the time.
 //   MODE exit:  the last rank exits without MPI_Finalize;
 //   MODE stuck: the last rank stops calling collectives (sleeps).
+//   MODE mismatch: every rank is there, but they disagree on the sizes of an
+//     all_gather_v (rank r sends 8192 (r + 1) bytes and expects as much from
+//     every rank): every rank must fail with an error naming both sizes, and
+//     nothing may be written past the receive buffer (Open MPI's single-copy
+//     transport writes a truncated message past the end).
 #include <unistd.h>
 
 #include <chrono>
@@ -18,6 +23,7 @@
 int main(int argc, char** argv) {
   using namespace fusedmoe;
   const bool stuck = argc > 1 && std::strcmp(argv[1], "stuck") == 0;
+  const bool mismatch = argc > 1 && std::strcmp(argv[1], "mismatch") == 0;
   auto world = make_mpi_communicator();
   const int P = world->size(), me = world->rank();
   std::vector<float> v(1024, 1.0f);
@@ -25,6 +31,29 @@ int main(int argc, char** argv) {
   if (v[0] != static_cast<float>(P)) {
     std::fprintf(stderr, "rank %d: first all_reduce_sum gave %g, expected %d\n", me, v[0], P);
     return 2;
+  }
+  if (mismatch) {
+    const int64_t n = 8192 * (me + 1), guard = 8192 * (P + 1);
+    std::vector<int64_t> counts(P, n), displs(P);
+    for (int p = 0; p < P; ++p) displs[p] = n * p;
+    std::vector<char> send(n, 'x'), recv(n * P + guard, 'g');
+    try {
+      world->all_gather_v(send.data(), n, recv.data(), counts, displs);
+      std::fprintf(stderr, "rank %d: all_gather_v with mismatched sizes succeeded\n", me);
+      return 1;
+    } catch (const Error& e) {
+      std::fprintf(stderr, "rank %d: fusedmoe::Error: %s\n", me, e.what());
+    }
+    for (int64_t b = n * P; b < n * P + guard; ++b)
+      if (recv[b] != 'g') {
+        std::fprintf(stderr, "rank %d: written past the receive buffer at byte %lld\n", me,
+                     static_cast<long long>(b - n * P));
+        _exit(4);
+      }
+    std::fflush(stderr);
+    // Time for every rank to report before mpirun ends the job on this exit.
+    std::this_thread::sleep_for(std::chrono::seconds(1));
+    _exit(3);
   }
   if (me == P - 1) {
     std::fprintf(stderr, "rank %d: leaving early (%s)\n", me, stuck ? "stuck" : "exit");

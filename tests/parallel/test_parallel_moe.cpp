@@ -208,6 +208,33 @@ TEST(ParallelMoE, AllTokensToOneRank) {
   EXPECT_EQ(st.dispatch_rows_received, r == W - 1 ? Tr * W : 0);
 }
 
+// Ranks built with another dispatch dtype (or placement): an error on every
+// rank naming it, at construction, before any exchange of rows of other sizes.
+TEST(ParallelMoE, RanksThatDisagreeFailAtConstruction) {
+  const int W = g_world->size(), me = g_world->rank();
+  const ParallelGroups groups = ParallelGroups::create(g_world, W, 1, 1);
+  std::mt19937_64 rng(test::shared_seed(*g_world));
+  const MoEConfig config = test::base_config(2 * W, 2, 16, 8);
+  const ExpertWeights full = test::random_experts(rng, 2 * W, 16, 8, DType::kF32, false);
+  const ExpertMap map(2 * W, W);
+  DistributedOptions opts;
+  opts.dispatch_dtype = me == 0 ? DispatchDType::kFP8 : DispatchDType::kF32;
+  try {
+    DistributedExperts de(config, groups, shard_expert_weights(full, map.local_experts(me), 1, 0),
+                          opts);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    const std::string others = W > 2 ? "f32 on ranks 1,2" : "f32 on rank 1";
+    EXPECT_NE(
+        std::string(e.what()).find(
+            "DistributedExperts: the ranks disagree on dispatch_dtype: fp8 on rank 0, " + others),
+        std::string::npos)
+        << e.what();
+  }
+  // The world is still usable.
+  EXPECT_EQ(g_world->all_gather_int64(me)[W - 1], W - 1);
+}
+
 }  // namespace
 }  // namespace fusedmoe
 

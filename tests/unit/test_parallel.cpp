@@ -179,13 +179,62 @@ TEST(Communicator, TimeoutFromEnvironmentAndWorld) {
   EXPECT_EQ(comm_timeout_seconds(), 60.0);
   ::setenv("FUSEDMOE_COMM_TIMEOUT_S", "2.5", 1);
   EXPECT_EQ(comm_timeout_seconds(), 2.5);
-  for (const char* bad : {"0", "-1", "abc", "5s"}) {
+  ::setenv("FUSEDMOE_COMM_TIMEOUT_S", "1e9", 1);  // the largest: ~31 years
+  EXPECT_EQ(comm_timeout_seconds(), 1e9);
+  // 1e10 s is beyond the int64 nanoseconds of a deadline: it used to time out at once.
+  for (const char* bad : {"0", "-1", "abc", "5s", "", " ", "1e10", "1e300", "inf", "nan"}) {
     ::setenv("FUSEDMOE_COMM_TIMEOUT_S", bad, 1);
-    EXPECT_THROW(comm_timeout_seconds(), Error) << bad;
+    if (!*bad) {
+      EXPECT_EQ(comm_timeout_seconds(), 60.0);  // empty: the default
+      continue;
+    }
+    try {
+      comm_timeout_seconds();
+      ADD_FAILURE() << "no error for \"" << bad << "\"";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("expected a number of seconds in (0, 1e+09]"),
+                std::string::npos)
+          << e.what();
+    }
   }
   ::unsetenv("FUSEDMOE_COMM_TIMEOUT_S");
   if (!launched_by_mpi()) EXPECT_EQ(make_world_communicator()->backend(), "single");
   if (!mpi_built()) EXPECT_THROW(make_mpi_communicator(), Error);
+}
+
+TEST(Communicator, LauncherWorldSize) {
+  const char* names[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_NUM_TASKS", "PMIX_RANK"};
+  std::string saved[4];
+  bool had[4];
+  for (int i = 0; i < 4; ++i) {
+    const char* v = std::getenv(names[i]);
+    had[i] = v != nullptr;
+    if (v) saved[i] = v;
+    ::unsetenv(names[i]);
+  }
+  EXPECT_EQ(launcher_world_size(), -1);
+  ::setenv("SLURM_STEP_NUM_TASKS", "5", 1);  // srun without MPI: not a launcher's size
+  EXPECT_EQ(launcher_world_size(), -1);
+  ::setenv("PMIX_RANK", "0", 1);  // srun --mpi=pmix
+  EXPECT_EQ(launcher_world_size(), 5);
+  ::setenv("PMI_SIZE", "3", 1);  // MPICH / Intel MPI
+  EXPECT_EQ(launcher_world_size(), 3);
+  ::setenv("OMPI_COMM_WORLD_SIZE", "4", 1);  // Open MPI first
+  EXPECT_EQ(launcher_world_size(), 4);
+  ::setenv("OMPI_COMM_WORLD_SIZE", "x", 1);
+  EXPECT_EQ(launcher_world_size(), 3);
+  for (int i = 0; i < 4; ++i) {
+    if (had[i])
+      ::setenv(names[i], saved[i].c_str(), 1);
+    else
+      ::unsetenv(names[i]);
+  }
+}
+
+TEST(Communicator, SameOnAllRanksOnOneRank) {
+  auto one = make_single_rank_communicator();
+  check_same_on_all_ranks(*one, {{"--tokens", "8"}, {"--seed", ""}}, "test");
+  check_same_on_all_ranks(*one, {}, "test");
 }
 
 TEST(Fp8Dispatch, GroupQuantizationRoundTrip) {

@@ -26,6 +26,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "fusedmoe/config/moe_config.h"
@@ -95,6 +96,11 @@ bool mpi_built();
 // True when the process looks started by mpirun/srun (OMPI_COMM_WORLD_SIZE,
 // PMI_SIZE or PMIX_RANK in the environment). Does not initialize MPI.
 bool launched_by_mpi();
+// The number of ranks the launcher started, from its environment
+// (OMPI_COMM_WORLD_SIZE for Open MPI, PMI_SIZE for MPICH / Intel MPI,
+// SLURM_STEP_NUM_TASKS for srun with PMIx), or -1 when not launched by MPI or
+// the launcher does not say. Does not initialize MPI.
+int launcher_world_size();
 // A communicator over MPI_COMM_WORLD; initializes MPI on first use
 // (MPI_THREAD_SERIALIZED; finalized at exit unless a communicator broke).
 // Throws Error(kUnsupported) when the build has no MPI.
@@ -150,8 +156,20 @@ std::unique_ptr<Communicator> make_nccl_communicator(std::shared_ptr<Communicato
 std::vector<std::unique_ptr<Communicator>> make_nccl_communicators(std::span<const int> devices);
 
 // Seconds from FUSEDMOE_COMM_TIMEOUT_S (default 60). Throws
-// Error(kInvalidArgument) for a value that is not a positive number.
+// Error(kInvalidArgument) for a value that is not a number in
+// (0, kMaxCommTimeoutSeconds].
+inline constexpr double kMaxCommTimeoutSeconds = 1e9;  // ~31 years: fits the clocks' int64 ns
 double comm_timeout_seconds();
+
+// Checks that every rank of `comm` passed the same (name, value) list:
+// collective (two all_gather_v). Throws Error(kInvalidArgument) on every rank,
+// with the same message, naming the first name whose values differ and each
+// value with its ranks: "<context>: the ranks disagree on <name>: 8 on rank 0,
+// 16 on rank 1 (...)". Call it before any collective whose sizes depend on
+// these values: a size mismatch there is an error at best.
+void check_same_on_all_ranks(Communicator& comm,
+                             const std::vector<std::pair<std::string, std::string>>& values,
+                             const std::string& context);
 
 // ---- the groups of one parallel layout --------------------------------------
 //

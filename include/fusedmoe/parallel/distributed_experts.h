@@ -45,7 +45,11 @@ class DistributedExperts {
  public:
   // local_weights: this rank's experts in local id order, TP-narrowed (see above):
   // w13 [E_local, 2 * It, H], w2 [E_local, H, It]. Throws Error(kInvalidArgument)
-  // when their shapes do not match config / groups / placement.
+  // when their shapes do not match config / groups / placement. Collective over
+  // groups.world when it has several ranks: every rank must pass the same
+  // layer shape (num_experts, hidden / intermediate size, top_k, expert bias),
+  // sizes, placement and dispatch dtype (check_same_on_all_ranks: otherwise
+  // Error(kInvalidArgument) on every rank, naming the first that differs).
   DistributedExperts(const MoEConfig& config, ParallelGroups groups, ExpertWeights local_weights,
                      DistributedOptions options = {});
   ~DistributedExperts();
