@@ -120,9 +120,15 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& o) {
 
 int run_bench(const BenchOptions& o) {
   // Options of the CUDA bench: an error on the CPU (parallel or not), not ignored.
-  FUSEDMOE_CHECK(o.backend == "cuda" || (o.dump_dir.empty() && !o.sweep && !o.nccl),
-                 "--dump-dir, --sweep and --nccl: options of --backend cuda (the CPU bench has "
-                 "its own BLAS baseline, tile-free kernels and host communicator)");
+  if (o.backend != "cuda") {
+    std::string given;
+    for (const auto& [flag, set] :
+         {std::pair{"--dump-dir", !o.dump_dir.empty()}, {"--sweep", o.sweep}, {"--nccl", o.nccl}})
+      if (set) given += (given.empty() ? "" : ", ") + std::string(flag);
+    FUSEDMOE_CHECK(given.empty(), given,
+                   ": options of --backend cuda, given without it (the CPU bench has its own "
+                   "BLAS baseline, tile-free kernels and host communicator)");
+  }
   // --max-experts below a shape's top_k: an error naming both, before anything runs.
   for (const auto& name : split_list(o.shapes))
     bench::cap_experts(bench::find_shape(name), o.max_experts);

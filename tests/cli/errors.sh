@@ -194,10 +194,10 @@ python3 -c "import numpy" 2>/dev/null && {
 expect_error "bench --max-experts below top_k" "--max-experts: expected at least 8 (top_k of shape 'qwen3-cpu'), got 1" -- \
   bench --shapes qwen3-cpu --max-experts 1 --tokens 1 --min-time 0
 # Options of the CUDA bench on the CPU bench (single or parallel): errors, not ignored.
-expect_error "bench --nccl without --backend cuda" "--nccl: options of --backend cuda" -- \
+expect_error "bench --nccl without --backend cuda" "error: --nccl: options of --backend cuda, given without it" -- \
   bench --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0 --nccl
-expect_error "bench --sweep with --ep-size" "--sweep and --nccl: options of --backend cuda" -- \
-  bench --shapes qwen3-cpu --tokens 1 --ep-size 2 --sweep
+expect_error "bench --sweep, --dump-dir with --ep-size" "error: --dump-dir, --sweep: options of --backend cuda" -- \
+  bench --shapes qwen3-cpu --tokens 1 --ep-size 2 --sweep --dump-dir "$TMP"
 
 # Exit codes (README): 2 for a command line that does not parse, the same for run
 # and bench; 1 for other errors.
