@@ -24,4 +24,5 @@ if [ -f build/CMakeCache.txt ]; then
   done
 fi
 "$venv/bin/python" -m pip install -q --disable-pip-version-check "${settings[@]}" ".[test]"
-exec "$venv/bin/python" -m pytest -q python/tests
+# -rs: each skipped test with its reason (e.g. "skipped: no CUDA device").
+exec "$venv/bin/python" -m pytest -q -rs python/tests

@@ -344,10 +344,9 @@ int main(int argc, char** argv) {
         return 2;
       }
     }
-    if (cuda::device_count() == 0) {
-      std::printf("skipped: no CUDA device\n");
-      return 0;
-    }
+    // A benchmark asked to run that cannot run is an error (exit 1), as with
+    // `fusedmoe bench --backend cuda`.
+    if (cuda::device_count() == 0) FUSEDMOE_THROW(kUnsupported, "no CUDA device found");
     cudaDeviceProp prop{};
     CK(cudaGetDeviceProperties(&prop, 0));
     std::printf("# device: %s, %d SMs\n\n", prop.name, prop.multiProcessorCount);

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "bench/cuda/cuda_bench.h"
+#include "fusedmoe/core/error.h"
 #include "fusedmoe/io/safetensors.h"
 #include "fusedmoe/kernels/cuda.h"
 #include "fusedmoe/routing/router.h"
@@ -103,10 +104,9 @@ int run_cuda_bench(const CudaBenchOptions& o) {
     std::fprintf(stderr, "cuda bench: need tokens, routings >= 1, iters >= 1\n");
     return 2;
   }
-  if (cuda::device_count() == 0) {
-    std::printf("cuda bench: skipped: no CUDA device\n");
-    return 0;
-  }
+  // A benchmark asked to run that cannot run is an error (bench_cuda_moe exits
+  // 1), as with `fusedmoe bench --backend cuda`.
+  if (cuda::device_count() == 0) FUSEDMOE_THROW(kUnsupported, "no CUDA device found");
   cudaDeviceProp prop{};
   CK(cudaGetDeviceProperties(&prop, 0));
   std::printf("# device: %s, %d SMs, L2 %d MB; routing: %s\n", prop.name, prop.multiProcessorCount,

@@ -225,17 +225,27 @@ def _ndim(x: Any, name: str, ndim: int, what: str) -> None:
         raise ValueError(f"{name}: expected a {ndim}-d array {what}, got shape {tuple(x.shape)}")
 
 
-def _as_array(x: Any, name: str) -> Any:
+_FLOAT, _INT = "a floating dtype", "an integer dtype (int32)"
+
+
+def _as_array(x: Any, name: str, expected: str = "a numeric dtype") -> Any:
     """NumPy arrays and torch tensors pass through; DLPack objects too (the
-    extension imports them); anything else goes through np.asarray."""
+    extension imports them); anything else goes through np.asarray. A NumPy
+    dtype with no DLPack form raises TypeError naming `name` and `expected`."""
     if isinstance(x, np.ndarray):
+        # Object, string, void, structured, datetime and ml_dtypes' float8 arrays
+        # have no DLPack form: the extension could only refuse them with its raw
+        # signature. ml_dtypes.bfloat16 passes (weights and logits convert it;
+        # hidden_states and topk_weights name it as a wrong dtype).
+        if x.dtype.kind not in "biufc" and x.dtype.name != "bfloat16":
+            raise TypeError(f"{name}: expected {expected}, got {x.dtype}")
         if not x.dtype.isnative:  # big-endian: DLPack carries native byte order only
             x = x.astype(x.dtype.newbyteorder("="))
         return x
     if _is_torch(x) or hasattr(x, "__dlpack__"):
         return x
     try:
-        return _as_array(np.asarray(x), name)
+        return _as_array(np.asarray(x), name, expected)
     except TypeError:
         raise
     except Exception as e:  # pragma: no cover - exotic objects
@@ -308,7 +318,7 @@ def _i32(x: Any, name: str) -> Any:
 
 def _weight(x: Any, name: str, weight_dtype: Optional[str]) -> Tuple[Any, bool]:
     """Expert weights: (array, uint16-is-bf16 flag)."""
-    x = _contiguous(_as_array(x, name))
+    x = _contiguous(_as_array(x, name, "dtype float32 or bfloat16 (CUDA: bfloat16 or float16)"))
     if isinstance(x, np.ndarray) or _is_cupy(x):
         if x.dtype.kind == "V" and x.dtype.name == "bfloat16":  # ml_dtypes.bfloat16
             return x.view(np.uint16), True
@@ -437,9 +447,10 @@ def _fused_experts_impl(
     hidden_states, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias,
     apply_router_weight_on_input, compute_dtype, weight_dtype, swiglu_alpha, swiglu_limit,
 ):
-    x = _rows(_as_array(hidden_states, "hidden_states"))
+    x = _rows(_as_array(hidden_states, "hidden_states", _HIDDEN_CPU))
     _ndim(x, "hidden_states", 2, "[T, H]")
     cuda = _on_cuda(x)
+    _hidden_dtype(x, cuda)
     if compute_dtype is None:
         # CUDA computes in the weights' half type (bf16 or f16).
         # float16 weights of any array library (torch, CuPy: dtype names differ)
@@ -460,8 +471,10 @@ def _fused_experts_impl(
     if x.shape[1] == 0:
         raise ValueError(f"hidden_states: the hidden size is 0 (shape {tuple(x.shape)}); "
                          f"expected [T, H] with H >= 1")
-    tw = _rows(_as_array(topk_weights, "topk_weights"))
-    ids = _i32(_as_array(topk_ids, "topk_ids"), "topk_ids")
+    tw = _rows(_as_array(topk_weights, "topk_weights", "dtype float32"))
+    if isinstance(tw, np.ndarray) and tw.dtype != np.float32:
+        raise TypeError(f"topk_weights: expected dtype float32, got {tw.dtype}")
+    ids = _i32(_as_array(topk_ids, "topk_ids", _INT), "topk_ids")
     T, H = x.shape[0], x.shape[1]
     if not cuda:
         out = _empty_like_framework(x, (T, H), "f32")
@@ -512,12 +525,12 @@ def _route(logits: Any, config: dict, e_score_correction_bias: Any = None, token
     weights = _empty_like_framework(logits, (T, k), "f32")
     if e_score_correction_bias is not None:
         e_score_correction_bias = _contiguous(_f32_logits(
-            _as_array(e_score_correction_bias, "e_score_correction_bias"),
+            _as_array(e_score_correction_bias, "e_score_correction_bias", _FLOAT),
             "e_score_correction_bias"))
     if token_ids is not None:
-        token_ids = _i32(_as_array(token_ids, "token_ids"), "token_ids")
+        token_ids = _i32(_as_array(token_ids, "token_ids", _INT), "token_ids")
     if hash_table is not None:
-        hash_table = _contiguous(_i32(_as_array(hash_table, "hash_table"), "hash_table"))
+        hash_table = _contiguous(_i32(_as_array(hash_table, "hash_table", _INT), "hash_table"))
     _ext.select_experts(_dl(logits), _dl(ids), _dl(weights), config,
                         _dl(e_score_correction_bias), _dl(token_ids), _dl(hash_table),
                         _stream(logits))
@@ -534,9 +547,9 @@ def fused_topk(
     """vLLM's ``fused_topk``: scores = scoring_func(gating_output [T, E]), the
     ``topk`` best per token (ids in descending score order, ties to the lower
     id), weights renormalized to sum 1 if ``renormalize``. ``hidden_states``
-    (may be None) is not read: it is checked as in ``fused_experts`` (a 2-d
-    array, f32 on the CPU, f32/bf16/float16 on CUDA, one row per token of
-    gating_output). scoring_func:
+    (may be None) is not read: its shape and dtype are checked as in
+    ``fused_experts`` (a 2-d array, f32 on the CPU, f32/bf16/float16 on CUDA,
+    one row per token of gating_output), not its values. scoring_func:
     "softmax", "sigmoid" or "sqrtsoftplus". Returns (topk_weights f32 [T, k],
     topk_ids int32 [T, k]), on gating_output's device."""
     topk = _int(topk, "topk")
@@ -552,9 +565,20 @@ def _check_hidden_states(hidden_states: Any, gating_output: Any) -> None:
     """fused_topk's hidden_states, which it does not read: a 2-d array of the
     hidden states' dtype (f32 on the CPU; f32, bf16 or float16 on CUDA) with
     one row per token of gating_output."""
-    x = _as_array(hidden_states, "hidden_states")
+    x = _as_array(hidden_states, "hidden_states", _HIDDEN_CPU)
     _ndim(x, "hidden_states", 2, "[T, H]")
-    cuda = _on_cuda(x)
+    _hidden_dtype(x, _on_cuda(x))
+    if getattr(gating_output, "ndim", 0) == 2 and x.shape[0] != gating_output.shape[0]:
+        raise ValueError(f"hidden_states: expected {gating_output.shape[0]} tokens (rows of "
+                         f"gating_output), got shape {tuple(x.shape)}")
+
+
+_HIDDEN_CPU = "dtype float32"
+
+
+def _hidden_dtype(x: Any, cuda: bool) -> None:
+    """Hidden states: float32 on the CPU; float32, bfloat16 or float16 on CUDA
+    (TypeError naming hidden_states, the expected dtypes and the one given)."""
     if _is_torch(x):  # dtype objects, not names: torch.compile traces this
         ok = x.dtype == _torch.float32 or (cuda and x.dtype in (_torch.bfloat16, _torch.float16))
     else:  # NumPy, CuPy, other DLPack arrays (torch's too under FUSEDMOE_NO_TORCH)
@@ -564,13 +588,10 @@ def _check_hidden_states(hidden_states: Any, gating_output: Any) -> None:
         raise TypeError(f"hidden_states: expected dtype "
                         f"{'float32, bfloat16 or float16 (CUDA)' if cuda else 'float32'}, "
                         f"got {x.dtype}")
-    if getattr(gating_output, "ndim", 0) == 2 and x.shape[0] != gating_output.shape[0]:
-        raise ValueError(f"hidden_states: expected {gating_output.shape[0]} tokens (rows of "
-                         f"gating_output), got shape {tuple(x.shape)}")
 
 
 def _fused_topk_impl(hidden_states, gating_output, topk, renormalize, scoring_func):
-    logits = _f32_logits(_as_array(gating_output, "gating_output"), "gating_output")
+    logits = _f32_logits(_as_array(gating_output, "gating_output", _FLOAT), "gating_output")
     _ndim(logits, "gating_output", 2, "[T, E]")
     config = {
         "num_experts": int(logits.shape[1]), "top_k": _int(topk, "topk"), "hidden_size": 1,
@@ -614,7 +635,7 @@ def grouped_topk(
 
 def _grouped_topk_impl(gating_output, topk, renormalize, num_expert_group, topk_group,
                        scoring_func, e_score_correction_bias, routed_scaling_factor, group_score):
-    logits = _f32_logits(_as_array(gating_output, "gating_output"), "gating_output")
+    logits = _f32_logits(_as_array(gating_output, "gating_output", _FLOAT), "gating_output")
     _ndim(logits, "gating_output", 2, "[T, E]")
     has_bias = e_score_correction_bias is not None
     config = {
@@ -666,7 +687,7 @@ def select_experts(
         cfg["top_k"] = _int(top_k, "top_k")
     if "top_k" not in cfg:
         raise ValueError("top_k: required (as an argument or in config)")
-    logits = _f32_logits(_as_array(router_logits, "router_logits"), "router_logits")
+    logits = _f32_logits(_as_array(router_logits, "router_logits", _FLOAT), "router_logits")
     _ndim(logits, "router_logits", 2, "[T, E + num_zero_experts]")
     cfg.setdefault("num_experts", int(logits.shape[1]) - int(cfg.get("num_zero_experts", 0)))
     cfg.setdefault("hidden_size", 1)
@@ -741,7 +762,7 @@ class MoELayer:
         _str(backend, "backend", "'cpu' or 'cuda'")
         if backend not in ("cpu", "cuda"):
             raise ValueError(f"backend: expected 'cpu' or 'cuda', got {backend!r}")
-        # the value is checked by the extension (aliases such as "bfloat16" too)
+        # the value is checked by the extension: exactly "f32", "bf16" or "f16"
         if dtype is not None and not isinstance(dtype, str):
             raise TypeError(f"dtype: expected 'f32', 'bf16' or 'f16' (f16: CUDA only) or None, "
                             f"got {type(dtype).__name__} {dtype!r}")
@@ -870,14 +891,15 @@ class MoELayer:
         self._impl.check_errors(stream)
 
     def _forward(self, hidden_states, router_logits, token_ids, routing):
-        x = _rows(_as_array(hidden_states, "hidden_states"))
+        x = _rows(_as_array(hidden_states, "hidden_states", _HIDDEN_CPU))
         _ndim(x, "hidden_states", 2, f"[T, {self.hidden_size}]")
+        _hidden_dtype(x, self.backend == "cuda")
         T = x.shape[0]
         if router_logits is not None:
-            router_logits = _f32_logits(_as_array(router_logits, "router_logits"),
+            router_logits = _f32_logits(_as_array(router_logits, "router_logits", _FLOAT),
                                         "router_logits")
         if token_ids is not None:
-            token_ids = _i32(_as_array(token_ids, "token_ids"), "token_ids")
+            token_ids = _i32(_as_array(token_ids, "token_ids", _INT), "token_ids")
         cuda = _on_cuda(x)
         out = _empty_like_framework(x, (T, self.hidden_size), "same" if cuda else "f32")
         stream = _stream(x) if cuda else 0

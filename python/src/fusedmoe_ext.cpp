@@ -250,17 +250,12 @@ void check_dtype(const TensorView& v, const char* name, std::initializer_list<DT
       (std::string(name) + ": expected dtype " + expected + ", got " + v.str()).c_str());
 }
 
-// A compute dtype: f32, bf16 or f16 (aliases as parse_dtype). The error lists
-// only these (parse_dtype's own message would list every storage dtype).
+// A compute dtype: exactly "f32", "bf16" or "f16", the names the README lists
+// (no aliases such as "float32" or "bfloat16": any other value is an error).
 DType parse_compute_dtype(const std::string& s, const char* name) {
-  std::optional<DType> d;
-  try {
-    d = parse_dtype(s);
-  } catch (const Error&) {
-  }
-  FUSEDMOE_CHECK(d && (*d == DType::kF32 || *d == DType::kBF16 || *d == DType::kF16), name,
+  FUSEDMOE_CHECK(s == "f32" || s == "bf16" || s == "f16", name,
                  ": expected \"f32\", \"bf16\" or \"f16\" (f16: CUDA only), got \"", s, "\"");
-  return *d;
+  return parse_dtype(s);
 }
 
 // Arrays a router reads besides the logits, given although the configured
@@ -498,6 +493,9 @@ void fused_experts(const InArray& hidden_states, const InArray& w13, const InArr
   nb::gil_scoped_release release;
   std::lock_guard<std::mutex> lock(s.mu);
   s.kernel->forward(x, ti, tw, weights, params, apply_router_weight_on_input, out, s.ws);
+  // As MoELayer: hidden states that overflow f32 inside the experts raise
+  // ValueError naming the first non-finite output, not NaN rows.
+  require_finite_output(out);
 }
 
 // Benchmark hook: times `repeat` back-to-back C++ calls of the functional

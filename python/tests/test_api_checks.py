@@ -187,8 +187,14 @@ def test_dtype_errors_list_valid_values_and_name_the_argument(case):
     with pytest.raises(ValueError, match='^dtype: "f16" runs on the CUDA backend only') as e:
         fusedmoe.MoELayer.from_pretrained(HF / "mixtral", dtype="f16")
     assert "compute_dtype" not in str(e.value)
-    assert (fusedmoe.MoELayer.from_pretrained(HF / "mixtral", dtype="bfloat16").compute_dtype
-            == "bf16")
+    # Exactly the names the README lists: aliases are refused, not silently taken.
+    for alias in ("bfloat16", "float32", "fp32", "F32"):
+        with pytest.raises(ValueError, match=f'^dtype: expected "f32", "bf16" or "f16" .*'
+                                             f'got "{alias}"'):
+            fusedmoe.MoELayer.from_pretrained(HF / "mixtral", dtype=alias)
+        with pytest.raises(ValueError, match='^compute_dtype: expected "f32", "bf16" or "f16"'):
+            fusedmoe.fused_experts(case["x"], case["w13"], case["w2"], case["tw"], case["ids"],
+                                   compute_dtype=alias)
     with pytest.raises(ValueError, match='^compute_dtype: expected "f32", "bf16" or "f16"') as e:
         fusedmoe.fused_experts(case["x"], case["w13"], case["w2"], case["tw"], case["ids"],
                                compute_dtype="f8")
@@ -282,8 +288,90 @@ def test_router_logits_of_any_float_dtype_are_converted(mixtral, rng):
     np.testing.assert_array_equal(mixtral(x, router_logits=logits.astype(np.float64)), ref)
     with pytest.raises(TypeError, match="^router_logits: expected a floating dtype"):
         mixtral(x, router_logits=logits.astype(np.int32))
-    with pytest.raises(TypeError, match="^hidden_states: expected dtype f32"):
+    with pytest.raises(TypeError, match="^hidden_states: expected dtype float32, got float64"):
         mixtral(x.astype(np.float64))
+
+
+def _no_dlpack_arrays(shape):
+    """NumPy arrays the extension cannot import (no DLPack form), by name."""
+    out = {"object": np.zeros(shape, object), "void": np.zeros(shape, "V4"),
+           "str": np.full(shape, "a"), "structured": np.zeros(shape, [("a", "<f4")]),
+           "datetime": np.zeros(shape, "datetime64[s]")}
+    try:
+        import ml_dtypes
+    except ImportError:
+        return out
+    out["float8_e4m3fn"] = np.zeros(shape, ml_dtypes.float8_e4m3fn)
+    return out
+
+
+def test_arrays_without_dlpack_form_are_named(mixtral, case):
+    """Object, void, str, structured, datetime (and ml_dtypes) arrays: a TypeError
+    naming the argument, the expected dtypes and the given one, never nanobind's
+    'incompatible function arguments' signature dump."""
+    x = np.zeros((2, mixtral.hidden_size), np.float32)
+    c = case
+    T, k = c["tw"].shape
+    for dt, bad in _no_dlpack_arrays((2, mixtral.hidden_size)).items():
+        for call in (lambda: mixtral(bad), lambda: mixtral(bad, return_routing=True),
+                     lambda: mixtral.forward_with_routing(bad)):
+            with pytest.raises(TypeError, match="^hidden_states: expected dtype float32, got ") as e:
+                call()
+            assert str(bad.dtype) in str(e.value), dt
+    for dt, bad in _no_dlpack_arrays((T, c["x"].shape[1])).items():
+        with pytest.raises(TypeError, match="^hidden_states: expected dtype float32, got "):
+            fusedmoe.fused_experts(bad, c["w13"], c["w2"], c["tw"], c["ids"])
+        with pytest.raises(TypeError, match="^hidden_states: expected dtype float32, got "):
+            fusedmoe.fused_topk(bad, np.zeros((T, 4), np.float32), 2, True)
+    for dt, bad in _no_dlpack_arrays((T, k)).items():
+        with pytest.raises(TypeError, match="^topk_weights: expected dtype float32, got "):
+            fusedmoe.fused_experts(c["x"], c["w13"], c["w2"], bad, c["ids"])
+        with pytest.raises(TypeError, match=r"^topk_ids: expected an integer dtype \(int32\)"):
+            fusedmoe.fused_experts(c["x"], c["w13"], c["w2"], c["tw"], bad)
+        with pytest.raises(TypeError, match="^gating_output: expected a floating dtype, got "):
+            fusedmoe.fused_topk(None, bad, 1, True)
+        with pytest.raises(TypeError, match="^router_logits: expected a floating dtype, got "):
+            fusedmoe.select_experts(bad, 1)
+    for dt, bad in _no_dlpack_arrays(c["w13"].shape).items():
+        with pytest.raises(TypeError, match="^w13: expected dtype float32 or bfloat16"):
+            fusedmoe.fused_experts(c["x"], bad, c["w2"], c["tw"], c["ids"])
+    bad = _no_dlpack_arrays((2, mixtral.num_router_logits))["object"]
+    with pytest.raises(TypeError, match="^router_logits: expected a floating dtype, got object"):
+        mixtral(x, router_logits=bad)
+
+
+def test_bfloat16_hidden_states_and_topk_weights_are_named(mixtral, case):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    bf16 = ml_dtypes.bfloat16
+    c = case
+    with pytest.raises(TypeError, match="^hidden_states: expected dtype float32, got bfloat16"):
+        mixtral(np.zeros((2, mixtral.hidden_size), bf16))
+    with pytest.raises(TypeError, match="^hidden_states: expected dtype float32, got bfloat16"):
+        fusedmoe.fused_experts(c["x"].astype(bf16), c["w13"], c["w2"], c["tw"], c["ids"])
+    with pytest.raises(TypeError, match="^topk_weights: expected dtype float32, got bfloat16"):
+        fusedmoe.fused_experts(c["x"], c["w13"], c["w2"], c["tw"].astype(bf16), c["ids"])
+
+
+def test_fused_experts_overflow_raises_as_moe_layer(mixtral, case):
+    """Finite hidden states that overflow f32 inside the experts: ValueError naming
+    the first non-finite output, as MoELayer gives, not NaN rows."""
+    c = case
+    huge = np.full_like(c["x"], 3e38)
+    with pytest.raises(ValueError, match="^output: non-finite value at token 0, column "):
+        fusedmoe.fused_experts(huge, c["w13"], c["w2"], c["tw"], c["ids"])
+    with pytest.raises(ValueError):
+        mixtral(np.full((2, mixtral.hidden_size), 3e38, np.float32))
+
+
+def test_fused_topk_reads_no_hidden_state_values(rng):
+    """hidden_states is checked for shape and dtype only (README): it is not read,
+    so a NaN there routes exactly as None does."""
+    g = rng.standard_normal((3, 8)).astype(np.float32)
+    h = np.full((3, 16), np.nan, np.float32)
+    w, ids = fusedmoe.fused_topk(h, g, 2, True)
+    w0, ids0 = fusedmoe.fused_topk(None, g, 2, True)
+    np.testing.assert_array_equal(ids, ids0)
+    np.testing.assert_array_equal(w, w0)
 
 
 # ---- 10. dir(fusedmoe) ---------------------------------------------------------------

@@ -313,8 +313,10 @@ LayerShape find_shape(const std::string& name) {
 
 LayerShape cap_experts(const LayerShape& requested, int64_t max_experts) {
   LayerShape shape = requested;
+  FUSEDMOE_CHECK(max_experts <= 0 || max_experts >= shape.k, "--max-experts: expected at least ",
+                 shape.k, " (top_k of shape '", shape.name, "'), got ", max_experts);
   if (max_experts > 0 && shape.E > max_experts) {
-    shape.E = std::max(max_experts, shape.k);
+    shape.E = max_experts;
     shape.note = "E capped " + std::to_string(requested.E) + " -> " + std::to_string(shape.E) +
                  " by --max-experts";
   }

@@ -65,7 +65,8 @@ struct LayerShape {
 std::vector<LayerShape> standard_shapes();
 // Throws Error(kInvalidArgument) listing the known names.
 LayerShape find_shape(const std::string& name);
-// `requested` with at most max_experts experts (but >= k; 0: no cap), noting the cap.
+// `requested` with at most max_experts experts (0: no cap), noting the cap; a
+// max_experts below the shape's k throws Error(kInvalidArgument) naming --max-experts.
 LayerShape cap_experts(const LayerShape& requested, int64_t max_experts);
 // Bytes of one expert's weights (w13 + w2).
 inline size_t expert_bytes(const LayerShape& s, DType dtype) {

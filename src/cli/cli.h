@@ -17,6 +17,8 @@
 #include <utility>
 #include <vector>
 
+#include "fusedmoe/core/thread_pool.h"
+
 namespace fusedmoe {
 class Communicator;
 }  // namespace fusedmoe
@@ -57,6 +59,31 @@ inline CLI::Validator number_in(double lo, double hi) {
       },
       "NUMBER " + want);
 }
+// An integer lo <= v <= hi (an int option: CLI11's own conversion would say
+// only "Could not convert" for a value beyond int). `note` follows the range,
+// e.g. " (0: all cores)".
+inline CLI::Validator integer_in(int64_t lo, int64_t hi, const std::string& note = "") {
+  const std::string want =
+      "an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]" + note;
+  return CLI::Validator(
+      [lo, hi, want](std::string& input) -> std::string {
+        int64_t v = 0;
+        const char* b = input.data() + (!input.empty() && input[0] == '+' ? 1 : 0);
+        const char* e = input.data() + input.size();
+        const auto r = std::from_chars(b, e, v);
+        if (b == e || r.ptr != e || (r.ec != std::errc() && r.ec != std::errc::result_out_of_range))
+          return "expected " + want + ", got " + input;
+        if (r.ec == std::errc::result_out_of_range || v < lo || v > hi)
+          return "expected " + want + ", got " + input + " (out of range)";
+        return {};
+      },
+      "INTEGER in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
+}
+// Each rank-count option (--ep-size, ...), --repeat: 1 up to int's maximum.
+inline const CLI::Validator kPositiveInt = integer_in(1, 2147483647);
+// --threads of run and bench: what the thread pool takes (ThreadPool::kMaxThreads).
+inline const CLI::Validator kThreads = integer_in(0, ThreadPool::kMaxThreads, " (0: all cores)");
+
 // A path or name option given as "": an error naming the option, not the same
 // as leaving the option out.
 inline const CLI::Validator kNonEmpty(

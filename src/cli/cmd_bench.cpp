@@ -41,7 +41,22 @@ std::string cpu_model_name() {
 CLI::App* add_bench_command(CLI::App& app, BenchOptions& o) {
   CLI::App* cmd = app.add_subcommand(
       "bench", "Benchmark the CPU MoE kernel against a BLAS-per-expert loop on synthetic layers");
-  cmd->add_option("--tokens", o.tokens, "Comma-separated token counts T")->capture_default_str();
+  // Checked while parsing, as run's --tokens: a bad list is a command line that
+  // does not parse (exit code 2).
+  cmd->add_option("--tokens", o.tokens, "Comma-separated token counts T")
+      ->check(CLI::Validator(
+          [](std::string& input) -> std::string {
+            try {
+              parse_int_list(input, "--tokens");
+            } catch (const Error& e) {
+              std::string why = e.what();
+              const std::string prefix = "--tokens: ";
+              return why.rfind(prefix, 0) == 0 ? why.substr(prefix.size()) : why;
+            }
+            return {};
+          },
+          "T1,T2,..."))
+      ->capture_default_str();
   cmd->add_option("--shapes", o.shapes,
                   "Comma-separated shapes: mixtral (E=8,k=2,H=4096,I=14336), qwen3 "
                   "(E=128,k=8,H=2048,I=768), deepseek (E=256,k=8,H=7168,I=2048), qwen3-cpu "
@@ -50,7 +65,7 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& o) {
   cmd->add_option("--dtype", o.dtype,
                   "Weight and compute dtype: f32 or bf16 (default f32; --backend cuda: bf16)")
       ->check(CLI::IsMember({"f32", "bf16"}));
-  cmd->add_option("--threads", o.threads, "Threads (default: all cores)")->check(kNonNegative);
+  cmd->add_option("--threads", o.threads, "Threads (default: all cores)")->check(kThreads);
   cmd->add_option("--min-time", o.min_time,
                   "Minimum seconds of timed runs per measurement, at most 3600 (also at least 3 "
                   "and at most 1000 runs)")
@@ -77,13 +92,13 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& o) {
   cmd->add_option("--ep-size", o.ep_size,
                   "Expert parallelism under mpirun (-np = ep or dp size x tp size): layer time, "
                   "dispatch and combine bandwidth; --tokens are per rank")
-      ->check(kPositive);
+      ->check(kPositiveInt);
   cmd->add_flag("--nccl", o.nccl,
                 "--backend cuda: run the expert-parallel path over NCCL also at --ep-size 1 "
                 "(one rank: dispatch / combine through the communicator)");
-  cmd->add_option("--tp-size", o.tp_size, "Tensor parallelism inside experts")->check(kPositive);
+  cmd->add_option("--tp-size", o.tp_size, "Tensor parallelism inside experts")->check(kPositiveInt);
   cmd->add_option("--dp-size", o.dp_size, "Data-parallel token groups (naive DP + EP)")
-      ->check(kPositive);
+      ->check(kPositiveInt);
   cmd->add_option("--expert-placement", o.expert_placement, "contiguous or round-robin")
       ->check(CLI::IsMember({"contiguous", "round-robin"}))
       ->capture_default_str();
@@ -106,6 +121,19 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& o) {
 int run_bench(const BenchOptions& o) {
   // Under mpirun the sizes must account for every rank (checked before MPI starts).
   check_launch_size(o.ep_size, o.tp_size, o.dp_size);
+  // Options of the CUDA bench: an error on the CPU (parallel or not), not ignored.
+  if (o.backend != "cuda") {
+    std::string given;
+    for (const auto& [flag, set] :
+         {std::pair{"--dump-dir", !o.dump_dir.empty()}, {"--sweep", o.sweep}, {"--nccl", o.nccl}})
+      if (set) given += (given.empty() ? "" : ", ") + std::string(flag);
+    FUSEDMOE_CHECK(given.empty(), given,
+                   ": options of --backend cuda, given without it (the CPU bench has its own "
+                   "BLAS baseline, tile-free kernels and host communicator)");
+  }
+  // --max-experts below a shape's top_k: an error naming both, before anything runs.
+  for (const auto& name : split_list(o.shapes))
+    bench::cap_experts(bench::find_shape(name), o.max_experts);
   if (o.backend == "cuda") {
     // Options of the CPU bench that the CUDA benches do not take: an error, not
     // a result that silently ignores them.
@@ -170,9 +198,6 @@ int run_bench(const BenchOptions& o) {
     FUSEDMOE_THROW(kUnsupported, "--backend cuda: this build has no CUDA backend");
 #endif
   }
-  FUSEDMOE_CHECK(o.dump_dir.empty() && !o.sweep,
-                 "--dump-dir and --sweep: options of --backend cuda (the CPU bench has its own "
-                 "BLAS baseline and tile-free kernels)");
   const std::vector<int64_t> token_counts = parse_int_list(o.tokens, "--tokens");
   std::vector<LayerShape> shapes;
   for (const auto& name : split_list(o.shapes)) shapes.push_back(find_shape(name));

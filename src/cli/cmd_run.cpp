@@ -98,6 +98,7 @@ Tensor read_npy(const std::string& path) {
   shape_text = shape_text.substr(open + 1, close - open - 1);
   std::vector<int64_t> shape;
   uint64_t bytes = dtype_size(dtype);
+  bool overflows = false;
   for (const auto& item : split_list(shape_text)) {
     int64_t d = -1;  // split_list trimmed the item
     const char* e = item.data() + item.size();
@@ -105,9 +106,17 @@ Tensor read_npy(const std::string& path) {
     if (r.ec != std::errc() || r.ptr != e || d < 0)
       FUSEDMOE_THROW(kIo, path, ": .npy header: expected non-negative sizes in the shape, got (",
                      shape_text, ")");
-    bytes = (d == 0 || bytes <= UINT64_MAX / static_cast<uint64_t>(d)) ? bytes * d : UINT64_MAX;
+    if (d != 0 && bytes > UINT64_MAX / static_cast<uint64_t>(d))
+      overflows = true;
+    else
+      bytes *= static_cast<uint64_t>(d);
     shape.push_back(d);
   }
+  // A zero size anywhere makes the array empty, whatever the other sizes.
+  if (std::find(shape.begin(), shape.end(), 0) != shape.end()) overflows = false, bytes = 0;
+  if (overflows)
+    FUSEDMOE_THROW(kIo, path, ": .npy header: the shape (", shape_text,
+                   ") overflows 64 bits (its size in bytes is 2^64 or more)");
   // The data must be there before anything is allocated for it.
   const std::streamoff data_at = f.tellg();
   f.seekg(0, std::ios::end);
@@ -166,6 +175,14 @@ Tensor read_tensor(const std::string& path, const std::string& key, const char* 
 std::string describe(const std::string& path, const std::string& key, const char* what) {
   return key.empty() ? std::string(what) + " " + path  // a .npy file
                      : std::string(what) + " '" + key + "' in " + path;
+}
+
+// --input and --reference: f32, bf16, f16 or f64 (what the README lists; FP8
+// is a weight format whose values need scales, not an activation file's).
+void check_float_dtype(const Tensor& t, const std::string& what) {
+  const DType d = t.dtype();
+  FUSEDMOE_CHECK(d == DType::kF32 || d == DType::kBF16 || d == DType::kF16 || d == DType::kF64,
+                 what, ": expected dtype f32, bf16, f16 or f64, got ", dtype_name(d));
 }
 
 // Values of a floating tensor as doubles (f64 kept exactly).
@@ -243,7 +260,7 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str();
   cmd->add_option("--threads", o.threads, "Worker threads, at most 1024 (default: all cores)")
-      ->check(kNonNegative);
+      ->check(kThreads);
   auto* ref = cmd->add_option("--reference", o.reference,
                               "File with the expected output (.safetensors with "
                               "--reference-key, or .npy)")
@@ -255,19 +272,19 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
       ->check(kNonNegative)
       ->needs(ref);
   cmd->add_option("--repeat", o.repeat, "Run the forward N times; the median time is reported")
-      ->check(kPositive);
+      ->check(kPositiveInt);
   cmd->add_flag("--quiet", o.quiet, "Leave out the expert load histogram");
   cmd->add_option("--ep-size", o.ep_size,
                   "Expert parallelism over ranks (mpirun -np N ... --ep-size N): each EP rank "
                   "runs a share of the tokens and holds a share of the experts; rank 0 writes")
-      ->check(kPositive);
+      ->check(kPositiveInt);
   cmd->add_option("--tp-size", o.tp_size,
                   "Tensor parallelism inside experts (ranks = ep or dp size x tp size)")
-      ->check(kPositive);
+      ->check(kPositiveInt);
   cmd->add_option("--dp-size", o.dp_size,
                   "Data-parallel token groups; with --ep-size equal to it, experts are spread "
                   "over them (all-gather / reduce-scatter)")
-      ->check(kPositive);
+      ->check(kPositiveInt);
   cmd->add_option("--expert-placement", o.expert_placement, "contiguous or round-robin")
       ->check(CLI::IsMember({"contiguous", "round-robin"}))
       ->capture_default_str();
@@ -275,7 +292,10 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
                   "EP dispatch payload: auto, f32, bf16 or fp8 (e4m3, 1x128 group scales)")
       ->check(CLI::IsMember({"auto", "f32", "bf16", "fp8"}))
       ->capture_default_str();
-  cmd->callback([&o, seed, cdt] {
+  cmd->callback([&o, seed, cdt, input, tokens] {
+    // A command line that lacks its input does not parse (exit code 2).
+    if (input->count() == 0 && tokens->count() == 0)
+      throw CLI::ValidationError("no input: give --input FILE [--input-key KEY], or --tokens T");
     o.seed_given = seed->count() > 0;
     o.compute_dtype_given = cdt->count() > 0;
   });
@@ -284,7 +304,7 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
 
 int run_run(const RunOptions& o) {
   FUSEDMOE_CHECK(!o.input.empty() || o.tokens >= 0,
-                 "no input: give --input FILE --input-key KEY, or --tokens T");
+                 "no input: give --input FILE [--input-key KEY], or --tokens T");
   // The output is written over an existing file only if it is none of the inputs.
   for (const auto& [path, flag] : {std::pair{o.input, "--input"}, {o.reference, "--reference"}}) {
     std::error_code ec;
@@ -297,8 +317,6 @@ int run_run(const RunOptions& o) {
                  "--output ", o.output,
                  ": the output is a .safetensors file (output, topk_ids, topk_weights, "
                  "router_logits), not .npy; name it *.safetensors");
-  FUSEDMOE_CHECK(o.threads <= ThreadPool::kMaxThreads, "--threads: expected 0 (all cores) to ",
-                 ThreadPool::kMaxThreads, ", got ", o.threads);
   if (o.threads > 0) ThreadPool::set_global_num_threads(o.threads);
   const bool on_cuda = o.backend == "cuda";
   FUSEDMOE_CHECK(
@@ -374,9 +392,7 @@ int run_run(const RunOptions& o) {
     const std::string what = describe(o.input, o.input_key, "input");
     if (raw.ndim() != 2 || raw.size(1) != H)
       FUSEDMOE_THROW(kInvalidArgument, what, ": expected [T, ", H, "], got ", raw.shape_str());
-    FUSEDMOE_CHECK(is_floating(raw.dtype()), what,
-                   ": expected a floating dtype (f32, bf16, f16, f64), got ",
-                   dtype_name(raw.dtype()));
+    check_float_dtype(raw, what);
     input = raw.dtype() == DType::kF32 ? raw : to_f32(raw);
     input_desc = o.input_key.empty() ? base_name(o.input) : base_name(o.input) + ":" + o.input_key;
   } else {
@@ -402,8 +418,10 @@ int run_run(const RunOptions& o) {
     if (reference.ndim() != 2 || reference.size(0) != T || reference.size(1) != H)
       FUSEDMOE_THROW(kInvalidArgument, ref_what, ": expected [", T, ", ", H, "], got ",
                      reference.shape_str());
-    FUSEDMOE_CHECK(is_floating(reference.dtype()), ref_what, ": expected a floating dtype, got ",
-                   dtype_name(reference.dtype()));
+    check_float_dtype(reference, ref_what);
+    // A NaN or Inf in the reference makes the relative error meaningless (NaN,
+    // or inf that an infinite --tolerance would accept): refused, named.
+    check_finite_rows(reference.view(), ref_what.c_str(), "row");
   }
 
   // Weights and runner.
@@ -569,7 +587,9 @@ int run_run(const RunOptions& o) {
     if (!finite) rel = std::numeric_limits<double>::infinity();
     ref_all_zero = den == 0.0;
     tol = o.tolerance >= 0.0 ? o.tolerance : (compute_dtype == DType::kF32 ? 1e-5 : 1e-2);
-    failed = !(rel <= tol);
+    // NaN never passes, nor an infinite error (an all-zero reference and a
+    // non-zero output), even under --tolerance inf.
+    failed = !(rel <= tol) || std::isinf(rel);
   }
 
   // A finite input can still overflow f32 inside the experts (|x| ~ 1e38):
@@ -635,7 +655,10 @@ int run_run(const RunOptions& o) {
   std::fflush(stdout);
   if (failed) {
     char buf[64];
-    std::snprintf(buf, sizeof buf, "%.3e > tolerance %.6g", rel, tol);
+    std::snprintf(
+        buf, sizeof buf,
+        std::isinf(rel) ? "%.3e (fails under any tolerance, %.6g given)" : "%.3e > tolerance %.6g",
+        rel, tol);
     FUSEDMOE_THROW(kInvalidArgument, "output differs from ", ref_what, ": relative L2 error ", buf);
   }
   return 0;

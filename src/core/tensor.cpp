@@ -244,4 +244,15 @@ void check_finite_rows(const TensorView& t, const char* name, const char* row_na
   }
 }
 
+void require_finite_output(const TensorView& output) {
+  const int64_t H = output.size(1);
+  for (int64_t t = 0; t < output.size(0); ++t) {
+    const int64_t h = find_non_finite(output.data_as<const float>() + t * output.stride(0),
+                                      DType::kF32, static_cast<size_t>(H));
+    if (h >= 0)
+      FUSEDMOE_THROW(kInvalidArgument, "output: non-finite value at token ", t, ", column ", h,
+                     " (the input or the weights overflow f32 arithmetic)");
+  }
+}
+
 }  // namespace fusedmoe

@@ -59,6 +59,9 @@ struct LayerBytes {
 };
 
 ojson inspect_model(const std::string& path) {
+  // A FIFO, device or socket: named as `run --model` names it (a FIFO would
+  // otherwise block the reader of config.json).
+  if (!is_dir(path)) require_regular_file(path);
   if (!is_dir(path) && !is_file(path))
     FUSEDMOE_THROW(kIo, path, ": no such model directory or file");
   if (!is_dir(path) && !ends_with(path, ".json"))

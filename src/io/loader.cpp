@@ -153,10 +153,13 @@ DType target_dtype(const Source& s) {
   return (d == DType::kF32 || d == DType::kBF16) ? d : DType::kF32;
 }
 
-void check_dtype(const Source& s, DType expected, const std::string& ckpt, const std::string& ref) {
-  if (target_dtype(s) != expected)
+// `s` must load to the dtype `ref` loads to; the message names both stored dtypes.
+void check_dtype(const Source& s, const Source& ref, const std::string& ckpt) {
+  if (target_dtype(s) != target_dtype(ref))
     FUSEDMOE_THROW(kIo, ckpt, ": tensor '", s.name, "': dtype ", dtype_name(s.t.dtype()),
-                   " differs from '", ref, "' (", dtype_name(expected), ")");
+                   " differs from '", ref.name, "' (", dtype_name(ref.t.dtype()),
+                   "): the expert tensors must load as one dtype (bf16 is kept; f32, f16, f64 "
+                   "and FP8 load as f32)");
 }
 
 // Converts row `row` of a 2-D source to float, applying FP8 block scales.
@@ -322,9 +325,9 @@ ExpertWeights load_per_expert(const Reader& rd, const Checkpoint& ckpt,
   }
   const DType dt = target_dtype(gate[0]);
   for (int64_t e = 0; e < E; ++e) {
-    check_dtype(gate[e], dt, ckpt.path(), gate[0].name);
-    check_dtype(up[e], dt, ckpt.path(), gate[0].name);
-    check_dtype(down[e], dt, ckpt.path(), gate[0].name);
+    check_dtype(gate[e], gate[0], ckpt.path());
+    check_dtype(up[e], gate[0], ckpt.path());
+    check_dtype(down[e], gate[0], ckpt.path());
   }
   ExpertWeights w;
   if (check_only) return w;
@@ -387,7 +390,7 @@ MoELayerWeights load_or_check(const Checkpoint& checkpoint, const ModelInfo& inf
     const Source gu = rd.get("experts.gate_up_proj", {E, H, 2 * I});
     const Source dn = rd.get("experts.down_proj", {E, I, H});
     const DType dt = target_dtype(gu);
-    check_dtype(dn, dt, checkpoint.path(), gu.name);
+    check_dtype(dn, gu, checkpoint.path());
     if (gu.scale_inv || dn.scale_inv)
       FUSEDMOE_THROW(kUnsupported, checkpoint.path(), ": tensor '", gu.name,
                      "': packed FP8 experts are not supported");
@@ -395,7 +398,7 @@ MoELayerWeights load_or_check(const Checkpoint& checkpoint, const ModelInfo& inf
     if (cfg.has_expert_bias) {
       gub = rd.get("experts.gate_up_proj_bias", {E, 2 * I});
       dnb = rd.get("experts.down_proj_bias", {E, H});
-      check_dtype(*dnb, target_dtype(*gub), checkpoint.path(), gub->name);
+      check_dtype(*dnb, *gub, checkpoint.path());
     }
     if (check_only) return out;
     const bool interleaved = mt == "gpt_oss";
@@ -443,7 +446,7 @@ MoELayerWeights load_or_check(const Checkpoint& checkpoint, const ModelInfo& inf
     if (gu.scale_inv || dn.scale_inv)
       FUSEDMOE_THROW(kUnsupported, checkpoint.path(), ": tensor '", gu.name,
                      "': packed FP8 experts are not supported");
-    check_dtype(dn, target_dtype(gu), checkpoint.path(), gu.name);
+    check_dtype(dn, gu, checkpoint.path());
     if (check_only) return out;
     out.experts.w13 = as_f32_or_bf16(gu.t);
     out.experts.w2 = as_f32_or_bf16(dn.t);

@@ -202,6 +202,7 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) 
     }
     // numel * dtype size, guarding against overflow.
     unsigned __int128 nbytes = dtype_size(e.dtype);
+    bool overflows = false;
     for (const json& d : v["shape"]) {
       if (!d.is_number_integer() || d.get<int64_t>() < 0)
         throw bad(
@@ -209,8 +210,9 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) 
       e.shape.push_back(d.get<int64_t>());
       nbytes *= static_cast<uint64_t>(e.shape.back());
       if (nbytes > std::numeric_limits<uint64_t>::max())
-        nbytes = std::numeric_limits<uint64_t>::max();
+        overflows = true, nbytes = std::numeric_limits<uint64_t>::max();
     }
+    if (nbytes == 0) overflows = false;  // a zero size empties any shape
     const json& off = v["data_offsets"];
     for (const json& o : off)
       if (!o.is_number_unsigned() && !(o.is_number_integer() && o.get<int64_t>() >= 0))
@@ -220,6 +222,10 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) 
     if (en > data_size)
       throw bad(detail::concat("data_offsets ", offsets_str(b, en), " end past the data section (",
                                data_size, " bytes)"));
+    if (overflows)
+      throw bad(detail::concat("shape ", v["shape"].dump(), " of ", safetensors_dtype_name(e.dtype),
+                               " overflows 64 bits (2^64 bytes or more; data_offsets ",
+                               offsets_str(b, en), " hold ", en - b, " bytes)"));
     if (static_cast<unsigned __int128>(en - b) != nbytes)
       throw bad(detail::concat("data_offsets ", offsets_str(b, en), " hold ", en - b, " bytes but ",
                                safetensors_dtype_name(e.dtype), " ", v["shape"].dump(), " needs ",

@@ -98,6 +98,17 @@ expect_error "nonexistent model dir" "$TMP/does-not-exist" -- run --model "$TMP/
 python3 "$ST" write-f32 "$TMP/small.safetensors" x 5 64
 expect_error "wrong hidden size" "input 'x' in $TMP/small.safetensors: expected [T, 128], got [5, 64]" -- \
   run --model "$FIX" --layer 1 --input "$TMP/small.safetensors" --input-key x
+# An FP8 tensor as --input: refused, as the README and the message list f32, bf16, f16, f64.
+python3 - "$TMP/f8.safetensors" <<'PY'
+import json, struct, sys
+data = bytes([0x38]) * (2 * 128)  # e4m3 1.0
+h = json.dumps({"x": {"dtype": "F8_E4M3", "shape": [2, 128], "data_offsets": [0, len(data)]}}).encode()
+open(sys.argv[1], "wb").write(struct.pack("<Q", len(h)) + h + data)
+PY
+expect_error "--input an F8_E4M3 tensor" "input 'x' in $TMP/f8.safetensors: expected dtype f32, bf16, f16 or f64, got f8_e4m3fn" -- \
+  run --model "$FIX" --layer 1 --input "$TMP/f8.safetensors" --input-key x
+expect_error "--reference an F8_E4M3 tensor" "reference 'x' in $TMP/f8.safetensors: expected dtype f32, bf16, f16 or f64, got f8_e4m3fn" -- \
+  run --model "$FIX" --layer 1 --tokens 2 --reference "$TMP/f8.safetensors" --reference-key x
 expect_error "--layer not an MoE layer" "layer 0 is not an MoE layer" -- run --model "$FIX" --layer 0 --input "$REF" --input-key layers.1.T5.input
 expect_error "--layer out of range" "layer 7 is not an MoE layer" -- run --model "$FIX" --layer 7 --input "$REF" --input-key layers.1.T5.input
 expect_error "missing input key" "no-such-key" -- run --model "$FIX" --layer 1 --input "$REF" --input-key no-such-key
@@ -151,13 +162,62 @@ expect_error "--dispatch-dtype without expert parallelism" "--dispatch-dtype fp8
   run --model "$FIX" --layer 1 --tokens 3 --dispatch-dtype fp8
 expect_error "--output with a .npy name" "not .npy" -- \
   run --model "$FIX" --layer 1 --tokens 3 --output "$OUTDIR/out.npy"
-expect_error "--threads beyond the pool's limit" "--threads: expected 0 (all cores) to 1024" -- \
+expect_error "--threads beyond the pool's limit" "--threads: expected an integer in [0, 1024] (0: all cores), got 5000" -- \
   run --model "$FIX" --layer 1 --tokens 3 --threads 5000
+# int options beyond int: the range, not CLI11's "Could not convert".
+expect_error "--repeat beyond int" "--repeat: expected an integer in [1, 2147483647], got 99999999999999 (out of range)" -- \
+  run --model "$FIX" --layer 1 --tokens 3 --repeat 99999999999999
+expect_error "--threads beyond int" "--threads: expected an integer in [0, 1024] (0: all cores), got 99999999999999" -- \
+  run --model "$FIX" --layer 1 --tokens 3 --threads 99999999999999
+expect_error "bench --threads 1025" "--threads: expected an integer in [0, 1024] (0: all cores), got 1025" -- \
+  bench --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0 --threads 1025
+expect_error "bench --threads -1" "--threads: expected an integer in [0, 1024] (0: all cores), got -1" -- \
+  bench --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0 --threads -1
+expect_error "--ep-size 1.5" "--ep-size: expected an integer in [1, 2147483647], got 1.5" -- \
+  run --model "$FIX" --layer 1 --tokens 3 --ep-size 1.5
 python3 -c "import numpy" 2>/dev/null && {
   python3 -c "import numpy as np; np.save('$TMP/x.npy', np.ones((2, 128), np.float32)); np.save('$TMP/zero.npy', np.zeros((2, 128), np.float32))"
   expect_error "all-zero --reference" "relative L2 error inf" -- \
     run --model "$FIX" --layer 1 --input "$TMP/x.npy" --reference "$TMP/zero.npy" --output "$TMP/zref.safetensors"
+  expect_error "all-zero --reference, --tolerance inf" "relative L2 error inf" -- \
+    run --model "$FIX" --layer 1 --input "$TMP/x.npy" --reference "$TMP/zero.npy" --tolerance inf \
+    --output "$TMP/zref.safetensors"
+  # A reference holding NaN / Inf: refused, named, whatever the tolerance.
+  python3 -c "import numpy as np; np.save('$TMP/nanref.npy', np.full((2, 128), np.nan)); r = np.ones((2, 128)); r[1, 5] = np.inf; np.save('$TMP/infref.npy', r)"
+  expect_error "all-NaN --reference" "reference $TMP/nanref.npy: expected finite values, got NaN at row 0, column 0" -- \
+    run --model "$FIX" --layer 1 --input "$TMP/x.npy" --reference "$TMP/nanref.npy" --tolerance inf
+  expect_error "--reference with an Inf" "reference $TMP/infref.npy: expected finite values, got Inf at row 1, column 5" -- \
+    run --model "$FIX" --layer 1 --input "$TMP/x.npy" --reference "$TMP/infref.npy"
 }
+
+# --max-experts below a shape's top_k: an error naming the minimum, not E = k silently.
+expect_error "bench --max-experts below top_k" "--max-experts: expected at least 8 (top_k of shape 'qwen3-cpu'), got 1" -- \
+  bench --shapes qwen3-cpu --max-experts 1 --tokens 1 --min-time 0
+# Options of the CUDA bench on the CPU bench (single or parallel): errors, not ignored.
+expect_error "bench --nccl without --backend cuda" "error: --nccl: options of --backend cuda, given without it" -- \
+  bench --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0 --nccl
+expect_error "bench --sweep, --dump-dir with --ep-size" "error: --dump-dir, --sweep: options of --backend cuda" -- \
+  bench --shapes qwen3-cpu --tokens 1 --ep-size 2 --sweep --dump-dir "$TMP"
+
+# Exit codes (README): 2 for a command line that does not parse, the same for run
+# and bench; 1 for other errors.
+expect_rc() {  # expect_rc NAME CODE ARGS...
+  local name=$1 code=$2 rc=0
+  shift 2
+  "$BIN" "$@" >"$TMP/stdout" 2>"$TMP/stderr" || rc=$?
+  if [ "$rc" -ne "$code" ]; then
+    echo "FAIL $name: exit $rc, expected $code"; sed 's/^/  stderr: /' "$TMP/stderr"
+    failures=$((failures + 1))
+  else
+    echo "ok   $name: exit $rc: $(cat "$TMP/stderr")"
+  fi
+}
+expect_rc "run --tokens -1" 2 run --model "$FIX" --layer 1 --tokens -1
+expect_rc "bench --tokens -1" 2 bench --shapes qwen3-cpu --max-experts 8 --tokens -1 --min-time 0
+expect_rc "bench --tokens 1,,2" 2 bench --shapes qwen3-cpu --max-experts 8 --tokens 1,,2 --min-time 0
+expect_rc "run without --input or --tokens" 2 run --model "$FIX" --layer 1
+expect_rc "run --threads 5000" 2 run --model "$FIX" --layer 1 --tokens 3 --threads 5000
+expect_rc "run --layer 0 (not MoE)" 1 run --model "$FIX" --layer 0 --tokens 3
 
 # bench: a NaN --memory-fraction is refused (CLI::Range lets NaN through).
 rc=0
@@ -251,6 +311,7 @@ npy("unclosed.npy", "{'descr': '<f4', 'fortran_order': False, 'shape': (3, 128, 
 npy("negative.npy", "{'descr': '<f4', 'fortran_order': False, 'shape': (-1, 128), }")
 npy("huge.npy", "{'descr': '<f4', 'fortran_order': False, 'shape': (1000000000000, 128), }")
 npy("record.npy", "{'descr': [('a', '<f4')], 'fortran_order': False, 'shape': (4,), }")
+npy("overflow.npy", "{'descr': '<f4', 'fortran_order': False, 'shape': (4611686018427387904, 4611686018427387904), }")
 PY
 expect_error ".npy shape unclosed" "unclosed.npy: .npy header: malformed shape" -- \
   run --model "$FIX" --layer 1 --input "$TMP/unclosed.npy"
@@ -258,6 +319,8 @@ expect_error ".npy negative size" "negative.npy: .npy header: expected non-negat
   run --model "$FIX" --layer 1 --input "$TMP/negative.npy"
 expect_error ".npy shape beyond its data" "huge.npy: .npy data shorter than its shape (1000000000000, 128): 512 bytes" -- \
   run --model "$FIX" --layer 1 --input "$TMP/huge.npy"
+expect_error ".npy shape overflowing 64 bits" "overflow.npy: .npy header: the shape (4611686018427387904, 4611686018427387904) overflows 64 bits" -- \
+  run --model "$FIX" --layer 1 --input "$TMP/overflow.npy"
 expect_error ".npy structured dtype" "record.npy: .npy structured dtypes (record arrays) are not supported" -- \
   run --model "$FIX" --layer 1 --input "$TMP/record.npy"
 expect_error "--input .safetensors without --input-key" "--input-key is required with a .safetensors file" -- \
@@ -289,6 +352,15 @@ PY
   expect_error "config.json $field = 1e11" "field '$field': expected <= " -- \
     run --model "$TMP/huge-$field" --layer 1 --tokens 2
   expect_error "inspect: config.json $field = 1e11" "got 100000000000" -- inspect "$TMP/huge-$field"
+done
+
+# inspect on a FIFO or a symbolic link to a device: named as run names them.
+mkfifo "$TMP/config-fifo.json"
+ln -s /dev/zero "$TMP/zero-link.json"
+for p in "$TMP/config-fifo.json:a FIFO" "$TMP/zero-link.json:a device or socket"; do
+  expect_error "inspect ${p##*:}" "${p%%:*}: not a regular file (${p##*:})" -- inspect "${p%%:*}"
+  expect_error "run --model ${p##*:}" "${p%%:*}: not a regular file (${p##*:})" -- \
+    run --model "${p%%:*}" --tokens 1
 done
 
 # inspect fails cleanly too.

@@ -310,6 +310,29 @@ TEST(Loader, WrongShapeOrDtypeIsNamed) {
   EXPECT_HAS(msg, "f32");
 }
 
+// Experts whose gate is f16 (loaded as f32) and whose up is bf16 (kept): the
+// message names both stored dtypes, not the f32 that f16 loads as.
+TEST(Loader, MixedExpertDtypesNameTheStoredDtypes) {
+  test::TempDir dir("loader_mixed_dtype");
+  const std::string gate = "model.layers.1.mlp.experts.0.gate_proj.weight";
+  write_modified_fixture("qwen2_moe", dir, [&](auto& ts) {
+    for (auto& [n, t] : ts)
+      if (n.rfind("model.layers.1.mlp.experts.", 0) == 0 &&
+          n.find(".gate_proj.weight") != std::string::npos) {
+        const Tensor f = to_f32(t);
+        Tensor h = Tensor::empty(DType::kF16, t.shape());
+        convert_from_f32(f.data_as<float>(), h.data(), DType::kF16, static_cast<size_t>(f.numel()));
+        t = h;
+      }
+  });
+  const ModelInfo info = load_model_info(dir.path());
+  const Checkpoint ck = Checkpoint::open(dir.path());
+  const std::string msg =
+      error_of([&] { load_moe_layer(ck, info, 1, {.progress = false}); }, ErrorCode::kIo);
+  EXPECT_HAS(msg, "'model.layers.1.mlp.experts.0.up_proj.weight': dtype bf16 differs from '" +
+                      gate + "' (f16)");
+}
+
 // A NaN or Inf weight is named at load time (it would make every token routed
 // there NaN); check_finite = false loads it anyway.
 TEST(Loader, NonFiniteWeightIsNamed) {

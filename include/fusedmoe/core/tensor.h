@@ -139,4 +139,10 @@ void check_tensor(const TensorView& t, const char* name, DType dtype,
 // NaN at token 3, column 17" for its first NaN or Inf (`row_name` names rows).
 void check_finite_rows(const TensorView& t, const char* name, const char* row_name = "token");
 
+// A computed f32 [T, H] host output (MoERunner, the functional fused_experts):
+// a finite input can still overflow f32 inside the experts (|x| ~ 1e30), so
+// its first NaN / Inf throws Error(kInvalidArgument) "output: non-finite value
+// at token t, column h (the input or the weights overflow f32 arithmetic)".
+void require_finite_output(const TensorView& output);
+
 }  // namespace fusedmoe

@@ -156,8 +156,6 @@ class MoERunner {
   const EpStats* cuda_ep_stats() const;
 
  private:
-  // Throws Error(kInvalidArgument) naming the first NaN / Inf of the CPU output.
-  static void require_finite_output(const TensorView& output);
   MoEConfig config_;
   MoELayerWeights weights_;
   RunnerOptions options_;
