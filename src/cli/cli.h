@@ -203,10 +203,11 @@ int ranks_needed(int ep_size, int tp_size, int dp_size);
 // size. Called before MPI is initialised, so that no rank waits in MPI_Init
 // for one that never joins (and -np 2 without sizes is not two separate runs).
 void check_launch_size(int ep_size, int tp_size, int dp_size);
-// The MPI world of a parallel run: its size must be ranks_needed()
-// (UsageError), and every rank must have been given the same `options`
-// (name, value), checked before any other collective (UsageError naming the
-// option and each rank's value; `command` starts the message).
+// The MPI world of a parallel run (callers run check_launch_size() first): its
+// size must be ranks_needed() (UsageError), and every rank must have been given
+// the same `options` (name, value), checked before any other collective
+// (UsageError naming the option and each rank's value; `command` starts the
+// message).
 std::shared_ptr<Communicator> make_parallel_world(
     int ep_size, int tp_size, int dp_size,
     const std::vector<std::pair<std::string, std::string>>& options, const char* command);

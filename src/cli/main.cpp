@@ -34,30 +34,36 @@ int ranks_needed(int ep_size, int tp_size, int dp_size) {
   return (dp_size > 1 ? dp_size : ep_size) * tp_size;
 }
 
+namespace {
+// "--ep-size E --tp-size T --dp-size D: expected N ranks" (both rank-count errors).
+std::string expected_ranks(int ep_size, int tp_size, int dp_size) {
+  const int need = ranks_needed(ep_size, tp_size, dp_size);
+  return "--ep-size " + std::to_string(ep_size) + " --tp-size " + std::to_string(tp_size) +
+         " --dp-size " + std::to_string(dp_size) + ": expected " + std::to_string(need) +
+         (need == 1 ? " rank" : " ranks");
+}
+}  // namespace
+
 void check_launch_size(int ep_size, int tp_size, int dp_size) {
   const int world = launcher_world_size();
-  const int need = ranks_needed(ep_size, tp_size, dp_size);
-  if (world <= 1 || world == need) return;
-  throw UsageError(
-      "--ep-size " + std::to_string(ep_size) + " --tp-size " + std::to_string(tp_size) +
-      " --dp-size " + std::to_string(dp_size) + ": expected " + std::to_string(need) +
-      (need == 1 ? " rank" : " ranks") + ", but the MPI launcher started " + std::to_string(world) +
-      " (mpirun -np " + std::to_string(world) +
-      "); give every rank sizes whose product ((--dp-size > 1 ? --dp-size : "
-      "--ep-size) x --tp-size) is " +
-      std::to_string(world) + ", e.g. --ep-size " + std::to_string(world) + ", or run one rank");
+  if (world <= 1 || world == ranks_needed(ep_size, tp_size, dp_size)) return;
+  throw UsageError(expected_ranks(ep_size, tp_size, dp_size) + ", but the MPI launcher started " +
+                   std::to_string(world) + " (mpirun -np " + std::to_string(world) +
+                   "); give every rank sizes whose product ((--dp-size > 1 ? --dp-size : "
+                   "--ep-size) x --tp-size) is " +
+                   std::to_string(world) + ", e.g. --ep-size " + std::to_string(world) +
+                   ", or run one rank");
 }
 
 std::shared_ptr<Communicator> make_parallel_world(
     int ep_size, int tp_size, int dp_size,
     const std::vector<std::pair<std::string, std::string>>& options, const char* command) {
-  check_launch_size(ep_size, tp_size, dp_size);
+  // check_launch_size() ran before (the callers need it for one-rank runs too);
+  // this catches launchers it cannot see.
   std::shared_ptr<Communicator> world = make_world_communicator();
   const int need = ranks_needed(ep_size, tp_size, dp_size);
   if (world->size() != need)
-    throw UsageError("--ep-size " + std::to_string(ep_size) + " --tp-size " +
-                     std::to_string(tp_size) + " --dp-size " + std::to_string(dp_size) +
-                     ": expected " + std::to_string(need) + " ranks (mpirun -np " +
+    throw UsageError(expected_ranks(ep_size, tp_size, dp_size) + " (mpirun -np " +
                      std::to_string(need) + "), got " + std::to_string(world->size()));
   try {
     check_same_on_all_ranks(*world, options, command);

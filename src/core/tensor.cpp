@@ -228,31 +228,40 @@ void check_tensor(const TensorView& t, const char* name, DType dtype,
     FUSEDMOE_CHECK(t.stride(d) >= 0, name, ": negative stride ", t.stride(d), " in dimension ", d);
 }
 
-void check_finite_rows(const TensorView& t, const char* name, const char* row_name) {
-  if (t.ndim() != 2 || t.numel() == 0) return;
+namespace {
+// The first non-finite element of a 2-d view, row by row: false if none.
+bool first_non_finite(const TensorView& t, int64_t& row, int64_t& col) {
+  if (t.ndim() != 2 || t.numel() == 0) return false;
   const size_t es = dtype_size(t.dtype());
-  const int64_t cols = t.size(1);
   for (int64_t r = 0; r < t.size(0); ++r) {
-    const char* row =
-        static_cast<const char*>(t.data()) + static_cast<size_t>(r * t.stride(0)) * es;
-    const int64_t c = find_non_finite(row, t.dtype(), static_cast<size_t>(cols));
-    if (c < 0) continue;
-    float v = 0.0f;
-    convert_to_f32(row + static_cast<size_t>(c) * es, t.dtype(), &v, 1);
-    FUSEDMOE_THROW(kInvalidArgument, name, ": expected finite values, got ",
-                   std::isnan(v) ? "NaN" : "Inf", " at ", row_name, " ", r, ", column ", c);
+    const char* p = static_cast<const char*>(t.data()) + static_cast<size_t>(r * t.stride(0)) * es;
+    const int64_t c = find_non_finite(p, t.dtype(), static_cast<size_t>(t.size(1)));
+    if (c >= 0) {
+      row = r;
+      col = c;
+      return true;
+    }
   }
+  return false;
+}
+}  // namespace
+
+void check_finite_rows(const TensorView& t, const char* name, const char* row_name) {
+  int64_t r = 0, c = 0;
+  if (!first_non_finite(t, r, c)) return;
+  const size_t es = dtype_size(t.dtype());
+  float v = 0.0f;
+  convert_to_f32(static_cast<const char*>(t.data()) + static_cast<size_t>(r * t.stride(0) + c) * es,
+                 t.dtype(), &v, 1);
+  FUSEDMOE_THROW(kInvalidArgument, name, ": expected finite values, got ",
+                 std::isnan(v) ? "NaN" : "Inf", " at ", row_name, " ", r, ", column ", c);
 }
 
 void require_finite_output(const TensorView& output) {
-  const int64_t H = output.size(1);
-  for (int64_t t = 0; t < output.size(0); ++t) {
-    const int64_t h = find_non_finite(output.data_as<const float>() + t * output.stride(0),
-                                      DType::kF32, static_cast<size_t>(H));
-    if (h >= 0)
-      FUSEDMOE_THROW(kInvalidArgument, "output: non-finite value at token ", t, ", column ", h,
-                     " (the input or the weights overflow f32 arithmetic)");
-  }
+  int64_t t = 0, h = 0;
+  if (first_non_finite(output, t, h))
+    FUSEDMOE_THROW(kInvalidArgument, "output: non-finite value at token ", t, ", column ", h,
+                   " (the input or the weights overflow f32 arithmetic)");
 }
 
 }  // namespace fusedmoe
