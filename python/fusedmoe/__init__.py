@@ -226,6 +226,7 @@ def _ndim(x: Any, name: str, ndim: int, what: str) -> None:
 
 
 _FLOAT, _INT = "a floating dtype", "an integer dtype (int32)"
+_HIDDEN_CPU = "dtype float32"  # hidden_states on the CPU (_hidden_dtype has the CUDA ones)
 
 
 def _as_array(x: Any, name: str, expected: str = "a numeric dtype") -> Any:
@@ -571,9 +572,6 @@ def _check_hidden_states(hidden_states: Any, gating_output: Any) -> None:
     if getattr(gating_output, "ndim", 0) == 2 and x.shape[0] != gating_output.shape[0]:
         raise ValueError(f"hidden_states: expected {gating_output.shape[0]} tokens (rows of "
                          f"gating_output), got shape {tuple(x.shape)}")
-
-
-_HIDDEN_CPU = "dtype float32"
 
 
 def _hidden_dtype(x: Any, cuda: bool) -> None:
