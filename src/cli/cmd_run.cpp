@@ -185,6 +185,31 @@ void check_float_dtype(const Tensor& t, const std::string& what) {
                  what, ": expected dtype f32, bf16, f16 or f64, got ", dtype_name(d));
 }
 
+// The contents of a file as the ranks' options check compares them: its size
+// and a 64-bit FNV-1a hash of its bytes ("(not given)" for ""; for a model
+// folder, its config.json). Ranks on different nodes may read different files
+// under one path: the same options must also mean the same data.
+std::string contents_fingerprint(const std::string& path) {
+  if (path.empty()) return "(not given)";
+  std::error_code ec;
+  const std::string file = std::filesystem::is_directory(path, ec)
+                               ? (std::filesystem::path(path) / "config.json").string()
+                               : path;
+  std::ifstream f(file, std::ios::binary);
+  if (!f) return "(unreadable)";  // the rank's own open reports why, later
+  uint64_t h = 1469598103934665603ull, n = 0;
+  char buf[1 << 16];
+  while (f.read(buf, sizeof buf) || f.gcount() > 0) {
+    for (std::streamsize i = 0; i < f.gcount(); ++i)
+      h = (h ^ static_cast<unsigned char>(buf[i])) * 1099511628211ull;
+    n += static_cast<uint64_t>(f.gcount());
+  }
+  char out[64];
+  std::snprintf(out, sizeof out, "%llu bytes, FNV-1a %016llx", static_cast<unsigned long long>(n),
+                static_cast<unsigned long long>(h));
+  return out;
+}
+
 // Values of a floating tensor as doubles (f64 kept exactly).
 std::vector<double> to_f64(const Tensor& t) {
   std::vector<double> out(static_cast<size_t>(t.numel()));
@@ -364,7 +389,11 @@ int run_run(const RunOptions& o) {
          {"--output", or_not_given(o.output)},
          {"--reference", or_not_given(o.reference)},
          {"--reference-key", or_not_given(o.reference_key)},
-         {"--tolerance", o.tolerance >= 0 ? exact_number(o.tolerance) : "(default)"}},
+         {"--tolerance", o.tolerance >= 0 ? exact_number(o.tolerance) : "(default)"},
+         // The same paths, the same data (node-local files may differ).
+         {"--model contents (config.json)", contents_fingerprint(o.model)},
+         {"--input contents", contents_fingerprint(o.input)},
+         {"--reference contents", contents_fingerprint(o.reference)}},
         "fusedmoe run");
   }
   const bool root = !world || world->rank() == 0;

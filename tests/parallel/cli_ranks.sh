@@ -3,7 +3,8 @@
 # error on the ranks, exit code 2 (a usage error), before any collective that
 # could misbehave, and never a hang, a crash or a silently wrong output.
 #   - options that differ between ranks (MPMD `-np 1 A : -np 1 B`): the error
-#     names the option and each rank's value;
+#     names the option and each rank's value; so do input files that differ
+#     under one path (per-rank working directories);
 #   - a world size that the parallel sizes do not account for (also -np 2
 #     without --ep-size: not two separate runs writing the same file);
 #   - FUSEDMOE_COMM_TIMEOUT_S out of range.
@@ -55,6 +56,15 @@ expect_error 2 "$disagree --expert-placement: contiguous on rank 0, round-robin 
   "$npflag" 1 $R --tokens 16 --ep-size 2 --expert-placement round-robin
 expect_error 2 "$disagree --output: .*out.safetensors on rank 0, \(not given\) on rank 1" 2 -- \
   $M "$npflag" 1 $R --tokens 8 --ep-size 2 : "$npflag" 1 "$BIN" run --seed 7 --quiet --tokens 8 --ep-size 2
+# One path, other data (node-local files): was a silently wrong output.
+mkdir -p "$TMP/w0" "$TMP/w1"
+"$BIN" run --tokens 4 --seed 1 --quiet --output "$TMP/w0/in.safetensors" >/dev/null 2>&1
+"$BIN" run --tokens 4 --seed 2 --quiet --output "$TMP/w1/in.safetensors" >/dev/null 2>&1
+expect_error 2 "$disagree --input contents: [0-9]+ bytes, FNV-1a [0-9a-f]+ on rank 0, [0-9]+ bytes, FNV-1a [0-9a-f]+ on rank 1" 2 -- \
+  $M "$npflag" 1 -wdir "$TMP/w0" "$BIN" run --quiet --output "$TMP/out.safetensors" \
+  --input in.safetensors --input-key output --ep-size 2 : \
+  "$npflag" 1 -wdir "$TMP/w1" "$BIN" run --quiet --output "$TMP/out.safetensors" \
+  --input in.safetensors --input-key output --ep-size 2
 expect_error 2 "fusedmoe bench: the ranks disagree on --tokens: 1 on rank 0, 2 on rank 1" 2 -- \
   $M "$npflag" 1 "$BIN" bench --ep-size 2 --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0 : \
   "$npflag" 1 "$BIN" bench --ep-size 2 --shapes qwen3-cpu --max-experts 8 --tokens 2 --min-time 0
