@@ -223,11 +223,10 @@ int run_cuda_bench(const CudaBenchOptions& o) {
         f.out_dtype = DType::kBF16;
         f.ldo = H;
         if (decode) {
-          cuda::DecodeExpertsArgs d;
+          cuda::RoutedExpertsArgs d;
           d.x = x;
-          d.ldx = H;
           d.topk_ids = ids + r * slots;
-          d.row_scale = wts + r * slots;
+          d.topk_weights = wts + r * slots;
           d.num_tokens = T;
           d.top_k = k;
           d.num_experts = E;
@@ -235,10 +234,11 @@ int run_cuda_bench(const CudaBenchOptions& o) {
           d.inter = I;
           d.w13 = w13;
           d.w2 = w2;
-          d.inter_rows = inter;
-          d.y = y;
-          cuda::decode_experts(d, stream);
-          cuda::finalize(f, stream);  // y rows by slot, already weighted
+          d.out = out;  // T = 1: the sum is folded into the second kernel
+          d.out_dtype = DType::kBF16;
+          d.ldo = H;
+          if (!cuda::decode_experts(d, inter, y, stream))
+            cuda::finalize(f, stream);  // y rows by slot, already weighted
           return;
         }
         cuda::AlignArgs al;

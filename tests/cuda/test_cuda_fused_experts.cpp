@@ -149,6 +149,73 @@ TEST(CudaFusedExperts, DecodePathMatchesFloat64Reference) {
   run_case({4, 4, 1, 32, 16, Activation::kSiluGlu, false, DType::kBF16}, rng, /*on_input=*/true);
 }
 
+// At T = 1 the decode path folds finalize into its second kernel (the slots
+// summed straight into the output); the sum must have the bits of the T > 1
+// decode path (rows by slot, then finalize) for the same token: row 0 of a
+// two-token batch. -1, out-of-range and repeated ids, biases, f32 / bf16 / f16
+// outputs, k from 1 to 16 (items of 8 / 4 / 2 / 1 rows, one to four chunks of
+// (slot, row) pairs), I >= 4096 (4-pair chunks), f16 weights.
+TEST(CudaFusedExperts, DecodeOneTokenSumHasTheBitsOfDecodePlusFinalize) {
+  FUSEDMOE_REQUIRE_CUDA();
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  struct SumCase {
+    int64_t E, k, H, I;
+    bool bias;
+    DType out, weights;
+  };
+  const DType bf = DType::kBF16, f32 = DType::kF32, f16 = DType::kF16;
+  const std::vector<SumCase> cases = {
+      {8, 2, 96, 80, false, f32, bf},  {128, 8, 2048, 768, false, bf, bf},
+      {6, 3, 88, 40, true, f32, bf},   {40, 16, 64, 24, false, bf, bf},
+      {4, 1, 104, 48, true, f16, f16}, {16, 6, 72, 56, true, bf, bf},
+      {4, 2, 64, 4096, true, f32, bf}, {9, 5, 72, 4104, false, f32, f16},
+  };
+  for (const SumCase& c : cases) {
+    SCOPED_TRACE("E" + std::to_string(c.E) + " k" + std::to_string(c.k) + " H" +
+                 std::to_string(c.H) + " I" + std::to_string(c.I) + " out " + dtype_name(c.out) +
+                 " weights " + dtype_name(c.weights));
+    const int64_t E = c.E, k = c.k, H = c.H, I = c.I;
+    const ExpertWeights w = test::random_experts(rng, E, H, I, c.weights, c.bias);
+    Tensor x = test::randn_f32(rng, {2, H});
+    Tensor ids = Tensor::empty(DType::kI32, {2, k});
+    Tensor tw = test::random_f32(rng, {2, k}, 0.1f, 1.0f);
+    for (int64_t t = 0; t < 2; ++t)
+      for (int64_t j = 0; j < k; ++j)  // repeats allowed
+        ids.data_as<int32_t>()[t * k + j] = static_cast<int32_t>(rng() % static_cast<uint64_t>(E));
+    if (k >= 2) ids.data_as<int32_t>()[0] = -1;
+    if (k >= 3) ids.data_as<int32_t>()[k - 1] = static_cast<int32_t>(E + 3);
+    ActivationParams act;
+    act.activation = c.bias ? Activation::kSwigluOai : Activation::kSiluGlu;
+    DeviceTensor w13 = DeviceTensor::from_host(w.w13), w2 = DeviceTensor::from_host(w.w2);
+    DeviceTensor b13, b2;
+    if (c.bias) {
+      b13 = DeviceTensor::from_host(to_f32(*w.w13_bias));
+      b2 = DeviceTensor::from_host(to_f32(*w.w2_bias));
+    }
+    std::vector<Tensor> rows;
+    for (const int64_t T : {int64_t{2}, int64_t{1}}) {
+      DeviceTensor x_d = DeviceTensor::from_host(x.view().narrow(0, 0, T), H + 8);
+      DeviceTensor ids_d = DeviceTensor::from_host(ids.view().narrow(0, 0, T));
+      DeviceTensor tw_d = DeviceTensor::from_host(tw.view().narrow(0, 0, T));
+      DeviceTensor out(c.out, {T, H}, H + 16);
+      const size_t ws_bytes = cuda::fused_experts_workspace_bytes(T, H, I, E, k, false);
+      DeviceTensor ws(DType::kU8, {static_cast<int64_t>(ws_bytes)});
+      out.poison();
+      ws.poison();
+      cuda::fused_experts(
+          test::fused_experts_args(x_d, w13, w2, b13, b2, ids_d, tw_d, out, act, false), ws.data(),
+          ws_bytes, nullptr);
+      CUDA_OK(cudaDeviceSynchronize());
+      Tensor got = to_f32(out.to_host());
+      EXPECT_EQ(test::count_non_finite(got), 0);
+      rows.push_back(got);
+    }
+    EXPECT_EQ(std::memcmp(rows[0].data(), rows[1].data(), static_cast<size_t>(H) * 4), 0);
+  }
+}
+
 // Argument checks run before anything touches the device: no GPU needed.
 TEST(CudaFusedExperts, ArgumentErrorsNameTheField) {
   auto* fake = reinterpret_cast<void*>(uintptr_t{1} << 20);  // never dereferenced

@@ -376,7 +376,13 @@ void CudaMoELayer::forward(const TensorView& hidden_states, const TensorView& ou
   // shared expert (which still overlaps align on the side stream): 8628 us
   // graph, 8638 us eager (bench/results/2026-11-29-layer.md).
   if (shared_sm90) r.sm90_wait_event = s.join;
-  finish(routed_experts(r, s.routed, stream), output, stream);
+  if (!c.has_shared_expert()) {  // finalize would add only the routed rows
+    r.out = output.data();
+    r.out_dtype = output.dtype();
+    r.ldo = output.stride(0);
+  }
+  const RoutedResult routed = routed_experts(r, s.routed, stream);
+  if (!routed.output_written) finish(routed.finalize, output, stream);
 }
 
 // ---- expert parallelism: forward() in three parts (CudaEpMoELayer) ----------------
@@ -552,7 +558,7 @@ const float* CudaMoELayer::experts(const uint16_t* x, int64_t ldx, const int32_t
                                   c.intermediate_size);
   r.allow_decode = decode_experts_eligible(batch_tokens, c.top_k);
   r.allow_sm90 = false;  // y by slot, for the combine
-  return static_cast<const float*>(routed_experts(r, s.routed, stream).y);  // f32: no sm90
+  return static_cast<const float*>(routed_experts(r, s.routed, stream).finalize.y);  // f32: no sm90
 }
 
 void CudaMoELayer::ep_finalize(const float* y, const TensorView& output, int64_t T, Stream stream) {

@@ -17,7 +17,15 @@
 //     inter[slot, I] (the weights' half type, as the other paths);
 //   * decode_w2: warp items (group, 8 rows of w2; 4 for I >= 4096), the same streaming against
 //     inter -> y[slot, H] = topk_weight * (. + b2) in f32, finalize() sums a
-//     token's slots in slot order (the mma path's contract: y by slot).
+//     token's slots in slot order (the mma path's contract: y by slot);
+//   * a group streams with the registers and loads in flight of its real
+//     size (1, 2 or 4 slots), not of the largest R;
+//   * at T = 1, when the caller's finalize would add only the routed rows (no
+//     shared expert), decode_w2_sum replaces decode_w2 + finalize: blocks of 8
+//     warps run decode_w2's items for all the token's slots over a few rows and
+//     add them in shared memory in finalize's order (the same bits), one
+//     dependent kernel fewer (H200, Qwen3-30B-A3B: 26.0 -> 24.3 us;
+//     bench/results/2026-11-29-session6.md).
 // Both launched with Programmatic Dependent Launch (pdl.cuh); decode_w2 reads
 // the ids (written two or more kernels before it, complete when it starts) and
 // issues its first item's first K step of weight loads before pdl_wait(), so
@@ -37,6 +45,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 #include "kernels/cuda/gemm/gemv_common.cuh"
 #include "kernels/cuda/gemm/sm90_bf16_grouped_gemm.cuh"
@@ -47,16 +56,7 @@ namespace fusedmoe::cuda {
 namespace {
 
 using gemm::ld_nc;
-
-// A weight load: read-only path, no L1 allocation (each byte is read once;
-// L1 keeps the input rows). On an H200 2-6 % faster than ld_nc at T <= 4.
-__device__ __forceinline__ uint4 ld_weight(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
+using gemm::ld_weight;
 using gemm::unpack8;
 using gemm::warp_reduce_all;
 
@@ -111,26 +111,30 @@ __device__ __forceinline__ Groups make_groups(const DecodeParams& p, int lane) {
   g.count = __popc(g.starters);
   return g;
 }
-// Group `w`: its expert and slots (-1 past the group's end). Warp-uniform.
+// Group `w`: its expert, slots (-1 past the group's end) and size (1..R).
+// Warp-uniform.
 template <int R>
-__device__ __forceinline__ int group_members(const Groups& g, int w, int lane, int32_t* slot) {
+__device__ __forceinline__ int group_members(const Groups& g, int w, int lane, int32_t* slot,
+                                             int* size) {
   const bool me = ((g.starters >> lane) & 1u) && __popc(g.starters & ((1u << lane) - 1u)) == w;
   const int first = __ffs(__ballot_sync(0xffffffffu, me)) - 1;
   const int expert = __shfl_sync(0xffffffffu, g.id, first);
   uint32_t m = __shfl_sync(0xffffffffu, g.match, first) & ~((1u << first) - 1u);
+  *size = 0;
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     slot[r] = m != 0 ? __ffs(m) - 1 : -1;
+    *size += m != 0;
     m &= m - 1u;
   }
   return expert;
 }
 
-// The weight chunks of K step k0 of a lane (rows as in stream_rows).
-template <int kW, int kParts, int R>
+// The weight chunks of kU K steps from k0 of a lane (rows as in stream_rows).
+template <int kW, int kParts, int kU>
 __device__ __forceinline__ void load_step(const uint16_t* const* w, int valid, int64_t K,
-                                          int64_t k0, uint4 (&wraw)[kUnroll<R, kW>][kW]) {
-  constexpr int kPer = kW / kParts, kU = kUnroll<R, kW>;
+                                          int64_t k0, uint4 (&wraw)[kU][kW]) {
+  constexpr int kPer = kW / kParts;
 #pragma unroll
   for (int u = 0; u < kU; ++u)
 #pragma unroll
@@ -140,12 +144,10 @@ __device__ __forceinline__ void load_step(const uint16_t* const* w, int valid, i
                        : make_uint4(0, 0, 0, 0);
 }
 
-// acc += the products of K step k0's weight chunks (wraw) with the input rows.
-template <class T, int kW, int R>
-__device__ __forceinline__ void fma_step(const uint4 (&wraw)[kUnroll<R, kW>][kW],
-                                         const uint16_t* const* xrow, int64_t K, int64_t k0,
-                                         float* acc) {
-  constexpr int kU = kUnroll<R, kW>;
+// acc += the products of kU K steps' weight chunks (wraw) from k0 with R input rows.
+template <class T, int kW, int R, int kU>
+__device__ __forceinline__ void fma_step(const uint4 (&wraw)[kU][kW], const uint16_t* const* xrow,
+                                         int64_t K, int64_t k0, float* acc) {
 #pragma unroll
   for (int u = 0; u < kU; ++u) {
     const int64_t kk = k0 + u * 256;
@@ -169,27 +171,28 @@ __device__ __forceinline__ void fma_step(const uint4 (&wraw)[kUnroll<R, kW>][kW]
 // acc[j * R + r] += dot(weight row j, input row r) over K, for kW weight rows:
 // rows j < kW / kParts of part q (0 .. kParts - 1) at w[q] + j * K, the first
 // `valid` of each part real (the others read as zeros); input rows at xrow
-// (null: skipped, warp-uniform). Lane L covers k = 8 L + 256 i. With kPre, the
-// first K step's chunks are `pre` (load_step, issued earlier).
-template <class T, int kW, int kParts, int R, bool kPre = false>
+// (null: skipped, warp-uniform). Lane L covers k = 8 L + 256 i, in order of i
+// whatever the unroll (so the sums do not depend on R). The first kPre K steps'
+// chunks are `pre` (load_step, issued earlier), then kUnroll<R, kW> steps at a time.
+template <class T, int kW, int kParts, int R, int kPre>
 __device__ __forceinline__ void stream_rows(const uint16_t* const* w, int valid,
                                             const uint16_t* const* xrow, int64_t K, int lane,
-                                            float* acc, const uint4 (*pre)[kW] = nullptr) {
+                                            float* acc, const uint4 (*pre)[kW]) {
   constexpr int kU = kUnroll<R, kW>;
   int64_t k0 = lane * 8;
-  if constexpr (kPre) {
-    uint4 wraw[kU][kW];
+  if constexpr (kPre > 0) {
+    uint4 wraw[kPre][kW];
 #pragma unroll
-    for (int u = 0; u < kU; ++u)
+    for (int u = 0; u < kPre; ++u)
 #pragma unroll
       for (int j = 0; j < kW; ++j) wraw[u][j] = pre[u][j];
-    if (k0 < K) fma_step<T, kW, R>(wraw, xrow, K, k0, acc);
-    k0 += 256 * kU;
+    if (k0 < K) fma_step<T, kW, R, kPre>(wraw, xrow, K, k0, acc);
+    k0 += 256 * kPre;
   }
   for (; k0 < K; k0 += 256 * kU) {
     uint4 wraw[kU][kW];  // all weight loads issued before any use
-    load_step<kW, kParts, R>(w, valid, K, k0, wraw);
-    fma_step<T, kW, R>(wraw, xrow, K, k0, acc);
+    load_step<kW, kParts, kU>(w, valid, K, k0, wraw);
+    fma_step<T, kW, R, kU>(wraw, xrow, K, k0, acc);
   }
 }
 
@@ -207,6 +210,76 @@ __device__ __forceinline__ float pick(const float* acc, int o) {
 // Weight rows per warp item.
 template <bool kW13, int kW2>
 constexpr int kItemRows = kW13 ? 2 * kPairs : kW2;
+
+// A warp item: an expert, its group's slots (-1 past `size`), the first
+// output row, the parts' first weight rows and how many rows of each are real.
+template <int R, int kParts>
+struct Item {
+  int e;
+  int32_t slot[R];
+  int size;
+  int64_t n0;
+  const uint16_t* w[kParts];
+  int valid;
+};
+
+// Streams item `it` against its first Rn input rows (Rn >= it.size) and writes
+// its outputs: inter (w13: bias + gated activation) or y (w2: weighted, biased).
+template <class T, int Rn, bool kW13, int kW, int kPre, int R, int kParts>
+__device__ __forceinline__ void run_item(const DecodeParams& p, const Item<R, kParts>& it, int lane,
+                                         const uint4 (*pre)[kW]) {
+  constexpr int kPer = kW / kParts;  // outputs per input row and item
+  const int64_t I = p.inter, H = p.hidden;
+  const int64_t K = kW13 ? H : I, out_rows = kW13 ? I : H;
+  const uint16_t* xrow[Rn];
+#pragma unroll
+  for (int r = 0; r < Rn; ++r)
+    xrow[r] = it.slot[r] < 0 ? nullptr
+              : kW13         ? p.x + static_cast<int64_t>(it.slot[r] / p.top_k) * p.ldx
+                             : p.inter_rows + static_cast<int64_t>(it.slot[r]) * I;
+  float acc[kW * Rn];
+#pragma unroll
+  for (int i = 0; i < kW * Rn; ++i) acc[i] = 0.0f;
+  stream_rows<T, kW, kParts, Rn, kPre>(it.w, it.valid, xrow, K, lane, acc, pre);
+  // Reduce over the warp; lane o < kPer * Rn takes output row o / Rn of input row o % Rn.
+  warp_reduce_all<kW * Rn>(acc);
+  const int o = lane;
+  if (o >= kPer * Rn) return;
+  const int jj = o / Rn, r = o % Rn;
+  int32_t s = -1;
+#pragma unroll
+  for (int i = 0; i < Rn; ++i)
+    if (r == i) s = it.slot[i];
+  const int64_t n = it.n0 + jj;
+  if (n >= out_rows || s < 0) return;
+  if constexpr (kW13) {
+    float gate = pick<kW * Rn>(acc, jj * Rn + r);
+    float up = pick<kW * Rn>(acc, (kPer + jj) * Rn + r);
+    if (p.b13) {
+      gate += p.b13[static_cast<int64_t>(it.e) * 2 * I + n];
+      up += p.b13[static_cast<int64_t>(it.e) * 2 * I + I + n];
+    }
+    p.inter_rows[static_cast<int64_t>(s) * I + n] =
+        gemm::from_float_bits<T>(gemm::act_glu(p.act, gate, up, p.alpha, p.limit));
+  } else {
+    const float b = p.b2 ? p.b2[static_cast<int64_t>(it.e) * H + n] : 0.0f;
+    const float scale = p.row_scale ? p.row_scale[s] : 1.0f;
+    p.y[static_cast<int64_t>(s) * H + n] = scale * (pick<kW * Rn>(acc, o) + b);
+  }
+}
+
+// run_item with the registers and loads in flight of the group's real size:
+// Rn = 1, 2 or 4 input rows (at most R).
+template <class T, int R, bool kW13, int kW, int kPre, int kParts>
+__device__ __forceinline__ void run_group(const DecodeParams& p, const Item<R, kParts>& it,
+                                          int lane, const uint4 (*pre)[kW]) {
+  if (R >= 4 && it.size > 2)
+    run_item<T, (R >= 4 ? 4 : 1), kW13, kW, kPre>(p, it, lane, pre);
+  else if (R >= 2 && it.size == 2)
+    run_item<T, (R >= 2 ? 2 : 1), kW13, kW, kPre>(p, it, lane, pre);
+  else
+    run_item<T, 1, kW13, kW, kPre>(p, it, lane, pre);
+}
 
 // decode_w13 (kW13) or decode_w2; see the file comment.
 template <class T, int R, bool kW13, int kW2>
@@ -228,18 +301,9 @@ __global__ void __launch_bounds__(kThreads, 4) decode_kernel(const DecodeParams 
   const int64_t K = kW13 ? H : I, out_rows = kW13 ? I : H;
   const int64_t per_group = (out_rows + kPer - 1) / kPer;
   const int64_t items = g.count * per_group;
-  // Item -> expert, slots, the first output row, the parts' first weight rows
-  // and how many rows of each are real. Warp-collective.
-  struct Item {
-    int e;
-    int32_t slot[R];
-    int64_t n0;
-    const uint16_t* w[kParts];
-    int valid;
-  };
-  auto item_of = [&](int64_t item) {
-    Item it;
-    it.e = group_members<R>(g, static_cast<int>(item / per_group), lane, it.slot);
+  auto item_of = [&](int64_t item) {  // warp-collective
+    Item<R, kParts> it;
+    it.e = group_members<R>(g, static_cast<int>(item / per_group), lane, it.slot, &it.size);
     it.n0 = (item % per_group) * kPer;
     it.valid = static_cast<int>(min(out_rows - it.n0, int64_t{kPer}));
     if constexpr (kW13) {
@@ -251,77 +315,28 @@ __global__ void __launch_bounds__(kThreads, 4) decode_kernel(const DecodeParams 
     }
     return it;
   };
-  auto input_rows = [&](const Item& it, const uint16_t** xrow) {
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-      xrow[r] = it.slot[r] < 0 ? nullptr
-                : kW13         ? p.x + static_cast<int64_t>(it.slot[r] / p.top_k) * p.ldx
-                               : p.inter_rows + static_cast<int64_t>(it.slot[r]) * I;
-  };
-  // Reduces acc over the warp and writes the item's outputs: lane o < kPer * R
-  // takes output row o / R of input row o % R.
-  auto epilogue = [&](const Item& it, float* acc) {
-    warp_reduce_all<kW * R>(acc);
-    const int o = lane;
-    if (o >= kPer * R) return;
-    const int jj = o / R, r = o % R;
-    int32_t s = -1;
-#pragma unroll
-    for (int i = 0; i < R; ++i)
-      if (r == i) s = it.slot[i];
-    const int64_t n = it.n0 + jj;
-    if (n >= out_rows || s < 0) return;
-    if constexpr (kW13) {
-      float gate = pick<kW * R>(acc, jj * R + r);
-      float up = pick<kW * R>(acc, (kPer + jj) * R + r);
-      if (p.b13) {
-        gate += p.b13[static_cast<int64_t>(it.e) * 2 * I + n];
-        up += p.b13[static_cast<int64_t>(it.e) * 2 * I + I + n];
-      }
-      p.inter_rows[static_cast<int64_t>(s) * I + n] =
-          gemm::from_float_bits<T>(gemm::act_glu(p.act, gate, up, p.alpha, p.limit));
-    } else {
-      const float b = p.b2 ? p.b2[static_cast<int64_t>(it.e) * H + n] : 0.0f;
-      const float scale = p.row_scale ? p.row_scale[s] : 1.0f;
-      p.y[static_cast<int64_t>(s) * H + n] = scale * (pick<kW * R>(acc, o) + b);
-    }
-  };
-
   // decode_w2 may read the ids and the weights before pdl_wait() (written two
-  // or more kernels before / by none, pdl.cuh): its first K step is in flight
+  // or more kernels before / by none, pdl.cuh): the first K step(s) of its
+  // first item (as many as the largest group streams at once) are in flight
   // while decode_w13 drains.
-  constexpr bool kPre = !kW13;
-  uint4 pre[kUnroll<R, kW>][kW];
-  if (kPre && warp < items) {
-    const Item it = item_of(warp);
-    load_step<kW, kParts, R>(it.w, it.valid, K, lane * 8, pre);
+  constexpr int kPre = kW13 ? 0 : kUnroll<R, kW>;
+  uint4 pre[kPre > 0 ? kPre : 1][kW];
+  int64_t item = warp;
+  Item<R, kParts> first{};
+  if (kPre > 0 && item < items) {
+    first = item_of(item);
+    load_step<kW, kParts, (kPre > 0 ? kPre : 1)>(first.w, first.valid, K, lane * 8, pre);
   }
-  if constexpr (kPre) {
+  if constexpr (kPre > 0) {
     pdl_wait();  // inter comes from decode_w13
     pdl_launch_dependents();
+    if (item < items) {
+      run_group<T, R, kW13, kW, kPre>(p, first, lane, pre);
+      item += num_warps;
+    }
   }
-  int64_t item = warp;
-  if (kPre && item < items) {  // the first item, its first K step loaded above
-    const Item it = item_of(item);
-    const uint16_t* xrow[R];
-    input_rows(it, xrow);
-    float acc[kW * R];
-#pragma unroll
-    for (int i = 0; i < kW * R; ++i) acc[i] = 0.0f;
-    stream_rows<T, kW, kParts, R, true>(it.w, it.valid, xrow, K, lane, acc, pre);
-    epilogue(it, acc);
-    item += num_warps;
-  }
-  for (; item < items; item += num_warps) {
-    const Item it = item_of(item);
-    const uint16_t* xrow[R];
-    input_rows(it, xrow);
-    float acc[kW * R];
-#pragma unroll
-    for (int i = 0; i < kW * R; ++i) acc[i] = 0.0f;
-    stream_rows<T, kW, kParts, R>(it.w, it.valid, xrow, K, lane, acc);
-    epilogue(it, acc);
-  }
+  for (; item < items; item += num_warps)
+    run_group<T, R, kW13, kW, 0>(p, item_of(item), lane, nullptr);
 }
 
 // Blocks of `Kernel` the GPU holds at once (the grid cap: every warp's items
@@ -335,6 +350,135 @@ int64_t resident_blocks() {
     return static_cast<int64_t>(std::max(per_sm, 1)) * num_sms();
   }();
   return blocks;
+}
+
+// decode_w2 with finalize folded in, for one token (T = 1) and no shared
+// expert: out[n] = sum over the token's slots s, in slot order, of
+// topk_weight[s] * (w2[e_s] . inter[s] + b2[e_s])[n]. A block of kSumWarps
+// warps takes kM = max(1, kSumWarps / k) blocks of kW rows for all k slots:
+// warp tasks t = (slot t % k, row block t / k), each exactly a decode_w2 item
+// (kW consecutive rows of one expert: the same loads, fma order and warp
+// reduction), its products in shared memory, then the block adds each row's
+// slots in slot order as finalize() does — the output has the bits of
+// decode_w2 + finalize, without finalize's dependent step.
+constexpr int kSumWarps = 8;
+constexpr int kSumThreads = kSumWarps * 32;
+
+template <class T, int kW, typename Out>
+__global__ void __launch_bounds__(kSumThreads, 2)
+    decode_w2_sum_kernel(const DecodeParams p, Out* __restrict__ out) {
+  constexpr int kU = kUnroll<1, kW>;
+  __shared__ float ys[kSumWarps > kDecodeMaxSlots ? kSumWarps : kDecodeMaxSlots][kW];
+  const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+  const int k = p.slots;  // T = 1
+  const int kM = kSumWarps / k > 1 ? kSumWarps / k : 1;
+  const int tasks = k * kM;
+  const int64_t I = p.inter, H = p.hidden;
+  const int64_t items = (H + kM * kW - 1) / (kM * kW);
+  // .cg: the ids come from two or more kernels before (read before pdl_wait()).
+  int32_t id = lane < k ? __ldcg(p.topk_ids + lane) : -1;
+  if (id >= p.num_experts) id = -1;
+  const uint32_t valid_slots = __ballot_sync(0xffffffffu, id >= 0);
+  // Task t of block item `item`: expert (-1: none), weight rows, input row, first row.
+  struct Task {
+    int e, s;
+    int64_t n0;
+    const uint16_t* w[1];
+    int valid;
+  };
+  auto task_of = [&](int64_t item, int t) {
+    Task tk;
+    tk.s = t % k;
+    tk.n0 = (item * kM + t / k) * kW;
+    tk.e = __shfl_sync(0xffffffffu, id, tk.s);
+    tk.valid = tk.e >= 0 && tk.n0 < H ? static_cast<int>(min(H - tk.n0, int64_t{kW})) : 0;
+    tk.w[0] = p.w2 + (static_cast<int64_t>(tk.e < 0 ? 0 : tk.e) * H + tk.n0) * I;
+    return tk;
+  };
+  // The task's products (lane o < kW: row n0 + o) into ys[t].
+  auto run_task = [&](const Task& tk, int t, auto pre_tag, const uint4(*pre)[kW]) {
+    constexpr bool kPre = decltype(pre_tag)::value;
+    float acc[kW];
+#pragma unroll
+    for (int i = 0; i < kW; ++i) acc[i] = 0.0f;
+    if (tk.valid > 0) {
+      const uint16_t* xrow[1] = {p.inter_rows + static_cast<int64_t>(tk.s) * I};
+      stream_rows<T, kW, 1, 1, kPre ? kU : 0>(tk.w, tk.valid, xrow, I, lane, acc, pre);
+      warp_reduce_all<kW>(acc);
+    }
+    if (lane < kW) {
+      const int64_t n = tk.n0 + lane;
+      float y = 0.0f;
+      if (tk.valid > 0 && n < H) {
+        const float b = p.b2 ? p.b2[static_cast<int64_t>(tk.e) * H + n] : 0.0f;
+        const float scale = p.row_scale ? p.row_scale[tk.s] : 1.0f;
+        y = scale * (pick<kW>(acc, lane) + b);  // decode_w2's y value
+      }
+      ys[t][lane] = y;
+    }
+  };
+  const int64_t item0 = blockIdx.x;
+  // Before pdl_wait(): the first K step(s) of this warp's first task.
+  uint4 pre[kU][kW];
+  if (item0 < items && wid < tasks) {
+    const Task tk = task_of(item0, wid);
+    load_step<kW, 1, kU>(tk.w, tk.valid, I, lane * 8, pre);
+  }
+  pdl_wait();  // inter comes from decode_w13; out may be read by kernels before
+  pdl_launch_dependents();
+  // Row r of row block m: the slots in order, invalid ones skipped (finalize's sum).
+  auto sum_rows = [&](int64_t item) {
+    __syncthreads();
+    if (threadIdx.x < kM * kW) {
+      const int m = threadIdx.x / kW, r = threadIdx.x % kW;
+      const int64_t n = (item * kM + m) * kW + r;
+      float sum = 0.0f;
+      for (int s = 0; s < k; ++s)
+        if ((valid_slots >> s) & 1u) sum += ys[m * k + s][r];
+      if (n < H) store_out(out + n, sum);
+    }
+    __syncthreads();  // ys reused by the next item
+  };
+  int64_t item = item0;
+  if (item < items) {  // peeled: `pre` dies in the first task
+    int t = wid;
+    if (t < tasks) {
+      run_task(task_of(item, t), t, std::true_type{}, pre);
+      t += kSumWarps;
+    }
+    for (; t < tasks; t += kSumWarps) run_task(task_of(item, t), t, std::false_type{}, nullptr);
+    sum_rows(item);
+    item += gridDim.x;
+  }
+  for (; item < items; item += gridDim.x) {
+    for (int t = wid; t < tasks; t += kSumWarps)
+      run_task(task_of(item, t), t, std::false_type{}, nullptr);
+    sum_rows(item);
+  }
+}
+
+template <class T, int kW>
+void launch_w2_sum(const DecodeParams& p, void* out, DType out_dtype, Stream stream) {
+  const int64_t kM = std::max(1, kSumWarps / p.slots);
+  const int64_t items = ceil_div(p.hidden, kM * kW);
+  auto go = [&](auto* o) {
+    using Out = std::remove_pointer_t<decltype(o)>;
+    constexpr auto kernel = decode_w2_sum_kernel<T, kW, Out>;
+    static const int64_t resident = [] {
+      int per_sm = 0;
+      FUSEDMOE_CUDA_CHECK(
+          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kSumThreads, 0));
+      return static_cast<int64_t>(std::max(per_sm, 1)) * num_sms();
+    }();
+    launch_pdl(kernel, static_cast<unsigned>(std::min(items, resident)), kSumThreads, 0, stream, p,
+               o);
+  };
+  if (out_dtype == DType::kF32)
+    go(static_cast<float*>(out));
+  else if (out_dtype == DType::kF16)
+    go(static_cast<__half*>(out));
+  else
+    go(static_cast<uint16_t*>(out));
 }
 
 template <class T, int R, bool kW13, int kW2>
@@ -370,6 +514,16 @@ void launch_typed(const DecodeParams& p, int64_t tokens, Stream stream) {
     launch_decode<T, 4>(p, stream);
 }
 
+// T = 1 into the layer's output: decode_w13, then decode_w2 with the sum.
+template <class T>
+void launch_typed_sum(const DecodeParams& p, void* out, DType out_dtype, Stream stream) {
+  launch_kernel<T, 1, true, kW2Rows>(p, stream);
+  if (p.inter >= kLongW2Row)  // as decode_w2: 4 weight rows a step for long rows
+    launch_w2_sum<T, kW2Rows / 2>(p, out, out_dtype, stream);
+  else
+    launch_w2_sum<T, kW2Rows>(p, out, out_dtype, stream);
+}
+
 }  // namespace
 
 bool decode_experts_eligible(int64_t num_tokens, int64_t top_k) {
@@ -384,7 +538,8 @@ bool decode_experts_eligible(int64_t num_tokens, int64_t top_k) {
          num_tokens * top_k <= kDecodeMaxSlots;
 }
 
-void decode_experts(const DecodeExpertsArgs& a, Stream stream) {
+bool decode_experts(const RoutedExpertsArgs& a, uint16_t* inter_rows, float* y, Stream stream) {
+  const int64_t ldx = a.ldx > 0 ? a.ldx : a.hidden;
   FUSEDMOE_CHECK(a.num_tokens >= 1 && a.num_tokens <= kDecodeMaxTokens && a.top_k >= 1 &&
                      a.num_tokens * a.top_k <= kDecodeMaxSlots,
                  "decode_experts: expected 1 <= T <= ", kDecodeMaxTokens,
@@ -392,15 +547,15 @@ void decode_experts(const DecodeExpertsArgs& a, Stream stream) {
   FUSEDMOE_CHECK(a.hidden > 0 && a.hidden % 8 == 0 && a.inter > 0 && a.inter % 8 == 0,
                  "decode_experts: H and I must be positive multiples of 8, got H = ", a.hidden,
                  ", I = ", a.inter);
-  FUSEDMOE_CHECK(a.ldx >= a.hidden && a.ldx % 8 == 0,
-                 "decode_experts: ldx must be a multiple of 8 >= H = ", a.hidden, ", got ", a.ldx);
+  FUSEDMOE_CHECK(ldx >= a.hidden && ldx % 8 == 0,
+                 "decode_experts: ldx must be a multiple of 8 >= H = ", a.hidden, ", got ", ldx);
   FUSEDMOE_CHECK(a.dtype == DType::kBF16 || a.dtype == DType::kF16,
                  "decode_experts: dtype must be bf16 or f16, got ", dtype_name(a.dtype));
   DecodeParams p{};
   p.x = a.x;
-  p.ldx = a.ldx;
+  p.ldx = ldx;
   p.topk_ids = a.topk_ids;
-  p.row_scale = a.row_scale;
+  p.row_scale = a.apply_router_weight_on_input ? nullptr : a.topk_weights;
   p.slots = static_cast<int>(a.num_tokens * a.top_k);
   p.top_k = static_cast<int>(a.top_k);
   p.num_experts = static_cast<int>(a.num_experts);
@@ -413,12 +568,23 @@ void decode_experts(const DecodeExpertsArgs& a, Stream stream) {
   p.act = a.act.activation;
   p.alpha = a.act.swiglu_alpha;
   p.limit = a.act.swiglu_limit;
-  p.inter_rows = a.inter_rows;
-  p.y = a.y;
+  p.inter_rows = inter_rows;
+  p.y = y;
+  if (a.out != nullptr && a.num_tokens == 1) {
+    FUSEDMOE_CHECK(
+        a.out_dtype == DType::kF32 || a.out_dtype == DType::kBF16 || a.out_dtype == DType::kF16,
+        "decode_experts: output dtype must be f32, bf16 or f16, got ", dtype_name(a.out_dtype));
+    if (a.dtype == DType::kF16)
+      launch_typed_sum<__half>(p, a.out, a.out_dtype, stream);
+    else
+      launch_typed_sum<__nv_bfloat16>(p, a.out, a.out_dtype, stream);
+    return true;
+  }
   if (a.dtype == DType::kF16)
     launch_typed<__half>(p, a.num_tokens, stream);
   else
     launch_typed<__nv_bfloat16>(p, a.num_tokens, stream);
+  return false;
 }
 
 }  // namespace fusedmoe::cuda

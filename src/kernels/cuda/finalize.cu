@@ -37,21 +37,6 @@ int num_sms() {
 
 namespace {
 
-template <typename Out>
-__device__ __forceinline__ void store_out(Out* p, float v);
-template <>
-__device__ __forceinline__ void store_out<float>(float* p, float v) {
-  *p = v;
-}
-template <>
-__device__ __forceinline__ void store_out<uint16_t>(uint16_t* p, float v) {  // bf16
-  *p = float_to_bf16_bits(v);
-}
-template <>
-__device__ __forceinline__ void store_out<__half>(__half* p, float v) {  // beyond 65504: +-inf
-  *p = __float2half_rn(v);
-}
-
 // Expert-sorted y (kRows): y row of slot s is slot_row[s], weighted here.
 struct SortedRows {
   const int32_t* slot_row;

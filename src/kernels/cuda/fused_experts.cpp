@@ -79,7 +79,7 @@ GemmTile routed_gemm_tile(int64_t T, int64_t k, int64_t E, int64_t H, int64_t I)
   return pick_gemm_tile(routed_rows_per_expert(T, k, E), T * k, 2 * I, H);
 }
 
-FinalizeArgs routed_experts(const RoutedExpertsArgs& a, const RoutedScratch& s, Stream stream) {
+RoutedResult routed_experts(const RoutedExpertsArgs& a, const RoutedScratch& s, Stream stream) {
   const int64_t T = a.num_tokens, k = a.top_k, E = a.num_experts, H = a.hidden, I = a.inter;
   const int64_t slots = T * k;
   const int64_t ldx = a.ldx > 0 ? a.ldx : H;
@@ -98,26 +98,8 @@ FinalizeArgs routed_experts(const RoutedExpertsArgs& a, const RoutedScratch& s, 
   f.hidden = H;
   f.num_experts = E;
   if (!sm90 && a.allow_decode && decode_experts_eligible(T, k)) {
-    DecodeExpertsArgs d;
-    d.dtype = a.dtype;
-    d.x = a.x;
-    d.ldx = ldx;
-    d.topk_ids = a.topk_ids;
-    d.row_scale = row_scale;
-    d.num_tokens = T;
-    d.top_k = k;
-    d.num_experts = E;
-    d.hidden = H;
-    d.inter = I;
-    d.w13 = a.w13;
-    d.w2 = a.w2;
-    d.w13_bias = a.w13_bias;
-    d.w2_bias = a.w2_bias;
-    d.act = a.act;
-    d.inter_rows = s.inter;
-    d.y = s.y;
-    decode_experts(d, stream);
-    return f;
+    const bool written = decode_experts(a, s.inter, s.y, stream);
+    return {f, written};
   }
   AlignArgs al;
   al.topk_ids = a.topk_ids;
@@ -158,7 +140,7 @@ FinalizeArgs routed_experts(const RoutedExpertsArgs& a, const RoutedScratch& s, 
     f.slot_row = s.slot_row;
     f.row_scale = row_scale;
     f.bias = a.w2_bias;
-    return f;
+    return {f, false};
   }
 
   GroupedGemmArgs g;
@@ -195,7 +177,7 @@ FinalizeArgs routed_experts(const RoutedExpertsArgs& a, const RoutedScratch& s, 
   g2.out = s.y;
   g2.ldc = H;
   grouped_gemm(g2, stream);
-  return f;
+  return {f, false};
 }
 
 // ---- functional fused_experts ----
@@ -300,7 +282,12 @@ void fused_experts(const FusedExpertsArgs& a, void* workspace, size_t workspace_
   r.w2_bias = a.w2_bias;
   r.act = a.activation;
   r.apply_router_weight_on_input = a.apply_router_weight_on_input;
-  FinalizeArgs f = routed_experts(r, w.routed, stream);
+  r.out = a.output;
+  r.out_dtype = a.output_dtype;
+  r.ldo = a.ldo;
+  const RoutedResult routed = routed_experts(r, w.routed, stream);
+  if (routed.output_written) return;
+  FinalizeArgs f = routed.finalize;
   f.out = a.output;
   f.out_dtype = a.output_dtype;
   f.ldo = a.ldo;

@@ -67,25 +67,6 @@ GemmTile routed_gemm_tile(int64_t num_tokens, int64_t top_k, int64_t num_experts
 inline constexpr int64_t kDecodeMaxTokens = 4;
 inline constexpr int64_t kDecodeMaxSlots = 32;
 bool decode_experts_eligible(int64_t num_tokens, int64_t top_k);
-struct DecodeExpertsArgs {
-  DType dtype = DType::kBF16;   // of x, w13, w2, inter_rows: kBF16 or kF16
-  const uint16_t* x = nullptr;  // dtype [T, H], row stride ldx (multiple of 8)
-  int64_t ldx = 0;
-  const int32_t* topk_ids = nullptr;  // i32 [T, k]; ids outside [0, E) add nothing
-  const float* row_scale = nullptr;   // f32 [T * k] (topk_weights) or null (1)
-  int64_t num_tokens = 0, top_k = 0, num_experts = 0, hidden = 0, inter = 0;
-  const uint16_t* w13 = nullptr;    // dtype [E, 2I, H]
-  const uint16_t* w2 = nullptr;     // dtype [E, H, I]
-  const float* w13_bias = nullptr;  // f32 [E, 2I] or null
-  const float* w2_bias = nullptr;   // f32 [E, H] or null
-  ActivationParams act;
-  uint16_t* inter_rows = nullptr;  // dtype [T * k, I] (scratch)
-  float* y = nullptr;  // f32 [T * k, H]: y[s] = row_scale[s] * (w2[e] . inter[s] + b2[e])
-};
-// Launches decode_w13 and decode_w2 on `stream` (PDL). Throws
-// Error(kInvalidArgument) outside the limits above or for H, I, ldx not
-// multiples of 8.
-void decode_experts(const DecodeExpertsArgs& args, Stream stream);
 
 struct RoutedExpertsArgs {
   DType dtype = DType::kBF16;         // of x, w13, w2 and the intermediate: kBF16 or kF16
@@ -111,6 +92,14 @@ struct RoutedExpertsArgs {
   // Whether the decode path may be taken (decode_experts_eligible(T, k)).
   // Expert parallelism passes the global batch's choice (bit-identical to one GPU).
   bool allow_decode = true;
+  // The layer's output, or null: f32, bf16 or f16 [T, H], row stride ldo.
+  // Only for callers whose finalize would add nothing but the routed rows (no
+  // shared expert): the decode path then writes it directly at T = 1, the
+  // token's slots summed in finalize()'s order (the same bits), and
+  // routed_experts() returns output_written = true.
+  void* out = nullptr;
+  DType out_dtype = DType::kF32;
+  int64_t ldo = 0;
   // On the sm90 path: `stream` waits for this event (a cudaEvent_t) after
   // align, before the GEMMs (the layer's shared expert on the sm90 path: its
   // persistent GEMMs and the routed ones each fill the GPU). Null: no wait.
@@ -120,8 +109,25 @@ struct RoutedExpertsArgs {
 // arguments of finalize() for them: y, topk_ids, num_tokens, top_k, hidden,
 // num_experts and, on the sm90 path, slot_row / row_scale / bias. On the mma
 // path y holds rows by slot, weighted and biased (slots whose id is -1 are
-// left unwritten).
-FinalizeArgs routed_experts(const RoutedExpertsArgs& args, const RoutedScratch& scratch,
+// left unwritten). With output_written, args.out holds the result already
+// and finalize must not run.
+struct RoutedResult {
+  FinalizeArgs finalize;
+  bool output_written = false;
+};
+RoutedResult routed_experts(const RoutedExpertsArgs& args, const RoutedScratch& scratch,
                             Stream stream);
+
+// The decode path's two kernels for `args` (x, ldx, topk_ids, topk_weights
+// unless apply_router_weight_on_input, sizes, weights, biases, act, out; the
+// tile and allow_* fields are not read), launched on `stream` with PDL:
+//   inter_rows: dtype [T * k, I] (scratch), y: f32 [T * k, H],
+//   y[s] = topk_weights[s] * (w2[e] . act(w13[e] . x[s / k] + b13[e]) + b2[e]),
+//   e = topk_ids[s]; slots of ids outside [0, E) left unwritten.
+// With args.out and T = 1 the second kernel sums the slots into out[0]
+// instead (finalize's arithmetic and order; y untouched) and this returns true.
+// Throws Error(kInvalidArgument) outside decode_experts_eligible's limits or
+// for H, I, ldx not multiples of 8.
+bool decode_experts(const RoutedExpertsArgs& args, uint16_t* inter_rows, float* y, Stream stream);
 
 }  // namespace fusedmoe::cuda
