@@ -257,7 +257,7 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
                   "bundled tiny DeepSeek-V3 model)")
       ->check(kNonEmpty);
   cmd->add_option("--layer", o.layer, "MoE layer index (default: the first MoE layer)")
-      ->check(kNonNegative);
+      ->transform(integer_at_least(0));
   auto* input = cmd->add_option("--input", o.input,
                                 "Hidden states: .safetensors file (with --input-key) or .npy; "
                                 "f32/bf16/f16/f64 [T, H]")
@@ -265,11 +265,11 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
   cmd->add_option("--input-key", o.input_key, "Tensor name in the --input safetensors file")
       ->needs(input);
   auto* tokens = cmd->add_option("--tokens", o.tokens, "Use T random N(0,1) tokens as input")
-                     ->check(kNonNegative);
+                     ->transform(integer_at_least(0));
   input->excludes(tokens);
   tokens->excludes(input);
-  auto* seed =
-      cmd->add_option("--seed", o.seed, "Seed of the random input (default: random)")->check(kSeed);
+  auto* seed = cmd->add_option("--seed", o.seed, "Seed of the random input (default: random)")
+                   ->transform(kSeed);
   seed->needs(tokens);
   cmd->add_option("--output", o.output,
                   "Write output, topk_ids, topk_weights, router_logits to this .safetensors file")
@@ -285,7 +285,7 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str();
   cmd->add_option("--threads", o.threads, "Worker threads, at most 1024 (default: all cores)")
-      ->check(kThreads);
+      ->transform(kThreads);
   auto* ref = cmd->add_option("--reference", o.reference,
                               "File with the expected output (.safetensors with "
                               "--reference-key, or .npy)")
@@ -293,43 +293,43 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
   cmd->add_option("--reference-key", o.reference_key, "Tensor name in the --reference file")
       ->needs(ref);
   cmd->add_option("--tolerance", o.tolerance,
-                  "Largest relative L2 error accepted (default: 1e-5 f32, 1e-2 bf16 / f16)")
-      ->check(kNonNegative)
+                  "Largest relative L2 error accepted (default: 1e-5 f32, 1e-2 bf16 / f16; at "
+                  "least 1e-2 with --dispatch-dtype bf16, 1e-1 with fp8)")
+      ->transform(number_at_least(0))
       ->needs(ref);
   cmd->add_option("--repeat", o.repeat, "Run the forward N times; the median time is reported")
-      ->check(kPositiveInt);
+      ->transform(kPositiveInt);
   cmd->add_flag("--quiet", o.quiet, "Leave out the expert load histogram");
   cmd->add_option("--ep-size", o.ep_size,
                   "Expert parallelism over ranks (mpirun -np N ... --ep-size N): each EP rank "
                   "runs a share of the tokens and holds a share of the experts; rank 0 writes")
-      ->check(kPositiveInt);
+      ->transform(kPositiveInt);
   cmd->add_option("--tp-size", o.tp_size,
                   "Tensor parallelism inside experts (ranks = ep or dp size x tp size)")
-      ->check(kPositiveInt);
+      ->transform(kPositiveInt);
   cmd->add_option("--dp-size", o.dp_size,
                   "Data-parallel token groups; with --ep-size equal to it, experts are spread "
                   "over them (all-gather / reduce-scatter)")
-      ->check(kPositiveInt);
-  cmd->add_option("--expert-placement", o.expert_placement, "contiguous or round-robin")
-      ->check(CLI::IsMember({"contiguous", "round-robin"}))
-      ->capture_default_str();
+      ->transform(kPositiveInt);
+  CLI::Option* placement = add_expert_placement_option(*cmd, o.expert_placement);
   cmd->add_option("--dispatch-dtype", o.dispatch_dtype,
                   "EP dispatch payload: auto, f32, bf16 or fp8 (e4m3, 1x128 group scales)")
       ->check(CLI::IsMember({"auto", "f32", "bf16", "fp8"}))
       ->capture_default_str();
-  cmd->callback([&o, seed, cdt, input, tokens] {
+  cmd->callback([&o, seed, cdt, input, tokens, placement] {
     // A command line that lacks its input does not parse (exit code 2).
     if (input->count() == 0 && tokens->count() == 0)
       throw CLI::ValidationError("no input: give --input FILE [--input-key KEY], or --tokens T");
     o.seed_given = seed->count() > 0;
     o.compute_dtype_given = cdt->count() > 0;
+    o.expert_placement_given = placement->count() > 0;
   });
   return cmd;
 }
 
 int run_run(const RunOptions& o) {
-  FUSEDMOE_CHECK(!o.input.empty() || o.tokens >= 0,
-                 "no input: give --input FILE [--input-key KEY], or --tokens T");
+  usage_check(!o.input.empty() || o.tokens >= 0,
+              "no input: give --input FILE [--input-key KEY], or --tokens T");
   // The output is written over an existing file only if it is none of the inputs.
   for (const auto& [path, flag] : {std::pair{o.input, "--input"}, {o.reference, "--reference"}}) {
     std::error_code ec;
@@ -338,19 +338,19 @@ int run_run(const RunOptions& o) {
         "--output ", o.output, ": is the same file as ", flag, " ", path,
         " (it would be overwritten)");
   }
-  FUSEDMOE_CHECK(o.output.size() < 4 || o.output.compare(o.output.size() - 4, 4, ".npy") != 0,
-                 "--output ", o.output,
-                 ": the output is a .safetensors file (output, topk_ids, topk_weights, "
-                 "router_logits), not .npy; name it *.safetensors");
+  usage_check(o.output.size() < 4 || o.output.compare(o.output.size() - 4, 4, ".npy") != 0,
+              "--output ", o.output,
+              ": the output is a .safetensors file (output, topk_ids, topk_weights, "
+              "router_logits), not .npy; name it *.safetensors");
   if (o.threads > 0) ThreadPool::set_global_num_threads(o.threads);
   const bool on_cuda = o.backend == "cuda";
-  FUSEDMOE_CHECK(
+  usage_check(
       !on_cuda || !o.compute_dtype_given || o.compute_dtype == "bf16" || o.compute_dtype == "f16",
       "--backend cuda computes in bf16 or f16 (f32 accumulation); got --compute-dtype ",
       o.compute_dtype);
-  FUSEDMOE_CHECK(on_cuda || o.compute_dtype != "f16",
-                 "--compute-dtype f16: needs --backend cuda (the CPU backend computes in f32 or "
-                 "bf16)");
+  usage_check(on_cuda || o.compute_dtype != "f16",
+              "--compute-dtype f16: needs --backend cuda (the CPU backend computes in f32 or "
+              "bf16)");
   DType compute_dtype = o.compute_dtype == "f16"               ? DType::kF16
                         : on_cuda || o.compute_dtype == "bf16" ? DType::kBF16
                                                                : DType::kF32;
@@ -358,16 +358,15 @@ int run_run(const RunOptions& o) {
   // Parallel layout: every rank loads its share and runs its token group's
   // rows; the results are gathered and rank 0 reports and writes.
   const bool parallel = o.ep_size > 1 || o.tp_size > 1 || o.dp_size > 1;
-  FUSEDMOE_CHECK(o.dispatch_dtype == "auto" || o.ep_size > 1 || o.dp_size > 1, "--dispatch-dtype ",
-                 o.dispatch_dtype,
-                 ": the expert-parallel dispatch payload, needs --ep-size > 1 (or --dp-size > 1)");
+  check_ep_options(o.ep_size, o.dp_size, o.dispatch_dtype, o.expert_placement,
+                   o.expert_placement_given, on_cuda);
   // Under mpirun the sizes must account for every rank (checked before MPI starts).
   check_launch_size(o.ep_size, o.tp_size, o.dp_size);
   std::shared_ptr<Communicator> world;
   if (parallel) {
-    FUSEDMOE_CHECK(!on_cuda || (o.tp_size == 1 && o.dp_size == 1),
-                   "--backend cuda: --ep-size only (GPU expert parallelism over NCCL); "
-                   "--tp-size / --dp-size run on the CPU backend");
+    usage_check(!on_cuda || (o.tp_size == 1 && o.dp_size == 1),
+                "--backend cuda: --ep-size only (GPU expert parallelism over NCCL); "
+                "--tp-size / --dp-size run on the CPU backend");
     // Every option that decides what a rank computes or sends, or what rank 0
     // writes (--threads and --quiet are the rank's own).
     world = make_parallel_world(
