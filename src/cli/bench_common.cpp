@@ -527,15 +527,37 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-double rel_l2(const float* a, const float* b, size_t n) {
+namespace {
+// Both norms in f64, each over its values divided by the largest magnitude
+// (1 at most, so their squares neither overflow nor vanish): a reference of
+// 1e200 or 1e-200 gets its true ratio, not inf / inf or x / 0.
+template <typename B>
+double scaled_rel_l2(const float* a, const B* b, size_t n) {
+  double max_d = 0, max_b = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const double d = static_cast<double>(a[i]) - static_cast<double>(b[i]);
+    if (!std::isfinite(d)) return std::isnan(d) ? d : std::numeric_limits<double>::infinity();
+    max_d = std::max(max_d, std::fabs(d));
+    max_b = std::max(max_b, std::fabs(static_cast<double>(b[i])));
+  }
+  if (max_b == 0) return max_d == 0 ? 0.0 : std::numeric_limits<double>::infinity();
+  if (max_d == 0) return 0.0;
   double num = 0, den = 0;
   for (size_t i = 0; i < n; ++i) {
-    const double d = static_cast<double>(a[i]) - b[i];
+    const double d = (static_cast<double>(a[i]) - static_cast<double>(b[i])) / max_d;
+    const double r = static_cast<double>(b[i]) / max_b;
     num += d * d;
-    den += static_cast<double>(b[i]) * b[i];
+    den += r * r;
   }
-  if (den > 0) return std::sqrt(num / den);
-  return num == 0 ? 0.0 : std::numeric_limits<double>::infinity();  // all-zero reference
+  return max_d / max_b * std::sqrt(num / den);
+}
+}  // namespace
+
+double rel_l2(const float* a, const float* b, size_t n) {
+  return scaled_rel_l2(a, b, n);
+}
+double rel_l2(const float* a, const double* b, size_t n) {
+  return scaled_rel_l2(a, b, n);
 }
 
 size_t peak_rss_bytes() {

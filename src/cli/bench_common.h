@@ -173,8 +173,11 @@ std::vector<double> time_repeats(F&& fn, double min_time, int min_reps = 3, int 
   return times;
 }
 double median(std::vector<double> v);
-// ||a - b|| / ||b|| over n floats.
+// ||a - b|| / ||b|| over n values, in f64 with both norms scaled (finite for
+// any finite inputs whose ratio is, however large or small b is): 0 when a and
+// b are all zeros, inf when only b is, NaN / inf when a - b is.
 double rel_l2(const float* a, const float* b, size_t n);
+double rel_l2(const float* a, const double* b, size_t n);
 
 // Peak resident set size of this process in bytes (VmHWM, else getrusage).
 size_t peak_rss_bytes();

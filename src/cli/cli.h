@@ -4,19 +4,22 @@
 // struct) and has a run function called by main() after parsing. Run
 // functions report failures by throwing fusedmoe::Error; main() turns any
 // error into one line "fusedmoe: error: <message>" on stderr and exit code 1
-// (2 for argument errors and UsageError, as the parallel rank checks throw).
+// (2 for argument errors: CLI11's parse errors, and UsageError, which run
+// functions throw through usage_check() for what the command line alone decides).
 #pragma once
 
 #include <CLI/CLI.hpp>
-#include <charconv>
 #include <cstdint>
+#include <cstdio>
 #include <memory>
 #include <stdexcept>
 #include <string>
-#include <system_error>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
+#include "core/parse_number.h"
+#include "fusedmoe/core/error.h"
 #include "fusedmoe/core/thread_pool.h"
 
 namespace fusedmoe {
@@ -25,64 +28,72 @@ class Communicator;
 
 namespace fusedmoe::cli {
 
-// Number checks with short messages ("expected a number > 0, got -1"); CLI11's
-// own PositiveNumber / NonNegativeNumber print the whole double range.
-inline CLI::Validator number_above(double bound, bool inclusive) {
-  const std::string want = std::string(inclusive ? ">= " : "> ") + CLI::detail::to_string(bound);
+// Numbers on the command line: plain decimal only (core/parse_number.h), the
+// same rule as FUSEDMOE_* variables. Each validator checks the form and the
+// range while parsing, so a bad value is a usage error (exit code 2) naming
+// the option, the expected form and the text given. Add them with
+// ->transform(), not ->check(): they hand CLI11 the parsed value's canonical
+// text, since its own conversion would read "0x10" as 16 and "010" as 8.
+// `want`: "a decimal integer in [0, 1024]"; `in_range`: the bounds; `type`: the help text.
+template <typename T, typename InRange>
+CLI::Validator decimal_validator(const std::string& want, InRange in_range,
+                                 const std::string& type) {
   return CLI::Validator(
-      [bound, inclusive, want](std::string& input) -> std::string {
-        double v = 0;
-        if (!CLI::detail::lexical_cast(input, v) || !(inclusive ? v >= bound : v > bound))
-          return "expected a number " + want + ", got " + input;
-        // Integers beyond 64 bits: CLI11's conversion would clamp them silently.
-        if (input.find_first_not_of("+0123456789") == std::string::npos) {
-          int64_t i = 0;
-          const char* b = input.data() + (input[0] == '+' ? 1 : 0);
-          const auto r = std::from_chars(b, input.data() + input.size(), i);
-          if (r.ec == std::errc::result_out_of_range)
-            return "expected a number " + want + " that fits in 64 bits, got " + input;
+      [want, in_range](std::string& input) -> std::string {
+        T v{};
+        const ParseNumber r = parse_decimal(input, v);
+        if (r != ParseNumber::kOk || !in_range(v)) {
+          const char* why = r != ParseNumber::kOutOfRange || input[0] == '-' ? ""
+                            : std::is_floating_point_v<T> ? " (beyond the range of a double)"
+                                                          : " (beyond 64 bits)";
+          return "expected " + want + ", got \"" + input + "\"" + why;
+        }
+        if constexpr (std::is_floating_point_v<T>) {
+          char buf[64];  // hexadecimal: converted back exactly
+          std::snprintf(buf, sizeof buf, "%a", v);
+          input = buf;
+        } else {
+          input = std::to_string(v);
         }
         return {};
       },
-      "NUMBER " + want);
+      type);
 }
-// lo <= v <= hi; NaN fails (CLI::Range lets NaN through: its comparisons are false).
-inline CLI::Validator number_in(double lo, double hi) {
-  const std::string want =
-      "in [" + CLI::detail::to_string(lo) + ", " + CLI::detail::to_string(hi) + "]";
-  return CLI::Validator(
-      [lo, hi, want](std::string& input) -> std::string {
-        double v = 0;
-        if (!CLI::detail::lexical_cast(input, v) || !(v >= lo && v <= hi))
-          return "expected a number " + want + ", got " + input;
-        return {};
-      },
-      "NUMBER " + want);
-}
-// An integer lo <= v <= hi (an int option: CLI11's own conversion would say
-// only "Could not convert" for a value beyond int). `note` follows the range,
-// e.g. " (0: all cores)".
+
+// An integer lo <= v <= hi; `note` follows the range, e.g. " (0: all cores)".
 inline CLI::Validator integer_in(int64_t lo, int64_t hi, const std::string& note = "") {
-  const std::string want =
-      "an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]" + note;
-  return CLI::Validator(
-      [lo, hi, want](std::string& input) -> std::string {
-        int64_t v = 0;
-        const char* b = input.data() + (!input.empty() && input[0] == '+' ? 1 : 0);
-        const char* e = input.data() + input.size();
-        const auto r = std::from_chars(b, e, v);
-        if (b == e || r.ptr != e || (r.ec != std::errc() && r.ec != std::errc::result_out_of_range))
-          return "expected " + want + ", got " + input;
-        if (r.ec == std::errc::result_out_of_range || v < lo || v > hi)
-          return "expected " + want + ", got " + input + " (out of range)";
-        return {};
-      },
-      "INTEGER in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
+  const std::string range = "in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]";
+  return decimal_validator<int64_t>(
+      "a decimal integer " + range + note, [lo, hi](int64_t v) { return v >= lo && v <= hi; },
+      "INTEGER " + range);
+}
+// An integer >= lo (an int64_t option).
+inline CLI::Validator integer_at_least(int64_t lo) {
+  const std::string want = ">= " + std::to_string(lo);
+  return decimal_validator<int64_t>(
+      "a decimal integer " + want, [lo](int64_t v) { return v >= lo; }, "INTEGER " + want);
+}
+// A (finite) number lo <= v <= hi.
+inline CLI::Validator number_in(double lo, double hi) {
+  const std::string range =
+      "in [" + CLI::detail::to_string(lo) + ", " + CLI::detail::to_string(hi) + "]";
+  return decimal_validator<double>(
+      "a decimal number " + range, [lo, hi](double v) { return v >= lo && v <= hi; },
+      "NUMBER " + range);
+}
+// A (finite) number >= lo.
+inline CLI::Validator number_at_least(double lo) {
+  const std::string want = ">= " + CLI::detail::to_string(lo);
+  return decimal_validator<double>(
+      "a decimal number " + want, [lo](double v) { return v >= lo; }, "NUMBER " + want);
 }
 // Each rank-count option (--ep-size, ...), --repeat: 1 up to int's maximum.
 inline const CLI::Validator kPositiveInt = integer_in(1, 2147483647);
 // --threads of run and bench: what the thread pool takes (ThreadPool::kMaxThreads).
 inline const CLI::Validator kThreads = integer_in(0, ThreadPool::kMaxThreads, " (0: all cores)");
+// A seed: an integer in [0, 2^64) (run prints its random seeds in that range).
+inline const CLI::Validator kSeed = decimal_validator<uint64_t>(
+    "a decimal integer in [0, 2^64)", [](uint64_t) { return true; }, "INTEGER in [0, 2^64)");
 
 // A path or name option given as "": an error naming the option, not the same
 // as leaving the option out.
@@ -91,20 +102,6 @@ inline const CLI::Validator kNonEmpty(
       return input.empty() ? "expected a path, got an empty string" : std::string();
     },
     "PATH");
-// A seed: an integer in [0, 2^64) (run prints its random seeds in that range).
-inline const CLI::Validator kSeed(
-    [](std::string& input) -> std::string {
-      uint64_t v = 0;
-      const char* b = input.data() + (!input.empty() && input[0] == '+' ? 1 : 0);
-      const char* e = input.data() + input.size();
-      const auto r = std::from_chars(b, e, v);
-      if (b == e || r.ec != std::errc() || r.ptr != e)
-        return "expected an integer in [0, 2^64), got " + input;
-      return {};
-    },
-    "INTEGER in [0, 2^64)");
-inline const CLI::Validator kPositive = number_above(0, false);
-inline const CLI::Validator kNonNegative = number_above(0, true);
 
 // ---- inspect ------------------------------------------------------------------
 struct InspectOptions {
@@ -134,6 +131,7 @@ struct RunOptions {
   // Parallel layout (under mpirun; world = (dp > 1 ? dp : ep) * tp ranks).
   int ep_size = 1, tp_size = 1, dp_size = 1;
   std::string expert_placement = "contiguous";
+  bool expert_placement_given = false;
   std::string dispatch_dtype = "auto";
 };
 CLI::App* add_run_command(CLI::App& app, RunOptions& opts);
@@ -158,6 +156,7 @@ struct BenchOptions {
   int ep_size = 1, tp_size = 1, dp_size = 1;  // > 1: run_bench_parallel (under mpirun)
   bool nccl = false;  // cuda: the EP path over NCCL also at --ep-size 1 (one rank)
   std::string expert_placement = "contiguous";
+  bool expert_placement_given = false;
   std::string dispatch_dtype = "auto";
 };
 CLI::App* add_bench_command(CLI::App& app, BenchOptions& opts);
@@ -183,7 +182,8 @@ double sum_of(const std::vector<double>& v);
 std::string bundled_model_dir();
 // "1.23 MiB"
 std::string format_bytes(double bytes);
-// Comma-separated integers: "1,16,64" -> {1, 16, 64}. Throws Error naming `what`.
+// Comma-separated integers >= 0, each plain decimal: "1,16,64" -> {1, 16, 64}.
+// Throws Error naming `what`.
 std::vector<int64_t> parse_int_list(const std::string& text, const char* what);
 std::vector<std::string> split_list(const std::string& text);
 // This process's rank on its node (OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID,
@@ -196,6 +196,12 @@ int local_rank(int world_rank);
 struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
+// FUSEDMOE_CHECK for what the command line alone decides (options that do not
+// go together, a value a command does not take): a UsageError, exit code 2.
+template <typename... Args>
+void usage_check(bool ok, const Args&... message) {
+  if (!ok) throw UsageError(fusedmoe::detail::concat(message...));
+}
 // Ranks of a layout: (dp_size > 1 ? dp_size : ep_size) * tp_size.
 int ranks_needed(int ep_size, int tp_size, int dp_size);
 // Started by mpirun / srun with more than one rank (launcher_world_size()) for
@@ -203,6 +209,14 @@ int ranks_needed(int ep_size, int tp_size, int dp_size);
 // size. Called before MPI is initialised, so that no rank waits in MPI_Init
 // for one that never joins (and -np 2 without sizes is not two separate runs).
 void check_launch_size(int ep_size, int tp_size, int dp_size);
+// --expert-placement of run and bench (its count tells whether it was given).
+CLI::Option* add_expert_placement_option(CLI::App& cmd, std::string& value);
+// --dispatch-dtype and --expert-placement (of run and bench) where they mean
+// nothing: UsageError. The dispatch payload needs --ep-size or --dp-size > 1
+// and the CPU backend (the GPUs' dispatch has its own); the placement, given
+// (`placement_given`), needs --ep-size > 1.
+void check_ep_options(int ep_size, int dp_size, const std::string& dispatch_dtype,
+                      const std::string& expert_placement, bool placement_given, bool on_cuda);
 // The MPI world of a parallel run (callers run check_launch_size() first): its
 // size must be ranks_needed() (UsageError), and every rank must have been given
 // the same `options` (name, value), checked before any other collective

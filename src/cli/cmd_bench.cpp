@@ -61,15 +61,29 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& o) {
                   "Comma-separated shapes: mixtral (E=8,k=2,H=4096,I=14336), qwen3 "
                   "(E=128,k=8,H=2048,I=768), deepseek (E=256,k=8,H=7168,I=2048), qwen3-cpu "
                   "(E=64,k=8,H=2048,I=768)")
+      ->check(CLI::Validator(
+          [](std::string& input) -> std::string {
+            const std::string prefix = "--shapes: ";
+            try {
+              const std::vector<std::string> names = split_list(input);
+              if (names.empty()) return "expected at least one shape, got \"" + input + "\"";
+              for (const auto& name : names) bench::find_shape(name);
+            } catch (const Error& e) {
+              const std::string why = e.what();
+              return why.rfind(prefix, 0) == 0 ? why.substr(prefix.size()) : why;
+            }
+            return {};
+          },
+          "NAME1,NAME2,..."))
       ->capture_default_str();
   cmd->add_option("--dtype", o.dtype,
                   "Weight and compute dtype: f32 or bf16 (default f32; --backend cuda: bf16)")
       ->check(CLI::IsMember({"f32", "bf16"}));
-  cmd->add_option("--threads", o.threads, "Threads (default: all cores)")->check(kThreads);
+  cmd->add_option("--threads", o.threads, "Threads (default: all cores)")->transform(kThreads);
   cmd->add_option("--min-time", o.min_time,
                   "Minimum seconds of timed runs per measurement, at most 3600 (also at least 3 "
                   "and at most 1000 runs)")
-      ->check(number_in(0, 3600))
+      ->transform(number_in(0, 3600))
       ->capture_default_str();
   cmd->add_option("--routing", o.routing, "Simulated routing: uniform, zipf or all-to-one")
       ->check(CLI::IsMember({"uniform", "zipf", "all-to-one"}))
@@ -80,28 +94,27 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& o) {
       ->check(kNonEmpty);
   cmd->add_option("--memory-fraction", o.memory_fraction,
                   "Share of physical memory a layer may use; larger shapes get fewer experts")
-      ->check(number_in(0.01, 0.95))
+      ->transform(number_in(0.01, 0.95))
       ->capture_default_str();
   cmd->add_option("--seed", o.seed, "Seed of weights, inputs and routing")
-      ->check(kSeed)
+      ->transform(kSeed)
       ->capture_default_str();
   cmd->add_option("--max-experts", o.max_experts,
                   "Use at most this many experts per shape (quick runs; k, H, I are kept)")
-      ->check(kPositive);
+      ->transform(integer_at_least(1));
   cmd->add_flag("--no-baseline", o.no_baseline, "Skip the BLAS-per-expert baseline");
   cmd->add_option("--ep-size", o.ep_size,
                   "Expert parallelism under mpirun (-np = ep or dp size x tp size): layer time, "
                   "dispatch and combine bandwidth; --tokens are per rank")
-      ->check(kPositiveInt);
+      ->transform(kPositiveInt);
   cmd->add_flag("--nccl", o.nccl,
                 "--backend cuda: run the expert-parallel path over NCCL also at --ep-size 1 "
                 "(one rank: dispatch / combine through the communicator)");
-  cmd->add_option("--tp-size", o.tp_size, "Tensor parallelism inside experts")->check(kPositiveInt);
+  cmd->add_option("--tp-size", o.tp_size, "Tensor parallelism inside experts")
+      ->transform(kPositiveInt);
   cmd->add_option("--dp-size", o.dp_size, "Data-parallel token groups (naive DP + EP)")
-      ->check(kPositiveInt);
-  cmd->add_option("--expert-placement", o.expert_placement, "contiguous or round-robin")
-      ->check(CLI::IsMember({"contiguous", "round-robin"}))
-      ->capture_default_str();
+      ->transform(kPositiveInt);
+  CLI::Option* placement = add_expert_placement_option(*cmd, o.expert_placement);
   cmd->add_option("--dispatch-dtype", o.dispatch_dtype, "EP dispatch payload: auto, f32, bf16, fp8")
       ->check(CLI::IsMember({"auto", "f32", "bf16", "fp8"}))
       ->capture_default_str();
@@ -115,6 +128,7 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& o) {
                   "cuda: write routings, outputs and manifest.json for "
                   "bench/cuda/torch_baseline.py (PyTorch on the same inputs)")
       ->check(kNonEmpty);
+  cmd->callback([&o, placement] { o.expert_placement_given = placement->count() > 0; });
   return cmd;
 }
 
@@ -127,36 +141,45 @@ int run_bench(const BenchOptions& o) {
     for (const auto& [flag, set] :
          {std::pair{"--dump-dir", !o.dump_dir.empty()}, {"--sweep", o.sweep}, {"--nccl", o.nccl}})
       if (set) given += (given.empty() ? "" : ", ") + std::string(flag);
-    FUSEDMOE_CHECK(given.empty(), given,
-                   ": options of --backend cuda, given without it (the CPU bench has its own "
-                   "BLAS baseline, tile-free kernels and host communicator)");
+    usage_check(given.empty(), given,
+                ": options of --backend cuda, given without it (the CPU bench has its own "
+                "BLAS baseline, tile-free kernels and host communicator)");
   }
+  check_ep_options(o.ep_size, o.dp_size, o.dispatch_dtype, o.expert_placement,
+                   o.expert_placement_given, o.backend == "cuda");
   // --max-experts below a shape's top_k: an error naming both, before anything runs.
-  for (const auto& name : split_list(o.shapes))
-    bench::cap_experts(bench::find_shape(name), o.max_experts);
+  for (const auto& name : split_list(o.shapes)) {
+    try {
+      bench::cap_experts(bench::find_shape(name), o.max_experts);
+    } catch (const Error& e) {
+      throw UsageError(e.what());
+    }
+  }
   if (o.backend == "cuda") {
     // Options of the CPU bench that the CUDA benches do not take: an error, not
     // a result that silently ignores them.
     const BenchOptions d;
     const bool parallel = o.ep_size > 1 || o.nccl;
-    FUSEDMOE_CHECK(o.dtype.empty() || o.dtype == "bf16",
-                   "--dtype: --backend cuda benchmarks bf16 weights and activations, got ",
-                   o.dtype);
-    FUSEDMOE_CHECK(!parallel || o.routing == d.routing,
-                   "--routing: the CUDA expert-parallel bench routes with a random gate, got ",
-                   o.routing);
-    FUSEDMOE_CHECK(
+    usage_check(o.dtype.empty() || o.dtype == "bf16",
+                "--dtype: --backend cuda benchmarks bf16 weights and activations, got ", o.dtype);
+    usage_check(!parallel || o.routing == d.routing,
+                "--routing: the CUDA expert-parallel bench routes with a random gate, got ",
+                o.routing);
+    usage_check(o.tp_size == 1 && o.dp_size == 1,
+                "--backend cuda: --ep-size only (GPU expert parallelism); got --tp-size ",
+                o.tp_size, " --dp-size ", o.dp_size);
+    usage_check(
         o.csv.empty(),
         "--csv: not written with --backend cuda (it prints a markdown "
         "table; --dump-dir writes its routings and outputs for bench/cuda/torch_baseline.py), got ",
         o.csv);
-    FUSEDMOE_CHECK(o.threads == d.threads, "--threads: a CPU option, got ", o.threads,
-                   " with --backend cuda");
-    FUSEDMOE_CHECK(!o.no_baseline,
-                   "--no-baseline: a CPU option (the CUDA bench's baseline is "
-                   "bench/cuda/torch_baseline.py on --dump-dir), got it with --backend cuda");
-    FUSEDMOE_CHECK(o.memory_fraction == d.memory_fraction, "--memory-fraction: a CPU option, got ",
-                   o.memory_fraction, " with --backend cuda");
+    usage_check(o.threads == d.threads, "--threads: a CPU option, got ", o.threads,
+                " with --backend cuda");
+    usage_check(!o.no_baseline,
+                "--no-baseline: a CPU option (the CUDA bench's baseline is "
+                "bench/cuda/torch_baseline.py on --dump-dir), got it with --backend cuda");
+    usage_check(o.memory_fraction == d.memory_fraction, "--memory-fraction: a CPU option, got ",
+                o.memory_fraction, " with --backend cuda");
     if (!o.dump_dir.empty()) {
       // Checked before the benchmark runs, with the OS reason.
       struct stat st {};
@@ -168,18 +191,18 @@ int run_bench(const BenchOptions& o) {
         FUSEDMOE_THROW(kIo, "--dump-dir ", o.dump_dir, ": cannot write: ", std::strerror(errno));
     }
     if (!parallel) {
-      FUSEDMOE_CHECK(o.min_time == d.min_time && o.seed == d.seed && o.max_experts == 0,
-                     "--min-time, --seed and --max-experts: not taken by the single-GPU CUDA "
-                     "bench (fixed counter-based inputs, median of a fixed number of graph "
-                     "replays); drop them");
+      usage_check(o.min_time == d.min_time && o.seed == d.seed && o.max_experts == 0,
+                  "--min-time, --seed and --max-experts: not taken by the single-GPU CUDA "
+                  "bench (fixed counter-based inputs, median of a fixed number of graph "
+                  "replays); drop them");
     }
     if (parallel) return run_bench_parallel_cuda(o);
   }
   if (o.ep_size > 1 || o.tp_size > 1 || o.dp_size > 1) {
-    FUSEDMOE_CHECK(o.csv.empty(),
-                   "--csv: not written by the parallel bench (--ep-size, --tp-size, --dp-size); "
-                   "it prints its table only, got ",
-                   o.csv);
+    usage_check(o.csv.empty(),
+                "--csv: not written by the parallel bench (--ep-size, --tp-size, --dp-size); "
+                "it prints its table only, got ",
+                o.csv);
     return run_bench_parallel(o);
   }
   using namespace fusedmoe::bench;

@@ -9,6 +9,7 @@
 #include <iostream>
 #include <sstream>
 #include <string>
+#include <string_view>
 
 #include "cli/bench_common.h"
 #include "cli/cli.h"
@@ -55,9 +56,38 @@ void check_launch_size(int ep_size, int tp_size, int dp_size) {
                    ", or run one rank");
 }
 
+CLI::Option* add_expert_placement_option(CLI::App& cmd, std::string& value) {
+  return cmd
+      .add_option("--expert-placement", value,
+                  "contiguous or round-robin: which experts each EP rank holds (--ep-size > 1)")
+      ->check(CLI::IsMember({"contiguous", "round-robin"}))
+      ->capture_default_str();
+}
+
+void check_ep_options(int ep_size, int dp_size, const std::string& dispatch_dtype,
+                      const std::string& expert_placement, bool placement_given, bool on_cuda) {
+  usage_check(dispatch_dtype == "auto" || ep_size > 1 || dp_size > 1, "--dispatch-dtype ",
+              dispatch_dtype,
+              ": the expert-parallel dispatch payload, needs --ep-size > 1 (or --dp-size > 1)");
+  // The GPUs' expert parallelism (CudaEpMoELayer) has a payload of its own.
+  usage_check(!on_cuda || dispatch_dtype == "auto", "--dispatch-dtype ", dispatch_dtype,
+              ": an option of the CPU backend; with --backend cuda the dispatch sends the "
+              "hidden states as the experts take them (leave it auto)");
+  usage_check(!placement_given || ep_size > 1, "--expert-placement ", expert_placement,
+              ": which experts each expert-parallel rank holds, needs --ep-size > 1 (with "
+              "--ep-size 1 one rank holds them all)");
+}
+
 std::shared_ptr<Communicator> make_parallel_world(
     int ep_size, int tp_size, int dp_size,
     const std::vector<std::pair<std::string, std::string>>& options, const char* command) {
+  // A FUSEDMOE_COMM_TIMEOUT_S that is no number of seconds: a usage error
+  // before any rank waits on another.
+  try {
+    comm_timeout_seconds();
+  } catch (const fusedmoe::Error& e) {
+    throw UsageError(e.what());
+  }
   // check_launch_size() ran before (the callers need it for one-rank runs too);
   // this catches launchers it cannot see.
   std::shared_ptr<Communicator> world = make_world_communicator();
@@ -112,26 +142,23 @@ std::vector<std::string> split_list(const std::string& text) {
 }
 
 std::vector<int64_t> parse_int_list(const std::string& text, const char* what) {
+  // Each item plain decimal, as every number of the command line: no spaces
+  // around it, no empty item.
   std::vector<int64_t> out;
-  for (const auto& item : split_list(text)) {
-    size_t pos = 0;
-    long long v = 0;
-    try {
-      v = std::stoll(item, &pos);
-    } catch (const std::exception&) {
-      pos = 0;
-    }
-    FUSEDMOE_CHECK(pos == item.size() && pos > 0 && v >= 0, what,
-                   ": expected a comma-separated list of non-negative integers, got \"", text,
-                   "\"");
+  size_t at = 0;
+  for (;;) {
+    const size_t comma = std::min(text.find(',', at), text.size());
+    int64_t v = -1;
+    const ParseNumber r = parse_decimal(std::string_view(text).substr(at, comma - at), v);
+    FUSEDMOE_CHECK(r == ParseNumber::kOk && v >= 0, what,
+                   ": expected a comma-separated list of decimal integers >= 0, got \"", text, "\"",
+                   comma == at                     ? " (an empty item)"
+                   : r == ParseNumber::kOutOfRange ? " (an item beyond 64 bits)"
+                                                   : "");
     out.push_back(v);
+    if (comma == text.size()) return out;
+    at = comma + 1;
   }
-  FUSEDMOE_CHECK(!out.empty(), what, ": expected at least one value, got \"", text, "\"");
-  const auto commas = static_cast<size_t>(std::count(text.begin(), text.end(), ','));
-  FUSEDMOE_CHECK(out.size() == commas + 1, what,
-                 ": expected a comma-separated list of non-negative integers, got \"", text,
-                 "\" (an empty item)");
-  return out;
 }
 
 }  // namespace fusedmoe::cli

@@ -213,7 +213,8 @@ ModelInfo load_model_info(const std::string& model_dir) {
   fs::path p(model_dir);
   if (fs::is_directory(p, ec)) {
     p /= "config.json";
-  } else if (p.extension() == ".safetensors" && fs::is_regular_file(p, ec)) {
+  } else if (fs::is_regular_file(p, ec) &&
+             (p.extension() == ".safetensors" || looks_like_safetensors(p.string()))) {
     // A checkpoint file stands for its model: the config.json beside it.
     p = (p.has_parent_path() ? p.parent_path() : fs::path(".")) / "config.json";
     if (!fs::exists(p, ec))

@@ -131,8 +131,11 @@ ojson inspect_model(const std::string& path) {
 }  // namespace
 
 std::string inspect_json(const std::string& path) {
-  const ojson j = ends_with(path, ".safetensors") && is_file(path) ? inspect_safetensors(path)
-                                                                   : inspect_model(path);
+  // A .safetensors file by its name or by its content (as `run --input` tells
+  // files apart): its tensors.
+  const bool tensors =
+      is_file(path) && (ends_with(path, ".safetensors") || looks_like_safetensors(path));
+  const ojson j = tensors ? inspect_safetensors(path) : inspect_model(path);
   return j.dump(2);
 }
 

@@ -100,6 +100,21 @@ void require_regular_file(const std::string& path) {
                    ")");
 }
 
+bool looks_like_safetensors(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode) || st.st_size < 9) return false;
+  // O_NONBLOCK: a FIFO swapped in after the check cannot block open().
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) return false;
+  unsigned char head[9];
+  const bool read_all = ::pread(fd, head, sizeof head, 0) == static_cast<ssize_t>(sizeof head);
+  ::close(fd);
+  if (!read_all) return false;
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | head[i];
+  return n >= 2 && n <= static_cast<uint64_t>(st.st_size) - 8 && head[8] == '{';
+}
+
 std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) {
   require_regular_file(path);
   // O_NONBLOCK: a FIFO swapped in after the check still cannot block open().

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <string>
 
+#include "core/parse_number.h"
 #include "fusedmoe/core/error.h"
 
 namespace fusedmoe {
@@ -107,11 +108,10 @@ std::unique_ptr<Communicator> make_world_communicator() {
 double comm_timeout_seconds() {
   const char* s = std::getenv("FUSEDMOE_COMM_TIMEOUT_S");
   if (!s || !*s) return 60.0;
-  char* end = nullptr;
-  const double v = std::strtod(s, &end);
+  double v = 0;
   // Beyond kMaxCommTimeoutSeconds the deadline (int64 nanoseconds) would overflow.
-  FUSEDMOE_CHECK(end && end != s && *end == '\0' && v > 0 && v <= kMaxCommTimeoutSeconds,
-                 "FUSEDMOE_COMM_TIMEOUT_S: expected a number of seconds in (0, ",
+  FUSEDMOE_CHECK(parse_decimal(s, v) == ParseNumber::kOk && v > 0 && v <= kMaxCommTimeoutSeconds,
+                 "FUSEDMOE_COMM_TIMEOUT_S: expected a decimal number of seconds in (0, ",
                  kMaxCommTimeoutSeconds, "], got \"", s, "\"");
   return v;
 }

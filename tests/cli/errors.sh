@@ -23,6 +23,7 @@ expect_error() {
   case " $* " in *" --output "*) out=() ;; esac
   [ "$1" = run ] || out=()  # only `run` takes --output
   "$BIN" "$@" "${out[@]}" >"$TMP/stdout" 2>"$TMP/stderr" || rc=$?
+  last_rc=$rc
   local lines
   lines=$(wc -l <"$TMP/stderr")
   local problem=""
@@ -41,6 +42,15 @@ expect_error() {
     echo "ok   $name: $(cat "$TMP/stderr")"
   fi
   rm -rf "${OUTDIR:?}"/* "$OUTDIR"/.[!.]* 2>/dev/null || true
+}
+
+# expect_usage NAME PATTERN -- ARGS...: as expect_error, with exit code 2 (README: a usage error).
+expect_usage() {
+  expect_error "$@"
+  if [ "$last_rc" -ne 2 ]; then
+    echo "FAIL $1: exit $last_rc, expected 2"
+    failures=$((failures + 1))
+  fi
 }
 
 # A copy of the fixture whose model.safetensors is damaged by st_util.py MODE.
@@ -150,53 +160,96 @@ python3 -c "import numpy" 2>/dev/null && {
     run --model "$FIX" --layer 1 --input "$TMP/huge.npy"
 }
 
-expect_error "--tokens beyond 64 bits" "--tokens: expected a number >= 0 that fits in 64 bits" -- \
+expect_error "--tokens beyond 64 bits" "--tokens: expected a decimal integer >= 0, got \"99999999999999999999\" (beyond 64 bits)" -- \
   run --model "$FIX" --layer 1 --tokens 99999999999999999999
-expect_error "negative --seed" "--seed: expected an integer in [0, 2^64), got -1" -- \
+expect_error "negative --seed" "--seed: expected a decimal integer in [0, 2^64), got \"-1\"" -- \
   run --model "$FIX" --layer 1 --tokens 3 --seed -1
-expect_error "--seed beyond 64 bits" "--seed: expected an integer in [0, 2^64), got 18446744073709551616" -- \
+expect_error "--seed beyond 64 bits" "--seed: expected a decimal integer in [0, 2^64), got \"18446744073709551616\" (beyond 64 bits)" -- \
   run --model "$FIX" --layer 1 --tokens 3 --seed 18446744073709551616
-expect_error "bench --seed not an integer" "--seed: expected an integer in [0, 2^64), got 1.5" -- \
+expect_error "bench --seed not an integer" "--seed: expected a decimal integer in [0, 2^64), got \"1.5\"" -- \
   bench --shapes qwen3-cpu --tokens 1 --seed 1.5
-expect_error "--dispatch-dtype without expert parallelism" "--dispatch-dtype fp8" -- \
+expect_usage "--dispatch-dtype without expert parallelism" "--dispatch-dtype fp8" -- \
   run --model "$FIX" --layer 1 --tokens 3 --dispatch-dtype fp8
-expect_error "--output with a .npy name" "not .npy" -- \
+expect_usage "--output with a .npy name" "not .npy" -- \
   run --model "$FIX" --layer 1 --tokens 3 --output "$OUTDIR/out.npy"
-expect_error "--threads beyond the pool's limit" "--threads: expected an integer in [0, 1024] (0: all cores), got 5000" -- \
+expect_error "--threads beyond the pool's limit" "--threads: expected a decimal integer in [0, 1024] (0: all cores), got \"5000\"" -- \
   run --model "$FIX" --layer 1 --tokens 3 --threads 5000
 # int options beyond int: the range, not CLI11's "Could not convert".
-expect_error "--repeat beyond int" "--repeat: expected an integer in [1, 2147483647], got 99999999999999 (out of range)" -- \
+expect_error "--repeat beyond int" "--repeat: expected a decimal integer in [1, 2147483647], got \"99999999999999\"" -- \
   run --model "$FIX" --layer 1 --tokens 3 --repeat 99999999999999
-expect_error "--threads beyond int" "--threads: expected an integer in [0, 1024] (0: all cores), got 99999999999999" -- \
+expect_error "--threads beyond int" "--threads: expected a decimal integer in [0, 1024] (0: all cores), got \"99999999999999\"" -- \
   run --model "$FIX" --layer 1 --tokens 3 --threads 99999999999999
-expect_error "bench --threads 1025" "--threads: expected an integer in [0, 1024] (0: all cores), got 1025" -- \
+expect_error "bench --threads 1025" "--threads: expected a decimal integer in [0, 1024] (0: all cores), got \"1025\"" -- \
   bench --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0 --threads 1025
-expect_error "bench --threads -1" "--threads: expected an integer in [0, 1024] (0: all cores), got -1" -- \
+expect_error "bench --threads -1" "--threads: expected a decimal integer in [0, 1024] (0: all cores), got \"-1\"" -- \
   bench --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0 --threads -1
-expect_error "--ep-size 1.5" "--ep-size: expected an integer in [1, 2147483647], got 1.5" -- \
+expect_error "--ep-size 1.5" "--ep-size: expected a decimal integer in [1, 2147483647], got \"1.5\"" -- \
   run --model "$FIX" --layer 1 --tokens 3 --ep-size 1.5
+
+# Numbers are plain decimal only, on the command line and in FUSEDMOE_* variables:
+# no hexadecimal, no spaces, no inf / nan; a usage error naming the option, the
+# form expected and the text given (CLI11 alone read 0x10 as 16 and 010 as 8).
+int_ge0="expected a decimal integer >= 0, got"
+expect_usage "run --tokens 0x10" "--tokens: $int_ge0 \"0x10\"" -- run --model "$FIX" --layer 1 --tokens 0x10
+expect_usage "run --tokens ' 16'" "--tokens: $int_ge0 \" 16\"" -- run --model "$FIX" --layer 1 --tokens " 16"
+expect_usage "run --tokens '16 '" "--tokens: $int_ge0 \"16 \"" -- run --model "$FIX" --layer 1 --tokens "16 "
+expect_usage "run --tokens 1e3" "--tokens: $int_ge0 \"1e3\"" -- run --model "$FIX" --layer 1 --tokens 1e3
+expect_usage "run --layer 0x1" "--layer: $int_ge0 \"0x1\"" -- run --model "$FIX" --layer 0x1 --tokens 2
+expect_usage "run --seed 0x10" "--seed: expected a decimal integer in [0, 2^64), got \"0x10\"" -- \
+  run --model "$FIX" --layer 1 --tokens 2 --seed 0x10
+expect_usage "run --repeat ' 2'" "--repeat: expected a decimal integer in [1, 2147483647], got \" 2\"" -- \
+  run --model "$FIX" --layer 1 --tokens 2 --repeat " 2"
+expect_usage "run --threads 0x2" "--threads: expected a decimal integer in [0, 1024] (0: all cores), got \"0x2\"" -- \
+  run --model "$FIX" --layer 1 --tokens 2 --threads 0x2
+expect_usage "run --ep-size 0x2" "--ep-size: expected a decimal integer in [1, 2147483647], got \"0x2\"" -- \
+  run --model "$FIX" --layer 1 --tokens 2 --ep-size 0x2
+for v in inf nan 0x1p-3 " 0.1" 1e999; do
+  expect_usage "run --tolerance '$v'" "--tolerance: expected a decimal number >= 0, got \"$v\"" -- \
+    run --model "$FIX" --layer 1 --tokens 2 --reference "$REF" --reference-key layers.1.T1.input --tolerance "$v"
+done
+expect_usage "bench --max-experts 0x10" "--max-experts: expected a decimal integer >= 1, got \"0x10\"" -- \
+  bench --shapes qwen3-cpu --tokens 1 --max-experts 0x10
+expect_usage "bench --memory-fraction 0x0.4p0" "--memory-fraction: expected a decimal number in [0.01, 0.95], got \"0x0.4p0\"" -- \
+  bench --shapes qwen3-cpu --tokens 1 --memory-fraction 0x0.4p0
+for v in " 16" 0x10 "1, 16" "1,+0x2" "16 "; do
+  expect_usage "bench --tokens '$v'" "--tokens: expected a comma-separated list of decimal integers >= 0, got \"$v\"" -- \
+    bench --shapes qwen3-cpu --max-experts 8 --min-time 0 --tokens "$v"
+done
+# FUSEDMOE_COMM_TIMEOUT_S (read by a parallel run): the same rule, checked before MPI waits on it.
+for v in " 16" 0x10 inf; do
+  FUSEDMOE_COMM_TIMEOUT_S=$v expect_usage "FUSEDMOE_COMM_TIMEOUT_S='$v'" \
+    "FUSEDMOE_COMM_TIMEOUT_S: expected a decimal number of seconds in (0, 1e+09], got \"$v\"" -- \
+    run --model "$FIX" --layer 1 --tokens 2 --ep-size 2
+done
+# A leading zero is decimal, not octal: 010 tokens are 10.
+"$BIN" run --model "$FIX" --layer 1 --tokens 010 --quiet >"$TMP/stdout" 2>"$TMP/stderr" || true
+if ! grep -q "T = 10$" "$TMP/stdout"; then
+  echo "FAIL run --tokens 010: not 10 tokens"; cat "$TMP/stdout" "$TMP/stderr"; failures=$((failures + 1))
+else
+  echo "ok   run --tokens 010: 10 tokens"
+fi
 python3 -c "import numpy" 2>/dev/null && {
   python3 -c "import numpy as np; np.save('$TMP/x.npy', np.ones((2, 128), np.float32)); np.save('$TMP/zero.npy', np.zeros((2, 128), np.float32))"
   expect_error "all-zero --reference" "relative L2 error inf" -- \
     run --model "$FIX" --layer 1 --input "$TMP/x.npy" --reference "$TMP/zero.npy" --output "$TMP/zref.safetensors"
-  expect_error "all-zero --reference, --tolerance inf" "relative L2 error inf" -- \
-    run --model "$FIX" --layer 1 --input "$TMP/x.npy" --reference "$TMP/zero.npy" --tolerance inf \
+  expect_error "all-zero --reference, --tolerance 1e308" "relative L2 error inf" -- \
+    run --model "$FIX" --layer 1 --input "$TMP/x.npy" --reference "$TMP/zero.npy" --tolerance 1e308 \
     --output "$TMP/zref.safetensors"
   # A reference holding NaN / Inf: refused, named, whatever the tolerance.
   python3 -c "import numpy as np; np.save('$TMP/nanref.npy', np.full((2, 128), np.nan)); r = np.ones((2, 128)); r[1, 5] = np.inf; np.save('$TMP/infref.npy', r)"
   expect_error "all-NaN --reference" "reference $TMP/nanref.npy: expected finite values, got NaN at row 0, column 0" -- \
-    run --model "$FIX" --layer 1 --input "$TMP/x.npy" --reference "$TMP/nanref.npy" --tolerance inf
+    run --model "$FIX" --layer 1 --input "$TMP/x.npy" --reference "$TMP/nanref.npy" --tolerance 1e308
   expect_error "--reference with an Inf" "reference $TMP/infref.npy: expected finite values, got Inf at row 1, column 5" -- \
     run --model "$FIX" --layer 1 --input "$TMP/x.npy" --reference "$TMP/infref.npy"
 }
 
 # --max-experts below a shape's top_k: an error naming the minimum, not E = k silently.
-expect_error "bench --max-experts below top_k" "--max-experts: expected at least 8 (top_k of shape 'qwen3-cpu'), got 1" -- \
+expect_usage "bench --max-experts below top_k" "--max-experts: expected at least 8 (top_k of shape 'qwen3-cpu'), got 1" -- \
   bench --shapes qwen3-cpu --max-experts 1 --tokens 1 --min-time 0
 # Options of the CUDA bench on the CPU bench (single or parallel): errors, not ignored.
-expect_error "bench --nccl without --backend cuda" "error: --nccl: options of --backend cuda, given without it" -- \
+expect_usage "bench --nccl without --backend cuda" "error: --nccl: options of --backend cuda, given without it" -- \
   bench --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0 --nccl
-expect_error "bench --sweep, --dump-dir with --ep-size" "error: --dump-dir, --sweep: options of --backend cuda" -- \
+expect_usage "bench --sweep, --dump-dir with --ep-size" "error: --dump-dir, --sweep: options of --backend cuda" -- \
   bench --shapes qwen3-cpu --tokens 1 --ep-size 2 --sweep --dump-dir "$TMP"
 
 # Exit codes (README): 2 for a command line that does not parse, the same for run
@@ -219,6 +272,43 @@ expect_rc "run without --input or --tokens" 2 run --model "$FIX" --layer 1
 expect_rc "run --threads 5000" 2 run --model "$FIX" --layer 1 --tokens 3 --threads 5000
 expect_rc "run --layer 0 (not MoE)" 1 run --model "$FIX" --layer 0 --tokens 3
 
+# Usage errors found after parsing (options that do not go together, a value a
+# command does not take) exit with 2 as well; the README says so.
+expect_usage "bench --shapes foo" "--shapes: expected one of mixtral, qwen3, deepseek, qwen3-cpu, got \"foo\"" -- \
+  bench --shapes foo --tokens 1
+expect_usage "bench --shapes ," "--shapes: expected at least one shape, got \",\"" -- bench --shapes , --tokens 1
+expect_usage "bench --sweep on the CPU" "--sweep: options of --backend cuda, given without it" -- \
+  bench --shapes qwen3-cpu --tokens 1 --sweep
+expect_usage "bench --dispatch-dtype without expert parallelism" "--dispatch-dtype bf16: the expert-parallel dispatch payload, needs --ep-size > 1" -- \
+  bench --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0 --dispatch-dtype bf16
+expect_usage "run --compute-dtype f16 on the CPU" "--compute-dtype f16: needs --backend cuda" -- \
+  run --model "$FIX" --layer 1 --tokens 2 --compute-dtype f16
+expect_usage "run --backend cuda --compute-dtype f32" "--backend cuda computes in bf16 or f16" -- \
+  run --model "$FIX" --layer 1 --tokens 2 --backend cuda --compute-dtype f32
+expect_usage "run --backend cuda --tp-size 2" "--backend cuda: --ep-size only" -- \
+  run --model "$FIX" --layer 1 --tokens 2 --backend cuda --tp-size 2
+expect_usage "bench --backend cuda --tp-size 2" "--backend cuda: --ep-size only" -- \
+  bench --backend cuda --shapes qwen3 --tokens 1 --tp-size 2
+for cmd in run bench; do
+  case $cmd in run) a=(run --model "$FIX" --layer 1 --tokens 2) ;; *) a=(bench --shapes qwen3 --tokens 1) ;; esac
+  expect_usage "$cmd --backend cuda --dispatch-dtype fp8" "--dispatch-dtype fp8: an option of the CPU backend" -- \
+    "${a[@]}" --backend cuda --ep-size 2 --dispatch-dtype fp8
+done
+# --expert-placement without expert parallelism (--ep-size 1, also beside --tp-size or
+# --dp-size): it has no meaning there, a usage error rather than ignored.
+placement_msg="needs --ep-size > 1"
+expect_usage "run --expert-placement round-robin" "--expert-placement round-robin: which experts each expert-parallel rank holds, $placement_msg" -- \
+  run --model "$FIX" --layer 1 --tokens 2 --expert-placement round-robin
+expect_usage "run --expert-placement contiguous --ep-size 1" "--expert-placement contiguous: which experts each expert-parallel rank holds, $placement_msg" -- \
+  run --model "$FIX" --layer 1 --tokens 2 --expert-placement contiguous --ep-size 1
+expect_usage "run --expert-placement with --tp-size 2" "--expert-placement round-robin: which experts each expert-parallel rank holds, $placement_msg" -- \
+  run --model "$FIX" --layer 1 --tokens 2 --expert-placement round-robin --tp-size 2
+expect_usage "bench --expert-placement round-robin" "--expert-placement round-robin: which experts each expert-parallel rank holds, $placement_msg" -- \
+  bench --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0 --expert-placement round-robin
+# ... while with --ep-size 2 it is taken (here: the rank-count error of a run without mpirun).
+expect_usage "run --expert-placement with --ep-size 2" "--ep-size 2 --tp-size 1 --dp-size 1: expected 2 ranks" -- \
+  run --model "$FIX" --layer 1 --tokens 2 --expert-placement round-robin --ep-size 2
+
 # bench: a NaN --memory-fraction is refused (CLI::Range lets NaN through).
 rc=0
 "$BIN" bench --memory-fraction nan --shapes qwen3-cpu --tokens 1 >"$TMP/stdout" 2>"$TMP/stderr" || rc=$?
@@ -234,7 +324,7 @@ for args in "--dtype f32:--dtype" "--csv $TMP/b.csv:--csv" "--threads 2:--thread
   rc=0
   # shellcheck disable=SC2086
   "$BIN" bench --backend cuda --shapes qwen3 --tokens 1 ${args%%:*} >"$TMP/stdout" 2>"$TMP/stderr" || rc=$?
-  if [ "$rc" -eq 0 ] || [ "$rc" -ge 128 ] || ! grep -qF -- "${args##*:}" "$TMP/stderr" || [ -e "$TMP/b.csv" ]; then
+  if [ "$rc" -ne 2 ] || ! grep -qF -- "${args##*:}" "$TMP/stderr" || [ -e "$TMP/b.csv" ]; then
     echo "FAIL bench --backend cuda ${args%%:*} (exit $rc)"; cat "$TMP/stderr"; failures=$((failures + 1))
   else
     echo "ok   bench --backend cuda ${args%%:*}: $(cat "$TMP/stderr")"
@@ -253,11 +343,11 @@ expect_error "bench --csv in a missing folder" "$TMP/no/such/dir: No such file o
   bench --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0 --csv "$TMP/no/such/dir/c.csv"
 expect_error "bench --csv \"\"" "--csv: expected a path, got an empty string" -- \
   bench --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0 --csv ""
-expect_error "bench --csv with --ep-size" "--csv: not written by the parallel bench" -- \
+expect_usage "bench --csv with --ep-size" "--csv: not written by the parallel bench" -- \
   bench --ep-size 2 --shapes qwen3-cpu --tokens 1 --csv "$OUTDIR/c.csv"
 # --min-time: finite and at most an hour (a measurement also stops at 1000 runs).
 for v in inf nan 1e9 -1; do
-  expect_error "bench --min-time $v" "--min-time: expected a number in [0, 3600], got $v" -- \
+  expect_usage "bench --min-time $v" "--min-time: expected a decimal number in [0, 3600], got \"$v\"" -- \
     bench --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time "$v"
 done
 

@@ -44,6 +44,25 @@ done
 grep -qE "layers\.0\.T64\.output_f64 +f64 +\[64, 128\]" "$TMP/text" || { echo "FAIL: safetensors listing"; cat "$TMP/text"; exit 1; }
 "$BIN" inspect "$DATA/hf/mixtral/reference.safetensors" --json | python3 -m json.tool >/dev/null
 
+# ... told by its content, whatever the name, as `run --input` tells files apart:
+# the same listing for a .st copy (it was refused as no config.json); and
+# `run --model` takes a checkpoint so named beside its config.json.
+cp "$DATA/hf/mixtral/reference.safetensors" "$TMP/reference.st"
+"$BIN" inspect "$TMP/reference.st" >"$TMP/text-st" || { echo "FAIL: inspect of a .st file"; cat "$TMP/text-st"; exit 1; }
+grep -qE "layers\.0\.T64\.output_f64 +f64 +\[64, 128\]" "$TMP/text-st" || { echo "FAIL: .st listing"; cat "$TMP/text-st"; exit 1; }
+"$BIN" inspect "$TMP/reference.st" --json | python3 -c 'import json,sys; assert json.load(sys.stdin)["tensors"]'
+mkdir -p "$TMP/st-model"
+cp "$DATA/hf/mixtral/config.json" "$TMP/st-model/"
+cp "$DATA/hf/mixtral/model.safetensors" "$TMP/st-model/weights.st"
+"$BIN" run --model "$TMP/st-model/weights.st" --layer 0 --tokens 2 --quiet >"$TMP/text-st" ||
+  { echo "FAIL: run --model a .st checkpoint"; cat "$TMP/text-st"; exit 1; }
+grep -q "^layer          0: 8 experts" "$TMP/text-st" || { echo "FAIL: run --model .st"; cat "$TMP/text-st"; exit 1; }
+# A config.json is still a model, and a damaged .safetensors name still its own error.
+"$BIN" inspect "$DATA/hf/mixtral/config.json" | grep -q "model type     mixtral"
+head -c 100 "$DATA/hf/mixtral/reference.safetensors" >"$TMP/cut.safetensors"
+rc=0; "$BIN" inspect "$TMP/cut.safetensors" >/dev/null 2>"$TMP/err" || rc=$?
+[ "$rc" -eq 1 ] && grep -qF "$TMP/cut.safetensors" "$TMP/err" || { echo "FAIL: truncated .safetensors (exit $rc)"; cat "$TMP/err"; exit 1; }
+
 # --help works and exits 0; no command is a usage error.
 "$BIN" --help | grep -q inspect
 "$BIN" run --help | grep -q -- --reference-key

@@ -78,4 +78,40 @@ set +e
 rc=$?
 set -e
 [ "$rc" -eq 1 ] || { echo "FAIL: a wrong reference passed (exit $rc)"; exit 1; }
+# References of extreme magnitude: the relative L2 error in scaled f64 norms, not
+# inf / inf (printed as -nan) for 1e200 nor x / 0 ("all zeros") for 1e-200. The
+# fixture's own output times c: the error is ||out - c out|| / ||c out|| =
+# |1 - c| / c, 1 for c = 1e200 and 1e200 for c = 1e-200.
+python3 -c "import numpy" 2>/dev/null && {
+  "$BIN" run --model "$dir" --layer 0 --input "$dir/reference.safetensors" --input-key layers.0.T5.input \
+    --output "$TMP/base.safetensors" --quiet >/dev/null
+  for c in 1e200 1e-200; do
+    python3 - "$TMP/base.safetensors" "$c" "$TMP/ref-$c.npy" <<'PY'
+import json, struct, sys
+import numpy as np
+raw = open(sys.argv[1], "rb").read()
+n = struct.unpack("<Q", raw[:8])[0]
+h = json.loads(raw[8:8 + n])["output"]
+b, e = h["data_offsets"]
+out = np.frombuffer(raw[8 + n + b:8 + n + e], np.float32).reshape(h["shape"]).astype(np.float64)
+np.save(sys.argv[3], out * float(sys.argv[2]))
+PY
+    set +e
+    "$BIN" run --model "$dir" --layer 0 --input "$dir/reference.safetensors" --input-key layers.0.T5.input \
+      --reference "$TMP/ref-$c.npy" --output "$TMP/o.safetensors" --quiet >"$TMP/log" 2>"$TMP/err"
+    rc=$?
+    set -e
+    line=$(grep "^reference " "$TMP/log" || true)
+    err=$(sed -n 's/.*relative L2 error \([^ ]*\) .*/\1/p' <<<"$line")
+    python3 - "$c" "$err" <<'PY' && [ "$rc" -eq 1 ] &&
+import math, sys
+c, got = float(sys.argv[1]), float(sys.argv[2])
+want = abs(1 - c) / c  # ||out - c out|| / ||c out||
+assert math.isfinite(got) and abs(got - want) <= 1e-3 * want, (got, want)
+PY
+      ! grep -q "all zeros" "$TMP/log" ||
+      { echo "FAIL: --reference scaled by $c (exit $rc): $line"; cat "$TMP/err"; exit 1; }
+    echo "ok   --reference scaled by $c: $line"
+  done
+}
 echo "ok: $runs runs"

@@ -78,6 +78,22 @@ for dir in "$DATA"/hf/*/; do
 done
 echo "$runs parallel runs match the single-rank output"
 
+# --reference with a lossy --dispatch-dtype and no --tolerance: the default allows
+# for the payload's rounding (f32 compute; on the fixtures bf16 ~3e-3, fp8 up to
+# ~4e-2), so a correct run passes and says why; a --tolerance given still rules.
+dir="$DATA/hf/qwen3_moe"
+ref_args=(run --model "$dir" --layer 0 --input "$dir/reference.safetensors" --input-key layers.0.T64.input
+          --reference "$dir/reference.safetensors" --reference-key layers.0.T64.output_f64 --quiet --ep-size 2)
+for dd in bf16 fp8; do
+  $mpiexec $pre "$npflag" 2 "$BIN" "${ref_args[@]}" --dispatch-dtype "$dd" >"$TMP/log" 2>&1 ||
+    { echo "FAIL: --dispatch-dtype $dd failed its default tolerance"; cat "$TMP/log"; exit 1; }
+  grep -q "the default for --dispatch-dtype $dd): ok" "$TMP/log" || { echo "FAIL: $dd line"; cat "$TMP/log"; exit 1; }
+  if $mpiexec $pre "$npflag" 2 "$BIN" "${ref_args[@]}" --dispatch-dtype "$dd" --tolerance 1e-5 >"$TMP/log" 2>&1; then
+    echo "FAIL: --dispatch-dtype $dd --tolerance 1e-5 passed"; cat "$TMP/log"; exit 1
+  fi
+done
+echo "ok --reference default tolerance with a lossy dispatch"
+
 # Wrong rank count: a clear error.
 if $mpiexec $pre "$npflag" 2 "$BIN" run --tokens 4 --ep-size 3 >"$TMP/log" 2>&1; then
   echo "FAIL: --ep-size 3 on 2 ranks succeeded"; exit 1

@@ -7,7 +7,7 @@
 #     under one path (per-rank working directories);
 #   - a world size that the parallel sizes do not account for (also -np 2
 #     without --ep-size: not two separate runs writing the same file);
-#   - FUSEDMOE_COMM_TIMEOUT_S out of range.
+#   - FUSEDMOE_COMM_TIMEOUT_S out of range or not plain decimal.
 # Usage: bash cli_ranks.sh MPIEXEC "PRE_FLAGS" NP_FLAG FUSEDMOE_BIN
 set -uo pipefail
 mpiexec=$1; pre=$2; npflag=$3; BIN=$4
@@ -80,9 +80,12 @@ expect_error 2 "$sizes" 1 -- \
 expect_error 2 "--ep-size 3 --tp-size 1 --dp-size 1: expected 3 ranks, but the MPI launcher started 2" 1 -- \
   $M "$npflag" 2 $R --tokens 8 --ep-size 3
 
-# A timeout beyond the clock's range timed out at once ("after 1e+10 s").
-expect_error 1 'FUSEDMOE_COMM_TIMEOUT_S: expected a number of seconds in \(0, 1e\+09\], got "1e10"' 1 -- \
-  env FUSEDMOE_COMM_TIMEOUT_S=1e10 $M "$npflag" 2 $R --tokens 8 --ep-size 2
+# A timeout beyond the clock's range timed out at once ("after 1e+10 s"); one
+# not plain decimal was taken (" 16", 0x10). Usage errors, before any collective.
+for v in 1e10 " 16" 0x10; do
+  expect_error 2 "FUSEDMOE_COMM_TIMEOUT_S: expected a decimal number of seconds in \\(0, 1e\\+09\\], got \"$v\"" 1 -- \
+    env FUSEDMOE_COMM_TIMEOUT_S="$v" $M "$npflag" 2 $R --tokens 8 --ep-size 2
+done
 
 # The same options everywhere still run (and rank 0 writes the output).
 rm -f "$TMP/out.safetensors"

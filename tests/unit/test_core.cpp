@@ -7,6 +7,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/parse_number.h"
 #include "fusedmoe/core/dtype.h"
 #include "fusedmoe/core/tensor.h"
 #include "fusedmoe/core/thread_pool.h"
@@ -232,4 +233,61 @@ TEST(ThreadPool, RejectsAbsurdThreadCounts) {
   std::atomic<int64_t> n{0};  // the global pool is still usable
   ThreadPool::global().parallel_for(10, [&](int64_t b, int64_t e, int) { n += e - b; });
   EXPECT_EQ(n.load(), 10);
+}
+
+// Numbers from command lines and FUSEDMOE_* variables: plain decimal, the whole text.
+TEST(ParseDecimal, IntegersPlainDecimalOnly) {
+  int64_t v = -1;
+  for (const auto& [text, want] :
+       std::vector<std::pair<const char*, int64_t>>{{"0", 0},
+                                                    {"16", 16},
+                                                    {"+7", 7},
+                                                    {"-3", -3},
+                                                    {"010", 10},
+                                                    {"-0", 0},
+                                                    {"9223372036854775807", INT64_MAX},
+                                                    {"-9223372036854775808", INT64_MIN}}) {
+    ASSERT_EQ(parse_decimal(text, v), ParseNumber::kOk) << text;
+    EXPECT_EQ(v, want) << text;
+  }
+  for (const char* bad :
+       {"",      " 16",   "16 ", "1 6", "0x10", "0X10", "0b1", "0o7", "1e3",  "1.0",
+        "1,000", "1_000", "+-1", "--1", "+",    "-",    "inf", "nan", "16\n", "\t1"}) {
+    v = 42;
+    EXPECT_EQ(parse_decimal(bad, v), ParseNumber::kNotDecimal) << '"' << bad << '"';
+    EXPECT_EQ(v, 42) << bad;  // untouched
+  }
+  EXPECT_EQ(parse_decimal("9223372036854775808", v), ParseNumber::kOutOfRange);
+  EXPECT_EQ(parse_decimal("-99999999999999999999", v), ParseNumber::kOutOfRange);
+  uint64_t u = 0;
+  ASSERT_EQ(parse_decimal("18446744073709551615", u), ParseNumber::kOk);
+  EXPECT_EQ(u, UINT64_MAX);
+  EXPECT_EQ(parse_decimal("18446744073709551616", u), ParseNumber::kOutOfRange);
+  EXPECT_EQ(parse_decimal("-1", u), ParseNumber::kOutOfRange);
+  EXPECT_EQ(parse_decimal("0x10", u), ParseNumber::kNotDecimal);
+}
+
+TEST(ParseDecimal, RealsPlainDecimalFinite) {
+  double v = -1;
+  for (const auto& [text, want] : std::vector<std::pair<const char*, double>>{{"0", 0.0},
+                                                                              {"2.5", 2.5},
+                                                                              {"+2.5", 2.5},
+                                                                              {"-2.5", -2.5},
+                                                                              {".5", 0.5},
+                                                                              {"5.", 5.0},
+                                                                              {"1e-5", 1e-5},
+                                                                              {"2.5E+3", 2500.0},
+                                                                              {"010", 10.0},
+                                                                              {"1e308", 1e308}}) {
+    ASSERT_EQ(parse_decimal(text, v), ParseNumber::kOk) << text;
+    EXPECT_EQ(v, want) << text;
+  }
+  for (const char* bad : {"", " 1", "1 ", ".", "e5", "1e", "1e+", "0x1p3", "0x10", "inf", "-inf",
+                          "nan", "infinity", "1,5", "1.5.2", "1e5.0", "+-1", "1f", "--1"}) {
+    v = 42;
+    EXPECT_EQ(parse_decimal(bad, v), ParseNumber::kNotDecimal) << '"' << bad << '"';
+    EXPECT_EQ(v, 42) << bad;
+  }
+  EXPECT_EQ(parse_decimal("1e309", v), ParseNumber::kOutOfRange);
+  EXPECT_EQ(parse_decimal("-1e999", v), ParseNumber::kOutOfRange);
 }

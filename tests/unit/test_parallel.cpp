@@ -182,7 +182,9 @@ TEST(Communicator, TimeoutFromEnvironmentAndWorld) {
   ::setenv("FUSEDMOE_COMM_TIMEOUT_S", "1e9", 1);  // the largest: ~31 years
   EXPECT_EQ(comm_timeout_seconds(), 1e9);
   // 1e10 s is beyond the int64 nanoseconds of a deadline: it used to time out at once.
-  for (const char* bad : {"0", "-1", "abc", "5s", "", " ", "1e10", "1e300", "inf", "nan"}) {
+  // Plain decimal only (the CLI's numbers): no spaces, hexadecimal or other forms.
+  for (const char* bad : {"0", "-1", "abc", "5s", "", " ", "1e10", "1e300", "inf", "nan", " 16",
+                          "16 ", "0x10", "0x1p3", "1e999"}) {
     ::setenv("FUSEDMOE_COMM_TIMEOUT_S", bad, 1);
     if (!*bad) {
       EXPECT_EQ(comm_timeout_seconds(), 60.0);  // empty: the default
@@ -192,7 +194,10 @@ TEST(Communicator, TimeoutFromEnvironmentAndWorld) {
       comm_timeout_seconds();
       ADD_FAILURE() << "no error for \"" << bad << "\"";
     } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("expected a number of seconds in (0, 1e+09]"),
+      EXPECT_NE(std::string(e.what()).find(
+                    "FUSEDMOE_COMM_TIMEOUT_S: expected a decimal number of seconds in (0, "
+                    "1e+09], got \"" +
+                    std::string(bad) + "\""),
                 std::string::npos)
           << e.what();
     }

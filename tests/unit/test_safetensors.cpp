@@ -160,6 +160,27 @@ struct BadCase {
   std::vector<std::string> substrings;
 };
 
+// Told by content, whatever the name (inspect and run --model take a checkpoint so).
+TEST(Safetensors, LooksLikeSafetensorsByContent) {
+  TempDir dir("st_sniff");
+  const std::string fixture = test::hf_fixture_dir("mixtral");
+  EXPECT_TRUE(looks_like_safetensors(fixture + "/model.safetensors"));
+  EXPECT_FALSE(looks_like_safetensors(fixture + "/config.json"));
+  fs::copy_file(fixture + "/model.safetensors", dir.path() + "/weights.st");
+  EXPECT_TRUE(looks_like_safetensors(dir.path() + "/weights.st"));
+  write_raw(dir.path() + "/empty-header.bin", "{}", 0);
+  EXPECT_TRUE(looks_like_safetensors(dir.path() + "/empty-header.bin"));
+  // A header length past the end, a header that is no JSON object, too short a file.
+  write_raw(dir.path() + "/long.bin", "{}", 0, 1000);
+  EXPECT_FALSE(looks_like_safetensors(dir.path() + "/long.bin"));
+  write_raw(dir.path() + "/array.bin", "[1, 2]", 0);
+  EXPECT_FALSE(looks_like_safetensors(dir.path() + "/array.bin"));
+  write_raw(dir.path() + "/short.bin", "", 0);
+  EXPECT_FALSE(looks_like_safetensors(dir.path() + "/short.bin"));
+  EXPECT_FALSE(looks_like_safetensors(dir.path() + "/missing.st"));
+  EXPECT_FALSE(looks_like_safetensors(dir.path()));  // a directory
+}
+
 TEST(Safetensors, RejectsBadFiles) {
   TempDir dir("st_bad");
   const std::vector<BadCase> cases = {

@@ -7,7 +7,8 @@
 
 namespace fusedmoe {
 
-// `path` is a HF model directory, its config.json, or a .safetensors file.
+// `path` is a HF model directory, its config.json, or a safetensors file (told
+// by its .safetensors name or by its content: looks_like_safetensors).
 //
 // Model (directory or config.json; layer configs from io/hf_config.h, weights
 // from the checkpoint's safetensors headers, io/safetensors.h): an object with

@@ -23,6 +23,12 @@ namespace fusedmoe {
 // A missing path is left to the opener's own error.
 void require_regular_file(const std::string& path);
 
+// Whether `path` is a regular file that begins as a safetensors file does: an
+// 8-byte little-endian header length that fits in the file, then '{' (a JSON
+// text such as config.json begins otherwise). Told by content, whatever the
+// name; false when the file cannot be read. open() still validates the rest.
+bool looks_like_safetensors(const std::string& path);
+
 // Safetensors dtype strings ("F32", "BF16", "F8_E4M3", ...) <-> DType.
 DType parse_safetensors_dtype(const std::string& s);  // throws Error(kIo) if unknown
 const char* safetensors_dtype_name(DType dtype);
