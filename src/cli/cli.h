@@ -222,7 +222,8 @@ void check_launch_size(int ep_size, int tp_size, int dp_size);
 // others throw CollectiveError (exit 2; "not run: the command line of rank 1
 // does not parse"); different commands are a CollectiveError naming each
 // rank's. `collectives`: the command calls make_parallel_world (run, bench).
-// Throws Error when MPI cannot start.
+// Throws UsageError for a bad FUSEDMOE_COMM_TIMEOUT_S, Error when MPI cannot
+// start.
 void start_launch(const std::string& ran, bool parse_failed, bool collectives);
 // The world start_launch() started (nullptr when it started none).
 std::shared_ptr<Communicator> launch_world();

@@ -132,6 +132,11 @@ std::shared_ptr<Communicator> launch_world() {
 
 void start_launch(const std::string& ran, bool parse_failed, bool collectives) {
   if (!mpi_built() || !launched_by_mpi() || launcher_world_size() == 1) return;
+  try {  // the deadline of every wait below: a usage error before any rank waits
+    comm_timeout_seconds();
+  } catch (const fusedmoe::Error& e) {
+    throw UsageError(e.what());
+  }
   std::shared_ptr<Communicator> world = make_mpi_communicator();
   if (world->size() <= 1) return;
   Launch& l = launch();
@@ -389,6 +394,8 @@ int main(int argc, char** argv) {
     start_launch(ran, parse_failed, collectives);
   } catch (const CollectiveError& e) {
     return *e.what() ? fail(e.what(), e.code) : e.code;
+  } catch (const UsageError& e) {
+    return fail(e.what(), 2);
   } catch (const fusedmoe::Error& e) {
     return fail(e.what(), 1);
   }
