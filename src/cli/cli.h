@@ -3,9 +3,11 @@
 // Each command registers its CLI11 subcommand (options bound to an options
 // struct) and has a run function called by main() after parsing. Run
 // functions report failures by throwing fusedmoe::Error; main() turns any
-// error into one line "fusedmoe: error: <message>" on stderr and exit code 1
-// (2 for argument errors: CLI11's parse errors, and UsageError, which run
-// functions throw through usage_check() for what the command line alone decides).
+// error into one line "fusedmoe: error: <message>" on stderr ("rank R: "
+// first under a launcher with more than one rank) and exit code 1 (2 for
+// argument errors: CLI11's parse errors, and UsageError, which run functions
+// throw through usage_check() for what the command line alone decides;
+// CollectiveError carries its own).
 #pragma once
 
 #include <CLI/CLI.hpp>
@@ -202,12 +204,22 @@ template <typename... Args>
 void usage_check(bool ok, const Args&... message) {
   if (!ok) throw UsageError(fusedmoe::detail::concat(message...));
 }
+// An error that every rank of a launch raises at the same step of the same
+// collective check (the ranks run different commands or disagree on an option,
+// another rank stopped with an error before the run): main() prints it (unless
+// empty: one rank speaks for all) and exits with `code`, no MPI_Abort.
+struct CollectiveError : std::runtime_error {
+  CollectiveError(const std::string& message, int exit_code)
+      : std::runtime_error(message), code(exit_code) {}
+  int code;
+};
 // Ranks of a layout: (dp_size > 1 ? dp_size : ep_size) * tp_size.
 int ranks_needed(int ep_size, int tp_size, int dp_size);
-// Started by mpirun / srun with more than one rank (launcher_world_size()) for
-// sizes that need another number: UsageError naming the options and the world
-// size. Called before MPI is initialised, so that no rank waits in MPI_Init
-// for one that never joins (and -np 2 without sizes is not two separate runs).
+// Started by mpirun / srun with more than one rank for sizes that need another
+// number: UsageError naming the options, the world size and what would fit
+// (the sizes' rank count, or sizes for the world that keep most given ones).
+// Callers run it before their other collectives (and for one-rank runs too:
+// -np 2 without sizes is not two separate runs writing the same file).
 void check_launch_size(int ep_size, int tp_size, int dp_size);
 // --expert-placement of run and bench (its count tells whether it was given).
 CLI::Option* add_expert_placement_option(CLI::App& cmd, std::string& value);
@@ -217,11 +229,35 @@ CLI::Option* add_expert_placement_option(CLI::App& cmd, std::string& value);
 // (`placement_given`), needs --ep-size > 1.
 void check_ep_options(int ep_size, int dp_size, const std::string& dispatch_dtype,
                       const std::string& expert_placement, bool placement_given, bool on_cuda);
-// The MPI world of a parallel run (callers run check_launch_size() first): its
-// size must be ranks_needed() (UsageError), and every rank must have been given
-// the same `options` (name, value), checked before any other collective
-// (UsageError naming the option and each rank's value; `command` starts the
-// message).
+// Under a launcher with more than one rank (and a build with MPI), main()
+// starts MPI for every command, so that no rank waits in MPI_Init for one that
+// never calls it (--help on one rank, run on another), and the ranks compare
+// what they `ran` ("run", "bench --help", "--version", ...) first: a rank whose
+// command line does not parse (parse_failed) returns to print its error, the
+// others throw CollectiveError (exit 2; "not run: the command line of rank 1
+// does not parse"); different commands are a CollectiveError naming each
+// rank's. `collectives`: the command calls make_parallel_world (run, bench).
+// Throws UsageError for a bad FUSEDMOE_COMM_TIMEOUT_S, Error when MPI cannot
+// start.
+void start_launch(const std::string& ran, bool parse_failed, bool collectives);
+// The world start_launch() started (nullptr when it started none).
+std::shared_ptr<Communicator> launch_world();
+// main(), after it printed this rank's error: under a launch, the other ranks
+// must not wait for this one. Before the command's first collective they hear
+// of it there (make_parallel_world: CollectiveError "not run: rank R stopped
+// with an error", the same exit code); during the collectives the job ends
+// (MPI_Abort with `code`). Returns where nothing is left to do.
+void after_error(int code);
+// run: no collective is left (rank 0 only reports and writes); an error after
+// this ends this rank alone, without MPI_Abort.
+void parallel_world_done();
+// The MPI world of a parallel run (callers run check_launch_size() first;
+// start_launch()'s world under a launch): first collects the errors of the
+// ranks that stopped before it (after_error), then every rank must have been
+// given the same `options` (name, value), checked before any other collective
+// (CollectiveError, exit 2, naming the option and each rank's value; `command`
+// starts the message), and the world's size must be ranks_needed(). Errors
+// after it end the job (after_error).
 std::shared_ptr<Communicator> make_parallel_world(
     int ep_size, int tp_size, int dp_size,
     const std::vector<std::pair<std::string, std::string>>& options, const char* command);

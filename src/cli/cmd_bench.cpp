@@ -133,7 +133,7 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& o) {
 }
 
 int run_bench(const BenchOptions& o) {
-  // Under mpirun the sizes must account for every rank (checked before MPI starts).
+  // Under mpirun the sizes must account for every rank.
   check_launch_size(o.ep_size, o.tp_size, o.dp_size);
   // Options of the CUDA bench: an error on the CPU (parallel or not), not ignored.
   if (o.backend != "cuda") {

@@ -1,6 +1,7 @@
 // `fusedmoe run`: one MoE layer of a HF model on given or random hidden states,
 // optionally checked against a reference tensor (e.g. HF transformers' output).
 #include <algorithm>
+#include <cctype>
 #include <charconv>
 #include <chrono>
 #include <cmath>
@@ -225,6 +226,31 @@ std::vector<double> to_f64(const Tensor& t) {
   return out;
 }
 
+// An error of a rank's forward names its tokens by their index among the
+// rank's rows [first, first + n) of the T input tokens ("at token 1", "(of 4
+// tokens"): the index in the whole input instead, as one rank would name it.
+std::string with_global_tokens(const std::string& what, int64_t first, int64_t n, int64_t T) {
+  const std::string at = "at token ", of = "(of " + std::to_string(n) + " tokens";
+  std::string out;
+  size_t pos = 0;
+  for (;;) {
+    const size_t a = what.find(at, pos), b = what.find(of, pos);
+    if (a == std::string::npos && b == std::string::npos) break;
+    if (b < a) {
+      out += what.substr(pos, b - pos) + "(of " + std::to_string(T) + " tokens";
+      pos = b + of.size();
+      continue;
+    }
+    size_t end = a + at.size();
+    while (end < what.size() && std::isdigit(static_cast<unsigned char>(what[end]))) ++end;
+    out += what.substr(pos, a + at.size() - pos);
+    if (end > a + at.size())
+      out += std::to_string(std::stoll(what.substr(a + at.size(), end - a - at.size())) + first);
+    pos = end;
+  }
+  return out + what.substr(pos);
+}
+
 void print_histogram(const std::vector<int64_t>& counts, int64_t routed) {
   const int64_t E = static_cast<int64_t>(counts.size());
   const int64_t max_count = std::max<int64_t>(1, *std::max_element(counts.begin(), counts.end()));
@@ -361,7 +387,7 @@ int run_run(const RunOptions& o) {
   const bool parallel = o.ep_size > 1 || o.tp_size > 1 || o.dp_size > 1;
   check_ep_options(o.ep_size, o.dp_size, o.dispatch_dtype, o.expert_placement,
                    o.expert_placement_given, on_cuda);
-  // Under mpirun the sizes must account for every rank (checked before MPI starts).
+  // Under mpirun the sizes must account for every rank .
   check_launch_size(o.ep_size, o.tp_size, o.dp_size);
   std::shared_ptr<Communicator> world;
   if (parallel) {
@@ -500,11 +526,17 @@ int run_run(const RunOptions& o) {
     const int64_t r0 = row0(g), n = row0(g + 1) - row0(g);
     ForwardOutputs mine{router_logits.view().narrow(0, r0, n), topk_ids.view().narrow(0, r0, n),
                         topk_weights.view().narrow(0, r0, n)};
+    const auto forward_rows = [&](TensorView x, TensorView out, ForwardOutputs* outs) {
+      try {
+        runner.forward(x, out, nullptr, nullptr, outs);
+      } catch (const Error& e) {
+        throw Error(e.code(), with_global_tokens(e.what(), r0, n, T));
+      }
+    };
     if (!on_cuda) {
       for (int r = 0; r < o.repeat; ++r) {
         const auto t0 = std::chrono::steady_clock::now();
-        runner.forward(input.view().narrow(0, r0, n), output.view().narrow(0, r0, n), nullptr,
-                       nullptr, &mine);
+        forward_rows(input.view().narrow(0, r0, n), output.view().narrow(0, r0, n), &mine);
         const auto t1 = std::chrono::steady_clock::now();
         times.push_back(std::chrono::duration<double>(t1 - t0).count());
       }
@@ -522,9 +554,8 @@ int run_run(const RunOptions& o) {
                            TensorView(w_d.data(), DType::kF32, {n, k}, dev)};
       for (int r = 0; r < o.repeat; ++r) {
         const auto t0 = std::chrono::steady_clock::now();
-        runner.forward(TensorView(x_d.data(), DType::kF32, {n, H}, dev),
-                       TensorView(out_d.data(), DType::kF32, {n, H}, dev), nullptr, nullptr,
-                       &douts);
+        forward_rows(TensorView(x_d.data(), DType::kF32, {n, H}, dev),
+                     TensorView(out_d.data(), DType::kF32, {n, H}, dev), &douts);
         cuda::synchronize();
         const auto t1 = std::chrono::steady_clock::now();
         times.push_back(std::chrono::duration<double>(t1 - t0).count());
@@ -549,7 +580,8 @@ int run_run(const RunOptions& o) {
       world->all_gather_v(static_cast<char*>(t->data()) + displs[world->rank()],
                           counts[world->rank()], t->data(), counts, displs);
     }
-    if (!root) return 0;  // rank 0 compares, writes and reports
+    parallel_world_done();  // no collective left: an error below is rank 0's alone
+    if (!root) return 0;    // rank 0 compares, writes and reports
   } else if (!on_cuda) {
     for (int r = 0; r < o.repeat; ++r) {
       const auto t0 = std::chrono::steady_clock::now();

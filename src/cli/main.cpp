@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <exception>
 #include <iostream>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -43,17 +44,175 @@ std::string expected_ranks(int ep_size, int tp_size, int dp_size) {
          " --dp-size " + std::to_string(dp_size) + ": expected " + std::to_string(need) +
          (need == 1 ? " rank" : " ranks");
 }
+
+// What fits the given sizes: their number of ranks, or sizes for `world` ranks
+// that change as few of the given ones as possible (the EP / DP size before
+// --tp-size), e.g. --ep-size 1 --tp-size 2 for --ep-size 2 --tp-size 2 on 2 ranks.
+std::string launch_size_hint(int ep_size, int tp_size, int dp_size, int world) {
+  const auto valid = [](int e, int d) { return d == 1 || e == 1 || e == d; };
+  std::string out;
+  const int need = ranks_needed(ep_size, tp_size, dp_size);
+  if (valid(ep_size, dp_size))
+    out = need == 1 ? "run one rank (no mpirun, or mpirun -np 1), or "
+                    : "start " + std::to_string(need) + " ranks (mpirun -np " +
+                          std::to_string(need) + "), or ";
+  int best[3] = {world, 1, 1}, best_cost = -1;
+  for (int t = 1; t <= world; ++t) {
+    if (world % t != 0) continue;
+    const int g = world / t;  // token groups: the EP size, or the DP size
+    for (const auto& [e, d] : {std::pair{g, 1}, {1, g}, {g, g}}) {
+      if (!valid(e, d)) continue;
+      const int cost =
+          2 * ((e != ep_size) + (t != tp_size) + (d != dp_size)) + (t != tp_size ? 1 : 0);
+      if (best_cost < 0 || cost < best_cost)
+        best[0] = e, best[1] = t, best[2] = d, best_cost = cost;
+    }
+  }
+  std::string sizes;
+  const int given[3] = {ep_size, tp_size, dp_size};
+  const char* names[3] = {"--ep-size ", "--tp-size ", "--dp-size "};
+  for (int i = 0; i < 3; ++i)
+    if (best[i] != given[i] || best[i] > 1)
+      sizes += (sizes.empty() ? "" : " ") + std::string(names[i]) + std::to_string(best[i]);
+  return out + "give sizes for " + std::to_string(world) +
+         " ranks ((--dp-size > 1 ? --dp-size : --ep-size) x --tp-size = " + std::to_string(world) +
+         "), e.g. " + sizes;
+}
+
+// The MPI world of a launch with more than one rank (main() starts it before
+// the command runs), and how far the command got with it: a rank that stops
+// with an error before the command's first collective tells the others, which
+// wait for it there (join_launch); one that stops during the command's
+// collectives ends the job (MPI_Abort).
+enum class Phase {
+  kNone,               // no launch world (one rank)
+  kBeforeCollectives,  // run / bench: rank-local checks, before make_parallel_world
+  kChecking,           // make_parallel_world: the ranks compare their options
+  kRunning,            // the command's collectives
+  kDone,               // no collective left (inspect, --help; run after its gather)
+};
+struct Launch {
+  std::shared_ptr<Communicator> world;
+  Phase phase = Phase::kNone;
+};
+Launch& launch() {
+  static Launch l;
+  return l;
+}
+
+// Collective over the launch world, at the command's first collective: every
+// rank says whether it stopped with an error before it (its exit code, 0:
+// none). A rank with none throws CollectiveError when another had one (its
+// exit code; the message from the lowest rank without one only).
+void join_launch(int code) {
+  Communicator& world = *launch().world;
+  const std::vector<int64_t> codes = world.all_gather_int64(code);
+  std::string failed;
+  int first_code = 0, first_ok = -1;
+  for (int p = 0; p < world.size(); ++p) {
+    if (codes[p] == 0) {
+      if (first_ok < 0) first_ok = p;
+      continue;
+    }
+    if (first_code == 0) first_code = static_cast<int>(codes[p]);
+    failed += (failed.empty() ? "" : ",") + std::to_string(p);
+  }
+  if (failed.empty() || code != 0) return;
+  throw CollectiveError(world.rank() != first_ok
+                            ? std::string()
+                            : std::string("not run: rank") +
+                                  (failed.find(',') == std::string::npos ? " " : "s ") + failed +
+                                  " stopped with an error (see its message)",
+                        first_code);
+}
 }  // namespace
 
+std::shared_ptr<Communicator> launch_world() {
+  return launch().world;
+}
+
+void start_launch(const std::string& ran, bool parse_failed, bool collectives) {
+  if (!mpi_built() || !launched_by_mpi() || launcher_world_size() == 1) return;
+  try {  // the deadline of every wait below: a usage error before any rank waits
+    comm_timeout_seconds();
+  } catch (const fusedmoe::Error& e) {
+    throw UsageError(e.what());
+  }
+  std::shared_ptr<Communicator> world = make_mpi_communicator();
+  if (world->size() <= 1) return;
+  Launch& l = launch();
+  l.world = world;
+  l.phase = Phase::kDone;  // the comparison below is the same on every rank
+  const std::vector<std::string> all = world->all_gather_string((parse_failed ? "!" : "") + ran);
+  const int P = world->size();
+  std::string unparsed;
+  int first_ok = -1;
+  for (int p = 0; p < P; ++p) {
+    if (!all[p].empty() && all[p][0] == '!')
+      unparsed += (unparsed.empty() ? "" : ",") + std::to_string(p);
+    else if (first_ok < 0)
+      first_ok = p;
+  }
+  if (parse_failed) return;  // main() prints this rank's error
+  if (!unparsed.empty())
+    throw CollectiveError(world->rank() != first_ok
+                              ? std::string()
+                              : std::string("not run: the command line of rank") +
+                                    (unparsed.find(',') == std::string::npos ? " " : "s ") +
+                                    unparsed + " does not parse (see its error)",
+                          2);
+  // What each rank ran, in order of first appearance, with its ranks.
+  std::vector<std::pair<std::string, std::string>> seen;
+  for (int p = 0; p < P; ++p) {
+    auto it =
+        std::find_if(seen.begin(), seen.end(), [&](const auto& e) { return e.first == all[p]; });
+    if (it == seen.end())
+      seen.push_back({all[p], "rank " + std::to_string(p)});
+    else
+      it->second += "," + std::to_string(p);
+  }
+  if (seen.size() > 1) {
+    std::string list;
+    for (auto& [command, ranks] : seen) {
+      if (ranks.find(',') != std::string::npos) ranks.insert(4, "s");
+      list += (list.empty() ? "" : ", ") + command + " on " + ranks;
+    }
+    throw CollectiveError("the ranks ran different commands: " + list +
+                              " (every rank must run the same command, with the same options)",
+                          2);
+  }
+  l.phase = collectives ? Phase::kBeforeCollectives : Phase::kDone;
+}
+
+void after_error(int code) {
+  Launch& l = launch();
+  switch (l.phase) {
+    case Phase::kBeforeCollectives:
+      l.phase = Phase::kDone;
+      try {
+        join_launch(code);  // the other ranks wait for this one at their first collective
+      } catch (const fusedmoe::Error&) {
+        l.world->abort(code);
+      }
+      return;
+    case Phase::kChecking:
+    case Phase::kRunning:
+      l.world->abort(code);  // others may wait for this rank inside a collective
+    default:
+      return;
+  }
+}
+
+void parallel_world_done() {
+  if (launch().world) launch().phase = Phase::kDone;
+}
+
 void check_launch_size(int ep_size, int tp_size, int dp_size) {
-  const int world = launcher_world_size();
+  const int world = launch().world ? launch().world->size() : launcher_world_size();
   if (world <= 1 || world == ranks_needed(ep_size, tp_size, dp_size)) return;
   throw UsageError(expected_ranks(ep_size, tp_size, dp_size) + ", but the MPI launcher started " +
-                   std::to_string(world) + " (mpirun -np " + std::to_string(world) +
-                   "); give every rank sizes whose product ((--dp-size > 1 ? --dp-size : "
-                   "--ep-size) x --tp-size) is " +
-                   std::to_string(world) + ", e.g. --ep-size " + std::to_string(world) +
-                   ", or run one rank");
+                   std::to_string(world) + " (mpirun -np " + std::to_string(world) + "); " +
+                   launch_size_hint(ep_size, tp_size, dp_size, world));
 }
 
 CLI::Option* add_expert_placement_option(CLI::App& cmd, std::string& value) {
@@ -89,18 +248,24 @@ std::shared_ptr<Communicator> make_parallel_world(
     throw UsageError(e.what());
   }
   // check_launch_size() ran before (the callers need it for one-rank runs too);
-  // this catches launchers it cannot see.
-  std::shared_ptr<Communicator> world = make_world_communicator();
-  const int need = ranks_needed(ep_size, tp_size, dp_size);
-  if (world->size() != need)
-    throw UsageError(expected_ranks(ep_size, tp_size, dp_size) + " (mpirun -np " +
-                     std::to_string(need) + "), got " + std::to_string(world->size()));
+  // the size check below catches launchers it cannot see.
+  Launch& l = launch();
+  std::shared_ptr<Communicator> world = l.world ? l.world : make_world_communicator();
+  if (l.world) join_launch(0);  // the ranks that stopped before this point
+  if (l.world) l.phase = Phase::kChecking;
+  // Every rank throws the same error (the same gathered lists, then the same sizes).
   try {
     check_same_on_all_ranks(*world, options, command);
   } catch (const fusedmoe::Error& e) {
     if (e.code() != fusedmoe::ErrorCode::kInvalidArgument) throw;  // a lost rank
-    throw UsageError(e.what());
+    throw CollectiveError(e.what(), 2);
   }
+  const int need = ranks_needed(ep_size, tp_size, dp_size);
+  if (world->size() != need)
+    throw CollectiveError(expected_ranks(ep_size, tp_size, dp_size) + " (mpirun -np " +
+                              std::to_string(need) + "), got " + std::to_string(world->size()),
+                          2);
+  if (l.world) l.phase = Phase::kRunning;
   return world;
 }
 
@@ -178,21 +343,23 @@ std::string one_line(std::string s) {
   return out;
 }
 
-// This process's rank when started by mpirun/srun (-1 otherwise): every rank
-// parses the same arguments, so an argument error is printed by rank 0 only,
-// and other errors carry the rank that hit them.
+// This process's rank when started by mpirun/srun with more than one rank
+// (-1 otherwise): every error it prints carries the rank that hit it.
 int launch_rank() {
+  using namespace fusedmoe::cli;
+  if (const auto world = launch_world()) return world->rank();
+  if (fusedmoe::launcher_world_size() <= 1) return -1;
   for (const char* var : {"OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"})
     if (const char* v = std::getenv(var)) return std::atoi(v);
   return -1;
 }
 
-int fail(const std::string& message, int code, bool same_on_every_rank = false) {
+int fail(const std::string& message, int code) {
   std::fflush(stdout);
   const int rank = launch_rank();
-  if (rank > 0 && same_on_every_rank) return code;
   const std::string who = rank >= 0 ? "rank " + std::to_string(rank) + ": " : std::string();
   std::fprintf(stderr, "fusedmoe: error: %s%s\n", who.c_str(), one_line(message).c_str());
+  std::fflush(stderr);
   return code;
 }
 
@@ -227,39 +394,80 @@ int main(int argc, char** argv) {
   CLI::App* run = add_run_command(app, run_opts);
   CLI::App* bench = add_bench_command(app, bench_opts);
 
+  // Parsed here, reported after the ranks of a launch compared what they run.
+  std::exception_ptr parse_error;
   try {
     app.parse(argc, argv);
-  } catch (const CLI::Success& e) {  // --help, --version
-    return app.exit(e);
-  } catch (const CLI::ParseError& e) {
-    if (app.get_subcommands().empty()) {
-      // The first word that is no option names the command: say so when it is none.
-      for (int i = 1; i < argc; ++i)
-        if (const std::string w = argv[i];
-            w[0] != '-' && w != "inspect" && w != "run" && w != "bench")
-          return fail(std::string("unknown command '") + argv[i] +
-                          "': expected inspect, run or bench (see fusedmoe --help)",
-                      2, true);
-      return fail(std::string(e.what()) + ": inspect, run or bench (see fusedmoe --help)", 2, true);
-    }
-    return fail(e.what(), 2, true);
+  } catch (const CLI::ParseError&) {
+    parse_error = std::current_exception();
   }
-
-  try {
-    if (inspect->parsed()) return run_inspect(inspect_opts);
-    if (run->parsed()) return run_run(run_opts);
-    if (bench->parsed()) {
-      fusedmoe::bench::use_best_openblas_kernel(argv);
-      return run_bench(bench_opts);
+  std::string ran = app.get_subcommands().empty() ? "" : app.get_subcommands()[0]->get_name();
+  bool parse_failed = false;
+  if (parse_error) {
+    try {
+      std::rethrow_exception(parse_error);
+    } catch (const CLI::CallForVersion&) {
+      ran = "--version";
+    } catch (const CLI::Success&) {
+      ran += ran.empty() ? "--help" : " --help";
+    } catch (const CLI::ParseError&) {
+      parse_failed = true;
     }
-    return fail("no command given (try --help)", 2);
+  }
+  const bool collectives = !parse_error && (run->parsed() || bench->parsed());
+  // It may exec this program again: before MPI starts.
+  if (!parse_error && bench->parsed()) fusedmoe::bench::use_best_openblas_kernel(argv);
+  try {
+    start_launch(ran, parse_failed, collectives);
+  } catch (const CollectiveError& e) {
+    return *e.what() ? fail(e.what(), e.code) : e.code;
   } catch (const UsageError& e) {
     return fail(e.what(), 2);
   } catch (const fusedmoe::Error& e) {
     return fail(e.what(), 1);
+  }
+
+  if (parse_error) {
+    try {
+      std::rethrow_exception(parse_error);
+    } catch (const CLI::Success& e) {  // --help, --version
+      return app.exit(e);
+    } catch (const CLI::ParseError& e) {
+      if (app.get_subcommands().empty()) {
+        // The first word that is no option names the command: say so when it is none.
+        for (int i = 1; i < argc; ++i)
+          if (const std::string w = argv[i];
+              w[0] != '-' && w != "inspect" && w != "run" && w != "bench")
+            return fail(std::string("unknown command '") + argv[i] +
+                            "': expected inspect, run or bench (see fusedmoe --help)",
+                        2);
+        return fail(std::string(e.what()) + ": inspect, run or bench (see fusedmoe --help)", 2);
+      }
+      return fail(e.what(), 2);
+    }
+  }
+
+  // A failing rank prints its error; then the other ranks of a launch hear of
+  // it (before the command's collectives) or are ended with it (MPI_Abort).
+  const auto end = [](const std::string& message, int code) {
+    fail(message, code);
+    after_error(code);
+    return code;
+  };
+  try {
+    if (inspect->parsed()) return run_inspect(inspect_opts);
+    if (run->parsed()) return run_run(run_opts);
+    if (bench->parsed()) return run_bench(bench_opts);
+    return end("no command given (try --help)", 2);
+  } catch (const CollectiveError& e) {  // the same on every rank, at the same step
+    return *e.what() ? fail(e.what(), e.code) : e.code;
+  } catch (const UsageError& e) {
+    return end(e.what(), 2);
+  } catch (const fusedmoe::Error& e) {
+    return end(e.what(), 1);
   } catch (const std::bad_alloc&) {
-    return fail("out of memory", 1);
+    return end("out of memory", 1);
   } catch (const std::exception& e) {
-    return fail(e.what(), 1);
+    return end(e.what(), 1);
   }
 }

@@ -22,6 +22,18 @@ std::vector<int64_t> Communicator::all_gather_int64(int64_t value) {
   return out;
 }
 
+std::vector<std::string> Communicator::all_gather_string(const std::string& value) {
+  const int P = size();
+  const std::vector<int64_t> sizes = all_gather_int64(static_cast<int64_t>(value.size()));
+  std::vector<int64_t> displs(P, 0);
+  for (int p = 1; p < P; ++p) displs[p] = displs[p - 1] + sizes[p - 1];
+  std::string all(static_cast<size_t>(displs[P - 1] + sizes[P - 1]), '\0');
+  all_gather_v(value.data(), static_cast<int64_t>(value.size()), all.data(), sizes, displs);
+  std::vector<std::string> out(P);
+  for (int p = 0; p < P; ++p) out[p] = all.substr(displs[p], sizes[p]);
+  return out;
+}
+
 namespace {
 
 class SingleRankCommunicator final : public Communicator {
@@ -123,15 +135,11 @@ void check_same_on_all_ranks(Communicator& comm,
   std::string mine;
   for (const auto& [name, value] : values) mine += name + '\x1f' + value + '\x1e';
   const int P = comm.size();
-  const std::vector<int64_t> sizes = comm.all_gather_int64(static_cast<int64_t>(mine.size()));
-  std::vector<int64_t> displs(P, 0);
-  for (int p = 1; p < P; ++p) displs[p] = displs[p - 1] + sizes[p - 1];
-  std::string all(static_cast<size_t>(displs[P - 1] + sizes[P - 1]), '\0');
-  comm.all_gather_v(mine.data(), static_cast<int64_t>(mine.size()), all.data(), sizes, displs);
+  const std::vector<std::string> blobs = comm.all_gather_string(mine);
   // Rank p's list as (name, value) pairs.
   std::vector<std::vector<std::pair<std::string, std::string>>> lists(P);
   for (int p = 0; p < P; ++p) {
-    const std::string blob = all.substr(displs[p], sizes[p]);
+    const std::string& blob = blobs[p];
     for (size_t at = 0; at < blob.size();) {
       const size_t sep = blob.find('\x1f', at), end = blob.find('\x1e', at);
       if (sep == std::string::npos || end == std::string::npos || sep > end) break;

@@ -7,7 +7,12 @@
 #     under one path (per-rank working directories);
 #   - a world size that the parallel sizes do not account for (also -np 2
 #     without --ep-size: not two separate runs writing the same file);
-#   - FUSEDMOE_COMM_TIMEOUT_S out of range or not plain decimal.
+#   - FUSEDMOE_COMM_TIMEOUT_S out of range or not plain decimal;
+#   - ranks that run different commands (--help, inspect, --version beside
+#     run / bench; run beside bench) or whose command lines do not parse;
+#   - an error on one rank only, before the run or during it: the job ends at
+#     once (well under the timeout) with that rank's exit code, and token
+#     numbers in errors are positions in the whole input.
 # Usage: bash cli_ranks.sh MPIEXEC "PRE_FLAGS" NP_FLAG FUSEDMOE_BIN
 set -uo pipefail
 mpiexec=$1; pre=$2; npflag=$3; BIN=$4
@@ -17,19 +22,21 @@ export FUSEDMOE_COMM_TIMEOUT_S=20
 fail=0
 
 # expect_error WANT_RC PATTERN MIN_LINES -- MPIRUN ARGS...: mpirun exits
-# WANT_RC, at least MIN_LINES ranks print "fusedmoe: error: rank R: <PATTERN>",
-# no rank crashes, and no output file is written.
+# WANT_RC within 15 s (no rank waits out the 20 s timeout), at least MIN_LINES
+# ranks print "fusedmoe: error: rank R: <PATTERN>", no rank crashes, and no
+# output file is written.
 expect_error() {
   local want_rc=$1 pattern=$2 min_lines=$3; shift 4
   rm -f "$TMP/out.safetensors"
+  local t0=$SECONDS
   timeout 100 "$@" >"$TMP/log" 2>&1
-  local rc=$?
+  local rc=$? took=$((SECONDS - t0))
   local lines
   lines=$(grep -cE "^fusedmoe: error: rank [0-9]+: $pattern" "$TMP/log")
-  if [ "$rc" -ne "$want_rc" ] || [ "$lines" -lt "$min_lines" ] ||
+  if [ "$rc" -ne "$want_rc" ] || [ "$lines" -lt "$min_lines" ] || [ "$took" -ge 15 ] ||
      grep -qE "Signal|signal [0-9]|free\(\)|Segmentation" "$TMP/log" ||
      [ -e "$TMP/out.safetensors" ]; then
-    echo "FAIL (rc $rc, want $want_rc; $lines error lines, want >= $min_lines): $*"
+    echo "FAIL (rc $rc, want $want_rc; $lines error lines, want >= $min_lines; $took s): $*"
     cat "$TMP/log"; fail=1
   else
     echo "ok: $(grep -m1 -E "^fusedmoe: error: rank [0-9]+: $pattern" "$TMP/log")"
@@ -79,6 +86,91 @@ expect_error 2 "$sizes" 1 -- \
   $M "$npflag" 2 "$BIN" bench --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0
 expect_error 2 "--ep-size 3 --tp-size 1 --dp-size 1: expected 3 ranks, but the MPI launcher started 2" 1 -- \
   $M "$npflag" 2 $R --tokens 8 --ep-size 3
+
+# The hint names sizes that fit the options given (it said --ep-size 2 to
+# --ep-size 2 --tp-size 2, and --ep-size 3 to --tp-size 2 on 3 ranks).
+expect_error 2 "--ep-size 2 --tp-size 2 --dp-size 1: expected 4 ranks, .*; start 4 ranks \(mpirun -np 4\), or give sizes for 2 ranks .*, e\.g\. --ep-size 1 --tp-size 2\$" 1 -- \
+  $M "$npflag" 2 $R --tokens 8 --ep-size 2 --tp-size 2
+expect_error 2 "--ep-size 1 --tp-size 2 --dp-size 1: expected 2 ranks, .*, e\.g\. --tp-size 3\$" 1 -- \
+  $M "$npflag" 3 $R --tokens 8 --tp-size 2
+expect_error 2 "--ep-size 2 --tp-size 1 --dp-size 2: expected 2 ranks, .*, e\.g\. --ep-size 2 --tp-size 2 --dp-size 2\$" 1 -- \
+  $M "$npflag" 4 $R --tokens 8 --ep-size 2 --dp-size 2
+
+# Ranks that run different commands: a usage error naming each rank's, not a
+# hang (--help, --version and inspect never started MPI: the other rank waited
+# in MPI_Init) nor a --model disagreement (run beside bench).
+for cmd in "--help" "--version" "inspect"; do
+  args=$cmd; [ "$cmd" = inspect ] && args="inspect $TMP"
+  expect_error 2 "the ranks ran different commands: $cmd on rank 0, run on rank 1 \(every rank" 2 -- \
+    $M "$npflag" 1 "$BIN" $args : "$npflag" 1 $R --tokens 8 --ep-size 2
+done
+expect_error 2 "the ranks ran different commands: run --help on rank 0, bench on rank 1 " 2 -- \
+  $M "$npflag" 1 "$BIN" run --help : "$npflag" 1 "$BIN" bench --ep-size 2 --tokens 1
+expect_error 2 "the ranks ran different commands: run on ranks 0,2, bench on rank 1 " 3 -- \
+  $M "$npflag" 1 $R --tokens 8 --ep-size 3 : "$npflag" 1 "$BIN" bench --ep-size 3 --tokens 1 : \
+  "$npflag" 1 $R --tokens 8 --ep-size 3
+# A command line that does not parse on one rank: that rank prints its error
+# (it printed nothing: only rank 0 printed argument errors), the other says why
+# it did not run.
+expect_error 2 '--tokens: expected .*x' 1 -- \
+  $M "$npflag" 1 $R --tokens 8 --ep-size 2 : "$npflag" 1 $R --tokens x --ep-size 2
+grep -qE '^fusedmoe: error: rank 1: --tokens: expected' "$TMP/log" &&
+  grep -qE '^fusedmoe: error: rank 0: not run: the command line of rank 1 does not parse' "$TMP/log" ||
+  { echo "FAIL: rank 1's parse error, rank 0's note"; cat "$TMP/log"; fail=1; }
+# The same one on every rank: every rank prints it, with its rank.
+expect_error 2 '--ep-size: expected .*0' 2 -- \
+  $M "$npflag" 2 $R --tokens 8 --ep-size 0
+
+# During the run (a bad token among rank 1's rows): rank 1 prints its error
+# and the job ends with its exit code (rank 0 waited out the timeout in
+# all_to_all_v, then blamed rank 1); the token is the one of the whole input
+# (it was the index among rank 1's rows: 1 of 4, not 5 of 8).
+H=$("$BIN" run --tokens 1 --seed 1 --quiet | sed -n 's/.* H \([0-9]*\),.*/\1/p')
+# write_npy FILE H ROW VALUES...: [8, H] f32, 0.5 but row ROW starts with VALUES
+# (repeated over the row when the last one is "...").
+write_npy() {
+  python3 - "$@" <<'PY'
+import struct, sys
+path, H, row = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+repeat = sys.argv[-1] == "..."
+vals = [float(v) for v in sys.argv[4:len(sys.argv) - repeat]]
+data = [0.5] * (8 * H)
+for c in range(H if repeat else len(vals)):
+    data[row * H + c] = vals[c % len(vals)]
+hdr = "{'descr': '<f4', 'fortran_order': False, 'shape': (8, %d), }" % H
+hdr += " " * (63 - (10 + len(hdr)) % 64) + "\n"
+with open(path, "wb") as f:
+    f.write(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(hdr)) + hdr.encode())
+    f.write(struct.pack("<%df" % len(data), *data))
+PY
+}
+write_npy "$TMP/nan.npy" "$H" 5 0.5 0.5 nan
+write_npy "$TMP/big.npy" "$H" 5 0.5 0.5 3e38 3e38
+write_npy "$TMP/nanlogits.npy" "$H" 5 3e38 -3e38 ...
+RI="$BIN run --quiet --output $TMP/out.safetensors --ep-size 2 --input"
+expect_error 1 'hidden_states: expected finite values, got NaN at token 5, column 2$' 1 -- \
+  $M "$npflag" 2 $RI "$TMP/nan.npy"
+expect_error 1 'output: non-finite value at token 5, column 0 ' 1 -- $M "$npflag" 2 $RI "$TMP/big.npy"
+expect_error 1 'router_logits: expected no NaN, got NaN at token 5, expert [0-9]+ \(of 8 tokens ' 1 -- \
+  $M "$npflag" 2 $RI "$TMP/nanlogits.npy"
+# An error on one rank only, before the run: the others stop at their first
+# collective with the same exit code and say why.
+cp "$TMP/big.npy" "$TMP/in1.npy"
+expect_error 1 '--output .*in1.npy: is the same file as --input' 1 -- \
+  $M "$npflag" 1 $RI "$TMP/big.npy" : "$npflag" 1 "$BIN" run --quiet --ep-size 2 \
+  --input "$TMP/in1.npy" --output "$TMP/in1.npy"
+grep -qE '^fusedmoe: error: rank 0: not run: rank 1 stopped with an error' "$TMP/log" ||
+  { echo "FAIL: rank 0 does not say why it stopped"; cat "$TMP/log"; fail=1; }
+# DP: rank 1 runs rows 4..7 there too.
+expect_error 1 'hidden_states: expected finite values, got NaN at token 5, column 2$' 1 -- \
+  $M "$npflag" 2 $RI "$TMP/nan.npy" --dp-size 2
+# An error on rank 0 after the ranks' last collective (the reference check):
+# its own exit code, no other rank left waiting.
+write_npy "$TMP/half.npy" "$H" 0 0.5
+write_npy "$TMP/ref.npy" "$H" 0 1 ...
+expect_error 1 'output differs from reference .*ref.npy: relative L2 error' 1 -- \
+  $M "$npflag" 2 "$BIN" run --quiet --ep-size 2 --input "$TMP/half.npy" --reference "$TMP/ref.npy"
+grep -q "MPI_ABORT" "$TMP/log" && { echo "FAIL: MPI_Abort after the last collective"; cat "$TMP/log"; fail=1; }
 
 # A timeout beyond the clock's range timed out at once ("after 1e+10 s"); one
 # not plain decimal was taken (" 16", 0x10). Usage errors, before any collective.

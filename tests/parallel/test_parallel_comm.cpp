@@ -96,6 +96,16 @@ TEST(MpiCommunicator, SameOnAllRanksNamesTheFirstDifference) {
   for (int p = 0; p < P; ++p) EXPECT_EQ(ranks[p], p);
 }
 
+// Strings of other lengths per rank (rank 1's empty), in rank order everywhere.
+TEST(MpiCommunicator, AllGatherString) {
+  const int me = g_world->rank(), P = g_world->size();
+  const std::vector<std::string> all =
+      g_world->all_gather_string(me == 1 ? std::string() : std::string(me + 2, 'a' + me));
+  ASSERT_EQ(all.size(), static_cast<size_t>(P));
+  for (int p = 0; p < P; ++p)
+    EXPECT_EQ(all[p], p == 1 ? std::string() : std::string(p + 2, 'a' + p)) << "rank " << p;
+}
+
 // Broadcasts with other sizes per rank: an error on every rank, not a truncated
 // or overrun buffer.
 TEST(MpiCommunicator, BroadcastOfOtherSizesIsAnError) {

@@ -86,6 +86,8 @@ class Communicator {
 
   // Convenience: all_gather_v of one int64 per rank (e.g. token counts).
   std::vector<int64_t> all_gather_int64(int64_t value);
+  // Convenience: every rank's string, in rank order (two all_gather_v).
+  std::vector<std::string> all_gather_string(const std::string& value);
 };
 
 // The one-rank communicator (rank 0 of 1).
