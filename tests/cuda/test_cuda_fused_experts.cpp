@@ -12,6 +12,7 @@
 
 #include "cuda_test_util.h"
 #include "expect_error.h"
+#include "kernels/cuda/routed_experts.h"
 #include "reference_moe.h"
 
 namespace fusedmoe {
@@ -149,70 +150,104 @@ TEST(CudaFusedExperts, DecodePathMatchesFloat64Reference) {
   run_case({4, 4, 1, 32, 16, Activation::kSiluGlu, false, DType::kBF16}, rng, /*on_input=*/true);
 }
 
-// At T = 1 the decode path folds finalize into its second kernel (the slots
-// summed straight into the output); the sum must have the bits of the T > 1
-// decode path (rows by slot, then finalize) for the same token: row 0 of a
-// two-token batch. -1, out-of-range and repeated ids, biases, f32 / bf16 / f16
-// outputs, k from 1 to 16 (items of 8 / 4 / 2 / 1 rows, one to four chunks of
-// (slot, row) pairs), I >= 4096 (4-pair chunks), f16 weights.
-TEST(CudaFusedExperts, DecodeOneTokenSumHasTheBitsOfDecodePlusFinalize) {
+// Given the output (no shared expert), the decode path folds finalize into its
+// second kernel (decode_w2_sum: the slots summed in shared memory); the sum
+// must have the bits of decode_w2 (y by slot, as expert parallelism takes it)
+// + finalize. T = 1..4, -1, out-of-range and repeated ids (groups of 1, 2 and
+// 4 slots, one expert in several groups), biases, f32 / bf16 / f16 outputs
+// with a row stride, k from 1 to 16 (1 to 8 row blocks a block), I >= 4096
+// (4-row items), f16 weights.
+TEST(CudaFusedExperts, DecodeSumHasTheBitsOfDecodePlusFinalize) {
   FUSEDMOE_REQUIRE_CUDA();
   const uint64_t seed = test::fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
   struct SumCase {
-    int64_t E, k, H, I;
+    int64_t T, E, k, H, I;
     bool bias;
     DType out, weights;
   };
   const DType bf = DType::kBF16, f32 = DType::kF32, f16 = DType::kF16;
   const std::vector<SumCase> cases = {
-      {8, 2, 96, 80, false, f32, bf},  {128, 8, 2048, 768, false, bf, bf},
-      {6, 3, 88, 40, true, f32, bf},   {40, 16, 64, 24, false, bf, bf},
-      {4, 1, 104, 48, true, f16, f16}, {16, 6, 72, 56, true, bf, bf},
-      {4, 2, 64, 4096, true, f32, bf}, {9, 5, 72, 4104, false, f32, f16},
+      {1, 8, 2, 96, 80, false, f32, bf},  {1, 128, 8, 2048, 768, false, bf, bf},
+      {1, 6, 3, 88, 40, true, f32, bf},   {2, 40, 16, 64, 24, false, bf, bf},
+      {1, 4, 1, 104, 48, true, f16, f16}, {3, 16, 6, 72, 56, true, bf, bf},
+      {4, 3, 8, 64, 48, false, f32, bf},  {4, 64, 8, 520, 264, true, f32, bf},
+      {2, 4, 2, 64, 4096, true, f32, bf}, {3, 9, 5, 72, 4104, false, f32, f16},
+      {4, 2, 2, 64, 32, false, f16, bf},
   };
   for (const SumCase& c : cases) {
-    SCOPED_TRACE("E" + std::to_string(c.E) + " k" + std::to_string(c.k) + " H" +
-                 std::to_string(c.H) + " I" + std::to_string(c.I) + " out " + dtype_name(c.out) +
-                 " weights " + dtype_name(c.weights));
-    const int64_t E = c.E, k = c.k, H = c.H, I = c.I;
+    SCOPED_TRACE("T" + std::to_string(c.T) + " E" + std::to_string(c.E) + " k" +
+                 std::to_string(c.k) + " H" + std::to_string(c.H) + " I" + std::to_string(c.I) +
+                 " out " + dtype_name(c.out) + " weights " + dtype_name(c.weights));
+    const int64_t T = c.T, E = c.E, k = c.k, H = c.H, I = c.I;
     const ExpertWeights w = test::random_experts(rng, E, H, I, c.weights, c.bias);
-    Tensor x = test::randn_f32(rng, {2, H});
-    Tensor ids = Tensor::empty(DType::kI32, {2, k});
-    Tensor tw = test::random_f32(rng, {2, k}, 0.1f, 1.0f);
-    for (int64_t t = 0; t < 2; ++t)
-      for (int64_t j = 0; j < k; ++j)  // repeats allowed
-        ids.data_as<int32_t>()[t * k + j] = static_cast<int32_t>(rng() % static_cast<uint64_t>(E));
+    Tensor x = test::randn_f32(rng, {T, H});
+    Tensor ids = Tensor::empty(DType::kI32, {T, k});
+    Tensor tw = test::random_f32(rng, {T, k}, 0.1f, 1.0f);
+    for (int64_t s = 0; s < T * k; ++s)  // repeats allowed
+      ids.data_as<int32_t>()[s] = static_cast<int32_t>(rng() % static_cast<uint64_t>(E));
     if (k >= 2) ids.data_as<int32_t>()[0] = -1;
-    if (k >= 3) ids.data_as<int32_t>()[k - 1] = static_cast<int32_t>(E + 3);
-    ActivationParams act;
-    act.activation = c.bias ? Activation::kSwigluOai : Activation::kSiluGlu;
+    if (k >= 3) ids.data_as<int32_t>()[T * k - 1] = static_cast<int32_t>(E + 3);
+    DeviceTensor x_d =
+        DeviceTensor::from_host(c.weights == bf ? test::to_bf16(x) : test::to_f16(x), H + 8);
     DeviceTensor w13 = DeviceTensor::from_host(w.w13), w2 = DeviceTensor::from_host(w.w2);
     DeviceTensor b13, b2;
     if (c.bias) {
       b13 = DeviceTensor::from_host(to_f32(*w.w13_bias));
       b2 = DeviceTensor::from_host(to_f32(*w.w2_bias));
     }
-    std::vector<Tensor> rows;
-    for (const int64_t T : {int64_t{2}, int64_t{1}}) {
-      DeviceTensor x_d = DeviceTensor::from_host(x.view().narrow(0, 0, T), H + 8);
-      DeviceTensor ids_d = DeviceTensor::from_host(ids.view().narrow(0, 0, T));
-      DeviceTensor tw_d = DeviceTensor::from_host(tw.view().narrow(0, 0, T));
+    DeviceTensor ids_d = DeviceTensor::from_host(ids), tw_d = DeviceTensor::from_host(tw);
+    DeviceTensor inter(c.weights, {T * k, I}), y(f32, {T * k, H});
+    cuda::RoutedExpertsArgs r;
+    r.dtype = c.weights;
+    r.x = x_d.data_as<const uint16_t>();
+    r.ldx = x_d.ld();
+    r.topk_ids = ids_d.data_as<const int32_t>();
+    r.topk_weights = tw_d.data_as<const float>();
+    r.num_tokens = T;
+    r.top_k = k;
+    r.num_experts = E;
+    r.hidden = H;
+    r.inter = I;
+    r.w13 = w13.data_as<const uint16_t>();
+    r.w2 = w2.data_as<const uint16_t>();
+    r.w13_bias = b13.data_as<const float>();
+    r.w2_bias = b2.data_as<const float>();
+    r.act.activation = c.bias ? Activation::kSwigluOai : Activation::kSiluGlu;
+    std::vector<Tensor> got;
+    for (const bool sum : {false, true}) {
       DeviceTensor out(c.out, {T, H}, H + 16);
-      const size_t ws_bytes = cuda::fused_experts_workspace_bytes(T, H, I, E, k, false);
-      DeviceTensor ws(DType::kU8, {static_cast<int64_t>(ws_bytes)});
       out.poison();
-      ws.poison();
-      cuda::fused_experts(
-          test::fused_experts_args(x_d, w13, w2, b13, b2, ids_d, tw_d, out, act, false), ws.data(),
-          ws_bytes, nullptr);
+      inter.poison();
+      y.poison();
+      cuda::RoutedExpertsArgs a = r;
+      if (sum) {
+        a.out = out.data();
+        a.out_dtype = c.out;
+        a.ldo = out.ld();
+      }
+      const bool written =
+          cuda::decode_experts(a, inter.data_as<uint16_t>(), y.data_as<float>(), nullptr);
+      EXPECT_EQ(written, sum);
+      if (!written) {
+        cuda::FinalizeArgs f;
+        f.y = y.data();
+        f.topk_ids = r.topk_ids;
+        f.num_tokens = T;
+        f.top_k = k;
+        f.hidden = H;
+        f.num_experts = E;
+        f.out = out.data();
+        f.out_dtype = c.out;
+        f.ldo = out.ld();
+        cuda::finalize(f, nullptr);
+      }
       CUDA_OK(cudaDeviceSynchronize());
-      Tensor got = to_f32(out.to_host());
-      EXPECT_EQ(test::count_non_finite(got), 0);
-      rows.push_back(got);
+      got.push_back(to_f32(out.to_host()));
+      EXPECT_EQ(test::count_non_finite(got.back()), 0);
     }
-    EXPECT_EQ(std::memcmp(rows[0].data(), rows[1].data(), static_cast<size_t>(H) * 4), 0);
+    EXPECT_EQ(std::memcmp(got[0].data(), got[1].data(), got[0].nbytes()), 0);
   }
 }
 

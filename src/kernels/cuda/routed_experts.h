@@ -94,8 +94,8 @@ struct RoutedExpertsArgs {
   bool allow_decode = true;
   // The layer's output, or null: f32, bf16 or f16 [T, H], row stride ldo.
   // Only for callers whose finalize would add nothing but the routed rows (no
-  // shared expert): the decode path then writes it directly at T = 1, the
-  // token's slots summed in finalize()'s order (the same bits), and
+  // shared expert): the decode path may then write it directly (decode_experts),
+  // the tokens' slots summed in finalize()'s order (the same bits), and
   // routed_experts() returns output_written = true.
   void* out = nullptr;
   DType out_dtype = DType::kF32;
@@ -124,8 +124,9 @@ RoutedResult routed_experts(const RoutedExpertsArgs& args, const RoutedScratch& 
 //   inter_rows: dtype [T * k, I] (scratch), y: f32 [T * k, H],
 //   y[s] = topk_weights[s] * (w2[e] . act(w13[e] . x[s / k] + b13[e]) + b2[e]),
 //   e = topk_ids[s]; slots of ids outside [0, E) left unwritten.
-// With args.out and T = 1 the second kernel sums the slots into out[0]
-// instead (finalize's arithmetic and order; y untouched) and this returns true.
+// With args.out, where it pays (T = 1, or w2 of an expert <= 8 MiB), the second
+// kernel sums each token's slots into out instead (finalize's arithmetic and
+// order, the same bits; y untouched) and this returns true.
 // Throws Error(kInvalidArgument) outside decode_experts_eligible's limits or
 // for H, I, ldx not multiples of 8.
 bool decode_experts(const RoutedExpertsArgs& args, uint16_t* inter_rows, float* y, Stream stream);
