@@ -104,15 +104,19 @@ if [ "$what" = ep ] || [ "$what" = all ]; then
     export FUSEDMOE_CUDA_EXPERTS=mma
     mpi=(mpirun --allow-run-as-root --oversubscribe -np "$ngpu" -x LD_LIBRARY_PATH -x NCCL_NVLS_ENABLE
       -x FUSEDMOE_CUDA_EXPERTS -x FUSEDMOE_COMM_TIMEOUT_S=60)
-    for m in "$root/models/tiny-deepseek-v3" tests/data/hf/qwen2_moe tests/data/hf/mixtral; do
-      timeout 60 "$bin/fusedmoe" run --backend cuda --model "$m" --tokens 256 --seed 1 \
-        --output "$OUT/one.safetensors" --quiet >"$OUT/ep_one.log" 2>&1
-      timeout 120 "${mpi[@]}" "$bin/fusedmoe" run --backend cuda --ep-size "$ngpu" --model "$m" \
-        --tokens 256 --seed 1 --reference "$OUT/one.safetensors" --reference-key output \
-        --tolerance 1e-6 --quiet >"$OUT/ep_run.log" 2>&1
-      r=$?
-      [ $r -ne 0 ] && rc=1
-      echo "== ep run $(basename "$m") on $ngpu GPUs vs one GPU rc=$r: $(grep -E 'reference|error' "$OUT/ep_run.log" | head -3 | tr '\n' ' ')"
+    # T = 2 and 1 too: one GPU then sums in the decode w2 kernel (no shared expert), EP in
+    # finalize (at T = 1 one rank has no token).
+    for tokens in 256 2 1; do
+      for m in "$root/models/tiny-deepseek-v3" tests/data/hf/qwen2_moe tests/data/hf/mixtral; do
+        timeout 60 "$bin/fusedmoe" run --backend cuda --model "$m" --tokens $tokens --seed 1 \
+          --output "$OUT/one.safetensors" --quiet >"$OUT/ep_one.log" 2>&1
+        timeout 120 "${mpi[@]}" "$bin/fusedmoe" run --backend cuda --ep-size "$ngpu" --model "$m" \
+          --tokens $tokens --seed 1 --reference "$OUT/one.safetensors" --reference-key output \
+          --tolerance 1e-6 --quiet >"$OUT/ep_run.log" 2>&1
+        r=$?
+        [ $r -ne 0 ] && rc=1
+        echo "== ep run $(basename "$m") T=$tokens on $ngpu GPUs vs one GPU rc=$r: $(grep -E 'reference|error' "$OUT/ep_run.log" | head -3 | tr '\n' ' ')"
+      done
     done
     unset FUSEDMOE_CUDA_EXPERTS
     mpi=(mpirun --allow-run-as-root --oversubscribe -np "$ngpu" -x LD_LIBRARY_PATH -x NCCL_NVLS_ENABLE)
