@@ -107,6 +107,17 @@ class DeviceTensor {
   std::shared_ptr<void> ptr_;
 };
 
+// An ExpertWeights on the device: w13, w2 as stored, the biases (when it has
+// them) as f32; empty tensors otherwise.
+struct DeviceExperts {
+  DeviceTensor w13, w2, b13, b2;
+  explicit DeviceExperts(const ExpertWeights& w)
+      : w13(DeviceTensor::from_host(w.w13)), w2(DeviceTensor::from_host(w.w2)) {
+    if (w.w13_bias) b13 = DeviceTensor::from_host(to_f32(*w.w13_bias));
+    if (w.w2_bias) b2 = DeviceTensor::from_host(to_f32(*w.w2_bias));
+  }
+};
+
 // cuda::FusedExpertsArgs over device tensors: hidden states x [T, H] and
 // output out [T, H] (dtypes and row strides from the tensors), w13 [E, 2I, H]
 // and w2 [E, H, I] (weight_dtype: w13's), f32 biases (empty tensor: none),

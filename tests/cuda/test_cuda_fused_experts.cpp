@@ -63,12 +63,7 @@ void run_case(const Case& c, std::mt19937_64& rng, bool on_input = false) {
   const std::vector<double> want = test::reference_experts(x, ref_ids, tw, w, act, on_input);
 
   DeviceTensor x_d = DeviceTensor::from_host(c.io == DType::kBF16 ? test::to_bf16(x) : x, H + 8);
-  DeviceTensor w13 = DeviceTensor::from_host(w.w13), w2 = DeviceTensor::from_host(w.w2);
-  DeviceTensor b13, b2;
-  if (c.bias) {
-    b13 = DeviceTensor::from_host(to_f32(*w.w13_bias));
-    b2 = DeviceTensor::from_host(to_f32(*w.w2_bias));
-  }
+  const test::DeviceExperts dw(w);
   DeviceTensor ids_d = DeviceTensor::from_host(ids), tw_d = DeviceTensor::from_host(tw);
   DeviceTensor out(c.io, {T, H}, H + 16);
   const size_t ws_bytes = cuda::fused_experts_workspace_bytes(T, H, I, E, k, on_input);
@@ -77,7 +72,7 @@ void run_case(const Case& c, std::mt19937_64& rng, bool on_input = false) {
   ws.poison();
 
   const cuda::FusedExpertsArgs a =
-      test::fused_experts_args(x_d, w13, w2, b13, b2, ids_d, tw_d, out, act, on_input);
+      test::fused_experts_args(x_d, dw.w13, dw.w2, dw.b13, dw.b2, ids_d, tw_d, out, act, on_input);
   cuda::fused_experts(a, ws.data(), ws_bytes, nullptr);
   CUDA_OK(cudaDeviceSynchronize());
   Tensor got = out.to_host();
@@ -191,12 +186,7 @@ TEST(CudaFusedExperts, DecodeSumHasTheBitsOfDecodePlusFinalize) {
     if (k >= 3) ids.data_as<int32_t>()[T * k - 1] = static_cast<int32_t>(E + 3);
     DeviceTensor x_d =
         DeviceTensor::from_host(c.weights == bf ? test::to_bf16(x) : test::to_f16(x), H + 8);
-    DeviceTensor w13 = DeviceTensor::from_host(w.w13), w2 = DeviceTensor::from_host(w.w2);
-    DeviceTensor b13, b2;
-    if (c.bias) {
-      b13 = DeviceTensor::from_host(to_f32(*w.w13_bias));
-      b2 = DeviceTensor::from_host(to_f32(*w.w2_bias));
-    }
+    const test::DeviceExperts dw(w);
     DeviceTensor ids_d = DeviceTensor::from_host(ids), tw_d = DeviceTensor::from_host(tw);
     DeviceTensor inter(c.weights, {T * k, I}), y(f32, {T * k, H});
     cuda::RoutedExpertsArgs r;
@@ -210,10 +200,10 @@ TEST(CudaFusedExperts, DecodeSumHasTheBitsOfDecodePlusFinalize) {
     r.num_experts = E;
     r.hidden = H;
     r.inter = I;
-    r.w13 = w13.data_as<const uint16_t>();
-    r.w2 = w2.data_as<const uint16_t>();
-    r.w13_bias = b13.data_as<const float>();
-    r.w2_bias = b2.data_as<const float>();
+    r.w13 = dw.w13.data_as<const uint16_t>();
+    r.w2 = dw.w2.data_as<const uint16_t>();
+    r.w13_bias = dw.b13.data_as<const float>();
+    r.w2_bias = dw.b2.data_as<const float>();
     r.act.activation = c.bias ? Activation::kSwigluOai : Activation::kSiluGlu;
     std::vector<Tensor> got;
     for (const bool sum : {false, true}) {
