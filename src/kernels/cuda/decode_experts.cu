@@ -224,14 +224,15 @@ struct Item {
   int valid;
 };
 
-// Streams item `it` against its first Rn input rows (Rn >= it.size) and writes
-// its outputs: inter (w13: bias + gated activation) or y (w2: weighted, biased).
 // Where decode_w2's items put their products: y[s * ld + n - n0] for slot s,
 // row n (decode_w2: p.y, H, 0; decode_w2_sum: its shared-memory block).
 struct YOut {
   float* y;
   int64_t ld, n0;
 };
+
+// Streams item `it` against its first Rn input rows (Rn >= it.size) and writes
+// its outputs: inter (w13: bias + gated activation) or yo (w2: weighted, biased).
 
 template <class T, int Rn, bool kW13, int kW, int kPre, int R, int kParts>
 __device__ __forceinline__ void run_item(const DecodeParams& p, const Item<R, kParts>& it, int lane,
