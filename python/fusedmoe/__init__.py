@@ -27,8 +27,10 @@ with ``weight_dtype="bf16"``. ``compute_dtype="bf16"`` rounds the expert inputs
 and the intermediate to bf16 (f32 accumulation).
 
 Errors: a wrong shape or value raises ValueError and a wrong dtype TypeError,
-both naming the argument; an unreadable file raises OSError; something this
-build does not handle raises NotImplementedError.
+both naming the argument (anything but an array where an array is expected:
+TypeError naming the argument and the type given; an empty path: ValueError);
+an unreadable file raises OSError; something this build does not handle
+raises NotImplementedError.
 
 When PyTorch is importable the ops are also registered as
 ``torch.ops.fusedmoe.*`` (see ``fusedmoe._torch_ops``), with fake
@@ -161,11 +163,16 @@ def _num_threads(v: Any, name: str) -> int:
 
 
 def _path(v: Any, name: str) -> str:
-    """A filesystem path argument: str, bytes or os.PathLike, as a str."""
+    """A filesystem path argument: str, bytes or os.PathLike, as a str. An
+    empty path is a wrong value (ValueError), as ``fusedmoe run --model ""``
+    says, not a file that cannot be opened."""
     if not isinstance(v, (str, bytes, os.PathLike)):
         raise TypeError(f"{name}: expected a path (str or os.PathLike), got "
                         f"{type(v).__name__} {v!r}")
-    return os.fsdecode(os.fspath(v))
+    path = os.fsdecode(os.fspath(v))
+    if not path:
+        raise ValueError(f"{name}: expected a path, got an empty string")
+    return path
 
 
 def _same_library(ref_name: str, ref: Any, **others: Any) -> None:
@@ -229,10 +236,28 @@ _FLOAT, _INT = "a floating dtype", "an integer dtype (int32)"
 _HIDDEN_CPU = "dtype float32"  # hidden_states on the CPU (_hidden_dtype has the CUDA ones)
 
 
+def _is_array(x: Any) -> bool:
+    """A NumPy array, a torch tensor or another DLPack array (CuPy, ...)."""
+    return isinstance(x, np.ndarray) or _is_torch(x) or hasattr(x, "__dlpack__")
+
+
+def _check_array(x: Any, name: str) -> None:
+    """An array argument: anything but an array (None, a list, a scalar, ...)
+    raises TypeError naming `name` and the type given; a list or a scalar is
+    not converted (its float64 / object dtype would be named instead)."""
+    if not _is_array(x):
+        t = type(x)
+        got = ("None" if x is None else t.__name__ if t.__module__ == "builtins"
+               else f"{t.__module__}.{t.__name__}")  # numpy.float32: a scalar, not an array
+        raise TypeError(f"{name}: expected a NumPy array or torch tensor, got {got}")
+
+
 def _as_array(x: Any, name: str, expected: str = "a numeric dtype") -> Any:
     """NumPy arrays and torch tensors pass through; DLPack objects too (the
-    extension imports them); anything else goes through np.asarray. A NumPy
-    dtype with no DLPack form raises TypeError naming `name` and `expected`."""
+    extension imports them); anything else raises TypeError (_check_array). A
+    NumPy dtype with no DLPack form raises TypeError naming `name` and
+    `expected`."""
+    _check_array(x, name)
     if isinstance(x, np.ndarray):
         # Object, string, void, structured, datetime and ml_dtypes' float8 arrays
         # have no DLPack form: the extension could only refuse them with its raw
@@ -243,14 +268,7 @@ def _as_array(x: Any, name: str, expected: str = "a numeric dtype") -> Any:
         if not x.dtype.isnative:  # big-endian: DLPack carries native byte order only
             x = x.astype(x.dtype.newbyteorder("="))
         return x
-    if _is_torch(x) or hasattr(x, "__dlpack__"):
-        return x
-    try:
-        return _as_array(np.asarray(x), name, expected)
-    except TypeError:
-        raise
-    except Exception as e:  # pragma: no cover - exotic objects
-        raise TypeError(f"{name}: expected an array, got {type(x).__name__}") from e
+    return x
 
 
 def _rows(x: Any) -> Any:
@@ -425,6 +443,9 @@ def fused_experts(
                       "'silu', 'gelu', 'gelu_pytorch_tanh' or 'swiglu_oai'")
     if compute_dtype is not None:
         compute_dtype = _str(compute_dtype, "compute_dtype", "'f32', 'bf16', 'f16' or None")
+    for name, v in (("hidden_states", hidden_states), ("w13", w13), ("w2", w2),
+                    ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+        _check_array(v, name)
     if _use_torch_ops(hidden_states, w13):
         if weight_dtype is not None:
             raise ValueError("weight_dtype: only for NumPy uint16 weights, not torch tensors")
@@ -460,9 +481,11 @@ def _fused_experts_impl(
     w13, bf16_13 = _weight(w13, "w13", weight_dtype)
     w2, bf16_2 = _weight(w2, "w2", weight_dtype)
     if w13_bias is not None:
-        w13_bias = _f32(w13_bias) if cuda else _weight(w13_bias, "w13_bias", weight_dtype)[0]
+        w13_bias = (_f32(_as_array(w13_bias, "w13_bias", _FLOAT)) if cuda
+                    else _weight(w13_bias, "w13_bias", weight_dtype)[0])
     if w2_bias is not None:
-        w2_bias = _f32(w2_bias) if cuda else _weight(w2_bias, "w2_bias", weight_dtype)[0]
+        w2_bias = (_f32(_as_array(w2_bias, "w2_bias", _FLOAT)) if cuda
+                   else _weight(w2_bias, "w2_bias", weight_dtype)[0])
     if _ndim_ok(w13, 3) and w13.shape[1] == 0:
         raise ValueError(f"w13: the intermediate size is 0 (shape {tuple(w13.shape)}); expected "
                          f"[E, 2I, H] with I >= 1")
@@ -508,18 +531,24 @@ def _ndim_ok(x: Any, ndim: int) -> bool:
 
 
 def _route(logits: Any, config: dict, e_score_correction_bias: Any = None, token_ids: Any = None,
-           hash_table: Any = None, logits_name: str = "router_logits") -> Tuple[Any, Any]:
+           hash_table: Any = None, logits_name: str = "router_logits",
+           names: Optional[Mapping[str, str]] = None) -> Tuple[Any, Any]:
+    """Routes `logits` with the config dict `config`. `names`: the caller's
+    argument for each config key it filled from one (fused_topk's "topk" for
+    "top_k", ...); errors about those keys name the argument, the others keep
+    the extension's "config.<key>"."""
+    names = names or {}
     _ndim(logits, logits_name, 2, "[T, E]")
     if logits.shape[1] == 0:
         raise ValueError(f"{logits_name}: 0 experts (shape {tuple(logits.shape)}); expected "
                          f"one column per expert")
-    k = config["top_k"]
+    k, k_name = config["top_k"], names.get("top_k", "top_k")
     # Before the outputs are allocated: a bad top_k would otherwise surface as
     # the array library's allocation error, naming nothing.
     if not isinstance(k, (int, np.integer)) or isinstance(k, (bool, np.bool_)):
-        raise TypeError(f"top_k: expected an int, got {type(k).__name__} {k!r}")
+        raise TypeError(f"{k_name}: expected an int, got {type(k).__name__} {k!r}")
     if not 1 <= k <= logits.shape[1]:
-        raise ValueError(f"top_k: expected 1 <= top_k <= {logits.shape[1]} (router logit "
+        raise ValueError(f"{k_name}: expected 1 <= {k_name} <= {logits.shape[1]} (router logit "
                          f"columns), got {k}")
     T = logits.shape[0]
     ids = _empty_like_framework(logits, (T, k), "i32")
@@ -532,10 +561,26 @@ def _route(logits: Any, config: dict, e_score_correction_bias: Any = None, token
         token_ids = _i32(_as_array(token_ids, "token_ids", _INT), "token_ids")
     if hash_table is not None:
         hash_table = _contiguous(_i32(_as_array(hash_table, "hash_table", _INT), "hash_table"))
-    _ext.select_experts(_dl(logits), _dl(ids), _dl(weights), config,
-                        _dl(e_score_correction_bias), _dl(token_ids), _dl(hash_table),
-                        _stream(logits))
+    try:
+        _ext.select_experts(_dl(logits), _dl(ids), _dl(weights), config,
+                            _dl(e_score_correction_bias), _dl(token_ids), _dl(hash_table),
+                            _stream(logits))
+    except (ValueError, TypeError) as e:
+        # The extension names a config field "config.<key>: ..." (reading the
+        # dict) or "<key>: ..." (validating the config).
+        head, sep, rest = str(e).partition(": ")
+        arg = names.get(head[len("config."):] if head.startswith("config.") else head)
+        if not sep or arg is None:
+            raise
+        raise type(e)(f"{arg}: {rest}") from None
     return weights, ids
+
+
+# The config keys fused_topk / grouped_topk fill from their arguments.
+_TOPK_NAMES = {"top_k": "topk", "scoring_func": "scoring_func", "renormalize": "renormalize"}
+_GROUPED_TOPK_NAMES = {**_TOPK_NAMES, "num_expert_group": "num_expert_group",
+                       "topk_group": "topk_group", "routed_scaling_factor": "routed_scaling_factor",
+                       "group_score": "group_score"}
 
 
 def fused_topk(
@@ -554,6 +599,7 @@ def fused_topk(
     "softmax", "sigmoid" or "sqrtsoftplus". Returns (topk_weights f32 [T, k],
     topk_ids int32 [T, k]), on gating_output's device."""
     topk = _int(topk, "topk")
+    _check_array(gating_output, "gating_output")
     _same_library("gating_output", gating_output, hidden_states=hidden_states)
     if hidden_states is not None:
         _check_hidden_states(hidden_states, gating_output)
@@ -596,7 +642,7 @@ def _fused_topk_impl(hidden_states, gating_output, topk, renormalize, scoring_fu
         "intermediate_size": 1, "routing_method": "topk", "scoring_func": scoring_func,
         "renormalize": _bool(renormalize, "renormalize"),
     }
-    return _route(logits, config, logits_name="gating_output")
+    return _route(logits, config, logits_name="gating_output", names=_TOPK_NAMES)
 
 
 def grouped_topk(
@@ -621,6 +667,7 @@ def grouped_topk(
     topk = _int(topk, "topk")
     num_expert_group = _int(num_expert_group, "num_expert_group")
     topk_group = _int(topk_group, "topk_group")
+    _check_array(gating_output, "gating_output")
     _same_library("gating_output", gating_output, e_score_correction_bias=e_score_correction_bias)
     if _use_torch_ops(gating_output):
         return _torch.ops.fusedmoe.grouped_topk(
@@ -645,7 +692,8 @@ def _grouped_topk_impl(gating_output, topk, renormalize, num_expert_group, topk_
         "routed_scaling_factor": _float(routed_scaling_factor, "routed_scaling_factor"),
         "group_score": group_score or ("sum_top2" if has_bias else "max"),
     }
-    return _route(logits, config, e_score_correction_bias, logits_name="gating_output")
+    return _route(logits, config, e_score_correction_bias, logits_name="gating_output",
+                  names=_GROUPED_TOPK_NAMES)
 
 
 def select_experts(
@@ -669,6 +717,7 @@ def select_experts(
     (``e_score_correction_bias``, ``hash_table``, unless given), so the result
     is the layer's own routing of these logits.
     Returns (topk_weights f32 [T, k], topk_ids int32 [T, k]; id -1 = zero expert)."""
+    _check_array(router_logits, "router_logits")
     if isinstance(config, MoELayer):
         params = config._impl.router_params()
         if e_score_correction_bias is None and params["e_score_correction_bias"] is not None:
@@ -681,8 +730,11 @@ def select_experts(
                         f"{type(config).__name__} {config!r}")
     cfg = dict(config or {})
     cfg.update(fields)
+    # Errors about a key given as a keyword name it as such, not as config.<key>.
+    names = {key: key for key in fields}
     if top_k is not None:
         cfg["top_k"] = _int(top_k, "top_k")
+        names["top_k"] = "top_k"
     if "top_k" not in cfg:
         raise ValueError("top_k: required (as an argument or in config)")
     logits = _f32_logits(_as_array(router_logits, "router_logits", _FLOAT), "router_logits")
@@ -692,7 +744,7 @@ def select_experts(
     cfg.setdefault("intermediate_size", 1)
     if e_score_correction_bias is not None:
         cfg.setdefault("e_score_correction_bias", True)
-    return _route(logits, cfg, e_score_correction_bias, token_ids, hash_table)
+    return _route(logits, cfg, e_score_correction_bias, token_ids, hash_table, names=names)
 
 
 def _like(ref: Any, a: np.ndarray) -> Any:
@@ -858,6 +910,7 @@ class MoELayer:
         (output, topk_ids, topk_weights, router_logits) instead."""
         if return_routing:
             return self.forward_with_routing(hidden_states, router_logits, token_ids=token_ids)
+        _check_array(hidden_states, "hidden_states")
         _same_library("hidden_states", hidden_states, router_logits=router_logits,
                       token_ids=token_ids)
         if token_ids is None and _use_torch_ops(hidden_states):
@@ -870,6 +923,7 @@ class MoELayer:
                              token_ids: Any = None) -> Tuple[Any, Any, Any, Any]:
         """Returns (output f32 [T, H], topk_ids int32 [T, k], topk_weights f32
         [T, k], router_logits f32 [T, E + Z])."""
+        _check_array(hidden_states, "hidden_states")
         _same_library("hidden_states", hidden_states, router_logits=router_logits,
                       token_ids=token_ids)
         if token_ids is None and _use_torch_ops(hidden_states):

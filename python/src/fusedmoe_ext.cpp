@@ -493,7 +493,8 @@ void fused_experts(const InArray& hidden_states, const InArray& w13, const InArr
   nb::gil_scoped_release release;
   std::lock_guard<std::mutex> lock(s.mu);
   s.kernel->forward(x, ti, tw, weights, params, apply_router_weight_on_input, out, s.ws);
-  // As MoELayer: hidden states that overflow f32 inside the experts raise
+  // As MoELayer: hidden states that overflow f32 inside the experts, or weights
+  // holding NaN / Inf (not checked here: they are the caller's), raise
   // ValueError naming the first non-finite output, not NaN rows.
   require_finite_output(out);
 }

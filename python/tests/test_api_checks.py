@@ -428,3 +428,157 @@ def test_error_message_with_non_utf8_bytes(tmp_path):
         with pytest.raises((ValueError, OSError)) as e:
             fusedmoe.MoELayer.from_pretrained(path)
         assert not isinstance(e.value, UnicodeError), repr(e.value)
+
+
+
+# ---- 11. an empty path, arguments that are not arrays, the functional ops' names ------
+
+
+def test_empty_path_is_a_value_error_naming_the_argument():
+    """"" was opened as a path: OSError ": cannot open: No such file or directory"."""
+    for empty in ("", b""):
+        with pytest.raises(ValueError, match="^model_dir: expected a path, got an empty string$"):
+            fusedmoe.MoELayer.from_pretrained(empty)
+        with pytest.raises(ValueError, match="^path: expected a path, got an empty string$"):
+            fusedmoe.inspect(empty)
+
+
+def _array_arguments(layer, c):
+    """(argument name, required, call(bad)) for each array argument of each public
+    entry point, `bad` given in its place."""
+    x = np.zeros((2, layer.hidden_size), np.float32)
+    g = np.zeros((3, 8), np.float32)
+    fe_names = ("hidden_states", "w13", "w2", "topk_weights", "topk_ids")
+    fe_args = [c[k] for k in ("x", "w13", "w2", "tw", "ids")]
+
+    def fe(i):
+        return lambda bad: fusedmoe.fused_experts(*fe_args[:i], bad, *fe_args[i + 1:])
+
+    hash_kw = dict(routing_method="hash", hash_vocab_size=4, token_ids=np.zeros(3, np.int32))
+    return [(n, True, fe(i)) for i, n in enumerate(fe_names)] + [
+        ("w13_bias", False, lambda bad: fusedmoe.fused_experts(*fe_args, w13_bias=bad)),
+        ("w2_bias", False, lambda bad: fusedmoe.fused_experts(*fe_args, w2_bias=bad)),
+        ("hidden_states", True, lambda bad: layer(bad)),
+        ("hidden_states", True, lambda bad: layer(bad, return_routing=True)),
+        ("hidden_states", True, lambda bad: layer.forward_with_routing(bad)),
+        ("router_logits", False, lambda bad: layer(x, bad)),
+        ("token_ids", False, lambda bad: layer(x, token_ids=bad)),
+        ("gating_output", True, lambda bad: fusedmoe.fused_topk(None, bad, 2, True)),
+        ("hidden_states", False, lambda bad: fusedmoe.fused_topk(bad, g, 2, True)),
+        ("gating_output", True, lambda bad: fusedmoe.grouped_topk(bad, 2, True, 4, 2)),
+        ("e_score_correction_bias", False,
+         lambda bad: fusedmoe.grouped_topk(g, 2, True, 4, 2, "sigmoid", bad)),
+        ("router_logits", True, lambda bad: fusedmoe.select_experts(bad, 2)),
+        ("router_logits", True, lambda bad: fusedmoe.select_experts(bad, config=layer)),
+        ("token_ids", False, lambda bad: fusedmoe.select_experts(g, 2, token_ids=bad)),
+        ("hash_table", False, lambda bad: fusedmoe.select_experts(g, 2, hash_table=bad,
+                                                                  **hash_kw)),
+    ]
+
+
+def test_non_array_arguments_name_the_type_given(mixtral, case):
+    """None, a list or a scalar for an array was named by the dtype NumPy gave it:
+    layer(None) -> "hidden_states: expected dtype float32, got object", layer(x.tolist())
+    -> "... got float64". (None for an optional array means "not given".)"""
+    bads = [([[0.5]], "list"), ((0.5,), "tuple"), (0.5, "float"), (3, "int"),
+            (np.float32(0.5), "numpy.float32"), ("x", "str")]
+    for name, required, call in _array_arguments(mixtral, case):
+        for bad, got in bads + ([(None, "None")] if required else []):
+            with pytest.raises(TypeError) as e:
+                call(bad)
+            assert str(e.value) == f"{name}: expected a NumPy array or torch tensor, got {got}", \
+                (name, bad, str(e.value))
+
+
+def test_non_array_arguments_beside_torch_tensors():
+    """With torch tensors the calls go to torch.ops, whose own message for None
+    ("expected Tensor ... but got NoneType") named no argument of fusedmoe's."""
+    torch = _torch()
+    T, E, H, I, k = 3, 4, 16, 8, 2
+    w13, w2 = torch.randn(E, 2 * I, H), torch.randn(E, H, I)
+    tw, ids = torch.rand(T, k), torch.zeros(T, k, dtype=torch.int32)
+    with pytest.raises(TypeError, match="^hidden_states: expected a NumPy array or torch "
+                                        "tensor, got None$"):
+        fusedmoe.fused_experts(None, w13, w2, tw, ids)
+    with pytest.raises(TypeError, match="^topk_ids: expected a NumPy array or torch tensor, "
+                                        "got None$"):
+        fusedmoe.fused_experts(torch.randn(T, H), w13, w2, tw, None)
+    with pytest.raises(TypeError, match="^gating_output: expected a NumPy array or torch "
+                                        "tensor, got list$"):
+        fusedmoe.fused_topk(torch.randn(T, H), [[0.5] * E] * T, k, True)
+
+
+def _routing_name_cases(torch=None):
+    """(exception, message start, call) for arguments fused_topk / grouped_topk put
+    into the config they build: each was named "config.<key>" (they take no config)."""
+    rng = np.random.default_rng(3)
+    g = rng.standard_normal((3, 8)).astype(np.float32)
+    if torch is not None:
+        g = torch.from_numpy(g)
+    return [
+        (ValueError, "routed_scaling_factor: expected a finite number, got nan",
+         lambda: fusedmoe.grouped_topk(g, 2, True, 4, 2, routed_scaling_factor=float("nan"))),
+        (ValueError, "routed_scaling_factor: expected a finite number, got inf",
+         lambda: fusedmoe.grouped_topk(g, 2, True, 4, 2, routed_scaling_factor=float("inf"))),
+        (ValueError, 'scoring_func: expected one of softmax, sigmoid, sqrtsoftplus, got "foo"',
+         lambda: fusedmoe.grouped_topk(g, 2, True, 4, 2, scoring_func="foo")),
+        (ValueError, 'group_score: expected one of max, sum_top2, got "foo"',
+         lambda: fusedmoe.grouped_topk(g, 2, True, 4, 2, group_score="foo")),
+        (ValueError, "topk: expected <= topk_group * experts per group",
+         lambda: fusedmoe.grouped_topk(g, 5, True, 4, 2)),
+        (ValueError, 'scoring_func: expected one of softmax, sigmoid, sqrtsoftplus, got "foo"',
+         lambda: fusedmoe.fused_topk(None, g, 2, True, "foo")),
+        (ValueError, "topk: expected 1 <= topk <= 8",
+         lambda: fusedmoe.fused_topk(None, g, 9, True)),
+    ] + ([] if torch is not None else [  # torch.ops check the str type themselves
+        (TypeError, "scoring_func: expected str, got int",
+         lambda: fusedmoe.fused_topk(None, g, 2, True, 5)),
+        (TypeError, "group_score: expected str, got int",
+         lambda: fusedmoe.grouped_topk(g, 2, True, 4, 2, group_score=5)),
+    ])
+
+
+def test_functional_routers_name_their_own_arguments():
+    for exc, start, call in _routing_name_cases():
+        with pytest.raises(exc) as e:
+            call()
+        assert str(e.value).startswith(start), (start, str(e.value))
+
+
+def test_functional_routers_name_their_own_arguments_torch():
+    torch = _torch()
+    for exc, start, call in _routing_name_cases(torch):
+        with pytest.raises(exc) as e:
+            call()
+        assert str(e.value).startswith(start), (start, str(e.value))
+
+
+def test_select_experts_names_keywords_and_config_keys():
+    """A key given as a keyword is named as such; one of a config dict keeps config.<key>."""
+    g = np.zeros((3, 8), np.float32)
+    with pytest.raises(ValueError, match='^scoring_func: expected one of .*got "foo"$'):
+        fusedmoe.select_experts(g, 2, scoring_func="foo")
+    with pytest.raises(ValueError, match='^config.scoring_func: expected one of .*got "foo"$'):
+        fusedmoe.select_experts(g, 2, config={"scoring_func": "foo"})
+    # the keyword overrides the config's value, and is the one named
+    with pytest.raises(ValueError, match="^routed_scaling_factor: expected a finite number"):
+        fusedmoe.select_experts(g, 2, config={"routed_scaling_factor": 1.0},
+                                routed_scaling_factor=float("nan"))
+    with pytest.raises(ValueError, match="^config.routed_scaling_factor: expected a finite"):
+        fusedmoe.select_experts(g, 2, config={"routed_scaling_factor": float("nan")})
+
+
+def test_fused_experts_non_finite_weights_are_named(case):
+    """NaN / Inf weights (fused_experts does not scan them) give a NaN output; the
+    error said only "the input or the weights overflow f32 arithmetic"."""
+    c = case
+    for bad in (np.nan, np.inf):
+        for name in ("w13", "w2"):
+            w = c[name].copy()
+            w[...] = bad
+            args = {"w13": c["w13"], "w2": c["w2"]}
+            args[name] = w
+            with pytest.raises(ValueError, match=r"^output: non-finite value at token 0, column 0 "
+                                                 r"\(the weights hold NaN or Inf, or the input or "
+                                                 r"the weights overflow f32 arithmetic\)$"):
+                fusedmoe.fused_experts(c["x"], args["w13"], args["w2"], c["tw"], c["ids"])

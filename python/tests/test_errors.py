@@ -77,7 +77,7 @@ def test_fused_experts_shape_and_value_errors(case):
 
 def test_routing_errors():
     logits = np.random.default_rng().standard_normal((4, 8)).astype(np.float32)
-    with pytest.raises(ValueError, match="top_k"):
+    with pytest.raises(ValueError, match="^topk: "):
         fusedmoe.fused_topk(None, logits, 9, True)
     with pytest.raises(ValueError, match="scoring_func"):
         fusedmoe.fused_topk(None, logits, 2, True, "relu")
@@ -208,7 +208,7 @@ def test_topk_ids_outside_int32_are_refused(case):
 def test_topk_is_checked_before_allocation():
     g = np.random.default_rng().standard_normal((3, 8)).astype(np.float32)
     for bad in (-1, 0, 9, 2**40):
-        with pytest.raises(ValueError, match="top_k: expected 1 <= top_k <= 8"):
+        with pytest.raises(ValueError, match="^topk: expected 1 <= topk <= 8"):
             fusedmoe.fused_topk(None, g, bad, True)
 
 

@@ -430,6 +430,11 @@ int run_run(const RunOptions& o) {
   FUSEDMOE_CHECK(!info.moe_layers.empty(), model_dir, ": the model has no MoE layers");
   const int64_t layer = o.layer >= 0 ? o.layer : info.moe_layers.front();
   MoEConfig config = info.layer_config(layer);
+  // Every expert-parallel rank holds an expert: name the option here (ExpertMap
+  // would name its own ep_size).
+  usage_check(o.ep_size <= config.num_experts, "--ep-size ", o.ep_size,
+              ": expected at most num_experts = ", config.num_experts, " (the routed experts of ",
+              model_dir, " layer ", layer, ")");
   // On the GPU an f16 checkpoint stays f16 unless --compute-dtype says otherwise.
   if (on_cuda && !o.compute_dtype_given && info.dtype == DType::kF16) compute_dtype = DType::kF16;
   if (parallel) {

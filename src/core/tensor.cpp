@@ -261,7 +261,8 @@ void require_finite_output(const TensorView& output) {
   int64_t t = 0, h = 0;
   if (first_non_finite(output, t, h))
     FUSEDMOE_THROW(kInvalidArgument, "output: non-finite value at token ", t, ", column ", h,
-                   " (the input or the weights overflow f32 arithmetic)");
+                   " (the weights hold NaN or Inf, or the input or the weights overflow f32 "
+                   "arithmetic)");
 }
 
 }  // namespace fusedmoe

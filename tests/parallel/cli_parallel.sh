@@ -101,6 +101,17 @@ fi
 grep -q "expected 3 ranks, but the MPI launcher started 2" "$TMP/log" ||
   { echo "FAIL: no rank-count message"; cat "$TMP/log"; exit 1; }
 
+# More EP ranks than experts (mixtral: 8): a usage error naming --ep-size (it
+# named ExpertMap's ep_size); every rank hits it, the first to report ends the job.
+rc=0
+$mpiexec $pre "$npflag" 9 "$BIN" run --model "$DATA/hf/mixtral" --tokens 4 --ep-size 9 \
+  >"$TMP/log" 2>&1 || rc=$?
+[ "$rc" -eq 2 ] || { echo "FAIL: --ep-size 9 with 8 experts: exit $rc, expected 2"; cat "$TMP/log"; exit 1; }
+grep -qE "^fusedmoe: error: rank [0-8]: --ep-size 9: expected at most num_experts = 8 \(" \
+  "$TMP/log" || { echo "FAIL: --ep-size 9 not named"; cat "$TMP/log"; exit 1; }
+grep -q "ExpertMap" "$TMP/log" && { echo "FAIL: ExpertMap named"; cat "$TMP/log"; exit 1; }
+echo "ok --ep-size beyond the experts"
+
 # An argument error: every rank that hits it prints it, with its rank.
 if $mpiexec $pre "$npflag" 2 "$BIN" run --tokens 4 --ep-size 0 >"$TMP/log" 2>&1; then
   echo "FAIL: --ep-size 0 succeeded"; exit 1

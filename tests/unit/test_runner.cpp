@@ -244,6 +244,28 @@ TEST(MoERunner, OverflowingInputIsAnError) {
   }
 }
 
+// Weights built by the caller (not loaded: the loader rejects them) may hold
+// NaN or Inf: the message names that cause too, not only an overflow.
+TEST(MoERunner, NonFiniteWeightsAreNamedInTheOutputError) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  const MoEConfig c = arch_configs()[0].second;  // mixtral
+  const int64_t T = 3, H = c.hidden_size;
+  for (const float bad : {std::nanf(""), INFINITY}) {
+    SCOPED_TRACE(bad);
+    MoELayerWeights w = random_layer(rng, c, DType::kF32);
+    float* w2 = w.experts.w2.data_as<float>();
+    std::fill(w2, w2 + w.experts.w2.numel(), bad);  // every expert, every token
+    MoERunner runner(c, std::move(w));
+    Tensor hidden = test::random_f32(rng, {T, H});
+    Tensor out = Tensor::empty(DType::kF32, {T, H});
+    expect_error([&] { runner.forward(hidden, out); },
+                 {"output: non-finite value at token 0, column 0",
+                  "the weights hold NaN or Inf, or the input or the weights overflow f32"});
+  }
+}
+
 TEST(MoERunner, RejectsBadShapesBeforeWriting) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE(testing::Message() << "seed " << seed);

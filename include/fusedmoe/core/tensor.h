@@ -140,9 +140,11 @@ void check_tensor(const TensorView& t, const char* name, DType dtype,
 void check_finite_rows(const TensorView& t, const char* name, const char* row_name = "token");
 
 // A computed f32 [T, H] host output (MoERunner, the functional fused_experts):
-// a finite input can still overflow f32 inside the experts (|x| ~ 1e30), so
-// its first NaN / Inf throws Error(kInvalidArgument) "output: non-finite value
-// at token t, column h (the input or the weights overflow f32 arithmetic)".
+// a finite input can still overflow f32 inside the experts (|x| ~ 1e30), and
+// weights given by the caller may hold NaN / Inf, so its first NaN / Inf
+// throws Error(kInvalidArgument) "output: non-finite value at token t, column
+// h (the weights hold NaN or Inf, or the input or the weights overflow f32
+// arithmetic)".
 void require_finite_output(const TensorView& output);
 
 }  // namespace fusedmoe
