@@ -251,6 +251,34 @@ std::string with_global_tokens(const std::string& what, int64_t first, int64_t n
   return out + what.substr(pos);
 }
 
+// The files a run reads for the model `model` (a folder, its config.json or a
+// checkpoint file), each with what it is: the config.json, then the checkpoint
+// (one .safetensors file, or the index and each shard it lists). What cannot
+// be found or opened is left out: loading the model reports it.
+std::vector<std::pair<std::string, std::string>> model_files(const std::string& model) {
+  std::vector<std::pair<std::string, std::string>> out;
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::path p(model);
+  const bool dir = fs::is_directory(p, ec);
+  if (dir || p.extension() != ".json")  // a folder's or a checkpoint file's config.json
+    out.push_back({((dir ? p : p.has_parent_path() ? p.parent_path() : fs::path(".")) /
+                    "config.json")
+                       .string(),
+                   "config.json"});
+  else
+    out.push_back({model, "config.json"});
+  try {
+    const Checkpoint checkpoint = Checkpoint::open(model);
+    for (const std::string& file : checkpoint.files())
+      out.push_back({file, checkpoint.index_path().empty() ? "checkpoint"
+                           : file == checkpoint.index_path() ? "index"
+                                                             : "shard"});
+  } catch (const Error&) {
+  }
+  return out;
+}
+
 void print_histogram(const std::vector<int64_t>& counts, int64_t routed) {
   const int64_t E = static_cast<int64_t>(counts.size());
   const int64_t max_count = std::max<int64_t>(1, *std::max_element(counts.begin(), counts.end()));
@@ -357,13 +385,23 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
 int run_run(const RunOptions& o) {
   usage_check(!o.input.empty() || o.tokens >= 0,
               "no input: give --input FILE [--input-key KEY], or --tokens T");
-  // The output is written over an existing file only if it is none of the inputs.
-  for (const auto& [path, flag] : {std::pair{o.input, "--input"}, {o.reference, "--reference"}}) {
-    std::error_code ec;
-    FUSEDMOE_CHECK(
-        o.output.empty() || path.empty() || !std::filesystem::equivalent(o.output, path, ec),
-        "--output ", o.output, ": is the same file as ", flag, " ", path,
-        " (it would be overwritten)");
+  // The output is written over an existing file only if it is none of the
+  // files the run reads: --input, --reference, and the model's config.json,
+  // checkpoint, index and every shard the index lists (compared as files: a
+  // link or another path to one of them is the same file).
+  if (!o.output.empty()) {
+    const auto same = [&](const std::string& path) {
+      std::error_code ec;
+      return !path.empty() && std::filesystem::equivalent(o.output, path, ec);
+    };
+    for (const auto& [path, flag] :
+         {std::pair{o.input, "--input"}, {o.reference, "--reference"}})
+      usage_check(!same(path), "--output ", o.output, ": is the same file as ", flag, " ", path,
+                  " (it would be overwritten)");
+    const std::string model = o.model.empty() ? bundled_model_dir() : o.model;
+    for (const auto& [path, what] : model_files(model))
+      usage_check(!same(path), "--output ", o.output, ": is the same file as ", path, " (the ",
+                  what, " of --model ", model, "; it would be overwritten)");
   }
   usage_check(o.output.size() < 4 || o.output.compare(o.output.size() - 4, 4, ".npy") != 0,
               "--output ", o.output,

@@ -137,10 +137,46 @@ python3 -c "import numpy" 2>/dev/null && {
     run --model "$FIX" --layer 1 --input "$TMP/x.npy" --input-key x
 }
 cp "$REF" "$TMP/in.safetensors"
-expect_error "--output is the --input file" "is the same file as --input" -- run --model "$FIX" \
+expect_usage "--output is the --input file" "is the same file as --input" -- run --model "$FIX" \
   --layer 1 --input "$TMP/in.safetensors" --input-key layers.1.T5.input --output "$TMP/in.safetensors"
 cmp -s "$REF" "$TMP/in.safetensors" || { echo "FAIL: the input was changed"; failures=$((failures + 1)); }
 rm -f "$TMP/in.safetensors"
+# --output is never a file of the model (its config.json, checkpoint, index or a
+# shard): a usage error naming --model, the file left as it was (compared as files:
+# through a symbolic link too).
+mkdir -p "$TMP/own" "$TMP/own-sharded"
+cp "$FIX/config.json" "$FIX/model.safetensors" "$TMP/own/"
+cp "$FIX/config.json" "$TMP/own-sharded/"
+cp "$FIX/model.safetensors" "$TMP/own-sharded/model-00001-of-00001.safetensors"
+python3 - "$TMP/own-sharded" <<'PY'
+import json, struct, sys
+d = sys.argv[1]
+raw = open(f"{d}/model-00001-of-00001.safetensors", "rb").read()
+n = struct.unpack("<Q", raw[:8])[0]
+names = [k for k in json.loads(raw[8:8 + n]) if k != "__metadata__"]
+json.dump({"metadata": {}, "weight_map": {k: "model-00001-of-00001.safetensors" for k in names}},
+          open(f"{d}/model.safetensors.index.json", "w"))
+PY
+ln -s "$TMP/own/model.safetensors" "$TMP/own-link.safetensors"
+for c in "$TMP/own:$TMP/own/model.safetensors:the checkpoint" \
+  "$TMP/own/model.safetensors:$TMP/own/model.safetensors:the checkpoint" \
+  "$TMP/own:$TMP/own/config.json:the config.json" \
+  "$TMP/own:$TMP/own-link.safetensors:the checkpoint" \
+  "$TMP/own-sharded:$TMP/own-sharded/model.safetensors.index.json:the index" \
+  "$TMP/own-sharded:$TMP/own-sharded/model-00001-of-00001.safetensors:the shard"; do
+  IFS=: read -r m o what <<<"$c"
+  expect_usage "--output $o of --model $m" "--output $o: is the same file as" -- \
+    run --model "$m" --layer 1 --tokens 2 --output "$o"
+  grep -qF "($what of --model $m; it would be overwritten)" "$TMP/stderr" ||
+    { echo "FAIL --output $o: does not name $what of --model"; failures=$((failures + 1)); }
+done
+cmp -s "$FIX/model.safetensors" "$TMP/own/model.safetensors" && cmp -s "$FIX/config.json" "$TMP/own/config.json" &&
+  cmp -s "$FIX/model.safetensors" "$TMP/own-sharded/model-00001-of-00001.safetensors" ||
+  { echo "FAIL: a model file was changed"; failures=$((failures + 1)); }
+# ... while any other file in the model's folder may be written.
+"$BIN" run --model "$TMP/own-sharded" --layer 1 --tokens 2 --quiet --output "$TMP/own-sharded/out.safetensors" >/dev/null ||
+  { echo "FAIL: --output beside the model"; failures=$((failures + 1)); }
+rm -rf "$TMP/own" "$TMP/own-sharded" "$TMP/own-link.safetensors"
 
 # A FIFO where a file is expected: a clear error, not a reader blocked forever.
 mkfifo "$TMP/fifo.safetensors"
