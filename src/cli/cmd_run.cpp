@@ -262,7 +262,9 @@ std::vector<std::pair<std::string, std::string>> model_files(const std::string& 
   const fs::path p(model);
   const bool dir = fs::is_directory(p, ec);
   if (dir || p.extension() != ".json")  // a folder's or a checkpoint file's config.json
-    out.push_back({((dir ? p : p.has_parent_path() ? p.parent_path() : fs::path(".")) /
+    out.push_back({((dir                   ? p
+                     : p.has_parent_path() ? p.parent_path()
+                                           : fs::path(".")) /
                     "config.json")
                        .string(),
                    "config.json"});
@@ -271,7 +273,7 @@ std::vector<std::pair<std::string, std::string>> model_files(const std::string& 
   try {
     const Checkpoint checkpoint = Checkpoint::open(model);
     for (const std::string& file : checkpoint.files())
-      out.push_back({file, checkpoint.index_path().empty() ? "checkpoint"
+      out.push_back({file, checkpoint.index_path().empty()   ? "checkpoint"
                            : file == checkpoint.index_path() ? "index"
                                                              : "shard"});
   } catch (const Error&) {
@@ -394,8 +396,7 @@ int run_run(const RunOptions& o) {
       std::error_code ec;
       return !path.empty() && std::filesystem::equivalent(o.output, path, ec);
     };
-    for (const auto& [path, flag] :
-         {std::pair{o.input, "--input"}, {o.reference, "--reference"}})
+    for (const auto& [path, flag] : {std::pair{o.input, "--input"}, {o.reference, "--reference"}})
       usage_check(!same(path), "--output ", o.output, ": is the same file as ", flag, " ", path,
                   " (it would be overwritten)");
     const std::string model = o.model.empty() ? bundled_model_dir() : o.model;
