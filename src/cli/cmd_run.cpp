@@ -61,6 +61,24 @@ Tensor read_npy(const std::string& path) {
   std::string header(header_len, '\0');
   f.read(header.data(), header_len);
   if (!f) FUSEDMOE_THROW(kIo, path, ": truncated .npy header");
+  // The header is a Python dict literal (padded with spaces, ended by a newline).
+  {
+    const size_t b = header.find_first_not_of(" \t\r\n"), e = header.find_last_not_of(" \t\r\n");
+    const char* why = b == std::string::npos ? "it is empty"
+                      : header[b] != '{'     ? "it does not begin with '{'"
+                      : header[e] != '}'     ? "it has no closing '}'"
+                                             : nullptr;
+    if (why) {
+      std::string shown =
+          b == std::string::npos ? "" : header.substr(b, std::min<size_t>(e - b + 1, 80));
+      for (char& c : shown)
+        if (static_cast<unsigned char>(c) < 0x20 || static_cast<unsigned char>(c) >= 0x7f) c = '?';
+      FUSEDMOE_THROW(kIo, path,
+                     ": malformed .npy header: expected a dict {'descr': ..., 'fortran_order': "
+                     "..., 'shape': (...)}, but ",
+                     why, " (header: \"", shown, e - b + 1 > 80 ? "...\")" : "\")");
+    }
+  }
   auto field = [&](const char* key) {
     const auto p = header.find(key);
     if (p == std::string::npos) FUSEDMOE_THROW(kIo, path, ": .npy header has no ", key);

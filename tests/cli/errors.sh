@@ -437,10 +437,17 @@ npy("unclosed.npy", "{'descr': '<f4', 'fortran_order': False, 'shape': (3, 128, 
 npy("negative.npy", "{'descr': '<f4', 'fortran_order': False, 'shape': (-1, 128), }")
 npy("huge.npy", "{'descr': '<f4', 'fortran_order': False, 'shape': (1000000000000, 128), }")
 npy("record.npy", "{'descr': [('a', '<f4')], 'fortran_order': False, 'shape': (4,), }")
+npy("unbraced.npy", "{'descr': '<f4', 'fortran_order': False, 'shape': (2, 128), ")
+npy("nodict.npy", "'descr': '<f4', 'fortran_order': False, 'shape': (2, 128)}")
 npy("overflow.npy", "{'descr': '<f4', 'fortran_order': False, 'shape': (4611686018427387904, 4611686018427387904), }")
 PY
 expect_error ".npy shape unclosed" "unclosed.npy: .npy header: malformed shape" -- \
   run --model "$FIX" --layer 1 --input "$TMP/unclosed.npy"
+# A header that is no dict: named as such, not read on to a data-length error.
+expect_error ".npy header without its closing brace" "unbraced.npy: malformed .npy header: expected a dict {'descr': ..., 'fortran_order': ..., 'shape': (...)}, but it has no closing '}' (header: \"{'descr': '<f4', 'fortran_order': False, 'shape': (2, 128),\")" -- \
+  run --model "$FIX" --layer 1 --input "$TMP/unbraced.npy"
+expect_error ".npy header without its opening brace" "nodict.npy: malformed .npy header: expected a dict" -- \
+  run --model "$FIX" --layer 1 --input "$TMP/nodict.npy"
 expect_error ".npy negative size" "negative.npy: .npy header: expected non-negative sizes" -- \
   run --model "$FIX" --layer 1 --input "$TMP/negative.npy"
 expect_error ".npy shape beyond its data" "huge.npy: .npy data shorter than its shape (1000000000000, 128): 512 bytes" -- \
