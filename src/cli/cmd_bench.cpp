@@ -230,6 +230,26 @@ int run_bench(const BenchOptions& o) {
   if (o.threads > 0) ThreadPool::set_global_num_threads(o.threads);
   const int threads = ThreadPool::global().num_threads();
   const bool baseline = !o.no_baseline;
+  // Each shape as run: capped by --max-experts, then fitted to the memory
+  // budget (an error before anything is measured when one cannot fit).
+  const size_t budget =
+      static_cast<size_t>(o.memory_fraction * static_cast<double>(physical_memory_bytes()));
+  std::vector<LayerShape> fitted;
+  for (const LayerShape& requested : shapes) {
+    try {
+      fitted.push_back(
+          fit_to_memory(cap_experts(requested, o.max_experts), dtype, baseline, budget));
+    } catch (const Error& e) {
+      // "--memory-fraction: ..." with the value given and the memory it is a share of.
+      std::string what = e.what();
+      const std::string flag = "--memory-fraction: ";
+      if (what.rfind(flag, 0) == 0)
+        what = "--memory-fraction " + exact_number(o.memory_fraction) + " (of " +
+               format_bytes(static_cast<double>(physical_memory_bytes())) +
+               " physical memory): " + what.substr(flag.size());
+      throw Error(e.code(), what);
+    }
+  }
 
   // The CSV goes to a temporary file beside it (created now, so a path that
   // cannot be written fails before the benchmark runs), renamed into place
@@ -274,13 +294,9 @@ int run_bench(const BenchOptions& o) {
   std::printf("\n");
   std::fflush(stdout);
 
-  const size_t budget =
-      static_cast<size_t>(o.memory_fraction * static_cast<double>(physical_memory_bytes()));
   uint64_t seed = o.seed;
   size_t max_peak = 0;
-  for (const LayerShape& requested : shapes) {
-    LayerShape capped = cap_experts(requested, o.max_experts);
-    const LayerShape shape = fit_to_memory(capped, dtype, baseline, budget);
+  for (const LayerShape& shape : fitted) {
     reset_peak_rss();
     const auto t0 = std::chrono::steady_clock::now();
     SyntheticLayer layer = make_synthetic_layer(shape, dtype, ++seed, baseline);

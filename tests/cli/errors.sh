@@ -345,6 +345,18 @@ expect_usage "bench --expert-placement round-robin" "--expert-placement round-ro
 expect_usage "run --expert-placement with --ep-size 2" "--ep-size 2 --tp-size 1 --dp-size 1: expected 2 ranks" -- \
   run --model "$FIX" --layer 1 --tokens 2 --expert-placement round-robin --ep-size 2
 
+# A shape that does not fit --memory-fraction even at E = top_k: an error naming the
+# option, the bytes needed and the budget, before anything runs (not a claim that it
+# was scaled to fit). Mixtral at E = 2 needs 1409286144 bytes in f32: over 0.01 of
+# any machine with less than 140 GB.
+if python3 -c 'import os, sys; sys.exit(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 100 >= 1409286144)'; then
+  expect_error "bench --memory-fraction too small for a shape" "--memory-fraction 0.01 (of " -- \
+    bench --memory-fraction 0.01 --shapes mixtral --tokens 1 --min-time 0
+  grep -qF "shape 'mixtral' needs 1409286144 bytes even at its fewest experts (E = top_k = 2, the least --max-experts takes), over the budget of" "$TMP/stderr" &&
+    ! grep -q "^## mixtral" "$TMP/stdout" ||
+    { echo "FAIL bench --memory-fraction too small: message or output"; cat "$TMP/stderr"; failures=$((failures + 1)); }
+fi
+
 # bench: a NaN --memory-fraction is refused (CLI::Range lets NaN through).
 rc=0
 "$BIN" bench --memory-fraction nan --shapes qwen3-cpu --tokens 1 >"$TMP/stdout" 2>"$TMP/stderr" || rc=$?
