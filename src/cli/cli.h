@@ -135,6 +135,7 @@ struct RunOptions {
   std::string expert_placement = "contiguous";
   bool expert_placement_given = false;
   std::string dispatch_dtype = "auto";
+  bool dispatch_dtype_given = false;
 };
 CLI::App* add_run_command(CLI::App& app, RunOptions& opts);
 int run_run(const RunOptions& opts);
@@ -160,6 +161,7 @@ struct BenchOptions {
   std::string expert_placement = "contiguous";
   bool expert_placement_given = false;
   std::string dispatch_dtype = "auto";
+  bool dispatch_dtype_given = false;
 };
 CLI::App* add_bench_command(CLI::App& app, BenchOptions& opts);
 int run_bench(const BenchOptions& opts);
@@ -224,11 +226,13 @@ void check_launch_size(int ep_size, int tp_size, int dp_size);
 // --expert-placement of run and bench (its count tells whether it was given).
 CLI::Option* add_expert_placement_option(CLI::App& cmd, std::string& value);
 // --dispatch-dtype and --expert-placement (of run and bench) where they mean
-// nothing: UsageError. The dispatch payload needs --ep-size or --dp-size > 1
-// and the CPU backend (the GPUs' dispatch has its own); the placement, given
+// nothing: UsageError. The dispatch payload, given (`dispatch_given`, any
+// value, auto too), needs --ep-size or --dp-size > 1, and a value other than
+// auto the CPU backend (the GPUs' dispatch has its own); the placement, given
 // (`placement_given`), needs --ep-size > 1.
 void check_ep_options(int ep_size, int dp_size, const std::string& dispatch_dtype,
-                      const std::string& expert_placement, bool placement_given, bool on_cuda);
+                      bool dispatch_given, const std::string& expert_placement,
+                      bool placement_given, bool on_cuda);
 // Under a launcher with more than one rank (and a build with MPI), main()
 // starts MPI for every command, so that no rank waits in MPI_Init for one that
 // never calls it (--help on one rank, run on another), and the ranks compare

@@ -115,9 +115,10 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& o) {
   cmd->add_option("--dp-size", o.dp_size, "Data-parallel token groups (naive DP + EP)")
       ->transform(kPositiveInt);
   CLI::Option* placement = add_expert_placement_option(*cmd, o.expert_placement);
-  cmd->add_option("--dispatch-dtype", o.dispatch_dtype, "EP dispatch payload: auto, f32, bf16, fp8")
-      ->check(CLI::IsMember({"auto", "f32", "bf16", "fp8"}))
-      ->capture_default_str();
+  CLI::Option* dispatch = cmd->add_option("--dispatch-dtype", o.dispatch_dtype,
+                                          "EP dispatch payload: auto, f32, bf16, fp8")
+                              ->check(CLI::IsMember({"auto", "f32", "bf16", "fp8"}))
+                              ->capture_default_str();
   cmd->add_option("--backend", o.backend,
                   "cpu, or cuda: routed experts on the GPU (bf16, CUDA graphs and events, "
                   "--routing as on the CPU; shapes mixtral, qwen3, deepseek)")
@@ -128,7 +129,10 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& o) {
                   "cuda: write routings, outputs and manifest.json for "
                   "bench/cuda/torch_baseline.py (PyTorch on the same inputs)")
       ->check(kNonEmpty);
-  cmd->callback([&o, placement] { o.expert_placement_given = placement->count() > 0; });
+  cmd->callback([&o, placement, dispatch] {
+    o.expert_placement_given = placement->count() > 0;
+    o.dispatch_dtype_given = dispatch->count() > 0;
+  });
   return cmd;
 }
 
@@ -145,8 +149,8 @@ int run_bench(const BenchOptions& o) {
                 ": options of --backend cuda, given without it (the CPU bench has its own "
                 "BLAS baseline, tile-free kernels and host communicator)");
   }
-  check_ep_options(o.ep_size, o.dp_size, o.dispatch_dtype, o.expert_placement,
-                   o.expert_placement_given, o.backend == "cuda");
+  check_ep_options(o.ep_size, o.dp_size, o.dispatch_dtype, o.dispatch_dtype_given,
+                   o.expert_placement, o.expert_placement_given, o.backend == "cuda");
   // --max-experts below a shape's top_k: an error naming both, before anything runs.
   for (const auto& name : split_list(o.shapes)) {
     try {

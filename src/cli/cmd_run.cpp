@@ -387,17 +387,19 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
                   "over them (all-gather / reduce-scatter)")
       ->transform(kPositiveInt);
   CLI::Option* placement = add_expert_placement_option(*cmd, o.expert_placement);
-  cmd->add_option("--dispatch-dtype", o.dispatch_dtype,
-                  "EP dispatch payload: auto, f32, bf16 or fp8 (e4m3, 1x128 group scales)")
-      ->check(CLI::IsMember({"auto", "f32", "bf16", "fp8"}))
-      ->capture_default_str();
-  cmd->callback([&o, seed, cdt, input, tokens, placement] {
+  CLI::Option* dispatch =
+      cmd->add_option("--dispatch-dtype", o.dispatch_dtype,
+                      "EP dispatch payload: auto, f32, bf16 or fp8 (e4m3, 1x128 group scales)")
+          ->check(CLI::IsMember({"auto", "f32", "bf16", "fp8"}))
+          ->capture_default_str();
+  cmd->callback([&o, seed, cdt, input, tokens, placement, dispatch] {
     // A command line that lacks its input does not parse (exit code 2).
     if (input->count() == 0 && tokens->count() == 0)
       throw CLI::ValidationError("no input: give --input FILE [--input-key KEY], or --tokens T");
     o.seed_given = seed->count() > 0;
     o.compute_dtype_given = cdt->count() > 0;
     o.expert_placement_given = placement->count() > 0;
+    o.dispatch_dtype_given = dispatch->count() > 0;
   });
   return cmd;
 }
@@ -442,8 +444,8 @@ int run_run(const RunOptions& o) {
   // Parallel layout: every rank loads its share and runs its token group's
   // rows; the results are gathered and rank 0 reports and writes.
   const bool parallel = o.ep_size > 1 || o.tp_size > 1 || o.dp_size > 1;
-  check_ep_options(o.ep_size, o.dp_size, o.dispatch_dtype, o.expert_placement,
-                   o.expert_placement_given, on_cuda);
+  check_ep_options(o.ep_size, o.dp_size, o.dispatch_dtype, o.dispatch_dtype_given,
+                   o.expert_placement, o.expert_placement_given, on_cuda);
   // Under mpirun the sizes must account for every rank .
   check_launch_size(o.ep_size, o.tp_size, o.dp_size);
   std::shared_ptr<Communicator> world;

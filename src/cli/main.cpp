@@ -224,9 +224,9 @@ CLI::Option* add_expert_placement_option(CLI::App& cmd, std::string& value) {
 }
 
 void check_ep_options(int ep_size, int dp_size, const std::string& dispatch_dtype,
-                      const std::string& expert_placement, bool placement_given, bool on_cuda) {
-  usage_check(dispatch_dtype == "auto" || ep_size > 1 || dp_size > 1, "--dispatch-dtype ",
-              dispatch_dtype,
+                      bool dispatch_given, const std::string& expert_placement,
+                      bool placement_given, bool on_cuda) {
+  usage_check(!dispatch_given || ep_size > 1 || dp_size > 1, "--dispatch-dtype ", dispatch_dtype,
               ": the expert-parallel dispatch payload, needs --ep-size > 1 (or --dp-size > 1)");
   // The GPUs' expert parallelism (CudaEpMoELayer) has a payload of its own.
   usage_check(!on_cuda || dispatch_dtype == "auto", "--dispatch-dtype ", dispatch_dtype,

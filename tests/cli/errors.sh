@@ -330,6 +330,14 @@ for cmd in run bench; do
   expect_usage "$cmd --backend cuda --dispatch-dtype fp8" "--dispatch-dtype fp8: an option of the CPU backend" -- \
     "${a[@]}" --backend cuda --ep-size 2 --dispatch-dtype fp8
 done
+# --dispatch-dtype given without expert parallelism, any value (auto too), is a usage
+# error as --expert-placement is, for run and bench.
+for v in auto f32; do
+  expect_usage "run --dispatch-dtype $v without expert parallelism" "--dispatch-dtype $v: the expert-parallel dispatch payload, needs --ep-size > 1" -- \
+    run --model "$FIX" --layer 1 --tokens 1 --dispatch-dtype $v
+  expect_usage "bench --dispatch-dtype $v without expert parallelism" "--dispatch-dtype $v: the expert-parallel dispatch payload, needs --ep-size > 1" -- \
+    bench --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0 --dispatch-dtype $v --tp-size 1
+done
 # --expert-placement without expert parallelism (--ep-size 1, also beside --tp-size or
 # --dp-size): it has no meaning there, a usage error rather than ignored.
 placement_msg="needs --ep-size > 1"
