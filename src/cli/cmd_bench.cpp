@@ -67,6 +67,11 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& o) {
             try {
               const std::vector<std::string> names = split_list(input);
               if (names.empty()) return "expected at least one shape, got \"" + input + "\"";
+              // split_list drops empty items: "qwen3,,mixtral" is refused, as --tokens does.
+              if (names.size() !=
+                  static_cast<size_t>(std::count(input.begin(), input.end(), ',') + 1))
+                return "expected a comma-separated list of shape names, got \"" + input +
+                       "\" (an empty item)";
               for (const auto& name : names) bench::find_shape(name);
             } catch (const Error& e) {
               const std::string why = e.what();

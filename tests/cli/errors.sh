@@ -312,6 +312,10 @@ expect_rc "run --layer 0 (not MoE)" 1 run --model "$FIX" --layer 0 --tokens 3
 # command does not take) exit with 2 as well; the README says so.
 expect_usage "bench --shapes foo" "--shapes: expected one of mixtral, qwen3, deepseek, qwen3-cpu, got \"foo\"" -- \
   bench --shapes foo --tokens 1
+for v in ,qwen3-cpu qwen3-cpu,,mixtral qwen3-cpu, "qwen3-cpu, ,mixtral"; do
+  expect_usage "bench --shapes '$v'" "--shapes: expected a comma-separated list of shape names, got \"$v\" (an empty item)" -- \
+    bench --shapes "$v" --max-experts 8 --tokens 1 --min-time 0
+done
 expect_usage "bench --shapes ," "--shapes: expected at least one shape, got \",\"" -- bench --shapes , --tokens 1
 expect_usage "bench --sweep on the CPU" "--sweep: options of --backend cuda, given without it" -- \
   bench --shapes qwen3-cpu --tokens 1 --sweep
