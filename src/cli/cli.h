@@ -233,6 +233,9 @@ CLI::Option* add_expert_placement_option(CLI::App& cmd, std::string& value);
 void check_ep_options(int ep_size, int dp_size, const std::string& dispatch_dtype,
                       bool dispatch_given, const std::string& expert_placement,
                       bool placement_given, bool on_cuda);
+// FUSEDMOE_COMM_TIMEOUT_S that is set but no number of seconds in (0, 1e9]:
+// UsageError naming it (run and bench check it on every launch, one rank too).
+void check_comm_timeout();
 // Under a launcher with more than one rank (and a build with MPI), main()
 // starts MPI for every command, so that no rank waits in MPI_Init for one that
 // never calls it (--help on one rank, run on another), and the ranks compare

@@ -131,13 +131,17 @@ std::shared_ptr<Communicator> launch_world() {
   return launch().world;
 }
 
-void start_launch(const std::string& ran, bool parse_failed, bool collectives) {
-  if (!mpi_built() || !launched_by_mpi() || launcher_world_size() == 1) return;
-  try {  // the deadline of every wait below: a usage error before any rank waits
+void check_comm_timeout() {
+  try {
     comm_timeout_seconds();
   } catch (const fusedmoe::Error& e) {
     throw UsageError(e.what());
   }
+}
+
+void start_launch(const std::string& ran, bool parse_failed, bool collectives) {
+  if (!mpi_built() || !launched_by_mpi() || launcher_world_size() == 1) return;
+  check_comm_timeout();  // the deadline of every wait below: a usage error before any rank waits
   std::shared_ptr<Communicator> world = make_mpi_communicator();
   if (world->size() <= 1) return;
   Launch& l = launch();
@@ -242,11 +246,7 @@ std::shared_ptr<Communicator> make_parallel_world(
     const std::vector<std::pair<std::string, std::string>>& options, const char* command) {
   // A FUSEDMOE_COMM_TIMEOUT_S that is no number of seconds: a usage error
   // before any rank waits on another.
-  try {
-    comm_timeout_seconds();
-  } catch (const fusedmoe::Error& e) {
-    throw UsageError(e.what());
-  }
+  check_comm_timeout();
   // check_launch_size() ran before (the callers need it for one-rank runs too);
   // the size check below catches launchers it cannot see.
   Launch& l = launch();
@@ -455,6 +455,9 @@ int main(int argc, char** argv) {
     return code;
   };
   try {
+    // run and bench take FUSEDMOE_COMM_TIMEOUT_S on one rank too (a usage error
+    // whatever the launch, as under mpirun).
+    if (collectives) check_comm_timeout();
     if (inspect->parsed()) return run_inspect(inspect_opts);
     if (run->parsed()) return run_run(run_opts);
     if (bench->parsed()) return run_bench(bench_opts);

@@ -257,6 +257,13 @@ for v in " 16" 0x10 inf; do
     "FUSEDMOE_COMM_TIMEOUT_S: expected a decimal number of seconds in (0, 1e+09], got \"$v\"" -- \
     run --model "$FIX" --layer 1 --tokens 2 --ep-size 2
 done
+# ... on one rank without expert parallelism too, for run and bench (README: a usage error).
+FUSEDMOE_COMM_TIMEOUT_S=abc expect_usage "FUSEDMOE_COMM_TIMEOUT_S=abc, run on one rank" \
+  "FUSEDMOE_COMM_TIMEOUT_S: expected a decimal number of seconds in (0, 1e+09], got \"abc\"" -- \
+  run --model "$FIX" --layer 1 --tokens 4
+FUSEDMOE_COMM_TIMEOUT_S=0 expect_usage "FUSEDMOE_COMM_TIMEOUT_S=0, bench on one rank" \
+  "FUSEDMOE_COMM_TIMEOUT_S: expected a decimal number of seconds in (0, 1e+09], got \"0\"" -- \
+  bench --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0
 # A leading zero is decimal, not octal: 010 tokens are 10.
 "$BIN" run --model "$FIX" --layer 1 --tokens 010 --quiet >"$TMP/stdout" 2>"$TMP/stderr" || true
 if ! grep -q "T = 10$" "$TMP/stdout"; then
