@@ -427,10 +427,15 @@ int main(int argc, char** argv) {
     return fail(e.what(), 1);
   }
 
+  // Under a launch, rank 0 alone prints what the commands print (--help,
+  // --version, inspect), as run does; the other ranks stay silent. Parse
+  // errors are every rank's own.
+  const bool silent_rank = launch_world() && launch_world()->rank() != 0;
   if (parse_error) {
     try {
       std::rethrow_exception(parse_error);
     } catch (const CLI::Success& e) {  // --help, --version
+      if (silent_rank) return 0;
       return app.exit(e);
     } catch (const CLI::ParseError& e) {
       if (app.get_subcommands().empty()) {
@@ -458,7 +463,7 @@ int main(int argc, char** argv) {
     // run and bench take FUSEDMOE_COMM_TIMEOUT_S on one rank too (a usage error
     // whatever the launch, as under mpirun).
     if (collectives) check_comm_timeout();
-    if (inspect->parsed()) return run_inspect(inspect_opts);
+    if (inspect->parsed()) return silent_rank ? 0 : run_inspect(inspect_opts);
     if (run->parsed()) return run_run(run_opts);
     if (bench->parsed()) return run_bench(bench_opts);
     return end("no command given (try --help)", 2);
