@@ -276,7 +276,8 @@ int run_bench(const BenchOptions& o) {
   }
 
   std::printf("# fusedmoe bench\n\n");
-  std::printf("- CPU: %s, %d threads, SIMD %s\n", cpu_model_name().c_str(), threads, simd_isa());
+  std::printf("- CPU: %s, %s, SIMD %s\n", cpu_model_name().c_str(),
+              count_of(threads, "thread").c_str(), simd_isa());
   std::printf(
       "- weights and compute: %s; routing: simulated %s; timing: median after 1 warm-up, "
       ">= 3 runs (2 if over 1 s each) and >= %.2f s, at most 1000 runs\n",
@@ -285,8 +286,8 @@ int run_bench(const BenchOptions& o) {
   const Ceilings ceil = measure_ceilings(threads);
   std::printf(
       "- ceilings (measured now): peak fp32 FMA %.1f GFLOP/s (register-only %s "
-      "microkernel, %d threads); read bandwidth %.1f GB/s (streaming sum over 1 GiB)\n",
-      ceil.peak_gflops, ceil.isa.c_str(), threads, ceil.read_gbps);
+      "microkernel, %s); read bandwidth %.1f GB/s (streaming sum over 1 GiB)\n",
+      ceil.peak_gflops, ceil.isa.c_str(), count_of(threads, "thread").c_str(), ceil.read_gbps);
   std::printf(
       "- roofline floor = max(bytes / bandwidth, FLOPs / peak); FLOPs = 2*T*k*3*H*I; bytes = "
       "distinct experts touched x expert bytes + activations in/out\n");
@@ -297,9 +298,9 @@ int run_bench(const BenchOptions& o) {
   if (baseline)
     std::printf(
         "- baseline: BLAS-per-expert loop (gather rows, OpenBLAS sgemm on f32 weights for "
-        "w13, SiLU-GLU, sgemm for w2, scatter-add), each GEMM split over the %d threads "
+        "w13, SiLU-GLU, sgemm for w2, scatter-add), each GEMM split over %s "
         "along N; OpenBLAS kernel %s\n",
-        threads, openblas_kernel_description().c_str());
+        count_of(threads, "thread").c_str(), openblas_kernel_description().c_str());
   std::printf("\n");
   std::fflush(stdout);
 
@@ -349,22 +350,27 @@ int run_bench(const BenchOptions& o) {
         ours.forward(batches[0], out);
         base->forward(batches[0], ref);
         diff = rel_l2(out.data_as<float>(), ref.data_as<float>(), static_cast<size_t>(T * shape.H));
-        std::printf(" %.3f | %.1f | %.2fx | %.1e |", t_base * 1e3, roof.flops / t_base * 1e-9,
-                    t_base / t_ours, diff);
+        // T = 0: both times are the call's overhead alone; no speedup to speak of.
+        char speedup[32] = "-";
+        if (T > 0) std::snprintf(speedup, sizeof speedup, "%.2fx", t_base / t_ours);
+        std::printf(" %.3f | %.1f | %s | %.1e |", t_base * 1e3, roof.flops / t_base * 1e-9, speedup,
+                    diff);
       }
       std::printf("\n");
       std::fflush(stdout);
       if (csv) {
+        char speedup[32] = "";  // none at T = 0, as in the table
+        if (baseline && T > 0) std::snprintf(speedup, sizeof speedup, "%.4f", t_base / t_ours);
         char row[512];
         std::snprintf(
             row, sizeof row,
-            "%s,%lld,%lld,%lld,%lld,%s,%s,%lld,%.2f,%.6e,%.3f,%.3f,%.4f,%s,%.6e,%.3f,%.4f,%.3e\n",
+            "%s,%lld,%lld,%lld,%lld,%s,%s,%lld,%.2f,%.6e,%.3f,%.3f,%.4f,%s,%.6e,%.3f,%s,%.3e\n",
             shape.name.c_str(), static_cast<long long>(shape.E), static_cast<long long>(shape.k),
             static_cast<long long>(shape.H), static_cast<long long>(shape.I), dtype_name(dtype),
             o.routing.c_str(), static_cast<long long>(T), experts, t_ours,
             roof.flops / t_ours * 1e-9, roof.bytes / t_ours * 1e-9, frac,
             roof.memory_bound ? "memory" : "compute", t_base,
-            baseline ? roof.flops / t_base * 1e-9 : 0.0, baseline ? t_base / t_ours : 0.0, diff);
+            baseline ? roof.flops / t_base * 1e-9 : 0.0, speedup, diff);
         csv->write(row);
       }
     }

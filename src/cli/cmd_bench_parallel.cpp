@@ -79,9 +79,9 @@ int run_bench_parallel(const BenchOptions& o) {
 
   if (root) {
     std::printf("# fusedmoe bench (parallel)\n\n");
-    std::printf("- %d ranks (%s): ep %d, tp %d, dp %d; %d threads per rank; experts %s\n",
-                world->size(), world->backend().c_str(), pc.ep_size, pc.tp_size, pc.dp_size,
-                threads, to_string(placement));
+    std::printf("- %d ranks (%s): ep %d, tp %d, dp %d; %s per rank; experts %s\n", world->size(),
+                world->backend().c_str(), pc.ep_size, pc.tp_size, pc.dp_size,
+                count_of(threads, "thread").c_str(), to_string(placement));
     std::printf("- weights and compute %s; routing simulated %s; dispatch payload %s\n",
                 dtype_name(dtype), o.routing.c_str(), to_string(dispatch));
     std::printf(

@@ -2,6 +2,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <charconv>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -271,8 +272,8 @@ std::shared_ptr<Communicator> make_parallel_world(
 
 std::string exact_number(double v) {
   char buf[64];
-  std::snprintf(buf, sizeof buf, "%.17g", v);
-  return buf;
+  const auto r = std::to_chars(buf, buf + sizeof buf, v);  // shortest round trip
+  return std::string(buf, r.ptr);
 }
 
 std::string bundled_model_dir() {
@@ -439,6 +440,25 @@ int main(int argc, char** argv) {
       return app.exit(e);
     } catch (const CLI::ParseError& e) {
       if (app.get_subcommands().empty()) {
+        // An option of a command given before it ("fusedmoe --tokens 3"): the
+        // command comes first, then its options.
+        if (argc > 1 && argv[1][0] == '-') {
+          const std::string word = argv[1], name = word.substr(0, word.find('='));
+          std::vector<std::string> takers;
+          for (CLI::App* cmd : {inspect, run, bench})
+            if (cmd->get_option_no_throw(name) != nullptr) takers.push_back(cmd->get_name());
+          if (!takers.empty()) {
+            std::string rest, list;
+            for (int i = 1; i < argc; ++i) rest += std::string(" ") + argv[i];
+            for (size_t i = 0; i < takers.size(); ++i)
+              list += (i == 0 ? "" : i + 1 == takers.size() ? " and " : ", ") + takers[i];
+            return fail(name + ": an option of " + list +
+                            ", given before any command; the command comes first, e.g. "
+                            "fusedmoe " +
+                            takers.front() + rest + " (see fusedmoe --help)",
+                        2);
+          }
+        }
         // The first word that is no option names the command: say so when it is none.
         for (int i = 1; i < argc; ++i)
           if (const std::string w = argv[i];

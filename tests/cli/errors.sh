@@ -435,6 +435,40 @@ expect_error "bench --dump-dir a file" "--dump-dir $FIX/config.json: expected a 
 
 # An unknown command is named, with the valid ones.
 expect_error "unknown command" "unknown command 'bogus': expected inspect, run or bench" -- bogus
+# An option before its command: said so, with the command line in the right order.
+expect_usage "an option before the command" "--tokens: an option of run and bench, given before any command; the command comes first, e.g. fusedmoe run --tokens 3 " -- --tokens 3
+expect_usage "an option of inspect before it" "--json: an option of inspect, given before any command; the command comes first, e.g. fusedmoe inspect --json $FIX " -- --json "$FIX"
+
+# --tolerance -0 is 0 (not echoed "-0"); 1e-400 underflows to 0, within the option's
+# range, so it is taken as 0; a range without 0 says it underflows.
+for v in -0 1e-400; do
+  expect_error "--tolerance $v" "relative L2 error" -- run --model "$FIX" --layer 1 --tokens 5 --seed 1 \
+    --reference "$REF" --reference-key layers.1.T5.input --tolerance "$v" --output "$TMP/tol.safetensors"
+  grep -qF -- "> tolerance 0" "$TMP/stderr" && grep -qF -- "(tolerance 0): FAIL" "$TMP/stdout" ||
+    { echo "FAIL --tolerance $v: not read as 0"; cat "$TMP/stdout" "$TMP/stderr"; failures=$((failures + 1)); }
+done
+expect_usage "bench --memory-fraction 1e-400" "--memory-fraction: expected a decimal number in [0.01, 0.95], got \"1e-400\" (it underflows to 0)" -- \
+  bench --shapes qwen3-cpu --tokens 1 --memory-fraction 1e-400
+expect_usage "bench --memory-fraction 1e400" "--memory-fraction: expected a decimal number in [0.01, 0.95], got \"1e400\" (beyond the range of a double)" -- \
+  bench --shapes qwen3-cpu --tokens 1 --memory-fraction 1e400
+
+# bench at T = 0 has no speedup ("-" in the table, empty in the CSV); one thread and
+# one tensor are singular.
+"$BIN" bench --shapes qwen3-cpu --max-experts 8 --tokens 0 --min-time 0 --threads 1 --csv "$TMP/t0.csv" >"$TMP/stdout" 2>&1 || true
+if ! grep -qE '^\| 0 \|.*\| - \| [0-9.e+-]+ \|$' "$TMP/stdout" || ! grep -q "^- CPU: .*, 1 thread, SIMD" "$TMP/stdout" ||
+  ! grep -q ",0,.*,,[0-9.e+-]*$" "$TMP/t0.csv"; then
+  echo "FAIL bench T = 0 speedup / 1 thread"; cat "$TMP/stdout" "$TMP/t0.csv"; failures=$((failures + 1))
+else
+  echo "ok   bench T = 0: $(grep '^| 0 |' "$TMP/stdout")"
+fi
+rm -f "$TMP/t0.csv"
+python3 - "$TMP/one.safetensors" <<'PY'
+import json, struct, sys
+h = json.dumps({"x": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()
+open(sys.argv[1], "wb").write(struct.pack("<Q", len(h)) + h + bytes(4))
+PY
+"$BIN" inspect "$TMP/one.safetensors" | grep -q "^1 tensor, 4 B$" ||
+  { echo "FAIL inspect of one tensor: not '1 tensor'"; "$BIN" inspect "$TMP/one.safetensors"; failures=$((failures + 1)); }
 
 # --model: "" is no model (not the bundled one); a .safetensors file stands for
 # its model only beside its config.json.
@@ -444,7 +478,7 @@ expect_error "--model a .safetensors file without config.json" "$TMP/weights-onl
   run --model "$TMP/weights-only/model.safetensors" --layer 1 --tokens 2
 expect_error "--output \"\"" "--output: expected a path, got an empty string" -- \
   run --model "$FIX" --layer 1 --tokens 2 --output ""
-expect_error "inspect \"\"" "MODEL_DIR: expected a path, got an empty string" -- inspect ""
+expect_usage "inspect \"\"" "PATH: expected a path, got an empty string" -- inspect ""
 expect_error "--input \"\"" "--input: expected a path, got an empty string" -- \
   run --model "$FIX" --layer 1 --input ""
 

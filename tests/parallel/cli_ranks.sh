@@ -179,6 +179,14 @@ for v in 1e10 " 16" 0x10; do
     env FUSEDMOE_COMM_TIMEOUT_S="$v" $M "$npflag" 2 $R --tokens 8 --ep-size 2
 done
 
+# Numbers in the disagreement are the shortest text of each double (0.1, not
+# 0.10000000000000001), still telling apart doubles that differ in the last bit.
+B="$BIN bench --shapes qwen3-cpu --max-experts 8 --tokens 1 --ep-size 2"
+expect_error 2 "fusedmoe bench: the ranks disagree on --min-time: 0\.1 on rank 0, 0\.2 on rank 1 " 2 -- \
+  $M "$npflag" 1 $B --min-time 0.1 : "$npflag" 1 $B --min-time 0.2
+expect_error 2 "fusedmoe bench: the ranks disagree on --min-time: 0\.1 on rank 0, 0\.10000000000000002 on rank 1 " 2 -- \
+  $M "$npflag" 1 $B --min-time 0.1 : "$npflag" 1 $B --min-time 0.10000000000000002
+
 # --help, --version and inspect on every rank: printed once, by rank 0 (as run
 # reports), exit code 0.
 MODEL=$("$BIN" --help | sed -n 's/^Bundled model: //p')
