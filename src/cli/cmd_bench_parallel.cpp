@@ -106,7 +106,10 @@ int run_bench_parallel(const BenchOptions& o) {
         layer_bytes(local, dtype, false) * world->size() <= budget, shape.name,
         ": the ranks' expert shares need ",
         format_bytes(static_cast<double>(layer_bytes(local, dtype, false)) * world->size()),
-        ", over --memory-fraction of RAM; use --max-experts");
+        ", over the budget of ", format_bytes(static_cast<double>(budget)), " (--memory-fraction ",
+        exact_number(o.memory_fraction), " of ",
+        format_bytes(static_cast<double>(physical_memory_bytes())),
+        " physical memory); give a larger --memory-fraction or fewer experts (--max-experts)");
     SyntheticLayer layer = make_synthetic_layer(local, dtype, ++seed + world->rank(), false);
     MoEConfig config;
     config.num_experts = shape.E;

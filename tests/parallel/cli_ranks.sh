@@ -187,6 +187,13 @@ expect_error 2 "fusedmoe bench: the ranks disagree on --min-time: 0\.1 on rank 0
 expect_error 2 "fusedmoe bench: the ranks disagree on --min-time: 0\.1 on rank 0, 0\.10000000000000002 on rank 1 " 2 -- \
   $M "$npflag" 1 $B --min-time 0.1 : "$npflag" 1 $B --min-time 0.10000000000000002
 
+# Expert shares over the memory budget: the bytes needed, the budget and both options
+# (Mixtral's 8 experts need 5.25 GiB: over 0.01 of any machine with less than 525 GiB).
+if python3 -c 'import os, sys; sys.exit(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 100 >= 5637144576)'; then
+  expect_error 1 "mixtral: the ranks' expert shares need .*, over the budget of .* \(--memory-fraction 0\.01 of .* physical memory\); give a larger --memory-fraction or fewer experts \(--max-experts\)" 1 -- \
+    $M "$npflag" 2 "$BIN" bench --ep-size 2 --shapes mixtral --tokens 1 --memory-fraction 0.01
+fi
+
 # --help, --version and inspect on every rank: printed once, by rank 0 (as run
 # reports), exit code 0.
 MODEL=$("$BIN" --help | sed -n 's/^Bundled model: //p')
