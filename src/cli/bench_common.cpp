@@ -335,7 +335,19 @@ LayerShape fit_to_memory(LayerShape s, DType dtype, bool with_baseline, size_t b
   const size_t per = need / static_cast<size_t>(s.E);
   int64_t e = static_cast<int64_t>(budget_bytes / per);
   if (e >= 8) e -= e % 8;
-  e = std::max(e, s.k);
+  // Fewer experts than top_k cannot run: a layer that does not fit even then
+  // is an error, not a run over the budget.
+  if (e < s.k) {
+    const size_t least = per * static_cast<size_t>(s.k);
+    char gib[96];
+    std::snprintf(gib, sizeof gib, "%.2f GiB needed, budget %.2f GiB",
+                  static_cast<double>(least) / (1 << 30),
+                  static_cast<double>(budget_bytes) / (1 << 30));
+    FUSEDMOE_THROW(kInvalidArgument, "--memory-fraction: shape '", s.name, "' needs ", least,
+                   " bytes even at its fewest experts (E = top_k = ", s.k,
+                   ", the least --max-experts takes), over the budget of ", budget_bytes,
+                   " bytes (", gib, "); give a larger --memory-fraction");
+  }
   char buf[256];
   std::snprintf(
       buf, sizeof buf, "E scaled %lld -> %lld to fit memory (%.1f GiB needed, budget %.1f GiB)",

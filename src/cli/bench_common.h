@@ -76,7 +76,8 @@ inline size_t expert_bytes(const LayerShape& s, DType dtype) {
 // baseline's f32 copy when dtype is not f32 and `with_baseline`.
 size_t layer_bytes(const LayerShape& s, DType dtype, bool with_baseline);
 // Reduces E (keeping k, H, I; E a multiple of 8, >= k) until layer_bytes fits
-// in `budget_bytes`; records what it did in `note`.
+// in `budget_bytes`; records what it did in `note`. Throws Error naming
+// --memory-fraction, the bytes needed and the budget when even E = k does not fit.
 LayerShape fit_to_memory(LayerShape s, DType dtype, bool with_baseline, size_t budget_bytes);
 size_t physical_memory_bytes();
 

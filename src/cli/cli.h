@@ -11,8 +11,10 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -43,9 +45,18 @@ CLI::Validator decimal_validator(const std::string& want, InRange in_range,
   return CLI::Validator(
       [want, in_range](std::string& input) -> std::string {
         T v{};
-        const ParseNumber r = parse_decimal(input, v);
+        ParseNumber r = parse_decimal(input, v);
+        bool underflow = false;
+        if constexpr (std::is_floating_point_v<T>) {
+          // A number too small for a double (1e-400) is 0, as a double takes
+          // it, when the option's range has 0; only one too large is beyond it.
+          if (r == ParseNumber::kOutOfRange && std::fabs(std::strtod(input.c_str(), nullptr)) < 1)
+            r = ParseNumber::kOk, v = 0, underflow = true;
+          if (v == 0) v = 0;  // -0 is 0 (not echoed as "-0")
+        }
         if (r != ParseNumber::kOk || !in_range(v)) {
-          const char* why = r != ParseNumber::kOutOfRange || input[0] == '-' ? ""
+          const char* why = underflow ? " (it underflows to 0)"
+                            : r != ParseNumber::kOutOfRange || input[0] == '-' ? ""
                             : std::is_floating_point_v<T> ? " (beyond the range of a double)"
                                                           : " (beyond 64 bits)";
           return "expected " + want + ", got \"" + input + "\"" + why;
@@ -135,6 +146,7 @@ struct RunOptions {
   std::string expert_placement = "contiguous";
   bool expert_placement_given = false;
   std::string dispatch_dtype = "auto";
+  bool dispatch_dtype_given = false;
 };
 CLI::App* add_run_command(CLI::App& app, RunOptions& opts);
 int run_run(const RunOptions& opts);
@@ -160,6 +172,7 @@ struct BenchOptions {
   std::string expert_placement = "contiguous";
   bool expert_placement_given = false;
   std::string dispatch_dtype = "auto";
+  bool dispatch_dtype_given = false;
 };
 CLI::App* add_bench_command(CLI::App& app, BenchOptions& opts);
 int run_bench(const BenchOptions& opts);
@@ -184,6 +197,10 @@ double sum_of(const std::vector<double>& v);
 std::string bundled_model_dir();
 // "1.23 MiB"
 std::string format_bytes(double bytes);
+// "1 thread", "2 threads": `n` and the noun, plural unless n is 1.
+inline std::string count_of(long long n, const std::string& noun) {
+  return std::to_string(n) + " " + noun + (n == 1 ? "" : "s");
+}
 // Comma-separated integers >= 0, each plain decimal: "1,16,64" -> {1, 16, 64}.
 // Throws Error naming `what`.
 std::vector<int64_t> parse_int_list(const std::string& text, const char* what);
@@ -224,11 +241,16 @@ void check_launch_size(int ep_size, int tp_size, int dp_size);
 // --expert-placement of run and bench (its count tells whether it was given).
 CLI::Option* add_expert_placement_option(CLI::App& cmd, std::string& value);
 // --dispatch-dtype and --expert-placement (of run and bench) where they mean
-// nothing: UsageError. The dispatch payload needs --ep-size or --dp-size > 1
-// and the CPU backend (the GPUs' dispatch has its own); the placement, given
+// nothing: UsageError. The dispatch payload, given (`dispatch_given`, any
+// value, auto too), needs --ep-size or --dp-size > 1, and a value other than
+// auto the CPU backend (the GPUs' dispatch has its own); the placement, given
 // (`placement_given`), needs --ep-size > 1.
 void check_ep_options(int ep_size, int dp_size, const std::string& dispatch_dtype,
-                      const std::string& expert_placement, bool placement_given, bool on_cuda);
+                      bool dispatch_given, const std::string& expert_placement,
+                      bool placement_given, bool on_cuda);
+// FUSEDMOE_COMM_TIMEOUT_S that is set but no number of seconds in (0, 1e9]:
+// UsageError naming it (run and bench check it on every launch, one rank too).
+void check_comm_timeout();
 // Under a launcher with more than one rank (and a build with MPI), main()
 // starts MPI for every command, so that no rank waits in MPI_Init for one that
 // never calls it (--help on one rank, run on another), and the ranks compare
@@ -261,7 +283,8 @@ void parallel_world_done();
 std::shared_ptr<Communicator> make_parallel_world(
     int ep_size, int tp_size, int dp_size,
     const std::vector<std::pair<std::string, std::string>>& options, const char* command);
-// A number as the options check compares it ("%.17g").
+// A number as the options check compares it: the shortest text that reads
+// back as the same double ("0.1"; different doubles, different texts).
 std::string exact_number(double v);
 // An option's value for the options check: "(not given)" when empty.
 inline std::string or_not_given(const std::string& v) {

@@ -67,6 +67,11 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& o) {
             try {
               const std::vector<std::string> names = split_list(input);
               if (names.empty()) return "expected at least one shape, got \"" + input + "\"";
+              // split_list drops empty items: "qwen3,,mixtral" is refused, as --tokens does.
+              if (names.size() !=
+                  static_cast<size_t>(std::count(input.begin(), input.end(), ',') + 1))
+                return "expected a comma-separated list of shape names, got \"" + input +
+                       "\" (an empty item)";
               for (const auto& name : names) bench::find_shape(name);
             } catch (const Error& e) {
               const std::string why = e.what();
@@ -115,9 +120,10 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& o) {
   cmd->add_option("--dp-size", o.dp_size, "Data-parallel token groups (naive DP + EP)")
       ->transform(kPositiveInt);
   CLI::Option* placement = add_expert_placement_option(*cmd, o.expert_placement);
-  cmd->add_option("--dispatch-dtype", o.dispatch_dtype, "EP dispatch payload: auto, f32, bf16, fp8")
-      ->check(CLI::IsMember({"auto", "f32", "bf16", "fp8"}))
-      ->capture_default_str();
+  CLI::Option* dispatch = cmd->add_option("--dispatch-dtype", o.dispatch_dtype,
+                                          "EP dispatch payload: auto, f32, bf16, fp8")
+                              ->check(CLI::IsMember({"auto", "f32", "bf16", "fp8"}))
+                              ->capture_default_str();
   cmd->add_option("--backend", o.backend,
                   "cpu, or cuda: routed experts on the GPU (bf16, CUDA graphs and events, "
                   "--routing as on the CPU; shapes mixtral, qwen3, deepseek)")
@@ -128,7 +134,10 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& o) {
                   "cuda: write routings, outputs and manifest.json for "
                   "bench/cuda/torch_baseline.py (PyTorch on the same inputs)")
       ->check(kNonEmpty);
-  cmd->callback([&o, placement] { o.expert_placement_given = placement->count() > 0; });
+  cmd->callback([&o, placement, dispatch] {
+    o.expert_placement_given = placement->count() > 0;
+    o.dispatch_dtype_given = dispatch->count() > 0;
+  });
   return cmd;
 }
 
@@ -145,8 +154,8 @@ int run_bench(const BenchOptions& o) {
                 ": options of --backend cuda, given without it (the CPU bench has its own "
                 "BLAS baseline, tile-free kernels and host communicator)");
   }
-  check_ep_options(o.ep_size, o.dp_size, o.dispatch_dtype, o.expert_placement,
-                   o.expert_placement_given, o.backend == "cuda");
+  check_ep_options(o.ep_size, o.dp_size, o.dispatch_dtype, o.dispatch_dtype_given,
+                   o.expert_placement, o.expert_placement_given, o.backend == "cuda");
   // --max-experts below a shape's top_k: an error naming both, before anything runs.
   for (const auto& name : split_list(o.shapes)) {
     try {
@@ -230,6 +239,26 @@ int run_bench(const BenchOptions& o) {
   if (o.threads > 0) ThreadPool::set_global_num_threads(o.threads);
   const int threads = ThreadPool::global().num_threads();
   const bool baseline = !o.no_baseline;
+  // Each shape as run: capped by --max-experts, then fitted to the memory
+  // budget (an error before anything is measured when one cannot fit).
+  const size_t budget =
+      static_cast<size_t>(o.memory_fraction * static_cast<double>(physical_memory_bytes()));
+  std::vector<LayerShape> fitted;
+  for (const LayerShape& requested : shapes) {
+    try {
+      fitted.push_back(
+          fit_to_memory(cap_experts(requested, o.max_experts), dtype, baseline, budget));
+    } catch (const Error& e) {
+      // "--memory-fraction: ..." with the value given and the memory it is a share of.
+      std::string what = e.what();
+      const std::string flag = "--memory-fraction: ";
+      if (what.rfind(flag, 0) == 0)
+        what = "--memory-fraction " + exact_number(o.memory_fraction) + " (of " +
+               format_bytes(static_cast<double>(physical_memory_bytes())) +
+               " physical memory): " + what.substr(flag.size());
+      throw Error(e.code(), what);
+    }
+  }
 
   // The CSV goes to a temporary file beside it (created now, so a path that
   // cannot be written fails before the benchmark runs), renamed into place
@@ -247,7 +276,8 @@ int run_bench(const BenchOptions& o) {
   }
 
   std::printf("# fusedmoe bench\n\n");
-  std::printf("- CPU: %s, %d threads, SIMD %s\n", cpu_model_name().c_str(), threads, simd_isa());
+  std::printf("- CPU: %s, %s, SIMD %s\n", cpu_model_name().c_str(),
+              count_of(threads, "thread").c_str(), simd_isa());
   std::printf(
       "- weights and compute: %s; routing: simulated %s; timing: median after 1 warm-up, "
       ">= 3 runs (2 if over 1 s each) and >= %.2f s, at most 1000 runs\n",
@@ -256,8 +286,8 @@ int run_bench(const BenchOptions& o) {
   const Ceilings ceil = measure_ceilings(threads);
   std::printf(
       "- ceilings (measured now): peak fp32 FMA %.1f GFLOP/s (register-only %s "
-      "microkernel, %d threads); read bandwidth %.1f GB/s (streaming sum over 1 GiB)\n",
-      ceil.peak_gflops, ceil.isa.c_str(), threads, ceil.read_gbps);
+      "microkernel, %s); read bandwidth %.1f GB/s (streaming sum over 1 GiB)\n",
+      ceil.peak_gflops, ceil.isa.c_str(), count_of(threads, "thread").c_str(), ceil.read_gbps);
   std::printf(
       "- roofline floor = max(bytes / bandwidth, FLOPs / peak); FLOPs = 2*T*k*3*H*I; bytes = "
       "distinct experts touched x expert bytes + activations in/out\n");
@@ -268,19 +298,15 @@ int run_bench(const BenchOptions& o) {
   if (baseline)
     std::printf(
         "- baseline: BLAS-per-expert loop (gather rows, OpenBLAS sgemm on f32 weights for "
-        "w13, SiLU-GLU, sgemm for w2, scatter-add), each GEMM split over the %d threads "
+        "w13, SiLU-GLU, sgemm for w2, scatter-add), each GEMM split over %s "
         "along N; OpenBLAS kernel %s\n",
-        threads, openblas_kernel_description().c_str());
+        count_of(threads, "thread").c_str(), openblas_kernel_description().c_str());
   std::printf("\n");
   std::fflush(stdout);
 
-  const size_t budget =
-      static_cast<size_t>(o.memory_fraction * static_cast<double>(physical_memory_bytes()));
   uint64_t seed = o.seed;
   size_t max_peak = 0;
-  for (const LayerShape& requested : shapes) {
-    LayerShape capped = cap_experts(requested, o.max_experts);
-    const LayerShape shape = fit_to_memory(capped, dtype, baseline, budget);
+  for (const LayerShape& shape : fitted) {
     reset_peak_rss();
     const auto t0 = std::chrono::steady_clock::now();
     SyntheticLayer layer = make_synthetic_layer(shape, dtype, ++seed, baseline);
@@ -324,22 +350,27 @@ int run_bench(const BenchOptions& o) {
         ours.forward(batches[0], out);
         base->forward(batches[0], ref);
         diff = rel_l2(out.data_as<float>(), ref.data_as<float>(), static_cast<size_t>(T * shape.H));
-        std::printf(" %.3f | %.1f | %.2fx | %.1e |", t_base * 1e3, roof.flops / t_base * 1e-9,
-                    t_base / t_ours, diff);
+        // T = 0: both times are the call's overhead alone; no speedup to speak of.
+        char speedup[32] = "-";
+        if (T > 0) std::snprintf(speedup, sizeof speedup, "%.2fx", t_base / t_ours);
+        std::printf(" %.3f | %.1f | %s | %.1e |", t_base * 1e3, roof.flops / t_base * 1e-9, speedup,
+                    diff);
       }
       std::printf("\n");
       std::fflush(stdout);
       if (csv) {
+        char speedup[32] = "";  // none at T = 0, as in the table
+        if (baseline && T > 0) std::snprintf(speedup, sizeof speedup, "%.4f", t_base / t_ours);
         char row[512];
         std::snprintf(
             row, sizeof row,
-            "%s,%lld,%lld,%lld,%lld,%s,%s,%lld,%.2f,%.6e,%.3f,%.3f,%.4f,%s,%.6e,%.3f,%.4f,%.3e\n",
+            "%s,%lld,%lld,%lld,%lld,%s,%s,%lld,%.2f,%.6e,%.3f,%.3f,%.4f,%s,%.6e,%.3f,%s,%.3e\n",
             shape.name.c_str(), static_cast<long long>(shape.E), static_cast<long long>(shape.k),
             static_cast<long long>(shape.H), static_cast<long long>(shape.I), dtype_name(dtype),
             o.routing.c_str(), static_cast<long long>(T), experts, t_ours,
             roof.flops / t_ours * 1e-9, roof.bytes / t_ours * 1e-9, frac,
             roof.memory_bound ? "memory" : "compute", t_base,
-            baseline ? roof.flops / t_base * 1e-9 : 0.0, baseline ? t_base / t_ours : 0.0, diff);
+            baseline ? roof.flops / t_base * 1e-9 : 0.0, speedup, diff);
         csv->write(row);
       }
     }

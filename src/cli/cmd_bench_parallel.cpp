@@ -79,9 +79,9 @@ int run_bench_parallel(const BenchOptions& o) {
 
   if (root) {
     std::printf("# fusedmoe bench (parallel)\n\n");
-    std::printf("- %d ranks (%s): ep %d, tp %d, dp %d; %d threads per rank; experts %s\n",
-                world->size(), world->backend().c_str(), pc.ep_size, pc.tp_size, pc.dp_size,
-                threads, to_string(placement));
+    std::printf("- %d ranks (%s): ep %d, tp %d, dp %d; %s per rank; experts %s\n", world->size(),
+                world->backend().c_str(), pc.ep_size, pc.tp_size, pc.dp_size,
+                count_of(threads, "thread").c_str(), to_string(placement));
     std::printf("- weights and compute %s; routing simulated %s; dispatch payload %s\n",
                 dtype_name(dtype), o.routing.c_str(), to_string(dispatch));
     std::printf(
@@ -106,7 +106,10 @@ int run_bench_parallel(const BenchOptions& o) {
         layer_bytes(local, dtype, false) * world->size() <= budget, shape.name,
         ": the ranks' expert shares need ",
         format_bytes(static_cast<double>(layer_bytes(local, dtype, false)) * world->size()),
-        ", over --memory-fraction of RAM; use --max-experts");
+        ", over the budget of ", format_bytes(static_cast<double>(budget)), " (--memory-fraction ",
+        exact_number(o.memory_fraction), " of ",
+        format_bytes(static_cast<double>(physical_memory_bytes())),
+        " physical memory); give a larger --memory-fraction or fewer experts (--max-experts)");
     SyntheticLayer layer = make_synthetic_layer(local, dtype, ++seed + world->rank(), false);
     MoEConfig config;
     config.num_experts = shape.E;

@@ -66,7 +66,8 @@ void print_config(const MoEConfig& c) {
 void print_safetensors(const std::string& path, const ojson& j) {
   const ojson& tensors = j["tensors"];
   const size_t total = j["bytes"].get<size_t>();
-  std::printf("file: %s\n%zu tensors, %s\n", path.c_str(), tensors.size(),
+  std::printf("file: %s\n%s, %s\n", path.c_str(),
+              count_of(static_cast<long long>(tensors.size()), "tensor").c_str(),
               format_bytes(static_cast<double>(total)).c_str());
   for (const auto& t : tensors) {
     std::string shape = "[";
@@ -86,7 +87,7 @@ CLI::App* add_inspect_command(CLI::App& app, InspectOptions& opts) {
   CLI::App* cmd = app.add_subcommand(
       "inspect",
       "Describe a model's MoE layers (config.json + checkpoint), or list a .safetensors file");
-  cmd->add_option("MODEL_DIR", opts.path,
+  cmd->add_option("PATH", opts.path,
                   "HF model directory (config.json + model.safetensors), a config.json, or a "
                   ".safetensors file")
       ->required()
@@ -145,10 +146,10 @@ int run_inspect(const InspectOptions& opts) {
   if (has_weights) {
     std::printf("weights (MoE blocks only)\n");
     for (const auto& l : j["layers"]) {
-      std::printf("  layer %-4lld %4lld tensors  %-12s %s\n",
-                  static_cast<long long>(l["layer"].get<int64_t>()),
-                  static_cast<long long>(l["tensors"].get<int64_t>()),
-                  format_bytes(l["bytes"].get<double>()).c_str(),
+      const long long n = l["tensors"].get<int64_t>();
+      std::printf("  layer %-4lld %4lld %-7s  %-12s %s\n",
+                  static_cast<long long>(l["layer"].get<int64_t>()), n,
+                  n == 1 ? "tensor" : "tensors", format_bytes(l["bytes"].get<double>()).c_str(),
                   dtypes_str(l["weight_dtypes"]).c_str());
       if (!l["weights_ok"].get<bool>()) {
         ++bad_layers;

@@ -61,6 +61,24 @@ Tensor read_npy(const std::string& path) {
   std::string header(header_len, '\0');
   f.read(header.data(), header_len);
   if (!f) FUSEDMOE_THROW(kIo, path, ": truncated .npy header");
+  // The header is a Python dict literal (padded with spaces, ended by a newline).
+  {
+    const size_t b = header.find_first_not_of(" \t\r\n"), e = header.find_last_not_of(" \t\r\n");
+    const char* why = b == std::string::npos ? "it is empty"
+                      : header[b] != '{'     ? "it does not begin with '{'"
+                      : header[e] != '}'     ? "it has no closing '}'"
+                                             : nullptr;
+    if (why) {
+      std::string shown =
+          b == std::string::npos ? "" : header.substr(b, std::min<size_t>(e - b + 1, 80));
+      for (char& c : shown)
+        if (static_cast<unsigned char>(c) < 0x20 || static_cast<unsigned char>(c) >= 0x7f) c = '?';
+      FUSEDMOE_THROW(kIo, path,
+                     ": malformed .npy header: expected a dict {'descr': ..., 'fortran_order': "
+                     "..., 'shape': (...)}, but ",
+                     why, " (header: \"", shown, e - b + 1 > 80 ? "...\")" : "\")");
+    }
+  }
   auto field = [&](const char* key) {
     const auto p = header.find(key);
     if (p == std::string::npos) FUSEDMOE_THROW(kIo, path, ": .npy header has no ", key);
@@ -251,6 +269,36 @@ std::string with_global_tokens(const std::string& what, int64_t first, int64_t n
   return out + what.substr(pos);
 }
 
+// The files a run reads for the model `model` (a folder, its config.json or a
+// checkpoint file), each with what it is: the config.json, then the checkpoint
+// (one .safetensors file, or the index and each shard it lists). What cannot
+// be found or opened is left out: loading the model reports it.
+std::vector<std::pair<std::string, std::string>> model_files(const std::string& model) {
+  std::vector<std::pair<std::string, std::string>> out;
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::path p(model);
+  const bool dir = fs::is_directory(p, ec);
+  if (dir || p.extension() != ".json")  // a folder's or a checkpoint file's config.json
+    out.push_back({((dir                   ? p
+                     : p.has_parent_path() ? p.parent_path()
+                                           : fs::path(".")) /
+                    "config.json")
+                       .string(),
+                   "config.json"});
+  else
+    out.push_back({model, "config.json"});
+  try {
+    const Checkpoint checkpoint = Checkpoint::open(model);
+    for (const std::string& file : checkpoint.files())
+      out.push_back({file, checkpoint.index_path().empty()   ? "checkpoint"
+                           : file == checkpoint.index_path() ? "index"
+                                                             : "shard"});
+  } catch (const Error&) {
+  }
+  return out;
+}
+
 void print_histogram(const std::vector<int64_t>& counts, int64_t routed) {
   const int64_t E = static_cast<int64_t>(counts.size());
   const int64_t max_count = std::max<int64_t>(1, *std::max_element(counts.begin(), counts.end()));
@@ -339,17 +387,19 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
                   "over them (all-gather / reduce-scatter)")
       ->transform(kPositiveInt);
   CLI::Option* placement = add_expert_placement_option(*cmd, o.expert_placement);
-  cmd->add_option("--dispatch-dtype", o.dispatch_dtype,
-                  "EP dispatch payload: auto, f32, bf16 or fp8 (e4m3, 1x128 group scales)")
-      ->check(CLI::IsMember({"auto", "f32", "bf16", "fp8"}))
-      ->capture_default_str();
-  cmd->callback([&o, seed, cdt, input, tokens, placement] {
+  CLI::Option* dispatch =
+      cmd->add_option("--dispatch-dtype", o.dispatch_dtype,
+                      "EP dispatch payload: auto, f32, bf16 or fp8 (e4m3, 1x128 group scales)")
+          ->check(CLI::IsMember({"auto", "f32", "bf16", "fp8"}))
+          ->capture_default_str();
+  cmd->callback([&o, seed, cdt, input, tokens, placement, dispatch] {
     // A command line that lacks its input does not parse (exit code 2).
     if (input->count() == 0 && tokens->count() == 0)
       throw CLI::ValidationError("no input: give --input FILE [--input-key KEY], or --tokens T");
     o.seed_given = seed->count() > 0;
     o.compute_dtype_given = cdt->count() > 0;
     o.expert_placement_given = placement->count() > 0;
+    o.dispatch_dtype_given = dispatch->count() > 0;
   });
   return cmd;
 }
@@ -357,13 +407,22 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
 int run_run(const RunOptions& o) {
   usage_check(!o.input.empty() || o.tokens >= 0,
               "no input: give --input FILE [--input-key KEY], or --tokens T");
-  // The output is written over an existing file only if it is none of the inputs.
-  for (const auto& [path, flag] : {std::pair{o.input, "--input"}, {o.reference, "--reference"}}) {
-    std::error_code ec;
-    FUSEDMOE_CHECK(
-        o.output.empty() || path.empty() || !std::filesystem::equivalent(o.output, path, ec),
-        "--output ", o.output, ": is the same file as ", flag, " ", path,
-        " (it would be overwritten)");
+  // The output is written over an existing file only if it is none of the
+  // files the run reads: --input, --reference, and the model's config.json,
+  // checkpoint, index and every shard the index lists (compared as files: a
+  // link or another path to one of them is the same file).
+  if (!o.output.empty()) {
+    const auto same = [&](const std::string& path) {
+      std::error_code ec;
+      return !path.empty() && std::filesystem::equivalent(o.output, path, ec);
+    };
+    for (const auto& [path, flag] : {std::pair{o.input, "--input"}, {o.reference, "--reference"}})
+      usage_check(!same(path), "--output ", o.output, ": is the same file as ", flag, " ", path,
+                  " (it would be overwritten)");
+    const std::string model = o.model.empty() ? bundled_model_dir() : o.model;
+    for (const auto& [path, what] : model_files(model))
+      usage_check(!same(path), "--output ", o.output, ": is the same file as ", path, " (the ",
+                  what, " of --model ", model, "; it would be overwritten)");
   }
   usage_check(o.output.size() < 4 || o.output.compare(o.output.size() - 4, 4, ".npy") != 0,
               "--output ", o.output,
@@ -385,8 +444,8 @@ int run_run(const RunOptions& o) {
   // Parallel layout: every rank loads its share and runs its token group's
   // rows; the results are gathered and rank 0 reports and writes.
   const bool parallel = o.ep_size > 1 || o.tp_size > 1 || o.dp_size > 1;
-  check_ep_options(o.ep_size, o.dp_size, o.dispatch_dtype, o.expert_placement,
-                   o.expert_placement_given, on_cuda);
+  check_ep_options(o.ep_size, o.dp_size, o.dispatch_dtype, o.dispatch_dtype_given,
+                   o.expert_placement, o.expert_placement_given, on_cuda);
   // Under mpirun the sizes must account for every rank .
   check_launch_size(o.ep_size, o.tp_size, o.dp_size);
   std::shared_ptr<Communicator> world;

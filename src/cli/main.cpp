@@ -2,6 +2,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <charconv>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -131,13 +132,17 @@ std::shared_ptr<Communicator> launch_world() {
   return launch().world;
 }
 
-void start_launch(const std::string& ran, bool parse_failed, bool collectives) {
-  if (!mpi_built() || !launched_by_mpi() || launcher_world_size() == 1) return;
-  try {  // the deadline of every wait below: a usage error before any rank waits
+void check_comm_timeout() {
+  try {
     comm_timeout_seconds();
   } catch (const fusedmoe::Error& e) {
     throw UsageError(e.what());
   }
+}
+
+void start_launch(const std::string& ran, bool parse_failed, bool collectives) {
+  if (!mpi_built() || !launched_by_mpi() || launcher_world_size() == 1) return;
+  check_comm_timeout();  // the deadline of every wait below: a usage error before any rank waits
   std::shared_ptr<Communicator> world = make_mpi_communicator();
   if (world->size() <= 1) return;
   Launch& l = launch();
@@ -224,9 +229,9 @@ CLI::Option* add_expert_placement_option(CLI::App& cmd, std::string& value) {
 }
 
 void check_ep_options(int ep_size, int dp_size, const std::string& dispatch_dtype,
-                      const std::string& expert_placement, bool placement_given, bool on_cuda) {
-  usage_check(dispatch_dtype == "auto" || ep_size > 1 || dp_size > 1, "--dispatch-dtype ",
-              dispatch_dtype,
+                      bool dispatch_given, const std::string& expert_placement,
+                      bool placement_given, bool on_cuda) {
+  usage_check(!dispatch_given || ep_size > 1 || dp_size > 1, "--dispatch-dtype ", dispatch_dtype,
               ": the expert-parallel dispatch payload, needs --ep-size > 1 (or --dp-size > 1)");
   // The GPUs' expert parallelism (CudaEpMoELayer) has a payload of its own.
   usage_check(!on_cuda || dispatch_dtype == "auto", "--dispatch-dtype ", dispatch_dtype,
@@ -242,11 +247,7 @@ std::shared_ptr<Communicator> make_parallel_world(
     const std::vector<std::pair<std::string, std::string>>& options, const char* command) {
   // A FUSEDMOE_COMM_TIMEOUT_S that is no number of seconds: a usage error
   // before any rank waits on another.
-  try {
-    comm_timeout_seconds();
-  } catch (const fusedmoe::Error& e) {
-    throw UsageError(e.what());
-  }
+  check_comm_timeout();
   // check_launch_size() ran before (the callers need it for one-rank runs too);
   // the size check below catches launchers it cannot see.
   Launch& l = launch();
@@ -271,8 +272,8 @@ std::shared_ptr<Communicator> make_parallel_world(
 
 std::string exact_number(double v) {
   char buf[64];
-  std::snprintf(buf, sizeof buf, "%.17g", v);
-  return buf;
+  const auto r = std::to_chars(buf, buf + sizeof buf, v);  // shortest round trip
+  return std::string(buf, r.ptr);
 }
 
 std::string bundled_model_dir() {
@@ -427,13 +428,37 @@ int main(int argc, char** argv) {
     return fail(e.what(), 1);
   }
 
+  // Under a launch, rank 0 alone prints what the commands print (--help,
+  // --version, inspect), as run does; the other ranks stay silent. Parse
+  // errors are every rank's own.
+  const bool silent_rank = launch_world() && launch_world()->rank() != 0;
   if (parse_error) {
     try {
       std::rethrow_exception(parse_error);
     } catch (const CLI::Success& e) {  // --help, --version
+      if (silent_rank) return 0;
       return app.exit(e);
     } catch (const CLI::ParseError& e) {
       if (app.get_subcommands().empty()) {
+        // An option of a command given before it ("fusedmoe --tokens 3"): the
+        // command comes first, then its options.
+        if (argc > 1 && argv[1][0] == '-') {
+          const std::string word = argv[1], name = word.substr(0, word.find('='));
+          std::vector<std::string> takers;
+          for (CLI::App* cmd : {inspect, run, bench})
+            if (cmd->get_option_no_throw(name) != nullptr) takers.push_back(cmd->get_name());
+          if (!takers.empty()) {
+            std::string rest, list;
+            for (int i = 1; i < argc; ++i) rest += std::string(" ") + argv[i];
+            for (size_t i = 0; i < takers.size(); ++i)
+              list += (i == 0 ? "" : i + 1 == takers.size() ? " and " : ", ") + takers[i];
+            return fail(name + ": an option of " + list +
+                            ", given before any command; the command comes first, e.g. "
+                            "fusedmoe " +
+                            takers.front() + rest + " (see fusedmoe --help)",
+                        2);
+          }
+        }
         // The first word that is no option names the command: say so when it is none.
         for (int i = 1; i < argc; ++i)
           if (const std::string w = argv[i];
@@ -455,7 +480,10 @@ int main(int argc, char** argv) {
     return code;
   };
   try {
-    if (inspect->parsed()) return run_inspect(inspect_opts);
+    // run and bench take FUSEDMOE_COMM_TIMEOUT_S on one rank too (a usage error
+    // whatever the launch, as under mpirun).
+    if (collectives) check_comm_timeout();
+    if (inspect->parsed()) return silent_rank ? 0 : run_inspect(inspect_opts);
     if (run->parsed()) return run_run(run_opts);
     if (bench->parsed()) return run_bench(bench_opts);
     return end("no command given (try --help)", 2);

@@ -91,7 +91,15 @@ ojson inspect_model(const std::string& path) {
       }
       for (const auto& name : names) {
         if (name.compare(0, prefix.size(), prefix) != 0) continue;
-        const Tensor t = ck.get(name);
+        // A tensor that cannot be read (a missing or damaged shard) is the
+        // layer's error, not the end of the description; it adds no bytes.
+        Tensor t;
+        try {
+          t = ck.get(name);
+        } catch (const Error& e) {
+          if (lb.error.empty()) lb.error = e.what();
+          continue;
+        }
         ++lb.tensors;
         lb.bytes += t.nbytes();
         ++lb.dtypes[dtype_name(t.dtype())];

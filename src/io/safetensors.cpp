@@ -322,6 +322,7 @@ Checkpoint Checkpoint::open(const std::string& path) {
     c.shards_[file->path()] = file;
     return c;
   }
+  c.index_ = index.string();
   // Sharded: {"metadata": {...}, "weight_map": {"tensor": "shard file", ...}}.
   std::string text;
   {
@@ -347,9 +348,29 @@ Checkpoint Checkpoint::open(const std::string& path) {
   for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it) {
     if (!it.value().is_string())
       FUSEDMOE_THROW(kIo, index.string(), ": weight_map entry '", it.key(), "' is not a string");
-    c.weight_map_[it.key()] = (dir / it.value().get<std::string>()).string();
+    // A shard lies in the model's folder (or below it): an index must not
+    // lead the reader to any other file (lexically: symbolic links in the
+    // folder, as a Hugging Face cache has, are followed).
+    const std::string shard = it.value().get<std::string>();
+    const fs::path rel = fs::path(shard).lexically_normal();
+    if (shard.empty() || rel.is_absolute() || rel.has_root_name() || rel.begin() == rel.end() ||
+        *rel.begin() == ".." || rel == ".")
+      FUSEDMOE_THROW(kIo, index.string(), ": weight_map entry '", it.key(), "': \"", shard,
+                     "\" is not a file inside the model folder ",
+                     dir.empty() ? std::string(".") : dir.string(),
+                     " (expected a shard file name relative to it)");
+    c.weight_map_[it.key()] = (dir / rel).string();
   }
   return c;
+}
+
+std::vector<std::string> Checkpoint::files() const {
+  std::vector<std::string> out;
+  if (!index_.empty()) out.push_back(index_);
+  std::set<std::string> seen;
+  for (const auto& [name, shard] : weight_map_)
+    if (seen.insert(shard).second) out.push_back(shard);
+  return out;
 }
 
 bool Checkpoint::contains(const std::string& name) const {
@@ -360,7 +381,15 @@ Tensor Checkpoint::get(const std::string& name) const {
   auto it = weight_map_.find(name);
   if (it == weight_map_.end()) FUSEDMOE_THROW(kIo, path_, ": no tensor named '", name, "'");
   auto& shard = shards_[it->second];
-  if (!shard) shard = SafetensorsFile::open(it->second);
+  if (!shard) {
+    try {
+      shard = SafetensorsFile::open(it->second);
+    } catch (const Error& e) {
+      // A shard of an index: which one the index names, and for what tensor.
+      if (index_.empty()) throw;
+      throw Error(e.code(), index_ + ": the shard of tensor '" + name + "': " + e.what());
+    }
+  }
   if (!shard->contains(name))
     FUSEDMOE_THROW(kIo, path_, ": the index maps tensor '", name, "' to ", it->second,
                    ", which has no tensor of that name");

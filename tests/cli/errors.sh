@@ -137,10 +137,46 @@ python3 -c "import numpy" 2>/dev/null && {
     run --model "$FIX" --layer 1 --input "$TMP/x.npy" --input-key x
 }
 cp "$REF" "$TMP/in.safetensors"
-expect_error "--output is the --input file" "is the same file as --input" -- run --model "$FIX" \
+expect_usage "--output is the --input file" "is the same file as --input" -- run --model "$FIX" \
   --layer 1 --input "$TMP/in.safetensors" --input-key layers.1.T5.input --output "$TMP/in.safetensors"
 cmp -s "$REF" "$TMP/in.safetensors" || { echo "FAIL: the input was changed"; failures=$((failures + 1)); }
 rm -f "$TMP/in.safetensors"
+# --output is never a file of the model (its config.json, checkpoint, index or a
+# shard): a usage error naming --model, the file left as it was (compared as files:
+# through a symbolic link too).
+mkdir -p "$TMP/own" "$TMP/own-sharded"
+cp "$FIX/config.json" "$FIX/model.safetensors" "$TMP/own/"
+cp "$FIX/config.json" "$TMP/own-sharded/"
+cp "$FIX/model.safetensors" "$TMP/own-sharded/model-00001-of-00001.safetensors"
+python3 - "$TMP/own-sharded" <<'PY'
+import json, struct, sys
+d = sys.argv[1]
+raw = open(f"{d}/model-00001-of-00001.safetensors", "rb").read()
+n = struct.unpack("<Q", raw[:8])[0]
+names = [k for k in json.loads(raw[8:8 + n]) if k != "__metadata__"]
+json.dump({"metadata": {}, "weight_map": {k: "model-00001-of-00001.safetensors" for k in names}},
+          open(f"{d}/model.safetensors.index.json", "w"))
+PY
+ln -s "$TMP/own/model.safetensors" "$TMP/own-link.safetensors"
+for c in "$TMP/own:$TMP/own/model.safetensors:the checkpoint" \
+  "$TMP/own/model.safetensors:$TMP/own/model.safetensors:the checkpoint" \
+  "$TMP/own:$TMP/own/config.json:the config.json" \
+  "$TMP/own:$TMP/own-link.safetensors:the checkpoint" \
+  "$TMP/own-sharded:$TMP/own-sharded/model.safetensors.index.json:the index" \
+  "$TMP/own-sharded:$TMP/own-sharded/model-00001-of-00001.safetensors:the shard"; do
+  IFS=: read -r m o what <<<"$c"
+  expect_usage "--output $o of --model $m" "--output $o: is the same file as" -- \
+    run --model "$m" --layer 1 --tokens 2 --output "$o"
+  grep -qF "($what of --model $m; it would be overwritten)" "$TMP/stderr" ||
+    { echo "FAIL --output $o: does not name $what of --model"; failures=$((failures + 1)); }
+done
+cmp -s "$FIX/model.safetensors" "$TMP/own/model.safetensors" && cmp -s "$FIX/config.json" "$TMP/own/config.json" &&
+  cmp -s "$FIX/model.safetensors" "$TMP/own-sharded/model-00001-of-00001.safetensors" ||
+  { echo "FAIL: a model file was changed"; failures=$((failures + 1)); }
+# ... while any other file in the model's folder may be written.
+"$BIN" run --model "$TMP/own-sharded" --layer 1 --tokens 2 --quiet --output "$TMP/own-sharded/out.safetensors" >/dev/null ||
+  { echo "FAIL: --output beside the model"; failures=$((failures + 1)); }
+rm -rf "$TMP/own" "$TMP/own-sharded" "$TMP/own-link.safetensors"
 
 # A FIFO where a file is expected: a clear error, not a reader blocked forever.
 mkfifo "$TMP/fifo.safetensors"
@@ -221,6 +257,13 @@ for v in " 16" 0x10 inf; do
     "FUSEDMOE_COMM_TIMEOUT_S: expected a decimal number of seconds in (0, 1e+09], got \"$v\"" -- \
     run --model "$FIX" --layer 1 --tokens 2 --ep-size 2
 done
+# ... on one rank without expert parallelism too, for run and bench (README: a usage error).
+FUSEDMOE_COMM_TIMEOUT_S=abc expect_usage "FUSEDMOE_COMM_TIMEOUT_S=abc, run on one rank" \
+  "FUSEDMOE_COMM_TIMEOUT_S: expected a decimal number of seconds in (0, 1e+09], got \"abc\"" -- \
+  run --model "$FIX" --layer 1 --tokens 4
+FUSEDMOE_COMM_TIMEOUT_S=0 expect_usage "FUSEDMOE_COMM_TIMEOUT_S=0, bench on one rank" \
+  "FUSEDMOE_COMM_TIMEOUT_S: expected a decimal number of seconds in (0, 1e+09], got \"0\"" -- \
+  bench --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0
 # A leading zero is decimal, not octal: 010 tokens are 10.
 "$BIN" run --model "$FIX" --layer 1 --tokens 010 --quiet >"$TMP/stdout" 2>"$TMP/stderr" || true
 if ! grep -q "T = 10$" "$TMP/stdout"; then
@@ -276,6 +319,10 @@ expect_rc "run --layer 0 (not MoE)" 1 run --model "$FIX" --layer 0 --tokens 3
 # command does not take) exit with 2 as well; the README says so.
 expect_usage "bench --shapes foo" "--shapes: expected one of mixtral, qwen3, deepseek, qwen3-cpu, got \"foo\"" -- \
   bench --shapes foo --tokens 1
+for v in ,qwen3-cpu qwen3-cpu,,mixtral qwen3-cpu, "qwen3-cpu, ,mixtral"; do
+  expect_usage "bench --shapes '$v'" "--shapes: expected a comma-separated list of shape names, got \"$v\" (an empty item)" -- \
+    bench --shapes "$v" --max-experts 8 --tokens 1 --min-time 0
+done
 expect_usage "bench --shapes ," "--shapes: expected at least one shape, got \",\"" -- bench --shapes , --tokens 1
 expect_usage "bench --sweep on the CPU" "--sweep: options of --backend cuda, given without it" -- \
   bench --shapes qwen3-cpu --tokens 1 --sweep
@@ -294,6 +341,14 @@ for cmd in run bench; do
   expect_usage "$cmd --backend cuda --dispatch-dtype fp8" "--dispatch-dtype fp8: an option of the CPU backend" -- \
     "${a[@]}" --backend cuda --ep-size 2 --dispatch-dtype fp8
 done
+# --dispatch-dtype given without expert parallelism, any value (auto too), is a usage
+# error as --expert-placement is, for run and bench.
+for v in auto f32; do
+  expect_usage "run --dispatch-dtype $v without expert parallelism" "--dispatch-dtype $v: the expert-parallel dispatch payload, needs --ep-size > 1" -- \
+    run --model "$FIX" --layer 1 --tokens 1 --dispatch-dtype $v
+  expect_usage "bench --dispatch-dtype $v without expert parallelism" "--dispatch-dtype $v: the expert-parallel dispatch payload, needs --ep-size > 1" -- \
+    bench --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0 --dispatch-dtype $v --tp-size 1
+done
 # --expert-placement without expert parallelism (--ep-size 1, also beside --tp-size or
 # --dp-size): it has no meaning there, a usage error rather than ignored.
 placement_msg="needs --ep-size > 1"
@@ -308,6 +363,18 @@ expect_usage "bench --expert-placement round-robin" "--expert-placement round-ro
 # ... while with --ep-size 2 it is taken (here: the rank-count error of a run without mpirun).
 expect_usage "run --expert-placement with --ep-size 2" "--ep-size 2 --tp-size 1 --dp-size 1: expected 2 ranks" -- \
   run --model "$FIX" --layer 1 --tokens 2 --expert-placement round-robin --ep-size 2
+
+# A shape that does not fit --memory-fraction even at E = top_k: an error naming the
+# option, the bytes needed and the budget, before anything runs (not a claim that it
+# was scaled to fit). Mixtral at E = 2 needs 1409286144 bytes in f32: over 0.01 of
+# any machine with less than 140 GB.
+if python3 -c 'import os, sys; sys.exit(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 100 >= 1409286144)'; then
+  expect_error "bench --memory-fraction too small for a shape" "--memory-fraction 0.01 (of " -- \
+    bench --memory-fraction 0.01 --shapes mixtral --tokens 1 --min-time 0
+  grep -qF "shape 'mixtral' needs 1409286144 bytes even at its fewest experts (E = top_k = 2, the least --max-experts takes), over the budget of" "$TMP/stderr" &&
+    ! grep -q "^## mixtral" "$TMP/stdout" ||
+    { echo "FAIL bench --memory-fraction too small: message or output"; cat "$TMP/stderr"; failures=$((failures + 1)); }
+fi
 
 # bench: a NaN --memory-fraction is refused (CLI::Range lets NaN through).
 rc=0
@@ -368,6 +435,40 @@ expect_error "bench --dump-dir a file" "--dump-dir $FIX/config.json: expected a 
 
 # An unknown command is named, with the valid ones.
 expect_error "unknown command" "unknown command 'bogus': expected inspect, run or bench" -- bogus
+# An option before its command: said so, with the command line in the right order.
+expect_usage "an option before the command" "--tokens: an option of run and bench, given before any command; the command comes first, e.g. fusedmoe run --tokens 3 " -- --tokens 3
+expect_usage "an option of inspect before it" "--json: an option of inspect, given before any command; the command comes first, e.g. fusedmoe inspect --json $FIX " -- --json "$FIX"
+
+# --tolerance -0 is 0 (not echoed "-0"); 1e-400 underflows to 0, within the option's
+# range, so it is taken as 0; a range without 0 says it underflows.
+for v in -0 1e-400; do
+  expect_error "--tolerance $v" "relative L2 error" -- run --model "$FIX" --layer 1 --tokens 5 --seed 1 \
+    --reference "$REF" --reference-key layers.1.T5.input --tolerance "$v" --output "$TMP/tol.safetensors"
+  grep -qF -- "> tolerance 0" "$TMP/stderr" && grep -qF -- "(tolerance 0): FAIL" "$TMP/stdout" ||
+    { echo "FAIL --tolerance $v: not read as 0"; cat "$TMP/stdout" "$TMP/stderr"; failures=$((failures + 1)); }
+done
+expect_usage "bench --memory-fraction 1e-400" "--memory-fraction: expected a decimal number in [0.01, 0.95], got \"1e-400\" (it underflows to 0)" -- \
+  bench --shapes qwen3-cpu --tokens 1 --memory-fraction 1e-400
+expect_usage "bench --memory-fraction 1e400" "--memory-fraction: expected a decimal number in [0.01, 0.95], got \"1e400\" (beyond the range of a double)" -- \
+  bench --shapes qwen3-cpu --tokens 1 --memory-fraction 1e400
+
+# bench at T = 0 has no speedup ("-" in the table, empty in the CSV); one thread and
+# one tensor are singular.
+"$BIN" bench --shapes qwen3-cpu --max-experts 8 --tokens 0 --min-time 0 --threads 1 --csv "$TMP/t0.csv" >"$TMP/stdout" 2>&1 || true
+if ! grep -qE '^\| 0 \|.*\| - \| [0-9.e+-]+ \|$' "$TMP/stdout" || ! grep -q "^- CPU: .*, 1 thread, SIMD" "$TMP/stdout" ||
+  ! grep -q ",0,.*,,[0-9.e+-]*$" "$TMP/t0.csv"; then
+  echo "FAIL bench T = 0 speedup / 1 thread"; cat "$TMP/stdout" "$TMP/t0.csv"; failures=$((failures + 1))
+else
+  echo "ok   bench T = 0: $(grep '^| 0 |' "$TMP/stdout")"
+fi
+rm -f "$TMP/t0.csv"
+python3 - "$TMP/one.safetensors" <<'PY'
+import json, struct, sys
+h = json.dumps({"x": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()
+open(sys.argv[1], "wb").write(struct.pack("<Q", len(h)) + h + bytes(4))
+PY
+"$BIN" inspect "$TMP/one.safetensors" | grep -q "^1 tensor, 4 B$" ||
+  { echo "FAIL inspect of one tensor: not '1 tensor'"; "$BIN" inspect "$TMP/one.safetensors"; failures=$((failures + 1)); }
 
 # --model: "" is no model (not the bundled one); a .safetensors file stands for
 # its model only beside its config.json.
@@ -377,7 +478,7 @@ expect_error "--model a .safetensors file without config.json" "$TMP/weights-onl
   run --model "$TMP/weights-only/model.safetensors" --layer 1 --tokens 2
 expect_error "--output \"\"" "--output: expected a path, got an empty string" -- \
   run --model "$FIX" --layer 1 --tokens 2 --output ""
-expect_error "inspect \"\"" "MODEL_DIR: expected a path, got an empty string" -- inspect ""
+expect_usage "inspect \"\"" "PATH: expected a path, got an empty string" -- inspect ""
 expect_error "--input \"\"" "--input: expected a path, got an empty string" -- \
   run --model "$FIX" --layer 1 --input ""
 
@@ -401,10 +502,17 @@ npy("unclosed.npy", "{'descr': '<f4', 'fortran_order': False, 'shape': (3, 128, 
 npy("negative.npy", "{'descr': '<f4', 'fortran_order': False, 'shape': (-1, 128), }")
 npy("huge.npy", "{'descr': '<f4', 'fortran_order': False, 'shape': (1000000000000, 128), }")
 npy("record.npy", "{'descr': [('a', '<f4')], 'fortran_order': False, 'shape': (4,), }")
+npy("unbraced.npy", "{'descr': '<f4', 'fortran_order': False, 'shape': (2, 128), ")
+npy("nodict.npy", "'descr': '<f4', 'fortran_order': False, 'shape': (2, 128)}")
 npy("overflow.npy", "{'descr': '<f4', 'fortran_order': False, 'shape': (4611686018427387904, 4611686018427387904), }")
 PY
 expect_error ".npy shape unclosed" "unclosed.npy: .npy header: malformed shape" -- \
   run --model "$FIX" --layer 1 --input "$TMP/unclosed.npy"
+# A header that is no dict: named as such, not read on to a data-length error.
+expect_error ".npy header without its closing brace" "unbraced.npy: malformed .npy header: expected a dict {'descr': ..., 'fortran_order': ..., 'shape': (...)}, but it has no closing '}' (header: \"{'descr': '<f4', 'fortran_order': False, 'shape': (2, 128),\")" -- \
+  run --model "$FIX" --layer 1 --input "$TMP/unbraced.npy"
+expect_error ".npy header without its opening brace" "nodict.npy: malformed .npy header: expected a dict" -- \
+  run --model "$FIX" --layer 1 --input "$TMP/nodict.npy"
 expect_error ".npy negative size" "negative.npy: .npy header: expected non-negative sizes" -- \
   run --model "$FIX" --layer 1 --input "$TMP/negative.npy"
 expect_error ".npy shape beyond its data" "huge.npy: .npy data shorter than its shape (1000000000000, 128): 512 bytes" -- \

@@ -63,6 +63,28 @@ head -c 100 "$DATA/hf/mixtral/reference.safetensors" >"$TMP/cut.safetensors"
 rc=0; "$BIN" inspect "$TMP/cut.safetensors" >/dev/null 2>"$TMP/err" || rc=$?
 [ "$rc" -eq 1 ] && grep -qF "$TMP/cut.safetensors" "$TMP/err" || { echo "FAIL: truncated .safetensors (exit $rc)"; cat "$TMP/err"; exit 1; }
 
+# A sharded model with one shard missing: described in full, the layers that need
+# the shard each with an error naming it, exit code 1 (README: a layer that fails
+# prints the loader's error).
+mkdir -p "$TMP/one-gone"
+cp "$DATA/hf/deepseek_v3/config.json" "$DATA/hf/deepseek_v3/model.safetensors" "$TMP/one-gone/"
+python3 - "$TMP/one-gone" <<'PY'
+import json, struct, sys
+d = sys.argv[1]
+raw = open(f"{d}/model.safetensors", "rb").read()
+names = [k for k in json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]]) if k != "__metadata__"]
+json.dump({"weight_map": {k: "gone.safetensors" if ".layers.2." in k else "model.safetensors" for k in names}},
+          open(f"{d}/model.safetensors.index.json", "w"))
+PY
+rc=0; "$BIN" inspect "$TMP/one-gone" >"$TMP/text" 2>"$TMP/err" || rc=$?
+grep -qF "model type     deepseek_v3" "$TMP/text" && grep -qE "^  layer 1 +[1-9]" "$TMP/text" &&
+  grep -qF "error: $TMP/one-gone/model.safetensors.index.json: the shard of tensor 'model.layers.2." "$TMP/text" &&
+  grep -qF "$TMP/one-gone/gone.safetensors: cannot open: No such file or directory" "$TMP/text" &&
+  [ "$rc" -eq 1 ] || { echo "FAIL: inspect with a missing shard (exit $rc)"; cat "$TMP/text" "$TMP/err"; exit 1; }
+rc=0; "$BIN" inspect "$TMP/one-gone" --json >"$TMP/json" || rc=$?
+python3 -c 'import json,sys; l = json.load(open(sys.argv[1]))["layers"]; assert [x["weights_ok"] for x in l] == [True, False] and "gone.safetensors" in l[1]["weights_error"], l' "$TMP/json" &&
+  [ "$rc" -eq 1 ] || { echo "FAIL: inspect --json with a missing shard (exit $rc)"; exit 1; }
+
 # --help works and exits 0; no command is a usage error.
 "$BIN" --help | grep -q inspect
 "$BIN" run --help | grep -q -- --reference-key

@@ -156,7 +156,7 @@ expect_error 1 'router_logits: expected no NaN, got NaN at token 5, expert [0-9]
 # An error on one rank only, before the run: the others stop at their first
 # collective with the same exit code and say why.
 cp "$TMP/big.npy" "$TMP/in1.npy"
-expect_error 1 '--output .*in1.npy: is the same file as --input' 1 -- \
+expect_error 2 '--output .*in1.npy: is the same file as --input' 1 -- \
   $M "$npflag" 1 $RI "$TMP/big.npy" : "$npflag" 1 "$BIN" run --quiet --ep-size 2 \
   --input "$TMP/in1.npy" --output "$TMP/in1.npy"
 grep -qE '^fusedmoe: error: rank 0: not run: rank 1 stopped with an error' "$TMP/log" ||
@@ -177,6 +177,36 @@ grep -q "MPI_ABORT" "$TMP/log" && { echo "FAIL: MPI_Abort after the last collect
 for v in 1e10 " 16" 0x10; do
   expect_error 2 "FUSEDMOE_COMM_TIMEOUT_S: expected a decimal number of seconds in \\(0, 1e\\+09\\], got \"$v\"" 1 -- \
     env FUSEDMOE_COMM_TIMEOUT_S="$v" $M "$npflag" 2 $R --tokens 8 --ep-size 2
+done
+
+# Numbers in the disagreement are the shortest text of each double (0.1, not
+# 0.10000000000000001), still telling apart doubles that differ in the last bit.
+B="$BIN bench --shapes qwen3-cpu --max-experts 8 --tokens 1 --ep-size 2"
+expect_error 2 "fusedmoe bench: the ranks disagree on --min-time: 0\.1 on rank 0, 0\.2 on rank 1 " 2 -- \
+  $M "$npflag" 1 $B --min-time 0.1 : "$npflag" 1 $B --min-time 0.2
+expect_error 2 "fusedmoe bench: the ranks disagree on --min-time: 0\.1 on rank 0, 0\.10000000000000002 on rank 1 " 2 -- \
+  $M "$npflag" 1 $B --min-time 0.1 : "$npflag" 1 $B --min-time 0.10000000000000002
+
+# Expert shares over the memory budget: the bytes needed, the budget and both options
+# (Mixtral's 8 experts need 5.25 GiB: over 0.01 of any machine with less than 525 GiB).
+if python3 -c 'import os, sys; sys.exit(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 100 >= 5637144576)'; then
+  expect_error 1 "mixtral: the ranks' expert shares need .*, over the budget of .* \(--memory-fraction 0\.01 of .* physical memory\); give a larger --memory-fraction or fewer experts \(--max-experts\)" 1 -- \
+    $M "$npflag" 2 "$BIN" bench --ep-size 2 --shapes mixtral --tokens 1 --memory-fraction 0.01
+fi
+
+# --help, --version and inspect on every rank: printed once, by rank 0 (as run
+# reports), exit code 0.
+MODEL=$("$BIN" --help | sed -n 's/^Bundled model: //p')
+for c in "--help:Bundled model: " "run --help:Tensor name in the --reference file" "--version:fusedmoe 0.1.0" \
+  "inspect $MODEL:model type "; do
+  rc=0; $M "$npflag" 2 "$BIN" ${c%%:*} >"$TMP/log" 2>&1 || rc=$?
+  n=$(grep -cF -- "${c#*:}" "$TMP/log")
+  if [ "$rc" -ne 0 ] || [ "$n" -ne 1 ]; then
+    echo "FAIL: mpirun -np 2 fusedmoe ${c%%:*}: exit $rc, '${c#*:}' printed $n times (want once)"
+    cat "$TMP/log"; fail=1
+  else
+    echo "ok: mpirun -np 2 fusedmoe ${c%%:*}: printed once"
+  fi
 done
 
 # The same options everywhere still run (and rank 0 writes the output).

@@ -397,6 +397,42 @@ TEST(Checkpoint, ShardedThroughIndex) {
   EXPECT_HAS(error_of([&] { Checkpoint::open(dir.file("bad.index.json")); }), "weight_map");
 }
 
+TEST(Checkpoint, ShardPathsStayInsideTheModelFolder) {
+  TempDir dir("ckpt_escape");
+  fs::create_directory(dir.file("model"));
+  fs::create_directory(dir.file("model/sub"));
+  Tensor t = Tensor::zeros(DType::kF32, {2});
+  save_safetensors(dir.file("outside.safetensors"), {{"a", t}});
+  save_safetensors(dir.file("model/sub/in.safetensors"), {{"a", t}});
+  const std::string index = dir.file("model/model.safetensors.index.json");
+  const auto write_index = [&](const std::string& shard) {
+    std::ofstream(index) << R"({"weight_map": {"a": ")" << shard << R"("}})";
+  };
+  for (const std::string& shard :
+       {std::string("../outside.safetensors"), std::string("sub/../../outside.safetensors"),
+        dir.file("outside.safetensors"), std::string("/etc/passwd"), std::string(""),
+        std::string(".")}) {
+    SCOPED_TRACE(shard);
+    write_index(shard);
+    const std::string msg = error_of([&] { Checkpoint::open(dir.file("model")); }, ErrorCode::kIo);
+    EXPECT_HAS(msg, index);
+    EXPECT_HAS(msg,
+               "weight_map entry 'a': \"" + shard + "\" is not a file inside the model folder");
+  }
+  // Inside the folder (also through "sub/../sub"): read, and listed by files().
+  write_index("sub/../sub/in.safetensors");
+  const Checkpoint ck = Checkpoint::open(dir.file("model"));
+  EXPECT_EQ(ck.get("a").view().str(), "f32 [2]");
+  EXPECT_EQ(ck.files(), (std::vector<std::string>{index, dir.file("model/sub/in.safetensors")}));
+  EXPECT_EQ(ck.index_path(), index);
+  // A shard that is missing: named, with the index and the tensor.
+  write_index("missing.safetensors");
+  const Checkpoint gone = Checkpoint::open(dir.file("model"));
+  const std::string msg = error_of([&] { gone.get("a"); }, ErrorCode::kIo);
+  EXPECT_HAS(msg, index + ": the shard of tensor 'a': " + dir.file("model/missing.safetensors"));
+  EXPECT_HAS(msg, "No such file or directory");
+}
+
 TEST(Safetensors, SaveWritesThroughSymlinksAndRefusesSpecialFiles) {
   TempDir dir("st_special");
   Tensor t = Tensor::zeros(DType::kF32, {2});

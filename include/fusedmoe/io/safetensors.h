@@ -66,7 +66,9 @@ class SafetensorsFile {
 // `model.safetensors.index.json` (weight_map: tensor -> shard file), or a
 // single .safetensors file path; a model's config.json stands for its directory. Shards are opened
 // lazily, once each, so get() is not thread-safe: fetch tensors from one thread (they may then be
-// read anywhere). Throws Error(kIo) when the path has none of these or the index is malformed.
+// read anywhere). Throws Error(kIo) when the path has none of these or the index is malformed,
+// or names a shard outside the index's folder (an absolute path, or one that leads up out of it
+// with ".."); a shard that cannot be opened is an Error naming the index, the tensor and the shard.
 class Checkpoint {
  public:
   static Checkpoint open(const std::string& path);
@@ -75,9 +77,15 @@ class Checkpoint {
   Tensor get(const std::string& name) const;
   std::vector<std::string> names() const;
   const std::string& path() const { return path_; }
+  // Every file the checkpoint reads: the index (when sharded), then each
+  // distinct shard (or the one .safetensors file).
+  std::vector<std::string> files() const;
+  // The index file of a sharded checkpoint; empty for one .safetensors file.
+  const std::string& index_path() const { return index_; }
 
  private:
   std::string path_;
+  std::string index_;  // model.safetensors.index.json of a sharded checkpoint, else empty
   std::map<std::string, std::string> weight_map_;  // name -> shard path
   mutable std::map<std::string, std::shared_ptr<SafetensorsFile>> shards_;
 };
