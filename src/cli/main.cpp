@@ -231,6 +231,11 @@ CLI::Option* add_expert_placement_option(CLI::App& cmd, std::string& value) {
 void check_ep_options(int ep_size, int dp_size, const std::string& dispatch_dtype,
                       bool dispatch_given, const std::string& expert_placement,
                       bool placement_given, bool on_cuda) {
+  // ParallelGroups' rule, here before any rank builds its groups (it used to
+  // pass the rank-count check and fail on each rank with ExpertMap's texts).
+  usage_check(dp_size == 1 || ep_size == 1 || ep_size == dp_size, "--ep-size ", ep_size,
+              " with --dp-size ", dp_size, ": expected --ep-size 1 (each data-parallel rank holds ",
+              "every expert) or ", dp_size, " (the experts spread over the data-parallel ranks)");
   usage_check(!dispatch_given || ep_size > 1 || dp_size > 1, "--dispatch-dtype ", dispatch_dtype,
               ": the expert-parallel dispatch payload, needs --ep-size > 1 (or --dp-size > 1)");
   // The GPUs' expert parallelism (CudaEpMoELayer) has a payload of its own.

@@ -364,6 +364,14 @@ expect_usage "bench --expert-placement round-robin" "--expert-placement round-ro
 expect_usage "run --expert-placement with --ep-size 2" "--ep-size 2 --tp-size 1 --dp-size 1: expected 2 ranks" -- \
   run --model "$FIX" --layer 1 --tokens 2 --expert-placement round-robin --ep-size 2
 
+# --ep-size other than 1 or --dp-size with --dp-size > 1: a usage error naming both
+# options, before any rank builds its groups (under mpirun -np 3 it passed the
+# rank-count check and failed on each rank with "ExpertMap: rank: expected in [0, 2)").
+expect_usage "run --dp-size 3 --ep-size 2" "--ep-size 2 with --dp-size 3: expected --ep-size 1 (each data-parallel rank holds every expert) or 3" -- \
+  run --model "$FIX" --layer 1 --tokens 8 --dp-size 3 --ep-size 2
+expect_usage "bench --dp-size 4 --ep-size 2" "--ep-size 2 with --dp-size 4: expected --ep-size 1" -- \
+  bench --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0 --dp-size 4 --ep-size 2
+
 # A shape that does not fit --memory-fraction even at E = top_k: an error naming the
 # option, the bytes needed and the budget, before anything runs (not a claim that it
 # was scaled to fit). Mixtral at E = 2 needs 1409286144 bytes in f32: over 0.01 of
