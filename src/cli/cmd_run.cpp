@@ -424,10 +424,13 @@ int run_run(const RunOptions& o) {
       usage_check(!same(path), "--output ", o.output, ": is the same file as ", path, " (the ",
                   what, " of --model ", model, "; it would be overwritten)");
   }
-  usage_check(o.output.size() < 4 || o.output.compare(o.output.size() - 4, 4, ".npy") != 0,
-              "--output ", o.output,
+  // A NumPy name, in any case (.NPY was written as safetensors under it).
+  std::string ext = std::filesystem::path(o.output).extension().string();
+  std::transform(ext.begin(), ext.end(), ext.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  usage_check(ext != ".npy" && ext != ".npz", "--output ", o.output,
               ": the output is a .safetensors file (output, topk_ids, topk_weights, "
-              "router_logits), not .npy; name it *.safetensors");
+              "router_logits), not .npy / .npz; name it *.safetensors");
   if (o.threads > 0) ThreadPool::set_global_num_threads(o.threads);
   const bool on_cuda = o.backend == "cuda";
   usage_check(

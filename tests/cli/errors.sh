@@ -208,6 +208,12 @@ expect_usage "--dispatch-dtype without expert parallelism" "--dispatch-dtype fp8
   run --model "$FIX" --layer 1 --tokens 3 --dispatch-dtype fp8
 expect_usage "--output with a .npy name" "not .npy" -- \
   run --model "$FIX" --layer 1 --tokens 3 --output "$OUTDIR/out.npy"
+# ... in any case, and .npz (both were written as safetensors under the NumPy name).
+for name in out.NPY out.npz; do
+  expect_usage "--output with a $name name" "not .npy / .npz" -- \
+    run --model "$FIX" --layer 1 --tokens 3 --output "$OUTDIR/$name"
+  [ -e "$OUTDIR/$name" ] && { echo "FAIL: $name written"; failures=$((failures + 1)); }
+done
 expect_error "--threads beyond the pool's limit" "--threads: expected a decimal integer in [0, 1024] (0: all cores), got \"5000\"" -- \
   run --model "$FIX" --layer 1 --tokens 3 --threads 5000
 # int options beyond int: the range, not CLI11's "Could not convert".
