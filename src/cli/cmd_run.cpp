@@ -451,6 +451,16 @@ int run_run(const RunOptions& o) {
                    o.expert_placement, o.expert_placement_given, on_cuda);
   // Under mpirun the sizes must account for every rank .
   check_launch_size(o.ep_size, o.tp_size, o.dp_size);
+  // The output's temporary, created now by the rank that writes (rank 0): a
+  // path that cannot be written fails before the work, naming --output.
+  std::unique_ptr<AtomicFile> output_file;
+  if (!o.output.empty() && (!launch_world() || launch_world()->rank() == 0)) {
+    try {
+      output_file = std::make_unique<AtomicFile>(o.output);
+    } catch (const Error& e) {
+      throw Error(e.code(), std::string("--output: ") + e.what());
+    }
+  }
   std::shared_ptr<Communicator> world;
   if (parallel) {
     usage_check(!on_cuda || (o.tp_size == 1 && o.dp_size == 1),
@@ -733,8 +743,8 @@ int run_run(const RunOptions& o) {
                    " (the input or the weights overflow f32 arithmetic); no output written");
 
   // Output file (written atomically by save_safetensors).
-  if (!o.output.empty()) {
-    save_safetensors(o.output,
+  if (output_file) {
+    save_safetensors(*output_file,
                      {{"output", output.view()},
                       {"topk_ids", topk_ids.view()},
                       {"topk_weights", topk_weights.view()},

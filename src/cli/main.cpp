@@ -197,11 +197,13 @@ void after_error(int code) {
       try {
         join_launch(code);  // the other ranks wait for this one at their first collective
       } catch (const fusedmoe::Error&) {
+        AtomicFile::remove_pending_temporaries();
         l.world->abort(code);
       }
       return;
     case Phase::kChecking:
     case Phase::kRunning:
+      AtomicFile::remove_pending_temporaries();  // MPI_Abort runs no destructor
       l.world->abort(code);  // others may wait for this rank inside a collective
     default:
       return;

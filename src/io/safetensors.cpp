@@ -405,9 +405,16 @@ std::vector<std::string> Checkpoint::names() const {
 
 // ---- writer ----------------------------------------------------------------
 
-void save_safetensors(const std::string& path,
-                      const std::vector<std::pair<std::string, TensorView>>& tensors,
-                      const std::map<std::string, std::string>& metadata) {
+namespace {
+
+// The header and the tensors' order of a safetensors file, after checking the
+// names and inputs (before anything touches the disk).
+struct SafetensorsLayout {
+  std::vector<size_t> order;
+  std::string header;
+};
+SafetensorsLayout safetensors_layout(const std::vector<std::pair<std::string, TensorView>>& tensors,
+                                     const std::map<std::string, std::string>& metadata) {
   // Validate names and inputs before touching the disk.
   std::set<std::string> seen;
   for (const auto& [name, t] : tensors) {
@@ -445,8 +452,13 @@ void save_safetensors(const std::string& path,
   }
   std::string h = header.dump();
   while (h.size() % 8 != 0) h.push_back(' ');  // data section 8-byte aligned
+  return {std::move(order), std::move(h)};
+}
 
-  AtomicFile file(path);
+void write_safetensors(AtomicFile& file, const SafetensorsLayout& layout,
+                       const std::vector<std::pair<std::string, TensorView>>& tensors) {
+  const std::string& h = layout.header;
+  const std::vector<size_t>& order = layout.order;
   unsigned char len_le[8];
   uint64_t hl = h.size();
   for (int i = 0; i < 8; ++i) len_le[i] = static_cast<unsigned char>(hl >> (8 * i));
@@ -463,6 +475,22 @@ void save_safetensors(const std::string& path,
     }
   }
   file.commit();
+}
+
+}  // namespace
+
+void save_safetensors(const std::string& path,
+                      const std::vector<std::pair<std::string, TensorView>>& tensors,
+                      const std::map<std::string, std::string>& metadata) {
+  const SafetensorsLayout layout = safetensors_layout(tensors, metadata);
+  AtomicFile file(path);
+  write_safetensors(file, layout, tensors);
+}
+
+void save_safetensors(AtomicFile& file,
+                      const std::vector<std::pair<std::string, TensorView>>& tensors,
+                      const std::map<std::string, std::string>& metadata) {
+  write_safetensors(file, safetensors_layout(tensors, metadata), tensors);
 }
 
 // ---- AtomicFile --------------------------------------------------------------

@@ -550,6 +550,13 @@ else
   echo "ok   --output a dangling symbolic link: $(cat "$TMP/stderr")"
 fi
 rm -f "$OUTDIR/dangling.safetensors"
+# --output in a folder that does not exist: an error naming --output before the
+# layer runs (the temporary is created first; it used to fail after the work),
+# and nothing left behind.
+expect_error "--output in a missing folder" "--output: $OUTDIR/nodir/o.safetensors: cannot create a temporary file in $OUTDIR/nodir" -- \
+  run --model "$FIX" --layer 1 --tokens 2 --output "$OUTDIR/nodir/o.safetensors"
+grep -q "^time " "$TMP/stdout" 2>/dev/null && { echo "FAIL --output in a missing folder: the layer ran first"; failures=$((failures + 1)); }
+[ -z "$(ls -A "$OUTDIR")" ] || { echo "FAIL --output in a missing folder: left $(ls -A "$OUTDIR")"; failures=$((failures + 1)); }
 
 # Absurd sizes in config.json: an error naming the field and value, not "out of memory".
 for field in n_routed_experts moe_intermediate_size hidden_size; do

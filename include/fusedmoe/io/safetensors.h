@@ -131,5 +131,10 @@ class AtomicFile {
 void save_safetensors(const std::string& path,
                       const std::vector<std::pair<std::string, TensorView>>& tensors,
                       const std::map<std::string, std::string>& metadata = {});
+// The same into `file`, created earlier (so that a path that cannot be
+// written fails before the work that produces the tensors), then committed.
+void save_safetensors(AtomicFile& file,
+                      const std::vector<std::pair<std::string, TensorView>>& tensors,
+                      const std::map<std::string, std::string>& metadata = {});
 
 }  // namespace fusedmoe
