@@ -180,6 +180,7 @@ int run_bench(const BenchOptions& opts);
 int run_bench_parallel(const BenchOptions& opts);
 // --backend cuda: the layer with its experts spread over GPUs (NCCL, one GPU per
 // rank): layer time, dispatch and combine bandwidth (cmd_bench_parallel_cuda.cpp).
+// The caller (run_bench) has checked the options: --ep-size only.
 int run_bench_parallel_cuda(const BenchOptions& opts);
 // Per-rank statistics of both parallel benchmarks (cmd_bench_parallel.cpp):
 // every rank's `value` (a collective over a host-buffer communicator), their

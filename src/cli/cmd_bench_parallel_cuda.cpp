@@ -44,9 +44,6 @@ void cuda_check(cudaError_t e, const char* what) {
 
 int run_bench_parallel_cuda(const BenchOptions& o) {
   using namespace fusedmoe::bench;
-  FUSEDMOE_CHECK(o.tp_size == 1 && o.dp_size == 1,
-                 "--backend cuda: --ep-size only (GPU expert parallelism); got --tp-size ",
-                 o.tp_size, " --dp-size ", o.dp_size);
   FUSEDMOE_CHECK(nccl_built(), "--backend cuda --ep-size: this build of fusedmoe has no NCCL");
   const int devices = cuda::device_count();
   FUSEDMOE_CHECK(devices > 0, "--backend cuda: no CUDA device found");

@@ -252,11 +252,10 @@ void check_ep_options(int ep_size, int dp_size, const std::string& dispatch_dtyp
 std::shared_ptr<Communicator> make_parallel_world(
     int ep_size, int tp_size, int dp_size,
     const std::vector<std::pair<std::string, std::string>>& options, const char* command) {
-  // A FUSEDMOE_COMM_TIMEOUT_S that is no number of seconds: a usage error
-  // before any rank waits on another.
-  check_comm_timeout();
-  // check_launch_size() ran before (the callers need it for one-rank runs too);
-  // the size check below catches launchers it cannot see.
+  // main() checked FUSEDMOE_COMM_TIMEOUT_S before run / bench (a usage error
+  // before any rank waits on another), and check_launch_size() ran before (the
+  // callers need it for one-rank runs too); the size check below catches
+  // launchers it cannot see.
   Launch& l = launch();
   std::shared_ptr<Communicator> world = l.world ? l.world : make_world_communicator();
   if (l.world) join_launch(0);  // the ranks that stopped before this point
