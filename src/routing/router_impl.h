@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "fusedmoe/routing/router.h"
+#include "routing/scores.h"
 
 namespace fusedmoe::routing {
 
@@ -99,21 +100,7 @@ class TopKList {
   int64_t n_ = 0;
 };
 
-// Element-wise scores (sigmoid, sqrtsoftplus) in double. Softmax is per row.
-inline double sigmoid(double x) {
-  return 1.0 / (1.0 + std::exp(-x));
-}
-// sqrt(softplus(x)), softplus(x) = log(1 + e^x) computed without overflow.
-inline double sqrt_softplus(double x) {
-  return std::sqrt(std::max(x, 0.0) + std::log1p(std::exp(-std::abs(x))));
-}
-// exp(x - m) where m is the row maximum. If m is infinite (+inf present, or the
-// whole row is -inf) the softmax limit is used: entries equal to m share the
-// mass equally and all others get 0, so no NaN arises.
-inline double rel_exp(double x, double m) {
-  if (std::isinf(m)) return x == m ? 1.0 : 0.0;
-  return std::exp(x - m);
-}
+// Element-wise scores (sigmoid, sqrtsoftplus) and rel_exp in double: routing/scores.h.
 
 // Factories of the concrete routers (config validated by create_router).
 std::unique_ptr<Router> make_topk_router(const MoEConfig& config, std::vector<double> bias);

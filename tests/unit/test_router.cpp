@@ -18,6 +18,7 @@
 #include "fusedmoe/io/hf_config.h"
 #include "fusedmoe/routing/router.h"
 #include "reference_routing.h"
+#include "routing/scores.h"
 #include "test_util.h"
 
 namespace fusedmoe {
@@ -141,6 +142,43 @@ struct Shape {
 const Shape kShapes[] = {{8, 1}, {8, 2}, {60, 4}, {60, 6}, {256, 8}};
 
 // ---------------------------------------------------------------------------
+// routing/scores.h (the CPU routers' and the CUDA kernels' shared double
+// scores) against libm: exp within 1 ulp, log1p within 4, over the whole
+// range, with the limits (NaN, +-inf, under / overflow) libm's.
+TEST(Router, SharedScoresMatchLibm) {
+  std::mt19937_64 rng(test::fresh_seed());
+  auto ulps = [](double got, double want) {
+    if (got == want) return 0.0;
+    return std::abs(got - want) / (std::nextafter(std::abs(want), INFINITY) - std::abs(want));
+  };
+  std::uniform_real_distribution<double> wide(-750.0, 712.0), narrow(-4.0, 4.0), unit(0.0, 1.0);
+  double worst_exp = 0, worst_log1p = 0, worst_sig = 0;
+  for (int i = 0; i < 200000; ++i) {
+    const double x = i % 2 ? wide(rng) : narrow(rng);
+    worst_exp = std::max(worst_exp, ulps(routing::exp_d(x), std::exp(x)));
+    const double y = unit(rng);
+    worst_log1p = std::max(worst_log1p, ulps(routing::log1p_unit_d(y), std::log1p(y)));
+    const double f = static_cast<float>(narrow(rng) * 4);
+    worst_sig = std::max(worst_sig, std::abs(routing::sigmoid(f) - 1.0 / (1.0 + std::exp(-f))) /
+                                        (1.0 / (1.0 + std::exp(-f))));
+  }
+  EXPECT_LE(worst_exp, 1.0);
+  EXPECT_LE(worst_log1p, 4.0);
+  EXPECT_LE(worst_sig, 4e-16);
+  EXPECT_TRUE(std::isnan(routing::exp_d(NAN)));
+  EXPECT_EQ(routing::exp_d(INFINITY), INFINITY);
+  EXPECT_EQ(routing::exp_d(-INFINITY), 0.0);
+  EXPECT_EQ(routing::exp_d(710.0), INFINITY);
+  EXPECT_EQ(routing::exp_d(-746.0), 0.0);
+  EXPECT_EQ(routing::exp_d(0.0), 1.0);
+  EXPECT_GT(routing::exp_d(-744.0), 0.0);  // subnormal, as libm's
+  EXPECT_EQ(routing::log1p_unit_d(0.0), 0.0);
+  EXPECT_EQ(routing::sigmoid(-1e300), 0.0);
+  EXPECT_EQ(routing::sigmoid(1e300), 1.0);
+  EXPECT_EQ(routing::sqrt_softplus(-1e300), 0.0);
+  EXPECT_NEAR(routing::sqrt_softplus(3.0), std::sqrt(std::log1p(std::exp(3.0))), 1e-15);
+}
+
 TEST(Router, TopKMatchesReference) {
   const uint64_t seed = test::fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));

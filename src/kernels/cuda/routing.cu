@@ -29,10 +29,13 @@
 // scores only for the few columns that can still be chosen, exact ranks among
 // them; the path above is its fallback (ties, near ties, NaN, other layouts).
 //
-// Precision: scores are double (CUDA's exp/log1p are within 1 ulp of the CPU
-// libm), so ids equal the CPU's whenever competing score + bias values differ
-// by more than ~1e-15 relative, and exact ties (equal inputs) resolve to the
-// lower column as on the CPU; logit variants compare the f32 logits exactly.
+// Precision: scores are double, computed by the CPU routers' own code
+// (routing/scores.h: the same bits on both), so ids equal the CPU's, exact ties
+// (equal values, also sums of two) resolving to the lower column as there;
+// logit variants compare the f32 logits exactly. Softmax scores divide by a
+// row sum added in another order than the CPU's (a warp tree): group scores
+// summed from them (kSumTop2 with softmax) can rank differently from the
+// CPU's where two groups' sums agree to ~1e-16.
 // Variants (same formulas as src/routing/):
 //   kTopK        scoring (softmax/sigmoid/sqrtsoftplus) [+ selection bias],
 //                renormalize, * routed_scaling_factor    (Mixtral, Qwen, OLMoE)
@@ -48,6 +51,7 @@
 #include "fusedmoe/kernels/cuda.h"
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/pdl.cuh"
+#include "routing/scores.h"
 
 namespace fusedmoe::cuda {
 namespace {
@@ -74,16 +78,15 @@ struct RouteParams {
   double scale;
 };
 
-// ---- scores (double, the CPU routers' formulas: routing/router_impl.h) ----
+// ---- scores (double): the CPU routers' code, the same bits (routing/scores.h) ----
 __device__ __forceinline__ double sigmoid_d(double x) {
-  return 1.0 / (1.0 + exp(-x));
+  return routing::sigmoid(x);
 }
 __device__ __forceinline__ double sqrt_softplus_d(double x) {
-  return sqrt(fmax(x, 0.0) + log1p(exp(-fabs(x))));
+  return routing::sqrt_softplus(x);
 }
 __device__ __forceinline__ double rel_exp_d(double x, double m) {
-  if (isinf(m)) return x == m ? 1.0 : 0.0;
-  return exp(x - m);
+  return routing::rel_exp(x, m);
 }
 __device__ __forceinline__ double elementwise_d(ScoringFunc f, double x) {
   return f == ScoringFunc::kSigmoid ? sigmoid_d(x) : sqrt_softplus_d(x);
