@@ -175,6 +175,11 @@ TEST(CudaGroupedGemm, EveryTileEveryMode) {
     check_tile(tile, 1, 16, 8, 264, 96, Activation::kSwigluOai, false, false, rng);
     check_tile(tile, 2, 2, 4, 200, 136, Activation::kSiluGlu, true, false, rng);
     check_tile(tile, 2, 1, 1, 520, 40, Activation::kGeluGlu, true, true, rng);
+    // Many work items a CTA (the loads run ahead across items; w13's K = 72 is
+    // 2 k tiles, fewer than the pipeline's stages: loads several items ahead),
+    // and E + 1 beyond the expert_offsets kept in shared memory (global search).
+    check_tile(tile, 6000, 4, 2, 72, 520, Activation::kSiluGlu, false, false, rng);
+    check_tile(tile, 64, 600, 8, 72, 48, Activation::kSiluGlu, true, false, rng);
     if (HasFailure()) return;
   }
 }

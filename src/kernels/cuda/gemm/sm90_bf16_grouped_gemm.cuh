@@ -24,6 +24,8 @@
 namespace fusedmoe::cuda::gemm {
 
 constexpr int kBK = 64;  // k elements per stage: 128-byte rows, 8 chunks of 16 bytes
+// expert_offsets entries kept in shared memory (E + 1 <= this; else read from global).
+constexpr int kSmemOffsets = 520;
 
 template <int kBM_, int kBN_, int kWarpsM_, int kWarpsN_, int kStages_>
 struct TileConfig {
@@ -33,7 +35,7 @@ struct TileConfig {
   static constexpr int kWTM = kBM / kWarpsM, kWTN = kBN / kWarpsN;  // warp tile
   static constexpr int kMI = kWTM / 16, kNI = kWTN / 8;             // mma tiles per warp
   static constexpr int kStageBytes = (kBM + kBN) * kBK * 2;
-  static constexpr int kSmemBytes = kStages * kStageBytes + kBM * 2 * 4;
+  static constexpr int kSmemBytes = kStages * kStageBytes + kSmemOffsets * 8;
   static_assert(kWTM % 16 == 0 && kWTN % 16 == 0, "warp tile must be a multiple of 16 x 16");
   static_assert((kBM * 8) % kThreads == 0 && (kBN * 8) % kThreads == 0, "load balance");
 };
@@ -149,77 +151,87 @@ __global__ void __launch_bounds__(Cfg::kThreads) grouped_gemm_kernel(const Param
   constexpr int MI = Cfg::kMI, NI = Cfg::kNI, WTM = Cfg::kWTM, WTN = Cfg::kWTN;
   constexpr int kThreads = Cfg::kThreads;
   extern __shared__ __align__(128) uint8_t smem[];
-  int32_t* s_src = reinterpret_cast<int32_t*>(smem + STAGES * Cfg::kStageBytes);  // A row, -1
-  int32_t* s_slot = s_src + BM;                                                   // slot, -1
+  // expert_offsets, when E + 1 <= kSmemOffsets (the work decode's binary search).
+  int64_t* s_offsets = reinterpret_cast<int64_t*>(smem + STAGES * Cfg::kStageBytes);
   pdl_wait();  // expert_offsets, sorted_slot and a come from the kernels before (pdl.cuh)
   pdl_launch_dependents();
+  const bool dense = p.expert_offsets == nullptr;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wm = warp / Cfg::kWarpsN, wn = warp % Cfg::kWarpsN;
-  const bool dense = p.expert_offsets == nullptr;
-  const int64_t total_tiles = dense ? (p.m + BM - 1) / BM : p.expert_offsets[p.num_experts] / BM;
+  const bool offsets_in_smem = !dense && p.num_experts + 1 <= kSmemOffsets;
+  if (offsets_in_smem) {
+    for (int i = tid; i <= p.num_experts; i += kThreads) s_offsets[i] = p.expert_offsets[i];
+    __syncthreads();
+  }
+  const int64_t* offs = offsets_in_smem ? s_offsets : p.expert_offsets;
+  const int64_t total_tiles = dense ? (p.m + BM - 1) / BM : offs[p.num_experts] / BM;
   const int64_t total_work = total_tiles * p.n_tiles;
   const int64_t K = p.k;
   const int k_tiles = static_cast<int>((K + kBK - 1) / kBK);
   const uint32_t smem_base = smem_u32(smem);
 
-  for (int64_t work = blockIdx.x; work < total_work; work += gridDim.x) {
-    // ---- decode (expert, n tile, m tile) ----
-    int e = 0;
+  // A work item: (expert, n tile, m tile); expert-major, n tile, then m tile.
+  struct Work {
+    int e;
+    int n_tile;
+    int64_t row0;
+  };
+  auto decode = [&](int64_t work) {
+    Work w{0, 0, 0};
     int64_t tile_begin = 0, tiles_e = total_tiles;
     if (!dense) {
       int lo = 0, hi = p.num_experts - 1;  // largest e with start(e) <= work
       while (lo < hi) {
         const int mid = (lo + hi + 1) >> 1;
-        if (p.expert_offsets[mid] / BM * p.n_tiles <= work)
+        if (offs[mid] / BM * p.n_tiles <= work)
           lo = mid;
         else
           hi = mid - 1;
       }
-      e = lo;
-      tile_begin = p.expert_offsets[e] / BM;
-      tiles_e = p.expert_offsets[e + 1] / BM - tile_begin;
+      w.e = lo;
+      tile_begin = offs[lo] / BM;
+      tiles_e = offs[lo + 1] / BM - tile_begin;
     }
     const int64_t local = work - tile_begin * p.n_tiles;
-    const int n_tile = static_cast<int>(local / tiles_e);
-    const int64_t row0 = (tile_begin + local % tiles_e) * BM;
+    w.n_tile = static_cast<int>(local / tiles_e);
+    w.row0 = (tile_begin + local % tiles_e) * BM;
+    return w;
+  };
+  // The slot of row `row` (-1: padding, or past m when dense).
+  auto slot_of = [&](int64_t row) -> int32_t {
+    if (dense) return row < p.m ? static_cast<int32_t>(row) : -1;
+    return p.sorted_slot[row];
+  };
 
-    // ---- rows of this tile ----
-    for (int r = tid; r < BM; r += kThreads) {
-      const int64_t row = row0 + r;
-      int32_t slot, src;
-      if (dense) {
-        slot = row < p.m ? static_cast<int32_t>(row) : -1;
-        src = slot;
-      } else {
-        slot = p.sorted_slot[row];
-        src = slot < 0 ? -1 : (p.gather ? slot / p.a_div : static_cast<int32_t>(row));
-      }
-      s_src[r] = src;
-      s_slot[r] = slot;
-    }
-    __syncthreads();
-
-    const uint16_t* w_e = p.w + static_cast<int64_t>(e) * p.n * K;
-    // Per-thread load assignments (fixed per tile).
-    constexpr int kAChunks = BM * 8 / kThreads, kBChunks = BN * 8 / kThreads;
-    const uint16_t* a_ptr[kAChunks];
-    bool a_ok[kAChunks];
-    uint32_t a_dst[kAChunks];
-    int a_chunk[kAChunks];
+  // The load side runs STAGES - 1 k tiles ahead of the math, across work items:
+  // the next item's first tiles are in flight while this one finishes and
+  // writes its epilogue (no pipeline drain per item; short-K w2 items of the
+  // decode-size tiles lost up to a quarter of the DRAM bandwidth to it).
+  // Per-thread load assignments of the item being loaded.
+  constexpr int kAChunks = BM * 8 / kThreads, kBChunks = BN * 8 / kThreads;
+  const uint16_t* a_ptr[kAChunks];
+  bool a_ok[kAChunks];
+  uint32_t a_dst[kAChunks];
+  int a_chunk[kAChunks];
+  const uint16_t* b_ptr[kBChunks];
+  bool b_ok[kBChunks];
+  uint32_t b_dst[kBChunks];
+  int b_chunk[kBChunks];
+  auto setup_load = [&](int64_t work) {
+    const Work w = decode(work);
 #pragma unroll
     for (int i = 0; i < kAChunks; ++i) {
       const int idx = tid + i * kThreads, r = idx >> 3, c = idx & 7;
-      const int32_t src = s_src[r];
+      const int32_t slot = slot_of(w.row0 + r);
+      const int32_t src =
+          slot < 0 || dense ? slot : (p.gather ? slot / p.a_div : static_cast<int32_t>(w.row0 + r));
       a_ok[i] = src >= 0;
       a_ptr[i] = p.a + (src >= 0 ? static_cast<int64_t>(src) * p.lda : 0) + c * 8;
       a_dst[i] = swz(r, c);
       a_chunk[i] = c;
     }
-    const uint16_t* b_ptr[kBChunks];
-    bool b_ok[kBChunks];
-    uint32_t b_dst[kBChunks];
-    int b_chunk[kBChunks];
+    const uint16_t* w_e = p.w + static_cast<int64_t>(w.e) * p.n * K;
 #pragma unroll
     for (int i = 0; i < kBChunks; ++i) {
       const int idx = tid + i * kThreads, rr = idx >> 3, c = idx & 7;
@@ -227,11 +239,11 @@ __global__ void __launch_bounds__(Cfg::kThreads) grouped_gemm_kernel(const Param
       bool ok;
       if (kGlu) {
         const int half = rr >= BN / 2;
-        const int64_t col = static_cast<int64_t>(n_tile) * (BN / 2) + (rr - half * (BN / 2));
+        const int64_t col = static_cast<int64_t>(w.n_tile) * (BN / 2) + (rr - half * (BN / 2));
         ok = col < p.inter;
         wrow = half * p.inter + col;
       } else {
-        wrow = static_cast<int64_t>(n_tile) * BN + rr;
+        wrow = static_cast<int64_t>(w.n_tile) * BN + rr;
         ok = wrow < p.n;
       }
       b_ok[i] = ok;
@@ -239,21 +251,54 @@ __global__ void __launch_bounds__(Cfg::kThreads) grouped_gemm_kernel(const Param
       b_dst[i] = BM * 128 + swz(rr, c);
       b_chunk[i] = c;
     }
-    auto load_stage = [&](int stage, int kt) {
-      const uint32_t base = smem_base + stage * Cfg::kStageBytes;
-      const int64_t k0 = static_cast<int64_t>(kt) * kBK;
+  };
+  auto load_stage = [&](int stage, int kt) {
+    const uint32_t base = smem_base + stage * Cfg::kStageBytes;
+    const int64_t k0 = static_cast<int64_t>(kt) * kBK;
 #pragma unroll
-      for (int i = 0; i < kAChunks; ++i) {
-        const bool ok = a_ok[i] && k0 + a_chunk[i] * 8 < K;
-        cp_async_16(base + a_dst[i], ok ? a_ptr[i] + k0 : p.a, ok);
-      }
+    for (int i = 0; i < kAChunks; ++i) {
+      const bool ok = a_ok[i] && k0 + a_chunk[i] * 8 < K;
+      cp_async_16(base + a_dst[i], ok ? a_ptr[i] + k0 : p.a, ok);
+    }
 #pragma unroll
-      for (int i = 0; i < kBChunks; ++i) {
-        const bool ok = b_ok[i] && k0 + b_chunk[i] * 8 < K;
-        cp_async_16(base + b_dst[i], ok ? b_ptr[i] + k0 : p.w, ok);
+    for (int i = 0; i < kBChunks; ++i) {
+      const bool ok = b_ok[i] && k0 + b_chunk[i] * 8 < K;
+      cp_async_16(base + b_dst[i], ok ? b_ptr[i] + k0 : p.w, ok);
+    }
+  };
+  // This CTA's items: blockIdx.x, + gridDim.x, ...; step g = item * k_tiles + kt.
+  const int64_t my_items =
+      blockIdx.x < total_work ? (total_work - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+  const int64_t total_steps = my_items * k_tiles;
+  int64_t load_step = 0, load_work = blockIdx.x;
+  int load_kt = 0;
+  auto issue_next = [&] {  // the loads of step load_step (one commit group, maybe empty)
+    if (load_step < total_steps) {
+      if (load_kt == 0) setup_load(load_work);
+      load_stage(static_cast<int>(load_step % STAGES), load_kt);
+      if (++load_kt == k_tiles) {
+        load_kt = 0;
+        load_work += gridDim.x;
       }
-    };
+    }
+    cp_async_commit();
+    ++load_step;
+  };
 
+  // B rows of this lane's ldmatrix.x4 address for mma tile pair (ni, ni + 1).
+  auto b_row = [&](int ni) {
+    if (kGlu) {
+      return ni < NI / 2 ? wn * (WTN / 2) + ni * 8 : BN / 2 + wn * (WTN / 2) + (ni - NI / 2) * 8;
+    }
+    return wn * WTN + ni * 8;
+  };
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) issue_next();
+
+  int64_t step = 0;
+  for (int64_t work = blockIdx.x; work < total_work; work += gridDim.x) {
+    const Work w = decode(work);
     float acc[MI][NI][4];
 #pragma unroll
     for (int mi = 0; mi < MI; ++mi)
@@ -262,28 +307,13 @@ __global__ void __launch_bounds__(Cfg::kThreads) grouped_gemm_kernel(const Param
 #pragma unroll
         for (int c = 0; c < 4; ++c) acc[mi][ni][c] = 0.0f;
 
-    // B rows of this lane's ldmatrix.x4 address for mma tile pair (ni, ni + 1).
-    auto b_row = [&](int ni) {
-      if (kGlu) {
-        return ni < NI / 2 ? wn * (WTN / 2) + ni * 8 : BN / 2 + wn * (WTN / 2) + (ni - NI / 2) * 8;
-      }
-      return wn * WTN + ni * 8;
-    };
-
     // ---- main loop ----
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-      if (s < k_tiles) load_stage(s, s);
-      cp_async_commit();
-    }
-    for (int kt = 0; kt < k_tiles; ++kt) {
+    for (int kt = 0; kt < k_tiles; ++kt, ++step) {
       cp_async_wait<STAGES - 2>();
-      __syncthreads();
-      const int pf = kt + STAGES - 1;
-      if (pf < k_tiles) load_stage(pf % STAGES, pf);
-      cp_async_commit();
+      __syncthreads();  // step's tiles visible; step - 1's stage free for the loads below
+      issue_next();
 
-      const uint32_t a_base = smem_base + (kt % STAGES) * Cfg::kStageBytes;
+      const uint32_t a_base = smem_base + static_cast<int>(step % STAGES) * Cfg::kStageBytes;
       const uint32_t b_base = a_base + BM * 128;
 #pragma unroll
       for (int ks = 0; ks < kBK / 16; ++ks) {
@@ -306,13 +336,13 @@ __global__ void __launch_bounds__(Cfg::kThreads) grouped_gemm_kernel(const Param
           for (int ni = 0; ni < NI; ++ni) mma_16816<T>(acc[mi][ni], af[mi], bf[ni]);
       }
     }
-    cp_async_wait<0>();
 
-    // ---- epilogue (registers -> global) ----
+    // ---- epilogue (registers -> global; the next item's loads are in flight) ----
     const int g_row = lane >> 2, g_col = (lane & 3) * 2;
+    const int64_t row0 = w.row0;
     if (kGlu) {
       auto* out = static_cast<T*>(p.out);
-      const float* bias = p.bias ? p.bias + static_cast<int64_t>(e) * p.n : nullptr;
+      const float* bias = p.bias ? p.bias + static_cast<int64_t>(w.e) * p.n : nullptr;
 #pragma unroll
       for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
@@ -321,7 +351,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) grouped_gemm_kernel(const Param
           for (int h = 0; h < 2; ++h) {
             const int r = wm * WTM + mi * 16 + g_row + h * 8;
             const int64_t i =
-                static_cast<int64_t>(n_tile) * (BN / 2) + wn * (WTN / 2) + ni * 8 + g_col;
+                static_cast<int64_t>(w.n_tile) * (BN / 2) + wn * (WTN / 2) + ni * 8 + g_col;
             if (i >= p.inter || (dense && row0 + r >= p.m)) continue;
             float g0 = acc[mi][ni][2 * h], g1 = acc[mi][ni][2 * h + 1];
             float u0 = acc[mi][ni + NI / 2][2 * h], u1 = acc[mi][ni + NI / 2][2 * h + 1];
@@ -337,19 +367,19 @@ __global__ void __launch_bounds__(Cfg::kThreads) grouped_gemm_kernel(const Param
           }
     } else {
       auto* out = static_cast<float*>(p.out);
-      const float* bias = p.bias ? p.bias + static_cast<int64_t>(e) * p.n : nullptr;
+      const float* bias = p.bias ? p.bias + static_cast<int64_t>(w.e) * p.n : nullptr;
 #pragma unroll
       for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int r = wm * WTM + mi * 16 + g_row + h * 8;
-          const int32_t slot = s_slot[r];
+          const int32_t slot = slot_of(row0 + r);
           if (slot < 0) continue;
           const float scale = p.row_scale ? p.row_scale[slot] : 1.0f;
           float* orow = out + static_cast<int64_t>(slot) * p.ldc;
 #pragma unroll
           for (int ni = 0; ni < NI; ++ni) {
-            const int64_t n = static_cast<int64_t>(n_tile) * BN + wn * WTN + ni * 8 + g_col;
+            const int64_t n = static_cast<int64_t>(w.n_tile) * BN + wn * WTN + ni * 8 + g_col;
             if (n >= p.n) continue;
             const bool pair = n + 1 < p.n;  // N may be odd (router logits)
             float v0 = acc[mi][ni][2 * h], v1 = acc[mi][ni][2 * h + 1];
@@ -368,8 +398,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) grouped_gemm_kernel(const Param
           }
         }
     }
-    __syncthreads();  // s_src / s_slot and the stages are reused by the next tile
   }
+  cp_async_wait<0>();  // only empty groups remain; no copy outlives the kernel
 }
 
 // Kernel parameters from the launcher's arguments (shared with the GEMV path);
