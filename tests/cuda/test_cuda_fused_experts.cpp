@@ -109,7 +109,7 @@ TEST(CudaFusedExperts, MatchesFloat64Reference) {
   run_case({9, 4, 1, 32, 16, Activation::kSiluGlu, false, DType::kF32}, rng, /*on_input=*/true);
 }
 
-// The decode path (T <= 4, T * k <= 32: two weight-streaming kernels straight
+// The decode path (T * k <= 32: two weight-streaming kernels straight
 // from topk_ids, src/kernels/cuda/decode_experts.cu) at every row count of its
 // templates (1, 2, 4 rows per work group), with repeated ids (more slots of an
 // expert than a group holds), -1 and out-of-range ids, H and I that are no
@@ -139,6 +139,11 @@ TEST(CudaFusedExperts, DecodePathMatchesFloat64Reference) {
       // I >= 4096: decode_w2 in 4-row items
       {1, 4, 2, 64, 4096, A::kSiluGlu, true, bf},
       {3, 3, 2, 72, 4104, A::kSwigluOai, true, f32, true},
+      // Past T = 4 where few slots reach each expert (pick_decode_experts:
+      // T * k <= 2 E): Mixtral-like T = 8 and 16, k = 1 with 32 tokens.
+      {8, 8, 2, 256, 200, A::kSiluGlu, false, bf},
+      {16, 16, 2, 96, 80, A::kGeluGlu, true, f32},
+      {32, 16, 1, 64, 48, A::kSiluGlu, false, bf, true},
   };
   for (const Case& c : cases) run_case(c, rng);
   run_case({1, 4, 1, 32, 16, Activation::kSiluGlu, false, DType::kF32}, rng, /*on_input=*/true);
@@ -148,7 +153,7 @@ TEST(CudaFusedExperts, DecodePathMatchesFloat64Reference) {
 // Given the output (no shared expert), the decode path folds finalize into its
 // second kernel (decode_w2_sum: the slots summed in shared memory); the sum
 // must have the bits of decode_w2 (y by slot, as expert parallelism takes it)
-// + finalize. T = 1..4, -1, out-of-range and repeated ids (groups of 1, 2 and
+// + finalize. T = 1..32, -1, out-of-range and repeated ids (groups of 1, 2 and
 // 4 slots, one expert in several groups), biases, f32 / bf16 / f16 outputs
 // with a row stride, k from 1 to 16 (1 to 8 row blocks a block), I >= 4096
 // (4-row items), f16 weights.
@@ -164,12 +169,21 @@ TEST(CudaFusedExperts, DecodeSumHasTheBitsOfDecodePlusFinalize) {
   };
   const DType bf = DType::kBF16, f32 = DType::kF32, f16 = DType::kF16;
   const std::vector<SumCase> cases = {
-      {1, 8, 2, 96, 80, false, f32, bf},  {1, 128, 8, 2048, 768, false, bf, bf},
-      {1, 6, 3, 88, 40, true, f32, bf},   {2, 40, 16, 64, 24, false, bf, bf},
-      {1, 4, 1, 104, 48, true, f16, f16}, {3, 16, 6, 72, 56, true, bf, bf},
-      {4, 3, 8, 64, 48, false, f32, bf},  {4, 64, 8, 520, 264, true, f32, bf},
-      {2, 4, 2, 64, 4096, true, f32, bf}, {3, 9, 5, 72, 4104, false, f32, f16},
+      {1, 8, 2, 96, 80, false, f32, bf},
+      {1, 128, 8, 2048, 768, false, bf, bf},
+      {1, 6, 3, 88, 40, true, f32, bf},
+      {2, 40, 16, 64, 24, false, bf, bf},
+      {1, 4, 1, 104, 48, true, f16, f16},
+      {3, 16, 6, 72, 56, true, bf, bf},
+      {4, 3, 8, 64, 48, false, f32, bf},
+      {4, 64, 8, 520, 264, true, f32, bf},
+      {2, 4, 2, 64, 4096, true, f32, bf},
+      {3, 9, 5, 72, 4104, false, f32, f16},
       {4, 2, 2, 64, 32, false, f16, bf},
+      // T > 4 (T * k <= 32): more tokens than one pass of the block's threads sums
+      {8, 16, 2, 96, 80, false, f32, bf},
+      {32, 16, 1, 72, 48, true, bf, bf},
+      {16, 4, 2, 64, 40, false, f16, bf},
   };
   for (const SumCase& c : cases) {
     SCOPED_TRACE("T" + std::to_string(c.T) + " E" + std::to_string(c.E) + " k" +

@@ -1,4 +1,4 @@
-// fusedmoe CUDA: the routed experts of a few tokens (decode, T <= 4): two
+// fusedmoe CUDA: the routed experts of a few tokens (decode, T * k <= 32): two
 // weight-streaming kernels straight from topk_ids, no alignment pass.
 //
 // Why not align -> m8gemv (w13) -> m8gemv (w2): at T = 1 each GEMV spends its
@@ -401,10 +401,10 @@ __global__ void __launch_bounds__(kSumThreads, 2)
   // Token t, row block m, row r: its slots in order, invalid ones skipped.
   auto sum_rows = [&](int64_t item) {
     __syncthreads();
-    const int m = (threadIdx.x / kW) % kSumWarps, r = threadIdx.x % kW;
-    const int t = threadIdx.x / (kW * kSumWarps);
-    const int64_t n = (item * kM + m) * kW + r;
-    if (t < tokens && m < kM && n < H) {
+    for (int idx = threadIdx.x; idx < tokens * kLd; idx += kSumThreads) {
+      const int m = (idx / kW) % kSumWarps, r = idx % kW, t = idx / kLd;
+      const int64_t n = (item * kM + m) * kW + r;
+      if (m >= kM || n >= H) continue;
       float sum = 0.0f;
       for (int j = 0; j < p.top_k; ++j) {
         const int s = t * p.top_k + j;
@@ -527,6 +527,10 @@ bool decode_sum_pays(int64_t tokens, int64_t hidden, int64_t inter) {
 }  // namespace
 
 bool decode_experts_eligible(int64_t num_tokens, int64_t top_k) {
+  return num_tokens >= 1 && top_k >= 1 && num_tokens * top_k <= kDecodeMaxSlots;
+}
+
+bool pick_decode_experts(int64_t num_tokens, int64_t top_k, int64_t num_experts) {
   static const bool enabled = [] {
     const char* v = std::getenv("FUSEDMOE_CUDA_DECODE");
     FUSEDMOE_CHECK(
@@ -534,16 +538,19 @@ bool decode_experts_eligible(int64_t num_tokens, int64_t top_k) {
         "FUSEDMOE_CUDA_DECODE: expected 0 or 1, got ", v);
     return v == nullptr || std::strcmp(v, "0") != 0;
   }();
-  return enabled && num_tokens >= 1 && num_tokens <= kDecodeMaxTokens &&
-         num_tokens * top_k <= kDecodeMaxSlots;
+  // Past T = 4, only while a touched expert gets about two slots or fewer
+  // (T * k <= 2 E): groups hold at most 4 slots, and an expert with more is
+  // streamed once per group. H200 (bench/results/2026-11-29-session7.md):
+  // Mixtral-8x7B T = 8 (16 slots) 843 us through align + m8gemv, 655 us here.
+  return enabled && decode_experts_eligible(num_tokens, top_k) &&
+         (num_tokens <= 4 || num_tokens * top_k <= 2 * num_experts);
 }
 
 bool decode_experts(const RoutedExpertsArgs& a, uint16_t* inter_rows, float* y, Stream stream) {
   const int64_t ldx = a.ldx > 0 ? a.ldx : a.hidden;
-  FUSEDMOE_CHECK(a.num_tokens >= 1 && a.num_tokens <= kDecodeMaxTokens && a.top_k >= 1 &&
-                     a.num_tokens * a.top_k <= kDecodeMaxSlots,
-                 "decode_experts: expected 1 <= T <= ", kDecodeMaxTokens,
-                 " and T * k <= ", kDecodeMaxSlots, ", got T = ", a.num_tokens, ", k = ", a.top_k);
+  FUSEDMOE_CHECK(decode_experts_eligible(a.num_tokens, a.top_k),
+                 "decode_experts: expected T >= 1, k >= 1 and T * k <= ", kDecodeMaxSlots,
+                 ", got T = ", a.num_tokens, ", k = ", a.top_k);
   FUSEDMOE_CHECK(a.hidden > 0 && a.hidden % 8 == 0 && a.inter > 0 && a.inter % 8 == 0,
                  "decode_experts: H and I must be positive multiples of 8, got H = ", a.hidden,
                  ", I = ", a.inter);

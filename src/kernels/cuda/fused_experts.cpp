@@ -97,7 +97,10 @@ RoutedResult routed_experts(const RoutedExpertsArgs& a, const RoutedScratch& s, 
   f.top_k = k;
   f.hidden = H;
   f.num_experts = E;
-  if (!sm90 && a.allow_decode && decode_experts_eligible(T, k)) {
+  FUSEDMOE_CHECK(!a.decode.value_or(false) || decode_experts_eligible(T, k),
+                 "routed_experts: the decode path takes T * k <= ", kDecodeMaxSlots,
+                 ", got T = ", T, ", k = ", k);
+  if (!sm90 && a.decode.value_or(pick_decode_experts(T, k, E))) {
     const bool written = decode_experts(a, s.inter, s.y, stream);
     return {f, written};
   }

@@ -1,7 +1,7 @@
 // fusedmoe internal: the routed-expert pipeline, one piece of code behind
 // CudaMoELayer::forward, CudaMoELayer::experts (expert parallelism) and the
 // functional cuda::fused_experts (kernels/cuda.h):
-//   T <= 4 (decode_experts_eligible): decode_experts, two weight-streaming
+//   a few slots (pick_decode_experts): decode_experts, two weight-streaming
 //     kernels from topk_ids (no align), y by slot; otherwise
 //   align (group slots by expert) -> either
 //     mma.sync / GEMV: w13 grouped GEMM + activation -> w2 grouped GEMM
@@ -59,14 +59,18 @@ bool pick_sm90_m64(DType dtype);
 GemmTile routed_gemm_tile(int64_t num_tokens, int64_t top_k, int64_t num_experts, int64_t hidden,
                           int64_t inter);
 
-// The decode path (decode_experts.cu): the routed experts of T <= 4 tokens
+// The decode path (decode_experts.cu): the routed experts of a few tokens
 // (T * k <= 32 slots) as two weight-streaming kernels read straight from
 // topk_ids (no align), for every dtype and tile of the mma path; writes y by
 // slot exactly as that path does (weighted, biased; invalid ids' slots left
-// unwritten). FUSEDMOE_CUDA_DECODE=0 in the environment turns it off (A/B timing).
-inline constexpr int64_t kDecodeMaxTokens = 4;
+// unwritten).
 inline constexpr int64_t kDecodeMaxSlots = 32;
+// Whether decode_experts can run T tokens of k slots: T >= 1, k >= 1, T * k <= 32.
 bool decode_experts_eligible(int64_t num_tokens, int64_t top_k);
+// Whether the routed experts take the decode path (tuning): eligible, and T <= 4
+// or T * k <= 2 E (few slots per touched expert). FUSEDMOE_CUDA_DECODE=0 in the
+// environment turns it off (A/B timing).
+bool pick_decode_experts(int64_t num_tokens, int64_t top_k, int64_t num_experts);
 
 struct RoutedExpertsArgs {
   DType dtype = DType::kBF16;         // of x, w13, w2 and the intermediate: kBF16 or kF16
@@ -89,9 +93,10 @@ struct RoutedExpertsArgs {
   // expert of T tokens; the scratch must then be carved with sm90). Expert
   // parallelism passes false: it needs y by slot.
   bool allow_sm90 = true;
-  // Whether the decode path may be taken (decode_experts_eligible(T, k)).
-  // Expert parallelism passes the global batch's choice (bit-identical to one GPU).
-  bool allow_decode = true;
+  // Whether to take the decode path; default pick_decode_experts(T, k, E) (and
+  // never with the sm90 path). Expert parallelism passes the global batch's
+  // choice (bit-identical to one GPU); true needs decode_experts_eligible(T, k).
+  std::optional<bool> decode;
   // The layer's output, or null: f32, bf16 or f16 [T, H], row stride ldo.
   // Only for callers whose finalize would add nothing but the routed rows (no
   // shared expert): the decode path may then write it directly (decode_experts),
