@@ -22,7 +22,7 @@ for so in ${PY_BUILD:-build-py312}/python/_ext.cpython-*.so; do [ -f "$so" ] && 
 strip --strip-unneeded .devbin/test_cuda_* .devbin/bench_cuda_* .devbin/fusedmoe .devbin/_ext.*.so 2>/dev/null || true
 # The binaries share most of their device code: one xz stream over all of them
 # is a fraction of their size (device_run.sh unpacks it).
-(cd .devbin && tar -cf - --exclude=lib.tar.xz . | xz -6 -T2 >../.devbin-bin.tar.xz) &&
+(cd .devbin && tar -cf - --exclude=lib.tar.xz . | xz -9 -T1 >../.devbin-bin.tar.xz) &&
   find .devbin -mindepth 1 -maxdepth 1 ! -name lib.tar.xz -exec rm -rf {} + &&
   mv .devbin-bin.tar.xz .devbin/bin.tar.xz
 mkdir -p .git/info
