@@ -109,7 +109,7 @@ TEST(CudaFusedExperts, MatchesFloat64Reference) {
   run_case({9, 4, 1, 32, 16, Activation::kSiluGlu, false, DType::kF32}, rng, /*on_input=*/true);
 }
 
-// The decode path (T * k <= 32: two weight-streaming kernels straight
+// The decode path (T * k <= 128: two weight-streaming kernels straight
 // from topk_ids, src/kernels/cuda/decode_experts.cu) at every row count of its
 // templates (1, 2, 4 rows per work group), with repeated ids (more slots of an
 // expert than a group holds), -1 and out-of-range ids, H and I that are no
@@ -144,6 +144,10 @@ TEST(CudaFusedExperts, DecodePathMatchesFloat64Reference) {
       {8, 8, 2, 256, 200, A::kSiluGlu, false, bf},
       {16, 16, 2, 96, 80, A::kGeluGlu, true, f32},
       {32, 16, 1, 64, 48, A::kSiluGlu, false, bf, true},
+      // 33 to 96 slots (picked up to 96): the groups come from a table in shared memory
+      {8, 128, 8, 256, 200, A::kSiluGlu, false, bf},
+      {12, 64, 8, 96, 80, A::kSwigluOai, true, f32, true},
+      {11, 48, 6, 72, 4104, A::kGeluGlu, false, bf},
   };
   for (const Case& c : cases) run_case(c, rng);
   run_case({1, 4, 1, 32, 16, Activation::kSiluGlu, false, DType::kF32}, rng, /*on_input=*/true);
@@ -153,7 +157,7 @@ TEST(CudaFusedExperts, DecodePathMatchesFloat64Reference) {
 // Given the output (no shared expert), the decode path folds finalize into its
 // second kernel (decode_w2_sum: the slots summed in shared memory); the sum
 // must have the bits of decode_w2 (y by slot, as expert parallelism takes it)
-// + finalize. T = 1..32, -1, out-of-range and repeated ids (groups of 1, 2 and
+// + finalize. T = 1..32, up to 128 slots, -1, out-of-range and repeated ids (groups of 1, 2 and
 // 4 slots, one expert in several groups), biases, f32 / bf16 / f16 outputs
 // with a row stride, k from 1 to 16 (1 to 8 row blocks a block), I >= 4096
 // (4-row items), f16 weights.
@@ -184,6 +188,10 @@ TEST(CudaFusedExperts, DecodeSumHasTheBitsOfDecodePlusFinalize) {
       {8, 16, 2, 96, 80, false, f32, bf},
       {32, 16, 1, 72, 48, true, bf, bf},
       {16, 4, 2, 64, 40, false, f16, bf},
+      // 33 to 128 slots (the shared-memory group table)
+      {16, 128, 8, 96, 80, false, bf, bf},
+      {12, 40, 8, 72, 48, true, f32, bf},
+      {5, 3, 8, 64, 4096, false, f32, f16},
   };
   for (const SumCase& c : cases) {
     SCOPED_TRACE("T" + std::to_string(c.T) + " E" + std::to_string(c.E) + " k" +

@@ -1,4 +1,4 @@
-// fusedmoe CUDA: the routed experts of a few tokens (decode, T * k <= 32): two
+// fusedmoe CUDA: the routed experts of a few tokens (decode, T * k <= 128): two
 // weight-streaming kernels straight from topk_ids, no alignment pass.
 //
 // Why not align -> m8gemv (w13) -> m8gemv (w2): at T = 1 each GEMV spends its
@@ -10,7 +10,9 @@
 //     slots by expert with __match_any_sync: a work group is an expert and up to
 //     R of its slots (R = 1, 2 or 4 by T; an expert with more slots — repeated
 //     ids — makes several groups, each streaming the weights again: right, only
-//     slower). Ids outside [0, E) (-1: no expert) form no group;
+//     slower). Ids outside [0, E) (-1: no expert) form no group. From 33 to 128
+//     slots the block builds the same groups (R = 4) in shared memory first
+//     (GroupTable: slots sorted by expert, one thread a slot);
 //   * decode_w13: warp items (group, 4 gate/up row pairs), each lane streaming
 //     16-byte weight loads (two K steps in flight) against the group's <= R input
 //     rows (read through L1), a butterfly reduction, bias + gated activation ->
@@ -62,6 +64,7 @@ using gemm::unpack8;
 using gemm::warp_reduce_all;
 
 constexpr int kThreads = 128;
+constexpr int kWarpSlots = 32;  // up to this many slots, a warp groups them itself
 constexpr int kWarps = kThreads / 32;
 // Per warp item: w13 4 gate/up row pairs, w2 8 rows (4 from kLongW2Row
 // intermediate columns on), each lane keeping 16 weight loads of 16 bytes in
@@ -130,6 +133,91 @@ __device__ __forceinline__ int group_members(const Groups& g, int w, int lane, i
   }
   return expert;
 }
+
+// More than 32 slots (up to kDecodeMaxSlots, one per thread of the block): the
+// work groups from a table in shared memory, built by the whole block — the
+// valid slots sorted by (expert, slot), cut into runs of at most R slots of
+// one expert. The same groups as the warp's view would give.
+struct GroupTable {
+  int32_t ids[kDecodeMaxSlots];     // valid id, or -1
+  int16_t sorted[kDecodeMaxSlots];  // valid slots by (expert, slot)
+  int8_t starts[kDecodeMaxSlots];   // sorted position i starts a group
+  int16_t first[kDecodeMaxSlots];   // group g: sorted[first[g] ..] ...
+  int8_t size[kDecodeMaxSlots];     // ... size[g] slots
+};
+template <int R>
+__device__ __forceinline__ int build_table(const DecodeParams& p, GroupTable& t) {
+  const int s = threadIdx.x;  // blockDim.x >= kDecodeMaxSlots >= slots
+  int32_t id = -1;
+  if (s < p.slots) id = __ldcg(p.topk_ids + s);  // .cg: decode_w2 reads them before pdl_wait()
+  if (!(id >= 0 && id < p.num_experts)) id = -1;
+  if (s < kDecodeMaxSlots) t.ids[s] = id;
+  const int valid = __syncthreads_count(id >= 0);
+  if (id >= 0) {
+    int pos = 0, rank = 0;
+    for (int q = 0; q < p.slots; ++q) {
+      const int32_t o = t.ids[q];
+      pos += o >= 0 && (o < id || (o == id && q < s));
+      rank += o == id && q < s;
+    }
+    t.sorted[pos] = static_cast<int16_t>(s);
+    t.starts[pos] = rank % R == 0;
+  }
+  __syncthreads();
+  const int i = threadIdx.x;
+  const bool starter = i < valid && t.starts[i];
+  if (starter) {
+    int g = 0;
+    for (int j = 0; j < i; ++j) g += t.starts[j];
+    const int32_t e = t.ids[t.sorted[i]];
+    int n = 1;
+    while (n < R && i + n < valid && t.ids[t.sorted[i + n]] == e) ++n;
+    t.first[g] = static_cast<int16_t>(i);
+    t.size[g] = static_cast<int8_t>(n);
+  }
+  return __syncthreads_count(starter);
+}
+template <int R>
+__device__ __forceinline__ int table_members(const GroupTable& t, int w, int32_t* slot, int* size) {
+  const int first = t.first[w];
+  *size = t.size[w];
+#pragma unroll
+  for (int r = 0; r < R; ++r) slot[r] = r < *size ? t.sorted[first + r] : -1;
+  return t.ids[slot[0]];
+}
+
+// The work groups of either view: the warp's (kBig = false: <= 32 slots) or
+// the block's table (kBig). init() is block-collective for kBig.
+template <int R, bool kBig>
+struct GroupSet {
+  Groups g;
+  const GroupTable* t;
+  int count;
+  uint32_t valid;  // !kBig: lanes with a valid id
+  __device__ __forceinline__ void init(const DecodeParams& p, int lane, GroupTable& table) {
+    if constexpr (kBig) {
+      count = build_table<R>(p, table);
+      t = &table;
+    } else {
+      g = make_groups<R>(p, lane);
+      count = g.count;
+      valid = __ballot_sync(0xffffffffu, g.id >= 0);
+    }
+  }
+  // Group w's expert, slots (-1 past its end) and size (1..R). Warp-uniform.
+  __device__ __forceinline__ int members(int w, int lane, int32_t* slot, int* size) const {
+    if constexpr (kBig)
+      return table_members<R>(*t, w, slot, size);
+    else
+      return group_members<R>(g, w, lane, slot, size);
+  }
+  __device__ __forceinline__ bool slot_valid(int s) const {
+    if constexpr (kBig)
+      return t->ids[s] >= 0;
+    else
+      return (valid >> s) & 1u;
+  }
+};
 
 // The weight chunks of kU K steps from k0 of a lane (rows as in stream_rows).
 template <int kW, int kParts, int kU>
@@ -291,8 +379,10 @@ __device__ __forceinline__ void run_group(const DecodeParams& p, const Item<R, k
 }
 
 // decode_w13 (kW13) or decode_w2; see the file comment.
-template <class T, int R, bool kW13, int kW2>
+template <class T, int R, bool kW13, int kW2, bool kBig>
 __global__ void __launch_bounds__(kThreads, 4) decode_kernel(const DecodeParams p) {
+  static_assert(!kBig || kThreads >= kDecodeMaxSlots, "one thread a slot");
+  __shared__ GroupTable table;
   constexpr int kW = kItemRows<kW13, kW2>;  // weight rows streamed per item
   constexpr int kParts = kW13 ? 2 : 1;      // w13: gate rows, then up rows
   constexpr int kPer = kW / kParts;         // outputs per input row and item
@@ -305,14 +395,15 @@ __global__ void __launch_bounds__(kThreads, 4) decode_kernel(const DecodeParams 
   const int lane = threadIdx.x & 31;
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) >> 5;
   const int64_t num_warps = static_cast<int64_t>(gridDim.x) * kWarps;
-  const Groups g = make_groups<R>(p, lane);
+  GroupSet<R, kBig> g;
+  g.init(p, lane, table);
   const int64_t I = p.inter, H = p.hidden;
   const int64_t K = kW13 ? H : I, out_rows = kW13 ? I : H;
   const int64_t per_group = (out_rows + kPer - 1) / kPer;
   const int64_t items = g.count * per_group;
   auto item_of = [&](int64_t item) {  // warp-collective
     Item<R, kParts> it;
-    it.e = group_members<R>(g, static_cast<int>(item / per_group), lane, it.slot, &it.size);
+    it.e = g.members(static_cast<int>(item / per_group), lane, it.slot, &it.size);
     it.n0 = (item % per_group) * kPer;
     it.valid = static_cast<int>(min(out_rows - it.n0, int64_t{kPer}));
     if constexpr (kW13) {
@@ -373,16 +464,18 @@ int64_t resident_blocks() {
 constexpr int kSumWarps = 8;
 constexpr int kSumThreads = kSumWarps * 32;
 
-template <class T, int R, int kW, typename Out>
+template <class T, int R, int kW, typename Out, bool kBig>
 __global__ void __launch_bounds__(kSumThreads, 2)
     decode_w2_sum_kernel(const DecodeParams p, Out* __restrict__ out, int64_t ldo) {
+  static_assert(!kBig || kSumThreads >= kDecodeMaxSlots, "one thread a slot");
   constexpr int kPre = kUnroll<R, kW>;
   constexpr int kLd = kSumWarps * kW;  // ys row: kM <= kSumWarps row blocks
-  __shared__ float ys[kDecodeMaxSlots * kLd];
+  __shared__ float ys[(kBig ? kDecodeMaxSlots : kWarpSlots) * kLd];
+  __shared__ GroupTable table;
   const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
   // .cg reads of the ids (written two or more kernels before): before pdl_wait().
-  const Groups g = make_groups<R>(p, lane);
-  const uint32_t valid_slots = __ballot_sync(0xffffffffu, g.id >= 0);
+  GroupSet<R, kBig> g;
+  g.init(p, lane, table);
   const int groups = g.count;
   const int kM = groups > 0 ? (kSumWarps + groups - 1) / groups : 1;
   const int tasks = groups * kM;
@@ -391,7 +484,7 @@ __global__ void __launch_bounds__(kSumThreads, 2)
   const int tokens = p.slots / p.top_k;
   auto task_of = [&](int64_t item, int t) {  // warp-collective
     Item<R, 1> it;
-    it.e = group_members<R>(g, t % groups, lane, it.slot, &it.size);
+    it.e = g.members(t % groups, lane, it.slot, &it.size);
     it.n0 = (item * kM + t / groups) * kW;
     it.valid = it.n0 < H ? static_cast<int>(min(H - it.n0, int64_t{kW})) : 0;
     it.w[0] = p.w2 + (static_cast<int64_t>(it.e) * H + (it.n0 < H ? it.n0 : 0)) * I;
@@ -408,7 +501,7 @@ __global__ void __launch_bounds__(kSumThreads, 2)
       float sum = 0.0f;
       for (int j = 0; j < p.top_k; ++j) {
         const int s = t * p.top_k + j;
-        if ((valid_slots >> s) & 1u) sum += ys[s * kLd + m * kW + r];
+        if (g.slot_valid(s)) sum += ys[s * kLd + m * kW + r];
       }
       store_out(out + t * ldo + n, sum);
     }
@@ -447,12 +540,12 @@ __global__ void __launch_bounds__(kSumThreads, 2)
   }
 }
 
-template <class T, int R, int kW>
+template <class T, int R, int kW, bool kBig>
 void launch_w2_sum(const DecodeParams& p, void* out, DType out_dtype, int64_t ldo, Stream stream) {
   const int64_t items = ceil_div(p.hidden, int64_t{kW});  // the most: one row block a block
   auto go = [&](auto* o) {
     using Out = std::remove_pointer_t<decltype(o)>;
-    constexpr auto kernel = decode_w2_sum_kernel<T, R, kW, Out>;
+    constexpr auto kernel = decode_w2_sum_kernel<T, R, kW, Out, kBig>;
     static const int64_t resident = [] {
       int per_sm = 0;
       FUSEDMOE_CUDA_CHECK(
@@ -470,9 +563,9 @@ void launch_w2_sum(const DecodeParams& p, void* out, DType out_dtype, int64_t ld
     go(static_cast<uint16_t*>(out));
 }
 
-template <class T, int R, bool kW13, int kW2>
+template <class T, int R, bool kW13, int kW2, bool kBig>
 void launch_kernel(const DecodeParams& p, Stream stream) {
-  constexpr auto kernel = decode_kernel<T, R, kW13, kW2>;
+  constexpr auto kernel = decode_kernel<T, R, kW13, kW2, kBig>;
   const int64_t per_group = ceil_div(kW13 ? p.inter : p.hidden, kW13 ? kPairs : kW2);
   // At most one work group per slot.
   const int64_t blocks = ceil_div(static_cast<int64_t>(p.slots) * per_group, kWarps);
@@ -481,9 +574,9 @@ void launch_kernel(const DecodeParams& p, Stream stream) {
 }
 
 // decode_w13, then decode_w2 (y by slot) or, given the output, decode_w2_sum.
-template <class T, int R>
+template <class T, int R, bool kBig>
 void launch_decode(const DecodeParams& p, void* out, DType out_dtype, int64_t ldo, Stream stream) {
-  launch_kernel<T, R, true, kW2Rows>(p, stream);  // decode_w13 (kW2 unused)
+  launch_kernel<T, R, true, kW2Rows, kBig>(p, stream);  // decode_w13 (kW2 unused)
   // decode_w2: long w2 rows (I >= 4096, Mixtral's 14336) stream in 4-row items,
   // 4 K steps in flight: twice the warps at the same bytes in flight each
   // (Mixtral T = 1 180 -> 172 us, T = 4 478 -> 456 us on an H200; Qwen3 and
@@ -491,25 +584,27 @@ void launch_decode(const DecodeParams& p, void* out, DType out_dtype, int64_t ld
   const bool long_rows = p.inter >= kLongW2Row;
   if (out != nullptr) {
     if (long_rows)
-      launch_w2_sum<T, R, kW2Rows / 2>(p, out, out_dtype, ldo, stream);
+      launch_w2_sum<T, R, kW2Rows / 2, kBig>(p, out, out_dtype, ldo, stream);
     else
-      launch_w2_sum<T, R, kW2Rows>(p, out, out_dtype, ldo, stream);
+      launch_w2_sum<T, R, kW2Rows, kBig>(p, out, out_dtype, ldo, stream);
   } else if (long_rows) {
-    launch_kernel<T, R, false, kW2Rows / 2>(p, stream);
+    launch_kernel<T, R, false, kW2Rows / 2, kBig>(p, stream);
   } else {
-    launch_kernel<T, R, false, kW2Rows>(p, stream);
+    launch_kernel<T, R, false, kW2Rows, kBig>(p, stream);
   }
 }
 
 template <class T>
 void launch_typed(const DecodeParams& p, int64_t tokens, void* out, DType out_dtype, int64_t ldo,
                   Stream stream) {
-  if (tokens <= 1)
-    launch_decode<T, 1>(p, out, out_dtype, ldo, stream);
+  if (p.slots > kWarpSlots)
+    launch_decode<T, 4, true>(p, out, out_dtype, ldo, stream);
+  else if (tokens <= 1)
+    launch_decode<T, 1, false>(p, out, out_dtype, ldo, stream);
   else if (tokens <= 2)
-    launch_decode<T, 2>(p, out, out_dtype, ldo, stream);
+    launch_decode<T, 2, false>(p, out, out_dtype, ldo, stream);
   else
-    launch_decode<T, 4>(p, out, out_dtype, ldo, stream);
+    launch_decode<T, 4, false>(p, out, out_dtype, ldo, stream);
 }
 
 // Whether decode_w2_sum (given the output) beats decode_w2 + finalize: it
@@ -540,9 +635,14 @@ bool pick_decode_experts(int64_t num_tokens, int64_t top_k, int64_t num_experts)
   }();
   // Past T = 4, only while a touched expert gets about two slots or fewer
   // (T * k <= 2 E): groups hold at most 4 slots, and an expert with more is
-  // streamed once per group. H200 (bench/results/2026-11-29-session7.md):
-  // Mixtral-8x7B T = 8 (16 slots) 843 us through align + m8gemv, 655 us here.
+  // streamed once per group; and up to 96 slots. H200, decode vs align + the
+  // grouped GEMM (bench/results/2026-11-29-session7.md): Mixtral-8x7B T = 8 (16
+  // slots) 655 vs 843 us; Qwen3-30B-A3B T = 8 / 12 (64 / 96 slots) 130 / 173 vs
+  // 144 / 184 us; DeepSeek-V3 T = 8 / 12 1168 / 1655 vs 1205 / 1705 us; at
+  // T = 16 (128 slots) a tie (Qwen3 206 vs 206) or slower (DeepSeek-V3 2157 vs 2101).
+  constexpr int64_t kPickMaxSlots = 96;
   return enabled && decode_experts_eligible(num_tokens, top_k) &&
+         num_tokens * top_k <= kPickMaxSlots &&
          (num_tokens <= 4 || num_tokens * top_k <= 2 * num_experts);
 }
 

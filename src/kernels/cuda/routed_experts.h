@@ -60,15 +60,15 @@ GemmTile routed_gemm_tile(int64_t num_tokens, int64_t top_k, int64_t num_experts
                           int64_t inter);
 
 // The decode path (decode_experts.cu): the routed experts of a few tokens
-// (T * k <= 32 slots) as two weight-streaming kernels read straight from
+// (T * k <= 128 slots) as two weight-streaming kernels read straight from
 // topk_ids (no align), for every dtype and tile of the mma path; writes y by
 // slot exactly as that path does (weighted, biased; invalid ids' slots left
 // unwritten).
-inline constexpr int64_t kDecodeMaxSlots = 32;
-// Whether decode_experts can run T tokens of k slots: T >= 1, k >= 1, T * k <= 32.
+inline constexpr int64_t kDecodeMaxSlots = 128;
+// Whether decode_experts can run T tokens of k slots: T >= 1, k >= 1, T * k <= 128.
 bool decode_experts_eligible(int64_t num_tokens, int64_t top_k);
-// Whether the routed experts take the decode path (tuning): eligible, and T <= 4
-// or T * k <= 2 E (few slots per touched expert). FUSEDMOE_CUDA_DECODE=0 in the
+// Whether the routed experts take the decode path (tuning): eligible, T * k <= 96,
+// and T <= 4 or T * k <= 2 E (few slots per touched expert). FUSEDMOE_CUDA_DECODE=0 in the
 // environment turns it off (A/B timing).
 bool pick_decode_experts(int64_t num_tokens, int64_t top_k, int64_t num_experts);
 
