@@ -72,4 +72,12 @@ ExpertSizes expert_sizes_from_w2(const ExpertWeights& w, const char* w13_name,
   return {w2.size(0), w2.size(2)};
 }
 
+void check_router_weight_on_input(bool apply_router_weight_on_input, const TensorView& topk_ids) {
+  const int64_t k = topk_ids.ndim() == 2 ? topk_ids.size(1) : -1;
+  FUSEDMOE_CHECK(!apply_router_weight_on_input || k == 1,
+                 "apply_router_weight_on_input: supported with top_k = 1 only (one expert per "
+                 "token, as Llama-4; vLLM and HF transformers refuse it otherwise), got top_k = ",
+                 k, " (topk_ids ", topk_ids.str(), ")");
+}
+
 }  // namespace fusedmoe

@@ -48,6 +48,12 @@ struct ExpertSizes {
 };
 ExpertSizes expert_sizes_from_w2(const ExpertWeights& w, const char* w13_name, const char* w2_name);
 
+// apply_router_weight_on_input scales the expert's input by the router weight,
+// which only means something with one expert per token (Llama-4; vLLM and HF
+// transformers refuse it with top_k > 1): Error(kInvalidArgument) naming it
+// and topk_ids [T, k] when it is set and k != 1.
+void check_router_weight_on_input(bool apply_router_weight_on_input, const TensorView& topk_ids);
+
 // Parameters of the gated activation (from MoEConfig).
 struct ActivationParams {
   Activation activation = Activation::kSiluGlu;

@@ -31,12 +31,7 @@ void ModularKernel::forward(const TensorView& hidden_states, const TensorView& t
   check_tensor(topk_ids, "topk_ids", DType::kI32, {T, -1});
   const int64_t k = topk_ids.size(1);
   check_tensor(topk_weights, "topk_weights", DType::kF32, {T, k});
-  // The router weight scales the expert's input only where one expert takes
-  // the token (Llama-4): vLLM and HF transformers refuse it with top_k > 1.
-  FUSEDMOE_CHECK(!apply_router_weight_on_input || k == 1,
-                 "apply_router_weight_on_input: supported with top_k = 1 only (one expert per "
-                 "token, as Llama-4; vLLM and HF transformers refuse it otherwise), got top_k = ",
-                 k, " (topk_ids ", topk_ids.str(), ")");
+  check_router_weight_on_input(apply_router_weight_on_input, topk_ids);
   check_tensor(output, "output", DType::kF32, {T, H});
   // Non-finite inputs would silently give NaN outputs (O(T * (H + k)) reads).
   check_finite_rows(hidden_states, "hidden_states");
