@@ -239,15 +239,17 @@ int run_bench(const BenchOptions& o) {
   if (o.threads > 0) ThreadPool::set_global_num_threads(o.threads);
   const int threads = ThreadPool::global().num_threads();
   const bool baseline = !o.no_baseline;
-  // Each shape as run: capped by --max-experts, then fitted to the memory
-  // budget (an error before anything is measured when one cannot fit).
+  // Each shape as run: capped by --max-experts, then fitted with its buffers
+  // for the largest T to the memory budget (an error naming --memory-fraction
+  // or --tokens before anything is allocated when one cannot fit).
+  const int64_t max_tokens = *std::max_element(token_counts.begin(), token_counts.end());
   const size_t budget =
       static_cast<size_t>(o.memory_fraction * static_cast<double>(physical_memory_bytes()));
   std::vector<LayerShape> fitted;
   for (const LayerShape& requested : shapes) {
     try {
-      fitted.push_back(
-          fit_to_memory(cap_experts(requested, o.max_experts), dtype, baseline, budget));
+      fitted.push_back(fit_to_memory(cap_experts(requested, o.max_experts), dtype, baseline, budget,
+                                     max_tokens));
     } catch (const Error& e) {
       // "--memory-fraction: ..." with the value given and the memory it is a share of.
       std::string what = e.what();

@@ -412,11 +412,24 @@ for args in "--dtype f32:--dtype" "--csv $TMP/b.csv:--csv" "--threads 2:--thread
   fi
 done
 
-# bench --csv: written in full at the end or not at all (T = 1 succeeds, then the
-# second token count cannot be allocated): no CSV, no temporary file.
-expect_error "bench --csv, failing after a first row" "1000000000000000" -- \
-  bench --tokens 1,1000000000000000 --shapes qwen3-cpu --max-experts 8 --min-time 0 --no-baseline \
-  --csv "$OUTDIR/c.csv"
+# --tokens beyond the memory budget: an error naming --tokens, the most that fit
+# and the count given, before anything is allocated or measured (200000 tokens
+# were killed by the out-of-memory killer with no message; the budget counted
+# the weights alone, not the tokens' activations, intermediates and outputs).
+# The largest T counts, in any position; no CSV, no temporary file. (200000
+# tokens of qwen3-cpu need ~43 GiB: over --memory-fraction 0.25 below ~170 GiB.)
+counts=(1,1000000000000000,16)
+python3 -c 'import os, sys; sys.exit(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") >= 160 << 30)' &&
+  counts+=(200000)
+for t in "${counts[@]}"; do
+  expect_error "bench --tokens $t beyond the memory budget" "--tokens: expected at most " -- \
+    bench --tokens "$t" --shapes qwen3-cpu --max-experts 8 --min-time 0 --no-baseline \
+    --csv "$OUTDIR/c.csv"
+  big=${t#1,}; big=${big%,16}
+  grep -qE -- "--tokens: expected at most [0-9]+ for this machine's memory, got $big \(shape 'qwen3-cpu' takes [0-9.]+ KiB a token .* give fewer --tokens or a larger --memory-fraction$" "$TMP/stderr" &&
+    [ ! -s "$TMP/stdout" ] ||
+    { echo "FAIL bench --tokens $t: message or output"; cat "$TMP/stdout" "$TMP/stderr"; failures=$((failures + 1)); }
+done
 # A --csv that cannot be written fails before the benchmark, with the OS reason.
 expect_error "bench --csv a directory" "--csv: $OUTDIR: exists and is not a regular file (a directory" -- \
   bench --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0 --csv "$OUTDIR"
