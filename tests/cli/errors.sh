@@ -128,6 +128,32 @@ expect_error "reference shape mismatch" "layers.1.T64.output_f64" -- run --model
   --reference "$REF" --reference-key layers.1.T64.output_f64
 expect_error "bad --compute-dtype" "compute-dtype" -- run --model "$FIX" "${run_args[@]}" --compute-dtype f8
 expect_error "unknown option" "--frobnicate" -- run --model "$FIX" "${run_args[@]}" --frobnicate
+# CLI11's own parse errors in the command line's style (they read "The following
+# argument was not expected: --frobnicate", "--tokens: 1 required INT:INTEGER >= 0
+# missing", "--dtype: f64 not in {f32,bf16}", ...): the command, the option or
+# argument, what was expected; exit code 2.
+see_run="(see fusedmoe run --help)"
+expect_usage "CLI11: unknown option" "error: run: unknown option --frobnicate $see_run" -- \
+  run --model "$FIX" --tokens 2 --frobnicate
+expect_usage "CLI11: unknown option, near one" "error: run: unknown option --token; did you mean --tokens? $see_run" -- \
+  run --model "$FIX" --token 2
+expect_usage "CLI11: unexpected argument" "error: run: unexpected arguments '4', '5': expected options only, each with its value $see_run" -- \
+  run --model "$FIX" --tokens 3 4 5
+expect_usage "CLI11: inspect, a second PATH" "error: inspect: unexpected argument 'b': expected one PATH (see fusedmoe inspect --help)" -- \
+  inspect "$FIX" b
+expect_usage "CLI11: inspect without PATH" "error: inspect: expected PATH, got none (PATH: " -- inspect
+expect_usage "CLI11: an option without its value" "error: run --tokens: expected a value (INTEGER >= 0), got none $see_run" -- \
+  run --model "$FIX" --output "$OUTDIR/o.safetensors" --tokens
+expect_usage "CLI11: bench --tokens without its value" "error: bench --tokens: expected a value (T1,T2,...), got none (see fusedmoe bench --help)" -- \
+  bench --tokens
+expect_usage "CLI11: an option given twice" "error: run --tokens: expected once, given 2 times $see_run" -- \
+  run --model "$FIX" --tokens 1 --tokens=2
+expect_usage "CLI11: a value not in the list" "error: bench --dtype: expected f32 or bf16, got \"f64\"" -- \
+  bench --dtype f64
+expect_usage "CLI11: run --backend not in the list" "error: run --backend: expected cpu or cuda, got \"tpu\"" -- \
+  run --model "$FIX" --tokens 1 --backend tpu
+expect_usage "CLI11: a flag given a value" "error: bench --no-baseline: a flag, expected no value (or true / false), got \"maybe\" (see fusedmoe bench --help)" -- \
+  bench --no-baseline=maybe
 expect_error "output into a missing folder" "$TMP/no/such/dir" -- run --model "$FIX" "${run_args[@]}" \
   --output "$TMP/no/such/dir/out.safetensors"
 

@@ -112,13 +112,13 @@ expect_error 2 "the ranks ran different commands: run on ranks 0,2, bench on ran
 # A command line that does not parse on one rank: that rank prints its error
 # (it printed nothing: only rank 0 printed argument errors), the other says why
 # it did not run.
-expect_error 2 '--tokens: expected .*x' 1 -- \
+expect_error 2 'run --tokens: expected .*x' 1 -- \
   $M "$npflag" 1 $R --tokens 8 --ep-size 2 : "$npflag" 1 $R --tokens x --ep-size 2
-grep -qE '^fusedmoe: error: rank 1: --tokens: expected' "$TMP/log" &&
+grep -qE '^fusedmoe: error: rank 1: run --tokens: expected' "$TMP/log" &&
   grep -qE '^fusedmoe: error: rank 0: not run: the command line of rank 1 does not parse' "$TMP/log" ||
   { echo "FAIL: rank 1's parse error, rank 0's note"; cat "$TMP/log"; fail=1; }
 # The same one on every rank: every rank prints it, with its rank.
-expect_error 2 '--ep-size: expected .*0' 2 -- \
+expect_error 2 'run --ep-size: expected .*0' 2 -- \
   $M "$npflag" 2 $R --tokens 8 --ep-size 0
 
 # During the run (a bad token among rank 1's rows): rank 1 prints its error
