@@ -194,6 +194,13 @@ if python3 -c 'import os, sys; sys.exit(os.sysconf("SC_PHYS_PAGES") * os.sysconf
     $M "$npflag" 2 "$BIN" bench --ep-size 2 --shapes mixtral --tokens 1 --memory-fraction 0.01
 fi
 
+# The tokens' buffers beside the expert shares: over the budget, an error naming
+# --tokens on every rank before anything is printed or allocated (200000 tokens a
+# rank were killed by the out-of-memory killer). 1e15 tokens fit no machine.
+expect_error 1 "--tokens: expected at most [0-9]+ per rank for this machine's memory, got 1000000000000000 \(shape 'qwen3-cpu': .* give fewer --tokens or a larger --memory-fraction" 1 -- \
+  $M "$npflag" 2 "$BIN" bench --ep-size 2 --shapes qwen3-cpu --max-experts 8 --tokens 1,1000000000000000 --min-time 0
+grep -q "^# fusedmoe bench" "$TMP/log" && { echo "FAIL: bench --tokens 1e15 printed its header first"; fail=1; }
+
 # --help, --version and inspect on every rank: printed once, by rank 0 (as run
 # reports), exit code 0.
 MODEL=$("$BIN" --help | sed -n 's/^Bundled model: //p')
