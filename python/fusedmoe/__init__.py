@@ -312,6 +312,21 @@ def _f32_logits(x: Any, name: str) -> Any:
     return x
 
 
+def _router_bias(x: Any, cuda: bool) -> Any:
+    """e_score_correction_bias, as the routers read it: float32. On the CPU a
+    bias is float32 or bfloat16 (converted exactly), as the expert biases are;
+    another dtype (float64 included: rounding it could change which experts
+    are picked) raises TypeError. On CUDA any floating dtype is converted, as
+    the CUDA backend converts the expert biases."""
+    name = "e_score_correction_bias"
+    x = _as_array(x, name, _FLOAT)
+    if not cuda:
+        dt = str(x.dtype).replace("torch.", "")
+        if dt not in ("float32", "bfloat16"):
+            raise TypeError(f"{name}: expected dtype float32 or bfloat16 on the CPU, got {dt}")
+    return _contiguous(_f32_logits(x, name))
+
+
 def _i32(x: Any, name: str) -> Any:
     """topk_ids / token_ids: int32 (other integer dtypes are converted)."""
     if isinstance(x, np.ndarray):
@@ -511,9 +526,10 @@ def _fused_experts_impl(
     # CUDA: output in the hidden states' dtype, workspace from the caller's
     # framework (its caching allocator; the graph's pool under CUDA-graph capture).
     out = _empty_like_framework(x, (T, H), "same")
-    if _ndim_ok(w13, 3) and _ndim_ok(tw, 2) and min(w13.shape[0], w13.shape[1], tw.shape[1]) > 0:
+    # E and I from w2, as the extension takes them (a misshapen w13 is named there).
+    if _ndim_ok(w2, 3) and _ndim_ok(tw, 2) and min(w2.shape[0], w2.shape[2], tw.shape[1]) > 0:
         ws_bytes = _ext.cuda_fused_experts_workspace_bytes(
-            T, max(H, 1), max(w13.shape[1] // 2, 1), w13.shape[0], tw.shape[1],
+            T, max(H, 1), w2.shape[2], w2.shape[0], tw.shape[1],
             _bool(apply_router_weight_on_input, "apply_router_weight_on_input"))
     else:
         ws_bytes = 0  # the extension reports the bad shape
@@ -554,9 +570,7 @@ def _route(logits: Any, config: dict, e_score_correction_bias: Any = None, token
     ids = _empty_like_framework(logits, (T, k), "i32")
     weights = _empty_like_framework(logits, (T, k), "f32")
     if e_score_correction_bias is not None:
-        e_score_correction_bias = _contiguous(_f32_logits(
-            _as_array(e_score_correction_bias, "e_score_correction_bias", _FLOAT),
-            "e_score_correction_bias"))
+        e_score_correction_bias = _router_bias(e_score_correction_bias, _on_cuda(logits))
     if token_ids is not None:
         token_ids = _i32(_as_array(token_ids, "token_ids", _INT), "token_ids")
     if hash_table is not None:

@@ -374,11 +374,10 @@ cuda::FusedExpertsArgs cuda_fused_experts_args(const TensorView& x, const Expert
                  "(f32 accumulation); expected \"",
                  dtype_name(w.w13.dtype()), "\", got \"", dtype_name(params.compute_dtype), "\"");
   FUSEDMOE_CHECK(x.ndim() == 2, "hidden_states: expected [T, H], got ", x.str());
-  FUSEDMOE_CHECK(w.w13.ndim() == 3, "w13: expected [E, 2I, H], got ", w.w13.view().str());
-  const int64_t T = x.size(0), H = x.size(1), E = w.w13.size(0), I2 = w.w13.size(1);
-  FUSEDMOE_CHECK(I2 % 2 == 0, "w13: expected [E, 2I, H] (an even middle size), got ",
-                 w.w13.view().str());
-  const int64_t I = I2 / 2;
+  // E and I from w2, as the CPU's fused_experts takes them: a w13 that cannot
+  // be [E, 2I, H] is named with the shape w2 implies.
+  const ExpertSizes sizes = expert_sizes_from_w2(w, "w13", "w2");
+  const int64_t T = x.size(0), H = x.size(1), E = sizes.num_experts, I = sizes.intermediate_size;
   FUSEDMOE_CHECK(tw.ndim() == 2, "topk_weights: expected [T, k], got ", tw.str());
   const int64_t k = tw.size(1);
   check_tensor(x, "hidden_states", x.dtype(), {T, H}, true, dev);

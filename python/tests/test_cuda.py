@@ -206,6 +206,14 @@ def read_safetensors_raw_dtypes(path) -> dict:
     return {k: e["dtype"] for k, e in json.loads(raw[8:8 + n]).items() if k != "__metadata__"}
 
 
+def test_fused_experts_cuda_w13_shape_error_expects_what_w2_implies(g):
+    """As on the CPU: a w13 that cannot be [E, 2I, H] is named with w2's sizes
+    (it named w2, expecting [4, 32, 15] from w13's own 31 rows)."""
+    x, w13, w2, tw, ids, _, _ = _case(g, T=3, E=4, H=32, I=16, k=2)
+    with pytest.raises(ValueError, match=r"^w13: expected .*\[4, 32, 32\].*\[4, 31, 32\]"):
+        fusedmoe.fused_experts(x, w13[:, :-1].contiguous(), w2, tw, ids)
+
+
 def test_fused_experts_cuda_qwen3_shape_and_router_weight_on_input(g):
     x, w13, w2, tw, ids, _, _ = _case(g, T=3, E=128, H=2048, I=768, k=8)
     out = fusedmoe.fused_experts(x, w13, w2, tw, ids)

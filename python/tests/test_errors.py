@@ -75,6 +75,30 @@ def test_fused_experts_shape_and_value_errors(case):
         _fe(case, weight_dtype="fp8")
 
 
+def test_w13_shape_error_expects_what_w2_implies(case):
+    """A w13 that cannot be [E, 2I, H] (an odd middle size) is named with the
+    shape w2 [E, H, I] implies: [4, 16, 16] (it said [4, 14, 16], from w13's
+    own 15 rows). Where w13 and w2 disagree otherwise, both are named."""
+    E, I2, H = case["w13"].shape
+    with pytest.raises(ValueError, match=r"w13: expected f32 \[4, 16, 16\], got f32 \[4, 15, 16\]"):
+        _fe(case, w13=case["w13"][:, :-1].copy())
+    with pytest.raises(ValueError, match=r"w13 f32 \[4, 18, 16\] and experts.w2 f32 \[4, 16, 8\] "
+                                         r"disagree"):
+        _fe(case, w13=np.zeros((E, I2 + 2, H), np.float32))
+
+
+def test_router_weight_on_input_takes_top_1_only(case):
+    """vLLM and HF apply the router weight to the expert input with one expert
+    per token only; with k = 2 it was taken (each input scaled, the outputs
+    summed unweighted)."""
+    with pytest.raises(ValueError, match=r"^apply_router_weight_on_input: supported with top_k = 1 "
+                                         r"only .*got top_k = 2"):
+        _fe(case, apply_router_weight_on_input=True)
+    out = _fe(case, tw=case["tw"][:, :1].copy(), ids=case["ids"][:, :1].copy(),
+              apply_router_weight_on_input=True)
+    assert out.shape == case["x"].shape
+
+
 def test_routing_errors():
     logits = np.random.default_rng().standard_normal((4, 8)).astype(np.float32)
     with pytest.raises(ValueError, match="^topk: "):
@@ -231,5 +255,24 @@ def test_bias_dtype_and_config_type_errors(case):
     with pytest.raises(TypeError, match="^hidden_states: expected dtype float32, got uint16") as e:
         _fe(case, x=case["x"].view(np.uint16)[:, ::2].copy())
     assert "weight_dtype" not in str(e.value)
+    # e_score_correction_bias on the CPU: float32 or bfloat16 (README), not a
+    # float64 rounded silently.
+    g = np.random.default_rng().standard_normal((3, 8)).astype(np.float32)
+    for dt in (np.float64, np.float16):
+        with pytest.raises(TypeError, match="^e_score_correction_bias: expected dtype float32 or "
+                                            f"bfloat16 on the CPU, got {np.dtype(dt).name}$"):
+            fusedmoe.grouped_topk(g, 2, True, 4, 2, "sigmoid", np.zeros(8, dt))
+    bias = np.linspace(-1, 1, 8).astype(np.float32)
+    fusedmoe.grouped_topk(g, 2, True, 4, 2, "sigmoid", bias)
+    try:
+        import ml_dtypes
+    except ImportError:
+        ml_dtypes = None
+    if ml_dtypes is not None:  # bf16 is converted exactly
+        _, ids16 = fusedmoe.grouped_topk(g, 2, True, 4, 2, "sigmoid",
+                                         bias.astype(ml_dtypes.bfloat16))
+        bias16 = bias.astype(ml_dtypes.bfloat16).astype(np.float32)
+        np.testing.assert_array_equal(
+            ids16, fusedmoe.grouped_topk(g, 2, True, 4, 2, "sigmoid", bias16)[1])
     with pytest.raises(TypeError, match="config: expected a dict"):
         fusedmoe.select_experts(np.zeros((3, 8), np.float32), 2, config=5)

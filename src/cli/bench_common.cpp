@@ -329,16 +329,30 @@ size_t layer_bytes(const LayerShape& s, DType dtype, bool with_baseline) {
   return per * static_cast<size_t>(s.E);
 }
 
-LayerShape fit_to_memory(LayerShape s, DType dtype, bool with_baseline, size_t budget_bytes) {
-  const size_t need = layer_bytes(s, dtype, with_baseline);
-  if (need <= budget_bytes) return s;
-  const size_t per = need / static_cast<size_t>(s.E);
-  int64_t e = static_cast<int64_t>(budget_bytes / per);
-  if (e >= 8) e -= e % 8;
+size_t token_bytes(const LayerShape& s, bool with_baseline) {
+  const size_t H = static_cast<size_t>(s.H), I = static_cast<size_t>(s.I),
+               k = static_cast<size_t>(s.k), f = sizeof(float);
+  // The batches: hidden states, topk ids (i32) and weights (f32); the output.
+  size_t b = static_cast<size_t>(kBatchRotation) * (H * f + 2 * k * 4) + H * f;
+  // The kernel's routed rows (kernels/cpu): permuted input and expert output
+  // [H] each, activation [I], source row and slot maps (i32), and its work
+  // items (12 bytes for each 128 rows of each 32 activation / 64 output columns).
+  const size_t items = 12 * std::max((I + 31) / 32, (H + 63) / 64) / 128 + 1;
+  b += k * (2 * H * f + I * f + 2 * 4 + items);
+  // The baseline: reference output, gathered input and output rows [H],
+  // gate/up [2I], activation [I], and its slot list (i64).
+  if (with_baseline) b += H * f + (2 * H + 3 * I) * f + k * 8;
+  return b;
+}
+
+LayerShape fit_to_memory(LayerShape s, DType dtype, bool with_baseline, size_t budget_bytes,
+                         int64_t max_tokens) {
+  const size_t need_weights = layer_bytes(s, dtype, with_baseline);
+  const size_t per = need_weights / static_cast<size_t>(s.E);
   // Fewer experts than top_k cannot run: a layer that does not fit even then
   // is an error, not a run over the budget.
-  if (e < s.k) {
-    const size_t least = per * static_cast<size_t>(s.k);
+  const size_t least = per * static_cast<size_t>(s.k);
+  if (least > budget_bytes) {
     char gib[96];
     std::snprintf(gib, sizeof gib, "%.2f GiB needed, budget %.2f GiB",
                   static_cast<double>(least) / (1 << 30),
@@ -348,11 +362,46 @@ LayerShape fit_to_memory(LayerShape s, DType dtype, bool with_baseline, size_t b
                    ", the least --max-experts takes), over the budget of ", budget_bytes,
                    " bytes (", gib, "); give a larger --memory-fraction");
   }
+  // The tokens' buffers beside the weights at E = k: compared by division, so
+  // that no count of tokens overflows.
+  const size_t per_token = token_bytes(s, with_baseline);
+  const int64_t most_tokens = static_cast<int64_t>(
+      std::min<size_t>((budget_bytes - least) / per_token, static_cast<size_t>(INT64_MAX)));
+  if (max_tokens > most_tokens) {
+    char sizes[160];
+    std::snprintf(sizes, sizeof sizes, "%.1f KiB a token", static_cast<double>(per_token) / 1024);
+    char gib[96];
+    std::snprintf(gib, sizeof gib, "%.2f GiB of weights at its fewest experts",
+                  static_cast<double>(least) / (1 << 30));
+    char budget[64];
+    std::snprintf(budget, sizeof budget, "%.2f GiB", static_cast<double>(budget_bytes) / (1 << 30));
+    FUSEDMOE_THROW(kInvalidArgument, "--tokens: expected at most ", most_tokens,
+                   " for this machine's memory, got ", max_tokens, " (shape '", s.name, "' takes ",
+                   sizes, " for its activations, intermediates and outputs",
+                   with_baseline ? " and the baseline's" : "", ", beside ", gib,
+                   " (E = top_k = ", s.k, "), within the --memory-fraction budget of ", budget,
+                   "); give fewer --tokens or a larger --memory-fraction");
+  }
+  const size_t tokens = per_token * static_cast<size_t>(std::max<int64_t>(max_tokens, 0));
+  const size_t need = need_weights + tokens;
+  if (need <= budget_bytes) return s;
+  int64_t e = static_cast<int64_t>((budget_bytes - tokens) / per);  // >= k (checked above)
+  if (e >= 8) e = std::max(e - e % 8, s.k);
   char buf[256];
-  std::snprintf(
-      buf, sizeof buf, "E scaled %lld -> %lld to fit memory (%.1f GiB needed, budget %.1f GiB)",
-      static_cast<long long>(s.E), static_cast<long long>(e), static_cast<double>(need) / (1 << 30),
-      static_cast<double>(budget_bytes) / (1 << 30));
+  if (tokens == 0)
+    std::snprintf(
+        buf, sizeof buf, "E scaled %lld -> %lld to fit memory (%.1f GiB needed, budget %.1f GiB)",
+        static_cast<long long>(s.E), static_cast<long long>(e),
+        static_cast<double>(need) / (1 << 30), static_cast<double>(budget_bytes) / (1 << 30));
+  else
+    std::snprintf(buf, sizeof buf,
+                  "E scaled %lld -> %lld to fit memory (%.1f GiB needed: weights %.1f GiB, "
+                  "buffers of T = %lld %.1f GiB; budget %.1f GiB)",
+                  static_cast<long long>(s.E), static_cast<long long>(e),
+                  static_cast<double>(need) / (1 << 30),
+                  static_cast<double>(need_weights) / (1 << 30), static_cast<long long>(max_tokens),
+                  static_cast<double>(tokens) / (1 << 30),
+                  static_cast<double>(budget_bytes) / (1 << 30));
   s.E = e;
   s.note = s.note.empty() ? std::string(buf) : s.note + "; " + buf;
   return s;

@@ -75,10 +75,23 @@ inline size_t expert_bytes(const LayerShape& s, DType dtype) {
 // Bytes a synthetic layer of `s` needs: weights in `dtype`, plus the
 // baseline's f32 copy when dtype is not f32 and `with_baseline`.
 size_t layer_bytes(const LayerShape& s, DType dtype, bool with_baseline);
-// Reduces E (keeping k, H, I; E a multiple of 8, >= k) until layer_bytes fits
-// in `budget_bytes`; records what it did in `note`. Throws Error naming
-// --memory-fraction, the bytes needed and the budget when even E = k does not fit.
-LayerShape fit_to_memory(LayerShape s, DType dtype, bool with_baseline, size_t budget_bytes);
+// Bytes `fusedmoe bench` holds for each token of a shape's largest T while it
+// measures it: the kBatchRotation routed batches (hidden states f32 [T, H],
+// topk ids and weights [T, k]), the output f32 [T, H], the CPU kernel's
+// workspace for the T k routed rows (permuted input and expert output f32
+// [T k, H], activation f32 [T k, I], row maps and work items), and with the
+// baseline its reference output f32 [T, H], its per-expert buffers (at most T
+// rows: the experts are distinct per token) and its slot list.
+size_t token_bytes(const LayerShape& s, bool with_baseline);
+// Fits a shape and its buffers for up to `max_tokens` tokens into
+// `budget_bytes`: reduces E (keeping k, H, I; E a multiple of 8 where it can,
+// >= k) until layer_bytes + max_tokens x token_bytes fits; records what it did
+// in `note`. Throws Error(kInvalidArgument) before anything is allocated:
+// naming --memory-fraction, the bytes needed and the budget when the weights
+// alone do not fit even at E = k; naming --tokens, the most that fit and
+// `max_tokens` when the weights at E = k do, but not with the tokens' buffers.
+LayerShape fit_to_memory(LayerShape s, DType dtype, bool with_baseline, size_t budget_bytes,
+                         int64_t max_tokens = 0);
 size_t physical_memory_bytes();
 
 // ---- synthetic layer and batches --------------------------------------------------

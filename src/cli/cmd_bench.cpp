@@ -83,7 +83,7 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& o) {
       ->capture_default_str();
   cmd->add_option("--dtype", o.dtype,
                   "Weight and compute dtype: f32 or bf16 (default f32; --backend cuda: bf16)")
-      ->check(CLI::IsMember({"f32", "bf16"}));
+      ->check(one_of({"f32", "bf16"}));
   cmd->add_option("--threads", o.threads, "Threads (default: all cores)")->transform(kThreads);
   cmd->add_option("--min-time", o.min_time,
                   "Minimum seconds of timed runs per measurement, at most 3600 (also at least 3 "
@@ -91,7 +91,7 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& o) {
       ->transform(number_in(0, 3600))
       ->capture_default_str();
   cmd->add_option("--routing", o.routing, "Simulated routing: uniform, zipf or all-to-one")
-      ->check(CLI::IsMember({"uniform", "zipf", "all-to-one"}))
+      ->check(one_of({"uniform", "zipf", "all-to-one"}))
       ->capture_default_str();
   cmd->add_option("--csv", o.csv,
                   "Also write the results to this CSV file (written in full at the end; none on "
@@ -122,12 +122,12 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& o) {
   CLI::Option* placement = add_expert_placement_option(*cmd, o.expert_placement);
   CLI::Option* dispatch = cmd->add_option("--dispatch-dtype", o.dispatch_dtype,
                                           "EP dispatch payload: auto, f32, bf16, fp8")
-                              ->check(CLI::IsMember({"auto", "f32", "bf16", "fp8"}))
+                              ->check(one_of({"auto", "f32", "bf16", "fp8"}))
                               ->capture_default_str();
   cmd->add_option("--backend", o.backend,
                   "cpu, or cuda: routed experts on the GPU (bf16, CUDA graphs and events, "
                   "--routing as on the CPU; shapes mixtral, qwen3, deepseek)")
-      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->check(one_of({"cpu", "cuda"}))
       ->capture_default_str();
   cmd->add_flag("--sweep", o.sweep, "cuda: also time every GEMM tile configuration");
   cmd->add_option("--dump-dir", o.dump_dir,
@@ -239,15 +239,17 @@ int run_bench(const BenchOptions& o) {
   if (o.threads > 0) ThreadPool::set_global_num_threads(o.threads);
   const int threads = ThreadPool::global().num_threads();
   const bool baseline = !o.no_baseline;
-  // Each shape as run: capped by --max-experts, then fitted to the memory
-  // budget (an error before anything is measured when one cannot fit).
+  // Each shape as run: capped by --max-experts, then fitted with its buffers
+  // for the largest T to the memory budget (an error naming --memory-fraction
+  // or --tokens before anything is allocated when one cannot fit).
+  const int64_t max_tokens = *std::max_element(token_counts.begin(), token_counts.end());
   const size_t budget =
       static_cast<size_t>(o.memory_fraction * static_cast<double>(physical_memory_bytes()));
   std::vector<LayerShape> fitted;
   for (const LayerShape& requested : shapes) {
     try {
-      fitted.push_back(
-          fit_to_memory(cap_experts(requested, o.max_experts), dtype, baseline, budget));
+      fitted.push_back(fit_to_memory(cap_experts(requested, o.max_experts), dtype, baseline, budget,
+                                     max_tokens));
     } catch (const Error& e) {
       // "--memory-fraction: ..." with the value given and the memory it is a share of.
       std::string what = e.what();

@@ -77,6 +77,46 @@ int run_bench_parallel(const BenchOptions& o) {
   const int threads = ThreadPool::global().num_threads();
   const bool a2a = pc.ep_size > 1 && pc.dp_size == 1;
 
+  const size_t budget =
+      static_cast<size_t>(o.memory_fraction * static_cast<double>(physical_memory_bytes()));
+  const int64_t max_tokens = *std::max_element(token_counts.begin(), token_counts.end());
+  // Each shape and this rank's share of it, checked against the memory budget
+  // before anything is printed or allocated.
+  std::vector<std::pair<LayerShape, LayerShape>> layouts;  // (shape, this rank's share)
+  for (const LayerShape& requested : shapes) {
+    LayerShape shape = cap_experts(requested, o.max_experts);
+    shape.E = std::max<int64_t>(shape.E, pc.ep_size);
+    // This rank's share must fit the memory budget (all ranks share the machine here).
+    const ExpertMap map(shape.E, pc.ep_size, placement);
+    LayerShape local = shape;
+    local.E = map.num_local_experts(pc.ep_rank);
+    local.I = tp_slice(shape.I, pc.tp_size, pc.tp_rank).second;
+    const size_t shares = layer_bytes(local, dtype, false) * world->size();
+    FUSEDMOE_CHECK(
+        shares <= budget, shape.name, ": the ranks' expert shares need ",
+        format_bytes(static_cast<double>(shares)), ", over the budget of ",
+        format_bytes(static_cast<double>(budget)), " (--memory-fraction ",
+        exact_number(o.memory_fraction), " of ",
+        format_bytes(static_cast<double>(physical_memory_bytes())),
+        " physical memory); give a larger --memory-fraction or fewer experts (--max-experts)");
+    // ... with the buffers of the largest T beside it (each rank's T tokens, and
+    // about T k routed rows with balanced routing: token_bytes of its share).
+    const size_t per_token = token_bytes(local, false) * world->size();
+    const int64_t most_tokens = static_cast<int64_t>(
+        std::min<size_t>((budget - shares) / per_token, static_cast<size_t>(INT64_MAX)));
+    FUSEDMOE_CHECK(max_tokens <= most_tokens, "--tokens: expected at most ", most_tokens,
+                   " per rank for this machine's memory, got ", max_tokens, " (shape '", shape.name,
+                   "': ", format_bytes(static_cast<double>(per_token)),
+                   " a token for the activations, intermediates and outputs of the ", world->size(),
+                   " ranks, beside their expert shares of ",
+                   format_bytes(static_cast<double>(shares)), ", within the budget of ",
+                   format_bytes(static_cast<double>(budget)), ": --memory-fraction ",
+                   exact_number(o.memory_fraction), " of ",
+                   format_bytes(static_cast<double>(physical_memory_bytes())),
+                   " physical memory); give fewer --tokens or a larger --memory-fraction");
+    layouts.emplace_back(shape, local);
+  }
+
   if (root) {
     std::printf("# fusedmoe bench (parallel)\n\n");
     std::printf("- %d ranks (%s): ep %d, tp %d, dp %d; %s per rank; experts %s\n", world->size(),
@@ -91,25 +131,9 @@ int run_bench_parallel(const BenchOptions& o) {
     std::fflush(stdout);
   }
 
-  const size_t budget =
-      static_cast<size_t>(o.memory_fraction * static_cast<double>(physical_memory_bytes()));
   uint64_t seed = o.seed;
-  for (const LayerShape& requested : shapes) {
-    LayerShape shape = cap_experts(requested, o.max_experts);
-    shape.E = std::max<int64_t>(shape.E, pc.ep_size);
-    // This rank's share must fit the memory budget (all ranks share the machine here).
-    const ExpertMap map(shape.E, pc.ep_size, placement);
-    LayerShape local = shape;
-    local.E = map.num_local_experts(pc.ep_rank);
-    local.I = tp_slice(shape.I, pc.tp_size, pc.tp_rank).second;
-    FUSEDMOE_CHECK(
-        layer_bytes(local, dtype, false) * world->size() <= budget, shape.name,
-        ": the ranks' expert shares need ",
-        format_bytes(static_cast<double>(layer_bytes(local, dtype, false)) * world->size()),
-        ", over the budget of ", format_bytes(static_cast<double>(budget)), " (--memory-fraction ",
-        exact_number(o.memory_fraction), " of ",
-        format_bytes(static_cast<double>(physical_memory_bytes())),
-        " physical memory); give a larger --memory-fraction or fewer experts (--max-experts)");
+  for (const auto& layout : layouts) {
+    const LayerShape &shape = layout.first, &local = layout.second;
     SyntheticLayer layer = make_synthetic_layer(local, dtype, ++seed + world->rank(), false);
     MoEConfig config;
     config.num_experts = shape.E;

@@ -353,11 +353,11 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
                               "f32 or bf16; with --backend cuda bf16 or f16: the experts' type on "
                               "the GPU (weights converted; default: f16 for an f16 checkpoint, "
                               "else bf16)")
-                  ->check(CLI::IsMember({"f32", "bf16", "f16"}));
+                  ->check(one_of({"f32", "bf16", "f16"}));
   cmd->add_option("--backend", o.backend,
                   "cpu, or cuda: the layer on the GPU (bf16 or f16 compute, f32 accumulation; the "
                   "time is the forward plus a device synchronisation, copies excluded)")
-      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->check(one_of({"cpu", "cuda"}))
       ->capture_default_str();
   cmd->add_option("--threads", o.threads, "Worker threads, at most 1024 (default: all cores)")
       ->transform(kThreads);
@@ -390,7 +390,7 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
   CLI::Option* dispatch =
       cmd->add_option("--dispatch-dtype", o.dispatch_dtype,
                       "EP dispatch payload: auto, f32, bf16 or fp8 (e4m3, 1x128 group scales)")
-          ->check(CLI::IsMember({"auto", "f32", "bf16", "fp8"}))
+          ->check(one_of({"auto", "f32", "bf16", "fp8"}))
           ->capture_default_str();
   cmd->callback([&o, seed, cdt, input, tokens, placement, dispatch] {
     // A command line that lacks its input does not parse (exit code 2).

@@ -226,7 +226,7 @@ CLI::Option* add_expert_placement_option(CLI::App& cmd, std::string& value) {
   return cmd
       .add_option("--expert-placement", value,
                   "contiguous or round-robin: which experts each EP rank holds (--ep-size > 1)")
-      ->check(CLI::IsMember({"contiguous", "round-robin"}))
+      ->check(one_of({"contiguous", "round-robin"}))
       ->capture_default_str();
 }
 
@@ -373,6 +373,123 @@ int fail(const std::string& message, int code) {
 }  // namespace
 
 namespace {
+
+// Edit distance of two option names (for "did you mean"), capped at 3.
+int edit_distance(const std::string& a, const std::string& b) {
+  std::vector<int> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = static_cast<int>(j);
+  for (size_t i = 1; i <= a.size(); ++i) {
+    int diag = row[0];
+    row[0] = static_cast<int>(i);
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const int up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] != b[j - 1] ? 1 : 0)});
+      diag = up;
+    }
+  }
+  return std::min(row[b.size()], 3);
+}
+
+// The text after "TYPE:" in an option's CLI11 type name ("INT:INTEGER >= 0" ->
+// "INTEGER >= 0", "TEXT:{f32,bf16}" -> "one of f32, bf16"), "" for a bare type.
+std::string value_form(const CLI::Option& opt) {
+  const std::string type = opt.get_type_name();
+  const size_t colon = type.find(':');
+  if (colon == std::string::npos) return "";
+  std::string form = type.substr(colon + 1);
+  if (form.size() > 2 && form.front() == '{' && form.back() == '}') {
+    form = "one of " + form.substr(1, form.size() - 2);
+    for (size_t at = 0; (at = form.find(',', at)) != std::string::npos; at += 2)
+      form.replace(at, 1, ", ");
+  }
+  return form;
+}
+
+// CLI11's parse errors of a command in this command line's style, as its
+// other usage errors: the command, the option or argument, what was expected
+// and what was given ("run --tokens: expected a value (INTEGER >= 0), got
+// none" for CLI11's "--tokens: 1 required INT:INTEGER >= 0 missing").
+std::string describe_parse_error(const CLI::ParseError& e, CLI::App& cmd, int argc, char** argv) {
+  const std::string name = cmd.get_name(), what = e.what();
+  const std::string help = " (see fusedmoe " + name + " --help)";
+  // The option a message starts with ("--tokens: ...", "--tokens was ...").
+  const auto option_named = [&](const std::string& text) -> CLI::Option* {
+    if (text.empty() || text[0] != '-') return nullptr;
+    return cmd.get_option_no_throw(text.substr(0, text.find_first_of(": ")));
+  };
+  if (dynamic_cast<const CLI::ExtrasError*>(&e)) {
+    std::vector<std::string> options, args;
+    for (const std::string& x : cmd.remaining())
+      (x.size() > 1 && x[0] == '-' ? options : args).push_back(x);
+    const auto list = [](const std::vector<std::string>& v, const char* quote) {
+      std::string out;
+      for (const auto& x : v) out += (out.empty() ? "" : ", ") + (quote + x + quote);
+      return out;
+    };
+    if (!options.empty()) {
+      // "--tokn": the nearest option of the command, where one is close.
+      const std::string given = options[0].substr(0, options[0].find('='));
+      std::string nearest;
+      int best = 3;
+      for (const CLI::Option* opt : cmd.get_options())
+        for (const std::string& l : opt->get_lnames())
+          if (const int d = edit_distance(given, "--" + l); d < best) best = d, nearest = "--" + l;
+      return name + ": unknown option" + (options.size() > 1 ? "s " : " ") + list(options, "") +
+             (nearest.empty() ? "" : "; did you mean " + nearest + "?") + help;
+    }
+    const bool takes_path = cmd.get_option_no_throw("PATH") != nullptr;
+    return name + ": unexpected argument" + (args.size() > 1 ? "s " : " ") + list(args, "'") +
+           (takes_path ? ": expected one PATH" : ": expected options only, each with its value") +
+           help;
+  }
+  if (dynamic_cast<const CLI::ArgumentMismatch*>(&e)) {
+    if (CLI::Option* opt = option_named(what)) {
+      const std::string opt_name = what.substr(0, what.find_first_of(": "));
+      if (what.find(" missing") != std::string::npos) {
+        const std::string form = value_form(*opt);
+        return name + " " + opt_name + ": expected a value" +
+               (form.empty() ? "" : " (" + form + ")") + ", got none" + help;
+      }
+      if (what.find("At Most") != std::string::npos) {
+        int times = 0;
+        for (int i = 1; i < argc; ++i) {
+          const std::string a = argv[i];
+          if (a == opt_name || a.rfind(opt_name + "=", 0) == 0) ++times;
+        }
+        if (times > 1)
+          return name + " " + opt_name + ": expected once, given " + std::to_string(times) +
+                 " times" + help;
+      }
+    }
+  }
+  if (dynamic_cast<const CLI::ConversionError*>(&e)) {
+    // "Could not convert: --no-baseline = maybe": a flag given a value.
+    const std::string head = "Could not convert: ";
+    const size_t eq = what.find(" = ");
+    if (what.rfind(head, 0) == 0 && eq != std::string::npos) {
+      const std::string opt_name = what.substr(head.size(), eq - head.size());
+      const CLI::Option* opt = cmd.get_option_no_throw(opt_name);
+      if (opt && opt->get_expected_min() == 0)
+        return name + " " + opt_name + ": a flag, expected no value (or true / false), got \"" +
+               what.substr(eq + 3) + "\"" + help;
+    }
+  }
+  if (dynamic_cast<const CLI::RequiredError*>(&e)) {
+    // "PATH is required": a positional argument left out.
+    const std::string tail = " is required";
+    if (what.size() > tail.size() &&
+        what.compare(what.size() - tail.size(), tail.size(), tail) == 0) {
+      const std::string arg = what.substr(0, what.size() - tail.size());
+      if (const CLI::Option* opt = cmd.get_option_no_throw(arg))
+        return name + ": expected " + arg + ", got none (" + arg + ": " + opt->get_description() +
+               "; see fusedmoe " + name + " --help)";
+    }
+  }
+  // Messages of this command's validators ("--tokens: expected ..."), and any
+  // other: the command first.
+  return name + (what.size() > 1 && what[0] == '-' ? " " : ": ") + what;
+}
+
 // Interrupted (Ctrl-C, kill): remove the temporaries of unfinished output files
 // (bench --csv, run --output) so that no partial file is left, then die of the
 // signal as before.
@@ -474,7 +591,7 @@ int main(int argc, char** argv) {
                         2);
         return fail(std::string(e.what()) + ": inspect, run or bench (see fusedmoe --help)", 2);
       }
-      return fail(e.what(), 2);
+      return fail(describe_parse_error(e, *app.get_subcommands()[0], argc, argv), 2);
     }
   }
 

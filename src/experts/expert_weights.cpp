@@ -60,4 +60,24 @@ void ExpertWeights::validate(int64_t num_experts, int64_t hidden_size, int64_t i
   }
 }
 
+ExpertSizes expert_sizes_from_w2(const ExpertWeights& w, const char* w13_name,
+                                 const char* w2_name) {
+  const TensorView &w13 = w.w13.view(), &w2 = w.w2.view();
+  FUSEDMOE_CHECK(w13.ndim() == 3, w13_name, ": expected a 3-d tensor [E, 2I, H], got ", w13.str());
+  FUSEDMOE_CHECK(w2.ndim() == 3, w2_name, ": expected a 3-d tensor [E, H, I], got ", w2.str());
+  FUSEDMOE_CHECK(
+      (w13.size(0) == w2.size(0) && w13.size(1) == 2 * w2.size(2)) || w13.size(1) % 2 != 0,
+      w13_name, " ", w13.str(), " and ", w2_name, " ", w2.str(),
+      " disagree: expected w13 [E, 2I, H] and w2 [E, H, I] with the same E and I");
+  return {w2.size(0), w2.size(2)};
+}
+
+void check_router_weight_on_input(bool apply_router_weight_on_input, const TensorView& topk_ids) {
+  const int64_t k = topk_ids.ndim() == 2 ? topk_ids.size(1) : -1;
+  FUSEDMOE_CHECK(!apply_router_weight_on_input || k == 1,
+                 "apply_router_weight_on_input: supported with top_k = 1 only (one expert per "
+                 "token, as Llama-4; vLLM and HF transformers refuse it otherwise), got top_k = ",
+                 k, " (topk_ids ", topk_ids.str(), ")");
+}
+
 }  // namespace fusedmoe

@@ -392,7 +392,16 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
       FUSEDMOE_THROW(kUnsupported, where, ": topk_method '", method,
                      "' is not supported for deepseek_v3 (supported: noaux_tc)");
     c.routing_method = RoutingMethod::kGroupedTopK;
+    // HF's DeepseekV3TopkRouter takes the sigmoid whatever config.json says
+    // (DeepseekV3Config has no scoring_func), while vLLM and SGLang honour the
+    // field: a config naming another function is refused, not read one way.
     c.scoring_func = scoring_from_hf(f, "sigmoid");
+    if (c.scoring_func != ScoringFunc::kSigmoid)
+      FUSEDMOE_THROW(kUnsupported, where, ": scoring_func '",
+                     f.get_string({"scoring_func"}, std::string()),
+                     "' is not supported for deepseek_v3 (supported: sigmoid; HF transformers' "
+                     "DeepseekV3 router always takes the sigmoid of the logits, other engines "
+                     "read the field)");
     c.group_score = GroupScore::kSumTop2;
     c.has_e_score_correction_bias = true;
     c.num_expert_group = f.get_int({"n_group"}, 8);

@@ -128,6 +128,32 @@ expect_error "reference shape mismatch" "layers.1.T64.output_f64" -- run --model
   --reference "$REF" --reference-key layers.1.T64.output_f64
 expect_error "bad --compute-dtype" "compute-dtype" -- run --model "$FIX" "${run_args[@]}" --compute-dtype f8
 expect_error "unknown option" "--frobnicate" -- run --model "$FIX" "${run_args[@]}" --frobnicate
+# CLI11's own parse errors in the command line's style (they read "The following
+# argument was not expected: --frobnicate", "--tokens: 1 required INT:INTEGER >= 0
+# missing", "--dtype: f64 not in {f32,bf16}", ...): the command, the option or
+# argument, what was expected; exit code 2.
+see_run="(see fusedmoe run --help)"
+expect_usage "CLI11: unknown option" "error: run: unknown option --frobnicate $see_run" -- \
+  run --model "$FIX" --tokens 2 --frobnicate
+expect_usage "CLI11: unknown option, near one" "error: run: unknown option --token; did you mean --tokens? $see_run" -- \
+  run --model "$FIX" --token 2
+expect_usage "CLI11: unexpected argument" "error: run: unexpected arguments '4', '5': expected options only, each with its value $see_run" -- \
+  run --model "$FIX" --tokens 3 4 5
+expect_usage "CLI11: inspect, a second PATH" "error: inspect: unexpected argument 'b': expected one PATH (see fusedmoe inspect --help)" -- \
+  inspect "$FIX" b
+expect_usage "CLI11: inspect without PATH" "error: inspect: expected PATH, got none (PATH: " -- inspect
+expect_usage "CLI11: an option without its value" "error: run --tokens: expected a value (INTEGER >= 0), got none $see_run" -- \
+  run --model "$FIX" --output "$OUTDIR/o.safetensors" --tokens
+expect_usage "CLI11: bench --tokens without its value" "error: bench --tokens: expected a value (T1,T2,...), got none (see fusedmoe bench --help)" -- \
+  bench --tokens
+expect_usage "CLI11: an option given twice" "error: run --tokens: expected once, given 2 times $see_run" -- \
+  run --model "$FIX" --tokens 1 --tokens=2
+expect_usage "CLI11: a value not in the list" "error: bench --dtype: expected f32 or bf16, got \"f64\"" -- \
+  bench --dtype f64
+expect_usage "CLI11: run --backend not in the list" "error: run --backend: expected cpu or cuda, got \"tpu\"" -- \
+  run --model "$FIX" --tokens 1 --backend tpu
+expect_usage "CLI11: a flag given a value" "error: bench --no-baseline: a flag, expected no value (or true / false), got \"maybe\" (see fusedmoe bench --help)" -- \
+  bench --no-baseline=maybe
 expect_error "output into a missing folder" "$TMP/no/such/dir" -- run --model "$FIX" "${run_args[@]}" \
   --output "$TMP/no/such/dir/out.safetensors"
 
@@ -412,11 +438,24 @@ for args in "--dtype f32:--dtype" "--csv $TMP/b.csv:--csv" "--threads 2:--thread
   fi
 done
 
-# bench --csv: written in full at the end or not at all (T = 1 succeeds, then the
-# second token count cannot be allocated): no CSV, no temporary file.
-expect_error "bench --csv, failing after a first row" "1000000000000000" -- \
-  bench --tokens 1,1000000000000000 --shapes qwen3-cpu --max-experts 8 --min-time 0 --no-baseline \
-  --csv "$OUTDIR/c.csv"
+# --tokens beyond the memory budget: an error naming --tokens, the most that fit
+# and the count given, before anything is allocated or measured (200000 tokens
+# were killed by the out-of-memory killer with no message; the budget counted
+# the weights alone, not the tokens' activations, intermediates and outputs).
+# The largest T counts, in any position; no CSV, no temporary file. (200000
+# tokens of qwen3-cpu need ~43 GiB: over --memory-fraction 0.25 below ~170 GiB.)
+counts=(1,1000000000000000,16)
+python3 -c 'import os, sys; sys.exit(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") >= 160 << 30)' &&
+  counts+=(200000)
+for t in "${counts[@]}"; do
+  expect_error "bench --tokens $t beyond the memory budget" "--tokens: expected at most " -- \
+    bench --tokens "$t" --shapes qwen3-cpu --max-experts 8 --min-time 0 --no-baseline \
+    --csv "$OUTDIR/c.csv"
+  big=${t#1,}; big=${big%,16}
+  grep -qE -- "--tokens: expected at most [0-9]+ for this machine's memory, got $big \(shape 'qwen3-cpu' takes [0-9.]+ KiB a token .* give fewer --tokens or a larger --memory-fraction$" "$TMP/stderr" &&
+    [ ! -s "$TMP/stdout" ] ||
+    { echo "FAIL bench --tokens $t: message or output"; cat "$TMP/stdout" "$TMP/stderr"; failures=$((failures + 1)); }
+done
 # A --csv that cannot be written fails before the benchmark, with the OS reason.
 expect_error "bench --csv a directory" "--csv: $OUTDIR: exists and is not a regular file (a directory" -- \
   bench --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0 --csv "$OUTDIR"

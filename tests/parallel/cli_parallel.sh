@@ -117,7 +117,7 @@ if $mpiexec $pre "$npflag" 2 "$BIN" run --tokens 4 --ep-size 0 >"$TMP/log" 2>&1;
   echo "FAIL: --ep-size 0 succeeded"; exit 1
 fi
 for r in 0 1; do
-  [ "$(grep -c "^fusedmoe: error: rank $r: --ep-size" "$TMP/log")" -eq 1 ] ||
+  [ "$(grep -c "^fusedmoe: error: rank $r: run --ep-size" "$TMP/log")" -eq 1 ] ||
     { echo "FAIL: rank $r does not print the argument error once"; cat "$TMP/log"; exit 1; }
 done
 

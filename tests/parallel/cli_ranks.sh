@@ -112,13 +112,13 @@ expect_error 2 "the ranks ran different commands: run on ranks 0,2, bench on ran
 # A command line that does not parse on one rank: that rank prints its error
 # (it printed nothing: only rank 0 printed argument errors), the other says why
 # it did not run.
-expect_error 2 '--tokens: expected .*x' 1 -- \
+expect_error 2 'run --tokens: expected .*x' 1 -- \
   $M "$npflag" 1 $R --tokens 8 --ep-size 2 : "$npflag" 1 $R --tokens x --ep-size 2
-grep -qE '^fusedmoe: error: rank 1: --tokens: expected' "$TMP/log" &&
+grep -qE '^fusedmoe: error: rank 1: run --tokens: expected' "$TMP/log" &&
   grep -qE '^fusedmoe: error: rank 0: not run: the command line of rank 1 does not parse' "$TMP/log" ||
   { echo "FAIL: rank 1's parse error, rank 0's note"; cat "$TMP/log"; fail=1; }
 # The same one on every rank: every rank prints it, with its rank.
-expect_error 2 '--ep-size: expected .*0' 2 -- \
+expect_error 2 'run --ep-size: expected .*0' 2 -- \
   $M "$npflag" 2 $R --tokens 8 --ep-size 0
 
 # During the run (a bad token among rank 1's rows): rank 1 prints its error
@@ -193,6 +193,13 @@ if python3 -c 'import os, sys; sys.exit(os.sysconf("SC_PHYS_PAGES") * os.sysconf
   expect_error 1 "mixtral: the ranks' expert shares need .*, over the budget of .* \(--memory-fraction 0\.01 of .* physical memory\); give a larger --memory-fraction or fewer experts \(--max-experts\)" 1 -- \
     $M "$npflag" 2 "$BIN" bench --ep-size 2 --shapes mixtral --tokens 1 --memory-fraction 0.01
 fi
+
+# The tokens' buffers beside the expert shares: over the budget, an error naming
+# --tokens on every rank before anything is printed or allocated (200000 tokens a
+# rank were killed by the out-of-memory killer). 1e15 tokens fit no machine.
+expect_error 1 "--tokens: expected at most [0-9]+ per rank for this machine's memory, got 1000000000000000 \(shape 'qwen3-cpu': .* give fewer --tokens or a larger --memory-fraction" 1 -- \
+  $M "$npflag" 2 "$BIN" bench --ep-size 2 --shapes qwen3-cpu --max-experts 8 --tokens 1,1000000000000000 --min-time 0
+grep -q "^# fusedmoe bench" "$TMP/log" && { echo "FAIL: bench --tokens 1e15 printed its header first"; fail=1; }
 
 # --help, --version and inspect on every rank: printed once, by rank 0 (as run
 # reports), exit code 0.

@@ -254,14 +254,14 @@ TEST(CpuModularKernel, RouterWeightOnInputAndBF16Compute) {
     // Llama-4: top-1, weight on the input.
     check_kernel(rng, {T, 8, 1, 64, 48, DType::kBF16, false, Activation::kSiluGlu, true}, *kernel,
                  ws);
-    check_kernel(rng, {T, 16, 4, 72, 40, DType::kF32, true, Activation::kSwigluOai, true}, *kernel,
+    check_kernel(rng, {T, 16, 1, 72, 40, DType::kF32, true, Activation::kSwigluOai, true}, *kernel,
                  ws);
     // compute_dtype bf16 (inputs and intermediate rounded), within 1e-2.
     check_kernel(rng,
                  {T, 8, 2, 96, 80, DType::kBF16, false, Activation::kSiluGlu, false, DType::kBF16},
                  *kernel, ws);
     check_kernel(rng,
-                 {T, 4, 2, 64, 32, DType::kF32, true, Activation::kSwigluOai, true, DType::kBF16},
+                 {T, 4, 1, 64, 32, DType::kF32, true, Activation::kSwigluOai, true, DType::kBF16},
                  *kernel, ws);
   }
 }
@@ -386,6 +386,17 @@ TEST(CpuModularKernel, RejectsBadInputsWithoutWriting) {
   ExpertWeights w13_bad_h = w;
   w13_bad_h.w13 = random_weight(rng, {E, 2 * I, H + 2}, 0.1f, DType::kBF16);
   expect_error(run(hidden, ids, tw, w13_bad_h, out), {"experts.w13", "[5, 16, 18]"});
+  // A w13 that cannot be [E, 2I, H] (an odd middle size): named, with the
+  // shape w2 [E, H, I] implies (it said [5, 14, 16], from w13's own 15 rows).
+  ExpertWeights w13_odd = w;
+  w13_odd.w13 = random_weight(rng, {E, 2 * I - 1, H}, 0.1f, DType::kBF16);
+  expect_error(run(hidden, ids, tw, w13_odd, out),
+               {"experts.w13: expected bf16 [5, 16, 16], got bf16 [5, 15, 16]"});
+  // The router weight on the input takes one expert per token (it was applied
+  // to each of the k inputs, then summed unscaled).
+  expect_error([&] { kernel->forward(hidden, ids, tw, w, {}, true, out, ws); },
+               {"apply_router_weight_on_input: supported with top_k = 1 only",
+                "got top_k = 2 (topk_ids i32 [4, 2])"});
   ExpertWeights w2_bad_h = w;
   w2_bad_h.w2 = random_weight(rng, {E, H + 2, I}, 0.1f, DType::kBF16);
   expect_error(run(hidden, ids, tw, w2_bad_h, out), {"experts.w2", "[5, 18, 8]"});

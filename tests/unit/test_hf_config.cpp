@@ -335,6 +335,19 @@ TEST(HfConfig, DeepseekV3Defaults) {
   EXPECT_HAS(error_of([&] { parse(j); }, ErrorCode::kUnsupported), "topk_method 'greedy'");
 }
 
+// HF's DeepseekV3TopkRouter always takes the sigmoid (its config has no
+// scoring_func); vLLM reads the field. "sigmoid" is accepted, anything else is
+// refused rather than computed one way or the other.
+TEST(HfConfig, DeepseekV3ScoringFuncSigmoidOnly) {
+  json j = fixture_json("deepseek_v3");
+  j["scoring_func"] = "sigmoid";
+  EXPECT_EQ(parse(j).layer_config(1).scoring_func, ScoringFunc::kSigmoid);
+  j["scoring_func"] = "softmax";
+  const std::string e = error_of([&] { parse(j); }, ErrorCode::kUnsupported);
+  EXPECT_HAS(e, "scoring_func 'softmax' is not supported for deepseek_v3 (supported: sigmoid");
+  EXPECT_HAS(e, "config.json");
+}
+
 // Only DeepSeek's FP8 format (128 x 128 weight blocks) is read; any other
 // quantization would be loaded as if the weights were plain.
 TEST(HfConfig, QuantizationConfigOnlyFp8With128Blocks) {

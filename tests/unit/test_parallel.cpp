@@ -307,6 +307,19 @@ TEST(DistributedExperts, SingleRankMatchesModularKernelBitForBit) {
     EXPECT_EQ(ep.stats().dispatch_bytes_sent, 0);  // nothing left the rank
     EXPECT_EQ(ep.stats().dispatch_rows_sent, ep.stats().dispatch_rows_received);
 
+    // The router weight on the input takes one expert a token (k = 3 here).
+    test::poison(out.view());
+    try {
+      de.forward(hidden.view(), ids.view(), w.view(), params, true, out.view(), ws);
+      ADD_FAILURE() << "apply_router_weight_on_input with top_k = 3 was taken";
+    } catch (const Error& e) {
+      EXPECT_NE(
+          std::string(e.what()).find("apply_router_weight_on_input: supported with top_k = 1 only"),
+          std::string::npos)
+          << e.what();
+    }
+    EXPECT_EQ(test::count_non_finite(out.view()), T * H);
+
     // Bad ids are rejected before anything is written.
     ids.data_as<int32_t>()[4] = static_cast<int32_t>(E);
     test::poison(out.view());

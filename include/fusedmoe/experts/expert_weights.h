@@ -37,6 +37,23 @@ struct ExpertWeights {
                 const char* what) const;
 };
 
+// E and I of expert weights given without a config (the functional
+// fused_experts): w2 [E, H, I]'s, checked against w13 [E, 2I, H]. Throws
+// Error(kInvalidArgument) naming both (`w13_name`, `w2_name`) and their shapes
+// when either is not 3-d or they disagree on E or I, except where w13's middle
+// size is odd (it cannot be 2I): w13 is then the wrong one, and the caller's
+// shape check names it with the [E, 2I, H] that w2 implies.
+struct ExpertSizes {
+  int64_t num_experts = 0, intermediate_size = 0;
+};
+ExpertSizes expert_sizes_from_w2(const ExpertWeights& w, const char* w13_name, const char* w2_name);
+
+// apply_router_weight_on_input scales the expert's input by the router weight,
+// which only means something with one expert per token (Llama-4; vLLM and HF
+// transformers refuse it with top_k > 1): Error(kInvalidArgument) naming it
+// and topk_ids [T, k] when it is set and k != 1.
+void check_router_weight_on_input(bool apply_router_weight_on_input, const TensorView& topk_ids);
+
 // Parameters of the gated activation (from MoEConfig).
 struct ActivationParams {
   Activation activation = Activation::kSiluGlu;

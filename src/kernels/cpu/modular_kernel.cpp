@@ -12,24 +12,17 @@ void ModularKernel::forward(const TensorView& hidden_states, const TensorView& t
                             const ExpertsParams& params, bool apply_router_weight_on_input,
                             const TensorView& output, Workspace& ws) {
   // ---- boundary checks: nothing is written before all pass ----
-  FUSEDMOE_CHECK(weights.w13.ndim() == 3, "experts.w13: expected a 3-d tensor [E, 2I, H], got ",
-                 weights.w13.view().str());
-  FUSEDMOE_CHECK(weights.w2.ndim() == 3, "experts.w2: expected a 3-d tensor [E, H, I], got ",
-                 weights.w2.view().str());
-  // Sizes: where w13 [E, 2I, H] and w2 [E, H, I] agree, they set E, I and H
-  // (and hidden_states is checked against them). Where they disagree on H,
-  // hidden_states says which one is wrong; on E or I nothing does, so both
-  // shapes are reported.
-  const TensorView& w13v = weights.w13.view();
+  // Sizes: E and I from w2 (expert_sizes_from_w2: where w13 [E, 2I, H] and
+  // w2 [E, H, I] disagree on them, both shapes are named, unless w13 cannot be
+  // [E, 2I, H] at all: then validate() names it with w2's sizes). H from w13,
+  // or from w2 where only w2 agrees with hidden_states, which then says which
+  // weight is wrong.
+  const ExpertSizes sizes = expert_sizes_from_w2(weights, "experts.w13", "experts.w2");
+  const int64_t E = sizes.num_experts, I = sizes.intermediate_size;
   const TensorView& w2v = weights.w2.view();
-  int64_t H = w13v.size(2);
+  int64_t H = weights.w13.size(2);
   if (w2v.size(1) != H && hidden_states.ndim() == 2 && w2v.size(1) == hidden_states.size(1))
     H = w2v.size(1);  // w13 is the odd one out: validate() names it
-  FUSEDMOE_CHECK(
-      (w13v.size(0) == w2v.size(0) && w13v.size(1) == 2 * w2v.size(2)) || w13v.size(1) % 2 != 0,
-      "experts.w13 ", w13v.str(), " and experts.w2 ", w2v.str(),
-      " disagree: expected w13 [E, 2I, H] and w2 [E, H, I] with the same E and I");
-  const int64_t E = w13v.size(0), I = w13v.size(1) / 2;
   weights.validate(E, H, I, weights.w13_bias.has_value() || weights.w2_bias.has_value(), "experts");
   FUSEDMOE_CHECK(params.compute_dtype == DType::kF32 || params.compute_dtype == DType::kBF16,
                  "compute_dtype: expected f32 or bf16, got ", dtype_name(params.compute_dtype));
@@ -38,6 +31,7 @@ void ModularKernel::forward(const TensorView& hidden_states, const TensorView& t
   check_tensor(topk_ids, "topk_ids", DType::kI32, {T, -1});
   const int64_t k = topk_ids.size(1);
   check_tensor(topk_weights, "topk_weights", DType::kF32, {T, k});
+  check_router_weight_on_input(apply_router_weight_on_input, topk_ids);
   check_tensor(output, "output", DType::kF32, {T, H});
   // Non-finite inputs would silently give NaN outputs (O(T * (H + k)) reads).
   check_finite_rows(hidden_states, "hidden_states");
