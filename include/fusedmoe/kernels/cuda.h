@@ -285,9 +285,9 @@ void finalize(const FinalizeArgs& args, Stream stream);
 // or f16; f16 hidden states with bf16 weights are converted to bf16, and bf16
 // ones with f16 weights to f16), GEMMs accumulate in f32, the k rows of a
 // token are summed in slot order (deterministic). The pipeline is the CUDA MoE
-// layer's routed experts (the same code): to_half_rows -> for T <= 4 (and
-// T * k <= 32) two weight-streaming decode kernels straight from topk_ids
-// (FUSEDMOE_CUDA_DECODE=0 turns them off), otherwise align -> either
+// layer's routed experts (the same code): to_half_rows -> for a few slots
+// (T * k <= 96, and T <= 4 or T * k <= 2 E) two weight-streaming decode kernels
+// straight from topk_ids (FUSEDMOE_CUDA_DECODE=0 turns them off), otherwise align -> either
 // grouped_gemm (kGlu) -> grouped_gemm (kScatter), or, for many rows per expert
 // on an sm_90 device (pick_sm90_experts, FUSEDMOE_CUDA_EXPERTS), sm90_experts
 // -> finalize; so its output equals the layer's for the same inputs.

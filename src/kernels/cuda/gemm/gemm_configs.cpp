@@ -4,7 +4,7 @@
 // Heuristic by the expected rows per touched expert (rows = T * k / touched,
 // rounded), from a sweep of every tile over the Mixtral / Qwen3 / DeepSeek-V3
 // shapes at T = 1 .. 4096 on an H200 (bench/results/2026-11-29-cuda-bench.md):
-//   (T <= 4 with T * k <= 32 bypasses this table: decode_experts.cu)
+//   (a few slots, pick_decode_experts, bypass this table: decode_experts.cu)
 //   T * k <= 16  m8gemv:   single-token decode; CUDA-core GEMV, 16-byte weight
 //                          loads (Mixtral T = 1: 188 us vs 197 us with m16n64;
 //                          already slower at Qwen3 T = 16: 249 vs 220 us)
