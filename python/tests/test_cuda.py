@@ -309,7 +309,9 @@ def test_cuda_errors_name_the_argument(g):
         fusedmoe.fused_experts(x, w13.float(), w2, tw, ids)
     with pytest.raises(TypeError, match="hidden_states"):
         fusedmoe.fused_experts(x.double(), w13, w2, tw, ids)
-    with pytest.raises(ValueError, match="w2: expected bf16"):
+    # E and I come from w2 (as on the CPU): a w2 of another I disagrees with w13
+    disagree = r"w13 bf16 \[8, 96, 64\] and w2 bf16 \[8, 64, 40\] disagree"
+    with pytest.raises(ValueError, match=disagree):
         fusedmoe.fused_experts(x, w13, w2[:, :, :-8].contiguous(), tw, ids)
     with pytest.raises(ValueError, match="topk_ids"):
         fusedmoe.fused_experts(x, w13, w2, tw, ids[:, :1].contiguous())
