@@ -98,6 +98,14 @@ PY
 # A second run replaces the file in full.
 "$BIN" bench --shapes qwen3-cpu --max-experts 8 --tokens 2 --min-time 0 --no-baseline --csv "$TMP/bench.csv" >/dev/null
 [ "$(wc -l <"$TMP/bench.csv")" -eq 2 ] || { echo "FAIL: bench CSV not replaced"; cat "$TMP/bench.csv"; exit 1; }
+# --no-baseline: the baseline's columns are empty, not 0 (no time, no difference measured).
+python3 - "$TMP/bench.csv" <<'PY'
+import csv, sys
+rows = list(csv.DictReader(open(sys.argv[1])))
+for r in rows:
+    assert float(r["ours_s"]) > 0, r
+    assert all(r[c] == "" for c in ("baseline_s", "baseline_gflops", "speedup", "rel_diff")), r
+PY
 echo ok
 
 # Interrupted (SIGINT, SIGTERM) while bench --csv runs (>= 2 s per row): no CSV and no
