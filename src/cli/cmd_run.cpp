@@ -48,6 +48,11 @@ Tensor read_npy(const std::string& path) {
   f.read(magic, 8);
   if (!f || std::memcmp(magic, kNpyMagic, 6) != 0)
     FUSEDMOE_THROW(kIo, path, ": not a .npy file (bad magic)");
+  // Versions 1.0 (2-byte header length), 2.0 and 3.0 (4-byte); another version's
+  // layout is unknown, so it is not read as one of these.
+  if (magic[6] < 1 || magic[6] > 3 || magic[7] != 0)
+    FUSEDMOE_THROW(kIo, path, ": .npy format version ", static_cast<int>(magic[6]), ".",
+                   static_cast<int>(magic[7]), " not supported (expected 1.0, 2.0 or 3.0)");
   uint32_t header_len = 0;
   if (magic[6] == 1) {
     unsigned char b[2];
@@ -79,17 +84,75 @@ Tensor read_npy(const std::string& path) {
                      why, " (header: \"", shown, e - b + 1 > 80 ? "...\")" : "\")");
     }
   }
-  auto field = [&](const char* key) {
-    const auto p = header.find(key);
-    if (p == std::string::npos) FUSEDMOE_THROW(kIo, path, ": .npy header has no ", key);
-    return header.substr(p + std::strlen(key));
-  };
-  std::string descr = field("'descr':");
-  const size_t q = descr.find_first_not_of(' ');
-  if (q != std::string::npos && descr[q] == '[')
-    FUSEDMOE_THROW(kIo, path, ": .npy structured dtypes (record arrays) are not supported");
-  descr = descr.substr(descr.find('\'') + 1);
-  descr = descr.substr(0, descr.find('\''));
+  // Its entries: 'descr' (a string), 'fortran_order' (True or False) and 'shape' (a
+  // tuple), in any order, keys in either quote, as numpy's reader takes them; another
+  // key is an error there too, and a key given twice (numpy would take its last value)
+  // is one here.
+  std::string descr, shape_text, fortran;
+  {
+    constexpr const char* kKeys[] = {"descr", "fortran_order", "shape"};
+    bool seen[3] = {};
+    size_t pos = header.find('{') + 1;
+    auto at = [&] { return pos < header.size() ? header[pos] : '\0'; };
+    auto skip_space = [&] {
+      while (pos < header.size() && std::isspace(static_cast<unsigned char>(header[pos]))) ++pos;
+    };
+    auto malformed = [&](const std::string& what) {
+      std::string shown = header.substr(pos, 40);
+      for (char& c : shown)
+        if (static_cast<unsigned char>(c) < 0x20 || static_cast<unsigned char>(c) >= 0x7f) c = '?';
+      FUSEDMOE_THROW(kIo, path, ": malformed .npy header: expected ", what, " at byte ", pos,
+                     " of the header, got \"", shown, "\"");
+    };
+    // A Python string literal in ' or " (no escapes: numpy writes none in these).
+    auto quoted = [&](const char* what) {
+      const char q = at();
+      if (q != '\'' && q != '"') malformed(what);
+      const size_t end = header.find(q, pos + 1);
+      if (end == std::string::npos) malformed(what);
+      std::string text = header.substr(pos + 1, end - pos - 1);
+      pos = end + 1;
+      return text;
+    };
+    for (skip_space(); at() != '}'; skip_space()) {
+      const std::string key = quoted("a quoted key");
+      const auto index = std::find(std::begin(kKeys), std::end(kKeys), key) - std::begin(kKeys);
+      if (index == 3)
+        FUSEDMOE_THROW(kIo, path, ": .npy header: unexpected key '", key,
+                       "' (expected 'descr', 'fortran_order' and 'shape')");
+      if (seen[index])
+        FUSEDMOE_THROW(kIo, path, ": .npy header: key '", key, "' given more than once");
+      skip_space();
+      if (at() != ':') malformed("':' after '" + key + "'");
+      ++pos;
+      skip_space();
+      seen[index] = true;
+      if (index == 0) {
+        if (at() == '[')
+          FUSEDMOE_THROW(kIo, path, ": .npy structured dtypes (record arrays) are not supported");
+        descr = quoted("a quoted dtype for 'descr'");
+      } else if (index == 1) {
+        for (const char* b : {"True", "False"})
+          if (header.compare(pos, std::strlen(b), b) == 0) fortran = b;
+        if (fortran.empty()) malformed("True or False for 'fortran_order'");
+        pos += fortran.size();
+      } else {
+        const size_t close = header.find(')', pos);
+        if (at() != '(' || close == std::string::npos)
+          FUSEDMOE_THROW(kIo, path, ": .npy header: malformed shape ",
+                         header.substr(pos, std::min<size_t>(40, header.size() - pos)));
+        shape_text = header.substr(pos + 1, close - pos - 1);
+        pos = close + 1;
+      }
+      skip_space();
+      if (at() == ',')
+        ++pos;
+      else if (at() != '}')
+        malformed("',' or '}' after the value of '" + key + "'");
+    }
+    for (int i = 0; i < 3; ++i)
+      if (!seen[i]) FUSEDMOE_THROW(kIo, path, ": .npy header has no '", kKeys[i], "'");
+  }
   struct NpyType {
     const char* code;  // without the byte-order character
     DType dtype;
@@ -109,13 +172,7 @@ Tensor read_npy(const std::string& path) {
                    "' not supported (expected f2, f4, f8, i1, i2, i4, i8, u1 or b1, little- or "
                    "big-endian)");
   const DType dtype = type->dtype;
-  if (field("'fortran_order':").find("True") < 3)
-    FUSEDMOE_THROW(kIo, path, ": Fortran-order .npy arrays are not supported");
-  std::string shape_text = field("'shape':");
-  const size_t open = shape_text.find('('), close = shape_text.find(')');
-  if (open == std::string::npos || close == std::string::npos || close < open)
-    FUSEDMOE_THROW(kIo, path, ": .npy header: malformed shape ", shape_text.substr(0, 40));
-  shape_text = shape_text.substr(open + 1, close - open - 1);
+  if (fortran == "True") FUSEDMOE_THROW(kIo, path, ": Fortran-order .npy arrays are not supported");
   std::vector<int64_t> shape;
   uint64_t bytes = dtype_size(dtype);
   bool overflows = false;

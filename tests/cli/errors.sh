@@ -519,6 +519,13 @@ npy("record.npy", "{'descr': [('a', '<f4')], 'fortran_order': False, 'shape': (4
 npy("unbraced.npy", "{'descr': '<f4', 'fortran_order': False, 'shape': (2, 128), ")
 npy("nodict.npy", "'descr': '<f4', 'fortran_order': False, 'shape': (2, 128)}")
 npy("overflow.npy", "{'descr': '<f4', 'fortran_order': False, 'shape': (4611686018427387904, 4611686018427387904), }")
+npy("twice.npy", "{'descr': '<f4', 'fortran_order': False, 'shape': (2, 128), 'shape': (1, 128)}")
+npy("extra.npy", "{'descr': '<f4', 'fortran_order': False, 'shape': (1, 128), 'order': 'C'}")
+npy("nofortran.npy", "{'descr': '<f4', 'shape': (1, 128)}")
+npy("fals.npy", "{'descr': '<f4', 'fortran_order': Fals, 'shape': (1, 128)}")
+npy("nocomma.npy", "{'descr': '<f4' 'fortran_order': False, 'shape': (1, 128)}")
+h = b"{'descr': '<f4', 'fortran_order': False, 'shape': (1, 128), }"
+open(f"{sys.argv[1]}/v4.npy", "wb").write(b"\x93NUMPY\x04\x00" + struct.pack("<I", len(h)) + h + b"\0" * 512)
 PY
 expect_error ".npy shape unclosed" "unclosed.npy: .npy header: malformed shape" -- \
   run --model "$FIX" --layer 1 --input "$TMP/unclosed.npy"
@@ -535,6 +542,22 @@ expect_error ".npy shape overflowing 64 bits" "overflow.npy: .npy header: the sh
   run --model "$FIX" --layer 1 --input "$TMP/overflow.npy"
 expect_error ".npy structured dtype" "record.npy: .npy structured dtypes (record arrays) are not supported" -- \
   run --model "$FIX" --layer 1 --input "$TMP/record.npy"
+# The header's dict is read entry by entry: a key given twice (numpy takes the last
+# value, this reader took the first), a key numpy does not know, a missing key, a value
+# or separator out of place: each an error naming it (all but the first were read on as
+# if the header were right); another format version is named, not read as version 2.
+expect_error ".npy key given twice" "twice.npy: .npy header: key 'shape' given more than once" -- \
+  run --model "$FIX" --layer 1 --input "$TMP/twice.npy"
+expect_error ".npy unknown key" "extra.npy: .npy header: unexpected key 'order' (expected 'descr', 'fortran_order' and 'shape')" -- \
+  run --model "$FIX" --layer 1 --input "$TMP/extra.npy"
+expect_error ".npy without fortran_order" "nofortran.npy: .npy header has no 'fortran_order'" -- \
+  run --model "$FIX" --layer 1 --input "$TMP/nofortran.npy"
+expect_error ".npy fortran_order neither True nor False" "fals.npy: malformed .npy header: expected True or False for 'fortran_order' at byte 34 of the header, got \"Fals, 'shape': (1, 128)}" -- \
+  run --model "$FIX" --layer 1 --input "$TMP/fals.npy"
+expect_error ".npy entries without a comma" "nocomma.npy: malformed .npy header: expected ',' or '}' after the value of 'descr' at byte 16" -- \
+  run --model "$FIX" --layer 1 --input "$TMP/nocomma.npy"
+expect_error ".npy format version 4.0" "v4.npy: .npy format version 4.0 not supported (expected 1.0, 2.0 or 3.0)" -- \
+  run --model "$FIX" --layer 1 --input "$TMP/v4.npy"
 expect_error "--input .safetensors without --input-key" "--input-key is required with a .safetensors file" -- \
   run --model "$FIX" --layer 1 --input "$REF"
 
