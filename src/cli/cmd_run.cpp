@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <string>
 #include <vector>
@@ -33,6 +34,14 @@ namespace {
 std::string base_name(const std::string& p) {
   const auto slash = p.find_last_of('/');
   return slash == std::string::npos ? p : p.substr(slash + 1);
+}
+
+// `text` with each byte that is not UTF-8 replaced by U+FFFD: the output file's
+// metadata is JSON text, and the model's path may be in another encoding.
+std::string utf8_replaced(const std::string& text) {
+  using nlohmann::json;
+  return json::parse(json(text).dump(-1, ' ', false, json::error_handler_t::replace))
+      .get<std::string>();
 }
 
 constexpr char kNpyMagic[] = "\x93NUMPY";
@@ -806,7 +815,7 @@ int run_run(const RunOptions& o) {
                       {"topk_ids", topk_ids.view()},
                       {"topk_weights", topk_weights.view()},
                       {"router_logits", router_logits.view()}},
-                     {{"model", model_dir},
+                     {{"model", utf8_replaced(model_dir)},
                       {"model_type", info.model_type},
                       {"layer", std::to_string(layer)},
                       {"compute_dtype", dtype_name(compute_dtype)},

@@ -144,7 +144,8 @@ std::string inspect_json(const std::string& path) {
   const bool tensors =
       is_file(path) && (ends_with(path, ".safetensors") || looks_like_safetensors(path));
   const ojson j = tensors ? inspect_safetensors(path) : inspect_model(path);
-  return j.dump(2);
+  // JSON is UTF-8 text: a path's bytes in another encoding are written as U+FFFD.
+  return j.dump(2, ' ', false, ojson::error_handler_t::replace);
 }
 
 }  // namespace fusedmoe

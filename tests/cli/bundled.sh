@@ -88,6 +88,23 @@ cp "$TMP/x.npy" "$TMP/x.bin"
   --input-key layers.1.T5.input --reference "$REF" --reference-key layers.1.T5.output_f64 --quiet |
   grep -q "relative L2 error .*: ok"
 
+# A model in a folder whose name is not UTF-8 (Latin-1 "mod\xe8le"): inspect (text and
+# JSON) and run --output work, the path's byte written as U+FFFD in their JSON (each
+# failed with nlohmann's "[json.exception.type_error.316] invalid UTF-8 byte").
+latin1="$TMP/$(printf 'mod\xe8le')"
+cp -r "$MODELS/tiny-deepseek-v3" "$latin1"
+"$BIN" inspect "$latin1" | grep -q "MoE layers: 1, 2"
+"$BIN" inspect --json "$latin1" >"$TMP/latin1.json"
+"$BIN" run --model "$latin1" --tokens 2 --output "$latin1/out.safetensors" --quiet >/dev/null
+python3 - "$TMP/latin1.json" "$latin1/out.safetensors" <<'PY'
+import json, struct, sys
+j = json.load(open(sys.argv[1], encoding="utf-8"))
+assert j["path"].endswith("/mod\ufffdle"), j["path"]
+raw = open(sys.argv[2], "rb").read()
+meta = json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])["__metadata__"]
+assert meta["model"].endswith("/mod\ufffdle"), meta
+PY
+
 # A tiny benchmark run (8 experts of the CPU target shape) with CSV output.
 "$BIN" bench --shapes qwen3-cpu --max-experts 8 --tokens 1,3 --min-time 0 --csv "$TMP/bench.csv" >"$TMP/bench.txt"
 grep -q "peak fp32 FMA" "$TMP/bench.txt"
