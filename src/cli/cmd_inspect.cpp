@@ -88,8 +88,8 @@ CLI::App* add_inspect_command(CLI::App& app, InspectOptions& opts) {
       "inspect",
       "Describe a model's MoE layers (config.json + checkpoint), or list a .safetensors file");
   cmd->add_option("PATH", opts.path,
-                  "HF model directory (config.json + model.safetensors), a config.json, or a "
-                  ".safetensors file")
+                  "HF model directory (config.json + model.safetensors), a config.json, a "
+                  "*.safetensors.index.json, or a .safetensors file")
       ->required()
       ->check(kNonEmpty);
   cmd->add_flag("--json", opts.json, "Print JSON instead of text");

@@ -335,17 +335,18 @@ std::string with_global_tokens(const std::string& what, int64_t first, int64_t n
   return out + what.substr(pos);
 }
 
-// The files a run reads for the model `model` (a folder, its config.json or a
-// checkpoint file), each with what it is: the config.json, then the checkpoint
-// (one .safetensors file, or the index and each shard it lists). What cannot
-// be found or opened is left out: loading the model reports it.
+// The files a run reads for the model `model` (a folder, its config.json, a
+// checkpoint file or a sharded checkpoint's index), each with what it is: the config.json, then the
+// checkpoint (one .safetensors file, or the index and each shard it lists). What cannot be found or
+// opened is left out: loading the model reports it.
 std::vector<std::pair<std::string, std::string>> model_files(const std::string& model) {
   std::vector<std::pair<std::string, std::string>> out;
   namespace fs = std::filesystem;
   std::error_code ec;
   const fs::path p(model);
   const bool dir = fs::is_directory(p, ec);
-  if (dir || p.extension() != ".json")  // a folder's or a checkpoint file's config.json
+  // A folder's, a checkpoint file's or an index's config.json, or the config.json given.
+  if (dir || p.extension() != ".json" || p.filename().string().ends_with(".safetensors.index.json"))
     out.push_back({((dir                   ? p
                      : p.has_parent_path() ? p.parent_path()
                                            : fs::path(".")) /
@@ -394,8 +395,8 @@ void print_histogram(const std::vector<int64_t>& counts, int64_t routed) {
 CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
   CLI::App* cmd = app.add_subcommand("run", "Run one MoE layer forward on CPU or CUDA");
   cmd->add_option("--model", o.model,
-                  "HF model directory, its config.json, or its .safetensors file (default: the "
-                  "bundled tiny DeepSeek-V3 model)")
+                  "HF model directory, its config.json, its .safetensors file or its "
+                  "*.safetensors.index.json (default: the bundled tiny DeepSeek-V3 model)")
       ->check(kNonEmpty);
   cmd->add_option("--layer", o.layer, "MoE layer index (default: the first MoE layer)")
       ->transform(integer_at_least(0));

@@ -213,14 +213,17 @@ ModelInfo load_model_info(const std::string& model_dir) {
   fs::path p(model_dir);
   if (fs::is_directory(p, ec)) {
     p /= "config.json";
-  } else if (fs::is_regular_file(p, ec) &&
-             (p.extension() == ".safetensors" || looks_like_safetensors(p.string()))) {
-    // A checkpoint file stands for its model: the config.json beside it.
+  } else if (const bool index = p.filename().string().ends_with(".safetensors.index.json");
+             fs::is_regular_file(p, ec) &&
+             (index || p.extension() == ".safetensors" || looks_like_safetensors(p.string()))) {
+    // A checkpoint file or a sharded checkpoint's index (which Checkpoint::open
+    // reads as the checkpoint) stands for its model: the config.json beside it.
     p = (p.has_parent_path() ? p.parent_path() : fs::path(".")) / "config.json";
     if (!fs::exists(p, ec))
-      FUSEDMOE_THROW(kIo, model_dir, ": a .safetensors file, whose folder has no config.json (",
-                     p.string(), "); expected a model directory, its config.json, or a ",
-                     "checkpoint file beside its config.json");
+      FUSEDMOE_THROW(kIo, model_dir, ": a ", index ? "safetensors index" : ".safetensors file",
+                     ", whose folder has no config.json (", p.string(),
+                     "); expected a model directory, its config.json, or a ",
+                     "checkpoint file or index beside its config.json");
   }
   require_regular_file(p.string());
   std::ifstream in(p, std::ios::binary);

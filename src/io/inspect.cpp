@@ -65,8 +65,10 @@ ojson inspect_model(const std::string& path) {
   if (!is_dir(path) && !is_file(path))
     FUSEDMOE_THROW(kIo, path, ": no such model directory or file");
   if (!is_dir(path) && !ends_with(path, ".json"))
-    FUSEDMOE_THROW(kInvalidArgument, path,
-                   ": expected a model directory, its config.json or a .safetensors file");
+    FUSEDMOE_THROW(
+        kInvalidArgument, path,
+        ": expected a model directory, its config.json, its *.safetensors.index.json or a "
+        ".safetensors file");
   const ModelInfo info = load_model_info(path);
   std::string dir = path;
   if (!is_dir(path)) {

@@ -163,7 +163,9 @@ for c in "$TMP/own:$TMP/own/model.safetensors:the checkpoint" \
   "$TMP/own:$TMP/own/config.json:the config.json" \
   "$TMP/own:$TMP/own-link.safetensors:the checkpoint" \
   "$TMP/own-sharded:$TMP/own-sharded/model.safetensors.index.json:the index" \
-  "$TMP/own-sharded:$TMP/own-sharded/model-00001-of-00001.safetensors:the shard"; do
+  "$TMP/own-sharded:$TMP/own-sharded/model-00001-of-00001.safetensors:the shard" \
+  "$TMP/own-sharded/model.safetensors.index.json:$TMP/own-sharded/config.json:the config.json" \
+  "$TMP/own-sharded/model.safetensors.index.json:$TMP/own-sharded/model.safetensors.index.json:the index"; do
   IFS=: read -r m o what <<<"$c"
   expect_usage "--output $o of --model $m" "--output $o: is the same file as" -- \
     run --model "$m" --layer 1 --tokens 2 --output "$o"
@@ -176,7 +178,28 @@ cmp -s "$FIX/model.safetensors" "$TMP/own/model.safetensors" && cmp -s "$FIX/con
 # ... while any other file in the model's folder may be written.
 "$BIN" run --model "$TMP/own-sharded" --layer 1 --tokens 2 --quiet --output "$TMP/own-sharded/out.safetensors" >/dev/null ||
   { echo "FAIL: --output beside the model"; failures=$((failures + 1)); }
-rm -rf "$TMP/own" "$TMP/own-sharded" "$TMP/own-link.safetensors"
+# --model may name a sharded checkpoint's index (the config.json beside it; the index
+# was read as the config: "required field 'model_type' is missing"): the same output.
+"$BIN" run --model "$TMP/own-sharded/model.safetensors.index.json" --layer 1 --tokens 2 --seed 5 --quiet \
+  --output "$TMP/own-sharded/by-index.safetensors" >/dev/null &&
+  "$BIN" run --model "$TMP/own-sharded" --layer 1 --tokens 2 --seed 5 --quiet \
+    --output "$TMP/own-sharded/by-dir.safetensors" >/dev/null &&
+  python3 - "$TMP/own-sharded/by-index.safetensors" "$TMP/own-sharded/by-dir.safetensors" <<'PY' ||
+import json, struct, sys
+def tensors(path):  # the header without its metadata (which names --model), and the data
+    raw = open(path, "rb").read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    h = json.loads(raw[8:8 + n])
+    h.pop("__metadata__")
+    return h, raw[8 + n:]
+sys.exit(tensors(sys.argv[1]) != tensors(sys.argv[2]))
+PY
+  { echo "FAIL: --model an index"; failures=$((failures + 1)); }
+mkdir -p "$TMP/index-only"
+cp "$TMP/own-sharded/model.safetensors.index.json" "$TMP/index-only/"
+expect_error "--model an index without config.json" "$TMP/index-only/model.safetensors.index.json: a safetensors index, whose folder has no config.json ($TMP/index-only/config.json)" -- \
+  run --model "$TMP/index-only/model.safetensors.index.json" --tokens 2
+rm -rf "$TMP/own" "$TMP/own-sharded" "$TMP/own-link.safetensors" "$TMP/index-only"
 
 # A FIFO where a file is expected: a clear error, not a reader blocked forever.
 mkfifo "$TMP/fifo.safetensors"

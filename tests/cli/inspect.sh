@@ -81,6 +81,11 @@ grep -qF "model type     deepseek_v3" "$TMP/text" && grep -qE "^  layer 1 +[1-9]
   grep -qF "error: $TMP/one-gone/model.safetensors.index.json: the shard of tensor 'model.layers.2." "$TMP/text" &&
   grep -qF "$TMP/one-gone/gone.safetensors: cannot open: No such file or directory" "$TMP/text" &&
   [ "$rc" -eq 1 ] || { echo "FAIL: inspect with a missing shard (exit $rc)"; cat "$TMP/text" "$TMP/err"; exit 1; }
+# The index itself names the model (it was read as a config.json: "required field
+# 'model_type' is missing"): the same description as its folder's.
+rc=0; "$BIN" inspect "$TMP/one-gone/model.safetensors.index.json" >"$TMP/text2" 2>&1 || rc=$?
+[ "$rc" -eq 1 ] && diff <(sed 1d "$TMP/text") <(sed 1d "$TMP/text2") >/dev/null ||
+  { echo "FAIL: inspect of an index (exit $rc)"; cat "$TMP/text2"; exit 1; }
 rc=0; "$BIN" inspect "$TMP/one-gone" --json >"$TMP/json" || rc=$?
 python3 -c 'import json,sys; l = json.load(open(sys.argv[1]))["layers"]; assert [x["weights_ok"] for x in l] == [True, False] and "gone.safetensors" in l[1]["weights_error"], l' "$TMP/json" &&
   [ "$rc" -eq 1 ] || { echo "FAIL: inspect --json with a missing shard (exit $rc)"; exit 1; }
