@@ -2,10 +2,12 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <charconv>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <exception>
 #include <iostream>
 #include <memory>
@@ -383,7 +385,8 @@ extern "C" void on_fatal_signal(int sig) {
 }
 }  // namespace
 
-int main(int argc, char** argv) {
+namespace {
+int run_command_line(int argc, char** argv) {
   for (const int sig : {SIGINT, SIGTERM, SIGHUP}) std::signal(sig, on_fatal_signal);
   using namespace fusedmoe::cli;
   CLI::App app{
@@ -504,4 +507,19 @@ int main(int argc, char** argv) {
   } catch (const std::exception& e) {
     return end(e.what(), 1);
   }
+}
+}  // namespace
+
+// What a command printed must reach the standard output: a full disk (fusedmoe
+// inspect --json > x.json) is an error, not exit code 0 with a cut or empty
+// file. After an error (already reported, with its code) nothing more is said.
+int main(int argc, char** argv) {
+  const int code = run_command_line(argc, argv);
+  if (code != 0) return code;
+  errno = 0;
+  const bool cout_ok = static_cast<bool>(std::cout.flush());
+  if (cout_ok && std::fflush(stdout) == 0 && !std::ferror(stdout)) return 0;
+  return fail(std::string("the standard output is incomplete: ") +
+                  (errno != 0 ? std::strerror(errno) : "a write to it failed"),
+              1);
 }

@@ -470,6 +470,24 @@ expect_error "bench --dump-dir missing" "--dump-dir $TMP/no-dump: No such file o
 expect_error "bench --dump-dir a file" "--dump-dir $FIX/config.json: expected a directory" -- \
   bench --backend cuda --shapes qwen3 --tokens 1 --dump-dir "$FIX/config.json"
 
+# A standard output that cannot be written (a full disk: /dev/full) is an error, exit 1,
+# not exit 0 with a cut or empty file (inspect --json > x.json).
+if [ -w /dev/full ]; then
+  for args in "inspect $FIX --json" "run --model $FIX --layer 1 --tokens 2" "--help" "--version"; do
+    rc=0
+    # shellcheck disable=SC2086
+    "$BIN" $args >/dev/full 2>"$TMP/stderr" || rc=$?
+    if [ "$rc" -ne 1 ] || [ "$(wc -l <"$TMP/stderr")" -ne 1 ] ||
+      ! grep -q "^fusedmoe: error: the standard output is incomplete: " "$TMP/stderr"; then
+      echo "FAIL fusedmoe $args >/dev/full: exit $rc"
+      sed 's/^/  stderr: /' "$TMP/stderr"
+      failures=$((failures + 1))
+    else
+      echo "ok   fusedmoe $args >/dev/full: $(cat "$TMP/stderr")"
+    fi
+  done
+fi
+
 # An unknown command is named, with the valid ones.
 expect_error "unknown command" "unknown command 'bogus': expected inspect, run or bench" -- bogus
 # An option before its command: said so, with the command line in the right order.
