@@ -265,10 +265,17 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
   // one f32 scale per 128 x 128 block, io/loader.h) is read; anything else
   // would be loaded as if it were plain weights.
   if (const auto q = root.find("quantization_config"); q != root.end() && !q->is_null()) {
-    const std::string method =
-        q->is_object() && q->contains("quant_method") && (*q)["quant_method"].is_string()
-            ? (*q)["quant_method"].get<std::string>()
-            : std::string();
+    // Not an object, or no quant_method string in it: said so (it read as quant_method '').
+    if (!q->is_object())
+      FUSEDMOE_THROW(kInvalidArgument, source,
+                     ": quantization_config: expected an object with a 'quant_method', got ",
+                     q->dump());
+    const auto m = q->find("quant_method");
+    if (m == q->end() || !m->is_string())
+      FUSEDMOE_THROW(kInvalidArgument, source,
+                     ": quantization_config.quant_method: expected a string, got ",
+                     m == q->end() ? std::string("none") : m->dump());
+    const std::string method = m->get<std::string>();
     if (method != "fp8")
       FUSEDMOE_THROW(kUnsupported, source, ": quantization_config.quant_method '", method,
                      "' is not supported (supported: unquantized weights, and 'fp8' with 128 x 128 "
