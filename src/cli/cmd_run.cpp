@@ -599,7 +599,11 @@ int run_run(const RunOptions& o) {
     if (!o.seed_given)
       seed = (static_cast<uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}();
     if (world) world->broadcast(&seed, sizeof seed, 0);  // the same tokens on every rank
-    input = Tensor::empty(DType::kF32, {o.tokens, H});
+    try {
+      input = Tensor::empty(DType::kF32, {o.tokens, H});
+    } catch (const Error& e) {  // too many tokens for the memory: the option that asked
+      throw Error(e.code(), "--tokens " + std::to_string(o.tokens) + ": " + e.what());
+    }
     std::mt19937_64 rng(seed);
     std::normal_distribution<float> normal(0.0f, 1.0f);
     float* p = input.data_as<float>();

@@ -219,6 +219,9 @@ python3 -c "import numpy" 2>/dev/null && {
     run --model "$FIX" --layer 1 --input "$TMP/huge.npy"
 }
 
+# More tokens than memory: the error names --tokens (it named Tensor::empty alone).
+expect_error "--tokens beyond memory" "--tokens 10000000000000: Tensor::empty: out of memory allocating 5120000000000000 bytes" -- \
+  run --model "$FIX" --layer 1 --tokens 10000000000000
 expect_error "--tokens beyond 64 bits" "--tokens: expected a decimal integer >= 0, got \"99999999999999999999\" (beyond 64 bits)" -- \
   run --model "$FIX" --layer 1 --tokens 99999999999999999999
 expect_error "negative --seed" "--seed: expected a decimal integer in [0, 2^64), got \"-1\"" -- \
