@@ -303,6 +303,21 @@ std::string format_bytes(double bytes) {
   return buf;
 }
 
+std::string printable(const std::string& text) {
+  std::string out;
+  for (const char c : text) {
+    const auto u = static_cast<unsigned char>(c);
+    if (u >= 0x20 && u != 0x7f) {
+      out += c;
+    } else {
+      char hex[5];
+      std::snprintf(hex, sizeof hex, "\\x%02x", u);
+      out += hex;
+    }
+  }
+  return out;
+}
+
 std::vector<std::string> split_list(const std::string& text) {
   std::vector<std::string> out;
   std::string item;
@@ -349,7 +364,7 @@ std::string one_line(std::string s) {
     else if (c != '\r')
       out += c;
   }
-  return out;
+  return fusedmoe::cli::printable(out);  // other control characters as \xNN
 }
 
 // This process's rank when started by mpirun/srun with more than one rank
