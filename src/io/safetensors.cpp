@@ -552,8 +552,12 @@ AtomicFile::AtomicFile(const std::string& path) : path_(path) {
   std::error_code ec;
   if (fs::is_symlink(fs::symlink_status(target, ec))) {
     const fs::path resolved = fs::canonical(target, ec);
-    if (ec) FUSEDMOE_THROW(kIo, path, ": symbolic link to a missing file (", ec.message(), ")");
-    target = resolved;
+    if (!ec)
+      target = resolved;
+    else if (!fs::exists(fs::status(target, ec)))
+      FUSEDMOE_THROW(kIo, path, ": symbolic link to a missing file (", ec.message(), ")");
+    // else a link the kernel follows but that names no path (/dev/stdout to a pipe):
+    // what it leads to is judged below.
   }
   const fs::file_status st = fs::status(target, ec);
   if (fs::exists(st) && !fs::is_regular_file(st))

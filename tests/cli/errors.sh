@@ -617,6 +617,20 @@ else
   echo "ok   --output a dangling symbolic link: $(cat "$TMP/stderr")"
 fi
 rm -f "$OUTDIR/dangling.safetensors"
+# --output /dev/stdout with stdout a pipe: a link to a FIFO, refused as one (it was
+# "symbolic link to a missing file", the pipe having no path).
+{
+  rc=0
+  "$BIN" run --model "$FIX" --layer 1 --tokens 2 --output /dev/stdout 2>"$TMP/stderr" || rc=$?
+  echo "$rc" >"$TMP/rc"
+} | cat >/dev/null
+rc=$(cat "$TMP/rc")
+if [ "$rc" -ne 1 ] ||
+  ! grep -qF -- "--output: /dev/stdout: exists and is not a regular file (a device, FIFO or socket" "$TMP/stderr"; then
+  echo "FAIL --output /dev/stdout to a pipe (exit $rc)"; cat "$TMP/stderr"; failures=$((failures + 1))
+else
+  echo "ok   --output /dev/stdout to a pipe: $(cat "$TMP/stderr")"
+fi
 # --output in a folder that does not exist: an error naming --output before the
 # layer runs (the temporary is created first; it used to fail after the work),
 # and nothing left behind.
