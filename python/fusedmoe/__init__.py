@@ -165,13 +165,23 @@ def _num_threads(v: Any, name: str) -> int:
 def _path(v: Any, name: str) -> str:
     """A filesystem path argument: str, bytes or os.PathLike, as a str. An
     empty path is a wrong value (ValueError), as ``fusedmoe run --model ""``
-    says, not a file that cannot be opened."""
+    says, not a file that cannot be opened; so is one with a NUL or bytes that
+    are not UTF-8."""
     if not isinstance(v, (str, bytes, os.PathLike)):
         raise TypeError(f"{name}: expected a path (str or os.PathLike), got "
                         f"{type(v).__name__} {v!r}")
     path = os.fsdecode(os.fspath(v))
     if not path:
         raise ValueError(f"{name}: expected a path, got an empty string")
+    # The C++ library takes the path as a C string of UTF-8 text: a NUL would cut it
+    # short (another file named), and bytes that are not UTF-8 cannot be passed.
+    if "\0" in path:
+        raise ValueError(f"{name}: expected a path without NUL characters, got {v!r}")
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{name}: expected a path that is valid UTF-8 (the library takes "
+                         f"paths as UTF-8 text), got {v!r}") from None
     return path
 
 

@@ -5,6 +5,8 @@ clean ``dir(fusedmoe)``. Torch tests are skipped when torch is not installed."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -441,6 +443,21 @@ def test_empty_path_is_a_value_error_naming_the_argument():
             fusedmoe.MoELayer.from_pretrained(empty)
         with pytest.raises(ValueError, match="^path: expected a path, got an empty string$"):
             fusedmoe.inspect(empty)
+
+
+def test_path_with_nul_or_not_utf8_is_a_value_error_naming_the_argument(tmp_path):
+    """A NUL cut the path short in C++ ("models/tiny\\0x" opened "models/tiny": OSError
+    naming another file); bytes that are not UTF-8 failed nanobind's conversion
+    (TypeError "incompatible function arguments")."""
+    model = str(HF / "mixtral")
+    nul = "without NUL characters"
+    utf8 = "that is valid UTF-8 (the library takes paths as UTF-8 text)"
+    for path, what in [(model + "\0x", nul), (model.encode() + b"\0x", nul),
+                       (bytes(tmp_path) + b"/\xff", utf8), (str(tmp_path) + "/\udcff", utf8)]:
+        with pytest.raises(ValueError, match=f"^model_dir: expected a path {re.escape(what)}, got "):
+            fusedmoe.MoELayer.from_pretrained(path)
+        with pytest.raises(ValueError, match=f"^path: expected a path {re.escape(what)}, got "):
+            fusedmoe.inspect(path)
 
 
 def _array_arguments(layer, c):

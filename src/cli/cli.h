@@ -220,6 +220,10 @@ std::string format_bytes(double bytes);
 inline std::string count_of(long long n, const std::string& noun) {
   return std::to_string(n) + " " + noun + (n == 1 ? "" : "s");
 }
+// `text` with each control character (below 0x20, and 0x7f) written as \xNN:
+// names and values read from files (tensor names, metadata, config strings) and
+// errors quoting them cannot move the cursor or recolour the terminal.
+std::string printable(const std::string& text);
 // Comma-separated integers >= 0, each plain decimal: "1,16,64" -> {1, 16, 64}.
 // Throws Error naming `what`.
 std::vector<int64_t> parse_int_list(const std::string& text, const char* what);

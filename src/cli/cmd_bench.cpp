@@ -361,18 +361,23 @@ int run_bench(const BenchOptions& o) {
       std::printf("\n");
       std::fflush(stdout);
       if (csv) {
-        char speedup[32] = "";  // none at T = 0, as in the table
-        if (baseline && T > 0) std::snprintf(speedup, sizeof speedup, "%.4f", t_base / t_ours);
+        // The baseline's columns: empty with --no-baseline (no time, no difference
+        // measured: 0 would read as one), the speedup also at T = 0, as in the table.
+        char base_cols[128] = ",,,";
+        if (baseline) {
+          char speedup[32] = "";
+          if (T > 0) std::snprintf(speedup, sizeof speedup, "%.4f", t_base / t_ours);
+          std::snprintf(base_cols, sizeof base_cols, "%.6e,%.3f,%s,%.3e", t_base,
+                        roof.flops / t_base * 1e-9, speedup, diff);
+        }
         char row[512];
         std::snprintf(
-            row, sizeof row,
-            "%s,%lld,%lld,%lld,%lld,%s,%s,%lld,%.2f,%.6e,%.3f,%.3f,%.4f,%s,%.6e,%.3f,%s,%.3e\n",
+            row, sizeof row, "%s,%lld,%lld,%lld,%lld,%s,%s,%lld,%.2f,%.6e,%.3f,%.3f,%.4f,%s,%s\n",
             shape.name.c_str(), static_cast<long long>(shape.E), static_cast<long long>(shape.k),
             static_cast<long long>(shape.H), static_cast<long long>(shape.I), dtype_name(dtype),
             o.routing.c_str(), static_cast<long long>(T), experts, t_ours,
             roof.flops / t_ours * 1e-9, roof.bytes / t_ours * 1e-9, frac,
-            roof.memory_bound ? "memory" : "compute", t_base,
-            baseline ? roof.flops / t_base * 1e-9 : 0.0, speedup, diff);
+            roof.memory_bound ? "memory" : "compute", base_cols);
         csv->write(row);
       }
     }

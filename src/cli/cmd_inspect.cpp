@@ -74,11 +74,12 @@ void print_safetensors(const std::string& path, const ojson& j) {
     for (size_t i = 0; i < t["shape"].size(); ++i)
       shape += (i ? ", " : "") + std::to_string(t["shape"][i].get<int64_t>());
     shape += "]";
-    std::printf("  %-50s %-6s %s\n", t["name"].get<std::string>().c_str(),
+    std::printf("  %-50s %-6s %s\n", printable(t["name"].get<std::string>()).c_str(),
                 t["dtype"].get<std::string>().c_str(), shape.c_str());
   }
   for (const auto& [k, v] : j["metadata"].items())
-    std::printf("  metadata %s = %s\n", k.c_str(), v.get<std::string>().c_str());
+    std::printf("  metadata %s = %s\n", printable(k).c_str(),
+                printable(v.get<std::string>()).c_str());
 }
 
 }  // namespace
@@ -88,8 +89,8 @@ CLI::App* add_inspect_command(CLI::App& app, InspectOptions& opts) {
       "inspect",
       "Describe a model's MoE layers (config.json + checkpoint), or list a .safetensors file");
   cmd->add_option("PATH", opts.path,
-                  "HF model directory (config.json + model.safetensors), a config.json, or a "
-                  ".safetensors file")
+                  "HF model directory (config.json + model.safetensors), a config.json, a "
+                  "*.safetensors.index.json, or a .safetensors file")
       ->required()
       ->check(kNonEmpty);
   cmd->add_flag("--json", opts.json, "Print JSON instead of text");
@@ -122,7 +123,7 @@ int run_inspect(const InspectOptions& opts) {
 
   std::printf("model          %s\n", path.c_str());
   std::printf("model type     %s%s%s\n", info.model_type.c_str(),
-              info.architecture.empty() ? "" : ", ", info.architecture.c_str());
+              info.architecture.empty() ? "" : ", ", printable(info.architecture).c_str());
   std::printf("dtype          %s\n", dtype_name(info.dtype));
   std::string moe;
   for (int64_t l : info.moe_layers) moe += (moe.empty() ? "" : ", ") + std::to_string(l);
@@ -153,7 +154,7 @@ int run_inspect(const InspectOptions& opts) {
                   dtypes_str(l["weight_dtypes"]).c_str());
       if (!l["weights_ok"].get<bool>()) {
         ++bad_layers;
-        std::printf("    error: %s\n", l["weights_error"].get<std::string>().c_str());
+        std::printf("    error: %s\n", printable(l["weights_error"].get<std::string>()).c_str());
       }
     }
     std::printf("  total       %s\n", format_bytes(j["moe_bytes_total"].get<double>()).c_str());

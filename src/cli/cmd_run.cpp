@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <string>
 #include <vector>
@@ -35,6 +36,14 @@ std::string base_name(const std::string& p) {
   return slash == std::string::npos ? p : p.substr(slash + 1);
 }
 
+// `text` with each byte that is not UTF-8 replaced by U+FFFD: the output file's
+// metadata is JSON text, and the model's path may be in another encoding.
+std::string utf8_replaced(const std::string& text) {
+  using nlohmann::json;
+  return json::parse(json(text).dump(-1, ' ', false, json::error_handler_t::replace))
+      .get<std::string>();
+}
+
 constexpr char kNpyMagic[] = "\x93NUMPY";
 
 // Minimal .npy reader (format versions 1-3, C order): floats f2/f4/f8, signed and
@@ -48,6 +57,11 @@ Tensor read_npy(const std::string& path) {
   f.read(magic, 8);
   if (!f || std::memcmp(magic, kNpyMagic, 6) != 0)
     FUSEDMOE_THROW(kIo, path, ": not a .npy file (bad magic)");
+  // Versions 1.0 (2-byte header length), 2.0 and 3.0 (4-byte); another version's
+  // layout is unknown, so it is not read as one of these.
+  if (magic[6] < 1 || magic[6] > 3 || magic[7] != 0)
+    FUSEDMOE_THROW(kIo, path, ": .npy format version ", static_cast<int>(magic[6]), ".",
+                   static_cast<int>(magic[7]), " not supported (expected 1.0, 2.0 or 3.0)");
   uint32_t header_len = 0;
   if (magic[6] == 1) {
     unsigned char b[2];
@@ -79,17 +93,75 @@ Tensor read_npy(const std::string& path) {
                      why, " (header: \"", shown, e - b + 1 > 80 ? "...\")" : "\")");
     }
   }
-  auto field = [&](const char* key) {
-    const auto p = header.find(key);
-    if (p == std::string::npos) FUSEDMOE_THROW(kIo, path, ": .npy header has no ", key);
-    return header.substr(p + std::strlen(key));
-  };
-  std::string descr = field("'descr':");
-  const size_t q = descr.find_first_not_of(' ');
-  if (q != std::string::npos && descr[q] == '[')
-    FUSEDMOE_THROW(kIo, path, ": .npy structured dtypes (record arrays) are not supported");
-  descr = descr.substr(descr.find('\'') + 1);
-  descr = descr.substr(0, descr.find('\''));
+  // Its entries: 'descr' (a string), 'fortran_order' (True or False) and 'shape' (a
+  // tuple), in any order, keys in either quote, as numpy's reader takes them; another
+  // key is an error there too, and a key given twice (numpy would take its last value)
+  // is one here.
+  std::string descr, shape_text, fortran;
+  {
+    constexpr const char* kKeys[] = {"descr", "fortran_order", "shape"};
+    bool seen[3] = {};
+    size_t pos = header.find('{') + 1;
+    auto at = [&] { return pos < header.size() ? header[pos] : '\0'; };
+    auto skip_space = [&] {
+      while (pos < header.size() && std::isspace(static_cast<unsigned char>(header[pos]))) ++pos;
+    };
+    auto malformed = [&](const std::string& what) {
+      std::string shown = header.substr(pos, 40);
+      for (char& c : shown)
+        if (static_cast<unsigned char>(c) < 0x20 || static_cast<unsigned char>(c) >= 0x7f) c = '?';
+      FUSEDMOE_THROW(kIo, path, ": malformed .npy header: expected ", what, " at byte ", pos,
+                     " of the header, got \"", shown, "\"");
+    };
+    // A Python string literal in ' or " (no escapes: numpy writes none in these).
+    auto quoted = [&](const char* what) {
+      const char q = at();
+      if (q != '\'' && q != '"') malformed(what);
+      const size_t end = header.find(q, pos + 1);
+      if (end == std::string::npos) malformed(what);
+      std::string text = header.substr(pos + 1, end - pos - 1);
+      pos = end + 1;
+      return text;
+    };
+    for (skip_space(); at() != '}'; skip_space()) {
+      const std::string key = quoted("a quoted key");
+      const auto index = std::find(std::begin(kKeys), std::end(kKeys), key) - std::begin(kKeys);
+      if (index == 3)
+        FUSEDMOE_THROW(kIo, path, ": .npy header: unexpected key '", key,
+                       "' (expected 'descr', 'fortran_order' and 'shape')");
+      if (seen[index])
+        FUSEDMOE_THROW(kIo, path, ": .npy header: key '", key, "' given more than once");
+      skip_space();
+      if (at() != ':') malformed("':' after '" + key + "'");
+      ++pos;
+      skip_space();
+      seen[index] = true;
+      if (index == 0) {
+        if (at() == '[')
+          FUSEDMOE_THROW(kIo, path, ": .npy structured dtypes (record arrays) are not supported");
+        descr = quoted("a quoted dtype for 'descr'");
+      } else if (index == 1) {
+        for (const char* b : {"True", "False"})
+          if (header.compare(pos, std::strlen(b), b) == 0) fortran = b;
+        if (fortran.empty()) malformed("True or False for 'fortran_order'");
+        pos += fortran.size();
+      } else {
+        const size_t close = header.find(')', pos);
+        if (at() != '(' || close == std::string::npos)
+          FUSEDMOE_THROW(kIo, path, ": .npy header: malformed shape ",
+                         header.substr(pos, std::min<size_t>(40, header.size() - pos)));
+        shape_text = header.substr(pos + 1, close - pos - 1);
+        pos = close + 1;
+      }
+      skip_space();
+      if (at() == ',')
+        ++pos;
+      else if (at() != '}')
+        malformed("',' or '}' after the value of '" + key + "'");
+    }
+    for (int i = 0; i < 3; ++i)
+      if (!seen[i]) FUSEDMOE_THROW(kIo, path, ": .npy header has no '", kKeys[i], "'");
+  }
   struct NpyType {
     const char* code;  // without the byte-order character
     DType dtype;
@@ -109,13 +181,7 @@ Tensor read_npy(const std::string& path) {
                    "' not supported (expected f2, f4, f8, i1, i2, i4, i8, u1 or b1, little- or "
                    "big-endian)");
   const DType dtype = type->dtype;
-  if (field("'fortran_order':").find("True") < 3)
-    FUSEDMOE_THROW(kIo, path, ": Fortran-order .npy arrays are not supported");
-  std::string shape_text = field("'shape':");
-  const size_t open = shape_text.find('('), close = shape_text.find(')');
-  if (open == std::string::npos || close == std::string::npos || close < open)
-    FUSEDMOE_THROW(kIo, path, ": .npy header: malformed shape ", shape_text.substr(0, 40));
-  shape_text = shape_text.substr(open + 1, close - open - 1);
+  if (fortran == "True") FUSEDMOE_THROW(kIo, path, ": Fortran-order .npy arrays are not supported");
   std::vector<int64_t> shape;
   uint64_t bytes = dtype_size(dtype);
   bool overflows = false;
@@ -269,17 +335,18 @@ std::string with_global_tokens(const std::string& what, int64_t first, int64_t n
   return out + what.substr(pos);
 }
 
-// The files a run reads for the model `model` (a folder, its config.json or a
-// checkpoint file), each with what it is: the config.json, then the checkpoint
-// (one .safetensors file, or the index and each shard it lists). What cannot
-// be found or opened is left out: loading the model reports it.
+// The files a run reads for the model `model` (a folder, its config.json, a
+// checkpoint file or a sharded checkpoint's index), each with what it is: the config.json, then the
+// checkpoint (one .safetensors file, or the index and each shard it lists). What cannot be found or
+// opened is left out: loading the model reports it.
 std::vector<std::pair<std::string, std::string>> model_files(const std::string& model) {
   std::vector<std::pair<std::string, std::string>> out;
   namespace fs = std::filesystem;
   std::error_code ec;
   const fs::path p(model);
   const bool dir = fs::is_directory(p, ec);
-  if (dir || p.extension() != ".json")  // a folder's or a checkpoint file's config.json
+  // A folder's, a checkpoint file's or an index's config.json, or the config.json given.
+  if (dir || p.extension() != ".json" || p.filename().string().ends_with(".safetensors.index.json"))
     out.push_back({((dir                   ? p
                      : p.has_parent_path() ? p.parent_path()
                                            : fs::path(".")) /
@@ -328,8 +395,8 @@ void print_histogram(const std::vector<int64_t>& counts, int64_t routed) {
 CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
   CLI::App* cmd = app.add_subcommand("run", "Run one MoE layer forward on CPU or CUDA");
   cmd->add_option("--model", o.model,
-                  "HF model directory, its config.json, or its .safetensors file (default: the "
-                  "bundled tiny DeepSeek-V3 model)")
+                  "HF model directory, its config.json, its .safetensors file or its "
+                  "*.safetensors.index.json (default: the bundled tiny DeepSeek-V3 model)")
       ->check(kNonEmpty);
   cmd->add_option("--layer", o.layer, "MoE layer index (default: the first MoE layer)")
       ->transform(integer_at_least(0));
@@ -532,7 +599,11 @@ int run_run(const RunOptions& o) {
     if (!o.seed_given)
       seed = (static_cast<uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}();
     if (world) world->broadcast(&seed, sizeof seed, 0);  // the same tokens on every rank
-    input = Tensor::empty(DType::kF32, {o.tokens, H});
+    try {
+      input = Tensor::empty(DType::kF32, {o.tokens, H});
+    } catch (const Error& e) {  // too many tokens for the memory: the option that asked
+      throw Error(e.code(), "--tokens " + std::to_string(o.tokens) + ": " + e.what());
+    }
     std::mt19937_64 rng(seed);
     std::normal_distribution<float> normal(0.0f, 1.0f);
     float* p = input.data_as<float>();
@@ -749,7 +820,7 @@ int run_run(const RunOptions& o) {
                       {"topk_ids", topk_ids.view()},
                       {"topk_weights", topk_weights.view()},
                       {"router_logits", router_logits.view()}},
-                     {{"model", model_dir},
+                     {{"model", utf8_replaced(model_dir)},
                       {"model_type", info.model_type},
                       {"layer", std::to_string(layer)},
                       {"compute_dtype", dtype_name(compute_dtype)},

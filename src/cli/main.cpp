@@ -2,10 +2,12 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <charconv>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <exception>
 #include <iostream>
 #include <memory>
@@ -301,6 +303,21 @@ std::string format_bytes(double bytes) {
   return buf;
 }
 
+std::string printable(const std::string& text) {
+  std::string out;
+  for (const char c : text) {
+    const auto u = static_cast<unsigned char>(c);
+    if (u >= 0x20 && u != 0x7f) {
+      out += c;
+    } else {
+      char hex[5];
+      std::snprintf(hex, sizeof hex, "\\x%02x", u);
+      out += hex;
+    }
+  }
+  return out;
+}
+
 std::vector<std::string> split_list(const std::string& text) {
   std::vector<std::string> out;
   std::string item;
@@ -347,7 +364,7 @@ std::string one_line(std::string s) {
     else if (c != '\r')
       out += c;
   }
-  return out;
+  return fusedmoe::cli::printable(out);  // other control characters as \xNN
 }
 
 // This process's rank when started by mpirun/srun with more than one rank
@@ -500,7 +517,8 @@ extern "C" void on_fatal_signal(int sig) {
 }
 }  // namespace
 
-int main(int argc, char** argv) {
+namespace {
+int run_command_line(int argc, char** argv) {
   for (const int sig : {SIGINT, SIGTERM, SIGHUP}) std::signal(sig, on_fatal_signal);
   using namespace fusedmoe::cli;
   CLI::App app{
@@ -621,4 +639,19 @@ int main(int argc, char** argv) {
   } catch (const std::exception& e) {
     return end(e.what(), 1);
   }
+}
+}  // namespace
+
+// What a command printed must reach the standard output: a full disk (fusedmoe
+// inspect --json > x.json) is an error, not exit code 0 with a cut or empty
+// file. After an error (already reported, with its code) nothing more is said.
+int main(int argc, char** argv) {
+  const int code = run_command_line(argc, argv);
+  if (code != 0) return code;
+  errno = 0;
+  const bool cout_ok = static_cast<bool>(std::cout.flush());
+  if (cout_ok && std::fflush(stdout) == 0 && !std::ferror(stdout)) return 0;
+  return fail(std::string("the standard output is incomplete: ") +
+                  (errno != 0 ? std::strerror(errno) : "a write to it failed"),
+              1);
 }

@@ -213,14 +213,17 @@ ModelInfo load_model_info(const std::string& model_dir) {
   fs::path p(model_dir);
   if (fs::is_directory(p, ec)) {
     p /= "config.json";
-  } else if (fs::is_regular_file(p, ec) &&
-             (p.extension() == ".safetensors" || looks_like_safetensors(p.string()))) {
-    // A checkpoint file stands for its model: the config.json beside it.
+  } else if (const bool index = p.filename().string().ends_with(".safetensors.index.json");
+             fs::is_regular_file(p, ec) &&
+             (index || p.extension() == ".safetensors" || looks_like_safetensors(p.string()))) {
+    // A checkpoint file or a sharded checkpoint's index (which Checkpoint::open
+    // reads as the checkpoint) stands for its model: the config.json beside it.
     p = (p.has_parent_path() ? p.parent_path() : fs::path(".")) / "config.json";
     if (!fs::exists(p, ec))
-      FUSEDMOE_THROW(kIo, model_dir, ": a .safetensors file, whose folder has no config.json (",
-                     p.string(), "); expected a model directory, its config.json, or a ",
-                     "checkpoint file beside its config.json");
+      FUSEDMOE_THROW(kIo, model_dir, ": a ", index ? "safetensors index" : ".safetensors file",
+                     ", whose folder has no config.json (", p.string(),
+                     "); expected a model directory, its config.json, or a ",
+                     "checkpoint file or index beside its config.json");
   }
   require_regular_file(p.string());
   std::ifstream in(p, std::ios::binary);
@@ -262,10 +265,17 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
   // one f32 scale per 128 x 128 block, io/loader.h) is read; anything else
   // would be loaded as if it were plain weights.
   if (const auto q = root.find("quantization_config"); q != root.end() && !q->is_null()) {
-    const std::string method =
-        q->is_object() && q->contains("quant_method") && (*q)["quant_method"].is_string()
-            ? (*q)["quant_method"].get<std::string>()
-            : std::string();
+    // Not an object, or no quant_method string in it: said so (it read as quant_method '').
+    if (!q->is_object())
+      FUSEDMOE_THROW(kInvalidArgument, source,
+                     ": quantization_config: expected an object with a 'quant_method', got ",
+                     q->dump());
+    const auto m = q->find("quant_method");
+    if (m == q->end() || !m->is_string())
+      FUSEDMOE_THROW(kInvalidArgument, source,
+                     ": quantization_config.quant_method: expected a string, got ",
+                     m == q->end() ? std::string("none") : m->dump());
+    const std::string method = m->get<std::string>();
     if (method != "fp8")
       FUSEDMOE_THROW(kUnsupported, source, ": quantization_config.quant_method '", method,
                      "' is not supported (supported: unquantized weights, and 'fp8' with 128 x 128 "

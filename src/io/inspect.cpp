@@ -65,8 +65,10 @@ ojson inspect_model(const std::string& path) {
   if (!is_dir(path) && !is_file(path))
     FUSEDMOE_THROW(kIo, path, ": no such model directory or file");
   if (!is_dir(path) && !ends_with(path, ".json"))
-    FUSEDMOE_THROW(kInvalidArgument, path,
-                   ": expected a model directory, its config.json or a .safetensors file");
+    FUSEDMOE_THROW(
+        kInvalidArgument, path,
+        ": expected a model directory, its config.json, its *.safetensors.index.json or a "
+        ".safetensors file");
   const ModelInfo info = load_model_info(path);
   std::string dir = path;
   if (!is_dir(path)) {
@@ -144,7 +146,8 @@ std::string inspect_json(const std::string& path) {
   const bool tensors =
       is_file(path) && (ends_with(path, ".safetensors") || looks_like_safetensors(path));
   const ojson j = tensors ? inspect_safetensors(path) : inspect_model(path);
-  return j.dump(2);
+  // JSON is UTF-8 text: a path's bytes in another encoding are written as U+FFFD.
+  return j.dump(2, ' ', false, ojson::error_handler_t::replace);
 }
 
 }  // namespace fusedmoe

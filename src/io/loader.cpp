@@ -57,6 +57,10 @@ struct Source {
   std::string name;
   Tensor t;
   std::optional<Tensor> scale_inv;  // f32 [ceil(rows/128), ceil(cols/128)] for FP8
+  // Finite values that may leave the f32 range on load (f64, or FP8 times its
+  // block scale): checked as row_to_f32 converts a 2-D weight's rows
+  // (LoadOptions::check_finite).
+  bool check_range = false;
 };
 
 class Reader {
@@ -97,6 +101,7 @@ class Reader {
     if (check_finite_) {
       require_finite(s.t.view(), name);
       if (s.scale_inv) require_finite(s.scale_inv->view(), name + "_scale_inv");
+      s.check_range = s.scale_inv.has_value() || d == DType::kF64;
     }
     return s;
   }
@@ -169,9 +174,22 @@ void row_to_f32(const Source& s, int64_t row, float* out) {
   const char* p = static_cast<const char*>(v.data()) +
                   static_cast<size_t>(row * v.stride(0)) * dtype_size(v.dtype());
   convert_to_f32(p, v.dtype(), out, static_cast<size_t>(cols));
-  if (s.scale_inv) {
-    const float* sc = s.scale_inv->data_as<float>() + (row / 128) * s.scale_inv->size(1);
+  const float* sc =
+      s.scale_inv ? s.scale_inv->data_as<float>() + (row / 128) * s.scale_inv->size(1) : nullptr;
+  if (sc)
     for (int64_t c = 0; c < cols; ++c) out[c] *= sc[c / 128];
+  if (!s.check_range) return;
+  constexpr const char* kCorrupt =
+      " (a corrupt checkpoint; LoadOptions::check_finite = false skips this check)";
+  for (int64_t c = 0; c < cols; ++c) {
+    if (std::isfinite(out[c])) continue;
+    if (sc)
+      FUSEDMOE_THROW(kIo, "tensor '", s.name, "': element [", row, ", ", c,
+                     "] is beyond the f32 range once dequantized (times its block's "
+                     "weight_scale_inv ",
+                     sc[c / 128], ")", kCorrupt);
+    FUSEDMOE_THROW(kIo, "tensor '", s.name, "': element [", row, ", ", c,
+                   "] is beyond the f32 range once converted from f64", kCorrupt);
   }
 }
 

@@ -413,11 +413,27 @@ struct SafetensorsLayout {
   std::vector<size_t> order;
   std::string header;
 };
+// The header is JSON, which is UTF-8 text: a name or metadata string that is not
+// (bytes of a path in another encoding, say) is named, as nlohmann's dump() refuses it.
+void check_utf8(const std::string& text, const char* what) {
+  try {
+    (void)json(text).dump();
+  } catch (const json::type_error&) {
+    FUSEDMOE_THROW(kInvalidArgument, "save_safetensors: ", what, " \"", text,
+                   "\" is not valid UTF-8 (a safetensors header is JSON text)");
+  }
+}
+
 SafetensorsLayout safetensors_layout(const std::vector<std::pair<std::string, TensorView>>& tensors,
                                      const std::map<std::string, std::string>& metadata) {
   // Validate names and inputs before touching the disk.
+  for (const auto& [k, v] : metadata) {
+    check_utf8(k, "metadata key");
+    check_utf8(v, ("metadata value of '" + k + "'").c_str());
+  }
   std::set<std::string> seen;
   for (const auto& [name, t] : tensors) {
+    check_utf8(name, "tensor name");
     FUSEDMOE_CHECK(name != "__metadata__",
                    "save_safetensors: '__metadata__' is not a valid tensor name");
     FUSEDMOE_CHECK(seen.insert(name).second, "save_safetensors: duplicate tensor name '", name,
@@ -536,8 +552,12 @@ AtomicFile::AtomicFile(const std::string& path) : path_(path) {
   std::error_code ec;
   if (fs::is_symlink(fs::symlink_status(target, ec))) {
     const fs::path resolved = fs::canonical(target, ec);
-    if (ec) FUSEDMOE_THROW(kIo, path, ": symbolic link to a missing file (", ec.message(), ")");
-    target = resolved;
+    if (!ec)
+      target = resolved;
+    else if (!fs::exists(fs::status(target, ec)))
+      FUSEDMOE_THROW(kIo, path, ": symbolic link to a missing file (", ec.message(), ")");
+    // else a link the kernel follows but that names no path (/dev/stdout to a pipe):
+    // what it leads to is judged below.
   }
   const fs::file_status st = fs::status(target, ec);
   if (fs::exists(st) && !fs::is_regular_file(st))

@@ -13,6 +13,8 @@
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/workspace_slots.h"
@@ -67,6 +69,40 @@ bool overlaps(const TensorView& a, const TensorView& b) {
   const auto [a0, a1] = span(a);
   const auto [b0, b1] = span(b);
   return a0 < b1 && b0 < a1;
+}
+
+// The tensors forward() writes (output and the routing outputs asked for) must
+// each have memory of their own: one over another is overwritten by it (a routing
+// output over `output` came back holding output values), one over an input
+// changes it mid-call. Named before anything is written. outputs->router_logits
+// may be the router_logits given (the same tensor: the copy is skipped).
+void check_written_tensors_do_not_overlap(const TensorView& hidden_states, const TensorView& output,
+                                          const TensorView* router_logits,
+                                          const TensorView* token_ids,
+                                          const ForwardOutputs* outputs) {
+  std::vector<std::pair<const char*, const TensorView*>> written = {{"output", &output}};
+  if (outputs)
+    for (const auto& [name, v] : {std::pair{"outputs.router_logits", &outputs->router_logits},
+                                  {"outputs.topk_ids", &outputs->topk_ids},
+                                  {"outputs.topk_weights", &outputs->topk_weights}})
+      if (v->data() != nullptr) written.push_back({name, v});
+  std::vector<std::pair<const char*, const TensorView*>> given = {
+      {"hidden_states", &hidden_states}};
+  if (router_logits) given.push_back({"router_logits", router_logits});
+  if (token_ids) given.push_back({"token_ids", token_ids});
+  for (size_t i = 0; i < written.size(); ++i) {
+    const auto& [name, v] = written[i];
+    for (size_t j = 0; j < i; ++j)
+      FUSEDMOE_CHECK(!overlaps(*v, *written[j].second), name, ": must not overlap ",
+                     written[j].first, " (each tensor forward writes needs memory of its own)");
+    for (const auto& [input, u] : given) {
+      const bool same_logits = outputs && v == &outputs->router_logits && u == router_logits &&
+                               v->data() == u->data() && v->stride(0) == u->stride(0);
+      FUSEDMOE_CHECK(same_logits || !overlaps(*v, *u), name, ": must not overlap ", input,
+                     " (an input forward reads; only outputs.router_logits may be the "
+                     "router_logits given)");
+    }
+  }
 }
 
 }  // namespace
@@ -297,6 +333,7 @@ void MoERunner::forward(const TensorView& hidden_states, const TensorView& outpu
       check_tensor(outputs->topk_ids, "outputs.topk_ids", DType::kI32, {T, k}, true, dev);
     if (outputs && outputs->topk_weights.data() != nullptr)
       check_tensor(outputs->topk_weights, "outputs.topk_weights", DType::kF32, {T, k}, true, dev);
+    check_written_tensors_do_not_overlap(hidden_states, output, router_logits, token_ids, outputs);
     const auto stream = static_cast<cuda::Stream>(options_.cuda_stream);
     if (cuda_ep_)
       cuda_ep_->forward(hidden_states, output, router_logits, token_ids, outputs, stream);
@@ -327,6 +364,7 @@ void MoERunner::forward(const TensorView& hidden_states, const TensorView& outpu
   if (want_ids) check_tensor(outputs->topk_ids, "outputs.topk_ids", DType::kI32, {T, k});
   if (want_weights)
     check_tensor(outputs->topk_weights, "outputs.topk_weights", DType::kF32, {T, k});
+  check_written_tensors_do_not_overlap(hidden_states, output, router_logits, token_ids, outputs);
   ExpertsParams params;
   params.activation = ActivationParams::from_config(config_);
   params.compute_dtype = options_.compute_dtype;

@@ -57,8 +57,13 @@ with open(sys.argv[2], "wb") as f:
     f.write(struct.pack("<%dd" % len(vals), *vals))
 # The same values big-endian, f8 and f4 (byte-swapped on load, as the Python API does),
 # and little-endian f4 to compare with.
-for name, code, fmt in (("be8", ">f8", ">%dd"), ("be4", ">f4", ">%df"), ("le4", "<f4", "<%df")):
+# dq4: the le4 array under a header that numpy reads as well, written otherwise: the
+# keys in double quotes, in another order, with spaces around ':' and no trailing comma.
+for name, code, fmt in (("be8", ">f8", ">%dd"), ("be4", ">f4", ">%df"), ("le4", "<f4", "<%df"),
+                        ("dq4", "<f4", "<%df")):
     header = "{'descr': '%s', 'fortran_order': False, 'shape': (5, 128), }" % code
+    if name == "dq4":
+        header = '{ "shape" : ( 5 , 128 ) , "fortran_order" : False , "descr" : "<f4" }'
     header += " " * (63 - (10 + len(header)) % 64) + "\n"
     with open(sys.argv[2].replace("x.npy", name + ".npy"), "wb") as f:
         f.write(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header.encode())
@@ -66,11 +71,12 @@ for name, code, fmt in (("be8", ">f8", ">%dd"), ("be4", ">f4", ">%df"), ("le4", 
 PY
 "$BIN" run --layer 1 --input "$TMP/x.npy" --reference "$REF" --reference-key layers.1.T5.output_f64 --quiet |
   grep -q "relative L2 error .*: ok"
-for n in be8 be4 le4; do
+for n in be8 be4 le4 dq4; do
   "$BIN" run --layer 1 --input "$TMP/$n.npy" --reference "$REF" --reference-key layers.1.T5.output_f64 \
     --output "$TMP/$n.safetensors" --quiet | grep -q "relative L2 error .*: ok"
 done
 cmp "$TMP/be4.safetensors" "$TMP/le4.safetensors" || { echo "FAIL: big-endian .npy input differs"; exit 1; }
+cmp "$TMP/dq4.safetensors" "$TMP/le4.safetensors" || { echo "FAIL: .npy header in double quotes read otherwise"; exit 1; }
 # A .npy file is told by its content, whatever its name.
 cp "$TMP/x.npy" "$TMP/x.bin"
 "$BIN" run --layer 1 --input "$TMP/x.bin" --reference "$REF" --reference-key layers.1.T5.output_f64 --quiet |
@@ -81,6 +87,23 @@ cp "$TMP/x.npy" "$TMP/x.bin"
 "$BIN" run --model "$MODELS/tiny-deepseek-v3/model.safetensors" --layer 1 --input "$REF" \
   --input-key layers.1.T5.input --reference "$REF" --reference-key layers.1.T5.output_f64 --quiet |
   grep -q "relative L2 error .*: ok"
+
+# A model in a folder whose name is not UTF-8 (Latin-1 "mod\xe8le"): inspect (text and
+# JSON) and run --output work, the path's byte written as U+FFFD in their JSON (each
+# failed with nlohmann's "[json.exception.type_error.316] invalid UTF-8 byte").
+latin1="$TMP/$(printf 'mod\xe8le')"
+cp -r "$MODELS/tiny-deepseek-v3" "$latin1"
+"$BIN" inspect "$latin1" | grep -q "MoE layers: 1, 2"
+"$BIN" inspect --json "$latin1" >"$TMP/latin1.json"
+"$BIN" run --model "$latin1" --tokens 2 --output "$latin1/out.safetensors" --quiet >/dev/null
+python3 - "$TMP/latin1.json" "$latin1/out.safetensors" <<'PY'
+import json, struct, sys
+j = json.load(open(sys.argv[1], encoding="utf-8"))
+assert j["path"].endswith("/mod\ufffdle"), j["path"]
+raw = open(sys.argv[2], "rb").read()
+meta = json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])["__metadata__"]
+assert meta["model"].endswith("/mod\ufffdle"), meta
+PY
 
 # A tiny benchmark run (8 experts of the CPU target shape) with CSV output.
 "$BIN" bench --shapes qwen3-cpu --max-experts 8 --tokens 1,3 --min-time 0 --csv "$TMP/bench.csv" >"$TMP/bench.txt"
@@ -98,6 +121,14 @@ PY
 # A second run replaces the file in full.
 "$BIN" bench --shapes qwen3-cpu --max-experts 8 --tokens 2 --min-time 0 --no-baseline --csv "$TMP/bench.csv" >/dev/null
 [ "$(wc -l <"$TMP/bench.csv")" -eq 2 ] || { echo "FAIL: bench CSV not replaced"; cat "$TMP/bench.csv"; exit 1; }
+# --no-baseline: the baseline's columns are empty, not 0 (no time, no difference measured).
+python3 - "$TMP/bench.csv" <<'PY'
+import csv, sys
+rows = list(csv.DictReader(open(sys.argv[1])))
+for r in rows:
+    assert float(r["ours_s"]) > 0, r
+    assert all(r[c] == "" for c in ("baseline_s", "baseline_gflops", "speedup", "rel_diff")), r
+PY
 echo ok
 
 # Interrupted (SIGINT, SIGTERM) while bench --csv runs (>= 2 s per row): no CSV and no

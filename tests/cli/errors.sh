@@ -189,7 +189,9 @@ for c in "$TMP/own:$TMP/own/model.safetensors:the checkpoint" \
   "$TMP/own:$TMP/own/config.json:the config.json" \
   "$TMP/own:$TMP/own-link.safetensors:the checkpoint" \
   "$TMP/own-sharded:$TMP/own-sharded/model.safetensors.index.json:the index" \
-  "$TMP/own-sharded:$TMP/own-sharded/model-00001-of-00001.safetensors:the shard"; do
+  "$TMP/own-sharded:$TMP/own-sharded/model-00001-of-00001.safetensors:the shard" \
+  "$TMP/own-sharded/model.safetensors.index.json:$TMP/own-sharded/config.json:the config.json" \
+  "$TMP/own-sharded/model.safetensors.index.json:$TMP/own-sharded/model.safetensors.index.json:the index"; do
   IFS=: read -r m o what <<<"$c"
   expect_usage "--output $o of --model $m" "--output $o: is the same file as" -- \
     run --model "$m" --layer 1 --tokens 2 --output "$o"
@@ -202,7 +204,28 @@ cmp -s "$FIX/model.safetensors" "$TMP/own/model.safetensors" && cmp -s "$FIX/con
 # ... while any other file in the model's folder may be written.
 "$BIN" run --model "$TMP/own-sharded" --layer 1 --tokens 2 --quiet --output "$TMP/own-sharded/out.safetensors" >/dev/null ||
   { echo "FAIL: --output beside the model"; failures=$((failures + 1)); }
-rm -rf "$TMP/own" "$TMP/own-sharded" "$TMP/own-link.safetensors"
+# --model may name a sharded checkpoint's index (the config.json beside it; the index
+# was read as the config: "required field 'model_type' is missing"): the same output.
+"$BIN" run --model "$TMP/own-sharded/model.safetensors.index.json" --layer 1 --tokens 2 --seed 5 --quiet \
+  --output "$TMP/own-sharded/by-index.safetensors" >/dev/null &&
+  "$BIN" run --model "$TMP/own-sharded" --layer 1 --tokens 2 --seed 5 --quiet \
+    --output "$TMP/own-sharded/by-dir.safetensors" >/dev/null &&
+  python3 - "$TMP/own-sharded/by-index.safetensors" "$TMP/own-sharded/by-dir.safetensors" <<'PY' ||
+import json, struct, sys
+def tensors(path):  # the header without its metadata (which names --model), and the data
+    raw = open(path, "rb").read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    h = json.loads(raw[8:8 + n])
+    h.pop("__metadata__")
+    return h, raw[8 + n:]
+sys.exit(tensors(sys.argv[1]) != tensors(sys.argv[2]))
+PY
+  { echo "FAIL: --model an index"; failures=$((failures + 1)); }
+mkdir -p "$TMP/index-only"
+cp "$TMP/own-sharded/model.safetensors.index.json" "$TMP/index-only/"
+expect_error "--model an index without config.json" "$TMP/index-only/model.safetensors.index.json: a safetensors index, whose folder has no config.json ($TMP/index-only/config.json)" -- \
+  run --model "$TMP/index-only/model.safetensors.index.json" --tokens 2
+rm -rf "$TMP/own" "$TMP/own-sharded" "$TMP/own-link.safetensors" "$TMP/index-only"
 
 # A FIFO where a file is expected: a clear error, not a reader blocked forever.
 mkfifo "$TMP/fifo.safetensors"
@@ -222,6 +245,9 @@ python3 -c "import numpy" 2>/dev/null && {
     run --model "$FIX" --layer 1 --input "$TMP/huge.npy"
 }
 
+# More tokens than memory: the error names --tokens (it named Tensor::empty alone).
+expect_error "--tokens beyond memory" "--tokens 10000000000000: Tensor::empty: out of memory allocating 5120000000000000 bytes" -- \
+  run --model "$FIX" --layer 1 --tokens 10000000000000
 expect_error "--tokens beyond 64 bits" "--tokens: expected a decimal integer >= 0, got \"99999999999999999999\" (beyond 64 bits)" -- \
   run --model "$FIX" --layer 1 --tokens 99999999999999999999
 expect_error "negative --seed" "--seed: expected a decimal integer in [0, 2^64), got \"-1\"" -- \
@@ -486,6 +512,24 @@ expect_error "bench --dump-dir missing" "--dump-dir $TMP/no-dump: No such file o
 expect_error "bench --dump-dir a file" "--dump-dir $FIX/config.json: expected a directory" -- \
   bench --backend cuda --shapes qwen3 --tokens 1 --dump-dir "$FIX/config.json"
 
+# A standard output that cannot be written (a full disk: /dev/full) is an error, exit 1,
+# not exit 0 with a cut or empty file (inspect --json > x.json).
+if [ -w /dev/full ]; then
+  for args in "inspect $FIX --json" "run --model $FIX --layer 1 --tokens 2" "--help" "--version"; do
+    rc=0
+    # shellcheck disable=SC2086
+    "$BIN" $args >/dev/full 2>"$TMP/stderr" || rc=$?
+    if [ "$rc" -ne 1 ] || [ "$(wc -l <"$TMP/stderr")" -ne 1 ] ||
+      ! grep -q "^fusedmoe: error: the standard output is incomplete: " "$TMP/stderr"; then
+      echo "FAIL fusedmoe $args >/dev/full: exit $rc"
+      sed 's/^/  stderr: /' "$TMP/stderr"
+      failures=$((failures + 1))
+    else
+      echo "ok   fusedmoe $args >/dev/full: $(cat "$TMP/stderr")"
+    fi
+  done
+fi
+
 # An unknown command is named, with the valid ones.
 expect_error "unknown command" "unknown command 'bogus': expected inspect, run or bench" -- bogus
 # An option before its command: said so, with the command line in the right order.
@@ -558,6 +602,13 @@ npy("record.npy", "{'descr': [('a', '<f4')], 'fortran_order': False, 'shape': (4
 npy("unbraced.npy", "{'descr': '<f4', 'fortran_order': False, 'shape': (2, 128), ")
 npy("nodict.npy", "'descr': '<f4', 'fortran_order': False, 'shape': (2, 128)}")
 npy("overflow.npy", "{'descr': '<f4', 'fortran_order': False, 'shape': (4611686018427387904, 4611686018427387904), }")
+npy("twice.npy", "{'descr': '<f4', 'fortran_order': False, 'shape': (2, 128), 'shape': (1, 128)}")
+npy("extra.npy", "{'descr': '<f4', 'fortran_order': False, 'shape': (1, 128), 'order': 'C'}")
+npy("nofortran.npy", "{'descr': '<f4', 'shape': (1, 128)}")
+npy("fals.npy", "{'descr': '<f4', 'fortran_order': Fals, 'shape': (1, 128)}")
+npy("nocomma.npy", "{'descr': '<f4' 'fortran_order': False, 'shape': (1, 128)}")
+h = b"{'descr': '<f4', 'fortran_order': False, 'shape': (1, 128), }"
+open(f"{sys.argv[1]}/v4.npy", "wb").write(b"\x93NUMPY\x04\x00" + struct.pack("<I", len(h)) + h + b"\0" * 512)
 PY
 expect_error ".npy shape unclosed" "unclosed.npy: .npy header: malformed shape" -- \
   run --model "$FIX" --layer 1 --input "$TMP/unclosed.npy"
@@ -574,6 +625,22 @@ expect_error ".npy shape overflowing 64 bits" "overflow.npy: .npy header: the sh
   run --model "$FIX" --layer 1 --input "$TMP/overflow.npy"
 expect_error ".npy structured dtype" "record.npy: .npy structured dtypes (record arrays) are not supported" -- \
   run --model "$FIX" --layer 1 --input "$TMP/record.npy"
+# The header's dict is read entry by entry: a key given twice (numpy takes the last
+# value, this reader took the first), a key numpy does not know, a missing key, a value
+# or separator out of place: each an error naming it (all but the first were read on as
+# if the header were right); another format version is named, not read as version 2.
+expect_error ".npy key given twice" "twice.npy: .npy header: key 'shape' given more than once" -- \
+  run --model "$FIX" --layer 1 --input "$TMP/twice.npy"
+expect_error ".npy unknown key" "extra.npy: .npy header: unexpected key 'order' (expected 'descr', 'fortran_order' and 'shape')" -- \
+  run --model "$FIX" --layer 1 --input "$TMP/extra.npy"
+expect_error ".npy without fortran_order" "nofortran.npy: .npy header has no 'fortran_order'" -- \
+  run --model "$FIX" --layer 1 --input "$TMP/nofortran.npy"
+expect_error ".npy fortran_order neither True nor False" "fals.npy: malformed .npy header: expected True or False for 'fortran_order' at byte 34 of the header, got \"Fals, 'shape': (1, 128)}" -- \
+  run --model "$FIX" --layer 1 --input "$TMP/fals.npy"
+expect_error ".npy entries without a comma" "nocomma.npy: malformed .npy header: expected ',' or '}' after the value of 'descr' at byte 16" -- \
+  run --model "$FIX" --layer 1 --input "$TMP/nocomma.npy"
+expect_error ".npy format version 4.0" "v4.npy: .npy format version 4.0 not supported (expected 1.0, 2.0 or 3.0)" -- \
+  run --model "$FIX" --layer 1 --input "$TMP/v4.npy"
 expect_error "--input .safetensors without --input-key" "--input-key is required with a .safetensors file" -- \
   run --model "$FIX" --layer 1 --input "$REF"
 
@@ -589,6 +656,20 @@ else
   echo "ok   --output a dangling symbolic link: $(cat "$TMP/stderr")"
 fi
 rm -f "$OUTDIR/dangling.safetensors"
+# --output /dev/stdout with stdout a pipe: a link to a FIFO, refused as one (it was
+# "symbolic link to a missing file", the pipe having no path).
+{
+  rc=0
+  "$BIN" run --model "$FIX" --layer 1 --tokens 2 --output /dev/stdout 2>"$TMP/stderr" || rc=$?
+  echo "$rc" >"$TMP/rc"
+} | cat >/dev/null
+rc=$(cat "$TMP/rc")
+if [ "$rc" -ne 1 ] ||
+  ! grep -qF -- "--output: /dev/stdout: exists and is not a regular file (a device, FIFO or socket" "$TMP/stderr"; then
+  echo "FAIL --output /dev/stdout to a pipe (exit $rc)"; cat "$TMP/stderr"; failures=$((failures + 1))
+else
+  echo "ok   --output /dev/stdout to a pipe: $(cat "$TMP/stderr")"
+fi
 # --output in a folder that does not exist: an error naming --output before the
 # layer runs (the temporary is created first; it used to fail after the work),
 # and nothing left behind.

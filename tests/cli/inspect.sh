@@ -81,9 +81,36 @@ grep -qF "model type     deepseek_v3" "$TMP/text" && grep -qE "^  layer 1 +[1-9]
   grep -qF "error: $TMP/one-gone/model.safetensors.index.json: the shard of tensor 'model.layers.2." "$TMP/text" &&
   grep -qF "$TMP/one-gone/gone.safetensors: cannot open: No such file or directory" "$TMP/text" &&
   [ "$rc" -eq 1 ] || { echo "FAIL: inspect with a missing shard (exit $rc)"; cat "$TMP/text" "$TMP/err"; exit 1; }
+# The index itself names the model (it was read as a config.json: "required field
+# 'model_type' is missing"): the same description as its folder's.
+rc=0; "$BIN" inspect "$TMP/one-gone/model.safetensors.index.json" >"$TMP/text2" 2>&1 || rc=$?
+[ "$rc" -eq 1 ] && diff <(sed 1d "$TMP/text") <(sed 1d "$TMP/text2") >/dev/null ||
+  { echo "FAIL: inspect of an index (exit $rc)"; cat "$TMP/text2"; exit 1; }
 rc=0; "$BIN" inspect "$TMP/one-gone" --json >"$TMP/json" || rc=$?
 python3 -c 'import json,sys; l = json.load(open(sys.argv[1]))["layers"]; assert [x["weights_ok"] for x in l] == [True, False] and "gone.safetensors" in l[1]["weights_error"], l' "$TMP/json" &&
   [ "$rc" -eq 1 ] || { echo "FAIL: inspect --json with a missing shard (exit $rc)"; exit 1; }
+
+# Control characters in a file's text (a tensor name, metadata, config.json's
+# architectures), in the text output and in errors that quote it: written as \xNN,
+# never sent to the terminal raw (an ESC sequence could clear or recolour it).
+python3 - "$TMP" <<'PY'
+import json, os, shutil, struct, sys
+d = sys.argv[1]
+def write(path, header, data):
+    h = json.dumps(header).encode()
+    open(path, "wb").write(struct.pack("<Q", len(h)) + h + data)
+write(f"{d}/esc.safetensors", {"__metadata__": {"note\u001b[2J": "a\u001b]0;x\u0007b"},
+                                "w\u001b[31m": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4)
+h = b'{"w\\u001b[2J": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "w\\u001b[2J": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}'
+open(f"{d}/esc-dup.safetensors", "wb").write(struct.pack("<Q", len(h)) + h + b"\0" * 4)
+PY
+"$BIN" inspect "$TMP/esc.safetensors" >"$TMP/text"
+rc=0; "$BIN" inspect "$TMP/esc-dup.safetensors" >/dev/null 2>"$TMP/err" || rc=$?
+if grep -q $'[\x01-\x08\x0b-\x1f\x7f]' "$TMP/text" "$TMP/err" ||
+  ! grep -qF 'w\x1b[31m' "$TMP/text" || ! grep -qF 'metadata note\x1b[2J = a\x1b]0;x\x07b' "$TMP/text" ||
+  [ "$rc" -ne 1 ] || ! grep -qF "tensor 'w\\x1b[2J' more than once" "$TMP/err"; then
+  echo "FAIL: control characters of a file reached the terminal (exit $rc)"; od -c "$TMP/text" "$TMP/err" | head -20; exit 1
+fi
 
 # --help works and exits 0; no command is a usage error.
 "$BIN" --help | grep -q inspect

@@ -360,6 +360,17 @@ TEST(HfConfig, QuantizationConfigOnlyFp8With128Blocks) {
   j["quantization_config"] = {{"quant_method", "awq"}, {"bits", 4}};
   EXPECT_HAS(error_of([&] { parse(j); }, ErrorCode::kUnsupported),
              "quantization_config.quant_method 'awq' is not supported");
+  // Not an object, or without a quant_method string: named as such (each was
+  // "quant_method '' is not supported").
+  j["quantization_config"] = {1};
+  EXPECT_HAS(error_of([&] { parse(j); }, ErrorCode::kInvalidArgument),
+             "quantization_config: expected an object with a 'quant_method', got [1]");
+  j["quantization_config"] = {{"bits", 4}};
+  EXPECT_HAS(error_of([&] { parse(j); }, ErrorCode::kInvalidArgument),
+             "quantization_config.quant_method: expected a string, got none");
+  j["quantization_config"] = {{"quant_method", 8}};
+  EXPECT_HAS(error_of([&] { parse(j); }, ErrorCode::kInvalidArgument),
+             "quantization_config.quant_method: expected a string, got 8");
 }
 
 TEST(HfConfig, QwenSparseStepAndMlpOnlyLayers) {

@@ -369,6 +369,59 @@ TEST(Loader, NonFiniteWeightIsNamed) {
   EXPECT_EQ(w.experts.num_experts(), info.layer_config(1).num_experts);
 }
 
+// Finite stored values whose f32 weight is not: an FP8 value times a huge block
+// scale, an f64 value beyond f32. Named at load, as a NaN or Inf weight is (they
+// surfaced as a non-finite output of every token routed there).
+TEST(Loader, WeightBeyondF32OnceConvertedIsNamed) {
+  {
+    test::TempDir dir("loader_fp8_range");
+    const std::string src = test::test_data_dir() + "/fp8/deepseek_v3_fp8";
+    const std::string scale = "model.layers.1.mlp.experts.2.down_proj.weight_scale_inv";
+    auto file = SafetensorsFile::open(src + "/model.safetensors");
+    std::vector<std::pair<std::string, Tensor>> tensors;
+    for (const auto& n : file->names()) tensors.emplace_back(n, file->get(n));
+    for (auto& [n, t] : tensors)
+      if (n == scale) {
+        t = Tensor::copy_of(t.view());
+        t.data_as<float>()[1] = 3e38f;  // block [0, 1]: rows 0-127, columns 128-255
+      }
+    std::vector<std::pair<std::string, TensorView>> views(tensors.begin(), tensors.end());
+    save_safetensors(dir.file("model.safetensors"), views, file->metadata());
+    fs::copy_file(src + "/config.json", dir.file("config.json"));
+    const ModelInfo info = load_model_info(dir.path());
+    const Checkpoint ck = Checkpoint::open(dir.path());
+    const std::string msg =
+        error_of([&] { load_moe_layer(ck, info, 1, {.progress = false}); }, ErrorCode::kIo);
+    EXPECT_HAS(msg, "tensor 'model.layers.1.mlp.experts.2.down_proj.weight': element [");
+    EXPECT_HAS(msg,
+               "is beyond the f32 range once dequantized (times its block's "
+               "weight_scale_inv 3e+38)");
+    EXPECT_NO_THROW(load_moe_layer(ck, info, 1, {.progress = false, .check_finite = false}));
+  }
+  {
+    test::TempDir dir("loader_f64_range");
+    const std::string bad = "model.layers.1.block_sparse_moe.experts.3.w1.weight";
+    write_modified_fixture("mixtral", dir, [&](auto& ts) {
+      for (auto& [n, t] : ts) {  // layer 1's experts as f64, one value beyond f32
+        if (n.find("layers.1.block_sparse_moe.experts.") == std::string::npos) continue;
+        Tensor d = Tensor::empty(DType::kF64, t.shape());
+        std::vector<float> f(static_cast<size_t>(t.numel()));
+        convert_to_f32(t.data(), t.dtype(), f.data(), f.size());
+        for (size_t i = 0; i < f.size(); ++i) d.data_as<double>()[i] = f[i];
+        if (n == bad) d.data_as<double>()[2 * t.size(1) + 5] = 1e300;
+        t = d;
+      }
+    });
+    const ModelInfo info = load_model_info(dir.path());
+    const Checkpoint ck = Checkpoint::open(dir.path());
+    const std::string msg =
+        error_of([&] { load_moe_layer(ck, info, 1, {.progress = false}); }, ErrorCode::kIo);
+    EXPECT_HAS(msg, "tensor '" + bad +
+                        "': element [2, 5] is beyond the f32 range once "
+                        "converted from f64");
+  }
+}
+
 TEST(Loader, FindNonFiniteReadsEveryFloatingDtype) {
   for (DType d :
        {DType::kF64, DType::kF32, DType::kBF16, DType::kF16, DType::kF8E4M3FN, DType::kF8E5M2}) {

@@ -266,6 +266,60 @@ TEST(MoERunner, NonFiniteWeightsAreNamedInTheOutputError) {
   }
 }
 
+// A routing output over `output` came back holding output values, one over
+// hidden_states changed the input mid-call: each tensor forward writes must have
+// memory of its own, named before anything is written. The router_logits given may
+// come back in the same tensor.
+TEST(MoERunner, RejectsWrittenTensorsThatOverlap) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  const MoEConfig c = arch_configs()[1].second;  // qwen2_moe: shared expert with gate
+  const int64_t T = 5, H = c.hidden_size, L = c.num_router_logits(), k = c.top_k;
+  ASSERT_GE(H, L);
+  MoERunner runner(c, random_layer(rng, c, DType::kF32));
+  Tensor hidden = test::random_f32(rng, {T, H});
+  const Tensor hidden_before = Tensor::copy_of(hidden);
+  Tensor out = Tensor::empty(DType::kF32, {T, H});
+  std::fill(out.data_as<float>(), out.data_as<float>() + T * H, 42.0f);
+  Tensor logits = Tensor::empty(DType::kF32, {T, L}), ids = Tensor::empty(DType::kI32, {T, k}),
+         weights = Tensor::empty(DType::kF32, {T, k});
+  // Views of T x L floats at the start of `out` and of `hidden`, of T x k ints in `logits`.
+  const TensorView in_out(out.data(), DType::kF32, {T, L}),
+      in_hidden(hidden.data(), DType::kF32, {T, L}),
+      ids_in_logits(logits.data(), DType::kI32, {T, k});
+  const struct {
+    ForwardOutputs outputs;
+    std::string message;
+  } cases[] = {
+      {{in_out, ids.view(), weights.view()}, "outputs.router_logits: must not overlap output"},
+      {{logits.view(), ids.view(), TensorView(out.data(), DType::kF32, {T, k})},
+       "outputs.topk_weights: must not overlap output"},
+      {{in_hidden, ids.view(), weights.view()},
+       "outputs.router_logits: must not overlap hidden_states"},
+      {{logits.view(), ids_in_logits, weights.view()},
+       "outputs.topk_ids: must not overlap outputs.router_logits"},
+  };
+  for (const auto& [outputs, message] : cases) {
+    expect_error([&] { runner.forward(hidden, out, nullptr, nullptr, &outputs); }, {message});
+    for (int64_t i = 0; i < T * H; ++i) {
+      ASSERT_EQ(out.data_as<float>()[i], 42.0f) << i;
+      ASSERT_EQ(hidden.data_as<float>()[i], hidden_before.data_as<float>()[i]) << i;
+    }
+  }
+  // The router_logits given, overlapping an output: named too.
+  Tensor given = test::random_f32(rng, {T, L});
+  const ForwardOutputs ids_over_given{TensorView(), TensorView(given.data(), DType::kI32, {T, k}),
+                                      weights.view()};
+  expect_error([&] { runner.forward(hidden, out, &given.view(), nullptr, &ids_over_given); },
+               {"outputs.topk_ids: must not overlap router_logits"});
+  // ... while the same tensor as outputs.router_logits is taken, as before.
+  const Tensor given_before = Tensor::copy_of(given);
+  const ForwardOutputs same{given.view(), ids.view(), weights.view()};
+  runner.forward(hidden, out, &given.view(), nullptr, &same);
+  EXPECT_EQ(std::memcmp(given.data(), given_before.data(), given.nbytes()), 0);
+}
+
 TEST(MoERunner, RejectsBadShapesBeforeWriting) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE(testing::Message() << "seed " << seed);

@@ -307,6 +307,37 @@ TEST(Safetensors, SaveIsAtomicAndChecksNames) {
   EXPECT_EQ(entries, 1u);
 }
 
+// The header is JSON (UTF-8 text): a name or metadata string that is not UTF-8 is an
+// error naming it, before anything is written (nlohmann's dump() threw its own
+// "[json.exception.type_error.316] invalid UTF-8 byte" once the tensors were ready).
+TEST(Safetensors, SaveRefusesTextThatIsNotUtf8) {
+  TempDir dir("st_utf8");
+  Tensor t = Tensor::zeros(DType::kF32, {4});
+  const std::string path = dir.file("m.safetensors");
+  std::string msg = error_of(
+      [&] {
+        save_safetensors(path, {{"w\xff", t}});
+      },
+      ErrorCode::kInvalidArgument);
+  EXPECT_HAS(msg, "save_safetensors: tensor name \"w\xff\" is not valid UTF-8");
+  msg = error_of(
+      [&] {
+        save_safetensors(path, {{"w", t}}, {{"model", "/m\xe9/x"}});
+      },
+      ErrorCode::kInvalidArgument);
+  EXPECT_HAS(msg, "save_safetensors: metadata value of 'model' \"/m\xe9/x\" is not valid UTF-8");
+  msg = error_of(
+      [&] {
+        save_safetensors(path, {{"w", t}}, {{"k\xc3", "v"}});
+      },
+      ErrorCode::kInvalidArgument);
+  EXPECT_HAS(msg, "save_safetensors: metadata key \"k\xc3\" is not valid UTF-8");
+  EXPECT_TRUE(fs::is_empty(dir.path()));
+  // UTF-8 beyond ASCII is text like any other.
+  save_safetensors(path, {{"w\xc3\xa9", t}}, {{"model", "/m\xc3\xa9"}});
+  EXPECT_TRUE(SafetensorsFile::open(path)->contains("w\xc3\xa9"));
+}
+
 TEST(Safetensors, AtomicFileAllOrNothing) {
   TempDir dir("atomic");
   const std::string path = dir.file("t.csv");

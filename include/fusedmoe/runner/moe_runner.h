@@ -119,6 +119,8 @@ class MoERunner {
   // output f32 [T, H] (overwritten; must not alias hidden_states);
   // router_logits: optional f32 [T, E + Z] (then the gate GEMM is skipped);
   // token_ids: i32 [T], for hash routing only; outputs: optional router results.
+  // output and the outputs given each overlap no other tensor of the call
+  // (outputs->router_logits may be router_logits itself).
   // T = 0 is valid. Throws Error(kInvalidArgument) on any shape/dtype mismatch
   // or NaN router logits, before writing the output; on the CPU also when the
   // output holds a NaN / Inf (a finite input overflowing f32 in the experts),
