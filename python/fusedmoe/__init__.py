@@ -931,8 +931,9 @@ class MoELayer:
         bf16 CUDA tensors, the output in the input's dtype). ``router_logits``
         f32 [T, E + Z]: skip the gate GEMM and route these. ``token_ids``
         int32 [T]: hash routing only. ``return_routing``: return
-        (output, topk_ids, topk_weights, router_logits) instead."""
-        if return_routing:
+        (output, topk_ids, topk_weights, router_logits) instead (a bool: a str
+        such as "no" is a TypeError, not truthy)."""
+        if _bool(return_routing, "return_routing"):
             return self.forward_with_routing(hidden_states, router_logits, token_ids=token_ids)
         _check_array(hidden_states, "hidden_states")
         _same_library("hidden_states", hidden_states, router_logits=router_logits,

@@ -123,6 +123,15 @@ def test_select_experts_with_layer_torch(rng):
 # ---- 4. mixed array libraries ----------------------------------------------------------
 
 
+def test_return_routing_takes_a_bool(mixtral):
+    x = np.random.default_rng(0).standard_normal((2, mixtral.hidden_size)).astype(np.float32)
+    for bad in ("no", 0, None):
+        with pytest.raises(TypeError, match="return_routing: expected a bool"):
+            mixtral(x, return_routing=bad)
+    assert len(mixtral(x, return_routing=np.bool_(True))) == 4
+    assert mixtral(x, return_routing=False).shape == (2, mixtral.hidden_size)
+
+
 def test_layer_mixed_numpy_and_torch_is_a_type_error(mixtral):
     torch = _torch()
     x = torch.randn(2, mixtral.hidden_size)
