@@ -9,7 +9,8 @@
 // (s(a - u) + s(a + u) vs 2 s(a)), so one ulp decided which groups were kept
 // and the GPU's ids differed from the CPU's (test_cuda_routing's near ties).
 // Here every step is an IEEE operation with one rounding on both (explicit
-// fma, add, divide, rint, ldexp; no product is left for a compiler to contract).
+// fma, add, divide, rint, ldexp; no product is left for a compiler to contract,
+// also after inlining into a caller: FUSEDMOE_MUL).
 //   exp: Cody-Waite reduction x = k ln2 + r (|r| <= ln2 / 2, ln2 in two parts,
 //        fdlibm's constants), Taylor series of degree 13 by Horner (truncation
 //        < 2^-56 relative), times 2^k: within ~1 ulp.
@@ -21,26 +22,27 @@
 
 #include <cmath>
 
-#if defined(__CUDACC__)
-#define FUSEDMOE_HD __host__ __device__ __forceinline__
-#else
-#define FUSEDMOE_HD inline
-#endif
+#include "core/host_device.h"
 
 namespace fusedmoe::routing {
 
+// FUSEDMOE_MUL: a product that a caller may add to (log1p's result in
+// sqrt_softplus), kept a rounded product: nvcc would otherwise contract the
+// inlined multiply and add into one fma, which the C++ compiler does not do.
 #if defined(__CUDA_ARCH__)
 #define FUSEDMOE_FMA ::fma
 #define FUSEDMOE_RINT ::rint
 #define FUSEDMOE_LDEXP ::ldexp
+#define FUSEDMOE_MUL __dmul_rn
 #else
 #define FUSEDMOE_FMA std::fma
 #define FUSEDMOE_RINT std::rint
 #define FUSEDMOE_LDEXP std::ldexp
+#define FUSEDMOE_MUL(a, b) ((a) * (b))
 #endif
 
 // e^x in double (NaN -> NaN, beyond the double range -> inf / 0).
-FUSEDMOE_HD double exp_d(double x) {
+FUSEDMOE_HOST_DEVICE inline double exp_d(double x) {
   if (x != x) return x + x;
   if (x > 709.782712893384) return HUGE_VAL;
   if (x < -745.1332191019412) return 0.0;
@@ -60,7 +62,7 @@ FUSEDMOE_HD double exp_d(double x) {
 }
 
 // log(1 + y) in double for 0 <= y <= 1.
-FUSEDMOE_HD double log1p_unit_d(double y) {
+FUSEDMOE_HOST_DEVICE inline double log1p_unit_d(double y) {
   // 1 / (2j + 1), j = 16 .. 0
   constexpr double kInvOdd[] = {1.0 / 33, 1.0 / 31, 1.0 / 29, 1.0 / 27, 1.0 / 25, 1.0 / 23,
                                 1.0 / 21, 1.0 / 19, 1.0 / 17, 1.0 / 15, 1.0 / 13, 1.0 / 11,
@@ -69,26 +71,27 @@ FUSEDMOE_HD double log1p_unit_d(double y) {
   const double z = s * s;
   double q = kInvOdd[0];
   for (int j = 1; j < 17; ++j) q = FUSEDMOE_FMA(q, z, kInvOdd[j]);
-  return 2.0 * s * q;
+  return FUSEDMOE_MUL(2.0 * s, q);  // 2.0 * s is exact
 }
 
 #undef FUSEDMOE_FMA
 #undef FUSEDMOE_RINT
 #undef FUSEDMOE_LDEXP
+#undef FUSEDMOE_MUL
 
 // 1 / (1 + e^-x).
-FUSEDMOE_HD double sigmoid(double x) {
+FUSEDMOE_HOST_DEVICE inline double sigmoid(double x) {
   return 1.0 / (1.0 + exp_d(-x));
 }
 // sqrt(softplus(x)), softplus(x) = max(x, 0) + log(1 + e^-|x|) (no overflow).
-FUSEDMOE_HD double sqrt_softplus(double x) {
+FUSEDMOE_HOST_DEVICE inline double sqrt_softplus(double x) {
   const double ax = x < 0.0 ? -x : x;
   return std::sqrt((x > 0.0 ? x : 0.0) + log1p_unit_d(exp_d(-ax)));
 }
 // exp(x - m) where m is the row maximum. If m is infinite (+inf present, or the
 // whole row is -inf) the softmax limit is used: entries equal to m share the
 // mass equally and all others get 0, so no NaN arises.
-FUSEDMOE_HD double rel_exp(double x, double m) {
+FUSEDMOE_HOST_DEVICE inline double rel_exp(double x, double m) {
   if (m == HUGE_VAL || m == -HUGE_VAL) return x == m ? 1.0 : 0.0;
   return exp_d(x - m);
 }

@@ -15,13 +15,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/host_device.h"
 #include "fusedmoe/config/moe_config.h"
-
-#if defined(__CUDACC__)
-#define FUSEDMOE_HOST_DEVICE __host__ __device__
-#else
-#define FUSEDMOE_HOST_DEVICE
-#endif
 
 namespace fusedmoe::routing::simulated {
 
