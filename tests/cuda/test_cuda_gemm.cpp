@@ -320,7 +320,7 @@ TEST(CudaSm90Experts, MatchesFloat64) {
   const uint64_t seed = test::fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
-  // bf16 has two tile configurations (pick_sm90_m64): each on every case.
+  // bf16 has several tile configurations (pick_sm90_tile): each on every case.
   for (const char* tile : {"m64", "m128"}) {
     SCOPED_TRACE(std::string("FUSEDMOE_CUDA_SM90_TILE=") + tile);
     setenv("FUSEDMOE_CUDA_SM90_TILE", tile, 1);

@@ -43,6 +43,45 @@ template <>
 __device__ __forceinline__ void store_out<__half>(__half* p, float v) {  // beyond 65504: +-inf
   *p = __float2half_rn(v);
 }
+
+// kCols consecutive output elements (kCols a multiple of 4): vector stores
+// (16 bytes, or 8 for four 16-bit values) where p is aligned to them, one
+// element at a time otherwise (any ldo).
+template <int kCols, typename Out>
+__device__ __forceinline__ void store_out_vec(Out* p, const float* v) {
+  static_assert(kCols % 4 == 0, "store_out_vec: kCols must be a multiple of 4");
+  constexpr uintptr_t kAlign = sizeof(Out) * kCols < 16 ? sizeof(Out) * kCols : 16;
+  if (reinterpret_cast<uintptr_t>(p) % kAlign != 0) {
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) store_out(p + c, v[c]);
+    return;
+  }
+  if constexpr (sizeof(Out) == 4) {
+#pragma unroll
+    for (int c = 0; c < kCols; c += 4)
+      *reinterpret_cast<float4*>(p + c) = make_float4(v[c], v[c + 1], v[c + 2], v[c + 3]);
+  } else {
+    // Two 16-bit values a word, eight a 16-byte store (four: one 8-byte store).
+    uint32_t w[kCols / 2];
+#pragma unroll
+    for (int c = 0; c < kCols; c += 2) {
+      Out pair[2];
+      store_out(&pair[0], v[c]);
+      store_out(&pair[1], v[c + 1]);
+      w[c / 2] = static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&pair[0])) |
+                 (static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&pair[1])) << 16);
+    }
+#pragma unroll
+    for (int c = 0; c < kCols / 2; c += 4) {
+      if (c + 4 <= kCols / 2)
+        *reinterpret_cast<uint4*>(p + 2 * c) = make_uint4(w[c], w[c + 1], w[c + 2], w[c + 3]);
+    }
+    if constexpr ((kCols / 2) % 4 != 0) {
+      constexpr int c = kCols / 2 - 2;
+      *reinterpret_cast<uint2*>(p + 2 * c) = make_uint2(w[c], w[c + 1]);
+    }
+  }
+}
 #endif
 
 }  // namespace fusedmoe::cuda

@@ -177,9 +177,7 @@ __global__ void __launch_bounds__(finalize_threads<Y>())
       acc[c + 3] += gate * w.w;
     }
   }
-  Out* o = out + t * ldo + h;
-#pragma unroll
-  for (int c = 0; c < kCols; ++c) store_out(o + c, acc[c]);
+  store_out_vec<kCols>(out + t * ldo + h, acc);
 }
 
 template <typename In>

@@ -51,10 +51,19 @@ RoutedScratch carve_routed_scratch(void* base, int64_t num_tokens, int64_t top_k
 // Expected rows per touched expert for T tokens routed uniformly to k of E
 // experts: T * k / (E * (1 - (1 - k/E)^T)), rounded.
 int64_t routed_rows_per_expert(int64_t num_tokens, int64_t top_k, int64_t num_experts);
-// Whether sm90_experts' GEMMs take the 64 x 256 pingpong tiles (bf16 only; at every
-// measured size, tuning data in gemm_configs.cpp) rather than 128 x 256 cooperative.
+// The CUTLASS configuration of one sm90_experts GEMM (bf16; f16 always takes
+// 128 x 256 cooperative).
+enum class Sm90Tile {
+  kM128N256,  // 128 x 256 x 64 cooperative (both consumer warpgroups on one tile)
+  kM64N256    // 64 x 256 x 64 pingpong (each consumer warpgroup on its own tile)
+};
+// The tile for a GEMM of N output columns over K with about rows_per_expert
+// rows for each of num_experts experts (tuning data in gemm_configs.cpp):
+// 64 x 256 pingpong, but 128 x 256 cooperative where the 64-row tiles would
+// not fill one wave of SMs and rows_per_expert > 32.
 // FUSEDMOE_CUDA_SM90_TILE=m64 or =m128 forces one (bf16).
-bool pick_sm90_m64(DType dtype);
+Sm90Tile pick_sm90_tile(DType dtype, int64_t rows_per_expert, int64_t num_experts, int64_t n,
+                        int64_t k);
 // The GEMM tile for that many rows per expert (pick_gemm_tile).
 GemmTile routed_gemm_tile(int64_t num_tokens, int64_t top_k, int64_t num_experts, int64_t hidden,
                           int64_t inter);

@@ -10,10 +10,12 @@
 // of the GEMMs; the GEMMs run at wgmma speed. One dense expert over all rows (the shared expert,
 // sm90_dense_expert) takes the same GEMM / activation / GEMM sequence on its input rows as they
 // are: no permute.
+#include <algorithm>
+
 #include "fusedmoe/kernels/cuda.h"
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/gemm/sm90_bf16_grouped_gemm.cuh"  // act_glu
-#include "kernels/cuda/routed_experts.h"                 // pick_sm90_m64
+#include "kernels/cuda/routed_experts.h"                 // pick_sm90_tile
 #ifdef FUSEDMOE_WITH_CUTLASS
 #include "kernels/cuda/gemm/sm90_cutlass_instances.h"
 #endif
@@ -24,45 +26,65 @@ namespace {
 
 constexpr int kPermuteThreads = 128;
 
-// xs[r] = x[sorted_slot[r] / top_k] (zeros for a -1 row), slot_row[slot] = r,
-// for rows r < offsets[E]; one block per row (grid-stride).
-__global__ void __launch_bounds__(kPermuteThreads)
-    permute_rows_kernel(const uint16_t* __restrict__ x, int64_t ldx,
-                        const int32_t* __restrict__ sorted_slot,
-                        const int64_t* __restrict__ offsets, int num_experts, int top_k,
-                        int64_t hidden, int64_t max_rows, uint16_t* __restrict__ xs,
-                        int32_t* __restrict__ slot_row) {
+// slot_row[sorted_slot[r]] = r for rows r < offsets[E] (align's block_m is 1
+// here: every row holds a routed slot); one thread a row.
+__global__ void slot_row_kernel(const int32_t* __restrict__ sorted_slot,
+                                const int64_t* __restrict__ offsets, int num_experts,
+                                int64_t max_rows, int32_t* __restrict__ slot_row) {
   const int64_t rows = offsets[num_experts];
-  const int64_t vecs = hidden / 8;
-  for (int64_t r = blockIdx.x; r < rows && r < max_rows; r += gridDim.x) {
+  for (int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       r < rows && r < max_rows; r += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int32_t slot = sorted_slot[r];
-    uint4* dst = reinterpret_cast<uint4*>(xs + r * hidden);
-    if (slot < 0) {
-      for (int64_t v = threadIdx.x; v < vecs; v += blockDim.x) dst[v] = make_uint4(0, 0, 0, 0);
-      continue;
+    if (slot >= 0) slot_row[slot] = static_cast<int32_t>(r);
+  }
+}
+
+// xs[slot_row[t * top_k + j]] = x[t] for every routed slot of token t (ids in
+// [0, E)); one block a token (grid-stride). Token-major, so each x row is read
+// once even when x does not fit in L2 (DeepSeek-V3 at T = 4096: 58 MB), where
+// a row-major copy read it top_k times from memory.
+constexpr int kPermuteMaxK = 32;
+__global__ void __launch_bounds__(kPermuteThreads)
+    permute_tokens_kernel(const uint16_t* __restrict__ x, int64_t ldx,
+                          const int32_t* __restrict__ ids, const int32_t* __restrict__ slot_row,
+                          int64_t num_tokens, int num_experts, int top_k, int64_t hidden,
+                          uint16_t* __restrict__ xs) {
+  __shared__ int64_t row[kPermuteMaxK];  // -1: no expert
+  const int64_t vecs = hidden / 8;
+  for (int64_t t = blockIdx.x; t < num_tokens; t += gridDim.x) {
+    __syncthreads();  // the previous token's rows are read
+    if (threadIdx.x < top_k) {
+      const int64_t s = t * top_k + threadIdx.x;
+      const int32_t e = ids[s];
+      row[threadIdx.x] = e >= 0 && e < num_experts ? slot_row[s] : -1;
     }
-    if (threadIdx.x == 0) slot_row[slot] = static_cast<int32_t>(r);
-    const uint4* src = reinterpret_cast<const uint4*>(x + (slot / top_k) * ldx);
-    for (int64_t v = threadIdx.x; v < vecs; v += blockDim.x) dst[v] = src[v];
+    __syncthreads();
+    const uint4* src = reinterpret_cast<const uint4*>(x + t * ldx);
+    for (int64_t v = threadIdx.x; v < vecs; v += blockDim.x) {
+      const uint4 val = src[v];
+      for (int j = 0; j < top_k; ++j)
+        if (row[j] >= 0) reinterpret_cast<uint4*>(xs + row[j] * hidden)[v] = val;
+    }
   }
 }
 
 // inter[r, i] = act(h[r, i] + b[e, i], h[r, I + i] + b[e, I + i]), 8 columns a
 // thread, e = topk_ids[sorted_slot[r]]; -1 rows get zeros. Without sorted_slot
 // (one dense expert): every row r < offsets[num_experts] is valid, e = 0.
-// h and out: T (__nv_bfloat16 or __half) bits.
-template <class T>
+// h and out: T (__nv_bfloat16 or __half) bits. Idx: uint32_t when rows * I / 8
+// < 2^32 (a 64-bit division per vector made the kernel instruction-bound), else int64_t.
+template <class T, class Idx>
 __global__ void glu_rows_kernel(const uint16_t* __restrict__ h, const int32_t* __restrict__ ids,
                                 const int32_t* __restrict__ sorted_slot,
                                 const int64_t* __restrict__ offsets, int num_experts, int64_t inter,
                                 int64_t max_rows, const float* __restrict__ bias,
                                 ActivationParams act, uint16_t* __restrict__ out) {
-  const int64_t rows = offsets[num_experts];
-  const int64_t vecs = inter / 8;
-  const int64_t total = (rows < max_rows ? rows : max_rows) * vecs;
-  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
-       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t r = idx / vecs, i = (idx % vecs) * 8;
+  const int64_t rows = offsets[num_experts] < max_rows ? offsets[num_experts] : max_rows;
+  const Idx vecs = static_cast<Idx>(inter / 8);
+  const Idx total = static_cast<Idx>(rows) * vecs;
+  for (Idx idx = static_cast<Idx>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
+       idx += static_cast<Idx>(gridDim.x) * blockDim.x) {
+    const int64_t r = idx / vecs, i = static_cast<int64_t>(idx % vecs) * 8;
     const int32_t slot = sorted_slot ? sorted_slot[r] : 0;
     uint4 res = make_uint4(0, 0, 0, 0);
     if (slot >= 0) {
@@ -100,12 +122,13 @@ __global__ void dense_offsets_kernel(int64_t* offsets, int64_t rows) {
 // offsets[e+1]), at most max_rows): h13 = a . w13[e]^T (bf16, in the front of
 // `workspace`), inter_rows = act(h13 + b13) (dtype), y_rows = inter_rows .
 // w2[e]^T (unweighted, no w2 bias; bf16 when y_bf16 (dtype bf16 only), else
-// f32). Tiles by pick_sm90_m64. sorted_slot / topk_ids: as in
+// f32). Tiles by pick_sm90_tile. sorted_slot / topk_ids: as in
 // glu_rows_kernel (null sorted_slot: one dense expert).
 struct GemmGluGemm {
   DType dtype;  // of a, w13, w2, h13 and inter_rows: kBF16 or kF16
   const uint16_t* a;
   int64_t max_rows;
+  int64_t rows_per_expert;  // expected (pick_sm90_tile)
   const int64_t* offsets;
   int64_t num_experts;
   const int32_t* topk_ids;
@@ -121,6 +144,19 @@ struct GemmGluGemm {
   void* workspace;
   size_t workspace_bytes;
 };
+
+// bf16 in, bf16 out: the instance of that tile.
+void grouped_gemm_bf16out(Sm90Tile tile, const sm90::Sm90GemmArgs& g, Stream stream) {
+  switch (tile) {
+    case Sm90Tile::kM128N256:
+      sm90::grouped_gemm_bf16out(g, stream);
+      return;
+    case Sm90Tile::kM64N256:
+      sm90::grouped_gemm_bf16out_m64(g, stream);
+      return;
+  }
+  FUSEDMOE_THROW(kInvalidArgument, "sm90 experts: unknown tile ", static_cast<int>(tile));
+}
 
 size_t h13_bytes(int64_t rows, int64_t inter) {
   return (static_cast<size_t>(rows) * 2 * inter * 2 + 255) / 256 * 256;
@@ -144,18 +180,19 @@ void gemm_glu_gemm(const GemmGluGemm& a, Stream stream) {
   g.workspace_bytes = a.workspace_bytes - h13b;
   const bool f16 = a.dtype == DType::kF16;
   FUSEDMOE_CHECK(!f16 || !a.y_bf16, "sm90 experts: f16 writes f32 rows");
-  const bool m64 = pick_sm90_m64(a.dtype);  // false for f16
   if (f16)
     sm90::grouped_gemm_f16_f16out(g, stream);
-  else if (m64)
-    sm90::grouped_gemm_bf16out_m64(g, stream);
   else
-    sm90::grouped_gemm_bf16out(g, stream);
+    grouped_gemm_bf16out(pick_sm90_tile(a.dtype, a.rows_per_expert, E, g.n, g.k), g, stream);
 
   const int64_t blocks = static_cast<int64_t>(num_sms()) * 16;
   const int64_t vecs = rows * (I / 8);
-  const int64_t glu_blocks = (vecs + 255) / 256 < blocks ? (vecs + 255) / 256 : blocks;
-  auto glu_rows = f16 ? glu_rows_kernel<__half> : glu_rows_kernel<__nv_bfloat16>;
+  const int64_t glu_blocks = std::min(ceil_div(vecs, 256), blocks);
+  const bool idx32 = vecs + glu_blocks * 256 < (int64_t{1} << 32);
+  auto glu_rows =
+      f16 ? (idx32 ? glu_rows_kernel<__half, uint32_t> : glu_rows_kernel<__half, int64_t>)
+          : (idx32 ? glu_rows_kernel<__nv_bfloat16, uint32_t>
+                   : glu_rows_kernel<__nv_bfloat16, int64_t>);
   glu_rows<<<static_cast<unsigned>(glu_blocks), 256, 0, stream>>>(
       h13, a.topk_ids, a.sorted_slot, a.offsets, static_cast<int>(E), I, rows, a.w13_bias, a.act,
       a.inter_rows);
@@ -172,10 +209,8 @@ void gemm_glu_gemm(const GemmGluGemm& a, Stream stream) {
     sm90::grouped_gemm_f16_f32out(g2, stream);
   else if (!a.y_bf16)
     sm90::grouped_gemm_f32out(g2, stream);
-  else if (m64)
-    sm90::grouped_gemm_bf16out_m64(g2, stream);
   else
-    sm90::grouped_gemm_bf16out(g2, stream);
+    grouped_gemm_bf16out(pick_sm90_tile(a.dtype, a.rows_per_expert, E, g2.n, g2.k), g2, stream);
 }
 
 }  // namespace
@@ -229,7 +264,9 @@ void sm90_experts(const Sm90ExpertsArgs& a, Stream stream) {
                  I);
   FUSEDMOE_CHECK(a.ldx % 8 == 0 && a.ldx >= H, "sm90_experts: ldx must be a multiple of 8 >= ", H,
                  ", got ", a.ldx);
-  FUSEDMOE_CHECK(E >= 1 && a.top_k >= 1, "sm90_experts: num_experts and top_k must be >= 1");
+  FUSEDMOE_CHECK(E >= 1 && a.top_k >= 1 && a.top_k <= kPermuteMaxK,
+                 "sm90_experts: num_experts must be >= 1 and top_k in [1, ", kPermuteMaxK,
+                 "], got ", E, " and ", a.top_k);
   FUSEDMOE_CHECK(a.dtype == DType::kBF16 || a.dtype == DType::kF16,
                  "sm90_experts: dtype must be bf16 or f16, got ", dtype_name(a.dtype));
   FUSEDMOE_CHECK(slots <= INT32_MAX, "sm90_experts: at most 2^31 - 1 routed rows, got ", slots);
@@ -241,15 +278,22 @@ void sm90_experts(const Sm90ExpertsArgs& a, Stream stream) {
   // The permuted input (bf16 / f16 [slots, H]) lives in y_rows until w2 writes it.
   auto* xs = reinterpret_cast<uint16_t*>(a.y_rows);
   const int64_t blocks = static_cast<int64_t>(num_sms()) * 16;
-  permute_rows_kernel<<<static_cast<unsigned>(slots < blocks ? slots : blocks), kPermuteThreads, 0,
-                        stream>>>(a.x, a.ldx, a.sorted_slot, a.expert_offsets, static_cast<int>(E),
-                                  static_cast<int>(a.top_k), H, slots, xs, a.slot_row);
+  const int64_t row_blocks = ceil_div(slots, 256);
+  slot_row_kernel<<<static_cast<unsigned>(row_blocks < blocks ? row_blocks : blocks), 256, 0,
+                    stream>>>(a.sorted_slot, a.expert_offsets, static_cast<int>(E), slots,
+                              a.slot_row);
+  FUSEDMOE_CUDA_CHECK_LAUNCH();
+  const int64_t T = a.num_tokens;
+  permute_tokens_kernel<<<static_cast<unsigned>(T < blocks ? T : blocks), kPermuteThreads, 0,
+                          stream>>>(a.x, a.ldx, a.topk_ids, a.slot_row, T, static_cast<int>(E),
+                                    static_cast<int>(a.top_k), H, xs);
   FUSEDMOE_CUDA_CHECK_LAUNCH();
 
-  gemm_glu_gemm({a.dtype, xs, slots, a.expert_offsets, E, a.topk_ids, a.sorted_slot, H, I, a.w13,
-                 a.w13_bias, a.w2, a.act, a.inter_rows, a.y_rows, a.dtype == DType::kBF16,
-                 a.workspace, a.workspace_bytes},
-                stream);
+  gemm_glu_gemm(
+      {a.dtype, xs, slots, routed_rows_per_expert(a.num_tokens, a.top_k, E), a.expert_offsets, E,
+       a.topk_ids, a.sorted_slot, H, I, a.w13, a.w13_bias, a.w2, a.act, a.inter_rows, a.y_rows,
+       a.dtype == DType::kBF16, a.workspace, a.workspace_bytes},
+      stream);
 #else
   (void)a;
   (void)stream;
@@ -285,7 +329,7 @@ void sm90_dense_expert(const Sm90DenseExpertArgs& a, Stream stream) {
   dense_offsets_kernel<<<1, 1, 0, stream>>>(offsets, T);
   FUSEDMOE_CUDA_CHECK_LAUNCH();
   gemm_glu_gemm(
-      {a.dtype, a.x, T, offsets, 1, nullptr, nullptr, H, I, a.w13, a.w13_bias, a.w2, a.act,
+      {a.dtype, a.x, T, T, offsets, 1, nullptr, nullptr, H, I, a.w13, a.w13_bias, a.w2, a.act,
        a.inter_rows, a.out, false, static_cast<char*>(a.workspace) + 256, a.workspace_bytes - 256},
       stream);
 #else

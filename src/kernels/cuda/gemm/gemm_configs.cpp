@@ -38,6 +38,17 @@
 //   5558 vs 5709, T = 2048 5931 vs 6060, T = 4096 7327 vs 7533; worse: Mixtral
 //   T = 256 (64 rows per expert) 784 vs 756. So bf16 takes m64 everywhere;
 //   f16 (and the f32-output dense shared expert) keeps the 128 x 256 instances.
+// Session 8 (bench/results/2026-11-30-session8.md; ncu, each GEMM alone, us,
+// w13 / w2, FUSEDMOE_CUDA_SM90_TILE=m64 vs m128):
+//   Mixtral T = 256 (64 rows per expert): w2 282.7 vs 233.4 (71 vs 85 % of DRAM
+//     bandwidth: 128 work tiles on 132 SMs, so each pingpong CTA ran one tile on
+//     one warpgroup); w13 (896 tiles) 488.2 vs 488.3.
+//   Mixtral T = 64 (16 rows): w13 442.7 vs 532.7, w2 226.5 vs 232.8 (m64);
+//   T = 1024: w13 896.7 vs 873.3, w2 417.8 vs 443.6; Qwen3 T = 256-4096 and
+//   DeepSeek-V3 T = 1024-4096: m64 equal or better (1-9 %).
+//   64 x 128 pingpong tiles (K tile 64 or 128) were slower at every point but
+//   one tie (Mixtral T = 4096 w13 4522 vs 2659, Qwen3 T = 4096 594 vs 373,
+//   DeepSeek-V3 T = 4096 6243 vs 4050) and were not kept.
 // Two other CUTLASS configurations were measured there and not kept (each
 // would cost two more heavy translation units): 128 x 128 pingpong and
 // 128 x 256 cooperative in 2 x 1 clusters (B multicast) were slower at every
@@ -46,6 +57,7 @@
 #include <cstring>
 
 #include "fusedmoe/kernels/cuda.h"
+#include "kernels/cuda/cuda_common.cuh"  // num_sms
 #include "kernels/cuda/gemm/gemm_instances.h"
 #include "kernels/cuda/routed_experts.h"
 
@@ -109,14 +121,20 @@ bool pick_sm90_experts(int64_t rows_per_expert, int64_t /*routed_rows*/, int64_t
   return force_sm90 || rows_per_expert >= kSm90MinRowsPerExpert;
 }
 
-bool pick_sm90_m64(DType dtype) {
+Sm90Tile pick_sm90_tile(DType dtype, int64_t rows_per_expert, int64_t num_experts, int64_t n,
+                        int64_t /*k*/) {
+  if (dtype != DType::kBF16) return Sm90Tile::kM128N256;
   const char* env = std::getenv("FUSEDMOE_CUDA_SM90_TILE");
-  const bool force_m64 = env != nullptr && std::strcmp(env, "m64") == 0;
-  const bool force_m128 = env != nullptr && std::strcmp(env, "m128") == 0;
-  FUSEDMOE_CHECK(env == nullptr || env[0] == '\0' || force_m64 || force_m128,
-                 "FUSEDMOE_CUDA_SM90_TILE: expected m64 or m128, got ", env);
-  (void)force_m64;  // the default: m64 at every measured size (see above)
-  return dtype == DType::kBF16 && !force_m128;
+  if (env != nullptr && env[0] != '\0') {
+    if (std::strcmp(env, "m64") == 0) return Sm90Tile::kM64N256;
+    if (std::strcmp(env, "m128") == 0) return Sm90Tile::kM128N256;
+    FUSEDMOE_THROW(kInvalidArgument, "FUSEDMOE_CUDA_SM90_TILE: expected m64 or m128, got ", env);
+  }
+  // Fewer 64-row tiles than SMs: a pingpong CTA gets one tile, and one of its
+  // consumer warpgroups idles; the cooperative kernel puts both on it (above).
+  const int64_t tiles_m64 = (rows_per_expert + 63) / 64 * ((n + 255) / 256) * num_experts;
+  if (rows_per_expert > 32 && tiles_m64 <= num_sms()) return Sm90Tile::kM128N256;
+  return Sm90Tile::kM64N256;
 }
 
 void grouped_gemm(const GroupedGemmArgs& a, Stream stream) {
