@@ -134,6 +134,21 @@ inline const CLI::Validator kNonEmpty(
     },
     "PATH");
 
+// A flag (run --quiet, bench --no-baseline, ...): given alone, or as
+// --flag=true / --flag=false. Any other value is a usage error naming the flag
+// and the text given (CLI11 alone would read "--quiet=3" or "--quiet=yes" as
+// true and "--quiet=0" as false).
+inline CLI::Option* add_bool_flag(CLI::App& cmd, const std::string& name, bool& value,
+                                  const std::string& help) {
+  return cmd.add_flag(name, value, help)
+      ->check(CLI::Validator(
+          [](std::string& input) -> std::string {
+            if (input == "true" || input == "false") return {};
+            return "a flag, expected no value (or true / false), got \"" + input + "\"";
+          },
+          ""));
+}
+
 // ---- inspect ------------------------------------------------------------------
 struct InspectOptions {
   std::string path;  // model directory, config.json, or a .safetensors file

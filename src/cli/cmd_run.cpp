@@ -441,7 +441,7 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
       ->needs(ref);
   cmd->add_option("--repeat", o.repeat, "Run the forward N times; the median time is reported")
       ->transform(kPositiveInt);
-  cmd->add_flag("--quiet", o.quiet, "Leave out the expert load histogram");
+  add_bool_flag(*cmd, "--quiet", o.quiet, "Leave out the expert load histogram");
   cmd->add_option("--ep-size", o.ep_size,
                   "Expert parallelism over ranks (mpirun -np N ... --ep-size N): each EP rank "
                   "runs a share of the tokens and holds a share of the experts; rank 0 writes")

@@ -479,17 +479,10 @@ std::string describe_parse_error(const CLI::ParseError& e, CLI::App& cmd, int ar
       }
     }
   }
-  if (dynamic_cast<const CLI::ConversionError*>(&e)) {
-    // "Could not convert: --no-baseline = maybe": a flag given a value.
-    const std::string head = "Could not convert: ";
-    const size_t eq = what.find(" = ");
-    if (what.rfind(head, 0) == 0 && eq != std::string::npos) {
-      const std::string opt_name = what.substr(head.size(), eq - head.size());
-      const CLI::Option* opt = cmd.get_option_no_throw(opt_name);
-      if (opt && opt->get_expected_min() == 0)
-        return name + " " + opt_name + ": a flag, expected no value (or true / false), got \"" +
-               what.substr(eq + 3) + "\"" + help;
-    }
+  if (dynamic_cast<const CLI::ValidationError*>(&e)) {
+    // "--quiet: a flag, expected no value ...": a flag given a value (add_bool_flag).
+    if (const CLI::Option* opt = option_named(what); opt && opt->get_expected_min() == 0)
+      return name + " " + what + help;
   }
   if (dynamic_cast<const CLI::RequiredError*>(&e)) {
     // "PATH is required": a positional argument left out.
