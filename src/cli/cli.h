@@ -149,6 +149,22 @@ inline CLI::Option* add_bool_flag(CLI::App& cmd, const std::string& name, bool& 
           ""));
 }
 
+// An output file option (run --output, bench --csv): a non-empty path, and not
+// "-": the standard output carries the command's report, so "-" cannot mean
+// it, and is not taken as a file named "-" either (./- names one).
+inline CLI::Validator output_path(const std::string& what) {
+  return CLI::Validator(
+      [what](std::string& input) -> std::string {
+        if (input.empty()) return "expected a path, got an empty string";
+        if (input == "-")
+          return "expected a file path, got \"-\" (not the standard output: it carries the "
+                 "report, and " +
+                 what + "; ./- names a file called -)";
+        return {};
+      },
+      "PATH");
+}
+
 // ---- inspect ------------------------------------------------------------------
 struct InspectOptions {
   std::string path;  // model directory, config.json, or a .safetensors file

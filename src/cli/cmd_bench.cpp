@@ -95,8 +95,8 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& o) {
       ->capture_default_str();
   cmd->add_option("--csv", o.csv,
                   "Also write the results to this CSV file (written in full at the end; none on "
-                  "an error)")
-      ->check(kNonEmpty);
+                  "an error; a file path: not - for the standard output, which carries the tables)")
+      ->check(output_path("the tables there are Markdown"));
   cmd->add_option("--memory-fraction", o.memory_fraction,
                   "Share of physical memory a layer may use; larger shapes get fewer experts")
       ->transform(number_in(0.01, 0.95))

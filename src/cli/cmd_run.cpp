@@ -414,8 +414,9 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
                    ->transform(kSeed);
   seed->needs(tokens);
   cmd->add_option("--output", o.output,
-                  "Write output, topk_ids, topk_weights, router_logits to this .safetensors file")
-      ->check(kNonEmpty);
+                  "Write output, topk_ids, topk_weights, router_logits to this .safetensors file "
+                  "(a file path: not - for the standard output, which carries the summary)")
+      ->check(output_path("the output is a binary .safetensors file"));
   auto* cdt = cmd->add_option("--compute-dtype", o.compute_dtype,
                               "f32 or bf16; with --backend cuda bf16 or f16: the experts' type on "
                               "the GPU (weights converted; default: f16 for an f16 checkpoint, "

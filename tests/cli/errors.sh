@@ -166,6 +166,14 @@ for flag in "run --quiet=3" "run --quiet=0" "run --quiet=yes" "bench --no-baseli
 done
 "$BIN" run --model "$FIX" --tokens 1 --quiet=true >/dev/null && "$BIN" run --model "$FIX" --tokens 1 --quiet=false >/dev/null ||
   { echo "FAIL run --quiet=true / --quiet=false: refused"; failures=$((failures + 1)); }
+# "-" is no file name here, nor the standard output (which carries the report): refused, and no
+# file named "-" is left in the working folder (expect_error checks $OUTDIR, the folder run in).
+pushd "$OUTDIR" >/dev/null
+expect_usage "run --output -" "error: run --output: expected a file path, got \"-\" (not the standard output" -- \
+  run --model "$FIX" --tokens 1 --output -
+expect_usage "bench --csv -" "error: bench --csv: expected a file path, got \"-\" (not the standard output" -- \
+  bench --csv - --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0 --no-baseline
+popd >/dev/null
 expect_error "output into a missing folder" "$TMP/no/such/dir" -- run --model "$FIX" "${run_args[@]}" \
   --output "$TMP/no/such/dir/out.safetensors"
 
