@@ -262,6 +262,10 @@ std::vector<std::string> split_list(const std::string& text);
 // This process's rank on its node (OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID,
 // SLURM_LOCALID), else `world_rank`: picks the GPU of a rank.
 int local_rank(int world_rank);
+// The number of this launch's ranks on this node (OMPI_COMM_WORLD_LOCAL_SIZE,
+// MPI_LOCALNRANKS), else `world_size` (all on this machine): the ranks that
+// share its memory.
+int local_size(int world_size);
 
 // An error in how the command was invoked, found after parsing (the rank count
 // does not match the parallel sizes): main() prints it and exits with 2, as

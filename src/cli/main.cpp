@@ -35,6 +35,18 @@ int local_rank(int world_rank) {
   return world_rank;
 }
 
+int local_size(int world_size) {
+  for (const char* name : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"}) {
+    const char* v = std::getenv(name);
+    if (v && *v) {
+      char* end = nullptr;
+      const long n = std::strtol(v, &end, 10);
+      if (end && *end == '\0' && n >= 1 && n <= world_size) return static_cast<int>(n);
+    }
+  }
+  return world_size;
+}
+
 int ranks_needed(int ep_size, int tp_size, int dp_size) {
   return (dp_size > 1 ? dp_size : ep_size) * tp_size;
 }

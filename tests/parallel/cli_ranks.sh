@@ -220,6 +220,12 @@ else
   echo "ok: bench --ep-size 2 budgets the worst-case routing ($most tokens a rank at most)"
 fi
 
+# run: the ranks' buffers for T tokens (each rank's worst case) beside their weights
+# must fit the machine's memory, which the ranks on it share: more tokens are an
+# error naming --tokens and the most that fit, not ranks the OOM killer ends.
+expect_error 1 "--tokens: expected at most [0-9]+ tokens for this machine's memory, got 1000000000000000 \(.* shared by the 2 ranks on it\); give fewer tokens" 1 -- \
+  $M "$npflag" 2 $R --tokens 1000000000000000 --ep-size 2
+
 # --help, --version and inspect on every rank: printed once, by rank 0 (as run
 # reports), exit code 0.
 MODEL=$("$BIN" --help | sed -n 's/^Bundled model: //p')
