@@ -332,17 +332,48 @@ size_t layer_bytes(const LayerShape& s, DType dtype, bool with_baseline) {
 size_t token_bytes(const LayerShape& s, bool with_baseline) {
   const size_t H = static_cast<size_t>(s.H), I = static_cast<size_t>(s.I),
                k = static_cast<size_t>(s.k), f = sizeof(float);
-  // The batches: hidden states, topk ids (i32) and weights (f32); the output.
-  size_t b = static_cast<size_t>(kBatchRotation) * (H * f + 2 * k * 4) + H * f;
-  // The kernel's routed rows (kernels/cpu): permuted input and expert output
-  // [H] each, activation [I], source row and slot maps (i32), and its work
-  // items (12 bytes for each 128 rows of each 32 activation / 64 output columns).
-  const size_t items = 12 * std::max((I + 31) / 32, (H + 63) / 64) / 128 + 1;
-  b += k * (2 * H * f + I * f + 2 * 4 + items);
+  size_t b = batch_token_bytes(s) + k * routed_row_bytes(s.H, s.I);  // + the kernel's routed rows
   // The baseline: reference output, gathered input and output rows [H],
   // gate/up [2I], activation [I], and its slot list (i64).
   if (with_baseline) b += H * f + (2 * H + 3 * I) * f + k * 8;
   return b;
+}
+
+size_t batch_token_bytes(const LayerShape& s) {
+  const size_t H = static_cast<size_t>(s.H), k = static_cast<size_t>(s.k), f = sizeof(float);
+  // The batches: hidden states, topk ids (i32) and weights (f32); the output.
+  return static_cast<size_t>(kBatchRotation) * (H * f + 2 * k * 4) + H * f;
+}
+
+size_t routed_row_bytes(int64_t H_, int64_t I_) {
+  const size_t H = static_cast<size_t>(H_), I = static_cast<size_t>(I_), f = sizeof(float);
+  // Permuted input and expert output [H] each, activation [I], source row and
+  // slot maps (i32), and the work items (12 bytes for each 128 rows of each 32
+  // activation / 64 output columns).
+  const size_t items = 12 * std::max((I + 31) / 32, (H + 63) / 64) / 128 + 1;
+  return 2 * H * f + I * f + 2 * 4 + items;
+}
+
+size_t rank_token_bytes(int64_t H_, int64_t I_local, int64_t k_, int64_t E_local, int groups) {
+  const size_t H = static_cast<size_t>(H_), k = static_cast<size_t>(k_), f = sizeof(float);
+  const size_t row = routed_row_bytes(H_, I_local);
+  if (groups <= 1) return k * (row + 4);  // routed rows, local ids
+  const size_t g = static_cast<size_t>(groups);
+  const size_t m = static_cast<size_t>(std::min(k_, E_local));  // routed rows a received token
+  const size_t record = H * f + 8 * k;                          // f32 payload, ids, weights
+  // Received: the record, its hidden states, ids and weights, a row index;
+  // its routed rows and the combine rows they send back.
+  const size_t received = record + H * f + 8 * k + 8 + m * (row + H * f);
+  // Sent: a record to each destination rank, the destination / row maps, the
+  // slot-to-row map, and the combine rows that come back (one per slot).
+  const size_t sent = std::min(k, g) * record + 12 * k + 4 + 4 * k + k * H * f;
+  return g * received + sent;
+}
+
+int64_t most_tokens_within(size_t budget, size_t fixed, size_t per_token) {
+  if (fixed >= budget) return 0;
+  return static_cast<int64_t>(std::min<size_t>((budget - fixed) / std::max<size_t>(per_token, 1),
+                                               static_cast<size_t>(INT64_MAX)));
 }
 
 LayerShape fit_to_memory(LayerShape s, DType dtype, bool with_baseline, size_t budget_bytes,
@@ -365,8 +396,7 @@ LayerShape fit_to_memory(LayerShape s, DType dtype, bool with_baseline, size_t b
   // The tokens' buffers beside the weights at E = k: compared by division, so
   // that no count of tokens overflows.
   const size_t per_token = token_bytes(s, with_baseline);
-  const int64_t most_tokens = static_cast<int64_t>(
-      std::min<size_t>((budget_bytes - least) / per_token, static_cast<size_t>(INT64_MAX)));
+  const int64_t most_tokens = most_tokens_within(budget_bytes, least, per_token);
   if (max_tokens > most_tokens) {
     char sizes[160];
     std::snprintf(sizes, sizeof sizes, "%.1f KiB a token", static_cast<double>(per_token) / 1024);

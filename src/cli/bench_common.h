@@ -83,6 +83,28 @@ size_t layer_bytes(const LayerShape& s, DType dtype, bool with_baseline);
 // baseline its reference output f32 [T, H], its per-expert buffers (at most T
 // rows: the experts are distinct per token) and its slot list.
 size_t token_bytes(const LayerShape& s, bool with_baseline);
+// The batches' and the output's share of token_bytes: kBatchRotation routed
+// batches (hidden states f32 [H], topk ids and weights [k]) and the output [H].
+size_t batch_token_bytes(const LayerShape& s);
+// Bytes the CPU modular kernel's workspace holds for each routed row (one
+// token's slot at one expert, kernels/cpu): permuted input and expert output
+// f32 [H], activation f32 [I], source row and slot maps (i32), and its work
+// items. token_bytes counts k of them a token.
+size_t routed_row_bytes(int64_t H, int64_t I);
+// Bytes the routed experts of one rank hold at worst for each token of a token
+// group (parallel/distributed_experts.cpp), the rank holding E_local experts
+// with I_local columns each. With expert parallelism over `groups` token groups
+// (> 1) a rank may receive every group's tokens (all-to-one routing), each with
+// min(k, E_local) routed rows: per token of a group, `groups` received records
+// (f32 payload, the largest), hidden states, ids and weights, those routed rows
+// and their combine rows, plus the rank's own dispatch records (one per
+// destination rank, at most min(k, groups)), maps and combine rows. With one
+// group (no expert parallelism): the token's k routed rows and local ids.
+size_t rank_token_bytes(int64_t H, int64_t I_local, int64_t k, int64_t E_local, int groups);
+// The most tokens of `per_token` bytes that fit in `budget` bytes beside
+// `fixed` bytes (0 when `fixed` alone is over it); compared by division, so
+// that no count overflows.
+int64_t most_tokens_within(size_t budget, size_t fixed, size_t per_token);
 // Fits a shape and its buffers for up to `max_tokens` tokens into
 // `budget_bytes`: reduces E (keeping k, H, I; E a multiple of 8 where it can,
 // >= k) until layer_bytes + max_tokens x token_bytes fits; records what it did

@@ -134,6 +134,37 @@ inline const CLI::Validator kNonEmpty(
     },
     "PATH");
 
+// A flag (run --quiet, bench --no-baseline, ...): given alone, or as
+// --flag=true / --flag=false. Any other value is a usage error naming the flag
+// and the text given (CLI11 alone would read "--quiet=3" or "--quiet=yes" as
+// true and "--quiet=0" as false).
+inline CLI::Option* add_bool_flag(CLI::App& cmd, const std::string& name, bool& value,
+                                  const std::string& help) {
+  return cmd.add_flag(name, value, help)
+      ->check(CLI::Validator(
+          [](std::string& input) -> std::string {
+            if (input == "true" || input == "false") return {};
+            return "a flag, expected no value (or true / false), got \"" + input + "\"";
+          },
+          ""));
+}
+
+// An output file option (run --output, bench --csv): a non-empty path, and not
+// "-": the standard output carries the command's report, so "-" cannot mean
+// it, and is not taken as a file named "-" either (./- names one).
+inline CLI::Validator output_path(const std::string& what) {
+  return CLI::Validator(
+      [what](std::string& input) -> std::string {
+        if (input.empty()) return "expected a path, got an empty string";
+        if (input == "-")
+          return "expected a file path, got \"-\" (not the standard output: it carries the "
+                 "report, and " +
+                 what + "; ./- names a file called -)";
+        return {};
+      },
+      "PATH");
+}
+
 // ---- inspect ------------------------------------------------------------------
 struct InspectOptions {
   std::string path;  // model directory, config.json, or a .safetensors file
@@ -231,6 +262,10 @@ std::vector<std::string> split_list(const std::string& text);
 // This process's rank on its node (OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID,
 // SLURM_LOCALID), else `world_rank`: picks the GPU of a rank.
 int local_rank(int world_rank);
+// The number of this launch's ranks on this node (OMPI_COMM_WORLD_LOCAL_SIZE,
+// MPI_LOCALNRANKS), else `world_size` (all on this machine): the ranks that
+// share its memory.
+int local_size(int world_size);
 
 // An error in how the command was invoked, found after parsing (the rank count
 // does not match the parallel sizes): main() prints it and exits with 2, as

@@ -95,8 +95,8 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& o) {
       ->capture_default_str();
   cmd->add_option("--csv", o.csv,
                   "Also write the results to this CSV file (written in full at the end; none on "
-                  "an error)")
-      ->check(kNonEmpty);
+                  "an error; a file path: not - for the standard output, which carries the tables)")
+      ->check(output_path("the tables there are Markdown"));
   cmd->add_option("--memory-fraction", o.memory_fraction,
                   "Share of physical memory a layer may use; larger shapes get fewer experts")
       ->transform(number_in(0.01, 0.95))
@@ -107,12 +107,12 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& o) {
   cmd->add_option("--max-experts", o.max_experts,
                   "Use at most this many experts per shape (quick runs; k, H, I are kept)")
       ->transform(integer_at_least(1));
-  cmd->add_flag("--no-baseline", o.no_baseline, "Skip the BLAS-per-expert baseline");
+  add_bool_flag(*cmd, "--no-baseline", o.no_baseline, "Skip the BLAS-per-expert baseline");
   cmd->add_option("--ep-size", o.ep_size,
                   "Expert parallelism under mpirun (-np = ep or dp size x tp size): layer time, "
                   "dispatch and combine bandwidth; --tokens are per rank")
       ->transform(kPositiveInt);
-  cmd->add_flag("--nccl", o.nccl,
+  add_bool_flag(*cmd, "--nccl", o.nccl,
                 "--backend cuda: run the expert-parallel path over NCCL also at --ep-size 1 "
                 "(one rank: dispatch / combine through the communicator)");
   cmd->add_option("--tp-size", o.tp_size, "Tensor parallelism inside experts")
@@ -129,7 +129,7 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& o) {
                   "--routing as on the CPU; shapes mixtral, qwen3, deepseek)")
       ->check(one_of({"cpu", "cuda"}))
       ->capture_default_str();
-  cmd->add_flag("--sweep", o.sweep, "cuda: also time every GEMM tile configuration");
+  add_bool_flag(*cmd, "--sweep", o.sweep, "cuda: also time every GEMM tile configuration");
   cmd->add_option("--dump-dir", o.dump_dir,
                   "cuda: write routings, outputs and manifest.json for "
                   "bench/cuda/torch_baseline.py (PyTorch on the same inputs)")

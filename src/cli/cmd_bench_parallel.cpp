@@ -99,19 +99,24 @@ int run_bench_parallel(const BenchOptions& o) {
         exact_number(o.memory_fraction), " of ",
         format_bytes(static_cast<double>(physical_memory_bytes())),
         " physical memory); give a larger --memory-fraction or fewer experts (--max-experts)");
-    // ... with the buffers of the largest T beside it (each rank's T tokens, and
-    // about T k routed rows with balanced routing: token_bytes of its share).
-    const size_t per_token = token_bytes(local, false) * world->size();
-    const int64_t most_tokens = static_cast<int64_t>(
-        std::min<size_t>((budget - shares) / per_token, static_cast<size_t>(INT64_MAX)));
+    // ... with the buffers of the largest T beside it: each rank's batches and
+    // output, and what its experts may receive at worst, whatever the routing
+    // (rank_token_bytes: under expert parallelism every token group's tokens,
+    // as all-to-one routing sends them, not an even share).
+    const int groups = pc.ep_size > 1 ? (pc.dp_size > 1 ? pc.dp_size : pc.ep_size) : 1;
+    const size_t per_token =
+        (batch_token_bytes(local) + rank_token_bytes(local.H, local.I, local.k, local.E, groups)) *
+        world->size();
+    const int64_t most_tokens = most_tokens_within(budget, shares, per_token);
     FUSEDMOE_CHECK(max_tokens <= most_tokens, "--tokens: expected at most ", most_tokens,
                    " per rank for this machine's memory, got ", max_tokens, " (shape '", shape.name,
                    "': ", format_bytes(static_cast<double>(per_token)),
                    " a token for the activations, intermediates and outputs of the ", world->size(),
-                   " ranks, beside their expert shares of ",
-                   format_bytes(static_cast<double>(shares)), ", within the budget of ",
-                   format_bytes(static_cast<double>(budget)), ": --memory-fraction ",
-                   exact_number(o.memory_fraction), " of ",
+                   " ranks, each budgeted for the most it can receive (",
+                   groups > 1 ? "every rank's tokens" : "its own tokens' routed rows",
+                   "), beside their expert shares of ", format_bytes(static_cast<double>(shares)),
+                   ", within the budget of ", format_bytes(static_cast<double>(budget)),
+                   ": --memory-fraction ", exact_number(o.memory_fraction), " of ",
                    format_bytes(static_cast<double>(physical_memory_bytes())),
                    " physical memory); give fewer --tokens or a larger --memory-fraction");
     layouts.emplace_back(shape, local);

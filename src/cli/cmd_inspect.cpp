@@ -93,7 +93,7 @@ CLI::App* add_inspect_command(CLI::App& app, InspectOptions& opts) {
                   "*.safetensors.index.json, or a .safetensors file")
       ->required()
       ->check(kNonEmpty);
-  cmd->add_flag("--json", opts.json, "Print JSON instead of text");
+  add_bool_flag(*cmd, "--json", opts.json, "Print JSON instead of text");
   return cmd;
 }
 

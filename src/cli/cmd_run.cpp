@@ -21,6 +21,7 @@
 #include "fusedmoe/io/loader.h"
 #include "fusedmoe/io/safetensors.h"
 #include "fusedmoe/parallel/communicator.h"
+#include "fusedmoe/parallel/expert_map.h"
 #include "fusedmoe/runner/moe_runner.h"
 #ifdef FUSEDMOE_WITH_CUDA
 #include <cuda_runtime_api.h>
@@ -414,8 +415,9 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
                    ->transform(kSeed);
   seed->needs(tokens);
   cmd->add_option("--output", o.output,
-                  "Write output, topk_ids, topk_weights, router_logits to this .safetensors file")
-      ->check(kNonEmpty);
+                  "Write output, topk_ids, topk_weights, router_logits to this .safetensors file "
+                  "(a file path: not - for the standard output, which carries the summary)")
+      ->check(output_path("the output is a binary .safetensors file"));
   auto* cdt = cmd->add_option("--compute-dtype", o.compute_dtype,
                               "f32 or bf16; with --backend cuda bf16 or f16: the experts' type on "
                               "the GPU (weights converted; default: f16 for an f16 checkpoint, "
@@ -441,7 +443,7 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
       ->needs(ref);
   cmd->add_option("--repeat", o.repeat, "Run the forward N times; the median time is reported")
       ->transform(kPositiveInt);
-  cmd->add_flag("--quiet", o.quiet, "Leave out the expert load histogram");
+  add_bool_flag(*cmd, "--quiet", o.quiet, "Leave out the expert load histogram");
   cmd->add_option("--ep-size", o.ep_size,
                   "Expert parallelism over ranks (mpirun -np N ... --ep-size N): each EP rank "
                   "runs a share of the tokens and holds a share of the experts; rank 0 writes")
@@ -583,6 +585,54 @@ int run_run(const RunOptions& o) {
   const int64_t H = config.hidden_size, k = config.top_k;
   const int64_t num_logits = config.num_router_logits();
 
+  // The memory T tokens take on this rank, as bench budgets its tokens
+  // (bench_common.h): every rank holds the whole input, output and routing
+  // [T, ...]; its token group's rows run through the routed experts, budgeted
+  // for the most they can receive (rank_token_bytes: under expert parallelism
+  // every group's tokens), and the shared expert. Beside this rank's weights,
+  // the ranks on this machine must fit its physical memory: T over that is an
+  // error naming what gave T (--tokens before anything is allocated for it),
+  // not a process the OOM killer ends.
+  const auto check_tokens_fit = [&](int64_t T, const std::string& what) {
+    const ParallelConfig& pc = config.parallel;
+    const int64_t E_local = ExpertMap(config.num_experts, pc.ep_size, pc.expert_placement)
+                                .num_local_experts(pc.ep_rank);
+    const int64_t I_local = tp_slice(config.intermediate_size, pc.tp_size, pc.tp_rank).second;
+    const int64_t S_local =
+        config.has_shared_expert()
+            ? tp_slice(config.shared_intermediate_size, pc.tp_size, pc.tp_rank).second
+            : 0;
+    const size_t es = info.dtype == DType::kBF16 ? 2 : 4, f = sizeof(float);
+    const size_t weights =
+        es * static_cast<size_t>(3 * H * (E_local * I_local + S_local) + num_logits * H);
+    // Every rank: input, output, topk ids and weights, router logits [T, ...];
+    // the reference and its f64 copy.
+    const size_t whole = f * static_cast<size_t>(2 * H + 2 * k + num_logits) +
+                         (o.reference.empty() ? 0 : 16 * static_cast<size_t>(H));
+    const int groups = pc.dp_size > 1 ? pc.dp_size : pc.ep_size;  // token groups
+    const size_t rows =
+        on_cuda ? 0
+                : bench::rank_token_bytes(H, I_local, k, E_local, pc.ep_size > 1 ? groups : 1) +
+                      (S_local > 0 ? f * static_cast<size_t>(2 * H + 1 + S_local) : 0);
+    // This group's ceil(T / groups) rows: one group's rows beside, the rest a share.
+    const size_t per_token = whole + (rows + groups - 1) / groups;
+    const int ranks = world ? local_size(world->size()) : 1;
+    const size_t physical = bench::physical_memory_bytes();
+    const size_t budget = physical / static_cast<size_t>(ranks);
+    const int64_t most = bench::most_tokens_within(budget, weights + rows, per_token);
+    if (T <= most) return;
+    throw Error(
+        ErrorCode::kInvalidArgument,
+        detail::concat(what, ": expected at most ", most, " tokens for this machine's memory, got ",
+                       T, " (", format_bytes(static_cast<double>(per_token)),
+                       " a token for the hidden states, routing and output and the experts' "
+                       "routed rows and intermediates, beside ",
+                       format_bytes(static_cast<double>(weights)), " of weights, within ",
+                       format_bytes(static_cast<double>(physical)), " physical memory",
+                       ranks > 1 ? " shared by the " + std::to_string(ranks) + " ranks on it" : "",
+                       "); give fewer tokens"));
+  };
+
   // Input.
   Tensor input;
   std::string input_desc;
@@ -592,6 +642,7 @@ int run_run(const RunOptions& o) {
     if (raw.ndim() != 2 || raw.size(1) != H)
       FUSEDMOE_THROW(kInvalidArgument, what, ": expected [T, ", H, "], got ", raw.shape_str());
     check_float_dtype(raw, what);
+    check_tokens_fit(raw.size(0), what);
     input = raw.dtype() == DType::kF32 ? raw : to_f32(raw);
     input_desc = o.input_key.empty() ? base_name(o.input) : base_name(o.input) + ":" + o.input_key;
   } else {
@@ -599,6 +650,7 @@ int run_run(const RunOptions& o) {
     if (!o.seed_given)
       seed = (static_cast<uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}();
     if (world) world->broadcast(&seed, sizeof seed, 0);  // the same tokens on every rank
+    check_tokens_fit(o.tokens, "--tokens");
     try {
       input = Tensor::empty(DType::kF32, {o.tokens, H});
     } catch (const Error& e) {  // too many tokens for the memory: the option that asked

@@ -35,6 +35,18 @@ int local_rank(int world_rank) {
   return world_rank;
 }
 
+int local_size(int world_size) {
+  for (const char* name : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"}) {
+    const char* v = std::getenv(name);
+    if (v && *v) {
+      char* end = nullptr;
+      const long n = std::strtol(v, &end, 10);
+      if (end && *end == '\0' && n >= 1 && n <= world_size) return static_cast<int>(n);
+    }
+  }
+  return world_size;
+}
+
 int ranks_needed(int ep_size, int tp_size, int dp_size) {
   return (dp_size > 1 ? dp_size : ep_size) * tp_size;
 }
@@ -479,17 +491,10 @@ std::string describe_parse_error(const CLI::ParseError& e, CLI::App& cmd, int ar
       }
     }
   }
-  if (dynamic_cast<const CLI::ConversionError*>(&e)) {
-    // "Could not convert: --no-baseline = maybe": a flag given a value.
-    const std::string head = "Could not convert: ";
-    const size_t eq = what.find(" = ");
-    if (what.rfind(head, 0) == 0 && eq != std::string::npos) {
-      const std::string opt_name = what.substr(head.size(), eq - head.size());
-      const CLI::Option* opt = cmd.get_option_no_throw(opt_name);
-      if (opt && opt->get_expected_min() == 0)
-        return name + " " + opt_name + ": a flag, expected no value (or true / false), got \"" +
-               what.substr(eq + 3) + "\"" + help;
-    }
+  if (dynamic_cast<const CLI::ValidationError*>(&e)) {
+    // "--quiet: a flag, expected no value ...": a flag given a value (add_bool_flag).
+    if (const CLI::Option* opt = option_named(what); opt && opt->get_expected_min() == 0)
+      return name + " " + what + help;
   }
   if (dynamic_cast<const CLI::RequiredError*>(&e)) {
     // "PATH is required": a positional argument left out.

@@ -4,7 +4,14 @@
 // configuration_<arch>.py / modeling_<arch>.py. Shape fields (hidden_size,
 // num_hidden_layers, expert count, top-k, intermediate sizes) are required: a
 // config without them is not a usable checkpoint description. Other fields
-// take the configuration class's default when absent or null.
+// take the configuration class's default when absent, and when null too,
+// except where transformers reads the None itself (README, "Supported
+// models"): a boolean null is false (HF tests its truth: `if
+// self.norm_topk_prob:`); DeepSeek's n_shared_experts null is no shared expert
+// (DeepSeek's reference code and vLLM test `is not None`; HF's strict config
+// class refuses it); a null that HF cannot build or run a layer with
+// (DeepSeek-V3's n_group, topk_group, first_k_dense_replace) is an error naming
+// the field.
 #include "fusedmoe/io/hf_config.h"
 
 #include <algorithm>
@@ -87,7 +94,24 @@ class Fields {
     FUSEDMOE_THROW(kInvalidArgument, where_, ": field '", k, "': expected a number, got ",
                    v->dump());
   }
+  // True when `key` is present with the value null (Python's None).
+  bool is_null(const char* key) const {
+    const auto it = j_.find(key);
+    return it != j_.end() && it->is_null();
+  }
+  // A field that HF transformers cannot build or run a layer with when None:
+  // null is an error naming it (`want`: what it takes), not the default.
+  void refuse_null(const char* key, const char* want, const char* why) const {
+    if (is_null(key))
+      FUSEDMOE_THROW(kInvalidArgument, where_, ": field '", key, "': expected ", want,
+                     ", got null (", why, ")");
+  }
+  // A boolean: null is false, as HF's `if config.<field>:` reads None.
   bool get_bool(std::initializer_list<const char*> keys, bool def) const {
+    for (const char* key : keys) {
+      if (is_null(key)) return false;
+      if (j_.contains(key)) break;
+    }
     const char* k = nullptr;
     const json* v = find(keys, &k);
     if (!v) return def;
@@ -125,6 +149,10 @@ class Fields {
 
  private:
   [[noreturn]] void missing(std::initializer_list<const char*> keys) const {
+    for (const char* k : keys)
+      if (is_null(k))
+        FUSEDMOE_THROW(kInvalidArgument, where_, ": required field '", k,
+                       "': expected a value, got null");
     std::string names;
     for (const char* k : keys) names += std::string(names.empty() ? "'" : " or '") + k + "'";
     FUSEDMOE_THROW(kInvalidArgument, where_, ": required field ", names, " is missing");
@@ -169,14 +197,23 @@ std::vector<int64_t> qwen_moe_layers(const Fields& f, int64_t n_layers, int64_t 
 }
 
 // DeepSeek: layer >= first_k_dense_replace and layer % moe_layer_freq == 0
-// (DeepSeek's reference modeling code; HF's has no moe_layer_freq, i.e. 1).
+// (DeepSeek's reference modeling code; HF's ignores moe_layer_freq, i.e. 1).
+// moe_layer_freq 0, which the reference code divides by, is read as HF reads
+// it: every layer from first_k_dense_replace on. first_k_dense_replace null:
+// HF compares the layer index with None (a TypeError), refused.
 std::vector<int64_t> deepseek_moe_layers(const Fields& f, int64_t n_layers,
                                          int64_t first_k_default) {
+  f.refuse_null("first_k_dense_replace", "an integer >= 0",
+                "HF transformers compares each layer index with it");
   const int64_t first_k = f.get_int({"first_k_dense_replace"}, first_k_default);
-  const int64_t freq = f.get_int({"moe_layer_freq"}, 1);
-  if (freq <= 0)
-    FUSEDMOE_THROW(kInvalidArgument, f.where(), ": field 'moe_layer_freq': expected > 0, got ",
+  int64_t freq = f.get_int({"moe_layer_freq"}, 1);
+  if (freq < 0)
+    FUSEDMOE_THROW(kInvalidArgument, f.where(),
+                   ": field 'moe_layer_freq': expected an integer >= 0 (1: every layer from "
+                   "first_k_dense_replace on; 0 reads the same, as HF transformers ignores the "
+                   "field), got ",
                    freq);
+  if (freq == 0) freq = 1;
   std::vector<int64_t> out;
   for (int64_t l = 0; l < n_layers; ++l)
     if (l >= first_k && l % freq == 0) out.push_back(l);
@@ -389,7 +426,9 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
                      "' is not supported (supported: greedy, group_limited_greedy, noaux_tc)");
     }
     c.shared_intermediate_size =
-        f.get_size({"n_shared_experts"}, kMaxNumExperts, 2) * c.intermediate_size;
+        f.is_null("n_shared_experts")
+            ? 0  // no shared expert (see the top of this file)
+            : f.get_size({"n_shared_experts"}, kMaxNumExperts, 2) * c.intermediate_size;
     layers = deepseek_moe_layers(f, L, 0);
   } else if (mt == "deepseek_v3") {
     // DeepseekV3TopkRouter (noaux_tc): sigmoid, + e_score_correction_bias for
@@ -414,12 +453,19 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
                      "read the field)");
     c.group_score = GroupScore::kSumTop2;
     c.has_e_score_correction_bias = true;
+    // HF's router views the scores as [T, n_group, E / n_group] and takes the
+    // top topk_group groups: None fails there.
+    f.refuse_null("n_group", "an integer", "HF transformers' DeepseekV3 router groups by it");
+    f.refuse_null("topk_group", "an integer",
+                  "HF transformers' DeepseekV3 router keeps that many groups");
     c.num_expert_group = f.get_int({"n_group"}, 8);
     c.topk_group = f.get_int({"topk_group"}, 4);
     c.renormalize = f.get_bool({"norm_topk_prob"}, true);
     c.routed_scaling_factor = static_cast<float>(f.get_double({"routed_scaling_factor"}, 2.5));
     c.shared_intermediate_size =
-        f.get_size({"n_shared_experts"}, kMaxNumExperts, 1) * c.intermediate_size;
+        f.is_null("n_shared_experts")
+            ? 0  // no shared expert (see the top of this file)
+            : f.get_size({"n_shared_experts"}, kMaxNumExperts, 1) * c.intermediate_size;
     layers = deepseek_moe_layers(f, L, 3);
   } else if (mt == "gpt_oss") {
     // GptOssTopKRouter: linear with bias, top-k over logits, softmax over the k.

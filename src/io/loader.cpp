@@ -57,9 +57,9 @@ struct Source {
   std::string name;
   Tensor t;
   std::optional<Tensor> scale_inv;  // f32 [ceil(rows/128), ceil(cols/128)] for FP8
-  // Finite values that may leave the f32 range on load (f64, or FP8 times its
-  // block scale): checked as row_to_f32 converts a 2-D weight's rows
-  // (LoadOptions::check_finite).
+  // FP8 values times their block scale may leave the f32 range: checked as
+  // row_to_f32 dequantizes the rows (LoadOptions::check_finite). An f64
+  // tensor's range is checked when it is fetched (Reader::get).
   bool check_range = false;
 };
 
@@ -84,7 +84,7 @@ class Reader {
     const DType d = s.t.dtype();
     if (d == DType::kF8E4M3FN || d == DType::kF8E5M2) {
       // Block-quantized weight (DeepSeek FP8 format): name.weight -> name.weight_scale_inv.
-      const std::string sname = name + "_scale_inv";
+      const std::string sname = sname_of(name);
       if (s.t.ndim() != 2 || !ckpt_.contains(sname))
         FUSEDMOE_THROW(kUnsupported, ckpt_.path(), ": tensor '", name, "' is ", dtype_name(d),
                        " without a block scale '", sname, "'; such FP8 weights are not supported");
@@ -99,17 +99,22 @@ class Reader {
                      dtype_name(d));
     }
     if (check_finite_) {
+      if (s.scale_inv) require_valid_scales(*s.scale_inv, sname_of(name), name);
       require_finite(s.t.view(), name);
-      if (s.scale_inv) require_finite(s.scale_inv->view(), name + "_scale_inv");
-      s.check_range = s.scale_inv.has_value() || d == DType::kF64;
+      if (d == DType::kF64) require_f32_range(s.t.view(), name);
+      s.check_range = s.scale_inv.has_value();
     }
     return s;
   }
 
  private:
-  // A NaN or Inf weight would give NaN outputs for every token routed there:
-  // name it at load time (one parallel read of the tensor) instead.
-  void require_finite(const TensorView& v, const std::string& name) const {
+  static std::string sname_of(const std::string& name) { return name + "_scale_inv"; }
+
+  // The flat index of the first element of a contiguous tensor that
+  // `find(data, dtype, count)` reports (its index in the chunk given, or -1),
+  // over chunks read in parallel; -1 when there is none.
+  template <typename Find>
+  static int64_t first_found(const TensorView& v, Find find) {
     const size_t n = static_cast<size_t>(v.numel());
     const size_t es = dtype_size(v.dtype());
     constexpr size_t kChunk = size_t{1} << 20;
@@ -121,8 +126,7 @@ class Reader {
           for (int64_t c = b; c < e; ++c) {
             const size_t begin = static_cast<size_t>(c) * kChunk;
             const size_t len = std::min(kChunk, n - begin);
-            const int64_t i =
-                find_non_finite(static_cast<const char*>(v.data()) + begin * es, v.dtype(), len);
+            const int64_t i = find(static_cast<const char*>(v.data()) + begin * es, v.dtype(), len);
             if (i < 0) continue;
             int64_t idx = static_cast<int64_t>(begin) + i, cur = first.load();
             while (idx < cur && !first.compare_exchange_weak(cur, idx)) {
@@ -132,19 +136,77 @@ class Reader {
         },
         1);
     const int64_t idx = first.load();
-    if (idx == std::numeric_limits<int64_t>::max()) return;
+    return idx == std::numeric_limits<int64_t>::max() ? -1 : idx;
+  }
+  // "2, 5": the indices of flat element `idx` of `v`.
+  static std::string index_of(const TensorView& v, int64_t idx) {
     std::string where;
-    int64_t rest = idx;
     for (int64_t dim = v.ndim() - 1; dim >= 0; --dim) {
-      where = std::to_string(rest % v.size(dim)) + (where.empty() ? "" : ", ") + where;
-      rest /= v.size(dim);
+      where = std::to_string(idx % v.size(dim)) + (where.empty() ? "" : ", ") + where;
+      idx /= v.size(dim);
     }
+    return where;
+  }
+  static constexpr const char* kCorrupt =
+      " (a corrupt checkpoint; LoadOptions::check_finite = false skips this check)";
+
+  // A NaN or Inf weight would give NaN outputs for every token routed there:
+  // name it at load time (one parallel read of the tensor) instead.
+  void require_finite(const TensorView& v, const std::string& name) const {
+    const int64_t idx = first_found(v, find_non_finite);
+    if (idx < 0) return;
     float value = 0.0f;
-    convert_to_f32(static_cast<const char*>(v.data()) + static_cast<size_t>(idx) * es, v.dtype(),
-                   &value, 1);
+    convert_to_f32(
+        static_cast<const char*>(v.data()) + static_cast<size_t>(idx) * dtype_size(v.dtype()),
+        v.dtype(), &value, 1);
     FUSEDMOE_THROW(kIo, ckpt_.path(), ": tensor '", name, "': expected finite values, got ",
-                   std::isnan(value) ? "NaN" : "Inf", " at [", where,
-                   "] (a corrupt checkpoint; LoadOptions::check_finite = false skips this check)");
+                   std::isnan(value) ? "NaN" : "Inf", " at [", index_of(v, idx), "]", kCorrupt);
+  }
+
+  // A finite f64 value beyond the f32 range becomes Inf once loaded as f32:
+  // named here for every f64 tensor (weights, packed experts, biases, router
+  // tensors alike), whichever path converts it.
+  void require_f32_range(const TensorView& v, const std::string& name) const {
+    const int64_t idx = first_found(v, [](const char* p, DType, size_t n) -> int64_t {
+      for (size_t i = 0; i < n; ++i) {
+        double x;
+        std::memcpy(&x, p + i * sizeof x, sizeof x);
+        if (std::isfinite(x) && !std::isfinite(static_cast<float>(x)))
+          return static_cast<int64_t>(i);
+      }
+      return -1;
+    });
+    if (idx < 0) return;
+    double x;
+    std::memcpy(&x, static_cast<const char*>(v.data()) + static_cast<size_t>(idx) * sizeof x,
+                sizeof x);
+    FUSEDMOE_THROW(kIo, ckpt_.path(), ": tensor '", name, "': element [", index_of(v, idx),
+                   "] is beyond the f32 range once converted from f64 (its value ", x, ")",
+                   kCorrupt);
+  }
+
+  // FP8 block scales multiply their block's weights: a negative or non-finite
+  // one is no scale (zero is, for an all-zero block). `sc` f32 [R, C].
+  void require_valid_scales(const Tensor& sc, const std::string& sname,
+                            const std::string& weight) const {
+    const TensorView& v = sc.view();
+    const int64_t idx = first_found(v, [](const char* p, DType, size_t n) -> int64_t {
+      for (size_t i = 0; i < n; ++i) {
+        float x;
+        std::memcpy(&x, p + i * sizeof x, sizeof x);
+        if (!(x >= 0.0f) || std::isinf(x)) return static_cast<int64_t>(i);
+      }
+      return -1;
+    });
+    if (idx < 0) return;
+    float x;
+    std::memcpy(&x, static_cast<const char*>(v.data()) + static_cast<size_t>(idx) * sizeof x,
+                sizeof x);
+    const int64_t r = idx / v.size(1), c = idx % v.size(1);
+    FUSEDMOE_THROW(kIo, ckpt_.path(), ": tensor '", sname, "': expected finite scales >= 0, got ",
+                   x, " at [", r, ", ", c, "] (the scale of the 128x128 block of rows ", r * 128,
+                   "-", r * 128 + 127, ", columns ", c * 128, "-", c * 128 + 127, " of '", weight,
+                   "')", kCorrupt);
   }
 
   const Checkpoint& ckpt_;
@@ -179,18 +241,14 @@ void row_to_f32(const Source& s, int64_t row, float* out) {
   if (sc)
     for (int64_t c = 0; c < cols; ++c) out[c] *= sc[c / 128];
   if (!s.check_range) return;
-  constexpr const char* kCorrupt =
-      " (a corrupt checkpoint; LoadOptions::check_finite = false skips this check)";
-  for (int64_t c = 0; c < cols; ++c) {
-    if (std::isfinite(out[c])) continue;
-    if (sc)
+  for (int64_t c = 0; c < cols; ++c)
+    if (!std::isfinite(out[c]))
       FUSEDMOE_THROW(kIo, "tensor '", s.name, "': element [", row, ", ", c,
                      "] is beyond the f32 range once dequantized (times its block's "
                      "weight_scale_inv ",
-                     sc[c / 128], ")", kCorrupt);
-    FUSEDMOE_THROW(kIo, "tensor '", s.name, "': element [", row, ", ", c,
-                   "] is beyond the f32 range once converted from f64", kCorrupt);
-  }
+                     sc[c / 128],
+                     ") (a corrupt checkpoint; LoadOptions::check_finite = false skips this "
+                     "check)");
 }
 
 // Copies a 2-D source [rows, cols] (contiguous) into dst rows (row stride = cols),

@@ -154,6 +154,26 @@ expect_usage "CLI11: run --backend not in the list" "error: run --backend: expec
   run --model "$FIX" --tokens 1 --backend tpu
 expect_usage "CLI11: a flag given a value" "error: bench --no-baseline: a flag, expected no value (or true / false), got \"maybe\" (see fusedmoe bench --help)" -- \
   bench --no-baseline=maybe
+# A number, yes / no, on / off: CLI11 alone read "--quiet=3" as true, "--quiet=0" as false.
+# Every flag of every command takes no value, or true / false only.
+for flag in "run --quiet=3" "run --quiet=0" "run --quiet=yes" "bench --no-baseline=1" \
+  "bench --nccl=on" "bench --sweep=2" "inspect --json=7"; do
+  cmd=${flag%% *} f=${flag#* }
+  extra=()
+  case $cmd in run) extra=(--model "$FIX" --tokens 1) ;; inspect) extra=("$FIX") ;; esac
+  expect_usage "CLI11: $flag" "error: $cmd ${f%%=*}: a flag, expected no value (or true / false), got \"${f#*=}\" (see fusedmoe $cmd --help)" -- \
+    $cmd "${extra[@]}" "$f"
+done
+"$BIN" run --model "$FIX" --tokens 1 --quiet=true >/dev/null && "$BIN" run --model "$FIX" --tokens 1 --quiet=false >/dev/null ||
+  { echo "FAIL run --quiet=true / --quiet=false: refused"; failures=$((failures + 1)); }
+# "-" is no file name here, nor the standard output (which carries the report): refused, and no
+# file named "-" is left in the working folder (expect_error checks $OUTDIR, the folder run in).
+pushd "$OUTDIR" >/dev/null
+expect_usage "run --output -" "error: run --output: expected a file path, got \"-\" (not the standard output" -- \
+  run --model "$FIX" --tokens 1 --output -
+expect_usage "bench --csv -" "error: bench --csv: expected a file path, got \"-\" (not the standard output" -- \
+  bench --csv - --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0 --no-baseline
+popd >/dev/null
 expect_error "output into a missing folder" "$TMP/no/such/dir" -- run --model "$FIX" "${run_args[@]}" \
   --output "$TMP/no/such/dir/out.safetensors"
 
@@ -246,8 +266,23 @@ python3 -c "import numpy" 2>/dev/null && {
 }
 
 # More tokens than memory: the error names --tokens (it named Tensor::empty alone).
-expect_error "--tokens beyond memory" "--tokens 10000000000000: Tensor::empty: out of memory allocating 5120000000000000 bytes" -- \
+expect_error "--tokens beyond memory" "--tokens: expected at most " -- \
   run --model "$FIX" --layer 1 --tokens 10000000000000
+# So does an --input with more tokens than the run's buffers fit beside it (a sparse
+# f16 .npy file of phys / 4096 tokens: read, then refused before its f32 copy and the
+# experts' buffers, which need ~7 KiB a token).
+python3 - "$TMP/many.npy" <<'PY'
+import os, sys
+T = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4096
+header = "{'descr': '<f2', 'fortran_order': False, 'shape': (%d, 128), }" % T
+header += " " * (63 - (len(header) + 10) % 64) + "\n"
+with open(sys.argv[1], "wb") as f:
+    f.write(b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header.encode())
+    f.truncate(f.tell() + T * 128 * 2)
+PY
+expect_error "--input beyond memory" "error: input $TMP/many.npy: expected at most " -- \
+  run --model "$FIX" --layer 1 --input "$TMP/many.npy" --quiet
+rm -f "$TMP/many.npy"
 expect_error "--tokens beyond 64 bits" "--tokens: expected a decimal integer >= 0, got \"99999999999999999999\" (beyond 64 bits)" -- \
   run --model "$FIX" --layer 1 --tokens 99999999999999999999
 expect_error "negative --seed" "--seed: expected a decimal integer in [0, 2^64), got \"-1\"" -- \
@@ -481,6 +516,18 @@ for t in "${counts[@]}"; do
   grep -qE -- "--tokens: expected at most [0-9]+ for this machine's memory, got $big \(shape 'qwen3-cpu' takes [0-9.]+ KiB a token .* give fewer --tokens or a larger --memory-fraction$" "$TMP/stderr" &&
     [ ! -s "$TMP/stdout" ] ||
     { echo "FAIL bench --tokens $t: message or output"; cat "$TMP/stdout" "$TMP/stderr"; failures=$((failures + 1)); }
+done
+# run --tokens T beyond the machine's memory: an error naming --tokens, the most that
+# fit and T, before anything is allocated for them (as bench). A count whose input
+# alone fits (a quarter of the memory; the experts' routed rows need ~8x more) was
+# allocated, filled, and killed by the out-of-memory killer with no message.
+quarter=$(python3 -c 'import os; print(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // (4 * 4 * 128))')
+for t in "$quarter" 1000000000000000 9223372036854775807; do
+  expect_error "run --tokens $t beyond the memory" "error: --tokens: expected at most " -- \
+    run --model "$FIX" --layer 1 --tokens "$t" --quiet
+  grep -qE -- "--tokens: expected at most [0-9]+ tokens for this machine's memory, got $t \([0-9.]+ KiB a token .* beside [0-9.]+ KiB of weights, within [0-9.]+ GiB physical memory\); give fewer tokens$" "$TMP/stderr" &&
+    [ "$last_rc" -eq 1 ] && [ ! -s "$TMP/stdout" ] ||
+    { echo "FAIL run --tokens $t: message, exit code ($last_rc) or output"; cat "$TMP/stdout" "$TMP/stderr"; failures=$((failures + 1)); }
 done
 # A --csv that cannot be written fails before the benchmark, with the OS reason.
 expect_error "bench --csv a directory" "--csv: $OUTDIR: exists and is not a regular file (a directory" -- \

@@ -200,6 +200,31 @@ fi
 expect_error 1 "--tokens: expected at most [0-9]+ per rank for this machine's memory, got 1000000000000000 \(shape 'qwen3-cpu': .* give fewer --tokens or a larger --memory-fraction" 1 -- \
   $M "$npflag" 2 "$BIN" bench --ep-size 2 --shapes qwen3-cpu --max-experts 8 --tokens 1,1000000000000000 --min-time 0
 grep -q "^# fusedmoe bench" "$TMP/log" && { echo "FAIL: bench --tokens 1e15 printed its header first"; fail=1; }
+# The budget is each rank's worst case, not an even share of the routed rows: with
+# 16 experts a rank (E_local 16 >= k 8) one rank may receive both ranks' tokens with
+# 8 routed rows each (all-to-one routing), at least 2 x 8 x (8 H + 4 I) bytes a token
+# of each rank (permuted input, expert output f32 [H], activation [I]), for each of
+# the 2 ranks. The most the error allows must fit that beside the expert shares
+# (2 x 16 x 3 H I f32); the even-routing budget allowed ~2x more.
+expect_error 1 "--tokens: expected at most [0-9]+ per rank for this machine's memory, got 1000000000000000 \(shape 'qwen3-cpu': .* each budgeted for the most it can receive \(every rank's tokens\)" 1 -- \
+  $M "$npflag" 2 "$BIN" bench --ep-size 2 --shapes qwen3-cpu --max-experts 32 --tokens 1000000000000000 --min-time 0
+most=$(grep -m1 -oE "expected at most [0-9]+ per rank" "$TMP/log" | grep -oE "[0-9]+")
+if ! python3 -c '
+import os, sys
+most = int(sys.argv[1]); H, I = 2048, 768
+budget = int(0.25 * os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+shares = 2 * 16 * 3 * H * I * 4
+sys.exit(0 if most * 2 * (2 * 8 * (8 * H + 4 * I)) <= budget - shares else 1)' "${most:-0}"; then
+  echo "FAIL: bench --ep-size 2: --tokens up to $most a rank allowed, more than the worst-case routing fits"; fail=1
+else
+  echo "ok: bench --ep-size 2 budgets the worst-case routing ($most tokens a rank at most)"
+fi
+
+# run: the ranks' buffers for T tokens (each rank's worst case) beside their weights
+# must fit the machine's memory, which the ranks on it share: more tokens are an
+# error naming --tokens and the most that fit, not ranks the OOM killer ends.
+expect_error 1 "--tokens: expected at most [0-9]+ tokens for this machine's memory, got 1000000000000000 \(.* shared by the 2 ranks on it\); give fewer tokens" 1 -- \
+  $M "$npflag" 2 $R --tokens 1000000000000000 --ep-size 2
 
 # --help, --version and inspect on every rank: printed once, by rank 0 (as run
 # reports), exit code 0.

@@ -335,6 +335,80 @@ TEST(HfConfig, DeepseekV3Defaults) {
   EXPECT_HAS(error_of([&] { parse(j); }, ErrorCode::kUnsupported), "topk_method 'greedy'");
 }
 
+// A null field takes the configuration class's default, except where HF
+// transformers reads the None itself: a boolean is false (DeepSeek-V3's
+// `if self.norm_topk_prob:` does not renormalize), n_shared_experts null is no
+// shared expert (DeepSeek's reference code and vLLM; the default would ask for
+// tensors such a checkpoint does not have), and what HF cannot build or run
+// with None is refused naming the field.
+TEST(HfConfig, NullFieldsAsHfReadsThem) {
+  json j = fixture_json("deepseek_v3");
+  ASSERT_TRUE(parse(j).layer_config(1).renormalize);
+  j["norm_topk_prob"] = nullptr;
+  EXPECT_FALSE(parse(j).layer_config(1).renormalize);
+  j.erase("norm_topk_prob");  // absent: the class default, true
+  EXPECT_TRUE(parse(j).layer_config(1).renormalize);
+  for (const char* arch : {"qwen2_moe", "qwen3_moe", "olmoe"}) {
+    SCOPED_TRACE(arch);
+    json q = fixture_json(arch);
+    q["norm_topk_prob"] = true;
+    ASSERT_TRUE(parse(q).layer_config(1).renormalize);
+    q["norm_topk_prob"] = nullptr;
+    EXPECT_FALSE(parse(q).layer_config(1).renormalize);
+  }
+
+  for (json d : {fixture_json("deepseek_v3"), deepseek_v2_config()}) {
+    SCOPED_TRACE(d["model_type"].get<std::string>());
+    const int64_t l = parse(d).moe_layers.front();
+    ASSERT_TRUE(parse(d).layer_config(l).has_shared_expert());
+    d["n_shared_experts"] = nullptr;
+    EXPECT_FALSE(parse(d).layer_config(l).has_shared_expert());
+    EXPECT_EQ(parse(d).layer_config(l).shared_intermediate_size, 0);
+    d["first_k_dense_replace"] = nullptr;
+    EXPECT_HAS(error_of([&] { parse(d); }, ErrorCode::kInvalidArgument),
+               "test/config.json: field 'first_k_dense_replace': expected an integer >= 0, got "
+               "null");
+  }
+  for (const char* k : {"n_group", "topk_group"}) {
+    json d = fixture_json("deepseek_v3");
+    d[k] = nullptr;
+    EXPECT_HAS(error_of([&] { parse(d); }, ErrorCode::kInvalidArgument),
+               std::string("test/config.json: field '") + k + "': expected an integer, got null");
+  }
+  // Required fields: null is named as such, not as missing.
+  json o = fixture_json("olmoe");
+  o["hidden_size"] = nullptr;
+  EXPECT_HAS(error_of([&] { parse(o); }, ErrorCode::kInvalidArgument),
+             "required field 'hidden_size': expected a value, got null");
+  // Other nulls: the class default (moe_layer_freq: 1, routed_scaling_factor: 2.5).
+  json d = fixture_json("deepseek_v3");
+  d["moe_layer_freq"] = nullptr;
+  d["routed_scaling_factor"] = nullptr;
+  EXPECT_EQ(parse(d).moe_layers, parse(fixture_json("deepseek_v3")).moe_layers);
+  EXPECT_FLOAT_EQ(parse(d).layer_config(1).routed_scaling_factor, 2.5f);
+}
+
+// moe_layer_freq (DeepSeek's reference code: layer % freq == 0) is honoured
+// when > 0; HF transformers ignores it, so 0, which the reference code divides
+// by, reads as HF builds the model: every layer from first_k_dense_replace on.
+// A negative one is refused, naming the field, what it takes and the value.
+TEST(HfConfig, DeepseekMoeLayerFreqZeroIsEveryLayerAsHf) {
+  for (json d : {fixture_json("deepseek_v3"), deepseek_v2_config()}) {
+    SCOPED_TRACE(d["model_type"].get<std::string>());
+    d["num_hidden_layers"] = 6;
+    d["first_k_dense_replace"] = 1;
+    d["moe_layer_freq"] = 2;
+    EXPECT_EQ(parse(d).moe_layers, (std::vector<int64_t>{2, 4}));
+    d["moe_layer_freq"] = 0;
+    EXPECT_EQ(parse(d).moe_layers, (std::vector<int64_t>{1, 2, 3, 4, 5}));
+    d["moe_layer_freq"] = -2;
+    EXPECT_HAS(error_of([&] { parse(d); }, ErrorCode::kInvalidArgument),
+               "test/config.json: field 'moe_layer_freq': expected an integer >= 0 (1: every "
+               "layer from first_k_dense_replace on; 0 reads the same, as HF transformers ignores "
+               "the field), got -2");
+  }
+}
+
 // HF's DeepseekV3TopkRouter always takes the sigmoid (its config has no
 // scoring_func); vLLM reads the field. "sigmoid" is accepted, anything else is
 // refused rather than computed one way or the other.

@@ -12,6 +12,7 @@
 #include <functional>
 #include <limits>
 #include <random>
+#include <sstream>
 
 #include "expect_error.h"
 #include "fixtures.h"
@@ -419,6 +420,110 @@ TEST(Loader, WeightBeyondF32OnceConvertedIsNamed) {
     EXPECT_HAS(msg, "tensor '" + bad +
                         "': element [2, 5] is beyond the f32 range once "
                         "converted from f64");
+  }
+}
+
+// Every f64 tensor is checked for values beyond f32, whichever path loads it:
+// packed gpt-oss / Llama-4 experts, expert biases, router bias and weight,
+// e_score_correction_bias (only per-expert 2-D weights were, as row_to_f32
+// converted them; the others became Inf silently).
+TEST(Loader, F64BeyondF32IsNamedForEveryTensor) {
+  struct Case {
+    const char* arch;
+    int64_t layer;
+    std::vector<std::string> as_f64;  // relative to the layer's MoE prefix (same target dtype)
+    std::string bad;                  // one of them: element 1 set to 1e300
+  };
+  const std::vector<Case> cases = {
+      {"gpt_oss", 0, {"experts.gate_up_proj", "experts.down_proj"}, "experts.gate_up_proj"},
+      {"gpt_oss",
+       0,
+       {"experts.gate_up_proj_bias", "experts.down_proj_bias"},
+       "experts.down_proj_bias"},
+      {"gpt_oss", 1, {"router.bias"}, "router.bias"},
+      {"gpt_oss", 1, {"router.weight"}, "router.weight"},
+      {"llama4", 1, {"experts.gate_up_proj", "experts.down_proj"}, "experts.down_proj"},
+      {"deepseek_v3", 1, {"gate.e_score_correction_bias"}, "gate.e_score_correction_bias"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(std::string(c.arch) + " " + c.bad);
+    const ModelInfo fixture = load_model_info(test::hf_fixture_dir(c.arch));
+    ASSERT_NO_THROW(fixture.layer_config(c.layer));
+    const std::string prefix = fixture.moe_prefix(c.layer);
+    for (const bool in_range : {true, false}) {
+      test::TempDir dir("loader_f64_every");
+      int64_t converted = 0;
+      write_modified_fixture(c.arch, dir, [&](auto& ts) {
+        for (auto& [n, t] : ts) {
+          if (n.rfind(prefix, 0) != 0) continue;
+          const std::string rel = n.substr(prefix.size());
+          if (std::find(c.as_f64.begin(), c.as_f64.end(), rel) == c.as_f64.end()) continue;
+          Tensor d = Tensor::empty(DType::kF64, t.shape());
+          std::vector<float> f(static_cast<size_t>(t.numel()));
+          convert_to_f32(t.data(), t.dtype(), f.data(), f.size());
+          for (size_t i = 0; i < f.size(); ++i) d.data_as<double>()[i] = f[i];
+          if (!in_range && rel == c.bad) d.data_as<double>()[1] = 1e300;
+          t = d;
+          ++converted;
+        }
+      });
+      ASSERT_EQ(converted, static_cast<int64_t>(c.as_f64.size()));
+      const ModelInfo info = load_model_info(dir.path());
+      const Checkpoint ck = Checkpoint::open(dir.path());
+      if (in_range) {  // f64 within f32: loads (as f32)
+        EXPECT_NO_THROW(load_moe_layer(ck, info, c.layer, {.progress = false}));
+        continue;
+      }
+      const std::string msg =
+          error_of([&] { load_moe_layer(ck, info, c.layer, {.progress = false}); }, ErrorCode::kIo);
+      EXPECT_HAS(msg, "tensor '" + prefix + c.bad + "': element [");
+      EXPECT_HAS(msg, "] is beyond the f32 range once converted from f64 (its value 1e+300)");
+      EXPECT_NO_THROW(
+          load_moe_layer(ck, info, c.layer, {.progress = false, .check_finite = false}));
+    }
+  }
+}
+
+// FP8 block scales: negative, NaN or Inf is refused, naming the scale tensor,
+// the value, its index and its block; zero (an all-zero block) is taken.
+TEST(Loader, Fp8NegativeOrNonFiniteScaleIsNamed) {
+  const std::string src = test::test_data_dir() + "/fp8/deepseek_v3_fp8";
+  const std::string weight = "model.layers.1.mlp.experts.2.down_proj.weight";
+  const std::string scale = weight + "_scale_inv";
+  const float nan = std::numeric_limits<float>::quiet_NaN(),
+              inf = std::numeric_limits<float>::infinity();
+  for (const float v : {-0.5f, nan, inf, -inf, 0.0f, -0.0f}) {
+    SCOPED_TRACE(v);
+    test::TempDir dir("loader_fp8_scale");
+    auto file = SafetensorsFile::open(src + "/model.safetensors");
+    std::vector<std::pair<std::string, Tensor>> tensors;
+    for (const auto& n : file->names()) tensors.emplace_back(n, file->get(n));
+    bool found = false;
+    for (auto& [n, t] : tensors)
+      if (n == scale) {
+        ASSERT_GE(t.size(1), 2);
+        t = Tensor::copy_of(t.view());
+        t.data_as<float>()[1] = v;  // block [0, 1]: rows 0-127, columns 128-255
+        found = true;
+      }
+    ASSERT_TRUE(found);
+    std::vector<std::pair<std::string, TensorView>> views(tensors.begin(), tensors.end());
+    save_safetensors(dir.file("model.safetensors"), views, file->metadata());
+    fs::copy_file(src + "/config.json", dir.file("config.json"));
+    const ModelInfo info = load_model_info(dir.path());
+    const Checkpoint ck = Checkpoint::open(dir.path());
+    if (v == 0.0f) {  // 0 and -0: the scale of an all-zero block
+      EXPECT_NO_THROW(load_moe_layer(ck, info, 1, {.progress = false}));
+      continue;
+    }
+    const std::string msg =
+        error_of([&] { load_moe_layer(ck, info, 1, {.progress = false}); }, ErrorCode::kIo);
+    std::ostringstream shown;
+    shown << v;
+    EXPECT_HAS(msg, "tensor '" + scale + "': expected finite scales >= 0, got " + shown.str() +
+                        " at [0, 1] (the scale of the 128x128 block of rows 0-127, columns "
+                        "128-255 of '" +
+                        weight + "')");
   }
 }
 

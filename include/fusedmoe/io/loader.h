@@ -29,14 +29,17 @@ struct LoadOptions {
   // id order, each narrowed to TP slice tp_rank of I, and the shared expert
   // narrowed likewise (shard_expert_weights). Default: everything.
   ParallelConfig parallel;
-  // Every tensor read is checked for NaN/Inf (one parallel pass over it);
-  // a non-finite value is an Error(kIo) naming the tensor and the index.
+  // Every tensor read is checked for NaN/Inf (one parallel pass over it), an
+  // f64 one also for finite values beyond the f32 range it loads as, FP8 block
+  // scales (weight_scale_inv) for negative ones (0 is taken: an all-zero block),
+  // and FP8 weights times their scales for values beyond f32: an Error(kIo)
+  // naming the tensor, the index (and for a scale the value and its block).
   bool check_finite = true;
 };
 
 // Throws Error(kInvalidArgument) if `layer` is not an MoE layer, Error(kIo)
 // naming the tensor if one is missing, has the wrong shape/dtype, or (with
-// check_finite) holds a NaN or Inf.
+// check_finite) holds a value it cannot load (see LoadOptions::check_finite).
 MoELayerWeights load_moe_layer(const Checkpoint& checkpoint, const ModelInfo& info, int64_t layer,
                                const LoadOptions& options = {});
 
