@@ -59,8 +59,9 @@ enum class Sm90Tile {
 };
 // The tile for a GEMM of N output columns over K with about rows_per_expert
 // rows for each of num_experts experts (tuning data in gemm_configs.cpp):
-// 64 x 256 pingpong, but 128 x 256 cooperative where the 64-row tiles would
-// not fill one wave of SMs and rows_per_expert > 32.
+// 64 x 256 pingpong, but 128 x 256 cooperative where the experts' row counts
+// straddle a multiple of 64 and their extra 64-row tiles would spill into a
+// second wave of SMs that 128-row tiles avoid.
 // FUSEDMOE_CUDA_SM90_TILE=m64 or =m128 forces one (bf16).
 Sm90Tile pick_sm90_tile(DType dtype, int64_t rows_per_expert, int64_t num_experts, int64_t n,
                         int64_t k);

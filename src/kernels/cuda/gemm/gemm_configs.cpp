@@ -41,18 +41,24 @@
 // Session 8 (bench/results/2026-11-30-session8.md; ncu, each GEMM alone, us,
 // w13 / w2, FUSEDMOE_CUDA_SM90_TILE=m64 vs m128):
 //   Mixtral T = 256 (64 rows per expert): w2 282.7 vs 233.4 (71 vs 85 % of DRAM
-//     bandwidth: 128 work tiles on 132 SMs, so each pingpong CTA ran one tile on
-//     one warpgroup); w13 (896 tiles) 488.2 vs 488.3.
+//     bandwidth; our reading: experts with more than 64 rows add 64-row tiles
+//     beyond the 132 SMs, which run in a second round and stream their
+//     weights again); w13 (896 tiles) 488.2 vs 488.3.
 //   Mixtral T = 64 (16 rows): w13 442.7 vs 532.7, w2 226.5 vs 232.8 (m64);
 //   T = 1024: w13 896.7 vs 873.3, w2 417.8 vs 443.6; Qwen3 T = 256-4096 and
 //   DeepSeek-V3 T = 1024-4096: m64 equal or better (1-9 %).
-//   64 x 128 pingpong tiles (K tile 64 or 128) were slower at every point but
-//   one tie (Mixtral T = 4096 w13 4522 vs 2659, Qwen3 T = 4096 594 vs 373,
-//   DeepSeek-V3 T = 4096 6243 vs 4050) and were not kept.
+//   Mixtral w2 at T = 96 / 128 / 192 / 320 (24 / 32 / 48 / 80 rows): m64 234.2
+//     / 233.4 / 232.1 / 234.7 vs m128 244.3 / 243.4 / 239.9 / 249.6: only where
+//     the experts' row counts straddle 64 (T = 256) does m128 win.
+//   64 x 128 pingpong tiles (K tile 64 or 128) were slower than m64 at every
+//   point but one tie (e.g. Mixtral T = 4096 w13 4522 vs 2659 us, Qwen3
+//   T = 4096 594 vs 373, DeepSeek-V3 T = 4096 6243 vs 4050) and were not kept.
 // Two other CUTLASS configurations were measured there and not kept (each
 // would cost two more heavy translation units): 128 x 128 pingpong and
 // 128 x 256 cooperative in 2 x 1 clusters (B multicast) were slower at every
 // shape except Mixtral T = 4096's w2 GEMM (5-7 %, inside run-to-run noise).
+#include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 
@@ -130,10 +136,19 @@ Sm90Tile pick_sm90_tile(DType dtype, int64_t rows_per_expert, int64_t num_expert
     if (std::strcmp(env, "m128") == 0) return Sm90Tile::kM128N256;
     FUSEDMOE_THROW(kInvalidArgument, "FUSEDMOE_CUDA_SM90_TILE: expected m64 or m128, got ", env);
   }
-  // Fewer 64-row tiles than SMs: a pingpong CTA gets one tile, and one of its
-  // consumer warpgroups idles; the cooperative kernel puts both on it (above).
-  const int64_t tiles_m64 = (rows_per_expert + 63) / 64 * ((n + 255) / 256) * num_experts;
-  if (rows_per_expert > 32 && tiles_m64 <= num_sms()) return Sm90Tile::kM128N256;
+  // Uniform routing gives an expert about rows +- 1.5 sqrt(rows) rows. Where
+  // that range straddles a multiple of 64, some experts need one more 64-row
+  // tile than others; if those extra tiles push the count past one wave of
+  // SMs while 128-row tiles stay within it, the second round is a few
+  // straggler tiles, each streaming its expert's whole weight panel again
+  // (Mixtral w2 at T = 256, above): take 128 x 256 cooperative there.
+  const double spread = 1.5 * std::sqrt(static_cast<double>(rows_per_expert));
+  const auto tiles = [&](double rows, int64_t tile_m) {
+    return static_cast<int64_t>(std::ceil(rows / tile_m)) * ((n + 255) / 256) * num_experts;
+  };
+  const double lo = std::max(1.0, rows_per_expert - spread), hi = rows_per_expert + spread;
+  if (tiles(lo, 64) != tiles(hi, 64) && tiles(hi, 64) > num_sms() && tiles(hi, 128) <= num_sms())
+    return Sm90Tile::kM128N256;
   return Sm90Tile::kM64N256;
 }
 
