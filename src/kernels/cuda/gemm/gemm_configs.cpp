@@ -49,7 +49,10 @@
 //   DeepSeek-V3 T = 1024-4096: m64 equal or better (1-9 %).
 //   Mixtral w2 at T = 96 / 128 / 192 / 320 (24 / 32 / 48 / 80 rows): m64 234.2
 //     / 233.4 / 232.1 / 234.7 vs m128 244.3 / 243.4 / 239.9 / 249.6: only where
-//     the experts' row counts straddle 64 (T = 256) does m128 win.
+//     the experts' row counts straddle 64 (T = 256) does m128 win. Routed
+//     experts end to end, same lease: T = 256 766 / 761 (m128 w2) vs 791 / 794
+//     (m64); T = 288 766 / 769 vs 760 / 762, so the straddle test takes
+//     rows +- 0.75 sqrt(rows) (T = 288: 66-78 rows, m64).
 //   64 x 128 pingpong tiles (K tile 64 or 128) were slower than m64 at every
 //   point but one tie (e.g. Mixtral T = 4096 w13 4522 vs 2659 us, Qwen3
 //   T = 4096 594 vs 373, DeepSeek-V3 T = 4096 6243 vs 4050) and were not kept.
@@ -136,13 +139,13 @@ Sm90Tile pick_sm90_tile(DType dtype, int64_t rows_per_expert, int64_t num_expert
     if (std::strcmp(env, "m128") == 0) return Sm90Tile::kM128N256;
     FUSEDMOE_THROW(kInvalidArgument, "FUSEDMOE_CUDA_SM90_TILE: expected m64 or m128, got ", env);
   }
-  // Uniform routing gives an expert about rows +- 1.5 sqrt(rows) rows. Where
+  // Uniform routing gives an expert about rows +- 0.75 sqrt(rows) rows. Where
   // that range straddles a multiple of 64, some experts need one more 64-row
   // tile than others; if those extra tiles push the count past one wave of
   // SMs while 128-row tiles stay within it, the second round is a few
   // straggler tiles, each streaming its expert's whole weight panel again
   // (Mixtral w2 at T = 256, above): take 128 x 256 cooperative there.
-  const double spread = 1.5 * std::sqrt(static_cast<double>(rows_per_expert));
+  const double spread = 0.75 * std::sqrt(static_cast<double>(rows_per_expert));
   const auto tiles = [&](double rows, int64_t tile_m) {
     return static_cast<int64_t>(std::ceil(rows / tile_m)) * ((n + 255) / 256) * num_experts;
   };
