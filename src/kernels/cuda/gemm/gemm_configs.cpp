@@ -54,8 +54,8 @@
 //     (m64); T = 288 766 / 769 vs 760 / 762, so the straddle test takes
 //     rows +- 0.75 sqrt(rows) (T = 288: 66-78 rows, m64).
 //   64 x 128 pingpong tiles (K tile 64 or 128) were slower than m64 at every
-//   point but one tie (e.g. Mixtral T = 4096 w13 4522 vs 2659 us, Qwen3
-//   T = 4096 594 vs 373, DeepSeek-V3 T = 4096 6243 vs 4050) and were not kept.
+//   point but a few ties within 0.5 % (e.g. Mixtral T = 4096 w13 4522 vs 2659 us,
+//   Qwen3 T = 4096 594 vs 373, DeepSeek-V3 T = 4096 6243 vs 4050): not kept.
 // Two other CUTLASS configurations were measured there and not kept (each
 // would cost two more heavy translation units): 128 x 128 pingpong and
 // 128 x 256 cooperative in 2 x 1 clusters (B multicast) were slower at every
