@@ -5,6 +5,7 @@
 #include <string>
 
 #include "fusedmoe/kernels/cuda.h"
+#include "kernels/cuda/routed_experts.h"  // sm90_tile_for
 
 namespace fusedmoe {
 namespace {
@@ -22,6 +23,31 @@ TEST(CudaTiles, HeuristicFollowsTheMeasuredTable) {
   EXPECT_EQ(cuda::pick_gemm_tile(256, 8192, 28672, 4096), GemmTile::kM64N128);
   EXPECT_EQ(cuda::pick_gemm_tile(257, 8192, 28672, 4096), GemmTile::kM128N128);
   EXPECT_EQ(cuda::pick_gemm_tile(1024, 8192, 28672, 4096), GemmTile::kM128N128);
+}
+
+// The sm90 tile rule at the points measured on an H200 (132 SMs; gemm_configs.cpp).
+TEST(CudaTiles, Sm90TileFollowsTheMeasuredPoints) {
+  using cuda::Sm90Tile;
+  const auto tile = [](int64_t rows, int64_t E, int64_t n) {
+    return cuda::sm90_tile_for(rows, E, n, 132);
+  };
+  // Mixtral w2 (E = 8, N = 4096): 128 x 256 cooperative only at T = 256 (64 rows
+  // per expert, counts straddling 64); 64 x 256 pingpong at T = 96-192, 288, 320.
+  EXPECT_EQ(tile(64, 8, 4096), Sm90Tile::kM128N256);
+  for (const int64_t rows : {16, 24, 32, 48, 72, 80, 128, 1024})
+    EXPECT_EQ(tile(rows, 8, 4096), Sm90Tile::kM64N256) << rows << " rows";
+  // Mixtral w13 (N = 28672: 896 tiles and more): always pingpong.
+  for (const int64_t rows : {16, 64, 256, 1024})
+    EXPECT_EQ(tile(rows, 8, 28672), Sm90Tile::kM64N256) << rows << " rows";
+  // Qwen3 (E = 128) and DeepSeek-V3 (E = 256): thousands of tiles, pingpong.
+  for (const int64_t rows : {16, 64, 256}) {
+    EXPECT_EQ(tile(rows, 128, 2048), Sm90Tile::kM64N256);
+    EXPECT_EQ(tile(rows, 128, 1536), Sm90Tile::kM64N256);
+    EXPECT_EQ(tile(rows, 256, 7168), Sm90Tile::kM64N256);
+    EXPECT_EQ(tile(rows, 256, 4096), Sm90Tile::kM64N256);
+  }
+  // One dense expert (the shared expert): one n tile row, never past a wave.
+  EXPECT_EQ(tile(64, 1, 4096), Sm90Tile::kM64N256);
 }
 
 TEST(CudaTiles, EveryTileHasANameAndBlockHeight) {

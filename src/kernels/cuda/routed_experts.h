@@ -65,6 +65,9 @@ enum class Sm90Tile {
 // FUSEDMOE_CUDA_SM90_TILE=m64 or =m128 forces one (bf16).
 Sm90Tile pick_sm90_tile(DType dtype, int64_t rows_per_expert, int64_t num_experts, int64_t n,
                         int64_t k);
+// The bf16 rule of pick_sm90_tile on a device of `sms` multiprocessors (host
+// only, no environment: the tests check it without a device).
+Sm90Tile sm90_tile_for(int64_t rows_per_expert, int64_t num_experts, int64_t n, int64_t sms);
 // The GEMM tile for that many rows per expert (pick_gemm_tile).
 GemmTile routed_gemm_tile(int64_t num_tokens, int64_t top_k, int64_t num_experts, int64_t hidden,
                           int64_t inter);

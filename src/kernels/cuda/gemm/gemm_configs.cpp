@@ -139,6 +139,10 @@ Sm90Tile pick_sm90_tile(DType dtype, int64_t rows_per_expert, int64_t num_expert
     if (std::strcmp(env, "m128") == 0) return Sm90Tile::kM128N256;
     FUSEDMOE_THROW(kInvalidArgument, "FUSEDMOE_CUDA_SM90_TILE: expected m64 or m128, got ", env);
   }
+  return sm90_tile_for(rows_per_expert, num_experts, n, num_sms());
+}
+
+Sm90Tile sm90_tile_for(int64_t rows_per_expert, int64_t num_experts, int64_t n, int64_t sms) {
   // Uniform routing gives an expert about rows +- 0.75 sqrt(rows) rows. Where
   // that range straddles a multiple of 64, some experts need one more 64-row
   // tile than others; if those extra tiles push the count past one wave of
@@ -150,7 +154,7 @@ Sm90Tile pick_sm90_tile(DType dtype, int64_t rows_per_expert, int64_t num_expert
     return static_cast<int64_t>(std::ceil(rows / tile_m)) * ((n + 255) / 256) * num_experts;
   };
   const double lo = std::max(1.0, rows_per_expert - spread), hi = rows_per_expert + spread;
-  if (tiles(lo, 64) != tiles(hi, 64) && tiles(hi, 64) > num_sms() && tiles(hi, 128) <= num_sms())
+  if (tiles(lo, 64) != tiles(hi, 64) && tiles(hi, 64) > sms && tiles(hi, 128) <= sms)
     return Sm90Tile::kM128N256;
   return Sm90Tile::kM64N256;
 }
