@@ -82,7 +82,7 @@ __host__ __device__ constexpr int finalize_threads() {
   return kFinalizeCols / YVec<Y>::kCols;
 }
 
-template <typename Out, bool kRows, typename Y = float>
+template <typename Out, bool kRows, typename Y = float, int kU = 8>
 __global__ void __launch_bounds__(finalize_threads<Y>())
     finalize_kernel(const Y* __restrict__ y, const int32_t* __restrict__ ids, int top_k,
                     int num_experts, int64_t hidden, int64_t chunks,
@@ -121,20 +121,20 @@ __global__ void __launch_bounds__(finalize_threads<Y>())
   float acc[kCols];
 #pragma unroll
   for (int c = 0; c < kCols; ++c) acc[c] = 0.0f;
-  for (int j0 = 0; j0 < top_k; j0 += 8) {
-    int32_t e[8], row[8];
-    float sc[8];
+  for (int j0 = 0; j0 < top_k; j0 += kU) {
+    int32_t e[kU], row[kU];
+    float sc[kU];
 #pragma unroll
-    for (int u = 0; u < 8; ++u) {  // ids, slot rows and scales together: one round trip
+    for (int u = 0; u < kU; ++u) {  // ids, slot rows and scales together: one round trip
       const int64_t s = t * top_k + j0 + u;
       const bool in = j0 + u < top_k;
       e[u] = in ? ids[s] : -1;
       row[u] = in && kRows ? rows.slot_row[s] : 0;
       sc[u] = in && kRows && rows.row_scale ? rows.row_scale[s] : 1.0f;
     }
-    float v[8][kCols];
+    float v[kU][kCols];
 #pragma unroll
-    for (int u = 0; u < 8; ++u) {
+    for (int u = 0; u < kU; ++u) {
       const bool ok = e[u] >= 0 && (num_experts <= 0 || e[u] < num_experts);
       if (!ok) e[u] = -1;
       if (ok) {
@@ -146,7 +146,7 @@ __global__ void __launch_bounds__(finalize_threads<Y>())
       }
     }
 #pragma unroll
-    for (int u = 0; u < 8; ++u) {
+    for (int u = 0; u < kU; ++u) {
       if (e[u] < 0) continue;
       if (kRows) {  // the same arithmetic as the kScatter epilogue: scale * (C + b)
         if (rows.bias) {
@@ -386,12 +386,26 @@ void finalize(const FinalizeArgs& a, Stream stream) {
                  static_cast<int>(a.top_k), num_experts, a.hidden, chunks, a.shared, a.shared_gate,
                  a.x, x_f16, a.ldx, out, a.ldo, rows);
     };
-    if (a.y_dtype == DType::kBF16)
-      go(finalize_kernel<Out, true, uint16_t>, static_cast<const uint16_t*>(a.y));
-    else if (a.slot_row)
-      go(finalize_kernel<Out, true>, static_cast<const float*>(a.y));
+    // Rows in flight a thread: top_k rounded up to 1, 2, 4 or 8. Eight for every
+    // k held 104 registers on the bf16-rows kernel (4 blocks an SM): at k = 2 a
+    // quarter of the threads with two loads each.
+    auto by_rows = [&](auto u) {
+      constexpr int kU = decltype(u)::value;
+      if (a.y_dtype == DType::kBF16)
+        go(finalize_kernel<Out, true, uint16_t, kU>, static_cast<const uint16_t*>(a.y));
+      else if (a.slot_row)
+        go(finalize_kernel<Out, true, float, kU>, static_cast<const float*>(a.y));
+      else
+        go(finalize_kernel<Out, false, float, kU>, static_cast<const float*>(a.y));
+    };
+    if (a.top_k <= 1)
+      by_rows(std::integral_constant<int, 1>{});
+    else if (a.top_k <= 2)
+      by_rows(std::integral_constant<int, 2>{});
+    else if (a.top_k <= 4)
+      by_rows(std::integral_constant<int, 4>{});
     else
-      go(finalize_kernel<Out, false>, static_cast<const float*>(a.y));
+      by_rows(std::integral_constant<int, 8>{});
   };
   if (a.out_dtype == DType::kF32)
     launch(static_cast<float*>(a.out));
