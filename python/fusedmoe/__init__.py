@@ -278,6 +278,8 @@ def _as_array(x: Any, name: str, expected: str = "a numeric dtype") -> Any:
         if not x.dtype.isnative:  # big-endian: DLPack carries native byte order only
             x = x.astype(x.dtype.newbyteorder("="))
         return x
+    if _is_torch(x) and x.layout != _torch.strided:  # sparse, ...: no DLPack form
+        raise TypeError(f"{name}: expected a dense (strided) tensor, got layout {x.layout}")
     return x
 
 
@@ -305,19 +307,39 @@ def _contiguous(x: Any) -> Any:
     return x
 
 
+def _beyond_f32(name: str, wide: Any, narrow: Any, lib: Any) -> None:
+    """ValueError naming the first element that is finite in `wide` (float64)
+    but not in its float32 conversion `narrow` (numpy or torch, host memory)."""
+    bad = lib.isinf(narrow) & lib.isfinite(wide)
+    if bool(bad.any()):
+        idx = tuple(int(i) for i in (np.argwhere(bad)[0] if lib is np else bad.nonzero()[0]))
+        raise ValueError(f"{name}: element {list(idx)} is {float(wide[idx])!r}, beyond the "
+                         f"float32 range the routers compute in")
+
+
 def _f32_logits(x: Any, name: str) -> Any:
-    """Router logits: any floating dtype, converted to float32."""
+    """Router logits: any floating dtype, converted to float32. A float64 value
+    beyond float32's range raises ValueError (it would become inf and route as
+    a tie) in host memory; CUDA tensors are converted as they are (checking
+    them would synchronise the stream)."""
     if isinstance(x, np.ndarray):
         if x.dtype != np.float32:
             if x.dtype.kind != "f" and x.dtype.name != "bfloat16":
                 raise TypeError(f"{name}: expected a floating dtype, got {x.dtype}")
-            x = x.astype(np.float32)
+            wide = x
+            with np.errstate(over="ignore"):
+                x = x.astype(np.float32)
+            if wide.dtype.itemsize > 4:
+                _beyond_f32(name, wide, x, np)
         return _rows(x)
     if _is_torch(x):
         if x.dtype != _torch.float32:
             if not x.dtype.is_floating_point:
                 raise TypeError(f"{name}: expected a floating dtype, got {x.dtype}")
+            wide = x
             x = x.float()
+            if wide.dtype == _torch.float64 and not wide.is_cuda:
+                _beyond_f32(name, wide.detach(), x.detach(), _torch)
         return _rows(x)
     return x
 
@@ -362,13 +384,15 @@ def _i32(x: Any, name: str) -> Any:
 
 def _weight(x: Any, name: str, weight_dtype: Optional[str]) -> Tuple[Any, bool]:
     """Expert weights: (array, uint16-is-bf16 flag)."""
+    if weight_dtype is not None and (not isinstance(weight_dtype, str)
+                                     or weight_dtype not in ("bf16", "bfloat16")):
+        raise ValueError(f'weight_dtype: expected "bf16" (or "bfloat16") or None, '
+                         f'got {weight_dtype!r}')
     x = _contiguous(_as_array(x, name, "dtype float32 or bfloat16 (CUDA: bfloat16 or float16)"))
     if isinstance(x, np.ndarray) or _is_cupy(x):
         if x.dtype.kind == "V" and x.dtype.name == "bfloat16":  # ml_dtypes.bfloat16
             return x.view(np.uint16), True
         if weight_dtype is not None:
-            if weight_dtype not in ("bf16", "bfloat16"):
-                raise ValueError(f'weight_dtype: expected "bf16" or None, got {weight_dtype!r}')
             if x.dtype != np.uint16:
                 raise TypeError(
                     f'{name}: weight_dtype="bf16" expects uint16 bf16 bit patterns, got {x.dtype}'

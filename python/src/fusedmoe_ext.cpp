@@ -380,6 +380,7 @@ cuda::FusedExpertsArgs cuda_fused_experts_args(const TensorView& x, const Expert
   const int64_t T = x.size(0), H = x.size(1), E = sizes.num_experts, I = sizes.intermediate_size;
   FUSEDMOE_CHECK(tw.ndim() == 2, "topk_weights: expected [T, k], got ", tw.str());
   const int64_t k = tw.size(1);
+  FUSEDMOE_CHECK(k >= 1, "topk_weights: expected [T, k] with k >= 1 (top_k), got ", tw.str());
   check_tensor(x, "hidden_states", x.dtype(), {T, H}, true, dev);
   check_tensor(w.w13, "w13", w.w13.dtype(), {E, 2 * I, H}, true, dev);
   check_tensor(w.w2, "w2", w.w13.dtype(), {E, H, I}, true, dev);

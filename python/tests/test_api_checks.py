@@ -608,3 +608,66 @@ def test_fused_experts_non_finite_weights_are_named(case):
                                                  r"\(the weights hold NaN or Inf, or the input or "
                                                  r"the weights overflow f32 arithmetic\)$"):
                 fusedmoe.fused_experts(c["x"], args["w13"], args["w2"], c["tw"], c["ids"])
+
+
+def test_float64_router_logits_beyond_float32_are_named(mixtral):
+    """float64 logits are routed in float32: a finite value that overflows it
+    would become inf and tie with the others (weights 0.5 / 0.5 for logits 1e300
+    and 5e299); ValueError names the argument, the element and the value."""
+    E = mixtral.num_experts
+    rl = np.zeros((2, E))
+    rl[1, :2] = [1e300, 5e299]
+    x = np.ones((2, mixtral.hidden_size), np.float32)
+    with pytest.raises(ValueError, match=r"router_logits: element \[1, 0\] is 1e\+300"):
+        mixtral(x, router_logits=rl)
+    with pytest.raises(ValueError, match=r"gating_output: element \[1, 0\]"):
+        fusedmoe.fused_topk(None, rl, 2, True)
+    with pytest.raises(ValueError, match=r"router_logits: element \[1, 0\]"):
+        fusedmoe.select_experts(rl, config=mixtral)
+    rl[1, :2] = [3e38, 1e2]  # within float32: routed as given
+    w, ids = fusedmoe.fused_topk(None, rl, 2, True)
+    assert ids[1, 0] == 0 and w[1, 0] == 1.0
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is not None and fusedmoe._torch is not None:
+        t = torch.zeros((2, E), dtype=torch.float64)
+        t[0, 3] = -1e300
+        with pytest.raises(ValueError, match=r"gating_output: element \[0, 3\] is -1e\+300"):
+            fusedmoe.fused_topk(None, t, 2, True)
+
+
+def test_weight_dtype_is_checked_for_every_weight_type(case):
+    """weight_dtype is "bf16" ("bfloat16") or None whatever the weights' dtype:
+    with ml_dtypes.bfloat16 weights it was not looked at (5, True, "f32" passed)."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    bf = ml_dtypes.bfloat16
+    x, tw, ids = case["x"], case["tw"], case["ids"]
+    w13, w2 = case["w13"].astype(bf), case["w2"].astype(bf)
+    for bad in (5, True, "f32", "garbage"):
+        with pytest.raises(ValueError, match="weight_dtype: expected"):
+            fusedmoe.fused_experts(x, w13, w2, tw, ids, weight_dtype=bad)
+    for ok in (None, "bf16", "bfloat16"):
+        out = fusedmoe.fused_experts(x, w13, w2, tw, ids, weight_dtype=ok)
+        assert np.isfinite(out).all()
+
+
+def test_zero_slots_per_token_is_refused(case):
+    """topk_ids / topk_weights of k = 0 columns: refused as top_k = 0 is by the
+    routers (it returned zeros)."""
+    x, w13, w2 = case["x"], case["w13"], case["w2"]
+    T = x.shape[0]
+    with pytest.raises(ValueError, match=r"topk_ids: expected \[T, k\] with k >= 1"):
+        fusedmoe.fused_experts(x, w13, w2, np.zeros((T, 0), np.float32),
+                               np.zeros((T, 0), np.int32))
+
+
+def test_sparse_torch_tensor_is_named():
+    torch = _torch()
+    if torch is None:
+        pytest.skip("needs torch")
+    layer = fusedmoe.MoELayer.from_pretrained(HF / "mixtral", layer=0)
+    x = torch.ones((2, layer.hidden_size)).to_sparse()
+    with pytest.raises(TypeError, match="hidden_states: expected a dense"):
+        layer(x)

@@ -91,6 +91,8 @@ void DistributedExperts::forward(const TensorView& hidden_states, const TensorVi
   const int64_t T = hidden_states.size(0);
   check_tensor(topk_ids, "topk_ids", DType::kI32, {T, -1});
   const int64_t k = topk_ids.size(1);
+  FUSEDMOE_CHECK(k >= 1, "topk_ids: expected [T, k] with k >= 1 (top_k), got ",
+                 topk_ids.shape_str());
   check_tensor(topk_weights, "topk_weights", DType::kF32, {T, k});
   check_router_weight_on_input(apply_router_weight_on_input, topk_ids);
   check_tensor(output, "output", DType::kF32, {T, H});

@@ -368,6 +368,9 @@ TEST(CpuModularKernel, RejectsBadInputsWithoutWriting) {
   expect_error(run(hidden, ids_rows, tw, w, out), {"topk_ids"});
   Tensor tw_bad = test::random_f32(rng, {T, k + 1});
   expect_error(run(hidden, ids, tw_bad, w, out), {"topk_weights"});
+  Tensor ids_k0 = Tensor::empty(DType::kI32, {T, 0});  // top_k 0: it wrote zeros
+  Tensor tw_k0 = Tensor::empty(DType::kF32, {T, 0});
+  expect_error(run(hidden, ids_k0, tw_k0, w, out), {"topk_ids", "k >= 1", "[4, 0]"});
   Tensor h_nan = Tensor::copy_of(hidden);
   h_nan.data_as<float>()[2 * H + 7] = std::nanf("");
   expect_error(run(h_nan, ids, tw, w, out), {"hidden_states", "NaN at token 2, column 7"});

@@ -326,6 +326,18 @@ TEST(DistributedExperts, SingleRankMatchesModularKernelBitForBit) {
     EXPECT_THROW(de.forward(hidden.view(), ids.view(), w.view(), params, false, out.view(), ws),
                  Error);
     EXPECT_EQ(test::count_non_finite(out.view()), T * H);
+
+    // No slot a token (k = 0) is refused as top_k = 0 is, not summed to zeros.
+    Tensor ids0 = Tensor::empty(DType::kI32, {T, 0}), w0 = Tensor::empty(DType::kF32, {T, 0});
+    try {
+      de.forward(hidden.view(), ids0.view(), w0.view(), params, false, out.view(), ws);
+      ADD_FAILURE() << "topk_ids with k = 0 was taken";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("topk_ids: expected [T, k] with k >= 1"),
+                std::string::npos)
+          << e.what();
+    }
+    EXPECT_EQ(test::count_non_finite(out.view()), T * H);
   }
 }
 
