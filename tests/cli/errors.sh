@@ -269,8 +269,8 @@ python3 -c "import numpy" 2>/dev/null && {
 expect_error "--tokens beyond memory" "--tokens: expected at most " -- \
   run --model "$FIX" --layer 1 --tokens 10000000000000
 # So does an --input with more tokens than the run's buffers fit beside it (a sparse
-# f16 .npy file of phys / 4096 tokens: read, then refused before its f32 copy and the
-# experts' buffers, which need ~7 KiB a token).
+# f16 .npy file of phys / 4096 tokens, refused from its header before its data is read,
+# its f32 copy and the experts' buffers, which need ~7 KiB a token).
 python3 - "$TMP/many.npy" <<'PY'
 import os, sys
 T = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4096
@@ -283,6 +283,35 @@ PY
 expect_error "--input beyond memory" "error: input $TMP/many.npy: expected at most " -- \
   run --model "$FIX" --layer 1 --input "$TMP/many.npy" --quiet
 rm -f "$TMP/many.npy"
+# A sparse f32 .npy file twice the physical memory, as --input and as --reference: the
+# header's shape is checked before anything is allocated for, or read of, its data
+# (the data was read first: an out-of-memory error naming neither, or the OOM killer).
+python3 - "$TMP/twice.npy" <<'PY'
+import os, sys
+T = 2 * os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 512
+header = "{'descr': '<f4', 'fortran_order': False, 'shape': (%d, 128), }" % T
+header += " " * (63 - (len(header) + 10) % 64) + "\n"
+with open(sys.argv[1], "wb") as f:
+    f.write(b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header.encode())
+    f.truncate(f.tell() + T * 128 * 4)
+PY
+expect_error "--input .npy twice the memory" "error: input $TMP/twice.npy: expected at most " -- \
+  run --model "$FIX" --layer 1 --input "$TMP/twice.npy" --quiet
+python3 -c "import numpy as np; np.save('$TMP/two.npy', np.ones((2, 128), np.float32))"
+expect_error "--reference .npy twice the memory" "error: reference $TMP/twice.npy: expected [2, 128], got [" -- \
+  run --model "$FIX" --layer 1 --input "$TMP/two.npy" --reference "$TMP/twice.npy" --quiet
+rm -f "$TMP/twice.npy"
+# Values the f32 input cannot hold: an f64 one beyond its range (it became Inf, named as
+# "hidden_states: ... got Inf"), an f16 Inf: each named in the input file, with its place.
+python3 - "$TMP" <<'PY'
+import sys, numpy as np
+a = np.ones((2, 128)); a[1, 7] = 1e300; np.save(f"{sys.argv[1]}/f64big.npy", a)
+b = np.ones((2, 128), np.float16); b[1, 3] = np.inf; np.save(f"{sys.argv[1]}/f16inf.npy", b)
+PY
+expect_error "f64 --input beyond the f32 range" "error: input $TMP/f64big.npy: element [1, 7] is beyond the f32 range once converted from f64 (its value 1e+300)" -- \
+  run --model "$FIX" --layer 1 --input "$TMP/f64big.npy" --quiet
+expect_error "f16 --input with an Inf" "error: input $TMP/f16inf.npy: expected finite values, got Inf at token 1, column 3" -- \
+  run --model "$FIX" --layer 1 --input "$TMP/f16inf.npy" --quiet
 expect_error "--tokens beyond 64 bits" "--tokens: expected a decimal integer >= 0, got \"99999999999999999999\" (beyond 64 bits)" -- \
   run --model "$FIX" --layer 1 --tokens 99999999999999999999
 expect_error "negative --seed" "--seed: expected a decimal integer in [0, 2^64), got \"-1\"" -- \
