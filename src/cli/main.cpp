@@ -548,6 +548,23 @@ int run_command_line(int argc, char** argv) {
   } catch (const CLI::ParseError&) {
     parse_error = std::current_exception();
   }
+  // A flag given an empty value ("--quiet="): CLI11 reads it as the flag alone
+  // (true) before add_bool_flag's check sees it; a usage error as any value
+  // other than true or false.
+  if (!parse_error && !app.get_subcommands().empty()) {
+    const CLI::App& cmd = *app.get_subcommands()[0];
+    for (int i = 1; i < argc && std::string_view(argv[i]) != "--"; ++i) {
+      const std::string_view arg = argv[i];
+      if (arg.size() < 4 || arg.substr(0, 2) != "--" || arg.find('=') != arg.size() - 1) continue;
+      const CLI::Option* opt = cmd.get_option_no_throw(std::string(arg.substr(0, arg.size() - 1)));
+      if (opt != nullptr && opt->get_expected_min() == 0 && opt != cmd.get_help_ptr()) {
+        parse_error = std::make_exception_ptr(
+            CLI::ValidationError(std::string(arg.substr(0, arg.size() - 1)) +
+                                 ": a flag, expected no value (or true / false), got \"\""));
+        break;
+      }
+    }
+  }
   std::string ran = app.get_subcommands().empty() ? "" : app.get_subcommands()[0]->get_name();
   bool parse_failed = false;
   if (parse_error) {

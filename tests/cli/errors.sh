@@ -154,10 +154,12 @@ expect_usage "CLI11: run --backend not in the list" "error: run --backend: expec
   run --model "$FIX" --tokens 1 --backend tpu
 expect_usage "CLI11: a flag given a value" "error: bench --no-baseline: a flag, expected no value (or true / false), got \"maybe\" (see fusedmoe bench --help)" -- \
   bench --no-baseline=maybe
-# A number, yes / no, on / off: CLI11 alone read "--quiet=3" as true, "--quiet=0" as false.
-# Every flag of every command takes no value, or true / false only.
+# A number, yes / no, on / off: CLI11 alone read "--quiet=3" as true, "--quiet=0" as false;
+# an empty value ("--quiet=") as true. Every flag of every command takes no value, or
+# true / false only.
 for flag in "run --quiet=3" "run --quiet=0" "run --quiet=yes" "bench --no-baseline=1" \
-  "bench --nccl=on" "bench --sweep=2" "inspect --json=7"; do
+  "bench --nccl=on" "bench --sweep=2" "inspect --json=7" "run --quiet=" "inspect --json=" \
+  "bench --no-baseline="; do
   cmd=${flag%% *} f=${flag#* }
   extra=()
   case $cmd in run) extra=(--model "$FIX" --tokens 1) ;; inspect) extra=("$FIX") ;; esac
