@@ -614,9 +614,10 @@ int run_run(const RunOptions& o) {
   // [T, ...]; its token group's rows run through the routed experts, budgeted
   // for the most they can receive (rank_token_bytes: under expert parallelism
   // every group's tokens), and the shared expert. Beside this rank's weights,
-  // the ranks on this machine must fit its physical memory: T over that is an
-  // error naming what gave T (--tokens before anything is allocated for it),
-  // not a process the OOM killer ends.
+  // the ranks on this machine must fit its available memory (MemAvailable: not
+  // what other processes hold, which the physical memory counted; a run over
+  // it swaps or is ended by the OOM killer): T over that is an error naming
+  // what gave T (--tokens before anything is allocated for it).
   const auto check_tokens_fit = [&](int64_t T, const std::string& what) {
     const ParallelConfig& pc = config.parallel;
     const int64_t E_local = ExpertMap(config.num_experts, pc.ep_size, pc.expert_placement)
@@ -641,8 +642,8 @@ int run_run(const RunOptions& o) {
     // This group's ceil(T / groups) rows: one group's rows beside, the rest a share.
     const size_t per_token = whole + (rows + groups - 1) / groups;
     const int ranks = world ? local_size(world->size()) : 1;
-    const size_t physical = bench::physical_memory_bytes();
-    const size_t budget = physical / static_cast<size_t>(ranks);
+    const size_t available = bench::available_memory_bytes();
+    const size_t budget = available / static_cast<size_t>(ranks);
     const int64_t most = bench::most_tokens_within(budget, weights + rows, per_token);
     if (T <= most) return;
     throw Error(
@@ -652,7 +653,7 @@ int run_run(const RunOptions& o) {
                        " a token for the hidden states, routing and output and the experts' "
                        "routed rows and intermediates, beside ",
                        format_bytes(static_cast<double>(weights)), " of weights, within ",
-                       format_bytes(static_cast<double>(physical)), " physical memory",
+                       format_bytes(static_cast<double>(available)), " available memory",
                        ranks > 1 ? " shared by the " + std::to_string(ranks) + " ranks on it" : "",
                        "); give fewer tokens"));
   };

@@ -556,7 +556,7 @@ quarter=$(python3 -c 'import os; print(os.sysconf("SC_PHYS_PAGES") * os.sysconf(
 for t in "$quarter" 1000000000000000 9223372036854775807; do
   expect_error "run --tokens $t beyond the memory" "error: --tokens: expected at most " -- \
     run --model "$FIX" --layer 1 --tokens "$t" --quiet
-  grep -qE -- "--tokens: expected at most [0-9]+ tokens for this machine's memory, got $t \([0-9.]+ KiB a token .* beside [0-9.]+ KiB of weights, within [0-9.]+ GiB physical memory\); give fewer tokens$" "$TMP/stderr" &&
+  grep -qE -- "--tokens: expected at most [0-9]+ tokens for this machine's memory, got $t \([0-9.]+ KiB a token .* beside [0-9.]+ KiB of weights, within [0-9.]+ GiB available memory\); give fewer tokens$" "$TMP/stderr" &&
     [ "$last_rc" -eq 1 ] && [ ! -s "$TMP/stdout" ] ||
     { echo "FAIL run --tokens $t: message, exit code ($last_rc) or output"; cat "$TMP/stdout" "$TMP/stderr"; failures=$((failures + 1)); }
 done
