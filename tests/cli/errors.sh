@@ -72,6 +72,15 @@ expect_error "header length past EOF" "model.safetensors" -- run --model "$TMP/h
 
 corrupt_model "$TMP/badjson" bad-json >/dev/null
 expect_error "header not JSON" "model.safetensors" -- run --model "$TMP/badjson" "${run_args[@]}"
+# A header whose first bytes are no UTF-8 (\xff\xfe): the parser's message quotes them,
+# written as \xNN, never as raw bytes on the terminal.
+mkdir -p "$TMP/nonutf8"
+cp "$FIX/config.json" "$FIX/model.safetensors" "$TMP/nonutf8/"
+printf '\xff\xfe' | dd of="$TMP/nonutf8/model.safetensors" bs=1 seek=8 conv=notrunc status=none
+expect_error "header bytes not UTF-8" 'header is not valid JSON' -- run --model "$TMP/nonutf8" --tokens 2
+if LC_ALL=C grep -q $'[\x80-\xff]' "$TMP/stderr" || ! grep -qF "'\xff'" "$TMP/stderr"; then
+  echo "FAIL header bytes not UTF-8: raw bytes on stderr, or no \\xff"; failures=$((failures + 1))
+fi
 
 t=$(corrupt_model "$TMP/offsets" offsets-outside)
 expect_error "data_offsets outside the file" "$t" -- run --model "$TMP/offsets" "${run_args[@]}"
