@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <filesystem>
 #include <iostream>
 #include <memory>
 #include <sstream>
@@ -296,10 +297,22 @@ std::string exact_number(double v) {
   return std::string(buf, r.ptr);
 }
 
+// The installed model beside an installed executable (<bin>/../share/fusedmoe/
+// models/..., wherever the prefix was put), else the source tree's (a build's
+// executable), else the configured install prefix's.
 std::string bundled_model_dir() {
-  struct stat st {};
-  if (::stat(FUSEDMOE_BUNDLED_MODEL_DIR, &st) == 0 && S_ISDIR(st.st_mode))
-    return FUSEDMOE_BUNDLED_MODEL_DIR;
+  const auto is_dir = [](const std::string& p) {
+    struct stat st {};
+    return ::stat(p.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+  };
+  std::error_code ec;
+  const std::filesystem::path exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (!ec) {
+    const std::string installed =
+        (exe.parent_path() / FUSEDMOE_BUNDLED_MODEL_FROM_BIN).lexically_normal().string();
+    if (is_dir(installed)) return installed;
+  }
+  if (is_dir(FUSEDMOE_BUNDLED_MODEL_DIR)) return FUSEDMOE_BUNDLED_MODEL_DIR;
   return FUSEDMOE_BUNDLED_MODEL_INSTALL_DIR;
 }
 
