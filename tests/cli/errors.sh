@@ -95,8 +95,9 @@ t=$(corrupt_model "$TMP/missing" rename)
 expect_error "missing expert tensor" "$t" -- run --model "$TMP/missing" "${run_args[@]}"
 
 t=$(corrupt_model "$TMP/nan" nan-weight)
-expect_error "NaN in an expert weight" "'$t': expected finite values, got NaN at [0, 3]" -- \
+expect_error "NaN in an expert weight" "'$t': expected finite values, got NaN at [0, 3] (a corrupt checkpoint)" -- \
   run --model "$TMP/nan" "${run_args[@]}"
+# (The library's LoadOptions::check_finite, no option of the CLI's, is not named.)
 
 mkdir -p "$TMP/noweights" && cp "$FIX/config.json" "$TMP/noweights/"
 expect_error "no model.safetensors" "model.safetensors" -- run --model "$TMP/noweights" "${run_args[@]}"
@@ -190,8 +191,11 @@ expect_error "output into a missing folder" "$TMP/no/such/dir" -- run --model "$
 
 python3 -c "import numpy" 2>/dev/null && {
   python3 -c "import numpy as np; np.save('$TMP/x.npy', np.random.randn(3, 128).astype(np.float32))"
-  expect_error "--input-key with a .npy input" "--input-key 'x': $TMP/x.npy is a .npy file" -- \
+  # The command line's mistakes: usage errors (exit 2), as the README says.
+  expect_usage "--input-key with a .npy input" "--input-key 'x': $TMP/x.npy is a .npy file" -- \
     run --model "$FIX" --layer 1 --input "$TMP/x.npy" --input-key x
+  expect_usage "--input .safetensors without --input-key" "--input-key is required with a .safetensors file ($REF has " -- \
+    run --model "$FIX" --layer 1 --input "$REF"
 }
 cp "$REF" "$TMP/in.safetensors"
 expect_usage "--output is the --input file" "is the same file as --input" -- run --model "$FIX" \
