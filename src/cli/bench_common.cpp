@@ -443,6 +443,18 @@ size_t physical_memory_bytes() {
                                : size_t{8} << 30;
 }
 
+size_t available_memory_bytes() {
+  const size_t physical = physical_memory_bytes();
+  std::ifstream f("/proc/meminfo");
+  std::string line;
+  while (std::getline(f, line)) {
+    unsigned long long kib = 0;
+    if (std::sscanf(line.c_str(), "MemAvailable: %llu kB", &kib) == 1)
+      return std::min<size_t>(physical, static_cast<size_t>(kib) * 1024);
+  }
+  return physical;
+}
+
 SyntheticLayer make_synthetic_layer(const LayerShape& shape, DType dtype, uint64_t seed,
                                     bool baseline_weights) {
   FUSEDMOE_CHECK(dtype == DType::kF32 || dtype == DType::kBF16, "dtype: expected f32 or bf16, got ",

@@ -115,6 +115,10 @@ int64_t most_tokens_within(size_t budget, size_t fixed, size_t per_token);
 LayerShape fit_to_memory(LayerShape s, DType dtype, bool with_baseline, size_t budget_bytes,
                          int64_t max_tokens = 0);
 size_t physical_memory_bytes();
+// The memory a new allocation can take without swapping: MemAvailable of
+// /proc/meminfo (free memory plus reclaimable caches; what other processes
+// hold is not), at most physical_memory_bytes(); that when it is unknown.
+size_t available_memory_bytes();
 
 // ---- synthetic layer and batches --------------------------------------------------
 struct SyntheticLayer {

@@ -251,9 +251,11 @@ std::string format_bytes(double bytes);
 inline std::string count_of(long long n, const std::string& noun) {
   return std::to_string(n) + " " + noun + (n == 1 ? "" : "s");
 }
-// `text` with each control character (below 0x20, and 0x7f) written as \xNN:
+// `text` with each control character (below 0x20, 0x7f, and the C1 controls
+// U+0080-U+009F) and each byte that is not part of valid UTF-8 written as \xNN:
 // names and values read from files (tensor names, metadata, config strings) and
-// errors quoting them cannot move the cursor or recolour the terminal.
+// errors quoting them cannot move the cursor or recolour the terminal, nor put
+// bytes that are no text on it.
 std::string printable(const std::string& text);
 // Comma-separated integers >= 0, each plain decimal: "1,16,64" -> {1, 16, 64}.
 // Throws Error naming `what`.

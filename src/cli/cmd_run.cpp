@@ -9,9 +9,12 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "cli/bench_common.h"
@@ -47,10 +50,15 @@ std::string utf8_replaced(const std::string& text) {
 
 constexpr char kNpyMagic[] = "\x93NUMPY";
 
+// What a caller checks of a tensor file's dtype and shape (from its header) before
+// anything is allocated for, or read of, its data.
+using HeaderCheck = std::function<void(DType, std::span<const int64_t>)>;
+
 // Minimal .npy reader (format versions 1-3, C order): floats f2/f4/f8, signed and
 // unsigned integers, bool; little- or big-endian (big-endian data is byte-swapped
-// to the machine's order, as the Python API converts such arrays).
-Tensor read_npy(const std::string& path) {
+// to the machine's order, as the Python API converts such arrays). `check` sees
+// the header's dtype and shape before the data is read.
+Tensor read_npy(const std::string& path, const HeaderCheck& check) {
   require_regular_file(path);
   std::ifstream f(path, std::ios::binary);
   if (!f) FUSEDMOE_THROW(kIo, path, ": cannot open: ", std::strerror(errno));
@@ -212,6 +220,7 @@ Tensor read_npy(const std::string& path) {
   if (bytes > available)
     FUSEDMOE_THROW(kIo, path, ": .npy data shorter than its shape (", shape_text, "): ", available,
                    " bytes, expected ", bytes);
+  check(dtype, shape);
   Tensor t = Tensor::empty(dtype, shape);
   f.read(static_cast<char*>(t.data()), static_cast<std::streamsize>(t.nbytes()));
   if (!f) FUSEDMOE_THROW(kIo, path, ": .npy data shorter than its shape ", t.shape_str());
@@ -224,8 +233,10 @@ Tensor read_npy(const std::string& path) {
 }
 
 // The tensor `key` of a .safetensors file, or the array of a .npy file (told
-// apart by their content, whatever the name).
-Tensor read_tensor(const std::string& path, const std::string& key, const char* what) {
+// apart by their content, whatever the name); `check` sees its dtype and shape
+// before its data is read (a .safetensors file's is mapped, read as used).
+Tensor read_tensor(const std::string& path, const std::string& key, const char* what,
+                   const HeaderCheck& check) {
   const std::string flag = std::string("--") + what;
   // A directory, FIFO or device, a missing or unreadable file: named with the reason.
   try {
@@ -240,9 +251,15 @@ Tensor read_tensor(const std::string& path, const std::string& key, const char* 
     f.read(magic, sizeof magic);
   }
   if (std::memcmp(magic, kNpyMagic, 6) == 0) {
-    FUSEDMOE_CHECK(key.empty(), flag, "-key '", key, "': ", path,
-                   " is a .npy file, which holds one array and takes no key");
-    return read_npy(path);
+    // The command line's mistake (a usage error, exit 2), as is a missing key below.
+    usage_check(key.empty(), flag, "-key '", key, "': ", path,
+                " is a .npy file, which holds one array and takes no key");
+    try {
+      return read_npy(path, check);
+    } catch (const Error& e) {  // no memory for the data: the option whose file it is
+      if (std::string_view(e.what()).rfind("Tensor::empty", 0) != 0) throw;
+      throw Error(e.code(), flag + " " + path + ": " + e.what());
+    }
   }
   std::shared_ptr<SafetensorsFile> file;
   try {
@@ -253,10 +270,19 @@ Tensor read_tensor(const std::string& path, const std::string& key, const char* 
     throw Error(e.code(), flag + " " + path +
                               ": neither a .npy file nor a valid .safetensors file (" + why + ")");
   }
-  FUSEDMOE_CHECK(!key.empty(), flag, "-key is required with a .safetensors file (", path, " has ",
-                 file->names().size(), " tensors; `fusedmoe inspect ", path, "` lists them)");
+  usage_check(!key.empty(), flag, "-key is required with a .safetensors file (", path, " has ",
+              file->names().size(), " tensors; `fusedmoe inspect ", path, "` lists them)");
   if (!file->contains(key)) FUSEDMOE_THROW(kIo, path, ": no tensor named '", key, "'");
-  return file->get(key);
+  Tensor t = file->get(key);
+  check(t.dtype(), t.shape());
+  return t;
+}
+
+// "[2, 128]"
+std::string dims_str(std::span<const int64_t> shape) {
+  std::string out = "[";
+  for (size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
+  return out + "]";
 }
 
 std::string describe(const std::string& path, const std::string& key, const char* what) {
@@ -266,8 +292,7 @@ std::string describe(const std::string& path, const std::string& key, const char
 
 // --input and --reference: f32, bf16, f16 or f64 (what the README lists; FP8
 // is a weight format whose values need scales, not an activation file's).
-void check_float_dtype(const Tensor& t, const std::string& what) {
-  const DType d = t.dtype();
+void check_float_dtype(DType d, const std::string& what) {
   FUSEDMOE_CHECK(d == DType::kF32 || d == DType::kBF16 || d == DType::kF16 || d == DType::kF64,
                  what, ": expected dtype f32, bf16, f16 or f64, got ", dtype_name(d));
 }
@@ -590,9 +615,10 @@ int run_run(const RunOptions& o) {
   // [T, ...]; its token group's rows run through the routed experts, budgeted
   // for the most they can receive (rank_token_bytes: under expert parallelism
   // every group's tokens), and the shared expert. Beside this rank's weights,
-  // the ranks on this machine must fit its physical memory: T over that is an
-  // error naming what gave T (--tokens before anything is allocated for it),
-  // not a process the OOM killer ends.
+  // the ranks on this machine must fit its available memory (MemAvailable: not
+  // what other processes hold, which the physical memory counted; a run over
+  // it swaps or is ended by the OOM killer): T over that is an error naming
+  // what gave T (--tokens before anything is allocated for it).
   const auto check_tokens_fit = [&](int64_t T, const std::string& what) {
     const ParallelConfig& pc = config.parallel;
     const int64_t E_local = ExpertMap(config.num_experts, pc.ep_size, pc.expert_placement)
@@ -617,8 +643,8 @@ int run_run(const RunOptions& o) {
     // This group's ceil(T / groups) rows: one group's rows beside, the rest a share.
     const size_t per_token = whole + (rows + groups - 1) / groups;
     const int ranks = world ? local_size(world->size()) : 1;
-    const size_t physical = bench::physical_memory_bytes();
-    const size_t budget = physical / static_cast<size_t>(ranks);
+    const size_t available = bench::available_memory_bytes();
+    const size_t budget = available / static_cast<size_t>(ranks);
     const int64_t most = bench::most_tokens_within(budget, weights + rows, per_token);
     if (T <= most) return;
     throw Error(
@@ -628,7 +654,7 @@ int run_run(const RunOptions& o) {
                        " a token for the hidden states, routing and output and the experts' "
                        "routed rows and intermediates, beside ",
                        format_bytes(static_cast<double>(weights)), " of weights, within ",
-                       format_bytes(static_cast<double>(physical)), " physical memory",
+                       format_bytes(static_cast<double>(available)), " available memory",
                        ranks > 1 ? " shared by the " + std::to_string(ranks) + " ranks on it" : "",
                        "); give fewer tokens"));
   };
@@ -637,12 +663,26 @@ int run_run(const RunOptions& o) {
   Tensor input;
   std::string input_desc;
   if (!o.input.empty()) {
-    const Tensor raw = read_tensor(o.input, o.input_key, "input");
     const std::string what = describe(o.input, o.input_key, "input");
-    if (raw.ndim() != 2 || raw.size(1) != H)
-      FUSEDMOE_THROW(kInvalidArgument, what, ": expected [T, ", H, "], got ", raw.shape_str());
-    check_float_dtype(raw, what);
-    check_tokens_fit(raw.size(0), what);
+    // Shape, dtype and memory from the file's header, before its data is read.
+    const Tensor raw =
+        read_tensor(o.input, o.input_key, "input", [&](DType d, std::span<const int64_t> shape) {
+          if (shape.size() != 2 || shape[1] != H)
+            FUSEDMOE_THROW(kInvalidArgument, what, ": expected [T, ", H, "], got ",
+                           dims_str(shape));
+          check_float_dtype(d, what);
+          check_tokens_fit(shape[0], what);
+        });
+    // A NaN or Inf in the file, or an f64 value that f32 cannot hold: named in
+    // the file, before the f32 copy the experts read.
+    check_finite_rows(raw.view(), what.c_str(), "token");
+    if (raw.dtype() == DType::kF64) {
+      const Tensor c = raw.view().is_contiguous() ? raw : Tensor::copy_of(raw);
+      if (const int64_t i = find_beyond_f32(c.data(), static_cast<size_t>(c.numel())); i >= 0)
+        FUSEDMOE_THROW(kInvalidArgument, what, ": element [", i / H, ", ", i % H,
+                       "] is beyond the f32 range once converted from f64 (its value ",
+                       c.data_as<double>()[i], ")");
+    }
     input = raw.dtype() == DType::kF32 ? raw : to_f32(raw);
     input_desc = o.input_key.empty() ? base_name(o.input) : base_name(o.input) + ":" + o.input_key;
   } else {
@@ -668,12 +708,14 @@ int run_run(const RunOptions& o) {
   Tensor reference;
   std::string ref_what;
   if (!o.reference.empty()) {
-    reference = read_tensor(o.reference, o.reference_key, "reference");
     ref_what = describe(o.reference, o.reference_key, "reference");
-    if (reference.ndim() != 2 || reference.size(0) != T || reference.size(1) != H)
-      FUSEDMOE_THROW(kInvalidArgument, ref_what, ": expected [", T, ", ", H, "], got ",
-                     reference.shape_str());
-    check_float_dtype(reference, ref_what);
+    reference = read_tensor(o.reference, o.reference_key, "reference",
+                            [&](DType d, std::span<const int64_t> shape) {
+                              if (shape.size() != 2 || shape[0] != T || shape[1] != H)
+                                FUSEDMOE_THROW(kInvalidArgument, ref_what, ": expected [", T, ", ",
+                                               H, "], got ", dims_str(shape));
+                              check_float_dtype(d, ref_what);
+                            });
     // A NaN or Inf in the reference makes the relative error meaningless (NaN,
     // or inf that an infinite --tolerance would accept): refused, named.
     check_finite_rows(reference.view(), ref_what.c_str(), "row");
@@ -684,7 +726,17 @@ int run_run(const RunOptions& o) {
   LoadOptions lopts;
   lopts.progress = root;
   lopts.parallel = config.parallel;  // this rank's share only
-  MoELayerWeights weights = load_moe_layer(checkpoint, info, layer, lopts);
+  MoELayerWeights weights = [&] {
+    try {
+      return load_moe_layer(checkpoint, info, layer, lopts);
+    } catch (const Error& e) {
+      // The library's way past its value checks is no option of the CLI's: not named here.
+      std::string what = e.what();
+      const std::string hint = "; LoadOptions::check_finite = false skips this check";
+      for (size_t at; (at = what.find(hint)) != std::string::npos;) what.erase(at, hint.size());
+      throw Error(e.code(), what);
+    }
+  }();
   const size_t weight_bytes = weights.nbytes();
   RunnerOptions ropts;
   ropts.compute_dtype = compute_dtype;

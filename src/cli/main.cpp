@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <filesystem>
 #include <iostream>
 #include <memory>
 #include <sstream>
@@ -296,10 +297,22 @@ std::string exact_number(double v) {
   return std::string(buf, r.ptr);
 }
 
+// The installed model beside an installed executable (<bin>/../share/fusedmoe/
+// models/..., wherever the prefix was put), else the source tree's (a build's
+// executable), else the configured install prefix's.
 std::string bundled_model_dir() {
-  struct stat st {};
-  if (::stat(FUSEDMOE_BUNDLED_MODEL_DIR, &st) == 0 && S_ISDIR(st.st_mode))
-    return FUSEDMOE_BUNDLED_MODEL_DIR;
+  const auto is_dir = [](const std::string& p) {
+    struct stat st {};
+    return ::stat(p.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+  };
+  std::error_code ec;
+  const std::filesystem::path exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (!ec) {
+    const std::string installed =
+        (exe.parent_path() / FUSEDMOE_BUNDLED_MODEL_FROM_BIN).lexically_normal().string();
+    if (is_dir(installed)) return installed;
+  }
+  if (is_dir(FUSEDMOE_BUNDLED_MODEL_DIR)) return FUSEDMOE_BUNDLED_MODEL_DIR;
   return FUSEDMOE_BUNDLED_MODEL_INSTALL_DIR;
 }
 
@@ -317,14 +330,41 @@ std::string format_bytes(double bytes) {
 
 std::string printable(const std::string& text) {
   std::string out;
-  for (const char c : text) {
-    const auto u = static_cast<unsigned char>(c);
-    if (u >= 0x20 && u != 0x7f) {
-      out += c;
+  const auto escape = [&](unsigned char u) {
+    char hex[5];
+    std::snprintf(hex, sizeof hex, "\\x%02x", u);
+    out += hex;
+  };
+  const auto byte = [&](size_t i) -> unsigned {
+    return i < text.size() ? static_cast<unsigned char>(text[i]) : 0u;
+  };
+  for (size_t i = 0; i < text.size();) {
+    const unsigned u = byte(i);
+    if (u < 0x80) {
+      if (u >= 0x20 && u != 0x7f)
+        out += static_cast<char>(u);
+      else
+        escape(static_cast<unsigned char>(u));
+      ++i;
+      continue;
+    }
+    // A UTF-8 sequence (RFC 3629: no overlong forms, surrogates or code points
+    // past U+10FFFF) is kept, but for the C1 controls U+0080-U+009F; any other
+    // byte is escaped alone.
+    const size_t n = u >= 0xc2 && u <= 0xdf   ? 2
+                     : u >= 0xe0 && u <= 0xef ? 3
+                     : u >= 0xf0 && u <= 0xf4 ? 4
+                                              : 0;
+    const unsigned lo = u == 0xe0 ? 0xa0 : u == 0xf0 ? 0x90 : u == 0xc2 ? 0xa0 : 0x80;
+    const unsigned hi = u == 0xed ? 0x9f : u == 0xf4 ? 0x8f : 0xbf;
+    bool valid = n > 0 && byte(i + 1) >= lo && byte(i + 1) <= hi;
+    for (size_t j = 2; valid && j < n; ++j) valid = byte(i + j) >= 0x80 && byte(i + j) <= 0xbf;
+    if (valid) {
+      out.append(text, i, n);
+      i += n;
     } else {
-      char hex[5];
-      std::snprintf(hex, sizeof hex, "\\x%02x", u);
-      out += hex;
+      escape(static_cast<unsigned char>(u));
+      ++i;
     }
   }
   return out;
@@ -547,6 +587,23 @@ int run_command_line(int argc, char** argv) {
     app.parse(argc, argv);
   } catch (const CLI::ParseError&) {
     parse_error = std::current_exception();
+  }
+  // A flag given an empty value ("--quiet="): CLI11 reads it as the flag alone
+  // (true) before add_bool_flag's check sees it; a usage error as any value
+  // other than true or false.
+  if (!parse_error && !app.get_subcommands().empty()) {
+    const CLI::App& cmd = *app.get_subcommands()[0];
+    for (int i = 1; i < argc && std::string_view(argv[i]) != "--"; ++i) {
+      const std::string_view arg = argv[i];
+      if (arg.size() < 4 || arg.substr(0, 2) != "--" || arg.find('=') != arg.size() - 1) continue;
+      const CLI::Option* opt = cmd.get_option_no_throw(std::string(arg.substr(0, arg.size() - 1)));
+      if (opt != nullptr && opt->get_expected_min() == 0 && opt != cmd.get_help_ptr()) {
+        parse_error = std::make_exception_ptr(
+            CLI::ValidationError(std::string(arg.substr(0, arg.size() - 1)) +
+                                 ": a flag, expected no value (or true / false), got \"\""));
+        break;
+      }
+    }
   }
   std::string ran = app.get_subcommands().empty() ? "" : app.get_subcommands()[0]->get_name();
   bool parse_failed = false;

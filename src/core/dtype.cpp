@@ -1,6 +1,7 @@
 #include "fusedmoe/core/dtype.h"
 
 #include <cmath>
+#include <cstring>
 #include <string>
 
 #include "fusedmoe/core/error.h"
@@ -325,6 +326,16 @@ int64_t find_non_finite(const void* data, DType dtype, size_t n) {
     default:
       return -1;
   }
+}
+
+int64_t find_beyond_f32(const void* data, size_t n) {
+  const char* p = static_cast<const char*>(data);
+  for (size_t i = 0; i < n; ++i) {
+    double x;
+    std::memcpy(&x, p + i * sizeof x, sizeof x);
+    if (std::isfinite(x) && !std::isfinite(static_cast<float>(x))) return static_cast<int64_t>(i);
+  }
+  return -1;
 }
 
 void convert_from_f32(const float* src, void* dst, DType dst_type, size_t n) {

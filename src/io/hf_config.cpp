@@ -20,6 +20,7 @@
 #include <filesystem>
 #include <fstream>
 #include <initializer_list>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <sstream>
@@ -84,6 +85,15 @@ class Fields {
       FUSEDMOE_THROW(kInvalidArgument, where_, ": field '", k, "': expected <= ", max,
                      " (far above any released model), got ", v);
     }
+    return v;
+  }
+  // A count field: an integer in [0, max], the error naming the field (a
+  // negative one was read on, to be named by a value derived from it).
+  int64_t get_count(const char* key, int64_t max, int64_t def) const {
+    const int64_t v = get_size({key}, max, def);
+    if (v < 0)
+      FUSEDMOE_THROW(kInvalidArgument, where_, ": field '", key,
+                     "': expected an integer >= 0, got ", v);
     return v;
   }
   double get_double(std::initializer_list<const char*> keys, double def) const {
@@ -205,7 +215,8 @@ std::vector<int64_t> deepseek_moe_layers(const Fields& f, int64_t n_layers,
                                          int64_t first_k_default) {
   f.refuse_null("first_k_dense_replace", "an integer >= 0",
                 "HF transformers compares each layer index with it");
-  const int64_t first_k = f.get_int({"first_k_dense_replace"}, first_k_default);
+  const int64_t first_k =
+      f.get_count("first_k_dense_replace", std::numeric_limits<int64_t>::max(), first_k_default);
   int64_t freq = f.get_int({"moe_layer_freq"}, 1);
   if (freq < 0)
     FUSEDMOE_THROW(kInvalidArgument, f.where(),
@@ -428,7 +439,7 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
     c.shared_intermediate_size =
         f.is_null("n_shared_experts")
             ? 0  // no shared expert (see the top of this file)
-            : f.get_size({"n_shared_experts"}, kMaxNumExperts, 2) * c.intermediate_size;
+            : f.get_count("n_shared_experts", kMaxNumExperts, 2) * c.intermediate_size;
     layers = deepseek_moe_layers(f, L, 0);
   } else if (mt == "deepseek_v3") {
     // DeepseekV3TopkRouter (noaux_tc): sigmoid, + e_score_correction_bias for
@@ -465,7 +476,7 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
     c.shared_intermediate_size =
         f.is_null("n_shared_experts")
             ? 0  // no shared expert (see the top of this file)
-            : f.get_size({"n_shared_experts"}, kMaxNumExperts, 1) * c.intermediate_size;
+            : f.get_count("n_shared_experts", kMaxNumExperts, 1) * c.intermediate_size;
     layers = deepseek_moe_layers(f, L, 3);
   } else if (mt == "gpt_oss") {
     // GptOssTopKRouter: linear with bias, top-k over logits, softmax over the k.

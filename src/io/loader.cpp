@@ -167,15 +167,8 @@ class Reader {
   // named here for every f64 tensor (weights, packed experts, biases, router
   // tensors alike), whichever path converts it.
   void require_f32_range(const TensorView& v, const std::string& name) const {
-    const int64_t idx = first_found(v, [](const char* p, DType, size_t n) -> int64_t {
-      for (size_t i = 0; i < n; ++i) {
-        double x;
-        std::memcpy(&x, p + i * sizeof x, sizeof x);
-        if (std::isfinite(x) && !std::isfinite(static_cast<float>(x)))
-          return static_cast<int64_t>(i);
-      }
-      return -1;
-    });
+    const int64_t idx = first_found(
+        v, [](const char* p, DType, size_t n) -> int64_t { return find_beyond_f32(p, n); });
     if (idx < 0) return;
     double x;
     std::memcpy(&x, static_cast<const char*>(v.data()) + static_cast<size_t>(idx) * sizeof x,

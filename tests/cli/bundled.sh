@@ -141,3 +141,15 @@ for sig in INT TERM; do
   [ "$rc" -eq 124 ] || { echo "FAIL: bench was not interrupted by SIG$sig (exit $rc)"; exit 1; }
   [ -z "$(ls -A "$TMP/int")" ] || { echo "FAIL: SIG$sig left $(ls -A "$TMP/int")"; exit 1; }
 done
+
+# Installed with a prefix chosen at install time (cmake --install build --prefix DIR): the
+# executable finds the model installed beside it, DIR/share/fusedmoe/models (it looked in
+# the prefix configured at build time, /usr/local by default, wherever it was put).
+mkdir -p "$TMP/prefix/bin" "$TMP/prefix/share/fusedmoe/models"
+cp "$BIN" "$TMP/prefix/bin/fusedmoe"
+cp -r "$MODELS/tiny-deepseek-v3" "$TMP/prefix/share/fusedmoe/models/"
+"$TMP/prefix/bin/fusedmoe" run --tokens 1 >"$TMP/installed.log" ||
+  { echo "FAIL: installed fusedmoe run --tokens 1"; cat "$TMP/installed.log"; exit 1; }
+grep -q "^model  *$TMP/prefix/share/fusedmoe/models/tiny-deepseek-v3 " "$TMP/installed.log" ||
+  { echo "FAIL: installed fusedmoe did not use its own model"; cat "$TMP/installed.log"; exit 1; }
+echo ok installed

@@ -72,6 +72,15 @@ expect_error "header length past EOF" "model.safetensors" -- run --model "$TMP/h
 
 corrupt_model "$TMP/badjson" bad-json >/dev/null
 expect_error "header not JSON" "model.safetensors" -- run --model "$TMP/badjson" "${run_args[@]}"
+# A header whose first bytes are no UTF-8 (\xff\xfe): the parser's message quotes them,
+# written as \xNN, never as raw bytes on the terminal.
+mkdir -p "$TMP/nonutf8"
+cp "$FIX/config.json" "$FIX/model.safetensors" "$TMP/nonutf8/"
+printf '\xff\xfe' | dd of="$TMP/nonutf8/model.safetensors" bs=1 seek=8 conv=notrunc status=none
+expect_error "header bytes not UTF-8" 'header is not valid JSON' -- run --model "$TMP/nonutf8" --tokens 2
+if LC_ALL=C grep -q $'[\x80-\xff]' "$TMP/stderr" || ! grep -qF "'\xff'" "$TMP/stderr"; then
+  echo "FAIL header bytes not UTF-8: raw bytes on stderr, or no \\xff"; failures=$((failures + 1))
+fi
 
 t=$(corrupt_model "$TMP/offsets" offsets-outside)
 expect_error "data_offsets outside the file" "$t" -- run --model "$TMP/offsets" "${run_args[@]}"
@@ -86,8 +95,9 @@ t=$(corrupt_model "$TMP/missing" rename)
 expect_error "missing expert tensor" "$t" -- run --model "$TMP/missing" "${run_args[@]}"
 
 t=$(corrupt_model "$TMP/nan" nan-weight)
-expect_error "NaN in an expert weight" "'$t': expected finite values, got NaN at [0, 3]" -- \
+expect_error "NaN in an expert weight" "'$t': expected finite values, got NaN at [0, 3] (a corrupt checkpoint)" -- \
   run --model "$TMP/nan" "${run_args[@]}"
+# (The library's LoadOptions::check_finite, no option of the CLI's, is not named.)
 
 mkdir -p "$TMP/noweights" && cp "$FIX/config.json" "$TMP/noweights/"
 expect_error "no model.safetensors" "model.safetensors" -- run --model "$TMP/noweights" "${run_args[@]}"
@@ -154,10 +164,12 @@ expect_usage "CLI11: run --backend not in the list" "error: run --backend: expec
   run --model "$FIX" --tokens 1 --backend tpu
 expect_usage "CLI11: a flag given a value" "error: bench --no-baseline: a flag, expected no value (or true / false), got \"maybe\" (see fusedmoe bench --help)" -- \
   bench --no-baseline=maybe
-# A number, yes / no, on / off: CLI11 alone read "--quiet=3" as true, "--quiet=0" as false.
-# Every flag of every command takes no value, or true / false only.
+# A number, yes / no, on / off: CLI11 alone read "--quiet=3" as true, "--quiet=0" as false;
+# an empty value ("--quiet=") as true. Every flag of every command takes no value, or
+# true / false only.
 for flag in "run --quiet=3" "run --quiet=0" "run --quiet=yes" "bench --no-baseline=1" \
-  "bench --nccl=on" "bench --sweep=2" "inspect --json=7"; do
+  "bench --nccl=on" "bench --sweep=2" "inspect --json=7" "run --quiet=" "inspect --json=" \
+  "bench --no-baseline="; do
   cmd=${flag%% *} f=${flag#* }
   extra=()
   case $cmd in run) extra=(--model "$FIX" --tokens 1) ;; inspect) extra=("$FIX") ;; esac
@@ -179,8 +191,11 @@ expect_error "output into a missing folder" "$TMP/no/such/dir" -- run --model "$
 
 python3 -c "import numpy" 2>/dev/null && {
   python3 -c "import numpy as np; np.save('$TMP/x.npy', np.random.randn(3, 128).astype(np.float32))"
-  expect_error "--input-key with a .npy input" "--input-key 'x': $TMP/x.npy is a .npy file" -- \
+  # The command line's mistakes: usage errors (exit 2), as the README says.
+  expect_usage "--input-key with a .npy input" "--input-key 'x': $TMP/x.npy is a .npy file" -- \
     run --model "$FIX" --layer 1 --input "$TMP/x.npy" --input-key x
+  expect_usage "--input .safetensors without --input-key" "--input-key is required with a .safetensors file ($REF has " -- \
+    run --model "$FIX" --layer 1 --input "$REF"
 }
 cp "$REF" "$TMP/in.safetensors"
 expect_usage "--output is the --input file" "is the same file as --input" -- run --model "$FIX" \
@@ -269,8 +284,8 @@ python3 -c "import numpy" 2>/dev/null && {
 expect_error "--tokens beyond memory" "--tokens: expected at most " -- \
   run --model "$FIX" --layer 1 --tokens 10000000000000
 # So does an --input with more tokens than the run's buffers fit beside it (a sparse
-# f16 .npy file of phys / 4096 tokens: read, then refused before its f32 copy and the
-# experts' buffers, which need ~7 KiB a token).
+# f16 .npy file of phys / 4096 tokens, refused from its header before its data is read,
+# its f32 copy and the experts' buffers, which need ~7 KiB a token).
 python3 - "$TMP/many.npy" <<'PY'
 import os, sys
 T = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4096
@@ -283,6 +298,35 @@ PY
 expect_error "--input beyond memory" "error: input $TMP/many.npy: expected at most " -- \
   run --model "$FIX" --layer 1 --input "$TMP/many.npy" --quiet
 rm -f "$TMP/many.npy"
+# A sparse f32 .npy file twice the physical memory, as --input and as --reference: the
+# header's shape is checked before anything is allocated for, or read of, its data
+# (the data was read first: an out-of-memory error naming neither, or the OOM killer).
+python3 - "$TMP/twice.npy" <<'PY'
+import os, sys
+T = 2 * os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 512
+header = "{'descr': '<f4', 'fortran_order': False, 'shape': (%d, 128), }" % T
+header += " " * (63 - (len(header) + 10) % 64) + "\n"
+with open(sys.argv[1], "wb") as f:
+    f.write(b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header.encode())
+    f.truncate(f.tell() + T * 128 * 4)
+PY
+expect_error "--input .npy twice the memory" "error: input $TMP/twice.npy: expected at most " -- \
+  run --model "$FIX" --layer 1 --input "$TMP/twice.npy" --quiet
+python3 -c "import numpy as np; np.save('$TMP/two.npy', np.ones((2, 128), np.float32))"
+expect_error "--reference .npy twice the memory" "error: reference $TMP/twice.npy: expected [2, 128], got [" -- \
+  run --model "$FIX" --layer 1 --input "$TMP/two.npy" --reference "$TMP/twice.npy" --quiet
+rm -f "$TMP/twice.npy"
+# Values the f32 input cannot hold: an f64 one beyond its range (it became Inf, named as
+# "hidden_states: ... got Inf"), an f16 Inf: each named in the input file, with its place.
+python3 - "$TMP" <<'PY'
+import sys, numpy as np
+a = np.ones((2, 128)); a[1, 7] = 1e300; np.save(f"{sys.argv[1]}/f64big.npy", a)
+b = np.ones((2, 128), np.float16); b[1, 3] = np.inf; np.save(f"{sys.argv[1]}/f16inf.npy", b)
+PY
+expect_error "f64 --input beyond the f32 range" "error: input $TMP/f64big.npy: element [1, 7] is beyond the f32 range once converted from f64 (its value 1e+300)" -- \
+  run --model "$FIX" --layer 1 --input "$TMP/f64big.npy" --quiet
+expect_error "f16 --input with an Inf" "error: input $TMP/f16inf.npy: expected finite values, got Inf at token 1, column 3" -- \
+  run --model "$FIX" --layer 1 --input "$TMP/f16inf.npy" --quiet
 expect_error "--tokens beyond 64 bits" "--tokens: expected a decimal integer >= 0, got \"99999999999999999999\" (beyond 64 bits)" -- \
   run --model "$FIX" --layer 1 --tokens 99999999999999999999
 expect_error "negative --seed" "--seed: expected a decimal integer in [0, 2^64), got \"-1\"" -- \
@@ -525,7 +569,7 @@ quarter=$(python3 -c 'import os; print(os.sysconf("SC_PHYS_PAGES") * os.sysconf(
 for t in "$quarter" 1000000000000000 9223372036854775807; do
   expect_error "run --tokens $t beyond the memory" "error: --tokens: expected at most " -- \
     run --model "$FIX" --layer 1 --tokens "$t" --quiet
-  grep -qE -- "--tokens: expected at most [0-9]+ tokens for this machine's memory, got $t \([0-9.]+ KiB a token .* beside [0-9.]+ KiB of weights, within [0-9.]+ GiB physical memory\); give fewer tokens$" "$TMP/stderr" &&
+  grep -qE -- "--tokens: expected at most [0-9]+ tokens for this machine's memory, got $t \([0-9.]+ KiB a token .* beside [0-9.]+ KiB of weights, within [0-9.]+ GiB available memory\); give fewer tokens$" "$TMP/stderr" &&
     [ "$last_rc" -eq 1 ] && [ ! -s "$TMP/stdout" ] ||
     { echo "FAIL run --tokens $t: message, exit code ($last_rc) or output"; cat "$TMP/stdout" "$TMP/stderr"; failures=$((failures + 1)); }
 done

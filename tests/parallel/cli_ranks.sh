@@ -125,6 +125,8 @@ expect_error 2 'run --ep-size: expected .*0' 2 -- \
 # and the job ends with its exit code (rank 0 waited out the timeout in
 # all_to_all_v, then blamed rank 1); the token is the one of the whole input
 # (it was the index among rank 1's rows: 1 of 4, not 5 of 8).
+# A NaN in the --input file is named from the file itself, before the run, by
+# every rank (each reads the whole input), at its token in the whole input.
 H=$("$BIN" run --tokens 1 --seed 1 --quiet | sed -n 's/.* H \([0-9]*\),.*/\1/p')
 # write_npy FILE H ROW VALUES...: [8, H] f32, 0.5 but row ROW starts with VALUES
 # (repeated over the row when the last one is "...").
@@ -148,7 +150,7 @@ write_npy "$TMP/nan.npy" "$H" 5 0.5 0.5 nan
 write_npy "$TMP/big.npy" "$H" 5 0.5 0.5 3e38 3e38
 write_npy "$TMP/nanlogits.npy" "$H" 5 3e38 -3e38 ...
 RI="$BIN run --quiet --output $TMP/out.safetensors --ep-size 2 --input"
-expect_error 1 'hidden_states: expected finite values, got NaN at token 5, column 2$' 1 -- \
+expect_error 1 'input .*nan.npy: expected finite values, got NaN at token 5, column 2$' 1 -- \
   $M "$npflag" 2 $RI "$TMP/nan.npy"
 expect_error 1 'output: non-finite value at token 5, column 0 ' 1 -- $M "$npflag" 2 $RI "$TMP/big.npy"
 expect_error 1 'router_logits: expected no NaN, got NaN at token 5, expert [0-9]+ \(of 8 tokens ' 1 -- \
@@ -162,7 +164,7 @@ expect_error 2 '--output .*in1.npy: is the same file as --input' 1 -- \
 grep -qE '^fusedmoe: error: rank 0: not run: rank 1 stopped with an error' "$TMP/log" ||
   { echo "FAIL: rank 0 does not say why it stopped"; cat "$TMP/log"; fail=1; }
 # DP: rank 1 runs rows 4..7 there too.
-expect_error 1 'hidden_states: expected finite values, got NaN at token 5, column 2$' 1 -- \
+expect_error 1 'input .*nan.npy: expected finite values, got NaN at token 5, column 2$' 1 -- \
   $M "$npflag" 2 $RI "$TMP/nan.npy" --dp-size 2
 # An error on rank 0 after the ranks' last collective (the reference check):
 # its own exit code, no other rank left waiting.

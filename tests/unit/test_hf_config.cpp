@@ -369,6 +369,16 @@ TEST(HfConfig, NullFieldsAsHfReadsThem) {
                "test/config.json: field 'first_k_dense_replace': expected an integer >= 0, got "
                "null");
   }
+  // Negative counts: named by their field (first_k_dense_replace -1 was taken as 0;
+  // n_shared_experts -1 was named as the derived shared_intermediate_size).
+  for (const char* k : {"first_k_dense_replace", "n_shared_experts"}) {
+    SCOPED_TRACE(k);
+    json d = fixture_json("deepseek_v3");
+    d[k] = -1;
+    EXPECT_HAS(
+        error_of([&] { parse(d); }, ErrorCode::kInvalidArgument),
+        std::string("test/config.json: field '") + k + "': expected an integer >= 0, got -1");
+  }
   for (const char* k : {"n_group", "topk_group"}) {
     json d = fixture_json("deepseek_v3");
     d[k] = nullptr;

@@ -87,4 +87,8 @@ void convert_from_f32(const float* src, void* dst, DType dst_type, size_t n);
 // Throws Error(kUnsupported) for kBool.
 int64_t find_non_finite(const void* data, DType dtype, size_t n);
 
+// Index of the first of n f64 values at `data` that is finite but beyond the f32
+// range (it would become Inf converted to f32), or -1 when there is none.
+int64_t find_beyond_f32(const void* data, size_t n);
+
 }  // namespace fusedmoe
