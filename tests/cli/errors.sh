@@ -286,30 +286,28 @@ expect_error "--tokens beyond memory" "--tokens: expected at most " -- \
 # So does an --input with more tokens than the run's buffers fit beside it (a sparse
 # f16 .npy file of phys / 4096 tokens, refused from its header before its data is read,
 # its f32 copy and the experts' buffers, which need ~7 KiB a token).
-python3 - "$TMP/many.npy" <<'PY'
+# sparse_npy PATH DESCR ITEMSIZE DIVISOR: a sparse [T, 128] .npy of dtype DESCR
+# (ITEMSIZE bytes) with T = physical memory / DIVISOR rows: no data written.
+sparse_npy() {
+  python3 - "$@" <<'PY'
 import os, sys
-T = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4096
-header = "{'descr': '<f2', 'fortran_order': False, 'shape': (%d, 128), }" % T
+path, descr, itemsize, divisor = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+T = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // divisor
+header = "{'descr': '%s', 'fortran_order': False, 'shape': (%d, 128), }" % (descr, T)
 header += " " * (63 - (len(header) + 10) % 64) + "\n"
-with open(sys.argv[1], "wb") as f:
+with open(path, "wb") as f:
     f.write(b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header.encode())
-    f.truncate(f.tell() + T * 128 * 2)
+    f.truncate(f.tell() + T * 128 * itemsize)
 PY
+}
+sparse_npy "$TMP/many.npy" "<f2" 2 4096
 expect_error "--input beyond memory" "error: input $TMP/many.npy: expected at most " -- \
   run --model "$FIX" --layer 1 --input "$TMP/many.npy" --quiet
 rm -f "$TMP/many.npy"
 # A sparse f32 .npy file twice the physical memory, as --input and as --reference: the
 # header's shape is checked before anything is allocated for, or read of, its data
 # (the data was read first: an out-of-memory error naming neither, or the OOM killer).
-python3 - "$TMP/twice.npy" <<'PY'
-import os, sys
-T = 2 * os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 512
-header = "{'descr': '<f4', 'fortran_order': False, 'shape': (%d, 128), }" % T
-header += " " * (63 - (len(header) + 10) % 64) + "\n"
-with open(sys.argv[1], "wb") as f:
-    f.write(b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header.encode())
-    f.truncate(f.tell() + T * 128 * 4)
-PY
+sparse_npy "$TMP/twice.npy" "<f4" 4 256  # twice the memory: T * 512 bytes = 2 x phys
 expect_error "--input .npy twice the memory" "error: input $TMP/twice.npy: expected at most " -- \
   run --model "$FIX" --layer 1 --input "$TMP/twice.npy" --quiet
 python3 -c "import numpy as np; np.save('$TMP/two.npy', np.ones((2, 128), np.float32))"
