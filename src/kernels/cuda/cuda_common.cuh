@@ -72,10 +72,8 @@ __device__ __forceinline__ void store_out_vec(Out* p, const float* v) {
                  (static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&pair[1])) << 16);
     }
 #pragma unroll
-    for (int c = 0; c < kCols / 2; c += 4) {
-      if (c + 4 <= kCols / 2)
-        *reinterpret_cast<uint4*>(p + 2 * c) = make_uint4(w[c], w[c + 1], w[c + 2], w[c + 3]);
-    }
+    for (int c = 0; c + 4 <= kCols / 2; c += 4)
+      *reinterpret_cast<uint4*>(p + 2 * c) = make_uint4(w[c], w[c + 1], w[c + 2], w[c + 3]);
     if constexpr ((kCols / 2) % 4 != 0) {
       constexpr int c = kCols / 2 - 2;
       *reinterpret_cast<uint2*>(p + 2 * c) = make_uint2(w[c], w[c + 1]);

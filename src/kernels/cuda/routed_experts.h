@@ -57,14 +57,13 @@ enum class Sm90Tile {
   kM128N256,  // 128 x 256 x 64 cooperative (both consumer warpgroups on one tile)
   kM64N256    // 64 x 256 x 64 pingpong (each consumer warpgroup on its own tile)
 };
-// The tile for a GEMM of N output columns over K with about rows_per_expert
+// The tile for a GEMM of N output columns with about rows_per_expert
 // rows for each of num_experts experts (tuning data in gemm_configs.cpp):
 // 64 x 256 pingpong, but 128 x 256 cooperative where the experts' row counts
 // straddle a multiple of 64 and their extra 64-row tiles would spill into a
 // second wave of SMs that 128-row tiles avoid.
 // FUSEDMOE_CUDA_SM90_TILE=m64 or =m128 forces one (bf16).
-Sm90Tile pick_sm90_tile(DType dtype, int64_t rows_per_expert, int64_t num_experts, int64_t n,
-                        int64_t k);
+Sm90Tile pick_sm90_tile(DType dtype, int64_t rows_per_expert, int64_t num_experts, int64_t n);
 // The bf16 rule of pick_sm90_tile on a device of `sms` multiprocessors (host
 // only, no environment: the tests check it without a device).
 Sm90Tile sm90_tile_for(int64_t rows_per_expert, int64_t num_experts, int64_t n, int64_t sms);

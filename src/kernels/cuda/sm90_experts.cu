@@ -183,7 +183,7 @@ void gemm_glu_gemm(const GemmGluGemm& a, Stream stream) {
   if (f16)
     sm90::grouped_gemm_f16_f16out(g, stream);
   else
-    grouped_gemm_bf16out(pick_sm90_tile(a.dtype, a.rows_per_expert, E, g.n, g.k), g, stream);
+    grouped_gemm_bf16out(pick_sm90_tile(a.dtype, a.rows_per_expert, E, g.n), g, stream);
 
   const int64_t blocks = static_cast<int64_t>(num_sms()) * 16;
   const int64_t vecs = rows * (I / 8);
@@ -210,7 +210,7 @@ void gemm_glu_gemm(const GemmGluGemm& a, Stream stream) {
   else if (!a.y_bf16)
     sm90::grouped_gemm_f32out(g2, stream);
   else
-    grouped_gemm_bf16out(pick_sm90_tile(a.dtype, a.rows_per_expert, E, g2.n, g2.k), g2, stream);
+    grouped_gemm_bf16out(pick_sm90_tile(a.dtype, a.rows_per_expert, E, g2.n), g2, stream);
 }
 
 }  // namespace

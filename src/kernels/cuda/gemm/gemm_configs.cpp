@@ -130,8 +130,7 @@ bool pick_sm90_experts(int64_t rows_per_expert, int64_t /*routed_rows*/, int64_t
   return force_sm90 || rows_per_expert >= kSm90MinRowsPerExpert;
 }
 
-Sm90Tile pick_sm90_tile(DType dtype, int64_t rows_per_expert, int64_t num_experts, int64_t n,
-                        int64_t /*k*/) {
+Sm90Tile pick_sm90_tile(DType dtype, int64_t rows_per_expert, int64_t num_experts, int64_t n) {
   if (dtype != DType::kBF16) return Sm90Tile::kM128N256;
   const char* env = std::getenv("FUSEDMOE_CUDA_SM90_TILE");
   if (env != nullptr && env[0] != '\0') {
