@@ -156,6 +156,12 @@ int run_cuda_bench(const CudaBenchOptions& o) {
       CK(cudaMalloc(&slot_row, slots_max * 4));
       CK(cudaMalloc(&sm90_ws, sm90_ws_bytes));
     }
+    // w13 as the layer keeps it (the same weights, rows reordered: the PyTorch
+    // baseline's standard-order copy computes the same products).
+    const cuda::W13Layout w13_layout = have_sm90 && I % cuda::kW13Block == 0
+                                           ? cuda::pick_w13_layout()
+                                           : cuda::W13Layout::kStandard;
+    if (w13_layout == cuda::W13Layout::kInterleaved128) cuda::interleave_w13(w13, E, I, H, nullptr);
 
     for (int64_t T : tokens) {
       // ---- routings: k distinct experts per token, weights summing to 1 ----
@@ -233,6 +239,7 @@ int run_cuda_bench(const CudaBenchOptions& o) {
           d.hidden = H;
           d.inter = I;
           d.w13 = w13;
+          d.w13_layout = w13_layout;
           d.w2 = w2;
           d.out = out;  // T = 1: the sum is folded into the second kernel
           d.out_dtype = DType::kBF16;
@@ -264,6 +271,7 @@ int run_cuda_bench(const CudaBenchOptions& o) {
           a.hidden = H;
           a.inter = I;
           a.w13 = w13;
+          a.w13_layout = w13_layout;
           a.w2 = w2;
           a.inter_rows = inter;
           a.y_rows = y;
@@ -290,6 +298,7 @@ int run_cuda_bench(const CudaBenchOptions& o) {
         g.num_experts = E;
         g.m = slots;
         g.w = w13;
+        g.w13_layout = w13_layout;
         g.n = 2 * I;
         g.k = H;
         g.out = inter;

@@ -27,13 +27,15 @@ struct Case {
   DType io;                      // hidden states and output
   bool repeats = false;          // ids drawn with replacement (an expert twice in a token)
   DType weights = DType::kBF16;  // w13 / w2
+  cuda::W13Layout layout = cuda::W13Layout::kStandard;
 };
 
 std::string name(const Case& c) {
   return "T" + std::to_string(c.T) + " E" + std::to_string(c.E) + " k" + std::to_string(c.k) +
          " H" + std::to_string(c.H) + " I" + std::to_string(c.I) + " act" +
          std::to_string(static_cast<int>(c.act)) + (c.bias ? " bias" : "") + " " +
-         dtype_name(c.io) + (c.repeats ? " repeats" : "") + " weights " + dtype_name(c.weights);
+         dtype_name(c.io) + (c.repeats ? " repeats" : "") + " weights " + dtype_name(c.weights) +
+         (c.layout == cuda::W13Layout::kInterleaved128 ? " w13 interleaved" : "");
 }
 
 void run_case(const Case& c, std::mt19937_64& rng, bool on_input = false) {
@@ -64,6 +66,8 @@ void run_case(const Case& c, std::mt19937_64& rng, bool on_input = false) {
 
   DeviceTensor x_d = DeviceTensor::from_host(c.io == DType::kBF16 ? test::to_bf16(x) : x, H + 8);
   const test::DeviceExperts dw(w);
+  if (c.layout == cuda::W13Layout::kInterleaved128 && I % cuda::kW13Block == 0)
+    cuda::interleave_w13(dw.w13.data_as<uint16_t>(), E, I, H, nullptr);
   DeviceTensor ids_d = DeviceTensor::from_host(ids), tw_d = DeviceTensor::from_host(tw);
   DeviceTensor out(c.io, {T, H}, H + 16);
   const size_t ws_bytes = cuda::fused_experts_workspace_bytes(T, H, I, E, k, on_input);
@@ -71,8 +75,9 @@ void run_case(const Case& c, std::mt19937_64& rng, bool on_input = false) {
   out.poison();
   ws.poison();
 
-  const cuda::FusedExpertsArgs a =
+  cuda::FusedExpertsArgs a =
       test::fused_experts_args(x_d, dw.w13, dw.w2, dw.b13, dw.b2, ids_d, tw_d, out, act, on_input);
+  a.w13_layout = c.layout;
   cuda::fused_experts(a, ws.data(), ws_bytes, nullptr);
   CUDA_OK(cudaDeviceSynchronize());
   Tensor got = out.to_host();
@@ -152,6 +157,43 @@ TEST(CudaFusedExperts, DecodePathMatchesFloat64Reference) {
   for (const Case& c : cases) run_case(c, rng);
   run_case({1, 4, 1, 32, 16, Activation::kSiluGlu, false, DType::kF32}, rng, /*on_input=*/true);
   run_case({4, 4, 1, 32, 16, Activation::kSiluGlu, false, DType::kBF16}, rng, /*on_input=*/true);
+}
+
+// w13 in W13Layout::kInterleaved128 (interleave_w13, as the layer keeps it where
+// the sm90 path exists) on every path fused_experts takes: decode (1, 2 and 4
+// slots a group, the shared-memory group table), the mma.sync grouped GEMM
+// (FUSEDMOE_CUDA_EXPERTS=mma) and the sm90 path with the activation in the w13
+// GEMM's epilogue (bf16 and f16, both bf16 tiles by rows per expert).
+TEST(CudaFusedExperts, InterleavedW13OnEveryPath) {
+  FUSEDMOE_REQUIRE_CUDA();
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  using A = Activation;
+  const DType bf = DType::kBF16, f32 = DType::kF32, f16 = DType::kF16;
+  const auto il = cuda::W13Layout::kInterleaved128;
+  const std::vector<Case> cases = {
+      {1, 8, 2, 64, 256, A::kSiluGlu, false, bf, false, bf, il},
+      {2, 16, 4, 96, 384, A::kSwigluOai, true, f32, false, bf, il},
+      {4, 8, 4, 64, 128, A::kGeluGlu, true, f32, true, f16, il},
+      {12, 64, 8, 96, 128, A::kGeluTanhGlu, true, f32, true, bf, il},
+      {40, 8, 2, 136, 256, A::kSiluGlu, true, bf, false, bf, il},
+      {300, 8, 2, 200, 384, A::kSwigluOai, true, bf, false, bf, il},
+      {1000, 16, 4, 128, 256, A::kSiluGlu, false, f32, false, bf, il},
+      {600, 8, 2, 136, 256, A::kGeluGlu, true, f32, false, f16, il},
+  };
+  for (const Case& c : cases) run_case(c, rng);
+  setenv("FUSEDMOE_CUDA_EXPERTS", "mma", 1);
+  for (const Case& c : cases) run_case(c, rng);
+  unsetenv("FUSEDMOE_CUDA_EXPERTS");
+  // I not a multiple of 128: refused, naming the field.
+  Case bad{4, 8, 2, 64, 96, A::kSiluGlu, false, f32, false, bf, il};
+  try {
+    run_case(bad, rng);
+    ADD_FAILURE() << "w13_layout kInterleaved128 with I = 96 accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("w13_layout"), std::string::npos) << e.what();
+  }
 }
 
 // Given the output (no shared expert), the decode path folds finalize into its

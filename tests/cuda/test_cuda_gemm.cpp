@@ -56,13 +56,26 @@ std::vector<double> slot_reference(const Tensor& x, const ExpertWeights& w, cons
   return rows;
 }
 
+// w13 on the device in `layout` (interleave_w13 of the standard copy).
+DeviceTensor device_w13(const ExpertWeights& w, cuda::W13Layout layout) {
+  DeviceTensor d = DeviceTensor::from_host(w.w13);
+  if (layout == cuda::W13Layout::kInterleaved128)
+    cuda::interleave_w13(d.data_as<uint16_t>(), w.w13.size(0), w.w13.size(1) / 2, w.w13.size(2),
+                         nullptr);
+  return d;
+}
+const char* layout_name(cuda::W13Layout layout) {
+  return layout == cuda::W13Layout::kInterleaved128 ? " w13 interleaved" : "";
+}
+
 // dt: the element type of x, the weights and the intermediate (bf16 or f16).
 void check_tile(cuda::GemmTile tile, int64_t T, int64_t E, int64_t k, int64_t H, int64_t I,
                 Activation act, bool bias, bool dense, std::mt19937_64& rng,
-                DType dt = DType::kBF16) {
+                DType dt = DType::kBF16, cuda::W13Layout layout = cuda::W13Layout::kStandard) {
   SCOPED_TRACE(std::string(cuda::gemm_tile_name(tile)) + " T " + std::to_string(T) + " E " +
                std::to_string(E) + " k " + std::to_string(k) + " H " + std::to_string(H) + " I " +
-               std::to_string(I) + (dense ? " dense" : " routed") + " " + dtype_name(dt));
+               std::to_string(I) + (dense ? " dense" : " routed") + " " + dtype_name(dt) +
+               layout_name(layout));
   if (dense) {
     E = 1;
     k = 1;
@@ -80,7 +93,7 @@ void check_tile(cuda::GemmTile tile, int64_t T, int64_t E, int64_t k, int64_t H,
   const int bm = cuda::gemm_tile_block_m(tile);
   const int64_t padded = std::max<int64_t>(cuda::max_padded_rows(slots, E, bm), T);
 
-  DeviceTensor xd = DeviceTensor::from_host(x), w13 = DeviceTensor::from_host(w.w13),
+  DeviceTensor xd = DeviceTensor::from_host(x), w13 = device_w13(w, layout),
                w2 = DeviceTensor::from_host(w.w2), ids = DeviceTensor::from_host(ids_h),
                wt = DeviceTensor::from_host(wt_h);
   DeviceTensor b13, b2;
@@ -121,6 +134,7 @@ void check_tile(cuda::GemmTile tile, int64_t T, int64_t E, int64_t k, int64_t H,
   g.k = H;
   g.bias = bias ? b13.data_as<float>() : nullptr;
   g.act.activation = act;
+  g.w13_layout = layout;
   g.out = inter.data();
   g.ldc = I;
   cuda::grouped_gemm(g, nullptr);
@@ -180,6 +194,13 @@ TEST(CudaGroupedGemm, EveryTileEveryMode) {
     // and E + 1 beyond the expert_offsets kept in shared memory (global search).
     check_tile(tile, 6000, 4, 2, 72, 520, Activation::kSiluGlu, false, false, rng);
     check_tile(tile, 64, 600, 8, 72, 48, Activation::kSiluGlu, true, false, rng);
+    // w13 in W13Layout::kInterleaved128 (I a multiple of 128; several blocks, N tiles
+    // across block boundaries), routed and dense, with and without biases.
+    const auto il = cuda::W13Layout::kInterleaved128;
+    check_tile(tile, 37, 5, 2, 96, 384, Activation::kSwigluOai, true, false, rng, DType::kBF16, il);
+    check_tile(tile, 2, 16, 8, 136, 256, Activation::kSiluGlu, false, false, rng, DType::kBF16, il);
+    check_tile(tile, 1, 16, 8, 264, 128, Activation::kGeluGlu, true, false, rng, DType::kBF16, il);
+    check_tile(tile, 77, 1, 1, 200, 256, Activation::kSiluGlu, true, true, rng, DType::kBF16, il);
     if (HasFailure()) return;
   }
 }
@@ -195,6 +216,8 @@ TEST(CudaGroupedGemm, EveryTileF16) {
     check_tile(tile, 37, 5, 2, 96, 80, Activation::kSiluGlu, false, false, rng, DType::kF16);
     check_tile(tile, 300, 4, 3, 136, 200, Activation::kSwigluOai, true, false, rng, DType::kF16);
     check_tile(tile, 77, 1, 1, 200, 136, Activation::kGeluTanhGlu, false, true, rng, DType::kF16);
+    check_tile(tile, 300, 4, 3, 136, 256, Activation::kSwigluOai, true, false, rng, DType::kF16,
+               cuda::W13Layout::kInterleaved128);
     if (HasFailure()) return;
   }
 }
@@ -204,10 +227,11 @@ TEST(CudaGroupedGemm, EveryTileF16) {
 // sum_j w_j * (w2 . act(w13 . x + b13) + b2), -1 ids, experts with no rows,
 // H and I not multiples of the 128 x 256 tile; a second run bit-identical.
 void check_sm90(int64_t T, int64_t E, int64_t k, int64_t H, int64_t I, Activation act, bool bias,
-                std::mt19937_64& rng, DType dt = DType::kBF16) {
+                std::mt19937_64& rng, DType dt = DType::kBF16,
+                cuda::W13Layout layout = cuda::W13Layout::kStandard) {
   SCOPED_TRACE("sm90 T " + std::to_string(T) + " E " + std::to_string(E) + " k " +
                std::to_string(k) + " H " + std::to_string(H) + " I " + std::to_string(I) + " " +
-               dtype_name(dt));
+               dtype_name(dt) + layout_name(layout));
   const ExpertWeights w = test::random_experts(rng, E, H, I, dt, bias);
   const Tensor x = dt == DType::kF16 ? test::to_f16(test::randn_f32(rng, {T, H}))
                                      : test::to_bf16(test::randn_f32(rng, {T, H}));
@@ -220,7 +244,7 @@ void check_sm90(int64_t T, int64_t E, int64_t k, int64_t H, int64_t I, Activatio
               ? -1
               : static_cast<int32_t>(E > 4 ? ((t + j) * 2) % (E & ~int64_t{1}) : (t + j) % E);
   const int64_t slots = T * k;
-  DeviceTensor xd = DeviceTensor::from_host(x), w13 = DeviceTensor::from_host(w.w13),
+  DeviceTensor xd = DeviceTensor::from_host(x), w13 = device_w13(w, layout),
                w2 = DeviceTensor::from_host(w.w2), ids = DeviceTensor::from_host(ids_h),
                wt = DeviceTensor::from_host(wt_h);
   DeviceTensor b13, b2;
@@ -260,6 +284,7 @@ void check_sm90(int64_t T, int64_t E, int64_t k, int64_t H, int64_t I, Activatio
   a.hidden = H;
   a.inter = I;
   a.w13 = w13.data_as<uint16_t>();
+  a.w13_layout = layout;
   a.w13_bias = bias ? b13.data_as<float>() : nullptr;
   a.w2 = w2.data_as<uint16_t>();
   a.act.activation = act;
@@ -329,6 +354,13 @@ TEST(CudaSm90Experts, MatchesFloat64) {
     check_sm90(9, 60, 6, 264, 24, Activation::kGeluGlu, false, rng);
     check_sm90(1, 8, 1, 64, 40, Activation::kGeluTanhGlu, true, rng);
     check_sm90(700, 8, 2, 328, 296, Activation::kSiluGlu, true, rng);  // > 1 M tile, > 1 N tile
+    // The activation in the w13 epilogue (W13Layout::kInterleaved128): -1 ids, empty
+    // experts, several M and N tiles (rows not a multiple of the tile), biases.
+    const auto il = cuda::W13Layout::kInterleaved128;
+    check_sm90(37, 5, 2, 96, 128, Activation::kSiluGlu, false, rng, DType::kBF16, il);
+    check_sm90(300, 4, 3, 136, 256, Activation::kSwigluOai, true, rng, DType::kBF16, il);
+    check_sm90(9, 60, 6, 264, 384, Activation::kGeluGlu, false, rng, DType::kBF16, il);
+    check_sm90(700, 8, 2, 328, 384, Activation::kGeluTanhGlu, true, rng, DType::kBF16, il);
   }
   unsetenv("FUSEDMOE_CUDA_SM90_TILE");
 }
@@ -342,6 +374,8 @@ TEST(CudaSm90Experts, MatchesFloat64F16) {
   std::mt19937_64 rng(seed);
   check_sm90(300, 4, 3, 136, 200, Activation::kSwigluOai, true, rng, DType::kF16);
   check_sm90(700, 8, 2, 328, 296, Activation::kSiluGlu, true, rng, DType::kF16);
+  check_sm90(700, 8, 2, 328, 256, Activation::kSwigluOai, true, rng, DType::kF16,
+             cuda::W13Layout::kInterleaved128);
 }
 
 TEST(CudaSm90Experts, RejectsBadArguments) {
@@ -365,6 +399,15 @@ TEST(CudaSm90Experts, RejectsBadArguments) {
   a.inter = 32;
   a.workspace_bytes = 16;  // too small
   EXPECT_THROW(cuda::sm90_experts(a, nullptr), Error);
+  a.workspace_bytes = 1 << 20;
+  a.w13_layout = cuda::W13Layout::kInterleaved128;  // I = 32: not a multiple of 128
+  try {
+    cuda::sm90_experts(a, nullptr);
+    ADD_FAILURE() << "kInterleaved128 with I = 32 accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("kInterleaved128"), std::string::npos) << e.what();
+  }
+  a.w13_layout = cuda::W13Layout::kStandard;
 
   // finalize reads bf16 y only as sm90_experts' expert-sorted rows (through slot_row).
   cuda::FinalizeArgs f;

@@ -92,6 +92,15 @@ void check_runner(const MoEConfig& c, int64_t T, std::mt19937_64& rng, DType io_
   if (!c.has_shared_expert() && T > 0) {
     const ExpertWeights& ew = lw.experts;
     DeviceTensor w13 = DeviceTensor::from_host(ew.w13), w2 = DeviceTensor::from_host(ew.w2);
+    // w13 as the layer keeps it: interleaved where the sm90 path exists and
+    // I % 128 == 0, unless FUSEDMOE_CUDA_W13_LAYOUT=standard.
+    const char* layout_env = std::getenv("FUSEDMOE_CUDA_W13_LAYOUT");
+    const bool interleaved = cuda::sm90_experts_available() &&
+                             c.intermediate_size % cuda::kW13Block == 0 &&
+                             !(layout_env && std::string(layout_env) == "standard");
+    if (interleaved)
+      cuda::interleave_w13(w13.data_as<uint16_t>(), ew.w13.size(0), ew.w13.size(1) / 2,
+                           ew.w13.size(2), nullptr);
     DeviceTensor b13, b2;  // empty: no bias
     if (ew.w13_bias) b13 = DeviceTensor::from_host(to_f32(*ew.w13_bias));
     if (ew.w2_bias) b2 = DeviceTensor::from_host(to_f32(*ew.w2_bias));
@@ -100,9 +109,10 @@ void check_runner(const MoEConfig& c, int64_t T, std::mt19937_64& rng, DType io_
     DeviceTensor ws(DType::kU8, {static_cast<int64_t>(ws_bytes)}), fout(io_dtype, {T, H});
     ws.poison();
     fout.poison();
-    const cuda::FusedExpertsArgs a =
+    cuda::FusedExpertsArgs a =
         test::fused_experts_args(x_d, w13, w2, b13, b2, ids_d, w_d, fout,
                                  ActivationParams::from_config(c), c.apply_router_weight_on_input);
+    if (interleaved) a.w13_layout = cuda::W13Layout::kInterleaved128;
     cuda::fused_experts(a, ws.data(), ws_bytes, nullptr);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     EXPECT_TRUE(same_bits(to_f32(fout.to_host()), out_g))
@@ -217,6 +227,32 @@ TEST(CudaRunner, SharedExpertBothPathsAtLargeT) {
       if (HasFailure()) return;
     }
   }
+}
+
+// I a multiple of 128: where the sm90 path exists the layer keeps w13
+// interleaved (W13Layout::kInterleaved128) and every path reads it: decode
+// (T = 1, 4), the mma.sync GEMMs (T = 40, and forced at 600) and the sm90 path
+// with the activation in the w13 epilogue (T = 600); gpt-oss's biases and
+// clamped SwiGLU, DeepSeek-V3's shared expert (standard order: its own path).
+// FUSEDMOE_CUDA_W13_LAYOUT=standard keeps HF's order (the separate pass).
+TEST(CudaRunner, InterleavedW13OnEveryPath) {
+  FUSEDMOE_REQUIRE_CUDA();
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  for (const char* layout : {"", "standard"}) {
+    SCOPED_TRACE(std::string("FUSEDMOE_CUDA_W13_LAYOUT=") + layout);
+    setenv("FUSEDMOE_CUDA_W13_LAYOUT", layout, 1);
+    for (const char* arch : {"mixtral", "gpt_oss", "deepseek_v3"}) {
+      MoEConfig c = test::arch_config(arch, 16, 4, 136, 256);
+      SCOPED_TRACE(arch);
+      for (const int64_t T : {1, 4, 40, 600}) check_runner(c, T, rng, DType::kBF16);
+      const ForceExperts force("mma");
+      check_runner(c, 600, rng, DType::kBF16);
+      if (HasFailure()) break;
+    }
+  }
+  unsetenv("FUSEDMOE_CUDA_W13_LAYOUT");
 }
 
 // kSimulated (benchmark routing) on the device: the ids and weights of the CPU

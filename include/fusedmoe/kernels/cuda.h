@@ -110,6 +110,23 @@ struct AlignArgs {
 };
 void align(const AlignArgs& args, Stream stream);
 
+// ---- w13 row layout ------------------------------------------------------------
+// kStandard: gate rows [0, I), then up rows [I, 2I) (HF's gate_up_proj order).
+// kInterleaved128: blocks of 128 gate rows, each followed by the matching 128 up
+//   rows (I % 128 == 0): gate row i at (i / 128) * 256 + i % 128, up row i 128
+//   rows after it. One 256-column tile of the w13 GEMM then holds both halves of
+//   128 intermediate columns, and the sm90 path applies the activation in the
+//   GEMM's epilogue. MoERunner / fusedmoe's CUDA layer keep their experts this
+//   way where that path exists (interleave_w13); every routed-experts path reads it.
+enum class W13Layout : uint8_t { kStandard, kInterleaved128 };
+inline constexpr int kW13Block = 128;
+// Rewrites w13 (dtype [E, 2I, H], 2-byte elements, device memory) from
+// kStandard into kInterleaved128, in place through a temporary of one expert;
+// the copies run on `stream`, and it returns when they are done. I % 128 == 0;
+// throws Error(kInvalidArgument) otherwise.
+void interleave_w13(uint16_t* w13, int64_t num_experts, int64_t inter, int64_t hidden,
+                    Stream stream);
+
 // ---- grouped GEMM experts ------------------------------------------------------
 // Tile configurations (the tuning table lives in gemm_configs.cpp).
 enum class GemmTile : uint8_t { kM16N64, kM64N128, kM128N128, kM128N256, kM8Gemv };
@@ -128,6 +145,7 @@ GemmTile pick_gemm_tile(int64_t rows_per_expert, int64_t routed_rows, int64_t n,
 //   rows of expert e: [expert_offsets[e], expert_offsets[e+1]) (multiples of
 //           block_m of `tile`); with expert_offsets == null, one expert, rows [0, M).
 // Epilogue kGlu (w13, N = 2I): out[r, i] = act(C[r, i] + b[i], C[r, I + i] + b[I + i])
+//   (C's columns i and I + i: w's gate and up rows i as w13_layout places them)
 //   (dtype, rounded to nearest; f16 values beyond 65504 become +-inf) for i < I,
 //   every row of a tile written (padding too), row stride ldc. N even, ldc even.
 // Epilogue kScatter (w2, N = H): for rows with slot s != -1:
@@ -150,9 +168,10 @@ struct GroupedGemmArgs {
   int64_t m = 0;                // dense mode rows; routed mode: host upper bound of padded rows
   const uint16_t* w = nullptr;  // bf16 / f16 bits [E, N, K]
   int64_t n = 0, k = 0;
-  const float* bias = nullptr;       // f32 [E, N] or null
-  ActivationParams act;              // kGlu
-  const float* row_scale = nullptr;  // kScatter: f32 per slot, or null
+  const float* bias = nullptr;                  // f32 [E, N] or null
+  ActivationParams act;                         // kGlu
+  W13Layout w13_layout = W13Layout::kStandard;  // kGlu: the rows of w (the bias: standard)
+  const float* row_scale = nullptr;             // kScatter: f32 per slot, or null
   void* out = nullptr;
   int64_t ldc = 0;
 };
@@ -177,11 +196,14 @@ void grouped_gemm(const GroupedGemmArgs& args, Stream stream);
 // on the device from expert_offsets (no host sync; graph-capturable).
 // x: dtype [T, H] rows (stride ldx); w13 dtype [E, 2I, H]; w13_bias f32 [E, 2I]
 // or null; w2 dtype [E, H, I]. H % 8 == 0 and I % 8 == 0.
-// Unlike grouped_gemm (activation on the f32 accumulators), step 2 rounds the
-// gate/up values to dtype before the activation: ~3e-3 relative apart from
-// the mma.sync path in bf16, and with f16 a gate/up value beyond 65504 becomes
-// +-inf (NaN after SiLU) where the mma.sync path stays finite (as vLLM's
-// fused_moe, which also stores the w13 output in the half type).
+// With w13_layout kStandard, unlike grouped_gemm (activation on the f32
+// accumulators), step 2 rounds the gate/up values to dtype before the
+// activation: ~3e-3 relative apart from the mma.sync path in bf16, and with f16
+// a gate/up value beyond 65504 becomes +-inf (NaN after SiLU) where the mma.sync
+// path stays finite (as vLLM's fused_moe, which also stores the w13 output in
+// the half type). With kInterleaved128 (I % 128 == 0) steps 2 and 3 are one
+// GEMM whose epilogue activates the f32 accumulators (grouped_gemm's arithmetic,
+// no h13 in memory).
 // Throws Error(kInvalidArgument) on bad sizes or a short workspace,
 // Error(kUnsupported) in builds without CUTLASS.
 // sm90_experts_available(): built with CUTLASS and the current device is sm_90.
@@ -197,6 +219,10 @@ struct Sm90ExpertsArgs {
   const int64_t* expert_offsets = nullptr;  // from align(block_m = 1)
   int64_t num_tokens = 0, top_k = 0, num_experts = 0, hidden = 0, inter = 0;
   const uint16_t* w13 = nullptr;
+  // kInterleaved128: the activation runs in the w13 GEMM's epilogue (steps 2
+  // and 3 in one: no h13, the f32 accumulators activated and rounded once, as
+  // grouped_gemm's kGlu); kStandard: steps 2 and 3 as listed.
+  W13Layout w13_layout = W13Layout::kStandard;
   const float* w13_bias = nullptr;
   const uint16_t* w2 = nullptr;
   ActivationParams act;
@@ -292,7 +318,9 @@ void finalize(const FinalizeArgs& args, Stream stream);
 // on an sm_90 device (pick_sm90_experts, FUSEDMOE_CUDA_EXPERTS), sm90_experts
 // -> finalize; so its output equals the layer's for the same inputs.
 //   hidden_states f32, bf16 or f16 [T, H] (row stride ldx >= H);
-//   w13 [E, 2I, H] (rows 0..I-1 gate, I..2I-1 up), w2 [E, H, I], contiguous,
+//   w13 [E, 2I, H] (rows 0..I-1 gate, I..2I-1 up; or, with w13_layout
+//     kInterleaved128, as interleave_w13 leaves them: the sm90 path then applies
+//     the activation in the w13 GEMM's epilogue), w2 [E, H, I], contiguous,
 //     both of weight_dtype;
 //   w13_bias f32 [E, 2I] and w2_bias f32 [E, H], or null;
 //   topk_ids i32 [T, k], topk_weights f32 [T, k], contiguous. Ids outside [0, E)
@@ -313,10 +341,11 @@ struct FusedExpertsArgs {
   DType hidden_dtype = DType::kF32;
   int64_t ldx = 0;
   int64_t num_tokens = 0, hidden_size = 0, intermediate_size = 0, num_experts = 0, top_k = 0;
-  DType weight_dtype = DType::kBF16;  // of w13 and w2: kBF16 or kF16
-  const uint16_t* w13 = nullptr;      // bf16 / f16 bits
-  const uint16_t* w2 = nullptr;       // bf16 / f16 bits
-  const float* w13_bias = nullptr;
+  DType weight_dtype = DType::kBF16;            // of w13 and w2: kBF16 or kF16
+  const uint16_t* w13 = nullptr;                // bf16 / f16 bits
+  W13Layout w13_layout = W13Layout::kStandard;  // kInterleaved128: I % 128 == 0
+  const uint16_t* w2 = nullptr;                 // bf16 / f16 bits
+  const float* w13_bias = nullptr;              // standard order in either layout
   const float* w2_bias = nullptr;
   const int32_t* topk_ids = nullptr;
   const float* topk_weights = nullptr;

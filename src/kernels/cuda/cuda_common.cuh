@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "fusedmoe/core/error.h"
+#include "fusedmoe/kernels/cuda.h"  // kW13Block
 #include "kernels/cuda/cuda_check.h"
 
 namespace fusedmoe::cuda {
@@ -18,6 +19,14 @@ inline int64_t ceil_div(int64_t a, int64_t b) {
 
 // Multiprocessor count of the current device (cached per device index).
 int num_sms();
+
+// The row of w13 (within one expert) holding gate (half 0) or up (half 1)
+// intermediate column i, in either W13Layout (fusedmoe/kernels/cuda.h).
+__host__ __device__ __forceinline__ int64_t w13_row(int64_t i, int half, int64_t inter,
+                                                    bool interleaved) {
+  return interleaved ? (i / kW13Block) * (2 * kW13Block) + half * kW13Block + i % kW13Block
+                     : half * inter + i;
+}
 
 #ifdef __CUDACC__
 __device__ __forceinline__ float bf16_bits_to_float(uint16_t b) {

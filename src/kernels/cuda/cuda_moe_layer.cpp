@@ -155,6 +155,7 @@ struct CudaMoELayer::Impl {
   MoEConfig cfg;
   int64_t max_tokens = 0;
   bool routed_sm90 = false;  // scratch carved for the sm90 routed path (forward may take it)
+  W13Layout w13_layout = W13Layout::kStandard;  // of experts.w13 (shared: always standard)
   int device = 0;
   // weights
   DeviceMemory gate_w, gate_b, score_bias, hash_table, shared_gate;
@@ -203,6 +204,7 @@ struct CudaMoELayer::Impl {
     r.hidden = cfg.hidden_size;
     r.inter = cfg.intermediate_size;
     r.w13 = experts.w13.as<uint16_t>();
+    r.w13_layout = w13_layout;
     r.w2 = experts.w2.as<uint16_t>();
     r.w13_bias = experts.w13_bias.as<float>();
     r.w2_bias = experts.w2_bias.as<float>();
@@ -267,6 +269,14 @@ CudaMoELayer::CudaMoELayer(const MoEConfig& config, const MoELayerWeights& w,
   const int64_t Tm = max_num_tokens, slots = Tm * k;
   const bool sm90 = sm90_experts_available();
   s.routed_sm90 = sm90 && routed_sm90;
+  // Where the sm90 path may run, its w13 GEMM applies the activation in its
+  // epilogue when the experts' w13 rows are interleaved (kW13Block gate rows,
+  // then the matching up rows); every other path reads that layout too.
+  // FUSEDMOE_CUDA_W13_LAYOUT=standard keeps HF's order (the separate activation pass).
+  if (s.routed_sm90 && I % kW13Block == 0 && pick_w13_layout() == W13Layout::kInterleaved128) {
+    interleave_w13(s.experts.w13.as<uint16_t>(), s.experts.num_experts, I, H, nullptr);
+    s.w13_layout = W13Layout::kInterleaved128;
+  }
   const int64_t Is = c.shared_intermediate_size;
   struct Part {
     void** ptr;

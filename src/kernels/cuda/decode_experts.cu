@@ -72,6 +72,7 @@ constexpr int kWarps = kThreads / 32;
 // item's kW rows. Measured against other shapes of the same kernel in
 // bench/results/2026-11-29-session5.md.
 constexpr int kPairs = 4;
+static_assert(kW13Block % kPairs == 0, "an item's gate / up rows stay in one block of w13");
 constexpr int kW2Rows = 8;
 constexpr int64_t kLongW2Row = 4096;
 template <int R, int kW>
@@ -85,6 +86,7 @@ struct DecodeParams {
   int slots, top_k, num_experts;
   int64_t hidden, inter;
   const uint16_t* w13;
+  bool w13_interleaved;  // W13Layout::kInterleaved128 (kPairs rows stay in one block)
   const float* b13;
   const uint16_t* w2;
   const float* b2;
@@ -408,8 +410,8 @@ __global__ void __launch_bounds__(kThreads, 4) decode_kernel(const DecodeParams 
     it.valid = static_cast<int>(min(out_rows - it.n0, int64_t{kPer}));
     if constexpr (kW13) {
       const uint16_t* base = p.w13 + static_cast<int64_t>(it.e) * 2 * I * H;
-      it.w[0] = base + it.n0 * H;
-      it.w[kParts - 1] = base + (I + it.n0) * H;
+      it.w[0] = base + w13_row(it.n0, 0, I, p.w13_interleaved) * H;
+      it.w[kParts - 1] = base + w13_row(it.n0, 1, I, p.w13_interleaved) * H;
     } else {
       it.w[0] = p.w2 + (static_cast<int64_t>(it.e) * H + it.n0) * I;
     }
@@ -669,6 +671,10 @@ bool decode_experts(const RoutedExpertsArgs& a, uint16_t* inter_rows, float* y, 
   p.hidden = a.hidden;
   p.inter = a.inter;
   p.w13 = a.w13;
+  p.w13_interleaved = a.w13_layout == W13Layout::kInterleaved128;
+  FUSEDMOE_CHECK(!p.w13_interleaved || a.inter % kW13Block == 0,
+                 "decode_experts: w13_layout kInterleaved128 needs I a multiple of ", kW13Block,
+                 ", got ", a.inter);
   p.b13 = a.w13_bias;
   p.w2 = a.w2;
   p.b2 = a.w2_bias;

@@ -131,6 +131,7 @@ RoutedResult routed_experts(const RoutedExpertsArgs& a, const RoutedScratch& s, 
     x.inter = I;
     x.w13 = a.w13;
     x.w13_bias = a.w13_bias;
+    x.w13_layout = a.w13_layout;
     x.w2 = a.w2;
     x.act = a.act;
     x.inter_rows = s.inter;
@@ -163,6 +164,7 @@ RoutedResult routed_experts(const RoutedExpertsArgs& a, const RoutedScratch& s, 
   g.k = H;
   g.bias = a.w13_bias;
   g.act = a.act;
+  g.w13_layout = a.w13_layout;
   g.out = s.inter;
   g.ldc = I;
   grouped_gemm(g, stream);
@@ -181,6 +183,36 @@ RoutedResult routed_experts(const RoutedExpertsArgs& a, const RoutedScratch& s, 
   g2.ldc = H;
   grouped_gemm(g2, stream);
   return {f, false};
+}
+
+void interleave_w13(uint16_t* w13, int64_t num_experts, int64_t inter, int64_t hidden,
+                    Stream stream) {
+  FUSEDMOE_CHECK(w13 != nullptr, "interleave_w13: w13 is required");
+  FUSEDMOE_CHECK(num_experts >= 0 && hidden > 0 && inter > 0 && inter % kW13Block == 0,
+                 "interleave_w13: expected num_experts >= 0, hidden > 0 and inter a positive "
+                 "multiple of ",
+                 kW13Block, ", got E = ", num_experts, ", H = ", hidden, ", I = ", inter);
+  if (num_experts == 0) return;
+  const size_t row = static_cast<size_t>(hidden) * 2;  // bytes
+  const size_t expert = row * 2 * inter;
+  void* tmp = nullptr;
+  FUSEDMOE_CUDA_CHECK(cudaMalloc(&tmp, expert));
+  struct Free {
+    void* p;
+    ~Free() { cudaFree(p); }
+  } free_tmp{tmp};
+  for (int64_t e = 0; e < num_experts; ++e) {
+    char* w = reinterpret_cast<char*>(w13) + static_cast<size_t>(e) * expert;
+    FUSEDMOE_CUDA_CHECK(cudaMemcpyAsync(tmp, w, expert, cudaMemcpyDeviceToDevice, stream));
+    // Gate rows [0, I) in blocks of kW13Block to rows 2 kW13Block b + [0, kW13Block),
+    // up rows [I, 2I) to 2 kW13Block b + kW13Block + [0, kW13Block).
+    for (int half = 0; half < 2; ++half)
+      FUSEDMOE_CUDA_CHECK(cudaMemcpy2DAsync(
+          w + half * kW13Block * row, 2 * kW13Block * row,
+          static_cast<const char*>(tmp) + half * inter * row, kW13Block * row, kW13Block * row,
+          static_cast<size_t>(inter / kW13Block), cudaMemcpyDeviceToDevice, stream));
+  }
+  FUSEDMOE_CUDA_CHECK(cudaStreamSynchronize(stream));  // before tmp is freed
 }
 
 // ---- functional fused_experts ----
@@ -244,6 +276,9 @@ void fused_experts(const FusedExpertsArgs& a, void* workspace, size_t workspace_
   FUSEDMOE_CHECK(a.weight_dtype == DType::kBF16 || a.weight_dtype == DType::kF16,
                  "weight_dtype: expected bf16 or f16 (w13 and w2), got ",
                  dtype_name(a.weight_dtype));
+  FUSEDMOE_CHECK(a.w13_layout == W13Layout::kStandard || I % kW13Block == 0,
+                 "w13_layout: kInterleaved128 needs intermediate_size a multiple of ", kW13Block,
+                 ", got ", I);
   FUSEDMOE_CHECK(a.ldx >= H, "hidden_states: row stride must be >= H = ", H, ", got ", a.ldx);
   FUSEDMOE_CHECK(a.ldo >= H, "output: row stride must be >= H = ", H, ", got ", a.ldo);
   FUSEDMOE_CHECK(workspace_bytes >= need, "workspace: expected at least ", need,
@@ -280,6 +315,7 @@ void fused_experts(const FusedExpertsArgs& a, void* workspace, size_t workspace_
   r.hidden = H;
   r.inter = I;
   r.w13 = a.w13;
+  r.w13_layout = a.w13_layout;
   r.w2 = a.w2;
   r.w13_bias = a.w13_bias;
   r.w2_bias = a.w2_bias;

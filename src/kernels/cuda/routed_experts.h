@@ -83,6 +83,15 @@ bool decode_experts_eligible(int64_t num_tokens, int64_t top_k);
 // and T <= 4 or T * k <= 2 E (few slots per touched expert). FUSEDMOE_CUDA_DECODE=0 in the
 // environment turns it off (A/B timing).
 bool pick_decode_experts(int64_t num_tokens, int64_t top_k, int64_t num_experts);
+// The w13 layout a layer keeps where the sm90 path may run and I % 128 == 0:
+// kInterleaved128, or kStandard with FUSEDMOE_CUDA_W13_LAYOUT=standard (A / B
+// measurements; "interleaved" or unset: the default). Throws on other values.
+W13Layout pick_w13_layout();
+// With w13 interleaved, whether the sm90 path applies the activation in the w13
+// GEMM's epilogue (true) or in a separate pass over the GEMM's half-type output;
+// FUSEDMOE_CUDA_SM90_GLU=epilogue|pass forces one (tuning data: gemm_configs.cpp).
+bool pick_sm90_glu_epilogue(int64_t rows_per_expert, int64_t num_experts, int64_t hidden,
+                            int64_t inter);
 
 struct RoutedExpertsArgs {
   DType dtype = DType::kBF16;         // of x, w13, w2 and the intermediate: kBF16 or kF16
@@ -93,6 +102,8 @@ struct RoutedExpertsArgs {
   const float* topk_weights = nullptr;  // scales y unless apply_router_weight_on_input
   int64_t num_tokens = 0, top_k = 0, num_experts = 0, hidden = 0, inter = 0;
   const uint16_t* w13 = nullptr;
+  W13Layout w13_layout = W13Layout::kStandard;  // every path reads either (I % 128 == 0 for
+                                                // kInterleaved128)
   const uint16_t* w2 = nullptr;
   const float* w13_bias = nullptr;
   const float* w2_bias = nullptr;

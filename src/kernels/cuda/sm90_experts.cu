@@ -69,7 +69,9 @@ __global__ void __launch_bounds__(kPermuteThreads)
 }
 
 // inter[r, i] = act(h[r, i] + b[e, i], h[r, I + i] + b[e, I + i]), 8 columns a
-// thread, e = topk_ids[sorted_slot[r]]; -1 rows get zeros. Without sorted_slot
+// thread, e = topk_ids[sorted_slot[r]]; -1 rows get zeros. With interleaved
+// (w13 in W13Layout::kInterleaved128) h's gate / up columns are where w13_row
+// puts the rows (8 columns stay in one block). Without sorted_slot
 // (one dense expert): every row r < offsets[num_experts] is valid, e = 0.
 // h and out: T (__nv_bfloat16 or __half) bits. Idx: uint32_t when rows * I / 8
 // < 2^32 (a 64-bit division per vector made the kernel instruction-bound), else int64_t.
@@ -78,7 +80,8 @@ __global__ void glu_rows_kernel(const uint16_t* __restrict__ h, const int32_t* _
                                 const int32_t* __restrict__ sorted_slot,
                                 const int64_t* __restrict__ offsets, int num_experts, int64_t inter,
                                 int64_t max_rows, const float* __restrict__ bias,
-                                ActivationParams act, uint16_t* __restrict__ out) {
+                                ActivationParams act, bool interleaved,
+                                uint16_t* __restrict__ out) {
   const int64_t rows = offsets[num_experts] < max_rows ? offsets[num_experts] : max_rows;
   const Idx vecs = static_cast<Idx>(inter / 8);
   const Idx total = static_cast<Idx>(rows) * vecs;
@@ -88,8 +91,10 @@ __global__ void glu_rows_kernel(const uint16_t* __restrict__ h, const int32_t* _
     const int32_t slot = sorted_slot ? sorted_slot[r] : 0;
     uint4 res = make_uint4(0, 0, 0, 0);
     if (slot >= 0) {
-      const uint4 g4 = *reinterpret_cast<const uint4*>(h + r * 2 * inter + i);
-      const uint4 u4 = *reinterpret_cast<const uint4*>(h + r * 2 * inter + inter + i);
+      const uint4 g4 =
+          *reinterpret_cast<const uint4*>(h + r * 2 * inter + w13_row(i, 0, inter, interleaved));
+      const uint4 u4 =
+          *reinterpret_cast<const uint4*>(h + r * 2 * inter + w13_row(i, 1, inter, interleaved));
       const uint16_t* g = reinterpret_cast<const uint16_t*>(&g4);
       const uint16_t* u = reinterpret_cast<const uint16_t*>(&u4);
       const int64_t e = sorted_slot ? ids[slot] : 0;
@@ -135,6 +140,7 @@ struct GemmGluGemm {
   const int32_t* sorted_slot;
   int64_t hidden, inter;
   const uint16_t* w13;
+  bool w13_interleaved;  // W13Layout::kInterleaved128: the activation in the w13 epilogue
   const float* w13_bias;
   const uint16_t* w2;
   ActivationParams act;
@@ -162,6 +168,8 @@ size_t h13_bytes(int64_t rows, int64_t inter) {
   return (static_cast<size_t>(rows) * 2 * inter * 2 + 255) / 256 * 256;
 }
 
+void glu_pass(const GemmGluGemm& a, const uint16_t* h13, Stream stream);
+
 void gemm_glu_gemm(const GemmGluGemm& a, Stream stream) {
   const int64_t H = a.hidden, I = a.inter, E = a.num_experts, rows = a.max_rows;
   auto* h13 = static_cast<uint16_t*>(a.workspace);
@@ -180,11 +188,46 @@ void gemm_glu_gemm(const GemmGluGemm& a, Stream stream) {
   g.workspace_bytes = a.workspace_bytes - h13b;
   const bool f16 = a.dtype == DType::kF16;
   FUSEDMOE_CHECK(!f16 || !a.y_bf16, "sm90 experts: f16 writes f32 rows");
-  if (f16)
-    sm90::grouped_gemm_f16_f16out(g, stream);
-  else
-    grouped_gemm_bf16out(pick_sm90_tile(a.dtype, a.rows_per_expert, E, g.n), g, stream);
+  if (a.w13_interleaved && pick_sm90_glu_epilogue(a.rows_per_expert, E, H, I)) {
+    // inter_rows = act(a . w13[e]^T + b13[e]) straight from the accumulators.
+    g.d = a.inter_rows;
+    g.ldd = I;
+    g.glu_bias = a.w13_bias;
+    g.glu_act = a.act;
+    if (f16)
+      sm90::grouped_gemm_glu_f16_m128(g, stream);
+    else if (pick_sm90_tile(a.dtype, a.rows_per_expert, E, g.n) == Sm90Tile::kM64N256)
+      sm90::grouped_gemm_glu_bf16_m64(g, stream);
+    else
+      sm90::grouped_gemm_glu_bf16_m128(g, stream);
+  } else {
+    if (f16)
+      sm90::grouped_gemm_f16_f16out(g, stream);
+    else
+      grouped_gemm_bf16out(pick_sm90_tile(a.dtype, a.rows_per_expert, E, g.n), g, stream);
+    glu_pass(a, h13, stream);
+  }
 
+  sm90::Sm90GemmArgs g2 = g;
+  g2.a = a.inter_rows;
+  g2.w = a.w2;
+  g2.d = a.y_rows;
+  g2.ldd = H;
+  g2.n = H;
+  g2.k = I;
+  g2.glu_bias = nullptr;
+  if (f16)
+    sm90::grouped_gemm_f16_f32out(g2, stream);
+  else if (!a.y_bf16)
+    sm90::grouped_gemm_f32out(g2, stream);
+  else
+    grouped_gemm_bf16out(pick_sm90_tile(a.dtype, a.rows_per_expert, E, g2.n), g2, stream);
+}
+
+// The gated activation as its own pass (w13 in W13Layout::kStandard): h13 -> inter_rows.
+void glu_pass(const GemmGluGemm& a, const uint16_t* h13, Stream stream) {
+  const int64_t I = a.inter, E = a.num_experts, rows = a.max_rows;
+  const bool f16 = a.dtype == DType::kF16;
   const int64_t blocks = static_cast<int64_t>(num_sms()) * 16;
   const int64_t vecs = rows * (I / 8);
   const int64_t glu_blocks = std::min(ceil_div(vecs, 256), blocks);
@@ -195,22 +238,8 @@ void gemm_glu_gemm(const GemmGluGemm& a, Stream stream) {
                    : glu_rows_kernel<__nv_bfloat16, int64_t>);
   glu_rows<<<static_cast<unsigned>(glu_blocks), 256, 0, stream>>>(
       h13, a.topk_ids, a.sorted_slot, a.offsets, static_cast<int>(E), I, rows, a.w13_bias, a.act,
-      a.inter_rows);
+      a.w13_interleaved, a.inter_rows);
   FUSEDMOE_CUDA_CHECK_LAUNCH();
-
-  sm90::Sm90GemmArgs g2 = g;
-  g2.a = a.inter_rows;
-  g2.w = a.w2;
-  g2.d = a.y_rows;
-  g2.ldd = H;
-  g2.n = H;
-  g2.k = I;
-  if (f16)
-    sm90::grouped_gemm_f16_f32out(g2, stream);
-  else if (!a.y_bf16)
-    sm90::grouped_gemm_f32out(g2, stream);
-  else
-    grouped_gemm_bf16out(pick_sm90_tile(a.dtype, a.rows_per_expert, E, g2.n), g2, stream);
 }
 
 }  // namespace
@@ -238,7 +267,10 @@ size_t sm90_experts_workspace_bytes(int64_t num_slots, int64_t num_experts, int6
        {sm90::workspace_bytes_bf16out(num_experts), sm90::workspace_bytes_f32out(num_experts),
         sm90::workspace_bytes_bf16out_m64(num_experts),
         sm90::workspace_bytes_f16_f16out(num_experts),
-        sm90::workspace_bytes_f16_f32out(num_experts)})
+        sm90::workspace_bytes_f16_f32out(num_experts),
+        sm90::workspace_bytes_glu_bf16_m64(num_experts),
+        sm90::workspace_bytes_glu_bf16_m128(num_experts),
+        sm90::workspace_bytes_glu_f16_m128(num_experts)})
     gemm = b > gemm ? b : gemm;
   return h13 + gemm;
 #else
@@ -270,6 +302,10 @@ void sm90_experts(const Sm90ExpertsArgs& a, Stream stream) {
   FUSEDMOE_CHECK(a.dtype == DType::kBF16 || a.dtype == DType::kF16,
                  "sm90_experts: dtype must be bf16 or f16, got ", dtype_name(a.dtype));
   FUSEDMOE_CHECK(slots <= INT32_MAX, "sm90_experts: at most 2^31 - 1 routed rows, got ", slots);
+  const bool interleaved = a.w13_layout == W13Layout::kInterleaved128;
+  FUSEDMOE_CHECK(!interleaved || I % kW13Block == 0,
+                 "sm90_experts: w13_layout kInterleaved128 needs inter a multiple of ", kW13Block,
+                 ", got ", I);
   const size_t need = sm90_experts_workspace_bytes(slots, E, I);
   FUSEDMOE_CHECK(a.workspace_bytes >= need, "sm90_experts: workspace of ", need,
                  " bytes needed, got ", a.workspace_bytes);
@@ -289,11 +325,27 @@ void sm90_experts(const Sm90ExpertsArgs& a, Stream stream) {
                                     static_cast<int>(a.top_k), H, xs);
   FUSEDMOE_CUDA_CHECK_LAUNCH();
 
-  gemm_glu_gemm(
-      {a.dtype, xs, slots, routed_rows_per_expert(a.num_tokens, a.top_k, E), a.expert_offsets, E,
-       a.topk_ids, a.sorted_slot, H, I, a.w13, a.w13_bias, a.w2, a.act, a.inter_rows, a.y_rows,
-       a.dtype == DType::kBF16, a.workspace, a.workspace_bytes},
-      stream);
+  gemm_glu_gemm({a.dtype,
+                 xs,
+                 slots,
+                 routed_rows_per_expert(a.num_tokens, a.top_k, E),
+                 a.expert_offsets,
+                 E,
+                 a.topk_ids,
+                 a.sorted_slot,
+                 H,
+                 I,
+                 a.w13,
+                 interleaved,
+                 a.w13_bias,
+                 a.w2,
+                 a.act,
+                 a.inter_rows,
+                 a.y_rows,
+                 a.dtype == DType::kBF16,
+                 a.workspace,
+                 a.workspace_bytes},
+                stream);
 #else
   (void)a;
   (void)stream;
@@ -328,10 +380,27 @@ void sm90_dense_expert(const Sm90DenseExpertArgs& a, Stream stream) {
   auto* offsets = static_cast<int64_t*>(a.workspace);
   dense_offsets_kernel<<<1, 1, 0, stream>>>(offsets, T);
   FUSEDMOE_CUDA_CHECK_LAUNCH();
-  gemm_glu_gemm(
-      {a.dtype, a.x, T, T, offsets, 1, nullptr, nullptr, H, I, a.w13, a.w13_bias, a.w2, a.act,
-       a.inter_rows, a.out, false, static_cast<char*>(a.workspace) + 256, a.workspace_bytes - 256},
-      stream);
+  gemm_glu_gemm({a.dtype,
+                 a.x,
+                 T,
+                 T,
+                 offsets,
+                 1,
+                 nullptr,
+                 nullptr,
+                 H,
+                 I,
+                 a.w13,
+                 false,
+                 a.w13_bias,
+                 a.w2,
+                 a.act,
+                 a.inter_rows,
+                 a.out,
+                 false,
+                 static_cast<char*>(a.workspace) + 256,
+                 a.workspace_bytes - 256},
+                stream);
 #else
   (void)a;
   (void)stream;

@@ -130,6 +130,33 @@ bool pick_sm90_experts(int64_t rows_per_expert, int64_t /*routed_rows*/, int64_t
   return force_sm90 || rows_per_expert >= kSm90MinRowsPerExpert;
 }
 
+W13Layout pick_w13_layout() {
+  const char* env = std::getenv("FUSEDMOE_CUDA_W13_LAYOUT");
+  if (env == nullptr || env[0] == '\0' || std::strcmp(env, "interleaved") == 0)
+    return W13Layout::kInterleaved128;
+  FUSEDMOE_CHECK(std::strcmp(env, "standard") == 0,
+                 "FUSEDMOE_CUDA_W13_LAYOUT: expected interleaved or standard, got ", env);
+  return W13Layout::kStandard;
+}
+
+// Session 9 (bench/results/2026-11-30-session9.md, run 4; bench_cuda_moe, us,
+// two passes each, w13 interleaved: epilogue vs separate pass): Mixtral T = 256
+// 742 / 742 vs 761 / 765, T = 1024 1320 / 1325 vs 1370 / 1364, T = 4096 4218 /
+// 4368 vs 4483 / 4509; Qwen3 T = 1024 412 / 389 vs 400 / 403, T = 4096 710 / 719
+// vs 744 / 741; DeepSeek-V3 T = 1024 5614 / 5618 vs 5693 / 5685, T = 4096 7330 /
+// 7241 vs 7357 / 7423; T = 64 ties. So the epilogue everywhere.
+bool pick_sm90_glu_epilogue(int64_t /*rows_per_expert*/, int64_t /*num_experts*/,
+                            int64_t /*hidden*/, int64_t /*inter*/) {
+  const char* env = std::getenv("FUSEDMOE_CUDA_SM90_GLU");
+  if (env != nullptr && env[0] != '\0') {
+    if (std::strcmp(env, "epilogue") == 0) return true;
+    FUSEDMOE_CHECK(std::strcmp(env, "pass") == 0,
+                   "FUSEDMOE_CUDA_SM90_GLU: expected epilogue or pass, got ", env);
+    return false;
+  }
+  return true;
+}
+
 Sm90Tile pick_sm90_tile(DType dtype, int64_t rows_per_expert, int64_t num_experts, int64_t n) {
   if (dtype != DType::kBF16) return Sm90Tile::kM128N256;
   const char* env = std::getenv("FUSEDMOE_CUDA_SM90_TILE");
@@ -170,6 +197,9 @@ void grouped_gemm(const GroupedGemmArgs& a, Stream stream) {
                    "grouped_gemm: N must be positive and even (gate and up halves), got ", a.n);
     FUSEDMOE_CHECK(a.ldc % 2 == 0 && a.ldc >= a.n / 2,
                    "grouped_gemm: ldc must be even and >= N / 2 = ", a.n / 2, ", got ", a.ldc);
+    FUSEDMOE_CHECK(a.w13_layout == W13Layout::kStandard || (a.n / 2) % kW13Block == 0,
+                   "grouped_gemm: w13_layout kInterleaved128 needs I = N / 2 a multiple of ",
+                   kW13Block, ", got ", a.n / 2);
   } else {
     FUSEDMOE_CHECK(a.n > 0, "grouped_gemm: N must be positive, got ", a.n);
     FUSEDMOE_CHECK(a.ldc >= a.n, "grouped_gemm: ldc must be >= N = ", a.n, ", got ", a.ldc);

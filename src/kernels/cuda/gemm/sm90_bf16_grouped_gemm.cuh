@@ -53,7 +53,8 @@ struct Params {
   int64_t m;
   const uint16_t* w;
   int64_t n, k;
-  int64_t inter;  // kGlu: I (= n / 2)
+  int64_t inter;         // kGlu: I (= n / 2)
+  bool w13_interleaved;  // kGlu: w in W13Layout::kInterleaved128
   int n_tiles;
   const float* bias;
   Activation act;
@@ -125,22 +126,56 @@ __device__ __forceinline__ uint32_t swz(int row, int chunk) {
   return static_cast<uint32_t>(row * 128 + ((chunk ^ (row & 7)) << 4));
 }
 
+// The gated activations, act(gate, up), in f32. The sigmoids are g / (1 +
+// e^-g) with __expf and __fdividef: branch-free (IEEE division's slow-path
+// branch kept the w13 epilogue from interleaving its elements), within a few
+// ulp of the exact quotient, and 0 where e^-g overflows (g < ~-87), the limit.
+template <Activation A>
+__device__ __forceinline__ float act_glu_t(float g, float u, float alpha, float limit) {
+  if constexpr (A == Activation::kSiluGlu) {
+    return __fdividef(g, 1.0f + __expf(-g)) * u;
+  } else if constexpr (A == Activation::kGeluGlu) {
+    return 0.5f * g * erfcf(g * -0.70710678118654752f) * u;
+  } else if constexpr (A == Activation::kGeluTanhGlu) {
+    const float z = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+    return __fdividef(g, 1.0f + __expf(-2.0f * z)) * u;  // g/2 (1 + tanh z) = g sigmoid(2z)
+  } else {
+    static_assert(A == Activation::kSwigluOai, "a gated activation");
+    const float gg = fminf(g, limit);
+    const float uu = fminf(fmaxf(u, -limit), limit);
+    return (uu + 1.0f) * __fdividef(gg, 1.0f + __expf(-alpha * gg));
+  }
+}
+// Calls f.template operator()<A>() for the activation `act` (one switch outside
+// an element loop instead of one per element).
+template <class F>
+__device__ __forceinline__ void with_activation(Activation act, F&& f) {
+  switch (act) {
+    case Activation::kSiluGlu:
+      f.template operator()<Activation::kSiluGlu>();
+      return;
+    case Activation::kGeluGlu:
+      f.template operator()<Activation::kGeluGlu>();
+      return;
+    case Activation::kGeluTanhGlu:
+      f.template operator()<Activation::kGeluTanhGlu>();
+      return;
+    case Activation::kSwigluOai:
+      f.template operator()<Activation::kSwigluOai>();
+      return;
+  }
+}
 __device__ __forceinline__ float act_glu(Activation act, float g, float u, float alpha,
                                          float limit) {
   switch (act) {
     case Activation::kSiluGlu:
-      return g / (1.0f + expf(-g)) * u;
+      return act_glu_t<Activation::kSiluGlu>(g, u, alpha, limit);
     case Activation::kGeluGlu:
-      return 0.5f * g * erfcf(g * -0.70710678118654752f) * u;
-    case Activation::kGeluTanhGlu: {
-      const float z = 0.7978845608028654f * (g + 0.044715f * g * g * g);
-      return g / (1.0f + expf(-2.0f * z)) * u;  // g/2 (1 + tanh z) = g sigmoid(2z)
-    }
-    case Activation::kSwigluOai: {
-      const float gg = fminf(g, limit);
-      const float uu = fminf(fmaxf(u, -limit), limit);
-      return (uu + 1.0f) * (gg / (1.0f + expf(-alpha * gg)));
-    }
+      return act_glu_t<Activation::kGeluGlu>(g, u, alpha, limit);
+    case Activation::kGeluTanhGlu:
+      return act_glu_t<Activation::kGeluTanhGlu>(g, u, alpha, limit);
+    case Activation::kSwigluOai:
+      return act_glu_t<Activation::kSwigluOai>(g, u, alpha, limit);
   }
   return 0.0f;
 }
@@ -241,7 +276,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) grouped_gemm_kernel(const Param
         const int half = rr >= BN / 2;
         const int64_t col = static_cast<int64_t>(w.n_tile) * (BN / 2) + (rr - half * (BN / 2));
         ok = col < p.inter;
-        wrow = half * p.inter + col;
+        wrow = w13_row(col, half, p.inter, p.w13_interleaved);
       } else {
         wrow = static_cast<int64_t>(w.n_tile) * BN + rr;
         ok = wrow < p.n;
@@ -418,6 +453,8 @@ inline Params make_params(const GroupedGemmArgs& a) {
   p.n = a.n;
   p.k = a.k;
   p.inter = a.epilogue == GemmEpilogue::kGlu ? a.n / 2 : a.n;
+  p.w13_interleaved =
+      a.epilogue == GemmEpilogue::kGlu && a.w13_layout == W13Layout::kInterleaved128;
   p.bias = a.bias;
   p.act = a.act.activation;
   p.swiglu_alpha = a.act.swiglu_alpha;

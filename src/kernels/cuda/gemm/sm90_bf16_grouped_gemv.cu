@@ -89,7 +89,8 @@ __global__ void __launch_bounds__(kThreads, kRows == 8 ? 1 : 4)
     for (int j = 0; j < kW; ++j) {
       const int64_t n = n0 + (j % kRowsPerItem);
       wok[j] = n < out_rows;
-      const int64_t wr = kGlu ? (j < kRowsPerItem ? n : p.inter + n) : n;
+      const int64_t wr =
+          kGlu ? w13_row(n, j < kRowsPerItem ? 0 : 1, p.inter, p.w13_interleaved) : n;
       wrow[j] = w_e + (wok[j] ? wr : 0) * K;
     }
     const float* bias = p.bias ? p.bias + static_cast<int64_t>(e) * p.n : nullptr;

@@ -28,6 +28,7 @@
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
 #include "kernels/cuda/cuda_common.cuh"
+#include "kernels/cuda/gemm/sm90_cutlass_glu_epilogue.cuh"
 #include "kernels/cuda/gemm/sm90_cutlass_instances.h"
 
 namespace fusedmoe::cuda::sm90 {
@@ -69,7 +70,50 @@ struct GroupedGemm {
   using StrideB = typename Kernel::InternalStrideB;
   using StrideD = typename Kernel::InternalStrideD;
   using Shape = typename ProblemShape::UnderlyingProblemShape;
+  static constexpr bool kGlu = false;
 };
+
+// The w13 GEMM with the gated activation in its epilogue (weights in
+// W13Layout::kInterleaved128): GluEpilogueArray writes act(gate, up) straight
+// from the accumulators; the mainloop is the one of GroupedGemm above, with the
+// whole shared memory for its stages (this epilogue uses none).
+template <class T, class ElementAB_, class TileShape_, class ClusterShape_, class KernelSchedule_>
+struct GroupedGemmGlu {
+  using ElementA = ElementAB_;
+  using ElementB = ElementAB_;
+  using ElementD = ElementAB_;
+  using LayoutA = cutlass::layout::RowMajor;
+  using LayoutB = cutlass::layout::ColumnMajor;
+  static constexpr int kAlignA = 8, kAlignB = 8;
+
+  using CollectiveEpilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
+      GluEpilogueArray<T, ElementD>>;
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, LayoutA*, kAlignA, ElementB,
+      LayoutB*, kAlignB, float, TileShape_, ClusterShape_,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      KernelSchedule_>::CollectiveOp;
+
+  using Kernel =
+      cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+  using StrideD = typename Kernel::InternalStrideD;
+  using Shape = typename ProblemShape::UnderlyingProblemShape;
+  static constexpr bool kGlu = true;
+};
+template <class T, class ElementAB>
+using GluCooperative128x256 =
+    GroupedGemmGlu<T, ElementAB, cute::Shape<cute::_128, cute::_256, cute::_64>,
+                   cute::Shape<cute::_1, cute::_1, cute::_1>,
+                   cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>;
+template <class T, class ElementAB>
+using GluPingpong64x256 =
+    GroupedGemmGlu<T, ElementAB, cute::Shape<cute::_64, cute::_256, cute::_64>,
+                   cute::Shape<cute::_1, cute::_1, cute::_1>,
+                   cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong>;
 
 // The kept configuration: 128 x 256 x 64 tiles, cooperative (2 consumer
 // warpgroups on one tile), cluster 1 x 1; one instantiation per .cu file.
@@ -152,18 +196,29 @@ __global__ void group_args_kernel(GroupArrays<G> g, const int64_t* __restrict__ 
 
 template <class G>
 typename G::Gemm::Arguments make_arguments(const GroupArrays<G>& g, int64_t groups, int sm_count,
-                                           int device) {
+                                           int device, const Sm90GemmArgs& a) {
   cutlass::KernelHardwareInfo hw;
   hw.device_id = device;
   hw.sm_count = sm_count;
   typename G::Gemm::Arguments args;
-  decltype(args.epilogue.thread) fusion{};
-  fusion.alpha = 1.0f;
-  fusion.beta = 0.0f;
+  typename G::Kernel::EpilogueArguments epi{};
+  if constexpr (G::kGlu) {
+    epi.ptr_D = g.d;
+    epi.dD = g.stride_d;
+    epi.bias = a.glu_bias;
+    epi.inter = a.n / 2;
+    epi.act = a.glu_act;
+  } else {
+    (void)a;
+    epi.thread.alpha = 1.0f;
+    epi.thread.beta = 0.0f;
+    epi.ptr_D = g.d;
+    epi.dD = g.stride_d;
+  }
   args = typename G::Gemm::Arguments{cutlass::gemm::GemmUniversalMode::kGrouped,
                                      {static_cast<int>(groups), g.shape, nullptr},
                                      {g.a, g.stride_a, g.b, g.stride_b},
-                                     {fusion, nullptr, nullptr, g.d, g.stride_d},
+                                     epi,
                                      hw};
   return args;
 }
@@ -173,7 +228,7 @@ size_t workspace_bytes(int64_t groups) {
   int device = 0;
   FUSEDMOE_CUDA_CHECK(cudaGetDevice(&device));
   GroupArrays<G> g = GroupArrays<G>::carve(nullptr, groups);
-  const auto args = make_arguments<G>(g, groups, num_sms(), device);
+  const auto args = make_arguments<G>(g, groups, num_sms(), device, Sm90GemmArgs{});
   return GroupArrays<G>::bytes(groups) + G::Gemm::get_workspace_size(args) + 256;
 }
 
@@ -192,7 +247,7 @@ void run(const Sm90GemmArgs& a, Stream stream) {
   FUSEDMOE_CUDA_CHECK_LAUNCH();
   int device = 0;
   FUSEDMOE_CUDA_CHECK(cudaGetDevice(&device));
-  const auto args = make_arguments<G>(g, a.num_experts, num_sms(), device);
+  const auto args = make_arguments<G>(g, a.num_experts, num_sms(), device, a);
   typename G::Gemm gemm;
   cutlass::Status st = gemm.can_implement(args);
   FUSEDMOE_CHECK(st == cutlass::Status::kSuccess,

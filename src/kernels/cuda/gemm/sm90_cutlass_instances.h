@@ -26,6 +26,10 @@ struct Sm90GemmArgs {
   int64_t n = 0, k = 0;
   void* workspace = nullptr;  // device, workspace_bytes_*(num_experts) bytes
   size_t workspace_bytes = 0;
+  // The grouped_gemm_glu_* instances only: w13 in W13Layout::kInterleaved128
+  // (N = 2I, I % 128 == 0); d: [rows, ldd] of act(gate + b, up + b), I wide.
+  const float* glu_bias = nullptr;  // f32 [E, 2I] (standard order) or null
+  ActivationParams glu_act{};
 };
 
 // Tile 128 x 256 x 64, cooperative (2 consumer warpgroups on one tile), cluster 1 x 1.
@@ -38,6 +42,14 @@ size_t workspace_bytes_bf16out(int64_t num_experts);
 void grouped_gemm_bf16out_m64(const Sm90GemmArgs& args, Stream stream);  // bf16 -> bf16
 size_t workspace_bytes_bf16out_m64(int64_t num_experts);
 size_t workspace_bytes_f32out(int64_t num_experts);
+// The w13 GEMM with the gated activation in its epilogue (sm90_cutlass_glu_epilogue.cuh):
+// bf16 in 64 x 256 pingpong and 128 x 256 cooperative tiles, f16 in 128 x 256 cooperative.
+void grouped_gemm_glu_bf16_m64(const Sm90GemmArgs& args, Stream stream);
+void grouped_gemm_glu_bf16_m128(const Sm90GemmArgs& args, Stream stream);
+void grouped_gemm_glu_f16_m128(const Sm90GemmArgs& args, Stream stream);
+size_t workspace_bytes_glu_bf16_m64(int64_t num_experts);
+size_t workspace_bytes_glu_bf16_m128(int64_t num_experts);
+size_t workspace_bytes_glu_f16_m128(int64_t num_experts);
 size_t workspace_bytes_f16_f16out(int64_t num_experts);
 size_t workspace_bytes_f16_f32out(int64_t num_experts);
 }  // namespace fusedmoe::cuda::sm90
