@@ -167,17 +167,9 @@ __device__ __forceinline__ void with_activation(Activation act, F&& f) {
 }
 __device__ __forceinline__ float act_glu(Activation act, float g, float u, float alpha,
                                          float limit) {
-  switch (act) {
-    case Activation::kSiluGlu:
-      return act_glu_t<Activation::kSiluGlu>(g, u, alpha, limit);
-    case Activation::kGeluGlu:
-      return act_glu_t<Activation::kGeluGlu>(g, u, alpha, limit);
-    case Activation::kGeluTanhGlu:
-      return act_glu_t<Activation::kGeluTanhGlu>(g, u, alpha, limit);
-    case Activation::kSwigluOai:
-      return act_glu_t<Activation::kSwigluOai>(g, u, alpha, limit);
-  }
-  return 0.0f;
+  float r = 0.0f;
+  with_activation(act, [&]<Activation A>() { r = act_glu_t<A>(g, u, alpha, limit); });
+  return r;
 }
 
 template <class T, class Cfg, bool kGlu>

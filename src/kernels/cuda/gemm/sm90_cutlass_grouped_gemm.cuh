@@ -37,24 +37,18 @@ using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>
 
 // One grouped-GEMM type: D[e] (M_e x N, row-major, ElementD) = A[e] (M_e x K,
 // row-major ElementAB: bf16 or f16) . B[e]^T (B[e]: N x K, K contiguous =
-// CUTLASS ColumnMajor), f32 accumulation, no source C (ElementC = void).
-template <class ElementAB_, class ElementD_, class TileShape_, class ClusterShape_,
-          class KernelSchedule_, class EpilogueSchedule_>
-struct GroupedGemm {
+// CUTLASS ColumnMajor), f32 accumulation, no source C, through the epilogue
+// CollectiveEpilogue_; the mainloop's stages take the shared memory it leaves.
+template <class ElementAB_, class TileShape_, class ClusterShape_, class KernelSchedule_,
+          class CollectiveEpilogue_, bool kGlu_>
+struct GroupedGemmWith {
   using ElementA = ElementAB_;
   using ElementB = ElementAB_;
-  using ElementD = ElementD_;
   using LayoutA = cutlass::layout::RowMajor;
   using LayoutB = cutlass::layout::ColumnMajor;
-  using LayoutD = cutlass::layout::RowMajor;
   static constexpr int kAlignA = 8, kAlignB = 8;  // 16 bytes of bf16 / f16: K % 8 == 0
-  static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
-
-  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape_, ClusterShape_,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD*, kAlignD,
-      ElementD, LayoutD*, kAlignD, EpilogueSchedule_,
-      cutlass::epilogue::fusion::LinearCombination<ElementD, float, void, float>>::CollectiveOp;
+  using CollectiveEpilogue = CollectiveEpilogue_;
+  using ElementD = typename CollectiveEpilogue::ElementD;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, LayoutA*, kAlignA, ElementB,
@@ -70,40 +64,32 @@ struct GroupedGemm {
   using StrideB = typename Kernel::InternalStrideB;
   using StrideD = typename Kernel::InternalStrideD;
   using Shape = typename ProblemShape::UnderlyingProblemShape;
-  static constexpr bool kGlu = false;
+  static constexpr bool kGlu = kGlu_;
 };
+
+// D = A . B^T in ElementD through CUTLASS's TMA-store epilogue (LinearCombination,
+// alpha 1, no C).
+template <class ElementAB, class ElementD, class TileShape, class ClusterShape,
+          class KernelSchedule, class EpilogueSchedule>
+using GroupedGemm = GroupedGemmWith<
+    ElementAB, TileShape, ClusterShape, KernelSchedule,
+    typename cutlass::epilogue::collective::CollectiveBuilder<
+        cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+        cutlass::epilogue::collective::EpilogueTileAuto, float, float, void,
+        cutlass::layout::RowMajor*, 128 / cutlass::sizeof_bits<ElementD>::value, ElementD,
+        cutlass::layout::RowMajor*, 128 / cutlass::sizeof_bits<ElementD>::value, EpilogueSchedule,
+        cutlass::epilogue::fusion::LinearCombination<ElementD, float, void, float>>::CollectiveOp,
+    false>;
 
 // The w13 GEMM with the gated activation in its epilogue (weights in
 // W13Layout::kInterleaved128): GluEpilogueArray writes act(gate, up) straight
-// from the accumulators; the mainloop is the one of GroupedGemm above, with the
-// whole shared memory for its stages (this epilogue uses none).
-template <class T, class ElementAB_, class TileShape_, class ClusterShape_, class KernelSchedule_>
-struct GroupedGemmGlu {
-  using ElementA = ElementAB_;
-  using ElementB = ElementAB_;
-  using ElementD = ElementAB_;
-  using LayoutA = cutlass::layout::RowMajor;
-  using LayoutB = cutlass::layout::ColumnMajor;
-  static constexpr int kAlignA = 8, kAlignB = 8;
-
-  using CollectiveEpilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
-      GluEpilogueArray<T, ElementD>>;
-  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, LayoutA*, kAlignA, ElementB,
-      LayoutB*, kAlignB, float, TileShape_, ClusterShape_,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
-          sizeof(typename CollectiveEpilogue::SharedStorage))>,
-      KernelSchedule_>::CollectiveOp;
-
-  using Kernel =
-      cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
-  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-  using StrideA = typename Kernel::InternalStrideA;
-  using StrideB = typename Kernel::InternalStrideB;
-  using StrideD = typename Kernel::InternalStrideD;
-  using Shape = typename ProblemShape::UnderlyingProblemShape;
-  static constexpr bool kGlu = true;
-};
+// from the accumulators (no shared memory: the mainloop's stages take it all).
+template <class T, class ElementAB, class TileShape, class ClusterShape, class KernelSchedule>
+using GroupedGemmGlu =
+    GroupedGemmWith<ElementAB, TileShape, ClusterShape, KernelSchedule,
+                    cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
+                        GluEpilogueArray<T, ElementAB>>,
+                    true>;
 template <class T, class ElementAB>
 using GluCooperative128x256 =
     GroupedGemmGlu<T, ElementAB, cute::Shape<cute::_128, cute::_256, cute::_64>,
