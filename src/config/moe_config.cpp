@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "fusedmoe/core/error.h"
+#include "fusedmoe/experts/expert_weights.h"  // ActivationParams
 
 namespace fusedmoe {
 
@@ -181,12 +182,7 @@ void MoEConfig::validate() const {
                    hash_vocab_size);
   }
 
-  if (activation == Activation::kSwigluOai) {
-    FUSEDMOE_CHECK(std::isfinite(swiglu_limit) && swiglu_limit > 0.0f,
-                   "swiglu_limit: expected a finite value > 0, got ", swiglu_limit);
-    FUSEDMOE_CHECK(std::isfinite(swiglu_alpha), "swiglu_alpha: expected a finite value, got ",
-                   swiglu_alpha);
-  }
+  ActivationParams::from_config(*this).validate();
 
   FUSEDMOE_CHECK(shared_intermediate_size >= 0 && shared_intermediate_size <= kMaxIntermediateSize,
                  "shared_intermediate_size: expected 0 (no shared expert) to ",

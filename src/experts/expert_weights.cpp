@@ -1,7 +1,10 @@
 // fusedmoe: expert weight validation.
 #include "fusedmoe/experts/expert_weights.h"
 
+#include <cmath>
 #include <string>
+
+#include "fusedmoe/core/error.h"
 
 namespace fusedmoe {
 
@@ -70,6 +73,14 @@ ExpertSizes expert_sizes_from_w2(const ExpertWeights& w, const char* w13_name,
       w13_name, " ", w13.str(), " and ", w2_name, " ", w2.str(),
       " disagree: expected w13 [E, 2I, H] and w2 [E, H, I] with the same E and I");
   return {w2.size(0), w2.size(2)};
+}
+
+void ActivationParams::validate() const {
+  if (activation != Activation::kSwigluOai) return;
+  FUSEDMOE_CHECK(std::isfinite(swiglu_limit) && swiglu_limit > 0.0f,
+                 "swiglu_limit: expected a finite value > 0, got ", swiglu_limit);
+  FUSEDMOE_CHECK(std::isfinite(swiglu_alpha), "swiglu_alpha: expected a finite value, got ",
+                 swiglu_alpha);
 }
 
 void check_router_weight_on_input(bool apply_router_weight_on_input, const TensorView& topk_ids) {

@@ -95,6 +95,7 @@ void DistributedExperts::forward(const TensorView& hidden_states, const TensorVi
                  topk_ids.shape_str());
   check_tensor(topk_weights, "topk_weights", DType::kF32, {T, k});
   check_router_weight_on_input(apply_router_weight_on_input, topk_ids);
+  params.activation.validate();
   check_tensor(output, "output", DType::kF32, {T, H});
   FUSEDMOE_CHECK(params.compute_dtype == DType::kF32 || params.compute_dtype == DType::kBF16,
                  "compute_dtype: expected f32 or bf16, got ", dtype_name(params.compute_dtype));

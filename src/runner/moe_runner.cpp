@@ -174,6 +174,8 @@ MoERunner::MoERunner(MoEConfig config, MoELayerWeights weights, RunnerOptions op
           (options_.compute_dtype == DType::kF16 && options_.device.type == DeviceType::kCUDA),
       "compute_dtype: expected f32 or bf16 (f16: CUDA backend only), got ",
       dtype_name(options_.compute_dtype));
+  FUSEDMOE_CHECK(options_.max_num_tokens >= 0,
+                 "max_num_tokens: expected >= 0 (0: the default), got ", options_.max_num_tokens);
   router_ = create_router(config_, weights_.router_params);
   kernel_ = make_cpu_modular_kernel(options_.pool);
   workspace_ = std::make_unique<Workspace>();
@@ -244,7 +246,9 @@ MoERunner::MoERunner(MoEConfig config, MoELayerWeights weights, RunnerOptions op
         "compute_dtype: the CUDA backend computes in bf16 or f16 (f32 accumulation); expected "
         "bf16 or f16, got ",
         dtype_name(options_.compute_dtype));
-    if (options_.max_num_tokens <= 0) options_.max_num_tokens = 8192;
+    FUSEDMOE_CHECK(cuda::device_count() > 0, "device: cuda:", options_.device.index,
+                   ", but no CUDA device is visible");
+    if (options_.max_num_tokens == 0) options_.max_num_tokens = 8192;
     if (cuda_ep) {
       // The local experts compute every rank's rows: ep_size * max_num_tokens.
       const int P = options_.communicator->size();
@@ -314,6 +318,9 @@ void MoERunner::forward(const TensorView& hidden_states, const TensorView& outpu
                         const TensorView* router_logits, const TensorView* token_ids,
                         const ForwardOutputs* outputs) {
   const int64_t H = config_.hidden_size, L = config_.num_router_logits(), k = config_.top_k;
+  FUSEDMOE_CHECK(token_ids == nullptr || config_.routing_method == RoutingMethod::kHash,
+                 "token_ids: given, but the ", to_string(config_.routing_method),
+                 " router does not use them (hash routing only; they would be ignored)");
 #ifdef FUSEDMOE_WITH_CUDA
   if (cuda_) {
     // Same boundary checks on device tensors (f32, bf16 or f16 activations).

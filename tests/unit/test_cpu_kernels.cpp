@@ -382,6 +382,16 @@ TEST(CpuModularKernel, RejectsBadInputsWithoutWriting) {
   ExpertsParams p16;
   p16.compute_dtype = DType::kF16;
   expect_error(run(hidden, ids, tw, w, out, p16), {"compute_dtype"});
+  // gpt-oss's clamp: a limit <= 0 zeroed every output, NaN disabled the clamp.
+  ExpertsParams oai;
+  oai.activation.activation = Activation::kSwigluOai;
+  oai.activation.swiglu_limit = -1.0f;
+  expect_error(run(hidden, ids, tw, w, out, oai), {"swiglu_limit", "> 0", "-1"});
+  oai.activation.swiglu_limit = std::nanf("");
+  expect_error(run(hidden, ids, tw, w, out, oai), {"swiglu_limit", "nan"});
+  oai.activation.swiglu_limit = 7.0f;
+  oai.activation.swiglu_alpha = INFINITY;
+  expect_error(run(hidden, ids, tw, w, out, oai), {"swiglu_alpha", "inf"});
   ExpertWeights w_bad = w;
   w_bad.w2 = random_weight(rng, {E, H, I + 1}, 0.1f, DType::kBF16);
   expect_error(run(hidden, ids, tw, w_bad, out), {"experts.w13", "experts.w2", "disagree"});

@@ -12,6 +12,9 @@
 #include <vector>
 
 #include "fusedmoe/runner/moe_runner.h"
+#ifdef FUSEDMOE_WITH_CUDA
+#include "fusedmoe/kernels/cuda.h"  // device_count
+#endif
 #include "random_layer.h"
 #include "reference_moe.h"
 #include "test_util.h"
@@ -358,7 +361,25 @@ TEST(MoERunner, RejectsBadShapesBeforeWriting) {
   Tensor tw_bad = Tensor::empty(DType::kI32, {T, k});
   ForwardOutputs o2{TensorView(), TensorView(), tw_bad};
   expect_error([&] { runner.forward(hidden, out, nullptr, nullptr, &o2); }, {"topk_weights"});
+  // token_ids belong to hash routing: given to another router, they were ignored.
+  Tensor tok = Tensor::empty(DType::kI32, {T});
+  for (int64_t t = 0; t < T; ++t) tok.data_as<int32_t>()[t] = static_cast<int32_t>(t);
+  expect_error([&] { runner.forward(hidden, out, nullptr, &tok.view()); },
+               {"token_ids", "hash routing only"});
   EXPECT_TRUE(untouched()) << "output written although forward threw";
+
+  // Options: a negative max_num_tokens; the CUDA backend without a CUDA device.
+  RunnerOptions neg;
+  neg.max_num_tokens = -5;
+  expect_error([&] { MoERunner r(c, w, neg); }, {"max_num_tokens", ">= 0", "-5"});
+#ifdef FUSEDMOE_WITH_CUDA
+  if (cuda::device_count() == 0) {
+    RunnerOptions gpu;
+    gpu.device = Device{DeviceType::kCUDA, 0};
+    gpu.compute_dtype = DType::kBF16;
+    expect_error([&] { MoERunner r(c, w, gpu); }, {"device", "cuda:0", "no CUDA device"});
+  }
+#endif
 
   // Constructor: weights that do not match the config.
   MoELayerWeights no_shared = w;

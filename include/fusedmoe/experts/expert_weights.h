@@ -62,6 +62,10 @@ struct ActivationParams {
   static ActivationParams from_config(const MoEConfig& c) {
     return {c.activation, c.swiglu_alpha, c.swiglu_limit};
   }
+  // kSwigluOai: swiglu_limit finite and > 0 (a limit <= 0 clamps every gate to
+  // it and zeroes the output; NaN disables the clamp), swiglu_alpha finite.
+  // Error(kInvalidArgument) naming the field otherwise.
+  void validate() const;
 };
 
 // out[r, i] = act(gate = x[r, i], up = x[r, I + i]) for r < rows, i < I.

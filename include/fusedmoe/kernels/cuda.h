@@ -116,13 +116,19 @@ void align(const AlignArgs& args, Stream stream);
 //   rows (I % 128 == 0): gate row i at (i / 128) * 256 + i % 128, up row i 128
 //   rows after it. One 256-column tile of the w13 GEMM then holds both halves of
 //   128 intermediate columns, and the sm90 path applies the activation in the
-//   GEMM's epilogue. MoERunner / fusedmoe's CUDA layer keep their experts this
-//   way where that path exists (interleave_w13); every routed-experts path reads it.
+//   GEMM's epilogue. The single-GPU CUDA layer (MoERunner, `fusedmoe run/bench
+//   --backend cuda`) keeps its routed experts this way where that path exists
+//   (interleave_w13, once at load); the shared expert and the expert-parallel
+//   layer keep kStandard. Every routed-experts path reads either; biases stay in
+//   the standard order [E, 2I] in both. Nothing records a buffer's layout: the
+//   caller passes it (w13_layout fields).
 enum class W13Layout : uint8_t { kStandard, kInterleaved128 };
 inline constexpr int kW13Block = 128;
 // Rewrites w13 (dtype [E, 2I, H], 2-byte elements, device memory) from
-// kStandard into kInterleaved128, in place through a temporary of one expert;
-// the copies run on `stream`, and it returns when they are done. I % 128 == 0;
+// kStandard into kInterleaved128 in place. A load-time call, not a forward one:
+// it cudaMallocs a temporary of one expert, runs the copies on `stream` and
+// synchronizes it before returning (not capturable in a graph). Not idempotent:
+// a second call scrambles the rows. E >= 0, H > 0, I > 0 and I % 128 == 0;
 // throws Error(kInvalidArgument) otherwise.
 void interleave_w13(uint16_t* w13, int64_t num_experts, int64_t inter, int64_t hidden,
                     Stream stream);
@@ -144,8 +150,9 @@ GemmTile pick_gemm_tile(int64_t rows_per_expert, int64_t routed_rows, int64_t n,
 //   W:      dtype [E, N, K] (row-major, K contiguous); K % 8 == 0.
 //   rows of expert e: [expert_offsets[e], expert_offsets[e+1]) (multiples of
 //           block_m of `tile`); with expert_offsets == null, one expert, rows [0, M).
-// Epilogue kGlu (w13, N = 2I): out[r, i] = act(C[r, i] + b[i], C[r, I + i] + b[I + i])
-//   (C's columns i and I + i: w's gate and up rows i as w13_layout places them)
+// Epilogue kGlu (w13, N = 2I): out[r, i] = act(gate_i + b[i], up_i + b[I + i]), where
+//   gate_i / up_i are C's columns i / I + i for w13_layout kStandard, and columns
+//   (i / 128) * 256 + i % 128 and that + 128 for kInterleaved128 (b: standard order)
 //   (dtype, rounded to nearest; f16 values beyond 65504 become +-inf) for i < I,
 //   every row of a tile written (padding too), row stride ldc. N even, ldc even.
 // Epilogue kScatter (w2, N = H): for rows with slot s != -1:
@@ -178,8 +185,9 @@ struct GroupedGemmArgs {
 void grouped_gemm(const GroupedGemmArgs& args, Stream stream);
 
 // ---- routed experts, many rows per expert: sm_90a grouped GEMM -------------------
-// wgmma + TMA (CUTLASS 3.x ptr-array grouped GEMM, warp-specialized cooperative
-// kernel, 128 x 256 x 64 tiles, f32 accumulation) over expert-contiguous rows.
+// wgmma + TMA (CUTLASS 3.x ptr-array grouped GEMM, warp-specialized: bf16 in
+// 64 x 256 pingpong or 128 x 256 cooperative tiles by pick_sm90_tile, f16 in
+// 128 x 256 cooperative; f32 accumulation) over expert-contiguous rows.
 // Needs align() with block_m = 1 (no padding rows). x, the weights and the
 // intermediates are of one half type, `dtype` (bf16 or f16; CUTLASS instances
 // of each). In order, on `stream`:
@@ -194,8 +202,10 @@ void grouped_gemm(const GroupedGemmArgs& args, Stream stream);
 // slot_row, row_scale = topk_weights and bias = w2 bias then sums each token's
 // rows in slot order. The per-expert problem shapes and pointers are written
 // on the device from expert_offsets (no host sync; graph-capturable).
-// x: dtype [T, H] rows (stride ldx); w13 dtype [E, 2I, H]; w13_bias f32 [E, 2I]
-// or null; w2 dtype [E, H, I]. H % 8 == 0 and I % 8 == 0.
+// x: dtype [T, H] rows (stride ldx); w13 dtype [E, 2I, H] (rows as w13_layout
+// places them: steps 2-3 read gate / up column i where W13Layout puts rows i);
+// w13_bias f32 [E, 2I] (standard order in either layout) or null; w2 dtype
+// [E, H, I]. H % 8 == 0 and I % 8 == 0.
 // With w13_layout kStandard, unlike grouped_gemm (activation on the f32
 // accumulators), step 2 rounds the gate/up values to dtype before the
 // activation: ~3e-3 relative apart from the mma.sync path in bf16, and with f16

@@ -34,6 +34,7 @@ void ModularKernel::forward(const TensorView& hidden_states, const TensorView& t
                  topk_ids.shape_str());
   check_tensor(topk_weights, "topk_weights", DType::kF32, {T, k});
   check_router_weight_on_input(apply_router_weight_on_input, topk_ids);
+  params.activation.validate();
   check_tensor(output, "output", DType::kF32, {T, H});
   // Non-finite inputs would silently give NaN outputs (O(T * (H + k)) reads).
   check_finite_rows(hidden_states, "hidden_states");

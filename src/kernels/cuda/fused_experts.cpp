@@ -276,6 +276,7 @@ void fused_experts(const FusedExpertsArgs& a, void* workspace, size_t workspace_
   FUSEDMOE_CHECK(a.weight_dtype == DType::kBF16 || a.weight_dtype == DType::kF16,
                  "weight_dtype: expected bf16 or f16 (w13 and w2), got ",
                  dtype_name(a.weight_dtype));
+  a.activation.validate();
   FUSEDMOE_CHECK(a.w13_layout == W13Layout::kStandard || I % kW13Block == 0,
                  "w13_layout: kInterleaved128 needs intermediate_size a multiple of ", kW13Block,
                  ", got ", I);
