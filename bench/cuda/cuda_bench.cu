@@ -158,9 +158,7 @@ int run_cuda_bench(const CudaBenchOptions& o) {
     }
     // w13 as the layer keeps it (the same weights, rows reordered: the PyTorch
     // baseline's standard-order copy computes the same products).
-    const cuda::W13Layout w13_layout = have_sm90 && I % cuda::kW13Block == 0
-                                           ? cuda::pick_w13_layout()
-                                           : cuda::W13Layout::kStandard;
+    const cuda::W13Layout w13_layout = cuda::pick_w13_layout(I);
     if (w13_layout == cuda::W13Layout::kInterleaved128) cuda::interleave_w13(w13, E, I, H, nullptr);
 
     for (int64_t T : tokens) {

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "cuda_test_util.h"
+#include "kernels/cuda/routed_experts.h"  // pick_w13_layout
 #include "reference_moe.h"
 
 namespace fusedmoe {
@@ -92,12 +93,9 @@ void check_runner(const MoEConfig& c, int64_t T, std::mt19937_64& rng, DType io_
   if (!c.has_shared_expert() && T > 0) {
     const ExpertWeights& ew = lw.experts;
     DeviceTensor w13 = DeviceTensor::from_host(ew.w13), w2 = DeviceTensor::from_host(ew.w2);
-    // w13 as the layer keeps it: interleaved where the sm90 path exists and
-    // I % 128 == 0, unless FUSEDMOE_CUDA_W13_LAYOUT=standard.
-    const char* layout_env = std::getenv("FUSEDMOE_CUDA_W13_LAYOUT");
-    const bool interleaved = cuda::sm90_experts_available() &&
-                             c.intermediate_size % cuda::kW13Block == 0 &&
-                             !(layout_env && std::string(layout_env) == "standard");
+    // w13 as the layer keeps it.
+    const bool interleaved =
+        cuda::pick_w13_layout(c.intermediate_size) == cuda::W13Layout::kInterleaved128;
     if (interleaved)
       cuda::interleave_w13(w13.data_as<uint16_t>(), ew.w13.size(0), ew.w13.size(1) / 2,
                            ew.w13.size(2), nullptr);

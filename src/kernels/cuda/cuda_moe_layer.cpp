@@ -273,7 +273,7 @@ CudaMoELayer::CudaMoELayer(const MoEConfig& config, const MoELayerWeights& w,
   // epilogue when the experts' w13 rows are interleaved (kW13Block gate rows,
   // then the matching up rows); every other path reads that layout too.
   // FUSEDMOE_CUDA_W13_LAYOUT=standard keeps HF's order (the separate activation pass).
-  if (s.routed_sm90 && I % kW13Block == 0 && pick_w13_layout() == W13Layout::kInterleaved128) {
+  if (s.routed_sm90 && pick_w13_layout(I) == W13Layout::kInterleaved128) {
     interleave_w13(s.experts.w13.as<uint16_t>(), s.experts.num_experts, I, H, nullptr);
     s.w13_layout = W13Layout::kInterleaved128;
   }

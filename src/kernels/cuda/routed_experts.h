@@ -83,10 +83,11 @@ bool decode_experts_eligible(int64_t num_tokens, int64_t top_k);
 // and T <= 4 or T * k <= 2 E (few slots per touched expert). FUSEDMOE_CUDA_DECODE=0 in the
 // environment turns it off (A/B timing).
 bool pick_decode_experts(int64_t num_tokens, int64_t top_k, int64_t num_experts);
-// The w13 layout a layer keeps where the sm90 path may run and I % 128 == 0:
-// kInterleaved128, or kStandard with FUSEDMOE_CUDA_W13_LAYOUT=standard (A / B
-// measurements; "interleaved" or unset: the default). Throws on other values.
-W13Layout pick_w13_layout();
+// The w13 layout a layer with intermediate size `inter` keeps: kInterleaved128
+// where the sm90 path exists (sm90_experts_available()) and inter % 128 == 0,
+// unless FUSEDMOE_CUDA_W13_LAYOUT=standard (A / B measurements; "interleaved"
+// or unset: the default); else kStandard. Throws on other values of the variable.
+W13Layout pick_w13_layout(int64_t inter);
 // With w13 interleaved, whether the sm90 path applies the activation in the w13
 // GEMM's epilogue (true) or in a separate pass over the GEMM's half-type output;
 // FUSEDMOE_CUDA_SM90_GLU=epilogue|pass forces one (tuning data: gemm_configs.cpp).

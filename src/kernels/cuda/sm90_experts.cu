@@ -215,7 +215,6 @@ void gemm_glu_gemm(const GemmGluGemm& a, Stream stream) {
   g2.ldd = H;
   g2.n = H;
   g2.k = I;
-  g2.glu_bias = nullptr;
   if (f16)
     sm90::grouped_gemm_f16_f32out(g2, stream);
   else if (!a.y_bf16)

@@ -130,13 +130,14 @@ bool pick_sm90_experts(int64_t rows_per_expert, int64_t /*routed_rows*/, int64_t
   return force_sm90 || rows_per_expert >= kSm90MinRowsPerExpert;
 }
 
-W13Layout pick_w13_layout() {
+W13Layout pick_w13_layout(int64_t inter) {
   const char* env = std::getenv("FUSEDMOE_CUDA_W13_LAYOUT");
-  if (env == nullptr || env[0] == '\0' || std::strcmp(env, "interleaved") == 0)
-    return W13Layout::kInterleaved128;
-  FUSEDMOE_CHECK(std::strcmp(env, "standard") == 0,
+  const bool standard = env != nullptr && env[0] != '\0' && std::strcmp(env, "interleaved") != 0;
+  FUSEDMOE_CHECK(!standard || std::strcmp(env, "standard") == 0,
                  "FUSEDMOE_CUDA_W13_LAYOUT: expected interleaved or standard, got ", env);
-  return W13Layout::kStandard;
+  return !standard && inter % kW13Block == 0 && sm90_experts_available()
+             ? W13Layout::kInterleaved128
+             : W13Layout::kStandard;
 }
 
 // Session 9 (bench/results/2026-11-30-session9.md, run 4; bench_cuda_moe, us,
