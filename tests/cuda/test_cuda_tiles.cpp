@@ -50,6 +50,30 @@ TEST(CudaTiles, Sm90TileFollowsTheMeasuredPoints) {
   EXPECT_EQ(tile(64, 1, 4096), Sm90Tile::kM64N256);
 }
 
+// m16n64's pipeline at the points measured on an H200 (132 SMs; gemm_configs.cpp).
+TEST(CudaTiles, M16n64StagesFollowTheMeasuredPoints) {
+  const auto stages = [](int64_t rows, int64_t E, int64_t n_tiles, int64_t k) {
+    return cuda::m16n64_stages_for(rows, E, n_tiles, k, 132);
+  };
+  // Mixtral T = 16 and 32: w13 (K = 4096) and w2 (K = 14336) stream long rows: 4 stages.
+  EXPECT_EQ(stages(32, 8, 448, 4096), 4);
+  EXPECT_EQ(stages(64, 8, 64, 14336), 4);
+  // DeepSeek-V3 T = 64: w13 K = 7168 (a tie measured), w2 K = 2048 over ~25k tiles: 3.
+  EXPECT_EQ(stages(512, 256, 64, 7168), 4);
+  EXPECT_EQ(stages(512, 256, 112, 2048), 3);
+  // Qwen3-30B-A3B T = 16 and 64 (K = 2048 and 768, thousands of tiles): 3.
+  for (const int64_t rows : {128, 512}) {
+    EXPECT_EQ(stages(rows, 128, 24, 2048), 3) << rows;
+    EXPECT_EQ(stages(rows, 128, 32, 768), 3) << rows;
+  }
+  // Short K but 512 tiles (1.3 rounds of 3 CTAs an SM, 1.9 of 2): 4.
+  EXPECT_EQ(stages(64, 8, 64, 1024), 4);
+  // One dense expert: by its tiles (448: 4; 16384: 3); no rows: 3.
+  EXPECT_EQ(stages(100, 1, 64, 1024), 4);
+  EXPECT_EQ(stages(4096, 1, 64, 1024), 3);
+  EXPECT_EQ(stages(0, 8, 64, 1024), 3);
+}
+
 TEST(CudaTiles, EveryTileHasANameAndBlockHeight) {
   std::set<std::string> names;
   for (int i = 0; i < cuda::kNumGemmTiles; ++i) {

@@ -67,6 +67,15 @@ Sm90Tile pick_sm90_tile(DType dtype, int64_t rows_per_expert, int64_t num_expert
 // The bf16 rule of pick_sm90_tile on a device of `sms` multiprocessors (host
 // only, no environment: the tests check it without a device).
 Sm90Tile sm90_tile_for(int64_t rows_per_expert, int64_t num_experts, int64_t n, int64_t sms);
+// The m16n64 mma.sync tile's pipeline (both shapes stage 128 elements of K):
+// 4 stages, 2 CTAs an SM (the deeper pipeline: long K), or 3 stages, 3 CTAs an
+// SM (more warps: short K). For a GEMM of `rows` routed rows over num_experts
+// experts (routed uniformly), n_tiles 64-column tiles and K = k, on `sms`
+// multiprocessors (host only, no environment: the tests check it without a
+// device). Tuning data in gemm_configs.cpp.
+int m16n64_stages_for(int64_t rows, int64_t num_experts, int64_t n_tiles, int64_t k, int64_t sms);
+// m16n64_stages_for on this device; FUSEDMOE_CUDA_M16_STAGES=3 or =4 forces one.
+int pick_m16n64_stages(int64_t rows, int64_t num_experts, int64_t n_tiles, int64_t k);
 // The GEMM tile for that many rows per expert (pick_gemm_tile).
 GemmTile routed_gemm_tile(int64_t num_tokens, int64_t top_k, int64_t num_experts, int64_t hidden,
                           int64_t inter);

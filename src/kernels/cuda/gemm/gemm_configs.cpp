@@ -15,7 +15,8 @@
 //   otherwise    m128n128: (Mixtral T = 4096: 9.40 ms vs 10.0 ms with m64n128)
 // m128n256 (64 x 64 warp tiles) was never faster by more than 1.5 %: not picked.
 //
-// From 16 expected rows per expert on (32 before session 4's 64-row tiles), the
+// From 12 expected rows per expert on (16 before session 10's 128-deep m16n64
+// stages, 32 before session 4's 64-row tiles), the
 // routed experts take the sm_90a wgmma + TMA path instead (sm90_experts),
 // from the side-by-side runs of bench/results/2026-11-29-cuda-bench-wgmma.md
 // (bench_cuda_moe --sweep-sm90, us, mma.sync pick vs sm90):
@@ -75,8 +76,14 @@ namespace fusedmoe::cuda {
 namespace {
 constexpr int64_t kGemvMaxRoutedRows = 16;
 // The sm_90a wgmma + TMA path (sm90_experts) from this many expected rows per
-// touched expert up (measurements above).
-constexpr int64_t kSm90MinRowsPerExpert = 16;
+// touched expert up (measurements above). Session 10 (bench_cuda_moe --sweep,
+// m16n64 with 128-deep K stages vs sm90, us; bench/results/2026-11-30-session10.md):
+// 8 rows: Mixtral T = 32 649 vs 679, Qwen3 T = 128 308 vs 314, DeepSeek-V3
+// T = 256 5107 vs 5151 (m16n64); 12 rows: Mixtral T = 48 708 vs 677, Qwen3
+// T = 192 319 vs 322, DeepSeek-V3 T = 384 5273 vs 5222 (sm90 on balance: an
+// expert past 16 rows takes a second m16n64 tile); 16 rows: Mixtral T = 64 731
+// vs 686, Qwen3 T = 256 346 vs 323 (sm90).
+constexpr int64_t kSm90MinRowsPerExpert = 12;
 
 struct TileRow {
   GemmTile tile;
@@ -184,6 +191,45 @@ Sm90Tile sm90_tile_for(int64_t rows_per_expert, int64_t num_experts, int64_t n, 
   if (tiles(lo, 64) != tiles(hi, 64) && tiles(hi, 64) > sms && tiles(hi, 128) <= sms)
     return Sm90Tile::kM128N256;
   return Sm90Tile::kM64N256;
+}
+
+// Session 10 (bench/results/2026-11-30-session10.md, run B): m16n64 with K
+// stages of 64 elements (128-byte rows) and 6 stages read 76-86 % of DRAM
+// bandwidth; 128-element stages read 86-92 % (each weight row streams 256
+// bytes a stage). ncu per GEMM, us (64 x 6 / 128 x 4 / 128 x 3 stages):
+//   Mixtral T = 16 w13 (K = 4096)  461 / 439 / 443, w2 (K = 14336, 512 tiles)
+//     256 / 217 / 235: 512 tiles on 396 resident CTAs (3 an SM) run in two
+//     rounds, on 264 (2 an SM) in two full ones;
+//   Qwen3 T = 64 w13 (K = 2048) 198 / 193 / 190.5, w2 (K = 768) 104 / 112 / 104;
+//   DeepSeek-V3 T = 64 w13 (K = 7168) 2950 / 2850 / 2850, w2 (K = 2048) 1470 /
+//     1440 / 1430.
+// Routed experts end to end (CUDA events, us): Mixtral T = 16 724 / 660 / 691,
+// Qwen3 T = 64 315 / 316 / 304, DeepSeek-V3 T = 64 4562 / 4415 / 4417. So 4
+// stages for long K (>= 4096) and where 2 CTAs an SM fill their last round
+// clearly better than 3 (few rounds of tiles), else 3.
+int m16n64_stages_for(int64_t rows, int64_t num_experts, int64_t n_tiles, int64_t k, int64_t sms) {
+  if (k >= 4096) return 4;
+  // Expected tiles: touched experts x 16-row tiles of each x n tiles.
+  const double e = static_cast<double>(std::max<int64_t>(num_experts, 1));
+  const double touched =
+      num_experts <= 1 ? 1.0 : e * (1.0 - std::pow(1.0 - 1.0 / e, static_cast<double>(rows)));
+  const double per_expert = touched > 0 ? rows / touched : 0.0;
+  const double tiles = std::max(1.0, touched * std::ceil(per_expert / 16.0) * n_tiles);
+  const auto fill = [&](int64_t per_sm) {  // share of the CTA rounds' slots doing work
+    const double slots = static_cast<double>(per_sm * sms);
+    return tiles / (std::ceil(tiles / slots) * slots);
+  };
+  return fill(2) > fill(3) + 0.05 ? 4 : 3;
+}
+
+int pick_m16n64_stages(int64_t rows, int64_t num_experts, int64_t n_tiles, int64_t k) {
+  const char* env = std::getenv("FUSEDMOE_CUDA_M16_STAGES");
+  if (env != nullptr && env[0] != '\0') {
+    FUSEDMOE_CHECK(std::strcmp(env, "3") == 0 || std::strcmp(env, "4") == 0,
+                   "FUSEDMOE_CUDA_M16_STAGES: expected 3 or 4, got ", env);
+    return env[0] - '0';
+  }
+  return m16n64_stages_for(rows, num_experts, n_tiles, k, num_sms());
 }
 
 void grouped_gemm(const GroupedGemmArgs& a, Stream stream) {

@@ -7,7 +7,8 @@
 namespace fusedmoe::cuda::gemm {
 
 // BM x BN tile, warps (M x N) and pipeline stages of each:
-//   m16n64: 1 x 4 warps, 6 stages     m64n128: 2 x 2 warps, 4 stages
+//   m16n64: 1 x 4 warps, 4 or 3 stages of K 128 (pick_m16n64_stages)
+//   m64n128: 2 x 2 warps, 4 stages
 //   m128n128: 2 x 4 warps, 4 stages   m128n256: 2 x 4 warps (64 x 64 each), 3 stages
 void launch_m16n64(const GroupedGemmArgs& args, Stream stream);
 void launch_m64n128(const GroupedGemmArgs& args, Stream stream);

@@ -23,21 +23,27 @@
 
 namespace fusedmoe::cuda::gemm {
 
-constexpr int kBK = 64;  // k elements per stage: 128-byte rows, 8 chunks of 16 bytes
+// A stage holds kBK / 64 k panels of the A and B tiles, each [rows][64]
+// elements: 128-byte rows of 8 chunks of 16 bytes, XOR-swizzled (swz).
+constexpr int kPanelK = 64;
 // expert_offsets entries kept in shared memory (E + 1 <= this; else read from global).
 constexpr int kSmemOffsets = 520;
 
-template <int kBM_, int kBN_, int kWarpsM_, int kWarpsN_, int kStages_>
+template <int kBM_, int kBN_, int kWarpsM_, int kWarpsN_, int kStages_, int kBK_ = 64>
 struct TileConfig {
   static constexpr int kBM = kBM_, kBN = kBN_, kWarpsM = kWarpsM_, kWarpsN = kWarpsN_;
   static constexpr int kStages = kStages_;
+  static constexpr int kBK = kBK_;  // k elements per stage
+  static constexpr int kPanels = kBK / kPanelK;
+  static_assert(kBK % kPanelK == 0, "whole k panels");
   static constexpr int kThreads = kWarpsM * kWarpsN * 32;
   static constexpr int kWTM = kBM / kWarpsM, kWTN = kBN / kWarpsN;  // warp tile
   static constexpr int kMI = kWTM / 16, kNI = kWTN / 8;             // mma tiles per warp
   static constexpr int kStageBytes = (kBM + kBN) * kBK * 2;
   static constexpr int kSmemBytes = kStages * kStageBytes + kSmemOffsets * 8;
   static_assert(kWTM % 16 == 0 && kWTN % 16 == 0, "warp tile must be a multiple of 16 x 16");
-  static_assert((kBM * 8) % kThreads == 0 && (kBN * 8) % kThreads == 0, "load balance");
+  static_assert((kBM * 8 * kPanels) % kThreads == 0 && (kBN * 8 * kPanels) % kThreads == 0,
+                "load balance");
 };
 
 // Kernel parameters (device pointers; see GroupedGemmArgs in kernels/cuda.h).
@@ -177,6 +183,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) grouped_gemm_kernel(const Param
   constexpr int BM = Cfg::kBM, BN = Cfg::kBN, STAGES = Cfg::kStages;
   constexpr int MI = Cfg::kMI, NI = Cfg::kNI, WTM = Cfg::kWTM, WTN = Cfg::kWTN;
   constexpr int kThreads = Cfg::kThreads;
+  constexpr int kBK = Cfg::kBK, kPanels = Cfg::kPanels;
+  constexpr int kRowChunks = kPanels * 8;  // 16-byte chunks of a row per stage
   extern __shared__ __align__(128) uint8_t smem[];
   // expert_offsets, when E + 1 <= kSmemOffsets (the work decode's binary search).
   int64_t* s_offsets = reinterpret_cast<int64_t*>(smem + STAGES * Cfg::kStageBytes);
@@ -236,7 +244,11 @@ __global__ void __launch_bounds__(Cfg::kThreads) grouped_gemm_kernel(const Param
   // writes its epilogue (no pipeline drain per item; short-K w2 items of the
   // decode-size tiles lost up to a quarter of the DRAM bandwidth to it).
   // Per-thread load assignments of the item being loaded.
-  constexpr int kAChunks = BM * 8 / kThreads, kBChunks = BN * 8 / kThreads;
+  constexpr int kAChunks = BM * kRowChunks / kThreads, kBChunks = BN * kRowChunks / kThreads;
+  // Chunk c of row r of a [rows] x kBK tile: panel c / 8, swizzled within it.
+  auto tile_off = [](int rows, int r, int c) {
+    return static_cast<uint32_t>((c >> 3) * rows * 128) + swz(r, c & 7);
+  };
   const uint16_t* a_ptr[kAChunks];
   bool a_ok[kAChunks];
   uint32_t a_dst[kAChunks];
@@ -249,19 +261,19 @@ __global__ void __launch_bounds__(Cfg::kThreads) grouped_gemm_kernel(const Param
     const Work w = decode(work);
 #pragma unroll
     for (int i = 0; i < kAChunks; ++i) {
-      const int idx = tid + i * kThreads, r = idx >> 3, c = idx & 7;
+      const int idx = tid + i * kThreads, r = idx / kRowChunks, c = idx % kRowChunks;
       const int32_t slot = slot_of(w.row0 + r);
       const int32_t src =
           slot < 0 || dense ? slot : (p.gather ? slot / p.a_div : static_cast<int32_t>(w.row0 + r));
       a_ok[i] = src >= 0;
       a_ptr[i] = p.a + (src >= 0 ? static_cast<int64_t>(src) * p.lda : 0) + c * 8;
-      a_dst[i] = swz(r, c);
+      a_dst[i] = tile_off(BM, r, c);
       a_chunk[i] = c;
     }
     const uint16_t* w_e = p.w + static_cast<int64_t>(w.e) * p.n * K;
 #pragma unroll
     for (int i = 0; i < kBChunks; ++i) {
-      const int idx = tid + i * kThreads, rr = idx >> 3, c = idx & 7;
+      const int idx = tid + i * kThreads, rr = idx / kRowChunks, c = idx % kRowChunks;
       int64_t wrow;
       bool ok;
       if (kGlu) {
@@ -275,7 +287,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) grouped_gemm_kernel(const Param
       }
       b_ok[i] = ok;
       b_ptr[i] = w_e + (ok ? wrow * K : 0) + c * 8;
-      b_dst[i] = BM * 128 + swz(rr, c);
+      b_dst[i] = BM * kBK * 2 + tile_off(BN, rr, c);
       b_chunk[i] = c;
     }
   };
@@ -341,21 +353,23 @@ __global__ void __launch_bounds__(Cfg::kThreads) grouped_gemm_kernel(const Param
       issue_next();
 
       const uint32_t a_base = smem_base + static_cast<int>(step % STAGES) * Cfg::kStageBytes;
-      const uint32_t b_base = a_base + BM * 128;
+      const uint32_t b_base = a_base + BM * kBK * 2;
 #pragma unroll
       for (int ks = 0; ks < kBK / 16; ++ks) {
+        const int panel = ks / (kPanelK / 16), kc = ks % (kPanelK / 16);
+        const uint32_t a_panel = a_base + panel * BM * 128, b_panel = b_base + panel * BN * 128;
         uint32_t af[MI][4], bf[NI][2];
 #pragma unroll
         for (int mi = 0; mi < MI; ++mi) {
           const int r = wm * WTM + mi * 16 + (lane & 15);
-          const int c = ks * 2 + (lane >> 4);
-          ldmatrix_x4(a_base + swz(r, c), af[mi][0], af[mi][1], af[mi][2], af[mi][3]);
+          const int c = kc * 2 + (lane >> 4);
+          ldmatrix_x4(a_panel + swz(r, c), af[mi][0], af[mi][1], af[mi][2], af[mi][3]);
         }
 #pragma unroll
         for (int ni = 0; ni < NI; ni += 2) {
           const int r = b_row(ni + (lane >> 4)) + (lane & 7);
-          const int c = ks * 2 + ((lane >> 3) & 1);
-          ldmatrix_x4(b_base + swz(r, c), bf[ni][0], bf[ni][1], bf[ni + 1][0], bf[ni + 1][1]);
+          const int c = kc * 2 + ((lane >> 3) & 1);
+          ldmatrix_x4(b_panel + swz(r, c), bf[ni][0], bf[ni][1], bf[ni + 1][0], bf[ni + 1][1]);
         }
 #pragma unroll
         for (int mi = 0; mi < MI; ++mi)
