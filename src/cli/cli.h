@@ -251,12 +251,9 @@ std::string format_bytes(double bytes);
 inline std::string count_of(long long n, const std::string& noun) {
   return std::to_string(n) + " " + noun + (n == 1 ? "" : "s");
 }
-// `text` with each control character (below 0x20, 0x7f, and the C1 controls
-// U+0080-U+009F) and each byte that is not part of valid UTF-8 written as \xNN:
-// names and values read from files (tensor names, metadata, config strings) and
-// errors quoting them cannot move the cursor or recolour the terminal, nor put
-// bytes that are no text on it.
-std::string printable(const std::string& text);
+// printable(text): fusedmoe::printable (core/error.h), control characters and
+// bytes that are not UTF-8 written as \xNN.
+using fusedmoe::printable;
 // Comma-separated integers >= 0, each plain decimal: "1,16,64" -> {1, 16, 64}.
 // Throws Error naming `what`.
 std::vector<int64_t> parse_int_list(const std::string& text, const char* what);

@@ -177,7 +177,7 @@ Activation activation_from_hf(const Fields& f) {
   if (act == "gelu") return Activation::kGeluGlu;
   if (act == "gelu_pytorch_tanh" || act == "gelu_new" || act == "gelu_fast")
     return Activation::kGeluTanhGlu;
-  FUSEDMOE_THROW(kUnsupported, f.where(), ": hidden_act '", act,
+  FUSEDMOE_THROW(kUnsupported, f.where(), ": hidden_act '", printable(act),
                  "' is not supported (supported: silu, gelu, gelu_pytorch_tanh)");
 }
 
@@ -185,7 +185,7 @@ ScoringFunc scoring_from_hf(const Fields& f, const char* def) {
   const std::string s = f.get_string({"scoring_func"}, std::string(def));
   if (s == "softmax") return ScoringFunc::kSoftmax;
   if (s == "sigmoid") return ScoringFunc::kSigmoid;
-  FUSEDMOE_THROW(kUnsupported, f.where(), ": scoring_func '", s,
+  FUSEDMOE_THROW(kUnsupported, f.where(), ": scoring_func '", printable(s),
                  "' is not supported (supported: softmax, sigmoid)");
 }
 
@@ -306,7 +306,7 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
                                  "gpt_oss", "llama4",      "llama4_text"};
   if (std::find_if(std::begin(kTypes), std::end(kTypes), [&](const char* t) { return mt == t; }) ==
       std::end(kTypes))
-    FUSEDMOE_THROW(kUnsupported, source, ": model_type '", mt,
+    FUSEDMOE_THROW(kUnsupported, source, ": model_type '", printable(mt),
                    "' is not supported (supported: ", kSupported, ")");
 
   // Quantized checkpoints: only DeepSeek-V3's FP8 format (e4m3 weights with
@@ -325,7 +325,8 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
                      m == q->end() ? std::string("none") : m->dump());
     const std::string method = m->get<std::string>();
     if (method != "fp8")
-      FUSEDMOE_THROW(kUnsupported, source, ": quantization_config.quant_method '", method,
+      FUSEDMOE_THROW(kUnsupported, source, ": quantization_config.quant_method '",
+                     printable(method),
                      "' is not supported (supported: unquantized weights, and 'fp8' with 128 x 128 "
                      "weight blocks as DeepSeek-V3 ships)");
     if (const auto b = q->find("weight_block_size"); b != q->end() && !b->is_null()) {
@@ -433,7 +434,7 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
       c.num_expert_group = f.get_int({"n_group"}, 1);
       c.topk_group = f.get_int({"topk_group"}, 1);
     } else {
-      FUSEDMOE_THROW(kUnsupported, where, ": topk_method '", method,
+      FUSEDMOE_THROW(kUnsupported, where, ": topk_method '", printable(method),
                      "' is not supported (supported: greedy, group_limited_greedy, noaux_tc)");
     }
     c.shared_intermediate_size =
@@ -449,7 +450,7 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
     c.intermediate_size = f.get_size({"moe_intermediate_size"}, kMaxIntermediateSize);
     const std::string method = f.get_string({"topk_method"}, std::string("noaux_tc"));
     if (method != "noaux_tc")
-      FUSEDMOE_THROW(kUnsupported, where, ": topk_method '", method,
+      FUSEDMOE_THROW(kUnsupported, where, ": topk_method '", printable(method),
                      "' is not supported for deepseek_v3 (supported: noaux_tc)");
     c.routing_method = RoutingMethod::kGroupedTopK;
     // HF's DeepseekV3TopkRouter takes the sigmoid whatever config.json says
@@ -458,7 +459,7 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
     c.scoring_func = scoring_from_hf(f, "sigmoid");
     if (c.scoring_func != ScoringFunc::kSigmoid)
       FUSEDMOE_THROW(kUnsupported, where, ": scoring_func '",
-                     f.get_string({"scoring_func"}, std::string()),
+                     printable(f.get_string({"scoring_func"}, std::string())),
                      "' is not supported for deepseek_v3 (supported: sigmoid; HF transformers' "
                      "DeepseekV3 router always takes the sigmoid of the logits, other engines "
                      "read the field)");

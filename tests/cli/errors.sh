@@ -108,6 +108,20 @@ cp "$FIX/model.safetensors" "$TMP/unknown/"
 sed 's/"model_type": "deepseek_v3"/"model_type": "frobnicator_moe"/' "$FIX/config.json" >"$TMP/unknown/config.json"
 expect_error "unknown model_type" "frobnicator_moe" -- run --model "$TMP/unknown" "${run_args[@]}"
 
+# A config string with a newline: quoted as \x0a, not as the "; " that joins a
+# message's own lines (run and inspect alike).
+mkdir -p "$TMP/newline-act" && cp "$FIX/model.safetensors" "$TMP/newline-act/"
+python3 - "$FIX/config.json" "$TMP/newline-act/config.json" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1]))
+c["hidden_act"] = "si\nlu"
+json.dump(c, open(sys.argv[2], "w"))
+PY
+expect_error "hidden_act with a newline" "hidden_act 'si\x0alu' is not supported" -- \
+  run --model "$TMP/newline-act" "${run_args[@]}"
+expect_error "inspect: hidden_act with a newline" "hidden_act 'si\x0alu' is not supported" -- \
+  inspect "$TMP/newline-act"
+
 mkdir -p "$TMP/notjson" && cp "$FIX/model.safetensors" "$TMP/notjson/"
 echo '{"model_type": "deepseek_v3",' >"$TMP/notjson/config.json"
 expect_error "config.json not JSON" "config.json" -- run --model "$TMP/notjson" "${run_args[@]}"

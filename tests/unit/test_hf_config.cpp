@@ -188,6 +188,33 @@ TEST(HfConfig, MissingAndInvalidFields) {
              "/nonexistent/dir/config.json");
 }
 
+// A config string quoted in an error keeps its control characters as \xNN: a
+// newline in it neither breaks the message in two nor reads as the CLI's "; ".
+TEST(HfConfig, QuotedConfigStringsEscapeControlCharacters) {
+  json j = fixture_json("mixtral");
+  j["hidden_act"] = "si\nlu\x1b[31m";
+  std::string msg = error_of([&] { parse(j); }, ErrorCode::kUnsupported);
+  EXPECT_HAS(msg, "hidden_act 'si\\x0alu\\x1b[31m'");
+  EXPECT_EQ(msg.find_first_of("\n\x1b"), std::string::npos) << msg;
+  j = fixture_json("mixtral");
+  j["model_type"] = "mix\ntral";
+  EXPECT_HAS(error_of([&] { parse(j); }, ErrorCode::kUnsupported), "model_type 'mix\\x0atral'");
+  j = fixture_json("mixtral");
+  j["dtype"] = "bf\t16";
+  EXPECT_HAS(error_of([&] { parse(j); }, ErrorCode::kInvalidArgument),
+             "field 'dtype': dtype: unknown name 'bf\\x0916'");
+  j = fixture_json("deepseek_v3");
+  j["quantization_config"] = {{"quant_method", "fp\r8"}};
+  EXPECT_HAS(error_of([&] { parse(j); }, ErrorCode::kUnsupported), "quant_method 'fp\\x0d8'");
+  // MoEConfig::from_json (the Python config dicts, --config files) quotes through it too.
+  EXPECT_HAS(error_of([] { MoEConfig::from_json("{\"scoring_func\": \"soft\\nmax\"}", "c"); },
+                      ErrorCode::kInvalidArgument),
+             "got \"soft\\x0amax\"");
+  EXPECT_HAS(
+      error_of([] { MoEConfig::from_json("{\"top\\nk\": 1}", "c"); }, ErrorCode::kInvalidArgument),
+      "unknown field \"top\\x0ak\"");
+}
+
 TEST(HfConfig, AbsurdSizesNameTheField) {
   // As config.json spells the key (not MoEConfig's name), with the value.
   const struct {
