@@ -272,6 +272,12 @@ ModelInfo load_model_info(const std::string& model_dir) {
                      ", whose folder has no config.json (", p.string(),
                      "); expected a model directory, its config.json, or a ",
                      "checkpoint file or index beside its config.json");
+  } else if (fs::is_regular_file(p, ec) && p.extension() != ".json") {
+    // Another file (a .npy, a text file): named as such, not parsed as a
+    // config.json to fail as "not valid JSON".
+    FUSEDMOE_THROW(kInvalidArgument, model_dir,
+                   ": expected a model directory, its config.json, its *.safetensors.index.json "
+                   "or a .safetensors file");
   }
   require_regular_file(p.string());
   std::ifstream in(p, std::ios::binary);

@@ -108,6 +108,14 @@ cp "$FIX/model.safetensors" "$TMP/unknown/"
 sed 's/"model_type": "deepseek_v3"/"model_type": "frobnicator_moe"/' "$FIX/config.json" >"$TMP/unknown/config.json"
 expect_error "unknown model_type" "frobnicator_moe" -- run --model "$TMP/unknown" "${run_args[@]}"
 
+# --model (and inspect) naming a file that is no model (a .npy): the same message, not
+# "not valid JSON".
+python3 -c "import sys; h = b\"{'descr': '<f4', 'fortran_order': False, 'shape': (2,), }\".ljust(118) + b'\\n'; open(sys.argv[1], 'wb').write(b'\\x93NUMPY\\x01\\x00v\\x00' + h + bytes(8))" "$TMP/notmodel.npy"
+for cmd in "run --tokens 2 --model" "inspect"; do
+  expect_error "$cmd a .npy" "$TMP/notmodel.npy: expected a model directory, its config.json, its *.safetensors.index.json or a .safetensors file" -- \
+    $cmd "$TMP/notmodel.npy"
+done
+
 # A config string with a newline: quoted as \x0a, not as the "; " that joins a
 # message's own lines (run and inspect alike).
 mkdir -p "$TMP/newline-act" && cp "$FIX/model.safetensors" "$TMP/newline-act/"

@@ -256,6 +256,25 @@ TEST(HfConfig, SafetensorsFileStandsForItsModel) {
   EXPECT_HAS(msg, tmp.file("config.json"));
 }
 
+// A file that is neither a .json nor a checkpoint (a .npy) is named as no model,
+// not read as a config.json that is "not valid JSON".
+TEST(HfConfig, OtherFileIsNoModel) {
+  test::TempDir tmp;
+  {
+    std::ofstream f(tmp.file("x.npy"), std::ios::binary);
+    f << "\x93NUMPY\x01 {'descr': '<f4', 'fortran_order': False, 'shape': (2,), }";
+  }
+  const std::string msg =
+      error_of([&] { load_model_info(tmp.file("x.npy")); }, ErrorCode::kInvalidArgument);
+  EXPECT_HAS(msg, tmp.file("x.npy") +
+                      ": expected a model directory, its config.json, its "
+                      "*.safetensors.index.json or a .safetensors file");
+  EXPECT_EQ(msg.find("JSON"), std::string::npos) << msg;
+  // A config under another name that ends in .json is still read.
+  std::filesystem::copy_file(test::hf_fixture_dir("mixtral") + "/config.json", tmp.file("my.json"));
+  EXPECT_EQ(load_model_info(tmp.file("my.json")).model_type, "mixtral");
+}
+
 TEST(HfConfig, DtypeFromTorchDtype) {
   json j = fixture_json("mixtral");
   j.erase("dtype");
