@@ -771,10 +771,16 @@ def select_experts(
     the logits' columns minus num_zero_experts. router_logits: [T, E + Z].
     With a MoELayer as ``config`` the layer's router parameters are used too
     (``e_score_correction_bias``, ``hash_table``, unless given), so the result
-    is the layer's own routing of these logits.
+    is the layer's own routing of these logits; ``top_k`` is then None or the
+    layer's top_k (another value: ValueError).
     Returns (topk_weights f32 [T, k], topk_ids int32 [T, k]; id -1 = zero expert)."""
     _check_array(router_logits, "router_logits")
     if isinstance(config, MoELayer):
+        # The layer's routing: a top_k of another value would silently route
+        # with that k instead (the layer's own k is what its experts expect).
+        if top_k is not None and _int(top_k, "top_k") != config.top_k:
+            raise ValueError(f"top_k: expected the layer's top_k = {config.top_k} (config is a "
+                             f"MoELayer: its own routing), got {_int(top_k, 'top_k')}")
         params = config._impl.router_params()
         if e_score_correction_bias is None and params["e_score_correction_bias"] is not None:
             e_score_correction_bias = _like(router_logits, params["e_score_correction_bias"])

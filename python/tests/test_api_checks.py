@@ -110,6 +110,27 @@ def test_select_experts_with_layer_routes_as_the_layer(model_dir, layer, rng):
     np.testing.assert_array_equal(w3, weights)
 
 
+def test_select_experts_with_layer_refuses_another_top_k(rng):
+    """config=layer is the layer's routing: a top_k other than the layer's was
+    silently used instead (k columns the layer's experts never see)."""
+    moe = fusedmoe.MoELayer.from_pretrained(TINY_DSV3, layer=1)
+    logits = rng.standard_normal((3, moe.num_experts)).astype(np.float32)
+    k = moe.top_k
+    for bad in (k + 1, k - 1):
+        with pytest.raises(ValueError, match=rf"^top_k: expected the layer's top_k = {k} "
+                                             rf".*got {bad}$"):
+            fusedmoe.select_experts(logits, bad, config=moe)
+        with pytest.raises(ValueError, match=rf"^top_k: expected the layer's top_k = {k}"):
+            fusedmoe.select_experts(logits, top_k=bad, config=moe)
+    with pytest.raises(TypeError, match="^top_k"):
+        fusedmoe.select_experts(logits, float(k), config=moe)
+    # The layer's own k, or a dict config with any k, still route.
+    assert fusedmoe.select_experts(logits, k, config=moe)[1].shape == (3, k)
+    bias = np.zeros(moe.num_experts, np.float32)
+    assert fusedmoe.select_experts(logits, k + 1, config=moe.config,
+                                   e_score_correction_bias=bias)[1].shape == (3, k + 1)
+
+
 def test_select_experts_with_layer_torch(rng):
     torch = _torch()
     moe = fusedmoe.MoELayer.from_pretrained(TINY_DSV3, layer=1)
