@@ -489,7 +489,8 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
   cmd->callback([&o, seed, cdt, input, tokens, placement, dispatch] {
     // A command line that lacks its input does not parse (exit code 2).
     if (input->count() == 0 && tokens->count() == 0)
-      throw CLI::ValidationError("no input: give --input FILE [--input-key KEY], or --tokens T");
+      throw CLI::RequiredError("no input: give --input FILE [--input-key KEY], or --tokens T",
+                               CLI::ExitCodes::RequiredError);
     o.seed_given = seed->count() > 0;
     o.compute_dtype_given = cdt->count() > 0;
     o.expert_placement_given = placement->count() > 0;

@@ -510,6 +510,62 @@ std::string describe_parse_error(const CLI::ParseError& e, CLI::App& cmd, int ar
   return name + (what.size() > 1 && what[0] == '-' ? " " : ": ") + what;
 }
 
+// --help (and --version) end CLI11's checks where they stand: an unknown
+// option beside them ("run --help --bogus") or a value given to them
+// ("--help=3") went unchecked and the help exited 0. Such a command line is a
+// usage error as it is without --help: the flag is refused a value, and the
+// command line without these flags is parsed again, any error but a missing
+// argument or input (what help is asked for before giving) reported as the
+// parse reports it. Returns the message, or "" when the command line is fine.
+// Parses `app` again.
+std::string help_misuse(CLI::App& app, int argc, char** argv) {
+  std::vector<char*> kept{argv[0]};
+  std::string cmd;  // the command the flag came after ("" for the top level)
+  bool options_end = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (!options_end && a == "--") options_end = true;
+    if (!options_end && cmd.empty() && (a == "inspect" || a == "run" || a == "bench")) cmd = a;
+    std::string flag;  // the flag `a` gives, where it is one of these
+    for (const char* f : {"--help", "-h", "--version"})
+      if (!options_end && a.rfind(f, 0) == 0 &&
+          (a.size() == std::strlen(f) || a[std::strlen(f)] == '=' || f[1] == 'h'))
+        flag = f;
+    if (flag.empty()) {
+      kept.push_back(argv[i]);
+      continue;
+    }
+    if (a.size() == flag.size()) continue;  // the flag alone
+    // "--help=3", "-h=3", "-h3": no value.
+    const std::string value = a.substr(a[flag.size()] == '=' ? flag.size() + 1 : flag.size());
+    const std::string where = cmd.empty() ? "" : cmd + " ";
+    return where + flag + ": a flag, expected no value, got \"" + value + "\" (see fusedmoe " +
+           where + "--help)";
+  }
+  try {
+    app.clear();
+    app.parse(static_cast<int>(kept.size()), kept.data());
+  } catch (const CLI::RequiredError&) {
+    // Missing what help is asked for (inspect's PATH, run's input): fine, but
+    // for anything unknown beside it.
+    if (app.remaining_size(true) == 0) return "";
+    if (!app.get_subcommands().empty())
+      return describe_parse_error(CLI::ExtrasError(app.get_subcommands()[0]->remaining()),
+                                  *app.get_subcommands()[0], static_cast<int>(kept.size()),
+                                  kept.data());
+    std::string list;
+    for (const std::string& x : app.remaining(true)) list += (list.empty() ? "" : ", ") + x;
+    return "unknown argument" + std::string(app.remaining_size(true) > 1 ? "s " : " ") + list +
+           ": expected a command, inspect, run or bench, and its options (see fusedmoe --help)";
+  } catch (const CLI::ParseError& e) {
+    if (!app.get_subcommands().empty())
+      return describe_parse_error(e, *app.get_subcommands()[0], static_cast<int>(kept.size()),
+                                  kept.data());
+    return std::string(e.what()) + " (see fusedmoe --help)";
+  }
+  return "";
+}
+
 // Interrupted (Ctrl-C, kill): remove the temporaries of unfinished output files
 // (bench --csv, run --output) so that no partial file is left, then die of the
 // signal as before.
@@ -565,13 +621,18 @@ int run_command_line(int argc, char** argv) {
   }
   std::string ran = app.get_subcommands().empty() ? "" : app.get_subcommands()[0]->get_name();
   bool parse_failed = false;
+  std::string help_error;  // what --help left unchecked (help_misuse)
   if (parse_error) {
     try {
       std::rethrow_exception(parse_error);
-    } catch (const CLI::CallForVersion&) {
-      ran = "--version";
-    } catch (const CLI::Success&) {
-      ran += ran.empty() ? "--help" : " --help";
+    } catch (const CLI::Success& e) {  // --help, --version
+      help_error = help_misuse(app, argc, argv);
+      if (!help_error.empty())
+        parse_failed = true;
+      else if (dynamic_cast<const CLI::CallForVersion*>(&e))
+        ran = "--version";
+      else
+        ran += ran.empty() ? "--help" : " --help";
     } catch (const CLI::ParseError&) {
       parse_failed = true;
     }
@@ -593,6 +654,7 @@ int run_command_line(int argc, char** argv) {
   // --version, inspect), as run does; the other ranks stay silent. Parse
   // errors are every rank's own.
   const bool silent_rank = launch_world() && launch_world()->rank() != 0;
+  if (!help_error.empty()) return fail(help_error, 2);
   if (parse_error) {
     try {
       std::rethrow_exception(parse_error);
