@@ -335,6 +335,21 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
                      printable(method),
                      "' is not supported (supported: unquantized weights, and 'fp8' with 128 x 128 "
                      "weight blocks as DeepSeek-V3 ships)");
+    // The format DeepSeek-V3 ships and the loader reads: e4m3 weights, with
+    // the activations quantized per call ("dynamic", as HF transformers'
+    // FP8 layers take them: there are no activation scales to read). Another
+    // value would be ignored, the weights read as if it were this one.
+    for (const auto& [key, want] : {std::pair{"fmt", "e4m3"}, {"activation_scheme", "dynamic"}}) {
+      const auto v = q->find(key);
+      if (v == q->end() || v->is_null()) continue;
+      if (!v->is_string())
+        FUSEDMOE_THROW(kInvalidArgument, source, ": quantization_config.", key,
+                       ": expected a string, got ", v->dump());
+      if (v->get<std::string>() != want)
+        FUSEDMOE_THROW(kUnsupported, source, ": quantization_config.", key, ": expected '", want,
+                       "' (the FP8 format this library reads, as DeepSeek-V3 ships), got '",
+                       printable(v->get<std::string>()), "'");
+    }
     if (const auto b = q->find("weight_block_size"); b != q->end() && !b->is_null()) {
       const bool ok = b->is_array() && b->size() == 2 && (*b)[0].is_number_integer() &&
                       (*b)[1].is_number_integer() && (*b)[0].get<int64_t>() == 128 &&

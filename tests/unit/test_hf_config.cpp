@@ -490,6 +490,27 @@ TEST(HfConfig, QuantizationConfigOnlyFp8With128Blocks) {
   j["quantization_config"] = {{"quant_method", "awq"}, {"bits", 4}};
   EXPECT_HAS(error_of([&] { parse(j); }, ErrorCode::kUnsupported),
              "quantization_config.quant_method 'awq' is not supported");
+  // fmt and activation_scheme: DeepSeek-V3's e4m3 / dynamic (or absent); any
+  // other value was ignored, the weights read as e4m3 with dynamic activations.
+  j["quantization_config"] = {{"quant_method", "fp8"},
+                              {"fmt", "e4m3"},
+                              {"activation_scheme", "dynamic"},
+                              {"weight_block_size", {128, 128}}};
+  EXPECT_NO_THROW(parse(j));
+  j["quantization_config"]["fmt"] = "e5m2";
+  EXPECT_HAS(error_of([&] { parse(j); }, ErrorCode::kUnsupported),
+             "quantization_config.fmt: expected 'e4m3' (the FP8 format this library reads, as "
+             "DeepSeek-V3 ships), got 'e5m2'");
+  j["quantization_config"]["fmt"] = 5;
+  EXPECT_HAS(error_of([&] { parse(j); }, ErrorCode::kInvalidArgument),
+             "quantization_config.fmt: expected a string, got 5");
+  j["quantization_config"]["fmt"] = nullptr;
+  j["quantization_config"]["activation_scheme"] = "static";
+  EXPECT_HAS(error_of([&] { parse(j); }, ErrorCode::kUnsupported),
+             "quantization_config.activation_scheme: expected 'dynamic' (the FP8 format this "
+             "library reads, as DeepSeek-V3 ships), got 'static'");
+  j["quantization_config"].erase("activation_scheme");
+  EXPECT_NO_THROW(parse(j));
   // Not an object, or without a quant_method string: named as such (each was
   // "quant_method '' is not supported").
   j["quantization_config"] = {1};
