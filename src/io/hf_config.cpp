@@ -525,13 +525,15 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
     c.renormalize = false;
     c.apply_router_weight_on_input = true;
     c.shared_intermediate_size = c.intermediate_size;
+    // The step is checked even where moe_layers, which takes precedence, is
+    // given: a step of 0 or below describes no model (HF's range() fails on it).
+    const int64_t step = f.get_int({"interleave_moe_layer_step"}, 1);
+    if (step <= 0)
+      FUSEDMOE_THROW(kInvalidArgument, where,
+                     ": field 'interleave_moe_layer_step': expected an integer >= 1, got ", step);
     if (auto ml = f.get_int_list("moe_layers")) {
       layers = *ml;
     } else {
-      const int64_t step = f.get_int({"interleave_moe_layer_step"}, 1);
-      if (step <= 0)
-        FUSEDMOE_THROW(kInvalidArgument, where,
-                       ": field 'interleave_moe_layer_step': expected > 0, got ", step);
       for (int64_t l = step - 1; l < L; l += step) layers.push_back(l);
     }
     std::sort(layers.begin(), layers.end());

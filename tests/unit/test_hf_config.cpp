@@ -309,6 +309,25 @@ TEST(HfConfig, Llama4MultimodalTextConfig) {
   EXPECT_EQ(parse(j).moe_layers, (std::vector<int64_t>{0, 4}));
   j["text_config"]["moe_layers"] = {0, 9};
   EXPECT_HAS(error_of([&] { parse(j); }, ErrorCode::kInvalidArgument), "layer 9 is outside [0, 6)");
+  // interleave_moe_layer_step 0 (or below) is refused, with moe_layers given too
+  // (where it was accepted: moe_layers takes precedence).
+  for (const bool with_moe_layers : {false, true}) {
+    SCOPED_TRACE(with_moe_layers);
+    json t = j["text_config"];
+    if (with_moe_layers)
+      t["moe_layers"] = {0, 4};
+    else
+      t.erase("moe_layers");
+    for (const int step : {0, -2}) {
+      t["interleave_moe_layer_step"] = step;
+      json m = j;
+      m["text_config"] = t;
+      EXPECT_HAS(error_of([&] { parse(m); }, ErrorCode::kInvalidArgument),
+                 "test/config.json (text_config): field 'interleave_moe_layer_step': expected an "
+                 "integer >= 1, got " +
+                     std::to_string(step));
+    }
+  }
   j.erase("text_config");
   EXPECT_HAS(error_of([&] { parse(j); }, ErrorCode::kInvalidArgument), "text_config");
 }
