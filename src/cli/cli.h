@@ -340,6 +340,17 @@ void parallel_world_done();
 std::shared_ptr<Communicator> make_parallel_world(
     int ep_size, int tp_size, int dp_size,
     const std::vector<std::pair<std::string, std::string>>& options, const char* command);
+// After make_parallel_world, work of this rank alone before the command's next
+// collective (run: reading the model, the input, the reference and its share
+// of the weights, and checking that the tokens fit the memory): an error in it
+// is told to the other ranks at rank_local_done() as one before
+// make_parallel_world is (each rank prints its own error, the others say why
+// they stop, the job ends with its exit code), not MPI_Abort.
+void rank_local_begin();
+// The end of that work, a collective (every rank of the launch calls it): a
+// rank that stopped in it is named (CollectiveError, as make_parallel_world
+// throws). No-op without a launch world.
+void rank_local_done();
 // A number as the options check compares it: the shortest text that reads
 // back as the same double ("0.1"; different doubles, different texts).
 std::string exact_number(double v);

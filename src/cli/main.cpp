@@ -103,6 +103,7 @@ std::string launch_size_hint(int ep_size, int tp_size, int dp_size, int world) {
 enum class Phase {
   kNone,               // no launch world (one rank)
   kBeforeCollectives,  // run / bench: rank-local checks, before make_parallel_world
+                       // or between rank_local_begin() and rank_local_done()
   kChecking,           // make_parallel_world: the ranks compare their options
   kRunning,            // the command's collectives
   kDone,               // no collective left (inspect, --help; run after its gather)
@@ -223,6 +224,18 @@ void after_error(int code) {
     default:
       return;
   }
+}
+
+void rank_local_begin() {
+  Launch& l = launch();
+  if (l.world && l.phase == Phase::kRunning) l.phase = Phase::kBeforeCollectives;
+}
+
+void rank_local_done() {
+  Launch& l = launch();
+  if (!l.world || l.phase != Phase::kBeforeCollectives) return;
+  join_launch(0);  // the ranks that stopped in rank-local work (after_error)
+  l.phase = Phase::kRunning;
 }
 
 void parallel_world_done() {
