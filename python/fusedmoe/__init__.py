@@ -382,12 +382,19 @@ def _i32(x: Any, name: str) -> Any:
     return x
 
 
+def _weight_dtype(weight_dtype: Any) -> Optional[str]:
+    """weight_dtype: "bf16" or None, spelt as the other dtype options are (the
+    extension's one rule: "bfloat16" is refused as it is for dtype and
+    compute_dtype)."""
+    if weight_dtype is None:
+        return None
+    _str(weight_dtype, "weight_dtype", "'bf16' or None")
+    return _ext.parse_dtype_option(weight_dtype, "weight_dtype", ["bf16"])
+
+
 def _weight(x: Any, name: str, weight_dtype: Optional[str]) -> Tuple[Any, bool]:
-    """Expert weights: (array, uint16-is-bf16 flag)."""
-    if weight_dtype is not None and (not isinstance(weight_dtype, str)
-                                     or weight_dtype not in ("bf16", "bfloat16")):
-        raise ValueError(f'weight_dtype: expected "bf16" (or "bfloat16") or None, '
-                         f'got {weight_dtype!r}')
+    """Expert weights: (array, uint16-is-bf16 flag); weight_dtype checked by
+    _weight_dtype."""
     x = _contiguous(_as_array(x, name, "dtype float32 or bfloat16 (CUDA: bfloat16 or float16)"))
     if isinstance(x, np.ndarray) or _is_cupy(x):
         if x.dtype.kind == "V" and x.dtype.name == "bfloat16":  # ml_dtypes.bfloat16
@@ -527,6 +534,7 @@ def _fused_experts_impl(
         # float16 weights of any array library (torch, CuPy: dtype names differ)
         f16 = str(getattr(w13, "dtype", "")) in ("float16", "torch.float16")
         compute_dtype = ("f16" if f16 else "bf16") if cuda else "f32"
+    weight_dtype = _weight_dtype(weight_dtype)
     w13, bf16_13 = _weight(w13, "w13", weight_dtype)
     w2, bf16_2 = _weight(w2, "w2", weight_dtype)
     if w13_bias is not None:
@@ -763,10 +771,16 @@ def select_experts(
     the logits' columns minus num_zero_experts. router_logits: [T, E + Z].
     With a MoELayer as ``config`` the layer's router parameters are used too
     (``e_score_correction_bias``, ``hash_table``, unless given), so the result
-    is the layer's own routing of these logits.
+    is the layer's own routing of these logits; ``top_k`` is then None or the
+    layer's top_k (another value: ValueError).
     Returns (topk_weights f32 [T, k], topk_ids int32 [T, k]; id -1 = zero expert)."""
     _check_array(router_logits, "router_logits")
     if isinstance(config, MoELayer):
+        # The layer's routing: a top_k of another value would silently route
+        # with that k instead (the layer's own k is what its experts expect).
+        if top_k is not None and _int(top_k, "top_k") != config.top_k:
+            raise ValueError(f"top_k: expected the layer's top_k = {config.top_k} (config is a "
+                             f"MoELayer: its own routing), got {_int(top_k, 'top_k')}")
         params = config._impl.router_params()
         if e_score_correction_bias is None and params["e_score_correction_bias"] is not None:
             e_score_correction_bias = _like(router_logits, params["e_score_correction_bias"])

@@ -250,12 +250,28 @@ void check_dtype(const TensorView& v, const char* name, std::initializer_list<DT
       (std::string(name) + ": expected dtype " + expected + ", got " + v.str()).c_str());
 }
 
-// A compute dtype: exactly "f32", "bf16" or "f16", the names the README lists
-// (no aliases such as "float32" or "bfloat16": any other value is an error).
+// A dtype option of the API (from_pretrained's dtype, fused_experts'
+// compute_dtype and weight_dtype): exactly one of the names in `allowed` (of
+// "f32", "bf16" and "f16", the names the README lists), the one rule for every
+// option: aliases such as "float32" or "bfloat16" are refused by all alike, as
+// is any other value, naming the option.
+DType parse_dtype_option(const std::string& s, const std::string& name,
+                         const std::vector<std::string>& allowed, const char* note = "") {
+  std::string expected;
+  for (size_t i = 0; i < allowed.size(); ++i) {
+    if (s == allowed[i]) return parse_dtype(s);
+    expected += std::string(i == 0                    ? ""
+                            : i + 1 == allowed.size() ? " or "
+                                                      : ", ") +
+                "\"" + allowed[i] + "\"";
+  }
+  FUSEDMOE_THROW(kInvalidArgument, name, ": expected ", expected, note, ", got \"", printable(s),
+                 "\"");
+}
+
+// A compute dtype: "f32", "bf16" or "f16".
 DType parse_compute_dtype(const std::string& s, const char* name) {
-  FUSEDMOE_CHECK(s == "f32" || s == "bf16" || s == "f16", name,
-                 ": expected \"f32\", \"bf16\" or \"f16\" (f16: CUDA only), got \"", s, "\"");
-  return parse_dtype(s);
+  return parse_dtype_option(s, name, {"f32", "bf16", "f16"}, " (f16: CUDA only)");
 }
 
 // Arrays a router reads besides the logits, given although the configured
@@ -952,6 +968,16 @@ NB_MODULE(_ext, m) {
         "stream"_a = 0,
         "Routes router_logits f32 [T, E + Z] into topk_ids i32 [T, k] and topk_weights f32 "
         "[T, k] with the router a MoEConfig (given as a dict) selects.");
+  m.def(
+      "parse_dtype_option",
+      [](const std::string& value, const std::string& name,
+         const std::vector<std::string>& allowed) {
+        return std::string(dtype_name(parse_dtype_option(value, name, allowed)));
+      },
+      "value"_a, "name"_a, "allowed"_a,
+      "The dtype name `value` when it is one of `allowed` (the rule of every dtype option: "
+      "exactly \"f32\", \"bf16\" or \"f16\", no aliases); ValueError naming `name` "
+      "otherwise.");
   m.def(
       "validate_config", [](const nb::dict& d) { config_from_dict(d).validate(); }, "config"_a,
       "Raises ValueError when the configuration cannot work.");

@@ -110,6 +110,27 @@ def test_select_experts_with_layer_routes_as_the_layer(model_dir, layer, rng):
     np.testing.assert_array_equal(w3, weights)
 
 
+def test_select_experts_with_layer_refuses_another_top_k(rng):
+    """config=layer is the layer's routing: a top_k other than the layer's was
+    silently used instead (k columns the layer's experts never see)."""
+    moe = fusedmoe.MoELayer.from_pretrained(TINY_DSV3, layer=1)
+    logits = rng.standard_normal((3, moe.num_experts)).astype(np.float32)
+    k = moe.top_k
+    for bad in (k + 1, k - 1):
+        with pytest.raises(ValueError, match=rf"^top_k: expected the layer's top_k = {k} "
+                                             rf".*got {bad}$"):
+            fusedmoe.select_experts(logits, bad, config=moe)
+        with pytest.raises(ValueError, match=rf"^top_k: expected the layer's top_k = {k}"):
+            fusedmoe.select_experts(logits, top_k=bad, config=moe)
+    with pytest.raises(TypeError, match="^top_k"):
+        fusedmoe.select_experts(logits, float(k), config=moe)
+    # The layer's own k, or a dict config with any k, still route.
+    assert fusedmoe.select_experts(logits, k, config=moe)[1].shape == (3, k)
+    bias = np.zeros(moe.num_experts, np.float32)
+    assert fusedmoe.select_experts(logits, k + 1, config=moe.config,
+                                   e_score_correction_bias=bias)[1].shape == (3, k + 1)
+
+
 def test_select_experts_with_layer_torch(rng):
     torch = _torch()
     moe = fusedmoe.MoELayer.from_pretrained(TINY_DSV3, layer=1)
@@ -211,6 +232,27 @@ def test_dtype_errors_list_valid_values_and_name_the_argument(case):
                                compute_dtype="f8")
     assert "f8_e4m3fn" not in str(e.value)
     assert fusedmoe.MoELayer.from_pretrained(HF / "mixtral", dtype="bf16").compute_dtype == "bf16"
+
+
+def test_every_dtype_option_takes_the_same_spellings(case):
+    """dtype, compute_dtype and weight_dtype follow one rule: the short names
+    ("f32", "bf16", "f16") only. weight_dtype took "bfloat16", which the others
+    refuse; now every option refuses each alias, naming itself and the value."""
+    x, w13, w2, tw, ids = case["x"], case["w13"], case["w2"], case["tw"], case["ids"]
+    bits13 = w13.view(np.uint32)[..., None].view(np.uint16)[..., 1].copy()  # bf16 bit patterns
+    bits2 = w2.view(np.uint32)[..., None].view(np.uint16)[..., 1].copy()
+    for alias in ("bfloat16", "float32", "float16", "BF16", "fp32", "half"):
+        with pytest.raises(ValueError, match=f'^dtype: expected .* got "{alias}"$'):
+            fusedmoe.MoELayer.from_pretrained(HF / "mixtral", dtype=alias)
+        with pytest.raises(ValueError, match=f'^compute_dtype: expected .* got "{alias}"$'):
+            fusedmoe.fused_experts(x, w13, w2, tw, ids, compute_dtype=alias)
+        with pytest.raises(ValueError, match=f'^weight_dtype: expected "bf16", got "{alias}"$'):
+            fusedmoe.fused_experts(x, bits13, bits2, tw, ids, weight_dtype=alias)
+    # The short name works in each.
+    ref = fusedmoe.fused_experts(x, bits13, bits2, tw, ids, weight_dtype="bf16")
+    out = fusedmoe.fused_experts(x, bits13, bits2, tw, ids, weight_dtype="bf16",
+                                 compute_dtype="bf16")
+    assert ref.shape == out.shape == x.shape and np.isfinite(out).all()
 
 
 # ---- 7. thread counts: the message says what is accepted --------------------------------
@@ -639,16 +681,19 @@ def test_float64_router_logits_beyond_float32_are_named(mixtral):
 
 
 def test_weight_dtype_is_checked_for_every_weight_type(case):
-    """weight_dtype is "bf16" ("bfloat16") or None whatever the weights' dtype:
-    with ml_dtypes.bfloat16 weights it was not looked at (5, True, "f32" passed)."""
+    """weight_dtype is "bf16" or None whatever the weights' dtype: with
+    ml_dtypes.bfloat16 weights it was not looked at (5, True, "f32" passed)."""
     ml_dtypes = pytest.importorskip("ml_dtypes")
     bf = ml_dtypes.bfloat16
     x, tw, ids = case["x"], case["tw"], case["ids"]
     w13, w2 = case["w13"].astype(bf), case["w2"].astype(bf)
-    for bad in (5, True, "f32", "garbage"):
-        with pytest.raises(ValueError, match="weight_dtype: expected"):
+    for bad in (5, True):
+        with pytest.raises(TypeError, match="^weight_dtype: expected 'bf16' or None, got"):
             fusedmoe.fused_experts(x, w13, w2, tw, ids, weight_dtype=bad)
-    for ok in (None, "bf16", "bfloat16"):
+    for bad in ("f32", "garbage", "bfloat16"):
+        with pytest.raises(ValueError, match="^weight_dtype: expected"):
+            fusedmoe.fused_experts(x, w13, w2, tw, ids, weight_dtype=bad)
+    for ok in (None, "bf16"):
         out = fusedmoe.fused_experts(x, w13, w2, tw, ids, weight_dtype=ok)
         assert np.isfinite(out).all()
 

@@ -251,12 +251,9 @@ std::string format_bytes(double bytes);
 inline std::string count_of(long long n, const std::string& noun) {
   return std::to_string(n) + " " + noun + (n == 1 ? "" : "s");
 }
-// `text` with each control character (below 0x20, 0x7f, and the C1 controls
-// U+0080-U+009F) and each byte that is not part of valid UTF-8 written as \xNN:
-// names and values read from files (tensor names, metadata, config strings) and
-// errors quoting them cannot move the cursor or recolour the terminal, nor put
-// bytes that are no text on it.
-std::string printable(const std::string& text);
+// printable(text): fusedmoe::printable (core/error.h), control characters and
+// bytes that are not UTF-8 written as \xNN.
+using fusedmoe::printable;
 // Comma-separated integers >= 0, each plain decimal: "1,16,64" -> {1, 16, 64}.
 // Throws Error naming `what`.
 std::vector<int64_t> parse_int_list(const std::string& text, const char* what);
@@ -343,6 +340,17 @@ void parallel_world_done();
 std::shared_ptr<Communicator> make_parallel_world(
     int ep_size, int tp_size, int dp_size,
     const std::vector<std::pair<std::string, std::string>>& options, const char* command);
+// After make_parallel_world, work of this rank alone before the command's next
+// collective (run: reading the model, the input, the reference and its share
+// of the weights, and checking that the tokens fit the memory): an error in it
+// is told to the other ranks at rank_local_done() as one before
+// make_parallel_world is (each rank prints its own error, the others say why
+// they stop, the job ends with its exit code), not MPI_Abort.
+void rank_local_begin();
+// The end of that work, a collective (every rank of the launch calls it): a
+// rank that stopped in it is named (CollectiveError, as make_parallel_world
+// throws). No-op without a launch world.
+void rank_local_done();
 // A number as the options check compares it: the shortest text that reads
 // back as the same double ("0.1"; different doubles, different texts).
 std::string exact_number(double v);

@@ -62,8 +62,12 @@ std::shared_ptr<Communicator> make_bench_world(const BenchOptions& o) {
 int run_bench_parallel(const BenchOptions& o) {
   using namespace fusedmoe::bench;
   std::shared_ptr<Communicator> world = make_bench_world(o);
-  const ParallelGroups groups = ParallelGroups::create(world, o.ep_size, o.tp_size, o.dp_size);
-  const ParallelConfig& pc = groups.config;
+  // This rank's checks (the shapes, the memory budget) come before any other
+  // collective: an error there, such as more tokens than the memory fits, is
+  // told to the other ranks at rank_local_done(), not MPI_Abort.
+  rank_local_begin();
+  const ParallelConfig pc =
+      parallel_config_for_rank(world->rank(), o.ep_size, o.tp_size, o.dp_size);
   const bool root = world->rank() == 0;
   const std::vector<int64_t> token_counts = parse_int_list(o.tokens, "--tokens");
   std::vector<LayerShape> shapes;
@@ -121,6 +125,8 @@ int run_bench_parallel(const BenchOptions& o) {
                    " physical memory); give fewer --tokens or a larger --memory-fraction");
     layouts.emplace_back(shape, local);
   }
+  rank_local_done();
+  const ParallelGroups groups = ParallelGroups::create(world, o.ep_size, o.tp_size, o.dp_size);
 
   if (root) {
     std::printf("# fusedmoe bench (parallel)\n\n");

@@ -489,7 +489,8 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
   cmd->callback([&o, seed, cdt, input, tokens, placement, dispatch] {
     // A command line that lacks its input does not parse (exit code 2).
     if (input->count() == 0 && tokens->count() == 0)
-      throw CLI::ValidationError("no input: give --input FILE [--input-key KEY], or --tokens T");
+      throw CLI::RequiredError("no input: give --input FILE [--input-key KEY], or --tokens T",
+                               CLI::ExitCodes::RequiredError);
     o.seed_given = seed->count() > 0;
     o.compute_dtype_given = cdt->count() > 0;
     o.expert_placement_given = placement->count() > 0;
@@ -589,6 +590,10 @@ int run_run(const RunOptions& o) {
         "fusedmoe run");
   }
   const bool root = !world || world->rank() == 0;
+  // Up to the runner, this rank's own work (the model, the input, the
+  // reference, its weights): an error there, such as more tokens than the
+  // memory fits, is told to the other ranks at rank_local_done(), not MPI_Abort.
+  rank_local_begin();
 
   // Model and layer.
   const std::string model_dir = o.model.empty() ? bundled_model_dir() : o.model;
@@ -686,23 +691,10 @@ int run_run(const RunOptions& o) {
     input = raw.dtype() == DType::kF32 ? raw : to_f32(raw);
     input_desc = o.input_key.empty() ? base_name(o.input) : base_name(o.input) + ":" + o.input_key;
   } else {
-    uint64_t seed = o.seed;
-    if (!o.seed_given)
-      seed = (static_cast<uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}();
-    if (world) world->broadcast(&seed, sizeof seed, 0);  // the same tokens on every rank
+    // Drawn once the ranks agree on the seed (after rank_local_done, a collective).
     check_tokens_fit(o.tokens, "--tokens");
-    try {
-      input = Tensor::empty(DType::kF32, {o.tokens, H});
-    } catch (const Error& e) {  // too many tokens for the memory: the option that asked
-      throw Error(e.code(), "--tokens " + std::to_string(o.tokens) + ": " + e.what());
-    }
-    std::mt19937_64 rng(seed);
-    std::normal_distribution<float> normal(0.0f, 1.0f);
-    float* p = input.data_as<float>();
-    for (int64_t i = 0; i < input.numel(); ++i) p[i] = normal(rng);
-    input_desc = "random N(0,1), seed " + std::to_string(seed);
   }
-  const int64_t T = input.size(0);
+  const int64_t T = o.input.empty() ? o.tokens : input.size(0);
 
   // Reference (read and checked before anything runs).
   Tensor reference;
@@ -738,6 +730,23 @@ int run_run(const RunOptions& o) {
     }
   }();
   const size_t weight_bytes = weights.nbytes();
+  rank_local_done();  // every rank's own work done: the collectives start
+  if (o.input.empty()) {
+    uint64_t seed = o.seed;
+    if (!o.seed_given)
+      seed = (static_cast<uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}();
+    if (world) world->broadcast(&seed, sizeof seed, 0);  // the same tokens on every rank
+    try {
+      input = Tensor::empty(DType::kF32, {o.tokens, H});
+    } catch (const Error& e) {  // too many tokens for the memory: the option that asked
+      throw Error(e.code(), "--tokens " + std::to_string(o.tokens) + ": " + e.what());
+    }
+    std::mt19937_64 rng(seed);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    float* p = input.data_as<float>();
+    for (int64_t i = 0; i < input.numel(); ++i) p[i] = normal(rng);
+    input_desc = "random N(0,1), seed " + std::to_string(seed);
+  }
   RunnerOptions ropts;
   ropts.compute_dtype = compute_dtype;
   ropts.communicator = world;

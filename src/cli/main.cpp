@@ -103,6 +103,7 @@ std::string launch_size_hint(int ep_size, int tp_size, int dp_size, int world) {
 enum class Phase {
   kNone,               // no launch world (one rank)
   kBeforeCollectives,  // run / bench: rank-local checks, before make_parallel_world
+                       // or between rank_local_begin() and rank_local_done()
   kChecking,           // make_parallel_world: the ranks compare their options
   kRunning,            // the command's collectives
   kDone,               // no collective left (inspect, --help; run after its gather)
@@ -225,6 +226,18 @@ void after_error(int code) {
   }
 }
 
+void rank_local_begin() {
+  Launch& l = launch();
+  if (l.world && l.phase == Phase::kRunning) l.phase = Phase::kBeforeCollectives;
+}
+
+void rank_local_done() {
+  Launch& l = launch();
+  if (!l.world || l.phase != Phase::kBeforeCollectives) return;
+  join_launch(0);  // the ranks that stopped in rank-local work (after_error)
+  l.phase = Phase::kRunning;
+}
+
 void parallel_world_done() {
   if (launch().world) launch().phase = Phase::kDone;
 }
@@ -326,48 +339,6 @@ std::string format_bytes(double bytes) {
   char buf[64];
   std::snprintf(buf, sizeof buf, u == 0 ? "%.0f %s" : "%.2f %s", bytes, units[u]);
   return buf;
-}
-
-std::string printable(const std::string& text) {
-  std::string out;
-  const auto escape = [&](unsigned char u) {
-    char hex[5];
-    std::snprintf(hex, sizeof hex, "\\x%02x", u);
-    out += hex;
-  };
-  const auto byte = [&](size_t i) -> unsigned {
-    return i < text.size() ? static_cast<unsigned char>(text[i]) : 0u;
-  };
-  for (size_t i = 0; i < text.size();) {
-    const unsigned u = byte(i);
-    if (u < 0x80) {
-      if (u >= 0x20 && u != 0x7f)
-        out += static_cast<char>(u);
-      else
-        escape(static_cast<unsigned char>(u));
-      ++i;
-      continue;
-    }
-    // A UTF-8 sequence (RFC 3629: no overlong forms, surrogates or code points
-    // past U+10FFFF) is kept, but for the C1 controls U+0080-U+009F; any other
-    // byte is escaped alone.
-    const size_t n = u >= 0xc2 && u <= 0xdf   ? 2
-                     : u >= 0xe0 && u <= 0xef ? 3
-                     : u >= 0xf0 && u <= 0xf4 ? 4
-                                              : 0;
-    const unsigned lo = u == 0xe0 ? 0xa0 : u == 0xf0 ? 0x90 : u == 0xc2 ? 0xa0 : 0x80;
-    const unsigned hi = u == 0xed ? 0x9f : u == 0xf4 ? 0x8f : 0xbf;
-    bool valid = n > 0 && byte(i + 1) >= lo && byte(i + 1) <= hi;
-    for (size_t j = 2; valid && j < n; ++j) valid = byte(i + j) >= 0x80 && byte(i + j) <= 0xbf;
-    if (valid) {
-      out.append(text, i, n);
-      i += n;
-    } else {
-      escape(static_cast<unsigned char>(u));
-      ++i;
-    }
-  }
-  return out;
 }
 
 std::vector<std::string> split_list(const std::string& text) {
@@ -552,6 +523,62 @@ std::string describe_parse_error(const CLI::ParseError& e, CLI::App& cmd, int ar
   return name + (what.size() > 1 && what[0] == '-' ? " " : ": ") + what;
 }
 
+// --help (and --version) end CLI11's checks where they stand: an unknown
+// option beside them ("run --help --bogus") or a value given to them
+// ("--help=3") went unchecked and the help exited 0. Such a command line is a
+// usage error as it is without --help: the flag is refused a value, and the
+// command line without these flags is parsed again, any error but a missing
+// argument or input (what help is asked for before giving) reported as the
+// parse reports it. Returns the message, or "" when the command line is fine.
+// Parses `app` again.
+std::string help_misuse(CLI::App& app, int argc, char** argv) {
+  std::vector<char*> kept{argv[0]};
+  std::string cmd;  // the command the flag came after ("" for the top level)
+  bool options_end = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (!options_end && a == "--") options_end = true;
+    if (!options_end && cmd.empty() && (a == "inspect" || a == "run" || a == "bench")) cmd = a;
+    std::string flag;  // the flag `a` gives, where it is one of these
+    for (const char* f : {"--help", "-h", "--version"})
+      if (!options_end && a.rfind(f, 0) == 0 &&
+          (a.size() == std::strlen(f) || a[std::strlen(f)] == '=' || f[1] == 'h'))
+        flag = f;
+    if (flag.empty()) {
+      kept.push_back(argv[i]);
+      continue;
+    }
+    if (a.size() == flag.size()) continue;  // the flag alone
+    // "--help=3", "-h=3", "-h3": no value.
+    const std::string value = a.substr(a[flag.size()] == '=' ? flag.size() + 1 : flag.size());
+    const std::string where = cmd.empty() ? "" : cmd + " ";
+    return where + flag + ": a flag, expected no value, got \"" + value + "\" (see fusedmoe " +
+           where + "--help)";
+  }
+  try {
+    app.clear();
+    app.parse(static_cast<int>(kept.size()), kept.data());
+  } catch (const CLI::RequiredError&) {
+    // Missing what help is asked for (inspect's PATH, run's input): fine, but
+    // for anything unknown beside it.
+    if (app.remaining_size(true) == 0) return "";
+    if (!app.get_subcommands().empty())
+      return describe_parse_error(CLI::ExtrasError(app.get_subcommands()[0]->remaining()),
+                                  *app.get_subcommands()[0], static_cast<int>(kept.size()),
+                                  kept.data());
+    std::string list;
+    for (const std::string& x : app.remaining(true)) list += (list.empty() ? "" : ", ") + x;
+    return "unknown argument" + std::string(app.remaining_size(true) > 1 ? "s " : " ") + list +
+           ": expected a command, inspect, run or bench, and its options (see fusedmoe --help)";
+  } catch (const CLI::ParseError& e) {
+    if (!app.get_subcommands().empty())
+      return describe_parse_error(e, *app.get_subcommands()[0], static_cast<int>(kept.size()),
+                                  kept.data());
+    return std::string(e.what()) + " (see fusedmoe --help)";
+  }
+  return "";
+}
+
 // Interrupted (Ctrl-C, kill): remove the temporaries of unfinished output files
 // (bench --csv, run --output) so that no partial file is left, then die of the
 // signal as before.
@@ -607,13 +634,18 @@ int run_command_line(int argc, char** argv) {
   }
   std::string ran = app.get_subcommands().empty() ? "" : app.get_subcommands()[0]->get_name();
   bool parse_failed = false;
+  std::string help_error;  // what --help left unchecked (help_misuse)
   if (parse_error) {
     try {
       std::rethrow_exception(parse_error);
-    } catch (const CLI::CallForVersion&) {
-      ran = "--version";
-    } catch (const CLI::Success&) {
-      ran += ran.empty() ? "--help" : " --help";
+    } catch (const CLI::Success& e) {  // --help, --version
+      help_error = help_misuse(app, argc, argv);
+      if (!help_error.empty())
+        parse_failed = true;
+      else if (dynamic_cast<const CLI::CallForVersion*>(&e))
+        ran = "--version";
+      else
+        ran += ran.empty() ? "--help" : " --help";
     } catch (const CLI::ParseError&) {
       parse_failed = true;
     }
@@ -635,6 +667,7 @@ int run_command_line(int argc, char** argv) {
   // --version, inspect), as run does; the other ranks stay silent. Parse
   // errors are every rank's own.
   const bool silent_rank = launch_world() && launch_world()->rank() != 0;
+  if (!help_error.empty()) return fail(help_error, 2);
   if (parse_error) {
     try {
       std::rethrow_exception(parse_error);

@@ -99,7 +99,7 @@ Activation parse_activation(const std::string& s) {
   if (v == "swiglu_oai" || v == "swigluoai" || v == "swiglu_oai_clamped")
     return Activation::kSwigluOai;
   FUSEDMOE_THROW(kInvalidArgument, "activation: expected one of silu, gelu, gelu_pytorch_tanh, ",
-                 "swiglu_oai (or swiglu, gelu_tanh, gelu_new), got \"", s, "\"");
+                 "swiglu_oai (or swiglu, gelu_tanh, gelu_new), got \"", printable(s), "\"");
 }
 
 ScoringFunc parse_scoring_func(const std::string& s) {
@@ -108,7 +108,8 @@ ScoringFunc parse_scoring_func(const std::string& s) {
   if (v == "sigmoid") return ScoringFunc::kSigmoid;
   if (v == "sqrtsoftplus" || v == "sqrt_softplus") return ScoringFunc::kSqrtSoftplus;
   FUSEDMOE_THROW(kInvalidArgument,
-                 "scoring_func: expected one of softmax, sigmoid, sqrtsoftplus, got \"", s, "\"");
+                 "scoring_func: expected one of softmax, sigmoid, sqrtsoftplus, got \"",
+                 printable(s), "\"");
 }
 
 SimulatedRouting parse_simulated_routing(const std::string& s) {
@@ -117,7 +118,8 @@ SimulatedRouting parse_simulated_routing(const std::string& s) {
   if (v == "zipf") return SimulatedRouting::kZipf;
   if (v == "all_to_one" || v == "all-to-one" || v == "alltoone") return SimulatedRouting::kAllToOne;
   FUSEDMOE_THROW(kInvalidArgument,
-                 "simulated routing: expected one of uniform, zipf, all_to_one, got \"", s, "\"");
+                 "simulated routing: expected one of uniform, zipf, all_to_one, got \"",
+                 printable(s), "\"");
 }
 
 void MoEConfig::validate() const {
@@ -295,7 +297,8 @@ E json_enum(const ojson& v, const std::string& where, const E (&values)[N]) {
     if (s == to_string(e)) return e;
     known += std::string(known.empty() ? "" : ", ") + to_string(e);
   }
-  FUSEDMOE_THROW(kInvalidArgument, where, ": expected one of ", known, ", got \"", s, "\"");
+  FUSEDMOE_THROW(kInvalidArgument, where, ": expected one of ", known, ", got \"", printable(s),
+                 "\"");
 }
 
 constexpr RoutingMethod kRoutingMethods[] = {
@@ -376,7 +379,7 @@ MoEConfig MoEConfig::from_json(const std::string& json, const std::string& sourc
     const JsonField* field = nullptr;
     for (const JsonField& f : kJsonFields)
       if (key == f.key) field = &f;
-    FUSEDMOE_CHECK(field != nullptr, source, ": unknown field \"", key, "\"");
+    FUSEDMOE_CHECK(field != nullptr, source, ": unknown field \"", printable(key), "\"");
     field->read(c, value, source + "." + key);
   }
   return c;

@@ -100,7 +100,7 @@ DType parse_dtype(std::string_view name) {
   };
   for (const auto& a : kAliases)
     if (name == a.name) return a.dtype;
-  FUSEDMOE_THROW(kInvalidArgument, "dtype: unknown name '", name,
+  FUSEDMOE_THROW(kInvalidArgument, "dtype: unknown name '", printable(name),
                  "' (expected one of f64, f32, f16, bf16, f8_e4m3fn, f8_e5m2, i64, i32, i16, i8, "
                  "u8, bool)");
 }

@@ -177,7 +177,7 @@ Activation activation_from_hf(const Fields& f) {
   if (act == "gelu") return Activation::kGeluGlu;
   if (act == "gelu_pytorch_tanh" || act == "gelu_new" || act == "gelu_fast")
     return Activation::kGeluTanhGlu;
-  FUSEDMOE_THROW(kUnsupported, f.where(), ": hidden_act '", act,
+  FUSEDMOE_THROW(kUnsupported, f.where(), ": hidden_act '", printable(act),
                  "' is not supported (supported: silu, gelu, gelu_pytorch_tanh)");
 }
 
@@ -185,7 +185,7 @@ ScoringFunc scoring_from_hf(const Fields& f, const char* def) {
   const std::string s = f.get_string({"scoring_func"}, std::string(def));
   if (s == "softmax") return ScoringFunc::kSoftmax;
   if (s == "sigmoid") return ScoringFunc::kSigmoid;
-  FUSEDMOE_THROW(kUnsupported, f.where(), ": scoring_func '", s,
+  FUSEDMOE_THROW(kUnsupported, f.where(), ": scoring_func '", printable(s),
                  "' is not supported (supported: softmax, sigmoid)");
 }
 
@@ -272,6 +272,12 @@ ModelInfo load_model_info(const std::string& model_dir) {
                      ", whose folder has no config.json (", p.string(),
                      "); expected a model directory, its config.json, or a ",
                      "checkpoint file or index beside its config.json");
+  } else if (fs::is_regular_file(p, ec) && p.extension() != ".json") {
+    // Another file (a .npy, a text file): named as such, not parsed as a
+    // config.json to fail as "not valid JSON".
+    FUSEDMOE_THROW(kInvalidArgument, model_dir,
+                   ": expected a model directory, its config.json, its *.safetensors.index.json "
+                   "or a .safetensors file");
   }
   require_regular_file(p.string());
   std::ifstream in(p, std::ios::binary);
@@ -306,7 +312,7 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
                                  "gpt_oss", "llama4",      "llama4_text"};
   if (std::find_if(std::begin(kTypes), std::end(kTypes), [&](const char* t) { return mt == t; }) ==
       std::end(kTypes))
-    FUSEDMOE_THROW(kUnsupported, source, ": model_type '", mt,
+    FUSEDMOE_THROW(kUnsupported, source, ": model_type '", printable(mt),
                    "' is not supported (supported: ", kSupported, ")");
 
   // Quantized checkpoints: only DeepSeek-V3's FP8 format (e4m3 weights with
@@ -325,9 +331,25 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
                      m == q->end() ? std::string("none") : m->dump());
     const std::string method = m->get<std::string>();
     if (method != "fp8")
-      FUSEDMOE_THROW(kUnsupported, source, ": quantization_config.quant_method '", method,
+      FUSEDMOE_THROW(kUnsupported, source, ": quantization_config.quant_method '",
+                     printable(method),
                      "' is not supported (supported: unquantized weights, and 'fp8' with 128 x 128 "
                      "weight blocks as DeepSeek-V3 ships)");
+    // The format DeepSeek-V3 ships and the loader reads: e4m3 weights, with
+    // the activations quantized per call ("dynamic", as HF transformers'
+    // FP8 layers take them: there are no activation scales to read). Another
+    // value would be ignored, the weights read as if it were this one.
+    for (const auto& [key, want] : {std::pair{"fmt", "e4m3"}, {"activation_scheme", "dynamic"}}) {
+      const auto v = q->find(key);
+      if (v == q->end() || v->is_null()) continue;
+      if (!v->is_string())
+        FUSEDMOE_THROW(kInvalidArgument, source, ": quantization_config.", key,
+                       ": expected a string, got ", v->dump());
+      if (v->get<std::string>() != want)
+        FUSEDMOE_THROW(kUnsupported, source, ": quantization_config.", key, ": expected '", want,
+                       "' (the FP8 format this library reads, as DeepSeek-V3 ships), got '",
+                       printable(v->get<std::string>()), "'");
+    }
     if (const auto b = q->find("weight_block_size"); b != q->end() && !b->is_null()) {
       const bool ok = b->is_array() && b->size() == 2 && (*b)[0].is_number_integer() &&
                       (*b)[1].is_number_integer() && (*b)[0].get<int64_t>() == 128 &&
@@ -433,7 +455,7 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
       c.num_expert_group = f.get_int({"n_group"}, 1);
       c.topk_group = f.get_int({"topk_group"}, 1);
     } else {
-      FUSEDMOE_THROW(kUnsupported, where, ": topk_method '", method,
+      FUSEDMOE_THROW(kUnsupported, where, ": topk_method '", printable(method),
                      "' is not supported (supported: greedy, group_limited_greedy, noaux_tc)");
     }
     c.shared_intermediate_size =
@@ -449,7 +471,7 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
     c.intermediate_size = f.get_size({"moe_intermediate_size"}, kMaxIntermediateSize);
     const std::string method = f.get_string({"topk_method"}, std::string("noaux_tc"));
     if (method != "noaux_tc")
-      FUSEDMOE_THROW(kUnsupported, where, ": topk_method '", method,
+      FUSEDMOE_THROW(kUnsupported, where, ": topk_method '", printable(method),
                      "' is not supported for deepseek_v3 (supported: noaux_tc)");
     c.routing_method = RoutingMethod::kGroupedTopK;
     // HF's DeepseekV3TopkRouter takes the sigmoid whatever config.json says
@@ -458,7 +480,7 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
     c.scoring_func = scoring_from_hf(f, "sigmoid");
     if (c.scoring_func != ScoringFunc::kSigmoid)
       FUSEDMOE_THROW(kUnsupported, where, ": scoring_func '",
-                     f.get_string({"scoring_func"}, std::string()),
+                     printable(f.get_string({"scoring_func"}, std::string())),
                      "' is not supported for deepseek_v3 (supported: sigmoid; HF transformers' "
                      "DeepseekV3 router always takes the sigmoid of the logits, other engines "
                      "read the field)");
@@ -503,13 +525,15 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
     c.renormalize = false;
     c.apply_router_weight_on_input = true;
     c.shared_intermediate_size = c.intermediate_size;
+    // The step is checked even where moe_layers, which takes precedence, is
+    // given: a step of 0 or below describes no model (HF's range() fails on it).
+    const int64_t step = f.get_int({"interleave_moe_layer_step"}, 1);
+    if (step <= 0)
+      FUSEDMOE_THROW(kInvalidArgument, where,
+                     ": field 'interleave_moe_layer_step': expected an integer >= 1, got ", step);
     if (auto ml = f.get_int_list("moe_layers")) {
       layers = *ml;
     } else {
-      const int64_t step = f.get_int({"interleave_moe_layer_step"}, 1);
-      if (step <= 0)
-        FUSEDMOE_THROW(kInvalidArgument, where,
-                       ": field 'interleave_moe_layer_step': expected > 0, got ", step);
       for (int64_t l = step - 1; l < L; l += step) layers.push_back(l);
     }
     std::sort(layers.begin(), layers.end());

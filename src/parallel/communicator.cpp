@@ -124,7 +124,7 @@ double comm_timeout_seconds() {
   // Beyond kMaxCommTimeoutSeconds the deadline (int64 nanoseconds) would overflow.
   FUSEDMOE_CHECK(parse_decimal(s, v) == ParseNumber::kOk && v > 0 && v <= kMaxCommTimeoutSeconds,
                  "FUSEDMOE_COMM_TIMEOUT_S: expected a decimal number of seconds in (0, ",
-                 kMaxCommTimeoutSeconds, "], got \"", s, "\"");
+                 kMaxCommTimeoutSeconds, "], got \"", printable(s), "\"");
   return v;
 }
 

@@ -77,8 +77,8 @@ DispatchDType parse_dispatch_dtype(const std::string& s) {
   if (s == "f32" || s == "float32") return DispatchDType::kF32;
   if (s == "bf16" || s == "bfloat16") return DispatchDType::kBF16;
   if (s == "fp8" || s == "f8_e4m3fn" || s == "e4m3") return DispatchDType::kFP8;
-  FUSEDMOE_THROW(kInvalidArgument, "dispatch dtype: expected auto, f32, bf16 or fp8, got \"", s,
-                 "\"");
+  FUSEDMOE_THROW(kInvalidArgument, "dispatch dtype: expected auto, f32, bf16 or fp8, got \"",
+                 printable(s), "\"");
 }
 
 void quantize_fp8_groups(const float* x, int64_t rows, int64_t H, int64_t ldx, int64_t group,

@@ -108,6 +108,28 @@ cp "$FIX/model.safetensors" "$TMP/unknown/"
 sed 's/"model_type": "deepseek_v3"/"model_type": "frobnicator_moe"/' "$FIX/config.json" >"$TMP/unknown/config.json"
 expect_error "unknown model_type" "frobnicator_moe" -- run --model "$TMP/unknown" "${run_args[@]}"
 
+# --model (and inspect) naming a file that is no model (a .npy): the same message, not
+# "not valid JSON".
+python3 -c "import sys; h = b\"{'descr': '<f4', 'fortran_order': False, 'shape': (2,), }\".ljust(118) + b'\\n'; open(sys.argv[1], 'wb').write(b'\\x93NUMPY\\x01\\x00v\\x00' + h + bytes(8))" "$TMP/notmodel.npy"
+for cmd in "run --tokens 2 --model" "inspect"; do
+  expect_error "$cmd a .npy" "$TMP/notmodel.npy: expected a model directory, its config.json, its *.safetensors.index.json or a .safetensors file" -- \
+    $cmd "$TMP/notmodel.npy"
+done
+
+# A config string with a newline: quoted as \x0a, not as the "; " that joins a
+# message's own lines (run and inspect alike).
+mkdir -p "$TMP/newline-act" && cp "$FIX/model.safetensors" "$TMP/newline-act/"
+python3 - "$FIX/config.json" "$TMP/newline-act/config.json" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1]))
+c["hidden_act"] = "si\nlu"
+json.dump(c, open(sys.argv[2], "w"))
+PY
+expect_error "hidden_act with a newline" "hidden_act 'si\x0alu' is not supported" -- \
+  run --model "$TMP/newline-act" "${run_args[@]}"
+expect_error "inspect: hidden_act with a newline" "hidden_act 'si\x0alu' is not supported" -- \
+  inspect "$TMP/newline-act"
+
 mkdir -p "$TMP/notjson" && cp "$FIX/model.safetensors" "$TMP/notjson/"
 echo '{"model_type": "deepseek_v3",' >"$TMP/notjson/config.json"
 expect_error "config.json not JSON" "config.json" -- run --model "$TMP/notjson" "${run_args[@]}"
@@ -162,6 +184,31 @@ expect_usage "CLI11: a value not in the list" "error: bench --dtype: expected f3
   bench --dtype f64
 expect_usage "CLI11: run --backend not in the list" "error: run --backend: expected cpu or cuda, got \"tpu\"" -- \
   run --model "$FIX" --tokens 1 --backend tpu
+# --help / --version end CLI11's checks where they stand: what follows them, and a
+# value given to them, are still checked (they exited 0, the help printed).
+for c in "--help=3:--help: a flag, expected no value, got \"3\" (see fusedmoe --help)" \
+  "run --help=3:run --help: a flag, expected no value, got \"3\" (see fusedmoe run --help)" \
+  "run -h3:run -h: a flag, expected no value, got \"3\"" \
+  "--version=1:--version: a flag, expected no value, got \"1\"" \
+  "run --help --bogus:run: unknown option --bogus (see fusedmoe run --help)" \
+  "bench --bogus --help:bench: unknown option --bogus" \
+  "inspect --help --bogus:inspect: unknown option --bogus" \
+  "run --help --quiet=3:run --quiet: a flag, expected no value (or true / false), got \"3\"" \
+  "--help --bogus:unknown argument --bogus" "--version --bogus:unknown argument --bogus"; do
+  # shellcheck disable=SC2086
+  expect_usage "with --help: ${c%%:*}" "error: ${c#*:}" -- ${c%%:*}
+  [ -s "$TMP/stdout" ] && { echo "FAIL with --help: ${c%%:*}: printed the help"; failures=$((failures + 1)); }
+done
+# The help alone still needs no input, PATH or command (exit 0, the help on stdout).
+for c in "--help" "-h" "run --help" "run -h" "inspect --help" "bench --help" "--help run" \
+  "run --tokens 2 --help" "--version"; do
+  # shellcheck disable=SC2086
+  if "$BIN" $c >"$TMP/stdout" 2>"$TMP/stderr" && [ -s "$TMP/stdout" ] && [ ! -s "$TMP/stderr" ]; then
+    echo "ok   $c: exit 0"
+  else
+    echo "FAIL $c: not exit 0 with the help alone"; cat "$TMP/stderr"; failures=$((failures + 1))
+  fi
+done
 expect_usage "CLI11: a flag given a value" "error: bench --no-baseline: a flag, expected no value (or true / false), got \"maybe\" (see fusedmoe bench --help)" -- \
   bench --no-baseline=maybe
 # A number, yes / no, on / off: CLI11 alone read "--quiet=3" as true, "--quiet=0" as false;

@@ -43,6 +43,13 @@ expect_error() {
   fi
 }
 
+# no_abort WHAT: the last expect_error's job ended without MPI_Abort.
+no_abort() {
+  if grep -q "MPI_ABORT" "$TMP/log"; then
+    echo "FAIL $1: ended in MPI_Abort"; cat "$TMP/log"; fail=1
+  fi
+}
+
 M="$mpiexec $pre"
 R="$BIN run --seed 7 --quiet --output $TMP/out.safetensors"
 disagree='fusedmoe run: the ranks disagree on'
@@ -199,8 +206,10 @@ fi
 # The tokens' buffers beside the expert shares: over the budget, an error naming
 # --tokens on every rank before anything is printed or allocated (200000 tokens a
 # rank were killed by the out-of-memory killer). 1e15 tokens fit no machine.
-expect_error 1 "--tokens: expected at most [0-9]+ per rank for this machine's memory, got 1000000000000000 \(shape 'qwen3-cpu': .* give fewer --tokens or a larger --memory-fraction" 1 -- \
+# Every rank says so, before any other collective (it ended in MPI_Abort).
+expect_error 1 "--tokens: expected at most [0-9]+ per rank for this machine's memory, got 1000000000000000 \(shape 'qwen3-cpu': .* give fewer --tokens or a larger --memory-fraction" 2 -- \
   $M "$npflag" 2 "$BIN" bench --ep-size 2 --shapes qwen3-cpu --max-experts 8 --tokens 1,1000000000000000 --min-time 0
+no_abort "bench --tokens 1e15 --ep-size 2"
 grep -q "^# fusedmoe bench" "$TMP/log" && { echo "FAIL: bench --tokens 1e15 printed its header first"; fail=1; }
 # The budget is each rank's worst case, not an even share of the routed rows: with
 # 16 experts a rank (E_local 16 >= k 8) one rank may receive both ranks' tokens with
@@ -225,8 +234,39 @@ fi
 # run: the ranks' buffers for T tokens (each rank's worst case) beside their weights
 # must fit the machine's memory, which the ranks on it share: more tokens are an
 # error naming --tokens and the most that fit, not ranks the OOM killer ends.
-expect_error 1 "--tokens: expected at most [0-9]+ tokens for this machine's memory, got 1000000000000000 \(.* shared by the 2 ranks on it\); give fewer tokens" 1 -- \
+# Every rank says so, before any collective: it ended in MPI_Abort (the check
+# came after the seed's broadcast).
+expect_error 1 "--tokens: expected at most [0-9]+ tokens for this machine's memory, got 1000000000000000 \(.* shared by the 2 ranks on it\); give fewer tokens" 2 -- \
   $M "$npflag" 2 $R --tokens 1000000000000000 --ep-size 2
+no_abort "run --tokens 1e15 --ep-size 2"
+# So does an --input of more tokens than fit (a sparse .npy: its header says
+# physical memory / 4096 tokens of [T, H] f16).
+python3 - "$TMP/many.npy" "$H" <<'PY'
+import os, sys
+path, H = sys.argv[1], int(sys.argv[2])
+T = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4096
+header = "{'descr': '<f2', 'fortran_order': False, 'shape': (%d, %d), }" % (T, H)
+header += " " * (63 - (len(header) + 10) % 64) + "\n"
+with open(path, "wb") as f:
+    f.write(b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header.encode())
+    f.truncate(f.tell() + T * H * 2)
+PY
+expect_error 1 "input .*many.npy: expected at most [0-9]+ tokens for this machine's memory, got [0-9]+ " 2 -- \
+  $M "$npflag" 2 $RI "$TMP/many.npy"
+no_abort "run --input (too many tokens) --ep-size 2"
+rm -f "$TMP/many.npy"
+# An error of one rank alone in its own work after the options check (here its
+# model folder has no weights: node-local files): the other says why it stops.
+BUNDLED=$("$BIN" --help | sed -n 's/^Bundled model: //p')
+mkdir -p "$TMP/m0/m" "$TMP/m1/m"
+cp "$BUNDLED/config.json" "$BUNDLED/model.safetensors" "$TMP/m0/m/"
+cp "$BUNDLED/config.json" "$TMP/m1/m/"
+expect_error 1 "m: checkpoint directory has neither model.safetensors" 1 -- \
+  $M "$npflag" 1 -wdir "$TMP/m0" "$BIN" run --model m --quiet --tokens 8 --ep-size 2 : \
+  "$npflag" 1 -wdir "$TMP/m1" "$BIN" run --model m --quiet --tokens 8 --ep-size 2
+grep -qE '^fusedmoe: error: rank 0: not run: rank 1 stopped with an error' "$TMP/log" ||
+  { echo "FAIL: rank 0 does not say why it stopped"; cat "$TMP/log"; fail=1; }
+no_abort "one rank's model without weights"
 
 # --help, --version and inspect on every rank: printed once, by rank 0 (as run
 # reports), exit code 0.

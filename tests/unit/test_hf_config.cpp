@@ -188,6 +188,33 @@ TEST(HfConfig, MissingAndInvalidFields) {
              "/nonexistent/dir/config.json");
 }
 
+// A config string quoted in an error keeps its control characters as \xNN: a
+// newline in it neither breaks the message in two nor reads as the CLI's "; ".
+TEST(HfConfig, QuotedConfigStringsEscapeControlCharacters) {
+  json j = fixture_json("mixtral");
+  j["hidden_act"] = "si\nlu\x1b[31m";
+  std::string msg = error_of([&] { parse(j); }, ErrorCode::kUnsupported);
+  EXPECT_HAS(msg, "hidden_act 'si\\x0alu\\x1b[31m'");
+  EXPECT_EQ(msg.find_first_of("\n\x1b"), std::string::npos) << msg;
+  j = fixture_json("mixtral");
+  j["model_type"] = "mix\ntral";
+  EXPECT_HAS(error_of([&] { parse(j); }, ErrorCode::kUnsupported), "model_type 'mix\\x0atral'");
+  j = fixture_json("mixtral");
+  j["dtype"] = "bf\t16";
+  EXPECT_HAS(error_of([&] { parse(j); }, ErrorCode::kInvalidArgument),
+             "field 'dtype': dtype: unknown name 'bf\\x0916'");
+  j = fixture_json("deepseek_v3");
+  j["quantization_config"] = {{"quant_method", "fp\r8"}};
+  EXPECT_HAS(error_of([&] { parse(j); }, ErrorCode::kUnsupported), "quant_method 'fp\\x0d8'");
+  // MoEConfig::from_json (the Python config dicts, --config files) quotes through it too.
+  EXPECT_HAS(error_of([] { MoEConfig::from_json("{\"scoring_func\": \"soft\\nmax\"}", "c"); },
+                      ErrorCode::kInvalidArgument),
+             "got \"soft\\x0amax\"");
+  EXPECT_HAS(
+      error_of([] { MoEConfig::from_json("{\"top\\nk\": 1}", "c"); }, ErrorCode::kInvalidArgument),
+      "unknown field \"top\\x0ak\"");
+}
+
 TEST(HfConfig, AbsurdSizesNameTheField) {
   // As config.json spells the key (not MoEConfig's name), with the value.
   const struct {
@@ -229,6 +256,25 @@ TEST(HfConfig, SafetensorsFileStandsForItsModel) {
   EXPECT_HAS(msg, tmp.file("config.json"));
 }
 
+// A file that is neither a .json nor a checkpoint (a .npy) is named as no model,
+// not read as a config.json that is "not valid JSON".
+TEST(HfConfig, OtherFileIsNoModel) {
+  test::TempDir tmp;
+  {
+    std::ofstream f(tmp.file("x.npy"), std::ios::binary);
+    f << "\x93NUMPY\x01 {'descr': '<f4', 'fortran_order': False, 'shape': (2,), }";
+  }
+  const std::string msg =
+      error_of([&] { load_model_info(tmp.file("x.npy")); }, ErrorCode::kInvalidArgument);
+  EXPECT_HAS(msg, tmp.file("x.npy") +
+                      ": expected a model directory, its config.json, its "
+                      "*.safetensors.index.json or a .safetensors file");
+  EXPECT_EQ(msg.find("JSON"), std::string::npos) << msg;
+  // A config under another name that ends in .json is still read.
+  std::filesystem::copy_file(test::hf_fixture_dir("mixtral") + "/config.json", tmp.file("my.json"));
+  EXPECT_EQ(load_model_info(tmp.file("my.json")).model_type, "mixtral");
+}
+
 TEST(HfConfig, DtypeFromTorchDtype) {
   json j = fixture_json("mixtral");
   j.erase("dtype");
@@ -263,6 +309,25 @@ TEST(HfConfig, Llama4MultimodalTextConfig) {
   EXPECT_EQ(parse(j).moe_layers, (std::vector<int64_t>{0, 4}));
   j["text_config"]["moe_layers"] = {0, 9};
   EXPECT_HAS(error_of([&] { parse(j); }, ErrorCode::kInvalidArgument), "layer 9 is outside [0, 6)");
+  // interleave_moe_layer_step 0 (or below) is refused, with moe_layers given too
+  // (where it was accepted: moe_layers takes precedence).
+  for (const bool with_moe_layers : {false, true}) {
+    SCOPED_TRACE(with_moe_layers);
+    json t = j["text_config"];
+    if (with_moe_layers)
+      t["moe_layers"] = {0, 4};
+    else
+      t.erase("moe_layers");
+    for (const int step : {0, -2}) {
+      t["interleave_moe_layer_step"] = step;
+      json m = j;
+      m["text_config"] = t;
+      EXPECT_HAS(error_of([&] { parse(m); }, ErrorCode::kInvalidArgument),
+                 "test/config.json (text_config): field 'interleave_moe_layer_step': expected an "
+                 "integer >= 1, got " +
+                     std::to_string(step));
+    }
+  }
   j.erase("text_config");
   EXPECT_HAS(error_of([&] { parse(j); }, ErrorCode::kInvalidArgument), "text_config");
 }
@@ -444,6 +509,27 @@ TEST(HfConfig, QuantizationConfigOnlyFp8With128Blocks) {
   j["quantization_config"] = {{"quant_method", "awq"}, {"bits", 4}};
   EXPECT_HAS(error_of([&] { parse(j); }, ErrorCode::kUnsupported),
              "quantization_config.quant_method 'awq' is not supported");
+  // fmt and activation_scheme: DeepSeek-V3's e4m3 / dynamic (or absent); any
+  // other value was ignored, the weights read as e4m3 with dynamic activations.
+  j["quantization_config"] = {{"quant_method", "fp8"},
+                              {"fmt", "e4m3"},
+                              {"activation_scheme", "dynamic"},
+                              {"weight_block_size", {128, 128}}};
+  EXPECT_NO_THROW(parse(j));
+  j["quantization_config"]["fmt"] = "e5m2";
+  EXPECT_HAS(error_of([&] { parse(j); }, ErrorCode::kUnsupported),
+             "quantization_config.fmt: expected 'e4m3' (the FP8 format this library reads, as "
+             "DeepSeek-V3 ships), got 'e5m2'");
+  j["quantization_config"]["fmt"] = 5;
+  EXPECT_HAS(error_of([&] { parse(j); }, ErrorCode::kInvalidArgument),
+             "quantization_config.fmt: expected a string, got 5");
+  j["quantization_config"]["fmt"] = nullptr;
+  j["quantization_config"]["activation_scheme"] = "static";
+  EXPECT_HAS(error_of([&] { parse(j); }, ErrorCode::kUnsupported),
+             "quantization_config.activation_scheme: expected 'dynamic' (the FP8 format this "
+             "library reads, as DeepSeek-V3 ships), got 'static'");
+  j["quantization_config"].erase("activation_scheme");
+  EXPECT_NO_THROW(parse(j));
   // Not an object, or without a quant_method string: named as such (each was
   // "quant_method '' is not supported").
   j["quantization_config"] = {1};

@@ -8,6 +8,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 
 namespace fusedmoe {
 
@@ -35,6 +36,13 @@ std::string concat(const Args&... args) {
   return os.str();
 }
 }  // namespace detail
+
+// `text` with each control character (below 0x20, 0x7f, and the C1 controls
+// U+0080-U+009F) and each byte that is not part of valid UTF-8 written as \xNN:
+// names and values read from files (config strings, tensor names, metadata)
+// that an error message quotes stay on one line, and cannot move the cursor or
+// recolour the terminal, nor put bytes that are no text on it.
+std::string printable(std::string_view text);
 
 }  // namespace fusedmoe
 

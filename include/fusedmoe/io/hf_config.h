@@ -42,6 +42,8 @@ struct ModelInfo {
 // Reads `model_dir`/config.json (or a path to a .json file; or a checkpoint's
 // .safetensors file, standing for the config.json beside it, as
 // Checkpoint::open takes that file for the weights).
+// Any other file (not a .json: a .npy, a text file) is Error(kInvalidArgument)
+// "expected a model directory, its config.json, ...", as `fusedmoe inspect` says.
 // Throws Error(kIo) if unreadable / not JSON, Error(kUnsupported) for an
 // unknown model_type (naming it and listing the supported ones),
 // Error(kInvalidArgument) for missing or invalid fields (naming them).

@@ -83,7 +83,7 @@ CpuIsa isa_from_environment() {
     isa = CpuIsa::kScalar;
   else
     FUSEDMOE_THROW(kInvalidArgument, "FUSEDMOE_CPU_ISA: expected one of auto, avx512, ",
-                   "avx2, scalar, got '", env, "'");
+                   "avx2, scalar, got '", printable(env), "'");
   if (!cpu_isa_supported(isa))
     FUSEDMOE_THROW(kUnsupported, "FUSEDMOE_CPU_ISA=", env, ": this CPU does not support ",
                    isa == CpuIsa::kAvx512 ? "AVX-512 (F, BW, VL, DQ)" : "AVX2 and FMA",

@@ -1,0 +1,50 @@
+// fusedmoe: error-message helpers (include/fusedmoe/core/error.h).
+#include "fusedmoe/core/error.h"
+
+#include <cstdio>
+
+namespace fusedmoe {
+
+std::string printable(std::string_view text) {
+  std::string out;
+  const auto escape = [&](unsigned char u) {
+    char hex[5];
+    std::snprintf(hex, sizeof hex, "\\x%02x", u);
+    out += hex;
+  };
+  const auto byte = [&](size_t i) -> unsigned {
+    return i < text.size() ? static_cast<unsigned char>(text[i]) : 0u;
+  };
+  for (size_t i = 0; i < text.size();) {
+    const unsigned u = byte(i);
+    if (u < 0x80) {
+      if (u >= 0x20 && u != 0x7f)
+        out += static_cast<char>(u);
+      else
+        escape(static_cast<unsigned char>(u));
+      ++i;
+      continue;
+    }
+    // A UTF-8 sequence (RFC 3629: no overlong forms, surrogates or code points
+    // past U+10FFFF) is kept, but for the C1 controls U+0080-U+009F; any other
+    // byte is escaped alone.
+    const size_t n = u >= 0xc2 && u <= 0xdf   ? 2
+                     : u >= 0xe0 && u <= 0xef ? 3
+                     : u >= 0xf0 && u <= 0xf4 ? 4
+                                              : 0;
+    const unsigned lo = u == 0xe0 ? 0xa0 : u == 0xf0 ? 0x90 : u == 0xc2 ? 0xa0 : 0x80;
+    const unsigned hi = u == 0xed ? 0x9f : u == 0xf4 ? 0x8f : 0xbf;
+    bool valid = n > 0 && byte(i + 1) >= lo && byte(i + 1) <= hi;
+    for (size_t j = 2; valid && j < n; ++j) valid = byte(i + j) >= 0x80 && byte(i + j) <= 0xbf;
+    if (valid) {
+      out.append(text.substr(i, n));
+      i += n;
+    } else {
+      escape(static_cast<unsigned char>(u));
+      ++i;
+    }
+  }
+  return out;
+}
+
+}  // namespace fusedmoe
