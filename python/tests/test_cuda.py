@@ -184,7 +184,7 @@ def test_interleave_w13_cupy(g):
     cw13 = cupy.from_dlpack(w13.view(torch.int16)).view(cupy.uint16)  # bf16 bit patterns
     got = fusedmoe.interleave_w13(cw13)
     assert isinstance(got, cupy.ndarray) and got.dtype == cupy.uint16 and got.shape == cw13.shape
-    assert got.data.ptr != cw13.data.ptr and got.device == cw13.device
+    assert got.data.ptr != cw13.data.ptr and got.device.id == cw13.device.id
     want = fusedmoe.interleave_w13(w13).view(torch.int16).cpu().numpy().view(np.uint16)
     np.testing.assert_array_equal(cupy.asnumpy(got), want)
 
