@@ -42,10 +42,12 @@ variable ``FUSEDMOE_NO_TORCH=1`` to skip importing torch.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import itertools
 import os
+import sys
 import weakref
 from typing import Any, Mapping, Optional, Tuple
 
@@ -61,6 +63,7 @@ __all__ = [
     "grouped_topk",
     "select_experts",
     "fused_experts",
+    "interleave_w13",
     "inspect",
     "set_num_threads",
     "get_num_threads",
@@ -473,6 +476,7 @@ def fused_experts(
     weight_dtype: Optional[str] = None,
     swiglu_alpha: float = 1.702,
     swiglu_limit: float = 7.0,
+    w13_layout: str = "standard",
 ) -> Any:
     """Routed experts: ``out[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])``
     with ``expert_e(x) = w2[e] @ act(w13[e] @ x + w13_bias[e]) + w2_bias[e]``.
@@ -494,9 +498,17 @@ def fused_experts(
     allocated with the caller's framework on each call; the work runs on the
     current stream. topk_ids outside [0, E) add nothing there (they are not
     reported: that would need a synchronisation), where the CPU raises ValueError.
+
+    w13_layout: "standard" (the rows as above, HF's order) or "interleaved128"
+    (CUDA only, I a multiple of 128): w13's rows as ``interleave_w13(w13)``
+    leaves them, which lets the sm90 path apply the activation in the w13
+    GEMM's epilogue instead of a separate pass (same result within rounding);
+    w13_bias stays in the standard order. The CPU refuses "interleaved128"
+    (ValueError naming w13_layout): its kernels read the standard order.
     """
     activation = _str(activation, "activation",
                       "'silu', 'gelu', 'gelu_pytorch_tanh' or 'swiglu_oai'")
+    w13_layout = _str(w13_layout, "w13_layout", "'standard' or 'interleaved128'")
     if compute_dtype is not None:
         compute_dtype = _str(compute_dtype, "compute_dtype", "'f32', 'bf16', 'f16' or None")
     for name, v in (("hidden_states", hidden_states), ("w13", w13), ("w2", w2),
@@ -513,17 +525,19 @@ def fused_experts(
                       w2_bias=w2_bias)
         return _torch.ops.fusedmoe.fused_experts(
             hidden_states, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias,
-            apply_router_weight_on_input, compute_dtype, swiglu_alpha, swiglu_limit,
+            apply_router_weight_on_input, compute_dtype, swiglu_alpha, swiglu_limit, w13_layout,
         )
     return _fused_experts_impl(
         hidden_states, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias,
         apply_router_weight_on_input, compute_dtype, weight_dtype, swiglu_alpha, swiglu_limit,
+        w13_layout,
     )
 
 
 def _fused_experts_impl(
     hidden_states, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias,
     apply_router_weight_on_input, compute_dtype, weight_dtype, swiglu_alpha, swiglu_limit,
+    w13_layout="standard",
 ):
     x = _rows(_as_array(hidden_states, "hidden_states", _HIDDEN_CPU))
     _ndim(x, "hidden_states", 2, "[T, H]")
@@ -563,6 +577,7 @@ def _fused_experts_impl(
             _dl(x), _dl(w13), _dl(w2), _dl(tw), _dl(ids), _dl(out), activation, _dl(w13_bias),
             _dl(w2_bias), _bool(apply_router_weight_on_input, "apply_router_weight_on_input"), compute_dtype, bf16_13 or bf16_2,
             _float(swiglu_alpha, "swiglu_alpha"), _float(swiglu_limit, "swiglu_limit"),
+            w13_layout=w13_layout,
         )
         return out
     # CUDA: output in the hidden states' dtype, workspace from the caller's
@@ -580,8 +595,52 @@ def _fused_experts_impl(
         _dl(x), _dl(w13), _dl(w2), _dl(tw), _dl(ids), _dl(out), activation, _dl(w13_bias),
         _dl(w2_bias), _bool(apply_router_weight_on_input, "apply_router_weight_on_input"), compute_dtype, bf16_13 or bf16_2,
         _float(swiglu_alpha, "swiglu_alpha"), _float(swiglu_limit, "swiglu_limit"), _dl(ws), _stream(x),
+        w13_layout=w13_layout,
     )
     return out
+
+
+_W13_BLOCK = 128  # cuda::kW13Block: intermediate rows per block of the interleaved128 layout
+
+
+def interleave_w13(w13: Any) -> Any:
+    """A new copy of ``w13`` [E, 2I, H] (HF's order: gate rows 0..I-1, then up
+    rows I..2I-1) with each expert's rows in the "interleaved128" order that
+    ``fused_experts(..., w13_layout="interleaved128")`` reads on CUDA: for
+    each block b of 128 intermediate rows, gate rows b*128..b*128+127, then
+    the matching up rows I+b*128..I+b*128+127. Same array library, dtype and
+    device as ``w13`` (NumPy, torch CPU/CUDA, CuPy), contiguous; the input is
+    not changed. A load-time step: convert the weights once, not per call.
+    I must be a positive multiple of 128 (ValueError naming w13 otherwise)."""
+    _check_array(w13, "w13")
+    # torch: also under FUSEDMOE_NO_TORCH, where a tensor passed in means torch is imported
+    torch_mod = _torch if _torch is not None else sys.modules.get("torch")
+    torch_in = torch_mod is not None and isinstance(w13, torch_mod.Tensor)
+    if not (isinstance(w13, np.ndarray) or torch_in or _is_cupy(w13)):
+        t = type(w13)
+        raise TypeError(f"w13: expected a NumPy array, torch tensor or CuPy array, got "
+                        f"{t.__module__}.{t.__name__}")
+    shape = tuple(int(n) for n in w13.shape)
+    if len(shape) != 3:
+        raise ValueError(f"w13: expected a 3-d array [E, 2I, H], got shape {shape}")
+    E, I2, H = shape
+    if I2 % 2:
+        raise ValueError(f"w13: expected [E, 2I, H] with an even middle size 2I (I gate rows, "
+                         f"then I up rows), got shape {shape}")
+    inter = I2 // 2
+    if inter == 0 or inter % _W13_BLOCK:
+        raise ValueError(f"w13: expected [E, 2I, H] with I a positive multiple of {_W13_BLOCK} "
+                         f"(the interleaved128 layout's block), got I = {inter} (shape {shape})")
+    # CuPy: the copies on w13's device, whichever is current (torch keeps a tensor's own)
+    with w13.device if _is_cupy(w13) else contextlib.nullcontext():
+        # [E, (gate|up), block, 128, H] -> [E, block, (gate|up), 128, H], copied to a new,
+        # contiguous array (also where no row moves: I = 128)
+        blocks = w13.reshape(E, 2, inter // _W13_BLOCK, _W13_BLOCK, H)
+        if torch_in:
+            out = blocks.transpose(1, 2).clone(memory_format=torch_mod.contiguous_format)
+        else:  # NumPy / CuPy: copy() is C-ordered
+            out = blocks.transpose(0, 2, 1, 3, 4).copy()
+        return out.reshape(E, I2, H)
 
 
 def _ndim_ok(x: Any, ndim: int) -> bool:

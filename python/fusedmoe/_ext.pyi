@@ -13,9 +13,9 @@ __version__: str
 
 cuda_built: bool
 
-def fused_experts(hidden_states: Annotated[NDArray, dict(writable=False)], w13: Annotated[NDArray, dict(writable=False)], w2: Annotated[NDArray, dict(writable=False)], topk_weights: Annotated[NDArray, dict(writable=False)], topk_ids: Annotated[NDArray, dict(writable=False)], output: NDArray, activation: str, w13_bias: Annotated[NDArray, dict(writable=False)] | None, w2_bias: Annotated[NDArray, dict(writable=False)] | None, apply_router_weight_on_input: bool, compute_dtype: str, weights_u16_is_bf16: bool, swiglu_alpha: float, swiglu_limit: float, workspace: NDArray | None = None, stream: int = 0) -> None:
+def fused_experts(hidden_states: Annotated[NDArray, dict(writable=False)], w13: Annotated[NDArray, dict(writable=False)], w2: Annotated[NDArray, dict(writable=False)], topk_weights: Annotated[NDArray, dict(writable=False)], topk_ids: Annotated[NDArray, dict(writable=False)], output: NDArray, activation: str, w13_bias: Annotated[NDArray, dict(writable=False)] | None, w2_bias: Annotated[NDArray, dict(writable=False)] | None, apply_router_weight_on_input: bool, compute_dtype: str, weights_u16_is_bf16: bool, swiglu_alpha: float, swiglu_limit: float, workspace: NDArray | None = None, stream: int = 0, w13_layout: str = 'standard') -> None:
     """
-    Routed experts (prepare -> w13 GEMM -> activation -> w2 GEMM -> weighted sum) into `output` [T, H]. CUDA arrays: `workspace` uint8 of at least cuda_fused_experts_workspace_bytes(...) bytes, `stream` a cudaStream_t.
+    Routed experts (prepare -> w13 GEMM -> activation -> w2 GEMM -> weighted sum) into `output` [T, H]. CUDA arrays: `workspace` uint8 of at least cuda_fused_experts_workspace_bytes(...) bytes, `stream` a cudaStream_t. `w13_layout`: "standard" (gate rows, then up rows) or, on CUDA only, "interleaved128" (the order interleave_w13 writes).
     """
 
 def cuda_fused_experts_workspace_bytes(num_tokens: int, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, apply_router_weight_on_input: bool = False) -> int:

@@ -13,7 +13,7 @@ caching allocator, nothing synchronised), so the ops can be captured in a
 Ops:
   fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation,
                 w13_bias, w2_bias, apply_router_weight_on_input, compute_dtype,
-                swiglu_alpha, swiglu_limit) -> Tensor [T, H] (hidden_states' dtype)
+                swiglu_alpha, swiglu_limit, w13_layout) -> Tensor [T, H] (hidden_states' dtype)
   fused_topk(gating_output, topk, renormalize, scoring_func) -> (f32 [T, k], i32 [T, k])
   grouped_topk(gating_output, topk, renormalize, num_expert_group, topk_group,
                scoring_func, e_score_correction_bias, routed_scaling_factor,
@@ -71,17 +71,18 @@ def fused_experts(
     compute_dtype: Optional[str] = None,
     swiglu_alpha: float = 1.702,
     swiglu_limit: float = 7.0,
+    w13_layout: str = "standard",
 ) -> Tensor:
     return _fm._fused_experts_impl(
         hidden_states, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias,
-        apply_router_weight_on_input, compute_dtype, None, swiglu_alpha, swiglu_limit,
+        apply_router_weight_on_input, compute_dtype, None, swiglu_alpha, swiglu_limit, w13_layout,
     )
 
 
 @fused_experts.register_fake
 def _(hidden_states, w13, w2, topk_weights, topk_ids, activation="silu", w13_bias=None,
       w2_bias=None, apply_router_weight_on_input=False, compute_dtype=None,
-      swiglu_alpha=1.702, swiglu_limit=7.0):
+      swiglu_alpha=1.702, swiglu_limit=7.0, w13_layout="standard"):
     _check_2d(hidden_states, "hidden_states")
     _check_devices("hidden_states", hidden_states, w13=w13, w2=w2, topk_weights=topk_weights,
                    topk_ids=topk_ids, w13_bias=w13_bias, w2_bias=w2_bias)

@@ -274,6 +274,15 @@ DType parse_compute_dtype(const std::string& s, const char* name) {
   return parse_dtype_option(s, name, {"f32", "bf16", "f16"}, " (f16: CUDA only)");
 }
 
+// fused_experts' w13_layout: "standard" (HF's order: gate rows [0, I), then up
+// rows [I, 2I)) or "interleaved128" (cuda::W13Layout::kInterleaved128, the
+// order fusedmoe.interleave_w13 writes; CUDA only). Returns true for the latter.
+bool parse_w13_layout(const std::string& s) {
+  FUSEDMOE_CHECK(s == "standard" || s == "interleaved128",
+                 "w13_layout: expected \"standard\" or \"interleaved128\", got \"", s, "\"");
+  return s == "interleaved128";
+}
+
 // Arrays a router reads besides the logits, given although the configured
 // router would ignore them: token_ids / hash_table belong to hash routing only.
 void check_hash_inputs_used(const MoEConfig& c, bool has_token_ids, bool has_hash_table) {
@@ -369,6 +378,7 @@ cuda::FusedExpertsArgs cuda_fused_experts_args(const TensorView& x, const Expert
                                                const TensorView& tw, const TensorView& ti,
                                                const TensorView& out, const ExpertsParams& params,
                                                bool apply_router_weight_on_input,
+                                               bool w13_interleaved,
                                                const std::optional<TensorView>& ws) {
   const Device dev = x.device();
   check_dtype(x, "hidden_states", {DType::kF32, DType::kBF16, DType::kF16});
@@ -397,6 +407,10 @@ cuda::FusedExpertsArgs cuda_fused_experts_args(const TensorView& x, const Expert
   FUSEDMOE_CHECK(tw.ndim() == 2, "topk_weights: expected [T, k], got ", tw.str());
   const int64_t k = tw.size(1);
   FUSEDMOE_CHECK(k >= 1, "topk_weights: expected [T, k] with k >= 1 (top_k), got ", tw.str());
+  FUSEDMOE_CHECK(!w13_interleaved || I % cuda::kW13Block == 0,
+                 "w13_layout: \"interleaved128\" needs the intermediate size I a multiple of ",
+                 cuda::kW13Block, ", got I = ", I, " (w2 ", w.w2.view().str(),
+                 "); pass w13_layout=\"standard\" with w13 in HF's order");
   check_tensor(x, "hidden_states", x.dtype(), {T, H}, true, dev);
   check_tensor(w.w13, "w13", w.w13.dtype(), {E, 2 * I, H}, true, dev);
   check_tensor(w.w2, "w2", w.w13.dtype(), {E, H, I}, true, dev);
@@ -433,6 +447,7 @@ cuda::FusedExpertsArgs cuda_fused_experts_args(const TensorView& x, const Expert
   a.top_k = k;
   a.weight_dtype = w.w13.dtype();
   a.w13 = w.w13.data_as<const uint16_t>();
+  a.w13_layout = w13_interleaved ? cuda::W13Layout::kInterleaved128 : cuda::W13Layout::kStandard;
   a.w2 = w.w2.data_as<const uint16_t>();
   a.w13_bias = w.w13_bias ? w.w13_bias->data_as<const float>() : nullptr;
   a.w2_bias = w.w2_bias ? w.w2_bias->data_as<const float>() : nullptr;
@@ -452,7 +467,7 @@ void fused_experts(const InArray& hidden_states, const InArray& w13, const InArr
                    const std::string& activation, const OptIn& w13_bias, const OptIn& w2_bias,
                    bool apply_router_weight_on_input, const std::string& compute_dtype,
                    bool weights_u16_is_bf16, float swiglu_alpha, float swiglu_limit,
-                   const OptOut& workspace, uintptr_t stream) {
+                   const OptOut& workspace, uintptr_t stream, const std::string& w13_layout) {
   const TensorView x = view_of(hidden_states, "hidden_states");
   ExpertWeights weights;
   weights.w13 = borrow(view_of(w13, "w13", weights_u16_is_bf16));
@@ -488,15 +503,20 @@ void fused_experts(const InArray& hidden_states, const InArray& w13, const InArr
   params.activation.swiglu_alpha = swiglu_alpha;
   params.activation.swiglu_limit = swiglu_limit;
   params.compute_dtype = parse_compute_dtype(compute_dtype, "compute_dtype");
+  const bool w13_interleaved = parse_w13_layout(w13_layout);
   if (dev.type == DeviceType::kCUDA) {
 #ifdef FUSEDMOE_WITH_CUDA
-    const cuda::FusedExpertsArgs a =
-        cuda_fused_experts_args(x, weights, tw, ti, out, params, apply_router_weight_on_input, ws);
+    const cuda::FusedExpertsArgs a = cuda_fused_experts_args(
+        x, weights, tw, ti, out, params, apply_router_weight_on_input, w13_interleaved, ws);
     nb::gil_scoped_release release;
     cuda::fused_experts(a, ws->data(), ws->nbytes(), reinterpret_cast<cuda::Stream>(stream));
 #endif
     return;
   }
+  FUSEDMOE_CHECK(!w13_interleaved,
+                 "w13_layout: \"interleaved128\" runs on the CUDA backend only (CUDA arrays); "
+                 "the CPU kernels read w13 in HF's order: pass w13_layout=\"standard\" and w13 "
+                 "as it was before interleave_w13");
   FUSEDMOE_CHECK(params.compute_dtype != DType::kF16,
                  "compute_dtype: \"f16\" runs on the CUDA backend only (CUDA tensors)");
   check_dtype(x, "hidden_states", {DType::kF32});
@@ -575,7 +595,7 @@ std::pair<double, double> time_fused_experts_cuda(const InArray& hidden_states, 
   ExpertsParams params;
   params.compute_dtype = DType::kBF16;
   const cuda::FusedExpertsArgs a =
-      cuda_fused_experts_args(x, weights, tw, ti, out, params, false, ws);
+      cuda_fused_experts_args(x, weights, tw, ti, out, params, false, false, ws);
   const auto s = reinterpret_cast<cuda::Stream>(stream);
   nb::gil_scoped_release release;
   const auto t0 = std::chrono::steady_clock::now();
@@ -946,9 +966,12 @@ NB_MODULE(_ext, m) {
         "topk_ids"_a, "output"_a, "activation"_a, "w13_bias"_a.none(), "w2_bias"_a.none(),
         "apply_router_weight_on_input"_a, "compute_dtype"_a, "weights_u16_is_bf16"_a,
         "swiglu_alpha"_a, "swiglu_limit"_a, "workspace"_a.none() = nb::none(), "stream"_a = 0,
+        "w13_layout"_a = "standard",
         "Routed experts (prepare -> w13 GEMM -> activation -> w2 GEMM -> weighted sum) into "
         "`output` [T, H]. CUDA arrays: `workspace` uint8 of at least "
-        "cuda_fused_experts_workspace_bytes(...) bytes, `stream` a cudaStream_t.");
+        "cuda_fused_experts_workspace_bytes(...) bytes, `stream` a cudaStream_t. `w13_layout`: "
+        "\"standard\" (gate rows, then up rows) or, on CUDA only, \"interleaved128\" (the "
+        "order interleave_w13 writes).");
   m.def("cuda_fused_experts_workspace_bytes", &cuda_workspace_bytes, "num_tokens"_a,
         "hidden_size"_a, "intermediate_size"_a, "num_experts"_a, "top_k"_a,
         "apply_router_weight_on_input"_a = false,

@@ -146,6 +146,61 @@ def test_fused_experts_cuda_float16_weights(g, T, E, k, hidden_dtype):
         fusedmoe.fused_experts(x, w13h, w2h, tw, ids, compute_dtype="bf16")
 
 
+# T = 1: the decode kernels; 40 (10 rows an expert): the grouped GEMMs; 600 (150 rows an
+# expert): the sm90 path on an H200, where the activation runs in the w13 GEMM's epilogue.
+@pytest.mark.parametrize("T", [1, 40, 600])
+@pytest.mark.parametrize("activation", ["silu", "swiglu_oai"])
+def test_fused_experts_cuda_interleaved128_w13(g, T, activation):
+    x, w13, w2, tw, ids, b13, b2 = _case(g, T=T, E=8, H=256, I=256, k=2, bias=True)
+    w13i = fusedmoe.interleave_w13(w13)
+    assert w13i.is_cuda and w13i.dtype == w13.dtype and w13i.shape == w13.shape
+    assert torch.equal(w13i.cpu(), fusedmoe.interleave_w13(w13.cpu()))
+    ref = _ref(x, w13, w2, tw, ids, b13, b2, activation)
+    want = fusedmoe.fused_experts(x, w13, w2, tw, ids, activation, b13, b2)
+    # the biases stay in the standard order
+    got = fusedmoe.fused_experts(x, w13i, w2, tw, ids, activation, b13, b2,
+                                 w13_layout="interleaved128")
+    assert got.is_cuda and got.dtype == x.dtype and got.shape == x.shape
+    err_std, err = (rel_l2(o.float().cpu().numpy(), ref) for o in (want, got))
+    assert err_std <= 1e-2 and err <= 1e-2, (err_std, err)
+    # the layout reaches the kernels: the interleaved rows read as standard ones are wrong
+    wrong = fusedmoe.fused_experts(x, w13i, w2, tw, ids, activation, b13, b2)
+    assert rel_l2(wrong.float().cpu().numpy(), ref) > 0.1
+    # the torch op, and (once) a torch.compile(fullgraph=True) function calling fused_experts
+    op = torch.ops.fusedmoe.fused_experts(x, w13i, w2, tw, ids, activation, b13, b2,
+                                          w13_layout="interleaved128")
+    torch.testing.assert_close(op, got, rtol=0, atol=0)
+    if T == 40 and activation == "silu":
+        torch._dynamo.reset()
+        f = torch.compile(lambda *a: fusedmoe.fused_experts(*a, w13_layout="interleaved128"),
+                          fullgraph=True, backend="aot_eager")
+        torch.testing.assert_close(f(x, w13i, w2, tw, ids, activation, b13, b2), got,
+                                   rtol=0, atol=0)
+
+
+def test_interleave_w13_cupy(g):
+    cupy = pytest.importorskip("cupy")
+    w13 = _case(g, T=1, E=2, H=16, I=256)[1]
+    cw13 = cupy.from_dlpack(w13.view(torch.int16)).view(cupy.uint16)  # bf16 bit patterns
+    got = fusedmoe.interleave_w13(cw13)
+    assert isinstance(got, cupy.ndarray) and got.dtype == cupy.uint16 and got.shape == cw13.shape
+    assert got.data.ptr != cw13.data.ptr and got.device.id == cw13.device.id
+    want = fusedmoe.interleave_w13(w13).view(torch.int16).cpu().numpy().view(np.uint16)
+    np.testing.assert_array_equal(cupy.asnumpy(got), want)
+
+
+def test_fused_experts_cuda_interleaved128_needs_i_multiple_of_128(g):
+    x, w13, w2, tw, ids, _, _ = _case(g, T=4, E=4, H=64, I=48, k=2)
+    with pytest.raises(ValueError, match=r'^w13_layout: "interleaved128" needs the intermediate '
+                                         r'size I a multiple of 128, got I = 48'):
+        fusedmoe.fused_experts(x, w13, w2, tw, ids, w13_layout="interleaved128")
+    with pytest.raises(ValueError, match='^w13_layout: expected "standard" or "interleaved128", '
+                                         'got "interleaved"'):
+        fusedmoe.fused_experts(x, w13, w2, tw, ids, w13_layout="interleaved")
+    with pytest.raises(ValueError, match=r"^w13: .*multiple of 128 .*got I = 48"):
+        fusedmoe.interleave_w13(w13)
+
+
 def test_hf_fixture_cuda_layer_float16():
     arch, layer, T = next(c for c in CASES if c[0] == "mixtral")
     ref = read_safetensors(HF / arch / "reference.safetensors")
