@@ -249,17 +249,6 @@ __global__ void __launch_bounds__(Cfg::kThreads) grouped_gemm_kernel(const Param
   auto tile_off = [](int rows, int r, int c) {
     return static_cast<uint32_t>((c >> 3) * rows * 128) + swz(r, c & 7);
   };
-  // The sorted_slot entries of the A rows this thread loads, read one item
-  // ahead: read at the item's setup, that dependent global load stalled the
-  // load side and the math issued behind it at every item (short-K items).
-  int32_t a_slot[kAChunks];
-  auto fetch_slots = [&](int64_t work) {
-    if (work >= total_work) return;
-    const Work w = decode(work);
-#pragma unroll
-    for (int i = 0; i < kAChunks; ++i)
-      a_slot[i] = slot_of(w.row0 + (tid + i * kThreads) / kRowChunks);
-  };
   const uint16_t* a_ptr[kAChunks];
   bool a_ok[kAChunks];
   uint32_t a_dst[kAChunks];
@@ -273,7 +262,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) grouped_gemm_kernel(const Param
 #pragma unroll
     for (int i = 0; i < kAChunks; ++i) {
       const int idx = tid + i * kThreads, r = idx / kRowChunks, c = idx % kRowChunks;
-      const int32_t slot = a_slot[i];
+      const int32_t slot = slot_of(w.row0 + r);
       const int32_t src =
           slot < 0 || dense ? slot : (p.gather ? slot / p.a_div : static_cast<int32_t>(w.row0 + r));
       a_ok[i] = src >= 0;
@@ -301,7 +290,6 @@ __global__ void __launch_bounds__(Cfg::kThreads) grouped_gemm_kernel(const Param
       b_dst[i] = BM * kBK * 2 + tile_off(BN, rr, c);
       b_chunk[i] = c;
     }
-    fetch_slots(work + gridDim.x);
   };
   auto load_stage = [&](int stage, int kt) {
     const uint32_t base = smem_base + stage * Cfg::kStageBytes;
@@ -344,7 +332,6 @@ __global__ void __launch_bounds__(Cfg::kThreads) grouped_gemm_kernel(const Param
     return wn * WTN + ni * 8;
   };
 
-  fetch_slots(blockIdx.x);
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) issue_next();
 
@@ -358,33 +345,12 @@ __global__ void __launch_bounds__(Cfg::kThreads) grouped_gemm_kernel(const Param
       for (int ni = 0; ni < NI; ++ni)
 #pragma unroll
         for (int c = 0; c < 4; ++c) acc[mi][ni][c] = 0.0f;
-    // The scatter epilogue's slots (and, from the last k step on, their
-    // row_scale): read before the main loop that hides their latency.
-    const int g_row = lane >> 2, g_col = (lane & 3) * 2;
-    int32_t ep_slot[MI][2];
-    float ep_scale[MI][2];
-    if constexpr (!kGlu) {
-#pragma unroll
-      for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          ep_slot[mi][h] = slot_of(w.row0 + wm * WTM + mi * 16 + g_row + h * 8);
-          ep_scale[mi][h] = 1.0f;
-        }
-    }
 
     // ---- main loop ----
     for (int kt = 0; kt < k_tiles; ++kt, ++step) {
       cp_async_wait<STAGES - 2>();
       __syncthreads();  // step's tiles visible; step - 1's stage free for the loads below
       issue_next();
-      if (!kGlu && p.row_scale && kt == k_tiles - 1) {
-#pragma unroll
-        for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-          for (int h = 0; h < 2; ++h)
-            if (ep_slot[mi][h] >= 0) ep_scale[mi][h] = p.row_scale[ep_slot[mi][h]];
-      }
 
       const uint32_t a_base = smem_base + static_cast<int>(step % STAGES) * Cfg::kStageBytes;
       const uint32_t b_base = a_base + BM * kBK * 2;
@@ -413,6 +379,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) grouped_gemm_kernel(const Param
     }
 
     // ---- epilogue (registers -> global; the next item's loads are in flight) ----
+    const int g_row = lane >> 2, g_col = (lane & 3) * 2;
     const int64_t row0 = w.row0;
     if (kGlu) {
       auto* out = static_cast<T*>(p.out);
@@ -446,9 +413,10 @@ __global__ void __launch_bounds__(Cfg::kThreads) grouped_gemm_kernel(const Param
       for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const int32_t slot = ep_slot[mi][h];
+          const int r = wm * WTM + mi * 16 + g_row + h * 8;
+          const int32_t slot = slot_of(row0 + r);
           if (slot < 0) continue;
-          const float scale = ep_scale[mi][h];
+          const float scale = p.row_scale ? p.row_scale[slot] : 1.0f;
           float* orow = out + static_cast<int64_t>(slot) * p.ldc;
 #pragma unroll
           for (int ni = 0; ni < NI; ++ni) {
