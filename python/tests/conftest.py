@@ -163,3 +163,16 @@ def rng(request):
     request.node.user_properties.append(("seed", seed))
     print(f"seed = {seed}")
     return np.random.default_rng(seed)
+
+
+def experts_case(rng, I: int, w2_scale: float, T: int = 5, E: int = 4, H: int = 16,
+                 k: int = 2) -> dict:
+    """Random fused_experts inputs: x [T, H], w13 [E, 2I, H], w2 [E, H, I] (f32),
+    topk_weights [T, k] and k distinct topk_ids per token."""
+    return dict(
+        x=rng.standard_normal((T, H)).astype(np.float32),
+        w13=(rng.standard_normal((E, 2 * I, H)) / 4).astype(np.float32),
+        w2=(rng.standard_normal((E, H, I)) / w2_scale).astype(np.float32),
+        tw=rng.random((T, k)).astype(np.float32),
+        ids=np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32),
+    )

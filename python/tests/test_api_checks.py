@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import fusedmoe
-from conftest import HF, REPO
+from conftest import HF, REPO, experts_case
 
 TINY_DSV3 = REPO / "models" / "tiny-deepseek-v3"
 
@@ -30,14 +30,7 @@ def mixtral():
 
 @pytest.fixture
 def case(rng):
-    T, E, H, I, k = 5, 4, 16, 8, 2
-    return dict(
-        x=rng.standard_normal((T, H)).astype(np.float32),
-        w13=(rng.standard_normal((E, 2 * I, H)) / 4).astype(np.float32),
-        w2=(rng.standard_normal((E, H, I)) / 3).astype(np.float32),
-        tw=rng.random((T, k)).astype(np.float32),
-        ids=np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32),
-    )
+    return experts_case(rng, I=8, w2_scale=3)
 
 
 # ---- 1. autograd: inference only -------------------------------------------------------

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import fusedmoe
+from conftest import experts_case
 
 
 def _interleaved_by_loop(w13: np.ndarray) -> np.ndarray:
@@ -157,14 +158,7 @@ def test_interleave_w13_other_dlpack_arrays_are_named():
 
 @pytest.fixture
 def case(rng):
-    T, E, H, I, k = 5, 4, 16, 128, 2
-    return dict(
-        x=rng.standard_normal((T, H)).astype(np.float32),
-        w13=(rng.standard_normal((E, 2 * I, H)) / 4).astype(np.float32),
-        w2=(rng.standard_normal((E, H, I)) / 11).astype(np.float32),
-        tw=rng.random((T, k)).astype(np.float32),
-        ids=np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32),
-    )
+    return experts_case(rng, I=128, w2_scale=11)
 
 
 def _args(c, lib=None):
