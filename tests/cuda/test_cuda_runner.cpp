@@ -253,6 +253,41 @@ TEST(CudaRunner, InterleavedW13OnEveryPath) {
   unsetenv("FUSEDMOE_CUDA_W13_LAYOUT");
 }
 
+// With the activation in the w13 epilogue the layer's sm90 scratch holds no w13
+// output rows (h13: slots x 2I half-type elements); the separate activation
+// pass switched on after set-up is refused, naming the switch, instead of
+// writing past the workspace.
+TEST(CudaRunner, EpilogueScratchHasNoW13Rows) {
+  FUSEDMOE_REQUIRE_CUDA();
+  if (!cuda::sm90_experts_available()) GTEST_SKIP() << "no sm90 path on this device";
+  {
+    const int64_t T = 4096, k = 2, E = 8, H = 4096, I = 14336;  // Mixtral-8x7B
+    const size_t with_h13 = cuda::routed_scratch_bytes(T, k, E, H, I, true, false);
+    const size_t without = cuda::routed_scratch_bytes(T, k, E, H, I, true, true);
+    EXPECT_EQ(with_h13 - without, static_cast<size_t>(T * k * 2 * I * 2));
+  }
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  MoEConfig c = test::arch_config("mixtral", 16, 4, 136, 256);
+  MoELayerWeights lw = test::random_layer(rng, c, DType::kBF16);
+  const int64_t T = 600, H = c.hidden_size;
+  MoERunner gpu(c, lw, cuda_options(T));
+  DeviceTensor x = DeviceTensor::from_host(test::randn_f32(rng, {T, H}));
+  DeviceTensor out(DType::kF32, {T, H});
+  gpu.forward(x, out);  // the epilogue: fits
+  CUDA_OK(cudaDeviceSynchronize());
+  setenv("FUSEDMOE_CUDA_SM90_GLU", "pass", 1);
+  try {
+    gpu.forward(x, out);
+    ADD_FAILURE() << "the separate pass ran in a scratch sized for the epilogue";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("FUSEDMOE_CUDA_SM90_GLU"), std::string::npos) << e.what();
+  }
+  unsetenv("FUSEDMOE_CUDA_SM90_GLU");
+  CUDA_OK(cudaDeviceSynchronize());
+}
+
 // kSimulated (benchmark routing) on the device: the ids and weights of the CPU
 // simulator for the same seed (no logits, no gate GEMM), and the layer's
 // output within bf16 tolerance of the float64 reference on those ids.

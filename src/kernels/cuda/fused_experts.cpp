@@ -35,7 +35,8 @@ class Carver {
   size_t used_ = 0;
 };
 
-RoutedScratch carve(Carver& c, int64_t T, int64_t k, int64_t E, int64_t H, int64_t I, bool sm90) {
+RoutedScratch carve(Carver& c, int64_t T, int64_t k, int64_t E, int64_t H, int64_t I, bool sm90,
+                    bool sm90_glu_epilogue) {
   const int64_t slots = T * k;
   const int64_t padded = max_padded_rows(slots, E, kMaxBlockM);
   RoutedScratch s;
@@ -47,7 +48,7 @@ RoutedScratch carve(Carver& c, int64_t T, int64_t k, int64_t E, int64_t H, int64
   s.y = c.take<float>(slots * H);
   if (sm90) {
     s.slot_row = c.take<int32_t>(slots);
-    s.sm90_ws_bytes = sm90_experts_workspace_bytes(slots, E, I);
+    s.sm90_ws_bytes = sm90_experts_workspace_bytes_for(slots, E, I, sm90_glu_epilogue);
     s.sm90_ws = c.take<char>(s.sm90_ws_bytes);
   }
   return s;
@@ -56,16 +57,17 @@ RoutedScratch carve(Carver& c, int64_t T, int64_t k, int64_t E, int64_t H, int64
 }  // namespace
 
 size_t routed_scratch_bytes(int64_t num_tokens, int64_t top_k, int64_t num_experts, int64_t hidden,
-                            int64_t inter, bool sm90) {
+                            int64_t inter, bool sm90, bool sm90_glu_epilogue) {
   Carver c(nullptr);
-  carve(c, num_tokens, top_k, num_experts, hidden, inter, sm90);
+  carve(c, num_tokens, top_k, num_experts, hidden, inter, sm90, sm90_glu_epilogue);
   return c.used();
 }
 
 RoutedScratch carve_routed_scratch(void* base, int64_t num_tokens, int64_t top_k,
-                                   int64_t num_experts, int64_t hidden, int64_t inter, bool sm90) {
+                                   int64_t num_experts, int64_t hidden, int64_t inter, bool sm90,
+                                   bool sm90_glu_epilogue) {
   Carver c(base);
-  return carve(c, num_tokens, top_k, num_experts, hidden, inter, sm90);
+  return carve(c, num_tokens, top_k, num_experts, hidden, inter, sm90, sm90_glu_epilogue);
 }
 
 int64_t routed_rows_per_expert(int64_t T, int64_t k, int64_t E) {
@@ -228,7 +230,8 @@ FunctionalWorkspace carve_functional(Carver& c, int64_t T, int64_t H, int64_t I,
                                      int64_t k) {
   FunctionalWorkspace w;
   w.xb = c.take<uint16_t>(T * H);
-  w.routed = carve(c, T, k, E, H, I, sm90_experts_available());
+  // Any w13 layout may come (FusedExpertsArgs::w13_layout): room for h13.
+  w.routed = carve(c, T, k, E, H, I, sm90_experts_available(), false);
   return w;
 }
 

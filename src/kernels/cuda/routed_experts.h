@@ -42,11 +42,19 @@ struct RoutedScratch {
 };
 // Bytes of the scratch for up to num_tokens tokens (a multiple of 256). With
 // sm90, room for the sm90_experts path too (needs sm90_experts_available()).
+// sm90_glu_epilogue: the caller keeps w13 in W13Layout::kInterleaved128 and the
+// sm90 w13 GEMM applies the activation in its epilogue
+// (pick_sm90_glu_epilogue at set-up): no room for the w13 output rows (h13).
 size_t routed_scratch_bytes(int64_t num_tokens, int64_t top_k, int64_t num_experts, int64_t hidden,
-                            int64_t inter, bool sm90);
+                            int64_t inter, bool sm90, bool sm90_glu_epilogue = false);
 // Carves the scratch out of `base` (256-byte aligned, routed_scratch_bytes long).
 RoutedScratch carve_routed_scratch(void* base, int64_t num_tokens, int64_t top_k,
-                                   int64_t num_experts, int64_t hidden, int64_t inter, bool sm90);
+                                   int64_t num_experts, int64_t hidden, int64_t inter, bool sm90,
+                                   bool sm90_glu_epilogue = false);
+// sm90_experts_workspace_bytes, without the h13 rows where glu_epilogue (the
+// activation in the w13 GEMM's epilogue: they are never written).
+size_t sm90_experts_workspace_bytes_for(int64_t num_slots, int64_t num_experts, int64_t inter,
+                                        bool glu_epilogue);
 
 // Expected rows per touched expert for T tokens routed uniformly to k of E
 // experts: T * k / (E * (1 - (1 - k/E)^T)), rounded.

@@ -170,10 +170,17 @@ size_t h13_bytes(int64_t rows, int64_t inter) {
 
 void glu_pass(const GemmGluGemm& a, const uint16_t* h13, Stream stream);
 
+// Whether the w13 GEMM applies the activation in its epilogue (no h13 rows).
+bool glu_in_epilogue(const GemmGluGemm& a) {
+  return a.w13_interleaved &&
+         pick_sm90_glu_epilogue(a.rows_per_expert, a.num_experts, a.hidden, a.inter);
+}
+
 void gemm_glu_gemm(const GemmGluGemm& a, Stream stream) {
   const int64_t H = a.hidden, I = a.inter, E = a.num_experts, rows = a.max_rows;
-  auto* h13 = static_cast<uint16_t*>(a.workspace);
-  const size_t h13b = h13_bytes(rows, I);
+  const bool epilogue = glu_in_epilogue(a);
+  auto* h13 = static_cast<uint16_t*>(a.workspace);  // unused with the epilogue
+  const size_t h13b = epilogue ? 0 : h13_bytes(rows, I);
 
   sm90::Sm90GemmArgs g;
   g.a = a.a;
@@ -188,7 +195,7 @@ void gemm_glu_gemm(const GemmGluGemm& a, Stream stream) {
   g.workspace_bytes = a.workspace_bytes - h13b;
   const bool f16 = a.dtype == DType::kF16;
   FUSEDMOE_CHECK(!f16 || !a.y_bf16, "sm90 experts: f16 writes f32 rows");
-  if (a.w13_interleaved && pick_sm90_glu_epilogue(a.rows_per_expert, E, H, I)) {
+  if (epilogue) {
     // inter_rows = act(a . w13[e]^T + b13[e]) straight from the accumulators.
     g.d = a.inter_rows;
     g.ldd = I;
@@ -259,8 +266,13 @@ bool sm90_experts_available() {
 }
 
 size_t sm90_experts_workspace_bytes(int64_t num_slots, int64_t num_experts, int64_t inter) {
+  return sm90_experts_workspace_bytes_for(num_slots, num_experts, inter, false);
+}
+
+size_t sm90_experts_workspace_bytes_for(int64_t num_slots, int64_t num_experts, int64_t inter,
+                                        bool glu_epilogue) {
 #ifdef FUSEDMOE_WITH_CUTLASS
-  const size_t h13 = h13_bytes(num_slots, inter);
+  const size_t h13 = glu_epilogue ? 0 : h13_bytes(num_slots, inter);
   size_t gemm = 0;  // the largest of the instances (bf16 and f16)
   for (const size_t b :
        {sm90::workspace_bytes_bf16out(num_experts), sm90::workspace_bytes_f32out(num_experts),
@@ -276,6 +288,7 @@ size_t sm90_experts_workspace_bytes(int64_t num_slots, int64_t num_experts, int6
   (void)num_slots;
   (void)num_experts;
   (void)inter;
+  (void)glu_epilogue;
   FUSEDMOE_THROW(kUnsupported,
                  "sm90_experts: this build has no CUTLASS (scripts/install-deps.sh installs the "
                  "headers; FUSEDMOE_CUTLASS_DIR points CMake at them)");
@@ -305,13 +318,38 @@ void sm90_experts(const Sm90ExpertsArgs& a, Stream stream) {
   FUSEDMOE_CHECK(!interleaved || I % kW13Block == 0,
                  "sm90_experts: w13_layout kInterleaved128 needs inter a multiple of ", kW13Block,
                  ", got ", I);
-  const size_t need = sm90_experts_workspace_bytes(slots, E, I);
-  FUSEDMOE_CHECK(a.workspace_bytes >= need, "sm90_experts: workspace of ", need,
-                 " bytes needed, got ", a.workspace_bytes);
-  if (slots == 0) return;
-
   // The permuted input (bf16 / f16 [slots, H]) lives in y_rows until w2 writes it.
   auto* xs = reinterpret_cast<uint16_t*>(a.y_rows);
+  const GemmGluGemm g{a.dtype,
+                      xs,
+                      slots,
+                      routed_rows_per_expert(a.num_tokens, a.top_k, E),
+                      a.expert_offsets,
+                      E,
+                      a.topk_ids,
+                      a.sorted_slot,
+                      H,
+                      I,
+                      a.w13,
+                      interleaved,
+                      a.w13_bias,
+                      a.w2,
+                      a.act,
+                      a.inter_rows,
+                      a.y_rows,
+                      a.dtype == DType::kBF16,
+                      a.workspace,
+                      a.workspace_bytes};
+  const bool epilogue = glu_in_epilogue(g);
+  const size_t need = sm90_experts_workspace_bytes_for(slots, E, I, epilogue);
+  FUSEDMOE_CHECK(a.workspace_bytes >= need, "sm90_experts: workspace of ", need,
+                 " bytes needed, got ", a.workspace_bytes,
+                 interleaved && !epilogue
+                     ? " (the activation runs as its own pass, FUSEDMOE_CUDA_SM90_GLU=pass: "
+                       "room for the w13 output rows is needed)"
+                     : "");
+  if (slots == 0) return;
+
   const int64_t blocks = static_cast<int64_t>(num_sms()) * 16;
   const int64_t row_blocks = ceil_div(slots, 256);
   slot_row_kernel<<<static_cast<unsigned>(row_blocks < blocks ? row_blocks : blocks), 256, 0,
@@ -324,27 +362,7 @@ void sm90_experts(const Sm90ExpertsArgs& a, Stream stream) {
                                     static_cast<int>(a.top_k), H, xs);
   FUSEDMOE_CUDA_CHECK_LAUNCH();
 
-  gemm_glu_gemm({a.dtype,
-                 xs,
-                 slots,
-                 routed_rows_per_expert(a.num_tokens, a.top_k, E),
-                 a.expert_offsets,
-                 E,
-                 a.topk_ids,
-                 a.sorted_slot,
-                 H,
-                 I,
-                 a.w13,
-                 interleaved,
-                 a.w13_bias,
-                 a.w2,
-                 a.act,
-                 a.inter_rows,
-                 a.y_rows,
-                 a.dtype == DType::kBF16,
-                 a.workspace,
-                 a.workspace_bytes},
-                stream);
+  gemm_glu_gemm(g, stream);
 #else
   (void)a;
   (void)stream;
