@@ -548,6 +548,19 @@ MoELayerWeights load_or_check(const Checkpoint& checkpoint, const ModelInfo& inf
     }
     if (cfg.has_shared_expert_gate)
       out.shared_expert_gate = keep(rd.get("shared_expert_gate.weight", {1, H}));
+  } else {
+    // A shared expert in the checkpoint that the config leaves out (e.g.
+    // shared_expert_intermediate_size 0): running without it would be silently
+    // wrong (transformers refuses such a checkpoint: its weights do not fit).
+    const bool deepseek = mt == "deepseek_v2" || mt == "deepseek_v3";
+    for (const std::string t : {"shared_expert.gate_proj.weight", "shared_experts.gate_proj.weight",
+                                "shared_expert_gate.weight"})
+      if (rd.has(t))
+        FUSEDMOE_THROW(kIo, checkpoint.path(), ": tensor '", rd.full(t),
+                       "' belongs to a shared expert, but config.json gives none (",
+                       deepseek ? "n_shared_experts" : "shared_expert_intermediate_size",
+                       " 0 or absent): expected the shared expert's size in config.json, or a "
+                       "checkpoint without it");
   }
   return out;
 }

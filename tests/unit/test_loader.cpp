@@ -13,6 +13,9 @@
 #include <limits>
 #include <random>
 #include <sstream>
+#include <string>
+#include <tuple>
+#include <vector>
 
 #include "expect_error.h"
 #include "fixtures.h"
@@ -288,6 +291,50 @@ TEST(Loader, MissingExpertTensorIsNamed) {
       error_of([&] { load_moe_layer(ck, info, 1, {.progress = false}); }, ErrorCode::kIo);
   EXPECT_HAS(msg, "'" + victim + "'");
   EXPECT_HAS(msg, "missing");
+}
+
+// A checkpoint with a shared expert whose config gives none (size 0, or
+// DeepSeek's n_shared_experts null) is refused, naming the tensor and the
+// config field, not run without it.
+TEST(Loader, SharedExpertTheConfigLeavesOutIsNamed) {
+  for (const auto& [arch, from, to, field, tensor] :
+       std::vector<std::tuple<std::string, std::string, std::string, std::string, std::string>>{
+           {"qwen2_moe", "\"shared_expert_intermediate_size\": 96",
+            "\"shared_expert_intermediate_size\": 0", "shared_expert_intermediate_size",
+            "model.layers.0.mlp.shared_expert.gate_proj.weight"},
+           {"deepseek_v3", "\"n_shared_experts\": 1", "\"n_shared_experts\": null",
+            "n_shared_experts", ".mlp.shared_experts.gate_proj.weight"}}) {
+    SCOPED_TRACE(arch);
+    test::TempDir dir("loader_shared_" + arch);
+    write_modified_fixture(arch, dir, [](auto&) {});
+    std::string json;
+    {
+      std::ifstream in(dir.file("config.json"));
+      std::stringstream ss;
+      ss << in.rdbuf();
+      json = ss.str();
+    }
+    const size_t at = json.find(from);
+    ASSERT_NE(at, std::string::npos) << from;
+    json.replace(at, from.size(), to);
+    std::ofstream(dir.file("config.json"), std::ios::trunc) << json;
+    const ModelInfo info = load_model_info(dir.path());
+    const Checkpoint ck = Checkpoint::open(dir.path());
+    const int64_t layer = info.moe_layers.front();
+    ASSERT_FALSE(info.layer_config(layer).has_shared_expert());
+    for (const bool check_only : {false, true}) {
+      const std::string msg = error_of(
+          [&] {
+            if (check_only)
+              check_moe_layer(ck, info, layer);
+            else
+              load_moe_layer(ck, info, layer, {.progress = false});
+          },
+          ErrorCode::kIo);
+      EXPECT_HAS(msg, tensor);
+      EXPECT_HAS(msg, field);
+    }
+  }
 }
 
 TEST(Loader, WrongShapeOrDtypeIsNamed) {
