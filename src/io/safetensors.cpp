@@ -304,10 +304,11 @@ Checkpoint Checkpoint::open(const std::string& path) {
   if (p.filename() == "config.json" && fs::is_regular_file(p, ec))
     p = p.has_parent_path() ? p.parent_path() : fs::path(".");
   if (fs::is_directory(p, ec)) {
-    if (fs::exists(p / "model.safetensors.index.json", ec)) {
-      index = p / "model.safetensors.index.json";
-    } else if (fs::exists(p / "model.safetensors", ec)) {
+    // model.safetensors first, then the index: transformers' from_pretrained order.
+    if (fs::exists(p / "model.safetensors", ec)) {
       p = p / "model.safetensors";
+    } else if (fs::exists(p / "model.safetensors.index.json", ec)) {
+      index = p / "model.safetensors.index.json";
     } else {
       FUSEDMOE_THROW(kIo, path,
                      ": checkpoint directory has neither model.safetensors nor "

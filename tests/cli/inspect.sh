@@ -67,13 +67,14 @@ rc=0; "$BIN" inspect "$TMP/cut.safetensors" >/dev/null 2>"$TMP/err" || rc=$?
 # the shard each with an error naming it, exit code 1 (README: a layer that fails
 # prints the loader's error).
 mkdir -p "$TMP/one-gone"
-cp "$DATA/hf/deepseek_v3/config.json" "$DATA/hf/deepseek_v3/model.safetensors" "$TMP/one-gone/"
+cp "$DATA/hf/deepseek_v3/config.json" "$TMP/one-gone/"
+cp "$DATA/hf/deepseek_v3/model.safetensors" "$TMP/one-gone/model-00001-of-00002.safetensors"
 python3 - "$TMP/one-gone" <<'PY'
 import json, struct, sys
 d = sys.argv[1]
-raw = open(f"{d}/model.safetensors", "rb").read()
+raw = open(f"{d}/model-00001-of-00002.safetensors", "rb").read()
 names = [k for k in json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]]) if k != "__metadata__"]
-json.dump({"weight_map": {k: "gone.safetensors" if ".layers.2." in k else "model.safetensors" for k in names}},
+json.dump({"weight_map": {k: "gone.safetensors" if ".layers.2." in k else "model-00001-of-00002.safetensors" for k in names}},
           open(f"{d}/model.safetensors.index.json", "w"))
 PY
 rc=0; "$BIN" inspect "$TMP/one-gone" >"$TMP/text" 2>"$TMP/err" || rc=$?

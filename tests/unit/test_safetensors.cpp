@@ -419,6 +419,18 @@ TEST(Checkpoint, ShardedThroughIndex) {
   EXPECT_HAS(msg, "model-00002-of-00002.safetensors");
   msg = error_of([&] { ck.get("z"); });
   EXPECT_HAS(msg, "no tensor named 'z'");
+  // A directory with model.safetensors beside the index loads model.safetensors,
+  // as transformers' from_pretrained does; the index stays reachable by its path.
+  {
+    TempDir both("ckpt_both");
+    save_safetensors(both.file("model.safetensors"), {{"s.only", c}});
+    save_safetensors(both.file("model-00001-of-00002.safetensors"), {{"x.a", a}, {"x.b", b}});
+    save_safetensors(both.file("model-00002-of-00002.safetensors"), {{"y.c", c}});
+    fs::copy_file(dir.file("model.safetensors.index.json"),
+                  both.file("model.safetensors.index.json"));
+    EXPECT_EQ(Checkpoint::open(both.path()).names(), (std::vector<std::string>{"s.only"}));
+    EXPECT_TRUE(Checkpoint::open(both.file("model.safetensors.index.json")).contains("x.a"));
+  }
   // The index file itself can be given; a broken index is an Error(kIo).
   EXPECT_TRUE(Checkpoint::open(dir.file("model.safetensors.index.json")).contains("x.b"));
   {
