@@ -547,7 +547,26 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
   try {
     c.validate();
   } catch (const Error& e) {
-    throw Error(e.code(), detail::concat(where, " (", mt, "): ", e.what()));
+    // validate() names MoEConfig's fields: say which config.json field each
+    // came from ("field 'num_experts_per_tok' (top_k): ...").
+    std::string msg = e.what();
+    const std::string field = msg.substr(0, msg.find(": "));
+    const char* key = nullptr;
+    if (field == "top_k")
+      f.find({"num_experts_per_tok"}, &key);
+    else if (field == "num_experts")
+      f.find({"n_routed_experts", "num_local_experts", "num_experts"}, &key);
+    else if (field == "intermediate_size")
+      f.find({"moe_intermediate_size", "intermediate_size"}, &key);
+    else if (field == "hidden_size")
+      f.find({"hidden_size"}, &key);
+    else if (field == "num_expert_group")
+      f.find({"n_group"}, &key);
+    else if (field == "topk_group" || field == "routed_scaling_factor")
+      f.find({field == "topk_group" ? "topk_group" : "routed_scaling_factor"}, &key);
+    if (key != nullptr && field.size() < msg.size())
+      msg = detail::concat("field '", key, "' (", field, ")", msg.substr(field.size()));
+    throw Error(e.code(), detail::concat(where, " (", mt, "): ", msg));
   }
   info.moe_layers = layers;
   for (int64_t l : layers) info.layer_configs.emplace(l, c);

@@ -172,7 +172,12 @@ TEST(HfConfig, MissingAndInvalidFields) {
   j["num_experts_per_tok"] = 17;
   std::string msg = error_of([&] { parse(j); }, ErrorCode::kInvalidArgument);
   EXPECT_HAS(msg, "test/config.json");
-  EXPECT_HAS(msg, "top_k");
+  // ... and the config.json field a failing value came from.
+  EXPECT_HAS(msg, "field 'num_experts_per_tok' (top_k): expected <= ");
+  j = fixture_json("deepseek_v3");
+  j["n_group"] = 3;  // 16 routed experts
+  EXPECT_HAS(error_of([&] { parse(j); }, ErrorCode::kInvalidArgument),
+             "field 'n_group' (num_expert_group): expected a divisor of num_experts");
   // Unknown activation.
   j = fixture_json("mixtral");
   j["hidden_act"] = "relu2";
