@@ -411,6 +411,31 @@ def _weight(x: Any, name: str, weight_dtype: Optional[str]) -> Tuple[Any, bool]:
     return x, False
 
 
+def _cpu_bias(x: Any, name: str, weight_dtype: Optional[str]) -> Any:
+    """An expert bias on the CPU: float32 or bfloat16 (torch.bfloat16,
+    ml_dtypes.bfloat16, or uint16 bit patterns with weight_dtype="bf16"),
+    whatever the weights' type; converted to float32 (exact; biases are tiny),
+    contiguous. Another dtype raises TypeError naming `name` and the dtype
+    given."""
+    x = _as_array(x, name, "dtype float32 or bfloat16")
+    if isinstance(x, np.ndarray):
+        if x.dtype.name == "bfloat16":  # ml_dtypes.bfloat16
+            x = x.astype(np.float32)
+        elif x.dtype == np.uint16 and weight_dtype is not None:  # bf16 bit patterns
+            x = (x.astype(np.uint32) << 16).view(np.float32)
+        elif x.dtype == np.uint16:
+            raise TypeError(f'{name}: expected dtype float32 or bfloat16, got uint16 (pass '
+                            f'weight_dtype="bf16" for bfloat16 bit patterns)')
+        elif x.dtype != np.float32:
+            raise TypeError(f"{name}: expected dtype float32 or bfloat16, got {x.dtype}")
+    elif _is_torch(x):
+        if x.dtype == _torch.bfloat16:
+            x = x.float()
+        elif x.dtype != _torch.float32:
+            raise TypeError(f"{name}: expected dtype float32 or bfloat16, got {x.dtype}")
+    return _contiguous(x)
+
+
 _NP_DTYPES = {"f32": np.float32, "i32": np.int32, "u8": np.uint8}
 _TORCH_DTYPES: dict = {}
 if _torch is not None:
@@ -553,10 +578,10 @@ def _fused_experts_impl(
     w2, bf16_2 = _weight(w2, "w2", weight_dtype)
     if w13_bias is not None:
         w13_bias = (_f32(_as_array(w13_bias, "w13_bias", _FLOAT)) if cuda
-                    else _weight(w13_bias, "w13_bias", weight_dtype)[0])
+                    else _cpu_bias(w13_bias, "w13_bias", weight_dtype))
     if w2_bias is not None:
         w2_bias = (_f32(_as_array(w2_bias, "w2_bias", _FLOAT)) if cuda
-                   else _weight(w2_bias, "w2_bias", weight_dtype)[0])
+                   else _cpu_bias(w2_bias, "w2_bias", weight_dtype))
     if _ndim_ok(w13, 3) and w13.shape[1] == 0:
         raise ValueError(f"w13: the intermediate size is 0 (shape {tuple(w13.shape)}); expected "
                          f"[E, 2I, H] with I >= 1")
