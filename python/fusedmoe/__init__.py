@@ -674,12 +674,16 @@ def _ndim_ok(x: Any, ndim: int) -> bool:
 
 def _route(logits: Any, config: dict, e_score_correction_bias: Any = None, token_ids: Any = None,
            hash_table: Any = None, logits_name: str = "router_logits",
-           names: Optional[Mapping[str, str]] = None) -> Tuple[Any, Any]:
+           names: Optional[Mapping[str, str]] = None,
+           config_keys: Tuple[str, ...] = ()) -> Tuple[Any, Any]:
     """Routes `logits` with the config dict `config`. `names`: the caller's
     argument for each config key it filled from one (fused_topk's "topk" for
-    "top_k", ...); errors about those keys name the argument, the others keep
-    the extension's "config.<key>"."""
-    names = names or {}
+    "top_k", ...); errors about those keys name the argument. `config_keys`:
+    the keys of the caller's own config dict, named "config.<key>" (as the
+    extension names them where it reads the dict, also where the config is
+    validated). Errors about the logits name `logits_name`."""
+    names = {**(names or {}), "router_logits": logits_name}
+    names.update((key, f"config.{key}") for key in config_keys if key not in names)
     _ndim(logits, logits_name, 2, "[T, E]")
     if logits.shape[1] == 0:
         raise ValueError(f"{logits_name}: 0 experts (shape {tuple(logits.shape)}); expected "
@@ -709,6 +713,15 @@ def _route(logits: Any, config: dict, e_score_correction_bias: Any = None, token
         # The extension names a config field "config.<key>: ..." (reading the
         # dict) or "<key>: ..." (validating the config).
         head, sep, rest = str(e).partition(": ")
+        if (head == "e_score_correction_bias" and e_score_correction_bias is None
+                and rest.endswith("got none")):
+            # The extension names the C++ field (has_e_score_correction_bias).
+            shape = rest[rest.find("["):rest.find("]") + 1] or "[E]"
+            raise ValueError(
+                f"e_score_correction_bias: expected float32 or bfloat16 {shape} (the config's "
+                f"'e_score_correction_bias' is True), got none: pass the bias array "
+                f"(e_score_correction_bias=...), or config=layer (a MoELayer) to route with "
+                f"the layer's own bias") from None
         arg = names.get(head[len("config."):] if head.startswith("config.") else head)
         if not sep or arg is None:
             raise
@@ -875,6 +888,7 @@ def select_experts(
         raise TypeError(f"config: expected a dict, a MoELayer or None, got "
                         f"{type(config).__name__} {config!r}")
     cfg = dict(config or {})
+    config_keys = tuple(str(key) for key in cfg)
     cfg.update(fields)
     # Errors about a key given as a keyword name it as such, not as config.<key>.
     names = {key: key for key in fields}
@@ -885,12 +899,23 @@ def select_experts(
         raise ValueError("top_k: required (as an argument or in config)")
     logits = _f32_logits(_as_array(router_logits, "router_logits", _FLOAT), "router_logits")
     _ndim(logits, "router_logits", 2, "[T, E + num_zero_experts]")
-    cfg.setdefault("num_experts", int(logits.shape[1]) - int(cfg.get("num_zero_experts", 0)))
+    if "num_experts" not in cfg:  # the logits' columns minus the zero experts
+        zero = cfg.get("num_zero_experts", 0)
+        zero_name = names.get("num_zero_experts", "config.num_zero_experts")
+        if not isinstance(zero, (int, np.integer)) or isinstance(zero, (bool, np.bool_)):
+            raise TypeError(f"{zero_name}: expected int, got {type(zero).__name__} {zero!r}")
+        cols = int(logits.shape[1])
+        if 0 < zero and cols - zero < 1:
+            raise ValueError(f"{zero_name}: expected < {cols} (router_logits' columns: "
+                             f"num_experts + num_zero_experts, with num_experts >= 1), got "
+                             f"{int(zero)}")
+        cfg["num_experts"] = cols - int(zero)
     cfg.setdefault("hidden_size", 1)
     cfg.setdefault("intermediate_size", 1)
     if e_score_correction_bias is not None:
         cfg.setdefault("e_score_correction_bias", True)
-    return _route(logits, cfg, e_score_correction_bias, token_ids, hash_table, names=names)
+    return _route(logits, cfg, e_score_correction_bias, token_ids, hash_table, names=names,
+                  config_keys=config_keys)
 
 
 def _like(ref: Any, a: np.ndarray) -> Any:

@@ -350,7 +350,8 @@ MoEConfig config_from_dict(const nb::dict& d) {
                      ": expected a finite number, got ", nb::cast<double>(v));
     if (!ok)
       throw nb::type_error(("config." + nb::cast<std::string>(k) + ": expected " + expected +
-                            ", got " + nb::type_name(v.type()).c_str())
+                            ", got " + nb::type_name(v.type()).c_str() + " " +
+                            printable(nb::cast<std::string>(nb::repr(v))))
                                .c_str());
   }
   const auto text = nb::cast<std::string>(nb::module_::import_("json").attr("dumps")(d));
