@@ -964,6 +964,8 @@ class MoELayer:
         dtype: Optional[str] = None,
         threads: Optional[int] = None,
         max_num_tokens: Optional[int] = None,
+        *,
+        check_finite: bool = True,
     ) -> "MoELayer":
         """Loads MoE layer ``layer`` (default: the first MoE layer) of the HF
         checkpoint in ``model_dir`` (config.json + model.safetensors, sharded or
@@ -978,7 +980,11 @@ class MoELayer:
         "bf16" on the CPU (default "f32"); "bf16" or "f16" on CUDA (default:
         "f16" for a float16 checkpoint, else "bf16"). ``threads`` (CPU): a
         private pool of that many threads (1..1024); 0 or None: the global pool (all cores unless set_num_threads changed
-        it), as ``fusedmoe run --threads 0``."""
+        it), as ``fusedmoe run --threads 0``. ``check_finite``: every weight read
+        is checked for NaN / Inf (and values beyond f32 once converted), a
+        corrupt checkpoint raising OSError naming the tensor and the element;
+        False skips the check (a call whose tokens reach such a weight then
+        raises ValueError naming the first non-finite output)."""
         model_dir = _path(model_dir, "model_dir")
         _str(backend, "backend", "'cpu' or 'cuda'")
         if backend not in ("cpu", "cuda"):
@@ -995,7 +1001,8 @@ class MoELayer:
             threads = _num_threads(threads, "threads")
         mnt = 0 if max_num_tokens is None else _int_in(max_num_tokens, "max_num_tokens", 0,
                                                        _I64_MAX, " (0: the default 8192)")
-        return cls(_ext.MoELayer.from_pretrained(model_dir, layer, dtype, threads, backend, mnt))
+        return cls(_ext.MoELayer.from_pretrained(model_dir, layer, dtype, threads, backend, mnt,
+                                                 _bool(check_finite, "check_finite")))
 
     # -- properties
     @property
