@@ -250,7 +250,8 @@ def test_from_pretrained_argument_types():
 def test_bias_dtype_and_config_type_errors(case):
     E, I2 = case["w13"].shape[:2]
     H = case["w2"].shape[1]
-    with pytest.raises(TypeError, match="^w13_bias: expected dtype float32 or bfloat16, got float64$"):
+    with pytest.raises(TypeError,
+                       match="^w13_bias: expected dtype float32 or bfloat16, got float64$"):
         _fe(case, w13_bias=np.zeros((E, I2)), w2_bias=np.zeros((E, H), np.float32))
     with pytest.raises(TypeError, match="^hidden_states: expected dtype float32, got uint16") as e:
         _fe(case, x=case["x"].view(np.uint16)[:, ::2].copy())
