@@ -411,6 +411,31 @@ def _weight(x: Any, name: str, weight_dtype: Optional[str]) -> Tuple[Any, bool]:
     return x, False
 
 
+def _cpu_bias(x: Any, name: str, weight_dtype: Optional[str]) -> Any:
+    """An expert bias on the CPU: float32 or bfloat16 (torch.bfloat16,
+    ml_dtypes.bfloat16, or uint16 bit patterns with weight_dtype="bf16"),
+    whatever the weights' type; converted to float32 (exact; biases are tiny),
+    contiguous. Another dtype raises TypeError naming `name` and the dtype
+    given."""
+    x = _as_array(x, name, "dtype float32 or bfloat16")
+    if isinstance(x, np.ndarray):
+        if x.dtype.name == "bfloat16":  # ml_dtypes.bfloat16
+            x = x.astype(np.float32)
+        elif x.dtype == np.uint16 and weight_dtype is not None:  # bf16 bit patterns
+            x = (x.astype(np.uint32) << 16).view(np.float32)
+        elif x.dtype == np.uint16:
+            raise TypeError(f'{name}: expected dtype float32 or bfloat16, got uint16 (pass '
+                            f'weight_dtype="bf16" for bfloat16 bit patterns)')
+        elif x.dtype != np.float32:
+            raise TypeError(f"{name}: expected dtype float32 or bfloat16, got {x.dtype}")
+    elif _is_torch(x):
+        if x.dtype == _torch.bfloat16:
+            x = x.float()
+        elif x.dtype != _torch.float32:
+            raise TypeError(f"{name}: expected dtype float32 or bfloat16, got {x.dtype}")
+    return _contiguous(x)
+
+
 _NP_DTYPES = {"f32": np.float32, "i32": np.int32, "u8": np.uint8}
 _TORCH_DTYPES: dict = {}
 if _torch is not None:
@@ -553,10 +578,10 @@ def _fused_experts_impl(
     w2, bf16_2 = _weight(w2, "w2", weight_dtype)
     if w13_bias is not None:
         w13_bias = (_f32(_as_array(w13_bias, "w13_bias", _FLOAT)) if cuda
-                    else _weight(w13_bias, "w13_bias", weight_dtype)[0])
+                    else _cpu_bias(w13_bias, "w13_bias", weight_dtype))
     if w2_bias is not None:
         w2_bias = (_f32(_as_array(w2_bias, "w2_bias", _FLOAT)) if cuda
-                   else _weight(w2_bias, "w2_bias", weight_dtype)[0])
+                   else _cpu_bias(w2_bias, "w2_bias", weight_dtype))
     if _ndim_ok(w13, 3) and w13.shape[1] == 0:
         raise ValueError(f"w13: the intermediate size is 0 (shape {tuple(w13.shape)}); expected "
                          f"[E, 2I, H] with I >= 1")
@@ -649,12 +674,16 @@ def _ndim_ok(x: Any, ndim: int) -> bool:
 
 def _route(logits: Any, config: dict, e_score_correction_bias: Any = None, token_ids: Any = None,
            hash_table: Any = None, logits_name: str = "router_logits",
-           names: Optional[Mapping[str, str]] = None) -> Tuple[Any, Any]:
+           names: Optional[Mapping[str, str]] = None,
+           config_keys: Tuple[str, ...] = ()) -> Tuple[Any, Any]:
     """Routes `logits` with the config dict `config`. `names`: the caller's
     argument for each config key it filled from one (fused_topk's "topk" for
-    "top_k", ...); errors about those keys name the argument, the others keep
-    the extension's "config.<key>"."""
-    names = names or {}
+    "top_k", ...); errors about those keys name the argument. `config_keys`:
+    the keys of the caller's own config dict, named "config.<key>" (as the
+    extension names them where it reads the dict, also where the config is
+    validated). Errors about the logits name `logits_name`."""
+    names = {**(names or {}), "router_logits": logits_name}
+    names.update((key, f"config.{key}") for key in config_keys if key not in names)
     _ndim(logits, logits_name, 2, "[T, E]")
     if logits.shape[1] == 0:
         raise ValueError(f"{logits_name}: 0 experts (shape {tuple(logits.shape)}); expected "
@@ -684,6 +713,15 @@ def _route(logits: Any, config: dict, e_score_correction_bias: Any = None, token
         # The extension names a config field "config.<key>: ..." (reading the
         # dict) or "<key>: ..." (validating the config).
         head, sep, rest = str(e).partition(": ")
+        if (head == "e_score_correction_bias" and e_score_correction_bias is None
+                and rest.endswith("got none")):
+            # The extension names the C++ field (has_e_score_correction_bias).
+            shape = rest[rest.find("["):rest.find("]") + 1] or "[E]"
+            raise ValueError(
+                f"e_score_correction_bias: expected float32 or bfloat16 {shape} (the config's "
+                f"'e_score_correction_bias' is True), got none: pass the bias array "
+                f"(e_score_correction_bias=...), or config=layer (a MoELayer) to route with "
+                f"the layer's own bias") from None
         arg = names.get(head[len("config."):] if head.startswith("config.") else head)
         if not sep or arg is None:
             raise
@@ -850,6 +888,7 @@ def select_experts(
         raise TypeError(f"config: expected a dict, a MoELayer or None, got "
                         f"{type(config).__name__} {config!r}")
     cfg = dict(config or {})
+    config_keys = tuple(str(key) for key in cfg)
     cfg.update(fields)
     # Errors about a key given as a keyword name it as such, not as config.<key>.
     names = {key: key for key in fields}
@@ -860,12 +899,23 @@ def select_experts(
         raise ValueError("top_k: required (as an argument or in config)")
     logits = _f32_logits(_as_array(router_logits, "router_logits", _FLOAT), "router_logits")
     _ndim(logits, "router_logits", 2, "[T, E + num_zero_experts]")
-    cfg.setdefault("num_experts", int(logits.shape[1]) - int(cfg.get("num_zero_experts", 0)))
+    if "num_experts" not in cfg:  # the logits' columns minus the zero experts
+        zero = cfg.get("num_zero_experts", 0)
+        zero_name = names.get("num_zero_experts", "config.num_zero_experts")
+        if not isinstance(zero, (int, np.integer)) or isinstance(zero, (bool, np.bool_)):
+            raise TypeError(f"{zero_name}: expected int, got {type(zero).__name__} {zero!r}")
+        cols = int(logits.shape[1])
+        if 0 < zero and cols - zero < 1:
+            raise ValueError(f"{zero_name}: expected < {cols} (router_logits' columns: "
+                             f"num_experts + num_zero_experts, with num_experts >= 1), got "
+                             f"{int(zero)}")
+        cfg["num_experts"] = cols - int(zero)
     cfg.setdefault("hidden_size", 1)
     cfg.setdefault("intermediate_size", 1)
     if e_score_correction_bias is not None:
         cfg.setdefault("e_score_correction_bias", True)
-    return _route(logits, cfg, e_score_correction_bias, token_ids, hash_table, names=names)
+    return _route(logits, cfg, e_score_correction_bias, token_ids, hash_table, names=names,
+                  config_keys=config_keys)
 
 
 def _like(ref: Any, a: np.ndarray) -> Any:
@@ -914,6 +964,8 @@ class MoELayer:
         dtype: Optional[str] = None,
         threads: Optional[int] = None,
         max_num_tokens: Optional[int] = None,
+        *,
+        check_finite: bool = True,
     ) -> "MoELayer":
         """Loads MoE layer ``layer`` (default: the first MoE layer) of the HF
         checkpoint in ``model_dir`` (config.json + model.safetensors, sharded or
@@ -928,7 +980,11 @@ class MoELayer:
         "bf16" on the CPU (default "f32"); "bf16" or "f16" on CUDA (default:
         "f16" for a float16 checkpoint, else "bf16"). ``threads`` (CPU): a
         private pool of that many threads (1..1024); 0 or None: the global pool (all cores unless set_num_threads changed
-        it), as ``fusedmoe run --threads 0``."""
+        it), as ``fusedmoe run --threads 0``. ``check_finite``: every weight read
+        is checked for NaN / Inf (and values beyond f32 once converted), a
+        corrupt checkpoint raising OSError naming the tensor and the element;
+        False skips the check (a call whose tokens reach such a weight then
+        raises ValueError naming the first non-finite output)."""
         model_dir = _path(model_dir, "model_dir")
         _str(backend, "backend", "'cpu' or 'cuda'")
         if backend not in ("cpu", "cuda"):
@@ -945,7 +1001,8 @@ class MoELayer:
             threads = _num_threads(threads, "threads")
         mnt = 0 if max_num_tokens is None else _int_in(max_num_tokens, "max_num_tokens", 0,
                                                        _I64_MAX, " (0: the default 8192)")
-        return cls(_ext.MoELayer.from_pretrained(model_dir, layer, dtype, threads, backend, mnt))
+        return cls(_ext.MoELayer.from_pretrained(model_dir, layer, dtype, threads, backend, mnt,
+                                                 _bool(check_finite, "check_finite")))
 
     # -- properties
     @property

@@ -350,7 +350,8 @@ MoEConfig config_from_dict(const nb::dict& d) {
                      ": expected a finite number, got ", nb::cast<double>(v));
     if (!ok)
       throw nb::type_error(("config." + nb::cast<std::string>(k) + ": expected " + expected +
-                            ", got " + nb::type_name(v.type()).c_str())
+                            ", got " + nb::type_name(v.type()).c_str() + " " +
+                            printable(nb::cast<std::string>(nb::repr(v))))
                                .c_str());
   }
   const auto text = nb::cast<std::string>(nb::module_::import_("json").attr("dumps")(d));
@@ -751,7 +752,8 @@ class PyMoELayer {
 
   static PyMoELayer* from_pretrained(const std::string& model_dir, std::optional<int64_t> layer,
                                      const std::string& dtype, std::optional<int> threads,
-                                     const std::string& backend, int64_t max_num_tokens) {
+                                     const std::string& backend, int64_t max_num_tokens,
+                                     bool check_finite) {
     // "auto" (CUDA): f16 for an f16 checkpoint, else bf16 (decided below).
     const bool auto_dtype = dtype == "auto" && backend == "cuda";
     DType compute = auto_dtype ? DType::kBF16 : parse_compute_dtype(dtype, "dtype");
@@ -792,7 +794,17 @@ class PyMoELayer {
       const Checkpoint checkpoint = Checkpoint::open(model_dir);
       LoadOptions options;
       options.progress = false;
-      weights = load_moe_layer(checkpoint, info, l, options);
+      options.check_finite = check_finite;
+      try {
+        weights = load_moe_layer(checkpoint, info, l, options);
+      } catch (const Error& e) {
+        // The library's way past its value checks, as Python spells it.
+        std::string what = e.what();
+        const std::string cpp = "LoadOptions::check_finite = false";
+        for (size_t at; (at = what.find(cpp)) != std::string::npos;)
+          what.replace(at, cpp.size(), "MoELayer.from_pretrained(..., check_finite=False)");
+        throw Error(e.code(), what);
+      }
     }
     return new PyMoELayer(std::move(config), std::move(weights), compute, threads, model_dir, l,
                           device, max_num_tokens);
@@ -1024,7 +1036,8 @@ NB_MODULE(_ext, m) {
   nb::class_<PyMoELayer>(m, "MoELayer")
       .def_static("from_pretrained", &PyMoELayer::from_pretrained, "model_dir"_a,
                   "layer"_a.none() = nb::none(), "dtype"_a = "f32", "threads"_a.none() = nb::none(),
-                  "backend"_a = "cpu", "max_num_tokens"_a = 0, nb::rv_policy::take_ownership)
+                  "backend"_a = "cpu", "max_num_tokens"_a = 0, "check_finite"_a = true,
+                  nb::rv_policy::take_ownership)
       .def("forward", &PyMoELayer::forward, "hidden_states"_a, "output"_a, "router_logits"_a.none(),
            "out_router_logits"_a.none(), "out_topk_ids"_a.none(), "out_topk_weights"_a.none(),
            "token_ids"_a.none(), "stream"_a = 0)

@@ -709,3 +709,60 @@ def test_sparse_torch_tensor_is_named():
     x = torch.ones((2, layer.hidden_size)).to_sparse()
     with pytest.raises(TypeError, match="hidden_states: expected a dense"):
         layer(x)
+
+
+def test_select_experts_config_bias_flag_without_array_names_the_dict_key(rng):
+    """layer.config says e_score_correction_bias = True: the error named the C++
+    field config.has_e_score_correction_bias, a key the dict does not have."""
+    layer = fusedmoe.MoELayer.from_pretrained(TINY_DSV3)
+    g = rng.standard_normal((3, layer.num_router_logits)).astype(np.float32)
+    with pytest.raises(ValueError) as e:
+        fusedmoe.select_experts(g, None, config=layer.config)
+    msg = str(e.value)
+    assert msg.startswith("e_score_correction_bias: expected float32 or bfloat16 [16] (the "
+                          "config's 'e_score_correction_bias' is True), got none"), msg
+    assert "has_e_score_correction_bias" not in msg
+    assert "e_score_correction_bias=" in msg and "config=layer" in msg
+    # what the message suggests works: the layer itself, or its bias array
+    w, ids = fusedmoe.select_experts(g, None, config=layer)
+    bias = layer._impl.router_params()["e_score_correction_bias"]
+    w2, ids2 = fusedmoe.select_experts(g, None, config=layer.config, e_score_correction_bias=bias)
+    np.testing.assert_array_equal(ids2, ids)
+    np.testing.assert_array_equal(w2, w)
+
+
+def test_functional_routers_name_gating_output_for_nan_logits():
+    g = np.array([[1.0, np.nan, 0.0, 2.0]], np.float32)
+    for call in (lambda: fusedmoe.fused_topk(None, g, 2, True),
+                 lambda: fusedmoe.grouped_topk(g, 2, True, 2, 1)):
+        with pytest.raises(ValueError, match="^gating_output: expected no NaN, got NaN at token 0, "
+                                             "expert 1"):
+            call()
+    with pytest.raises(ValueError, match="^router_logits: expected no NaN"):
+        fusedmoe.select_experts(g, 2)
+
+
+def test_select_experts_config_errors_name_config_keys_and_values():
+    g = np.zeros((3, 16), np.float32)
+    # num_experts is derived (16 columns - 20 zero experts): name the key given
+    with pytest.raises(ValueError, match="^config.num_zero_experts: expected < 16 "
+                                         "\\(router_logits' columns.*got 20$"):
+        fusedmoe.select_experts(g, 2, config={"num_zero_experts": 20})
+    with pytest.raises(ValueError, match="^num_zero_experts: expected < 16 .*got 16$"):
+        fusedmoe.select_experts(g, 2, num_zero_experts=16)
+    with pytest.raises(TypeError, match="^config.num_zero_experts: expected int, got str 'x'$"):
+        fusedmoe.select_experts(g, 2, config={"num_zero_experts": "x"})
+    # errors of the config's validation carry the config. prefix, as those of reading it do
+    with pytest.raises(ValueError, match="^config.num_zero_experts: expected 0 to"):
+        fusedmoe.select_experts(g, 2, config={"num_zero_experts": -1})
+    with pytest.raises(ValueError, match="^config.hash_vocab_size: expected > 0"):
+        fusedmoe.select_experts(g, 2, config={"routing_method": "hash", "hash_vocab_size": -1})
+    with pytest.raises(ValueError, match="^config.zipf_s: expected a finite value > 0"):
+        fusedmoe.select_experts(g, 2, config={"routing_method": "simulated", "simulated": "zipf",
+                                              "zipf_s": -1.0})
+    with pytest.raises(ValueError, match="^zipf_s: expected a finite value > 0"):
+        fusedmoe.select_experts(g, 2, routing_method="simulated", simulated="zipf", zipf_s=-1.0)
+    # a value of the wrong type is quoted
+    with pytest.raises(TypeError, match="^config.routed_scaling_factor: expected float, got "
+                                        "str 'x'$"):
+        fusedmoe.select_experts(g, 2, config={"routed_scaling_factor": "x"})

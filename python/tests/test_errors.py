@@ -250,7 +250,8 @@ def test_from_pretrained_argument_types():
 def test_bias_dtype_and_config_type_errors(case):
     E, I2 = case["w13"].shape[:2]
     H = case["w2"].shape[1]
-    with pytest.raises(TypeError, match="w13_bias: expected dtype f32 or bf16"):
+    with pytest.raises(TypeError,
+                       match="^w13_bias: expected dtype float32 or bfloat16, got float64$"):
         _fe(case, w13_bias=np.zeros((E, I2)), w2_bias=np.zeros((E, H), np.float32))
     with pytest.raises(TypeError, match="^hidden_states: expected dtype float32, got uint16") as e:
         _fe(case, x=case["x"].view(np.uint16)[:, ::2].copy())
@@ -276,3 +277,33 @@ def test_bias_dtype_and_config_type_errors(case):
             ids16, fusedmoe.grouped_topk(g, 2, True, 4, 2, "sigmoid", bias16)[1])
     with pytest.raises(TypeError, match="config: expected a dict"):
         fusedmoe.select_experts(np.zeros((3, 8), np.float32), 2, config=5)
+
+
+def test_from_pretrained_nan_weight_names_check_finite(tmp_path):
+    """A NaN weight: the error named the C++ LoadOptions::check_finite; Python's
+    from_pretrained takes check_finite=False and names it."""
+    import json
+    import shutil
+    import struct
+
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(HF / "mixtral" / f, tmp_path / f)
+    path = tmp_path / "model.safetensors"
+    raw = bytearray(path.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    name = "model.layers.0.block_sparse_moe.experts.1.w2.weight"
+    entry = json.loads(raw[8:8 + n])[name]
+    assert entry["dtype"] == "BF16"
+    at = 8 + n + entry["data_offsets"][0] + 2 * 3  # element [0, 3]
+    raw[at:at + 2] = struct.pack("<H", 0x7FC0)  # bf16 NaN
+    path.write_bytes(bytes(raw))
+    with pytest.raises(OSError) as e:
+        fusedmoe.MoELayer.from_pretrained(tmp_path, layer=0)
+    msg = str(e.value)
+    assert name in msg and "NaN" in msg, msg
+    assert "LoadOptions" not in msg, msg
+    assert msg.endswith("MoELayer.from_pretrained(..., check_finite=False) skips this check)"), msg
+    layer = fusedmoe.MoELayer.from_pretrained(tmp_path, layer=0, check_finite=False)
+    assert layer.num_experts == 8
+    with pytest.raises(TypeError, match="^check_finite: expected a bool, got int 0$"):
+        fusedmoe.MoELayer.from_pretrained(tmp_path, layer=0, check_finite=0)

@@ -195,6 +195,44 @@ def test_fused_experts_bf16_weights_ml_dtypes(rng):
     assert rel_l2(out, ref) <= 1e-5
 
 
+def test_fused_experts_bias_dtype_independent_of_weight_dtype(rng):
+    # README: biases f32 or bf16, whatever the weights' type (bf16 converted exactly).
+    T, E, H, I, k = 5, 4, 32, 16, 2
+    x, w13, w2, tw, ids, b13, b2 = _experts_case(rng, T, E, H, I, k, bias=True)
+    b13_b, b2_b = f32_to_bf16(b13), f32_to_bf16(b2)  # uint16 bit patterns
+    ref = ref_fused_experts(x, w13, w2, tw, ids, "silu", bf16_to_f32(b13_b), bf16_to_f32(b2_b))
+    w13_b, w2_b = f32_to_bf16(w13), f32_to_bf16(w2)
+    ref_b = ref_fused_experts(x, bf16_to_f32(w13_b), bf16_to_f32(w2_b), tw, ids, "silu", b13, b2)
+    # uint16 weights with weight_dtype="bf16" and f32 biases
+    out = fusedmoe.fused_experts(x, w13_b, w2_b, tw, ids, "silu", b13, b2, weight_dtype="bf16")
+    assert rel_l2(out, ref_b) <= 1e-5
+    # uint16 weights and biases, all bf16 bit patterns
+    out = fusedmoe.fused_experts(x, w13_b, w2_b, tw, ids, "silu", b13_b, b2_b,
+                                 weight_dtype="bf16")
+    assert rel_l2(out, ref_fused_experts(x, bf16_to_f32(w13_b), bf16_to_f32(w2_b), tw, ids,
+                                         "silu", bf16_to_f32(b13_b), bf16_to_f32(b2_b))) <= 1e-5
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    # f32 weights, ml_dtypes.bfloat16 biases: not mistaken for uint16
+    b13_m = bf16_to_f32(b13_b).astype(ml_dtypes.bfloat16)
+    b2_m = bf16_to_f32(b2_b).astype(ml_dtypes.bfloat16)
+    out = fusedmoe.fused_experts(x, w13, w2, tw, ids, "silu", b13_m, b2_m)
+    assert rel_l2(out, ref) <= 1e-5
+    # bf16 (ml_dtypes) weights with f32 and bf16 biases
+    w13_m, w2_m = w13.astype(ml_dtypes.bfloat16), w2.astype(ml_dtypes.bfloat16)
+    out = fusedmoe.fused_experts(x, w13_m, w2_m, tw, ids, "silu", b13, b2)
+    assert rel_l2(out, ref_b) <= 1e-5
+    out = fusedmoe.fused_experts(x, w13_m, w2_m, tw, ids, "silu", b13_m, b2)
+    assert out.shape == (T, H) and np.all(np.isfinite(out))
+    # a float16 bias: named with the dtype given
+    with pytest.raises(TypeError, match="^w13_bias: expected dtype float32 or bfloat16, got "
+                                        "float16$"):
+        fusedmoe.fused_experts(x, w13, w2, tw, ids, "silu", b13.astype(np.float16), b2)
+    # a uint16 bias without weight_dtype: the type is uint16, and the hint is there
+    with pytest.raises(TypeError, match='^w2_bias: expected dtype float32 or bfloat16, got '
+                                        'uint16 \\(pass weight_dtype="bf16"'):
+        fusedmoe.fused_experts(x, w13, w2, tw, ids, "silu", b13, b2_b)
+
+
 def test_layer_outputs_are_numpy_and_deterministic(rng):
     from conftest import HF
     layer = fusedmoe.MoELayer.from_pretrained(HF / "deepseek_v3", layer=1, threads=1)

@@ -66,7 +66,7 @@ void print_config(const MoEConfig& c) {
 void print_safetensors(const std::string& path, const ojson& j) {
   const ojson& tensors = j["tensors"];
   const size_t total = j["bytes"].get<size_t>();
-  std::printf("file: %s\n%s, %s\n", path.c_str(),
+  std::printf("file: %s\n%s, %s\n", printable(path).c_str(),
               count_of(static_cast<long long>(tensors.size()), "tensor").c_str(),
               format_bytes(static_cast<double>(total)).c_str());
   for (const auto& t : tensors) {
@@ -121,8 +121,8 @@ int run_inspect(const InspectOptions& opts) {
   }
   const bool has_weights = j["weights"].get<bool>();
 
-  std::printf("model          %s\n", path.c_str());
-  std::printf("model type     %s%s%s\n", info.model_type.c_str(),
+  std::printf("model          %s\n", printable(path).c_str());
+  std::printf("model type     %s%s%s\n", printable(info.model_type).c_str(),
               info.architecture.empty() ? "" : ", ", printable(info.architecture).c_str());
   std::printf("dtype          %s\n", dtype_name(info.dtype));
   std::string moe;
@@ -162,7 +162,8 @@ int run_inspect(const InspectOptions& opts) {
                                           ? "every MoE layer's tensors have the expected shapes"
                                           : "some MoE layers cannot be loaded (errors above)");
   } else {
-    std::printf("weights        none found (no model.safetensors or index in %s)\n", dir.c_str());
+    std::printf("weights        none found (no model.safetensors or index in %s)\n",
+                printable(dir).c_str());
   }
   return bad_layers == 0 ? 0 : 1;
 }

@@ -941,13 +941,15 @@ int run_run(const RunOptions& o) {
   }
 
   // Summary.
-  std::printf("model          %s (%s)\n", model_dir.c_str(), info.model_type.c_str());
+  std::printf("model          %s (%s)\n", printable(model_dir).c_str(),
+              printable(info.model_type).c_str());
   std::printf("layer          %lld: %lld experts, top-%lld, H %lld, I %lld, weights %s\n",
               static_cast<long long>(layer), static_cast<long long>(config.num_experts),
               static_cast<long long>(k), static_cast<long long>(H),
               static_cast<long long>(config.intermediate_size),
               format_bytes(static_cast<double>(weight_bytes)).c_str());
-  std::printf("input          %s, T = %lld\n", input_desc.c_str(), static_cast<long long>(T));
+  std::printf("input          %s, T = %lld\n", printable(input_desc).c_str(),
+              static_cast<long long>(T));
   std::printf("compute dtype  %s\n", dtype_name(compute_dtype));
   if (parallel)
     std::printf(
@@ -964,12 +966,12 @@ int run_run(const RunOptions& o) {
   std::printf("throughput     %.0f tokens/s\n", median > 0 ? static_cast<double>(T) / median : 0.0);
   if (reference.defined())
     std::printf("reference      %s: relative L2 error %.3e (tolerance %.6g%s)%s: %s\n",
-                o.reference_key.empty() ? o.reference.c_str() : o.reference_key.c_str(), rel, tol,
-                tol_note.c_str(), ref_all_zero ? " (the reference is all zeros)" : "",
+                printable(o.reference_key.empty() ? o.reference : o.reference_key).c_str(), rel,
+                tol, tol_note.c_str(), ref_all_zero ? " (the reference is all zeros)" : "",
                 failed ? "FAIL" : "ok");
   if (!o.output.empty())
     std::printf("output         %s (output, topk_ids, topk_weights, router_logits)\n",
-                o.output.c_str());
+                printable(o.output).c_str());
   if (!o.quiet && T > 0) {
     std::vector<int64_t> counts(static_cast<size_t>(config.num_experts), 0);
     int64_t routed = 0;

@@ -15,6 +15,7 @@
 #include <sstream>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "cli/bench_common.h"
 #include "cli/cli.h"
@@ -377,9 +378,21 @@ std::vector<int64_t> parse_int_list(const std::string& text, const char* what) {
 
 namespace {
 
-// Error messages go on one line: newlines inside a message become "; ".
-std::string one_line(std::string s) {
-  while (!s.empty() && (s.back() == '\n' || s.back() == '\r')) s.pop_back();
+// The command line's arguments (run_command_line sets them): an error message
+// that quotes one (a path given to --model, --output, ...) shows it as
+// printable() does, its newlines too.
+std::vector<std::string> g_arguments;
+
+bool has_control_character(const std::string& s) {
+  return std::any_of(s.begin(), s.end(), [](char c) {
+    const auto u = static_cast<unsigned char>(c);
+    return u < 0x20 || u == 0x7f;
+  });
+}
+
+// A part of an error message on one line: newlines as "; ", other control
+// characters as printable() writes them.
+std::string plain_line(std::string_view s) {
   std::string out;
   for (char c : s) {
     if (c == '\n')
@@ -387,7 +400,33 @@ std::string one_line(std::string s) {
     else if (c != '\r')
       out += c;
   }
-  return fusedmoe::cli::printable(out);  // other control characters as \xNN
+  return fusedmoe::cli::printable(out);
+}
+
+// Error messages go on one line: the arguments they quote (those with control
+// characters) as printable() writes them, a newline in a path as \x0a, the
+// message's own newlines as "; ".
+std::string one_line(std::string s) {
+  while (!s.empty() && (s.back() == '\n' || s.back() == '\r')) s.pop_back();
+  std::string out;
+  size_t pos = 0;
+  for (;;) {
+    size_t best = std::string::npos;
+    const std::string* which = nullptr;
+    for (const std::string& arg : g_arguments) {
+      if (!has_control_character(arg)) continue;
+      const size_t at = s.find(arg, pos);
+      if (at != std::string::npos && (at < best || (at == best && arg.size() > which->size()))) {
+        best = at;
+        which = &arg;
+      }
+    }
+    if (which == nullptr) break;
+    out += plain_line(std::string_view(s).substr(pos, best - pos));
+    out += fusedmoe::cli::printable(*which);
+    pos = best + which->size();
+  }
+  return out + plain_line(std::string_view(s).substr(pos));
 }
 
 // This process's rank when started by mpirun/srun with more than one rank
@@ -591,6 +630,13 @@ extern "C" void on_fatal_signal(int sig) {
 
 namespace {
 int run_command_line(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {  // "--output=PATH" quotes PATH
+    const std::string arg = argv[i];
+    g_arguments.push_back(arg);
+    const size_t eq = arg.find('=');
+    if (arg.rfind("--", 0) == 0 && eq != std::string::npos)
+      g_arguments.push_back(arg.substr(eq + 1));
+  }
   for (const int sig : {SIGINT, SIGTERM, SIGHUP}) std::signal(sig, on_fatal_signal);
   using namespace fusedmoe::cli;
   CLI::App app{

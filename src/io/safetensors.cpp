@@ -581,8 +581,8 @@ AtomicFile::AtomicFile(const std::string& path) : path_(path) {
   tmp_ = (dir / tmp_name).string();
   fd_ = ::mkstemp(tmp_.data());
   if (fd_ < 0)
-    FUSEDMOE_THROW(kIo, path, ": cannot create a temporary file in ", dir.string(), ": ",
-                   errno_str());
+    FUSEDMOE_THROW(kIo, printable(path), ": cannot create a temporary file in ",
+                   printable(dir.string()), ": ", errno_str());
   slot_ = register_temp(tmp_);
 }
 

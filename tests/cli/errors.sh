@@ -130,6 +130,18 @@ expect_error "hidden_act with a newline" "hidden_act 'si\x0alu' is not supported
 expect_error "inspect: hidden_act with a newline" "hidden_act 'si\x0alu' is not supported" -- \
   inspect "$TMP/newline-act"
 
+# Paths with control characters: quoted as printable() writes them (a newline
+# as \x0a, not as the "; " that joins a message's own lines; ESC as \x1b).
+expect_error "--model with a newline and ESC" "$TMP/bad\x0aname\x1b: cannot open" -- \
+  run --model "$TMP/bad"$'\n'"name"$'\x1b' "${run_args[@]}"
+expect_error "--model=PATH with a newline" "$TMP/bad\x0aname: cannot open" -- \
+  run --model="$TMP/bad"$'\n'"name" "${run_args[@]}"
+expect_error "inspect: path with a newline" "$TMP/x\x0ay: no such model directory or file" -- \
+  inspect "$TMP/x"$'\n'"y"
+expect_error "--output in a missing folder with a newline" \
+  "$TMP/no\x0adir/o.safetensors: cannot create a temporary file in $TMP/no\x0adir: " -- \
+  run --model "$FIX" "${run_args[@]}" --output "$TMP/no"$'\n'"dir/o.safetensors"
+
 mkdir -p "$TMP/notjson" && cp "$FIX/model.safetensors" "$TMP/notjson/"
 echo '{"model_type": "deepseek_v3",' >"$TMP/notjson/config.json"
 expect_error "config.json not JSON" "config.json" -- run --model "$TMP/notjson" "${run_args[@]}"
@@ -837,6 +849,16 @@ for p in "$TMP/config-fifo.json:a FIFO" "$TMP/zero-link.json:a device or socket"
   expect_error "run --model ${p##*:}" "${p%%:*}: not a regular file (${p##*:})" -- \
     run --model "${p%%:*}" --tokens 1
 done
+
+# The summary quotes an --output path with a newline as \x0a, on one line.
+"$BIN" run --model "$FIX" --layer 1 --tokens 2 --quiet --output "$TMP/o"$'\n'"ut.safetensors" \
+  >"$TMP/stdout" 2>"$TMP/stderr"
+if ! grep -qxF "output         $TMP/o\x0aut.safetensors (output, topk_ids, topk_weights, router_logits)" \
+  "$TMP/stdout" || grep -q "^ut.safetensors" "$TMP/stdout"; then
+  echo "FAIL --output with a newline in the summary:"; cat "$TMP/stdout"; failures=$((failures + 1))
+else
+  echo "ok   --output with a newline in the summary"
+fi
 
 # inspect fails cleanly too.
 rc=0
