@@ -582,6 +582,10 @@ def _fused_experts_impl(
     if w2_bias is not None:
         w2_bias = (_f32(_as_array(w2_bias, "w2_bias", _FLOAT)) if cuda
                    else _cpu_bias(w2_bias, "w2_bias", weight_dtype))
+    for name, w, layout in (("w13", w13, "[E, 2I, H]"), ("w2", w2, "[E, H, I]")):
+        if _ndim_ok(w, 3) and w.shape[0] == 0:
+            raise ValueError(f"{name}: 0 experts (shape {tuple(w.shape)}); expected {layout} "
+                             f"with E >= 1")
     if _ndim_ok(w13, 3) and w13.shape[1] == 0:
         raise ValueError(f"w13: the intermediate size is 0 (shape {tuple(w13.shape)}); expected "
                          f"[E, 2I, H] with I >= 1")

@@ -307,6 +307,12 @@ def test_fused_experts_zero_intermediate_size(case):
     with pytest.raises(ValueError, match=r"^hidden_states: the hidden size is 0"):
         fusedmoe.fused_experts(c["x"][:, :0], c["w13"][:, :, :0], c["w2"][:, :0], c["tw"],
                                c["ids"])
+    # No experts: named as such (it read "topk_ids: expected values in [-1, 0)").
+    with pytest.raises(ValueError, match=r"^w13: 0 experts \(shape \(0, 16, 16\)\); expected "
+                                         r"\[E, 2I, H\] with E >= 1"):
+        fusedmoe.fused_experts(c["x"], c["w13"][:0], c["w2"][:0], c["tw"], c["ids"])
+    with pytest.raises(ValueError, match=r"^w2: 0 experts"):
+        fusedmoe.fused_experts(c["x"], c["w13"], c["w2"][:0], c["tw"], c["ids"])
 
 
 # ---- 9. token_ids off hash routing; router_logits dtypes ---------------------------------
