@@ -503,6 +503,9 @@ void fused_experts(const InArray& hidden_states, const InArray& w13, const InArr
   params.activation.activation = parse_activation(activation);
   params.activation.swiglu_alpha = swiglu_alpha;
   params.activation.swiglu_limit = swiglu_limit;
+  // On either device: swiglu_alpha / swiglu_limit other than their defaults
+  // with another activation than swiglu_oai (which alone reads them) are refused.
+  params.activation.validate();
   params.compute_dtype = parse_compute_dtype(compute_dtype, "compute_dtype");
   const bool w13_interleaved = parse_w13_layout(w13_layout);
   if (dev.type == DeviceType::kCUDA) {

@@ -315,6 +315,29 @@ def test_fused_experts_zero_intermediate_size(case):
         fusedmoe.fused_experts(c["x"], c["w13"], c["w2"][:0], c["tw"], c["ids"])
 
 
+def test_swiglu_parameters_need_swiglu_oai(case):
+    """swiglu_alpha / swiglu_limit are read by activation="swiglu_oai" alone: with
+    another activation a value other than the default, which it would ignore, is a
+    ValueError naming the parameter and the activation (they were accepted silently)."""
+    c = case
+    args = (c["x"], c["w13"], c["w2"], c["tw"], c["ids"])
+    for activation in ("silu", "gelu", "gelu_pytorch_tanh"):
+        with pytest.raises(ValueError, match=rf"^swiglu_alpha: a parameter of activation "
+                                             rf"swiglu_oai only, expected the default 1\.702 "
+                                             rf"with activation {activation}, got 1\.5$"):
+            fusedmoe.fused_experts(*args, activation, swiglu_alpha=1.5)
+        with pytest.raises(ValueError, match=rf"^swiglu_limit: a parameter of activation "
+                                             rf"swiglu_oai only, expected the default 7 with "
+                                             rf"activation {activation}, got 10$"):
+            fusedmoe.fused_experts(*args, activation, swiglu_limit=10.0)
+        # The defaults, given or not, change nothing.
+        np.testing.assert_array_equal(
+            fusedmoe.fused_experts(*args, activation, swiglu_alpha=1.702, swiglu_limit=7.0),
+            fusedmoe.fused_experts(*args, activation))
+    out = fusedmoe.fused_experts(*args, "swiglu_oai", swiglu_alpha=1.5, swiglu_limit=0.5)
+    assert not np.array_equal(out, fusedmoe.fused_experts(*args, "swiglu_oai"))
+
+
 # ---- 9. token_ids off hash routing; router_logits dtypes ---------------------------------
 
 

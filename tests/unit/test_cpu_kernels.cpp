@@ -392,6 +392,15 @@ TEST(CpuModularKernel, RejectsBadInputsWithoutWriting) {
   oai.activation.swiglu_limit = 7.0f;
   oai.activation.swiglu_alpha = INFINITY;
   expect_error(run(hidden, ids, tw, w, out, oai), {"swiglu_alpha", "inf"});
+  // ... and another activation ignored them: a value other than the default is refused.
+  ExpertsParams silu;
+  silu.activation.swiglu_alpha = 1.5f;
+  expect_error(run(hidden, ids, tw, w, out, silu),
+               {"swiglu_alpha", "swiglu_oai only", "activation silu", "got 1.5"});
+  silu.activation.swiglu_alpha = 1.702f;
+  silu.activation.swiglu_limit = 10.0f;
+  expect_error(run(hidden, ids, tw, w, out, silu),
+               {"swiglu_limit", "swiglu_oai only", "activation silu", "got 10"});
   ExpertWeights w_bad = w;
   w_bad.w2 = random_weight(rng, {E, H, I + 1}, 0.1f, DType::kBF16);
   expect_error(run(hidden, ids, tw, w_bad, out), {"experts.w13", "experts.w2", "disagree"});
