@@ -82,13 +82,11 @@ void ActivationParams::validate() const {
     // gpt-oss config.json sets them, with swiglu_oai; no other model's does).
     const ActivationParams d;
     FUSEDMOE_CHECK(swiglu_alpha == d.swiglu_alpha,
-                   "swiglu_alpha: a parameter of activation "
-                   "swiglu_oai only, expected the default ",
+                   "swiglu_alpha: a parameter of activation swiglu_oai only, expected the default ",
                    d.swiglu_alpha, " with activation ", to_string(activation), ", got ",
                    swiglu_alpha);
     FUSEDMOE_CHECK(swiglu_limit == d.swiglu_limit,
-                   "swiglu_limit: a parameter of activation "
-                   "swiglu_oai only, expected the default ",
+                   "swiglu_limit: a parameter of activation swiglu_oai only, expected the default ",
                    d.swiglu_limit, " with activation ", to_string(activation), ", got ",
                    swiglu_limit);
     return;
