@@ -790,7 +790,8 @@ class PyMoELayer {
     {
       nb::gil_scoped_release release;
       const ModelInfo info = load_model_info(model_dir);
-      FUSEDMOE_CHECK(!info.moe_layers.empty(), "model_dir: ", model_dir, " has no MoE layer");
+      FUSEDMOE_CHECK(!info.moe_layers.empty(), "model_dir: ", printable(model_dir),
+                     " has no MoE layer");
       l = layer ? *layer : info.moe_layers.front();
       config = info.layer_config(l);
       if (auto_dtype && info.dtype == DType::kF16) compute = DType::kF16;

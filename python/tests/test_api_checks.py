@@ -505,6 +505,33 @@ def test_error_message_with_non_utf8_bytes(tmp_path):
         assert not isinstance(e.value, UnicodeError), repr(e.value)
 
 
+def test_paths_in_library_errors_escape_control_characters(tmp_path):
+    """A path quoted by the library's own errors (config.json, safetensors and model
+    loading) showed its control characters raw, a newline breaking the message in
+    two; they are written as \\xNN now, as the fusedmoe command writes them."""
+    nl = tmp_path / "a\nb"
+    shown = str(tmp_path) + "/a\\x0ab"
+
+    def check(path, error, message, calls=(fusedmoe.MoELayer.from_pretrained, fusedmoe.inspect)):
+        for call in calls:
+            with pytest.raises(error) as e:
+                call(path)
+            text = str(e.value)
+            assert message in text and "\n" not in text, (call.__name__, text)
+
+    check(nl, OSError, shown + ": cannot open", [fusedmoe.MoELayer.from_pretrained])
+    check(nl, OSError, shown + ": no such model directory or file", [fusedmoe.inspect])
+    nl.mkdir()
+    check(nl, OSError, shown + "/config.json: cannot open")
+    (nl / "config.json").write_bytes((HF / "mixtral" / "config.json").read_bytes())
+    (nl / "model.safetensors").write_bytes(b"\x10\0\0\0\0\0\0\0{}")
+    for path in (nl, nl / "model.safetensors"):
+        check(path, OSError, shown + "/model.safetensors: header length 16 runs past the end")
+    (nl / "model.safetensors").write_bytes((HF / "mixtral" / "model.safetensors").read_bytes())
+    (nl / "config.json").write_text((HF / "mixtral" / "config.json").read_text().replace(
+        '"num_local_experts": 8', '"num_local_experts": 0'))
+    check(nl, ValueError, shown + "/config.json (mixtral): field 'num_local_experts'")
+
 
 # ---- 11. an empty path, arguments that are not arrays, the functional ops' names ------
 

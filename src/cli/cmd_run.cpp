@@ -265,8 +265,9 @@ Tensor read_tensor(const std::string& path, const std::string& key, const char* 
   try {
     file = SafetensorsFile::open(path);
   } catch (const Error& e) {
-    std::string why = e.what();  // "PATH: reason"
-    if (why.rfind(path + ": ", 0) == 0) why.erase(0, path.size() + 2);
+    std::string why = e.what();  // "PATH: reason" (PATH as printable() writes it)
+    const std::string shown = printable(path);
+    if (why.rfind(shown + ": ", 0) == 0) why.erase(0, shown.size() + 2);
     throw Error(e.code(), flag + " " + path +
                               ": neither a .npy file nor a valid .safetensors file (" + why + ")");
   }
