@@ -971,6 +971,9 @@ NB_MODULE(_ext, m) {
         case ErrorCode::kUnsupported:
           set(PyExc_NotImplementedError, e.what());
           break;
+        case ErrorCode::kOutOfMemory:  // the message names what and how many bytes
+          set(PyExc_MemoryError, e.what());
+          break;
         default:
           set(PyExc_RuntimeError, e.what());
           break;
