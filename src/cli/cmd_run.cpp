@@ -516,9 +516,10 @@ int run_run(const RunOptions& o) {
       usage_check(!same(path), "--output ", o.output, ": is the same file as ", flag, " ", path,
                   " (it would be overwritten)");
     const std::string model = o.model.empty() ? bundled_model_dir() : o.model;
+    const std::string whose = (o.model.empty() ? "the bundled model " : "--model ") + model;
     for (const auto& [path, what] : model_files(model))
       usage_check(!same(path), "--output ", o.output, ": is the same file as ", path, " (the ",
-                  what, " of --model ", model, "; it would be overwritten)");
+                  what, " of ", whose, "; it would be overwritten)");
   }
   // A NumPy name, in any case (.NPY was written as safetensors under it).
   std::string ext = std::filesystem::path(o.output).extension().string();
