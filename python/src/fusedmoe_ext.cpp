@@ -503,6 +503,9 @@ void fused_experts(const InArray& hidden_states, const InArray& w13, const InArr
   params.activation.activation = parse_activation(activation);
   params.activation.swiglu_alpha = swiglu_alpha;
   params.activation.swiglu_limit = swiglu_limit;
+  // On either device: swiglu_alpha / swiglu_limit other than their defaults
+  // with another activation than swiglu_oai (which alone reads them) are refused.
+  params.activation.validate();
   params.compute_dtype = parse_compute_dtype(compute_dtype, "compute_dtype");
   const bool w13_interleaved = parse_w13_layout(w13_layout);
   if (dev.type == DeviceType::kCUDA) {
@@ -787,7 +790,8 @@ class PyMoELayer {
     {
       nb::gil_scoped_release release;
       const ModelInfo info = load_model_info(model_dir);
-      FUSEDMOE_CHECK(!info.moe_layers.empty(), "model_dir: ", model_dir, " has no MoE layer");
+      FUSEDMOE_CHECK(!info.moe_layers.empty(), "model_dir: ", printable(model_dir),
+                     " has no MoE layer");
       l = layer ? *layer : info.moe_layers.front();
       config = info.layer_config(l);
       if (auto_dtype && info.dtype == DType::kF16) compute = DType::kF16;
@@ -966,6 +970,9 @@ NB_MODULE(_ext, m) {
           break;
         case ErrorCode::kUnsupported:
           set(PyExc_NotImplementedError, e.what());
+          break;
+        case ErrorCode::kOutOfMemory:  // the message names what and how many bytes
+          set(PyExc_MemoryError, e.what());
           break;
         default:
           set(PyExc_RuntimeError, e.what());

@@ -315,6 +315,29 @@ def test_fused_experts_zero_intermediate_size(case):
         fusedmoe.fused_experts(c["x"], c["w13"], c["w2"][:0], c["tw"], c["ids"])
 
 
+def test_swiglu_parameters_need_swiglu_oai(case):
+    """swiglu_alpha / swiglu_limit are read by activation="swiglu_oai" alone: with
+    another activation a value other than the default, which it would ignore, is a
+    ValueError naming the parameter and the activation (they were accepted silently)."""
+    c = case
+    args = (c["x"], c["w13"], c["w2"], c["tw"], c["ids"])
+    for activation in ("silu", "gelu", "gelu_pytorch_tanh"):
+        with pytest.raises(ValueError, match=rf"^swiglu_alpha: a parameter of activation "
+                                             rf"swiglu_oai only, expected the default 1\.702 "
+                                             rf"with activation {activation}, got 1\.5$"):
+            fusedmoe.fused_experts(*args, activation, swiglu_alpha=1.5)
+        with pytest.raises(ValueError, match=rf"^swiglu_limit: a parameter of activation "
+                                             rf"swiglu_oai only, expected the default 7 with "
+                                             rf"activation {activation}, got 10$"):
+            fusedmoe.fused_experts(*args, activation, swiglu_limit=10.0)
+        # The defaults, given or not, change nothing.
+        np.testing.assert_array_equal(
+            fusedmoe.fused_experts(*args, activation, swiglu_alpha=1.702, swiglu_limit=7.0),
+            fusedmoe.fused_experts(*args, activation))
+    out = fusedmoe.fused_experts(*args, "swiglu_oai", swiglu_alpha=1.5, swiglu_limit=0.5)
+    assert not np.array_equal(out, fusedmoe.fused_experts(*args, "swiglu_oai"))
+
+
 # ---- 9. token_ids off hash routing; router_logits dtypes ---------------------------------
 
 
@@ -481,6 +504,33 @@ def test_error_message_with_non_utf8_bytes(tmp_path):
             fusedmoe.MoELayer.from_pretrained(path)
         assert not isinstance(e.value, UnicodeError), repr(e.value)
 
+
+def test_paths_in_library_errors_escape_control_characters(tmp_path):
+    """A path quoted by the library's own errors (config.json, safetensors and model
+    loading) showed its control characters raw, a newline breaking the message in
+    two; they are written as \\xNN now, as the fusedmoe command writes them."""
+    nl = tmp_path / "a\nb"
+    shown = str(tmp_path) + "/a\\x0ab"
+
+    def check(path, error, message, calls=(fusedmoe.MoELayer.from_pretrained, fusedmoe.inspect)):
+        for call in calls:
+            with pytest.raises(error) as e:
+                call(path)
+            text = str(e.value)
+            assert message in text and "\n" not in text, (call.__name__, text)
+
+    check(nl, OSError, shown + ": cannot open", [fusedmoe.MoELayer.from_pretrained])
+    check(nl, OSError, shown + ": no such model directory or file", [fusedmoe.inspect])
+    nl.mkdir()
+    check(nl, OSError, shown + "/config.json: cannot open")
+    (nl / "config.json").write_bytes((HF / "mixtral" / "config.json").read_bytes())
+    (nl / "model.safetensors").write_bytes(b"\x10\0\0\0\0\0\0\0{}")
+    for path in (nl, nl / "model.safetensors"):
+        check(path, OSError, shown + "/model.safetensors: header length 16 runs past the end")
+    (nl / "model.safetensors").write_bytes((HF / "mixtral" / "model.safetensors").read_bytes())
+    (nl / "config.json").write_text((HF / "mixtral" / "config.json").read_text().replace(
+        '"num_local_experts": 8', '"num_local_experts": 0'))
+    check(nl, ValueError, shown + "/config.json (mixtral): field 'num_local_experts'")
 
 
 # ---- 11. an empty path, arguments that are not arrays, the functional ops' names ------

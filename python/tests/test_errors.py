@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 
@@ -307,3 +311,34 @@ def test_from_pretrained_nan_weight_names_check_finite(tmp_path):
     assert layer.num_experts == 8
     with pytest.raises(TypeError, match="^check_finite: expected a bool, got int 0$"):
         fusedmoe.MoELayer.from_pretrained(tmp_path, layer=0, check_finite=0)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc: Linux")
+def test_fused_experts_out_of_memory_names_the_buffer_and_its_bytes():
+    """Out of memory inside fused_experts (CPU) was a bare "MemoryError: std::bad_alloc";
+    the MemoryError names what was allocated and how many bytes now. A child process
+    caps its address space (RLIMIT_AS) at 128 MiB above what it uses, so the 256 MiB
+    of routed rows fail to allocate at once, whatever the machine's memory and
+    overcommit setting, and nothing is touched."""
+    code = textwrap.dedent("""
+        import resource, numpy as np, fusedmoe
+        T, H, E, I, k = 1 << 15, 256, 8, 64, 8
+        x = np.ones((T, H), np.float32)
+        w13 = np.zeros((E, 2 * I, H), np.float32)
+        w2 = np.zeros((E, H, I), np.float32)
+        ids = np.tile(np.arange(k, dtype=np.int32), (T, 1))
+        tw = np.full((T, k), 0.125, np.float32)
+        fusedmoe.fused_experts(x[:4], w13, w2, tw[:4], ids[:4])  # the threads started
+        used = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+        hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+        resource.setrlimit(resource.RLIMIT_AS, (used + (128 << 20), hard))
+        try:
+            fusedmoe.fused_experts(x, w13, w2, tw, ids)
+        except MemoryError as e:
+            print(e)
+        """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == ("out of memory: cannot allocate 268435456 bytes (256 MiB) of "
+                                "workspace for the routed rows' hidden states, f32 [M, H] = "
+                                "[262144, 256]"), r.stdout

@@ -623,6 +623,18 @@ Roofline layer_roofline(const LayerShape& s, int64_t T, double distinct_experts,
   return r;
 }
 
+RooflineShare roofline_share(const Roofline& r, double seconds, const Ceilings& c) {
+  RooflineShare share;
+  if (!(seconds > 0)) return share;
+  const double gbps = r.bytes / seconds * 1e-9, gflops = r.flops / seconds * 1e-9;
+  share.raised = gbps > c.read_gbps || gflops > c.peak_gflops;
+  const double bw = std::max(c.read_gbps, gbps), peak = std::max(c.peak_gflops, gflops);
+  const double mem_s = bw > 0 ? r.bytes / (bw * 1e9) : 0.0;
+  const double flop_s = peak > 0 ? r.flops / (peak * 1e9) : 0.0;
+  share.frac = std::min(1.0, std::max(mem_s, flop_s) / seconds);  // 1 + rounding at most
+  return share;
+}
+
 double median(std::vector<double> v) {
   if (v.empty()) return 0.0;
   std::sort(v.begin(), v.end());

@@ -190,6 +190,16 @@ struct Roofline {
 };
 Roofline layer_roofline(const LayerShape& s, int64_t T, double distinct_experts, DType weight_dtype,
                         const Ceilings& c);
+// The share of the roofline a run of `seconds` reached (floor / seconds), each
+// ceiling taken as at least what the run achieved (bytes / seconds, FLOPs /
+// seconds): a run faster than a ceiling measured once at start-up (its weights
+// in the caches, a machine busier or a clock lower during the measurement) is
+// at 1, never above; `raised` says it was.
+struct RooflineShare {
+  double frac = 0;
+  bool raised = false;
+};
+RooflineShare roofline_share(const Roofline& r, double seconds, const Ceilings& c);
 
 // Runs fn once (warm-up), then repeatedly until `min_time` seconds passed and at
 // least `min_reps` runs were made (only 2 when each takes over a second; at most

@@ -265,8 +265,9 @@ Tensor read_tensor(const std::string& path, const std::string& key, const char* 
   try {
     file = SafetensorsFile::open(path);
   } catch (const Error& e) {
-    std::string why = e.what();  // "PATH: reason"
-    if (why.rfind(path + ": ", 0) == 0) why.erase(0, path.size() + 2);
+    std::string why = e.what();  // "PATH: reason" (PATH as printable() writes it)
+    const std::string shown = printable(path);
+    if (why.rfind(shown + ": ", 0) == 0) why.erase(0, shown.size() + 2);
     throw Error(e.code(), flag + " " + path +
                               ": neither a .npy file nor a valid .safetensors file (" + why + ")");
   }
@@ -515,9 +516,10 @@ int run_run(const RunOptions& o) {
       usage_check(!same(path), "--output ", o.output, ": is the same file as ", flag, " ", path,
                   " (it would be overwritten)");
     const std::string model = o.model.empty() ? bundled_model_dir() : o.model;
+    const std::string whose = (o.model.empty() ? "the bundled model " : "--model ") + model;
     for (const auto& [path, what] : model_files(model))
       usage_check(!same(path), "--output ", o.output, ": is the same file as ", path, " (the ",
-                  what, " of --model ", model, "; it would be overwritten)");
+                  what, " of ", whose, "; it would be overwritten)");
   }
   // A NumPy name, in any case (.NPY was written as safetensors under it).
   std::string ext = std::filesystem::path(o.output).extension().string();

@@ -47,4 +47,16 @@ std::string printable(std::string_view text) {
   return out;
 }
 
+std::string bytes_str(unsigned long long bytes) {
+  std::string out = std::to_string(bytes) + " bytes";
+  if (bytes < 1024) return out;
+  static constexpr const char* kUnits[] = {"KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  double v = static_cast<double>(bytes);
+  int u = -1;
+  while (v >= 1024 && u < 5) v /= 1024, ++u;
+  char buf[32];
+  std::snprintf(buf, sizeof buf, " (%.3g %s)", v, kUnits[u]);
+  return out + buf;
+}
+
 }  // namespace fusedmoe

@@ -113,13 +113,14 @@ Tensor Tensor::empty(DType dtype, std::span<const int64_t> shape) {
   TensorView probe(nullptr, dtype, shape);
   int64_t nbytes = static_cast<int64_t>(dtype_size(dtype));
   for (int64_t d : shape)
-    FUSEDMOE_CHECK(!__builtin_mul_overflow(nbytes, d, &nbytes) && nbytes <= (int64_t{1} << 62),
-                   "Tensor::empty: ", probe.str(), " is too large to allocate");
+    if (__builtin_mul_overflow(nbytes, d, &nbytes) || nbytes > (int64_t{1} << 62))
+      FUSEDMOE_THROW(kOutOfMemory, "Tensor::empty: out of memory: ", probe.str(),
+                     " is too large to allocate (2^62 bytes or more)");
   const size_t bytes = std::max<size_t>(64, (static_cast<size_t>(nbytes) + 63) / 64 * 64);
   void* p = std::aligned_alloc(64, bytes);
   if (p == nullptr)
-    FUSEDMOE_THROW(kInternal, "Tensor::empty: out of memory allocating ", bytes, " bytes for ",
-                   probe.str());
+    FUSEDMOE_THROW(kOutOfMemory, "Tensor::empty: out of memory: cannot allocate ", bytes_str(bytes),
+                   " for ", probe.str());
   std::shared_ptr<void> storage(p, [](void* q) { std::free(q); });
   return Tensor(TensorView(p, dtype, shape), std::move(storage));
 }

@@ -76,7 +76,21 @@ ExpertSizes expert_sizes_from_w2(const ExpertWeights& w, const char* w13_name,
 }
 
 void ActivationParams::validate() const {
-  if (activation != Activation::kSwigluOai) return;
+  if (activation != Activation::kSwigluOai) {
+    // The clamped SwiGLU's parameters mean nothing to another activation: a
+    // value other than the default would be ignored, so it is an error (a
+    // gpt-oss config.json sets them, with swiglu_oai; no other model's does).
+    const ActivationParams d;
+    FUSEDMOE_CHECK(swiglu_alpha == d.swiglu_alpha,
+                   "swiglu_alpha: a parameter of activation swiglu_oai only, expected the default ",
+                   d.swiglu_alpha, " with activation ", to_string(activation), ", got ",
+                   swiglu_alpha);
+    FUSEDMOE_CHECK(swiglu_limit == d.swiglu_limit,
+                   "swiglu_limit: a parameter of activation swiglu_oai only, expected the default ",
+                   d.swiglu_limit, " with activation ", to_string(activation), ", got ",
+                   swiglu_limit);
+    return;
+  }
   FUSEDMOE_CHECK(std::isfinite(swiglu_limit) && swiglu_limit > 0.0f,
                  "swiglu_limit: expected a finite value > 0, got ", swiglu_limit);
   FUSEDMOE_CHECK(std::isfinite(swiglu_alpha), "swiglu_alpha: expected a finite value, got ",

@@ -268,39 +268,42 @@ ModelInfo load_model_info(const std::string& model_dir) {
     // reads as the checkpoint) stands for its model: the config.json beside it.
     p = (p.has_parent_path() ? p.parent_path() : fs::path(".")) / "config.json";
     if (!fs::exists(p, ec))
-      FUSEDMOE_THROW(kIo, model_dir, ": a ", index ? "safetensors index" : ".safetensors file",
-                     ", whose folder has no config.json (", p.string(),
+      FUSEDMOE_THROW(kIo, printable(model_dir), ": a ",
+                     index ? "safetensors index" : ".safetensors file",
+                     ", whose folder has no config.json (", printable(p.string()),
                      "); expected a model directory, its config.json, or a ",
                      "checkpoint file or index beside its config.json");
   } else if (fs::is_regular_file(p, ec) && p.extension() != ".json") {
     // Another file (a .npy, a text file): named as such, not parsed as a
     // config.json to fail as "not valid JSON".
-    FUSEDMOE_THROW(kInvalidArgument, model_dir,
+    FUSEDMOE_THROW(kInvalidArgument, printable(model_dir),
                    ": expected a model directory, its config.json, its *.safetensors.index.json "
                    "or a .safetensors file");
   }
   require_regular_file(p.string());
   std::ifstream in(p, std::ios::binary);
-  if (!in) FUSEDMOE_THROW(kIo, p.string(), ": cannot open: ", std::strerror(errno));
+  if (!in) FUSEDMOE_THROW(kIo, printable(p.string()), ": cannot open: ", std::strerror(errno));
   std::ostringstream ss;
   ss << in.rdbuf();
-  if (in.bad()) FUSEDMOE_THROW(kIo, p.string(), ": read error");
+  if (in.bad()) FUSEDMOE_THROW(kIo, printable(p.string()), ": read error");
   return parse_model_info(ss.str(), p.string());
 }
 
 ModelInfo parse_model_info(const std::string& json_text, const std::string& source) {
+  // The path as error messages quote it (control characters as \xNN).
+  const std::string shown = printable(source);
   json root;
   try {
     root = json::parse(json_text);
   } catch (const json::exception& e) {
-    FUSEDMOE_THROW(kIo, source, ": not valid JSON: ", e.what());
+    FUSEDMOE_THROW(kIo, shown, ": not valid JSON: ", e.what());
   }
   if (!root.is_object())
-    FUSEDMOE_THROW(kIo, source, ": not a JSON object (got ", root.type_name(), ")");
+    FUSEDMOE_THROW(kIo, shown, ": not a JSON object (got ", root.type_name(), ")");
 
   ModelInfo info;
   info.source = source;
-  Fields top(root, source);
+  Fields top(root, shown);
   info.model_type = top.get_string({"model_type"});
   if (const json* a = top.find({"architectures"});
       a && a->is_array() && !a->empty() && (*a)[0].is_string())
@@ -312,7 +315,7 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
                                  "gpt_oss", "llama4",      "llama4_text"};
   if (std::find_if(std::begin(kTypes), std::end(kTypes), [&](const char* t) { return mt == t; }) ==
       std::end(kTypes))
-    FUSEDMOE_THROW(kUnsupported, source, ": model_type '", printable(mt),
+    FUSEDMOE_THROW(kUnsupported, shown, ": model_type '", printable(mt),
                    "' is not supported (supported: ", kSupported, ")");
 
   // Quantized checkpoints: only DeepSeek-V3's FP8 format (e4m3 weights with
@@ -321,18 +324,17 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
   if (const auto q = root.find("quantization_config"); q != root.end() && !q->is_null()) {
     // Not an object, or no quant_method string in it: said so (it read as quant_method '').
     if (!q->is_object())
-      FUSEDMOE_THROW(kInvalidArgument, source,
+      FUSEDMOE_THROW(kInvalidArgument, shown,
                      ": quantization_config: expected an object with a 'quant_method', got ",
                      q->dump());
     const auto m = q->find("quant_method");
     if (m == q->end() || !m->is_string())
-      FUSEDMOE_THROW(kInvalidArgument, source,
+      FUSEDMOE_THROW(kInvalidArgument, shown,
                      ": quantization_config.quant_method: expected a string, got ",
                      m == q->end() ? std::string("none") : m->dump());
     const std::string method = m->get<std::string>();
     if (method != "fp8")
-      FUSEDMOE_THROW(kUnsupported, source, ": quantization_config.quant_method '",
-                     printable(method),
+      FUSEDMOE_THROW(kUnsupported, shown, ": quantization_config.quant_method '", printable(method),
                      "' is not supported (supported: unquantized weights, and 'fp8' with 128 x 128 "
                      "weight blocks as DeepSeek-V3 ships)");
     // The format DeepSeek-V3 ships and the loader reads: e4m3 weights, with
@@ -343,10 +345,10 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
       const auto v = q->find(key);
       if (v == q->end() || v->is_null()) continue;
       if (!v->is_string())
-        FUSEDMOE_THROW(kInvalidArgument, source, ": quantization_config.", key,
+        FUSEDMOE_THROW(kInvalidArgument, shown, ": quantization_config.", key,
                        ": expected a string, got ", v->dump());
       if (v->get<std::string>() != want)
-        FUSEDMOE_THROW(kUnsupported, source, ": quantization_config.", key, ": expected '", want,
+        FUSEDMOE_THROW(kUnsupported, shown, ": quantization_config.", key, ": expected '", want,
                        "' (the FP8 format this library reads, as DeepSeek-V3 ships), got '",
                        printable(v->get<std::string>()), "'");
     }
@@ -355,7 +357,7 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
                       (*b)[1].is_number_integer() && (*b)[0].get<int64_t>() == 128 &&
                       (*b)[1].get<int64_t>() == 128;
       if (!ok)
-        FUSEDMOE_THROW(kUnsupported, source,
+        FUSEDMOE_THROW(kUnsupported, shown,
                        ": quantization_config.weight_block_size: expected [128, 128], got ",
                        b->dump());
     }
@@ -363,14 +365,13 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
 
   // Multimodal Llama-4: the language model's settings live in text_config.
   const json* cfg = &root;
-  std::string where = source;
+  std::string where = shown;
   if (mt == "llama4") {
     const json* tc = top.find({"text_config"});
     if (!tc || !tc->is_object())
-      FUSEDMOE_THROW(kInvalidArgument, source,
-                     ": model_type 'llama4' needs a 'text_config' object");
+      FUSEDMOE_THROW(kInvalidArgument, shown, ": model_type 'llama4' needs a 'text_config' object");
     cfg = tc;
-    where = source + " (text_config)";
+    where = shown + " (text_config)";
   }
   Fields f(*cfg, where);
 

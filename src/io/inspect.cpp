@@ -63,7 +63,7 @@ ojson inspect_model(const std::string& path) {
   // otherwise block the reader of config.json).
   if (!is_dir(path)) require_regular_file(path);
   if (!is_dir(path) && !is_file(path))
-    FUSEDMOE_THROW(kIo, path, ": no such model directory or file");
+    FUSEDMOE_THROW(kIo, printable(path), ": no such model directory or file");
   // load_model_info names any other file (not a .json) as no model.
   const ModelInfo info = load_model_info(path);
   std::string dir = path;

@@ -75,28 +75,29 @@ class Reader {
   Source get(const std::string& rel, std::initializer_list<int64_t> shape) const {
     const std::string name = prefix_ + rel;
     if (!ckpt_.contains(name))
-      FUSEDMOE_THROW(kIo, ckpt_.path(), ": missing tensor '", name, "' (expected ",
+      FUSEDMOE_THROW(kIo, printable(ckpt_.path()), ": missing tensor '", name, "' (expected ",
                      shape_str(shape), ")");
     Source s{name, ckpt_.get(name), std::nullopt};
     if (!same_shape(s.t, shape))
-      FUSEDMOE_THROW(kIo, ckpt_.path(), ": tensor '", name, "': expected shape ", shape_str(shape),
-                     ", got ", s.t.view().str());
+      FUSEDMOE_THROW(kIo, printable(ckpt_.path()), ": tensor '", name, "': expected shape ",
+                     shape_str(shape), ", got ", s.t.view().str());
     const DType d = s.t.dtype();
     if (d == DType::kF8E4M3FN || d == DType::kF8E5M2) {
       // Block-quantized weight (DeepSeek FP8 format): name.weight -> name.weight_scale_inv.
       const std::string sname = sname_of(name);
       if (s.t.ndim() != 2 || !ckpt_.contains(sname))
-        FUSEDMOE_THROW(kUnsupported, ckpt_.path(), ": tensor '", name, "' is ", dtype_name(d),
-                       " without a block scale '", sname, "'; such FP8 weights are not supported");
+        FUSEDMOE_THROW(kUnsupported, printable(ckpt_.path()), ": tensor '", name, "' is ",
+                       dtype_name(d), " without a block scale '", sname,
+                       "'; such FP8 weights are not supported");
       Tensor sc = ckpt_.get(sname);
       const int64_t r = (s.t.size(0) + 127) / 128, c = (s.t.size(1) + 127) / 128;
       if (sc.dtype() != DType::kF32 || !same_shape(sc, {r, c}))
-        FUSEDMOE_THROW(kIo, ckpt_.path(), ": tensor '", sname, "': expected f32 ",
+        FUSEDMOE_THROW(kIo, printable(ckpt_.path()), ": tensor '", sname, "': expected f32 ",
                        shape_str({r, c}), " (one scale per 128x128 block), got ", sc.view().str());
       s.scale_inv = sc;
     } else if (!is_floating(d)) {
-      FUSEDMOE_THROW(kIo, ckpt_.path(), ": tensor '", name, "': expected a floating dtype, got ",
-                     dtype_name(d));
+      FUSEDMOE_THROW(kIo, printable(ckpt_.path()), ": tensor '", name,
+                     "': expected a floating dtype, got ", dtype_name(d));
     }
     if (check_finite_) {
       if (s.scale_inv) require_valid_scales(*s.scale_inv, sname_of(name), name);
@@ -159,8 +160,9 @@ class Reader {
     convert_to_f32(
         static_cast<const char*>(v.data()) + static_cast<size_t>(idx) * dtype_size(v.dtype()),
         v.dtype(), &value, 1);
-    FUSEDMOE_THROW(kIo, ckpt_.path(), ": tensor '", name, "': expected finite values, got ",
-                   std::isnan(value) ? "NaN" : "Inf", " at [", index_of(v, idx), "]", kCorrupt);
+    FUSEDMOE_THROW(kIo, printable(ckpt_.path()), ": tensor '", name,
+                   "': expected finite values, got ", std::isnan(value) ? "NaN" : "Inf", " at [",
+                   index_of(v, idx), "]", kCorrupt);
   }
 
   // A finite f64 value beyond the f32 range becomes Inf once loaded as f32:
@@ -173,9 +175,9 @@ class Reader {
     double x;
     std::memcpy(&x, static_cast<const char*>(v.data()) + static_cast<size_t>(idx) * sizeof x,
                 sizeof x);
-    FUSEDMOE_THROW(kIo, ckpt_.path(), ": tensor '", name, "': element [", index_of(v, idx),
-                   "] is beyond the f32 range once converted from f64 (its value ", x, ")",
-                   kCorrupt);
+    FUSEDMOE_THROW(
+        kIo, printable(ckpt_.path()), ": tensor '", name, "': element [", index_of(v, idx),
+        "] is beyond the f32 range once converted from f64 (its value ", x, ")", kCorrupt);
   }
 
   // FP8 block scales multiply their block's weights: a negative or non-finite
@@ -196,10 +198,10 @@ class Reader {
     std::memcpy(&x, static_cast<const char*>(v.data()) + static_cast<size_t>(idx) * sizeof x,
                 sizeof x);
     const int64_t r = idx / v.size(1), c = idx % v.size(1);
-    FUSEDMOE_THROW(kIo, ckpt_.path(), ": tensor '", sname, "': expected finite scales >= 0, got ",
-                   x, " at [", r, ", ", c, "] (the scale of the 128x128 block of rows ", r * 128,
-                   "-", r * 128 + 127, ", columns ", c * 128, "-", c * 128 + 127, " of '", weight,
-                   "')", kCorrupt);
+    FUSEDMOE_THROW(kIo, printable(ckpt_.path()), ": tensor '", sname,
+                   "': expected finite scales >= 0, got ", x, " at [", r, ", ", c,
+                   "] (the scale of the 128x128 block of rows ", r * 128, "-", r * 128 + 127,
+                   ", columns ", c * 128, "-", c * 128 + 127, " of '", weight, "')", kCorrupt);
   }
 
   const Checkpoint& ckpt_;
@@ -216,7 +218,7 @@ DType target_dtype(const Source& s) {
 // `s` must load to the dtype `ref` loads to; the message names both stored dtypes.
 void check_dtype(const Source& s, const Source& ref, const std::string& ckpt) {
   if (target_dtype(s) != target_dtype(ref))
-    FUSEDMOE_THROW(kIo, ckpt, ": tensor '", s.name, "': dtype ", dtype_name(s.t.dtype()),
+    FUSEDMOE_THROW(kIo, printable(ckpt), ": tensor '", s.name, "': dtype ", dtype_name(s.t.dtype()),
                    " differs from '", ref.name, "' (", dtype_name(ref.t.dtype()),
                    "): the expert tensors must load as one dtype (bf16 is kept; f32, f16, f64 "
                    "and FP8 load as f32)");
@@ -461,7 +463,7 @@ MoELayerWeights load_or_check(const Checkpoint& checkpoint, const ModelInfo& inf
     const DType dt = target_dtype(gu);
     check_dtype(dn, gu, checkpoint.path());
     if (gu.scale_inv || dn.scale_inv)
-      FUSEDMOE_THROW(kUnsupported, checkpoint.path(), ": tensor '", gu.name,
+      FUSEDMOE_THROW(kUnsupported, printable(checkpoint.path()), ": tensor '", gu.name,
                      "': packed FP8 experts are not supported");
     std::optional<Source> gub, dnb;
     if (cfg.has_expert_bias) {
@@ -513,7 +515,7 @@ MoELayerWeights load_or_check(const Checkpoint& checkpoint, const ModelInfo& inf
     const Source gu = rd.get("experts.gate_up_proj", {E, 2 * I, H});
     const Source dn = rd.get("experts.down_proj", {E, H, I});
     if (gu.scale_inv || dn.scale_inv)
-      FUSEDMOE_THROW(kUnsupported, checkpoint.path(), ": tensor '", gu.name,
+      FUSEDMOE_THROW(kUnsupported, printable(checkpoint.path()), ": tensor '", gu.name,
                      "': packed FP8 experts are not supported");
     check_dtype(dn, gu, checkpoint.path());
     if (check_only) return out;
@@ -556,7 +558,7 @@ MoELayerWeights load_or_check(const Checkpoint& checkpoint, const ModelInfo& inf
     for (const std::string t : {"shared_expert.gate_proj.weight", "shared_experts.gate_proj.weight",
                                 "shared_expert_gate.weight"})
       if (rd.has(t))
-        FUSEDMOE_THROW(kIo, checkpoint.path(), ": tensor '", rd.full(t),
+        FUSEDMOE_THROW(kIo, printable(checkpoint.path()), ": tensor '", rd.full(t),
                        "' belongs to a shared expert, but config.json gives none (",
                        deepseek ? "n_shared_experts" : "shared_expert_intermediate_size",
                        " 0 or absent): expected the shared expert's size in config.json, or a "

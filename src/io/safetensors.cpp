@@ -93,7 +93,7 @@ void require_regular_file(const std::string& path) {
   struct stat st {};
   if (::stat(path.c_str(), &st) != 0) return;
   if (!S_ISREG(st.st_mode))
-    FUSEDMOE_THROW(kIo, path, ": not a regular file (",
+    FUSEDMOE_THROW(kIo, printable(path), ": not a regular file (",
                    S_ISFIFO(st.st_mode)  ? "a FIFO"
                    : S_ISDIR(st.st_mode) ? "a directory"
                                          : "a device or socket",
@@ -119,28 +119,28 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) 
   require_regular_file(path);
   // O_NONBLOCK: a FIFO swapped in after the check still cannot block open().
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-  if (fd < 0) FUSEDMOE_THROW(kIo, path, ": cannot open: ", errno_str());
+  if (fd < 0) FUSEDMOE_THROW(kIo, printable(path), ": cannot open: ", errno_str());
   struct stat st {};
   if (::fstat(fd, &st) != 0) {
     std::string e = errno_str();
     ::close(fd);
-    FUSEDMOE_THROW(kIo, path, ": cannot stat: ", e);
+    FUSEDMOE_THROW(kIo, printable(path), ": cannot stat: ", e);
   }
   if (!S_ISREG(st.st_mode)) {
     ::close(fd);
-    FUSEDMOE_THROW(kIo, path, ": not a regular file");
+    FUSEDMOE_THROW(kIo, printable(path), ": not a regular file");
   }
   const size_t file_size = static_cast<size_t>(st.st_size);
   if (file_size < 8) {
     ::close(fd);
-    FUSEDMOE_THROW(kIo, path, ": file too short (", file_size,
+    FUSEDMOE_THROW(kIo, printable(path), ": file too short (", file_size,
                    " bytes; a safetensors file starts with an 8-byte header length)");
   }
   // Read-only mapping: views returned by get() must not be written to.
   void* addr = ::mmap(nullptr, file_size, PROT_READ, MAP_PRIVATE, fd, 0);
   std::string map_err = addr == MAP_FAILED ? errno_str() : std::string();
   ::close(fd);
-  if (addr == MAP_FAILED) FUSEDMOE_THROW(kIo, path, ": mmap failed: ", map_err);
+  if (addr == MAP_FAILED) FUSEDMOE_THROW(kIo, printable(path), ": mmap failed: ", map_err);
 
   std::shared_ptr<SafetensorsFile> f(new SafetensorsFile());
   f->path_ = path;
@@ -151,8 +151,8 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) 
   uint64_t header_len = 0;
   for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | bytes[i];
   if (header_len > file_size - 8)
-    FUSEDMOE_THROW(kIo, path, ": header length ", header_len, " runs past the end of the file (",
-                   file_size, " bytes)");
+    FUSEDMOE_THROW(kIo, printable(path), ": header length ", header_len,
+                   " runs past the end of the file (", file_size, " bytes)");
   f->data_start_ = 8 + static_cast<size_t>(header_len);
   const size_t data_size = file_size - f->data_start_;
 
@@ -171,13 +171,14 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) 
     header = json::parse(reinterpret_cast<const char*>(bytes + 8),
                          reinterpret_cast<const char*>(bytes + 8 + header_len), on_key);
   } catch (const json::exception& e) {
-    FUSEDMOE_THROW(kIo, path, ": header is not valid JSON: ", e.what());
+    FUSEDMOE_THROW(kIo, printable(path), ": header is not valid JSON: ", e.what());
   }
   if (!duplicate.empty())
-    FUSEDMOE_THROW(kIo, path, ": header names tensor '", duplicate,
+    FUSEDMOE_THROW(kIo, printable(path), ": header names tensor '", duplicate,
                    "' more than once (a corrupt file: which entry is meant is unknown)");
   if (!header.is_object())
-    FUSEDMOE_THROW(kIo, path, ": header is not a JSON object (got ", header.type_name(), ")");
+    FUSEDMOE_THROW(kIo, printable(path), ": header is not a JSON object (got ", header.type_name(),
+                   ")");
 
   struct Span {
     size_t begin, end;
@@ -189,17 +190,19 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) 
     const json& v = it.value();
     if (name == "__metadata__") {
       if (!v.is_object())
-        FUSEDMOE_THROW(kIo, path, ": __metadata__ is not a JSON object (got ", v.type_name(), ")");
+        FUSEDMOE_THROW(kIo, printable(path), ": __metadata__ is not a JSON object (got ",
+                       v.type_name(), ")");
       for (auto m = v.begin(); m != v.end(); ++m) {
         if (!m.value().is_string())
-          FUSEDMOE_THROW(kIo, path, ": __metadata__ value of '", m.key(), "' is not a string (got ",
-                         m.value().type_name(), ")");
+          FUSEDMOE_THROW(kIo, printable(path), ": __metadata__ value of '", m.key(),
+                         "' is not a string (got ", m.value().type_name(), ")");
         f->metadata_[m.key()] = m.value().get<std::string>();
       }
       continue;
     }
     auto bad = [&](const std::string& what) -> Error {
-      return Error(ErrorCode::kIo, detail::concat(path, ": tensor '", name, "': ", what));
+      return Error(ErrorCode::kIo,
+                   detail::concat(printable(path), ": tensor '", name, "': ", what));
     };
     if (!v.is_object())
       throw bad(detail::concat("entry is not a JSON object (got ", v.type_name(), ")"));
@@ -259,7 +262,7 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) 
   for (const Span& s : spans) {
     if (s.begin == s.end) continue;
     if (prev && s.begin < prev->end)
-      FUSEDMOE_THROW(kIo, path, ": tensor '", *s.name, "': data_offsets ",
+      FUSEDMOE_THROW(kIo, printable(path), ": tensor '", *s.name, "': data_offsets ",
                      offsets_str(s.begin, s.end), " overlap tensor '", *prev->name, "' ",
                      offsets_str(prev->begin, prev->end));
     if (!prev || s.end > prev->end) prev = &s;
@@ -282,10 +285,10 @@ bool SafetensorsFile::contains(const std::string& name) const {
 
 Tensor SafetensorsFile::get(const std::string& name) const {
   auto it = entries_.find(name);
-  if (it == entries_.end()) FUSEDMOE_THROW(kIo, path_, ": no tensor named '", name, "'");
+  if (it == entries_.end()) FUSEDMOE_THROW(kIo, printable(path_), ": no tensor named '", name, "'");
   const Entry& e = it->second;
   if (e.shape.size() > static_cast<size_t>(kMaxDims))
-    FUSEDMOE_THROW(kUnsupported, path_, ": tensor '", name, "' has ", e.shape.size(),
+    FUSEDMOE_THROW(kUnsupported, printable(path_), ": tensor '", name, "' has ", e.shape.size(),
                    " dimensions; at most ", kMaxDims, " are supported");
   char* base = static_cast<char*>(mapping_.get()) + data_start_ + e.begin;
   TensorView view(base, e.dtype, std::span<const int64_t>(e.shape.data(), e.shape.size()));
@@ -310,7 +313,7 @@ Checkpoint Checkpoint::open(const std::string& path) {
     } else if (fs::exists(p / "model.safetensors.index.json", ec)) {
       index = p / "model.safetensors.index.json";
     } else {
-      FUSEDMOE_THROW(kIo, path,
+      FUSEDMOE_THROW(kIo, printable(path),
                      ": checkpoint directory has neither model.safetensors nor "
                      "model.safetensors.index.json");
     }
@@ -329,26 +332,27 @@ Checkpoint Checkpoint::open(const std::string& path) {
   {
     require_regular_file(index.string());
     FILE* fp = std::fopen(index.c_str(), "rb");
-    if (!fp) FUSEDMOE_THROW(kIo, index.string(), ": cannot open: ", errno_str());
+    if (!fp) FUSEDMOE_THROW(kIo, printable(index.string()), ": cannot open: ", errno_str());
     char buf[65536];
     size_t n;
     while ((n = std::fread(buf, 1, sizeof buf, fp)) > 0) text.append(buf, n);
     bool err = std::ferror(fp);
     std::fclose(fp);
-    if (err) FUSEDMOE_THROW(kIo, index.string(), ": read error");
+    if (err) FUSEDMOE_THROW(kIo, printable(index.string()), ": read error");
   }
   json j;
   try {
     j = json::parse(text);
   } catch (const json::exception& e) {
-    FUSEDMOE_THROW(kIo, index.string(), ": not valid JSON: ", e.what());
+    FUSEDMOE_THROW(kIo, printable(index.string()), ": not valid JSON: ", e.what());
   }
   if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
-    FUSEDMOE_THROW(kIo, index.string(), ": no 'weight_map' object");
+    FUSEDMOE_THROW(kIo, printable(index.string()), ": no 'weight_map' object");
   const fs::path dir = index.parent_path();
   for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it) {
     if (!it.value().is_string())
-      FUSEDMOE_THROW(kIo, index.string(), ": weight_map entry '", it.key(), "' is not a string");
+      FUSEDMOE_THROW(kIo, printable(index.string()), ": weight_map entry '", it.key(),
+                     "' is not a string");
     // A shard lies in the model's folder (or below it): an index must not
     // lead the reader to any other file (lexically: symbolic links in the
     // folder, as a Hugging Face cache has, are followed).
@@ -356,9 +360,9 @@ Checkpoint Checkpoint::open(const std::string& path) {
     const fs::path rel = fs::path(shard).lexically_normal();
     if (shard.empty() || rel.is_absolute() || rel.has_root_name() || rel.begin() == rel.end() ||
         *rel.begin() == ".." || rel == ".")
-      FUSEDMOE_THROW(kIo, index.string(), ": weight_map entry '", it.key(), "': \"", shard,
-                     "\" is not a file inside the model folder ",
-                     dir.empty() ? std::string(".") : dir.string(),
+      FUSEDMOE_THROW(kIo, printable(index.string()), ": weight_map entry '", it.key(), "\': \"",
+                     printable(shard), "\" is not a file inside the model folder ",
+                     dir.empty() ? std::string(".") : printable(dir.string()),
                      " (expected a shard file name relative to it)");
     c.weight_map_[it.key()] = (dir / rel).string();
   }
@@ -380,7 +384,8 @@ bool Checkpoint::contains(const std::string& name) const {
 
 Tensor Checkpoint::get(const std::string& name) const {
   auto it = weight_map_.find(name);
-  if (it == weight_map_.end()) FUSEDMOE_THROW(kIo, path_, ": no tensor named '", name, "'");
+  if (it == weight_map_.end())
+    FUSEDMOE_THROW(kIo, printable(path_), ": no tensor named '", name, "'");
   auto& shard = shards_[it->second];
   if (!shard) {
     try {
@@ -388,12 +393,13 @@ Tensor Checkpoint::get(const std::string& name) const {
     } catch (const Error& e) {
       // A shard of an index: which one the index names, and for what tensor.
       if (index_.empty()) throw;
-      throw Error(e.code(), index_ + ": the shard of tensor '" + name + "': " + e.what());
+      throw Error(e.code(),
+                  printable(index_) + ": the shard of tensor '" + name + "': " + e.what());
     }
   }
   if (!shard->contains(name))
-    FUSEDMOE_THROW(kIo, path_, ": the index maps tensor '", name, "' to ", it->second,
-                   ", which has no tensor of that name");
+    FUSEDMOE_THROW(kIo, printable(path_), ": the index maps tensor '", name, "\' to ",
+                   printable(it->second), ", which has no tensor of that name");
   return shard->get(name);
 }
 
@@ -556,13 +562,14 @@ AtomicFile::AtomicFile(const std::string& path) : path_(path) {
     if (!ec)
       target = resolved;
     else if (!fs::exists(fs::status(target, ec)))
-      FUSEDMOE_THROW(kIo, path, ": symbolic link to a missing file (", ec.message(), ")");
+      FUSEDMOE_THROW(kIo, printable(path), ": symbolic link to a missing file (", ec.message(),
+                     ")");
     // else a link the kernel follows but that names no path (/dev/stdout to a pipe):
     // what it leads to is judged below.
   }
   const fs::file_status st = fs::status(target, ec);
   if (fs::exists(st) && !fs::is_regular_file(st))
-    FUSEDMOE_THROW(kIo, path, ": exists and is not a regular file (",
+    FUSEDMOE_THROW(kIo, printable(path), ": exists and is not a regular file (",
                    fs::is_directory(st) ? "a directory" : "a device, FIFO or socket",
                    "; will not replace it)");
   replaces_ = fs::exists(st);
@@ -601,16 +608,16 @@ void AtomicFile::fail(const char* what) {
   ::unlink(tmp_.c_str());
   unregister_temp(slot_);
   slot_ = -1;
-  FUSEDMOE_THROW(kIo, path_, ": ", what, ": ", e);
+  FUSEDMOE_THROW(kIo, printable(path_), ": ", what, ": ", e);
 }
 
 void AtomicFile::write(const void* data, size_t bytes) {
-  FUSEDMOE_CHECK(fd_ >= 0, path_, ": AtomicFile::write after commit");
+  FUSEDMOE_CHECK(fd_ >= 0, printable(path_), ": AtomicFile::write after commit");
   if (!write_all(fd_, data, bytes)) fail("write failed");
 }
 
 void AtomicFile::commit() {
-  FUSEDMOE_CHECK(fd_ >= 0, path_, ": AtomicFile::commit called twice");
+  FUSEDMOE_CHECK(fd_ >= 0, printable(path_), ": AtomicFile::commit called twice");
   // mkstemp made the temporary 0600.
   if (::fchmod(fd_, static_cast<mode_t>(mode_)) != 0) fail("chmod failed");
   if (::fsync(fd_) != 0) fail("fsync failed");
@@ -619,12 +626,12 @@ void AtomicFile::commit() {
   if (::close(fd) != 0) {
     const std::string e = errno_str();
     ::unlink(tmp_.c_str());
-    FUSEDMOE_THROW(kIo, path_, ": close failed: ", e);
+    FUSEDMOE_THROW(kIo, printable(path_), ": close failed: ", e);
   }
   if (::rename(tmp_.c_str(), target_.c_str()) != 0) {
     const std::string e = errno_str();
     ::unlink(tmp_.c_str());
-    FUSEDMOE_THROW(kIo, path_, ": rename failed: ", e);
+    FUSEDMOE_THROW(kIo, printable(path_), ": rename failed: ", e);
   }
   unregister_temp(slot_);
   slot_ = -1;

@@ -400,16 +400,20 @@ void MoERunner::forward(const TensorView& hidden_states, const TensorView& outpu
     logits = outputs->router_logits;
     compute_router_logits(hidden_states, logits);
   } else {
-    logits = TensorView(ws.get(cpu::kWsRouterLogits, T * L * sizeof(float)), DType::kF32, {T, L});
+    logits =
+        TensorView(ws.get(cpu::kWsRouterLogits, "the router logits, f32 [T, E + Z]", {T, L}, 4),
+                   DType::kF32, {T, L});
     compute_router_logits(hidden_states, logits);
   }
   const TensorView ids =
       want_ids ? outputs->topk_ids
-               : TensorView(ws.get(cpu::kWsTopkIds, T * k * sizeof(int32_t)), DType::kI32, {T, k});
+               : TensorView(ws.get(cpu::kWsTopkIds, "the topk ids, i32 [T, k]", {T, k}, 4),
+                            DType::kI32, {T, k});
   const TensorView weights =
       want_weights
           ? outputs->topk_weights
-          : TensorView(ws.get(cpu::kWsTopkWeights, T * k * sizeof(float)), DType::kF32, {T, k});
+          : TensorView(ws.get(cpu::kWsTopkWeights, "the topk weights, f32 [T, k]", {T, k}, 4),
+                       DType::kF32, {T, k});
   router_->select_experts(logits, ids, weights, token_ids);
   if (router_logits && want_logits && router_logits->data() != outputs->router_logits.data()) {
     for (int64_t t = 0; t < T; ++t)
@@ -434,7 +438,8 @@ void MoERunner::forward(const TensorView& hidden_states, const TensorView& outpu
   }
   PrepareResult shared;
   if (options_.compute_dtype == DType::kBF16) {
-    auto* x = static_cast<float*>(ws.get(cpu::kWsSharedInput, T * H * sizeof(float)));
+    auto* x = static_cast<float*>(
+        ws.get(cpu::kWsSharedInput, "the shared expert's input, f32 [T, H]", {T, H}, 4));
     const float* src = hidden_states.data_as<const float>();
     const int64_t ldh = hidden_states.stride(0);
     pool.parallel_for(T, [&](int64_t b, int64_t e, int) {
@@ -449,14 +454,16 @@ void MoERunner::forward(const TensorView& hidden_states, const TensorView& outpu
   offsets[0] = 0;
   offsets[1] = T;
   shared.expert_offsets = TensorView(offsets, DType::kI64, {2});
-  auto* shared_out = static_cast<float*>(ws.get(cpu::kWsSharedOutput, T * H * sizeof(float)));
+  auto* shared_out = static_cast<float*>(
+      ws.get(cpu::kWsSharedOutput, "the shared expert's output, f32 [T, H]", {T, H}, 4));
   kernel_->experts().apply(shared, *weights_.shared_experts, params,
                            TensorView(shared_out, DType::kF32, {T, H}), ws);
 
   // Qwen2-MoE: shared *= sigmoid(hidden_states . shared_expert_gate[0]).
   float* gate = nullptr;
   if (config_.has_shared_expert_gate) {
-    gate = static_cast<float*>(ws.get(cpu::kWsSharedGate, T * sizeof(float)));
+    gate = static_cast<float*>(
+        ws.get(cpu::kWsSharedGate, "the shared expert's gate, f32 [T]", {T}, 4));
     cpu::gemm_nt(T, 1, H, hidden_states.data_as<const float>(), hidden_states.stride(0),
                  weights_.shared_expert_gate->data(), weights_.shared_expert_gate->dtype(), H,
                  nullptr, DType::kF32, gate, 1);

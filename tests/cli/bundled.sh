@@ -117,7 +117,13 @@ rows = list(csv.DictReader(open(sys.argv[1])))
 for r in rows:
     assert float(r["ours_s"]) > 0 and float(r["baseline_s"]) > 0, r
     assert float(r["rel_diff"]) < 1e-4, r  # fusedmoe and the BLAS loop agree (f32)
+    # Never above the roofline: a ceiling a row beats is raised to what it achieved.
+    assert 0 < float(r["roofline_frac"]) <= 1 and r["ceiling_raised"] in ("0", "1"), r
 PY
+# The table's % roofline likewise (a row that beat a ceiling is marked *, with a note).
+awk -F'|' '/^\| [0-9]+ \|/ { p = $7; gsub(/[ %*]/, "", p); if (p + 0 > 100) bad = 1 } END { exit bad }' \
+  "$TMP/bench.txt" || { echo "FAIL: bench % roofline above 100"; cat "$TMP/bench.txt"; exit 1; }
+if grep -q '%\* |' "$TMP/bench.txt"; then grep -q '^\\\* faster than the ceiling measured' "$TMP/bench.txt"; fi
 # A second run replaces the file in full.
 "$BIN" bench --shapes qwen3-cpu --max-experts 8 --tokens 2 --min-time 0 --no-baseline --csv "$TMP/bench.csv" >/dev/null
 [ "$(wc -l <"$TMP/bench.csv")" -eq 2 ] || { echo "FAIL: bench CSV not replaced"; cat "$TMP/bench.csv"; exit 1; }

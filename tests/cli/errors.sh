@@ -261,6 +261,22 @@ expect_usage "--output is the --input file" "is the same file as --input" -- run
   --layer 1 --input "$TMP/in.safetensors" --input-key layers.1.T5.input --output "$TMP/in.safetensors"
 cmp -s "$REF" "$TMP/in.safetensors" || { echo "FAIL: the input was changed"; failures=$((failures + 1)); }
 rm -f "$TMP/in.safetensors"
+# ... or the --reference file, named by another path to it.
+cp "$REF" "$TMP/ref.safetensors"
+expect_usage "--output is the --reference file" "is the same file as --reference $TMP/ref.safetensors" -- \
+  run --model "$FIX" --layer 1 --input "$REF" --input-key layers.1.T5.input \
+  --reference "$TMP/ref.safetensors" --reference-key layers.1.T5.output_f64 \
+  --output "$TMP/./ref.safetensors"
+cmp -s "$REF" "$TMP/ref.safetensors" || { echo "FAIL: the reference was changed"; failures=$((failures + 1)); }
+rm -f "$TMP/ref.safetensors"
+# ... or a file of the bundled model, when --model is not given (--layer 99 would
+# stop the run before it wrote anything, were the output not refused first).
+BUNDLED=$3/tiny-deepseek-v3
+expect_usage "--output is the bundled model's checkpoint" \
+  "(the checkpoint of the bundled model " -- \
+  run --layer 99 --tokens 2 --output "$BUNDLED/model.safetensors"
+expect_usage "--output is the bundled model's config.json" "(the config.json of the bundled model" -- \
+  run --layer 99 --tokens 2 --output "$BUNDLED/./config.json"
 # --output is never a file of the model (its config.json, checkpoint, index or a
 # shard): a usage error naming --model, the file left as it was (compared as files:
 # through a symbolic link too).
@@ -701,7 +717,7 @@ expect_usage "bench --memory-fraction 1e400" "--memory-fraction: expected a deci
 # one tensor are singular.
 "$BIN" bench --shapes qwen3-cpu --max-experts 8 --tokens 0 --min-time 0 --threads 1 --csv "$TMP/t0.csv" >"$TMP/stdout" 2>&1 || true
 if ! grep -qE '^\| 0 \|.*\| - \| [0-9.e+-]+ \|$' "$TMP/stdout" || ! grep -q "^- CPU: .*, 1 thread, SIMD" "$TMP/stdout" ||
-  ! grep -q ",0,.*,,[0-9.e+-]*$" "$TMP/t0.csv"; then
+  ! grep -q ",0,.*,,[0-9.e+-]*,0$" "$TMP/t0.csv"; then
   echo "FAIL bench T = 0 speedup / 1 thread"; cat "$TMP/stdout" "$TMP/t0.csv"; failures=$((failures + 1))
 else
   echo "ok   bench T = 0: $(grep '^| 0 |' "$TMP/stdout")"

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/parse_number.h"
+#include "expect_error.h"
 #include "fusedmoe/core/dtype.h"
 #include "fusedmoe/core/tensor.h"
 #include "fusedmoe/core/thread_pool.h"
@@ -148,7 +149,19 @@ TEST(Tensor, ViewsAndCopies) {
   EXPECT_EQ(row.data_as<float>()[0], 12.0f);
   EXPECT_THROW(t.view().narrow(1, 4, 3), Error);
   EXPECT_THROW(t.view().reshape({5, 5}), Error);
-  EXPECT_THROW(Tensor::empty(DType::kF32, {int64_t{1} << 40, int64_t{1} << 40}), Error);
+  // Out of memory (a size that overflows, an allocation that fails: 2^60 bytes,
+  // beyond any address space): Error(kOutOfMemory) naming the tensor and the bytes.
+  EXPECT_HAS(test::error_of(
+                 [] {
+                   Tensor::empty(DType::kF32, {int64_t{1} << 40, int64_t{1} << 40});
+                 },
+                 ErrorCode::kOutOfMemory),
+             "Tensor::empty: out of memory: f32 [1099511627776, 1099511627776] is too large to "
+             "allocate (2^62 bytes or more)");
+  EXPECT_HAS(test::error_of([] { Tensor::empty(DType::kF32, {int64_t{1} << 58}); },
+                            ErrorCode::kOutOfMemory),
+             "Tensor::empty: out of memory: cannot allocate 1152921504606846976 bytes (1 EiB) for "
+             "f32 [288230376151711744]");
   EXPECT_EQ(t.view().reshape({24}).numel(), 24);
   Tensor b = from_f32(t, DType::kBF16);
   Tensor back = to_f32(b);

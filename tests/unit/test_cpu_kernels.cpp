@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "expect_error.h"
 #include "fusedmoe/kernels/modular_kernel.h"
 #include "kernels/cpu/gemm.h"
 #include "random_layer.h"
@@ -331,6 +332,53 @@ void expect_error(Fn&& fn, std::initializer_list<const char*> parts) {
   }
 }
 
+// Out of memory: an allocation that fails, or whose size overflows 63 bits, is
+// Error(kOutOfMemory) naming what was allocated and how many bytes (it was a bare
+// std::bad_alloc, the Python module's "MemoryError: std::bad_alloc").
+TEST(CpuModularKernel, OutOfMemoryNamesTheBufferAndItsBytes) {
+  const auto oom_message = [](auto&& fn) { return test::error_of(fn, ErrorCode::kOutOfMemory); };
+  Workspace ws;
+  // 2^60 bytes, beyond any address space: the allocation fails at once, nothing is touched.
+  std::string msg = oom_message([&] {
+    ws.get(0, "the test's rows, f32 [M, H]", {int64_t{1} << 40, int64_t{1} << 18}, 4);
+  });
+  EXPECT_HAS(msg,
+             "out of memory: cannot allocate 1152921504606846976 bytes (1 EiB) of workspace "
+             "for the test's rows, f32 [M, H] = [1099511627776, 262144]");
+  msg = oom_message([&] { ws.get(1, size_t{1} << 60, "the test's items"); });
+  EXPECT_HAS(msg,
+             "cannot allocate 1152921504606846976 bytes (1 EiB) of workspace for the test's "
+             "items");
+  msg = oom_message([&] { ws.get(1, "x", {int64_t{1} << 40, int64_t{1} << 40}, 4); });
+  EXPECT_HAS(msg,
+             "out of memory: x = [1099511627776, 1099511627776] of 4-byte elements would "
+             "take 2^63 bytes or more");
+  EXPECT_EQ(ws.total_bytes(), 0u);  // a failed slot holds nothing
+  // A later, possible request of the same slot still works.
+  EXPECT_NE(ws.get(0, "x", {16}, 4), nullptr);
+
+  // The fused experts of T tokens whose routed rows would take 2^63 bytes: refused
+  // before anything reads the inputs (views of one row, repeated by a zero stride).
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  auto kernel = make_cpu_modular_kernel();
+  const int64_t T = int64_t{1} << 56, E = 2, k = 2, H = 16, I = 8;
+  const ExpertWeights w = make_experts(rng, E, H, I, DType::kF32, false);
+  std::vector<float> row(H, 1.0f), out_row(H, 1234.5f), tw_row(k, 0.5f);
+  std::vector<int32_t> ids_row = {0, 1};
+  const int64_t shape_h[] = {T, H}, shape_k[] = {T, k}, strides_h[] = {0, 1}, strides_k[] = {0, 1};
+  const TensorView hidden(row.data(), DType::kF32, shape_h, strides_h);
+  const TensorView out(out_row.data(), DType::kF32, shape_h, strides_h);
+  const TensorView ids(ids_row.data(), DType::kI32, shape_k, strides_k);
+  const TensorView tw(tw_row.data(), DType::kF32, shape_k, strides_k);
+  msg = oom_message([&] { kernel->forward(hidden, ids, tw, w, {}, false, out, ws); });
+  EXPECT_HAS(msg,
+             "out of memory: the routed rows' hidden states, f32 [T, k, H] = "
+             "[72057594037927936, 2, 16] of 4-byte elements would take 2^63 bytes or more");
+  EXPECT_EQ(out_row, std::vector<float>(H, 1234.5f));
+}
+
 TEST(CpuModularKernel, RejectsBadInputsWithoutWriting) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE(testing::Message() << "seed " << seed);
@@ -392,6 +440,15 @@ TEST(CpuModularKernel, RejectsBadInputsWithoutWriting) {
   oai.activation.swiglu_limit = 7.0f;
   oai.activation.swiglu_alpha = INFINITY;
   expect_error(run(hidden, ids, tw, w, out, oai), {"swiglu_alpha", "inf"});
+  // ... and another activation ignored them: a value other than the default is refused.
+  ExpertsParams silu;
+  silu.activation.swiglu_alpha = 1.5f;
+  expect_error(run(hidden, ids, tw, w, out, silu),
+               {"swiglu_alpha", "swiglu_oai only", "activation silu", "got 1.5"});
+  silu.activation.swiglu_alpha = 1.702f;
+  silu.activation.swiglu_limit = 10.0f;
+  expect_error(run(hidden, ids, tw, w, out, silu),
+               {"swiglu_limit", "swiglu_oai only", "activation silu", "got 10"});
   ExpertWeights w_bad = w;
   w_bad.w2 = random_weight(rng, {E, H, I + 1}, 0.1f, DType::kBF16);
   expect_error(run(hidden, ids, tw, w_bad, out), {"experts.w13", "experts.w2", "disagree"});

@@ -293,6 +293,50 @@ TEST(Loader, MissingExpertTensorIsNamed) {
   EXPECT_HAS(msg, "missing");
 }
 
+// The model's path in the loader's and the config reader's errors is written as
+// printable() writes it: a newline in a folder name as \x0a, the message on one line.
+TEST(Loader, PathsInErrorsEscapeControlCharacters) {
+  test::TempDir dir("loader\nctrl");
+  std::string shown;
+  for (char c : dir.path()) shown += c == '\n' ? std::string("\\x0a") : std::string(1, c);
+  const auto expect_escaped = [&](const std::string& msg, const std::string& part) {
+    EXPECT_HAS(msg, shown + part);
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+  };
+  // No config.json yet; then one that is not JSON.
+  expect_escaped(error_of([&] { load_model_info(dir.path()); }, ErrorCode::kIo),
+                 "/config.json: cannot open");
+  { std::ofstream(dir.file("config.json")) << "{"; }
+  expect_escaped(error_of([&] { load_model_info(dir.path()); }, ErrorCode::kIo),
+                 "/config.json: not valid JSON");
+  // A tensor missing from the checkpoint.
+  const std::string victim = "model.layers.1.block_sparse_moe.experts.3.w3.weight";
+  fs::remove(dir.file("config.json"));
+  write_modified_fixture("mixtral", dir, [&](auto& ts) {
+    for (auto& [n, t] : ts)
+      if (n == victim) n += ".renamed";
+  });
+  const ModelInfo info = load_model_info(dir.path());
+  const Checkpoint ck = Checkpoint::open(dir.path());
+  expect_escaped(
+      error_of([&] { load_moe_layer(ck, info, 1, {.progress = false}); }, ErrorCode::kIo),
+      ": missing tensor '" + victim + "'");
+  // A config.json field out of range: named with the file.
+  {
+    std::ifstream in(dir.file("config.json"));
+    std::stringstream text;
+    text << in.rdbuf();
+    std::string j = text.str();
+    const std::string field = "\"num_local_experts\": 8";
+    const size_t at = j.find(field);
+    ASSERT_NE(at, std::string::npos);
+    j.replace(at, field.size(), "\"num_local_experts\": 0");
+    std::ofstream(dir.file("config.json")) << j;
+  }
+  EXPECT_HAS(error_of([&] { load_model_info(dir.path()); }, ErrorCode::kInvalidArgument),
+             shown + "/config.json (mixtral): field 'num_local_experts'");
+}
+
 // A checkpoint with a shared expert whose config gives none (size 0, or
 // DeepSeek's n_shared_experts null) is refused, naming the tensor and the
 // config field, not run without it.

@@ -228,6 +228,31 @@ TEST(MoEConfig, RejectsSharedExpertInconsistencies) {
                  {"has_e_score_correction_bias", "llama4"});
 }
 
+// swiglu_alpha / swiglu_limit are read by swiglu_oai alone (gpt-oss, whose
+// config.json sets them): with another activation a value other than the
+// default, which would be ignored, is an error naming the field and the activation.
+TEST(MoEConfig, SwigluParametersOnlyWithSwigluOai) {
+  MoEConfig oai = valid_config();
+  oai.activation = Activation::kSwigluOai;
+  oai.swiglu_alpha = 1.5f;
+  oai.swiglu_limit = 5.5f;
+  EXPECT_NO_THROW(oai.validate());
+  expect_invalid(
+      with([](MoEConfig& c) { c.swiglu_alpha = 1.5f; }),
+      {"swiglu_alpha", "swiglu_oai", "expected the default 1.702", "activation silu", "got 1.5"});
+  expect_invalid(
+      with([](MoEConfig& c) {
+        c.activation = Activation::kGeluGlu;
+        c.swiglu_limit = 5.5f;
+      }),
+      {"swiglu_limit", "swiglu_oai", "expected the default 7", "activation gelu", "got 5.5"});
+  expect_invalid(with([](MoEConfig& c) { c.swiglu_limit = std::nanf(""); }),
+                 {"swiglu_limit", "activation silu", "got nan"});
+  // The defaults (what every config.json but gpt-oss's leaves them at) pass.
+  for (Activation a : {Activation::kSiluGlu, Activation::kGeluGlu, Activation::kGeluTanhGlu})
+    EXPECT_NO_THROW(with([a](MoEConfig& c) { c.activation = a; }).validate());
+}
+
 TEST(MoEConfig, NamesRoundTrip) {
   for (Activation a : {Activation::kSiluGlu, Activation::kGeluGlu, Activation::kGeluTanhGlu,
                        Activation::kSwigluOai})

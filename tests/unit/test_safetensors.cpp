@@ -307,6 +307,38 @@ TEST(Safetensors, SaveIsAtomicAndChecksNames) {
   EXPECT_EQ(entries, 1u);
 }
 
+// A path quoted in an error message is written as printable() writes it: a
+// newline in a file or folder name as \x0a (the CLI did so, the Python module
+// showed the raw newline), so the message stays on one line.
+TEST(Safetensors, PathsInErrorsEscapeControlCharacters) {
+  TempDir dir("st_ctrl");
+  const std::string sub = dir.file("a\nb"), shown = dir.path() + "/a\\x0ab";
+  fs::create_directory(sub);
+  const auto expect_escaped = [&](const std::string& msg, const std::string& part) {
+    EXPECT_HAS(msg, shown + part);
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+  };
+  expect_escaped(error_of([&] { SafetensorsFile::open(sub + "/none.safetensors"); }),
+                 "/none.safetensors: cannot open");
+  { std::ofstream(sub + "/short.safetensors") << "abc"; }
+  expect_escaped(error_of([&] { SafetensorsFile::open(sub + "/short.safetensors"); }),
+                 "/short.safetensors: file too short");
+  write_raw(sub + "/bad.safetensors", "{\"x\": 1}", 0);
+  expect_escaped(error_of([&] { SafetensorsFile::open(sub + "/bad.safetensors"); }),
+                 "/bad.safetensors: tensor 'x'");
+  save_safetensors(sub + "/m.safetensors", {{"a", Tensor::zeros(DType::kF32, {2})}});
+  const auto file = SafetensorsFile::open(sub + "/m.safetensors");
+  expect_escaped(error_of([&] { file->get("b"); }), "/m.safetensors: no tensor named 'b'");
+  // A folder without a checkpoint; an index whose shard (a name with a newline) is missing.
+  expect_escaped(error_of([&] { Checkpoint::open(sub); }), ": checkpoint directory has neither");
+  { std::ofstream(sub + "/model.safetensors.index.json") << R"({"weight_map": {"a": "x\ny"}})"; }
+  const Checkpoint ck = Checkpoint::open(sub);
+  expect_escaped(error_of([&] { ck.get("a"); }),
+                 "/model.safetensors.index.json: the shard of "
+                 "tensor 'a': " +
+                     shown + "/x\\x0ay: cannot open");
+}
+
 // The header is JSON (UTF-8 text): a name or metadata string that is not UTF-8 is an
 // error naming it, before anything is written (nlohmann's dump() threw its own
 // "[json.exception.type_error.316] invalid UTF-8 byte" once the tensors were ready).

@@ -133,7 +133,9 @@ struct MoEConfig {
   // num_expert_group != 0, topk_group > num_expert_group, top_k > topk_group * experts per group,
   // apply_router_weight_on_input with top_k != 1, parallel sizes < 1, ranks
   // out of range, ep_size > num_experts, tp_size > intermediate sizes,
-  // dp_size > 1 with ep_size not 1 or dp_size, NaN/negative scaling, zipf_s <= 0, ...
+  // dp_size > 1 with ep_size not 1 or dp_size, NaN/negative scaling, zipf_s <= 0,
+  // swiglu_alpha / swiglu_limit other than their defaults with an activation
+  // other than swiglu_oai (which alone reads them), ...
   void validate() const;
 
   // One line per field, for `fusedmoe inspect` and messages.

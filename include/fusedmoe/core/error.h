@@ -17,6 +17,8 @@ enum class ErrorCode {
   kIo,               // a file that cannot be opened, read or parsed
   kUnsupported,      // valid input that this build or backend does not handle
   kInternal,         // a broken invariant inside the library
+  kOutOfMemory,      // an allocation that failed, or whose size overflows 64 bits (the
+                     // message names what was allocated and how many bytes)
 };
 
 class Error : public std::runtime_error {
@@ -43,6 +45,10 @@ std::string concat(const Args&... args) {
 // that an error message quotes stay on one line, and cannot move the cursor or
 // recolour the terminal, nor put bytes that are no text on it.
 std::string printable(std::string_view text);
+
+// A byte count as out-of-memory errors give it: "34359738368 bytes (32 GiB)",
+// "100 bytes".
+std::string bytes_str(unsigned long long bytes);
 
 }  // namespace fusedmoe
 

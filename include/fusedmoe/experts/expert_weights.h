@@ -64,7 +64,9 @@ struct ActivationParams {
   }
   // kSwigluOai: swiglu_limit finite and > 0 (a limit <= 0 clamps every gate to
   // it and zeroes the output; NaN disables the clamp), swiglu_alpha finite.
-  // Error(kInvalidArgument) naming the field otherwise.
+  // Another activation: swiglu_alpha and swiglu_limit at their defaults (a
+  // value it would ignore is refused). Error(kInvalidArgument) naming the
+  // field (and the activation) otherwise.
   void validate() const;
 };
 

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <vector>
 
@@ -28,13 +29,26 @@ class Workspace {
  public:
   // Returns a 64-byte aligned buffer of at least `bytes` for slot `slot`
   // (slots are independent buffers; contents are not preserved on growth).
-  void* get(int slot, size_t bytes);
+  // An allocation that fails throws Error(kOutOfMemory) with the byte count
+  // and `what`, when given, naming the buffer.
+  void* get(int slot, size_t bytes, const char* what = nullptr);
+  // The same for `shape` elements of `elem_bytes` each, e.g. get(kSlot, "the
+  // routed rows' hidden states, f32 [M, H]", {M, H}, 4): Error(kOutOfMemory)
+  // naming `what`, the sizes and the bytes also when their product overflows
+  // 63 bits (sizes < 0 count as 0).
+  void* get(int slot, const char* what, std::initializer_list<int64_t> shape, size_t elem_bytes);
   size_t total_bytes() const;
 
  private:
   std::vector<std::shared_ptr<void>> buffers_;
   std::vector<size_t> sizes_;
 };
+
+// The bytes of `shape` elements of `elem_bytes` each, for an allocation named
+// `what` (a noun phrase with the sizes' names, e.g. "the routed rows' hidden
+// states, f32 [M, H]"): Error(kOutOfMemory) naming it and the sizes when the
+// product overflows 63 bits. Sizes < 0 count as 0.
+size_t checked_bytes(const char* what, std::initializer_list<int64_t> shape, size_t elem_bytes);
 
 // Expert-contiguous routed rows.
 struct PrepareResult {

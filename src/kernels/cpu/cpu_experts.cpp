@@ -86,12 +86,14 @@ void CpuExperts::apply(const PrepareResult& prepared, const ExpertWeights& weigh
   const int threads = tp.num_threads();
   // Per thread: a [kRowBlock, 2 * kW13Block] gate/up block (stays in L1/L2).
   const size_t per_thread = kRowBlock * 2 * kW13Block;
-  auto* scratch =
-      static_cast<float*>(ws.get(kWsThreadScratch, threads * per_thread * sizeof(float)));
-  auto* act = static_cast<float*>(ws.get(kWsIntermediate, M * I * sizeof(float)));
+  auto* scratch = static_cast<float*>(
+      ws.get(kWsThreadScratch, threads * per_thread * sizeof(float), "the threads' GEMM blocks"));
+  auto* act = static_cast<float*>(
+      ws.get(kWsIntermediate, "the intermediate activations, f32 [M, I]", {M, I}, 4));
   const int64_t max_items = (M / kRowBlock + E + 1) * std::max((I + kW13Block - 1) / kW13Block,
                                                                (H + kW2Block - 1) / kW2Block);
-  auto* items = static_cast<WorkItem*>(ws.get(kWsWorkItems, max_items * sizeof(WorkItem)));
+  auto* items = static_cast<WorkItem*>(
+      ws.get(kWsWorkItems, "the GEMM work items", {max_items}, sizeof(WorkItem)));
 
   // Phase 1: act[rows, i0:i1] = act_fn(X . w13[gate rows i0:i1]^T, X . w13[up rows]^T).
   int64_t n = build_items(offsets, E, I, kW13Block, items);

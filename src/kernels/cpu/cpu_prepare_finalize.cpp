@@ -21,7 +21,8 @@ PrepareResult CpuPrepareFinalize::prepare(const TensorView& hidden_states,
   const int32_t* ids = topk_ids.data_as<const int32_t>();
 
   // offsets [E + 1], then a cursor per expert.
-  auto* offsets = static_cast<int64_t*>(ws.get(kWsExpertOffsets, (2 * E + 1) * sizeof(int64_t)));
+  auto* offsets = static_cast<int64_t*>(
+      ws.get(kWsExpertOffsets, "the expert offsets, i64 [2 * E + 1]", {2 * E + 1}, 8));
   int64_t* cursor = offsets + E + 1;
   std::fill(cursor, cursor + E, 0);
   for (int64_t t = 0; t < T; ++t)
@@ -36,8 +37,10 @@ PrepareResult CpuPrepareFinalize::prepare(const TensorView& hidden_states,
   }
   const int64_t M = offsets[E];
 
-  auto* src_row = static_cast<int32_t*>(ws.get(kWsSrcRow, std::max<int64_t>(M, 1) * 4));
-  auto* slot_to_row = static_cast<int32_t*>(ws.get(kWsSlotToRow, std::max<int64_t>(slots, 1) * 4));
+  auto* src_row =
+      static_cast<int32_t*>(ws.get(kWsSrcRow, "the routed rows' slots, i32 [M]", {M}, 4));
+  auto* slot_to_row =
+      static_cast<int32_t*>(ws.get(kWsSlotToRow, "the slots' routed rows, i32 [T, k]", {T, k}, 4));
   // Stable scatter: rows of one expert keep slot order t * k + j.
   for (int64_t t = 0; t < T; ++t)
     for (int64_t j = 0; j < k; ++j) {
@@ -52,8 +55,8 @@ PrepareResult CpuPrepareFinalize::prepare(const TensorView& hidden_states,
       }
     }
 
-  auto* permuted =
-      static_cast<float*>(ws.get(kWsPermuted, std::max<int64_t>(M * H, 1) * sizeof(float)));
+  auto* permuted = static_cast<float*>(
+      ws.get(kWsPermuted, "the routed rows' hidden states, f32 [M, H]", {M, H}, 4));
   const float* x = hidden_states.data_as<const float>();
   const float* w = topk_weights.data_as<const float>();
   const bool round_bf16 = compute_dtype == DType::kBF16;

@@ -36,6 +36,10 @@ void ModularKernel::forward(const TensorView& hidden_states, const TensorView& t
   check_router_weight_on_input(apply_router_weight_on_input, topk_ids);
   params.activation.validate();
   check_tensor(output, "output", DType::kF32, {T, H});
+  // The workspace of up to T * k routed rows: sizes whose bytes overflow are
+  // refused before the checks below read the inputs (Error(kOutOfMemory)).
+  checked_bytes("the routed rows' hidden states, f32 [T, k, H]", {T, k, H}, 4);
+  checked_bytes("the routed rows' intermediate activations, f32 [T, k, I]", {T, k, I}, 4);
   // Non-finite inputs would silently give NaN outputs (O(T * (H + k)) reads).
   check_finite_rows(hidden_states, "hidden_states");
   check_finite_rows(topk_weights, "topk_weights");
@@ -54,8 +58,8 @@ void ModularKernel::forward(const TensorView& hidden_states, const TensorView& t
       prepare_finalize_->prepare(hidden_states, topk_ids, topk_weights, E,
                                  apply_router_weight_on_input, params.compute_dtype, ws);
   const int64_t M = prepared.permuted.size(0);
-  auto* expert_out =
-      static_cast<float*>(ws.get(cpu::kWsExpertOutput, std::max<int64_t>(M * H, 1) * 4));
+  auto* expert_out = static_cast<float*>(
+      ws.get(cpu::kWsExpertOutput, "the experts' output rows, f32 [M, H]", {M, H}, 4));
   const TensorView expert_output(expert_out, DType::kF32, {M, H});
   experts_->apply(prepared, weights, params, expert_output, ws);
   prepare_finalize_->finalize(expert_output, prepared, topk_weights, apply_router_weight_on_input,
