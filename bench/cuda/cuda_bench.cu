@@ -214,7 +214,7 @@ int run_cuda_bench(const CudaBenchOptions& o) {
       bool sm90 = picked_sm90;
       // The decode path (decode_experts: no align, two weight-streaming kernels)
       // where the layer takes it; FUSEDMOE_CUDA_DECODE=0 times the align + GEMV chain.
-      const bool picked_decode = !picked_sm90 && cuda::pick_decode_experts(T, k, E);
+      const bool picked_decode = !picked_sm90 && cuda::pick_decode_experts(T, k, E, I);
       bool decode = picked_decode;
       auto enqueue = [&](int r) {
         cuda::FinalizeArgs f;  // output[t] = sum over t's slots of y (bf16 out)

@@ -13,9 +13,11 @@ namespace {
 using cuda::GemmTile;
 
 TEST(CudaTiles, HeuristicFollowsTheMeasuredTable) {
-  // Single-token decode (T * k <= 16): the GEMV path.
-  EXPECT_EQ(cuda::pick_gemm_tile(1, 8, 1536, 2048), GemmTile::kM8Gemv);
-  EXPECT_EQ(cuda::pick_gemm_tile(1, 16, 4096, 7168), GemmTile::kM8Gemv);
+  // Single-token decode (T * k <= 4): the GEMV path; m16n64 from 5 routed rows.
+  EXPECT_EQ(cuda::pick_gemm_tile(1, 2, 28672, 4096), GemmTile::kM8Gemv);
+  EXPECT_EQ(cuda::pick_gemm_tile(1, 4, 4096, 7168), GemmTile::kM8Gemv);
+  EXPECT_EQ(cuda::pick_gemm_tile(1, 8, 1536, 2048), GemmTile::kM16N64);
+  EXPECT_EQ(cuda::pick_gemm_tile(2, 16, 4096, 7168), GemmTile::kM16N64);
   // Otherwise by expected rows per touched expert.
   EXPECT_EQ(cuda::pick_gemm_tile(1, 128, 1536, 2048), GemmTile::kM16N64);
   EXPECT_EQ(cuda::pick_gemm_tile(16, 2048, 1536, 2048), GemmTile::kM16N64);

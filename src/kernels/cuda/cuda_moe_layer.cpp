@@ -572,7 +572,7 @@ const float* CudaMoELayer::experts(const uint16_t* x, int64_t ldx, const int32_t
   const MoEConfig& c = s.cfg;
   r.tile = cuda::routed_gemm_tile(batch_tokens, c.top_k, c.num_experts, c.hidden_size,
                                   c.intermediate_size);
-  r.decode = pick_decode_experts(batch_tokens, c.top_k, c.num_experts);
+  r.decode = pick_decode_experts(batch_tokens, c.top_k, c.num_experts, c.intermediate_size);
   r.allow_sm90 = false;  // y by slot, for the combine
   return static_cast<const float*>(routed_experts(r, s.routed, stream).finalize.y);  // f32: no sm90
 }

@@ -627,7 +627,7 @@ bool decode_experts_eligible(int64_t num_tokens, int64_t top_k) {
   return num_tokens >= 1 && top_k >= 1 && num_tokens * top_k <= kDecodeMaxSlots;
 }
 
-bool pick_decode_experts(int64_t num_tokens, int64_t top_k, int64_t num_experts) {
+bool pick_decode_experts(int64_t num_tokens, int64_t top_k, int64_t num_experts, int64_t inter) {
   static const bool enabled = [] {
     const char* v = std::getenv("FUSEDMOE_CUDA_DECODE");
     FUSEDMOE_CHECK(
@@ -642,10 +642,17 @@ bool pick_decode_experts(int64_t num_tokens, int64_t top_k, int64_t num_experts)
   // slots) 655 vs 843 us; Qwen3-30B-A3B T = 8 / 12 (64 / 96 slots) 130 / 173 vs
   // 144 / 184 us; DeepSeek-V3 T = 8 / 12 1168 / 1655 vs 1205 / 1705 us; at
   // T = 16 (128 slots) a tie (Qwen3 206 vs 206) or slower (DeepSeek-V3 2157 vs 2101).
+  // Large experts (I >= kLongW2Row): from T = 4 the m16n64 grouped GEMM (128-deep
+  // K stages since session 10) streams them faster. H200, Mixtral-8x7B, decode vs
+  // m16n64 (bench_cuda_moe --sweep, bench/results/2026-11-30-session11.md): T = 4
+  // 457 vs 449 us, 5 558 vs 526, 6 618 vs 585, 8 737 vs 645. Small experts keep
+  // decode (Qwen3-30B-A3B T = 4 / 12: 74 / 176 vs 87 / 180 us; DeepSeek-V3 a tie).
   constexpr int64_t kPickMaxSlots = 96;
+  constexpr int64_t kLargeExpertMaxTokens = 3;
   return enabled && decode_experts_eligible(num_tokens, top_k) &&
          num_tokens * top_k <= kPickMaxSlots &&
-         (num_tokens <= 4 || num_tokens * top_k <= 2 * num_experts);
+         (num_tokens <= 4 || num_tokens * top_k <= 2 * num_experts) &&
+         (inter < kLongW2Row || num_tokens <= kLargeExpertMaxTokens);
 }
 
 bool decode_experts(const RoutedExpertsArgs& a, uint16_t* inter_rows, float* y, Stream stream) {

@@ -102,7 +102,7 @@ RoutedResult routed_experts(const RoutedExpertsArgs& a, const RoutedScratch& s, 
   FUSEDMOE_CHECK(!a.decode.value_or(false) || decode_experts_eligible(T, k),
                  "routed_experts: the decode path takes T * k <= ", kDecodeMaxSlots,
                  ", got T = ", T, ", k = ", k);
-  if (!sm90 && a.decode.value_or(pick_decode_experts(T, k, E))) {
+  if (!sm90 && a.decode.value_or(pick_decode_experts(T, k, E, a.inter))) {
     const bool written = decode_experts(a, s.inter, s.y, stream);
     return {f, written};
   }

@@ -97,9 +97,10 @@ inline constexpr int64_t kDecodeMaxSlots = 128;
 // Whether decode_experts can run T tokens of k slots: T >= 1, k >= 1, T * k <= 128.
 bool decode_experts_eligible(int64_t num_tokens, int64_t top_k);
 // Whether the routed experts take the decode path (tuning): eligible, T * k <= 96,
-// and T <= 4 or T * k <= 2 E (few slots per touched expert). FUSEDMOE_CUDA_DECODE=0 in the
-// environment turns it off (A/B timing).
-bool pick_decode_experts(int64_t num_tokens, int64_t top_k, int64_t num_experts);
+// and T <= 4 or T * k <= 2 E (few slots per touched expert); for large experts
+// (intermediate size `inter` >= 4096, Mixtral's 14336) only T <= 3.
+// FUSEDMOE_CUDA_DECODE=0 in the environment turns it off (A/B timing).
+bool pick_decode_experts(int64_t num_tokens, int64_t top_k, int64_t num_experts, int64_t inter);
 // The w13 layout a layer with intermediate size `inter` keeps: kInterleaved128
 // where the sm90 path exists (sm90_experts_available()) and inter % 128 == 0,
 // unless FUSEDMOE_CUDA_W13_LAYOUT=standard (A / B measurements; "interleaved"

@@ -5,9 +5,12 @@
 // rounded), from a sweep of every tile over the Mixtral / Qwen3 / DeepSeek-V3
 // shapes at T = 1 .. 4096 on an H200 (bench/results/2026-11-29-cuda-bench.md):
 //   (a few slots, pick_decode_experts, bypass this table: decode_experts.cu)
-//   T * k <= 16  m8gemv:   single-token decode; CUDA-core GEMV, 16-byte weight
+//   T * k <= 4   m8gemv:   single-token decode; CUDA-core GEMV, 16-byte weight
 //                          loads (Mixtral T = 1: 188 us vs 197 us with m16n64;
-//                          already slower at Qwen3 T = 16: 249 vs 220 us)
+//                          already slower at Qwen3 T = 16: 249 vs 220 us). Up to
+//                          16 routed rows before session 11; since session 10's
+//                          m16n64 it loses at 8-16 (Mixtral T = 4 / 8: 540 / 904
+//                          vs 449 / 645 us, DeepSeek-V3 T = 4: 759 vs 649).
 //   <= 16 rows   m16n64:   decode; weight streaming, many small n tiles so the
 //                          few touched experts still spread over all SMs
 //   <= 256 rows  m64n128:  (Mixtral T = 1024: 2.74 ms vs 3.01 ms with m128n128;
@@ -74,7 +77,7 @@
 namespace fusedmoe::cuda {
 
 namespace {
-constexpr int64_t kGemvMaxRoutedRows = 16;
+constexpr int64_t kGemvMaxRoutedRows = 4;
 // The sm_90a wgmma + TMA path (sm90_experts) from this many expected rows per
 // touched expert up (measurements above). Session 10 (bench_cuda_moe --sweep,
 // m16n64 with 128-deep K stages vs sm90, us; bench/results/2026-11-30-session10.md):
