@@ -377,6 +377,21 @@ TEST(CpuModularKernel, OutOfMemoryNamesTheBufferAndItsBytes) {
              "out of memory: the routed rows' hidden states, f32 [T, k, H] = "
              "[72057594037927936, 2, 16] of 4-byte elements would take 2^63 bytes or more");
   EXPECT_EQ(out_row, std::vector<float>(H, 1234.5f));
+
+  // 2^31 routed slots (their rows would fit in 64-bit sizes): more than prepare's
+  // i32 row indices hold, refused before anything reads the inputs.
+  const int64_t T31 = int64_t{1} << 30;
+  const int64_t shape_h31[] = {T31, H}, shape_k31[] = {T31, k};
+  const TensorView hidden31(row.data(), DType::kF32, shape_h31, strides_h);
+  const TensorView out31(out_row.data(), DType::kF32, shape_h31, strides_h);
+  const TensorView ids31(ids_row.data(), DType::kI32, shape_k31, strides_k);
+  const TensorView tw31(tw_row.data(), DType::kF32, shape_k31, strides_k);
+  msg = test::error_of([&] { kernel->forward(hidden31, ids31, tw31, w, {}, false, out31, ws); },
+                       ErrorCode::kUnsupported);
+  EXPECT_HAS(msg,
+             "topk_ids: the CPU backend takes at most 2147483647 routed slots (T * k, i32 row "
+             "indices), got 1073741824 * 2 = 2147483648");
+  EXPECT_EQ(out_row, std::vector<float>(H, 1234.5f));
 }
 
 TEST(CpuModularKernel, RejectsBadInputsWithoutWriting) {

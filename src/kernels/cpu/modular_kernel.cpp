@@ -2,6 +2,8 @@
 // finalize) and the CPU backend factory.
 #include "fusedmoe/kernels/modular_kernel.h"
 
+#include <climits>
+
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/workspace_slots.h"
 
@@ -40,6 +42,10 @@ void ModularKernel::forward(const TensorView& hidden_states, const TensorView& t
   // refused before the checks below read the inputs (Error(kOutOfMemory)).
   checked_bytes("the routed rows' hidden states, f32 [T, k, H]", {T, k, H}, 4);
   checked_bytes("the routed rows' intermediate activations, f32 [T, k, I]", {T, k, I}, 4);
+  // prepare's row indices (src_row, slot_to_row) are i32.
+  if (T * k > INT32_MAX)
+    FUSEDMOE_THROW(kUnsupported, "topk_ids: the CPU backend takes at most ", INT32_MAX,
+                   " routed slots (T * k, i32 row indices), got ", T, " * ", k, " = ", T * k);
   // Non-finite inputs would silently give NaN outputs (O(T * (H + k)) reads).
   check_finite_rows(hidden_states, "hidden_states");
   check_finite_rows(topk_weights, "topk_weights");
