@@ -248,8 +248,8 @@ popd >/dev/null
 expect_error "output into a missing folder" "$TMP/no/such/dir" -- run --model "$FIX" "${run_args[@]}" \
   --output "$TMP/no/such/dir/out.safetensors"
 
-python3 -c "import numpy" 2>/dev/null && {
-  python3 -c "import numpy as np; np.save('$TMP/x.npy', np.random.randn(3, 128).astype(np.float32))"
+{
+  python3 "$ST" npy "$TMP/x.npy" f 3 128 0.5
   # The command line's mistakes: usage errors (exit 2), as the README says.
   expect_usage "--input-key with a .npy input" "--input-key 'x': $TMP/x.npy is a .npy file" -- \
     run --model "$FIX" --layer 1 --input "$TMP/x.npy" --input-key x
@@ -349,8 +349,8 @@ else
 fi
 
 # A finite input that overflows f32 inside the experts: an error, no output file.
-python3 -c "import numpy" 2>/dev/null && {
-  python3 -c "import numpy as np; np.save('$TMP/huge.npy', np.full((2, 128), 1e37, np.float32))"
+{
+  python3 "$ST" npy "$TMP/huge.npy" f 2 128 1e37
   expect_error "input overflowing f32" "output: non-finite value at token 0" -- \
     run --model "$FIX" --layer 1 --input "$TMP/huge.npy"
 }
@@ -385,17 +385,14 @@ rm -f "$TMP/many.npy"
 sparse_npy "$TMP/twice.npy" "<f4" 4 256  # twice the memory: T * 512 bytes = 2 x phys
 expect_error "--input .npy twice the memory" "error: input $TMP/twice.npy: expected at most " -- \
   run --model "$FIX" --layer 1 --input "$TMP/twice.npy" --quiet
-python3 -c "import numpy as np; np.save('$TMP/two.npy', np.ones((2, 128), np.float32))"
+python3 "$ST" npy "$TMP/two.npy" f 2 128 1
 expect_error "--reference .npy twice the memory" "error: reference $TMP/twice.npy: expected [2, 128], got [" -- \
   run --model "$FIX" --layer 1 --input "$TMP/two.npy" --reference "$TMP/twice.npy" --quiet
 rm -f "$TMP/twice.npy"
 # Values the f32 input cannot hold: an f64 one beyond its range (it became Inf, named as
 # "hidden_states: ... got Inf"), an f16 Inf: each named in the input file, with its place.
-python3 - "$TMP" <<'PY'
-import sys, numpy as np
-a = np.ones((2, 128)); a[1, 7] = 1e300; np.save(f"{sys.argv[1]}/f64big.npy", a)
-b = np.ones((2, 128), np.float16); b[1, 3] = np.inf; np.save(f"{sys.argv[1]}/f16inf.npy", b)
-PY
+python3 "$ST" npy "$TMP/f64big.npy" d 2 128 1 1,7=1e300
+python3 "$ST" npy "$TMP/f16inf.npy" e 2 128 1 1,3=inf
 expect_error "f64 --input beyond the f32 range" "error: input $TMP/f64big.npy: element [1, 7] is beyond the f32 range once converted from f64 (its value 1e+300)" -- \
   run --model "$FIX" --layer 1 --input "$TMP/f64big.npy" --quiet
 expect_error "f16 --input with an Inf" "error: input $TMP/f16inf.npy: expected finite values, got Inf at token 1, column 3" -- \
@@ -481,15 +478,17 @@ if ! grep -q "T = 10$" "$TMP/stdout"; then
 else
   echo "ok   run --tokens 010: 10 tokens"
 fi
-python3 -c "import numpy" 2>/dev/null && {
-  python3 -c "import numpy as np; np.save('$TMP/x.npy', np.ones((2, 128), np.float32)); np.save('$TMP/zero.npy', np.zeros((2, 128), np.float32))"
+{
+  python3 "$ST" npy "$TMP/x.npy" f 2 128 1
+  python3 "$ST" npy "$TMP/zero.npy" f 2 128 0
   expect_error "all-zero --reference" "relative L2 error inf" -- \
     run --model "$FIX" --layer 1 --input "$TMP/x.npy" --reference "$TMP/zero.npy" --output "$TMP/zref.safetensors"
   expect_error "all-zero --reference, --tolerance 1e308" "relative L2 error inf" -- \
     run --model "$FIX" --layer 1 --input "$TMP/x.npy" --reference "$TMP/zero.npy" --tolerance 1e308 \
     --output "$TMP/zref.safetensors"
   # A reference holding NaN / Inf: refused, named, whatever the tolerance.
-  python3 -c "import numpy as np; np.save('$TMP/nanref.npy', np.full((2, 128), np.nan)); r = np.ones((2, 128)); r[1, 5] = np.inf; np.save('$TMP/infref.npy', r)"
+  python3 "$ST" npy "$TMP/nanref.npy" d 2 128 nan
+  python3 "$ST" npy "$TMP/infref.npy" d 2 128 1 1,5=inf
   expect_error "all-NaN --reference" "reference $TMP/nanref.npy: expected finite values, got NaN at row 0, column 0" -- \
     run --model "$FIX" --layer 1 --input "$TMP/x.npy" --reference "$TMP/nanref.npy" --tolerance 1e308
   expect_error "--reference with an Inf" "reference $TMP/infref.npy: expected finite values, got Inf at row 1, column 5" -- \

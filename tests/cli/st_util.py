@@ -70,6 +70,22 @@ def main():
         data = struct.pack("<%df" % (rows * cols), *[rng.gauss(0, 1) for _ in range(rows * cols)])
         write(path, {name: {"dtype": "F32", "shape": [rows, cols],
                             "data_offsets": [0, len(data)]}}, data)
+    elif cmd == "npy":
+        # npy PATH FMT ROWS COLS FILL [R,C=VALUE ...]: a .npy file (format 1.0,
+        # C order) of struct format FMT (f: f32, d: f64, e: f16), every element
+        # FILL but the ones set; no numpy needed.
+        path, fmt, rows, cols, fill = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6])
+        values = [fill] * (rows * cols)
+        for spec in sys.argv[7:]:
+            where, value = spec.split("=")
+            r, c = map(int, where.split(","))
+            values[r * cols + c] = float(value)
+        descr = {"f": "<f4", "d": "<f8", "e": "<f2"}[fmt]
+        head = "{'descr': '%s', 'fortran_order': False, 'shape': (%d, %d), }" % (descr, rows, cols)
+        head += " " * (63 - (10 + len(head)) % 64) + "\n"  # 10 + len(head) a multiple of 64
+        with open(path, "wb") as f:
+            f.write(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(head)) + head.encode("latin1"))
+            f.write(struct.pack("<%d%s" % (rows * cols, fmt), *values))
     elif cmd == "corrupt":
         mode, src, dst = sys.argv[2:5]
         pattern = sys.argv[5] if len(sys.argv) > 5 else "experts.3."
