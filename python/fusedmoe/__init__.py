@@ -873,7 +873,8 @@ def select_experts(
     With a MoELayer as ``config`` the layer's router parameters are used too
     (``e_score_correction_bias``, ``hash_table``, unless given), so the result
     is the layer's own routing of these logits; ``top_k`` is then None or the
-    layer's top_k (another value: ValueError).
+    layer's top_k, and keyword ``fields`` equal to the layer's (another value:
+    ValueError; ``config=layer.config`` routes with changes).
     Returns (topk_weights f32 [T, k], topk_ids int32 [T, k]; id -1 = zero expert)."""
     _check_array(router_logits, "router_logits")
     if isinstance(config, MoELayer):
@@ -888,6 +889,13 @@ def select_experts(
         if hash_table is None and params["hash_table"] is not None:
             hash_table = _like(router_logits, params["hash_table"])
         config = config.config
+        # Likewise a keyword field that differs from the layer's (e.g.
+        # renormalize=False): not the layer's routing any more.
+        for key, value in fields.items():
+            if key in config and not _same_field(value, config[key]):
+                raise ValueError(f"{key}: expected the layer's {key} = {config[key]!r} (config is "
+                                 f"a MoELayer: its own routing; config=layer.config takes "
+                                 f"changes), got {value!r}")
     if config is not None and not isinstance(config, dict):
         raise TypeError(f"config: expected a dict, a MoELayer or None, got "
                         f"{type(config).__name__} {config!r}")
@@ -920,6 +928,17 @@ def select_experts(
         cfg.setdefault("e_score_correction_bias", True)
     return _route(logits, cfg, e_score_correction_bias, token_ids, hash_table, names=names,
                   config_keys=config_keys)
+
+
+def _same_field(a: Any, b: Any) -> bool:
+    """Whether a keyword field's value equals the configuration's (bool and
+    numbers by value, NaN equal to NaN)."""
+    try:
+        if a == b:
+            return True
+        return isinstance(a, float) and isinstance(b, float) and a != a and b != b
+    except Exception:  # e.g. an array: compared elsewhere, not equal here
+        return False
 
 
 def _like(ref: Any, a: np.ndarray) -> Any:

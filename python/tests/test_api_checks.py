@@ -117,6 +117,14 @@ def test_select_experts_with_layer_refuses_another_top_k(rng):
             fusedmoe.select_experts(logits, top_k=bad, config=moe)
     with pytest.raises(TypeError, match="^top_k"):
         fusedmoe.select_experts(logits, float(k), config=moe)
+    # A keyword field other than the layer's: not its routing (use config=layer.config).
+    with pytest.raises(ValueError, match="^renormalize: expected the layer's renormalize = "):
+        fusedmoe.select_experts(logits, config=moe, renormalize=not moe.config["renormalize"])
+    assert fusedmoe.select_experts(logits, config=moe,
+                                   renormalize=moe.config["renormalize"])[1].shape == (3, k)
+    bias = np.zeros(moe.num_experts, np.float32)
+    assert fusedmoe.select_experts(logits, config=moe.config, e_score_correction_bias=bias,
+                                   renormalize=not moe.config["renormalize"])[1].shape == (3, k)
     # The layer's own k, or a dict config with any k, still route.
     assert fusedmoe.select_experts(logits, k, config=moe)[1].shape == (3, k)
     bias = np.zeros(moe.num_experts, np.float32)
