@@ -437,22 +437,51 @@ LayerShape fit_to_memory(LayerShape s, DType dtype, bool with_baseline, size_t b
   return s;
 }
 
+namespace {
+// The first number of a one-line file, or 0 (missing, "max", not a number).
+size_t read_bytes_file(const std::string& path) {
+  std::ifstream f(path);
+  std::string text;
+  if (!(f >> text) || text.empty() || !std::isdigit(static_cast<unsigned char>(text[0]))) return 0;
+  return static_cast<size_t>(std::strtoull(text.c_str(), nullptr, 10));
+}
+}  // namespace
+
+CgroupMemory cgroup_memory(const std::string& root) {
+  CgroupMemory m;
+  m.limit = read_bytes_file(root + "/memory.max");  // v2
+  m.usage = read_bytes_file(root + "/memory.current");
+  if (m.limit == 0) {  // v1
+    m.limit = read_bytes_file(root + "/memory/memory.limit_in_bytes");
+    m.usage = read_bytes_file(root + "/memory/memory.usage_in_bytes");
+    if (m.limit >= (size_t{1} << 62)) m.limit = 0;  // "unlimited"
+  }
+  if (m.limit == 0) m.usage = 0;
+  return m;
+}
+
 size_t physical_memory_bytes() {
   const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
-  return pages > 0 && page > 0 ? static_cast<size_t>(pages) * static_cast<size_t>(page)
-                               : size_t{8} << 30;
+  const size_t machine = pages > 0 && page > 0
+                             ? static_cast<size_t>(pages) * static_cast<size_t>(page)
+                             : size_t{8} << 30;
+  const CgroupMemory cg = cgroup_memory();
+  return cg.limit > 0 ? std::min(machine, cg.limit) : machine;
 }
 
 size_t available_memory_bytes() {
   const size_t physical = physical_memory_bytes();
+  const CgroupMemory cg = cgroup_memory();
+  const size_t cap =
+      cg.limit > 0 ? std::min(physical, cg.limit > cg.usage ? cg.limit - cg.usage : 0) : physical;
   std::ifstream f("/proc/meminfo");
   std::string line;
   while (std::getline(f, line)) {
     unsigned long long kib = 0;
     if (std::sscanf(line.c_str(), "MemAvailable: %llu kB", &kib) == 1)
-      return std::min<size_t>(physical, static_cast<size_t>(kib) * 1024);
+      return std::min<size_t>(cap, static_cast<size_t>(kib) * 1024);
   }
-  return physical;
+  return cap;
 }
 
 SyntheticLayer make_synthetic_layer(const LayerShape& shape, DType dtype, uint64_t seed,

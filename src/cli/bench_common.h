@@ -114,11 +114,23 @@ int64_t most_tokens_within(size_t budget, size_t fixed, size_t per_token);
 // `max_tokens` when the weights at E = k do, but not with the tokens' buffers.
 LayerShape fit_to_memory(LayerShape s, DType dtype, bool with_baseline, size_t budget_bytes,
                          int64_t max_tokens = 0);
+// The machine's memory (sysconf), or the process's cgroup memory limit where
+// one is set below it (a container or a job slot: the budget --memory-fraction
+// is a share of).
 size_t physical_memory_bytes();
 // The memory a new allocation can take without swapping: MemAvailable of
 // /proc/meminfo (free memory plus reclaimable caches; what other processes
-// hold is not), at most physical_memory_bytes(); that when it is unknown.
+// hold is not), and under a cgroup limit at most the limit less the cgroup's
+// usage; at most physical_memory_bytes(); that when it is unknown.
 size_t available_memory_bytes();
+// The cgroup memory limit and usage under `root` (a cgroup v2 directory with
+// memory.max / memory.current, or v1's memory/memory.limit_in_bytes /
+// memory.usage_in_bytes below it): limit 0 when none is set ("max", or v1's
+// "unlimited" value of 2^63 rounded down to a page), usage 0 when unknown.
+struct CgroupMemory {
+  size_t limit = 0, usage = 0;
+};
+CgroupMemory cgroup_memory(const std::string& root = "/sys/fs/cgroup");
 
 // ---- synthetic layer and batches --------------------------------------------------
 struct SyntheticLayer {

@@ -98,7 +98,8 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& o) {
                   "an error; a file path: not - for the standard output, which carries the tables)")
       ->check(output_path("the tables there are Markdown"));
   cmd->add_option("--memory-fraction", o.memory_fraction,
-                  "Share of physical memory a layer may use; larger shapes get fewer experts")
+                  "Share of physical memory (or of a lower cgroup limit) a layer may use; larger "
+                  "shapes get fewer experts")
       ->transform(number_in(0.01, 0.95))
       ->capture_default_str();
   cmd->add_option("--seed", o.seed, "Seed of weights, inputs and routing")
@@ -257,7 +258,7 @@ int run_bench(const BenchOptions& o) {
       if (what.rfind(flag, 0) == 0)
         what = "--memory-fraction " + exact_number(o.memory_fraction) + " (of " +
                format_bytes(static_cast<double>(physical_memory_bytes())) +
-               " physical memory): " + what.substr(flag.size());
+               " memory, physical or cgroup limit): " + what.substr(flag.size());
       throw Error(e.code(), what);
     }
   }

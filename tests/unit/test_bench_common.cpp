@@ -1,6 +1,11 @@
 // Tests of the benchmark helpers (src/cli/bench_common.h): the roofline share
 // `fusedmoe bench` prints.
 #include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
 
 #include "cli/bench_common.h"
 
@@ -36,6 +41,43 @@ TEST(BenchRoofline, ShareIsAtMostOneAndSaysWhenACeilingWasRaised) {
   EXPECT_FALSE(s.raised);
   // No time, no share.
   EXPECT_EQ(roofline_share(r, 0.0, c).frac, 0.0);
+}
+
+// The memory budget of `fusedmoe bench` is a share of the machine's memory, or of
+// the cgroup limit where a container or job slot sets one below it.
+TEST(BenchMemory, CgroupLimitAndUsageFromV2AndV1Files) {
+  namespace fs = std::filesystem;
+  const fs::path dir =
+      fs::temp_directory_path() / ("fusedmoe-cgroup-" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir / "memory");
+  auto write = [](const fs::path& p, const std::string& text) { std::ofstream(p) << text; };
+  // No files: no limit.
+  CgroupMemory m = cgroup_memory(dir.string());
+  EXPECT_EQ(m.limit, 0u);
+  EXPECT_EQ(m.usage, 0u);
+  // v1, unlimited (2^63 rounded down to a page): no limit.
+  write(dir / "memory" / "memory.limit_in_bytes", "9223372036854771712\n");
+  write(dir / "memory" / "memory.usage_in_bytes", "1000\n");
+  EXPECT_EQ(cgroup_memory(dir.string()).limit, 0u);
+  // v1 with a limit.
+  write(dir / "memory" / "memory.limit_in_bytes", "2147483648\n");
+  m = cgroup_memory(dir.string());
+  EXPECT_EQ(m.limit, size_t{2} << 30);
+  EXPECT_EQ(m.usage, 1000u);
+  // v2 "max": no v2 limit, so v1's is read.
+  write(dir / "memory.max", "max\n");
+  EXPECT_EQ(cgroup_memory(dir.string()).limit, size_t{2} << 30);
+  // v2 with a limit wins.
+  write(dir / "memory.max", "1073741824\n");
+  write(dir / "memory.current", "4096\n");
+  m = cgroup_memory(dir.string());
+  EXPECT_EQ(m.limit, size_t{1} << 30);
+  EXPECT_EQ(m.usage, 4096u);
+  fs::remove_all(dir);
+  // This machine: never above its physical memory, never 0.
+  EXPECT_GT(physical_memory_bytes(), 0u);
+  EXPECT_LE(available_memory_bytes(), physical_memory_bytes());
 }
 
 }  // namespace
