@@ -54,6 +54,22 @@ def test_fused_experts_dtype_errors(case):
         _fe(case, w2=case["w2"].astype(np.float16))
 
 
+def test_fused_experts_w13_w2_dtype_mismatch_is_a_type_error(case):
+    """bf16 w13 with f32 w2 (torch tensors reach this; NumPy bf16 bit patterns
+    take both weights as bf16, so the extension is called directly): TypeError
+    naming w2, the expected dtype and the one given (it was a ValueError)."""
+    from fusedmoe import _ext
+    w13 = (case["w13"].view(np.uint32) >> 16).astype(np.uint16)  # bf16 bit patterns
+    out = np.empty_like(case["x"])
+    for a, b, want, got in ((w13, case["w2"], "bf16", "f32"),
+                            (case["w13"], (case["w2"].view(np.uint32) >> 16).astype(np.uint16),
+                             "f32", "bf16")):
+        with pytest.raises(TypeError, match=rf"w2: expected the dtype of w13 \({want}\), "
+                                            rf"got {got} \["):
+            _ext.fused_experts(case["x"], a, b, case["tw"], case["ids"], out, "silu", None,
+                               None, False, "f32", True, 1.702, 7.0)
+
+
 def test_fused_experts_shape_and_value_errors(case):
     with pytest.raises(ValueError, match="hidden_states"):
         _fe(case, x=case["x"][:, :-1])
