@@ -143,6 +143,15 @@ def test_routing_errors():
         fusedmoe.grouped_topk(logits, 2, True, 4, 2, "sigmoid", np.zeros(7, np.float32))
     with pytest.raises(ValueError, match="routed_scaling_factor: expected a finite number"):
         fusedmoe.grouped_topk(logits, 2, True, 4, 2, routed_scaling_factor=float("nan"))
+    # beyond f32: the value passed, not the inf it converts to
+    with pytest.raises(ValueError, match=r"routed_scaling_factor: expected a number within the "
+                                         r"f32 range \(\|x\| <= 3\.40282e\+38\), got 1e\+39, "
+                                         r"beyond the f32 range"):
+        fusedmoe.grouped_topk(logits, 2, True, 4, 2, routed_scaling_factor=1e39)
+    with pytest.raises(ValueError, match=r"config\.routed_scaling_factor: .* got -1e\+39"):
+        fusedmoe.select_experts(logits, config={"routing_method": "grouped_topk",
+                                                "num_expert_group": 4, "topk_group": 2,
+                                                "top_k": 2, "routed_scaling_factor": -1e39})
     with pytest.raises(ValueError, match="unknown field"):
         fusedmoe.select_experts(logits, 2, no_such_field=1)
     with pytest.raises(ValueError, match="routing_method"):
