@@ -192,6 +192,17 @@ expect_usage "CLI11: bench --tokens without its value" "error: bench --tokens: e
   bench --tokens
 expect_usage "CLI11: an option given twice" "error: run --tokens: expected once, given 2 times $see_run" -- \
   run --model "$FIX" --tokens 1 --tokens=2
+# A flag given twice, as any option given twice (--quiet --quiet was taken).
+expect_usage "CLI11: a flag given twice" "error: run --quiet: expected once, given 2 times $see_run" -- \
+  run --model "$FIX" --tokens 1 --quiet --quiet=true
+expect_usage "CLI11: inspect --json given twice" "error: inspect --json: expected once, given 2 times (see fusedmoe inspect --help)" -- \
+  inspect --json --json "$FIX"
+# Arguments after "--" are named (they read "unexpected argument : ..."); --output
+# given before "--" (expect_usage adds it at the end otherwise).
+expect_usage "CLI11: an argument after --" "error: run: unexpected argument 'foo': expected options only, each with its value $see_run" -- \
+  run --model "$FIX" --output "$OUTDIR/o.safetensors" --tokens 5 -- foo
+expect_usage "CLI11: arguments after --" "error: run: unexpected arguments 'foo', '--bar': expected options only, each with its value $see_run" -- \
+  run --model "$FIX" --output "$OUTDIR/o.safetensors" --tokens 5 -- foo --bar
 expect_usage "CLI11: a value not in the list" "error: bench --dtype: expected f32 or bf16, got \"f64\"" -- \
   bench --dtype f64
 expect_usage "CLI11: run --backend not in the list" "error: run --backend: expected cpu or cuda, got \"tpu\"" -- \
