@@ -526,6 +526,13 @@ void fused_experts(const InArray& hidden_states, const InArray& w13, const InArr
   check_dtype(x, "hidden_states", {DType::kF32});
   check_dtype(weights.w13.view(), "w13", {DType::kF32, DType::kBF16});
   check_dtype(weights.w2.view(), "w2", {DType::kF32, DType::kBF16});
+  // A wrong dtype is a TypeError (as on CUDA above); the kernel's own check
+  // (ExpertWeights::validate) is an Error(kInvalidArgument), a ValueError.
+  if (weights.w2.dtype() != weights.w13.dtype())
+    throw nb::type_error(("w2: expected the dtype of w13 (" +
+                          std::string(dtype_name(weights.w13.dtype())) + "), got " +
+                          weights.w2.view().str())
+                             .c_str());
   check_dtype(tw, "topk_weights", {DType::kF32});
   check_dtype(ti, "topk_ids", {DType::kI32});
 

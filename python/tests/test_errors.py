@@ -54,6 +54,22 @@ def test_fused_experts_dtype_errors(case):
         _fe(case, w2=case["w2"].astype(np.float16))
 
 
+def test_fused_experts_w13_w2_dtype_mismatch_is_a_type_error(case):
+    """bf16 w13 with f32 w2 (torch tensors reach this; NumPy bf16 bit patterns
+    take both weights as bf16, so the extension is called directly): TypeError
+    naming w2, the expected dtype and the one given (it was a ValueError)."""
+    from fusedmoe import _ext
+    w13 = (case["w13"].view(np.uint32) >> 16).astype(np.uint16)  # bf16 bit patterns
+    out = np.empty_like(case["x"])
+    for a, b, want, got in ((w13, case["w2"], "bf16", "f32"),
+                            (case["w13"], (case["w2"].view(np.uint32) >> 16).astype(np.uint16),
+                             "f32", "bf16")):
+        with pytest.raises(TypeError, match=rf"w2: expected the dtype of w13 \({want}\), "
+                                            rf"got {got} \["):
+            _ext.fused_experts(case["x"], a, b, case["tw"], case["ids"], out, "silu", None,
+                               None, False, "f32", True, 1.702, 7.0)
+
+
 def test_fused_experts_shape_and_value_errors(case):
     with pytest.raises(ValueError, match="hidden_states"):
         _fe(case, x=case["x"][:, :-1])
@@ -127,6 +143,15 @@ def test_routing_errors():
         fusedmoe.grouped_topk(logits, 2, True, 4, 2, "sigmoid", np.zeros(7, np.float32))
     with pytest.raises(ValueError, match="routed_scaling_factor: expected a finite number"):
         fusedmoe.grouped_topk(logits, 2, True, 4, 2, routed_scaling_factor=float("nan"))
+    # beyond f32: the value passed, not the inf it converts to
+    with pytest.raises(ValueError, match=r"routed_scaling_factor: expected a number within the "
+                                         r"f32 range \(\|x\| <= 3\.40282e\+38\), got 1e\+39, "
+                                         r"beyond the f32 range"):
+        fusedmoe.grouped_topk(logits, 2, True, 4, 2, routed_scaling_factor=1e39)
+    with pytest.raises(ValueError, match=r"config\.routed_scaling_factor: .* got -1e\+39"):
+        fusedmoe.select_experts(logits, config={"routing_method": "grouped_topk",
+                                                "num_expert_group": 4, "topk_group": 2,
+                                                "top_k": 2, "routed_scaling_factor": -1e39})
     with pytest.raises(ValueError, match="unknown field"):
         fusedmoe.select_experts(logits, 2, no_such_field=1)
     with pytest.raises(ValueError, match="routing_method"):

@@ -49,6 +49,12 @@ def test_fused_experts_torch(trng, wdtype):
             out.numpy())
 
 
+def test_fused_experts_mixed_weight_dtypes_is_a_type_error(trng):
+    x, w13, w2, tw, ids = _case(trng)
+    with pytest.raises(TypeError, match=r"w2: expected the dtype of w13 \(bf16\), got f32"):
+        fusedmoe.fused_experts(x, w13.to(torch.bfloat16), w2, tw, ids)
+
+
 def test_routing_torch(trng):
     logits = torch.randn(9, 16, generator=trng)
     w, ids = fusedmoe.fused_topk(None, logits.to(torch.bfloat16), 4, True, "sigmoid")

@@ -137,10 +137,12 @@ inline const CLI::Validator kNonEmpty(
 // A flag (run --quiet, bench --no-baseline, ...): given alone, or as
 // --flag=true / --flag=false. Any other value is a usage error naming the flag
 // and the text given (CLI11 alone would read "--quiet=3" or "--quiet=yes" as
-// true and "--quiet=0" as false).
+// true and "--quiet=0" as false). Given twice, it is a usage error as any
+// other option given twice ("run --quiet: expected once, given 2 times").
 inline CLI::Option* add_bool_flag(CLI::App& cmd, const std::string& name, bool& value,
                                   const std::string& help) {
   return cmd.add_flag(name, value, help)
+      ->multi_option_policy(CLI::MultiOptionPolicy::Throw)
       ->check(CLI::Validator(
           [](std::string& input) -> std::string {
             if (input == "true" || input == "false") return {};

@@ -198,6 +198,15 @@ Tensor read_npy(const std::string& path, const HeaderCheck& check) {
     int64_t d = -1;  // split_list trimmed the item
     const char* e = item.data() + item.size();
     const auto r = std::from_chars(item.data(), e, d);
+    if (r.ec == std::errc::result_out_of_range && r.ptr == e && item[0] != '-') {
+      // Digits that int64 cannot hold: said so, not "expected non-negative".
+      uint64_t u = 0;
+      const bool fits_u64 = std::from_chars(item.data(), e, u).ec == std::errc();
+      FUSEDMOE_THROW(kIo, path, ": .npy header: the size ", item, " in the shape (", shape_text,
+                     ") is beyond ",
+                     fits_u64 ? "the signed 64-bit range (expected at most 2^63 - 1)"
+                              : "64 bits (2^64 or more)");
+    }
     if (r.ec != std::errc() || r.ptr != e || d < 0)
       FUSEDMOE_THROW(kIo, path, ": .npy header: expected non-negative sizes in the shape, got (",
                      shape_text, ")");

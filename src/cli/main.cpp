@@ -500,6 +500,16 @@ std::string describe_parse_error(const CLI::ParseError& e, CLI::App& cmd, int ar
     std::vector<std::string> options, args;
     for (const std::string& x : cmd.remaining())
       (x.size() > 1 && x[0] == '-' ? options : args).push_back(x);
+    // Arguments after "--" are not in remaining(): CLI11 takes "--" as the
+    // end of the command's options and leaves them to the top level. They are
+    // arguments, whatever they look like ("run -- foo" named none).
+    if (options.empty() && args.empty()) {
+      bool after = false;
+      for (int i = 1; i < argc; ++i) {
+        if (after) args.emplace_back(argv[i]);
+        after = after || std::string_view(argv[i]) == "--";
+      }
+    }
     const auto list = [](const std::vector<std::string>& v, const char* quote) {
       std::string out;
       for (const auto& x : v) out += (out.empty() ? "" : ", ") + (quote + x + quote);

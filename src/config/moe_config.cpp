@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <type_traits>
@@ -283,6 +284,15 @@ T json_value(const ojson& v, const std::string& where) {
                      v.dump());
   } else if constexpr (std::is_floating_point_v<T>) {
     FUSEDMOE_CHECK(v.is_number(), where, ": expected a number, got ", v.dump());
+    // A finite number that T cannot hold: named as given (converted first, it
+    // read "got inf").
+    if constexpr (std::is_same_v<T, float>) {
+      const double d = v.get<double>();
+      FUSEDMOE_CHECK(
+          !std::isfinite(d) || std::fabs(d) <= std::numeric_limits<float>::max(), where,
+          ": expected a number within the f32 range (|x| <= ", std::numeric_limits<float>::max(),
+          "), got ", v.dump(), ", beyond the f32 range");
+    }
   } else {
     FUSEDMOE_CHECK(v.is_string(), where, ": expected a string, got ", v.dump());
   }

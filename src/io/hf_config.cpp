@@ -352,6 +352,7 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
                        "' (the FP8 format this library reads, as DeepSeek-V3 ships), got '",
                        printable(v->get<std::string>()), "'");
     }
+    info.quant_method = method;
     if (const auto b = q->find("weight_block_size"); b != q->end() && !b->is_null()) {
       const bool ok = b->is_array() && b->size() == 2 && (*b)[0].is_number_integer() &&
                       (*b)[1].is_number_integer() && (*b)[0].get<int64_t>() == 128 &&

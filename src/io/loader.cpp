@@ -65,8 +65,13 @@ struct Source {
 
 class Reader {
  public:
-  Reader(const Checkpoint& ckpt, std::string prefix, bool check_finite)
-      : ckpt_(ckpt), prefix_(std::move(prefix)), check_finite_(check_finite) {}
+  // quant_method: ModelInfo::quant_method ("" for a config.json without a
+  // quantization_config: FP8 weights are then refused).
+  Reader(const Checkpoint& ckpt, std::string prefix, bool check_finite, std::string quant_method)
+      : ckpt_(ckpt),
+        prefix_(std::move(prefix)),
+        check_finite_(check_finite),
+        quant_method_(std::move(quant_method)) {}
 
   bool has(const std::string& rel) const { return ckpt_.contains(prefix_ + rel); }
   std::string full(const std::string& rel) const { return prefix_ + rel; }
@@ -89,6 +94,15 @@ class Reader {
         FUSEDMOE_THROW(kUnsupported, printable(ckpt_.path()), ": tensor '", name, "' is ",
                        dtype_name(d), " without a block scale '", sname,
                        "'; such FP8 weights are not supported");
+      // Every other FP8 config mismatch is refused (hf_config.cpp); a config
+      // that declares no quantization would load the weights as if the
+      // checkpoint were plain bf16 (`fusedmoe inspect` said so).
+      if (quant_method_.empty())
+        FUSEDMOE_THROW(kIo, printable(ckpt_.path()), ": tensor '", name, "' is ", dtype_name(d),
+                       " with a block scale '", sname,
+                       "', but config.json has no quantization_config: expected "
+                       "quantization_config {\"quant_method\": \"fp8\", ...} in config.json, or "
+                       "a checkpoint without FP8 weights");
       Tensor sc = ckpt_.get(sname);
       const int64_t r = (s.t.size(0) + 127) / 128, c = (s.t.size(1) + 127) / 128;
       if (sc.dtype() != DType::kF32 || !same_shape(sc, {r, c}))
@@ -207,6 +221,7 @@ class Reader {
   const Checkpoint& ckpt_;
   std::string prefix_;
   bool check_finite_;
+  std::string quant_method_;
 };
 
 // The dtype a source is stored as after loading: f32/bf16 kept, everything else f32.
@@ -429,7 +444,7 @@ MoELayerWeights load_or_check(const Checkpoint& checkpoint, const ModelInfo& inf
   const int64_t E = cfg.num_experts, H = cfg.hidden_size, I = cfg.intermediate_size;
   const std::string& mt = info.model_type;
   const std::string prefix = info.moe_prefix(layer);
-  Reader rd(checkpoint, prefix, options.check_finite);
+  Reader rd(checkpoint, prefix, options.check_finite, info.quant_method);
   // This rank's experts (global ids, local order) and TP slice.
   const ParallelConfig& par = options.parallel;
   std::vector<int64_t> experts;

@@ -192,6 +192,17 @@ expect_usage "CLI11: bench --tokens without its value" "error: bench --tokens: e
   bench --tokens
 expect_usage "CLI11: an option given twice" "error: run --tokens: expected once, given 2 times $see_run" -- \
   run --model "$FIX" --tokens 1 --tokens=2
+# A flag given twice, as any option given twice (--quiet --quiet was taken).
+expect_usage "CLI11: a flag given twice" "error: run --quiet: expected once, given 2 times $see_run" -- \
+  run --model "$FIX" --tokens 1 --quiet --quiet=true
+expect_usage "CLI11: inspect --json given twice" "error: inspect --json: expected once, given 2 times (see fusedmoe inspect --help)" -- \
+  inspect --json --json "$FIX"
+# Arguments after "--" are named (they read "unexpected argument : ..."); --output
+# given before "--" (expect_usage adds it at the end otherwise).
+expect_usage "CLI11: an argument after --" "error: run: unexpected argument 'foo': expected options only, each with its value $see_run" -- \
+  run --model "$FIX" --output "$OUTDIR/o.safetensors" --tokens 5 -- foo
+expect_usage "CLI11: arguments after --" "error: run: unexpected arguments 'foo', '--bar': expected options only, each with its value $see_run" -- \
+  run --model "$FIX" --output "$OUTDIR/o.safetensors" --tokens 5 -- foo --bar
 expect_usage "CLI11: a value not in the list" "error: bench --dtype: expected f32 or bf16, got \"f64\"" -- \
   bench --dtype f64
 expect_usage "CLI11: run --backend not in the list" "error: run --backend: expected cpu or cuda, got \"tpu\"" -- \
@@ -765,6 +776,8 @@ npy("record.npy", "{'descr': [('a', '<f4')], 'fortran_order': False, 'shape': (4
 npy("unbraced.npy", "{'descr': '<f4', 'fortran_order': False, 'shape': (2, 128), ")
 npy("nodict.npy", "'descr': '<f4', 'fortran_order': False, 'shape': (2, 128)}")
 npy("overflow.npy", "{'descr': '<f4', 'fortran_order': False, 'shape': (4611686018427387904, 4611686018427387904), }")
+npy("beyond64.npy", "{'descr': '<f4', 'fortran_order': False, 'shape': (18446744073709551617, 128), }")
+npy("beyond63.npy", "{'descr': '<f4', 'fortran_order': False, 'shape': (9223372036854775808, 128), }")
 npy("twice.npy", "{'descr': '<f4', 'fortran_order': False, 'shape': (2, 128), 'shape': (1, 128)}")
 npy("extra.npy", "{'descr': '<f4', 'fortran_order': False, 'shape': (1, 128), 'order': 'C'}")
 npy("nofortran.npy", "{'descr': '<f4', 'shape': (1, 128)}")
@@ -786,6 +799,11 @@ expect_error ".npy shape beyond its data" "huge.npy: .npy data shorter than its 
   run --model "$FIX" --layer 1 --input "$TMP/huge.npy"
 expect_error ".npy shape overflowing 64 bits" "overflow.npy: .npy header: the shape (4611686018427387904, 4611686018427387904) overflows 64 bits" -- \
   run --model "$FIX" --layer 1 --input "$TMP/overflow.npy"
+# A size that int64 cannot hold: named as beyond 64 bits (it read "expected non-negative sizes").
+expect_error ".npy size beyond 64 bits" "beyond64.npy: .npy header: the size 18446744073709551617 in the shape (18446744073709551617, 128) is beyond 64 bits (2^64 or more)" -- \
+  run --model "$FIX" --layer 1 --input "$TMP/beyond64.npy"
+expect_error ".npy size beyond int64" "beyond63.npy: .npy header: the size 9223372036854775808 in the shape (9223372036854775808, 128) is beyond the signed 64-bit range (expected at most 2^63 - 1)" -- \
+  run --model "$FIX" --layer 1 --input "$TMP/beyond63.npy"
 expect_error ".npy structured dtype" "record.npy: .npy structured dtypes (record arrays) are not supported" -- \
   run --model "$FIX" --layer 1 --input "$TMP/record.npy"
 # The header's dict is read entry by entry: a key given twice (numpy takes the last

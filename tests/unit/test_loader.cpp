@@ -575,6 +575,39 @@ TEST(Loader, F64BeyondF32IsNamedForEveryTensor) {
   }
 }
 
+// FP8 weights with their block scales, but a config.json without
+// quantization_config: refused, naming the scale tensor and the missing field
+// (they loaded, dequantized, and `fusedmoe inspect` reported a bf16 model).
+TEST(Loader, Fp8WithoutQuantizationConfigIsRefused) {
+  const std::string src = test::test_data_dir() + "/fp8/deepseek_v3_fp8";
+  test::TempDir dir("loader_fp8_noquant");
+  std::ifstream in(src + "/config.json");
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const size_t q = text.find(",\n  \"quantization_config\"");
+  ASSERT_NE(q, std::string::npos);
+  text = text.substr(0, q) + "\n}\n";
+  std::ofstream(dir.file("config.json")) << text;
+  fs::copy_file(src + "/model.safetensors", dir.file("model.safetensors"));
+  const ModelInfo info = load_model_info(dir.path());
+  EXPECT_EQ(info.quant_method, "");
+  EXPECT_EQ(load_model_info(src).quant_method, "fp8");
+  const Checkpoint ck = Checkpoint::open(dir.path());
+  for (const bool check_only : {false, true}) {
+    SCOPED_TRACE(check_only);
+    const std::string msg = error_of(
+        [&] {
+          if (check_only)
+            check_moe_layer(ck, info, 1);
+          else
+            load_moe_layer(ck, info, 1, {.progress = false});
+        },
+        ErrorCode::kIo);
+    EXPECT_HAS(msg, "tensor 'model.layers.1.mlp.experts.0.gate_proj.weight' is f8_e4m3fn");
+    EXPECT_HAS(msg, "with a block scale 'model.layers.1.mlp.experts.0.gate_proj.weight_scale_inv'");
+    EXPECT_HAS(msg, "but config.json has no quantization_config: expected quantization_config");
+  }
+}
+
 // FP8 block scales: negative, NaN or Inf is refused, naming the scale tensor,
 // the value, its index and its block; zero (an all-zero block) is taken.
 TEST(Loader, Fp8NegativeOrNonFiniteScaleIsNamed) {

@@ -329,6 +329,12 @@ TEST(MoEConfigJson, RoundTripAndErrors) {
   expect_error(R"({"renormalize": 1})", "cfg.renormalize: expected a boolean");
   expect_error(R"({"activation": "relu"})", "cfg.activation: expected one of");
   expect_error(R"({"simulation_seed": -1})", "cfg.simulation_seed: expected a non-negative");
+  // A number beyond f32 is named as given (it was converted first: "got inf").
+  expect_error(R"({"routed_scaling_factor": 1e39})",
+               "cfg.routed_scaling_factor: expected a number within the f32 range (|x| <= "
+               "3.40282e+38), got 1e+39, beyond the f32 range");
+  expect_error(R"({"swiglu_limit": -1e39})",
+               "cfg.swiglu_limit: expected a number within the f32 range");
   expect_error("[1, 2]", "cfg: expected a JSON object");
   expect_error("{oops", "cfg: not valid JSON");
 }

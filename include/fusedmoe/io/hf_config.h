@@ -29,6 +29,10 @@ struct ModelInfo {
   DType dtype = DType::kBF16;                  // "dtype" / "torch_dtype" of the checkpoint
   std::vector<int64_t> moe_layers;             // sorted layer indices that are MoE
   std::map<int64_t, MoEConfig> layer_configs;  // one per MoE layer (validated)
+  // quantization_config.quant_method ("fp8", the only one read), or "" when
+  // config.json has no quantization_config: the loader then refuses FP8
+  // weights (block-scaled weights the config does not declare).
+  std::string quant_method;
   // Weight-name prefix of layer L's MoE block, e.g. "model.layers.3.mlp."; Mixtral
   // "model.layers.L.block_sparse_moe.", llama4_text "model.layers.L.feed_forward.",
   // multimodal llama4 "language_model.model.layers.L.feed_forward.".
