@@ -372,6 +372,15 @@ FunctionalState& functional_state() {
   return *s;
 }
 
+// w2 of another dtype than w13: a TypeError, as every wrong dtype (the kernels'
+// own check, ExpertWeights::validate, is an Error(kInvalidArgument): a ValueError).
+void check_w2_dtype_is_w13s(const ExpertWeights& w) {
+  if (w.w2.dtype() != w.w13.dtype())
+    throw nb::type_error(("w2: expected the dtype of w13 (" +
+                          std::string(dtype_name(w.w13.dtype())) + "), got " + w.w2.view().str())
+                             .c_str());
+}
+
 #ifdef FUSEDMOE_WITH_CUDA
 // Validated arguments of the CUDA functional fused_experts (cuda::fused_experts)
 // from device views; the caller checked that they share the current device.
@@ -389,10 +398,7 @@ cuda::FusedExpertsArgs cuda_fused_experts_args(const TensorView& x, const Expert
           (std::string(name) + ": the CUDA backend takes bf16 or f16 expert weights, got " +
            t->view().str() + "; convert them once (" + name + ".to(torch.bfloat16))")
               .c_str());
-  if (w.w2.dtype() != w.w13.dtype())
-    throw nb::type_error(("w2: expected the dtype of w13 (" +
-                          std::string(dtype_name(w.w13.dtype())) + "), got " + w.w2.view().str())
-                             .c_str());
+  check_w2_dtype_is_w13s(w);
   if (w.w13_bias) check_dtype(w.w13_bias->view(), "w13_bias", {DType::kF32});
   if (w.w2_bias) check_dtype(w.w2_bias->view(), "w2_bias", {DType::kF32});
   check_dtype(out, "output", {DType::kF32, DType::kBF16, DType::kF16});
@@ -526,13 +532,7 @@ void fused_experts(const InArray& hidden_states, const InArray& w13, const InArr
   check_dtype(x, "hidden_states", {DType::kF32});
   check_dtype(weights.w13.view(), "w13", {DType::kF32, DType::kBF16});
   check_dtype(weights.w2.view(), "w2", {DType::kF32, DType::kBF16});
-  // A wrong dtype is a TypeError (as on CUDA above); the kernel's own check
-  // (ExpertWeights::validate) is an Error(kInvalidArgument), a ValueError.
-  if (weights.w2.dtype() != weights.w13.dtype())
-    throw nb::type_error(("w2: expected the dtype of w13 (" +
-                          std::string(dtype_name(weights.w13.dtype())) + "), got " +
-                          weights.w2.view().str())
-                             .c_str());
+  check_w2_dtype_is_w13s(weights);
   check_dtype(tw, "topk_weights", {DType::kF32});
   check_dtype(ti, "topk_ids", {DType::kI32});
 

@@ -460,20 +460,26 @@ CgroupMemory cgroup_memory(const std::string& root) {
   return m;
 }
 
-size_t physical_memory_bytes() {
+namespace {
+size_t machine_memory_bytes() {
   const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
-  const size_t machine = pages > 0 && page > 0
-                             ? static_cast<size_t>(pages) * static_cast<size_t>(page)
-                             : size_t{8} << 30;
+  return pages > 0 && page > 0 ? static_cast<size_t>(pages) * static_cast<size_t>(page)
+                               : size_t{8} << 30;
+}
+}  // namespace
+
+size_t physical_memory_bytes() {
   const CgroupMemory cg = cgroup_memory();
+  const size_t machine = machine_memory_bytes();
   return cg.limit > 0 ? std::min(machine, cg.limit) : machine;
 }
 
 size_t available_memory_bytes() {
-  const size_t physical = physical_memory_bytes();
+  // Under a limit: what the cgroup has left (never more than the limit itself).
   const CgroupMemory cg = cgroup_memory();
+  const size_t machine = machine_memory_bytes();
   const size_t cap =
-      cg.limit > 0 ? std::min(physical, cg.limit > cg.usage ? cg.limit - cg.usage : 0) : physical;
+      cg.limit > 0 ? std::min(machine, cg.limit > cg.usage ? cg.limit - cg.usage : 0) : machine;
   std::ifstream f("/proc/meminfo");
   std::string line;
   while (std::getline(f, line)) {
