@@ -106,22 +106,30 @@ if [ "$what" = ep ] || [ "$what" = all ]; then
       -x FUSEDMOE_CUDA_EXPERTS -x FUSEDMOE_COMM_TIMEOUT_S=60)
     # T = 2 and 1 too: one GPU then sums in the decode w2 kernel (no shared expert), EP in
     # finalize (at T = 1 one rank has no token).
-    for tokens in 256 2 1; do
-      for m in "$root/models/tiny-deepseek-v3" tests/data/hf/qwen2_moe tests/data/hf/mixtral; do
-        timeout 60 "$bin/fusedmoe" run --backend cuda --model "$m" --tokens $tokens --seed 1 \
-          --output "$OUT/one.safetensors" --quiet >"$OUT/ep_one.log" 2>&1
-        timeout 120 "${mpi[@]}" "$bin/fusedmoe" run --backend cuda --ep-size "$ngpu" --model "$m" \
-          --tokens $tokens --seed 1 --reference "$OUT/one.safetensors" --reference-key output \
-          --tolerance 1e-6 --quiet >"$OUT/ep_run.log" 2>&1
-        r=$?
-        [ $r -ne 0 ] && rc=1
-        echo "== ep run $(basename "$m") T=$tokens on $ngpu GPUs vs one GPU rc=$r: $(grep -E 'reference|error' "$OUT/ep_run.log" | head -3 | tr '\n' ' ')"
+    # Both transports (FUSEDMOE_EP_TRANSPORT): NCCL all-to-all and stores into peer GPU memory.
+    for transport in nccl peer; do
+      for tokens in 256 2 1; do
+        for m in "$root/models/tiny-deepseek-v3" tests/data/hf/qwen2_moe tests/data/hf/mixtral; do
+          timeout 60 "$bin/fusedmoe" run --backend cuda --model "$m" --tokens $tokens --seed 1 \
+            --output "$OUT/one.safetensors" --quiet >"$OUT/ep_one.log" 2>&1
+          FUSEDMOE_EP_TRANSPORT=$transport timeout 120 "${mpi[@]}" -x FUSEDMOE_EP_TRANSPORT \
+            "$bin/fusedmoe" run --backend cuda --ep-size "$ngpu" --model "$m" \
+            --tokens $tokens --seed 1 --reference "$OUT/one.safetensors" --reference-key output \
+            --tolerance 1e-6 --quiet >"$OUT/ep_run.log" 2>&1
+          r=$?
+          [ $r -ne 0 ] && rc=1
+          echo "== ep run ($transport) $(basename "$m") T=$tokens on $ngpu GPUs vs one GPU rc=$r: $(grep -E 'reference|error' "$OUT/ep_run.log" | head -3 | tr '\n' ' ')"
+        done
       done
     done
     unset FUSEDMOE_CUDA_EXPERTS
-    mpi=(mpirun --allow-run-as-root --oversubscribe -np "$ngpu" -x LD_LIBRARY_PATH -x NCCL_NVLS_ENABLE)
-    timeout 300 "${mpi[@]}" "$bin/fusedmoe" bench --backend cuda --ep-size "$ngpu" \
-      --shapes deepseek,qwen3,mixtral --tokens 1,128,1024,4096 2>&1 | tee "$OUT/ep_bench.md"
+    mpi=(mpirun --allow-run-as-root --oversubscribe -np "$ngpu" -x LD_LIBRARY_PATH -x NCCL_NVLS_ENABLE
+      -x FUSEDMOE_EP_TRANSPORT)
+    for transport in nccl peer; do
+      FUSEDMOE_EP_TRANSPORT=$transport timeout 300 "${mpi[@]}" "$bin/fusedmoe" bench --backend cuda \
+        --ep-size "$ngpu" --shapes ${EP_SHAPES:-deepseek,qwen3,mixtral} \
+        --tokens ${EP_TOKENS:-1,128,1024,4096} 2>&1 | tee "$OUT/ep_bench_$transport.md"
+    done
   fi
 fi
 if [ "$what" = ncu ] || [ "$what" = all ]; then

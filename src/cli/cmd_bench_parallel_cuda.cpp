@@ -2,9 +2,12 @@
 // --nccl`, one rank): MoERunner on the CUDA backend with its experts spread
 // over GPUs through NCCL (one GPU per rank: local rank % device count). Every
 // rank brings --tokens T tokens of its own, routed by a random gate (the same
-// on every rank). Reports the layer time (forward + device synchronisation)
-// and the dispatch / combine time and bandwidth from the EP path's statistics
-// (host wall clock of each phase, including its stream synchronisation):
+// on every rank), through a runner sized for T. Reports the transport (nccl or
+// peer: FUSEDMOE_EP_TRANSPORT), the layer time (forward + device
+// synchronisation) and the dispatch / combine time and bandwidth from the EP
+// path's statistics (nccl: host wall clock of each phase, including its stream
+// synchronisation; peer: CUDA events from the pack kernel to the end of the
+// receive kernel, and from the combine kernel to the end of its wait):
 // logical GB/s = bytes that left their rank, summed over ranks / the slowest
 // rank's time; payload GB/s = all payload bytes including a rank's copy to
 // itself / that time (the only traffic at one rank).
@@ -58,19 +61,21 @@ int run_bench_parallel_cuda(const BenchOptions& o) {
   for (const auto& name : split_list(o.shapes)) shapes.push_back(find_shape(name));
   FUSEDMOE_CHECK(!shapes.empty(), "--shapes: expected at least one shape, got \"", o.shapes, "\"");
   const ExpertPlacement placement = parse_expert_placement(o.expert_placement);
-  const int64_t t_max = *std::max_element(token_counts.begin(), token_counts.end());
   cudaDeviceProp prop{};
   cuda_check(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
 
   if (root) {
-    std::printf("# fusedmoe bench (cuda, expert parallel over NCCL)\n\n");
+    std::printf("# fusedmoe bench (cuda, expert parallel)\n\n");
     std::printf("- %d ranks, one GPU each (%s); experts %s; bf16 weights, f32 accumulation\n", P,
                 prop.name, to_string(placement));
     std::printf(
         "- T = tokens per rank, routed by a random gate (softmax top-k, renormalized); times: "
-        "median over runs, slowest rank; layer = forward + device sync; dispatch = layout, pack, "
-        "counts and records all-to-all; combine = pack, all-to-all, unpack (host wall clock, "
-        "stream syncs included); logical GB/s = bytes to other ranks summed over ranks / time; "
+        "median over runs, slowest rank; layer = forward + device sync; transport nccl: "
+        "dispatch = layout, pack, counts and records all-to-all; combine = pack, all-to-all, "
+        "unpack (host wall clock, stream syncs included); transport peer (stores into the other "
+        "GPUs' memory): dispatch = pack kernel to the end of the receive kernel, combine = "
+        "combine kernel to the end of its wait (CUDA events, waiting for peers included); "
+        "logical GB/s = bytes to other ranks summed over ranks / time; "
         "payload GB/s = all payload bytes incl. a rank's copy to itself / time\n\n");
     std::fflush(stdout);
   }
@@ -103,9 +108,7 @@ int run_bench_parallel_cuda(const BenchOptions& o) {
     RunnerOptions ro;
     ro.compute_dtype = DType::kBF16;
     ro.device = Device{DeviceType::kCUDA, device};
-    ro.max_num_tokens = std::max<int64_t>(t_max, 1);
     ro.communicator = nccl;
-    MoERunner runner(config, std::move(w), ro);
 
     if (root) {
       std::printf("## %s: %s, E=%lld, k=%lld, H=%lld, I=%lld, bf16, %s of experts per rank\n\n",
@@ -115,14 +118,19 @@ int run_bench_parallel_cuda(const BenchOptions& o) {
                   format_bytes(static_cast<double>(expert_bytes_rank)).c_str());
       if (!shape.note.empty()) std::printf("(%s)\n\n", shape.note.c_str());
       std::printf(
-          "| T | layer ms | dispatch ms | dispatch GB/s logical | dispatch GB/s payload | "
-          "combine ms | combine GB/s logical | combine GB/s payload | rows received (max rank) "
-          "|\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+          "| T | transport | layer ms | dispatch ms | dispatch GB/s logical | dispatch GB/s "
+          "payload | combine ms | combine GB/s logical | combine GB/s payload | rows received "
+          "(max rank) |\n|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
       std::fflush(stdout);
     }
     const int64_t H = shape.H, k = shape.k;
-    const int64_t rec = (2 * H + 8 * k + 15) / 16 * 16;  // dispatch record bytes
+    const int64_t rec =
+        (2 * H + 8 * k + 4 + 15) / 16 * 16;  // dispatch record bytes (ep_record_bytes)
     for (int64_t T : token_counts) {
+      // A runner sized for this T: the peer transport's experts run on
+      // ep_size * max_num_tokens rows (the weights are shared, not copied).
+      ro.max_num_tokens = std::max<int64_t>(T, 1);
+      MoERunner runner(config, w, ro);
       const Device dev{DeviceType::kCUDA, device};
       const int64_t T1 = std::max<int64_t>(T, 1);
       cuda::DeviceBuffer x(T1 * H * 4), out(T1 * H * 4);
@@ -168,10 +176,10 @@ int run_bench_parallel_cuda(const BenchOptions& o) {
       const double rows =
           max_of(gather_doubles(*world, static_cast<double>(last.dispatch_rows_received)));
       if (root)
-        std::printf("| %lld | %.3f | %.3f | %.2f | %.2f | %.3f | %.2f | %.2f | %.0f |\n",
-                    static_cast<long long>(T), tl * 1e3, td * 1e3, td > 0 ? bd / td * 1e-9 : 0.0,
-                    td > 0 ? pd / td * 1e-9 : 0.0, tc * 1e3, tc > 0 ? bc / tc * 1e-9 : 0.0,
-                    tc > 0 ? pc / tc * 1e-9 : 0.0, rows);
+        std::printf("| %lld | %s | %.3f | %.3f | %.2f | %.2f | %.3f | %.2f | %.2f | %.0f |\n",
+                    static_cast<long long>(T), last.transport.c_str(), tl * 1e3, td * 1e3,
+                    td > 0 ? bd / td * 1e-9 : 0.0, td > 0 ? pd / td * 1e-9 : 0.0, tc * 1e3,
+                    tc > 0 ? bc / tc * 1e-9 : 0.0, tc > 0 ? pc / tc * 1e-9 : 0.0, rows);
       if (root) std::fflush(stdout);
     }
     if (root) std::printf("\n");

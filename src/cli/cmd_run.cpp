@@ -775,7 +775,11 @@ int run_run(const RunOptions& o) {
       ropts.communicator = make_nccl_communicator(world, cuda_device);
     }
     ropts.device = Device{DeviceType::kCUDA, cuda_device};
-    ropts.max_num_tokens = std::max<int64_t>(T, 1);
+    // Expert parallelism: each token group's share of the T rows (below); the
+    // peer transport's experts run on ep_size * max_num_tokens rows.
+    const ParallelConfig& pc = config.parallel;
+    const int64_t groups = parallel ? (pc.dp_size > 1 ? pc.dp_size : pc.ep_size) : 1;
+    ropts.max_num_tokens = std::max<int64_t>((T + groups - 1) / groups, 1);
 #else
     FUSEDMOE_THROW(kUnsupported, "--backend cuda: this build of fusedmoe has no CUDA backend");
 #endif

@@ -401,9 +401,14 @@ Tensor rows_of(const Tensor& t, int64_t r0, int64_t n) {
 // outputs and topk ids. comms[r] is rank r's device-buffer communicator on
 // devices[r]; passes the whole layer (the runner keeps its experts).
 // With `logits` the router logits are given (else each rank's gate GEMM).
+// exact = false: the output within bf16 rounding (1e-2) of one GPU's (the peer
+// transport with ranks of different T: its experts pick tiles for ep_size *
+// max_tokens_per_rank rows, one GPU for the sum of T). transport: the one
+// every rank's EpStats must name, or null.
 void check_ep(const MoEConfig& base, const MoELayerWeights& w, const std::vector<int64_t>& tokens,
               std::vector<std::shared_ptr<Communicator>> comms, const std::vector<int>& devices,
-              ExpertPlacement placement, std::mt19937_64& rng, bool give_logits) {
+              ExpertPlacement placement, std::mt19937_64& rng, bool give_logits, bool exact = true,
+              const char* transport = nullptr) {
   const int P = static_cast<int>(tokens.size());
   const int64_t H = base.hidden_size, k = base.top_k, L = base.num_router_logits();
   std::string trace = "ep_size " + std::to_string(P) + " T";
@@ -475,7 +480,10 @@ void check_ep(const MoEConfig& base, const MoELayerWeights& w, const std::vector
     // rank's own gate GEMM over fewer tokens may sum in another order
     // (router_gemm: T <= 32 vs tiled), so logits and weights differ in f32 rounding.
     const double rel = tokens[r] ? test::rel_l2(got[r], w_r) : 0.0;
-    if (give_logits || P == 1) {
+    if (transport) EXPECT_EQ(stats[r].transport, transport);
+    if (!exact) {
+      EXPECT_LE(rel, 1e-2) << "output vs one GPU";
+    } else if (give_logits || P == 1) {
       if (!same_bits(got[r], w_r))
         ADD_FAILURE() << "output not bit-identical to one GPU: rel L2 " << rel;
     } else {
@@ -511,22 +519,76 @@ std::shared_ptr<Communicator> one_rank_nccl() {
       make_nccl_communicator(std::shared_ptr<Communicator>(make_single_rank_communicator()), 0));
 }
 
+// Sets FUSEDMOE_EP_TRANSPORT for its lifetime.
+class TransportEnv {
+ public:
+  explicit TransportEnv(const char* value) { setenv("FUSEDMOE_EP_TRANSPORT", value, 1); }
+  ~TransportEnv() { unsetenv("FUSEDMOE_EP_TRANSPORT"); }
+  TransportEnv(const TransportEnv&) = delete;
+  TransportEnv& operator=(const TransportEnv&) = delete;
+};
+
+// One rank over either transport (the peer transport's window is its own).
 TEST(CudaEp, OneRankNcclMatchesOneGpu) {
   FUSEDMOE_REQUIRE_NCCL();
   const uint64_t seed = test::fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
   std::shared_ptr<Communicator> comm = one_rank_nccl();
-  for (const auto& [name, c] : ep_configs()) {
-    SCOPED_TRACE(name);
-    const MoELayerWeights w = test::random_layer(rng, c, DType::kBF16);
-    for (int64_t T : {0, 1, 5, 37, 300}) {
-      for (bool logits : {true, false}) {
-        check_ep(c, w, {T}, {comm}, {0}, ExpertPlacement::kContiguous, rng, logits);
-        if (HasFailure()) return;
+  for (const char* transport : {"nccl", "peer"}) {
+    SCOPED_TRACE(transport);
+    TransportEnv env(transport);
+    for (const auto& [name, c] : ep_configs()) {
+      SCOPED_TRACE(name);
+      const MoELayerWeights w = test::random_layer(rng, c, DType::kBF16);
+      for (int64_t T : {0, 1, 5, 37, 300}) {
+        for (bool logits : {true, false}) {
+          check_ep(c, w, {T}, {comm}, {0}, ExpertPlacement::kContiguous, rng, logits, true,
+                   transport);
+          if (HasFailure()) return;
+        }
       }
     }
   }
+}
+
+// The peer transport needs one GPU per rank: thread ranks sharing a GPU are
+// refused on every rank (naming why) when it is required, and take NCCL's
+// path under auto (ThreadRanksOnOneGpuMatchOneGpu).
+TEST(CudaEp, PeerTransportRefusesRanksSharingAGpu) {
+  FUSEDMOE_REQUIRE_CUDA();
+  std::mt19937_64 rng(11);
+  MoEConfig c = test::base_config(8, 2, 64, 32);
+  const MoELayerWeights w = test::random_layer(rng, c, DType::kBF16);
+  TransportEnv env("peer");
+  auto group = std::make_shared<ThreadGroup>(2);
+  std::vector<std::string> errors(2);
+  run_ranks(2, [&](int r) {
+    test::cuda_ok(cudaSetDevice(0), "cudaSetDevice");
+    MoEConfig cr = c;
+    cr.parallel = parallel_config_for_rank(r, 2, 1, 1);
+    RunnerOptions o = cuda_options(16);
+    o.communicator = std::make_shared<ThreadCommunicator>(group, r);
+    errors[r] = test::error_of([&] { MoERunner ep(cr, w, o); }, ErrorCode::kInvalidArgument);
+  });
+  for (int r = 0; r < 2; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    EXPECT_HAS(errors[r], "FUSEDMOE_EP_TRANSPORT=peer: 2 of 2 ranks");
+    EXPECT_HAS(errors[r], "shares this rank's GPU (cuda:0)");
+  }
+}
+
+TEST(CudaEp, UnknownTransportIsAnError) {
+  FUSEDMOE_REQUIRE_NCCL();
+  std::mt19937_64 rng(12);
+  MoEConfig c = test::base_config(8, 2, 64, 32);
+  const MoELayerWeights w = test::random_layer(rng, c, DType::kBF16);
+  c.parallel = parallel_config_for_rank(0, 1, 1, 1);
+  TransportEnv env("nvshmem");
+  RunnerOptions o = cuda_options(16);
+  o.communicator = one_rank_nccl();
+  FUSEDMOE_EXPECT_ERROR(MoERunner(c, w, o), kInvalidArgument,
+                        "FUSEDMOE_EP_TRANSPORT: expected auto, nccl or peer, got 'nvshmem'");
 }
 
 TEST(CudaEp, ThreadRanksOnOneGpuMatchOneGpu) {
@@ -576,6 +638,7 @@ TEST(CudaEp, EveryVisibleGpuNcclMatchesOneGpu) {
   FUSEDMOE_REQUIRE_NCCL();
   const int n = cuda::device_count();
   if (n < 2) GTEST_SKIP() << "skipped: needs >= 2 CUDA devices, found " << n;
+  TransportEnv env("nccl");  // auto takes the peer transport there
   const uint64_t seed = test::fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
@@ -597,6 +660,40 @@ TEST(CudaEp, EveryVisibleGpuNcclMatchesOneGpu) {
     if (HasFailure()) break;
   }
   // Destroyed together (each rank's finalize may wait for its peers').
+  run_ranks(n, [&](int r) { comms[r].reset(); });
+}
+
+// The peer transport on every visible GPU (one process, a thread a rank):
+// every rank with T = max_tokens_per_rank gives one GPU's bits; ranks of
+// different T (0 too) stay within bf16 rounding of it. check_ep's two forwards
+// a runner reuse the windows (the epoch flags).
+TEST(CudaEp, EveryVisibleGpuPeerMatchesOneGpu) {
+  FUSEDMOE_REQUIRE_NCCL();
+  const int n = cuda::device_count();
+  if (n < 2) GTEST_SKIP() << "skipped: needs >= 2 CUDA devices, found " << n;
+  TransportEnv env("peer");
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  std::vector<int> devices(n);
+  for (int i = 0; i < n; ++i) devices[i] = i;
+  std::vector<std::unique_ptr<Communicator>> made = make_nccl_communicators(devices);
+  std::vector<std::shared_ptr<Communicator>> comms;
+  for (auto& c : made) comms.push_back(std::move(c));
+  std::vector<int64_t> uneven(n);
+  for (int r = 0; r < n; ++r) uneven[r] = r % 3 == 1 ? 0 : 17 + 29 * r;  // T = 0 on some ranks
+  for (const auto& [name, c] : ep_configs()) {
+    SCOPED_TRACE(name);
+    if (n > c.num_experts) continue;
+    const MoELayerWeights w = test::random_layer(rng, c, DType::kBF16);
+    for (ExpertPlacement pl : {ExpertPlacement::kContiguous, ExpertPlacement::kRoundRobin}) {
+      for (int64_t T : {1, 3, 64, 300})
+        check_ep(c, w, std::vector<int64_t>(n, T), comms, devices, pl, rng, true, true, "peer");
+      check_ep(c, w, uneven, comms, devices, pl, rng, true, false, "peer");
+      if (HasFailure()) break;
+    }
+    if (HasFailure()) break;
+  }
   run_ranks(n, [&](int r) { comms[r].reset(); });
 }
 

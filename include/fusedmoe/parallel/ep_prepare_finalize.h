@@ -23,6 +23,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "fusedmoe/core/thread_pool.h"
 #include "fusedmoe/kernels/modular_kernel.h"
@@ -52,6 +53,9 @@ struct EpStats {
   int64_t dispatch_bytes_sent = 0, dispatch_bytes_received = 0;
   int64_t combine_bytes_sent = 0, combine_bytes_received = 0;
   double dispatch_seconds = 0, combine_seconds = 0;  // the whole prepare / finalize
+  // GPU expert parallelism: "nccl" (all-to-all) or "peer" (device-initiated
+  // stores into the other GPUs' memory); empty on the CPU.
+  std::string transport;
 };
 
 // FP8 e4m3fn per-token-group quantization of rows: x f32 [rows, H] (row

@@ -2,12 +2,18 @@
 #include "kernels/cuda/cuda_ep_moe_layer.h"
 
 #include <cuda_runtime_api.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <string>
 #include <vector>
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/ep_dispatch.h"
+#include "kernels/cuda/ep_peer.h"
 
 namespace fusedmoe::cuda {
 
@@ -41,6 +47,54 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+// The transport FUSEDMOE_EP_TRANSPORT asks for.
+enum class Transport { kAuto, kNccl, kPeer };
+Transport requested_transport() {
+  const char* v = std::getenv("FUSEDMOE_EP_TRANSPORT");
+  if (v == nullptr || v[0] == '\0' || std::strcmp(v, "auto") == 0) return Transport::kAuto;
+  if (std::strcmp(v, "nccl") == 0) return Transport::kNccl;
+  if (std::strcmp(v, "peer") == 0) return Transport::kPeer;
+  FUSEDMOE_THROW(kInvalidArgument, "FUSEDMOE_EP_TRANSPORT: expected auto, nccl or peer, got '", v,
+                 "'");
+}
+
+// What a rank tells the others to map its peer window.
+struct PeerInfo {
+  char host[64];
+  int64_t pid;
+  unsigned char uuid[16];  // of its device
+  int32_t device;          // its index in its process
+  int32_t ok;              // window allocated (and IPC handle made)
+  uint64_t ptr;            // the window in its process
+  cudaIpcMemHandle_t handle;
+};
+
+// Every rank's `bytes` bytes (host), through device memory (the EP communicator's buffers).
+std::vector<unsigned char> gather_host(Communicator& comm, const void* mine, int64_t bytes) {
+  const int P = comm.size();
+  DeviceArray send(bytes), recv(bytes * P);
+  FUSEDMOE_CUDA_CHECK(cudaMemcpy(send.as<void>(), mine, bytes, cudaMemcpyHostToDevice));
+  std::vector<int64_t> counts(P, bytes), displs(P);
+  for (int p = 0; p < P; ++p) displs[p] = bytes * p;
+  comm.all_gather_v(send.as<void>(), bytes, recv.as<void>(), counts, displs);
+  std::vector<unsigned char> out(bytes * P);
+  FUSEDMOE_CUDA_CHECK(cudaMemcpy(out.data(), recv.as<void>(), bytes * P, cudaMemcpyDeviceToHost));
+  return out;
+}
+
+// The number of ranks for which `bad` is true (collective).
+int count_ranks(Communicator& comm, bool bad) {
+  const int64_t b = bad ? 1 : 0;
+  const std::vector<unsigned char> all = gather_host(comm, &b, 8);
+  int n = 0;
+  for (int p = 0; p < comm.size(); ++p) {
+    int64_t v;
+    std::memcpy(&v, all.data() + 8 * p, 8);
+    n += v != 0;
+  }
+  return n;
+}
+
 }  // namespace
 
 struct CudaEpMoELayer::Impl {
@@ -58,7 +112,149 @@ struct CudaEpMoELayer::Impl {
   DeviceArray ids_l, w_l, cpos;          // [P * Tmax * k]
   DeviceArray csend, crecv, y;           // f32 [P * Tmax * k, H], [Tmax * k, H], [Tmax * k, H]
   EpStats stats;
+
+  // ---- the peer transport (ep_peer.h) ----
+  bool peer = false;
+  int device = 0;
+  PeerLayout layout;
+  char* window = nullptr;         // this rank's (cudaMalloc)
+  std::vector<void*> ipc_opened;  // other processes' windows (cudaIpcCloseMemHandle)
+  DeviceArray peers;              // char* [P]
+  DeviceArray sync;               // u64 epoch, u32 dispatch done, u32 combine done
+  double timeout_s = 60;
+  cudaEvent_t ev[4] = {};  // dispatch start / received / combine start / combined
+  bool stats_pending = false;
+
+  // Collective: maps every rank's window. False (every rank agreeing) when
+  // some rank cannot (another host, two ranks on one GPU, no peer access, no
+  // CUDA IPC between processes, no memory); with `required`, that throws.
+  bool setup_peer(bool required);
+  void release_peer();
+  void forward_peer(const TensorView& output, int64_t T, Stream stream);
+  void peer_stats();
+  ~Impl() { release_peer(); }
 };
+
+bool CudaEpMoELayer::Impl::setup_peer(bool required) {
+  const int64_t k = cfg.top_k, H = cfg.hidden_size;
+  layout = peer_layout(P, me, static_cast<int>(k), H, max_tokens);
+  FUSEDMOE_CUDA_CHECK(cudaGetDevice(&device));
+  std::string why;  // this rank's reason, when it cannot
+  PeerInfo info{};
+  gethostname(info.host, sizeof info.host - 1);
+  info.pid = static_cast<int64_t>(getpid());
+  info.device = device;
+  cudaDeviceProp prop{};
+  FUSEDMOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  std::memcpy(info.uuid, &prop.uuid, 16);
+  if (cudaMalloc(reinterpret_cast<void**>(&window), layout.bytes) != cudaSuccess) {
+    cudaGetLastError();
+    window = nullptr;
+    why = "cudaMalloc of the " + std::to_string(layout.bytes) + "-byte window failed";
+  } else {
+    FUSEDMOE_CUDA_CHECK(cudaMemset(window, 0, layout.bytes));
+    FUSEDMOE_CUDA_CHECK(cudaDeviceSynchronize());  // zeroed before any peer can map it
+    info.ptr = reinterpret_cast<uint64_t>(window);
+    info.ok = 1;
+    if (cudaIpcGetMemHandle(&info.handle, window) != cudaSuccess) {
+      cudaGetLastError();
+      info.ok = 2;  // same-process peers only
+    }
+  }
+  const std::vector<unsigned char> all = gather_host(*comm, &info, sizeof info);
+  std::vector<PeerInfo> infos(P);
+  for (int p = 0; p < P; ++p) std::memcpy(&infos[p], all.data() + sizeof info * p, sizeof info);
+  // This rank's device index of every peer's GPU (by UUID), and the checks.
+  std::vector<int> local_dev(P, -1);
+  int ndev = 0;
+  FUSEDMOE_CUDA_CHECK(cudaGetDeviceCount(&ndev));
+  for (int p = 0; p < P && why.empty(); ++p) {
+    if (p == me) continue;
+    const PeerInfo& q = infos[p];
+    const std::string qn = "rank " + std::to_string(p);
+    if (std::strncmp(q.host, info.host, sizeof info.host) != 0) {
+      why = qn + " is on another host";
+    } else if (q.ok == 0) {
+      why = qn + " has no window";
+    } else if (q.pid != info.pid && q.ok != 1) {
+      why = qn + " has no CUDA IPC handle";
+    } else {
+      for (int d = 0; d < ndev; ++d) {
+        cudaDeviceProp pd{};
+        FUSEDMOE_CUDA_CHECK(cudaGetDeviceProperties(&pd, d));
+        if (std::memcmp(&pd.uuid, q.uuid, 16) == 0) local_dev[p] = d;
+      }
+      int can = 0;
+      if (local_dev[p] < 0)
+        why = qn + "'s GPU is not visible to this process";
+      else if (local_dev[p] == device)
+        why = qn + " shares this rank's GPU (cuda:" + std::to_string(device) + ")";
+      else if (cudaDeviceCanAccessPeer(&can, device, local_dev[p]) != cudaSuccess || !can)
+        why = "cuda:" + std::to_string(device) + " has no peer access to " + qn + "'s GPU";
+    }
+  }
+  const auto fail = [&](int bad) {
+    release_peer();
+    FUSEDMOE_CHECK(!required, "FUSEDMOE_EP_TRANSPORT=peer: ", bad, " of ", P,
+                   " ranks cannot map the others' GPU memory",
+                   why.empty() ? std::string() : " (rank " + std::to_string(me) + ": " + why + ")",
+                   "; expected one GPU per rank, all on one host with peer access");
+    return false;
+  };
+  if (const int bad = count_ranks(*comm, !why.empty()); bad > 0) return fail(bad);
+  std::vector<char*> ptrs(P);
+  for (int p = 0; p < P && why.empty(); ++p) {
+    if (p == me) {
+      ptrs[p] = window;
+    } else if (infos[p].pid == info.pid) {
+      ptrs[p] = reinterpret_cast<char*>(infos[p].ptr);
+      const cudaError_t e = cudaDeviceEnablePeerAccess(local_dev[p], 0);
+      if (e != cudaSuccess && e != cudaErrorPeerAccessAlreadyEnabled)
+        why = std::string("cudaDeviceEnablePeerAccess: ") + cudaGetErrorString(e);
+      cudaGetLastError();
+    } else {
+      void* q = nullptr;
+      const cudaError_t e =
+          cudaIpcOpenMemHandle(&q, infos[p].handle, cudaIpcMemLazyEnablePeerAccess);
+      if (e != cudaSuccess) {
+        cudaGetLastError();
+        why = "cudaIpcOpenMemHandle of rank " + std::to_string(p) +
+              "'s window: " + cudaGetErrorString(e);
+      } else {
+        ipc_opened.push_back(q);
+        ptrs[p] = static_cast<char*>(q);
+      }
+    }
+  }
+  if (const int bad = count_ranks(*comm, !why.empty()); bad > 0) return fail(bad);
+  peers = DeviceArray(sizeof(char*) * P);
+  FUSEDMOE_CUDA_CHECK(
+      cudaMemcpy(peers.as<void>(), ptrs.data(), sizeof(char*) * P, cudaMemcpyHostToDevice));
+  sync = DeviceArray(16);
+  FUSEDMOE_CUDA_CHECK(cudaMemset(sync.as<void>(), 0, 16));
+  for (cudaEvent_t& e : ev) FUSEDMOE_CUDA_CHECK(cudaEventCreate(&e));
+  timeout_s = comm_timeout_seconds();
+  FUSEDMOE_CUDA_CHECK(cudaDeviceSynchronize());
+  peer = true;
+  return true;
+}
+
+void CudaEpMoELayer::Impl::release_peer() {
+  if (!window && ipc_opened.empty()) return;
+  int prev = 0;
+  cudaGetDevice(&prev);
+  cudaSetDevice(device);
+  cudaDeviceSynchronize();  // no kernel of ours still stores into a window
+  for (void* q : ipc_opened) cudaIpcCloseMemHandle(q);
+  ipc_opened.clear();
+  if (window) cudaFree(window);
+  window = nullptr;
+  for (cudaEvent_t& e : ev)
+    if (e) cudaEventDestroy(e), e = nullptr;
+  cudaGetLastError();
+  cudaSetDevice(prev);
+  peer = false;
+}
 
 CudaEpMoELayer::CudaEpMoELayer(CudaMoELayer& layer, const MoEConfig& config,
                                std::shared_ptr<Communicator> comm, ExpertMap map,
@@ -104,11 +300,13 @@ CudaEpMoELayer::CudaEpMoELayer(CudaMoELayer& layer, const MoEConfig& config,
   s.row_pos = DeviceArray(4 * Tm * P);
   s.slot_pos = DeviceArray(4 * Tm * k);
   s.counts_send = DeviceArray(8 * 3 * P);
+  s.ids_l = DeviceArray(4 * Tm * P * k);
+  s.w_l = DeviceArray(4 * Tm * P * k);
+  const Transport want = requested_transport();
+  if (want != Transport::kNccl && s.setup_peer(want == Transport::kPeer)) return;
   s.counts_recv = DeviceArray(8 * 3 * P);
   s.send = DeviceArray(s.rec * Tm * std::min<int64_t>(P, k));
   s.recv = DeviceArray(s.rec * Tm * P);
-  s.ids_l = DeviceArray(4 * Tm * P * k);
-  s.w_l = DeviceArray(4 * Tm * P * k);
   s.cpos = DeviceArray(4 * Tm * P * k);
   s.csend = DeviceArray(4 * Tm * P * k * H);
   s.crecv = DeviceArray(4 * Tm * k * H);
@@ -118,7 +316,47 @@ CudaEpMoELayer::CudaEpMoELayer(CudaMoELayer& layer, const MoEConfig& config,
 CudaEpMoELayer::~CudaEpMoELayer() = default;
 
 const EpStats& CudaEpMoELayer::stats() const {
+  if (impl_->stats_pending) impl_->peer_stats();
   return impl_->stats;
+}
+
+bool CudaEpMoELayer::peer_transport() const {
+  return impl_->peer;
+}
+
+// The peer transport's EpStats of the last forward, from its events and counts
+// (waits for that forward to finish).
+void CudaEpMoELayer::Impl::peer_stats() {
+  stats_pending = false;
+  EpStats st;
+  st.transport = "peer";
+  float ms = 0;
+  FUSEDMOE_CUDA_CHECK(cudaEventSynchronize(ev[3]));
+  FUSEDMOE_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[0], ev[1]));
+  st.dispatch_seconds = ms * 1e-3;
+  FUSEDMOE_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[2], ev[3]));
+  st.combine_seconds = ms * 1e-3;
+  const int64_t k = cfg.top_k, H = cfg.hidden_size;
+  std::vector<int64_t> cs(3 * P), rows(P);
+  FUSEDMOE_CUDA_CHECK(
+      cudaMemcpy(cs.data(), counts_send.as<void>(), 24 * P, cudaMemcpyDeviceToHost));
+  FUSEDMOE_CUDA_CHECK(cudaMemcpy(rows.data(), window + 16 * P, 8 * P, cudaMemcpyDeviceToHost));
+  std::vector<int32_t> ids(static_cast<size_t>(max_tokens * k));
+  for (int p = 0; p < P; ++p) {
+    st.dispatch_rows_sent += cs[3 * p];
+    st.dispatch_rows_received += rows[p];
+    if (p == me) continue;
+    st.dispatch_bytes_sent += cs[3 * p] * rec;
+    st.dispatch_bytes_received += rows[p] * rec;
+    st.combine_bytes_received += cs[3 * p + 1] * H * 4;
+    // Slots of p's rows held here: their rows go back to p.
+    FUSEDMOE_CUDA_CHECK(cudaMemcpy(ids.data(), ids_l.as<int32_t>() + p * max_tokens * k,
+                                   4 * rows[p] * k, cudaMemcpyDeviceToHost));
+    st.combine_bytes_sent +=
+        std::count_if(ids.begin(), ids.begin() + rows[p] * k, [](int32_t id) { return id >= 0; }) *
+        H * 4;
+  }
+  stats = st;
 }
 const ExpertMap& CudaEpMoELayer::expert_map() const {
   return impl_->map;
@@ -134,10 +372,15 @@ void CudaEpMoELayer::forward(const TensorView& hidden_states, const TensorView& 
   FUSEDMOE_CHECK(T <= s.max_tokens, "hidden_states: at most max_num_tokens = ", s.max_tokens,
                  " tokens per rank (RunnerOptions::max_num_tokens), got ", T);
   CudaMoELayer& layer = *s.layer;
-  EpStats st;
 
   // ---- 1. route ----
   layer.ep_route(hidden_states, router_logits, token_ids, outputs, stream);
+  if (s.peer) {
+    s.forward_peer(output, T, stream);
+    return;
+  }
+  EpStats st;
+  st.transport = "nccl";
 
   // ---- 2. layout + pack ----
   // Phase boundaries are host-synchronised (the exchanges need it anyway), so
@@ -223,6 +466,40 @@ void CudaEpMoELayer::forward(const TensorView& hidden_states, const TensorView& 
   st.combine_seconds = seconds_since(t1);
   layer.ep_finalize(s.y.as<float>(), output, T, stream);
   s.stats = st;
+}
+
+}  // namespace fusedmoe::cuda
+
+namespace fusedmoe::cuda {
+
+// forward() after routing, over the peer transport: no host synchronisation.
+// The local experts run on all P * capacity received rows (rows past a
+// source's count have ids -1) with the GEMM tiles of a P * capacity-token
+// batch, so the work and the bits depend on max_tokens_per_rank, not on T.
+void CudaEpMoELayer::Impl::forward_peer(const TensorView& output, int64_t T, Stream stream) {
+  const int64_t k = cfg.top_k, M = P * max_tokens;
+  CudaMoELayer& l = *layer;
+  auto* epoch = sync.as<uint64_t>();
+  auto* done = reinterpret_cast<unsigned*>(epoch + 1);
+  const auto st = static_cast<cudaStream_t>(stream);
+  FUSEDMOE_CUDA_CHECK(cudaEventRecord(ev[0], st));
+  ep_layout(l.topk_ids(), T, static_cast<int>(k), rank_of.as<int32_t>(), P, row_pos.as<int32_t>(),
+            slot_pos.as<int32_t>(), counts_send.as<int64_t>(), stream);
+  peer_dispatch(l.expert_input(), l.topk_ids(), l.topk_weights(), T, rank_of.as<int32_t>(),
+                local_of.as<int32_t>(), row_pos.as<int32_t>(), counts_send.as<int64_t>(),
+                peers.as<char*>(), layout, epoch, done, stream);
+  l.ep_shared(T, M, stream);
+  peer_receive(window, layout, epoch, timeout_s, ids_l.as<int32_t>(), w_l.as<float>(), stream);
+  FUSEDMOE_CUDA_CHECK(cudaEventRecord(ev[1], st));
+  const float* y_local = l.experts(reinterpret_cast<const uint16_t*>(window + layout.off_recv),
+                                   rec / 2, ids_l.as<int32_t>(), w_l.as<float>(), M, M, stream);
+  FUSEDMOE_CUDA_CHECK(cudaEventRecord(ev[2], st));
+  peer_combine(y_local, ids_l.as<int32_t>(), window, peers.as<char*>(), layout, epoch, done + 1,
+               stream);
+  peer_wait_combine(window, layout, epoch, timeout_s, stream);
+  FUSEDMOE_CUDA_CHECK(cudaEventRecord(ev[3], st));
+  l.ep_finalize(reinterpret_cast<const float*>(window + layout.off_y), output, T, stream);
+  stats_pending = true;
 }
 
 }  // namespace fusedmoe::cuda

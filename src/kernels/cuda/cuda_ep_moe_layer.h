@@ -26,9 +26,22 @@
 // With each rank's own gate GEMM the logits may differ from one GPU's in f32
 // rounding (router_gemm sums in another order for T <= 32 than for larger
 // batches), and so the topk_weights and outputs, by ~1e-7 relative.
-// Not graph-capturable: the counts are copied to the host (to size the
-// all-to-all) and the communicator is host-synchronous; the stream is
-// synchronised at each exchange.
+// Two transports carry steps 3 and 5 (FUSEDMOE_EP_TRANSPORT=auto|nccl|peer):
+//  - nccl: the counts are copied to the host (to size the all-to-all) and the
+//    communicator is host-synchronous; the stream is synchronised at each
+//    exchange. Any ranks the communicator connects.
+//  - peer (auto's choice where every rank can map every other's GPU memory:
+//    one GPU per rank, one host, peer access, CUDA IPC between processes):
+//    ep_peer.h — the pack kernel stores each record straight into its
+//    destination's window (a region of max_tokens_per_rank rows per source)
+//    and signals with a flag, the receiver's kernel waits for every source's
+//    flag, the local experts run on all ep_size * max_tokens_per_rank rows
+//    (unfilled rows have ids -1; GEMM tiles of that batch), and the combine
+//    kernel stores every result row into its source's window at its slot. No
+//    host synchronisation and no communicator call per forward; the cost of
+//    the experts' small kernels grows with max_tokens_per_rank, so size it to
+//    the batch (bit-identical to one GPU when every rank passes T =
+//    max_tokens_per_rank).
 #pragma once
 
 #include <cstdint>
@@ -61,8 +74,12 @@ class CudaEpMoELayer {
                const TensorView* router_logits, const TensorView* token_ids,
                const ForwardOutputs* outputs, Stream stream);
 
-  // Rows, bytes (logical: to / from other ranks) and host times of the last forward.
+  // Rows, bytes (logical: to / from other ranks) and times of the last
+  // forward (NCCL: host wall clock; peer: CUDA events, after waiting for it).
   const EpStats& stats() const;
+  // Whether the peer transport (device-initiated stores into the other GPUs'
+  // memory, ep_peer.h) carries dispatch and combine, else NCCL all-to-all.
+  bool peer_transport() const;
   const ExpertMap& expert_map() const;
 
  private:

@@ -3,7 +3,8 @@
 //
 // A dispatch record (one per token and destination rank) is rec_bytes =
 // ep_record_bytes(H, k) bytes: x bf16 [H], local topk_ids i32 [k] (-1 where
-// another rank holds slot j), topk_weights f32 [k], padded to 16 bytes, so the
+// another rank holds slot j), topk_weights f32 [k], the token's index i32 on
+// its source rank (the peer transport's combine writes by it), padded to 16 bytes, so the
 // received records are directly the rows (row stride rec_bytes / 2 bf16
 // elements) of the expert GEMM.
 #pragma once
@@ -15,7 +16,7 @@
 namespace fusedmoe::cuda {
 
 inline int64_t ep_record_bytes(int64_t hidden, int64_t top_k) {
-  return (2 * hidden + 8 * top_k + 15) / 16 * 16;
+  return (2 * hidden + 8 * top_k + 4 + 15) / 16 * 16;
 }
 
 // Per destination rank r (one block each), in token order:
