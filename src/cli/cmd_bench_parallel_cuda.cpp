@@ -73,8 +73,9 @@ int run_bench_parallel_cuda(const BenchOptions& o) {
         "median over runs, slowest rank; layer = forward + device sync; transport nccl: "
         "dispatch = layout, pack, counts and records all-to-all; combine = pack, all-to-all, "
         "unpack (host wall clock, stream syncs included); transport peer (stores into the other "
-        "GPUs' memory): dispatch = pack kernel to the end of the receive kernel, combine = "
-        "combine kernel to the end of its wait (CUDA events, waiting for peers included); "
+        "GPUs' memory): dispatch = the pack kernel, combine = the combine kernel (CUDA events: "
+        "this rank's stores into every rank's memory), wait = its receive and combine-wait "
+        "kernels (the other ranks' skew included); "
         "logical GB/s = bytes to other ranks summed over ranks / time; "
         "payload GB/s = all payload bytes incl. a rank's copy to itself / time\n\n");
     std::fflush(stdout);
@@ -119,8 +120,8 @@ int run_bench_parallel_cuda(const BenchOptions& o) {
       if (!shape.note.empty()) std::printf("(%s)\n\n", shape.note.c_str());
       std::printf(
           "| T | transport | layer ms | dispatch ms | dispatch GB/s logical | dispatch GB/s "
-          "payload | combine ms | combine GB/s logical | combine GB/s payload | rows received "
-          "(max rank) |\n|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+          "payload | combine ms | combine GB/s logical | combine GB/s payload | wait ms | rows "
+          "received (max rank) |\n|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
       std::fflush(stdout);
     }
     const int64_t H = shape.H, k = shape.k;
@@ -143,7 +144,7 @@ int run_bench_parallel_cuda(const BenchOptions& o) {
       }
       const TensorView xv(x.data(), DType::kF32, {T, H}, dev);
       const TensorView ov(out.data(), DType::kF32, {T, H}, dev);
-      std::vector<double> layer_s, dispatch_s, combine_s;
+      std::vector<double> layer_s, dispatch_s, combine_s, wait_s;
       EpStats last;
       auto run = [&] {
         const auto t0 = std::chrono::steady_clock::now();
@@ -154,6 +155,7 @@ int run_bench_parallel_cuda(const BenchOptions& o) {
         last = *runner.cuda_ep_stats();
         dispatch_s.push_back(last.dispatch_seconds);
         combine_s.push_back(last.combine_seconds);
+        wait_s.push_back(last.wait_seconds);
       };
       run();  // warm-up
       int reps = static_cast<int>(std::clamp(o.min_time / std::max(layer_s[0], 1e-6), 5.0, 1000.0));
@@ -161,10 +163,12 @@ int run_bench_parallel_cuda(const BenchOptions& o) {
       layer_s.clear();
       dispatch_s.clear();
       combine_s.clear();
+      wait_s.clear();
       for (int r = 0; r < reps; ++r) run();
       const double tl = max_of(gather_doubles(*world, median(layer_s)));
       const double td = max_of(gather_doubles(*world, median(dispatch_s)));
       const double tc = max_of(gather_doubles(*world, median(combine_s)));
+      const double tw = max_of(gather_doubles(*world, median(wait_s)));
       const double bd =
           sum_of(gather_doubles(*world, static_cast<double>(last.dispatch_bytes_sent)));
       const double bc =
@@ -176,10 +180,11 @@ int run_bench_parallel_cuda(const BenchOptions& o) {
       const double rows =
           max_of(gather_doubles(*world, static_cast<double>(last.dispatch_rows_received)));
       if (root)
-        std::printf("| %lld | %s | %.3f | %.3f | %.2f | %.2f | %.3f | %.2f | %.2f | %.0f |\n",
-                    static_cast<long long>(T), last.transport.c_str(), tl * 1e3, td * 1e3,
-                    td > 0 ? bd / td * 1e-9 : 0.0, td > 0 ? pd / td * 1e-9 : 0.0, tc * 1e3,
-                    tc > 0 ? bc / tc * 1e-9 : 0.0, tc > 0 ? pc / tc * 1e-9 : 0.0, rows);
+        std::printf(
+            "| %lld | %s | %.3f | %.3f | %.2f | %.2f | %.3f | %.2f | %.2f | %.3f | %.0f |\n",
+            static_cast<long long>(T), last.transport.c_str(), tl * 1e3, td * 1e3,
+            td > 0 ? bd / td * 1e-9 : 0.0, td > 0 ? pd / td * 1e-9 : 0.0, tc * 1e3,
+            tc > 0 ? bc / tc * 1e-9 : 0.0, tc > 0 ? pc / tc * 1e-9 : 0.0, tw * 1e3, rows);
       if (root) std::fflush(stdout);
     }
     if (root) std::printf("\n");

@@ -53,6 +53,11 @@ struct EpStats {
   int64_t dispatch_bytes_sent = 0, dispatch_bytes_received = 0;
   int64_t combine_bytes_sent = 0, combine_bytes_received = 0;
   double dispatch_seconds = 0, combine_seconds = 0;  // the whole prepare / finalize
+  // GPU peer transport: dispatch_seconds / combine_seconds are its pack and
+  // combine kernels (this rank's stores into the others' memory) and this the
+  // time its receive and combine-wait kernels waited for the other ranks
+  // (their skew included); 0 elsewhere (inside the phases).
+  double wait_seconds = 0;
   // GPU expert parallelism: "nccl" (all-to-all) or "peer" (device-initiated
   // stores into the other GPUs' memory); empty on the CPU.
   std::string transport;

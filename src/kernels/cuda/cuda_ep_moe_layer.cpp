@@ -122,7 +122,8 @@ struct CudaEpMoELayer::Impl {
   DeviceArray peers;              // char* [P]
   DeviceArray sync;               // u64 epoch, u32 dispatch done, u32 combine done
   double timeout_s = 60;
-  cudaEvent_t ev[4] = {};  // dispatch start / received / combine start / combined
+  // start, dispatched, received, experts done, combined, combine waited
+  cudaEvent_t ev[6] = {};
   bool stats_pending = false;
 
   // Collective: maps every rank's window. False (every rank agreeing) when
@@ -331,11 +332,14 @@ void CudaEpMoELayer::Impl::peer_stats() {
   EpStats st;
   st.transport = "peer";
   float ms = 0;
-  FUSEDMOE_CUDA_CHECK(cudaEventSynchronize(ev[3]));
-  FUSEDMOE_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[0], ev[1]));
-  st.dispatch_seconds = ms * 1e-3;
-  FUSEDMOE_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[2], ev[3]));
-  st.combine_seconds = ms * 1e-3;
+  FUSEDMOE_CUDA_CHECK(cudaEventSynchronize(ev[5]));
+  const auto seconds = [&](int a, int b) {
+    FUSEDMOE_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[a], ev[b]));
+    return ms * 1e-3;
+  };
+  st.dispatch_seconds = seconds(0, 1);
+  st.combine_seconds = seconds(3, 4);
+  st.wait_seconds = seconds(1, 2) + seconds(4, 5);
   const int64_t k = cfg.top_k, H = cfg.hidden_size;
   std::vector<int64_t> cs(3 * P), rows(P);
   FUSEDMOE_CUDA_CHECK(
@@ -488,16 +492,18 @@ void CudaEpMoELayer::Impl::forward_peer(const TensorView& output, int64_t T, Str
   peer_dispatch(l.expert_input(), l.topk_ids(), l.topk_weights(), T, rank_of.as<int32_t>(),
                 local_of.as<int32_t>(), row_pos.as<int32_t>(), counts_send.as<int64_t>(),
                 peers.as<char*>(), layout, epoch, done, stream);
+  FUSEDMOE_CUDA_CHECK(cudaEventRecord(ev[1], st));
   l.ep_shared(T, M, stream);
   peer_receive(window, layout, epoch, timeout_s, ids_l.as<int32_t>(), w_l.as<float>(), stream);
-  FUSEDMOE_CUDA_CHECK(cudaEventRecord(ev[1], st));
+  FUSEDMOE_CUDA_CHECK(cudaEventRecord(ev[2], st));
   const float* y_local = l.experts(reinterpret_cast<const uint16_t*>(window + layout.off_recv),
                                    rec / 2, ids_l.as<int32_t>(), w_l.as<float>(), M, M, stream);
-  FUSEDMOE_CUDA_CHECK(cudaEventRecord(ev[2], st));
+  FUSEDMOE_CUDA_CHECK(cudaEventRecord(ev[3], st));
   peer_combine(y_local, ids_l.as<int32_t>(), window, peers.as<char*>(), layout, epoch, done + 1,
                stream);
+  FUSEDMOE_CUDA_CHECK(cudaEventRecord(ev[4], st));
   peer_wait_combine(window, layout, epoch, timeout_s, stream);
-  FUSEDMOE_CUDA_CHECK(cudaEventRecord(ev[3], st));
+  FUSEDMOE_CUDA_CHECK(cudaEventRecord(ev[5], st));
   l.ep_finalize(reinterpret_cast<const float*>(window + layout.off_y), output, T, stream);
   stats_pending = true;
 }
