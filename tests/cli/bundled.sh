@@ -95,8 +95,8 @@ latin1="$TMP/$(printf 'mod\xe8le')"
 cp -r "$MODELS/tiny-deepseek-v3" "$latin1"
 "$BIN" inspect "$latin1" | grep -q "MoE layers: 1, 2"
 "$BIN" inspect --json "$latin1" >"$TMP/latin1.json"
-"$BIN" run --model "$latin1" --tokens 2 --output "$latin1/out.safetensors" --quiet >/dev/null
-python3 - "$TMP/latin1.json" "$latin1/out.safetensors" <<'PY'
+"$BIN" run --model "$latin1" --tokens 2 --output "$TMP/latin1-out.safetensors" --quiet >/dev/null
+python3 - "$TMP/latin1.json" "$TMP/latin1-out.safetensors" <<'PY'
 import json, struct, sys
 j = json.load(open(sys.argv[1], encoding="utf-8"))
 assert j["path"].endswith("/mod\ufffdle"), j["path"]
