@@ -581,6 +581,20 @@ for v in ,qwen3-cpu qwen3-cpu,,mixtral qwen3-cpu, "qwen3-cpu, ,mixtral"; do
     bench --shapes "$v" --max-experts 8 --tokens 1 --min-time 0
 done
 expect_usage "bench --shapes ," "--shapes: expected at least one shape, got \",\"" -- bench --shapes , --tokens 1
+# A shape or token count listed twice would be measured twice: a usage error naming it
+# (for the parallel bench too), as an option given twice is.
+for v in "qwen3-cpu,qwen3-cpu:qwen3-cpu" "qwen3-cpu, mixtral,qwen3-cpu:qwen3-cpu"; do
+  IFS=: read -r list dup <<<"$v"
+  expect_usage "bench --shapes '$list'" "error: bench --shapes: expected distinct shape names, got \"$dup\" twice in \"$list\" (each shape is measured once; list it once)" -- \
+    bench --shapes "$list" --max-experts 8 --tokens 1 --min-time 0
+done
+for v in "1,1,16:1" "1,16,016:16" "0,2,0:0"; do
+  IFS=: read -r list dup <<<"$v"
+  expect_usage "bench --tokens '$list'" "error: bench --tokens: expected distinct token counts, got $dup twice in \"$list\" (each count is measured once; list it once)" -- \
+    bench --shapes qwen3-cpu --max-experts 8 --min-time 0 --tokens "$list"
+done
+expect_usage "bench --tokens 1,1 --ep-size 2" "error: bench --tokens: expected distinct token counts, got 1 twice in \"1,1\"" -- \
+  bench --shapes qwen3-cpu --max-experts 8 --min-time 0 --tokens 1,1 --ep-size 2
 expect_usage "bench --sweep on the CPU" "--sweep: options of --backend cuda, given without it" -- \
   bench --shapes qwen3-cpu --tokens 1 --sweep
 expect_usage "bench --dispatch-dtype without expert parallelism" "--dispatch-dtype bf16: the expert-parallel dispatch payload, needs --ep-size > 1" -- \
