@@ -318,8 +318,11 @@ void check_comm_timeout();
 // others throw CollectiveError (exit 2; "not run: the command line of rank 1
 // does not parse"); different commands are a CollectiveError naming each
 // rank's. `collectives`: the command calls make_parallel_world (run, bench).
-// Throws UsageError for a bad FUSEDMOE_COMM_TIMEOUT_S, Error when MPI cannot
-// start.
+// A rank with a bad FUSEDMOE_COMM_TIMEOUT_S still starts MPI (the default
+// deadline) and joins that comparison, then throws UsageError naming it; the
+// others throw CollectiveError ("not run: rank 1 has a bad
+// FUSEDMOE_COMM_TIMEOUT_S"), so that none waits for it. Throws Error when MPI
+// cannot start.
 void start_launch(const std::string& ran, bool parse_failed, bool collectives);
 // The world start_launch() started (nullptr when it started none).
 std::shared_ptr<Communicator> launch_world();

@@ -46,13 +46,19 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& o) {
   cmd->add_option("--tokens", o.tokens, "Comma-separated token counts T")
       ->check(CLI::Validator(
           [](std::string& input) -> std::string {
+            std::vector<int64_t> counts;
             try {
-              parse_int_list(input, "--tokens");
+              counts = parse_int_list(input, "--tokens");
             } catch (const Error& e) {
               std::string why = e.what();
               const std::string prefix = "--tokens: ";
               return why.rfind(prefix, 0) == 0 ? why.substr(prefix.size()) : why;
             }
+            // A count listed twice would be measured twice (as a flag given twice, an error).
+            for (size_t i = 1; i < counts.size(); ++i)
+              if (std::find(counts.begin(), counts.begin() + i, counts[i]) != counts.begin() + i)
+                return "expected distinct token counts, got " + std::to_string(counts[i]) +
+                       " twice in \"" + input + "\" (each count is measured once; list it once)";
             return {};
           },
           "T1,T2,..."))
@@ -73,6 +79,11 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& o) {
                 return "expected a comma-separated list of shape names, got \"" + input +
                        "\" (an empty item)";
               for (const auto& name : names) bench::find_shape(name);
+              // A shape listed twice would be measured twice (as a flag given twice, an error).
+              for (size_t i = 1; i < names.size(); ++i)
+                if (std::find(names.begin(), names.begin() + i, names[i]) != names.begin() + i)
+                  return "expected distinct shape names, got \"" + names[i] + "\" twice in \"" +
+                         input + "\" (each shape is measured once; list it once)";
             } catch (const Error& e) {
               const std::string why = e.what();
               return why.rfind(prefix, 0) == 0 ? why.substr(prefix.size()) : why;

@@ -402,6 +402,37 @@ std::vector<std::pair<std::string, std::string>> model_files(const std::string& 
   return out;
 }
 
+// The folder of a model: the one holding its config.json `config` (as
+// model_files() names it), resolved (links followed, absolute). Empty when
+// that config.json is no regular file (the model does not load, so nothing is
+// written) or the folder cannot be resolved.
+std::filesystem::path model_folder(const std::filesystem::path& config) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (!fs::is_regular_file(fs::status(config, ec))) return {};
+  fs::path resolved =
+      fs::canonical(config.has_parent_path() ? config.parent_path() : fs::path("."), ec);
+  return ec ? fs::path() : resolved;
+}
+
+// Where the output `path` lands: absolute, links followed (the file's own, when
+// it is one, and its folders'), a file not there yet named by its resolved
+// folder. Empty when it cannot be resolved (creating the file reports why).
+std::filesystem::path resolved_output(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::path absolute = fs::absolute(path, ec);
+  if (ec) return {};
+  fs::path resolved = fs::weakly_canonical(absolute, ec);
+  return ec ? fs::path() : resolved;
+}
+
+// True when `path` is `folder` or lies below it (both resolved).
+bool is_inside(const std::filesystem::path& path, const std::filesystem::path& folder) {
+  const std::filesystem::path rel = path.lexically_relative(folder);
+  return !rel.empty() && *rel.begin() != "..";
+}
+
 void print_histogram(const std::vector<int64_t>& counts, int64_t routed) {
   const int64_t E = static_cast<int64_t>(counts.size());
   const int64_t max_count = std::max<int64_t>(1, *std::max_element(counts.begin(), counts.end()));
@@ -526,9 +557,20 @@ int run_run(const RunOptions& o) {
                   " (it would be overwritten)");
     const std::string model = o.model.empty() ? bundled_model_dir() : o.model;
     const std::string whose = (o.model.empty() ? "the bundled model " : "--model ") + model;
-    for (const auto& [path, what] : model_files(model))
+    const std::vector<std::pair<std::string, std::string>> files = model_files(model);
+    for (const auto& [path, what] : files)
       usage_check(!same(path), "--output ", o.output, ": is the same file as ", path, " (the ",
                   what, " of ", whose, "; it would be overwritten)");
+    // Nor any other file in the model's folder (the bundled model's
+    // reference.safetensors, a file of the checkpoint not yet read): the
+    // output, resolved, lies outside the folder, resolved.
+    const std::filesystem::path folder = model_folder(files.front().first);
+    const std::filesystem::path out = resolved_output(o.output);
+    usage_check(folder.empty() || out.empty() || !is_inside(out, folder), "--output ", o.output,
+                out.string() == o.output ? "" : " (" + out.string() + ")", ": is inside ",
+                folder.string(), ", the folder of ", whose,
+                "; the output is never written among the model's files, give a path outside "
+                "that folder");
   }
   // A NumPy name, in any case (.NPY was written as safetensors under it).
   std::string ext = std::filesystem::path(o.output).extension().string();

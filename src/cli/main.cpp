@@ -159,29 +159,56 @@ void check_comm_timeout() {
 
 void start_launch(const std::string& ran, bool parse_failed, bool collectives) {
   if (!mpi_built() || !launched_by_mpi() || launcher_world_size() == 1) return;
-  check_comm_timeout();  // the deadline of every wait below: a usage error before any rank waits
-  std::shared_ptr<Communicator> world = make_mpi_communicator();
-  if (world->size() <= 1) return;
+  // The deadline of every wait below. A bad FUSEDMOE_COMM_TIMEOUT_S is this
+  // rank's usage error, but the rank still starts MPI (with the default
+  // deadline) and joins the comparison below to tell the others, which would
+  // else wait for it (in MPI_Init, with no deadline) when only its
+  // environment has the bad value.
+  double timeout_s = kDefaultCommTimeoutSeconds;
+  std::string timeout_error;
+  try {
+    timeout_s = comm_timeout_seconds();
+  } catch (const fusedmoe::Error& e) {
+    timeout_error = e.what();
+  }
+  std::shared_ptr<Communicator> world = make_mpi_communicator(timeout_s);
+  if (world->size() <= 1) {
+    if (!timeout_error.empty()) throw UsageError(timeout_error);
+    return;
+  }
   Launch& l = launch();
   l.world = world;
   l.phase = Phase::kDone;  // the comparison below is the same on every rank
-  const std::vector<std::string> all = world->all_gather_string((parse_failed ? "!" : "") + ran);
+  // "!": the command line does not parse; "?": FUSEDMOE_COMM_TIMEOUT_S is bad.
+  const std::string mark = parse_failed ? "!" : !timeout_error.empty() ? "?" : "";
+  const std::vector<std::string> all = world->all_gather_string(mark + ran);
   const int P = world->size();
-  std::string unparsed;
+  std::string unparsed, bad_timeout;
   int first_ok = -1;
   for (int p = 0; p < P; ++p) {
     if (!all[p].empty() && all[p][0] == '!')
       unparsed += (unparsed.empty() ? "" : ",") + std::to_string(p);
+    else if (!all[p].empty() && all[p][0] == '?')
+      bad_timeout += (bad_timeout.empty() ? "" : ",") + std::to_string(p);
     else if (first_ok < 0)
       first_ok = p;
   }
-  if (parse_failed) return;  // main() prints this rank's error
+  if (parse_failed) return;                                     // main() prints this rank's error
+  if (!timeout_error.empty()) throw UsageError(timeout_error);  // this rank's own
+  const auto ranks = [](const std::string& list) {
+    return std::string(list.find(',') == std::string::npos ? "rank " : "ranks ") + list;
+  };
   if (!unparsed.empty())
+    throw CollectiveError(
+        world->rank() != first_ok
+            ? std::string()
+            : "not run: the command line of " + ranks(unparsed) + " does not parse (see its error)",
+        2);
+  if (!bad_timeout.empty())
     throw CollectiveError(world->rank() != first_ok
                               ? std::string()
-                              : std::string("not run: the command line of rank") +
-                                    (unparsed.find(',') == std::string::npos ? " " : "s ") +
-                                    unparsed + " does not parse (see its error)",
+                              : "not run: " + ranks(bad_timeout) +
+                                    " has a bad FUSEDMOE_COMM_TIMEOUT_S (see its error)",
                           2);
   // What each rank ran, in order of first appearance, with its ranks.
   std::vector<std::pair<std::string, std::string>> seen;

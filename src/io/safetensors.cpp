@@ -7,6 +7,7 @@
 #include "fusedmoe/io/safetensors.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -14,6 +15,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <climits>
 #include <cstring>
 #include <filesystem>
 #include <limits>
@@ -575,6 +577,44 @@ void AtomicFile::remove_pending_temporaries() noexcept {
     if (t.state.load() == 2) ::unlink(t.path);
 }
 
+namespace {
+// ".<name>.fusedmoe-tmp.": the start of every temporary of a target named <name>.
+std::string temp_prefix(const fs::path& target) {
+  return "." + target.filename().string() + ".fusedmoe-tmp.";
+}
+}  // namespace
+
+std::vector<std::string> AtomicFile::remove_stale_temporaries(const std::string& target) {
+  std::vector<std::string> removed;
+  const fs::path t(target);
+  if (t.filename().empty()) return removed;
+  fs::path dir = t.parent_path();
+  if (dir.empty()) dir = ".";
+  const std::string prefix = temp_prefix(t);
+  std::error_code ec;
+  fs::directory_iterator it(dir, ec), end;
+  for (; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.compare(0, prefix.size(), prefix) != 0) continue;
+    // <pid>.<suffix>: decimal digits, then a dot and at least one character.
+    size_t at = prefix.size();
+    long long pid = 0;
+    while (at < name.size() && name[at] >= '0' && name[at] <= '9' && pid <= INT_MAX)
+      pid = pid * 10 + (name[at++] - '0');
+    if (at == prefix.size() || pid <= 0 || pid > INT_MAX || at + 1 >= name.size() ||
+        name[at] != '.')
+      continue;
+    if (static_cast<pid_t>(pid) == ::getpid()) continue;  // ours: a live AtomicFile
+    // Another process's: kept unless that process is gone (EPERM: it runs, as
+    // another user).
+    if (::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;
+    struct stat st {};
+    if (::lstat(it->path().c_str(), &st) != 0 || !S_ISREG(st.st_mode)) continue;
+    if (::unlink(it->path().c_str()) == 0) removed.push_back(it->path().string());
+  }
+  return removed;
+}
+
 AtomicFile::AtomicFile(const std::string& path) : path_(path) {
   FUSEDMOE_CHECK(!path.empty(), "output file: expected a path, got an empty string");
   // The file is replaced by a rename, so only a regular file (or nothing) may be
@@ -608,9 +648,9 @@ AtomicFile::AtomicFile(const std::string& path) : path_(path) {
   fs::path dir = target.parent_path();
   if (dir.empty()) dir = ".";
   target_ = target.string();
-  std::string tmp_name = ".";
-  tmp_name.append(target.filename().string()).append(".tmp.XXXXXX");
-  tmp_ = (dir / tmp_name).string();
+  // Those a killed process left (SIGKILL runs no handler), then ours.
+  removed_stale_ = remove_stale_temporaries(target_);
+  tmp_ = (dir / (temp_prefix(target) + std::to_string(::getpid()) + ".XXXXXX")).string();
   fd_ = ::mkstemp(tmp_.data());
   if (fd_ < 0)
     FUSEDMOE_THROW(kIo, printable(path), ": cannot create a temporary file in ",

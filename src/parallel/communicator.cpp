@@ -119,7 +119,7 @@ std::unique_ptr<Communicator> make_world_communicator() {
 
 double comm_timeout_seconds() {
   const char* s = std::getenv("FUSEDMOE_COMM_TIMEOUT_S");
-  if (!s || !*s) return 60.0;
+  if (!s || !*s) return kDefaultCommTimeoutSeconds;
   double v = 0;
   // Beyond kMaxCommTimeoutSeconds the deadline (int64 nanoseconds) would overflow.
   FUSEDMOE_CHECK(parse_decimal(s, v) == ParseNumber::kOk && v > 0 && v <= kMaxCommTimeoutSeconds,
@@ -261,10 +261,13 @@ std::vector<std::unique_ptr<Communicator>> make_nccl_communicators(std::span<con
 bool mpi_built() {
   return false;
 }
-std::unique_ptr<Communicator> make_mpi_communicator() {
+std::unique_ptr<Communicator> make_mpi_communicator(double /*timeout_s*/) {
   FUSEDMOE_THROW(kUnsupported,
                  "MPI communicator: this build of fusedmoe has no MPI (install libopenmpi-dev "
                  "and reconfigure)");
+}
+std::unique_ptr<Communicator> make_mpi_communicator() {
+  return make_mpi_communicator(kDefaultCommTimeoutSeconds);
 }
 #endif
 

@@ -389,7 +389,13 @@ bool mpi_built() {
 }
 
 std::unique_ptr<Communicator> make_mpi_communicator() {
-  const double timeout = comm_timeout_seconds();
+  return make_mpi_communicator(comm_timeout_seconds());
+}
+
+std::unique_ptr<Communicator> make_mpi_communicator(double timeout) {
+  FUSEDMOE_CHECK(timeout > 0 && timeout <= kMaxCommTimeoutSeconds,
+                 "make_mpi_communicator: timeout_s: expected seconds in (0, ",
+                 kMaxCommTimeoutSeconds, "], got ", timeout);
   MpiRuntime::get().ensure();
   // A private copy of the world, so that our messages never meet the caller's.
   MPI_Comm comm = MPI_COMM_NULL;

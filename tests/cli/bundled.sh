@@ -95,8 +95,8 @@ latin1="$TMP/$(printf 'mod\xe8le')"
 cp -r "$MODELS/tiny-deepseek-v3" "$latin1"
 "$BIN" inspect "$latin1" | grep -q "MoE layers: 1, 2"
 "$BIN" inspect --json "$latin1" >"$TMP/latin1.json"
-"$BIN" run --model "$latin1" --tokens 2 --output "$latin1/out.safetensors" --quiet >/dev/null
-python3 - "$TMP/latin1.json" "$latin1/out.safetensors" <<'PY'
+"$BIN" run --model "$latin1" --tokens 2 --output "$TMP/latin1-out.safetensors" --quiet >/dev/null
+python3 - "$TMP/latin1.json" "$TMP/latin1-out.safetensors" <<'PY'
 import json, struct, sys
 j = json.load(open(sys.argv[1], encoding="utf-8"))
 assert j["path"].endswith("/mod\ufffdle"), j["path"]
@@ -110,7 +110,7 @@ PY
 grep -q "peak fp32 FMA" "$TMP/bench.txt"
 grep -q "E capped 64 -> 8" "$TMP/bench.txt"
 [ "$(wc -l <"$TMP/bench.csv")" -eq 3 ] || { echo "FAIL: bench CSV"; cat "$TMP/bench.csv"; exit 1; }
-[ -z "$(find "$TMP" -name '.bench.csv.tmp*')" ] || { echo "FAIL: bench CSV temporary left"; exit 1; }
+[ -z "$(find "$TMP" -name '.bench.csv.*')" ] || { echo "FAIL: bench CSV temporary left"; exit 1; }
 python3 - "$TMP/bench.csv" <<'PY'
 import csv, sys
 rows = list(csv.DictReader(open(sys.argv[1])))
@@ -147,6 +147,30 @@ for sig in INT TERM; do
   [ "$rc" -eq 124 ] || { echo "FAIL: bench was not interrupted by SIG$sig (exit $rc)"; exit 1; }
   [ -z "$(ls -A "$TMP/int")" ] || { echo "FAIL: SIG$sig left $(ls -A "$TMP/int")"; exit 1; }
 done
+
+# Killed by SIGKILL (no handler runs) while run --output works: its temporary is left,
+# named .<name>.fusedmoe-tmp.<pid>.*; the next run --output to the same path removes it
+# (its process is gone) and leaves a live process's temporary alone.
+mkdir "$TMP/kill"
+"$BIN" run --tokens 4096 --repeat 100000 --quiet --output "$TMP/kill/o.safetensors" >/dev/null 2>&1 &
+victim=$!
+for _ in $(seq 200); do
+  [ -n "$(ls -A "$TMP/kill")" ] && break
+  sleep 0.05
+done
+kill -KILL "$victim"
+wait "$victim" 2>/dev/null || true
+left=$(ls -A "$TMP/kill")
+case "$left" in
+  ".o.safetensors.fusedmoe-tmp.$victim."?*) ;;
+  *) echo "FAIL: SIGKILL left '$left', expected .o.safetensors.fusedmoe-tmp.$victim.*"; exit 1 ;;
+esac
+[ "$(wc -l <<<"$left")" -eq 1 ] || { echo "FAIL: SIGKILL left $left"; exit 1; }
+: >"$TMP/kill/.o.safetensors.fusedmoe-tmp.$$.live00"  # this shell's: a live process
+"$BIN" run --tokens 2 --quiet --output "$TMP/kill/o.safetensors" >/dev/null
+[ "$(ls -A "$TMP/kill" | sort | tr '\n' ' ')" = ".o.safetensors.fusedmoe-tmp.$$.live00 o.safetensors " ] ||
+  { echo "FAIL: after the next run --output: $(ls -A "$TMP/kill")"; exit 1; }
+echo ok stale temporary
 
 # Installed with a prefix chosen at install time (cmake --install build --prefix DIR): the
 # executable finds the model installed beside it, DIR/share/fusedmoe/models (it looked in

@@ -322,16 +322,52 @@ done
 cmp -s "$FIX/model.safetensors" "$TMP/own/model.safetensors" && cmp -s "$FIX/config.json" "$TMP/own/config.json" &&
   cmp -s "$FIX/model.safetensors" "$TMP/own-sharded/model-00001-of-00001.safetensors" ||
   { echo "FAIL: a model file was changed"; failures=$((failures + 1)); }
-# ... while any other file in the model's folder may be written.
-"$BIN" run --model "$TMP/own-sharded" --layer 1 --tokens 2 --quiet --output "$TMP/own-sharded/out.safetensors" >/dev/null ||
-  { echo "FAIL: --output beside the model"; failures=$((failures + 1)); }
+# ... nor any other path in the model's folder (the bundled model's reference.safetensors,
+# a new file, a file in a subfolder, a path through a link to the folder or a link to a
+# file in it): a usage error naming the path and the folder, nothing written.
+mkdir -p "$TMP/own/sub"
+ln -s "$TMP/own" "$TMP/own-dirlink"
+ln -s "$TMP/own/notes.txt" "$TMP/to-notes.safetensors"
+echo notes >"$TMP/own/notes.txt"
+cp -r "$BUNDLED" "$TMP/bundled-copy"
+RT=$(cd "$TMP" && pwd -P) RB=$(cd "$BUNDLED" && pwd -P)  # resolved
+# MODEL|OUTPUT|RESOLVED OUTPUT (shown when it differs)|WHOSE FOLDER|FOLDER
+for c in "$TMP/own|$TMP/own/out.safetensors|$RT/own/out.safetensors|--model $TMP/own|$RT/own" \
+  "$TMP/own/model.safetensors|$TMP/own/sub/out.safetensors|$RT/own/sub/out.safetensors|--model $TMP/own/model.safetensors|$RT/own" \
+  "$TMP/own|$TMP/own-dirlink/out.safetensors|$RT/own/out.safetensors|--model $TMP/own|$RT/own" \
+  "$TMP/own-dirlink|$TMP/own/sub/../out.safetensors|$RT/own/out.safetensors|--model $TMP/own-dirlink|$RT/own" \
+  "$TMP/own|$TMP/to-notes.safetensors|$RT/own/notes.txt|--model $TMP/own|$RT/own" \
+  "$TMP/own-sharded/model.safetensors.index.json|$TMP/own-sharded/out.safetensors|$RT/own-sharded/out.safetensors|--model $TMP/own-sharded/model.safetensors.index.json|$RT/own-sharded" \
+  "|$BUNDLED/reference.safetensors|$RB/reference.safetensors|the bundled model |$RB"; do
+  IFS='|' read -r m o resolved whose folder <<<"$c"
+  # The bundled model's folder is the source tree's: --layer 99 stops a run that
+  # did not refuse the output before it writes there.
+  model=(--layer 99)
+  [ -z "$m" ] || model=(--model "$m" --layer 1)
+  expect_usage "--output $o in the folder of ${m:-the bundled model}" "--output $o" -- \
+    run "${model[@]}" --tokens 2 --output "$o"
+  [ "$resolved" = "$o" ] && shown="" || shown=" ($resolved)"
+  grep -qF -- "--output $o$shown: is inside $folder, the folder of $whose" "$TMP/stderr" &&
+    grep -qF -- "; the output is never written among the model's files, give a path outside that folder" "$TMP/stderr" ||
+    { echo "FAIL --output $o: does not name the model's folder $folder"; failures=$((failures + 1)); }
+done
+[ "$(cat "$TMP/own/notes.txt")" = notes ] && [ -z "$(ls -A "$TMP/own/sub")" ] &&
+  [ ! -e "$TMP/own/out.safetensors" ] && [ ! -e "$TMP/own-sharded/out.safetensors" ] &&
+  diff -r "$BUNDLED" "$TMP/bundled-copy" >/dev/null ||
+  { echo "FAIL: a file was written in a model's folder"; failures=$((failures + 1)); }
+rm -rf "$TMP/bundled-copy" "$TMP/own-dirlink" "$TMP/to-notes.safetensors" "$TMP/own/sub" "$TMP/own/notes.txt"
+# ... while a folder beside it, whose name begins as the model folder's, may be written.
+mkdir -p "$TMP/own-out"
+"$BIN" run --model "$TMP/own" --layer 1 --tokens 2 --quiet --output "$TMP/own-out/out.safetensors" >/dev/null ||
+  { echo "FAIL: --output beside the model's folder"; failures=$((failures + 1)); }
+rm -rf "$TMP/own-out"
 # --model may name a sharded checkpoint's index (the config.json beside it; the index
 # was read as the config: "required field 'model_type' is missing"): the same output.
 "$BIN" run --model "$TMP/own-sharded/model.safetensors.index.json" --layer 1 --tokens 2 --seed 5 --quiet \
-  --output "$TMP/own-sharded/by-index.safetensors" >/dev/null &&
+  --output "$TMP/by-index.safetensors" >/dev/null &&
   "$BIN" run --model "$TMP/own-sharded" --layer 1 --tokens 2 --seed 5 --quiet \
-    --output "$TMP/own-sharded/by-dir.safetensors" >/dev/null &&
-  python3 - "$TMP/own-sharded/by-index.safetensors" "$TMP/own-sharded/by-dir.safetensors" <<'PY' ||
+    --output "$TMP/by-dir.safetensors" >/dev/null &&
+  python3 - "$TMP/by-index.safetensors" "$TMP/by-dir.safetensors" <<'PY' ||
 import json, struct, sys
 def tensors(path):  # the header without its metadata (which names --model), and the data
     raw = open(path, "rb").read()
@@ -346,7 +382,8 @@ mkdir -p "$TMP/index-only"
 cp "$TMP/own-sharded/model.safetensors.index.json" "$TMP/index-only/"
 expect_error "--model an index without config.json" "$TMP/index-only/model.safetensors.index.json: a safetensors index, whose folder has no config.json ($TMP/index-only/config.json)" -- \
   run --model "$TMP/index-only/model.safetensors.index.json" --tokens 2
-rm -rf "$TMP/own" "$TMP/own-sharded" "$TMP/own-link.safetensors" "$TMP/index-only"
+rm -rf "$TMP/own" "$TMP/own-sharded" "$TMP/own-link.safetensors" "$TMP/index-only" \
+  "$TMP/by-index.safetensors" "$TMP/by-dir.safetensors"
 
 # A FIFO where a file is expected: a clear error, not a reader blocked forever.
 mkfifo "$TMP/fifo.safetensors"
@@ -544,6 +581,20 @@ for v in ,qwen3-cpu qwen3-cpu,,mixtral qwen3-cpu, "qwen3-cpu, ,mixtral"; do
     bench --shapes "$v" --max-experts 8 --tokens 1 --min-time 0
 done
 expect_usage "bench --shapes ," "--shapes: expected at least one shape, got \",\"" -- bench --shapes , --tokens 1
+# A shape or token count listed twice would be measured twice: a usage error naming it
+# (for the parallel bench too), as an option given twice is.
+for v in "qwen3-cpu,qwen3-cpu:qwen3-cpu" "qwen3-cpu, mixtral,qwen3-cpu:qwen3-cpu"; do
+  IFS=: read -r list dup <<<"$v"
+  expect_usage "bench --shapes '$list'" "error: bench --shapes: expected distinct shape names, got \"$dup\" twice in \"$list\" (each shape is measured once; list it once)" -- \
+    bench --shapes "$list" --max-experts 8 --tokens 1 --min-time 0
+done
+for v in "1,1,16:1" "1,16,016:16" "0,2,0:0"; do
+  IFS=: read -r list dup <<<"$v"
+  expect_usage "bench --tokens '$list'" "error: bench --tokens: expected distinct token counts, got $dup twice in \"$list\" (each count is measured once; list it once)" -- \
+    bench --shapes qwen3-cpu --max-experts 8 --min-time 0 --tokens "$list"
+done
+expect_usage "bench --tokens 1,1 --ep-size 2" "error: bench --tokens: expected distinct token counts, got 1 twice in \"1,1\"" -- \
+  bench --shapes qwen3-cpu --max-experts 8 --min-time 0 --tokens 1,1 --ep-size 2
 expect_usage "bench --sweep on the CPU" "--sweep: options of --backend cuda, given without it" -- \
   bench --shapes qwen3-cpu --tokens 1 --sweep
 expect_usage "bench --dispatch-dtype without expert parallelism" "--dispatch-dtype bf16: the expert-parallel dispatch payload, needs --ep-size > 1" -- \

@@ -7,7 +7,8 @@
 #     under one path (per-rank working directories);
 #   - a world size that the parallel sizes do not account for (also -np 2
 #     without --ep-size: not two separate runs writing the same file);
-#   - FUSEDMOE_COMM_TIMEOUT_S out of range or not plain decimal;
+#   - FUSEDMOE_COMM_TIMEOUT_S out of range or not plain decimal (on every
+#     rank, or on one: each rank says why it stopped);
 #   - ranks that run different commands (--help, inspect, --version beside
 #     run / bench; run beside bench) or whose command lines do not parse;
 #   - an error on one rank only, before the run or during it: the job ends at
@@ -187,6 +188,43 @@ for v in 1e10 " 16" 0x10; do
   expect_error 2 "FUSEDMOE_COMM_TIMEOUT_S: expected a decimal number of seconds in \\(0, 1e\\+09\\], got \"$v\"" 1 -- \
     env FUSEDMOE_COMM_TIMEOUT_S="$v" $M "$npflag" 2 $R --tokens 8 --ep-size 2
 done
+
+# ... also on one rank only (MPMD: its environment alone has the value): that rank
+# prints its error and the first other rank says why it did not run (it was ended by
+# mpirun without a word), exit code 2, and no rank waits for another.
+both_errors() {  # both_errors BAD_RANK VALUE: each rank's line in $TMP/log
+  grep -qE "^fusedmoe: error: rank $1: FUSEDMOE_COMM_TIMEOUT_S: expected .*, got \"$2\"$" "$TMP/log" &&
+    grep -qE "^fusedmoe: error: rank $((1 - $1)): not run: rank $1 has a bad FUSEDMOE_COMM_TIMEOUT_S \(see its error\)$" "$TMP/log" ||
+    { echo "FAIL: FUSEDMOE_COMM_TIMEOUT_S=$2 on rank $1 only: not each rank's error"; cat "$TMP/log"; fail=1; }
+}
+one_bad() {  # one_bad BAD_RANK VALUE: the mpirun command line
+  local ok=(run --seed 7 --quiet --output "$TMP/out.safetensors" --tokens 8 --ep-size 2)
+  local a=("$BIN" "${ok[@]}") b=(env FUSEDMOE_COMM_TIMEOUT_S="$2" "$BIN" "${ok[@]}")
+  if [ "$1" = 0 ]; then cmd=($M "$npflag" 1 "${b[@]}" : "$npflag" 1 "${a[@]}")
+  else cmd=($M "$npflag" 1 "${a[@]}" : "$npflag" 1 "${b[@]}"); fi
+}
+for v in abc -3; do
+  for bad in 0 1; do
+    one_bad $bad "$v"
+    expect_error 2 "FUSEDMOE_COMM_TIMEOUT_S: expected a decimal number of seconds in \\(0, 1e\\+09\\], got \"$v\"" 1 -- "${cmd[@]}"
+    both_errors $bad "$v"
+    no_abort "FUSEDMOE_COMM_TIMEOUT_S=$v on rank $bad only"
+  done
+done
+# Under a launcher that does not end the job when a rank exits with an error (here
+# mpirun with orte_abort_on_non_zero_status 0) the other rank waited in MPI_Init, with no
+# deadline, for the one that had stopped before it: a hang.
+one_bad 1 abc
+t0=$SECONDS
+OMPI_MCA_orte_abort_on_non_zero_status=0 timeout 60 "${cmd[@]}" >"$TMP/log" 2>&1
+rc=$?
+if [ "$rc" -eq 124 ] || [ $((SECONDS - t0)) -ge 15 ]; then
+  echo "FAIL: FUSEDMOE_COMM_TIMEOUT_S=abc on rank 1 only, no abort on exit: $((SECONDS - t0)) s (rc $rc)"
+  cat "$TMP/log"; fail=1
+else
+  both_errors 1 abc
+  echo "ok: FUSEDMOE_COMM_TIMEOUT_S=abc on rank 1 only, no abort on exit: $((SECONDS - t0)) s"
+fi
 
 # Numbers in the disagreement are the shortest text of each double (0.1, not
 # 0.10000000000000001), still telling apart doubles that differ in the last bit.

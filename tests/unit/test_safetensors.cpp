@@ -1,7 +1,10 @@
 // Tests of the safetensors reader/writer and Checkpoint (io/safetensors.h).
 #include <gtest/gtest.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -421,6 +424,47 @@ TEST(Safetensors, AtomicFileAllOrNothing) {
   EXPECT_HAS(error_of([&] { AtomicFile f(dir.file("no/such/t.csv")); }, ErrorCode::kIo),
              "No such file or directory");
   EXPECT_HAS(error_of([&] { AtomicFile f(""); }, ErrorCode::kInvalidArgument), "empty");
+}
+
+// A process killed by SIGKILL leaves its temporary `.<name>.fusedmoe-tmp.<pid>.*`;
+// the next AtomicFile for the same target removes it once that process is gone,
+// and leaves every other file (a live process's temporary, another target's, a
+// name not of the pattern) alone.
+TEST(Safetensors, AtomicFileRemovesStaleTemporaries) {
+  TempDir dir("atomic_stale");
+  const std::string path = dir.file("out.safetensors");
+  const pid_t dead = ::fork();  // a pid that no longer runs: a child, waited for
+  ASSERT_GE(dead, 0);
+  if (dead == 0) ::_exit(0);
+  ASSERT_EQ(::waitpid(dead, nullptr, 0), dead);
+  const std::string d = std::to_string(dead), live = std::to_string(::getppid());
+  const std::vector<std::string> stale = {".out.safetensors.fusedmoe-tmp." + d + ".a1B2c3",
+                                          ".out.safetensors.fusedmoe-tmp." + d + ".zzzzzz"};
+  const std::vector<std::string> kept = {
+      ".out.safetensors.fusedmoe-tmp." + live + ".a1B2c3",  // its process runs
+      ".other.safetensors.fusedmoe-tmp." + d + ".a1B2c3",   // another target's
+      ".out.safetensors.fusedmoe-tmp.x" + d + ".a1B2c3",    // no pid
+      ".out.safetensors.fusedmoe-tmp." + d,                 // no suffix
+      ".out.safetensors.tmp.a1B2c3"};                       // not of the pattern
+  for (const auto& n : stale) std::ofstream(dir.file(n)).put('x');
+  for (const auto& n : kept) std::ofstream(dir.file(n)).put('x');
+  {
+    AtomicFile f(path);
+    std::vector<std::string> removed = f.removed_stale();
+    std::sort(removed.begin(), removed.end());
+    EXPECT_EQ(removed, (std::vector<std::string>{dir.file(stale[0]), dir.file(stale[1])}));
+    // Its own temporary is named by the pattern, with this process's pid.
+    const std::string own = ".out.safetensors.fusedmoe-tmp." + std::to_string(::getpid()) + ".";
+    int own_count = 0;
+    for (const auto& e : fs::directory_iterator(dir.path()))
+      own_count += e.path().filename().string().rfind(own, 0) == 0;
+    EXPECT_EQ(own_count, 1);
+    f.write("x");
+    f.commit();
+  }
+  for (const auto& n : stale) EXPECT_FALSE(fs::exists(dir.file(n))) << n;
+  for (const auto& n : kept) EXPECT_TRUE(fs::exists(dir.file(n))) << n;
+  EXPECT_TRUE(fs::exists(path));
 }
 
 TEST(Checkpoint, SingleFileDirectoryAndPath) {

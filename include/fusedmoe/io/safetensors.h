@@ -98,6 +98,13 @@ class Checkpoint {
 // written through (its target is replaced); a link to a missing file, a device,
 // FIFO or directory is refused. Every failure throws Error(kIo) naming `path`
 // and the OS reason.
+//
+// The temporary is `.<name>.fusedmoe-tmp.<pid>.XXXXXX` beside the target
+// (<name> the target's file name, <pid> this process). A process killed by a
+// signal no handler sees (SIGKILL, the OOM killer) leaves it behind; the next
+// AtomicFile for the same target removes every such temporary whose process no
+// longer exists (kill(pid, 0) fails with ESRCH) and lists them in
+// removed_stale().
 class AtomicFile {
  public:
   explicit AtomicFile(const std::string& path);  // creates the temporary
@@ -108,6 +115,12 @@ class AtomicFile {
   void write(const std::string& text) { write(text.data(), text.size()); }
   void commit();
   const std::string& path() const { return path_; }
+  // The stale temporaries of the same target that the constructor removed.
+  const std::vector<std::string>& removed_stale() const { return removed_stale_; }
+  // The temporaries `.<name>.fusedmoe-tmp.<pid>.*` of `target` (the path whose
+  // folder and file name they share) left by processes that no longer exist
+  // (not this one): unlinks those that are regular files, returns their paths.
+  static std::vector<std::string> remove_stale_temporaries(const std::string& target);
   // Unlinks the temporaries of every AtomicFile not yet committed or destroyed
   // (up to 16 at once): async-signal-safe, for a SIGINT / SIGTERM handler (the
   // CLI installs one) so that an interrupted write leaves no file behind.
@@ -116,6 +129,7 @@ class AtomicFile {
  private:
   [[noreturn]] void fail(const char* what);  // removes the temporary, throws
   std::string path_, target_, tmp_;
+  std::vector<std::string> removed_stale_;
   int fd_ = -1;
   bool replaces_ = false;  // the target exists (keep its permission bits)
   int slot_ = -1;          // in the registry of remove_pending_temporaries()

@@ -105,8 +105,14 @@ bool launched_by_mpi();
 int launcher_world_size();
 // A communicator over MPI_COMM_WORLD; initializes MPI on first use
 // (MPI_THREAD_SERIALIZED; finalized at exit unless a communicator broke).
-// Throws Error(kUnsupported) when the build has no MPI.
+// Its deadline is comm_timeout_seconds() (which throws for a bad
+// FUSEDMOE_COMM_TIMEOUT_S, before MPI starts), or `timeout_s` given: seconds
+// in (0, kMaxCommTimeoutSeconds], else Error(kInvalidArgument) (so that a rank
+// whose variable is bad can still join the others' first collective and tell
+// them, with the default deadline). Throws Error(kUnsupported) when the build
+// has no MPI.
 std::unique_ptr<Communicator> make_mpi_communicator();
+std::unique_ptr<Communicator> make_mpi_communicator(double timeout_s);
 // make_mpi_communicator() when launched_by_mpi(), else a single rank.
 std::unique_ptr<Communicator> make_world_communicator();
 
@@ -160,7 +166,8 @@ std::vector<std::unique_ptr<Communicator>> make_nccl_communicators(std::span<con
 // Seconds from FUSEDMOE_COMM_TIMEOUT_S (default 60). Throws
 // Error(kInvalidArgument) for a value that is not a number in
 // (0, kMaxCommTimeoutSeconds].
-inline constexpr double kMaxCommTimeoutSeconds = 1e9;  // ~31 years: fits the clocks' int64 ns
+inline constexpr double kMaxCommTimeoutSeconds = 1e9;     // ~31 years: fits the clocks' int64 ns
+inline constexpr double kDefaultCommTimeoutSeconds = 60;  // FUSEDMOE_COMM_TIMEOUT_S unset
 double comm_timeout_seconds();
 
 // Checks that every rank of `comm` passed the same (name, value) list:
