@@ -175,8 +175,12 @@ int run_bench_parallel_cuda(const BenchOptions& o) {
           sum_of(gather_doubles(*world, static_cast<double>(last.combine_bytes_sent)));
       const double pd =
           sum_of(gather_doubles(*world, static_cast<double>(last.dispatch_rows_sent) * rec));
-      // Every slot is valid (no zero experts): T * k f32 rows of H come back.
-      const double pc = sum_of(gather_doubles(*world, static_cast<double>(T * k * H * 4)));
+      // Every slot is valid (no zero experts): nccl sends T * k f32 rows of H
+      // back, peer one f32 row per dispatched row (a rank's slots of a token summed).
+      const double back_rows = last.transport == "peer"
+                                   ? static_cast<double>(last.dispatch_rows_sent)
+                                   : static_cast<double>(T * k);
+      const double pc = sum_of(gather_doubles(*world, back_rows * H * 4));
       const double rows =
           max_of(gather_doubles(*world, static_cast<double>(last.dispatch_rows_received)));
       if (root)

@@ -340,25 +340,20 @@ void CudaEpMoELayer::Impl::peer_stats() {
   st.dispatch_seconds = seconds(0, 1);
   st.combine_seconds = seconds(3, 4);
   st.wait_seconds = seconds(1, 2) + seconds(4, 5);
-  const int64_t k = cfg.top_k, H = cfg.hidden_size;
+  const int64_t H = cfg.hidden_size;
   std::vector<int64_t> cs(3 * P), rows(P);
   FUSEDMOE_CUDA_CHECK(
       cudaMemcpy(cs.data(), counts_send.as<void>(), 24 * P, cudaMemcpyDeviceToHost));
   FUSEDMOE_CUDA_CHECK(cudaMemcpy(rows.data(), window + 16 * P, 8 * P, cudaMemcpyDeviceToHost));
-  std::vector<int32_t> ids(static_cast<size_t>(max_tokens * k));
+  // Every dispatched row comes back as one f32 row (its slots summed).
   for (int p = 0; p < P; ++p) {
     st.dispatch_rows_sent += cs[3 * p];
     st.dispatch_rows_received += rows[p];
     if (p == me) continue;
     st.dispatch_bytes_sent += cs[3 * p] * rec;
     st.dispatch_bytes_received += rows[p] * rec;
-    st.combine_bytes_received += cs[3 * p + 1] * H * 4;
-    // Slots of p's rows held here: their rows go back to p.
-    FUSEDMOE_CUDA_CHECK(cudaMemcpy(ids.data(), ids_l.as<int32_t>() + p * max_tokens * k,
-                                   4 * rows[p] * k, cudaMemcpyDeviceToHost));
-    st.combine_bytes_sent +=
-        std::count_if(ids.begin(), ids.begin() + rows[p] * k, [](int32_t id) { return id >= 0; }) *
-        H * 4;
+    st.combine_bytes_sent += rows[p] * H * 4;
+    st.combine_bytes_received += cs[3 * p] * H * 4;
   }
   stats = st;
 }
@@ -383,6 +378,13 @@ void CudaEpMoELayer::forward(const TensorView& hidden_states, const TensorView& 
     s.forward_peer(output, T, stream);
     return;
   }
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  FUSEDMOE_CUDA_CHECK(cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &capture));
+  if (capture != cudaStreamCaptureStatusNone)
+    FUSEDMOE_THROW(kUnsupported,
+                   "stream: expert parallelism over the nccl transport synchronises with the host "
+                   "and cannot be captured in a CUDA graph; the peer transport can "
+                   "(FUSEDMOE_EP_TRANSPORT)");
   EpStats st;
   st.transport = "nccl";
 
@@ -486,26 +488,35 @@ void CudaEpMoELayer::Impl::forward_peer(const TensorView& output, int64_t T, Str
   auto* epoch = sync.as<uint64_t>();
   auto* done = reinterpret_cast<unsigned*>(epoch + 1);
   const auto st = static_cast<cudaStream_t>(stream);
-  FUSEDMOE_CUDA_CHECK(cudaEventRecord(ev[0], st));
+  // Captured into a CUDA graph (nothing here synchronises with the host): no
+  // timing events, so no stats for graph replays.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  FUSEDMOE_CUDA_CHECK(cudaStreamIsCapturing(st, &capture));
+  const bool timed = capture == cudaStreamCaptureStatusNone;
+  const auto mark = [&](int i) {
+    if (timed) FUSEDMOE_CUDA_CHECK(cudaEventRecord(ev[i], st));
+  };
+  mark(0);
   ep_layout(l.topk_ids(), T, static_cast<int>(k), rank_of.as<int32_t>(), P, row_pos.as<int32_t>(),
             slot_pos.as<int32_t>(), counts_send.as<int64_t>(), stream);
   peer_dispatch(l.expert_input(), l.topk_ids(), l.topk_weights(), T, rank_of.as<int32_t>(),
                 local_of.as<int32_t>(), row_pos.as<int32_t>(), counts_send.as<int64_t>(),
                 peers.as<char*>(), layout, epoch, done, stream);
-  FUSEDMOE_CUDA_CHECK(cudaEventRecord(ev[1], st));
+  mark(1);
   l.ep_shared(T, M, stream);
   peer_receive(window, layout, epoch, timeout_s, ids_l.as<int32_t>(), w_l.as<float>(), stream);
-  FUSEDMOE_CUDA_CHECK(cudaEventRecord(ev[2], st));
+  mark(2);
   const float* y_local = l.experts(reinterpret_cast<const uint16_t*>(window + layout.off_recv),
                                    rec / 2, ids_l.as<int32_t>(), w_l.as<float>(), M, M, stream);
-  FUSEDMOE_CUDA_CHECK(cudaEventRecord(ev[3], st));
+  mark(3);
   peer_combine(y_local, ids_l.as<int32_t>(), window, peers.as<char*>(), layout, epoch, done + 1,
                stream);
-  FUSEDMOE_CUDA_CHECK(cudaEventRecord(ev[4], st));
+  mark(4);
   peer_wait_combine(window, layout, epoch, timeout_s, stream);
-  FUSEDMOE_CUDA_CHECK(cudaEventRecord(ev[5], st));
-  l.ep_finalize(reinterpret_cast<const float*>(window + layout.off_y), output, T, stream);
-  stats_pending = true;
+  mark(5);
+  l.ep_finalize(reinterpret_cast<const float*>(window + layout.off_y), output, T, stream,
+                row_pos.as<int32_t>(), P);
+  stats_pending = timed;
 }
 
 }  // namespace fusedmoe::cuda

@@ -21,7 +21,7 @@
 // GEMM tiles (routed and shared expert) are the ones the single-GPU layer
 // picks for the global batch (sum of T over ranks, from the counts exchange),
 // and the sum over slots is the single-GPU finalize, so given the same router
-// logits the output is bit-identical to CudaMoELayer::forward on the
+// logits the output (nccl transport) is bit-identical to CudaMoELayer::forward on the
 // concatenation of all ranks' tokens, whatever the arrival order (tested).
 // With each rank's own gate GEMM the logits may differ from one GPU's in f32
 // rounding (router_gemm sums in another order for T <= 32 than for larger
@@ -37,11 +37,13 @@
 //    and signals with a flag, the receiver's kernel waits for every source's
 //    flag, the local experts run on all ep_size * max_tokens_per_rank rows
 //    (unfilled rows have ids -1; GEMM tiles of that batch), and the combine
-//    kernel stores every result row into its source's window at its slot. No
-//    host synchronisation and no communicator call per forward; the cost of
+//    kernel sums each received row's slots held here (slot order, f32) and
+//    stores that one row into its source's window; the source's finalize sums
+//    a token's rows in rank order. No host synchronisation and no
+//    communicator call per forward (capturable in a CUDA graph); the cost of
 //    the experts' small kernels grows with max_tokens_per_rank, so size it to
-//    the batch (bit-identical to one GPU when every rank passes T =
-//    max_tokens_per_rank).
+//    the batch. The sums run rank by rank: within f32 rounding of one GPU
+//    (bit-identical at ep_size 1).
 #pragma once
 
 #include <cstdint>

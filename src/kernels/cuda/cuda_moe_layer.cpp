@@ -577,14 +577,15 @@ const float* CudaMoELayer::experts(const uint16_t* x, int64_t ldx, const int32_t
   return static_cast<const float*>(routed_experts(r, s.routed, stream).finalize.y);  // f32: no sm90
 }
 
-void CudaMoELayer::ep_finalize(const float* y, const TensorView& output, int64_t T, Stream stream) {
+void CudaMoELayer::ep_finalize(const float* y, const TensorView& output, int64_t T, Stream stream,
+                               const int32_t* rows, int64_t rows_per_token) {
   check_device_view(output, "output", {DType::kF32, DType::kBF16, DType::kF16});
   if (T == 0) return;
   FinalizeArgs f;
   f.y = y;
-  f.topk_ids = impl_->ids;
+  f.topk_ids = rows ? rows : impl_->ids;  // finalize sums the rows whose id is >= 0
   f.num_tokens = T;
-  f.top_k = impl_->cfg.top_k;
+  f.top_k = rows ? rows_per_token : impl_->cfg.top_k;
   f.hidden = impl_->cfg.hidden_size;
   finish(f, output, stream);
 }

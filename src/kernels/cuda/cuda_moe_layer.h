@@ -83,7 +83,11 @@ class CudaMoELayer {
                        Stream stream);
   // forward()'s end for ep_route()'s T tokens: output [T, H] = sum over slots
   // j (in order, ids != -1) of y[t*k + j] + the (gated) shared expert.
-  void ep_finalize(const float* y, const TensorView& output, int64_t num_tokens, Stream stream);
+  // rows / rows_per_token: instead of y by slot, y [T * rows_per_token, H]
+  // summed over the rows whose rows[t * rows_per_token + r] >= 0, in order r
+  // (the peer transport: one row a (token, rank) pair, rows = the dispatch's row_pos).
+  void ep_finalize(const float* y, const TensorView& output, int64_t num_tokens, Stream stream,
+                   const int32_t* rows = nullptr, int64_t rows_per_token = 0);
   const int32_t* topk_ids() const;
   const float* topk_weights() const;
   const uint16_t* expert_input() const;

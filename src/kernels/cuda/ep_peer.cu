@@ -145,7 +145,9 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// One block a received row (P * capacity blocks; rows past a region's count return).
+// One block a received row (P * capacity blocks; rows past a region's count
+// return): the row's slots held here, summed in slot order in f32, go back to
+// the source as one row, y[t * P + rank].
 __global__ void __launch_bounds__(kThreads)
     combine_kernel(const float* __restrict__ y, const int32_t* __restrict__ ids, char* own,
                    char* const* __restrict__ peers, PeerLayout L, const uint64_t* epoch,
@@ -157,12 +159,18 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t i = m % L.capacity;
   if (i < __ldcg(&row_counts(own, P)[p])) {
     const int64_t t = __ldcg(rec_token(own + L.off_recv + m * L.rec, H, k));
-    float* dst_y = reinterpret_cast<float*>(peers[p] + L.off_y);
-    for (int j = 0; j < k; ++j) {
-      if (ids[m * k + j] < 0) continue;
-      const float4* src = reinterpret_cast<const float4*>(y + (m * k + j) * H);
-      float4* dst = reinterpret_cast<float4*>(dst_y + (t * k + j) * H);
-      for (int64_t h = threadIdx.x; h < H / 4; h += blockDim.x) dst[h] = src[h];
+    float4* dst = reinterpret_cast<float4*>(peers[p] + L.off_y) + (t * P + L.rank) * (H / 4);
+    for (int64_t h = threadIdx.x; h < H / 4; h += blockDim.x) {
+      float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      for (int j = 0; j < k; ++j) {
+        if (ids[m * k + j] < 0) continue;
+        const float4 v = reinterpret_cast<const float4*>(y + (m * k + j) * H)[h];
+        acc.x += v.x;
+        acc.y += v.y;
+        acc.z += v.z;
+        acc.w += v.w;
+      }
+      dst[h] = acc;
     }
   }
   if (!last_block(done)) return;
@@ -195,7 +203,7 @@ PeerLayout peer_layout(int ep_size, int rank, int top_k, int64_t hidden, int64_t
   const auto up = [](size_t b) { return (b + 255) / 256 * 256; };
   L.off_recv = up(24 * static_cast<size_t>(ep_size));
   L.off_y = L.off_recv + up(static_cast<size_t>(ep_size) * capacity * L.rec);
-  L.bytes = L.off_y + up(static_cast<size_t>(capacity) * top_k * hidden * 4);
+  L.bytes = L.off_y + up(static_cast<size_t>(capacity) * ep_size * hidden * 4);
   return L;
 }
 

@@ -12,8 +12,8 @@
 //   recv:    P regions of capacity rows (max_tokens_per_rank each) of dispatch
 //            records (ep_record_bytes): region p holds source rank p's rows in
 //            its token order, row i valid for i < rows[p];
-//   y:       f32 [capacity * k, H], this rank's slots, written by the rank
-//            that holds each slot's expert (combine).
+//   y:       f32 [capacity * P, H]: row t * P + r = the sum of token t's
+//            slots held by rank r (in slot order), written by rank r (combine).
 // A forward increments a device-side epoch on every rank; flags carry the
 // epoch, so they are never reset, and a forward's writes into a peer's window
 // happen only after that peer has finished with the previous forward's data
@@ -54,9 +54,12 @@ void peer_receive(const char* own, const PeerLayout& layout, const uint64_t* epo
                   double timeout_s, int32_t* topk_ids, float* topk_weights, Stream stream);
 
 // Combine: y_local f32 [P * capacity * k, H] (CudaMoELayer::experts on the
-// recv rows) -> for each valid slot (row i of region p, slot j, local id != -1)
-// the source p's window y[(t * k + j) * H] (t: the record's token index); then,
-// by the last block, combine_flag[rank] = epoch on every rank.
+// recv rows) -> for each received row (row i < rows[p] of region p) the sum of
+// its slots held here (local id != -1, in slot order, f32) into the source p's
+// window y[(t * P + rank) * H] (t: the record's token index): one row a
+// (token, rank) pair, not one a slot; then, by the last block,
+// combine_flag[rank] = epoch on every rank. The source sums its token's rows
+// in rank order (finalize over topk_ids = row_pos, top_k = P).
 void peer_combine(const float* y_local, const int32_t* topk_ids, const char* own,
                   char* const* peers, const PeerLayout& layout, const uint64_t* epoch,
                   unsigned* done, Stream stream);
