@@ -107,7 +107,7 @@ if [ "$what" = ep ] || [ "$what" = all ]; then
     # T = 2 and 1 too: one GPU then sums in the decode w2 kernel (no shared expert), EP in
     # finalize (at T = 1 one rank has no token).
     # Both transports (FUSEDMOE_EP_TRANSPORT): NCCL all-to-all and stores into peer GPU memory.
-    for transport in nccl peer; do
+    for transport in ${EP_TRANSPORTS:-nccl peer}; do
       for tokens in 256 2 1; do
         for m in "$root/models/tiny-deepseek-v3" tests/data/hf/qwen2_moe tests/data/hf/mixtral; do
           timeout 60 "$bin/fusedmoe" run --backend cuda --model "$m" --tokens $tokens --seed 1 \
@@ -125,7 +125,7 @@ if [ "$what" = ep ] || [ "$what" = all ]; then
     unset FUSEDMOE_CUDA_EXPERTS
     mpi=(mpirun --allow-run-as-root --oversubscribe -np "$ngpu" -x LD_LIBRARY_PATH -x NCCL_NVLS_ENABLE
       -x FUSEDMOE_EP_TRANSPORT)
-    for transport in nccl peer; do
+    for transport in ${EP_TRANSPORTS:-nccl peer}; do
       FUSEDMOE_EP_TRANSPORT=$transport timeout 300 "${mpi[@]}" "$bin/fusedmoe" bench --backend cuda \
         --ep-size "$ngpu" --shapes ${EP_SHAPES:-deepseek,qwen3,mixtral} \
         --tokens ${EP_TOKENS:-1,128,1024,4096} 2>&1 | tee "$OUT/ep_bench_$transport.md"

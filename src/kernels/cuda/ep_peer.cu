@@ -18,6 +18,10 @@ namespace fusedmoe::cuda {
 namespace {
 
 constexpr int kThreads = 128;
+// Dispatch / combine: a block copies kCopyVecs 16-byte vectors of a row
+// (blockIdx.y: which chunk), so a few hundred rows still fill the GPU.
+constexpr int kCopyThreads = 256;
+constexpr int kCopyVecs = 512;
 
 __device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
@@ -68,7 +72,7 @@ __device__ bool last_block(unsigned* done) {
   __threadfence_system();
   __syncthreads();
   if (threadIdx.x == 0) {
-    last = atomicAdd(done, 1u) == gridDim.x - 1;
+    last = atomicAdd(done, 1u) == gridDim.x * gridDim.y - 1;
     if (last) *done = 0;
   }
   __syncthreads();
@@ -86,8 +90,9 @@ __device__ __forceinline__ int32_t* rec_token(char* r, int64_t H, int k) {
   return reinterpret_cast<int32_t*>(r + 2 * H + 8 * k);
 }
 
-// One block a token (at least one block: the signals).
-__global__ void __launch_bounds__(kThreads)
+// One block a (token, chunk of kCopyVecs vectors of its row): at least one
+// block (the signals).
+__global__ void __launch_bounds__(kCopyThreads)
     dispatch_kernel(const uint16_t* __restrict__ x, const int32_t* __restrict__ ids,
                     const float* __restrict__ w, int64_t T, const int32_t* __restrict__ rank_of,
                     const int32_t* __restrict__ local_of, const int32_t* __restrict__ row_pos,
@@ -98,12 +103,15 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t t = blockIdx.x;
   if (t < T) {
     const uint4* xs = reinterpret_cast<const uint4*>(x + t * H);
+    const int64_t v0 = static_cast<int64_t>(blockIdx.y) * kCopyVecs;
+    const int64_t v1 = v0 + kCopyVecs < H / 8 ? v0 + kCopyVecs : H / 8;
     for (int r = 0; r < P; ++r) {
       const int32_t pos = row_pos[t * P + r];
       if (pos < 0) continue;
       char* dst = peers[r] + L.off_recv + (me * L.capacity + pos) * L.rec;
       uint4* xd = reinterpret_cast<uint4*>(dst);
-      for (int64_t i = threadIdx.x; i < H / 8; i += blockDim.x) xd[i] = xs[i];
+      for (int64_t i = v0 + threadIdx.x; i < v1; i += blockDim.x) xd[i] = xs[i];
+      if (blockIdx.y != 0) continue;
       for (int j = threadIdx.x; j < k; j += blockDim.x) {
         const int32_t id = ids[t * k + j];
         rec_ids(dst, H)[j] = id >= 0 && rank_of[id] == r ? local_of[id] : -1;
@@ -145,10 +153,11 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// One block a received row (P * capacity blocks; rows past a region's count
-// return): the row's slots held here, summed in slot order in f32, go back to
-// the source as one row, y[t * P + rank].
-__global__ void __launch_bounds__(kThreads)
+// One block a (received row, chunk of kCopyVecs / 4 float4 of it) (P *
+// capacity rows; rows past a region's count return): the row's slots held
+// here, summed in slot order in f32, go back to the source as one row,
+// y[t * P + rank].
+__global__ void __launch_bounds__(kCopyThreads)
     combine_kernel(const float* __restrict__ y, const int32_t* __restrict__ ids, char* own,
                    char* const* __restrict__ peers, PeerLayout L, const uint64_t* epoch,
                    unsigned* done) {
@@ -160,7 +169,9 @@ __global__ void __launch_bounds__(kThreads)
   if (i < __ldcg(&row_counts(own, P)[p])) {
     const int64_t t = __ldcg(rec_token(own + L.off_recv + m * L.rec, H, k));
     float4* dst = reinterpret_cast<float4*>(peers[p] + L.off_y) + (t * P + L.rank) * (H / 4);
-    for (int64_t h = threadIdx.x; h < H / 4; h += blockDim.x) {
+    const int64_t h0 = static_cast<int64_t>(blockIdx.y) * kCopyVecs;
+    const int64_t h1 = h0 + kCopyVecs < H / 4 ? h0 + kCopyVecs : H / 4;
+    for (int64_t h = h0 + threadIdx.x; h < h1; h += blockDim.x) {
       float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       for (int j = 0; j < k; ++j) {
         if (ids[m * k + j] < 0) continue;
@@ -215,9 +226,11 @@ void peer_dispatch(const uint16_t* x, const int32_t* topk_ids, const float* topk
                  "peer_dispatch: H % 8 == 0 and T <= capacity expected, got H = ", layout.hidden,
                  ", T = ", num_tokens, ", capacity = ", layout.capacity);
   const int64_t blocks = num_tokens > 0 ? num_tokens : 1;
-  dispatch_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-      x, topk_ids, topk_weights, num_tokens, rank_of, local_of, row_pos, counts, peers, layout,
-      epoch, done);
+  const dim3 grid(static_cast<unsigned>(blocks),
+                  static_cast<unsigned>((layout.hidden / 8 + kCopyVecs - 1) / kCopyVecs));
+  dispatch_kernel<<<grid, kCopyThreads, 0, stream>>>(x, topk_ids, topk_weights, num_tokens, rank_of,
+                                                     local_of, row_pos, counts, peers, layout,
+                                                     epoch, done);
   FUSEDMOE_CUDA_CHECK_LAUNCH();
 }
 
@@ -235,8 +248,10 @@ void peer_combine(const float* y_local, const int32_t* topk_ids, const char* own
                   char* const* peers, const PeerLayout& layout, const uint64_t* epoch,
                   unsigned* done, Stream stream) {
   const int64_t blocks = static_cast<int64_t>(layout.ep_size) * layout.capacity;
-  combine_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-      y_local, topk_ids, const_cast<char*>(own), peers, layout, epoch, done);
+  const dim3 grid(static_cast<unsigned>(blocks),
+                  static_cast<unsigned>((layout.hidden / 4 + kCopyVecs - 1) / kCopyVecs));
+  combine_kernel<<<grid, kCopyThreads, 0, stream>>>(y_local, topk_ids, const_cast<char*>(own),
+                                                    peers, layout, epoch, done);
   FUSEDMOE_CUDA_CHECK_LAUNCH();
 }
 
