@@ -265,8 +265,10 @@ MoERunner::MoERunner(MoEConfig config, MoELayerWeights weights, RunnerOptions op
     }
     if (!options_.cuda_graph_sizes.empty()) {
       FUSEDMOE_CHECK(!cuda_ep,
-                     "cuda_graph_sizes: graph replay is not available with expert "
-                     "parallelism on GPUs (its exchanges synchronise with the host)");
+                     "cuda_graph_sizes: the runner's graph replay is not available with "
+                     "expert parallelism on GPUs; with the peer transport "
+                     "(FUSEDMOE_EP_TRANSPORT) each rank's forward() can be captured in a "
+                     "CUDA graph of your own, on a stream of its own");
       cuda_graphs_ = std::make_unique<cuda::CudaGraphLayer>(*cuda_, options_.cuda_graph_sizes);
     }
 #else

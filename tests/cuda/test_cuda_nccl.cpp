@@ -574,8 +574,8 @@ TEST(CudaEp, PeerTransportRefusesRanksSharingAGpu) {
   });
   for (int r = 0; r < 2; ++r) {
     SCOPED_TRACE("rank " + std::to_string(r));
-    EXPECT_HAS(errors[r], "FUSEDMOE_EP_TRANSPORT=peer: 2 of 2 ranks");
-    EXPECT_HAS(errors[r], "shares this rank's GPU (cuda:0)");
+    EXPECT_HAS(errors[r], "FUSEDMOE_EP_TRANSPORT=peer (rank 0): the ranks cannot map");
+    EXPECT_HAS(errors[r], "(rank 0: rank 1 shares this rank's GPU (cuda:0))");
   }
 }
 
@@ -778,6 +778,117 @@ TEST(CudaEp, PeerTransportIsCapturableInACudaGraph) {
     if (HasFailure()) break;
   }
   run_ranks(n, [&](int r) { comms[r].reset(); });
+}
+
+// Forwards of one layer back to back without a host sync, with T changing
+// from forward to forward and rank to rank (0 and max_num_tokens too), each
+// with its own input and output: the epoch flags must keep every forward's
+// records, counts and rows apart, and rows past a source's count (left from an
+// earlier, larger forward) must not be computed. Each output within bf16
+// rounding of one GPU on that forward's tokens (the tiles differ: ep_size *
+// max_num_tokens rows here).
+TEST(CudaEp, PeerTransportForwardsWithoutSyncAndChangingT) {
+  FUSEDMOE_REQUIRE_NCCL();
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  TransportEnv env("peer");
+  const int n = std::max(1, std::min(cuda::device_count(), 4));
+  std::vector<int> devices(n);
+  for (int i = 0; i < n; ++i) devices[i] = i;
+  std::vector<std::shared_ptr<Communicator>> comms;
+  if (n == 1) {
+    comms.push_back(one_rank_nccl());
+  } else {
+    for (auto& c : make_nccl_communicators(devices)) comms.push_back(std::move(c));
+  }
+  const std::vector<int64_t> seq = {40, 3, 0, 17, 40, 1};
+  const int64_t cap = 40, F = static_cast<int64_t>(seq.size());
+  for (const auto& [name, c] : ep_configs()) {
+    SCOPED_TRACE(name + " on " + std::to_string(n) + " GPU(s)");
+    if (n > c.num_experts) continue;
+    const MoELayerWeights w = test::random_layer(rng, c, DType::kBF16);
+    const int64_t H = c.hidden_size, L = c.num_router_logits();
+    // tokens[f][r]; inputs and logits of forward f, all ranks' tokens in rank order.
+    std::vector<std::vector<int64_t>> tokens(F, std::vector<int64_t>(n));
+    std::vector<Tensor> xs, ls, want(F);
+    for (int64_t f = 0; f < F; ++f) {
+      int64_t total = 0;
+      for (int r = 0; r < n; ++r) total += tokens[f][r] = seq[(f + r) % F];
+      xs.push_back(test::randn_f32(rng, {total, H}));
+      ls.push_back(test::randn_f32(rng, {total, L}, 2.0f));
+      test::cuda_ok(cudaSetDevice(0), "cudaSetDevice");
+      MoERunner one(c, w, cuda_options(std::max<int64_t>(total, 1)));
+      DeviceTensor xd = DeviceTensor::from_host(xs[f]), ld = DeviceTensor::from_host(ls[f]);
+      DeviceTensor out(DType::kF32, {total, H});
+      const TensorView lv = ld.view();
+      one.forward(xd, out, &lv, nullptr, nullptr);
+      test::cuda_ok(cudaDeviceSynchronize(), "sync");
+      want[f] = out.to_host();
+    }
+    std::vector<std::vector<Tensor>> got(n, std::vector<Tensor>(F));
+    run_ranks(n, [&](int r) {
+      test::cuda_ok(cudaSetDevice(devices[r]), "cudaSetDevice");
+      MoEConfig cr = c;
+      cr.parallel = parallel_config_for_rank(r, n, 1, 1);
+      RunnerOptions o = cuda_options(cap);
+      o.device = Device{DeviceType::kCUDA, devices[r]};
+      o.communicator = comms[r];
+      MoERunner ep(cr, w, o);
+      std::vector<DeviceTensor> xd, ld, out;
+      for (int64_t f = 0; f < F; ++f) {
+        int64_t start = 0;
+        for (int q = 0; q < r; ++q) start += tokens[f][q];
+        xd.push_back(DeviceTensor::from_host(rows_of(xs[f], start, tokens[f][r])));
+        ld.push_back(DeviceTensor::from_host(rows_of(ls[f], start, tokens[f][r])));
+        out.emplace_back(DType::kF32, std::vector<int64_t>{tokens[f][r], H});
+        out.back().poison();
+      }
+      test::cuda_ok(cudaDeviceSynchronize(), "sync");
+      for (int64_t f = 0; f < F; ++f) {  // no host sync in between
+        const TensorView lv = ld[f].view();
+        ep.forward(xd[f], out[f], &lv, nullptr, nullptr);
+      }
+      test::cuda_ok(cudaDeviceSynchronize(), "sync");
+      for (int64_t f = 0; f < F; ++f) got[r][f] = out[f].to_host();
+    });
+    for (int64_t f = 0; f < F; ++f) {
+      int64_t start = 0;
+      for (int r = 0; r < n; ++r) {
+        SCOPED_TRACE("forward " + std::to_string(f) + " rank " + std::to_string(r) + " T " +
+                     std::to_string(tokens[f][r]));
+        const Tensor w_r = rows_of(want[f], start, tokens[f][r]);
+        EXPECT_EQ(test::count_non_finite(got[r][f]), 0) << "unwritten (NaN-poisoned) output";
+        if (tokens[f][r] > 0) EXPECT_LE(test::rel_l2(got[r][f], w_r), 1e-2);
+        start += tokens[f][r];
+      }
+    }
+    if (HasFailure()) break;
+  }
+  run_ranks(n, [&](int r) { comms[r].reset(); });
+}
+
+// Every rank must use the same max_num_tokens: refused at set-up, on every rank.
+TEST(CudaEp, RanksWithDifferentMaxTokensAreRefused) {
+  FUSEDMOE_REQUIRE_CUDA();
+  std::mt19937_64 rng(14);
+  MoEConfig c = test::base_config(8, 2, 64, 32);
+  const MoELayerWeights w = test::random_layer(rng, c, DType::kBF16);
+  auto group = std::make_shared<ThreadGroup>(2);
+  std::vector<std::string> errors(2);
+  run_ranks(2, [&](int r) {
+    test::cuda_ok(cudaSetDevice(0), "cudaSetDevice");
+    MoEConfig cr = c;
+    cr.parallel = parallel_config_for_rank(r, 2, 1, 1);
+    RunnerOptions o = cuda_options(r == 0 ? 16 : 24);
+    o.communicator = std::make_shared<ThreadCommunicator>(group, r);
+    errors[r] = test::error_of([&] { MoERunner ep(cr, w, o); }, ErrorCode::kInvalidArgument);
+  });
+  for (int r = 0; r < 2; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    EXPECT_HAS(errors[r], "every rank must use the same max_num_tokens");
+    EXPECT_HAS(errors[r], "rank 0 has 16, 64, 2, rank 1 has 24, 64, 2");
+  }
 }
 
 // The nccl transport synchronises with the host: capturing it is refused.

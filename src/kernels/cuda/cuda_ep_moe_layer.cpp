@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -58,16 +59,35 @@ Transport requested_transport() {
                  "'");
 }
 
-// What a rank tells the others to map its peer window.
+// What a rank tells the others: the transport it asks for, and how to map its
+// peer window.
 struct PeerInfo {
+  int32_t mode;  // Transport
+  int32_t ok;    // 0: no window; 1: window and CUDA IPC handle; 2: window only
+  int64_t capacity, hidden, top_k, bytes;  // the window's layout (the same on every rank)
   char host[64];
-  int64_t pid;
+  uint64_t process;        // a random id of its process (equal: the same process)
   unsigned char uuid[16];  // of its device
   int32_t device;          // its index in its process
-  int32_t ok;              // window allocated (and IPC handle made)
-  uint64_t ptr;            // the window in its process
+  int32_t pad;
+  uint64_t ptr;  // the window in its process
   cudaIpcMemHandle_t handle;
+  char why[192];  // why this rank cannot map its peers (set-up's second round)
 };
+
+// finalize sums at most 32 rows a token (the peer transport's one a rank).
+constexpr int kMaxPeerRanks = 32;
+
+// A random id of this process (pids repeat across containers of one host).
+uint64_t process_id() {
+  static const uint64_t id = [] {
+    std::random_device rd;
+    return (static_cast<uint64_t>(rd()) << 32) ^ rd() ^
+           static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()) ^
+           static_cast<uint64_t>(getpid());
+  }();
+  return id;
+}
 
 // Every rank's `bytes` bytes (host), through device memory (the EP communicator's buffers).
 std::vector<unsigned char> gather_host(Communicator& comm, const void* mine, int64_t bytes) {
@@ -82,17 +102,24 @@ std::vector<unsigned char> gather_host(Communicator& comm, const void* mine, int
   return out;
 }
 
-// The number of ranks for which `bad` is true (collective).
-int count_ranks(Communicator& comm, bool bad) {
-  const int64_t b = bad ? 1 : 0;
-  const std::vector<unsigned char> all = gather_host(comm, &b, 8);
-  int n = 0;
-  for (int p = 0; p < comm.size(); ++p) {
-    int64_t v;
-    std::memcpy(&v, all.data() + 8 * p, 8);
-    n += v != 0;
-  }
-  return n;
+// Every rank's reason (empty: none), in rank order (collective).
+std::vector<std::string> gather_reasons(Communicator& comm, const std::string& why) {
+  char mine[192] = {};
+  std::strncpy(mine, why.c_str(), sizeof mine - 1);
+  const std::vector<unsigned char> all = gather_host(comm, mine, sizeof mine);
+  std::vector<std::string> out(comm.size());
+  for (int p = 0; p < comm.size(); ++p)
+    out[p] = std::string(
+        reinterpret_cast<const char*>(all.data()) + sizeof mine * p,
+        strnlen(reinterpret_cast<const char*>(all.data()) + sizeof mine * p, sizeof mine));
+  return out;
+}
+
+// "rank p: reason" of the first rank with one, or "".
+std::string first_reason(const std::vector<std::string>& reasons) {
+  for (size_t p = 0; p < reasons.size(); ++p)
+    if (!reasons[p].empty()) return "rank " + std::to_string(p) + ": " + reasons[p];
+  return "";
 }
 
 }  // namespace
@@ -121,6 +148,7 @@ struct CudaEpMoELayer::Impl {
   std::vector<void*> ipc_opened;  // other processes' windows (cudaIpcCloseMemHandle)
   DeviceArray peers;              // char* [P]
   DeviceArray sync;               // u64 epoch, u32 dispatch done, u32 combine done
+  DeviceArray rows_seen;          // i64 [P]: rows each source sent in the last forward (stats)
   double timeout_s = 60;
   // start, dispatched, received, experts done, combined, combine waited
   cudaEvent_t ev[6] = {};
@@ -129,29 +157,38 @@ struct CudaEpMoELayer::Impl {
   // Collective: maps every rank's window. False (every rank agreeing) when
   // some rank cannot (another host, two ranks on one GPU, no peer access, no
   // CUDA IPC between processes, no memory); with `required`, that throws.
-  bool setup_peer(bool required);
-  void release_peer();
+  bool setup_peer(Transport want);
+  void release_peer(bool exported);
   void forward_peer(const TensorView& output, int64_t T, Stream stream);
   void peer_stats();
-  ~Impl() { release_peer(); }
+  ~Impl() { release_peer(peer); }
 };
 
-bool CudaEpMoELayer::Impl::setup_peer(bool required) {
+bool CudaEpMoELayer::Impl::setup_peer(Transport want) {
   const int64_t k = cfg.top_k, H = cfg.hidden_size;
   layout = peer_layout(P, me, static_cast<int>(k), H, max_tokens);
   FUSEDMOE_CUDA_CHECK(cudaGetDevice(&device));
   std::string why;  // this rank's reason, when it cannot
   PeerInfo info{};
+  info.mode = static_cast<int32_t>(want);
+  info.capacity = layout.capacity;
+  info.hidden = H;
+  info.top_k = k;
+  info.bytes = static_cast<int64_t>(layout.bytes);
   gethostname(info.host, sizeof info.host - 1);
-  info.pid = static_cast<int64_t>(getpid());
+  info.process = process_id();
   info.device = device;
   cudaDeviceProp prop{};
   FUSEDMOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
   std::memcpy(info.uuid, &prop.uuid, 16);
-  if (cudaMalloc(reinterpret_cast<void**>(&window), layout.bytes) != cudaSuccess) {
+  if (want == Transport::kNccl) {
+    // no window
+  } else if (P > kMaxPeerRanks) {
+    why = "ep_size " + std::to_string(P) + " > " + std::to_string(kMaxPeerRanks);
+  } else if (cudaMalloc(reinterpret_cast<void**>(&window), layout.bytes) != cudaSuccess) {
     cudaGetLastError();
     window = nullptr;
-    why = "cudaMalloc of the " + std::to_string(layout.bytes) + "-byte window failed";
+    why = "cudaMalloc of its " + std::to_string(layout.bytes) + "-byte window failed";
   } else {
     FUSEDMOE_CUDA_CHECK(cudaMemset(window, 0, layout.bytes));
     FUSEDMOE_CUDA_CHECK(cudaDeviceSynchronize());  // zeroed before any peer can map it
@@ -162,9 +199,38 @@ bool CudaEpMoELayer::Impl::setup_peer(bool required) {
       info.ok = 2;  // same-process peers only
     }
   }
+  // Round 1 (every rank, whatever it asks for): modes, layouts, handles.
   const std::vector<unsigned char> all = gather_host(*comm, &info, sizeof info);
   std::vector<PeerInfo> infos(P);
   for (int p = 0; p < P; ++p) std::memcpy(&infos[p], all.data() + sizeof info * p, sizeof info);
+  // Every rank sees the same infos, so takes the same decision (or throws the same error).
+  int ask_nccl = -1, ask_peer = -1;
+  for (int p = P - 1; p >= 0; --p) {
+    if (infos[p].mode == static_cast<int32_t>(Transport::kNccl)) ask_nccl = p;
+    if (infos[p].mode == static_cast<int32_t>(Transport::kPeer)) ask_peer = p;
+  }
+  if (ask_nccl >= 0 && ask_peer >= 0) {
+    release_peer(false);
+    FUSEDMOE_THROW(kInvalidArgument,
+                   "FUSEDMOE_EP_TRANSPORT: every rank must ask for the same "
+                   "transport; rank ",
+                   ask_nccl, " asks for nccl, rank ", ask_peer, " for peer");
+  }
+  if (ask_nccl >= 0) {
+    release_peer(false);  // no peer mapped it: nothing exported is in use
+    return false;
+  }
+  const bool required = ask_peer >= 0;
+  for (int p = 1; p < P; ++p)
+    if (infos[p].capacity != infos[0].capacity || infos[p].hidden != infos[0].hidden ||
+        infos[p].top_k != infos[0].top_k || infos[p].bytes != infos[0].bytes) {
+      release_peer(false);
+      FUSEDMOE_THROW(kInvalidArgument,
+                     "expert parallelism: every rank must use the same "
+                     "max_num_tokens, hidden size and top_k; rank 0 has ",
+                     infos[0].capacity, ", ", infos[0].hidden, ", ", infos[0].top_k, ", rank ", p,
+                     " has ", infos[p].capacity, ", ", infos[p].hidden, ", ", infos[p].top_k);
+    }
   // This rank's device index of every peer's GPU (by UUID), and the checks.
   std::vector<int> local_dev(P, -1);
   int ndev = 0;
@@ -177,7 +243,7 @@ bool CudaEpMoELayer::Impl::setup_peer(bool required) {
       why = qn + " is on another host";
     } else if (q.ok == 0) {
       why = qn + " has no window";
-    } else if (q.pid != info.pid && q.ok != 1) {
+    } else if (q.process != info.process && q.ok != 1) {
       why = qn + " has no CUDA IPC handle";
     } else {
       for (int d = 0; d < ndev; ++d) {
@@ -194,20 +260,23 @@ bool CudaEpMoELayer::Impl::setup_peer(bool required) {
         why = "cuda:" + std::to_string(device) + " has no peer access to " + qn + "'s GPU";
     }
   }
-  const auto fail = [&](int bad) {
-    release_peer();
-    FUSEDMOE_CHECK(!required, "FUSEDMOE_EP_TRANSPORT=peer: ", bad, " of ", P,
-                   " ranks cannot map the others' GPU memory",
-                   why.empty() ? std::string() : " (rank " + std::to_string(me) + ": " + why + ")",
-                   "; expected one GPU per rank, all on one host with peer access");
+  // Both failure rounds end the same way on every rank: the reason of the
+  // first rank that had one; with `peer` asked for, an error.
+  const auto fail = [&](const std::vector<std::string>& reasons) {
+    release_peer(true);
+    FUSEDMOE_CHECK(!required, "FUSEDMOE_EP_TRANSPORT=peer (rank ", ask_peer,
+                   "): the ranks cannot map each other's GPU memory (", first_reason(reasons),
+                   "); expected one GPU per rank, all on one host with peer access");
     return false;
   };
-  if (const int bad = count_ranks(*comm, !why.empty()); bad > 0) return fail(bad);
+  // Round 2: the reasons.
+  if (const auto reasons = gather_reasons(*comm, why); !first_reason(reasons).empty())
+    return fail(reasons);
   std::vector<char*> ptrs(P);
   for (int p = 0; p < P && why.empty(); ++p) {
     if (p == me) {
       ptrs[p] = window;
-    } else if (infos[p].pid == info.pid) {
+    } else if (infos[p].process == info.process) {
       ptrs[p] = reinterpret_cast<char*>(infos[p].ptr);
       const cudaError_t e = cudaDeviceEnablePeerAccess(local_dev[p], 0);
       if (e != cudaSuccess && e != cudaErrorPeerAccessAlreadyEnabled)
@@ -227,12 +296,15 @@ bool CudaEpMoELayer::Impl::setup_peer(bool required) {
       }
     }
   }
-  if (const int bad = count_ranks(*comm, !why.empty()); bad > 0) return fail(bad);
+  // Round 3: whether every rank mapped every window.
+  if (const auto reasons = gather_reasons(*comm, why); !first_reason(reasons).empty())
+    return fail(reasons);
   peers = DeviceArray(sizeof(char*) * P);
   FUSEDMOE_CUDA_CHECK(
       cudaMemcpy(peers.as<void>(), ptrs.data(), sizeof(char*) * P, cudaMemcpyHostToDevice));
   sync = DeviceArray(16);
   FUSEDMOE_CUDA_CHECK(cudaMemset(sync.as<void>(), 0, 16));
+  rows_seen = DeviceArray(8 * P);
   for (cudaEvent_t& e : ev) FUSEDMOE_CUDA_CHECK(cudaEventCreate(&e));
   timeout_s = comm_timeout_seconds();
   FUSEDMOE_CUDA_CHECK(cudaDeviceSynchronize());
@@ -240,14 +312,23 @@ bool CudaEpMoELayer::Impl::setup_peer(bool required) {
   return true;
 }
 
-void CudaEpMoELayer::Impl::release_peer() {
-  if (!window && ipc_opened.empty()) return;
+// Other processes may have mapped the window (CUDA IPC): freeing it before
+// they closed their mapping is undefined, so with `exported` every rank
+// closes what it opened, then a barrier, then frees its own.
+void CudaEpMoELayer::Impl::release_peer(bool exported) {
+  if (!window && ipc_opened.empty() && !exported) return;
   int prev = 0;
   cudaGetDevice(&prev);
   cudaSetDevice(device);
   cudaDeviceSynchronize();  // no kernel of ours still stores into a window
   for (void* q : ipc_opened) cudaIpcCloseMemHandle(q);
   ipc_opened.clear();
+  if (exported) {
+    try {
+      comm->barrier();
+    } catch (...) {  // a rank that is gone: nobody is left to use the window
+    }
+  }
   if (window) cudaFree(window);
   window = nullptr;
   for (cudaEvent_t& e : ev)
@@ -303,8 +384,7 @@ CudaEpMoELayer::CudaEpMoELayer(CudaMoELayer& layer, const MoEConfig& config,
   s.counts_send = DeviceArray(8 * 3 * P);
   s.ids_l = DeviceArray(4 * Tm * P * k);
   s.w_l = DeviceArray(4 * Tm * P * k);
-  const Transport want = requested_transport();
-  if (want != Transport::kNccl && s.setup_peer(want == Transport::kPeer)) return;
+  if (s.setup_peer(requested_transport())) return;
   s.counts_recv = DeviceArray(8 * 3 * P);
   s.send = DeviceArray(s.rec * Tm * std::min<int64_t>(P, k));
   s.recv = DeviceArray(s.rec * Tm * P);
@@ -344,7 +424,7 @@ void CudaEpMoELayer::Impl::peer_stats() {
   std::vector<int64_t> cs(3 * P), rows(P);
   FUSEDMOE_CUDA_CHECK(
       cudaMemcpy(cs.data(), counts_send.as<void>(), 24 * P, cudaMemcpyDeviceToHost));
-  FUSEDMOE_CUDA_CHECK(cudaMemcpy(rows.data(), window + 16 * P, 8 * P, cudaMemcpyDeviceToHost));
+  FUSEDMOE_CUDA_CHECK(cudaMemcpy(rows.data(), rows_seen.as<void>(), 8 * P, cudaMemcpyDeviceToHost));
   // Every dispatched row comes back as one f32 row (its slots summed).
   for (int p = 0; p < P; ++p) {
     st.dispatch_rows_sent += cs[3 * p];
@@ -504,7 +584,8 @@ void CudaEpMoELayer::Impl::forward_peer(const TensorView& output, int64_t T, Str
                 peers.as<char*>(), layout, epoch, done, stream);
   mark(1);
   l.ep_shared(T, M, stream);
-  peer_receive(window, layout, epoch, timeout_s, ids_l.as<int32_t>(), w_l.as<float>(), stream);
+  peer_receive(window, layout, epoch, timeout_s, ids_l.as<int32_t>(), w_l.as<float>(),
+               rows_seen.as<int64_t>(), stream);
   mark(2);
   const float* y_local = l.experts(reinterpret_cast<const uint16_t*>(window + layout.off_recv),
                                    rec / 2, ids_l.as<int32_t>(), w_l.as<float>(), M, M, stream);

@@ -43,7 +43,14 @@
 //    communicator call per forward (capturable in a CUDA graph); the cost of
 //    the experts' small kernels grows with max_tokens_per_rank, so size it to
 //    the batch. The sums run rank by rank: within f32 rounding of one GPU
-//    (bit-identical at ep_size 1).
+//    (bit-identical at ep_size 1). Every rank must ask for the same transport
+//    and use the same max_tokens_per_rank (checked at set-up, on every rank);
+//    at most 32 ranks. A layer's forwards run one at a time, on one stream,
+//    each rank driven by a host thread of its own (a rank's kernels wait on
+//    the device for the others' stores; a host call that blocks on one GPU
+//    while driving another rank would wait for the timeout). A rank later than
+//    FUSEDMOE_COMM_TIMEOUT_S makes the others' kernels print who they waited
+//    for and trap (the CUDA context is then lost).
 #pragma once
 
 #include <cstdint>

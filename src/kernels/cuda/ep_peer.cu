@@ -136,13 +136,15 @@ __global__ void __launch_bounds__(kCopyThreads)
 // blockIdx.y: the source rank; blockIdx.x strides over its capacity * k slots.
 __global__ void __launch_bounds__(kThreads)
     receive_kernel(char* own, PeerLayout L, const uint64_t* epoch, uint64_t timeout_ns,
-                   int32_t* __restrict__ ids, float* __restrict__ w) {
+                   int32_t* __restrict__ ids, float* __restrict__ w,
+                   int64_t* __restrict__ rows_seen) {
   const int P = L.ep_size, k = L.top_k, p = blockIdx.y;
   const int64_t H = L.hidden;
   if (threadIdx.x == 0)
     wait_flag(&dispatch_flags(own)[p], *epoch, timeout_ns, "dispatch records", L.rank, p);
   __syncthreads();
   const int64_t n = __ldcg(&row_counts(own, P)[p]);
+  if (blockIdx.x == 0 && threadIdx.x == 0) rows_seen[p] = n;
   const int64_t slots = L.capacity * k;
   for (int64_t s = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; s < slots;
        s += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -235,12 +237,14 @@ void peer_dispatch(const uint16_t* x, const int32_t* topk_ids, const float* topk
 }
 
 void peer_receive(const char* own, const PeerLayout& layout, const uint64_t* epoch,
-                  double timeout_s, int32_t* topk_ids, float* topk_weights, Stream stream) {
+                  double timeout_s, int32_t* topk_ids, float* topk_weights, int64_t* rows_seen,
+                  Stream stream) {
   const int64_t slots = layout.capacity * layout.top_k;
   const dim3 grid(static_cast<unsigned>(std::min<int64_t>((slots + kThreads - 1) / kThreads, 64)),
                   static_cast<unsigned>(layout.ep_size));
   receive_kernel<<<grid, kThreads, 0, stream>>>(const_cast<char*>(own), layout, epoch,
-                                                timeout_ns_of(timeout_s), topk_ids, topk_weights);
+                                                timeout_ns_of(timeout_s), topk_ids, topk_weights,
+                                                rows_seen);
   FUSEDMOE_CUDA_CHECK_LAUNCH();
 }
 

@@ -49,9 +49,12 @@ void peer_dispatch(const uint16_t* x, const int32_t* topk_ids, const float* topk
 // Receive: waits until every source p has signalled this epoch, then writes the
 // local topk_ids i32 [P * capacity, k] / topk_weights f32 (rows past rows[p] in
 // region p: ids -1, weight 0) for the expert GEMM on the recv region rows.
+// rows_seen i64 [P]: each source's row count of this forward (a copy: the
+// window's may be overwritten by the next forward before the host reads it).
 // Waits at most timeout_s (then prints which rank it waited for and traps).
 void peer_receive(const char* own, const PeerLayout& layout, const uint64_t* epoch,
-                  double timeout_s, int32_t* topk_ids, float* topk_weights, Stream stream);
+                  double timeout_s, int32_t* topk_ids, float* topk_weights, int64_t* rows_seen,
+                  Stream stream);
 
 // Combine: y_local f32 [P * capacity * k, H] (CudaMoELayer::experts on the
 // recv rows) -> for each received row (row i < rows[p] of region p) the sum of
