@@ -280,9 +280,24 @@ Tensor read_tensor(const std::string& path, const std::string& key, const char* 
     throw Error(e.code(), flag + " " + path +
                               ": neither a .npy file nor a valid .safetensors file (" + why + ")");
   }
+  const std::vector<std::string> names = file->names();  // sorted
   usage_check(!key.empty(), flag, "-key is required with a .safetensors file (", path, " has ",
-              file->names().size(), " tensors; `fusedmoe inspect ", path, "` lists them)");
-  if (!file->contains(key)) FUSEDMOE_THROW(kIo, path, ": no tensor named '", key, "'");
+              count_of(static_cast<long long>(names.size()), "tensor"), "; `fusedmoe inspect ",
+              path, "` lists them)");
+  if (!file->contains(key)) {
+    // The option, the file, and what it holds: the first few names (sorted),
+    // all of them through inspect.
+    constexpr size_t kShown = 5;
+    std::string some;
+    for (size_t i = 0; i < names.size() && i < kShown; ++i)
+      some += (i ? ", " : "") + std::string("'") + printable(names[i]) + "'";
+    if (names.size() > kShown) some += ", ...";
+    FUSEDMOE_THROW(kIo, flag, "-key '", printable(key), "': ", printable(path),
+                   " has no tensor of that name; it has ",
+                   count_of(static_cast<long long>(names.size()), "tensor"),
+                   names.empty() ? std::string() : ": " + some, " (`fusedmoe inspect ",
+                   printable(path), "` lists them)");
+  }
   Tensor t = file->get(key);
   check(t.dtype(), t.shape());
   return t;
@@ -1039,11 +1054,16 @@ int run_run(const RunOptions& o) {
   }
   std::fflush(stdout);
   if (failed) {
-    char buf[64];
-    std::snprintf(
-        buf, sizeof buf,
-        std::isinf(rel) ? "%.3e (fails under any tolerance, %.6g given)" : "%.3e > tolerance %.6g",
-        rel, tol);
+    // The tolerance is --tolerance's ("given") or the default chosen above.
+    const std::string tol_source = o.tolerance >= 0.0 ? "given"
+                                   : tol_note.empty() ? "(the default)"
+                                                      : "(" + tol_note.substr(2) + ")";
+    char buf[160];
+    if (std::isinf(rel))
+      std::snprintf(buf, sizeof buf, "%.3e (fails under any tolerance, %.6g %s)", rel, tol,
+                    tol_source.c_str());
+    else
+      std::snprintf(buf, sizeof buf, "%.3e > tolerance %.6g", rel, tol);
     FUSEDMOE_THROW(kInvalidArgument, "output differs from ", ref_what, ": relative L2 error ", buf);
   }
   return 0;

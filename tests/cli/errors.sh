@@ -166,7 +166,16 @@ expect_error "--reference an F8_E4M3 tensor" "reference 'x' in $TMP/f8.safetenso
 expect_error "--layer not an MoE layer" "layer 0 is not an MoE layer" -- run --model "$FIX" --layer 0 --input "$REF" --input-key layers.1.T5.input
 expect_error "--layer out of range" "layer 7: out of range, the model has 3 layers (0..2); MoE layers: 1, 2" -- run --model "$FIX" --layer 7 --input "$REF" --input-key layers.1.T5.input
 expect_error "--layer just past the last" "layer 3: out of range, the model has 3 layers (0..2); MoE layers: 1, 2" -- run --model "$FIX" --layer 3 --tokens 2
-expect_error "missing input key" "no-such-key" -- run --model "$FIX" --layer 1 --input "$REF" --input-key no-such-key
+# A key the file lacks: the option, the file, and (a few of) its tensors.
+expect_error "missing input key" "--input-key 'no-such-key': $REF has no tensor of that name; it has " -- run --model "$FIX" --layer 1 --input "$REF" --input-key no-such-key
+grep -qF -- ", ... (\`fusedmoe inspect $REF\` lists them)" "$TMP/stderr" ||
+  { echo "FAIL missing input key: no '...' and inspect hint"; cat "$TMP/stderr"; failures=$((failures + 1)); }
+expect_error "missing input key, one tensor" "--input-key 'y': $TMP/small.safetensors has no tensor of that name; it has 1 tensor: 'x' (\`fusedmoe inspect $TMP/small.safetensors\` lists them)" -- \
+  run --model "$FIX" --layer 1 --input "$TMP/small.safetensors" --input-key y
+expect_error "missing reference key" "--reference-key 'y': $TMP/small.safetensors has no tensor of that name; it has 1 tensor: 'x'" -- \
+  run --model "$FIX" --layer 1 --tokens 2 --reference "$TMP/small.safetensors" --reference-key y
+expect_usage "--input-key missing, one tensor" "--input-key is required with a .safetensors file ($TMP/small.safetensors has 1 tensor; " -- \
+  run --model "$FIX" --layer 1 --input "$TMP/small.safetensors"
 expect_error "nonexistent input file" "$TMP/nope.safetensors" -- run --model "$FIX" --layer 1 --input "$TMP/nope.safetensors" --input-key x
 expect_error "no input" "no input" -- run --model "$FIX" --layer 1
 expect_error "reference shape mismatch" "layers.1.T64.output_f64" -- run --model "$FIX" "${run_args[@]}" \
@@ -530,9 +539,10 @@ fi
 {
   python3 "$ST" npy "$TMP/x.npy" f 2 128 1
   python3 "$ST" npy "$TMP/zero.npy" f 2 128 0
-  expect_error "all-zero --reference" "relative L2 error inf" -- \
+  # Without --tolerance the default is named as such (it said "1e-05 given").
+  expect_error "all-zero --reference" "relative L2 error inf (fails under any tolerance, 1e-05 (the default))" -- \
     run --model "$FIX" --layer 1 --input "$TMP/x.npy" --reference "$TMP/zero.npy" --output "$TMP/zref.safetensors"
-  expect_error "all-zero --reference, --tolerance 1e308" "relative L2 error inf" -- \
+  expect_error "all-zero --reference, --tolerance 1e308" "relative L2 error inf (fails under any tolerance, 1e+308 given)" -- \
     run --model "$FIX" --layer 1 --input "$TMP/x.npy" --reference "$TMP/zero.npy" --tolerance 1e308 \
     --output "$TMP/zref.safetensors"
   # A reference holding NaN / Inf: refused, named, whatever the tolerance.
