@@ -301,8 +301,9 @@ void check_launch_size(int ep_size, int tp_size, int dp_size);
 CLI::Option* add_expert_placement_option(CLI::App& cmd, std::string& value);
 // --dispatch-dtype and --expert-placement (of run and bench) where they mean
 // nothing: UsageError. The dispatch payload, given (`dispatch_given`, any
-// value, auto too), needs --ep-size or --dp-size > 1, and a value other than
-// auto the CPU backend (the GPUs' dispatch has its own); the placement, given
+// value, auto too), needs --ep-size > 1 with --dp-size 1 (the EP all-to-all;
+// the data-parallel layout gathers in f32), and a value other than auto the
+// CPU backend (the GPUs' dispatch has its own); the placement, given
 // (`placement_given`), needs --ep-size > 1.
 void check_ep_options(int ep_size, int dp_size, const std::string& dispatch_dtype,
                       bool dispatch_given, const std::string& expert_placement,

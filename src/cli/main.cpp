@@ -294,8 +294,15 @@ void check_ep_options(int ep_size, int dp_size, const std::string& dispatch_dtyp
   usage_check(dp_size == 1 || ep_size == 1 || ep_size == dp_size, "--ep-size ", ep_size,
               " with --dp-size ", dp_size, ": expected --ep-size 1 (each data-parallel rank holds ",
               "every expert) or ", dp_size, " (the experts spread over the data-parallel ranks)");
-  usage_check(!dispatch_given || ep_size > 1 || dp_size > 1, "--dispatch-dtype ", dispatch_dtype,
-              ": the expert-parallel dispatch payload, needs --ep-size > 1 (or --dp-size > 1)");
+  // The payload is that of the EP all-to-all (DistributedExperts with ep_size
+  // > 1 and dp_size 1); the data-parallel layout gathers the hidden states in
+  // f32, so there the option would change nothing but the reference tolerance.
+  usage_check(!dispatch_given || dp_size == 1, "--dispatch-dtype ", dispatch_dtype,
+              " with --dp-size ", dp_size,
+              ": the expert-parallel dispatch payload, taken with --ep-size > 1 and --dp-size 1 "
+              "only (the data-parallel layout gathers the hidden states in f32)");
+  usage_check(!dispatch_given || ep_size > 1, "--dispatch-dtype ", dispatch_dtype,
+              ": the expert-parallel dispatch payload, needs --ep-size > 1");
   // The GPUs' expert parallelism (CudaEpMoELayer) has a payload of its own.
   usage_check(!on_cuda || dispatch_dtype == "auto", "--dispatch-dtype ", dispatch_dtype,
               ": an option of the CPU backend; with --backend cuda the dispatch sends the "

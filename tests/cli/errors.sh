@@ -631,6 +631,16 @@ for v in auto f32; do
   expect_usage "bench --dispatch-dtype $v without expert parallelism" "--dispatch-dtype $v: the expert-parallel dispatch payload, needs --ep-size > 1" -- \
     bench --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0 --dispatch-dtype $v --tp-size 1
 done
+# --dispatch-dtype with --dp-size > 1: the data-parallel layout gathers f32 rows, so
+# the payload would change nothing but loosen run --reference's default tolerance (and
+# bench printed "dispatch payload fp8"): a usage error naming both options.
+dp_msg="with --dp-size 2: the expert-parallel dispatch payload, taken with --ep-size > 1 and --dp-size 1 only"
+expect_usage "run --dispatch-dtype fp8 --dp-size 2" "--dispatch-dtype fp8 $dp_msg" -- \
+  run --model "$FIX" --layer 1 --tokens 4 --dp-size 2 --dispatch-dtype fp8
+expect_usage "run --dispatch-dtype bf16 --dp-size 2 --ep-size 2" "--dispatch-dtype bf16 $dp_msg" -- \
+  run --model "$FIX" --layer 1 --tokens 4 --dp-size 2 --ep-size 2 --dispatch-dtype bf16
+expect_usage "bench --dispatch-dtype fp8 --dp-size 2 --ep-size 2" "--dispatch-dtype fp8 $dp_msg" -- \
+  bench --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0 --dp-size 2 --ep-size 2 --dispatch-dtype fp8
 # --expert-placement without expert parallelism (--ep-size 1, also beside --tp-size or
 # --dp-size): it has no meaning there, a usage error rather than ignored.
 placement_msg="needs --ep-size > 1"
