@@ -311,6 +311,10 @@ void check_ep_options(int ep_size, int dp_size, const std::string& dispatch_dtyp
 // FUSEDMOE_COMM_TIMEOUT_S that is set but no number of seconds in (0, 1e9]:
 // UsageError naming it (run and bench check it on every launch, one rank too).
 void check_comm_timeout();
+// FUSEDMOE_EP_TRANSPORT that is set but not auto, nccl or peer: UsageError
+// with ep_transport_from_env()'s message (run and bench, every backend and
+// rank, right after check_comm_timeout()).
+void check_ep_transport();
 // Under a launcher with more than one rank (and a build with MPI), main()
 // starts MPI for every command, so that no rank waits in MPI_Init for one that
 // never calls it (--help on one rank, run on another), and the ranks compare

@@ -22,6 +22,7 @@
 #include "fusedmoe/core/error.h"
 #include "fusedmoe/io/safetensors.h"
 #include "fusedmoe/parallel/communicator.h"
+#include "fusedmoe/parallel/ep_prepare_finalize.h"
 
 namespace fusedmoe::cli {
 
@@ -152,6 +153,14 @@ std::shared_ptr<Communicator> launch_world() {
 void check_comm_timeout() {
   try {
     comm_timeout_seconds();
+  } catch (const fusedmoe::Error& e) {
+    throw UsageError(e.what());
+  }
+}
+
+void check_ep_transport() {
+  try {
+    ep_transport_from_env();
   } catch (const fusedmoe::Error& e) {
     throw UsageError(e.what());
   }
@@ -807,8 +816,13 @@ int run_command_line(int argc, char** argv) {
   };
   try {
     // run and bench take FUSEDMOE_COMM_TIMEOUT_S on one rank too (a usage error
-    // whatever the launch, as under mpirun).
-    if (collectives) check_comm_timeout();
+    // whatever the launch, as under mpirun), and FUSEDMOE_EP_TRANSPORT on every
+    // backend (only the GPUs' expert parallelism reads it, but a bad value is
+    // never silently ignored).
+    if (collectives) {
+      check_comm_timeout();
+      check_ep_transport();
+    }
     if (inspect->parsed()) return silent_rank ? 0 : run_inspect(inspect_opts);
     if (run->parsed()) return run_run(run_opts);
     if (bench->parsed()) return run_bench(bench_opts);

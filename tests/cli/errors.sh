@@ -529,6 +529,24 @@ FUSEDMOE_COMM_TIMEOUT_S=abc expect_usage "FUSEDMOE_COMM_TIMEOUT_S=abc, run on on
 FUSEDMOE_COMM_TIMEOUT_S=0 expect_usage "FUSEDMOE_COMM_TIMEOUT_S=0, bench on one rank" \
   "FUSEDMOE_COMM_TIMEOUT_S: expected a decimal number of seconds in (0, 1e+09], got \"0\"" -- \
   bench --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0
+# FUSEDMOE_EP_TRANSPORT (read by the GPUs' expert parallelism): a bad value is a usage
+# error of run and bench on every backend, one rank too, checked where
+# FUSEDMOE_COMM_TIMEOUT_S is (it used to pass unnoticed on the CPU, exit 0).
+transport_msg="FUSEDMOE_EP_TRANSPORT: expected auto, nccl or peer, got"
+FUSEDMOE_EP_TRANSPORT=bogus expect_usage "FUSEDMOE_EP_TRANSPORT=bogus, run" "$transport_msg 'bogus'" -- \
+  run --model "$FIX" --layer 1 --tokens 2
+FUSEDMOE_EP_TRANSPORT=Peer expect_usage "FUSEDMOE_EP_TRANSPORT=Peer, run --ep-size 2" "$transport_msg 'Peer'" -- \
+  run --model "$FIX" --layer 1 --tokens 2 --ep-size 2
+FUSEDMOE_EP_TRANSPORT=nvshmem expect_usage "FUSEDMOE_EP_TRANSPORT=nvshmem, bench" "$transport_msg 'nvshmem'" -- \
+  bench --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0
+# ... while its values (and empty: unset) run.
+for v in "" auto nccl peer; do
+  if FUSEDMOE_EP_TRANSPORT=$v "$BIN" run --model "$FIX" --layer 1 --tokens 2 --quiet >"$TMP/stdout" 2>"$TMP/stderr"; then
+    echo "ok   FUSEDMOE_EP_TRANSPORT='$v': runs"
+  else
+    echo "FAIL FUSEDMOE_EP_TRANSPORT='$v': refused"; cat "$TMP/stderr"; failures=$((failures + 1))
+  fi
+done
 # A leading zero is decimal, not octal: 010 tokens are 10.
 "$BIN" run --model "$FIX" --layer 1 --tokens 010 --quiet >"$TMP/stdout" 2>"$TMP/stderr" || true
 if ! grep -q "T = 10$" "$TMP/stdout"; then

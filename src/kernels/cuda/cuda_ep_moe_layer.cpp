@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -45,17 +44,6 @@ class DeviceArray {
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
-// The transport FUSEDMOE_EP_TRANSPORT asks for.
-enum class Transport { kAuto, kNccl, kPeer };
-Transport requested_transport() {
-  const char* v = std::getenv("FUSEDMOE_EP_TRANSPORT");
-  if (v == nullptr || v[0] == '\0' || std::strcmp(v, "auto") == 0) return Transport::kAuto;
-  if (std::strcmp(v, "nccl") == 0) return Transport::kNccl;
-  if (std::strcmp(v, "peer") == 0) return Transport::kPeer;
-  FUSEDMOE_THROW(kInvalidArgument, "FUSEDMOE_EP_TRANSPORT: expected auto, nccl or peer, got '", v,
-                 "'");
 }
 
 // What a rank tells the others to map its peer window.
@@ -303,8 +291,8 @@ CudaEpMoELayer::CudaEpMoELayer(CudaMoELayer& layer, const MoEConfig& config,
   s.counts_send = DeviceArray(8 * 3 * P);
   s.ids_l = DeviceArray(4 * Tm * P * k);
   s.w_l = DeviceArray(4 * Tm * P * k);
-  const Transport want = requested_transport();
-  if (want != Transport::kNccl && s.setup_peer(want == Transport::kPeer)) return;
+  const EpTransport want = ep_transport_from_env();
+  if (want != EpTransport::kNccl && s.setup_peer(want == EpTransport::kPeer)) return;
   s.counts_recv = DeviceArray(8 * 3 * P);
   s.send = DeviceArray(s.rec * Tm * std::min<int64_t>(P, k));
   s.recv = DeviceArray(s.rec * Tm * P);
