@@ -315,6 +315,15 @@ void check_comm_timeout();
 // with ep_transport_from_env()'s message (run and bench, every backend and
 // rank, right after check_comm_timeout()).
 void check_ep_transport();
+// Flushes the standard output (C++ and C streams): "" when everything written
+// to it arrived, else "the standard output is incomplete: <reason>" (a full
+// disk, a closed pipe with SIGPIPE ignored). main() reports it (exit 1) after
+// a command that succeeded.
+std::string stdout_error();
+// stdout_error() as Error(kIo): run and bench call it after their report and
+// before they commit an output file (--output, --csv), so that a run whose
+// report did not arrive leaves no file, as any other failed run.
+void check_stdout();
 // Under a launcher with more than one rank (and a build with MPI), main()
 // starts MPI for every command, so that no rank waits in MPI_Init for one that
 // never calls it (--help on one rank, run on another), and the ranks compare

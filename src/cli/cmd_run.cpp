@@ -1002,18 +1002,20 @@ int run_run(const RunOptions& o) {
                    bad % H,
                    " (the input or the weights overflow f32 arithmetic); no output written");
 
-  // Output file (written atomically by save_safetensors).
+  // Output file: written into its temporary now, renamed into place only after
+  // the report below reached the standard output (a run that fails there, a
+  // full disk or a closed pipe, leaves no file).
   if (output_file) {
-    save_safetensors(*output_file,
-                     {{"output", output.view()},
-                      {"topk_ids", topk_ids.view()},
-                      {"topk_weights", topk_weights.view()},
-                      {"router_logits", router_logits.view()}},
-                     {{"model", utf8_replaced(model_dir)},
-                      {"model_type", info.model_type},
-                      {"layer", std::to_string(layer)},
-                      {"compute_dtype", dtype_name(compute_dtype)},
-                      {"producer", "fusedmoe run"}});
+    write_safetensors(*output_file,
+                      {{"output", output.view()},
+                       {"topk_ids", topk_ids.view()},
+                       {"topk_weights", topk_weights.view()},
+                       {"router_logits", router_logits.view()}},
+                      {{"model", utf8_replaced(model_dir)},
+                       {"model_type", info.model_type},
+                       {"layer", std::to_string(layer)},
+                       {"compute_dtype", dtype_name(compute_dtype)},
+                       {"producer", "fusedmoe run"}});
   }
 
   // Summary.
@@ -1056,7 +1058,9 @@ int run_run(const RunOptions& o) {
       if (ids[i] >= 0 && ids[i] < config.num_experts) ++counts[ids[i]], ++routed;
     print_histogram(counts, routed);
   }
-  std::fflush(stdout);
+  check_stdout();
+  // A failed --reference check still writes the complete output (README).
+  if (output_file) output_file->commit();
   if (failed) {
     // The tolerance is --tolerance's ("given") or the default chosen above.
     const std::string tol_source = o.tolerance >= 0.0 ? "given"

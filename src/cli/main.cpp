@@ -166,6 +166,18 @@ void check_ep_transport() {
   }
 }
 
+std::string stdout_error() {
+  errno = 0;
+  const bool cout_ok = static_cast<bool>(std::cout.flush());
+  if (cout_ok && std::fflush(stdout) == 0 && !std::ferror(stdout)) return "";
+  return std::string("the standard output is incomplete: ") +
+         (errno != 0 ? std::strerror(errno) : "a write to it failed");
+}
+
+void check_stdout() {
+  if (std::string e = stdout_error(); !e.empty()) throw fusedmoe::Error(ErrorCode::kIo, e);
+}
+
 void start_launch(const std::string& ran, bool parse_failed, bool collectives) {
   if (!mpi_built() || !launched_by_mpi() || launcher_world_size() == 1) return;
   // The deadline of every wait below. A bad FUSEDMOE_COMM_TIMEOUT_S is this
@@ -671,7 +683,7 @@ std::string help_misuse(CLI::App& app, int argc, char** argv) {
   return "";
 }
 
-// Interrupted (Ctrl-C, kill): remove the temporaries of unfinished output files
+// Interrupted (Ctrl-C, kill, a closed pipe): remove the temporaries of unfinished output files
 // (bench --csv, run --output) so that no partial file is left, then die of the
 // signal as before.
 extern "C" void on_fatal_signal(int sig) {
@@ -690,7 +702,9 @@ int run_command_line(int argc, char** argv) {
     if (arg.rfind("--", 0) == 0 && eq != std::string::npos)
       g_arguments.push_back(arg.substr(eq + 1));
   }
-  for (const int sig : {SIGINT, SIGTERM, SIGHUP}) std::signal(sig, on_fatal_signal);
+  // SIGPIPE too: a report written into a closed pipe (run ... | head -c 1) ends
+  // the run before its output file is committed, and leaves no temporary.
+  for (const int sig : {SIGINT, SIGTERM, SIGHUP, SIGPIPE}) std::signal(sig, on_fatal_signal);
   using namespace fusedmoe::cli;
   CLI::App app{
       "fusedmoe: run and benchmark the Mixture-of-Experts layer of HF models on the CPU or a\n"
@@ -847,10 +861,6 @@ int run_command_line(int argc, char** argv) {
 int main(int argc, char** argv) {
   const int code = run_command_line(argc, argv);
   if (code != 0) return code;
-  errno = 0;
-  const bool cout_ok = static_cast<bool>(std::cout.flush());
-  if (cout_ok && std::fflush(stdout) == 0 && !std::ferror(stdout)) return 0;
-  return fail(std::string("the standard output is incomplete: ") +
-                  (errno != 0 ? std::strerror(errno) : "a write to it failed"),
-              1);
+  const std::string error = fusedmoe::cli::stdout_error();
+  return error.empty() ? 0 : fail(error, 1);
 }

@@ -794,6 +794,49 @@ if [ -w /dev/full ]; then
   done
 fi
 
+# ... and leaves no output file: the report reaches the standard output before
+# run --output / bench --csv is renamed into place (it used to be written first).
+if [ -w /dev/full ]; then
+  for args in "run --model $FIX --layer 1 --tokens 3 --output $OUTDIR/of.safetensors" \
+    "bench --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0 --no-baseline --csv $OUTDIR/of.csv"; do
+    rc=0
+    # shellcheck disable=SC2086
+    "$BIN" $args >/dev/full 2>"$TMP/stderr" || rc=$?
+    if [ "$rc" -ne 1 ] || ! grep -q "^fusedmoe: error: the standard output is incomplete: " "$TMP/stderr" ||
+      [ -n "$(ls -A "$OUTDIR")" ]; then
+      echo "FAIL fusedmoe $args >/dev/full: exit $rc, left: $(ls -A "$OUTDIR")"
+      sed 's/^/  stderr: /' "$TMP/stderr"
+      failures=$((failures + 1))
+    else
+      echo "ok   fusedmoe $args >/dev/full: no file left"
+    fi
+    rm -rf "${OUTDIR:?}"/* "$OUTDIR"/.[!.]* 2>/dev/null || true
+  done
+fi
+# A closed pipe (run ... | head -c 0): the pipe's read end is closed before the run
+# starts, so the report's write gets SIGPIPE for certain; the run dies of it
+# (exit 141 in a shell) and leaves neither the file nor its temporary.
+for args in "run --model $FIX --layer 1 --tokens 3 --output $OUTDIR/of.safetensors" \
+  "bench --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0 --no-baseline --csv $OUTDIR/of.csv"; do
+  # shellcheck disable=SC2086
+  sig=$(python3 - "$BIN" $args <<'PY'
+import os, subprocess, sys
+r, w = os.pipe()
+os.close(r)  # no reader: the first write to w raises SIGPIPE
+# restore_signals (the default) gives the child SIGPIPE's default disposition back.
+p = subprocess.run(sys.argv[1:], stdout=w, stderr=subprocess.DEVNULL)
+print(p.returncode)
+PY
+  )
+  if [ "$sig" != "-13" ] || [ -n "$(ls -A "$OUTDIR")" ]; then
+    echo "FAIL fusedmoe $args into a closed pipe: returncode $sig (expected -13, SIGPIPE), left: $(ls -A "$OUTDIR")"
+    failures=$((failures + 1))
+  else
+    echo "ok   fusedmoe $args into a closed pipe: SIGPIPE, no file left"
+  fi
+  rm -rf "${OUTDIR:?}"/* "$OUTDIR"/.[!.]* 2>/dev/null || true
+done
+
 # An unknown command is named, with the valid ones.
 expect_error "unknown command" "unknown command 'bogus': expected inspect, run or bench" -- bogus
 # An option before its command: said so, with the command line in the right order.
