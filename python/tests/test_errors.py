@@ -211,6 +211,10 @@ def test_from_pretrained_errors(tmp_path):
         fusedmoe.MoELayer.from_pretrained(tmp_path / "missing")
     with pytest.raises(ValueError, match="layer"):
         fusedmoe.MoELayer.from_pretrained(HF / "deepseek_v3", layer=0)  # dense layer
+    # Past the model's 3 layers: out of range, not "not an MoE layer".
+    with pytest.raises(ValueError, match=r"layer 3: out of range, the model has 3 layers "
+                       r"\(0\.\.2\); MoE layers: 1, 2"):
+        fusedmoe.MoELayer.from_pretrained(HF / "deepseek_v3", layer=3)
     with pytest.raises(ValueError, match="dtype"):
         fusedmoe.MoELayer.from_pretrained(HF / "mixtral", dtype="f8")
     with pytest.raises(ValueError, match="threads"):

@@ -301,8 +301,9 @@ void check_launch_size(int ep_size, int tp_size, int dp_size);
 CLI::Option* add_expert_placement_option(CLI::App& cmd, std::string& value);
 // --dispatch-dtype and --expert-placement (of run and bench) where they mean
 // nothing: UsageError. The dispatch payload, given (`dispatch_given`, any
-// value, auto too), needs --ep-size or --dp-size > 1, and a value other than
-// auto the CPU backend (the GPUs' dispatch has its own); the placement, given
+// value, auto too), needs --ep-size > 1 with --dp-size 1 (the EP all-to-all;
+// the data-parallel layout gathers in f32), and a value other than auto the
+// CPU backend (the GPUs' dispatch has its own); the placement, given
 // (`placement_given`), needs --ep-size > 1.
 void check_ep_options(int ep_size, int dp_size, const std::string& dispatch_dtype,
                       bool dispatch_given, const std::string& expert_placement,
@@ -310,6 +311,19 @@ void check_ep_options(int ep_size, int dp_size, const std::string& dispatch_dtyp
 // FUSEDMOE_COMM_TIMEOUT_S that is set but no number of seconds in (0, 1e9]:
 // UsageError naming it (run and bench check it on every launch, one rank too).
 void check_comm_timeout();
+// FUSEDMOE_EP_TRANSPORT that is set but not auto, nccl or peer: UsageError
+// with ep_transport_from_env()'s message (run and bench, every backend and
+// rank, right after check_comm_timeout()).
+void check_ep_transport();
+// Flushes the standard output (C++ and C streams): "" when everything written
+// to it arrived, else "the standard output is incomplete: <reason>" (a full
+// disk, a closed pipe with SIGPIPE ignored). main() reports it (exit 1) after
+// a command that succeeded.
+std::string stdout_error();
+// stdout_error() as Error(kIo): run and bench call it after their report and
+// before they commit an output file (--output, --csv), so that a run whose
+// report did not arrive leaves no file, as any other failed run.
+void check_stdout();
 // Under a launcher with more than one rank (and a build with MPI), main()
 // starts MPI for every command, so that no rank waits in MPI_Init for one that
 // never calls it (--help on one rank, run on another), and the ranks compare

@@ -415,6 +415,8 @@ int run_bench(const BenchOptions& o) {
   }
   std::printf("largest peak resident memory of one shape: %s\n",
               format_bytes(static_cast<double>(max_peak)).c_str());
+  // The report reached the standard output before the CSV is renamed into place.
+  check_stdout();
   if (csv) csv->commit();
   return 0;
 }

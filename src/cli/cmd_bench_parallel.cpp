@@ -133,8 +133,14 @@ int run_bench_parallel(const BenchOptions& o) {
     std::printf("- %d ranks (%s): ep %d, tp %d, dp %d; %s per rank; experts %s\n", world->size(),
                 world->backend().c_str(), pc.ep_size, pc.tp_size, pc.dp_size,
                 count_of(threads, "thread").c_str(), to_string(placement));
-    std::printf("- weights and compute %s; routing simulated %s; dispatch payload %s\n",
-                dtype_name(dtype), o.routing.c_str(), to_string(dispatch));
+    // Only the EP all-to-all (ep > 1, dp 1) has a dispatch payload; the
+    // data-parallel layout gathers f32 rows, tensor parallelism alone none.
+    const std::string exchange =
+        pc.ep_size > 1 && pc.dp_size == 1 ? std::string("dispatch payload ") + to_string(dispatch)
+        : pc.ep_size > 1 ? std::string("all-gather / reduce-scatter of f32 rows (no dispatch)")
+                         : std::string("no dispatch");
+    std::printf("- weights and compute %s; routing simulated %s; %s\n", dtype_name(dtype),
+                o.routing.c_str(), exchange.c_str());
     std::printf(
         "- T = tokens per token group (EP or DP rank; TP ranks share them); times: median over "
         "ranks' medians of repeated runs; dispatch / combine GB/s = bytes that left their rank, "

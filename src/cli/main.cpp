@@ -22,6 +22,7 @@
 #include "fusedmoe/core/error.h"
 #include "fusedmoe/io/safetensors.h"
 #include "fusedmoe/parallel/communicator.h"
+#include "fusedmoe/parallel/ep_prepare_finalize.h"
 
 namespace fusedmoe::cli {
 
@@ -155,6 +156,26 @@ void check_comm_timeout() {
   } catch (const fusedmoe::Error& e) {
     throw UsageError(e.what());
   }
+}
+
+void check_ep_transport() {
+  try {
+    ep_transport_from_env();
+  } catch (const fusedmoe::Error& e) {
+    throw UsageError(e.what());
+  }
+}
+
+std::string stdout_error() {
+  errno = 0;
+  const bool cout_ok = static_cast<bool>(std::cout.flush());
+  if (cout_ok && std::fflush(stdout) == 0 && !std::ferror(stdout)) return "";
+  return std::string("the standard output is incomplete: ") +
+         (errno != 0 ? std::strerror(errno) : "a write to it failed");
+}
+
+void check_stdout() {
+  if (std::string e = stdout_error(); !e.empty()) throw fusedmoe::Error(ErrorCode::kIo, e);
 }
 
 void start_launch(const std::string& ran, bool parse_failed, bool collectives) {
@@ -294,8 +315,15 @@ void check_ep_options(int ep_size, int dp_size, const std::string& dispatch_dtyp
   usage_check(dp_size == 1 || ep_size == 1 || ep_size == dp_size, "--ep-size ", ep_size,
               " with --dp-size ", dp_size, ": expected --ep-size 1 (each data-parallel rank holds ",
               "every expert) or ", dp_size, " (the experts spread over the data-parallel ranks)");
-  usage_check(!dispatch_given || ep_size > 1 || dp_size > 1, "--dispatch-dtype ", dispatch_dtype,
-              ": the expert-parallel dispatch payload, needs --ep-size > 1 (or --dp-size > 1)");
+  // The payload is that of the EP all-to-all (DistributedExperts with ep_size
+  // > 1 and dp_size 1); the data-parallel layout gathers the hidden states in
+  // f32, so there the option would change nothing but the reference tolerance.
+  usage_check(!dispatch_given || dp_size == 1, "--dispatch-dtype ", dispatch_dtype,
+              " with --dp-size ", dp_size,
+              ": the expert-parallel dispatch payload, taken with --ep-size > 1 and --dp-size 1 "
+              "only (the data-parallel layout gathers the hidden states in f32)");
+  usage_check(!dispatch_given || ep_size > 1, "--dispatch-dtype ", dispatch_dtype,
+              ": the expert-parallel dispatch payload, needs --ep-size > 1");
   // The GPUs' expert parallelism (CudaEpMoELayer) has a payload of its own.
   usage_check(!on_cuda || dispatch_dtype == "auto", "--dispatch-dtype ", dispatch_dtype,
               ": an option of the CPU backend; with --backend cuda the dispatch sends the "
@@ -655,7 +683,7 @@ std::string help_misuse(CLI::App& app, int argc, char** argv) {
   return "";
 }
 
-// Interrupted (Ctrl-C, kill): remove the temporaries of unfinished output files
+// Interrupted (Ctrl-C, kill, a closed pipe): remove the temporaries of unfinished output files
 // (bench --csv, run --output) so that no partial file is left, then die of the
 // signal as before.
 extern "C" void on_fatal_signal(int sig) {
@@ -674,7 +702,9 @@ int run_command_line(int argc, char** argv) {
     if (arg.rfind("--", 0) == 0 && eq != std::string::npos)
       g_arguments.push_back(arg.substr(eq + 1));
   }
-  for (const int sig : {SIGINT, SIGTERM, SIGHUP}) std::signal(sig, on_fatal_signal);
+  // SIGPIPE too: a report written into a closed pipe (run ... | head -c 1) ends
+  // the run before its output file is committed, and leaves no temporary.
+  for (const int sig : {SIGINT, SIGTERM, SIGHUP, SIGPIPE}) std::signal(sig, on_fatal_signal);
   using namespace fusedmoe::cli;
   CLI::App app{
       "fusedmoe: run and benchmark the Mixture-of-Experts layer of HF models on the CPU or a\n"
@@ -800,8 +830,13 @@ int run_command_line(int argc, char** argv) {
   };
   try {
     // run and bench take FUSEDMOE_COMM_TIMEOUT_S on one rank too (a usage error
-    // whatever the launch, as under mpirun).
-    if (collectives) check_comm_timeout();
+    // whatever the launch, as under mpirun), and FUSEDMOE_EP_TRANSPORT on every
+    // backend (only the GPUs' expert parallelism reads it, but a bad value is
+    // never silently ignored).
+    if (collectives) {
+      check_comm_timeout();
+      check_ep_transport();
+    }
     if (inspect->parsed()) return silent_rank ? 0 : run_inspect(inspect_opts);
     if (run->parsed()) return run_run(run_opts);
     if (bench->parsed()) return run_bench(bench_opts);
@@ -826,10 +861,6 @@ int run_command_line(int argc, char** argv) {
 int main(int argc, char** argv) {
   const int code = run_command_line(argc, argv);
   if (code != 0) return code;
-  errno = 0;
-  const bool cout_ok = static_cast<bool>(std::cout.flush());
-  if (cout_ok && std::fflush(stdout) == 0 && !std::ferror(stdout)) return 0;
-  return fail(std::string("the standard output is incomplete: ") +
-                  (errno != 0 ? std::strerror(errno) : "a write to it failed"),
-              1);
+  const std::string error = fusedmoe::cli::stdout_error();
+  return error.empty() ? 0 : fail(error, 1);
 }

@@ -250,6 +250,15 @@ std::string ModelInfo::moe_prefix(int64_t layer) const {
 
 const MoEConfig& ModelInfo::layer_config(int64_t layer) const {
   auto it = layer_configs.find(layer);
+  // A layer the model does not have at all is out of range, not "not MoE".
+  if (layer < 0 || layer >= num_hidden_layers) {
+    const int64_t n = num_hidden_layers;
+    const std::string has = n == 1
+                                ? std::string("1 layer (0)")
+                                : std::to_string(n) + " layers (0.." + std::to_string(n - 1) + ")";
+    FUSEDMOE_THROW(kInvalidArgument, "layer ", layer, ": out of range, the model has ", has,
+                   "; MoE layers: ", moe_layers.empty() ? std::string("none") : join(moe_layers));
+  }
   if (it == layer_configs.end())
     FUSEDMOE_THROW(kInvalidArgument, "layer ", layer, " is not an MoE layer of ", model_type,
                    " (MoE layers: ", join(moe_layers), ")");

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -79,6 +80,15 @@ DispatchDType parse_dispatch_dtype(const std::string& s) {
   if (s == "fp8" || s == "f8_e4m3fn" || s == "e4m3") return DispatchDType::kFP8;
   FUSEDMOE_THROW(kInvalidArgument, "dispatch dtype: expected auto, f32, bf16 or fp8, got \"",
                  printable(s), "\"");
+}
+
+EpTransport ep_transport_from_env() {
+  const char* v = std::getenv("FUSEDMOE_EP_TRANSPORT");
+  if (v == nullptr || v[0] == '\0' || std::strcmp(v, "auto") == 0) return EpTransport::kAuto;
+  if (std::strcmp(v, "nccl") == 0) return EpTransport::kNccl;
+  if (std::strcmp(v, "peer") == 0) return EpTransport::kPeer;
+  FUSEDMOE_THROW(kInvalidArgument, "FUSEDMOE_EP_TRANSPORT: expected auto, nccl or peer, got '",
+                 printable(v), "'");
 }
 
 void quantize_fp8_groups(const float* x, int64_t rows, int64_t H, int64_t ldx, int64_t group,

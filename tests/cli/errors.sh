@@ -164,8 +164,18 @@ expect_error "--input an F8_E4M3 tensor" "input 'x' in $TMP/f8.safetensors: expe
 expect_error "--reference an F8_E4M3 tensor" "reference 'x' in $TMP/f8.safetensors: expected dtype f32, bf16, f16 or f64, got f8_e4m3fn" -- \
   run --model "$FIX" --layer 1 --tokens 2 --reference "$TMP/f8.safetensors" --reference-key x
 expect_error "--layer not an MoE layer" "layer 0 is not an MoE layer" -- run --model "$FIX" --layer 0 --input "$REF" --input-key layers.1.T5.input
-expect_error "--layer out of range" "layer 7 is not an MoE layer" -- run --model "$FIX" --layer 7 --input "$REF" --input-key layers.1.T5.input
-expect_error "missing input key" "no-such-key" -- run --model "$FIX" --layer 1 --input "$REF" --input-key no-such-key
+expect_error "--layer out of range" "layer 7: out of range, the model has 3 layers (0..2); MoE layers: 1, 2" -- run --model "$FIX" --layer 7 --input "$REF" --input-key layers.1.T5.input
+expect_error "--layer just past the last" "layer 3: out of range, the model has 3 layers (0..2); MoE layers: 1, 2" -- run --model "$FIX" --layer 3 --tokens 2
+# A key the file lacks: the option, the file, and (a few of) its tensors.
+expect_error "missing input key" "--input-key 'no-such-key': $REF has no tensor of that name; it has " -- run --model "$FIX" --layer 1 --input "$REF" --input-key no-such-key
+grep -qF -- ", ... (\`fusedmoe inspect $REF\` lists them)" "$TMP/stderr" ||
+  { echo "FAIL missing input key: no '...' and inspect hint"; cat "$TMP/stderr"; failures=$((failures + 1)); }
+expect_error "missing input key, one tensor" "--input-key 'y': $TMP/small.safetensors has no tensor of that name; it has 1 tensor: 'x' (\`fusedmoe inspect $TMP/small.safetensors\` lists them)" -- \
+  run --model "$FIX" --layer 1 --input "$TMP/small.safetensors" --input-key y
+expect_error "missing reference key" "--reference-key 'y': $TMP/small.safetensors has no tensor of that name; it has 1 tensor: 'x'" -- \
+  run --model "$FIX" --layer 1 --tokens 2 --reference "$TMP/small.safetensors" --reference-key y
+expect_usage "--input-key missing, one tensor" "--input-key is required with a .safetensors file ($TMP/small.safetensors has 1 tensor; " -- \
+  run --model "$FIX" --layer 1 --input "$TMP/small.safetensors"
 expect_error "nonexistent input file" "$TMP/nope.safetensors" -- run --model "$FIX" --layer 1 --input "$TMP/nope.safetensors" --input-key x
 expect_error "no input" "no input" -- run --model "$FIX" --layer 1
 expect_error "reference shape mismatch" "layers.1.T64.output_f64" -- run --model "$FIX" "${run_args[@]}" \
@@ -519,6 +529,24 @@ FUSEDMOE_COMM_TIMEOUT_S=abc expect_usage "FUSEDMOE_COMM_TIMEOUT_S=abc, run on on
 FUSEDMOE_COMM_TIMEOUT_S=0 expect_usage "FUSEDMOE_COMM_TIMEOUT_S=0, bench on one rank" \
   "FUSEDMOE_COMM_TIMEOUT_S: expected a decimal number of seconds in (0, 1e+09], got \"0\"" -- \
   bench --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0
+# FUSEDMOE_EP_TRANSPORT (read by the GPUs' expert parallelism): a bad value is a usage
+# error of run and bench on every backend, one rank too, checked where
+# FUSEDMOE_COMM_TIMEOUT_S is (it used to pass unnoticed on the CPU, exit 0).
+transport_msg="FUSEDMOE_EP_TRANSPORT: expected auto, nccl or peer, got"
+FUSEDMOE_EP_TRANSPORT=bogus expect_usage "FUSEDMOE_EP_TRANSPORT=bogus, run" "$transport_msg 'bogus'" -- \
+  run --model "$FIX" --layer 1 --tokens 2
+FUSEDMOE_EP_TRANSPORT=Peer expect_usage "FUSEDMOE_EP_TRANSPORT=Peer, run --ep-size 2" "$transport_msg 'Peer'" -- \
+  run --model "$FIX" --layer 1 --tokens 2 --ep-size 2
+FUSEDMOE_EP_TRANSPORT=nvshmem expect_usage "FUSEDMOE_EP_TRANSPORT=nvshmem, bench" "$transport_msg 'nvshmem'" -- \
+  bench --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0
+# ... while its values (and empty: unset) run.
+for v in "" auto nccl peer; do
+  if FUSEDMOE_EP_TRANSPORT=$v "$BIN" run --model "$FIX" --layer 1 --tokens 2 --quiet >"$TMP/stdout" 2>"$TMP/stderr"; then
+    echo "ok   FUSEDMOE_EP_TRANSPORT='$v': runs"
+  else
+    echo "FAIL FUSEDMOE_EP_TRANSPORT='$v': refused"; cat "$TMP/stderr"; failures=$((failures + 1))
+  fi
+done
 # A leading zero is decimal, not octal: 010 tokens are 10.
 "$BIN" run --model "$FIX" --layer 1 --tokens 010 --quiet >"$TMP/stdout" 2>"$TMP/stderr" || true
 if ! grep -q "T = 10$" "$TMP/stdout"; then
@@ -529,9 +557,10 @@ fi
 {
   python3 "$ST" npy "$TMP/x.npy" f 2 128 1
   python3 "$ST" npy "$TMP/zero.npy" f 2 128 0
-  expect_error "all-zero --reference" "relative L2 error inf" -- \
+  # Without --tolerance the default is named as such (it said "1e-05 given").
+  expect_error "all-zero --reference" "relative L2 error inf (fails under any tolerance, 1e-05 (the default))" -- \
     run --model "$FIX" --layer 1 --input "$TMP/x.npy" --reference "$TMP/zero.npy" --output "$TMP/zref.safetensors"
-  expect_error "all-zero --reference, --tolerance 1e308" "relative L2 error inf" -- \
+  expect_error "all-zero --reference, --tolerance 1e308" "relative L2 error inf (fails under any tolerance, 1e+308 given)" -- \
     run --model "$FIX" --layer 1 --input "$TMP/x.npy" --reference "$TMP/zero.npy" --tolerance 1e308 \
     --output "$TMP/zref.safetensors"
   # A reference holding NaN / Inf: refused, named, whatever the tolerance.
@@ -620,6 +649,16 @@ for v in auto f32; do
   expect_usage "bench --dispatch-dtype $v without expert parallelism" "--dispatch-dtype $v: the expert-parallel dispatch payload, needs --ep-size > 1" -- \
     bench --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0 --dispatch-dtype $v --tp-size 1
 done
+# --dispatch-dtype with --dp-size > 1: the data-parallel layout gathers f32 rows, so
+# the payload would change nothing but loosen run --reference's default tolerance (and
+# bench printed "dispatch payload fp8"): a usage error naming both options.
+dp_msg="with --dp-size 2: the expert-parallel dispatch payload, taken with --ep-size > 1 and --dp-size 1 only"
+expect_usage "run --dispatch-dtype fp8 --dp-size 2" "--dispatch-dtype fp8 $dp_msg" -- \
+  run --model "$FIX" --layer 1 --tokens 4 --dp-size 2 --dispatch-dtype fp8
+expect_usage "run --dispatch-dtype bf16 --dp-size 2 --ep-size 2" "--dispatch-dtype bf16 $dp_msg" -- \
+  run --model "$FIX" --layer 1 --tokens 4 --dp-size 2 --ep-size 2 --dispatch-dtype bf16
+expect_usage "bench --dispatch-dtype fp8 --dp-size 2 --ep-size 2" "--dispatch-dtype fp8 $dp_msg" -- \
+  bench --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0 --dp-size 2 --ep-size 2 --dispatch-dtype fp8
 # --expert-placement without expert parallelism (--ep-size 1, also beside --tp-size or
 # --dp-size): it has no meaning there, a usage error rather than ignored.
 placement_msg="needs --ep-size > 1"
@@ -754,6 +793,49 @@ if [ -w /dev/full ]; then
     fi
   done
 fi
+
+# ... and leaves no output file: the report reaches the standard output before
+# run --output / bench --csv is renamed into place (it used to be written first).
+if [ -w /dev/full ]; then
+  for args in "run --model $FIX --layer 1 --tokens 3 --output $OUTDIR/of.safetensors" \
+    "bench --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0 --no-baseline --csv $OUTDIR/of.csv"; do
+    rc=0
+    # shellcheck disable=SC2086
+    "$BIN" $args >/dev/full 2>"$TMP/stderr" || rc=$?
+    if [ "$rc" -ne 1 ] || ! grep -q "^fusedmoe: error: the standard output is incomplete: " "$TMP/stderr" ||
+      [ -n "$(ls -A "$OUTDIR")" ]; then
+      echo "FAIL fusedmoe $args >/dev/full: exit $rc, left: $(ls -A "$OUTDIR")"
+      sed 's/^/  stderr: /' "$TMP/stderr"
+      failures=$((failures + 1))
+    else
+      echo "ok   fusedmoe $args >/dev/full: no file left"
+    fi
+    rm -rf "${OUTDIR:?}"/* "$OUTDIR"/.[!.]* 2>/dev/null || true
+  done
+fi
+# A closed pipe (run ... | head -c 0): the pipe's read end is closed before the run
+# starts, so the report's write gets SIGPIPE for certain; the run dies of it
+# (exit 141 in a shell) and leaves neither the file nor its temporary.
+for args in "run --model $FIX --layer 1 --tokens 3 --output $OUTDIR/of.safetensors" \
+  "bench --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0 --no-baseline --csv $OUTDIR/of.csv"; do
+  # shellcheck disable=SC2086
+  sig=$(python3 - "$BIN" $args <<'PY'
+import os, subprocess, sys
+r, w = os.pipe()
+os.close(r)  # no reader: the first write to w raises SIGPIPE
+# restore_signals (the default) gives the child SIGPIPE's default disposition back.
+p = subprocess.run(sys.argv[1:], stdout=w, stderr=subprocess.DEVNULL)
+print(p.returncode)
+PY
+  )
+  if [ "$sig" != "-13" ] || [ -n "$(ls -A "$OUTDIR")" ]; then
+    echo "FAIL fusedmoe $args into a closed pipe: returncode $sig (expected -13, SIGPIPE), left: $(ls -A "$OUTDIR")"
+    failures=$((failures + 1))
+  else
+    echo "ok   fusedmoe $args into a closed pipe: SIGPIPE, no file left"
+  fi
+  rm -rf "${OUTDIR:?}"/* "$OUTDIR"/.[!.]* 2>/dev/null || true
+done
 
 # An unknown command is named, with the valid ones.
 expect_error "unknown command" "unknown command 'bogus': expected inspect, run or bench" -- bogus

@@ -189,6 +189,20 @@ for v in 1e10 " 16" 0x10; do
     env FUSEDMOE_COMM_TIMEOUT_S="$v" $M "$npflag" 2 $R --tokens 8 --ep-size 2
 done
 
+# FUSEDMOE_EP_TRANSPORT not auto, nccl or peer: checked where FUSEDMOE_COMM_TIMEOUT_S is,
+# on the CPU backend too (it was ignored there): a usage error on every rank, exit 2,
+# before any collective.
+for v in bogus Peer; do
+  expect_error 2 "FUSEDMOE_EP_TRANSPORT: expected auto, nccl or peer, got '$v'\$" 2 -- \
+    env FUSEDMOE_EP_TRANSPORT="$v" $M "$npflag" 2 $R --tokens 8 --ep-size 2
+  no_abort "FUSEDMOE_EP_TRANSPORT=$v"
+done
+# ... on one rank only: that rank's error, the other stops ("not run"), exit 2.
+expect_error 2 "FUSEDMOE_EP_TRANSPORT: expected auto, nccl or peer, got 'bogus'\$" 1 -- \
+  $M "$npflag" 1 $R --tokens 8 --ep-size 2 : "$npflag" 1 env FUSEDMOE_EP_TRANSPORT=bogus $R --tokens 8 --ep-size 2
+grep -qE "^fusedmoe: error: rank 0: not run: rank 1 stopped with an error" "$TMP/log" ||
+  { echo "FAIL: FUSEDMOE_EP_TRANSPORT=bogus on rank 1 only: rank 0 does not say why it stopped"; cat "$TMP/log"; fail=1; }
+
 # ... also on one rank only (MPMD: its environment alone has the value): that rank
 # prints its error and the first other rank says why it did not run (it was ended by
 # mpirun without a word), exit code 2, and no rank waits for another.

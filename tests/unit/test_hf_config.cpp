@@ -112,6 +112,12 @@ TEST(HfConfig, FixtureFieldsPerArchitecture) {
     EXPECT_FALSE(m.is_moe_layer(0));
     const std::string msg = error_of([&] { m.layer_config(0); }, ErrorCode::kInvalidArgument);
     EXPECT_HAS(msg, "layer 0 is not an MoE layer of deepseek_v3 (MoE layers: 1, 2)");
+    // A layer the model does not have: out of range, with the model's layer count.
+    ASSERT_EQ(m.num_hidden_layers, 3);
+    EXPECT_HAS(error_of([&] { m.layer_config(3); }, ErrorCode::kInvalidArgument),
+               "layer 3: out of range, the model has 3 layers (0..2); MoE layers: 1, 2");
+    EXPECT_HAS(error_of([&] { m.layer_config(-1); }, ErrorCode::kInvalidArgument),
+               "layer -1: out of range, the model has 3 layers (0..2); MoE layers: 1, 2");
   }
   {
     const ModelInfo m = load_model_info(test::hf_fixture_dir("gpt_oss"));

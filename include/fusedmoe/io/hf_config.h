@@ -39,7 +39,9 @@ struct ModelInfo {
   std::string moe_prefix(int64_t layer) const;
 
   bool is_moe_layer(int64_t layer) const { return layer_configs.count(layer) != 0; }
-  // Throws Error(kInvalidArgument) "layer L is not an MoE layer of MODEL (MoE layers: ...)".
+  // Throws Error(kInvalidArgument) "layer L: out of range, the model has N layers
+  // (0..N-1); MoE layers: ..." for L < 0 or L >= num_hidden_layers, else
+  // "layer L is not an MoE layer of MODEL (MoE layers: ...)" for a dense layer.
   const MoEConfig& layer_config(int64_t layer) const;
 };
 

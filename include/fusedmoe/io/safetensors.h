@@ -146,9 +146,12 @@ void save_safetensors(const std::string& path,
                       const std::vector<std::pair<std::string, TensorView>>& tensors,
                       const std::map<std::string, std::string>& metadata = {});
 // The same into `file`, created earlier (so that a path that cannot be
-// written fails before the work that produces the tensors), then committed.
-void save_safetensors(AtomicFile& file,
-                      const std::vector<std::pair<std::string, TensorView>>& tensors,
-                      const std::map<std::string, std::string>& metadata = {});
+// written fails before the work that produces the tensors), not committed:
+// the caller commits it once everything else the file depends on succeeded
+// (`fusedmoe run`: its report reached the standard output), or destroys it
+// (no file). Throws as save_safetensors.
+void write_safetensors(AtomicFile& file,
+                       const std::vector<std::pair<std::string, TensorView>>& tensors,
+                       const std::map<std::string, std::string>& metadata = {});
 
 }  // namespace fusedmoe

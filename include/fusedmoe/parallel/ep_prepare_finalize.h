@@ -46,6 +46,20 @@ const char* to_string(DispatchDType d);
 // "auto", "f32", "bf16", "fp8"; Error(kInvalidArgument) otherwise.
 DispatchDType parse_dispatch_dtype(const std::string& s);
 
+// The transport that carries the dispatch and combine of the GPUs' expert
+// parallelism (CudaEpMoELayer), as FUSEDMOE_EP_TRANSPORT asks for it:
+//   kAuto  unset, empty or "auto": peer where every rank can map every other's
+//          GPU memory (one host, peer access, CUDA IPC), else nccl;
+//   kNccl  "nccl": NCCL all-to-all (host-synchronous);
+//   kPeer  "peer": stores into the other GPUs' memory (an error where that is
+//          impossible).
+// Read here, in a part built without CUDA too, so that the CLI checks the
+// variable on every backend (run and bench, before anything runs). Throws
+// Error(kInvalidArgument) "FUSEDMOE_EP_TRANSPORT: expected auto, nccl or
+// peer, got '<value>'" for any other value.
+enum class EpTransport : uint8_t { kAuto, kNccl, kPeer };
+EpTransport ep_transport_from_env();
+
 // Byte counts and times of the last prepare/finalize on this rank. "Logical"
 // bytes: payload records to / from other ranks (not to itself).
 struct EpStats {

@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -48,21 +47,10 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// The transport FUSEDMOE_EP_TRANSPORT asks for.
-enum class Transport { kAuto, kNccl, kPeer };
-Transport requested_transport() {
-  const char* v = std::getenv("FUSEDMOE_EP_TRANSPORT");
-  if (v == nullptr || v[0] == '\0' || std::strcmp(v, "auto") == 0) return Transport::kAuto;
-  if (std::strcmp(v, "nccl") == 0) return Transport::kNccl;
-  if (std::strcmp(v, "peer") == 0) return Transport::kPeer;
-  FUSEDMOE_THROW(kInvalidArgument, "FUSEDMOE_EP_TRANSPORT: expected auto, nccl or peer, got '", v,
-                 "'");
-}
-
 // What a rank tells the others: the transport it asks for, and how to map its
 // peer window.
 struct PeerInfo {
-  int32_t mode;  // Transport
+  int32_t mode;  // EpTransport
   int32_t ok;    // 0: no window; 1: window and CUDA IPC handle; 2: window only
   int64_t capacity, hidden, top_k, bytes;  // the window's layout (the same on every rank)
   char host[64];
@@ -157,14 +145,14 @@ struct CudaEpMoELayer::Impl {
   // Collective: maps every rank's window. False (every rank agreeing) when
   // some rank cannot (another host, two ranks on one GPU, no peer access, no
   // CUDA IPC between processes, no memory); with `required`, that throws.
-  bool setup_peer(Transport want);
+  bool setup_peer(EpTransport want);
   void release_peer(bool exported);
   void forward_peer(const TensorView& output, int64_t T, Stream stream);
   void peer_stats();
   ~Impl() { release_peer(peer); }
 };
 
-bool CudaEpMoELayer::Impl::setup_peer(Transport want) {
+bool CudaEpMoELayer::Impl::setup_peer(EpTransport want) {
   const int64_t k = cfg.top_k, H = cfg.hidden_size;
   layout = peer_layout(P, me, static_cast<int>(k), H, max_tokens);
   FUSEDMOE_CUDA_CHECK(cudaGetDevice(&device));
@@ -181,7 +169,7 @@ bool CudaEpMoELayer::Impl::setup_peer(Transport want) {
   cudaDeviceProp prop{};
   FUSEDMOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
   std::memcpy(info.uuid, &prop.uuid, 16);
-  if (want == Transport::kNccl) {
+  if (want == EpTransport::kNccl) {
     // no window
   } else if (P > kMaxPeerRanks) {
     why = "ep_size " + std::to_string(P) + " > " + std::to_string(kMaxPeerRanks);
@@ -206,8 +194,8 @@ bool CudaEpMoELayer::Impl::setup_peer(Transport want) {
   // Every rank sees the same infos, so takes the same decision (or throws the same error).
   int ask_nccl = -1, ask_peer = -1;
   for (int p = P - 1; p >= 0; --p) {
-    if (infos[p].mode == static_cast<int32_t>(Transport::kNccl)) ask_nccl = p;
-    if (infos[p].mode == static_cast<int32_t>(Transport::kPeer)) ask_peer = p;
+    if (infos[p].mode == static_cast<int32_t>(EpTransport::kNccl)) ask_nccl = p;
+    if (infos[p].mode == static_cast<int32_t>(EpTransport::kPeer)) ask_peer = p;
   }
   if (ask_nccl >= 0 && ask_peer >= 0) {
     release_peer(false);
@@ -384,7 +372,7 @@ CudaEpMoELayer::CudaEpMoELayer(CudaMoELayer& layer, const MoEConfig& config,
   s.counts_send = DeviceArray(8 * 3 * P);
   s.ids_l = DeviceArray(4 * Tm * P * k);
   s.w_l = DeviceArray(4 * Tm * P * k);
-  if (s.setup_peer(requested_transport())) return;
+  if (s.setup_peer(ep_transport_from_env())) return;
   s.counts_recv = DeviceArray(8 * 3 * P);
   s.send = DeviceArray(s.rec * Tm * std::min<int64_t>(P, k));
   s.recv = DeviceArray(s.rec * Tm * P);
