@@ -142,9 +142,13 @@ struct CudaEpMoELayer::Impl {
   cudaEvent_t ev[6] = {};
   bool stats_pending = false;
 
-  // Collective: maps every rank's window. False (every rank agreeing) when
-  // some rank cannot (another host, two ranks on one GPU, no peer access, no
-  // CUDA IPC between processes, no memory); with `required`, that throws.
+  // Collective, on every rank whatever it asks for: exchanges the modes asked
+  // for and, unless a rank asked for nccl, maps every rank's window. False
+  // (every rank agreeing) for nccl, or when some rank cannot map the others
+  // (another host, two ranks on one GPU, no peer access, no CUDA IPC between
+  // processes, no memory, more than 32 ranks); where a rank asked for peer,
+  // that throws on every rank, as do mixed nccl / peer requests and ranks of
+  // different window layouts.
   bool setup_peer(EpTransport want);
   void release_peer(bool exported);
   void forward_peer(const TensorView& output, int64_t T, Stream stream);
