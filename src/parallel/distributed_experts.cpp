@@ -59,6 +59,12 @@ DistributedExperts::DistributedExperts(const MoEConfig& config, ParallelGroups g
   (void)i0;
   weights_.validate(E_local, config.hidden_size, It, config.has_expert_bias, "local experts");
   global_to_local_ = map_.global_to_local(pc.ep_rank);
+  FUSEDMOE_CHECK(
+      options.dispatch_dtype == DispatchDType::kAuto || (pc.ep_size > 1 && pc.dp_size == 1),
+      "dispatch_dtype: expected auto with ep_size ", pc.ep_size, " and dp_size ", pc.dp_size,
+      " (the expert-parallel dispatch payload is taken with ep_size > 1 "
+      "and dp_size 1 only; data parallelism gathers the hidden states in f32), got ",
+      to_string(options.dispatch_dtype));
   if (pc.ep_size > 1 && pc.dp_size == 1)
     ep_ =
         std::make_unique<EpPrepareFinalize>(groups_.ep, map_, options.dispatch_dtype, options.pool);

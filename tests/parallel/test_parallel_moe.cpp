@@ -12,6 +12,7 @@
 #include <random>
 #include <thread>
 
+#include "expect_error.h"
 #include "fusedmoe/parallel/communicator.h"
 #include "fusedmoe/parallel/distributed_experts.h"
 #include "parallel_test_util.h"
@@ -60,7 +61,9 @@ void run_case(std::mt19937_64& rng, const Layout& L, const ParallelGroups& group
   DistributedOptions opts;
   opts.placement = pick(rng) % 2 ? ExpertPlacement::kRoundRobin : ExpertPlacement::kContiguous;
   const bool ep_a2a = L.ep > 1 && L.dp == 1;
-  opts.dispatch_dtype = force_fp8
+  // A payload dtype only where there is a dispatch (else auto: DistributedExperts refuses it).
+  opts.dispatch_dtype = !ep_a2a ? DispatchDType::kAuto
+                        : force_fp8
                             ? DispatchDType::kFP8
                             : std::vector<DispatchDType>{DispatchDType::kAuto, DispatchDType::kF32,
                                                          DispatchDType::kFP8}[pick(rng) % 3];
@@ -206,6 +209,44 @@ TEST(ParallelMoE, AllTokensToOneRank) {
   const EpStats& st = *de.ep_stats();
   EXPECT_EQ(st.dispatch_rows_sent, Tr);
   EXPECT_EQ(st.dispatch_rows_received, r == W - 1 ? Tr * W : 0);
+}
+
+// A dispatch payload dtype where nothing is dispatched (data parallelism with
+// EP, or one rank): an error naming it, not a silently ignored option.
+TEST(ParallelMoE, DispatchDtypeWithoutDispatchIsRefused) {
+  const int W = g_world->size(), me = g_world->rank();
+  std::mt19937_64 rng(test::shared_seed(*g_world));
+  const MoEConfig config = test::base_config(2 * W, 2, 16, 8);
+  const ExpertWeights full = test::random_experts(rng, 2 * W, 16, 8, DType::kF32, false);
+  DistributedOptions opts;
+  opts.dispatch_dtype = DispatchDType::kFP8;
+  {
+    const ParallelGroups groups = ParallelGroups::create(g_world, W, 1, W);  // DP + EP
+    const ExpertMap map(2 * W, W);
+    EXPECT_HAS(test::error_of(
+                   [&] {
+                     DistributedExperts de(config, groups,
+                                           shard_expert_weights(full, map.local_experts(me), 1, 0),
+                                           opts);
+                   },
+                   ErrorCode::kInvalidArgument),
+               "dispatch_dtype: expected auto with ep_size " + std::to_string(W) + " and dp_size " +
+                   std::to_string(W));
+  }
+  {
+    const ParallelGroups groups = ParallelGroups::single();
+    const ExpertMap map(2 * W, 1);
+    EXPECT_HAS(test::error_of(
+                   [&] {
+                     DistributedExperts de(config, groups,
+                                           shard_expert_weights(full, map.local_experts(0), 1, 0),
+                                           opts);
+                   },
+                   ErrorCode::kInvalidArgument),
+               "got fp8");
+  }
+  // The world is still usable.
+  EXPECT_EQ(g_world->all_gather_int64(me)[W - 1], W - 1);
 }
 
 // Ranks built with another dispatch dtype (or placement): an error on every

@@ -32,8 +32,10 @@ namespace fusedmoe {
 
 struct DistributedOptions {
   ExpertPlacement placement = ExpertPlacement::kContiguous;
-  DispatchDType dispatch_dtype = DispatchDType::kAuto;  // EP all-to-all payload
-  ThreadPool* pool = nullptr;                           // nullptr: ThreadPool::global()
+  // EP all-to-all payload: only with ep_size > 1 and dp_size 1 (the only
+  // layout with a dispatch); elsewhere anything but kAuto is Error(kInvalidArgument).
+  DispatchDType dispatch_dtype = DispatchDType::kAuto;
+  ThreadPool* pool = nullptr;  // nullptr: ThreadPool::global()
 };
 
 // The experts a rank of `groups` holds: the EP share (ep_rank of ep_size) of
