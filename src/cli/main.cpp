@@ -1,5 +1,7 @@
 // fusedmoe: command-line entry point. Subcommands: inspect, run, bench.
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -858,7 +860,23 @@ int run_command_line(int argc, char** argv) {
 // What a command printed must reach the standard output: a full disk (fusedmoe
 // inspect --json > x.json) is an error, not exit code 0 with a cut or empty
 // file. After an error (already reported, with its code) nothing more is said.
+// A standard descriptor the caller closed (`>&-`) would be the next file
+// opened — an output's temporary file would then receive the report. Each
+// closed one gets /dev/null opened read-only in its place: writes to it fail
+// (EBADF), so a closed standard output is still reported as one.
+void reserve_standard_descriptors() {
+  for (int fd = 0; fd <= 2; ++fd)
+    if (fcntl(fd, F_GETFD) == -1 && errno == EBADF) {
+      const int got = open("/dev/null", O_RDONLY);
+      if (got != fd && got >= 0) {  // a lower one was open after all: put it in place
+        dup2(got, fd);
+        close(got);
+      }
+    }
+}
+
 int main(int argc, char** argv) {
+  reserve_standard_descriptors();
   const int code = run_command_line(argc, argv);
   if (code != 0) return code;
   const std::string error = fusedmoe::cli::stdout_error();

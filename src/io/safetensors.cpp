@@ -661,9 +661,20 @@ AtomicFile::AtomicFile(const std::string& path) : path_(path) {
   removed_stale_ = remove_stale_temporaries(target_);
   tmp_ = (dir / (temp_prefix(target) + std::to_string(::getpid()) + ".XXXXXX")).string();
   fd_ = ::mkstemp(tmp_.data());
-  if (fd_ < 0)
+  if (fd_ < 0) {
+    const int err = errno;
+    const std::string why = errno_str();
+    const std::string tmp_name = fs::path(tmp_).filename().string();
     FUSEDMOE_THROW(kIo, printable(path), ": cannot create a temporary file in ",
-                   printable(dir.string()), ": ", errno_str());
+                   printable(dir.string()), ": ", why,
+                   err == ENAMETOOLONG
+                       ? " (the temporary's name is " + std::to_string(tmp_name.size()) +
+                             " bytes: the output's " +
+                             std::to_string(target.filename().string().size()) + " and " +
+                             std::to_string(tmp_name.size() - target.filename().string().size()) +
+                             " more; give a shorter name)"
+                       : std::string());
+  }
   slot_ = register_temp(tmp_);
 }
 

@@ -813,6 +813,30 @@ if [ -w /dev/full ]; then
     rm -rf "${OUTDIR:?}"/* "$OUTDIR"/.[!.]* 2>/dev/null || true
   done
 fi
+# An output name a little under the file system's limit: its temporary's name is
+# longer; the error says so instead of blaming the name given.
+long=$(printf 'a%.0s' $(seq 1 240)).safetensors
+expect_error "--output near NAME_MAX" "bytes: the output's 252 and " -- \
+  run --model "$FIX" --layer 1 --tokens 1 --output "$OUTDIR/$long"
+
+# A closed standard output (>&-): the output's temporary file must not take
+# descriptor 1 and receive the report; the run fails (exit 1) and leaves nothing.
+for args in "run --model $FIX --layer 1 --tokens 3 --output $OUTDIR/of.safetensors" \
+  "bench --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0 --no-baseline --csv $OUTDIR/of.csv"; do
+  rc=0
+  # shellcheck disable=SC2086
+  "$BIN" $args >&- 2>"$TMP/stderr" || rc=$?
+  if [ "$rc" -ne 1 ] || ! grep -q "^fusedmoe: error: the standard output is incomplete: " "$TMP/stderr" ||
+    [ -n "$(ls -A "$OUTDIR")" ]; then
+    echo "FAIL fusedmoe $args >&-: exit $rc, left: $(ls -A "$OUTDIR")"
+    sed 's/^/  stderr: /' "$TMP/stderr"
+    failures=$((failures + 1))
+  else
+    echo "ok   fusedmoe $args >&-: exit 1, no file left"
+  fi
+  rm -rf "${OUTDIR:?}"/* "$OUTDIR"/.[!.]* 2>/dev/null || true
+done
+
 # A closed pipe (run ... | head -c 0): the pipe's read end is closed before the run
 # starts, so the report's write gets SIGPIPE for certain; the run dies of it
 # (exit 141 in a shell) and leaves neither the file nor its temporary.
