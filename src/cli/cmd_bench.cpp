@@ -125,8 +125,9 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& o) {
                   "dispatch and combine bandwidth; --tokens are per rank")
       ->transform(kPositiveInt);
   add_bool_flag(*cmd, "--nccl", o.nccl,
-                "--backend cuda: run the expert-parallel path over NCCL also at --ep-size 1 "
-                "(one rank: dispatch / combine through the communicator)");
+                "--backend cuda: run the expert-parallel path also at --ep-size 1 (one rank, "
+                "an NCCL communicator; dispatch / combine by the transport "
+                "FUSEDMOE_EP_TRANSPORT picks: peer, or nccl)");
   cmd->add_option("--tp-size", o.tp_size, "Tensor parallelism inside experts")
       ->transform(kPositiveInt);
   cmd->add_option("--dp-size", o.dp_size, "Data-parallel token groups (naive DP + EP)")

@@ -627,7 +627,7 @@ int run_run(const RunOptions& o) {
   std::shared_ptr<Communicator> world;
   if (parallel) {
     usage_check(!on_cuda || (o.tp_size == 1 && o.dp_size == 1),
-                "--backend cuda: --ep-size only (GPU expert parallelism over NCCL); "
+                "--backend cuda: --ep-size only (GPU expert parallelism); "
                 "--tp-size / --dp-size run on the CPU backend");
     // Every option that decides what a rank computes or sends, or what rank 0
     // writes (--threads and --quiet are the rank's own).

@@ -294,6 +294,16 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) 
                      offsets_str(prev->begin, prev->end));
     if (!prev || s.end > prev->end) prev = &s;
   }
+  // The data section ends with the last tensor's bytes (as HF's safetensors
+  // requires: "incomplete buffer" otherwise): bytes past it are damage
+  // (two files joined, a bad write), not data to ignore.
+  const size_t data_end = prev ? prev->end : 0;
+  if (data_end != data_size)
+    FUSEDMOE_THROW(kIo, printable(path), ": ", data_size - data_end,
+                   data_size - data_end == 1 ? " byte" : " bytes",
+                   " after the last tensor's data (the data section holds ", data_size,
+                   " bytes, the tensors end at ", data_end,
+                   "); a safetensors file ends with its last tensor's bytes");
   return f;
 }
 

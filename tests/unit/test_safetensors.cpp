@@ -286,6 +286,28 @@ TEST(Safetensors, RejectsTruncatedFiles) {
   EXPECT_HAS(msg, "nope.safetensors: cannot open");
 }
 
+// Bytes after the last tensor's data (two files joined, a report appended):
+// damage, as HF's safetensors says ("incomplete buffer"), not data to ignore.
+TEST(Safetensors, RejectsBytesAfterTheLastTensor) {
+  TempDir dir("st_tail");
+  Tensor t = Tensor::zeros(DType::kF32, {16});
+  const std::string path = dir.file("tail.safetensors");
+  save_safetensors(path, {{"layer.weight", t}});
+  EXPECT_NO_THROW(SafetensorsFile::open(path));
+  { std::ofstream(path, std::ios::binary | std::ios::app) << "report\n"; }
+  std::string msg = error_of([&] { SafetensorsFile::open(path); });
+  EXPECT_HAS(msg, path);
+  EXPECT_HAS(msg,
+             ": 7 bytes after the last tensor's data (the data section holds 71 bytes, "
+             "the tensors end at 64)");
+  // No tensors: the data section must be empty.
+  const std::string none = dir.file("none.safetensors");
+  save_safetensors(none, {});
+  EXPECT_NO_THROW(SafetensorsFile::open(none));
+  { std::ofstream(none, std::ios::binary | std::ios::app) << "x"; }
+  EXPECT_HAS(error_of([&] { SafetensorsFile::open(none); }), ": 1 byte after the last tensor");
+}
+
 TEST(Safetensors, SaveIsAtomicAndChecksNames) {
   TempDir dir("st_save");
   Tensor t = Tensor::zeros(DType::kF32, {4});
