@@ -71,8 +71,14 @@ ojson inspect_model(const std::string& path) {
     const auto slash = path.find_last_of('/');
     dir = slash == std::string::npos ? "." : path.substr(0, slash);
   }
+  // A weights name that is there but no regular file (a directory, a FIFO, a
+  // dangling link): Checkpoint::open below names what is wrong with it.
+  const auto there = [](const std::string& p) {
+    struct stat st {};
+    return ::lstat(p.c_str(), &st) == 0;
+  };
   const bool has_weights =
-      is_file(dir + "/model.safetensors") || is_file(dir + "/model.safetensors.index.json");
+      there(dir + "/model.safetensors") || there(dir + "/model.safetensors.index.json");
 
   std::map<int64_t, LayerBytes> bytes;
   size_t total_bytes = 0;

@@ -344,10 +344,16 @@ Checkpoint Checkpoint::open(const std::string& path) {
   if (p.filename() == "config.json" && fs::is_regular_file(p, ec))
     p = p.has_parent_path() ? p.parent_path() : fs::path(".");
   if (fs::is_directory(p, ec)) {
-    // model.safetensors first, then the index: transformers' from_pretrained order.
-    if (fs::exists(p / "model.safetensors", ec)) {
+    // model.safetensors first, then the index: transformers' from_pretrained
+    // order. A name that is there (a dangling link too) is taken: opening it
+    // then says what is wrong with it, not that it is missing.
+    const auto there = [&](const fs::path& q) {
+      return fs::symlink_status(q, ec).type() != fs::file_type::not_found &&
+             fs::symlink_status(q, ec).type() != fs::file_type::none;
+    };
+    if (there(p / "model.safetensors")) {
       p = p / "model.safetensors";
-    } else if (fs::exists(p / "model.safetensors.index.json", ec)) {
+    } else if (there(p / "model.safetensors.index.json")) {
       index = p / "model.safetensors.index.json";
     } else {
       FUSEDMOE_THROW(kIo, printable(path),

@@ -813,6 +813,20 @@ if [ -w /dev/full ]; then
     rm -rf "${OUTDIR:?}"/* "$OUTDIR"/.[!.]* 2>/dev/null || true
   done
 fi
+# A weights name that is there but unusable (a directory, a dangling link) is an
+# error naming it, for inspect (not "none found", exit 0) and run (not "neither
+# model.safetensors nor ..." when the link is there).
+mkdir -p "$TMP/dirweights/model.safetensors" "$TMP/dangling"
+cp "$FIX/config.json" "$TMP/dirweights/"
+cp "$FIX/config.json" "$TMP/dangling/"
+ln -s "$TMP/no-such-file" "$TMP/dangling/model.safetensors"
+expect_error "inspect: model.safetensors a directory" "model.safetensors: not a regular file (a directory)" -- \
+  inspect "$TMP/dirweights"
+expect_error "inspect: model.safetensors a dangling link" "dangling/model.safetensors: cannot open" -- \
+  inspect "$TMP/dangling"
+expect_error "run: model.safetensors a dangling link" "dangling/model.safetensors: cannot open" -- \
+  run --model "$TMP/dangling" --layer 1 --tokens 1
+
 # An output name a little under the file system's limit: its temporary's name is
 # longer; the error says so instead of blaming the name given.
 long=$(printf 'a%.0s' $(seq 1 240)).safetensors
