@@ -13,6 +13,7 @@
 //     uneven T, T = 0 on some ranks, k up to 8; HF fixtures).
 #include <gtest/gtest.h>
 
+#include <array>
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
@@ -556,22 +557,31 @@ TEST(CudaEp, OneRankNcclMatchesOneGpu) {
 // The peer transport needs one GPU per rank: thread ranks sharing a GPU are
 // refused on every rank (naming why) when it is required, and take NCCL's
 // path under auto (ThreadRanksOnOneGpuMatchOneGpu).
-TEST(CudaEp, PeerTransportRefusesRanksSharingAGpu) {
-  FUSEDMOE_REQUIRE_CUDA();
-  std::mt19937_64 rng(11);
+// Each of two thread ranks on GPU 0 builds an EP runner of a small layer
+// (rank r with max_num_tokens max_tokens[r]); returns each rank's
+// Error(kInvalidArgument) message.
+std::vector<std::string> two_rank_construction_errors(std::array<int64_t, 2> max_tokens,
+                                                      uint64_t seed) {
+  std::mt19937_64 rng(seed);
   MoEConfig c = test::base_config(8, 2, 64, 32);
   const MoELayerWeights w = test::random_layer(rng, c, DType::kBF16);
-  TransportEnv env("peer");
   auto group = std::make_shared<ThreadGroup>(2);
   std::vector<std::string> errors(2);
   run_ranks(2, [&](int r) {
     test::cuda_ok(cudaSetDevice(0), "cudaSetDevice");
     MoEConfig cr = c;
     cr.parallel = parallel_config_for_rank(r, 2, 1, 1);
-    RunnerOptions o = cuda_options(16);
+    RunnerOptions o = cuda_options(max_tokens[r]);
     o.communicator = std::make_shared<ThreadCommunicator>(group, r);
     errors[r] = test::error_of([&] { MoERunner ep(cr, w, o); }, ErrorCode::kInvalidArgument);
   });
+  return errors;
+}
+
+TEST(CudaEp, PeerTransportRefusesRanksSharingAGpu) {
+  FUSEDMOE_REQUIRE_CUDA();
+  TransportEnv env("peer");
+  const std::vector<std::string> errors = two_rank_construction_errors({16, 16}, 11);
   for (int r = 0; r < 2; ++r) {
     SCOPED_TRACE("rank " + std::to_string(r));
     EXPECT_HAS(errors[r], "FUSEDMOE_EP_TRANSPORT=peer (rank 0): the ranks cannot map");
@@ -871,19 +881,7 @@ TEST(CudaEp, PeerTransportForwardsWithoutSyncAndChangingT) {
 // Every rank must use the same max_num_tokens: refused at set-up, on every rank.
 TEST(CudaEp, RanksWithDifferentMaxTokensAreRefused) {
   FUSEDMOE_REQUIRE_CUDA();
-  std::mt19937_64 rng(14);
-  MoEConfig c = test::base_config(8, 2, 64, 32);
-  const MoELayerWeights w = test::random_layer(rng, c, DType::kBF16);
-  auto group = std::make_shared<ThreadGroup>(2);
-  std::vector<std::string> errors(2);
-  run_ranks(2, [&](int r) {
-    test::cuda_ok(cudaSetDevice(0), "cudaSetDevice");
-    MoEConfig cr = c;
-    cr.parallel = parallel_config_for_rank(r, 2, 1, 1);
-    RunnerOptions o = cuda_options(r == 0 ? 16 : 24);
-    o.communicator = std::make_shared<ThreadCommunicator>(group, r);
-    errors[r] = test::error_of([&] { MoERunner ep(cr, w, o); }, ErrorCode::kInvalidArgument);
-  });
+  const std::vector<std::string> errors = two_rank_construction_errors({16, 24}, 14);
   for (int r = 0; r < 2; ++r) {
     SCOPED_TRACE("rank " + std::to_string(r));
     EXPECT_HAS(errors[r], "every rank must use the same max_num_tokens");
