@@ -796,23 +796,33 @@ fi
 
 # ... and leaves no output file: the report reaches the standard output before
 # run --output / bench --csv is renamed into place (it used to be written first).
-if [ -w /dev/full ]; then
-  for args in "run --model $FIX --layer 1 --tokens 3 --output $OUTDIR/of.safetensors" \
-    "bench --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0 --no-baseline --csv $OUTDIR/of.csv"; do
-    rc=0
-    # shellcheck disable=SC2086
-    "$BIN" $args >/dev/full 2>"$TMP/stderr" || rc=$?
-    if [ "$rc" -ne 1 ] || ! grep -q "^fusedmoe: error: the standard output is incomplete: " "$TMP/stderr" ||
-      [ -n "$(ls -A "$OUTDIR")" ]; then
-      echo "FAIL fusedmoe $args >/dev/full: exit $rc, left: $(ls -A "$OUTDIR")"
-      sed 's/^/  stderr: /' "$TMP/stderr"
-      failures=$((failures + 1))
-    else
-      echo "ok   fusedmoe $args >/dev/full: no file left"
-    fi
-    rm -rf "${OUTDIR:?}"/* "$OUTDIR"/.[!.]* 2>/dev/null || true
-  done
-fi
+# The same with the standard output closed (>&-): the output's temporary file
+# must not take descriptor 1 and receive the report (it did, and exited 0).
+stdout_fails() { # $1: full (>/dev/full) or closed (>&-); the rest: the arguments
+  local how=$1 rc=0
+  shift
+  if [ "$how" = full ]; then
+    "$BIN" "$@" >/dev/full 2>"$TMP/stderr" || rc=$?
+  else
+    "$BIN" "$@" >&- 2>"$TMP/stderr" || rc=$?
+  fi
+  if [ "$rc" -ne 1 ] || ! grep -q "^fusedmoe: error: the standard output is incomplete: " "$TMP/stderr" ||
+    [ -n "$(ls -A "$OUTDIR")" ]; then
+    echo "FAIL fusedmoe $* (stdout $how): exit $rc, left: $(ls -A "$OUTDIR")"
+    sed 's/^/  stderr: /' "$TMP/stderr"
+    failures=$((failures + 1))
+  else
+    echo "ok   fusedmoe $* (stdout $how): exit 1, no file left"
+  fi
+  rm -rf "${OUTDIR:?}"/* "$OUTDIR"/.[!.]* 2>/dev/null || true
+}
+for args in "run --model $FIX --layer 1 --tokens 3 --output $OUTDIR/of.safetensors" \
+  "bench --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0 --no-baseline --csv $OUTDIR/of.csv"; do
+  # shellcheck disable=SC2086
+  if [ -w /dev/full ]; then stdout_fails full $args; fi
+  # shellcheck disable=SC2086
+  stdout_fails closed $args
+done
 # A weights name that is there but unusable (a directory, a dangling link) is an
 # error naming it, for inspect (not "none found", exit 0) and run (not "neither
 # model.safetensors nor ..." when the link is there).
@@ -832,24 +842,6 @@ expect_error "run: model.safetensors a dangling link" "dangling/model.safetensor
 long=$(printf 'a%.0s' $(seq 1 240)).safetensors
 expect_error "--output near NAME_MAX" "bytes: the output's 252 and " -- \
   run --model "$FIX" --layer 1 --tokens 1 --output "$OUTDIR/$long"
-
-# A closed standard output (>&-): the output's temporary file must not take
-# descriptor 1 and receive the report; the run fails (exit 1) and leaves nothing.
-for args in "run --model $FIX --layer 1 --tokens 3 --output $OUTDIR/of.safetensors" \
-  "bench --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0 --no-baseline --csv $OUTDIR/of.csv"; do
-  rc=0
-  # shellcheck disable=SC2086
-  "$BIN" $args >&- 2>"$TMP/stderr" || rc=$?
-  if [ "$rc" -ne 1 ] || ! grep -q "^fusedmoe: error: the standard output is incomplete: " "$TMP/stderr" ||
-    [ -n "$(ls -A "$OUTDIR")" ]; then
-    echo "FAIL fusedmoe $args >&-: exit $rc, left: $(ls -A "$OUTDIR")"
-    sed 's/^/  stderr: /' "$TMP/stderr"
-    failures=$((failures + 1))
-  else
-    echo "ok   fusedmoe $args >&-: exit 1, no file left"
-  fi
-  rm -rf "${OUTDIR:?}"/* "$OUTDIR"/.[!.]* 2>/dev/null || true
-done
 
 # A closed pipe (run ... | head -c 0): the pipe's read end is closed before the run
 # starts, so the report's write gets SIGPIPE for certain; the run dies of it
