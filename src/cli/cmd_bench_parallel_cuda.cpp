@@ -26,6 +26,7 @@
 #include <cuda_runtime_api.h>
 
 #include "fusedmoe/kernels/cuda.h"
+#include "kernels/cuda/ep_dispatch.h"  // ep_record_bytes
 #endif
 
 namespace fusedmoe::cli {
@@ -125,8 +126,7 @@ int run_bench_parallel_cuda(const BenchOptions& o) {
       std::fflush(stdout);
     }
     const int64_t H = shape.H, k = shape.k;
-    const int64_t rec =
-        (2 * H + 8 * k + 4 + 15) / 16 * 16;  // dispatch record bytes (ep_record_bytes)
+    const int64_t rec = cuda::ep_record_bytes(H, k);  // dispatch record bytes
     for (int64_t T : token_counts) {
       // A runner sized for this T: the peer transport's experts run on
       // ep_size * max_num_tokens rows (the weights are shared, not copied).

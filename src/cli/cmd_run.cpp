@@ -35,6 +35,12 @@
 namespace fusedmoe::cli {
 namespace {
 
+// The token groups that split a run's T rows: the data-parallel ranks, else
+// the expert-parallel ones (1 without parallelism).
+int token_groups(const ParallelConfig& pc) {
+  return pc.dp_size > 1 ? pc.dp_size : pc.ep_size;
+}
+
 std::string base_name(const std::string& p) {
   const auto slash = p.find_last_of('/');
   return slash == std::string::npos ? p : p.substr(slash + 1);
@@ -708,7 +714,7 @@ int run_run(const RunOptions& o) {
     // the reference and its f64 copy.
     const size_t whole = f * static_cast<size_t>(2 * H + 2 * k + num_logits) +
                          (o.reference.empty() ? 0 : 16 * static_cast<size_t>(H));
-    const int groups = pc.dp_size > 1 ? pc.dp_size : pc.ep_size;  // token groups
+    const int groups = token_groups(pc);
     const size_t rows =
         on_cuda ? 0
                 : bench::rank_token_bytes(H, I_local, k, E_local, pc.ep_size > 1 ? groups : 1) +
@@ -834,8 +840,7 @@ int run_run(const RunOptions& o) {
     ropts.device = Device{DeviceType::kCUDA, cuda_device};
     // Expert parallelism: each token group's share of the T rows (below); the
     // peer transport's experts run on ep_size * max_num_tokens rows.
-    const ParallelConfig& pc = config.parallel;
-    const int64_t groups = parallel ? (pc.dp_size > 1 ? pc.dp_size : pc.ep_size) : 1;
+    const int64_t groups = token_groups(config.parallel);
     ropts.max_num_tokens = std::max<int64_t>((T + groups - 1) / groups, 1);
 #else
     FUSEDMOE_THROW(kUnsupported, "--backend cuda: this build of fusedmoe has no CUDA backend");
@@ -853,7 +858,7 @@ int run_run(const RunOptions& o) {
   if (parallel) {
     // Token group g (EP or DP rank) runs rows [T g / G, T (g + 1) / G).
     const ParallelConfig& pc = config.parallel;
-    const int G = pc.dp_size > 1 ? pc.dp_size : pc.ep_size, P = world->size();
+    const int G = token_groups(pc), P = world->size();
     auto row0 = [&](int g) { return T * g / G; };
     const int g = world->rank() / pc.tp_size;
     const int64_t r0 = row0(g), n = row0(g + 1) - row0(g);

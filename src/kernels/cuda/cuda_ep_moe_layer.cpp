@@ -56,11 +56,8 @@ struct PeerInfo {
   char host[64];
   uint64_t process;        // a random id of its process (equal: the same process)
   unsigned char uuid[16];  // of its device
-  int32_t device;          // its index in its process
-  int32_t pad;
-  uint64_t ptr;  // the window in its process
+  uint64_t ptr;            // the window in its process
   cudaIpcMemHandle_t handle;
-  char why[192];  // why this rank cannot map its peers (set-up's second round)
 };
 
 // finalize sums at most 32 rows a token (the peer transport's one a rank).
@@ -169,7 +166,6 @@ bool CudaEpMoELayer::Impl::setup_peer(EpTransport want) {
   info.bytes = static_cast<int64_t>(layout.bytes);
   gethostname(info.host, sizeof info.host - 1);
   info.process = process_id();
-  info.device = device;
   cudaDeviceProp prop{};
   FUSEDMOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
   std::memcpy(info.uuid, &prop.uuid, 16);
@@ -393,10 +389,6 @@ const EpStats& CudaEpMoELayer::stats() const {
   return impl_->stats;
 }
 
-bool CudaEpMoELayer::peer_transport() const {
-  return impl_->peer;
-}
-
 // The peer transport's EpStats of the last forward, from its events and counts
 // (waits for that forward to finish).
 void CudaEpMoELayer::Impl::peer_stats() {
@@ -443,6 +435,15 @@ void CudaEpMoELayer::forward(const TensorView& hidden_states, const TensorView& 
   FUSEDMOE_CHECK(T <= s.max_tokens, "hidden_states: at most max_num_tokens = ", s.max_tokens,
                  " tokens per rank (RunnerOptions::max_num_tokens), got ", T);
   CudaMoELayer& layer = *s.layer;
+  if (!s.peer) {  // refused before anything is enqueued into the capture
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    FUSEDMOE_CUDA_CHECK(cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &capture));
+    if (capture != cudaStreamCaptureStatusNone)
+      FUSEDMOE_THROW(kUnsupported,
+                     "stream: expert parallelism over the nccl transport synchronises with the "
+                     "host and cannot be captured in a CUDA graph; the peer transport can "
+                     "(FUSEDMOE_EP_TRANSPORT)");
+  }
 
   // ---- 1. route ----
   layer.ep_route(hidden_states, router_logits, token_ids, outputs, stream);
@@ -450,13 +451,6 @@ void CudaEpMoELayer::forward(const TensorView& hidden_states, const TensorView& 
     s.forward_peer(output, T, stream);
     return;
   }
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  FUSEDMOE_CUDA_CHECK(cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &capture));
-  if (capture != cudaStreamCaptureStatusNone)
-    FUSEDMOE_THROW(kUnsupported,
-                   "stream: expert parallelism over the nccl transport synchronises with the host "
-                   "and cannot be captured in a CUDA graph; the peer transport can "
-                   "(FUSEDMOE_EP_TRANSPORT)");
   EpStats st;
   st.transport = "nccl";
 
@@ -545,10 +539,6 @@ void CudaEpMoELayer::forward(const TensorView& hidden_states, const TensorView& 
   layer.ep_finalize(s.y.as<float>(), output, T, stream);
   s.stats = st;
 }
-
-}  // namespace fusedmoe::cuda
-
-namespace fusedmoe::cuda {
 
 // forward() after routing, over the peer transport: no host synchronisation.
 // The local experts run on all P * capacity received rows (rows past a

@@ -86,9 +86,6 @@ class CudaEpMoELayer {
   // Rows, bytes (logical: to / from other ranks) and times of the last
   // forward (NCCL: host wall clock; peer: CUDA events, after waiting for it).
   const EpStats& stats() const;
-  // Whether the peer transport (device-initiated stores into the other GPUs'
-  // memory, ep_peer.h) carries dispatch and combine, else NCCL all-to-all.
-  bool peer_transport() const;
   const ExpertMap& expert_map() const;
 
  private:
