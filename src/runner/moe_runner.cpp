@@ -252,9 +252,10 @@ MoERunner::MoERunner(MoEConfig config, MoELayerWeights weights, RunnerOptions op
     if (cuda_ep) {
       // The local experts compute every rank's rows: ep_size * max_num_tokens.
       const int P = options_.communicator->size();
-      // Its experts() runs the mma.sync kernels only: no sm90 routed scratch.
+      // With the sm90 routed scratch: the peer transport's experts() takes the
+      // sm90 path for many rows per expert (the nccl one stays on mma.sync).
       cuda_ = std::make_unique<cuda::CudaMoELayer>(config_, weights_, P * options_.max_num_tokens,
-                                                   options_.compute_dtype, /*routed_sm90=*/false);
+                                                   options_.compute_dtype);
       cuda_ep_ = std::make_unique<cuda::CudaEpMoELayer>(
           *cuda_, config_, options_.communicator,
           ExpertMap(config_.num_experts, P, config_.parallel.expert_placement),

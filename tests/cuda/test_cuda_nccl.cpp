@@ -197,9 +197,10 @@ void check_collectives(Communicator& c) {
   }
 }
 
-// GPU EP runs its local experts on the mma.sync kernels at every T (the wgmma
-// path's expert-sorted output does not feed the combine yet), so the one-GPU
-// reference is pinned to the same kernels: outputs stay bit-identical.
+// The nccl transport runs its local experts on the mma.sync kernels at every T
+// (its combine sends rows by slot), so the one-GPU reference is pinned to the
+// same kernels: outputs stay bit-identical. The peer transport's sm90 path
+// (expert-sorted rows into its combine) has tests of its own (Sm90Experts).
 class MmaExpertsEnvironment : public ::testing::Environment {
  public:
   void SetUp() override { setenv("FUSEDMOE_CUDA_EXPERTS", "mma", 1); }
@@ -701,6 +702,68 @@ TEST(CudaEp, EveryVisibleGpuPeerMatchesOneGpu) {
       for (int64_t T : {1, 3, 64, 300})
         check_ep(c, w, std::vector<int64_t>(n, T), comms, devices, pl, rng, true, 1e-6, "peer");
       check_ep(c, w, uneven, comms, devices, pl, rng, true, 1e-2, "peer");
+      if (HasFailure()) break;
+    }
+    if (HasFailure()) break;
+  }
+  run_ranks(n, [&](int r) { comms[r].reset(); });
+}
+
+// Sets FUSEDMOE_CUDA_EXPERTS=sm90 and FUSEDMOE_CUDA_SM90_TILE=m64 for its
+// lifetime (then back to the suite's mma): one GPU and every EP rank take the
+// sm90 path with one tile, whatever their rows per expert, so each expert row
+// gets the same bits on both.
+class Sm90ExpertsEnv {
+ public:
+  Sm90ExpertsEnv() {
+    setenv("FUSEDMOE_CUDA_EXPERTS", "sm90", 1);
+    setenv("FUSEDMOE_CUDA_SM90_TILE", "m64", 1);
+  }
+  ~Sm90ExpertsEnv() {
+    setenv("FUSEDMOE_CUDA_EXPERTS", "mma", 1);
+    unsetenv("FUSEDMOE_CUDA_SM90_TILE");
+  }
+  Sm90ExpertsEnv(const Sm90ExpertsEnv&) = delete;
+  Sm90ExpertsEnv& operator=(const Sm90ExpertsEnv&) = delete;
+};
+
+// The peer transport's local experts on the sm90 path: their expert-sorted
+// rows (bf16, unweighted) are weighted, biased and summed by the combine
+// kernel as finalize does it: on one rank bit-identical to one GPU, on every
+// visible GPU within f32 rounding (each rank sums its slots first).
+TEST(CudaEp, PeerSm90ExpertsMatchOneGpu) {
+  FUSEDMOE_REQUIRE_NCCL();
+  if (!cuda::sm90_experts_available())
+    GTEST_SKIP() << "skipped: the sm90 grouped GEMM needs an sm_90 device and CUTLASS";
+  TransportEnv env("peer");
+  Sm90ExpertsEnv sm90;
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  std::shared_ptr<Communicator> one = one_rank_nccl();
+  for (const auto& [name, c] : ep_configs()) {
+    SCOPED_TRACE(name);
+    const MoELayerWeights w = test::random_layer(rng, c, DType::kBF16);
+    for (int64_t T : {1, 37, 300}) {
+      check_ep(c, w, {T}, {one}, {0}, ExpertPlacement::kContiguous, rng, true, 0, "peer");
+      if (HasFailure()) return;
+    }
+  }
+  one.reset();
+  const int n = cuda::device_count();
+  if (n < 2) return;
+  std::vector<int> devices(n);
+  for (int i = 0; i < n; ++i) devices[i] = i;
+  std::vector<std::unique_ptr<Communicator>> made = make_nccl_communicators(devices);
+  std::vector<std::shared_ptr<Communicator>> comms;
+  for (auto& m : made) comms.push_back(std::move(m));
+  for (const auto& [name, c] : ep_configs()) {
+    SCOPED_TRACE(name);
+    if (n > c.num_experts) continue;
+    const MoELayerWeights w = test::random_layer(rng, c, DType::kBF16);
+    for (ExpertPlacement pl : {ExpertPlacement::kContiguous, ExpertPlacement::kRoundRobin}) {
+      for (int64_t T : {3, 300})
+        check_ep(c, w, std::vector<int64_t>(n, T), comms, devices, pl, rng, true, 1e-6, "peer");
       if (HasFailure()) break;
     }
     if (HasFailure()) break;

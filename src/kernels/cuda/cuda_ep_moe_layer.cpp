@@ -506,8 +506,11 @@ void CudaEpMoELayer::forward(const TensorView& hidden_states, const TensorView& 
   // ---- 4. local experts on the received rows ----
   ep_unpack(s.recv.as<void>(), M, static_cast<int>(k), H, s.ids_l.as<int32_t>(), s.w_l.as<float>(),
             s.cpos.as<int32_t>(), stream);
-  const float* y_local = layer.experts(s.recv.as<uint16_t>(), s.rec / 2, s.ids_l.as<int32_t>(),
-                                       s.w_l.as<float>(), M, t_global, stream);
+  const float* y_local = static_cast<const float*>(
+      layer
+          .experts(s.recv.as<uint16_t>(), s.rec / 2, s.ids_l.as<int32_t>(), s.w_l.as<float>(), M,
+                   t_global, /*allow_sm90=*/false, stream)
+          .y);  // by slot: ep_combine_pack sends slots
 
   // ---- 5. combine ----
   FUSEDMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -569,8 +572,11 @@ void CudaEpMoELayer::Impl::forward_peer(const TensorView& output, int64_t T, Str
   peer_receive(window, layout, epoch, timeout_s, ids_l.as<int32_t>(), w_l.as<float>(),
                rows_seen.as<int64_t>(), stream);
   mark(2);
-  const float* y_local = l.experts(reinterpret_cast<const uint16_t*>(window + layout.off_recv),
-                                   rec / 2, ids_l.as<int32_t>(), w_l.as<float>(), M, M, stream);
+  // The sm90 path where forward() of M tokens takes it: expert-sorted rows,
+  // weighted and biased by the combine.
+  const FinalizeArgs y_local =
+      l.experts(reinterpret_cast<const uint16_t*>(window + layout.off_recv), rec / 2,
+                ids_l.as<int32_t>(), w_l.as<float>(), M, M, /*allow_sm90=*/true, stream);
   mark(3);
   peer_combine(y_local, ids_l.as<int32_t>(), window, peers.as<char*>(), layout, epoch, done + 1,
                stream);

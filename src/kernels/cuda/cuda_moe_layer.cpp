@@ -182,6 +182,8 @@ struct CudaMoELayer::Impl {
   // second stream for the shared expert
   cudaStream_t side = nullptr;
   cudaEvent_t fork = nullptr, join = nullptr;
+  // ep_shared() took the sm90 path: experts()' sm90 GEMMs wait for it (forward()'s rule).
+  bool shared_sm90_pending = false;
 
   // The shared expert of the T rows of xb into shared_out, on the side stream
   // after `stream`'s work so far (joined by the `join` event), on the path and
@@ -497,8 +499,9 @@ void CudaMoELayer::ep_route(const TensorView& hidden_states, const TensorView* r
 }
 
 void CudaMoELayer::ep_shared(int64_t T, int64_t tile_tokens, Stream stream) {
+  impl_->shared_sm90_pending = false;
   if (T == 0 || !impl_->cfg.has_shared_expert()) return;
-  impl_->launch_shared(T, tile_tokens, stream);
+  impl_->shared_sm90_pending = impl_->launch_shared(T, tile_tokens, stream);
 }
 
 bool CudaMoELayer::Impl::launch_shared(int64_t T, int64_t tile_tokens, cudaStream_t stream) {
@@ -556,9 +559,9 @@ bool CudaMoELayer::Impl::launch_shared(int64_t T, int64_t tile_tokens, cudaStrea
   return sm90;
 }
 
-const float* CudaMoELayer::experts(const uint16_t* x, int64_t ldx, const int32_t* topk_ids,
+FinalizeArgs CudaMoELayer::experts(const uint16_t* x, int64_t ldx, const int32_t* topk_ids,
                                    const float* topk_weights, int64_t M, int64_t batch_tokens,
-                                   Stream stream) {
+                                   bool allow_sm90, Stream stream) {
   Impl& s = *impl_;
   const int64_t H = s.cfg.hidden_size;
   FUSEDMOE_CHECK(M >= 0 && M <= s.max_tokens, "experts: num_rows: expected in [0, ", s.max_tokens,
@@ -567,14 +570,25 @@ const float* CudaMoELayer::experts(const uint16_t* x, int64_t ldx, const int32_t
                  batch_tokens);
   FUSEDMOE_CHECK(ldx >= H && ldx % 8 == 0, "experts: ldx: expected >= ", H,
                  " and a multiple of 8, got ", ldx);
-  if (M == 0) return s.routed.y;
-  RoutedExpertsArgs r = s.routed_args(x, ldx, topk_ids, topk_weights, M);
   const MoEConfig& c = s.cfg;
+  if (M == 0) {
+    FinalizeArgs f;
+    f.y = s.routed.y;
+    f.num_tokens = 0;
+    f.top_k = c.top_k;
+    f.hidden = H;
+    return f;
+  }
+  RoutedExpertsArgs r = s.routed_args(x, ldx, topk_ids, topk_weights, M);
   r.tile = cuda::routed_gemm_tile(batch_tokens, c.top_k, c.num_experts, c.hidden_size,
                                   c.intermediate_size);
+  r.allow_sm90 = allow_sm90 && s.routed_sm90 &&
+                 pick_sm90_experts(routed_rows_per_expert(batch_tokens, c.top_k, c.num_experts),
+                                   batch_tokens * c.top_k, c.hidden_size, c.intermediate_size);
   r.decode = pick_decode_experts(batch_tokens, c.top_k, c.num_experts, c.intermediate_size);
-  r.allow_sm90 = false;  // y by slot, for the combine
-  return static_cast<const float*>(routed_experts(r, s.routed, stream).finalize.y);  // f32: no sm90
+  if (r.allow_sm90 && s.shared_sm90_pending) r.sm90_wait_event = s.join;
+  s.shared_sm90_pending = false;
+  return routed_experts(r, s.routed, stream).finalize;
 }
 
 void CudaMoELayer::ep_finalize(const float* y, const TensorView& output, int64_t T, Stream stream,

@@ -72,15 +72,21 @@ class CudaMoELayer {
   void ep_shared(int64_t num_tokens, int64_t tile_tokens, Stream stream);
   // The routed experts on given rows: x dtype() [M, H] (row stride ldx elements,
   // a multiple of 8), topk_ids i32 [M, k] LOCAL ids in [-1, E_local),
-  // topk_weights f32 [M, k]. Returns y f32 [M * k, H] (the layer's buffer,
-  // valid until the next call): y[m*k + j] = w[m, j] * expert_j(x[m]) (no
-  // weight with apply_router_weight_on_input) for ids != -1; other rows are
-  // not written. The kernels (GEMM tile, decode path) are those forward() picks
-  // for batch_tokens tokens (the batch whose output this must reproduce, bit for
-  // bit). M <= batch_tokens and M <= max_num_tokens().
-  const float* experts(const uint16_t* x, int64_t ldx, const int32_t* topk_ids,
+  // topk_weights f32 [M, k]. Returns finalize's arguments for the rows (y,
+  // y_dtype, slot_row, row_scale, bias; the layer's buffers, valid until the
+  // next call). By slot (allow_sm90 false, or the path not taken): y f32
+  // [M * k, H], y[m*k + j] = w[m, j] * expert_j(x[m]) (no weight with
+  // apply_router_weight_on_input) for ids != -1; other rows are not written.
+  // With allow_sm90 (a layer built with routed_sm90) and many rows per
+  // expert: the sm90 path's expert-sorted rows (bf16 with bf16 weights),
+  // weighted and biased by whoever sums them (finalize's arithmetic); after an
+  // ep_shared() that took the sm90 path, its GEMMs wait for the shared expert's.
+  // The kernels (GEMM tile, decode path, sm90 or not) are those forward()
+  // picks for batch_tokens tokens (the batch whose output this must
+  // reproduce, bit for bit). M <= batch_tokens and M <= max_num_tokens().
+  FinalizeArgs experts(const uint16_t* x, int64_t ldx, const int32_t* topk_ids,
                        const float* topk_weights, int64_t num_rows, int64_t batch_tokens,
-                       Stream stream);
+                       bool allow_sm90, Stream stream);
   // forward()'s end for ep_route()'s T tokens: output [T, H] = sum over slots
   // j (in order, ids != -1) of y[t*k + j] + the (gated) shared expert.
   // rows / rows_per_token: instead of y by slot, y [T * rows_per_token, H]

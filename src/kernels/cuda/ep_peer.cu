@@ -155,36 +155,71 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// One block a (received row, chunk of kCopyVecs / 4 float4 of it) (P *
-// capacity rows; rows past a region's count return): the row's slots held
-// here, summed in slot order in f32, go back to the source as one row,
-// y[t * P + rank].
+// The expert rows a combine reads: by slot (f32, weighted and biased) or
+// expert-sorted (kRows: slot_row, then bias and scale as finalize applies them).
+struct CombineRows {
+  const int32_t* slot_row;
+  const float* row_scale;  // or null: 1
+  const float* bias;       // f32 [E_local, H] or null
+};
+
+__device__ __forceinline__ void load8(const float* p, float* v) {
+  const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+  v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+__device__ __forceinline__ void load8(const uint16_t* p, float* v) {  // bf16
+  const uint4 a = *reinterpret_cast<const uint4*>(p);
+  const uint32_t w[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    v[2 * i] = __uint_as_float(w[i] << 16);
+    v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
+
+// One block a (received row, chunk of kCombineCols columns) (P * capacity
+// rows; rows past a region's count return): the row's slots held here, summed
+// in slot order in f32, go back to the source as one row, y[t * P + rank];
+// 8 columns a thread.
+constexpr int kCombineCols = kCopyThreads * 8;
+template <typename Y, bool kRows>
 __global__ void __launch_bounds__(kCopyThreads)
-    combine_kernel(const float* __restrict__ y, const int32_t* __restrict__ ids, char* own,
-                   char* const* __restrict__ peers, PeerLayout L, const uint64_t* epoch,
+    combine_kernel(const Y* __restrict__ y, CombineRows rows, const int32_t* __restrict__ ids,
+                   char* own, char* const* __restrict__ peers, PeerLayout L, const uint64_t* epoch,
                    unsigned* done) {
   const int P = L.ep_size, k = L.top_k;
   const int64_t H = L.hidden;
   const int64_t m = blockIdx.x;
   const int p = static_cast<int>(m / L.capacity);
   const int64_t i = m % L.capacity;
-  if (i < __ldcg(&row_counts(own, P)[p])) {
+  const int64_t h = static_cast<int64_t>(blockIdx.y) * kCombineCols + threadIdx.x * 8;
+  if (i < __ldcg(&row_counts(own, P)[p]) && h < H) {
     const int64_t t = __ldcg(rec_token(own + L.off_recv + m * L.rec, H, k));
-    float4* dst = reinterpret_cast<float4*>(peers[p] + L.off_y) + (t * P + L.rank) * (H / 4);
-    const int64_t h0 = static_cast<int64_t>(blockIdx.y) * kCopyVecs;
-    const int64_t h1 = h0 + kCopyVecs < H / 4 ? h0 + kCopyVecs : H / 4;
-    for (int64_t h = h0 + threadIdx.x; h < h1; h += blockDim.x) {
-      float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      for (int j = 0; j < k; ++j) {
-        if (ids[m * k + j] < 0) continue;
-        const float4 v = reinterpret_cast<const float4*>(y + (m * k + j) * H)[h];
-        acc.x += v.x;
-        acc.y += v.y;
-        acc.z += v.z;
-        acc.w += v.w;
+    float acc[8] = {};
+    for (int j = 0; j < k; ++j) {
+      const int64_t s = m * k + j;
+      const int32_t e = ids[s];
+      if (e < 0) continue;
+      float v[8];
+      load8(y + (kRows ? static_cast<int64_t>(rows.slot_row[s]) : s) * H + h, v);
+      if (kRows) {  // finalize's arithmetic: scale * (C + b)
+        if (rows.bias) {
+          float b[8];
+          load8(rows.bias + static_cast<int64_t>(e) * H + h, b);
+#pragma unroll
+          for (int c = 0; c < 8; ++c) v[c] += b[c];
+        }
+        const float sc = rows.row_scale ? rows.row_scale[s] : 1.0f;
+#pragma unroll
+        for (int c = 0; c < 8; ++c) v[c] *= sc;
       }
-      dst[h] = acc;
+#pragma unroll
+      for (int c = 0; c < 8; ++c) acc[c] += v[c];
     }
+    float4* dst = reinterpret_cast<float4*>(reinterpret_cast<float*>(peers[p] + L.off_y) +
+                                            (t * P + L.rank) * H + h);
+    dst[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+    dst[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
   }
   if (!last_block(done)) return;
   const uint64_t e = *epoch;
@@ -248,14 +283,28 @@ void peer_receive(const char* own, const PeerLayout& layout, const uint64_t* epo
   FUSEDMOE_CUDA_CHECK_LAUNCH();
 }
 
-void peer_combine(const float* y_local, const int32_t* topk_ids, const char* own,
+void peer_combine(const FinalizeArgs& y, const int32_t* topk_ids, const char* own,
                   char* const* peers, const PeerLayout& layout, const uint64_t* epoch,
                   unsigned* done, Stream stream) {
+  FUSEDMOE_CHECK(y.y_dtype == DType::kF32 || (y.y_dtype == DType::kBF16 && y.slot_row),
+                 "peer_combine: y must be f32, or bf16 expert-sorted rows, got ",
+                 dtype_name(y.y_dtype));
+  FUSEDMOE_CHECK(y.slot_row || (!y.row_scale && !y.bias),
+                 "peer_combine: row_scale and bias apply only to expert-sorted rows");
   const int64_t blocks = static_cast<int64_t>(layout.ep_size) * layout.capacity;
   const dim3 grid(static_cast<unsigned>(blocks),
-                  static_cast<unsigned>((layout.hidden / 4 + kCopyVecs - 1) / kCopyVecs));
-  combine_kernel<<<grid, kCopyThreads, 0, stream>>>(y_local, topk_ids, const_cast<char*>(own),
-                                                    peers, layout, epoch, done);
+                  static_cast<unsigned>((layout.hidden + kCombineCols - 1) / kCombineCols));
+  const CombineRows rows{y.slot_row, y.row_scale, y.bias};
+  char* o = const_cast<char*>(own);
+  if (y.y_dtype == DType::kBF16)
+    combine_kernel<uint16_t, true><<<grid, kCopyThreads, 0, stream>>>(
+        static_cast<const uint16_t*>(y.y), rows, topk_ids, o, peers, layout, epoch, done);
+  else if (y.slot_row)
+    combine_kernel<float, true><<<grid, kCopyThreads, 0, stream>>>(
+        static_cast<const float*>(y.y), rows, topk_ids, o, peers, layout, epoch, done);
+  else
+    combine_kernel<float, false><<<grid, kCopyThreads, 0, stream>>>(
+        static_cast<const float*>(y.y), rows, topk_ids, o, peers, layout, epoch, done);
   FUSEDMOE_CUDA_CHECK_LAUNCH();
 }
 

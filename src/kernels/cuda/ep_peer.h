@@ -56,14 +56,17 @@ void peer_receive(const char* own, const PeerLayout& layout, const uint64_t* epo
                   double timeout_s, int32_t* topk_ids, float* topk_weights, int64_t* rows_seen,
                   Stream stream);
 
-// Combine: y_local f32 [P * capacity * k, H] (CudaMoELayer::experts on the
-// recv rows) -> for each received row (row i < rows[p] of region p) the sum of
-// its slots held here (local id != -1, in slot order, f32) into the source p's
-// window y[(t * P + rank) * H] (t: the record's token index): one row a
-// (token, rank) pair, not one a slot; then, by the last block,
-// combine_flag[rank] = epoch on every rank. The source sums its token's rows
-// in rank order (finalize over topk_ids = row_pos, top_k = P).
-void peer_combine(const float* y_local, const int32_t* topk_ids, const char* own,
+// Combine: the local experts' output on the recv rows (CudaMoELayer::experts on
+// the P * capacity received rows, as finalize's arguments `y`: y f32 by slot,
+// weighted and biased (the mma / decode paths), or expert-sorted rows (the
+// sm90 path: y_dtype f32 or bf16, slot_row, row_scale, bias, applied here as
+// finalize applies them)) -> for each received row (row i < rows[p] of
+// region p) the sum of its slots held here (local id != -1, in slot order,
+// f32) into the source p's window y[(t * P + rank) * H] (t: the record's
+// token index): one row a (token, rank) pair, not one a slot; then, by the
+// last block, combine_flag[rank] = epoch on every rank. The source sums its
+// token's rows in rank order (finalize over topk_ids = row_pos, top_k = P).
+void peer_combine(const FinalizeArgs& y, const int32_t* topk_ids, const char* own,
                   char* const* peers, const PeerLayout& layout, const uint64_t* epoch,
                   unsigned* done, Stream stream);
 
