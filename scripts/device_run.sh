@@ -2,7 +2,9 @@
 # Runs the CUDA tests and benchmark on a device machine, from binaries built
 # here (scripts/device_pack.sh puts them with their libraries in .devbin/).
 # Usage (on the device, repository root): scripts/device_run.sh [tests|cli|python|sanitize|bench|layer|ep|ncu|all] [gtest filter]
-# Env: BENCH_ARGS (e.g. --sweep), SKIP_TORCH=1, TORCH_ITERS.
+# Env: BENCH_ARGS (e.g. --sweep), SKIP_TORCH=1, TORCH_ITERS; ep: EP_TRANSPORTS, EP_TOKENS,
+# EP_SHAPES, EP_BENCH_ARGS (e.g. --dispatch-dtype fp8 --combine-dtype bf16), EP_BENCH_TAG
+# (log name suffix), EP_SKIP_CHECKS=1 (the bench only).
 # Logs go to $OUT (or ./out).
 set -uo pipefail
 what=${1:-all}
@@ -107,7 +109,8 @@ if [ "$what" = ep ] || [ "$what" = all ]; then
     # T = 2 and 1 too: one GPU then sums in the decode w2 kernel (no shared expert), EP in
     # finalize (at T = 1 one rank has no token).
     # Both transports (FUSEDMOE_EP_TRANSPORT): NCCL all-to-all and stores into peer GPU memory.
-    for transport in ${EP_TRANSPORTS:-nccl peer}; do
+    # EP_SKIP_CHECKS=1: the bench only.
+    for transport in $([ -n "${EP_SKIP_CHECKS:-}" ] || echo "${EP_TRANSPORTS:-nccl peer}"); do
       for tokens in 256 2 1; do
         for m in "$root/models/tiny-deepseek-v3" tests/data/hf/qwen2_moe tests/data/hf/mixtral; do
           timeout 60 "$bin/fusedmoe" run --backend cuda --model "$m" --tokens $tokens --seed 1 \
@@ -128,7 +131,7 @@ if [ "$what" = ep ] || [ "$what" = all ]; then
     # The peer transport's experts on the sm90 path where they have many rows
     # (T = 512: one GPU takes it too; the tiles may differ, E vs E / P experts):
     # within bf16 rounding of one GPU.
-    if [[ " ${EP_TRANSPORTS:-nccl peer} " == *" peer "* ]]; then
+    if [ -z "${EP_SKIP_CHECKS:-}" ] && [[ " ${EP_TRANSPORTS:-nccl peer} " == *" peer "* ]]; then
       for m in "$root/models/tiny-deepseek-v3" tests/data/hf/qwen2_moe tests/data/hf/mixtral; do
         timeout 60 "$bin/fusedmoe" run --backend cuda --model "$m" --tokens 512 --seed 1 \
           --output "$OUT/one.safetensors" --quiet >"$OUT/ep_one.log" 2>&1
@@ -143,7 +146,7 @@ if [ "$what" = ep ] || [ "$what" = all ]; then
     for transport in ${EP_TRANSPORTS:-nccl peer}; do
       FUSEDMOE_EP_TRANSPORT=$transport timeout 300 "${mpi[@]}" "$bin/fusedmoe" bench --backend cuda \
         --ep-size "$ngpu" --shapes ${EP_SHAPES:-deepseek,qwen3,mixtral} \
-        --tokens ${EP_TOKENS:-1,128,1024,4096} 2>&1 | tee "$OUT/ep_bench_$transport.md"
+        --tokens ${EP_TOKENS:-1,128,1024,4096} ${EP_BENCH_ARGS:-} 2>&1 | tee "$OUT/ep_bench_$transport${EP_BENCH_TAG:-}.md"
     done
   fi
 fi

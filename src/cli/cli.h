@@ -198,6 +198,8 @@ struct RunOptions {
   bool expert_placement_given = false;
   std::string dispatch_dtype = "auto";
   bool dispatch_dtype_given = false;
+  std::string combine_dtype = "f32";  // GPU expert parallelism: f32 or bf16
+  bool combine_dtype_given = false;
 };
 CLI::App* add_run_command(CLI::App& app, RunOptions& opts);
 int run_run(const RunOptions& opts);
@@ -224,6 +226,8 @@ struct BenchOptions {
   bool expert_placement_given = false;
   std::string dispatch_dtype = "auto";
   bool dispatch_dtype_given = false;
+  std::string combine_dtype = "f32";  // GPU expert parallelism: f32 or bf16
+  bool combine_dtype_given = false;
 };
 CLI::App* add_bench_command(CLI::App& app, BenchOptions& opts);
 int run_bench(const BenchOptions& opts);
@@ -299,15 +303,16 @@ int ranks_needed(int ep_size, int tp_size, int dp_size);
 void check_launch_size(int ep_size, int tp_size, int dp_size);
 // --expert-placement of run and bench (its count tells whether it was given).
 CLI::Option* add_expert_placement_option(CLI::App& cmd, std::string& value);
-// --dispatch-dtype and --expert-placement (of run and bench) where they mean
-// nothing: UsageError. The dispatch payload, given (`dispatch_given`, any
-// value, auto too), needs --ep-size > 1 with --dp-size 1 (the EP all-to-all;
-// the data-parallel layout gathers in f32), and a value other than auto the
-// CPU backend (the GPUs' dispatch has its own); the placement, given
-// (`placement_given`), needs --ep-size > 1.
+// --dispatch-dtype, --combine-dtype and --expert-placement (of run and bench)
+// where they mean nothing: UsageError. The dispatch payload, given
+// (`dispatch_given`, any value, auto too), needs --ep-size > 1 with --dp-size
+// 1 (the EP all-to-all; the data-parallel layout gathers in f32); on the GPUs
+// f32 is refused (the experts take bf16). The combine payload, given, needs
+// --backend cuda and --ep-size > 1; the placement, given (`placement_given`),
+// needs --ep-size > 1.
 void check_ep_options(int ep_size, int dp_size, const std::string& dispatch_dtype,
-                      bool dispatch_given, const std::string& expert_placement,
-                      bool placement_given, bool on_cuda);
+                      bool dispatch_given, const std::string& combine_dtype, bool combine_given,
+                      const std::string& expert_placement, bool placement_given, bool on_cuda);
 // FUSEDMOE_COMM_TIMEOUT_S that is set but no number of seconds in (0, 1e9]:
 // UsageError naming it (run and bench check it on every launch, one rank too).
 void check_comm_timeout();

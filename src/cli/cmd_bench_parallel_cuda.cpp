@@ -26,7 +26,7 @@
 #include <cuda_runtime_api.h>
 
 #include "fusedmoe/kernels/cuda.h"
-#include "kernels/cuda/ep_dispatch.h"  // ep_record_bytes
+#include "kernels/cuda/ep_peer.h"  // peer_record_bytes
 #endif
 
 namespace fusedmoe::cli {
@@ -67,8 +67,11 @@ int run_bench_parallel_cuda(const BenchOptions& o) {
 
   if (root) {
     std::printf("# fusedmoe bench (cuda, expert parallel)\n\n");
-    std::printf("- %d ranks, one GPU each (%s); experts %s; bf16 weights, f32 accumulation\n", P,
-                prop.name, to_string(placement));
+    std::printf(
+        "- %d ranks, one GPU each (%s); experts %s; bf16 weights, f32 accumulation; dispatch "
+        "payload %s, combine payload %s\n",
+        P, prop.name, to_string(placement),
+        o.dispatch_dtype == "fp8" ? "fp8 e4m3 + 1x128 scales" : "bf16", o.combine_dtype.c_str());
     std::printf(
         "- T = tokens per rank, routed by a random gate (softmax top-k, renormalized); times: "
         "median over runs, slowest rank; layer = forward + device sync; transport nccl: "
@@ -111,6 +114,8 @@ int run_bench_parallel_cuda(const BenchOptions& o) {
     ro.compute_dtype = DType::kBF16;
     ro.device = Device{DeviceType::kCUDA, device};
     ro.communicator = nccl;
+    ro.dispatch_dtype = parse_dispatch_dtype(o.dispatch_dtype);
+    ro.combine_dtype = o.combine_dtype == "bf16" ? DType::kBF16 : DType::kF32;
 
     if (root) {
       std::printf("## %s: %s, E=%lld, k=%lld, H=%lld, I=%lld, bf16, %s of experts per rank\n\n",
@@ -126,7 +131,9 @@ int run_bench_parallel_cuda(const BenchOptions& o) {
       std::fflush(stdout);
     }
     const int64_t H = shape.H, k = shape.k;
-    const int64_t rec = cuda::ep_record_bytes(H, k);  // dispatch record bytes
+    // Dispatch record bytes (the nccl transport's are the bf16 ones), combine row bytes.
+    const int64_t rec = cuda::peer_record_bytes(H, k, o.dispatch_dtype == "fp8");
+    const int64_t back = H * (o.combine_dtype == "bf16" ? 2 : 4);
     for (int64_t T : token_counts) {
       // A runner sized for this T: the peer transport's experts run on
       // ep_size * max_num_tokens rows (the weights are shared, not copied).
@@ -176,11 +183,11 @@ int run_bench_parallel_cuda(const BenchOptions& o) {
       const double pd =
           sum_of(gather_doubles(*world, static_cast<double>(last.dispatch_rows_sent) * rec));
       // Every slot is valid (no zero experts): nccl sends T * k f32 rows of H
-      // back, peer one f32 row per dispatched row (a rank's slots of a token summed).
+      // back, peer one f32 / bf16 row per dispatched row (a rank's slots of a token summed).
       const double back_rows = last.transport == "peer"
                                    ? static_cast<double>(last.dispatch_rows_sent)
                                    : static_cast<double>(T * k);
-      const double pc = sum_of(gather_doubles(*world, back_rows * H * 4));
+      const double pc = sum_of(gather_doubles(*world, back_rows * back));
       const double rows =
           max_of(gather_doubles(*world, static_cast<double>(last.dispatch_rows_received)));
       if (root)

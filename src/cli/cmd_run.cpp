@@ -548,7 +548,12 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
                       "EP dispatch payload: auto, f32, bf16 or fp8 (e4m3, 1x128 group scales)")
           ->check(one_of({"auto", "f32", "bf16", "fp8"}))
           ->capture_default_str();
-  cmd->callback([&o, seed, cdt, input, tokens, placement, dispatch] {
+  CLI::Option* combine =
+      cmd->add_option("--combine-dtype", o.combine_dtype,
+                      "GPU EP (peer transport) combine payload: f32, or bf16 (half the bytes)")
+          ->check(one_of({"f32", "bf16"}))
+          ->capture_default_str();
+  cmd->callback([&o, seed, cdt, input, tokens, placement, dispatch, combine] {
     // A command line that lacks its input does not parse (exit code 2).
     if (input->count() == 0 && tokens->count() == 0)
       throw CLI::RequiredError("no input: give --input FILE [--input-key KEY], or --tokens T",
@@ -557,6 +562,7 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
     o.compute_dtype_given = cdt->count() > 0;
     o.expert_placement_given = placement->count() > 0;
     o.dispatch_dtype_given = dispatch->count() > 0;
+    o.combine_dtype_given = combine->count() > 0;
   });
   return cmd;
 }
@@ -616,8 +622,8 @@ int run_run(const RunOptions& o) {
   // Parallel layout: every rank loads its share and runs its token group's
   // rows; the results are gathered and rank 0 reports and writes.
   const bool parallel = o.ep_size > 1 || o.tp_size > 1 || o.dp_size > 1;
-  check_ep_options(o.ep_size, o.dp_size, o.dispatch_dtype, o.dispatch_dtype_given,
-                   o.expert_placement, o.expert_placement_given, on_cuda);
+  check_ep_options(o.ep_size, o.dp_size, o.dispatch_dtype, o.dispatch_dtype_given, o.combine_dtype,
+                   o.combine_dtype_given, o.expert_placement, o.expert_placement_given, on_cuda);
   // Under mpirun the sizes must account for every rank .
   check_launch_size(o.ep_size, o.tp_size, o.dp_size);
   // The output's temporary, created now by the rank that writes (rank 0): a
@@ -652,6 +658,7 @@ int run_run(const RunOptions& o) {
          {"--dp-size", std::to_string(o.dp_size)},
          {"--expert-placement", o.expert_placement},
          {"--dispatch-dtype", o.dispatch_dtype},
+         {"--combine-dtype", o.combine_dtype},
          {"--repeat", std::to_string(o.repeat)},
          {"--output", or_not_given(o.output)},
          {"--reference", or_not_given(o.reference)},
@@ -825,6 +832,7 @@ int run_run(const RunOptions& o) {
   ropts.compute_dtype = compute_dtype;
   ropts.communicator = world;
   ropts.dispatch_dtype = parse_dispatch_dtype(o.dispatch_dtype);
+  ropts.combine_dtype = o.combine_dtype == "bf16" ? DType::kBF16 : DType::kF32;
   int cuda_device = 0;
   if (on_cuda) {
 #ifdef FUSEDMOE_WITH_CUDA
@@ -983,13 +991,14 @@ int run_run(const RunOptions& o) {
     // fixtures: bf16 ~3e-3 with f32 compute, fp8 e4m3 with 1x128 scales
     // 2e-2 to 4e-2; auto is lossless).
     const double compute_tol = compute_dtype == DType::kF32 ? 1e-5 : 1e-2;
-    // The payload is used only by the CPU EP all-to-all (check_ep_options
-    // refuses it elsewhere); only there may it loosen the default.
-    const bool lossy_dispatch = !on_cuda && o.ep_size > 1 && o.dp_size == 1;
-    const double dispatch_tol = !lossy_dispatch              ? 0.0
-                                : o.dispatch_dtype == "fp8"  ? 1e-1
-                                : o.dispatch_dtype == "bf16" ? 1e-2
-                                                             : 0.0;
+    // The payload is used only by the EP all-to-all (check_ep_options
+    // refuses it elsewhere); only there may it loosen the default. On the
+    // GPUs bf16 is what the experts take anyway (lossless).
+    const bool lossy_dispatch = o.ep_size > 1 && o.dp_size == 1;
+    const double dispatch_tol = !lossy_dispatch                          ? 0.0
+                                : o.dispatch_dtype == "fp8"              ? 1e-1
+                                : o.dispatch_dtype == "bf16" && !on_cuda ? 1e-2
+                                                                         : 0.0;
     tol = o.tolerance >= 0.0 ? o.tolerance : std::max(compute_tol, dispatch_tol);
     if (o.tolerance < 0.0 && dispatch_tol > compute_tol)
       tol_note = ", the default for --dispatch-dtype " + o.dispatch_dtype;

@@ -176,6 +176,8 @@ MoERunner::MoERunner(MoEConfig config, MoELayerWeights weights, RunnerOptions op
       dtype_name(options_.compute_dtype));
   FUSEDMOE_CHECK(options_.max_num_tokens >= 0,
                  "max_num_tokens: expected >= 0 (0: the default), got ", options_.max_num_tokens);
+  FUSEDMOE_CHECK(options_.combine_dtype == DType::kF32 || options_.combine_dtype == DType::kBF16,
+                 "combine_dtype: expected f32 or bf16, got ", dtype_name(options_.combine_dtype));
   router_ = create_router(config_, weights_.router_params);
   kernel_ = make_cpu_modular_kernel(options_.pool);
   workspace_ = std::make_unique<Workspace>();
@@ -183,6 +185,11 @@ MoERunner::MoERunner(MoEConfig config, MoELayerWeights weights, RunnerOptions op
   // parallelism on GPUs (CudaEpMoELayer), also at ep_size 1.
   const bool cuda_ep = options_.device.type == DeviceType::kCUDA && options_.communicator &&
                        options_.communicator->device_buffers();
+  // bf16 combine rows: the GPU peer transport's (CudaEpMoELayer checks the transport).
+  FUSEDMOE_CHECK(cuda_ep || options_.combine_dtype == DType::kF32,
+                 "combine_dtype: bf16 is a payload of GPU expert parallelism (CUDA backend with "
+                 "a communicator over device memory, peer transport); expected f32 here, got ",
+                 dtype_name(options_.combine_dtype));
   if (cuda_ep) {
     const ParallelConfig& pc = config_.parallel;
     const Communicator& comm = *options_.communicator;
@@ -259,8 +266,12 @@ MoERunner::MoERunner(MoEConfig config, MoELayerWeights weights, RunnerOptions op
       cuda_ep_ = std::make_unique<cuda::CudaEpMoELayer>(
           *cuda_, config_, options_.communicator,
           ExpertMap(config_.num_experts, P, config_.parallel.expert_placement),
-          options_.max_num_tokens);
+          options_.max_num_tokens, options_.dispatch_dtype, options_.combine_dtype);
     } else {
+      FUSEDMOE_CHECK(options_.dispatch_dtype == DispatchDType::kAuto,
+                     "dispatch_dtype: the payload of expert parallelism; expected auto without "
+                     "it, got ",
+                     to_string(options_.dispatch_dtype));
       cuda_ = std::make_unique<cuda::CudaMoELayer>(config_, weights_, options_.max_num_tokens,
                                                    options_.compute_dtype);
     }

@@ -638,8 +638,13 @@ expect_usage "bench --backend cuda --tp-size 2" "--backend cuda: --ep-size only"
   bench --backend cuda --shapes qwen3 --tokens 1 --tp-size 2
 for cmd in run bench; do
   case $cmd in run) a=(run --model "$FIX" --layer 1 --tokens 2) ;; *) a=(bench --shapes qwen3 --tokens 1) ;; esac
-  expect_usage "$cmd --backend cuda --dispatch-dtype fp8" "--dispatch-dtype fp8: an option of the CPU backend" -- \
-    "${a[@]}" --backend cuda --ep-size 2 --dispatch-dtype fp8
+  expect_usage "$cmd --backend cuda --dispatch-dtype f32" "--dispatch-dtype f32: with --backend cuda the experts take bf16 inputs" -- \
+    "${a[@]}" --backend cuda --ep-size 2 --dispatch-dtype f32
+  # The combine payload: GPU expert parallelism only.
+  expect_usage "$cmd --combine-dtype bf16 on the CPU" "--combine-dtype bf16: the combine payload of GPU expert parallelism" -- \
+    "${a[@]}" --ep-size 2 --combine-dtype bf16
+  expect_usage "$cmd --backend cuda --combine-dtype bf16 without --ep-size" "needs --backend cuda and --ep-size > 1" -- \
+    "${a[@]}" --backend cuda --combine-dtype bf16
 done
 # --dispatch-dtype given without expert parallelism, any value (auto too), is a usage
 # error as --expert-placement is, for run and bench.

@@ -409,25 +409,58 @@ TEST(CudaSm90Experts, RejectsBadArguments) {
   }
   a.w13_layout = cuda::W13Layout::kStandard;
 
-  // finalize reads bf16 y only as sm90_experts' expert-sorted rows (through slot_row).
   cuda::FinalizeArgs f;
   f.y = buf.data();
-  f.y_dtype = DType::kBF16;
   f.topk_ids = buf.data_as<int32_t>();
   f.num_tokens = 4;
   f.top_k = 2;
   f.hidden = 64;
   f.out = buf.data();
   f.ldo = 64;
-  try {
-    cuda::finalize(f, nullptr);
-    ADD_FAILURE() << "bf16 y without slot_row accepted";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("y dtype"), std::string::npos) << e.what();
-  }
   f.y_dtype = DType::kF16;
   f.slot_row = buf.data_as<int32_t>();
   EXPECT_THROW(cuda::finalize(f, nullptr), Error);
+}
+
+// finalize over bf16 rows by slot (the peer transport's bf16 combine rows: one
+// row a (token, rank), ids = the dispatch's row positions): each value widened
+// to f32, summed in slot order, invalid ids skipped.
+TEST(CudaFinalize, Bf16RowsBySlot) {
+  FUSEDMOE_REQUIRE_CUDA();
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const int64_t T = 37, k = 3, H = 96;
+  const Tensor y = test::to_bf16(test::randn_f32(rng, {T * k, H}));
+  Tensor ids = Tensor::empty(DType::kI32, {T, k});
+  std::uniform_int_distribution<int> pick(-1, 5);
+  for (int64_t i = 0; i < T * k; ++i) ids.data_as<int32_t>()[i] = pick(rng);
+  DeviceTensor yd = DeviceTensor::from_host(y), idd = DeviceTensor::from_host(ids);
+  DeviceTensor out(DType::kF32, {T, H});
+  out.poison();
+  cuda::FinalizeArgs f;
+  f.y = yd.data();
+  f.y_dtype = DType::kBF16;
+  f.topk_ids = idd.data_as<int32_t>();
+  f.num_tokens = T;
+  f.top_k = k;
+  f.hidden = H;
+  f.out = out.data();
+  f.ldo = H;
+  cuda::finalize(f, nullptr);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const Tensor got = out.to_host();
+  const Tensor yf = to_f32(y);
+  int64_t wrong = 0;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < H; ++h) {
+      float want = 0.0f;
+      for (int64_t j = 0; j < k; ++j)
+        if (ids.data_as<int32_t>()[t * k + j] >= 0)
+          want += yf.data_as<float>()[(t * k + j) * H + h];
+      wrong += got.data_as<float>()[t * H + h] != want;
+    }
+  EXPECT_EQ(wrong, 0) << "of " << T * H << " outputs differ from the slot-order f32 sum";
 }
 
 }  // namespace

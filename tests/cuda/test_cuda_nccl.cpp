@@ -408,11 +408,30 @@ Tensor rows_of(const Tensor& t, int64_t r0, int64_t n) {
 // before sending one row back, so f32 sums in another order, ~1e-7; ranks of
 // different T: its experts pick tiles for ep_size * max_tokens_per_rank rows,
 // one GPU for the sum of T, so bf16 rounding, 1e-2). transport: the one every
-// rank's EpStats must name, or null.
+// rank's EpStats must name, or null. payloads: the EP ranks' dispatch /
+// combine payloads; with quantized_reference, one GPU runs on the hidden
+// states the fp8 records carry (bf16, quantised in 1 x 128 groups with the
+// CPU's quantize_fp8_groups, dequantised): what the experts see.
+struct EpPayloads {
+  DispatchDType dispatch = DispatchDType::kAuto;
+  DType combine = DType::kF32;
+  bool quantized_reference = false;
+};
+Tensor fp8_roundtrip(const Tensor& x) {
+  const int64_t T = x.size(0), H = x.size(1), G = (H + 127) / 128;
+  const Tensor xb = to_f32(test::to_bf16(x));
+  std::vector<uint8_t> q(T * H);
+  std::vector<float> scales(T * G);
+  quantize_fp8_groups(xb.data_as<float>(), T, H, H, 128, q.data(), scales.data());
+  Tensor out = Tensor::empty(DType::kF32, {T, H});
+  dequantize_fp8_groups(q.data(), scales.data(), T, H, 128, out.data_as<float>(), H);
+  return out;
+}
 void check_ep(const MoEConfig& base, const MoELayerWeights& w, const std::vector<int64_t>& tokens,
               std::vector<std::shared_ptr<Communicator>> comms, const std::vector<int>& devices,
               ExpertPlacement placement, std::mt19937_64& rng, bool give_logits,
-              double tolerance = 0, const char* transport = nullptr) {
+              double tolerance = 0, const char* transport = nullptr,
+              const EpPayloads& payloads = {}) {
   const int P = static_cast<int>(tokens.size());
   const int64_t H = base.hidden_size, k = base.top_k, L = base.num_router_logits();
   std::string trace = "ep_size " + std::to_string(P) + " T";
@@ -434,7 +453,8 @@ void check_ep(const MoEConfig& base, const MoELayerWeights& w, const std::vector
   {
     test::cuda_ok(cudaSetDevice(devices[0]), "cudaSetDevice");
     MoERunner one(base, w, cuda_options(std::max<int64_t>(total, 1)));
-    DeviceTensor xd = DeviceTensor::from_host(x), ld = DeviceTensor::from_host(logits);
+    DeviceTensor xd = DeviceTensor::from_host(payloads.quantized_reference ? fp8_roundtrip(x) : x);
+    DeviceTensor ld = DeviceTensor::from_host(logits);
     DeviceTensor out(DType::kF32, {total, H}), ids(DType::kI32, {total, k});
     out.poison();
     ForwardOutputs fo{TensorView(), ids, TensorView()};
@@ -454,6 +474,8 @@ void check_ep(const MoEConfig& base, const MoELayerWeights& w, const std::vector
     RunnerOptions o = cuda_options(tmax);
     o.device = Device{DeviceType::kCUDA, devices[r]};
     o.communicator = comms[r];
+    o.dispatch_dtype = payloads.dispatch;
+    o.combine_dtype = payloads.combine;
     MoERunner ep(c, w, o);
     const int64_t T = tokens[r];
     DeviceTensor xd = DeviceTensor::from_host(rows_of(x, start[r], T));
@@ -769,6 +791,115 @@ TEST(CudaEp, PeerSm90ExpertsMatchOneGpu) {
     if (HasFailure()) break;
   }
   run_ranks(n, [&](int r) { comms[r].reset(); });
+}
+
+// The peer transport's payloads: fp8 records (1 x 128 group scales,
+// dequantised by the receiver) and bf16 combine rows. fp8 on layers whose
+// experts see exactly the dispatched hidden states (no shared expert, weight
+// not on the input): one GPU on the quantised-dequantised states gives the
+// same output within f32 rounding; elsewhere fp8 is within its rounding of
+// one GPU. bf16 rows: within bf16 rounding of one GPU.
+TEST(CudaEp, PeerFp8DispatchAndBf16Combine) {
+  FUSEDMOE_REQUIRE_NCCL();
+  TransportEnv env("peer");
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const int n = cuda::device_count();
+  std::vector<std::vector<int>> setups{{0}};
+  if (n >= 2) {
+    setups.emplace_back(n);
+    for (int i = 0; i < n; ++i) setups.back()[i] = i;
+  }
+  for (const std::vector<int>& devices : setups) {
+    const int P = static_cast<int>(devices.size());
+    SCOPED_TRACE(std::to_string(P) + " GPU(s)");
+    std::vector<std::shared_ptr<Communicator>> comms;
+    if (P == 1) {
+      comms.push_back(one_rank_nccl());
+    } else {
+      for (auto& m : make_nccl_communicators(devices)) comms.push_back(std::move(m));
+    }
+    for (const auto& [name, c] : ep_configs()) {
+      SCOPED_TRACE(name);
+      if (P > c.num_experts) continue;
+      const MoELayerWeights w = test::random_layer(rng, c, DType::kBF16);
+      const bool exact = !c.has_shared_expert() && !c.apply_router_weight_on_input;
+      for (int64_t T : {1, 37, 300}) {
+        const std::vector<int64_t> tokens(P, T);
+        for (DType combine : {DType::kF32, DType::kBF16}) {
+          SCOPED_TRACE(std::string("fp8 dispatch, combine ") + dtype_name(combine));
+          const double tol = exact ? (combine == DType::kBF16 ? 1e-2 : 1e-6) : 5e-2;
+          check_ep(c, w, tokens, comms, devices, ExpertPlacement::kContiguous, rng, true, tol,
+                   "peer", {DispatchDType::kFP8, combine, exact});
+        }
+        SCOPED_TRACE("bf16 dispatch, bf16 combine");
+        check_ep(c, w, tokens, comms, devices, ExpertPlacement::kRoundRobin, rng, true, 1e-2,
+                 "peer", {DispatchDType::kBF16, DType::kBF16, false});
+        if (HasFailure()) break;
+      }
+      if (HasFailure()) break;
+    }
+    run_ranks(P, [&](int r) { comms[r].reset(); });
+    if (HasFailure()) return;
+  }
+}
+
+// The payloads the GPU path cannot carry are refused, naming the option:
+// f32 records, bf16 records with f16 experts, fp8 / bf16 on the nccl transport,
+// and ranks asking for different payloads.
+TEST(CudaEp, UnsupportedPayloadsAreRefused) {
+  FUSEDMOE_REQUIRE_NCCL();
+  std::mt19937_64 rng(test::fresh_seed());
+  MoEConfig c = test::base_config(8, 2, 64, 32);
+  c.parallel = parallel_config_for_rank(0, 1, 1, 1);
+  const MoELayerWeights w = test::random_layer(rng, c, DType::kBF16);
+  std::shared_ptr<Communicator> comm = one_rank_nccl();
+  const auto error = [&](DispatchDType d, DType combine, DType compute) {
+    RunnerOptions o = cuda_options(16);
+    o.communicator = comm;
+    o.dispatch_dtype = d;
+    o.combine_dtype = combine;
+    o.compute_dtype = compute;
+    return test::error_of([&] { MoERunner ep(c, w, o); }, ErrorCode::kInvalidArgument);
+  };
+  {
+    TransportEnv env("peer");
+    EXPECT_NE(error(DispatchDType::kF32, DType::kF32, DType::kBF16).find("dispatch_dtype"),
+              std::string::npos);
+    EXPECT_NE(error(DispatchDType::kBF16, DType::kF32, DType::kF16).find("f16 inputs"),
+              std::string::npos);
+    EXPECT_NE(error(DispatchDType::kAuto, DType::kF16, DType::kBF16).find("combine_dtype"),
+              std::string::npos);
+  }
+  {
+    TransportEnv env("nccl");
+    EXPECT_NE(error(DispatchDType::kFP8, DType::kF32, DType::kBF16).find("nccl"),
+              std::string::npos);
+    EXPECT_NE(error(DispatchDType::kAuto, DType::kBF16, DType::kBF16).find("nccl"),
+              std::string::npos);
+  }
+  // Two thread ranks on two GPUs asking for different payloads.
+  if (cuda::device_count() >= 2) {
+    TransportEnv env("peer");
+    const std::vector<int> devices{0, 1};
+    std::vector<std::shared_ptr<Communicator>> comms;
+    for (auto& m : make_nccl_communicators(devices)) comms.push_back(std::move(m));
+    std::vector<std::string> errors(2);
+    run_ranks(2, [&](int r) {
+      test::cuda_ok(cudaSetDevice(r), "cudaSetDevice");
+      MoEConfig cr = c;
+      cr.parallel = parallel_config_for_rank(r, 2, 1, 1);
+      RunnerOptions o = cuda_options(16);
+      o.device = Device{DeviceType::kCUDA, r};
+      o.communicator = comms[r];
+      o.dispatch_dtype = r == 0 ? DispatchDType::kFP8 : DispatchDType::kAuto;
+      errors[r] = test::error_of([&] { MoERunner ep(cr, w, o); }, ErrorCode::kInvalidArgument);
+    });
+    for (const std::string& e : errors)
+      EXPECT_NE(e.find("every rank must use the same"), std::string::npos) << e;
+    run_ranks(2, [&](int r) { comms[r].reset(); });
+  }
 }
 
 // The peer transport never synchronises with the host: each rank's forward is

@@ -83,22 +83,36 @@ struct RunnerOptions {
   // ep_size = communicator size (1 included), tp_size = dp_size = 1; each
   // rank's forward() takes its own tokens (T <= max_num_tokens, may be 0) and
   // is collective. Route on the device, dispatch each token once per
-  // destination rank, local experts, combine in slot order: bit-identical to
-  // one GPU on all ranks' tokens given the same router_logits (with each
-  // rank's own gate GEMM: within ~1e-7 relative, as the device gate GEMM's
-  // summation order depends on T). That path synchronises cuda_stream at each
-  // exchange (the counts go to the host), so it is not graph-capturable; its
-  // workspace holds ep_size * max_num_tokens received rows. Its local experts
-  // run on the mma.sync kernels at every T: bit-identical to one GPU run with
-  // FUSEDMOE_CUDA_EXPERTS=mma; where one GPU picks the sm_90a wgmma path (many
-  // rows per expert), the two agree to bf16 rounding.
+  // destination rank, local experts, combine. Two transports
+  // (FUSEDMOE_EP_TRANSPORT, see EpTransport):
+  //  - nccl: combine in slot order, bit-identical to one GPU on all ranks'
+  //    tokens given the same router_logits (with each rank's own gate GEMM:
+  //    within ~1e-7 relative, as the device gate GEMM's summation order
+  //    depends on T). It synchronises cuda_stream at each exchange (the counts
+  //    go to the host), so it is not graph-capturable. Its local experts run on
+  //    the mma.sync kernels at every T: bit-identical to one GPU run with
+  //    FUSEDMOE_CUDA_EXPERTS=mma; where one GPU picks the sm_90a wgmma path
+  //    (many rows per expert), the two agree to bf16 rounding.
+  //  - peer (one host, one GPU per rank): kernels store into the other GPUs'
+  //    memory, no host synchronisation (capturable); each rank sums its slots
+  //    of a token before sending one row back, so within f32 rounding of one
+  //    GPU; the local experts take the kernels one GPU would (sm_90a included).
+  // The workspace holds ep_size * max_num_tokens received rows.
   // Parallel layouts (config.parallel sizes > 1; CPU backend): the communicator
   // over all ranks of the layout (parallel/communicator.h ParallelGroups; its
   // rank must match config.parallel's ranks; nullptr: one rank). The weights
   // may be the whole layer (the runner keeps this rank's share) or only this
   // rank's share, as load_moe_layer with LoadOptions.parallel reads it.
   std::shared_ptr<Communicator> communicator;
-  DispatchDType dispatch_dtype = DispatchDType::kAuto;  // EP all-to-all payload
+  // Expert parallelism's dispatch payload. CPU (ep_size > 1, dp_size 1): see
+  // DispatchDType. CUDA: auto (or bf16 with bf16 compute) sends the experts'
+  // half type; fp8 (peer transport only) e4m3 with 1 x 128 group scales,
+  // dequantised by the receiver (about half the bytes; bf16-level error).
+  DispatchDType dispatch_dtype = DispatchDType::kAuto;
+  // CUDA expert parallelism, peer transport only: the combine rows, f32 or
+  // bf16 (half the bytes; each rank's partial sum of a token rounded to bf16
+  // once). Elsewhere f32 only.
+  DType combine_dtype = DType::kF32;
 };
 
 // Optional caller buffers that receive the router's results.

@@ -50,8 +50,9 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 // What a rank tells the others: the transport it asks for, and how to map its
 // peer window.
 struct PeerInfo {
-  int32_t mode;  // EpTransport
-  int32_t ok;    // 0: no window; 1: window and CUDA IPC handle; 2: window only
+  int32_t mode;      // EpTransport
+  int32_t payloads;  // 1: fp8 dispatch records, 2: bf16 combine rows (bits)
+  int32_t ok;        // 0: no window; 1: window and CUDA IPC handle; 2: window only
   int64_t capacity, hidden, top_k, bytes;  // the window's layout (the same on every rank)
   char host[64];
   uint64_t process;        // a random id of its process (equal: the same process)
@@ -117,12 +118,13 @@ struct CudaEpMoELayer::Impl {
   int64_t max_tokens = 0;  // per rank
   int P = 1, me = 0;
   int64_t rec = 0;
-  DeviceArray rank_of, local_of;         // i32 [E]
-  DeviceArray row_pos, slot_pos;         // i32 [Tmax * P], [Tmax * k]
-  DeviceArray counts_send, counts_recv;  // i64 [P * 3]
-  DeviceArray send, recv;                // records [Tmax * min(P, k)], [P * Tmax]
-  DeviceArray ids_l, w_l, cpos;          // [P * Tmax * k]
-  DeviceArray csend, crecv, y;           // f32 [P * Tmax * k, H], [Tmax * k, H], [Tmax * k, H]
+  bool fp8 = false, combine_bf16 = false;  // the peer transport's payloads
+  DeviceArray rank_of, local_of;           // i32 [E]
+  DeviceArray row_pos, slot_pos;           // i32 [Tmax * P], [Tmax * k]
+  DeviceArray counts_send, counts_recv;    // i64 [P * 3]
+  DeviceArray send, recv;                  // records [Tmax * min(P, k)], [P * Tmax]
+  DeviceArray ids_l, w_l, cpos;            // [P * Tmax * k]
+  DeviceArray csend, crecv, y;             // f32 [P * Tmax * k, H], [Tmax * k, H], [Tmax * k, H]
   EpStats stats;
 
   // ---- the peer transport (ep_peer.h) ----
@@ -134,6 +136,7 @@ struct CudaEpMoELayer::Impl {
   DeviceArray peers;              // char* [P]
   DeviceArray sync;               // u64 epoch, u32 dispatch done, u32 combine done
   DeviceArray rows_seen;          // i64 [P]: rows each source sent in the last forward (stats)
+  DeviceArray x_recv;             // fp8 records: the received rows dequantised, half [P * Tmax, H]
   double timeout_s = 60;
   // start, dispatched, received, experts done, combined, combine waited
   cudaEvent_t ev[6] = {};
@@ -155,11 +158,15 @@ struct CudaEpMoELayer::Impl {
 
 bool CudaEpMoELayer::Impl::setup_peer(EpTransport want) {
   const int64_t k = cfg.top_k, H = cfg.hidden_size;
-  layout = peer_layout(P, me, static_cast<int>(k), H, max_tokens);
   FUSEDMOE_CUDA_CHECK(cudaGetDevice(&device));
+  int sms = 1;
+  FUSEDMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  layout = peer_layout(P, me, static_cast<int>(k), H, max_tokens, layer->dtype() == DType::kF16,
+                       fp8, combine_bf16, sms);
   std::string why;  // this rank's reason, when it cannot
   PeerInfo info{};
   info.mode = static_cast<int32_t>(want);
+  info.payloads = (fp8 ? 1 : 0) | (combine_bf16 ? 2 : 0);
   info.capacity = layout.capacity;
   info.hidden = H;
   info.top_k = k;
@@ -204,6 +211,18 @@ bool CudaEpMoELayer::Impl::setup_peer(EpTransport want) {
                    "transport; rank ",
                    ask_nccl, " asks for nccl, rank ", ask_peer, " for peer");
   }
+  const auto payload_names = [](int32_t f) {
+    return std::string("dispatch ") + (f & 1 ? "fp8" : "auto") + ", combine " +
+           (f & 2 ? "bf16" : "f32");
+  };
+  for (int p = 1; p < P; ++p)
+    if (infos[p].payloads != infos[0].payloads) {
+      release_peer(false);
+      FUSEDMOE_THROW(kInvalidArgument,
+                     "dispatch_dtype / combine_dtype: every rank must use the same; rank 0 has ",
+                     payload_names(infos[0].payloads), ", rank ", p, " has ",
+                     payload_names(infos[p].payloads));
+    }
   if (ask_nccl >= 0) {
     release_peer(false);  // no peer mapped it: nothing exported is in use
     return false;
@@ -328,7 +347,8 @@ void CudaEpMoELayer::Impl::release_peer(bool exported) {
 
 CudaEpMoELayer::CudaEpMoELayer(CudaMoELayer& layer, const MoEConfig& config,
                                std::shared_ptr<Communicator> comm, ExpertMap map,
-                               int64_t max_tokens_per_rank)
+                               int64_t max_tokens_per_rank, DispatchDType dispatch_dtype,
+                               DType combine_dtype)
     : impl_(std::make_unique<Impl>()) {
   Impl& s = *impl_;
   FUSEDMOE_CHECK(comm != nullptr, "CudaEpMoELayer: communicator is null");
@@ -342,6 +362,17 @@ CudaEpMoELayer::CudaEpMoELayer(CudaMoELayer& layer, const MoEConfig& config,
                  config.num_experts, " experts, got ", map.num_experts());
   FUSEDMOE_CHECK(max_tokens_per_rank > 0, "max_tokens_per_rank: expected > 0, got ",
                  max_tokens_per_rank);
+  // The experts take their half type: the records carry it (auto), or fp8.
+  const bool half_f16 = layer.dtype() == DType::kF16;
+  FUSEDMOE_CHECK(dispatch_dtype == DispatchDType::kAuto || dispatch_dtype == DispatchDType::kFP8 ||
+                     (dispatch_dtype == DispatchDType::kBF16 && !half_f16),
+                 "dispatch_dtype: the GPU experts take ", half_f16 ? "f16" : "bf16",
+                 " inputs; expected auto", half_f16 ? "" : ", bf16", " or fp8, got ",
+                 to_string(dispatch_dtype));
+  FUSEDMOE_CHECK(combine_dtype == DType::kF32 || combine_dtype == DType::kBF16,
+                 "combine_dtype: expected f32 or bf16, got ", dtype_name(combine_dtype));
+  s.fp8 = dispatch_dtype == DispatchDType::kFP8;
+  s.combine_bf16 = combine_dtype == DType::kBF16;
   s.layer = &layer;
   s.cfg = config;
   s.comm = std::move(comm);
@@ -372,7 +403,17 @@ CudaEpMoELayer::CudaEpMoELayer(CudaMoELayer& layer, const MoEConfig& config,
   s.counts_send = DeviceArray(8 * 3 * P);
   s.ids_l = DeviceArray(4 * Tm * P * k);
   s.w_l = DeviceArray(4 * Tm * P * k);
-  if (s.setup_peer(ep_transport_from_env())) return;
+  if (s.setup_peer(ep_transport_from_env())) {
+    if (s.fp8) s.x_recv = DeviceArray(size_t{2} * P * Tm * H);
+    return;
+  }
+  // Every rank took the same decision on the same payloads (setup_peer).
+  FUSEDMOE_CHECK(!s.fp8 && !s.combine_bf16,
+                 "dispatch_dtype fp8 / combine_dtype bf16: payloads of the peer transport, but "
+                 "these ranks use the nccl one (FUSEDMOE_EP_TRANSPORT=nccl, or the ranks cannot "
+                 "map each other's GPU memory; FUSEDMOE_EP_TRANSPORT=peer says why); got "
+                 "dispatch_dtype ",
+                 to_string(dispatch_dtype), ", combine_dtype ", dtype_name(combine_dtype));
   s.counts_recv = DeviceArray(8 * 3 * P);
   s.send = DeviceArray(s.rec * Tm * std::min<int64_t>(P, k));
   s.recv = DeviceArray(s.rec * Tm * P);
@@ -409,15 +450,15 @@ void CudaEpMoELayer::Impl::peer_stats() {
   FUSEDMOE_CUDA_CHECK(
       cudaMemcpy(cs.data(), counts_send.as<void>(), 24 * P, cudaMemcpyDeviceToHost));
   FUSEDMOE_CUDA_CHECK(cudaMemcpy(rows.data(), rows_seen.as<void>(), 8 * P, cudaMemcpyDeviceToHost));
-  // Every dispatched row comes back as one f32 row (its slots summed).
+  // Every dispatched row comes back as one f32 / bf16 row (its slots summed).
   for (int p = 0; p < P; ++p) {
     st.dispatch_rows_sent += cs[3 * p];
     st.dispatch_rows_received += rows[p];
     if (p == me) continue;
-    st.dispatch_bytes_sent += cs[3 * p] * rec;
-    st.dispatch_bytes_received += rows[p] * rec;
-    st.combine_bytes_sent += rows[p] * H * 4;
-    st.combine_bytes_received += cs[3 * p] * H * 4;
+    st.dispatch_bytes_sent += cs[3 * p] * layout.rec;
+    st.dispatch_bytes_received += rows[p] * layout.rec;
+    st.combine_bytes_sent += rows[p] * H * (combine_bf16 ? 2 : 4);
+    st.combine_bytes_received += cs[3 * p] * H * (combine_bf16 ? 2 : 4);
   }
   stats = st;
 }
@@ -570,21 +611,25 @@ void CudaEpMoELayer::Impl::forward_peer(const TensorView& output, int64_t T, Str
   mark(1);
   l.ep_shared(T, M, stream);
   peer_receive(window, layout, epoch, timeout_s, ids_l.as<int32_t>(), w_l.as<float>(),
-               rows_seen.as<int64_t>(), stream);
+               rows_seen.as<int64_t>(), x_recv.as<uint16_t>(), stream);
   mark(2);
   // The sm90 path where forward() of M tokens takes it: expert-sorted rows,
   // weighted and biased by the combine.
-  const FinalizeArgs y_local =
-      l.experts(reinterpret_cast<const uint16_t*>(window + layout.off_recv), rec / 2,
-                ids_l.as<int32_t>(), w_l.as<float>(), M, M, /*allow_sm90=*/true, stream);
+  // Inputs: the records themselves (row stride rec / 2 elements), or the
+  // dequantised fp8 records.
+  const uint16_t* x =
+      fp8 ? x_recv.as<uint16_t>() : reinterpret_cast<const uint16_t*>(window + layout.off_recv);
+  const FinalizeArgs y_local = l.experts(x, fp8 ? cfg.hidden_size : layout.rec / 2,
+                                         ids_l.as<int32_t>(), w_l.as<float>(), M, M,
+                                         /*allow_sm90=*/true, stream);
   mark(3);
   peer_combine(y_local, ids_l.as<int32_t>(), window, peers.as<char*>(), layout, epoch, done + 1,
                stream);
   mark(4);
   peer_wait_combine(window, layout, epoch, timeout_s, stream);
   mark(5);
-  l.ep_finalize(reinterpret_cast<const float*>(window + layout.off_y), output, T, stream,
-                row_pos.as<int32_t>(), P);
+  l.ep_finalize(window + layout.off_y, output, T, stream, row_pos.as<int32_t>(), P,
+                combine_bf16 ? DType::kBF16 : DType::kF32);
   stats_pending = timed;
 }
 

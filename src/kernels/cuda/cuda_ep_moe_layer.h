@@ -39,7 +39,8 @@
 //    (unfilled rows have ids -1; GEMM tiles of that batch), and the combine
 //    kernel sums each received row's slots held here (slot order, f32) and
 //    stores that one row into its source's window; the source's finalize sums
-//    a token's rows in rank order. No host synchronisation and no
+//    a token's rows in rank order (records in fp8 and rows in bf16 on request:
+//    dispatch_dtype / combine_dtype). No host synchronisation and no
 //    communicator call per forward (capturable in a CUDA graph); the cost of
 //    the experts' small kernels grows with max_tokens_per_rank, so size it to
 //    the batch. The sums run rank by rank: within f32 rounding of one GPU
@@ -70,9 +71,18 @@ class CudaEpMoELayer {
   // rank's rows for its experts); it must outlive this object. comm: the EP
   // group, device buffers, size map.ep_size(). max_tokens_per_rank: the
   // largest T any rank passes to forward(). Allocates the exchange buffers on
-  // the current device. Throws Error(kInvalidArgument) on mismatched sizes.
+  // the current device. dispatch_dtype: the records' hidden states — auto
+  // (and bf16 with bf16 experts): the experts' half type, exact; fp8: e4m3
+  // with one f32 scale per 1 x 128 group (peer_dispatch), dequantised to the
+  // half type by the receiver (about half the bytes). combine_dtype: the rows
+  // sent back — f32, or bf16 (half the bytes; each rank's partial sum rounded
+  // once). fp8 and bf16 are payloads of the peer transport only; every rank
+  // must pass the same. Throws Error(kInvalidArgument) on mismatched sizes,
+  // other dtypes, ranks of different payloads, and those payloads on nccl.
   CudaEpMoELayer(CudaMoELayer& layer, const MoEConfig& config, std::shared_ptr<Communicator> comm,
-                 ExpertMap map, int64_t max_tokens_per_rank);
+                 ExpertMap map, int64_t max_tokens_per_rank,
+                 DispatchDType dispatch_dtype = DispatchDType::kAuto,
+                 DType combine_dtype = DType::kF32);
   ~CudaEpMoELayer();
   CudaEpMoELayer(const CudaEpMoELayer&) = delete;
   CudaEpMoELayer& operator=(const CudaEpMoELayer&) = delete;

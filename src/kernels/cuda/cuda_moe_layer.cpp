@@ -591,12 +591,13 @@ FinalizeArgs CudaMoELayer::experts(const uint16_t* x, int64_t ldx, const int32_t
   return routed_experts(r, s.routed, stream).finalize;
 }
 
-void CudaMoELayer::ep_finalize(const float* y, const TensorView& output, int64_t T, Stream stream,
-                               const int32_t* rows, int64_t rows_per_token) {
+void CudaMoELayer::ep_finalize(const void* y, const TensorView& output, int64_t T, Stream stream,
+                               const int32_t* rows, int64_t rows_per_token, DType y_dtype) {
   check_device_view(output, "output", {DType::kF32, DType::kBF16, DType::kF16});
   if (T == 0) return;
   FinalizeArgs f;
   f.y = y;
+  f.y_dtype = y_dtype;
   f.topk_ids = rows ? rows : impl_->ids;  // finalize sums the rows whose id is >= 0
   f.num_tokens = T;
   f.top_k = rows ? rows_per_token : impl_->cfg.top_k;

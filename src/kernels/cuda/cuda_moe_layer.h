@@ -92,8 +92,10 @@ class CudaMoELayer {
   // rows / rows_per_token: instead of y by slot, y [T * rows_per_token, H]
   // summed over the rows whose rows[t * rows_per_token + r] >= 0, in order r
   // (the peer transport: one row a (token, rank) pair, rows = the dispatch's row_pos).
-  void ep_finalize(const float* y, const TensorView& output, int64_t num_tokens, Stream stream,
-                   const int32_t* rows = nullptr, int64_t rows_per_token = 0);
+  // y_dtype: kF32, or kBF16 (the peer transport's bf16 combine rows).
+  void ep_finalize(const void* y, const TensorView& output, int64_t num_tokens, Stream stream,
+                   const int32_t* rows = nullptr, int64_t rows_per_token = 0,
+                   DType y_dtype = DType::kF32);
   const int32_t* topk_ids() const;
   const float* topk_weights() const;
   const uint16_t* expert_input() const;

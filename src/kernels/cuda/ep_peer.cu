@@ -7,6 +7,9 @@
 // polls its own flag with ld.acquire.sys, then __syncthreads() hands the
 // acquired view to the block (the threadfence-reduction pattern, at system
 // scope).
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
 #include <algorithm>
 #include <cstdio>
 
@@ -80,18 +83,62 @@ __device__ bool last_block(unsigned* done) {
   return last;
 }
 
-__device__ __forceinline__ int32_t* rec_ids(char* r, int64_t H) {
-  return reinterpret_cast<int32_t*>(r + 2 * H);
+__device__ __forceinline__ int32_t* rec_ids(char* r, const PeerLayout& L) {
+  return reinterpret_cast<int32_t*>(r + L.payload);
 }
-__device__ __forceinline__ float* rec_weights(char* r, int64_t H, int k) {
-  return reinterpret_cast<float*>(r + 2 * H + 4 * k);
+__device__ __forceinline__ float* rec_weights(char* r, const PeerLayout& L) {
+  return reinterpret_cast<float*>(r + L.payload + 4 * L.top_k);
 }
-__device__ __forceinline__ int32_t* rec_token(char* r, int64_t H, int k) {
-  return reinterpret_cast<int32_t*>(r + 2 * H + 8 * k);
+__device__ __forceinline__ int32_t* rec_token(char* r, const PeerLayout& L) {
+  return reinterpret_cast<int32_t*>(r + L.payload + 8 * L.top_k);
+}
+__device__ __forceinline__ float* rec_scales(char* r, const PeerLayout& L) {  // fp8 records
+  return reinterpret_cast<float*>(r + L.hidden);
 }
 
-// One block a (token, chunk of kCopyVecs vectors of its row): at least one
-// block (the signals).
+// 8 half values (bf16 or f16 bits) <-> f32.
+__device__ __forceinline__ void half8_to_f32(uint4 a, bool f16, float* v) {
+  const uint32_t w[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if (f16) {
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
+      v[2 * i] = f.x;
+      v[2 * i + 1] = f.y;
+    } else {
+      v[2 * i] = __uint_as_float(w[i] << 16);
+      v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+  }
+}
+__device__ __forceinline__ uint4 f32_to_half8(const float* v, bool f16) {
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if (f16) {
+      const __half2 h = __floats2half2_rn(v[2 * i], v[2 * i + 1]);
+      w[i] = *reinterpret_cast<const uint32_t*>(&h);
+    } else {
+      w[i] = static_cast<uint32_t>(float_to_bf16_bits(v[2 * i])) |
+             (static_cast<uint32_t>(float_to_bf16_bits(v[2 * i + 1])) << 16);
+    }
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// Persistent grids: a few blocks an SM loop over the work items, so each block
+// pays last_block()'s system-scope fence once, not once an item.
+constexpr int kBlocksPerSm = 8;
+unsigned persistent_grid(int64_t items, int sms) {
+  return static_cast<unsigned>(std::clamp<int64_t>(items, 1, int64_t{kBlocksPerSm} * sms));
+}
+
+// Work item (token t, chunk c of kCopyVecs 16-byte vectors of its row): the
+// chunk to every destination holding one of t's experts (chunk 0: the ids,
+// weights and token index too). fp8: each thread quantises 8 values; the 16
+// threads of a 128-column group share its amax (shuffles within 16 aligned
+// lanes: every lane of the block runs every step of the loop).
+template <bool kFp8>
 __global__ void __launch_bounds__(kCopyThreads)
     dispatch_kernel(const uint16_t* __restrict__ x, const int32_t* __restrict__ ids,
                     const float* __restrict__ w, int64_t T, const int32_t* __restrict__ rank_of,
@@ -99,25 +146,63 @@ __global__ void __launch_bounds__(kCopyThreads)
                     const int64_t* __restrict__ counts, char* const* __restrict__ peers,
                     PeerLayout L, uint64_t* epoch, unsigned* done) {
   const int P = L.ep_size, k = L.top_k, me = L.rank;
-  const int64_t H = L.hidden;
-  const int64_t t = blockIdx.x;
-  if (t < T) {
+  const int64_t H = L.hidden, nv = H / 8;
+  const int64_t chunks = (nv + kCopyVecs - 1) / kCopyVecs;
+  for (int64_t item = blockIdx.x; item < T * chunks; item += gridDim.x) {
+    const int64_t t = item / chunks, c = item % chunks;
+    const int64_t v0 = c * kCopyVecs, v1 = v0 + kCopyVecs < nv ? v0 + kCopyVecs : nv;
     const uint4* xs = reinterpret_cast<const uint4*>(x + t * H);
-    const int64_t v0 = static_cast<int64_t>(blockIdx.y) * kCopyVecs;
-    const int64_t v1 = v0 + kCopyVecs < H / 8 ? v0 + kCopyVecs : H / 8;
+    const int32_t* pos = row_pos + t * P;
+    for (int64_t base = v0; base < v1; base += blockDim.x) {
+      const int64_t i = base + threadIdx.x;
+      const bool ok = i < v1;
+      if (!kFp8) {
+        if (!ok) continue;
+        const uint4 v = xs[i];
+        for (int r = 0; r < P; ++r) {
+          const int32_t p = pos[r];
+          if (p >= 0)
+            reinterpret_cast<uint4*>(peers[r] + L.off_recv + (me * L.capacity + p) * L.rec)[i] = v;
+        }
+      } else {
+        float f[8];
+        half8_to_f32(ok ? xs[i] : make_uint4(0, 0, 0, 0), L.x_f16, f);
+        float amax = 0.0f;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(f[e]));
+#pragma unroll
+        for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        const float scale = amax > 0.0f && isfinite(amax) ? amax / 448.0f : 1.0f;
+        uint32_t q[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(
+              make_float2(f[4 * h] / scale, f[4 * h + 1] / scale), __NV_SATFINITE, __NV_E4M3);
+          const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(
+              make_float2(f[4 * h + 2] / scale, f[4 * h + 3] / scale), __NV_SATFINITE, __NV_E4M3);
+          q[h] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+        }
+        if (!ok) continue;
+        for (int r = 0; r < P; ++r) {
+          const int32_t p = pos[r];
+          if (p < 0) continue;
+          char* dst = peers[r] + L.off_recv + (me * L.capacity + p) * L.rec;
+          reinterpret_cast<uint2*>(dst)[i] = make_uint2(q[0], q[1]);
+          if ((threadIdx.x & 15) == 0) rec_scales(dst, L)[i / 16] = scale;
+        }
+      }
+    }
+    if (c != 0) continue;
     for (int r = 0; r < P; ++r) {
-      const int32_t pos = row_pos[t * P + r];
-      if (pos < 0) continue;
-      char* dst = peers[r] + L.off_recv + (me * L.capacity + pos) * L.rec;
-      uint4* xd = reinterpret_cast<uint4*>(dst);
-      for (int64_t i = v0 + threadIdx.x; i < v1; i += blockDim.x) xd[i] = xs[i];
-      if (blockIdx.y != 0) continue;
+      const int32_t p = pos[r];
+      if (p < 0) continue;
+      char* dst = peers[r] + L.off_recv + (me * L.capacity + p) * L.rec;
       for (int j = threadIdx.x; j < k; j += blockDim.x) {
         const int32_t id = ids[t * k + j];
-        rec_ids(dst, H)[j] = id >= 0 && rank_of[id] == r ? local_of[id] : -1;
-        rec_weights(dst, H, k)[j] = w[t * k + j];
+        rec_ids(dst, L)[j] = id >= 0 && rank_of[id] == r ? local_of[id] : -1;
+        rec_weights(dst, L)[j] = w[t * k + j];
       }
-      if (threadIdx.x == 0) *rec_token(dst, H, k) = static_cast<int32_t>(t);
+      if (threadIdx.x == 0) *rec_token(dst, L) = static_cast<int32_t>(t);
     }
   }
   if (!last_block(done)) return;
@@ -133,25 +218,46 @@ __global__ void __launch_bounds__(kCopyThreads)
   }
 }
 
-// blockIdx.y: the source rank; blockIdx.x strides over its capacity * k slots.
+// blockIdx.y: the source rank; blockIdx.x strides over its capacity * k slots
+// and, with fp8 records, over its received rows' 8-value vectors (dequantised
+// into x_out).
 __global__ void __launch_bounds__(kThreads)
     receive_kernel(char* own, PeerLayout L, const uint64_t* epoch, uint64_t timeout_ns,
                    int32_t* __restrict__ ids, float* __restrict__ w,
-                   int64_t* __restrict__ rows_seen) {
+                   int64_t* __restrict__ rows_seen, uint16_t* __restrict__ x_out) {
   const int P = L.ep_size, k = L.top_k, p = blockIdx.y;
-  const int64_t H = L.hidden;
   if (threadIdx.x == 0)
     wait_flag(&dispatch_flags(own)[p], *epoch, timeout_ns, "dispatch records", L.rank, p);
   __syncthreads();
   const int64_t n = __ldcg(&row_counts(own, P)[p]);
   if (blockIdx.x == 0 && threadIdx.x == 0) rows_seen[p] = n;
   const int64_t slots = L.capacity * k;
-  for (int64_t s = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; s < slots;
-       s += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (int64_t s = first; s < slots; s += stride) {
     const int64_t i = s / k, j = s % k, m = p * L.capacity + i;
     char* r = own + L.off_recv + m * L.rec;
-    ids[m * k + j] = i < n ? __ldcg(&rec_ids(r, H)[j]) : -1;
-    w[m * k + j] = i < n ? __ldcg(&rec_weights(r, H, k)[j]) : 0.0f;
+    ids[m * k + j] = i < n ? __ldcg(&rec_ids(r, L)[j]) : -1;
+    w[m * k + j] = i < n ? __ldcg(&rec_weights(r, L)[j]) : 0.0f;
+  }
+  if (!L.fp8) return;
+  const int64_t H = L.hidden, nv = H / 8;
+  for (int64_t u = first; u < n * nv; u += stride) {
+    const int64_t m = p * L.capacity + u / nv, v = u % nv;
+    char* r = own + L.off_recv + m * L.rec;
+    const uint2 q = __ldcg(reinterpret_cast<const uint2*>(r) + v);
+    const float scale = __ldcg(&rec_scales(r, L)[v / 16]);
+    const uint32_t qw[2] = {q.x, q.y};
+    float f[8];
+#pragma unroll
+    for (int h = 0; h < 4; ++h) {
+      const __half2_raw hr = __nv_cvt_fp8x2_to_halfraw2(
+          static_cast<__nv_fp8x2_storage_t>(qw[h / 2] >> (16 * (h % 2))), __NV_E4M3);
+      const float2 f2 = __half22float2(__half2(hr));
+      f[2 * h] = f2.x * scale;
+      f[2 * h + 1] = f2.y * scale;
+    }
+    reinterpret_cast<uint4*>(x_out + m * H)[v] = f32_to_half8(f, L.x_f16);
   }
 }
 
@@ -177,24 +283,26 @@ __device__ __forceinline__ void load8(const uint16_t* p, float* v) {  // bf16
   }
 }
 
-// One block a (received row, chunk of kCombineCols columns) (P * capacity
-// rows; rows past a region's count return): the row's slots held here, summed
-// in slot order in f32, go back to the source as one row, y[t * P + rank];
-// 8 columns a thread.
+// Work item (received row m, chunk of kCombineCols columns) (P * capacity
+// rows; rows past a region's count are skipped): the row's slots held here,
+// summed in slot order in f32, go back to the source as one row,
+// y[t * P + rank] (f32, or rounded to bf16: C); 8 columns a thread.
 constexpr int kCombineCols = kCopyThreads * 8;
-template <typename Y, bool kRows>
+template <typename Y, bool kRows, typename C>
 __global__ void __launch_bounds__(kCopyThreads)
     combine_kernel(const Y* __restrict__ y, CombineRows rows, const int32_t* __restrict__ ids,
                    char* own, char* const* __restrict__ peers, PeerLayout L, const uint64_t* epoch,
                    unsigned* done) {
   const int P = L.ep_size, k = L.top_k;
   const int64_t H = L.hidden;
-  const int64_t m = blockIdx.x;
-  const int p = static_cast<int>(m / L.capacity);
-  const int64_t i = m % L.capacity;
-  const int64_t h = static_cast<int64_t>(blockIdx.y) * kCombineCols + threadIdx.x * 8;
-  if (i < __ldcg(&row_counts(own, P)[p]) && h < H) {
-    const int64_t t = __ldcg(rec_token(own + L.off_recv + m * L.rec, H, k));
+  const int64_t chunks = (H + kCombineCols - 1) / kCombineCols;
+  for (int64_t item = blockIdx.x; item < P * L.capacity * chunks; item += gridDim.x) {
+    const int64_t m = item / chunks;
+    const int p = static_cast<int>(m / L.capacity);
+    const int64_t i = m % L.capacity;
+    const int64_t h = (item % chunks) * kCombineCols + threadIdx.x * 8;
+    if (i >= __ldcg(&row_counts(own, P)[p]) || h >= H) continue;
+    const int64_t t = __ldcg(rec_token(own + L.off_recv + m * L.rec, L));
     float acc[8] = {};
     for (int j = 0; j < k; ++j) {
       const int64_t s = m * k + j;
@@ -216,10 +324,13 @@ __global__ void __launch_bounds__(kCopyThreads)
 #pragma unroll
       for (int c = 0; c < 8; ++c) acc[c] += v[c];
     }
-    float4* dst = reinterpret_cast<float4*>(reinterpret_cast<float*>(peers[p] + L.off_y) +
-                                            (t * P + L.rank) * H + h);
-    dst[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-    dst[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+    C* dst = reinterpret_cast<C*>(peers[p] + L.off_y) + (t * P + L.rank) * H + h;
+    if constexpr (sizeof(C) == 2) {
+      *reinterpret_cast<uint4*>(dst) = f32_to_half8(acc, false);
+    } else {
+      reinterpret_cast<float4*>(dst)[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+      reinterpret_cast<float4*>(dst)[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+    }
   }
   if (!last_block(done)) return;
   const uint64_t e = *epoch;
@@ -240,18 +351,24 @@ uint64_t timeout_ns_of(double s) {
 
 }  // namespace
 
-PeerLayout peer_layout(int ep_size, int rank, int top_k, int64_t hidden, int64_t capacity) {
+PeerLayout peer_layout(int ep_size, int rank, int top_k, int64_t hidden, int64_t capacity,
+                       bool x_f16, bool fp8, bool combine_bf16, int sms) {
   PeerLayout L;
   L.ep_size = ep_size;
   L.rank = rank;
   L.top_k = top_k;
   L.hidden = hidden;
   L.capacity = capacity;
-  L.rec = ep_record_bytes(hidden, top_k);
+  L.x_f16 = x_f16;
+  L.fp8 = fp8;
+  L.combine_bf16 = combine_bf16;
+  L.payload = peer_payload_bytes(hidden, fp8);
+  L.rec = peer_record_bytes(hidden, top_k, fp8);
+  L.sms = std::max(sms, 1);
   const auto up = [](size_t b) { return (b + 255) / 256 * 256; };
   L.off_recv = up(24 * static_cast<size_t>(ep_size));
   L.off_y = L.off_recv + up(static_cast<size_t>(ep_size) * capacity * L.rec);
-  L.bytes = L.off_y + up(static_cast<size_t>(capacity) * ep_size * hidden * 4);
+  L.bytes = L.off_y + up(static_cast<size_t>(capacity) * ep_size * hidden * (combine_bf16 ? 2 : 4));
   return L;
 }
 
@@ -262,24 +379,27 @@ void peer_dispatch(const uint16_t* x, const int32_t* topk_ids, const float* topk
   FUSEDMOE_CHECK(layout.hidden % 8 == 0 && num_tokens <= layout.capacity,
                  "peer_dispatch: H % 8 == 0 and T <= capacity expected, got H = ", layout.hidden,
                  ", T = ", num_tokens, ", capacity = ", layout.capacity);
-  const int64_t blocks = num_tokens > 0 ? num_tokens : 1;
-  const dim3 grid(static_cast<unsigned>(blocks),
-                  static_cast<unsigned>((layout.hidden / 8 + kCopyVecs - 1) / kCopyVecs));
-  dispatch_kernel<<<grid, kCopyThreads, 0, stream>>>(x, topk_ids, topk_weights, num_tokens, rank_of,
-                                                     local_of, row_pos, counts, peers, layout,
-                                                     epoch, done);
+  const int64_t chunks = (layout.hidden / 8 + kCopyVecs - 1) / kCopyVecs;
+  const unsigned grid = persistent_grid(num_tokens * chunks, layout.sms);
+  auto kernel = layout.fp8 ? dispatch_kernel<true> : dispatch_kernel<false>;
+  kernel<<<grid, kCopyThreads, 0, stream>>>(x, topk_ids, topk_weights, num_tokens, rank_of,
+                                            local_of, row_pos, counts, peers, layout, epoch, done);
   FUSEDMOE_CUDA_CHECK_LAUNCH();
 }
 
 void peer_receive(const char* own, const PeerLayout& layout, const uint64_t* epoch,
                   double timeout_s, int32_t* topk_ids, float* topk_weights, int64_t* rows_seen,
-                  Stream stream) {
+                  uint16_t* x_out, Stream stream) {
+  FUSEDMOE_CHECK(!layout.fp8 || x_out != nullptr, "peer_receive: fp8 records need x_out");
   const int64_t slots = layout.capacity * layout.top_k;
-  const dim3 grid(static_cast<unsigned>(std::min<int64_t>((slots + kThreads - 1) / kThreads, 64)),
-                  static_cast<unsigned>(layout.ep_size));
+  int64_t blocks = std::min<int64_t>((slots + kThreads - 1) / kThreads, 64);
+  if (layout.fp8)  // the dequantisation: up to 4 blocks an SM over the sources
+    blocks = std::clamp<int64_t>((layout.capacity * layout.hidden / 8 + kThreads - 1) / kThreads,
+                                 blocks, std::max<int64_t>(4 * layout.sms / layout.ep_size, 64));
+  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(layout.ep_size));
   receive_kernel<<<grid, kThreads, 0, stream>>>(const_cast<char*>(own), layout, epoch,
                                                 timeout_ns_of(timeout_s), topk_ids, topk_weights,
-                                                rows_seen);
+                                                rows_seen, x_out);
   FUSEDMOE_CUDA_CHECK_LAUNCH();
 }
 
@@ -291,20 +411,27 @@ void peer_combine(const FinalizeArgs& y, const int32_t* topk_ids, const char* ow
                  dtype_name(y.y_dtype));
   FUSEDMOE_CHECK(y.slot_row || (!y.row_scale && !y.bias),
                  "peer_combine: row_scale and bias apply only to expert-sorted rows");
-  const int64_t blocks = static_cast<int64_t>(layout.ep_size) * layout.capacity;
-  const dim3 grid(static_cast<unsigned>(blocks),
-                  static_cast<unsigned>((layout.hidden + kCombineCols - 1) / kCombineCols));
+  const int64_t items = static_cast<int64_t>(layout.ep_size) * layout.capacity *
+                        ((layout.hidden + kCombineCols - 1) / kCombineCols);
+  const unsigned grid = persistent_grid(items, layout.sms);
   const CombineRows rows{y.slot_row, y.row_scale, y.bias};
   char* o = const_cast<char*>(own);
-  if (y.y_dtype == DType::kBF16)
-    combine_kernel<uint16_t, true><<<grid, kCopyThreads, 0, stream>>>(
-        static_cast<const uint16_t*>(y.y), rows, topk_ids, o, peers, layout, epoch, done);
-  else if (y.slot_row)
-    combine_kernel<float, true><<<grid, kCopyThreads, 0, stream>>>(
-        static_cast<const float*>(y.y), rows, topk_ids, o, peers, layout, epoch, done);
+  auto go = [&](auto c) {
+    using C = decltype(c);
+    if (y.y_dtype == DType::kBF16)
+      combine_kernel<uint16_t, true, C><<<grid, kCopyThreads, 0, stream>>>(
+          static_cast<const uint16_t*>(y.y), rows, topk_ids, o, peers, layout, epoch, done);
+    else if (y.slot_row)
+      combine_kernel<float, true, C><<<grid, kCopyThreads, 0, stream>>>(
+          static_cast<const float*>(y.y), rows, topk_ids, o, peers, layout, epoch, done);
+    else
+      combine_kernel<float, false, C><<<grid, kCopyThreads, 0, stream>>>(
+          static_cast<const float*>(y.y), rows, topk_ids, o, peers, layout, epoch, done);
+  };
+  if (layout.combine_bf16)
+    go(uint16_t{});
   else
-    combine_kernel<float, false><<<grid, kCopyThreads, 0, stream>>>(
-        static_cast<const float*>(y.y), rows, topk_ids, o, peers, layout, epoch, done);
+    go(float{});
   FUSEDMOE_CUDA_CHECK_LAUNCH();
 }
 

@@ -12,8 +12,9 @@
 //   recv:    P regions of capacity rows (max_tokens_per_rank each) of dispatch
 //            records (ep_record_bytes): region p holds source rank p's rows in
 //            its token order, row i valid for i < rows[p];
-//   y:       f32 [capacity * P, H]: row t * P + r = the sum of token t's
-//            slots held by rank r (in slot order), written by rank r (combine).
+//   y:       f32 or bf16 (combine_bf16) [capacity * P, H]: row t * P + r =
+//            the sum of token t's slots held by rank r (in slot order, f32,
+//            then rounded), written by rank r (combine).
 // A forward increments a device-side epoch on every rank; flags carry the
 // epoch, so they are never reset, and a forward's writes into a peer's window
 // happen only after that peer has finished with the previous forward's data
@@ -30,15 +31,34 @@ namespace fusedmoe::cuda {
 struct PeerLayout {
   int ep_size = 1, rank = 0, top_k = 1;
   int64_t hidden = 0, capacity = 0;  // capacity: rows per source region (max_tokens_per_rank)
-  int64_t rec = 0;                   // record bytes: ep_record_bytes(hidden, top_k)
+  bool x_f16 = false;                // the hidden states (and experts) are f16, else bf16
+  bool fp8 = false;                  // records carry e4m3 values + f32 scales (1 x 128 groups)
+  bool combine_bf16 = false;         // y rows are bf16, else f32
+  int64_t payload = 0;               // bytes of a record's hidden state (2H, or H + 4 * groups)
+  int64_t rec = 0;                   // record bytes: peer_record_bytes
+  int sms = 1;                       // multiprocessors of the device (persistent grids)
   size_t off_recv = 0, off_y = 0, bytes = 0;
 };
-PeerLayout peer_layout(int ep_size, int rank, int top_k, int64_t hidden, int64_t capacity);
+// Record bytes: the hidden state (bf16 / f16 [H], or fp8: e4m3 [H] then f32
+// scales [ceil(H / 128)]), local ids i32 [k], weights f32 [k], the token
+// index i32, padded to 16 bytes.
+inline int64_t peer_payload_bytes(int64_t hidden, bool fp8) {
+  return fp8 ? hidden + 4 * ((hidden + 127) / 128) : 2 * hidden;
+}
+inline int64_t peer_record_bytes(int64_t hidden, int64_t top_k, bool fp8) {
+  return (peer_payload_bytes(hidden, fp8) + 8 * top_k + 4 + 15) / 16 * 16;
+}
+PeerLayout peer_layout(int ep_size, int rank, int top_k, int64_t hidden, int64_t capacity,
+                       bool x_f16, bool fp8, bool combine_bf16, int sms);
 
 // Dispatch: every (token, destination rank) record of this rank's T tokens
 // into region `rank` of the destination's window at row row_pos[t * P + r]
 // (ep_layout), then, by the last block: rows[rank] = counts[r * 3] on every
 // destination r, a system-scope fence, dispatch_flag[rank] = ++epoch.
+// x: the expert inputs, bf16 / f16 (layout.x_f16) [T, H]. With layout.fp8 each
+// 128-column group of a row is sent as e4m3 (satfinite, round to nearest) of
+// x / s with s = amax / 448 (1 for an all-zero group), and s (vLLM's
+// per_token_group_quant_fp8, DeepSeek-V3's activation format).
 // peers: device array of the P windows (peers[rank] = own). done: a u32
 // device counter, zero between calls. T = 0 still signals (0 rows).
 void peer_dispatch(const uint16_t* x, const int32_t* topk_ids, const float* topk_weights,
@@ -48,13 +68,16 @@ void peer_dispatch(const uint16_t* x, const int32_t* topk_ids, const float* topk
 
 // Receive: waits until every source p has signalled this epoch, then writes the
 // local topk_ids i32 [P * capacity, k] / topk_weights f32 (rows past rows[p] in
-// region p: ids -1, weight 0) for the expert GEMM on the recv region rows.
+// region p: ids -1, weight 0) for the expert GEMM on the recv region rows;
+// with layout.fp8 also x_out (bf16 / f16 [P * capacity, H]): the received
+// rows dequantised (e4m3 * scale, rounded to the half type; rows past a
+// region's count not written).
 // rows_seen i64 [P]: each source's row count of this forward (a copy: the
 // window's may be overwritten by the next forward before the host reads it).
 // Waits at most timeout_s (then prints which rank it waited for and traps).
 void peer_receive(const char* own, const PeerLayout& layout, const uint64_t* epoch,
                   double timeout_s, int32_t* topk_ids, float* topk_weights, int64_t* rows_seen,
-                  Stream stream);
+                  uint16_t* x_out, Stream stream);
 
 // Combine: the local experts' output on the recv rows (CudaMoELayer::experts on
 // the P * capacity received rows, as finalize's arguments `y`: y f32 by slot,

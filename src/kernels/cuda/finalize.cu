@@ -363,9 +363,8 @@ void finalize(const FinalizeArgs& a, Stream stream) {
   FUSEDMOE_CHECK(
       a.out_dtype == DType::kF32 || a.out_dtype == DType::kBF16 || a.out_dtype == DType::kF16,
       "finalize: output dtype must be f32, bf16 or f16, got ", dtype_name(a.out_dtype));
-  FUSEDMOE_CHECK(a.y_dtype == DType::kF32 || (a.y_dtype == DType::kBF16 && a.slot_row != nullptr),
-                 "finalize: y dtype must be f32, or bf16 with slot_row, got ",
-                 dtype_name(a.y_dtype), a.slot_row ? "" : " without slot_row");
+  FUSEDMOE_CHECK(a.y_dtype == DType::kF32 || a.y_dtype == DType::kBF16,
+                 "finalize: y dtype must be f32 or bf16, got ", dtype_name(a.y_dtype));
   FUSEDMOE_CHECK(a.x_dtype == DType::kBF16 || a.x_dtype == DType::kF16,
                  "finalize: x dtype must be bf16 or f16, got ", dtype_name(a.x_dtype));
   const int64_t cols = a.y_dtype == DType::kBF16 ? 8 : 4;  // per thread: YVec
@@ -391,8 +390,10 @@ void finalize(const FinalizeArgs& a, Stream stream) {
     // quarter of the threads with two loads each.
     auto by_rows = [&](auto u) {
       constexpr int kU = decltype(u)::value;
-      if (a.y_dtype == DType::kBF16)
+      if (a.y_dtype == DType::kBF16 && a.slot_row)
         go(finalize_kernel<Out, true, uint16_t, kU>, static_cast<const uint16_t*>(a.y));
+      else if (a.y_dtype == DType::kBF16)  // the peer transport's bf16 combine rows
+        go(finalize_kernel<Out, false, uint16_t, kU>, static_cast<const uint16_t*>(a.y));
       else if (a.slot_row)
         go(finalize_kernel<Out, true, float, kU>, static_cast<const float*>(a.y));
       else
