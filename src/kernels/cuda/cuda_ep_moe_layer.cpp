@@ -61,9 +61,6 @@ struct PeerInfo {
   cudaIpcMemHandle_t handle;
 };
 
-// finalize sums at most 32 rows a token (the peer transport's one a rank).
-constexpr int kMaxPeerRanks = 32;
-
 // A random id of this process (pids repeat across containers of one host).
 uint64_t process_id() {
   static const uint64_t id = [] {
@@ -135,6 +132,7 @@ struct CudaEpMoELayer::Impl {
   std::vector<void*> ipc_opened;  // other processes' windows (cudaIpcCloseMemHandle)
   DeviceArray peers;              // char* [P]
   DeviceArray sync;               // u64 epoch, u32 dispatch done, u32 combine done
+  DeviceArray cursor;             // u32 [P]: the dispatch's rows taken on each destination
   DeviceArray rows_seen;          // i64 [P]: rows each source sent in the last forward (stats)
   DeviceArray x_recv;             // fp8 records: the received rows dequantised, half [P * Tmax, H]
   double timeout_s = 60;
@@ -178,8 +176,8 @@ bool CudaEpMoELayer::Impl::setup_peer(EpTransport want) {
   std::memcpy(info.uuid, &prop.uuid, 16);
   if (want == EpTransport::kNccl) {
     // no window
-  } else if (P > kMaxPeerRanks) {
-    why = "ep_size " + std::to_string(P) + " > " + std::to_string(kMaxPeerRanks);
+  } else if (P > kPeerMaxRanks) {
+    why = "ep_size " + std::to_string(P) + " > " + std::to_string(kPeerMaxRanks);
   } else if (cudaMalloc(reinterpret_cast<void**>(&window), layout.bytes) != cudaSuccess) {
     cudaGetLastError();
     window = nullptr;
@@ -311,6 +309,8 @@ bool CudaEpMoELayer::Impl::setup_peer(EpTransport want) {
       cudaMemcpy(peers.as<void>(), ptrs.data(), sizeof(char*) * P, cudaMemcpyHostToDevice));
   sync = DeviceArray(16);
   FUSEDMOE_CUDA_CHECK(cudaMemset(sync.as<void>(), 0, 16));
+  cursor = DeviceArray(4 * P);
+  FUSEDMOE_CUDA_CHECK(cudaMemset(cursor.as<void>(), 0, 4 * P));
   rows_seen = DeviceArray(8 * P);
   for (cudaEvent_t& e : ev) FUSEDMOE_CUDA_CHECK(cudaEventCreate(&e));
   timeout_s = comm_timeout_seconds();
@@ -589,7 +589,7 @@ void CudaEpMoELayer::forward(const TensorView& hidden_states, const TensorView& 
 // source's count have ids -1) with the GEMM tiles of a P * capacity-token
 // batch, so the work and the bits depend on max_tokens_per_rank, not on T.
 void CudaEpMoELayer::Impl::forward_peer(const TensorView& output, int64_t T, Stream stream) {
-  const int64_t k = cfg.top_k, M = P * max_tokens;
+  const int64_t M = P * max_tokens;
   CudaMoELayer& l = *layer;
   auto* epoch = sync.as<uint64_t>();
   auto* done = reinterpret_cast<unsigned*>(epoch + 1);
@@ -603,11 +603,9 @@ void CudaEpMoELayer::Impl::forward_peer(const TensorView& output, int64_t T, Str
     if (timed) FUSEDMOE_CUDA_CHECK(cudaEventRecord(ev[i], st));
   };
   mark(0);
-  ep_layout(l.topk_ids(), T, static_cast<int>(k), rank_of.as<int32_t>(), P, row_pos.as<int32_t>(),
-            slot_pos.as<int32_t>(), counts_send.as<int64_t>(), stream);
   peer_dispatch(l.expert_input(), l.topk_ids(), l.topk_weights(), T, rank_of.as<int32_t>(),
                 local_of.as<int32_t>(), row_pos.as<int32_t>(), counts_send.as<int64_t>(),
-                peers.as<char*>(), layout, epoch, done, stream);
+                cursor.as<unsigned>(), peers.as<char*>(), layout, epoch, done, stream);
   mark(1);
   l.ep_shared(T, M, stream);
   peer_receive(window, layout, epoch, timeout_s, ids_l.as<int32_t>(), w_l.as<float>(),

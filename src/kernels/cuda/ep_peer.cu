@@ -21,10 +21,8 @@ namespace fusedmoe::cuda {
 namespace {
 
 constexpr int kThreads = 128;
-// Dispatch / combine: a block copies kCopyVecs 16-byte vectors of a row
-// (blockIdx.y: which chunk), so a few hundred rows still fill the GPU.
+// Dispatch / combine blocks.
 constexpr int kCopyThreads = 256;
-constexpr int kCopyVecs = 512;
 
 __device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
@@ -133,37 +131,50 @@ unsigned persistent_grid(int64_t items, int sms) {
   return static_cast<unsigned>(std::clamp<int64_t>(items, 1, int64_t{kBlocksPerSm} * sms));
 }
 
-// Work item (token t, chunk c of kCopyVecs 16-byte vectors of its row): the
-// chunk to every destination holding one of t's experts (chunk 0: the ids,
-// weights and token index too). fp8: each thread quantises 8 values; the 16
-// threads of a 128-column group share its amax (shuffles within 16 aligned
-// lanes: every lane of the block runs every step of the loop).
+// Work item: token t. Its destinations (ranks holding one of its k experts)
+// take a row each from a per-destination cursor (atomicAdd: the rows' order
+// on a destination varies from run to run, the outputs do not: every row is
+// computed alone, the combine writes by token index and the source sums in
+// rank order), written to row_pos; then its row to each destination, in
+// chunks of the block's threads (fp8: each thread quantises 8 values; the 16
+// threads of a 128-column group share its amax: shuffles within 16 aligned
+// lanes, every lane of the block running every step of the loop), then the
+// ids, weights and token index. The last block publishes the row counts,
+// resets the cursors and signals.
 template <bool kFp8>
 __global__ void __launch_bounds__(kCopyThreads)
     dispatch_kernel(const uint16_t* __restrict__ x, const int32_t* __restrict__ ids,
                     const float* __restrict__ w, int64_t T, const int32_t* __restrict__ rank_of,
-                    const int32_t* __restrict__ local_of, const int32_t* __restrict__ row_pos,
-                    const int64_t* __restrict__ counts, char* const* __restrict__ peers,
+                    const int32_t* __restrict__ local_of, int32_t* __restrict__ row_pos,
+                    int64_t* __restrict__ counts, unsigned* cursor, char* const* __restrict__ peers,
                     PeerLayout L, uint64_t* epoch, unsigned* done) {
   const int P = L.ep_size, k = L.top_k, me = L.rank;
   const int64_t H = L.hidden, nv = H / 8;
-  const int64_t chunks = (nv + kCopyVecs - 1) / kCopyVecs;
-  for (int64_t item = blockIdx.x; item < T * chunks; item += gridDim.x) {
-    const int64_t t = item / chunks, c = item % chunks;
-    const int64_t v0 = c * kCopyVecs, v1 = v0 + kCopyVecs < nv ? v0 + kCopyVecs : nv;
+  __shared__ int32_t pos[kPeerMaxRanks];
+  for (int64_t t = blockIdx.x; t < T; t += gridDim.x) {
+    if (threadIdx.x < P) {
+      const int r = threadIdx.x;
+      bool has = false;
+      for (int j = 0; j < k; ++j) {
+        const int32_t id = ids[t * k + j];
+        has = has || (id >= 0 && rank_of[id] == r);
+      }
+      const int32_t p = has ? static_cast<int32_t>(atomicAdd(&cursor[r], 1u)) : -1;
+      pos[r] = p;
+      row_pos[t * P + r] = p;
+    }
+    __syncthreads();
     const uint4* xs = reinterpret_cast<const uint4*>(x + t * H);
-    const int32_t* pos = row_pos + t * P;
-    for (int64_t base = v0; base < v1; base += blockDim.x) {
+    for (int64_t base = 0; base < nv; base += blockDim.x) {
       const int64_t i = base + threadIdx.x;
-      const bool ok = i < v1;
+      const bool ok = i < nv;
       if (!kFp8) {
         if (!ok) continue;
         const uint4 v = xs[i];
-        for (int r = 0; r < P; ++r) {
-          const int32_t p = pos[r];
-          if (p >= 0)
-            reinterpret_cast<uint4*>(peers[r] + L.off_recv + (me * L.capacity + p) * L.rec)[i] = v;
-        }
+        for (int r = 0; r < P; ++r)
+          if (pos[r] >= 0)
+            reinterpret_cast<uint4*>(peers[r] + L.off_recv +
+                                     (me * L.capacity + pos[r]) * L.rec)[i] = v;
       } else {
         float f[8];
         half8_to_f32(ok ? xs[i] : make_uint4(0, 0, 0, 0), L.x_f16, f);
@@ -184,19 +195,16 @@ __global__ void __launch_bounds__(kCopyThreads)
         }
         if (!ok) continue;
         for (int r = 0; r < P; ++r) {
-          const int32_t p = pos[r];
-          if (p < 0) continue;
-          char* dst = peers[r] + L.off_recv + (me * L.capacity + p) * L.rec;
+          if (pos[r] < 0) continue;
+          char* dst = peers[r] + L.off_recv + (me * L.capacity + pos[r]) * L.rec;
           reinterpret_cast<uint2*>(dst)[i] = make_uint2(q[0], q[1]);
           if ((threadIdx.x & 15) == 0) rec_scales(dst, L)[i / 16] = scale;
         }
       }
     }
-    if (c != 0) continue;
     for (int r = 0; r < P; ++r) {
-      const int32_t p = pos[r];
-      if (p < 0) continue;
-      char* dst = peers[r] + L.off_recv + (me * L.capacity + p) * L.rec;
+      if (pos[r] < 0) continue;
+      char* dst = peers[r] + L.off_recv + (me * L.capacity + pos[r]) * L.rec;
       for (int j = threadIdx.x; j < k; j += blockDim.x) {
         const int32_t id = ids[t * k + j];
         rec_ids(dst, L)[j] = id >= 0 && rank_of[id] == r ? local_of[id] : -1;
@@ -204,6 +212,7 @@ __global__ void __launch_bounds__(kCopyThreads)
       }
       if (threadIdx.x == 0) *rec_token(dst, L) = static_cast<int32_t>(t);
     }
+    __syncthreads();  // pos is the next token's
   }
   if (!last_block(done)) return;
   __shared__ uint64_t e;
@@ -213,7 +222,12 @@ __global__ void __launch_bounds__(kCopyThreads)
   }
   __syncthreads();
   for (int r = threadIdx.x; r < P; r += blockDim.x) {
-    row_counts(peers[r], P)[me] = counts[r * 3];
+    const int64_t rows = __ldcg(&cursor[r]);
+    cursor[r] = 0;
+    counts[r * 3] = rows;
+    counts[r * 3 + 1] = 0;
+    counts[r * 3 + 2] = T;
+    row_counts(peers[r], P)[me] = rows;
     st_release_sys(&dispatch_flags(peers[r])[me], e);
   }
 }
@@ -374,16 +388,18 @@ PeerLayout peer_layout(int ep_size, int rank, int top_k, int64_t hidden, int64_t
 
 void peer_dispatch(const uint16_t* x, const int32_t* topk_ids, const float* topk_weights,
                    int64_t num_tokens, const int32_t* rank_of, const int32_t* local_of,
-                   const int32_t* row_pos, const int64_t* counts, char* const* peers,
+                   int32_t* row_pos, int64_t* counts, unsigned* cursor, char* const* peers,
                    const PeerLayout& layout, uint64_t* epoch, unsigned* done, Stream stream) {
-  FUSEDMOE_CHECK(layout.hidden % 8 == 0 && num_tokens <= layout.capacity,
-                 "peer_dispatch: H % 8 == 0 and T <= capacity expected, got H = ", layout.hidden,
-                 ", T = ", num_tokens, ", capacity = ", layout.capacity);
-  const int64_t chunks = (layout.hidden / 8 + kCopyVecs - 1) / kCopyVecs;
-  const unsigned grid = persistent_grid(num_tokens * chunks, layout.sms);
+  FUSEDMOE_CHECK(
+      layout.hidden % 8 == 0 && num_tokens <= layout.capacity && layout.ep_size <= kPeerMaxRanks,
+      "peer_dispatch: H % 8 == 0, T <= capacity and ep_size <= ", kPeerMaxRanks,
+      " expected, got H = ", layout.hidden, ", T = ", num_tokens, ", capacity = ", layout.capacity,
+      ", ep_size = ", layout.ep_size);
+  const unsigned grid = persistent_grid(num_tokens, layout.sms);
   auto kernel = layout.fp8 ? dispatch_kernel<true> : dispatch_kernel<false>;
   kernel<<<grid, kCopyThreads, 0, stream>>>(x, topk_ids, topk_weights, num_tokens, rank_of,
-                                            local_of, row_pos, counts, peers, layout, epoch, done);
+                                            local_of, row_pos, counts, cursor, peers, layout, epoch,
+                                            done);
   FUSEDMOE_CUDA_CHECK_LAUNCH();
 }
 

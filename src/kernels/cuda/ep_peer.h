@@ -28,6 +28,10 @@
 
 namespace fusedmoe::cuda {
 
+// At most this many ranks (the dispatch keeps a row position a destination in
+// shared memory; finalize sums at most 32 rows a token).
+inline constexpr int kPeerMaxRanks = 32;
+
 struct PeerLayout {
   int ep_size = 1, rank = 0, top_k = 1;
   int64_t hidden = 0, capacity = 0;  // capacity: rows per source region (max_tokens_per_rank)
@@ -52,18 +56,23 @@ PeerLayout peer_layout(int ep_size, int rank, int top_k, int64_t hidden, int64_t
                        bool x_f16, bool fp8, bool combine_bf16, int sms);
 
 // Dispatch: every (token, destination rank) record of this rank's T tokens
-// into region `rank` of the destination's window at row row_pos[t * P + r]
-// (ep_layout), then, by the last block: rows[rank] = counts[r * 3] on every
-// destination r, a system-scope fence, dispatch_flag[rank] = ++epoch.
+// into region `rank` of the destination's window, at a row taken from
+// cursor[r] (u32 [P], zero between calls; atomics: the rows' order on a
+// destination varies, the outputs do not); row_pos[t * P + r] = that row, or
+// -1 where none of t's experts lives on r (i32 [T * P], out); then, by the
+// last block: counts[r * 3] = rows to r (counts[r * 3 + 2] = T; i64 [P * 3],
+// out), the cursors reset, rows[rank] = that count on every destination r, a
+// system-scope fence, dispatch_flag[rank] = ++epoch.
 // x: the expert inputs, bf16 / f16 (layout.x_f16) [T, H]. With layout.fp8 each
 // 128-column group of a row is sent as e4m3 (satfinite, round to nearest) of
 // x / s with s = amax / 448 (1 for an all-zero group), and s (vLLM's
 // per_token_group_quant_fp8, DeepSeek-V3's activation format).
 // peers: device array of the P windows (peers[rank] = own). done: a u32
-// device counter, zero between calls. T = 0 still signals (0 rows).
+// device counter, zero between calls. T = 0 still signals (0 rows). At most
+// 32 ranks.
 void peer_dispatch(const uint16_t* x, const int32_t* topk_ids, const float* topk_weights,
                    int64_t num_tokens, const int32_t* rank_of, const int32_t* local_of,
-                   const int32_t* row_pos, const int64_t* counts, char* const* peers,
+                   int32_t* row_pos, int64_t* counts, unsigned* cursor, char* const* peers,
                    const PeerLayout& layout, uint64_t* epoch, unsigned* done, Stream stream);
 
 // Receive: waits until every source p has signalled this epoch, then writes the
