@@ -131,17 +131,76 @@ unsigned persistent_grid(int64_t items, int sms) {
   return static_cast<unsigned>(std::clamp<int64_t>(items, 1, int64_t{kBlocksPerSm} * sms));
 }
 
+// A token's row (x: its H half values) to every destination r with pos[r] >= 0,
+// at row pos[r] of region L.rank: 16-byte vectors, one a thread.
+__device__ __forceinline__ void dispatch_row(const uint16_t* x, const int32_t* pos,
+                                             char* const* peers, const PeerLayout& L) {
+  const int64_t nv = L.hidden / 8;
+  const uint4* xs = reinterpret_cast<const uint4*>(x);
+  for (int64_t i = threadIdx.x; i < nv; i += blockDim.x) {
+    const uint4 v = xs[i];
+    for (int r = 0; r < L.ep_size; ++r)
+      if (pos[r] >= 0)
+        reinterpret_cast<uint4*>(peers[r] + L.off_recv +
+                                 (L.rank * L.capacity + pos[r]) * L.rec)[i] = v;
+  }
+}
+
+// The same as fp8 records: kE values a thread (16: one 16-byte store of e4m3
+// values, H % 16 == 0; else 8), the 128 / kE threads of a 128-column group
+// sharing its amax (shuffles within aligned lanes; every lane of the block
+// runs every step of the loop), s = amax / 448 (1 for an all-zero group),
+// e4m3(x / s) satfinite, rounded to nearest, and s stored by the group's first lane.
+template <int kE>
+__device__ __forceinline__ void dispatch_row_fp8(const uint16_t* x, const int32_t* pos,
+                                                 char* const* peers, const PeerLayout& L) {
+  constexpr int kLanes = 128 / kE;
+  const int64_t nv = L.hidden / kE;
+  const uint4* xs = reinterpret_cast<const uint4*>(x);
+  for (int64_t base = 0; base < nv; base += blockDim.x) {
+    const int64_t i = base + threadIdx.x;
+    const bool ok = i < nv;
+    float f[kE];
+#pragma unroll
+    for (int u = 0; u < kE / 8; ++u)
+      half8_to_f32(ok ? xs[i * (kE / 8) + u] : make_uint4(0, 0, 0, 0), L.x_f16, f + 8 * u);
+    float amax = 0.0f;
+#pragma unroll
+    for (int e = 0; e < kE; ++e) amax = fmaxf(amax, fabsf(f[e]));
+#pragma unroll
+    for (int o = kLanes / 2; o > 0; o >>= 1)
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float scale = amax > 0.0f && isfinite(amax) ? amax / 448.0f : 1.0f;
+    uint32_t q[kE / 4];
+#pragma unroll
+    for (int h = 0; h < kE / 4; ++h) {
+      const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(
+          make_float2(f[4 * h] / scale, f[4 * h + 1] / scale), __NV_SATFINITE, __NV_E4M3);
+      const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(
+          make_float2(f[4 * h + 2] / scale, f[4 * h + 3] / scale), __NV_SATFINITE, __NV_E4M3);
+      q[h] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+    }
+    if (!ok) continue;
+    for (int r = 0; r < L.ep_size; ++r) {
+      if (pos[r] < 0) continue;
+      char* dst = peers[r] + L.off_recv + (L.rank * L.capacity + pos[r]) * L.rec;
+      if constexpr (kE == 16)
+        reinterpret_cast<uint4*>(dst)[i] = make_uint4(q[0], q[1], q[2], q[3]);
+      else
+        reinterpret_cast<uint2*>(dst)[i] = make_uint2(q[0], q[1]);
+      if ((threadIdx.x & (kLanes - 1)) == 0) rec_scales(dst, L)[i / kLanes] = scale;
+    }
+  }
+}
+
 // Work item: token t. Its destinations (ranks holding one of its k experts)
 // take a row each from a per-destination cursor (atomicAdd: the rows' order
 // on a destination varies from run to run, the outputs do not: every row is
 // computed alone, the combine writes by token index and the source sums in
-// rank order), written to row_pos; then its row to each destination, in
-// chunks of the block's threads (fp8: each thread quantises 8 values; the 16
-// threads of a 128-column group share its amax: shuffles within 16 aligned
-// lanes, every lane of the block running every step of the loop), then the
-// ids, weights and token index. The last block publishes the row counts,
-// resets the cursors and signals.
-template <bool kFp8>
+// rank order), written to row_pos; then its row to each destination
+// (dispatch_row / dispatch_row_fp8), then the ids, weights and token index. The last block
+// publishes the row counts, resets the cursors and signals.
+template <bool kFp8, int kE>
 __global__ void __launch_bounds__(kCopyThreads)
     dispatch_kernel(const uint16_t* __restrict__ x, const int32_t* __restrict__ ids,
                     const float* __restrict__ w, int64_t T, const int32_t* __restrict__ rank_of,
@@ -149,7 +208,7 @@ __global__ void __launch_bounds__(kCopyThreads)
                     int64_t* __restrict__ counts, unsigned* cursor, char* const* __restrict__ peers,
                     PeerLayout L, uint64_t* epoch, unsigned* done) {
   const int P = L.ep_size, k = L.top_k, me = L.rank;
-  const int64_t H = L.hidden, nv = H / 8;
+  const int64_t H = L.hidden;
   __shared__ int32_t pos[kPeerMaxRanks];
   for (int64_t t = blockIdx.x; t < T; t += gridDim.x) {
     if (threadIdx.x < P) {
@@ -164,44 +223,10 @@ __global__ void __launch_bounds__(kCopyThreads)
       row_pos[t * P + r] = p;
     }
     __syncthreads();
-    const uint4* xs = reinterpret_cast<const uint4*>(x + t * H);
-    for (int64_t base = 0; base < nv; base += blockDim.x) {
-      const int64_t i = base + threadIdx.x;
-      const bool ok = i < nv;
-      if (!kFp8) {
-        if (!ok) continue;
-        const uint4 v = xs[i];
-        for (int r = 0; r < P; ++r)
-          if (pos[r] >= 0)
-            reinterpret_cast<uint4*>(peers[r] + L.off_recv +
-                                     (me * L.capacity + pos[r]) * L.rec)[i] = v;
-      } else {
-        float f[8];
-        half8_to_f32(ok ? xs[i] : make_uint4(0, 0, 0, 0), L.x_f16, f);
-        float amax = 0.0f;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(f[e]));
-#pragma unroll
-        for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-        const float scale = amax > 0.0f && isfinite(amax) ? amax / 448.0f : 1.0f;
-        uint32_t q[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(
-              make_float2(f[4 * h] / scale, f[4 * h + 1] / scale), __NV_SATFINITE, __NV_E4M3);
-          const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(
-              make_float2(f[4 * h + 2] / scale, f[4 * h + 3] / scale), __NV_SATFINITE, __NV_E4M3);
-          q[h] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
-        }
-        if (!ok) continue;
-        for (int r = 0; r < P; ++r) {
-          if (pos[r] < 0) continue;
-          char* dst = peers[r] + L.off_recv + (me * L.capacity + pos[r]) * L.rec;
-          reinterpret_cast<uint2*>(dst)[i] = make_uint2(q[0], q[1]);
-          if ((threadIdx.x & 15) == 0) rec_scales(dst, L)[i / 16] = scale;
-        }
-      }
-    }
+    if constexpr (kFp8)
+      dispatch_row_fp8<kE>(x + t * H, pos, peers, L);
+    else
+      dispatch_row(x + t * H, pos, peers, L);
     for (int r = 0; r < P; ++r) {
       if (pos[r] < 0) continue;
       char* dst = peers[r] + L.off_recv + (me * L.capacity + pos[r]) * L.rec;
@@ -396,7 +421,9 @@ void peer_dispatch(const uint16_t* x, const int32_t* topk_ids, const float* topk
       " expected, got H = ", layout.hidden, ", T = ", num_tokens, ", capacity = ", layout.capacity,
       ", ep_size = ", layout.ep_size);
   const unsigned grid = persistent_grid(num_tokens, layout.sms);
-  auto kernel = layout.fp8 ? dispatch_kernel<true> : dispatch_kernel<false>;
+  auto kernel = !layout.fp8               ? dispatch_kernel<false, 8>
+                : layout.hidden % 16 == 0 ? dispatch_kernel<true, 16>
+                                          : dispatch_kernel<true, 8>;
   kernel<<<grid, kCopyThreads, 0, stream>>>(x, topk_ids, topk_weights, num_tokens, rank_of,
                                             local_of, row_pos, counts, cursor, peers, layout, epoch,
                                             done);
