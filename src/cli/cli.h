@@ -309,10 +309,12 @@ CLI::Option* add_expert_placement_option(CLI::App& cmd, std::string& value);
 // 1 (the EP all-to-all; the data-parallel layout gathers in f32); on the GPUs
 // f32 is refused (the experts take bf16). The combine payload, given, needs
 // --backend cuda and --ep-size > 1; the placement, given (`placement_given`),
-// needs --ep-size > 1.
+// needs --ep-size > 1. ep_one_rank: bench --backend cuda --ep-size 1 --nccl,
+// the GPU EP path on one rank (the payloads are taken there too).
 void check_ep_options(int ep_size, int dp_size, const std::string& dispatch_dtype,
                       bool dispatch_given, const std::string& combine_dtype, bool combine_given,
-                      const std::string& expert_placement, bool placement_given, bool on_cuda);
+                      const std::string& expert_placement, bool placement_given, bool on_cuda,
+                      bool ep_one_rank = false);
 // FUSEDMOE_COMM_TIMEOUT_S that is set but no number of seconds in (0, 1e9]:
 // UsageError naming it (run and bench check it on every launch, one rank too).
 void check_comm_timeout();

@@ -175,7 +175,7 @@ int run_bench(const BenchOptions& o) {
   }
   check_ep_options(o.ep_size, o.dp_size, o.dispatch_dtype, o.dispatch_dtype_given, o.combine_dtype,
                    o.combine_dtype_given, o.expert_placement, o.expert_placement_given,
-                   o.backend == "cuda");
+                   o.backend == "cuda", o.backend == "cuda" && o.nccl);
   // --max-experts below a shape's top_k: an error naming both, before anything runs.
   for (const auto& name : split_list(o.shapes)) {
     try {

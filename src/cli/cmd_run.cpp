@@ -525,7 +525,7 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
       ->needs(ref);
   cmd->add_option("--tolerance", o.tolerance,
                   "Largest relative L2 error accepted (default: 1e-5 f32, 1e-2 bf16 / f16; at "
-                  "least 1e-2 with --dispatch-dtype bf16, 1e-1 with fp8)")
+                  "least 1e-2 with --dispatch-dtype bf16 on the CPU, 1e-1 with fp8)")
       ->transform(number_at_least(0))
       ->needs(ref);
   cmd->add_option("--repeat", o.repeat, "Run the forward N times; the median time is reported")

@@ -311,7 +311,9 @@ CLI::Option* add_expert_placement_option(CLI::App& cmd, std::string& value) {
 
 void check_ep_options(int ep_size, int dp_size, const std::string& dispatch_dtype,
                       bool dispatch_given, const std::string& combine_dtype, bool combine_given,
-                      const std::string& expert_placement, bool placement_given, bool on_cuda) {
+                      const std::string& expert_placement, bool placement_given, bool on_cuda,
+                      bool ep_one_rank) {
+  const bool ep = ep_size > 1 || ep_one_rank;
   // ParallelGroups' rule, here before any rank builds its groups (it used to
   // pass the rank-count check and fail on each rank with ExpertMap's texts).
   usage_check(dp_size == 1 || ep_size == 1 || ep_size == dp_size, "--ep-size ", ep_size,
@@ -324,13 +326,13 @@ void check_ep_options(int ep_size, int dp_size, const std::string& dispatch_dtyp
               " with --dp-size ", dp_size,
               ": the expert-parallel dispatch payload, taken with --ep-size > 1 and --dp-size 1 "
               "only (the data-parallel layout gathers the hidden states in f32)");
-  usage_check(!dispatch_given || ep_size > 1, "--dispatch-dtype ", dispatch_dtype,
+  usage_check(!dispatch_given || ep, "--dispatch-dtype ", dispatch_dtype,
               ": the expert-parallel dispatch payload, needs --ep-size > 1");
   // The GPUs' experts take bf16 (or f16): f32 records would be rounded anyway.
   usage_check(!on_cuda || dispatch_dtype != "f32",
-              "--dispatch-dtype f32: with --backend cuda "
-              "the experts take bf16 inputs; expected auto (= bf16), bf16 or fp8");
-  usage_check(!combine_given || (on_cuda && ep_size > 1), "--combine-dtype ", combine_dtype,
+              "--dispatch-dtype f32: with --backend cuda the experts take bf16 (or f16) "
+              "inputs; expected auto (the experts' type), bf16 (with bf16 compute) or fp8");
+  usage_check(!combine_given || (on_cuda && ep), "--combine-dtype ", combine_dtype,
               ": the combine payload of GPU expert parallelism, needs --backend cuda and "
               "--ep-size > 1 (the peer transport)");
   usage_check(!placement_given || ep_size > 1, "--expert-placement ", expert_placement,

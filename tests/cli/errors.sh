@@ -638,7 +638,7 @@ expect_usage "bench --backend cuda --tp-size 2" "--backend cuda: --ep-size only"
   bench --backend cuda --shapes qwen3 --tokens 1 --tp-size 2
 for cmd in run bench; do
   case $cmd in run) a=(run --model "$FIX" --layer 1 --tokens 2) ;; *) a=(bench --shapes qwen3 --tokens 1) ;; esac
-  expect_usage "$cmd --backend cuda --dispatch-dtype f32" "--dispatch-dtype f32: with --backend cuda the experts take bf16 inputs" -- \
+  expect_usage "$cmd --backend cuda --dispatch-dtype f32" "--dispatch-dtype f32: with --backend cuda the experts take bf16 (or f16) inputs" -- \
     "${a[@]}" --backend cuda --ep-size 2 --dispatch-dtype f32
   # The combine payload: GPU expert parallelism only.
   expect_usage "$cmd --combine-dtype bf16 on the CPU" "--combine-dtype bf16: the combine payload of GPU expert parallelism" -- \

@@ -820,9 +820,12 @@ TEST(CudaEp, PeerFp8DispatchAndBf16Combine) {
     } else {
       for (auto& m : make_nccl_communicators(devices)) comms.push_back(std::move(m));
     }
-    // H = 88: the fp8 records' 8-values-a-thread path (H % 16 != 0).
+    // H = 88: the fp8 records' 8-values-a-thread path (H % 16 != 0); H = 4224:
+    // 33 groups of 128 columns, a row longer than a dispatch block's threads
+    // (256 x 16) and than a combine item (2048 columns).
     std::vector<std::pair<std::string, MoEConfig>> configs = ep_configs();
     configs.emplace_back("h88", test::base_config(9, 2, 88, 48));
+    configs.emplace_back("h4224", test::base_config(4, 2, 4224, 64));
     for (const auto& [name, c] : configs) {
       SCOPED_TRACE(name);
       if (P > c.num_experts) continue;

@@ -294,7 +294,7 @@ bool pick_sm90_experts(int64_t rows_per_expert, int64_t routed_rows, int64_t hid
 // reads sm90_experts' bf16 rows (each value widened to f32 first).
 struct FinalizeArgs {
   const void* y = nullptr;      // f32 [T * k, H], or bf16 by y_dtype
-  DType y_dtype = DType::kF32;  // kF32, or kBF16 with slot_row (hidden % 8 == 0)
+  DType y_dtype = DType::kF32;  // kF32 or kBF16 (hidden % 8 == 0): by slot, or with slot_row
   const int32_t* topk_ids = nullptr;
   int64_t num_tokens = 0, top_k = 0, hidden = 0;
   int64_t num_experts = 0;

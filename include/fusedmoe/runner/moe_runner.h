@@ -107,7 +107,8 @@ struct RunnerOptions {
   // Expert parallelism's dispatch payload. CPU (ep_size > 1, dp_size 1): see
   // DispatchDType. CUDA: auto (or bf16 with bf16 compute) sends the experts'
   // half type; fp8 (peer transport only) e4m3 with 1 x 128 group scales,
-  // dequantised by the receiver (about half the bytes; bf16-level error).
+  // dequantised by the receiver (about half the bytes; 3e-2 to 4e-2 relative
+  // L2 from a float64 reference on the HF fixtures, vs 4e-3 for bf16).
   DispatchDType dispatch_dtype = DispatchDType::kAuto;
   // CUDA expert parallelism, peer transport only: the combine rows, f32 or
   // bf16 (half the bytes; each rank's partial sum of a token rounded to bf16

@@ -38,6 +38,14 @@ class DeviceArray {
   T* as() const {
     return static_cast<T*>(ptr_);
   }
+  // false (and nothing held) where cudaMalloc fails.
+  bool try_allocate(size_t bytes) {
+    *this = DeviceArray();
+    if (cudaMalloc(&ptr_, bytes) == cudaSuccess) return true;
+    cudaGetLastError();
+    ptr_ = nullptr;
+    return false;
+  }
 
  private:
   void* ptr_ = nullptr;
@@ -51,7 +59,7 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 // peer window.
 struct PeerInfo {
   int32_t mode;      // EpTransport
-  int32_t payloads;  // 1: fp8 dispatch records, 2: bf16 combine rows (bits)
+  int32_t payloads;  // bits: 1 fp8 dispatch records, 2 bf16 combine rows, 4 f16 experts
   int32_t ok;        // 0: no window; 1: window and CUDA IPC handle; 2: window only
   int64_t capacity, hidden, top_k, bytes;  // the window's layout (the same on every rank)
   char host[64];
@@ -164,7 +172,7 @@ bool CudaEpMoELayer::Impl::setup_peer(EpTransport want) {
   std::string why;  // this rank's reason, when it cannot
   PeerInfo info{};
   info.mode = static_cast<int32_t>(want);
-  info.payloads = (fp8 ? 1 : 0) | (combine_bf16 ? 2 : 0);
+  info.payloads = (fp8 ? 1 : 0) | (combine_bf16 ? 2 : 0) | (layout.x_f16 ? 4 : 0);
   info.capacity = layout.capacity;
   info.hidden = H;
   info.top_k = k;
@@ -191,6 +199,10 @@ bool CudaEpMoELayer::Impl::setup_peer(EpTransport want) {
       cudaGetLastError();
       info.ok = 2;  // same-process peers only
     }
+    // Here, not after set-up: a rank that cannot must fail with all the others.
+    const size_t xb = size_t{2} * P * max_tokens * H;
+    if (fp8 && !x_recv.try_allocate(xb))
+      why = "cudaMalloc of its " + std::to_string(xb) + "-byte fp8 receive buffer failed";
   }
   // Round 1 (every rank, whatever it asks for): modes, layouts, handles.
   const std::vector<unsigned char> all = gather_host(*comm, &info, sizeof info);
@@ -210,14 +222,15 @@ bool CudaEpMoELayer::Impl::setup_peer(EpTransport want) {
                    ask_nccl, " asks for nccl, rank ", ask_peer, " for peer");
   }
   const auto payload_names = [](int32_t f) {
-    return std::string("dispatch ") + (f & 1 ? "fp8" : "auto") + ", combine " +
-           (f & 2 ? "bf16" : "f32");
+    return std::string("experts ") + (f & 4 ? "f16" : "bf16") + ", dispatch " +
+           (f & 1 ? "fp8" : "auto") + ", combine " + (f & 2 ? "bf16" : "f32");
   };
   for (int p = 1; p < P; ++p)
     if (infos[p].payloads != infos[0].payloads) {
       release_peer(false);
       FUSEDMOE_THROW(kInvalidArgument,
-                     "dispatch_dtype / combine_dtype: every rank must use the same; rank 0 has ",
+                     "compute_dtype / dispatch_dtype / combine_dtype: every rank must use the "
+                     "same; rank 0 has ",
                      payload_names(infos[0].payloads), ", rank ", p, " has ",
                      payload_names(infos[p].payloads));
     }
@@ -403,10 +416,7 @@ CudaEpMoELayer::CudaEpMoELayer(CudaMoELayer& layer, const MoEConfig& config,
   s.counts_send = DeviceArray(8 * 3 * P);
   s.ids_l = DeviceArray(4 * Tm * P * k);
   s.w_l = DeviceArray(4 * Tm * P * k);
-  if (s.setup_peer(ep_transport_from_env())) {
-    if (s.fp8) s.x_recv = DeviceArray(size_t{2} * P * Tm * H);
-    return;
-  }
+  if (s.setup_peer(ep_transport_from_env())) return;
   // Every rank took the same decision on the same payloads (setup_peer).
   FUSEDMOE_CHECK(!s.fp8 && !s.combine_bf16,
                  "dispatch_dtype fp8 / combine_dtype bf16: payloads of the peer transport, but "

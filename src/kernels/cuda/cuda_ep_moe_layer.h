@@ -76,9 +76,9 @@ class CudaEpMoELayer {
   // with one f32 scale per 1 x 128 group (peer_dispatch), dequantised to the
   // half type by the receiver (about half the bytes). combine_dtype: the rows
   // sent back — f32, or bf16 (half the bytes; each rank's partial sum rounded
-  // once). fp8 and bf16 are payloads of the peer transport only; every rank
-  // must pass the same. Throws Error(kInvalidArgument) on mismatched sizes,
-  // other dtypes, ranks of different payloads, and those payloads on nccl.
+  // once). fp8 records and bf16 rows are payloads of the peer transport only;
+  // every rank must pass the same (and the same expert dtype). Throws Error(kInvalidArgument) on
+  // mismatched sizes, other dtypes, ranks of different payloads, and those payloads on nccl.
   CudaEpMoELayer(CudaMoELayer& layer, const MoEConfig& config, std::shared_ptr<Communicator> comm,
                  ExpertMap map, int64_t max_tokens_per_rank,
                  DispatchDType dispatch_dtype = DispatchDType::kAuto,

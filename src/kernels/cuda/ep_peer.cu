@@ -16,6 +16,7 @@
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/ep_dispatch.h"
 #include "kernels/cuda/ep_peer.h"
+#include "kernels/cuda/gemm/gemv_common.cuh"  // unpack8
 
 namespace fusedmoe::cuda {
 namespace {
@@ -96,18 +97,10 @@ __device__ __forceinline__ float* rec_scales(char* r, const PeerLayout& L) {  //
 
 // 8 half values (bf16 or f16 bits) <-> f32.
 __device__ __forceinline__ void half8_to_f32(uint4 a, bool f16, float* v) {
-  const uint32_t w[4] = {a.x, a.y, a.z, a.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    if (f16) {
-      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
-      v[2 * i] = f.x;
-      v[2 * i + 1] = f.y;
-    } else {
-      v[2 * i] = __uint_as_float(w[i] << 16);
-      v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-    }
-  }
+  if (f16)
+    gemm::unpack8<__half>(a, v);
+  else
+    gemm::unpack8<uint16_t>(a, v);
 }
 __device__ __forceinline__ uint4 f32_to_half8(const float* v, bool f16) {
   uint32_t w[4];
@@ -313,13 +306,7 @@ __device__ __forceinline__ void load8(const float* p, float* v) {
   v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
 }
 __device__ __forceinline__ void load8(const uint16_t* p, float* v) {  // bf16
-  const uint4 a = *reinterpret_cast<const uint4*>(p);
-  const uint32_t w[4] = {a.x, a.y, a.z, a.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    v[2 * i] = __uint_as_float(w[i] << 16);
-    v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-  }
+  gemm::unpack8<uint16_t>(*reinterpret_cast<const uint4*>(p), v);
 }
 
 // Work item (received row m, chunk of kCombineCols columns) (P * capacity

@@ -10,6 +10,7 @@
 
 #include "fusedmoe/kernels/cuda.h"
 #include "kernels/cuda/cuda_common.cuh"
+#include "kernels/cuda/gemm/gemv_common.cuh"  // unpack8
 #include "kernels/cuda/pdl.cuh"
 
 namespace fusedmoe::cuda {
@@ -60,13 +61,7 @@ template <>
 struct YVec<uint16_t> {
   static constexpr int kCols = 8;
   __device__ __forceinline__ static void load(const uint16_t* p, float* v) {
-    const uint4 a = *reinterpret_cast<const uint4*>(p);
-    const uint32_t w[4] = {a.x, a.y, a.z, a.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      v[2 * i] = __uint_as_float(w[i] << 16);
-      v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-    }
+    gemm::unpack8<uint16_t>(*reinterpret_cast<const uint4*>(p), v);
   }
 };
 

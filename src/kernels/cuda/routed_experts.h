@@ -132,8 +132,9 @@ struct RoutedExpertsArgs {
   // parallelism passes the tile of the global batch (the same on every rank).
   std::optional<GemmTile> tile;
   // Whether the sm90 path may be taken (pick_sm90_experts for the rows per
-  // expert of T tokens; the scratch must then be carved with sm90). Expert
-  // parallelism passes false: it needs y by slot.
+  // expert of T tokens; the scratch must then be carved with sm90). GPU expert
+  // parallelism's nccl transport passes false (it sends y by slot); the peer
+  // transport's combine reads the sm90 path's expert-sorted rows too.
   bool allow_sm90 = true;
   // Whether to take the decode path; default pick_decode_experts(T, k, E) (and
   // never with the sm90 path). Expert parallelism passes the global batch's
