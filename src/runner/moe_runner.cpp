@@ -259,10 +259,12 @@ MoERunner::MoERunner(MoEConfig config, MoELayerWeights weights, RunnerOptions op
     if (cuda_ep) {
       // The local experts compute every rank's rows: ep_size * max_num_tokens.
       const int P = options_.communicator->size();
-      // With the sm90 routed scratch: the peer transport's experts() takes the
-      // sm90 path for many rows per expert (the nccl one stays on mma.sync).
-      cuda_ = std::make_unique<cuda::CudaMoELayer>(config_, weights_, P * options_.max_num_tokens,
-                                                   options_.compute_dtype);
+      // With the sm90 routed scratch unless nccl is asked for: the peer
+      // transport's experts() takes the sm90 path for many rows per expert
+      // (the nccl one stays on mma.sync).
+      cuda_ = std::make_unique<cuda::CudaMoELayer>(
+          config_, weights_, P * options_.max_num_tokens, options_.compute_dtype,
+          /*routed_sm90=*/ep_transport_from_env() != EpTransport::kNccl);
       cuda_ep_ = std::make_unique<cuda::CudaEpMoELayer>(
           *cuda_, config_, options_.communicator,
           ExpertMap(config_.num_experts, P, config_.parallel.expert_placement),
