@@ -798,7 +798,8 @@ TEST(CudaEp, PeerSm90ExpertsMatchOneGpu) {
 // experts see exactly the dispatched hidden states (no shared expert, weight
 // not on the input): one GPU on the quantised-dequantised states gives the
 // same output within f32 rounding; elsewhere fp8 is within its rounding of
-// one GPU. bf16 rows: within bf16 rounding of one GPU.
+// one GPU (1e-1, a loose check: the exact layers are the tight one). bf16
+// rows: within bf16 rounding of one GPU.
 TEST(CudaEp, PeerFp8DispatchAndBf16Combine) {
   FUSEDMOE_REQUIRE_NCCL();
   TransportEnv env("peer");
@@ -835,7 +836,10 @@ TEST(CudaEp, PeerFp8DispatchAndBf16Combine) {
         const std::vector<int64_t> tokens(P, T);
         for (DType combine : {DType::kF32, DType::kBF16}) {
           SCOPED_TRACE(std::string("fp8 dispatch, combine ") + dtype_name(combine));
-          const double tol = exact ? (combine == DType::kBF16 ? 1e-2 : 1e-6) : 5e-2;
+          // Not exact: fp8's rounding itself, ~3e-2 on average but up to 6e-2
+          // measured on one token of 72 values (qwen2_moe, T = 1); the CLI's
+          // default fp8 tolerance.
+          const double tol = exact ? (combine == DType::kBF16 ? 1e-2 : 1e-6) : 1e-1;
           check_ep(c, w, tokens, comms, devices, ExpertPlacement::kContiguous, rng, true, tol,
                    "peer", {DispatchDType::kFP8, combine, exact});
         }
