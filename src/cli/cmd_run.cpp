@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <span>
@@ -1016,20 +1017,41 @@ int run_run(const RunOptions& o) {
                    bad % H,
                    " (the input or the weights overflow f32 arithmetic); no output written");
 
+  // The EP payloads as run (auto resolved): what rounded the hidden states the
+  // experts saw, and the rows summed back, named in the report and the file.
+  std::string payloads;
+  if (parallel && o.ep_size > 1 && o.dp_size == 1) {
+    const std::string dispatch =
+        o.dispatch_dtype == "fp8"    ? "fp8 e4m3 (1x128 scales)"
+        : o.dispatch_dtype != "auto" ? o.dispatch_dtype
+        : on_cuda                    ? dtype_name(compute_dtype)
+        : compute_dtype == DType::kBF16 && !config.apply_router_weight_on_input ? "bf16"
+                                                                                : "f32";
+    payloads = "dispatch " + dispatch + ", combine " + (on_cuda ? o.combine_dtype : "f32");
+  }
+  const std::string layout =
+      parallel ? "ep " + std::to_string(o.ep_size) + ", tp " + std::to_string(o.tp_size) + ", dp " +
+                     std::to_string(o.dp_size) + ", experts " + o.expert_placement +
+                     (payloads.empty() ? "" : "; " + payloads)
+               : "";
+
   // Output file: written into its temporary now, renamed into place only after
   // the report below reached the standard output (a run that fails there, a
   // full disk or a closed pipe, leaves no file).
   if (output_file) {
+    std::map<std::string, std::string> meta{{"model", utf8_replaced(model_dir)},
+                                            {"model_type", info.model_type},
+                                            {"layer", std::to_string(layer)},
+                                            {"compute_dtype", dtype_name(compute_dtype)},
+                                            {"backend", o.backend},
+                                            {"producer", "fusedmoe run"}};
+    if (parallel) meta["parallel"] = layout;
     write_safetensors(*output_file,
                       {{"output", output.view()},
                        {"topk_ids", topk_ids.view()},
                        {"topk_weights", topk_weights.view()},
                        {"router_logits", router_logits.view()}},
-                      {{"model", utf8_replaced(model_dir)},
-                       {"model_type", info.model_type},
-                       {"layer", std::to_string(layer)},
-                       {"compute_dtype", dtype_name(compute_dtype)},
-                       {"producer", "fusedmoe run"}});
+                      meta);
   }
 
   // Summary.
@@ -1044,11 +1066,8 @@ int run_run(const RunOptions& o) {
               static_cast<long long>(T));
   std::printf("compute dtype  %s\n", dtype_name(compute_dtype));
   if (parallel)
-    std::printf(
-        "parallel       %d ranks (%s): ep %d, tp %d, dp %d, experts %s; weights above "
-        "are rank 0's share\n",
-        world->size(), world->backend().c_str(), o.ep_size, o.tp_size, o.dp_size,
-        o.expert_placement.c_str());
+    std::printf("parallel       %d ranks (%s): %s; weights above are rank 0's share\n",
+                world->size(), world->backend().c_str(), layout.c_str());
   if (on_cuda)
     std::printf("backend        cuda (device %d%s)\n", cuda_device,
                 parallel ? ", NCCL one GPU per rank" : "");

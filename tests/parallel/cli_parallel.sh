@@ -94,6 +94,28 @@ for dd in bf16 fp8; do
 done
 echo "ok --reference default tolerance with a lossy dispatch"
 
+# The payloads as run (auto resolved) are named in the report and the output's metadata.
+$mpiexec $pre "$npflag" 2 "$BIN" run --model "$dir" --layer 0 --tokens 4 --ep-size 2 \
+  --dispatch-dtype fp8 --output "$TMP/fp8.safetensors" >"$TMP/log" 2>&1 ||
+  { echo "FAIL: fp8 run"; cat "$TMP/log"; exit 1; }
+grep -q "^parallel .*ep 2, tp 1, dp 1, experts contiguous; dispatch fp8 e4m3 (1x128 scales), combine f32;" \
+  "$TMP/log" || { echo "FAIL: fp8 payload not in the report"; cat "$TMP/log"; exit 1; }
+$mpiexec $pre "$npflag" 2 "$BIN" run --model "$dir" --layer 0 --tokens 4 --ep-size 2 \
+  --compute-dtype bf16 --output "$TMP/auto.safetensors" >"$TMP/log" 2>&1 ||
+  { echo "FAIL: auto run"; cat "$TMP/log"; exit 1; }
+python3 - "$TMP/fp8.safetensors" "$TMP/auto.safetensors" <<'PY'
+import json, struct, sys
+def meta(p):
+    raw = open(p, "rb").read()
+    return json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])["__metadata__"]
+m = meta(sys.argv[1])
+assert m["parallel"] == "ep 2, tp 1, dp 1, experts contiguous; dispatch fp8 e4m3 (1x128 scales), combine f32", m
+assert m["backend"] == "cpu", m
+m = meta(sys.argv[2])
+assert m["parallel"].endswith("dispatch bf16, combine f32"), m  # auto with bf16 compute
+PY
+echo "ok payloads named in the report and the metadata"
+
 # Wrong rank count: a clear error.
 if $mpiexec $pre "$npflag" 2 "$BIN" run --tokens 4 --ep-size 3 >"$TMP/log" 2>&1; then
   echo "FAIL: --ep-size 3 on 2 ranks succeeded"; exit 1
