@@ -124,7 +124,8 @@ int run_inspect(const InspectOptions& opts) {
   std::printf("model          %s\n", printable(path).c_str());
   std::printf("model type     %s%s%s\n", printable(info.model_type).c_str(),
               info.architecture.empty() ? "" : ", ", printable(info.architecture).c_str());
-  std::printf("dtype          %s\n", dtype_name(info.dtype));
+  std::printf("dtype          %s%s\n", dtype_name(info.dtype),
+              info.dtype_given ? "" : " (config.json names none: assumed)");
   std::string moe;
   for (int64_t l : info.moe_layers) moe += (moe.empty() ? "" : ", ") + std::to_string(l);
   std::printf("layers         %lld, MoE layers: %s\n",

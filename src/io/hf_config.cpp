@@ -394,6 +394,7 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
                      dt->dump());
     try {
       info.dtype = parse_dtype(dt->get<std::string>());
+      info.dtype_given = true;
     } catch (const Error& e) {
       FUSEDMOE_THROW(kInvalidArgument, where, ": field 'dtype': ", e.what());
     }

@@ -26,6 +26,8 @@ cfg = json.load(open(sys.argv[2]))
 text = cfg.get("text_config", cfg)
 assert j["model_type"] == cfg["model_type"], j["model_type"]
 assert j["moe_layers"], "no MoE layers"
+given = any(k in d for d in (text, cfg) for k in ("dtype", "torch_dtype"))
+assert j["dtype_given"] == given, (j["dtype_given"], given)
 assert len(j["layers"]) == len(j["moe_layers"])
 for layer in j["layers"]:
     c = layer["config"]

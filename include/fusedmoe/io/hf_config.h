@@ -27,6 +27,7 @@ struct ModelInfo {
   std::string source;        // path of the config.json
   int64_t num_hidden_layers = 0;
   DType dtype = DType::kBF16;                  // "dtype" / "torch_dtype" of the checkpoint
+  bool dtype_given = false;                    // config.json names it (else bf16 assumed)
   std::vector<int64_t> moe_layers;             // sorted layer indices that are MoE
   std::map<int64_t, MoEConfig> layer_configs;  // one per MoE layer (validated)
   // quantization_config.quant_method ("fp8", the only one read), or "" when
