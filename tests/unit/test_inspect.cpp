@@ -31,10 +31,11 @@ TEST(InspectJson, EveryFixtureHasItsLayersAndWeightBytes) {
     SCOPED_TRACE(arch);
     const std::string dir = test::hf_fixture_dir(arch);
     const ojson j = ojson::parse(inspect_json(dir));
-    EXPECT_EQ(keys(j), (std::vector<std::string>{"path", "model_type", "architecture",
-                                                 "num_hidden_layers", "dtype", "moe_layers",
-                                                 "weights", "layers", "moe_bytes_total"}));
+    EXPECT_EQ(keys(j), (std::vector<std::string>{
+                           "path", "model_type", "architecture", "num_hidden_layers", "dtype",
+                           "dtype_given", "moe_layers", "weights", "layers", "moe_bytes_total"}));
     const ModelInfo info = load_model_info(dir);
+    EXPECT_EQ(j["dtype_given"], info.dtype_given);
     EXPECT_EQ(j["path"], dir);
     EXPECT_EQ(j["model_type"], info.model_type);
     EXPECT_EQ(j["num_hidden_layers"], info.num_hidden_layers);
