@@ -73,7 +73,8 @@ int run_bench_parallel_cuda(const BenchOptions& o) {
         P, prop.name, to_string(placement),
         o.dispatch_dtype == "fp8" ? "fp8 e4m3 + 1x128 scales" : "bf16", o.combine_dtype.c_str());
     std::printf(
-        "- T = tokens per rank, routed by a random gate (softmax top-k, renormalized); times: "
+        "- T = tokens per rank (bf16 hidden states and output), routed by a random bf16 gate "
+        "(softmax top-k, renormalized); times: "
         "median over runs, slowest rank; layer = forward + device sync; transport nccl: "
         "dispatch = layout, pack, counts and records all-to-all; combine = pack, all-to-all, "
         "unpack (host wall clock, stream syncs included); transport peer (stores into the other "
@@ -106,7 +107,9 @@ int run_bench_parallel_cuda(const BenchOptions& o) {
       std::uniform_real_distribution<float> u(-1.0f, 1.0f);
       w.gate_weight = Tensor::empty(DType::kF32, {shape.E, shape.H});
       float* g = w.gate_weight.data_as<float>();
-      for (int64_t i = 0; i < shape.E * shape.H; ++i) g[i] = u(rng);
+      // bf16 values, as the models' checkpoints store their gates (and
+      // bench_cuda_layer's): the router GEMM takes its bf16 path, not f32's.
+      for (int64_t i = 0; i < shape.E * shape.H; ++i) g[i] = round_to_bf16(u(rng));
     }
     w.experts = make_synthetic_layer(local, DType::kBF16, seed * 31 + rank, false).weights;
     const size_t expert_bytes_rank = w.experts.nbytes();
@@ -141,16 +144,18 @@ int run_bench_parallel_cuda(const BenchOptions& o) {
       MoERunner runner(config, w, ro);
       const Device dev{DeviceType::kCUDA, device};
       const int64_t T1 = std::max<int64_t>(T, 1);
-      cuda::DeviceBuffer x(T1 * H * 4), out(T1 * H * 4);
+      // bf16 hidden states and output, as an inference engine passes them (f32
+      // ones would also time their conversion and the router GEMM's f32 path).
+      cuda::DeviceBuffer x(T1 * H * 2), out(T1 * H * 2);
       {
         std::mt19937_64 rng(seed * 7919 + T * 131 + rank);
         std::normal_distribution<float> nd(0.0f, 1.0f);
-        std::vector<float> h(T * H);
-        for (auto& v : h) v = nd(rng);
-        if (T > 0) x.upload(h.data(), h.size() * 4);
+        std::vector<uint16_t> h(T * H);
+        for (auto& v : h) v = f32_to_bf16(nd(rng));
+        if (T > 0) x.upload(h.data(), h.size() * 2);
       }
-      const TensorView xv(x.data(), DType::kF32, {T, H}, dev);
-      const TensorView ov(out.data(), DType::kF32, {T, H}, dev);
+      const TensorView xv(x.data(), DType::kBF16, {T, H}, dev);
+      const TensorView ov(out.data(), DType::kBF16, {T, H}, dev);
       std::vector<double> layer_s, dispatch_s, combine_s, wait_s;
       EpStats last;
       auto run = [&] {
