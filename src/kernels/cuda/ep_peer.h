@@ -10,8 +10,10 @@
 // every rank (PeerLayout):
 //   signals: u64 dispatch_flag[P], u64 combine_flag[P], i64 rows[P];
 //   recv:    P regions of capacity rows (max_tokens_per_rank each) of dispatch
-//            records (ep_record_bytes): region p holds source rank p's rows in
-//            its token order, row i valid for i < rows[p];
+//            records (peer_record_bytes; without fp8 the same as ep_record_bytes,
+//            the nccl transport's): region p holds source rank p's rows (in
+//            the order they took them, see peer_dispatch), row i valid for
+//            i < rows[p];
 //   y:       f32 or bf16 (combine_bf16) [capacity * P, H]: row t * P + r =
 //            the sum of token t's slots held by rank r (in slot order, f32,
 //            then rounded), written by rank r (combine).
