@@ -220,10 +220,20 @@ int run_bench(const BenchOptions& o) {
         FUSEDMOE_THROW(kIo, "--dump-dir ", o.dump_dir, ": cannot write: ", std::strerror(errno));
     }
     if (!parallel) {
-      usage_check(o.min_time == d.min_time && o.seed == d.seed && o.max_experts == 0,
-                  "--min-time, --seed and --max-experts: not taken by the single-GPU CUDA "
-                  "bench (fixed counter-based inputs, median of a fixed number of graph "
-                  "replays); drop them");
+      std::string given;
+      const auto add = [&](const char* flag, bool set, const std::string& value) {
+        if (set) given += (given.empty() ? "" : ", ") + std::string(flag) + " " + value;
+      };
+      add("--min-time", o.min_time != d.min_time, exact_number(o.min_time));
+      add("--seed", o.seed != d.seed, std::to_string(o.seed));
+      add("--max-experts", o.max_experts != 0, std::to_string(o.max_experts));
+      usage_check(given.empty(), given,
+                  ": not taken by the single-GPU CUDA bench (fixed counter-based inputs, median "
+                  "of a fixed number of graph replays); drop them");
+    } else {
+      usage_check(!o.sweep && o.dump_dir.empty(), o.sweep ? "--sweep" : "--dump-dir",
+                  ": an option of the single-GPU CUDA bench; the expert-parallel one "
+                  "(--ep-size / --nccl) times the layer as it runs");
     }
     if (parallel) return run_bench_parallel_cuda(o);
   }

@@ -136,7 +136,12 @@ int run_bench_parallel(const BenchOptions& o) {
     // Only the EP all-to-all (ep > 1, dp 1) has a dispatch payload; the
     // data-parallel layout gathers f32 rows, tensor parallelism alone none.
     const std::string exchange =
-        pc.ep_size > 1 && pc.dp_size == 1 ? std::string("dispatch payload ") + to_string(dispatch)
+        pc.ep_size > 1 && pc.dp_size == 1
+            ? std::string("dispatch payload ") +
+                  (dispatch != DispatchDType::kAuto ? to_string(dispatch)
+                   : dtype == DType::kBF16          ? "auto (bf16)"
+                                                    : "auto (f32)") +
+                  ", combine f32"
         : pc.ep_size > 1 ? std::string("all-gather / reduce-scatter of f32 rows (no dispatch)")
                          : std::string("no dispatch");
     std::printf("- weights and compute %s; routing simulated %s; %s\n", dtype_name(dtype),

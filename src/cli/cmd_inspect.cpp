@@ -125,7 +125,9 @@ int run_inspect(const InspectOptions& opts) {
   std::printf("model type     %s%s%s\n", printable(info.model_type).c_str(),
               info.architecture.empty() ? "" : ", ", printable(info.architecture).c_str());
   std::printf("dtype          %s%s\n", dtype_name(info.dtype),
-              info.dtype_given ? "" : " (config.json names none: assumed)");
+              info.dtype_given ? ""
+                               : " (config.json names no dtype: fusedmoe's default; the weights' "
+                                 "own types are listed below)");
   std::string moe;
   for (int64_t l : info.moe_layers) moe += (moe.empty() ? "" : ", ") + std::to_string(l);
   std::printf("layers         %lld, MoE layers: %s\n",

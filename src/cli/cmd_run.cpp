@@ -1031,7 +1031,8 @@ int run_run(const RunOptions& o) {
   }
   const std::string layout =
       parallel ? "ep " + std::to_string(o.ep_size) + ", tp " + std::to_string(o.tp_size) + ", dp " +
-                     std::to_string(o.dp_size) + ", experts " + o.expert_placement +
+                     std::to_string(o.dp_size) +
+                     (o.ep_size > 1 ? ", experts " + o.expert_placement : "") +
                      (payloads.empty() ? "" : "; " + payloads)
                : "";
 

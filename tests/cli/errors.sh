@@ -646,6 +646,11 @@ for cmd in run bench; do
   expect_usage "$cmd --backend cuda --combine-dtype bf16 without --ep-size" "needs --backend cuda and --ep-size > 1" -- \
     "${a[@]}" --backend cuda --combine-dtype bf16
 done
+# Options the CUDA benches do not take: named with their values.
+expect_usage "bench --backend cuda --seed 5" "--seed 5: not taken by the single-GPU CUDA bench" -- \
+  bench --backend cuda --shapes qwen3 --tokens 1 --seed 5
+expect_usage "bench --backend cuda --nccl --sweep" "--sweep: an option of the single-GPU CUDA bench" -- \
+  bench --backend cuda --shapes qwen3 --tokens 1 --nccl --sweep
 # --dispatch-dtype given without expert parallelism, any value (auto too), is a usage
 # error as --expert-placement is, for run and bench.
 for v in auto f32; do
