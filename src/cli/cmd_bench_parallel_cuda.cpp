@@ -26,7 +26,7 @@
 #include <cuda_runtime_api.h>
 
 #include "fusedmoe/kernels/cuda.h"
-#include "kernels/cuda/ep_peer.h"  // peer_record_bytes
+#include "kernels/cuda/ep_dispatch.h"  // ep_record_bytes
 #endif
 
 namespace fusedmoe::cli {
@@ -135,7 +135,7 @@ int run_bench_parallel_cuda(const BenchOptions& o) {
     }
     const int64_t H = shape.H, k = shape.k;
     // Dispatch record bytes (the nccl transport's are the bf16 ones), combine row bytes.
-    const int64_t rec = cuda::peer_record_bytes(H, k, o.dispatch_dtype == "fp8");
+    const int64_t rec = cuda::ep_record_bytes(H, k, o.dispatch_dtype == "fp8");
     const int64_t back = H * (o.combine_dtype == "bf16" ? 2 : 4);
     for (int64_t T : token_counts) {
       // A runner sized for this T: the peer transport's experts run on

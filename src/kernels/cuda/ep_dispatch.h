@@ -6,7 +6,8 @@
 // another rank holds slot j), topk_weights f32 [k], the token's index i32 on
 // its source rank (the peer transport's combine writes by it), padded to 16 bytes, so the
 // received records are directly the rows (row stride rec_bytes / 2 bf16
-// elements) of the expert GEMM.
+// elements) of the expert GEMM. The peer transport's fp8 records carry e4m3
+// [H] then f32 scales [ceil(H / 128)] in place of x (ep_record_bytes(H, k, true)).
 #pragma once
 
 #include <cstdint>
@@ -15,8 +16,12 @@
 
 namespace fusedmoe::cuda {
 
-inline int64_t ep_record_bytes(int64_t hidden, int64_t top_k) {
-  return (2 * hidden + 8 * top_k + 4 + 15) / 16 * 16;
+// Bytes of a record's hidden state, and of the whole record.
+inline int64_t ep_payload_bytes(int64_t hidden, bool fp8 = false) {
+  return fp8 ? hidden + 4 * ((hidden + 127) / 128) : 2 * hidden;
+}
+inline int64_t ep_record_bytes(int64_t hidden, int64_t top_k, bool fp8 = false) {
+  return (ep_payload_bytes(hidden, fp8) + 8 * top_k + 4 + 15) / 16 * 16;
 }
 
 // Per destination rank r (one block each), in token order:

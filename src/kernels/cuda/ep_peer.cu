@@ -388,8 +388,8 @@ PeerLayout peer_layout(int ep_size, int rank, int top_k, int64_t hidden, int64_t
   L.x_f16 = x_f16;
   L.fp8 = fp8;
   L.combine_bf16 = combine_bf16;
-  L.payload = peer_payload_bytes(hidden, fp8);
-  L.rec = peer_record_bytes(hidden, top_k, fp8);
+  L.payload = ep_payload_bytes(hidden, fp8);
+  L.rec = ep_record_bytes(hidden, top_k, fp8);
   L.sms = std::max(sms, 1);
   const auto up = [](size_t b) { return (b + 255) / 256 * 256; };
   L.off_recv = up(24 * static_cast<size_t>(ep_size));

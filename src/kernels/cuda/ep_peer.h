@@ -10,8 +10,7 @@
 // every rank (PeerLayout):
 //   signals: u64 dispatch_flag[P], u64 combine_flag[P], i64 rows[P];
 //   recv:    P regions of capacity rows (max_tokens_per_rank each) of dispatch
-//            records (peer_record_bytes; without fp8 the same as ep_record_bytes,
-//            the nccl transport's): region p holds source rank p's rows (in
+//            records (ep_record_bytes, fp8 or not): region p holds source rank p's rows (in
 //            the order they took them, see peer_dispatch), row i valid for
 //            i < rows[p];
 //   y:       f32 or bf16 (combine_bf16) [capacity * P, H]: row t * P + r =
@@ -27,6 +26,7 @@
 #include <cstdint>
 
 #include "fusedmoe/kernels/cuda.h"
+#include "kernels/cuda/ep_dispatch.h"  // the record format
 
 namespace fusedmoe::cuda {
 
@@ -40,20 +40,11 @@ struct PeerLayout {
   bool x_f16 = false;                // the hidden states (and experts) are f16, else bf16
   bool fp8 = false;                  // records carry e4m3 values + f32 scales (1 x 128 groups)
   bool combine_bf16 = false;         // y rows are bf16, else f32
-  int64_t payload = 0;               // bytes of a record's hidden state (2H, or H + 4 * groups)
-  int64_t rec = 0;                   // record bytes: peer_record_bytes
+  int64_t payload = 0;               // bytes of a record's hidden state: ep_payload_bytes
+  int64_t rec = 0;                   // record bytes: ep_record_bytes(hidden, top_k, fp8)
   int sms = 1;                       // multiprocessors of the device (persistent grids)
   size_t off_recv = 0, off_y = 0, bytes = 0;
 };
-// Record bytes: the hidden state (bf16 / f16 [H], or fp8: e4m3 [H] then f32
-// scales [ceil(H / 128)]), local ids i32 [k], weights f32 [k], the token
-// index i32, padded to 16 bytes.
-inline int64_t peer_payload_bytes(int64_t hidden, bool fp8) {
-  return fp8 ? hidden + 4 * ((hidden + 127) / 128) : 2 * hidden;
-}
-inline int64_t peer_record_bytes(int64_t hidden, int64_t top_k, bool fp8) {
-  return (peer_payload_bytes(hidden, fp8) + 8 * top_k + 4 + 15) / 16 * 16;
-}
 PeerLayout peer_layout(int ep_size, int rank, int top_k, int64_t hidden, int64_t capacity,
                        bool x_f16, bool fp8, bool combine_bf16, int sms);
 
