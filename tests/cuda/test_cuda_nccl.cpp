@@ -577,6 +577,20 @@ TEST(CudaEp, OneRankNcclMatchesOneGpu) {
   }
 }
 
+// The refusal tests' layer: 8 experts, top-2, H 64, I 32, random bf16 weights
+// from `seed`; its config is rank 0 of one.
+struct SmallLayer {
+  MoEConfig config;
+  MoELayerWeights weights;
+};
+SmallLayer small_layer(uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  SmallLayer s{test::base_config(8, 2, 64, 32), {}};
+  s.weights = test::random_layer(rng, s.config, DType::kBF16);
+  s.config.parallel = parallel_config_for_rank(0, 1, 1, 1);
+  return s;
+}
+
 // The peer transport needs one GPU per rank: thread ranks sharing a GPU are
 // refused on every rank (naming why) when it is required, and take NCCL's
 // path under auto (ThreadRanksOnOneGpuMatchOneGpu).
@@ -585,9 +599,7 @@ TEST(CudaEp, OneRankNcclMatchesOneGpu) {
 // Error(kInvalidArgument) message.
 std::vector<std::string> two_rank_construction_errors(std::array<int64_t, 2> max_tokens,
                                                       uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  MoEConfig c = test::base_config(8, 2, 64, 32);
-  const MoELayerWeights w = test::random_layer(rng, c, DType::kBF16);
+  const auto [c, w] = small_layer(seed);
   auto group = std::make_shared<ThreadGroup>(2);
   std::vector<std::string> errors(2);
   run_ranks(2, [&](int r) {
@@ -614,10 +626,7 @@ TEST(CudaEp, PeerTransportRefusesRanksSharingAGpu) {
 
 TEST(CudaEp, UnknownTransportIsAnError) {
   FUSEDMOE_REQUIRE_NCCL();
-  std::mt19937_64 rng(12);
-  MoEConfig c = test::base_config(8, 2, 64, 32);
-  const MoELayerWeights w = test::random_layer(rng, c, DType::kBF16);
-  c.parallel = parallel_config_for_rank(0, 1, 1, 1);
+  const auto [c, w] = small_layer(12);
   TransportEnv env("nvshmem");
   RunnerOptions o = cuda_options(16);
   o.communicator = one_rank_nccl();
@@ -860,10 +869,7 @@ TEST(CudaEp, PeerFp8DispatchAndBf16Combine) {
 // and ranks asking for different payloads.
 TEST(CudaEp, UnsupportedPayloadsAreRefused) {
   FUSEDMOE_REQUIRE_NCCL();
-  std::mt19937_64 rng(test::fresh_seed());
-  MoEConfig c = test::base_config(8, 2, 64, 32);
-  c.parallel = parallel_config_for_rank(0, 1, 1, 1);
-  const MoELayerWeights w = test::random_layer(rng, c, DType::kBF16);
+  const auto [c, w] = small_layer(test::fresh_seed());
   std::shared_ptr<Communicator> comm = one_rank_nccl();
   const auto error = [&](DispatchDType d, DType combine, DType compute) {
     RunnerOptions o = cuda_options(16);
@@ -1096,10 +1102,8 @@ TEST(CudaEp, RanksWithDifferentMaxTokensAreRefused) {
 // The nccl transport synchronises with the host: capturing it is refused.
 TEST(CudaEp, NcclTransportRefusesCapture) {
   FUSEDMOE_REQUIRE_NCCL();
+  const auto [c, w] = small_layer(13);
   std::mt19937_64 rng(13);
-  MoEConfig c = test::base_config(8, 2, 64, 32);
-  const MoELayerWeights w = test::random_layer(rng, c, DType::kBF16);
-  c.parallel = parallel_config_for_rank(0, 1, 1, 1);
   TransportEnv env("nccl");
   cudaStream_t stream = nullptr;
   test::cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
