@@ -125,7 +125,7 @@ struct CudaEpMoELayer::Impl {
   int64_t rec = 0;
   bool fp8 = false, combine_bf16 = false;  // the peer transport's payloads
   DeviceArray rank_of, local_of;           // i32 [E]
-  DeviceArray row_pos, slot_pos;           // i32 [Tmax * P], [Tmax * k]
+  DeviceArray row_pos, slot_pos;           // i32 [Tmax * P], [Tmax * k] (slot_pos: nccl only)
   DeviceArray counts_send, counts_recv;    // i64 [P * 3]
   DeviceArray send, recv;                  // records [Tmax * min(P, k)], [P * Tmax]
   DeviceArray ids_l, w_l, cpos;            // [P * Tmax * k]
@@ -412,7 +412,6 @@ CudaEpMoELayer::CudaEpMoELayer(CudaMoELayer& layer, const MoEConfig& config,
   FUSEDMOE_CUDA_CHECK(
       cudaMemcpy(s.local_of.as<void>(), local_of.data(), 4 * E, cudaMemcpyHostToDevice));
   s.row_pos = DeviceArray(4 * Tm * P);
-  s.slot_pos = DeviceArray(4 * Tm * k);
   s.counts_send = DeviceArray(8 * 3 * P);
   s.ids_l = DeviceArray(4 * Tm * P * k);
   s.w_l = DeviceArray(4 * Tm * P * k);
@@ -424,6 +423,8 @@ CudaEpMoELayer::CudaEpMoELayer(CudaMoELayer& layer, const MoEConfig& config,
                  "map each other's GPU memory; FUSEDMOE_EP_TRANSPORT=peer says why); got "
                  "dispatch_dtype ",
                  to_string(dispatch_dtype), ", combine_dtype ", dtype_name(combine_dtype));
+  // The nccl transport's buffers (slot_pos: its layout kernel's slot positions).
+  s.slot_pos = DeviceArray(4 * Tm * k);
   s.counts_recv = DeviceArray(8 * 3 * P);
   s.send = DeviceArray(s.rec * Tm * std::min<int64_t>(P, k));
   s.recv = DeviceArray(s.rec * Tm * P);
