@@ -59,6 +59,7 @@ __version__: str = _ext.__version__
 
 __all__ = [
     "MoELayer",
+    "CudaWorkspace",
     "fused_topk",
     "grouped_topk",
     "select_experts",
@@ -966,6 +967,47 @@ _layer_ids = itertools.count(1)
 _layers: "weakref.WeakValueDictionary[int, MoELayer]" = weakref.WeakValueDictionary()
 
 
+class CudaWorkspace:
+    """One workspace shared by CUDA layers: pass it as ``workspace=`` to
+    ``MoELayer.from_pretrained`` for every MoE layer of a model, and their
+    scratch takes one block as large as the largest layer's, instead of one
+    block each (DeepSeek-V3 at the default max_num_tokens 8192: ~2.9 GB a
+    layer).
+
+    The layers sharing one must be called one at a time in stream order (the
+    same CUDA stream, or streams ordered by events), as a model's layers are;
+    calls in flight at once on unordered streams would overwrite each other's
+    scratch. A layer built later that needs more gets a new, larger block; the
+    layers built before keep the older one while they live (so CUDA graphs
+    captured with them stay valid). Build the largest layer first, or call
+    ``reserve``, to hold one block.
+
+    >>> ws = fusedmoe.CudaWorkspace()
+    >>> layers = [fusedmoe.MoELayer.from_pretrained(d, layer=i, backend="cuda", workspace=ws)
+    ...           for i in moe_layer_ids]
+    """
+
+    def __init__(self) -> None:
+        self._impl = _ext.CudaWorkspace()  # raises in a build without the CUDA backend
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the current block (0 before the first layer)."""
+        return self._impl.nbytes
+
+    @property
+    def device(self) -> int:
+        """The CUDA device of the memory (-1 before the first layer)."""
+        return self._impl.device
+
+    def reserve(self, nbytes: int) -> None:
+        """Makes the current block at least ``nbytes`` large, on the current CUDA device."""
+        self._impl.reserve(_int_in(nbytes, "nbytes", 0, _I64_MAX))
+
+    def __repr__(self) -> str:
+        return f"CudaWorkspace(nbytes={self.nbytes}, device={self.device})"
+
+
 class MoELayer:
     """One MoE layer (router, routed experts, shared experts) of a HF model.
 
@@ -989,6 +1031,7 @@ class MoELayer:
         max_num_tokens: Optional[int] = None,
         *,
         check_finite: bool = True,
+        workspace: Optional[CudaWorkspace] = None,
     ) -> "MoELayer":
         """Loads MoE layer ``layer`` (default: the first MoE layer) of the HF
         checkpoint in ``model_dir`` (config.json + model.safetensors, sharded or
@@ -1007,7 +1050,9 @@ class MoELayer:
         is checked for NaN / Inf (and values beyond f32 once converted), a
         corrupt checkpoint raising OSError naming the tensor and the element;
         False skips the check (a call whose tokens reach such a weight then
-        raises ValueError naming the first non-finite output)."""
+        raises ValueError naming the first non-finite output). ``workspace``
+        (CUDA): a ``CudaWorkspace`` whose memory this layer's scratch shares
+        with the other layers given it, instead of its own."""
         model_dir = _path(model_dir, "model_dir")
         _str(backend, "backend", "'cpu' or 'cuda'")
         if backend not in ("cpu", "cuda"):
@@ -1024,8 +1069,12 @@ class MoELayer:
             threads = _num_threads(threads, "threads")
         mnt = 0 if max_num_tokens is None else _int_in(max_num_tokens, "max_num_tokens", 0,
                                                        _I64_MAX, " (0: the default 8192)")
+        if workspace is not None and not isinstance(workspace, CudaWorkspace):
+            raise TypeError(f"workspace: expected a fusedmoe.CudaWorkspace or None, got "
+                            f"{type(workspace).__name__}")
         return cls(_ext.MoELayer.from_pretrained(model_dir, layer, dtype, threads, backend, mnt,
-                                                 _bool(check_finite, "check_finite")))
+                                                 _bool(check_finite, "check_finite"),
+                                                 None if workspace is None else workspace._impl))
 
     # -- properties
     @property
@@ -1092,6 +1141,12 @@ class MoELayer:
     def max_num_tokens(self) -> int:
         """CUDA: the most tokens one call takes (0 on the CPU: no limit)"""
         return self._impl.max_num_tokens
+
+    @property
+    def workspace_nbytes(self) -> int:
+        """CUDA: bytes of the scratch one call uses, the layer's own or its
+        share of a ``CudaWorkspace`` (0 on the CPU)."""
+        return self._impl.workspace_nbytes
 
     def __repr__(self) -> str:
         c = self.config

@@ -727,6 +727,51 @@ void select_experts(const InArray& router_logits, const OutArray& topk_ids,
   router->select_experts(logits, ids, weights, tok ? &*tok : nullptr);
 }
 
+// ---- CudaWorkspace ------------------------------------------------------------------
+
+// One workspace shared by CUDA layers (cuda::SharedWorkspace); in a build without
+// the CUDA backend its constructor raises.
+class PyCudaWorkspace {
+ public:
+  PyCudaWorkspace() {
+#ifdef FUSEDMOE_WITH_CUDA
+    ws_ = std::make_shared<cuda::SharedWorkspace>();
+#else
+    FUSEDMOE_THROW(kUnsupported,
+                   "CudaWorkspace: this build of fusedmoe has no CUDA backend (built without the "
+                   "CUDA toolkit, or with FUSEDMOE_CUDA=OFF)");
+#endif
+  }
+#ifdef FUSEDMOE_WITH_CUDA
+  const std::shared_ptr<cuda::SharedWorkspace>& get() const {
+    return ws_;
+  }
+  size_t nbytes() const {
+    return ws_->bytes();
+  }
+  int device() const {
+    return ws_->device();
+  }
+  void reserve(int64_t nbytes) {
+    FUSEDMOE_CHECK(nbytes >= 0, "nbytes: expected >= 0, got ", nbytes);
+    FUSEDMOE_CHECK(cuda::device_count() > 0, "CudaWorkspace.reserve: no CUDA device is visible");
+    nb::gil_scoped_release release;
+    ws_->reserve(static_cast<size_t>(nbytes));
+  }
+
+ private:
+  std::shared_ptr<cuda::SharedWorkspace> ws_;
+#else
+  size_t nbytes() const {
+    return 0;
+  }
+  int device() const {
+    return -1;
+  }
+  void reserve(int64_t) {}
+#endif
+};
+
 // ---- MoELayer ----------------------------------------------------------------------
 
 class PyMoELayer {
@@ -735,7 +780,7 @@ class PyMoELayer {
   // workspace for max_num_tokens tokens allocated once).
   PyMoELayer(MoEConfig config, MoELayerWeights weights, DType compute_dtype,
              std::optional<int> threads, std::string source, int64_t layer, Device device,
-             int64_t max_num_tokens)
+             int64_t max_num_tokens, const PyCudaWorkspace* workspace = nullptr)
       : source_(std::move(source)), layer_(layer), device_(device) {
     if (threads) {
       // 0: the global pool (all cores unless set_num_threads changed it), as
@@ -749,6 +794,9 @@ class PyMoELayer {
     options.pool = pool_.get();
     options.device = device;
     options.max_num_tokens = max_num_tokens;
+#ifdef FUSEDMOE_WITH_CUDA
+    if (workspace) options.cuda_workspace = workspace->get();
+#endif
     if (device.type == DeviceType::kCUDA) {
       nb::gil_scoped_release release;  // uploads the weights
       runner_ = std::make_unique<MoERunner>(std::move(config), std::move(weights), options);
@@ -763,7 +811,7 @@ class PyMoELayer {
   static PyMoELayer* from_pretrained(const std::string& model_dir, std::optional<int64_t> layer,
                                      const std::string& dtype, std::optional<int> threads,
                                      const std::string& backend, int64_t max_num_tokens,
-                                     bool check_finite) {
+                                     bool check_finite, const PyCudaWorkspace* workspace) {
     // "auto" (CUDA): f16 for an f16 checkpoint, else bf16 (decided below).
     const bool auto_dtype = dtype == "auto" && backend == "cuda";
     DType compute = auto_dtype ? DType::kBF16 : parse_compute_dtype(dtype, "dtype");
@@ -790,6 +838,9 @@ class PyMoELayer {
       FUSEDMOE_CHECK(compute != DType::kF16,
                      "dtype: \"f16\" runs on the CUDA backend only (backend=\"cuda\"); the CPU "
                      "backend computes in \"f32\" or \"bf16\"");
+      FUSEDMOE_CHECK(workspace == nullptr,
+                     "workspace: a CudaWorkspace serves CUDA layers only (backend=\"cuda\"), "
+                     "got backend=\"cpu\"");
     }
     MoEConfig config;
     MoELayerWeights weights;
@@ -818,7 +869,7 @@ class PyMoELayer {
       }
     }
     return new PyMoELayer(std::move(config), std::move(weights), compute, threads, model_dir, l,
-                          device, max_num_tokens);
+                          device, max_num_tokens, workspace);
   }
 
   // stream: the cudaStream_t (as an integer) CUDA layers enqueue on.
@@ -919,6 +970,9 @@ class PyMoELayer {
   }
   int64_t max_num_tokens() const {
     return max_num_tokens_;
+  }
+  size_t workspace_nbytes() const {
+    return runner_->cuda_workspace_bytes();
   }
 
  private:
@@ -1047,11 +1101,17 @@ NB_MODULE(_ext, m) {
       "num_threads"_a, "Sets the threads of the global pool (0: all cores).");
   m.def("get_num_threads", [] { return ThreadPool::global().num_threads(); });
 
+  nb::class_<PyCudaWorkspace>(m, "CudaWorkspace")
+      .def(nb::init<>())
+      .def("reserve", &PyCudaWorkspace::reserve, "nbytes"_a)
+      .def_prop_ro("nbytes", &PyCudaWorkspace::nbytes)
+      .def_prop_ro("device", &PyCudaWorkspace::device);
+
   nb::class_<PyMoELayer>(m, "MoELayer")
       .def_static("from_pretrained", &PyMoELayer::from_pretrained, "model_dir"_a,
                   "layer"_a.none() = nb::none(), "dtype"_a = "f32", "threads"_a.none() = nb::none(),
                   "backend"_a = "cpu", "max_num_tokens"_a = 0, "check_finite"_a = true,
-                  nb::rv_policy::take_ownership)
+                  "workspace"_a.none() = nb::none(), nb::rv_policy::take_ownership)
       .def("forward", &PyMoELayer::forward, "hidden_states"_a, "output"_a, "router_logits"_a.none(),
            "out_router_logits"_a.none(), "out_topk_ids"_a.none(), "out_topk_weights"_a.none(),
            "token_ids"_a.none(), "stream"_a = 0)
@@ -1072,5 +1132,6 @@ NB_MODULE(_ext, m) {
       .def_prop_ro("layer", &PyMoELayer::layer)
       .def_prop_ro("threads", &PyMoELayer::threads)
       .def_prop_ro("device", &PyMoELayer::device)
-      .def_prop_ro("max_num_tokens", &PyMoELayer::max_num_tokens);
+      .def_prop_ro("max_num_tokens", &PyMoELayer::max_num_tokens)
+      .def_prop_ro("workspace_nbytes", &PyMoELayer::workspace_nbytes);
 }

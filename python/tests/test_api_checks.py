@@ -194,6 +194,23 @@ def test_from_pretrained_checks_arguments_in_python():
     assert fusedmoe.inspect(bytes(HF / "mixtral")) == fusedmoe.inspect(HF / "mixtral")
 
 
+def test_cuda_workspace_without_cuda_or_on_the_cpu_backend():
+    """A CudaWorkspace is for CUDA layers: a build without the CUDA backend says
+    so when one is made; a CPU layer given one, or a layer given something else,
+    names the argument (on any machine, before a device is touched)."""
+    if not fusedmoe.cuda_built:
+        with pytest.raises(NotImplementedError, match="CudaWorkspace: this build of fusedmoe has no CUDA"):
+            fusedmoe.CudaWorkspace()
+        return
+    ws = fusedmoe.CudaWorkspace()  # no memory until a layer or reserve()
+    assert ws.nbytes == 0 and ws.device == -1
+    with pytest.raises(ValueError, match="workspace: a CudaWorkspace serves CUDA layers only"):
+        fusedmoe.MoELayer.from_pretrained(HF / "mixtral", workspace=ws)
+    with pytest.raises(TypeError, match="workspace: expected a fusedmoe.CudaWorkspace or None"):
+        fusedmoe.MoELayer.from_pretrained(HF / "mixtral", workspace="big")
+    assert fusedmoe.MoELayer.from_pretrained(HF / "mixtral", layer=0).workspace_nbytes == 0
+
+
 def test_str_arguments_are_checked_in_python(case):
     c = case
     for kw, name in [(dict(activation=5), "activation"), (dict(activation=None), "activation"),

@@ -97,6 +97,46 @@ def test_hf_fixture_cuda_layer_matches_transformers_f64(arch, layer, T):
     assert rel_l2(ob.float().cpu().numpy(), want) <= 2e-2  # the input itself is rounded to bf16
 
 
+def test_layers_sharing_a_cuda_workspace_match_their_own():
+    """Every fixture layer of every architecture through one CudaWorkspace,
+    called in turn on one stream: the outputs of layers with workspaces of
+    their own, bit for bit; the workspace is one block of the largest layer's
+    scratch when that layer is built first."""
+    built = [(arch, layer, fusedmoe.MoELayer.from_pretrained(HF / arch, layer=layer,
+                                                             backend="cuda", max_num_tokens=128))
+             for arch, layer in sorted({(a, l) for a, l, _ in CASES})]
+    built.sort(key=lambda b: -b[2].workspace_nbytes)  # the largest first: one block
+    ws = fusedmoe.CudaWorkspace()
+    assert ws.nbytes == 0 and ws.device == -1 and "CudaWorkspace" in repr(ws)
+    shared = [fusedmoe.MoELayer.from_pretrained(HF / arch, layer=layer, backend="cuda",
+                                                max_num_tokens=128, workspace=ws)
+              for arch, layer, _ in built]
+    assert ws.device == 0
+    assert ws.nbytes == -(-built[0][2].workspace_nbytes // 256) * 256
+    assert [s.workspace_nbytes for s in shared] == [b[2].workspace_nbytes for b in built]
+    for rep in range(2):
+        for (arch, layer, own), sh in zip(built, shared):
+            ref = read_safetensors(HF / arch / "reference.safetensors")
+            T = 64 if rep == 0 else 7
+            x = torch.from_numpy(ref[f"layers.{layer}.T64.input"][:T]).cuda()
+            a, b = sh(x), own(x)
+            assert torch.equal(a, b), f"{arch} layer {layer} T={T}: shared workspace differs"
+
+
+def test_cuda_workspace_reserve_and_errors():
+    ws = fusedmoe.CudaWorkspace()
+    ws.reserve(1 << 20)
+    assert ws.nbytes == 1 << 20 and ws.device == 0
+    ws.reserve(1000)  # smaller: unchanged
+    assert ws.nbytes == 1 << 20
+    with pytest.raises(ValueError, match="nbytes"):
+        ws.reserve(-1)
+    with pytest.raises(TypeError, match="workspace: expected a fusedmoe.CudaWorkspace"):
+        fusedmoe.MoELayer.from_pretrained(HF / "mixtral", backend="cuda", workspace=1)
+    with pytest.raises(ValueError, match="workspace: a CudaWorkspace serves CUDA layers only"):
+        fusedmoe.MoELayer.from_pretrained(HF / "mixtral", backend="cpu", workspace=ws)
+
+
 def test_every_fixture_runs_on_cuda():
     assert len({a for a, _, _ in CASES}) == len(ARCHS) == 7
 

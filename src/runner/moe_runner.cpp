@@ -178,6 +178,9 @@ MoERunner::MoERunner(MoEConfig config, MoELayerWeights weights, RunnerOptions op
                  "max_num_tokens: expected >= 0 (0: the default), got ", options_.max_num_tokens);
   FUSEDMOE_CHECK(options_.combine_dtype == DType::kF32 || options_.combine_dtype == DType::kBF16,
                  "combine_dtype: expected f32 or bf16, got ", dtype_name(options_.combine_dtype));
+  FUSEDMOE_CHECK(!options_.cuda_workspace || options_.device.type == DeviceType::kCUDA,
+                 "cuda_workspace: for the CUDA backend (RunnerOptions::device CUDA); given "
+                 "with device cpu");
   router_ = create_router(config_, weights_.router_params);
   kernel_ = make_cpu_modular_kernel(options_.pool);
   workspace_ = std::make_unique<Workspace>();
@@ -264,7 +267,7 @@ MoERunner::MoERunner(MoEConfig config, MoELayerWeights weights, RunnerOptions op
       // (the nccl one stays on mma.sync).
       cuda_ = std::make_unique<cuda::CudaMoELayer>(
           config_, weights_, P * options_.max_num_tokens, options_.compute_dtype,
-          /*routed_sm90=*/ep_transport_from_env() != EpTransport::kNccl);
+          /*routed_sm90=*/ep_transport_from_env() != EpTransport::kNccl, options_.cuda_workspace);
       cuda_ep_ = std::make_unique<cuda::CudaEpMoELayer>(
           *cuda_, config_, options_.communicator,
           ExpertMap(config_.num_experts, P, config_.parallel.expert_placement),
@@ -275,7 +278,8 @@ MoERunner::MoERunner(MoEConfig config, MoELayerWeights weights, RunnerOptions op
                      "it, got ",
                      to_string(options_.dispatch_dtype));
       cuda_ = std::make_unique<cuda::CudaMoELayer>(config_, weights_, options_.max_num_tokens,
-                                                   options_.compute_dtype);
+                                                   options_.compute_dtype, /*routed_sm90=*/true,
+                                                   options_.cuda_workspace);
     }
     if (!options_.cuda_graph_sizes.empty()) {
       FUSEDMOE_CHECK(!cuda_ep,
@@ -509,6 +513,13 @@ const EpStats* MoERunner::cuda_ep_stats() const {
   if (cuda_ep_) return &cuda_ep_->stats();
 #endif
   return nullptr;
+}
+
+size_t MoERunner::cuda_workspace_bytes() const {
+#ifdef FUSEDMOE_WITH_CUDA
+  if (cuda_) return cuda_->workspace_bytes();
+#endif
+  return 0;
 }
 
 Tensor MoERunner::forward(const TensorView& hidden_states, const TensorView* router_logits) {

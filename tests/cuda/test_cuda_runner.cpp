@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -523,6 +524,89 @@ TEST(CudaRunner, RejectsBadArguments) {
   MoEConfig odd = test::base_config(8, 2, 60, 48);  // H % 8 != 0
   MoELayerWeights lw2 = test::random_layer(rng, odd, DType::kBF16);
   EXPECT_THROW(MoERunner(odd, lw2, cuda_options(16)), Error);
+}
+
+// RunnerOptions::cuda_workspace: layers of different shapes sharing one
+// workspace, run one after another on one stream in a mixed order (each leaves
+// its scratch full of its own data for the next), give the bits of the same
+// layers with workspaces of their own: decode, mma.sync and sm90 paths, a
+// shared expert, CUDA-graph replay. Memory: one block of the largest layer's
+// size when it is built first (or reserved); a larger layer built later gets a
+// new block.
+TEST(CudaRunner, SharedWorkspaceMatchesOwnWorkspaces) {
+  FUSEDMOE_REQUIRE_CUDA();
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  MoEConfig big = test::arch_config("deepseek_v3", 16, 4, 264, 40);
+  big.shared_intermediate_size = 264;
+  const std::vector<MoEConfig> cfgs = {test::arch_config("mixtral", 8, 2, 96, 80), big,
+                                       test::arch_config("qwen2_moe", 12, 4, 72, 40)};
+  std::vector<MoELayerWeights> lws;
+  for (const MoEConfig& c : cfgs) lws.push_back(test::random_layer(rng, c, DType::kBF16));
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const int64_t max_tokens = 600;
+  auto ws = std::make_shared<cuda::SharedWorkspace>();
+  EXPECT_EQ(ws->bytes(), 0u);
+  std::vector<std::unique_ptr<MoERunner>> shared, own;
+  for (size_t i = 0; i < cfgs.size(); ++i) {
+    RunnerOptions o = cuda_options(max_tokens, stream);
+    if (i == 2) o.cuda_graph_sizes = {4, 16};
+    own.push_back(std::make_unique<MoERunner>(cfgs[i], lws[i], o));
+    o.cuda_workspace = ws;
+    shared.push_back(std::make_unique<MoERunner>(cfgs[i], lws[i], o));
+    EXPECT_EQ(shared[i]->cuda_workspace_bytes(), own[i]->cuda_workspace_bytes());
+  }
+  // Built small (mixtral), large (deepseek_v3), small: the block grew once, to the largest.
+  size_t largest = 0;
+  for (const auto& r : own) largest = std::max(largest, r->cuda_workspace_bytes());
+  EXPECT_EQ(ws->bytes(), (largest + 255) / 256 * 256);
+  EXPECT_GT(own[1]->cuda_workspace_bytes(), own[0]->cuda_workspace_bytes());
+
+  const std::vector<std::pair<size_t, int64_t>> calls = {
+      {1, 600}, {0, 3}, {2, 9}, {1, 1}, {0, 500}, {2, 600}, {1, 40}, {2, 3}, {0, 64}, {1, 600}};
+  for (const auto& [i, T] : calls) {
+    SCOPED_TRACE("layer " + std::to_string(i) + " T " + std::to_string(T));
+    const int64_t H = cfgs[i].hidden_size;
+    DeviceTensor x = DeviceTensor::from_host(test::randn_f32(rng, {T, H}));
+    DeviceTensor out_s(DType::kF32, {T, H}), out_o(DType::kF32, {T, H});
+    out_s.poison();
+    out_o.poison();
+    shared[i]->forward(x, out_s);
+    own[i]->forward(x, out_o);
+    CUDA_OK(cudaStreamSynchronize(stream));
+    const Tensor a = out_s.to_host(), b = out_o.to_host();
+    ASSERT_EQ(test::count_non_finite(a), 0);
+    EXPECT_TRUE(same_bits(a, b)) << "shared workspace vs own: rel L2 " << test::rel_l2(a, b);
+  }
+  // Reserved up front: every layer takes the one block.
+  auto ws2 = std::make_shared<cuda::SharedWorkspace>();
+  ws2->reserve(largest);
+  const size_t reserved = ws2->bytes();
+  for (size_t i = 0; i < cfgs.size(); ++i) {
+    RunnerOptions o = cuda_options(max_tokens, stream);
+    o.cuda_workspace = ws2;
+    MoERunner r(cfgs[i], lws[i], o);
+  }
+  EXPECT_EQ(ws2->bytes(), reserved);
+  EXPECT_EQ(ws2->device(), 0);
+  shared.clear();
+  own.clear();
+  CUDA_OK(cudaStreamDestroy(stream));
+}
+
+TEST(CudaRunner, SharedWorkspaceOnCpuIsRefused) {
+  std::mt19937_64 rng(2);
+  MoEConfig c = test::base_config(8, 2, 64, 48);
+  RunnerOptions o;
+  o.cuda_workspace = std::make_shared<cuda::SharedWorkspace>();  // no device touched
+  try {
+    MoERunner r(c, test::random_layer(rng, c, DType::kBF16), o);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("cuda_workspace"), std::string::npos) << e.what();
+  }
 }
 
 // T * k * H > 2^31 elements in the routed buffers: 64-bit offsets. Checked on

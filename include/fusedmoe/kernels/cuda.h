@@ -16,6 +16,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
+#include <mutex>
 
 #include "fusedmoe/config/moe_config.h"
 #include "fusedmoe/experts/expert_weights.h"
@@ -51,6 +53,45 @@ class DeviceBuffer {
 };
 // Waits for all work on the current device; throws Error(kInternal) if any failed.
 void synchronize();
+
+// One workspace for several CUDA MoE layers (RunnerOptions::cuda_workspace):
+// a model's MoE layers run one after another, so one scratch area as large as
+// the largest layer's serves them all, instead of one each (DeepSeek-V3 at
+// max_num_tokens 8192: ~2.9 GB a layer, 58 MoE layers). The idea of vLLM's
+// workspace shared by the modular kernels of all layers.
+// Contract: layers sharing one run their forward() calls one at a time in
+// stream order (one stream, or streams ordered by events; CUDA graphs of them
+// replayed in order included); two forwards in flight at once on unordered
+// streams would overwrite each other's scratch. A layer keeps nothing in it
+// from one forward to the next.
+// Memory: a layer asks for its bytes at construction (acquire). The current
+// block serves it if large enough; else a new block of the larger size becomes
+// the current one, for this and later layers, while the layers built before keep
+// the older block (their pointers, also those captured in CUDA graphs, stay
+// valid) until the last of them is destroyed. Build the largest layer first (or
+// call reserve) to hold one block. Thread-safe.
+class SharedWorkspace {
+ public:
+  SharedWorkspace() = default;
+  SharedWorkspace(const SharedWorkspace&) = delete;
+  SharedWorkspace& operator=(const SharedWorkspace&) = delete;
+  // A block of at least `bytes` (256-byte aligned) on the current device, shared
+  // with every other holder of the same block. Throws Error(kInvalidArgument)
+  // when the workspace's memory is on another device than the current one,
+  // Error(kOutOfMemory) naming the bytes when the device has not that much free
+  // (Error(kInternal) for other CUDA errors).
+  std::shared_ptr<void> acquire(size_t bytes);
+  // Makes the current block at least `bytes` large (as acquire, without holding it).
+  void reserve(size_t bytes);
+  size_t bytes() const;  // of the current block (0 before the first acquire / reserve)
+  int device() const;    // of the memory; -1 before the first acquire / reserve
+
+ private:
+  mutable std::mutex mutex_;
+  std::shared_ptr<void> block_;
+  size_t bytes_ = 0;
+  int device_ = -1;
+};
 
 // ---- routing ----------------------------------------------------------------
 // router_logits f32 [T, E + Z] (row stride logits_ld >= E + Z) -> topk_ids i32

@@ -36,6 +36,7 @@ namespace cuda {
 class CudaMoELayer;
 class CudaGraphLayer;
 class CudaEpMoELayer;
+class SharedWorkspace;  // kernels/cuda.h
 }  // namespace cuda
 
 struct MoELayerWeights {
@@ -114,6 +115,11 @@ struct RunnerOptions {
   // bf16 (half the bytes; each rank's partial sum of a token rounded to bf16
   // once). Elsewhere f32 only.
   DType combine_dtype = DType::kF32;
+  // CUDA: the workspace's scratch from this SharedWorkspace (kernels/cuda.h),
+  // shared with the other layers given the same one, instead of an allocation
+  // of this layer's own; their forward() calls must then run one at a time in
+  // stream order (a model's layers do). nullptr: the layer's own.
+  std::shared_ptr<cuda::SharedWorkspace> cuda_workspace;
 };
 
 // Optional caller buffers that receive the router's results.
@@ -171,6 +177,9 @@ class MoERunner {
   // CUDA expert parallelism: rows, bytes and times of the last forward's
   // dispatch and combine on this rank; null on other paths.
   const EpStats* cuda_ep_stats() const;
+  // CUDA backend: bytes of the forward's scratch, the layer's own or its share
+  // of RunnerOptions::cuda_workspace (0 on the CPU).
+  size_t cuda_workspace_bytes() const;
 
  private:
   MoEConfig config_;

@@ -163,8 +163,11 @@ struct CudaMoELayer::Impl {
   DType gate_dtype = DType::kF32;
   DType dtype = DType::kBF16;  // of the expert weights, expert inputs and intermediates
   DeviceExperts experts, shared;
-  // workspace
+  // workspace: the scratch (ws, or a block of a SharedWorkspace) and the state kept between calls
   DeviceMemory ws;
+  std::shared_ptr<void> shared_block;
+  size_t ws_bytes = 0;
+  DeviceMemory state;
   float* logits = nullptr;
   int32_t* ids = nullptr;
   float* weights = nullptr;
@@ -224,7 +227,8 @@ struct CudaMoELayer::Impl {
 };
 
 CudaMoELayer::CudaMoELayer(const MoEConfig& config, const MoELayerWeights& w,
-                           int64_t max_num_tokens, DType expert_dtype, bool routed_sm90)
+                           int64_t max_num_tokens, DType expert_dtype, bool routed_sm90,
+                           const std::shared_ptr<SharedWorkspace>& shared_workspace)
     : impl_(std::make_unique<Impl>()) {
   Impl& s = *impl_;
   s.cfg = config;
@@ -296,7 +300,6 @@ CudaMoELayer::CudaMoELayer(const MoEConfig& config, const MoELayerWeights& w,
       {reinterpret_cast<void**>(&s.weights), sizeof(float) * slots},
       {reinterpret_cast<void**>(&s.xb), size_t{2} * Tm * H},
       {&s.routed_base, routed_scratch_bytes(Tm, k, E, H, I, s.routed_sm90, glu_epilogue)},
-      {reinterpret_cast<void**>(&s.nan_token), sizeof(int32_t)},
   };
   if (c.apply_router_weight_on_input)
     parts.push_back({reinterpret_cast<void**>(&s.xs), size_t{2} * Tm * H});
@@ -310,12 +313,22 @@ CudaMoELayer::CudaMoELayer(const MoEConfig& config, const MoELayerWeights& w,
   }
   size_t total = 0;
   for (const Part& p : parts) total += (p.bytes + 255) / 256 * 256;
-  s.ws = DeviceMemory(total);
+  s.ws_bytes = total;
+  char* base = nullptr;
+  if (shared_workspace) {
+    s.shared_block = shared_workspace->acquire(total);
+    base = static_cast<char*>(s.shared_block.get());
+  } else {
+    s.ws = DeviceMemory(total);
+    base = static_cast<char*>(s.ws.get());
+  }
   size_t off = 0;
   for (const Part& p : parts) {
-    *p.ptr = static_cast<char*>(s.ws.get()) + off;
+    *p.ptr = base + off;
     off += (p.bytes + 255) / 256 * 256;
   }
+  s.state = DeviceMemory(sizeof(int32_t));
+  s.nan_token = s.state.as<int32_t>();
   s.routed = carve_routed_scratch(s.routed_base, Tm, k, E, H, I, s.routed_sm90, glu_epilogue);
   FUSEDMOE_CUDA_CHECK(cudaMemset(s.nan_token, 0x7f, sizeof(int32_t)));
   FUSEDMOE_CUDA_CHECK(cudaDeviceSynchronize());
@@ -343,7 +356,7 @@ DType CudaMoELayer::dtype() const {
   return impl_->dtype;
 }
 size_t CudaMoELayer::workspace_bytes() const {
-  return impl_->ws.bytes();
+  return impl_->ws_bytes;
 }
 
 void CudaMoELayer::check_errors(Stream stream) {

@@ -30,8 +30,12 @@ class CudaMoELayer {
   // routed_sm90 = false: no scratch for the sm90 routed-experts path (its [T*k, 2I]
   // w13 output and CUTLASS arguments); the routed experts then always take the
   // mma.sync / GEMV kernels — what expert parallelism's experts() runs anyway.
+  // shared_workspace: the workspace's scratch (all but a few bytes of state
+  // kept between calls) comes from it instead of an allocation of the layer's
+  // own (SharedWorkspace's contract: forwards one at a time in stream order).
   CudaMoELayer(const MoEConfig& config, const MoELayerWeights& weights, int64_t max_num_tokens,
-               DType expert_dtype = DType::kBF16, bool routed_sm90 = true);
+               DType expert_dtype = DType::kBF16, bool routed_sm90 = true,
+               const std::shared_ptr<SharedWorkspace>& shared_workspace = nullptr);
   ~CudaMoELayer();
   CudaMoELayer(const CudaMoELayer&) = delete;
   CudaMoELayer& operator=(const CudaMoELayer&) = delete;
@@ -103,8 +107,8 @@ class CudaMoELayer {
   int64_t max_num_tokens() const;
   const MoEConfig& config() const;
   size_t weight_bytes() const;
-  DType dtype() const;  // the experts' half type: kBF16 or kF16
-  size_t workspace_bytes() const;
+  DType dtype() const;             // the experts' half type: kBF16 or kF16
+  size_t workspace_bytes() const;  // the scratch's bytes (own or in the shared workspace)
 
  private:
   // finalize() of the routed part `f` (y, topk_ids, sizes, and for the sm90

@@ -37,4 +37,47 @@ void synchronize() {
   FUSEDMOE_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
+std::shared_ptr<void> SharedWorkspace::acquire(size_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  int current = 0;
+  FUSEDMOE_CUDA_CHECK(cudaGetDevice(&current));
+  FUSEDMOE_CHECK(device_ < 0 || device_ == current,
+                 "cuda_workspace: shared by the layers of one device; it holds memory of device ",
+                 device_, ", this layer is on device ", current);
+  bytes = (bytes + 255) / 256 * 256;
+  if (!block_ || bytes > bytes_) {
+    void* p = nullptr;
+    const cudaError_t err = bytes > 0 ? cudaMalloc(&p, bytes) : cudaSuccess;
+    if (err != cudaSuccess) {
+      cudaGetLastError();  // a failed cudaMalloc also leaves its error for the next check
+      if (err == cudaErrorMemoryAllocation)
+        FUSEDMOE_THROW(kOutOfMemory, "cuda_workspace: out of device memory: ", bytes,
+                       " bytes on device ", current);
+      FUSEDMOE_THROW(kInternal, "cuda_workspace: cudaMalloc of ", bytes, " bytes on device ",
+                     current, " failed: ", cudaGetErrorString(err));
+    }
+    // Older blocks live on in the layers that hold them.
+    block_ = std::shared_ptr<void>(p, [](void* q) {
+      if (q) cudaFree(q);
+    });
+    bytes_ = bytes;
+    device_ = current;
+  }
+  return block_;
+}
+
+void SharedWorkspace::reserve(size_t bytes) {
+  acquire(bytes);
+}
+
+size_t SharedWorkspace::bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return bytes_;
+}
+
+int SharedWorkspace::device() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return device_;
+}
+
 }  // namespace fusedmoe::cuda
