@@ -17,6 +17,7 @@
 #include "kernels/cuda/ep_dispatch.h"
 #include "kernels/cuda/ep_peer.h"
 #include "kernels/cuda/gemm/gemv_common.cuh"  // unpack8
+#include "kernels/cuda/slot_sum.cuh"          // SortedRows, YVec, sum_slots
 
 namespace fusedmoe::cuda {
 namespace {
@@ -143,10 +144,12 @@ __device__ __forceinline__ void dispatch_row(const uint16_t* x, const int32_t* p
 // values, H % 16 == 0; else 8), the 128 / kE threads of a 128-column group
 // sharing its amax (shuffles within aligned lanes; every lane of the block
 // runs every step of the loop), s = amax / 448 (1 for an all-zero group),
-// e4m3(x / s) satfinite, rounded to nearest, and s stored by the group's first lane.
+// e4m3(x / s) satfinite, rounded to nearest; the group's first lane puts s in
+// scales (shared memory: the record's tail, sent whole by send_tail).
 template <int kE>
 __device__ __forceinline__ void dispatch_row_fp8(const uint16_t* x, const int32_t* pos,
-                                                 char* const* peers, const PeerLayout& L) {
+                                                 char* const* peers, const PeerLayout& L,
+                                                 float* scales) {
   constexpr int kLanes = 128 / kE;
   const int64_t nv = L.hidden / kE;
   const uint4* xs = reinterpret_cast<const uint4*>(x);
@@ -174,6 +177,7 @@ __device__ __forceinline__ void dispatch_row_fp8(const uint16_t* x, const int32_
       q[h] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
     }
     if (!ok) continue;
+    if ((threadIdx.x & (kLanes - 1)) == 0) scales[i / kLanes] = scale;
     for (int r = 0; r < L.ep_size; ++r) {
       if (pos[r] < 0) continue;
       char* dst = peers[r] + L.off_recv + (L.rank * L.capacity + pos[r]) * L.rec;
@@ -181,9 +185,22 @@ __device__ __forceinline__ void dispatch_row_fp8(const uint16_t* x, const int32_
         reinterpret_cast<uint4*>(dst)[i] = make_uint4(q[0], q[1], q[2], q[3]);
       else
         reinterpret_cast<uint2*>(dst)[i] = make_uint2(q[0], q[1]);
-      if ((threadIdx.x & (kLanes - 1)) == 0) rec_scales(dst, L)[i / kLanes] = scale;
     }
   }
+}
+
+// A record's tail: the bytes after its values (fp8: from H, the scales on; else
+// from 2 H: ids, weights, token index, padding), 16-byte aligned (8 for fp8
+// records with H % 16 == 8). Built in shared memory and sent as whole vectors:
+// a few 16-byte stores a destination, not one 4-byte store a scale and an id
+// (small stores over NVLink cost about as much as full ones).
+__host__ __device__ inline int64_t tail_offset(const PeerLayout& L) {
+  return L.fp8 ? L.hidden : 2 * L.hidden;
+}
+template <typename V>
+__device__ __forceinline__ void send_tail(const char* tail, int64_t bytes, char* dst) {
+  for (int64_t v = threadIdx.x; v < bytes / static_cast<int64_t>(sizeof(V)); v += blockDim.x)
+    reinterpret_cast<V*>(dst)[v] = reinterpret_cast<const V*>(tail)[v];
 }
 
 // Work item: token t. Its destinations (ranks holding one of its k experts)
@@ -191,8 +208,10 @@ __device__ __forceinline__ void dispatch_row_fp8(const uint16_t* x, const int32_
 // on a destination varies from run to run, the outputs do not: every row is
 // computed alone, the combine writes by token index and the source sums in
 // rank order), written to row_pos; then its row to each destination
-// (dispatch_row / dispatch_row_fp8), then the ids, weights and token index. The last block
-// publishes the row counts, resets the cursors and signals.
+// (dispatch_row / dispatch_row_fp8), then the record's tail (the fp8 scales,
+// the ids local to that destination, weights, token index; dynamic shared
+// memory of rec - tail_offset bytes). The last block publishes the row counts,
+// resets the cursors and signals.
 template <bool kFp8, int kE>
 __global__ void __launch_bounds__(kCopyThreads)
     dispatch_kernel(const uint16_t* __restrict__ x, const int32_t* __restrict__ ids,
@@ -203,6 +222,12 @@ __global__ void __launch_bounds__(kCopyThreads)
   const int P = L.ep_size, k = L.top_k, me = L.rank;
   const int64_t H = L.hidden;
   __shared__ int32_t pos[kPeerMaxRanks];
+  extern __shared__ uint4 tail_mem[];
+  char* tail = reinterpret_cast<char*>(tail_mem);
+  const int64_t toff = tail_offset(L), tail_bytes = L.rec - toff;
+  const int64_t meta = L.payload - toff;  // ids, weights, token at tail + meta
+  for (int64_t b = meta + 8 * k + 4 + threadIdx.x; b < tail_bytes; b += blockDim.x)
+    tail[b] = 0;  // the padding
   for (int64_t t = blockIdx.x; t < T; t += gridDim.x) {
     if (threadIdx.x < P) {
       const int r = threadIdx.x;
@@ -217,20 +242,28 @@ __global__ void __launch_bounds__(kCopyThreads)
     }
     __syncthreads();
     if constexpr (kFp8)
-      dispatch_row_fp8<kE>(x + t * H, pos, peers, L);
+      dispatch_row_fp8<kE>(x + t * H, pos, peers, L, reinterpret_cast<float*>(tail));
     else
       dispatch_row(x + t * H, pos, peers, L);
     for (int r = 0; r < P; ++r) {
       if (pos[r] < 0) continue;
-      char* dst = peers[r] + L.off_recv + (me * L.capacity + pos[r]) * L.rec;
       for (int j = threadIdx.x; j < k; j += blockDim.x) {
         const int32_t id = ids[t * k + j];
-        rec_ids(dst, L)[j] = id >= 0 && rank_of[id] == r ? local_of[id] : -1;
-        rec_weights(dst, L)[j] = w[t * k + j];
+        reinterpret_cast<int32_t*>(tail + meta)[j] =
+            id >= 0 && rank_of[id] == r ? local_of[id] : -1;
+        reinterpret_cast<float*>(tail + meta + 4 * k)[j] = w[t * k + j];
       }
-      if (threadIdx.x == 0) *rec_token(dst, L) = static_cast<int32_t>(t);
+      if (threadIdx.x == 0)
+        *reinterpret_cast<int32_t*>(tail + meta + 8 * k) = static_cast<int32_t>(t);
+      __syncthreads();  // the tail (the scales too) is complete
+      char* dst = peers[r] + L.off_recv + (me * L.capacity + pos[r]) * L.rec + toff;
+      if (kFp8 && kE == 8)
+        send_tail<uint2>(tail, tail_bytes, dst);  // H % 16 == 8: 8-byte aligned
+      else
+        send_tail<uint4>(tail, tail_bytes, dst);
+      __syncthreads();  // the ids are the next destination's
     }
-    __syncthreads();  // pos is the next token's
+    __syncthreads();  // pos and the tail are the next token's
   }
   if (!last_block(done)) return;
   __shared__ uint64_t e;
@@ -293,69 +326,50 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// The expert rows a combine reads: by slot (f32, weighted and biased) or
-// expert-sorted (kRows: slot_row, then bias and scale as finalize applies them).
-struct CombineRows {
-  const int32_t* slot_row;
-  const float* row_scale;  // or null: 1
-  const float* bias;       // f32 [E_local, H] or null
-};
-
-__device__ __forceinline__ void load8(const float* p, float* v) {
-  const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
-  v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+// Work item (received row m, chunk of kCopyThreads * kCols columns; kCols =
+// YVec<Y>::kCols: 8 bf16 or 4 f32 y values a thread) (P * capacity rows; rows
+// past a region's count are skipped): the row's slots held here, summed in
+// slot order in f32 as finalize sums them (sum_slots; y by slot, or
+// expert-sorted with bias and scale), go back to the source as one row,
+// y[t * P + rank] (f32, or rounded to bf16: C).
+template <typename Y>
+__host__ __device__ constexpr int64_t combine_cols() {
+  return int64_t{kCopyThreads} * YVec<Y>::kCols;
 }
-__device__ __forceinline__ void load8(const uint16_t* p, float* v) {  // bf16
-  gemm::unpack8<uint16_t>(*reinterpret_cast<const uint4*>(p), v);
-}
-
-// Work item (received row m, chunk of kCombineCols columns) (P * capacity
-// rows; rows past a region's count are skipped): the row's slots held here,
-// summed in slot order in f32, go back to the source as one row,
-// y[t * P + rank] (f32, or rounded to bf16: C); 8 columns a thread.
-constexpr int kCombineCols = kCopyThreads * 8;
 template <typename Y, bool kRows, typename C>
 __global__ void __launch_bounds__(kCopyThreads)
-    combine_kernel(const Y* __restrict__ y, CombineRows rows, const int32_t* __restrict__ ids,
+    combine_kernel(const Y* __restrict__ y, SortedRows rows, const int32_t* __restrict__ ids,
                    char* own, char* const* __restrict__ peers, PeerLayout L, const uint64_t* epoch,
                    unsigned* done) {
+  constexpr int kCols = YVec<Y>::kCols;
   const int P = L.ep_size, k = L.top_k;
   const int64_t H = L.hidden;
-  const int64_t chunks = (H + kCombineCols - 1) / kCombineCols;
+  const int64_t chunks = (H + combine_cols<Y>() - 1) / combine_cols<Y>();
   for (int64_t item = blockIdx.x; item < P * L.capacity * chunks; item += gridDim.x) {
     const int64_t m = item / chunks;
     const int p = static_cast<int>(m / L.capacity);
     const int64_t i = m % L.capacity;
-    const int64_t h = (item % chunks) * kCombineCols + threadIdx.x * 8;
+    const int64_t h = (item % chunks) * combine_cols<Y>() + threadIdx.x * kCols;
     if (i >= __ldcg(&row_counts(own, P)[p]) || h >= H) continue;
     const int64_t t = __ldcg(rec_token(own + L.off_recv + m * L.rec, L));
-    float acc[8] = {};
-    for (int j = 0; j < k; ++j) {
-      const int64_t s = m * k + j;
-      const int32_t e = ids[s];
-      if (e < 0) continue;
-      float v[8];
-      load8(y + (kRows ? static_cast<int64_t>(rows.slot_row[s]) : s) * H + h, v);
-      if (kRows) {  // finalize's arithmetic: scale * (C + b)
-        if (rows.bias) {
-          float b[8];
-          load8(rows.bias + static_cast<int64_t>(e) * H + h, b);
-#pragma unroll
-          for (int c = 0; c < 8; ++c) v[c] += b[c];
-        }
-        const float sc = rows.row_scale ? rows.row_scale[s] : 1.0f;
-#pragma unroll
-        for (int c = 0; c < 8; ++c) v[c] *= sc;
-      }
-#pragma unroll
-      for (int c = 0; c < 8; ++c) acc[c] += v[c];
-    }
+    float acc[kCols] = {};
+    sum_slots<kRows, Y, 8>(y, ids, k, 0, H, m * k, h, rows, acc);
     C* dst = reinterpret_cast<C*>(peers[p] + L.off_y) + (t * P + L.rank) * H + h;
-    if constexpr (sizeof(C) == 2) {
-      *reinterpret_cast<uint4*>(dst) = f32_to_half8(acc, false);
+    if constexpr (sizeof(C) == 2) {  // bf16, round to nearest even
+      uint32_t w[kCols / 2];
+#pragma unroll
+      for (int c = 0; c < kCols / 2; ++c)
+        w[c] = static_cast<uint32_t>(float_to_bf16_bits(acc[2 * c])) |
+               (static_cast<uint32_t>(float_to_bf16_bits(acc[2 * c + 1])) << 16);
+      if constexpr (kCols == 8)
+        *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+      else
+        *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
     } else {
-      reinterpret_cast<float4*>(dst)[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-      reinterpret_cast<float4*>(dst)[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+#pragma unroll
+      for (int c = 0; c < kCols; c += 4)
+        *reinterpret_cast<float4*>(dst + c) =
+            make_float4(acc[c], acc[c + 1], acc[c + 2], acc[c + 3]);
     }
   }
   if (!last_block(done)) return;
@@ -411,9 +425,12 @@ void peer_dispatch(const uint16_t* x, const int32_t* topk_ids, const float* topk
   auto kernel = !layout.fp8               ? dispatch_kernel<false, 8>
                 : layout.hidden % 16 == 0 ? dispatch_kernel<true, 16>
                                           : dispatch_kernel<true, 8>;
-  kernel<<<grid, kCopyThreads, 0, stream>>>(x, topk_ids, topk_weights, num_tokens, rank_of,
-                                            local_of, row_pos, counts, cursor, peers, layout, epoch,
-                                            done);
+  const size_t tail_bytes = static_cast<size_t>(layout.rec - tail_offset(layout));
+  FUSEDMOE_CHECK(tail_bytes <= 48 * 1024, "peer_dispatch: a record's tail of ", tail_bytes,
+                 " bytes exceeds 48 KiB of shared memory (H = ", layout.hidden, ")");
+  kernel<<<grid, kCopyThreads, tail_bytes, stream>>>(x, topk_ids, topk_weights, num_tokens, rank_of,
+                                                     local_of, row_pos, counts, cursor, peers,
+                                                     layout, epoch, done);
   FUSEDMOE_CUDA_CHECK_LAUNCH();
 }
 
@@ -441,21 +458,24 @@ void peer_combine(const FinalizeArgs& y, const int32_t* topk_ids, const char* ow
                  dtype_name(y.y_dtype));
   FUSEDMOE_CHECK(y.slot_row || (!y.row_scale && !y.bias),
                  "peer_combine: row_scale and bias apply only to expert-sorted rows");
-  const int64_t items = static_cast<int64_t>(layout.ep_size) * layout.capacity *
-                        ((layout.hidden + kCombineCols - 1) / kCombineCols);
-  const unsigned grid = persistent_grid(items, layout.sms);
-  const CombineRows rows{y.slot_row, y.row_scale, y.bias};
+  const SortedRows rows{y.slot_row, y.row_scale, y.bias};
   char* o = const_cast<char*>(own);
+  auto grid = [&](int64_t cols) {
+    return persistent_grid(static_cast<int64_t>(layout.ep_size) * layout.capacity *
+                               ((layout.hidden + cols - 1) / cols),
+                           layout.sms);
+  };
   auto go = [&](auto c) {
     using C = decltype(c);
     if (y.y_dtype == DType::kBF16)
-      combine_kernel<uint16_t, true, C><<<grid, kCopyThreads, 0, stream>>>(
-          static_cast<const uint16_t*>(y.y), rows, topk_ids, o, peers, layout, epoch, done);
+      combine_kernel<uint16_t, true, C>
+          <<<grid(combine_cols<uint16_t>()), kCopyThreads, 0, stream>>>(
+              static_cast<const uint16_t*>(y.y), rows, topk_ids, o, peers, layout, epoch, done);
     else if (y.slot_row)
-      combine_kernel<float, true, C><<<grid, kCopyThreads, 0, stream>>>(
+      combine_kernel<float, true, C><<<grid(combine_cols<float>()), kCopyThreads, 0, stream>>>(
           static_cast<const float*>(y.y), rows, topk_ids, o, peers, layout, epoch, done);
     else
-      combine_kernel<float, false, C><<<grid, kCopyThreads, 0, stream>>>(
+      combine_kernel<float, false, C><<<grid(combine_cols<float>()), kCopyThreads, 0, stream>>>(
           static_cast<const float*>(y.y), rows, topk_ids, o, peers, layout, epoch, done);
   };
   if (layout.combine_bf16)

@@ -12,6 +12,7 @@
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/gemm/gemv_common.cuh"  // unpack8
 #include "kernels/cuda/pdl.cuh"
+#include "kernels/cuda/slot_sum.cuh"  // SortedRows, YVec, sum_slots
 
 namespace fusedmoe::cuda {
 
@@ -37,33 +38,6 @@ int num_sms() {
 }
 
 namespace {
-
-// Expert-sorted y (kRows): y row of slot s is slot_row[s], weighted here.
-struct SortedRows {
-  const int32_t* slot_row;
-  const float* row_scale;  // or null: 1
-  const float* bias;       // f32 [E, H] or null
-};
-
-// 16 bytes of y as f32: four f32 values, or eight bf16 (sm90_experts' rows).
-template <typename Y>
-struct YVec {
-  static constexpr int kCols = 4;
-  __device__ __forceinline__ static void load(const float* p, float* v) {
-    const float4 a = *reinterpret_cast<const float4*>(p);
-    v[0] = a.x;
-    v[1] = a.y;
-    v[2] = a.z;
-    v[3] = a.w;
-  }
-};
-template <>
-struct YVec<uint16_t> {
-  static constexpr int kCols = 8;
-  __device__ __forceinline__ static void load(const uint16_t* p, float* v) {
-    gemm::unpack8<uint16_t>(*reinterpret_cast<const uint4*>(p), v);
-  }
-};
 
 // One block per (token, chunk of 1024 columns: kCols = 4 f32 or 8 bf16 y values
 // a thread, 16-byte loads): a decode-size T still spreads over many SMs. The
@@ -116,52 +90,7 @@ __global__ void __launch_bounds__(finalize_threads<Y>())
   float acc[kCols];
 #pragma unroll
   for (int c = 0; c < kCols; ++c) acc[c] = 0.0f;
-  for (int j0 = 0; j0 < top_k; j0 += kU) {
-    int32_t e[kU], row[kU];
-    float sc[kU];
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {  // ids, slot rows and scales together: one round trip
-      const int64_t s = t * top_k + j0 + u;
-      const bool in = j0 + u < top_k;
-      e[u] = in ? ids[s] : -1;
-      row[u] = in && kRows ? rows.slot_row[s] : 0;
-      sc[u] = in && kRows && rows.row_scale ? rows.row_scale[s] : 1.0f;
-    }
-    float v[kU][kCols];
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      const bool ok = e[u] >= 0 && (num_experts <= 0 || e[u] < num_experts);
-      if (!ok) e[u] = -1;
-      if (ok) {
-        const int64_t r = kRows ? static_cast<int64_t>(row[u]) : t * top_k + j0 + u;
-        YVec<Y>::load(y + r * hidden + h, v[u]);
-      } else {
-#pragma unroll
-        for (int c = 0; c < kCols; ++c) v[u][c] = 0.0f;
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      if (e[u] < 0) continue;
-      if (kRows) {  // the same arithmetic as the kScatter epilogue: scale * (C + b)
-        if (rows.bias) {
-          const float* b = rows.bias + static_cast<int64_t>(e[u]) * hidden + h;
-#pragma unroll
-          for (int c = 0; c < kCols; c += 4) {
-            const float4 b4 = *reinterpret_cast<const float4*>(b + c);
-            v[u][c] += b4.x;
-            v[u][c + 1] += b4.y;
-            v[u][c + 2] += b4.z;
-            v[u][c + 3] += b4.w;
-          }
-        }
-#pragma unroll
-        for (int c = 0; c < kCols; ++c) v[u][c] *= sc[u];
-      }
-#pragma unroll
-      for (int c = 0; c < kCols; ++c) acc[c] += v[u][c];
-    }
-  }
+  sum_slots<kRows, Y, kU>(y, ids, top_k, num_experts, hidden, t * top_k, h, rows, acc);
   if (shared) {
 #pragma unroll
     for (int c = 0; c < kCols; c += 4) {
