@@ -331,7 +331,11 @@ __global__ void __launch_bounds__(kThreads)
 // past a region's count are skipped): the row's slots held here, summed in
 // slot order in f32 as finalize sums them (sum_slots; y by slot, or
 // expert-sorted with bias and scale), go back to the source as one row,
-// y[t * P + rank] (f32, or rounded to bf16: C).
+// y[t * P + rank] (f32, or rounded to bf16: C). 4 slots in flight a thread:
+// 2 x H200, T = 4096 a rank, combine kernel ms with 1 / 4 / 8 (fp8 dispatch,
+// bf16 combine): DeepSeek-V3 0.374 / 0.313 / 0.409, Qwen3 0.104 / 0.092 /
+// 0.128, Mixtral 0.127 / 0.116 / 0.158 (8 holds more registers: fewer
+// blocks an SM; bench/results/2026-11-30-session14.md).
 template <typename Y>
 __host__ __device__ constexpr int64_t combine_cols() {
   return int64_t{kCopyThreads} * YVec<Y>::kCols;
@@ -353,7 +357,7 @@ __global__ void __launch_bounds__(kCopyThreads)
     if (i >= __ldcg(&row_counts(own, P)[p]) || h >= H) continue;
     const int64_t t = __ldcg(rec_token(own + L.off_recv + m * L.rec, L));
     float acc[kCols] = {};
-    sum_slots<kRows, Y, 8>(y, ids, k, 0, H, m * k, h, rows, acc);
+    sum_slots<kRows, Y, 4>(y, ids, k, 0, H, m * k, h, rows, acc);
     C* dst = reinterpret_cast<C*>(peers[p] + L.off_y) + (t * P + L.rank) * H + h;
     if constexpr (sizeof(C) == 2) {  // bf16, round to nearest even
       uint32_t w[kCols / 2];
