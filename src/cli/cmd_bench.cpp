@@ -132,16 +132,14 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& o) {
       ->transform(kPositiveInt);
   cmd->add_option("--dp-size", o.dp_size, "Data-parallel token groups (naive DP + EP)")
       ->transform(kPositiveInt);
-  CLI::Option* placement = add_expert_placement_option(*cmd, o.expert_placement);
-  CLI::Option* dispatch = cmd->add_option("--dispatch-dtype", o.dispatch_dtype,
-                                          "EP dispatch payload: auto, f32, bf16, fp8")
-                              ->check(one_of({"auto", "f32", "bf16", "fp8"}))
-                              ->capture_default_str();
-  CLI::Option* combine =
-      cmd->add_option("--combine-dtype", o.combine_dtype,
-                      "GPU EP (peer transport) combine payload: f32, or bf16 (half the bytes)")
-          ->check(one_of({"f32", "bf16"}))
-          ->capture_default_str();
+  add_expert_placement_option(*cmd, o.expert_placement);
+  cmd->add_option("--dispatch-dtype", o.dispatch_dtype, "EP dispatch payload: auto, f32, bf16, fp8")
+      ->check(one_of({"auto", "f32", "bf16", "fp8"}))
+      ->capture_default_str();
+  cmd->add_option("--combine-dtype", o.combine_dtype,
+                  "GPU EP (peer transport) combine payload: f32, or bf16 (half the bytes)")
+      ->check(one_of({"f32", "bf16"}))
+      ->capture_default_str();
   cmd->add_option("--backend", o.backend,
                   "cpu, or cuda: routed experts on the GPU (bf16, CUDA graphs and events, "
                   "--routing as on the CPU; shapes mixtral, qwen3, deepseek)")
@@ -152,11 +150,6 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& o) {
                   "cuda: write routings, outputs and manifest.json for "
                   "bench/cuda/torch_baseline.py (PyTorch on the same inputs)")
       ->check(kNonEmpty);
-  cmd->callback([&o, placement, dispatch, combine] {
-    o.expert_placement_given = placement->count() > 0;
-    o.dispatch_dtype_given = dispatch->count() > 0;
-    o.combine_dtype_given = combine->count() > 0;
-  });
   return cmd;
 }
 
@@ -173,8 +166,7 @@ int run_bench(const BenchOptions& o) {
                 ": options of --backend cuda, given without it (the CPU bench has its own "
                 "BLAS baseline, tile-free kernels and host communicator)");
   }
-  check_ep_options(o.ep_size, o.dp_size, o.dispatch_dtype, o.dispatch_dtype_given, o.combine_dtype,
-                   o.combine_dtype_given, o.expert_placement, o.expert_placement_given,
+  check_ep_options(o.ep_size, o.dp_size, o.dispatch_dtype, o.combine_dtype, o.expert_placement,
                    o.backend == "cuda", o.backend == "cuda" && o.nccl);
   // --max-experts below a shape's top_k: an error naming both, before anything runs.
   for (const auto& name : split_list(o.shapes)) {

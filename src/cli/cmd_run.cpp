@@ -543,27 +543,22 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
                   "Data-parallel token groups; with --ep-size equal to it, experts are spread "
                   "over them (all-gather / reduce-scatter)")
       ->transform(kPositiveInt);
-  CLI::Option* placement = add_expert_placement_option(*cmd, o.expert_placement);
-  CLI::Option* dispatch =
-      cmd->add_option("--dispatch-dtype", o.dispatch_dtype,
-                      "EP dispatch payload: auto, f32, bf16 or fp8 (e4m3, 1x128 group scales)")
-          ->check(one_of({"auto", "f32", "bf16", "fp8"}))
-          ->capture_default_str();
-  CLI::Option* combine =
-      cmd->add_option("--combine-dtype", o.combine_dtype,
-                      "GPU EP (peer transport) combine payload: f32, or bf16 (half the bytes)")
-          ->check(one_of({"f32", "bf16"}))
-          ->capture_default_str();
-  cmd->callback([&o, seed, cdt, input, tokens, placement, dispatch, combine] {
+  add_expert_placement_option(*cmd, o.expert_placement);
+  cmd->add_option("--dispatch-dtype", o.dispatch_dtype,
+                  "EP dispatch payload: auto, f32, bf16 or fp8 (e4m3, 1x128 group scales)")
+      ->check(one_of({"auto", "f32", "bf16", "fp8"}))
+      ->capture_default_str();
+  cmd->add_option("--combine-dtype", o.combine_dtype,
+                  "GPU EP (peer transport) combine payload: f32, or bf16 (half the bytes)")
+      ->check(one_of({"f32", "bf16"}))
+      ->capture_default_str();
+  cmd->callback([&o, seed, cdt, input, tokens] {
     // A command line that lacks its input does not parse (exit code 2).
     if (input->count() == 0 && tokens->count() == 0)
       throw CLI::RequiredError("no input: give --input FILE [--input-key KEY], or --tokens T",
                                CLI::ExitCodes::RequiredError);
     o.seed_given = seed->count() > 0;
     o.compute_dtype_given = cdt->count() > 0;
-    o.expert_placement_given = placement->count() > 0;
-    o.dispatch_dtype_given = dispatch->count() > 0;
-    o.combine_dtype_given = combine->count() > 0;
   });
   return cmd;
 }
@@ -623,8 +618,8 @@ int run_run(const RunOptions& o) {
   // Parallel layout: every rank loads its share and runs its token group's
   // rows; the results are gathered and rank 0 reports and writes.
   const bool parallel = o.ep_size > 1 || o.tp_size > 1 || o.dp_size > 1;
-  check_ep_options(o.ep_size, o.dp_size, o.dispatch_dtype, o.dispatch_dtype_given, o.combine_dtype,
-                   o.combine_dtype_given, o.expert_placement, o.expert_placement_given, on_cuda);
+  check_ep_options(o.ep_size, o.dp_size, o.dispatch_dtype, o.combine_dtype, o.expert_placement,
+                   on_cuda);
   // Under mpirun the sizes must account for every rank .
   check_launch_size(o.ep_size, o.tp_size, o.dp_size);
   // The output's temporary, created now by the rank that writes (rank 0): a
