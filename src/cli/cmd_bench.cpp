@@ -36,6 +36,11 @@ std::string cpu_model_name() {
   return "unknown CPU";
 }
 
+// The shapes of the single-GPU CUDA bench (bench/cuda/cuda_bench.cu's kShapes).
+bool is_cuda_bench_shape(const std::string& name) {
+  return name == "mixtral" || name == "qwen3" || name == "deepseek";
+}
+
 }  // namespace
 
 CLI::App* add_bench_command(CLI::App& app, BenchOptions& o) {
@@ -222,6 +227,14 @@ int run_bench(const BenchOptions& o) {
       usage_check(given.empty(), given,
                   ": not taken by the single-GPU CUDA bench (fixed counter-based inputs, median "
                   "of a fixed number of graph replays); drop them");
+      // Its shapes are its own (bench/cuda/cuda_bench.cu): the default list
+      // runs those of them it has; a list given names only those.
+      if (o.shapes != d.shapes)
+        for (const std::string& name : split_list(o.shapes))
+          usage_check(is_cuda_bench_shape(name), "--shapes ", o.shapes,
+                      ": the single-GPU CUDA bench (--backend cuda without --ep-size or --nccl) "
+                      "times mixtral, qwen3 or deepseek, got \"",
+                      name, "\" (a shape of the CPU bench and of the expert-parallel benches)");
     } else {
       usage_check(!o.sweep && o.dump_dir.empty(), o.sweep ? "--sweep" : "--dump-dir",
                   ": an option of the single-GPU CUDA bench; the expert-parallel one "
@@ -242,7 +255,8 @@ int run_bench(const BenchOptions& o) {
     // As `run --backend cuda`: no device is an error, not a skipped benchmark.
     FUSEDMOE_CHECK(cuda::device_count() > 0, "--backend cuda: no CUDA device found");
     CudaBenchOptions c;
-    c.shapes = o.shapes;
+    // The default list: the shapes the single-GPU bench has (run_bench checked a given one).
+    if (o.shapes != BenchOptions().shapes) c.shapes = o.shapes;
     c.tokens = parse_int_list(o.tokens, "--tokens");
     c.sweep = o.sweep;
     c.dump_dir = o.dump_dir;

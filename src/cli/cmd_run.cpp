@@ -620,6 +620,19 @@ int run_run(const RunOptions& o) {
   const bool parallel = o.ep_size > 1 || o.tp_size > 1 || o.dp_size > 1;
   check_ep_options(o.ep_size, o.dp_size, o.dispatch_dtype, o.combine_dtype, o.expert_placement,
                    on_cuda);
+  // What --backend cuda takes is decided by the command line alone: checked
+  // here, before the rank count and long before any device is looked for, so
+  // that a machine without a GPU (or a build without CUDA) reports the misuse,
+  // not the missing device.
+  usage_check(!on_cuda || (o.tp_size == 1 && o.dp_size == 1),
+              "--backend cuda: --ep-size only (GPU expert parallelism); got --tp-size ", o.tp_size,
+              " --dp-size ", o.dp_size, " (--tp-size / --dp-size run on the CPU backend)");
+  // The GPU experts take f16 inputs with f16 compute: bf16 records would be
+  // refused by the runner, after the device is set up.
+  usage_check(!on_cuda || o.dispatch_dtype != "bf16" || compute_dtype != DType::kF16,
+              "--dispatch-dtype bf16 with --compute-dtype f16: with --backend cuda the experts "
+              "take f16 inputs; expected --dispatch-dtype auto (f16 records) or fp8, or "
+              "--compute-dtype bf16");
   // Under mpirun the sizes must account for every rank .
   check_launch_size(o.ep_size, o.tp_size, o.dp_size);
   // The output's temporary, created now by the rank that writes (rank 0): a
@@ -634,9 +647,6 @@ int run_run(const RunOptions& o) {
   }
   std::shared_ptr<Communicator> world;
   if (parallel) {
-    usage_check(!on_cuda || (o.tp_size == 1 && o.dp_size == 1),
-                "--backend cuda: --ep-size only (GPU expert parallelism); "
-                "--tp-size / --dp-size run on the CPU backend");
     // Every option that decides what a rank computes or sends, or what rank 0
     // writes (--threads and --quiet are the rank's own).
     world = make_parallel_world(
@@ -685,6 +695,11 @@ int run_run(const RunOptions& o) {
               model_dir, " layer ", layer, ")");
   // On the GPU an f16 checkpoint stays f16 unless --compute-dtype says otherwise.
   if (on_cuda && !o.compute_dtype_given && info.dtype == DType::kF16) compute_dtype = DType::kF16;
+  // As above, for the f16 compute an f16 checkpoint brings (before the device).
+  usage_check(!on_cuda || o.dispatch_dtype != "bf16" || compute_dtype != DType::kF16,
+              "--dispatch-dtype bf16: with --backend cuda the experts of ", model_dir,
+              " compute in f16 (an f16 checkpoint, no --compute-dtype given); expected "
+              "--dispatch-dtype auto (f16 records) or fp8, or --compute-dtype bf16");
   if (parallel) {
     config.parallel = parallel_config_for_rank(world->rank(), o.ep_size, o.tp_size, o.dp_size);
     config.parallel.expert_placement = parse_expert_placement(o.expert_placement);

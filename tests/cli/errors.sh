@@ -651,6 +651,18 @@ expect_usage "bench --backend cuda --seed 5" "--seed 5: not taken by the single-
   bench --backend cuda --shapes qwen3 --tokens 1 --seed 5
 expect_usage "bench --backend cuda --nccl --sweep" "--sweep: an option of the single-GPU CUDA bench" -- \
   bench --backend cuda --shapes qwen3 --tokens 1 --nccl --sweep
+# GPU-only misuses that the command line alone decides: the usage error on any machine
+# (with a GPU or not, a build with CUDA or not), never "no CUDA device found" or "this
+# build has no CUDA backend" first. The f16 experts take no bf16 records (the runner
+# refused them after setting up the device).
+expect_usage "run --backend cuda --compute-dtype f16 --dispatch-dtype bf16" "--dispatch-dtype bf16 with --compute-dtype f16: with --backend cuda the experts take f16 inputs; expected --dispatch-dtype auto (f16 records) or fp8, or --compute-dtype bf16" -- \
+  run --model "$FIX" --layer 1 --tokens 2 --backend cuda --compute-dtype f16 --dispatch-dtype bf16 --ep-size 2
+# The single-GPU CUDA bench has mixtral, qwen3 and deepseek only (qwen3-cpu silently
+# ran qwen3 on a GPU); the default --shapes list runs those three.
+for shapes in qwen3-cpu mixtral,qwen3-cpu; do
+  expect_usage "bench --backend cuda --shapes $shapes" "--shapes $shapes: the single-GPU CUDA bench (--backend cuda without --ep-size or --nccl) times mixtral, qwen3 or deepseek, got \"qwen3-cpu\"" -- \
+    bench --backend cuda --shapes $shapes --tokens 1
+done
 # --dispatch-dtype, --combine-dtype and --expert-placement at the default --help shows
 # (auto, f32, contiguous), given explicitly, change nothing: taken in any layout, for
 # run and bench (they were usage errors when given at all). A value other than the

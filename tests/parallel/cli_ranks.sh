@@ -104,6 +104,11 @@ expect_error 2 "--ep-size 1 --tp-size 2 --dp-size 1: expected 2 ranks, .*, e\.g\
 expect_error 2 "--ep-size 2 --tp-size 1 --dp-size 2: expected 2 ranks, .*, e\.g\. --ep-size 2 --tp-size 2 --dp-size 2\$" 1 -- \
   $M "$npflag" 4 $R --tokens 8 --ep-size 2 --dp-size 2
 
+# A GPU-only misuse under mpirun: every rank's usage error, on any machine (it said
+# "no CUDA device found" on one without a GPU).
+expect_error 2 "--dispatch-dtype bf16 with --compute-dtype f16: with --backend cuda the experts take f16 inputs" 2 -- \
+  $M "$npflag" 2 $R --tokens 8 --ep-size 2 --backend cuda --compute-dtype f16 --dispatch-dtype bf16
+
 # Ranks that run different commands: a usage error naming each rank's, not a
 # hang (--help, --version and inspect never started MPI: the other rank waited
 # in MPI_Init) nor a --model disagreement (run beside bench).
