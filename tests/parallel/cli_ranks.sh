@@ -131,6 +131,17 @@ expect_error 2 "--ep-size 2 --tp-size 1 --dp-size 2: expected 2 ranks, .*, e\.g\
 # "no CUDA device found" on one without a GPU).
 expect_error 2 "--dispatch-dtype bf16 with --compute-dtype f16: with --backend cuda the experts take f16 inputs" 2 -- \
   $M "$npflag" 2 $R --tokens 8 --ep-size 2 --backend cuda --compute-dtype f16 --dispatch-dtype bf16
+# ... and with the f16 compute of an f16 checkpoint (its config.json's dtype; checked
+# once it is read, still before any device).
+F16="$TMP/f16"
+mkdir -p "$F16"
+BUNDLED=$("$BIN" --help | sed -n 's/^Bundled model: //p')
+python3 -c 'import json, sys; c = json.load(open(sys.argv[1])); c["dtype"] = "float16"; json.dump(c, open(sys.argv[2], "w"))' \
+  "$BUNDLED/config.json" "$F16/config.json"
+cp "$BUNDLED/model.safetensors" "$F16/"
+expect_error 2 "--dispatch-dtype bf16: with --backend cuda the experts of .*/f16 compute in f16 \(an f16 checkpoint, no --compute-dtype given\); expected --dispatch-dtype auto \(f16 records\) or fp8, or --compute-dtype bf16" 2 -- \
+  $M "$npflag" 2 $R --model "$F16" --tokens 8 --ep-size 2 --backend cuda --dispatch-dtype bf16
+rm -rf "$F16"
 
 # Ranks that run different commands: a usage error naming each rank's, not a
 # hang (--help, --version and inspect never started MPI: the other rank waited
