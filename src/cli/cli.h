@@ -167,6 +167,12 @@ inline CLI::Validator output_path(const std::string& what) {
       "PATH");
 }
 
+// The defaults of --dispatch-dtype, --combine-dtype and --expert-placement (of
+// run and bench; --help shows them).
+inline constexpr const char* kDefaultDispatchDtype = "auto";
+inline constexpr const char* kDefaultCombineDtype = "f32";
+inline constexpr const char* kDefaultExpertPlacement = "contiguous";
+
 // ---- inspect ------------------------------------------------------------------
 struct InspectOptions {
   std::string path;  // model directory, config.json, or a .safetensors file
@@ -194,12 +200,9 @@ struct RunOptions {
   bool compute_dtype_given = false;
   // Parallel layout (under mpirun; world = (dp > 1 ? dp : ep) * tp ranks).
   int ep_size = 1, tp_size = 1, dp_size = 1;
-  std::string expert_placement = "contiguous";
-  bool expert_placement_given = false;
-  std::string dispatch_dtype = "auto";
-  bool dispatch_dtype_given = false;
-  std::string combine_dtype = "f32";  // GPU expert parallelism: f32 or bf16
-  bool combine_dtype_given = false;
+  std::string expert_placement = kDefaultExpertPlacement;
+  std::string dispatch_dtype = kDefaultDispatchDtype;
+  std::string combine_dtype = kDefaultCombineDtype;  // GPU expert parallelism: f32 or bf16
 };
 CLI::App* add_run_command(CLI::App& app, RunOptions& opts);
 int run_run(const RunOptions& opts);
@@ -222,12 +225,9 @@ struct BenchOptions {
   int64_t max_experts = 0;      // > 0: cap E of every shape (quick runs, tests)
   int ep_size = 1, tp_size = 1, dp_size = 1;  // > 1: run_bench_parallel (under mpirun)
   bool nccl = false;  // cuda: the EP path over NCCL also at --ep-size 1 (one rank)
-  std::string expert_placement = "contiguous";
-  bool expert_placement_given = false;
-  std::string dispatch_dtype = "auto";
-  bool dispatch_dtype_given = false;
-  std::string combine_dtype = "f32";  // GPU expert parallelism: f32 or bf16
-  bool combine_dtype_given = false;
+  std::string expert_placement = kDefaultExpertPlacement;
+  std::string dispatch_dtype = kDefaultDispatchDtype;
+  std::string combine_dtype = kDefaultCombineDtype;  // GPU expert parallelism: f32 or bf16
 };
 CLI::App* add_bench_command(CLI::App& app, BenchOptions& opts);
 int run_bench(const BenchOptions& opts);
@@ -301,20 +301,21 @@ int ranks_needed(int ep_size, int tp_size, int dp_size);
 // Callers run it before their other collectives (and for one-rank runs too:
 // -np 2 without sizes is not two separate runs writing the same file).
 void check_launch_size(int ep_size, int tp_size, int dp_size);
-// --expert-placement of run and bench (its count tells whether it was given).
+// --expert-placement of run and bench.
 CLI::Option* add_expert_placement_option(CLI::App& cmd, std::string& value);
 // --dispatch-dtype, --combine-dtype and --expert-placement (of run and bench)
-// where they mean nothing: UsageError. The dispatch payload, given
-// (`dispatch_given`, any value, auto too), needs --ep-size > 1 with --dp-size
-// 1 (the EP all-to-all; the data-parallel layout gathers in f32); on the GPUs
-// f32 is refused (the experts take bf16). The combine payload, given, needs
-// --backend cuda and --ep-size > 1; the placement, given (`placement_given`),
-// needs --ep-size > 1. ep_one_rank: bench --backend cuda --ep-size 1 --nccl,
-// the GPU EP path on one rank (the payloads are taken there too).
+// where a value other than their default means nothing: UsageError naming the
+// option, its value and what it needs. Each one's default (auto, f32,
+// contiguous), given or not, is taken in any layout: it changes nothing. The
+// dispatch payload other than auto needs --ep-size > 1 with --dp-size 1 (the
+// EP all-to-all; the data-parallel layout gathers in f32); on the GPUs f32 is
+// refused (the experts take bf16). The combine payload other than f32 needs
+// --backend cuda and --ep-size > 1; the placement other than contiguous needs
+// --ep-size > 1. ep_one_rank: bench --backend cuda --ep-size 1 --nccl, the GPU
+// EP path on one rank (the payloads are taken there too).
 void check_ep_options(int ep_size, int dp_size, const std::string& dispatch_dtype,
-                      bool dispatch_given, const std::string& combine_dtype, bool combine_given,
-                      const std::string& expert_placement, bool placement_given, bool on_cuda,
-                      bool ep_one_rank = false);
+                      const std::string& combine_dtype, const std::string& expert_placement,
+                      bool on_cuda, bool ep_one_rank = false);
 // FUSEDMOE_COMM_TIMEOUT_S that is set but no number of seconds in (0, 1e9]:
 // UsageError naming it (run and bench check it on every launch, one rank too).
 void check_comm_timeout();

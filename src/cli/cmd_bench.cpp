@@ -36,6 +36,11 @@ std::string cpu_model_name() {
   return "unknown CPU";
 }
 
+// The shapes of the single-GPU CUDA bench (bench/cuda/cuda_bench.cu's kShapes).
+bool is_cuda_bench_shape(const std::string& name) {
+  return name == "mixtral" || name == "qwen3" || name == "deepseek";
+}
+
 }  // namespace
 
 CLI::App* add_bench_command(CLI::App& app, BenchOptions& o) {
@@ -132,16 +137,14 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& o) {
       ->transform(kPositiveInt);
   cmd->add_option("--dp-size", o.dp_size, "Data-parallel token groups (naive DP + EP)")
       ->transform(kPositiveInt);
-  CLI::Option* placement = add_expert_placement_option(*cmd, o.expert_placement);
-  CLI::Option* dispatch = cmd->add_option("--dispatch-dtype", o.dispatch_dtype,
-                                          "EP dispatch payload: auto, f32, bf16, fp8")
-                              ->check(one_of({"auto", "f32", "bf16", "fp8"}))
-                              ->capture_default_str();
-  CLI::Option* combine =
-      cmd->add_option("--combine-dtype", o.combine_dtype,
-                      "GPU EP (peer transport) combine payload: f32, or bf16 (half the bytes)")
-          ->check(one_of({"f32", "bf16"}))
-          ->capture_default_str();
+  add_expert_placement_option(*cmd, o.expert_placement);
+  cmd->add_option("--dispatch-dtype", o.dispatch_dtype, "EP dispatch payload: auto, f32, bf16, fp8")
+      ->check(one_of({"auto", "f32", "bf16", "fp8"}))
+      ->capture_default_str();
+  cmd->add_option("--combine-dtype", o.combine_dtype,
+                  "GPU EP (peer transport) combine payload: f32, or bf16 (half the bytes)")
+      ->check(one_of({"f32", "bf16"}))
+      ->capture_default_str();
   cmd->add_option("--backend", o.backend,
                   "cpu, or cuda: routed experts on the GPU (bf16, CUDA graphs and events, "
                   "--routing as on the CPU; shapes mixtral, qwen3, deepseek)")
@@ -152,11 +155,6 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& o) {
                   "cuda: write routings, outputs and manifest.json for "
                   "bench/cuda/torch_baseline.py (PyTorch on the same inputs)")
       ->check(kNonEmpty);
-  cmd->callback([&o, placement, dispatch, combine] {
-    o.expert_placement_given = placement->count() > 0;
-    o.dispatch_dtype_given = dispatch->count() > 0;
-    o.combine_dtype_given = combine->count() > 0;
-  });
   return cmd;
 }
 
@@ -173,8 +171,7 @@ int run_bench(const BenchOptions& o) {
                 ": options of --backend cuda, given without it (the CPU bench has its own "
                 "BLAS baseline, tile-free kernels and host communicator)");
   }
-  check_ep_options(o.ep_size, o.dp_size, o.dispatch_dtype, o.dispatch_dtype_given, o.combine_dtype,
-                   o.combine_dtype_given, o.expert_placement, o.expert_placement_given,
+  check_ep_options(o.ep_size, o.dp_size, o.dispatch_dtype, o.combine_dtype, o.expert_placement,
                    o.backend == "cuda", o.backend == "cuda" && o.nccl);
   // --max-experts below a shape's top_k: an error naming both, before anything runs.
   for (const auto& name : split_list(o.shapes)) {
@@ -230,6 +227,14 @@ int run_bench(const BenchOptions& o) {
       usage_check(given.empty(), given,
                   ": not taken by the single-GPU CUDA bench (fixed counter-based inputs, median "
                   "of a fixed number of graph replays); drop them");
+      // Its shapes are its own (bench/cuda/cuda_bench.cu): the default list
+      // runs those of them it has; a list given names only those.
+      if (o.shapes != d.shapes)
+        for (const std::string& name : split_list(o.shapes))
+          usage_check(is_cuda_bench_shape(name), "--shapes ", o.shapes,
+                      ": the single-GPU CUDA bench (--backend cuda without --ep-size or --nccl) "
+                      "times mixtral, qwen3 or deepseek, got \"",
+                      name, "\" (a shape of the CPU bench and of the expert-parallel benches)");
     } else {
       usage_check(!o.sweep && o.dump_dir.empty(), o.sweep ? "--sweep" : "--dump-dir",
                   ": an option of the single-GPU CUDA bench; the expert-parallel one "
@@ -250,7 +255,8 @@ int run_bench(const BenchOptions& o) {
     // As `run --backend cuda`: no device is an error, not a skipped benchmark.
     FUSEDMOE_CHECK(cuda::device_count() > 0, "--backend cuda: no CUDA device found");
     CudaBenchOptions c;
-    c.shapes = o.shapes;
+    // The default list: the shapes the single-GPU bench has (run_bench checked a given one).
+    if (o.shapes != BenchOptions().shapes) c.shapes = o.shapes;
     c.tokens = parse_int_list(o.tokens, "--tokens");
     c.sweep = o.sweep;
     c.dump_dir = o.dump_dir;

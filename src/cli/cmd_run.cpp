@@ -354,6 +354,95 @@ std::string contents_fingerprint(const std::string& path) {
   return out;
 }
 
+// 64-bit FNV-1a, fed piece by piece.
+struct Fnv1a {
+  uint64_t h = 1469598103934665603ull;
+  void add(const void* data, size_t n) {
+    const auto* p = static_cast<const unsigned char*>(data);
+    for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 1099511628211ull;
+  }
+  void add(const std::string& s) { add(s.data(), s.size() + 1); }  // with its '\0'
+};
+
+// A cheap fingerprint of a loaded weight tensor: its dtype and shape, and a
+// 64-bit FNV-1a hash over its name, dtype, shape and a sample of its bytes:
+// the first and last 4 KiB and 16 blocks of 1 KiB evenly between (all of a
+// tensor of at most 24 KiB). At most 24 KiB are read whatever its size (a
+// tensor still mapped from the checkpoint: a few pages), so that it tells
+// different checkpoints apart, not every single changed value.
+std::string weight_fingerprint(const std::string& name, const Tensor& tensor) {
+  constexpr size_t kEdge = 4096, kBlock = 1024, kBlocks = 16;
+  Fnv1a f;
+  f.add(name);
+  f.add(dtype_name(tensor.dtype()));
+  for (const int64_t d : tensor.shape()) f.add(&d, sizeof d);
+  // The loader's tensors are contiguous host tensors (the routed and shared
+  // experts must be); a strided one (a router view) is small: copied first.
+  const Tensor t = tensor.view().is_contiguous() ? tensor : Tensor::copy_of(tensor.view());
+  const auto* p = static_cast<const unsigned char*>(t.data());
+  const size_t n = t.nbytes();
+  f.add(&n, sizeof n);
+  if (n <= 2 * kEdge + kBlocks * kBlock) {
+    f.add(p, n);
+  } else {
+    f.add(p, kEdge);
+    for (size_t i = 1; i <= kBlocks; ++i)
+      f.add(p + kEdge + (n - 2 * kEdge - kBlock) * i / (kBlocks + 1), kBlock);
+    f.add(p + n - kEdge, kEdge);
+  }
+  char hash[32];
+  std::snprintf(hash, sizeof hash, "%016llx", static_cast<unsigned long long>(f.h));
+  return std::string(dtype_name(t.dtype())) + " " + t.shape_str() + ", sampled FNV-1a " + hash;
+}
+
+// Under mpirun the ranks compared --model's path and config.json before
+// loading (make_parallel_world); ranks on different nodes may still read
+// different checkpoints of the same shapes under that path, and ran silently.
+// After loading (a collective, every rank), this compares a fingerprint of
+// each tensor of the layer that every rank loads whole and alike: the router
+// (gate weight and bias, e_score_correction_bias, hash table, shared-expert
+// gate), the shared experts unless --tp-size > 1 slices them, and the routed
+// experts only with neither --ep-size nor --tp-size > 1 (each rank otherwise
+// loads its own experts, or slices of them, which no other rank holds).
+// CollectiveError (exit 2) on every rank naming the first tensor that differs
+// and each rank's dtype, shape and hash; `whose`: "--model PATH" (or the
+// bundled model's).
+void check_same_weights(Communicator& world, const MoELayerWeights& w, const ParallelConfig& pc,
+                        const std::string& whose, int64_t layer) {
+  std::vector<std::pair<std::string, std::string>> entries;
+  const auto add = [&](const std::string& name, const Tensor& t) {
+    if (t.defined())
+      entries.emplace_back("the weights of layer " + std::to_string(layer) + " as loaded, " + name,
+                           weight_fingerprint(name, t));
+  };
+  const auto add_experts = [&](const std::string& what, const ExpertWeights& e) {
+    add(what + ".w13", e.w13);
+    add(what + ".w2", e.w2);
+    if (e.w13_bias) add(what + ".w13_bias", *e.w13_bias);
+    if (e.w2_bias) add(what + ".w2_bias", *e.w2_bias);
+  };
+  add("gate_weight (the router)", w.gate_weight);
+  if (w.gate_bias) add("gate_bias", *w.gate_bias);
+  if (w.router_params.e_score_correction_bias)
+    add("e_score_correction_bias", *w.router_params.e_score_correction_bias);
+  if (w.router_params.hash_table) add("hash_table", *w.router_params.hash_table);
+  if (w.shared_expert_gate) add("shared_expert_gate", *w.shared_expert_gate);
+  if (w.shared_experts && pc.tp_size == 1) add_experts("shared_experts", *w.shared_experts);
+  if (pc.ep_size == 1 && pc.tp_size == 1) add_experts("experts", w.experts);
+  try {
+    check_same_on_all_ranks(world, entries, "fusedmoe run");
+  } catch (const Error& e) {
+    if (e.code() != ErrorCode::kInvalidArgument) throw;  // a lost rank
+    throw CollectiveError(
+        std::string(e.what()) + "; the ranks read different checkpoints under " + whose +
+            " (with the same config.json): give every rank the same files (compared: the "
+            "tensors every rank loads whole, the router, the shared experts without --tp-size "
+            "and the routed experts without --ep-size or --tp-size, each by a sample of its "
+            "bytes)",
+        2);
+  }
+}
+
 // Values of a floating tensor as doubles (f64 kept exactly).
 std::vector<double> to_f64(const Tensor& t) {
   std::vector<double> out(static_cast<size_t>(t.numel()));
@@ -543,27 +632,22 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
                   "Data-parallel token groups; with --ep-size equal to it, experts are spread "
                   "over them (all-gather / reduce-scatter)")
       ->transform(kPositiveInt);
-  CLI::Option* placement = add_expert_placement_option(*cmd, o.expert_placement);
-  CLI::Option* dispatch =
-      cmd->add_option("--dispatch-dtype", o.dispatch_dtype,
-                      "EP dispatch payload: auto, f32, bf16 or fp8 (e4m3, 1x128 group scales)")
-          ->check(one_of({"auto", "f32", "bf16", "fp8"}))
-          ->capture_default_str();
-  CLI::Option* combine =
-      cmd->add_option("--combine-dtype", o.combine_dtype,
-                      "GPU EP (peer transport) combine payload: f32, or bf16 (half the bytes)")
-          ->check(one_of({"f32", "bf16"}))
-          ->capture_default_str();
-  cmd->callback([&o, seed, cdt, input, tokens, placement, dispatch, combine] {
+  add_expert_placement_option(*cmd, o.expert_placement);
+  cmd->add_option("--dispatch-dtype", o.dispatch_dtype,
+                  "EP dispatch payload: auto, f32, bf16 or fp8 (e4m3, 1x128 group scales)")
+      ->check(one_of({"auto", "f32", "bf16", "fp8"}))
+      ->capture_default_str();
+  cmd->add_option("--combine-dtype", o.combine_dtype,
+                  "GPU EP (peer transport) combine payload: f32, or bf16 (half the bytes)")
+      ->check(one_of({"f32", "bf16"}))
+      ->capture_default_str();
+  cmd->callback([&o, seed, cdt, input, tokens] {
     // A command line that lacks its input does not parse (exit code 2).
     if (input->count() == 0 && tokens->count() == 0)
       throw CLI::RequiredError("no input: give --input FILE [--input-key KEY], or --tokens T",
                                CLI::ExitCodes::RequiredError);
     o.seed_given = seed->count() > 0;
     o.compute_dtype_given = cdt->count() > 0;
-    o.expert_placement_given = placement->count() > 0;
-    o.dispatch_dtype_given = dispatch->count() > 0;
-    o.combine_dtype_given = combine->count() > 0;
   });
   return cmd;
 }
@@ -623,8 +707,21 @@ int run_run(const RunOptions& o) {
   // Parallel layout: every rank loads its share and runs its token group's
   // rows; the results are gathered and rank 0 reports and writes.
   const bool parallel = o.ep_size > 1 || o.tp_size > 1 || o.dp_size > 1;
-  check_ep_options(o.ep_size, o.dp_size, o.dispatch_dtype, o.dispatch_dtype_given, o.combine_dtype,
-                   o.combine_dtype_given, o.expert_placement, o.expert_placement_given, on_cuda);
+  check_ep_options(o.ep_size, o.dp_size, o.dispatch_dtype, o.combine_dtype, o.expert_placement,
+                   on_cuda);
+  // What --backend cuda takes is decided by the command line alone: checked
+  // here, before the rank count and long before any device is looked for, so
+  // that a machine without a GPU (or a build without CUDA) reports the misuse,
+  // not the missing device.
+  usage_check(!on_cuda || (o.tp_size == 1 && o.dp_size == 1),
+              "--backend cuda: --ep-size only (GPU expert parallelism); got --tp-size ", o.tp_size,
+              " --dp-size ", o.dp_size, " (--tp-size / --dp-size run on the CPU backend)");
+  // The GPU experts take f16 inputs with f16 compute: bf16 records would be
+  // refused by the runner, after the device is set up.
+  usage_check(!on_cuda || o.dispatch_dtype != "bf16" || compute_dtype != DType::kF16,
+              "--dispatch-dtype bf16 with --compute-dtype f16: with --backend cuda the experts "
+              "take f16 inputs; expected --dispatch-dtype auto (f16 records) or fp8, or "
+              "--compute-dtype bf16");
   // Under mpirun the sizes must account for every rank .
   check_launch_size(o.ep_size, o.tp_size, o.dp_size);
   // The output's temporary, created now by the rank that writes (rank 0): a
@@ -639,9 +736,6 @@ int run_run(const RunOptions& o) {
   }
   std::shared_ptr<Communicator> world;
   if (parallel) {
-    usage_check(!on_cuda || (o.tp_size == 1 && o.dp_size == 1),
-                "--backend cuda: --ep-size only (GPU expert parallelism); "
-                "--tp-size / --dp-size run on the CPU backend");
     // Every option that decides what a rank computes or sends, or what rank 0
     // writes (--threads and --quiet are the rank's own).
     world = make_parallel_world(
@@ -690,6 +784,11 @@ int run_run(const RunOptions& o) {
               model_dir, " layer ", layer, ")");
   // On the GPU an f16 checkpoint stays f16 unless --compute-dtype says otherwise.
   if (on_cuda && !o.compute_dtype_given && info.dtype == DType::kF16) compute_dtype = DType::kF16;
+  // As above, for the f16 compute an f16 checkpoint brings (before the device).
+  usage_check(!on_cuda || o.dispatch_dtype != "bf16" || compute_dtype != DType::kF16,
+              "--dispatch-dtype bf16: with --backend cuda the experts of ", model_dir,
+              " compute in f16 (an f16 checkpoint, no --compute-dtype given); expected "
+              "--dispatch-dtype auto (f16 records) or fp8, or --compute-dtype bf16");
   if (parallel) {
     config.parallel = parallel_config_for_rank(world->rank(), o.ep_size, o.tp_size, o.dp_size);
     config.parallel.expert_placement = parse_expert_placement(o.expert_placement);
@@ -813,6 +912,9 @@ int run_run(const RunOptions& o) {
   }();
   const size_t weight_bytes = weights.nbytes();
   rank_local_done();  // every rank's own work done: the collectives start
+  if (world)
+    check_same_weights(*world, weights, config.parallel,
+                       (o.model.empty() ? "the bundled model " : "--model ") + model_dir, layer);
   if (o.input.empty()) {
     uint64_t seed = o.seed;
     if (!o.seed_given)

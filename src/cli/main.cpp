@@ -310,34 +310,48 @@ CLI::Option* add_expert_placement_option(CLI::App& cmd, std::string& value) {
 }
 
 void check_ep_options(int ep_size, int dp_size, const std::string& dispatch_dtype,
-                      bool dispatch_given, const std::string& combine_dtype, bool combine_given,
-                      const std::string& expert_placement, bool placement_given, bool on_cuda,
-                      bool ep_one_rank) {
+                      const std::string& combine_dtype, const std::string& expert_placement,
+                      bool on_cuda, bool ep_one_rank) {
   const bool ep = ep_size > 1 || ep_one_rank;
   // ParallelGroups' rule, here before any rank builds its groups (it used to
   // pass the rank-count check and fail on each rank with ExpertMap's texts).
   usage_check(dp_size == 1 || ep_size == 1 || ep_size == dp_size, "--ep-size ", ep_size,
               " with --dp-size ", dp_size, ": expected --ep-size 1 (each data-parallel rank holds ",
               "every expert) or ", dp_size, " (the experts spread over the data-parallel ranks)");
+  // Each of these options at its default (what --help shows) changes nothing
+  // and is taken in any layout, given or not; a value other than the default
+  // where the option has no effect is a usage error naming both.
+  //
   // The payload is that of the EP all-to-all (DistributedExperts with ep_size
   // > 1 and dp_size 1); the data-parallel layout gathers the hidden states in
   // f32, so there the option would change nothing but the reference tolerance.
-  usage_check(!dispatch_given || dp_size == 1, "--dispatch-dtype ", dispatch_dtype,
+  const bool dispatch_set = dispatch_dtype != kDefaultDispatchDtype;
+  usage_check(!dispatch_set || dp_size == 1, "--dispatch-dtype ", dispatch_dtype,
               " with --dp-size ", dp_size,
               ": the expert-parallel dispatch payload, taken with --ep-size > 1 and --dp-size 1 "
-              "only (the data-parallel layout gathers the hidden states in f32)");
-  usage_check(!dispatch_given || ep, "--dispatch-dtype ", dispatch_dtype,
-              ": the expert-parallel dispatch payload, needs --ep-size > 1");
+              "only (the data-parallel layout gathers the hidden states in f32); expected the "
+              "default, ",
+              kDefaultDispatchDtype, ", with --dp-size > 1");
+  usage_check(!dispatch_set || ep, "--dispatch-dtype ", dispatch_dtype,
+              ": the expert-parallel dispatch payload, needs --ep-size > 1, got --ep-size ",
+              ep_size, " (without expert parallelism only the default, ", kDefaultDispatchDtype,
+              ", is taken)");
   // The GPUs' experts take bf16 (or f16): f32 records would be rounded anyway.
   usage_check(!on_cuda || dispatch_dtype != "f32",
               "--dispatch-dtype f32: with --backend cuda the experts take bf16 (or f16) "
               "inputs; expected auto (the experts' type), bf16 (with bf16 compute) or fp8");
-  usage_check(!combine_given || (on_cuda && ep), "--combine-dtype ", combine_dtype,
+  usage_check(combine_dtype == kDefaultCombineDtype || (on_cuda && ep), "--combine-dtype ",
+              combine_dtype,
               ": the combine payload of GPU expert parallelism, needs --backend cuda and "
-              "--ep-size > 1 (the peer transport)");
-  usage_check(!placement_given || ep_size > 1, "--expert-placement ", expert_placement,
-              ": which experts each expert-parallel rank holds, needs --ep-size > 1 (with "
-              "--ep-size 1 one rank holds them all)");
+              "--ep-size > 1 (the peer transport), got --backend ",
+              on_cuda ? "cuda" : "cpu", " --ep-size ", ep_size, " (elsewhere only the default, ",
+              kDefaultCombineDtype, ", is taken)");
+  usage_check(expert_placement == kDefaultExpertPlacement || ep_size > 1, "--expert-placement ",
+              expert_placement,
+              ": which experts each expert-parallel rank holds, needs --ep-size > 1, got "
+              "--ep-size ",
+              ep_size, " (one rank holds them all; only the default, ", kDefaultExpertPlacement,
+              ", is taken)");
 }
 
 std::shared_ptr<Communicator> make_parallel_world(

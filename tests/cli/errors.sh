@@ -651,14 +651,55 @@ expect_usage "bench --backend cuda --seed 5" "--seed 5: not taken by the single-
   bench --backend cuda --shapes qwen3 --tokens 1 --seed 5
 expect_usage "bench --backend cuda --nccl --sweep" "--sweep: an option of the single-GPU CUDA bench" -- \
   bench --backend cuda --shapes qwen3 --tokens 1 --nccl --sweep
-# --dispatch-dtype given without expert parallelism, any value (auto too), is a usage
-# error as --expert-placement is, for run and bench.
-for v in auto f32; do
-  expect_usage "run --dispatch-dtype $v without expert parallelism" "--dispatch-dtype $v: the expert-parallel dispatch payload, needs --ep-size > 1" -- \
+# GPU-only misuses that the command line alone decides: the usage error on any machine
+# (with a GPU or not, a build with CUDA or not), never "no CUDA device found" or "this
+# build has no CUDA backend" first. The f16 experts take no bf16 records (the runner
+# refused them after setting up the device).
+expect_usage "run --backend cuda --compute-dtype f16 --dispatch-dtype bf16" "--dispatch-dtype bf16 with --compute-dtype f16: with --backend cuda the experts take f16 inputs; expected --dispatch-dtype auto (f16 records) or fp8, or --compute-dtype bf16" -- \
+  run --model "$FIX" --layer 1 --tokens 2 --backend cuda --compute-dtype f16 --dispatch-dtype bf16 --ep-size 2
+# The single-GPU CUDA bench has mixtral, qwen3 and deepseek only (qwen3-cpu silently
+# ran qwen3 on a GPU); the default --shapes list runs those three.
+for shapes in qwen3-cpu mixtral,qwen3-cpu; do
+  expect_usage "bench --backend cuda --shapes $shapes" "--shapes $shapes: the single-GPU CUDA bench (--backend cuda without --ep-size or --nccl) times mixtral, qwen3 or deepseek, got \"qwen3-cpu\"" -- \
+    bench --backend cuda --shapes $shapes --tokens 1
+done
+# --dispatch-dtype, --combine-dtype and --expert-placement at the default --help shows
+# (auto, f32, contiguous), given explicitly, change nothing: taken in any layout, for
+# run and bench (they were usage errors when given at all). A value other than the
+# default where it has no effect is a usage error naming the option, its value and
+# what it needs.
+# expect_ok NAME -- ARGS...: exit 0, nothing on stderr.
+expect_ok() {
+  local name=$1 rc=0
+  shift 2
+  "$BIN" "$@" >"$TMP/stdout" 2>"$TMP/stderr" || rc=$?
+  if [ "$rc" -ne 0 ] || [ -s "$TMP/stderr" ]; then
+    echo "FAIL $name: exit $rc"
+    sed 's/^/  stderr: /' "$TMP/stderr"
+    failures=$((failures + 1))
+  else
+    echo "ok   $name: exit 0"
+  fi
+}
+defaults=(--dispatch-dtype auto --combine-dtype f32 --expert-placement contiguous)
+expect_ok "run with the EP options' defaults, no expert parallelism" -- \
+  run --model "$FIX" --layer 1 --tokens 1 --quiet "${defaults[@]}"
+expect_ok "run with the EP options' defaults, --ep-size 1" -- \
+  run --model "$FIX" --layer 1 --tokens 1 --quiet --ep-size 1 "${defaults[@]}"
+expect_ok "bench with the EP options' defaults, no expert parallelism" -- \
+  bench --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0 --no-baseline "${defaults[@]}"
+# With --dp-size 2 the default dispatch payload is taken too (here: the rank-count
+# error of a run without mpirun, not a --dispatch-dtype one).
+expect_usage "run --dispatch-dtype auto --dp-size 2" "--ep-size 1 --tp-size 1 --dp-size 2: expected 2 ranks" -- \
+  run --model "$FIX" --layer 1 --tokens 4 --dp-size 2 --dispatch-dtype auto
+for v in f32 bf16; do
+  expect_usage "run --dispatch-dtype $v without expert parallelism" "--dispatch-dtype $v: the expert-parallel dispatch payload, needs --ep-size > 1, got --ep-size 1 (without expert parallelism only the default, auto, is taken)" -- \
     run --model "$FIX" --layer 1 --tokens 1 --dispatch-dtype $v
-  expect_usage "bench --dispatch-dtype $v without expert parallelism" "--dispatch-dtype $v: the expert-parallel dispatch payload, needs --ep-size > 1" -- \
+  expect_usage "bench --dispatch-dtype $v without expert parallelism" "--dispatch-dtype $v: the expert-parallel dispatch payload, needs --ep-size > 1, got --ep-size 1" -- \
     bench --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0 --dispatch-dtype $v --tp-size 1
 done
+expect_usage "run --combine-dtype bf16 without expert parallelism" "--combine-dtype bf16: the combine payload of GPU expert parallelism, needs --backend cuda and --ep-size > 1 (the peer transport), got --backend cpu --ep-size 1 (elsewhere only the default, f32, is taken)" -- \
+  run --model "$FIX" --layer 1 --tokens 1 --combine-dtype bf16
 # --dispatch-dtype with --dp-size > 1: the data-parallel layout gathers f32 rows, so
 # the payload would change nothing but loosen run --reference's default tolerance (and
 # bench printed "dispatch payload fp8"): a usage error naming both options.
@@ -674,8 +715,8 @@ expect_usage "bench --dispatch-dtype fp8 --dp-size 2 --ep-size 2" "--dispatch-dt
 placement_msg="needs --ep-size > 1"
 expect_usage "run --expert-placement round-robin" "--expert-placement round-robin: which experts each expert-parallel rank holds, $placement_msg" -- \
   run --model "$FIX" --layer 1 --tokens 2 --expert-placement round-robin
-expect_usage "run --expert-placement contiguous --ep-size 1" "--expert-placement contiguous: which experts each expert-parallel rank holds, $placement_msg" -- \
-  run --model "$FIX" --layer 1 --tokens 2 --expert-placement contiguous --ep-size 1
+expect_usage "run --expert-placement round-robin --ep-size 1" "--expert-placement round-robin: which experts each expert-parallel rank holds, $placement_msg, got --ep-size 1 (one rank holds them all; only the default, contiguous, is taken)" -- \
+  run --model "$FIX" --layer 1 --tokens 2 --expert-placement round-robin --ep-size 1
 expect_usage "run --expert-placement with --tp-size 2" "--expert-placement round-robin: which experts each expert-parallel rank holds, $placement_msg" -- \
   run --model "$FIX" --layer 1 --tokens 2 --expert-placement round-robin --tp-size 2
 expect_usage "bench --expert-placement round-robin" "--expert-placement round-robin: which experts each expert-parallel rank holds, $placement_msg" -- \

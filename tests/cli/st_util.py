@@ -126,6 +126,14 @@ def main():
             data = bytearray(data)
             data[b + 6:b + 8] = struct.pack("<H", 0x7FC0)  # element [0, 3]
             write(dst, header, bytes(data))
+        elif mode == "negate":  # every element's sign flipped (same shapes, other weights)
+            name = chosen = pick(header, pattern)
+            width = {"BF16": 2, "F16": 2, "F32": 4}[header[name]["dtype"]]
+            b, e = header[name]["data_offsets"]
+            data = bytearray(data)
+            for i in range(b + width - 1, e, width):
+                data[i] ^= 0x80
+            write(dst, header, bytes(data))
         elif mode == "bad-json":
             n = struct.unpack("<Q", raw[:8])[0]
             with open(dst, "wb") as f:

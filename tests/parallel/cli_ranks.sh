@@ -3,8 +3,8 @@
 # error on the ranks, exit code 2 (a usage error), before any collective that
 # could misbehave, and never a hang, a crash or a silently wrong output.
 #   - options that differ between ranks (MPMD `-np 1 A : -np 1 B`): the error
-#     names the option and each rank's value; so do input files that differ
-#     under one path (per-rank working directories);
+#     names the option and each rank's value; so do input files and layer
+#     weights that differ under one path (per-rank working directories);
 #   - a world size that the parallel sizes do not account for (also -np 2
 #     without --ep-size: not two separate runs writing the same file);
 #   - FUSEDMOE_COMM_TIMEOUT_S out of range or not plain decimal (on every
@@ -80,6 +80,29 @@ expect_error 2 "$disagree --input contents: [0-9]+ bytes, FNV-1a [0-9a-f]+ on ra
   --input in.safetensors --input-key output --ep-size 2 : \
   "$npflag" 1 -wdir "$TMP/w1" "$BIN" run --quiet --output "$TMP/out.safetensors" \
   --input in.safetensors --input-key output --ep-size 2
+# One --model path, one config.json, other weights (node-local checkpoints of the same
+# shapes): ran silently. The ranks compare a sampled hash of each tensor they all load
+# whole: the router and the shared experts (--ep-size), the routed experts too
+# (--dp-size without --ep-size / --tp-size); every rank names the first that differs.
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+MODEL=$("$BIN" --help | sed -n 's/^Bundled model: //p')
+mkdir -p "$TMP/d0/m" "$TMP/d1/m"
+cp "$MODEL/config.json" "$MODEL/model.safetensors" "$TMP/d0/m/"
+cp "$MODEL/config.json" "$TMP/d1/m/"
+hash='sampled FNV-1a [0-9a-f]{16}'
+for case in "layers.1.mlp.gate.weight|gate_weight \(the router\): bf16 \[16, 128\]|--ep-size 2" \
+  "layers.1.mlp.shared_experts.up_proj|shared_experts.w13: bf16 \[1, 96, 128\]|--ep-size 2" \
+  "layers.1.mlp.experts.3.up_proj|experts.w13: bf16 \[16, 96, 128\]|--dp-size 2"; do
+  IFS="|" read -r tensor what sizes <<<"$case"
+  python3 "$HERE/../cli/st_util.py" corrupt negate "$MODEL/model.safetensors" \
+    "$TMP/d1/m/model.safetensors" "$tensor" >/dev/null
+  # shellcheck disable=SC2086
+  expect_error 2 "$disagree the weights of layer 1 as loaded, $what, $hash on rank 0, .*, $hash on rank 1 .*; the ranks read different checkpoints under --model m \(with the same config.json\): give every rank the same files" 2 -- \
+    $M "$npflag" 1 -wdir "$TMP/d0" $R --model m --tokens 8 $sizes : \
+    "$npflag" 1 -wdir "$TMP/d1" $R --model m --tokens 8 $sizes
+  no_abort "different weights ($tensor)"
+done
+rm -rf "$TMP/d0" "$TMP/d1"
 expect_error 2 "fusedmoe bench: the ranks disagree on --tokens: 1 on rank 0, 2 on rank 1" 2 -- \
   $M "$npflag" 1 "$BIN" bench --ep-size 2 --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0 : \
   "$npflag" 1 "$BIN" bench --ep-size 2 --shapes qwen3-cpu --max-experts 8 --tokens 2 --min-time 0
@@ -103,6 +126,22 @@ expect_error 2 "--ep-size 1 --tp-size 2 --dp-size 1: expected 2 ranks, .*, e\.g\
   $M "$npflag" 3 $R --tokens 8 --tp-size 2
 expect_error 2 "--ep-size 2 --tp-size 1 --dp-size 2: expected 2 ranks, .*, e\.g\. --ep-size 2 --tp-size 2 --dp-size 2\$" 1 -- \
   $M "$npflag" 4 $R --tokens 8 --ep-size 2 --dp-size 2
+
+# A GPU-only misuse under mpirun: every rank's usage error, on any machine (it said
+# "no CUDA device found" on one without a GPU).
+expect_error 2 "--dispatch-dtype bf16 with --compute-dtype f16: with --backend cuda the experts take f16 inputs" 2 -- \
+  $M "$npflag" 2 $R --tokens 8 --ep-size 2 --backend cuda --compute-dtype f16 --dispatch-dtype bf16
+# ... and with the f16 compute of an f16 checkpoint (its config.json's dtype; checked
+# once it is read, still before any device).
+F16="$TMP/f16"
+mkdir -p "$F16"
+BUNDLED=$("$BIN" --help | sed -n 's/^Bundled model: //p')
+python3 -c 'import json, sys; c = json.load(open(sys.argv[1])); c["dtype"] = "float16"; json.dump(c, open(sys.argv[2], "w"))' \
+  "$BUNDLED/config.json" "$F16/config.json"
+cp "$BUNDLED/model.safetensors" "$F16/"
+expect_error 2 "--dispatch-dtype bf16: with --backend cuda the experts of .*/f16 compute in f16 \(an f16 checkpoint, no --compute-dtype given\); expected --dispatch-dtype auto \(f16 records\) or fp8, or --compute-dtype bf16" 2 -- \
+  $M "$npflag" 2 $R --model "$F16" --tokens 8 --ep-size 2 --backend cuda --dispatch-dtype bf16
+rm -rf "$F16"
 
 # Ranks that run different commands: a usage error naming each rank's, not a
 # hang (--help, --version and inspect never started MPI: the other rank waited
