@@ -19,6 +19,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -1085,6 +1086,74 @@ TEST(CudaEp, PeerTransportForwardsWithoutSyncAndChangingT) {
     }
     if (HasFailure()) break;
   }
+  run_ranks(n, [&](int r) { comms[r].reset(); });
+}
+
+// RunnerOptions::cuda_workspace under expert parallelism (peer transport):
+// each rank's layers of two shapes share one workspace (the local experts'
+// scratch for ep_size * max_num_tokens rows); forwards interleaved across the
+// layers with no host sync give the bits of layers with their own.
+TEST(CudaEp, PeerLayersSharingAWorkspaceMatchTheirOwn) {
+  FUSEDMOE_REQUIRE_NCCL();
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  TransportEnv env("peer");
+  const int n = std::max(1, std::min(cuda::device_count(), 4));
+  std::vector<int> devices(n);
+  for (int i = 0; i < n; ++i) devices[i] = i;
+  std::vector<std::shared_ptr<Communicator>> comms;
+  if (n == 1) {
+    comms.push_back(one_rank_nccl());
+  } else {
+    for (auto& c : make_nccl_communicators(devices)) comms.push_back(std::move(c));
+  }
+  const std::vector<std::pair<std::string, MoEConfig>> all = ep_configs();
+  const std::vector<MoEConfig> cfgs = {all[2].second, all[0].second};  // deepseek_v3, mixtral
+  std::vector<MoELayerWeights> ws;
+  for (const MoEConfig& c : cfgs) ws.push_back(test::random_layer(rng, c, DType::kBF16));
+  const int64_t cap = 48;
+  const std::vector<std::pair<int, int64_t>> calls = {{0, 48}, {1, 5}, {1, 48}, {0, 1}, {0, 30}};
+  std::vector<Tensor> xs;
+  for (const auto& [l, T] : calls) xs.push_back(test::randn_f32(rng, {T, cfgs[l].hidden_size}));
+  std::vector<std::vector<Tensor>> shared_out(n), own_out(n);
+  run_ranks(n, [&](int r) {
+    test::cuda_ok(cudaSetDevice(devices[r]), "cudaSetDevice");
+    auto workspace = std::make_shared<cuda::SharedWorkspace>();
+    std::vector<std::unique_ptr<MoERunner>> shared, own;
+    for (size_t l = 0; l < cfgs.size(); ++l) {
+      MoEConfig c = cfgs[l];
+      c.parallel = parallel_config_for_rank(r, n, 1, 1);
+      RunnerOptions o = cuda_options(cap);
+      o.device = Device{DeviceType::kCUDA, devices[r]};
+      o.communicator = comms[r];
+      own.push_back(std::make_unique<MoERunner>(c, ws[l], o));
+      o.cuda_workspace = workspace;
+      shared.push_back(std::make_unique<MoERunner>(c, ws[l], o));
+    }
+    for (auto* set : {&shared, &own}) {
+      std::vector<DeviceTensor> xd, out;
+      for (size_t i = 0; i < calls.size(); ++i) {
+        xd.push_back(DeviceTensor::from_host(xs[i]));
+        out.emplace_back(DType::kF32,
+                         std::vector<int64_t>{calls[i].second, cfgs[calls[i].first].hidden_size});
+        out.back().poison();
+      }
+      test::cuda_ok(cudaDeviceSynchronize(), "sync");
+      for (size_t i = 0; i < calls.size(); ++i)  // no host sync in between
+        (*set)[calls[i].first]->forward(xd[i], out[i]);
+      test::cuda_ok(cudaDeviceSynchronize(), "sync");
+      for (size_t i = 0; i < calls.size(); ++i)
+        (set == &shared ? shared_out : own_out)[r].push_back(out[i].to_host());
+    }
+  });
+  for (int r = 0; r < n; ++r)
+    for (size_t i = 0; i < calls.size(); ++i) {
+      SCOPED_TRACE("rank " + std::to_string(r) + " call " + std::to_string(i));
+      EXPECT_EQ(test::count_non_finite(shared_out[r][i]), 0) << "unwritten (NaN-poisoned) output";
+      EXPECT_TRUE(same_bits(shared_out[r][i], own_out[r][i]))
+          << "shared workspace vs own: rel L2 " << test::rel_l2(shared_out[r][i], own_out[r][i]);
+    }
   run_ranks(n, [&](int r) { comms[r].reset(); });
 }
 
