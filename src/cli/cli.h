@@ -303,6 +303,8 @@ int ranks_needed(int ep_size, int tp_size, int dp_size);
 void check_launch_size(int ep_size, int tp_size, int dp_size);
 // --expert-placement of run and bench.
 CLI::Option* add_expert_placement_option(CLI::App& cmd, std::string& value);
+// --dispatch-dtype and --combine-dtype of run and bench.
+void add_ep_payload_options(CLI::App& cmd, std::string& dispatch_dtype, std::string& combine_dtype);
 // --dispatch-dtype, --combine-dtype and --expert-placement (of run and bench)
 // where a value other than their default means nothing: UsageError naming the
 // option, its value and what it needs. Each one's default (auto, f32,

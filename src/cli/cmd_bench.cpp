@@ -138,13 +138,7 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& o) {
   cmd->add_option("--dp-size", o.dp_size, "Data-parallel token groups (naive DP + EP)")
       ->transform(kPositiveInt);
   add_expert_placement_option(*cmd, o.expert_placement);
-  cmd->add_option("--dispatch-dtype", o.dispatch_dtype, "EP dispatch payload: auto, f32, bf16, fp8")
-      ->check(one_of({"auto", "f32", "bf16", "fp8"}))
-      ->capture_default_str();
-  cmd->add_option("--combine-dtype", o.combine_dtype,
-                  "GPU EP (peer transport) combine payload: f32, or bf16 (half the bytes)")
-      ->check(one_of({"f32", "bf16"}))
-      ->capture_default_str();
+  add_ep_payload_options(*cmd, o.dispatch_dtype, o.combine_dtype);
   cmd->add_option("--backend", o.backend,
                   "cpu, or cuda: routed experts on the GPU (bf16, CUDA graphs and events, "
                   "--routing as on the CPU; shapes mixtral, qwen3, deepseek)")

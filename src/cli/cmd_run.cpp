@@ -633,14 +633,7 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
                   "over them (all-gather / reduce-scatter)")
       ->transform(kPositiveInt);
   add_expert_placement_option(*cmd, o.expert_placement);
-  cmd->add_option("--dispatch-dtype", o.dispatch_dtype,
-                  "EP dispatch payload: auto, f32, bf16 or fp8 (e4m3, 1x128 group scales)")
-      ->check(one_of({"auto", "f32", "bf16", "fp8"}))
-      ->capture_default_str();
-  cmd->add_option("--combine-dtype", o.combine_dtype,
-                  "GPU EP (peer transport) combine payload: f32, or bf16 (half the bytes)")
-      ->check(one_of({"f32", "bf16"}))
-      ->capture_default_str();
+  add_ep_payload_options(*cmd, o.dispatch_dtype, o.combine_dtype);
   cmd->callback([&o, seed, cdt, input, tokens] {
     // A command line that lacks its input does not parse (exit code 2).
     if (input->count() == 0 && tokens->count() == 0)

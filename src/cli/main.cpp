@@ -309,6 +309,18 @@ CLI::Option* add_expert_placement_option(CLI::App& cmd, std::string& value) {
       ->capture_default_str();
 }
 
+void add_ep_payload_options(CLI::App& cmd, std::string& dispatch_dtype,
+                            std::string& combine_dtype) {
+  cmd.add_option("--dispatch-dtype", dispatch_dtype,
+                 "EP dispatch payload: auto, f32, bf16 or fp8 (e4m3, 1x128 group scales)")
+      ->check(one_of({"auto", "f32", "bf16", "fp8"}))
+      ->capture_default_str();
+  cmd.add_option("--combine-dtype", combine_dtype,
+                 "GPU EP (peer transport) combine payload: f32, or bf16 (half the bytes)")
+      ->check(one_of({"f32", "bf16"}))
+      ->capture_default_str();
+}
+
 void check_ep_options(int ep_size, int dp_size, const std::string& dispatch_dtype,
                       const std::string& combine_dtype, const std::string& expert_placement,
                       bool on_cuda, bool ep_one_rank) {

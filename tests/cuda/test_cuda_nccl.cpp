@@ -546,6 +546,21 @@ std::shared_ptr<Communicator> one_rank_nccl() {
       make_nccl_communicator(std::shared_ptr<Communicator>(make_single_rank_communicator()), 0));
 }
 
+// One rank a GPU over the first min(4, visible) GPUs (devices: their
+// indices), or one NCCL rank on GPU 0.
+std::vector<std::shared_ptr<Communicator>> up_to_four_gpus(std::vector<int>& devices) {
+  const int n = std::max(1, std::min(cuda::device_count(), 4));
+  devices.resize(n);
+  for (int i = 0; i < n; ++i) devices[i] = i;
+  std::vector<std::shared_ptr<Communicator>> comms;
+  if (n == 1) {
+    comms.push_back(one_rank_nccl());
+  } else {
+    for (auto& c : make_nccl_communicators(devices)) comms.push_back(std::move(c));
+  }
+  return comms;
+}
+
 // Sets FUSEDMOE_EP_TRANSPORT for its lifetime.
 class TransportEnv {
  public:
@@ -982,15 +997,9 @@ TEST(CudaEp, PeerTransportIsCapturableInACudaGraph) {
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
   TransportEnv env("peer");
-  const int n = std::max(1, std::min(cuda::device_count(), 4));
-  std::vector<int> devices(n);
-  for (int i = 0; i < n; ++i) devices[i] = i;
-  std::vector<std::shared_ptr<Communicator>> comms;
-  if (n == 1) {
-    comms.push_back(one_rank_nccl());
-  } else {
-    for (auto& c : make_nccl_communicators(devices)) comms.push_back(std::move(c));
-  }
+  std::vector<int> devices;
+  std::vector<std::shared_ptr<Communicator>> comms = up_to_four_gpus(devices);
+  const int n = static_cast<int>(comms.size());
   for (const auto& [name, c] : ep_configs()) {
     SCOPED_TRACE(name + " on " + std::to_string(n) + " GPU(s)");
     if (n > c.num_experts) continue;
@@ -1014,15 +1023,9 @@ TEST(CudaEp, PeerTransportForwardsWithoutSyncAndChangingT) {
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
   TransportEnv env("peer");
-  const int n = std::max(1, std::min(cuda::device_count(), 4));
-  std::vector<int> devices(n);
-  for (int i = 0; i < n; ++i) devices[i] = i;
-  std::vector<std::shared_ptr<Communicator>> comms;
-  if (n == 1) {
-    comms.push_back(one_rank_nccl());
-  } else {
-    for (auto& c : make_nccl_communicators(devices)) comms.push_back(std::move(c));
-  }
+  std::vector<int> devices;
+  std::vector<std::shared_ptr<Communicator>> comms = up_to_four_gpus(devices);
+  const int n = static_cast<int>(comms.size());
   const std::vector<int64_t> seq = {40, 3, 0, 17, 40, 1};
   const int64_t cap = 40, F = static_cast<int64_t>(seq.size());
   for (const auto& [name, c] : ep_configs()) {
@@ -1099,15 +1102,9 @@ TEST(CudaEp, PeerLayersSharingAWorkspaceMatchTheirOwn) {
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
   TransportEnv env("peer");
-  const int n = std::max(1, std::min(cuda::device_count(), 4));
-  std::vector<int> devices(n);
-  for (int i = 0; i < n; ++i) devices[i] = i;
-  std::vector<std::shared_ptr<Communicator>> comms;
-  if (n == 1) {
-    comms.push_back(one_rank_nccl());
-  } else {
-    for (auto& c : make_nccl_communicators(devices)) comms.push_back(std::move(c));
-  }
+  std::vector<int> devices;
+  std::vector<std::shared_ptr<Communicator>> comms = up_to_four_gpus(devices);
+  const int n = static_cast<int>(comms.size());
   const std::vector<std::pair<std::string, MoEConfig>> all = ep_configs();
   const std::vector<MoEConfig> cfgs = {all[2].second, all[0].second};  // deepseek_v3, mixtral
   std::vector<MoELayerWeights> ws;
