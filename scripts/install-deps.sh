@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what fusedmoe's build and tests need on Debian 12 (bookworm) or a
 # recent Ubuntu: compiler, CMake, Ninja, ccache, GoogleTest, Google Benchmark,
-# CLI11, nlohmann-json, single-threaded OpenBLAS, python3 (used by the CLI tests),
+# CLI11, nlohmann-json, OpenBLAS (threaded: the bench baseline calls it from
+# several threads at once), python3 (used by the CLI tests),
 # OpenMPI (the MPI communicator and the mpirun tests of src/parallel), and the
 # CUTLASS C++ headers (the sm_90a grouped GEMM of the CUDA backend) from the
 # pinned PyPI wheel nvidia-cutlass, unpacked into $FUSEDMOE_DEPS_DIR
@@ -13,7 +14,7 @@ set -euo pipefail
 packages=(
   build-essential g++ cmake ninja-build ccache
   libgtest-dev libbenchmark-dev libcli11-dev nlohmann-json3-dev
-  libopenblas-serial-dev
+  libopenblas-pthread-dev
   openmpi-bin libopenmpi-dev
   python3 python3-venv python3-dev
 )

@@ -574,6 +574,11 @@ void FusedMoECpu::forward(const RoutedBatch& batch, const TensorView& output) {
 
 BlasPerExpertBaseline::BlasPerExpertBaseline(const SyntheticLayer& layer, ThreadPool* pool)
     : layer_(layer), pool_(pool ? pool : &ThreadPool::global()) {
+#ifdef FUSEDMOE_OPENBLAS
+  // The pool's threads call sgemm at once, one OpenBLAS thread each (a threaded
+  // OpenBLAS locks its buffers for concurrent callers; see CMakeLists.txt).
+  openblas_set_num_threads(1);
+#endif
   FUSEDMOE_CHECK(layer.w13_f32.defined() && layer.w2_f32.defined(),
                  "BlasPerExpertBaseline: the layer was made without baseline weights");
 }

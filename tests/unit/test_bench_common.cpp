@@ -1,11 +1,13 @@
 // Tests of the benchmark helpers (src/cli/bench_common.h): the roofline share
-// `fusedmoe bench` prints.
+// `fusedmoe bench` prints, the BLAS baseline's determinism under threads.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <vector>
 
 #include "cli/bench_common.h"
 
@@ -45,6 +47,25 @@ TEST(BenchRoofline, ShareIsAtMostOneAndSaysWhenACeilingWasRaised) {
 
 // The memory budget of `fusedmoe bench` is a share of the machine's memory, or of
 // the cgroup limit where a container or job slot sets one below it.
+// The baseline's threads call sgemm at once: with the serial OpenBLAS (no
+// buffer locks) about 1 run in 3 of `fusedmoe bench --threads 8` had a
+// baseline 0.2-0.4 off (and "BLAS : Bad memory unallocation!"). Every repeat
+// must give the same bits.
+TEST(BlasBaseline, ThreadedCallsGiveTheSameBitsEveryTime) {
+  const LayerShape shape{"t", "t", 4, 2, 7168, 512, ""};
+  const SyntheticLayer layer = make_synthetic_layer(shape, DType::kF32, 7);
+  const RoutedBatch batch = make_routed_batch(shape, 16, SimulatedRouting::kUniform, 11);
+  ThreadPool pool(8);
+  BlasPerExpertBaseline baseline(layer, &pool);
+  Tensor first = Tensor::empty(DType::kF32, {16, 7168}),
+         again = Tensor::empty(DType::kF32, {16, 7168});
+  baseline.forward(batch, first);
+  for (int rep = 0; rep < 100; ++rep) {
+    baseline.forward(batch, again);
+    ASSERT_EQ(std::memcmp(first.data(), again.data(), first.nbytes()), 0) << "repeat " << rep;
+  }
+}
+
 TEST(BenchMemory, CgroupLimitAndUsageFromV2AndV1Files) {
   namespace fs = std::filesystem;
   const fs::path dir =
