@@ -754,12 +754,51 @@ int run_command_line(int argc, char** argv) {
   CLI::App* run = add_run_command(app, run_opts);
   CLI::App* bench = add_bench_command(app, bench_opts);
 
+  // An option before the command ("fusedmoe --bogus run", "fusedmoe --tokens 3
+  // run", "fusedmoe -- run"): only --help and --version belong to fusedmoe
+  // itself; CLI11 would blame the command with an empty argument name.
+  std::string before_command;
+  for (int i = 1; i < argc; ++i) {
+    const std::string w = argv[i];
+    if (w.empty() || w[0] != '-') break;  // the command (an unknown one is named later)
+    const std::string name = w.substr(0, w.find('='));
+    if (name == "-h" || name == "--help" || name == "--version") continue;
+    std::vector<std::string> takers;
+    for (CLI::App* cmd : {inspect, run, bench})
+      if (w != "--" && cmd->get_option_no_throw(name) != nullptr) takers.push_back(cmd->get_name());
+    // The command given later ("--tokens 3 run") comes first in the suggestion.
+    std::string command = takers.empty() ? "" : takers.front(), rest;
+    int command_at = 0;
+    for (int j = i + 1; j < argc && command_at == 0; ++j)
+      for (const std::string& t : takers)
+        if (t == argv[j]) command = t, command_at = j;
+    for (int j = 1; j < argc; ++j)
+      if (j != command_at) rest += std::string(" ") + argv[j];
+    if (!takers.empty()) {
+      std::string list;
+      for (size_t j = 0; j < takers.size(); ++j)
+        list += (j == 0 ? "" : j + 1 == takers.size() ? " and " : ", ") + takers[j];
+      before_command = name + ": an option of " + list +
+                       ", given before the command; the command comes first, e.g. fusedmoe " +
+                       command + rest + " (see fusedmoe --help)";
+    } else {
+      before_command = (w == "--" ? std::string("'--'") : "unknown option " + name) +
+                       " before the command: fusedmoe itself takes only --help and --version; "
+                       "a command's options come after it (fusedmoe inspect|run|bench "
+                       "[options], see fusedmoe --help)";
+    }
+    break;
+  }
   // Parsed here, reported after the ranks of a launch compared what they run.
   std::exception_ptr parse_error;
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError&) {
-    parse_error = std::current_exception();
+  if (!before_command.empty()) {
+    parse_error = std::make_exception_ptr(CLI::ExtrasError(std::vector<std::string>{}));
+  } else {
+    try {
+      app.parse(argc, argv);
+    } catch (const CLI::ParseError&) {
+      parse_error = std::current_exception();
+    }
   }
   // A flag given an empty value ("--quiet="): CLI11 reads it as the flag alone
   // (true) before add_bool_flag's check sees it; a usage error as any value
@@ -821,26 +860,8 @@ int run_command_line(int argc, char** argv) {
       if (silent_rank) return 0;
       return app.exit(e);
     } catch (const CLI::ParseError& e) {
+      if (!before_command.empty()) return fail(before_command, 2);
       if (app.get_subcommands().empty()) {
-        // An option of a command given before it ("fusedmoe --tokens 3"): the
-        // command comes first, then its options.
-        if (argc > 1 && argv[1][0] == '-') {
-          const std::string word = argv[1], name = word.substr(0, word.find('='));
-          std::vector<std::string> takers;
-          for (CLI::App* cmd : {inspect, run, bench})
-            if (cmd->get_option_no_throw(name) != nullptr) takers.push_back(cmd->get_name());
-          if (!takers.empty()) {
-            std::string rest, list;
-            for (int i = 1; i < argc; ++i) rest += std::string(" ") + argv[i];
-            for (size_t i = 0; i < takers.size(); ++i)
-              list += (i == 0 ? "" : i + 1 == takers.size() ? " and " : ", ") + takers[i];
-            return fail(name + ": an option of " + list +
-                            ", given before any command; the command comes first, e.g. "
-                            "fusedmoe " +
-                            takers.front() + rest + " (see fusedmoe --help)",
-                        2);
-          }
-        }
         // The first word that is no option names the command: say so when it is none.
         for (int i = 1; i < argc; ++i)
           if (const std::string w = argv[i];

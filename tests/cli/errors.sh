@@ -227,7 +227,7 @@ for c in "--help=3:--help: a flag, expected no value, got \"3\" (see fusedmoe --
   "bench --bogus --help:bench: unknown option --bogus" \
   "inspect --help --bogus:inspect: unknown option --bogus" \
   "run --help --quiet=3:run --quiet: a flag, expected no value (or true / false), got \"3\"" \
-  "--help --bogus:unknown argument --bogus" "--version --bogus:unknown argument --bogus"; do
+  "--help --bogus:unknown option --bogus before the command" "--version --bogus:unknown option --bogus before the command"; do
   # shellcheck disable=SC2086
   expect_usage "with --help: ${c%%:*}" "error: ${c#*:}" -- ${c%%:*}
   [ -s "$TMP/stdout" ] && { echo "FAIL with --help: ${c%%:*}: printed the help"; failures=$((failures + 1)); }
@@ -921,8 +921,13 @@ done
 # An unknown command is named, with the valid ones.
 expect_error "unknown command" "unknown command 'bogus': expected inspect, run or bench" -- bogus
 # An option before its command: said so, with the command line in the right order.
-expect_usage "an option before the command" "--tokens: an option of run and bench, given before any command; the command comes first, e.g. fusedmoe run --tokens 3 " -- --tokens 3
-expect_usage "an option of inspect before it" "--json: an option of inspect, given before any command; the command comes first, e.g. fusedmoe inspect --json $FIX " -- --json "$FIX"
+expect_usage "an option before the command" "--tokens: an option of run and bench, given before the command; the command comes first, e.g. fusedmoe run --tokens 3 " -- --tokens 3
+expect_usage "an option of inspect before it" "--json: an option of inspect, given before the command; the command comes first, e.g. fusedmoe inspect --json $FIX " -- --json "$FIX"
+expect_usage "an option before a later command" "--tokens: an option of run and bench, given before the command; the command comes first, e.g. fusedmoe run --tokens 3 --seed 1 " -- --tokens 3 run --seed 1
+# An unknown option before the command is named (not blamed on the command).
+expect_usage "unknown option before the command" "unknown option --bogus before the command: fusedmoe itself takes only --help and --version" -- --bogus run --tokens 1
+expect_usage "unknown short option alone" "unknown option -v before the command" -- -v
+expect_usage "-- before the command" "'--' before the command" -- -- run --tokens 1
 
 # --tolerance -0 is 0 (not echoed "-0"); 1e-400 underflows to 0, within the option's
 # range, so it is taken as 0; a range without 0 says it underflows.
