@@ -333,14 +333,21 @@ void check_float_dtype(DType d, const std::string& what) {
 // and a 64-bit FNV-1a hash of its bytes ("(not given)" for ""; for a model
 // folder, its config.json). Ranks on different nodes may read different files
 // under one path: the same options must also mean the same data.
-std::string contents_fingerprint(const std::string& path) {
+// A file this rank cannot read is this rank's own error (its option, the path
+// and the reason; the other ranks then stop with "not run: rank R stopped with
+// an error"), not a disagreement between the ranks.
+std::string contents_fingerprint(const std::string& path, const char* flag) {
   if (path.empty()) return "(not given)";
   std::error_code ec;
-  const std::string file = std::filesystem::is_directory(path, ec)
-                               ? (std::filesystem::path(path) / "config.json").string()
-                               : path;
+  const bool folder = std::filesystem::is_directory(path, ec);
+  const std::string file = folder ? (std::filesystem::path(path) / "config.json").string() : path;
+  try {
+    require_regular_file(file);
+  } catch (const Error& e) {
+    throw Error(e.code(), std::string(flag) + " " + e.what());
+  }
   std::ifstream f(file, std::ios::binary);
-  if (!f) return "(unreadable)";  // the rank's own open reports why, later
+  if (!f) FUSEDMOE_THROW(kIo, flag, " ", file, ": cannot open: ", std::strerror(errno));
   uint64_t h = 1469598103934665603ull, n = 0;
   char buf[1 << 16];
   while (f.read(buf, sizeof buf) || f.gcount() > 0) {
@@ -753,9 +760,9 @@ int run_run(const RunOptions& o) {
          {"--reference-key", or_not_given(o.reference_key)},
          {"--tolerance", o.tolerance >= 0 ? exact_number(o.tolerance) : "(default)"},
          // The same paths, the same data (node-local files may differ).
-         {"--model contents (config.json)", contents_fingerprint(o.model)},
-         {"--input contents", contents_fingerprint(o.input)},
-         {"--reference contents", contents_fingerprint(o.reference)}},
+         {"--model contents (config.json)", contents_fingerprint(o.model, "--model")},
+         {"--input contents", contents_fingerprint(o.input, "--input")},
+         {"--reference contents", contents_fingerprint(o.reference, "--reference")}},
         "fusedmoe run");
   }
   const bool root = !world || world->rank() == 0;

@@ -80,6 +80,17 @@ expect_error 2 "$disagree --input contents: [0-9]+ bytes, FNV-1a [0-9a-f]+ on ra
   --input in.safetensors --input-key output --ep-size 2 : \
   "$npflag" 1 -wdir "$TMP/w1" "$BIN" run --quiet --output "$TMP/out.safetensors" \
   --input in.safetensors --input-key output --ep-size 2
+# The file missing on one rank: that rank's own error (exit 1), the other "not
+# run" (it was reported as a disagreement with "(unreadable)", exit 2).
+mkdir -p "$TMP/w2"
+expect_error 1 "--input in.safetensors: cannot open: No such file or directory" 1 -- \
+  $M "$npflag" 1 -wdir "$TMP/w0" "$BIN" run --quiet --output "$TMP/out.safetensors" \
+  --input in.safetensors --input-key output --ep-size 2 : \
+  "$npflag" 1 -wdir "$TMP/w2" "$BIN" run --quiet --output "$TMP/out.safetensors" \
+  --input in.safetensors --input-key output --ep-size 2
+grep -qE "^fusedmoe: error: rank 0: not run: rank 1 stopped with an error" "$TMP/log" ||
+  { echo "FAIL missing input on rank 1: rank 0 did not say 'not run'"; cat "$TMP/log"; fail=1; }
+no_abort "missing input on one rank"
 # One --model path, one config.json, other weights (node-local checkpoints of the same
 # shapes): ran silently. The ranks compare a sampled hash of each tensor they all load
 # whole: the router and the shared experts (--ep-size), the routed experts too
