@@ -875,7 +875,9 @@ def select_experts(
     (``e_score_correction_bias``, ``hash_table``, unless given), so the result
     is the layer's own routing of these logits; ``top_k`` is then None or the
     layer's top_k, and keyword ``fields`` equal to the layer's (another value:
-    ValueError; ``config=layer.config`` routes with changes).
+    ValueError; ``config=layer.config`` routes with changes: a ``top_k``
+    argument replaces a config dict's). Hash routing: routing_method="hash",
+    hash_vocab_size=V, ``hash_table`` int32 [V, k] and ``token_ids`` int32 [T].
     Returns (topk_weights f32 [T, k], topk_ids int32 [T, k]; id -1 = zero expert)."""
     _check_array(router_logits, "router_logits")
     if isinstance(config, MoELayer):
@@ -906,6 +908,10 @@ def select_experts(
     # Errors about a key given as a keyword name it as such, not as config.<key>.
     names = {key: key for key in fields}
     if top_k is not None:
+        # A config's own top_k is replaced (config=layer.config takes changes), but
+        # still checked: a wrong type there is an error either way.
+        if "top_k" in cfg and "top_k" not in fields:
+            _int(cfg["top_k"], "config.top_k")
         cfg["top_k"] = _int(top_k, "top_k")
         names["top_k"] = "top_k"
     if "top_k" not in cfg:

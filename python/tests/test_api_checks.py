@@ -132,6 +132,26 @@ def test_select_experts_with_layer_refuses_another_top_k(rng):
                                    e_score_correction_bias=bias)[1].shape == (3, k + 1)
 
 
+def test_select_experts_config_top_k_is_checked_when_replaced(rng):
+    """A top_k argument replaces a config dict's (config=layer.config takes
+    changes), but the config's value is still type-checked (a str passed)."""
+    g = rng.standard_normal((4, 10)).astype(np.float32)
+    with pytest.raises(TypeError, match=r"^config.top_k: expected an int, got str"):
+        fusedmoe.select_experts(g, 2, config={"top_k": "2"})
+    assert fusedmoe.select_experts(g, 2, config={"top_k": 3})[1].shape == (4, 2)
+
+
+def test_select_experts_hash_routing_as_the_readme_says(rng):
+    """Hash routing with the fields the README names: the table's rows by token."""
+    g = rng.standard_normal((4, 10)).astype(np.float32)
+    table = np.stack([rng.permutation(10)[:2] for _ in range(20)]).astype(np.int32)
+    tok = np.array([1, 5, 7, 19], np.int32)
+    w, ids = fusedmoe.select_experts(g, 2, token_ids=tok, hash_table=table,
+                                     routing_method="hash", hash_vocab_size=20)
+    assert ids.tolist() == table[tok].tolist()
+    assert np.all(np.isfinite(w))
+
+
 def test_select_experts_with_layer_torch(rng):
     torch = _torch()
     moe = fusedmoe.MoELayer.from_pretrained(TINY_DSV3, layer=1)
