@@ -233,9 +233,15 @@ Tensor read_npy(const std::string& path, const HeaderCheck& check) {
   f.seekg(0, std::ios::end);
   const uint64_t available = static_cast<uint64_t>(f.tellg() - data_at);
   f.seekg(data_at);
+  std::string dims;
+  for (size_t i = 0; i < shape.size(); ++i) dims += (i ? ", " : "") + std::to_string(shape[i]);
   if (bytes > available)
-    FUSEDMOE_THROW(kIo, path, ": .npy data shorter than its shape (", shape_text, "): ", available,
+    FUSEDMOE_THROW(kIo, path, ": .npy data shorter than its shape [", dims, "]: ", available,
                    " bytes, expected ", bytes);
+  // Bytes past the array (an appended or damaged file), as a safetensors file's are an error.
+  if (bytes < available)
+    FUSEDMOE_THROW(kIo, path, ": .npy data longer than its shape [", dims, "]: ", available,
+                   " bytes, expected ", bytes, " (trailing bytes after the array)");
   check(dtype, shape);
   Tensor t = Tensor::empty(dtype, shape);
   f.read(static_cast<char*>(t.data()), static_cast<std::streamsize>(t.nbytes()));

@@ -1004,6 +1004,8 @@ npy("fals.npy", "{'descr': '<f4', 'fortran_order': Fals, 'shape': (1, 128)}")
 npy("nocomma.npy", "{'descr': '<f4' 'fortran_order': False, 'shape': (1, 128)}")
 h = b"{'descr': '<f4', 'fortran_order': False, 'shape': (1, 128), }"
 open(f"{sys.argv[1]}/v4.npy", "wb").write(b"\x93NUMPY\x04\x00" + struct.pack("<I", len(h)) + h + b"\0" * 512)
+h = b"{'descr': '<f4', 'fortran_order': False, 'shape': (1, 128), }".ljust(117) + b"\n"
+open(f"{sys.argv[1]}/trailing.npy", "wb").write(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(h)) + h + b"\0" * 520)
 PY
 expect_error ".npy shape unclosed" "unclosed.npy: .npy header: malformed shape" -- \
   run --model "$FIX" --layer 1 --input "$TMP/unclosed.npy"
@@ -1014,8 +1016,11 @@ expect_error ".npy header without its opening brace" "nodict.npy: malformed .npy
   run --model "$FIX" --layer 1 --input "$TMP/nodict.npy"
 expect_error ".npy negative size" "negative.npy: .npy header: expected non-negative sizes" -- \
   run --model "$FIX" --layer 1 --input "$TMP/negative.npy"
-expect_error ".npy shape beyond its data" "huge.npy: .npy data shorter than its shape (1000000000000, 128): 512 bytes" -- \
+expect_error ".npy shape beyond its data" "huge.npy: .npy data shorter than its shape [1000000000000, 128]: 512 bytes" -- \
   run --model "$FIX" --layer 1 --input "$TMP/huge.npy"
+# Bytes after the array: an error, as a safetensors file's trailing bytes are (it was read).
+expect_error ".npy trailing bytes" "trailing.npy: .npy data longer than its shape [1, 128]: 520 bytes, expected 512" -- \
+  run --model "$FIX" --layer 1 --input "$TMP/trailing.npy"
 expect_error ".npy shape overflowing 64 bits" "overflow.npy: .npy header: the shape (4611686018427387904, 4611686018427387904) overflows 64 bits" -- \
   run --model "$FIX" --layer 1 --input "$TMP/overflow.npy"
 # A size that int64 cannot hold: named as beyond 64 bits (it read "expected non-negative sizes").
