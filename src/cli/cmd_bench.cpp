@@ -257,7 +257,7 @@ int run_bench(const BenchOptions& o) {
     c.routing = parse_simulated_routing(o.routing);
     return run_cuda_bench(c);
 #else
-    FUSEDMOE_THROW(kUnsupported, "--backend cuda: this build has no CUDA backend");
+    FUSEDMOE_THROW(kUnsupported, "--backend cuda: this build of fusedmoe has no CUDA backend");
 #endif
   }
   const std::vector<int64_t> token_counts = parse_int_list(o.tokens, "--tokens");
