@@ -87,8 +87,8 @@ EpTransport ep_transport_from_env() {
   if (v == nullptr || v[0] == '\0' || std::strcmp(v, "auto") == 0) return EpTransport::kAuto;
   if (std::strcmp(v, "nccl") == 0) return EpTransport::kNccl;
   if (std::strcmp(v, "peer") == 0) return EpTransport::kPeer;
-  FUSEDMOE_THROW(kInvalidArgument, "FUSEDMOE_EP_TRANSPORT: expected auto, nccl or peer, got '",
-                 printable(v), "'");
+  FUSEDMOE_THROW(kInvalidArgument, "FUSEDMOE_EP_TRANSPORT: expected auto, nccl or peer, got \"",
+                 printable(v), "\"");
 }
 
 void quantize_fp8_groups(const float* x, int64_t rows, int64_t H, int64_t ldx, int64_t group,
