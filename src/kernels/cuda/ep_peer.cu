@@ -203,16 +203,11 @@ __device__ __forceinline__ void send_tail(const char* tail, int64_t bytes, char*
     reinterpret_cast<V*>(dst)[v] = reinterpret_cast<const V*>(tail)[v];
 }
 
-// Tokens a block claims its rows for at once (one cursor atomic a destination
-// for all of them; thread i * P + r decides token i's need of rank r).
-constexpr int kTokenBatch = kCopyThreads / kPeerMaxRanks;
-
 // Work item: token t. Its destinations (ranks holding one of its k experts)
 // take a row each from a per-destination cursor (atomicAdd: the rows' order
 // on a destination varies from run to run, the outputs do not: every row is
 // computed alone, the combine writes by token index and the source sums in
-// rank order; a block's tokens t, t + G, ... (G blocks) claim theirs in
-// batches of kTokenBatch), written to row_pos; then its row to each destination
+// rank order), written to row_pos; then its row to each destination
 // (dispatch_row / dispatch_row_fp8), then the record's tail (the fp8 scales,
 // the ids local to that destination, weights, token index; dynamic shared
 // memory of rec - tail_offset bytes). The last block publishes the row counts,
@@ -226,68 +221,49 @@ __global__ void __launch_bounds__(kCopyThreads)
                     PeerLayout L, uint64_t* epoch, unsigned* done) {
   const int P = L.ep_size, k = L.top_k, me = L.rank;
   const int64_t H = L.hidden;
-  __shared__ int32_t pos_s[kTokenBatch][kPeerMaxRanks];
-  __shared__ bool has_s[kTokenBatch][kPeerMaxRanks];
+  __shared__ int32_t pos[kPeerMaxRanks];
   extern __shared__ uint4 tail_mem[];
   char* tail = reinterpret_cast<char*>(tail_mem);
   const int64_t toff = tail_offset(L), tail_bytes = L.rec - toff;
   const int64_t meta = L.payload - toff;  // ids, weights, token at tail + meta
   for (int64_t b = meta + 8 * k + 4 + threadIdx.x; b < tail_bytes; b += blockDim.x)
     tail[b] = 0;  // the padding
-  const int64_t G = gridDim.x;
-  for (int64_t t0 = blockIdx.x; t0 < T; t0 += G * kTokenBatch) {
-    // The batch's tokens t0 + i * G (i < kTokenBatch): which destinations each
-    // needs (thread i * P + r), then one cursor atomic a destination for all.
-    if (threadIdx.x < kTokenBatch * P) {
-      const int i = threadIdx.x / P, r = threadIdx.x % P;
-      const int64_t t = t0 + i * G;
+  for (int64_t t = blockIdx.x; t < T; t += gridDim.x) {
+    if (threadIdx.x < P) {
+      const int r = threadIdx.x;
       bool has = false;
-      for (int j = 0; t < T && j < k; ++j) {
+      for (int j = 0; j < k; ++j) {
         const int32_t id = ids[t * k + j];
         has = has || (id >= 0 && rank_of[id] == r);
       }
-      has_s[i][r] = has;
+      const int32_t p = has ? static_cast<int32_t>(atomicAdd(&cursor[r], 1u)) : -1;
+      pos[r] = p;
+      row_pos[t * P + r] = p;
     }
     __syncthreads();
-    if (threadIdx.x < P) {
-      const int r = threadIdx.x;
-      unsigned n = 0;
-      for (int i = 0; i < kTokenBatch; ++i) n += has_s[i][r];
-      unsigned row = n ? atomicAdd(&cursor[r], n) : 0u;
-      for (int i = 0; i < kTokenBatch && t0 + i * G < T; ++i) {
-        const int32_t p = has_s[i][r] ? static_cast<int32_t>(row++) : -1;
-        pos_s[i][r] = p;
-        row_pos[(t0 + i * G) * P + r] = p;
+    if constexpr (kFp8)
+      dispatch_row_fp8<kE>(x + t * H, pos, peers, L, reinterpret_cast<float*>(tail));
+    else
+      dispatch_row(x + t * H, pos, peers, L);
+    for (int r = 0; r < P; ++r) {
+      if (pos[r] < 0) continue;
+      for (int j = threadIdx.x; j < k; j += blockDim.x) {
+        const int32_t id = ids[t * k + j];
+        reinterpret_cast<int32_t*>(tail + meta)[j] =
+            id >= 0 && rank_of[id] == r ? local_of[id] : -1;
+        reinterpret_cast<float*>(tail + meta + 4 * k)[j] = w[t * k + j];
       }
-    }
-    __syncthreads();
-    for (int i = 0; i < kTokenBatch && t0 + i * G < T; ++i) {
-      const int64_t t = t0 + i * G;
-      const int32_t* pos = pos_s[i];
-      if constexpr (kFp8)
-        dispatch_row_fp8<kE>(x + t * H, pos, peers, L, reinterpret_cast<float*>(tail));
+      if (threadIdx.x == 0)
+        *reinterpret_cast<int32_t*>(tail + meta + 8 * k) = static_cast<int32_t>(t);
+      __syncthreads();  // the tail (the scales too) is complete
+      char* dst = peers[r] + L.off_recv + (me * L.capacity + pos[r]) * L.rec + toff;
+      if (kFp8 && kE == 8)
+        send_tail<uint2>(tail, tail_bytes, dst);  // H % 16 == 8: 8-byte aligned
       else
-        dispatch_row(x + t * H, pos, peers, L);
-      for (int r = 0; r < P; ++r) {
-        if (pos[r] < 0) continue;
-        for (int j = threadIdx.x; j < k; j += blockDim.x) {
-          const int32_t id = ids[t * k + j];
-          reinterpret_cast<int32_t*>(tail + meta)[j] =
-              id >= 0 && rank_of[id] == r ? local_of[id] : -1;
-          reinterpret_cast<float*>(tail + meta + 4 * k)[j] = w[t * k + j];
-        }
-        if (threadIdx.x == 0)
-          *reinterpret_cast<int32_t*>(tail + meta + 8 * k) = static_cast<int32_t>(t);
-        __syncthreads();  // the tail (the scales too) is complete
-        char* dst = peers[r] + L.off_recv + (me * L.capacity + pos[r]) * L.rec + toff;
-        if (kFp8 && kE == 8)
-          send_tail<uint2>(tail, tail_bytes, dst);  // H % 16 == 8: 8-byte aligned
-        else
-          send_tail<uint4>(tail, tail_bytes, dst);
-        __syncthreads();  // the ids are the next destination's
-      }
-      __syncthreads();  // the tail is the next token's
+        send_tail<uint4>(tail, tail_bytes, dst);
+      __syncthreads();  // the ids are the next destination's
     }
+    __syncthreads();  // pos and the tail are the next token's
   }
   if (!last_block(done)) return;
   __shared__ uint64_t e;
