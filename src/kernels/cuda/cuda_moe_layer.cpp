@@ -163,9 +163,9 @@ struct CudaMoELayer::Impl {
   DType gate_dtype = DType::kF32;
   DType dtype = DType::kBF16;  // of the expert weights, expert inputs and intermediates
   DeviceExperts experts, shared;
-  // workspace: the scratch (ws, or a block of a SharedWorkspace) and the state kept between calls
-  DeviceMemory ws;
-  std::shared_ptr<void> shared_block;
+  // workspace: the scratch (a block of the SharedWorkspace given, or of the
+  // layer's own) and the state kept between calls
+  std::shared_ptr<void> ws;
   size_t ws_bytes = 0;
   DeviceMemory state;
   float* logits = nullptr;
@@ -314,14 +314,9 @@ CudaMoELayer::CudaMoELayer(const MoEConfig& config, const MoELayerWeights& w,
   size_t total = 0;
   for (const Part& p : parts) total += (p.bytes + 255) / 256 * 256;
   s.ws_bytes = total;
-  char* base = nullptr;
-  if (shared_workspace) {
-    s.shared_block = shared_workspace->acquire(total);
-    base = static_cast<char*>(s.shared_block.get());
-  } else {
-    s.ws = DeviceMemory(total);
-    base = static_cast<char*>(s.ws.get());
-  }
+  s.ws =
+      (shared_workspace ? shared_workspace : std::make_shared<SharedWorkspace>())->acquire(total);
+  char* const base = static_cast<char*>(s.ws.get());
   size_t off = 0;
   for (const Part& p : parts) {
     *p.ptr = base + off;

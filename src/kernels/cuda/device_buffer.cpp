@@ -51,9 +51,9 @@ std::shared_ptr<void> SharedWorkspace::acquire(size_t bytes) {
     if (err != cudaSuccess) {
       cudaGetLastError();  // a failed cudaMalloc also leaves its error for the next check
       if (err == cudaErrorMemoryAllocation)
-        FUSEDMOE_THROW(kOutOfMemory, "cuda_workspace: out of device memory: ", bytes,
+        FUSEDMOE_THROW(kOutOfMemory, "CUDA workspace: out of device memory: ", bytes,
                        " bytes on device ", current);
-      FUSEDMOE_THROW(kInternal, "cuda_workspace: cudaMalloc of ", bytes, " bytes on device ",
+      FUSEDMOE_THROW(kInternal, "CUDA workspace: cudaMalloc of ", bytes, " bytes on device ",
                      current, " failed: ", cudaGetErrorString(err));
     }
     // Older blocks live on in the layers that hold them.
