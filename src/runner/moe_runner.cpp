@@ -281,12 +281,23 @@ MoERunner::MoERunner(MoEConfig config, MoELayerWeights weights, RunnerOptions op
                                                    options_.compute_dtype, /*routed_sm90=*/true,
                                                    options_.cuda_workspace);
     }
-    if (!options_.cuda_graph_sizes.empty()) {
-      FUSEDMOE_CHECK(!cuda_ep,
-                     "cuda_graph_sizes: the runner's graph replay is not available with "
-                     "expert parallelism on GPUs; with the peer transport "
-                     "(FUSEDMOE_EP_TRANSPORT) each rank's forward() can be captured in a "
-                     "CUDA graph of your own, on a stream of its own");
+    if (!options_.cuda_graph_sizes.empty() && cuda_ep_) {
+      // Each rank replays its own graphs (the peer transport's flags advance
+      // on the device); a rank with 0 tokens or more than the largest size
+      // runs eagerly, in step with the others.
+      FUSEDMOE_CHECK(cuda_ep_->capturable(),
+                     "cuda_graph_sizes: graph replay under GPU expert parallelism needs the "
+                     "peer transport (FUSEDMOE_EP_TRANSPORT=peer, or auto where every rank maps "
+                     "every other's GPU memory); this layer runs over nccl, which synchronises "
+                     "with the host");
+      cuda::CudaEpMoELayer* ep = cuda_ep_.get();
+      cuda_graphs_ = std::make_unique<cuda::CudaGraphLayer>(
+          config_, options_.max_num_tokens,
+          [ep](const TensorView& x, const TensorView& out, const TensorView* logits,
+               const TensorView* ids, const ForwardOutputs* outs, cuda::Stream st,
+               const int32_t* num_valid) { ep->forward(x, out, logits, ids, outs, st, num_valid); },
+          options_.cuda_graph_sizes);
+    } else if (!options_.cuda_graph_sizes.empty()) {
       cuda_graphs_ = std::make_unique<cuda::CudaGraphLayer>(*cuda_, options_.cuda_graph_sizes);
     }
 #else
@@ -362,10 +373,10 @@ void MoERunner::forward(const TensorView& hidden_states, const TensorView& outpu
       check_tensor(outputs->topk_weights, "outputs.topk_weights", DType::kF32, {T, k}, true, dev);
     check_written_tensors_do_not_overlap(hidden_states, output, router_logits, token_ids, outputs);
     const auto stream = static_cast<cuda::Stream>(options_.cuda_stream);
-    if (cuda_ep_)
-      cuda_ep_->forward(hidden_states, output, router_logits, token_ids, outputs, stream);
-    else if (cuda_graphs_ && T > 0 && T <= cuda_graphs_->max_capture_size())
+    if (cuda_graphs_ && T > 0 && T <= cuda_graphs_->max_capture_size())
       cuda_graphs_->forward(hidden_states, output, router_logits, token_ids, outputs, stream);
+    else if (cuda_ep_)
+      cuda_ep_->forward(hidden_states, output, router_logits, token_ids, outputs, stream);
     else
       cuda_->forward(hidden_states, output, router_logits, token_ids, outputs, stream);
     return;
@@ -506,6 +517,13 @@ void MoERunner::forward(const TensorView& hidden_states, const TensorView& outpu
   // The one TP all-reduce, of routed + shared together.
   if (parallel_) parallel_->reduce_tp(output);
   require_finite_output(output);
+}
+
+size_t MoERunner::num_cuda_graphs() const {
+#ifdef FUSEDMOE_WITH_CUDA
+  if (cuda_graphs_) return cuda_graphs_->num_graphs();
+#endif
+  return 0;
 }
 
 const EpStats* MoERunner::cuda_ep_stats() const {

@@ -1092,6 +1092,130 @@ TEST(CudaEp, PeerTransportForwardsWithoutSyncAndChangingT) {
   run_ranks(n, [&](int r) { comms[r].reset(); });
 }
 
+// RunnerOptions::cuda_graph_sizes under expert parallelism (peer transport):
+// each rank replays the graph of the smallest capture size >= its own T (rows
+// past T are padding: routed nowhere, dispatched to no rank), ranks picking
+// different sizes in one forward, some running eagerly (T = 0, T above the
+// largest size); no host sync between forwards. Each rank's ids and weights
+// equal its eager runner's, the outputs are within bf16 rounding of it (the
+// shared expert's tile may differ with S rows) and of one GPU on all ranks'
+// tokens.
+TEST(CudaEp, PeerRunnerGraphReplayPadsToCaptureSize) {
+  FUSEDMOE_REQUIRE_NCCL();
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  TransportEnv env("peer");
+  std::vector<int> devices;
+  std::vector<std::shared_ptr<Communicator>> comms = up_to_four_gpus(devices);
+  const int n = static_cast<int>(comms.size());
+  const std::vector<int64_t> seq = {3, 16, 0, 9, 1, 40, 4, 17};
+  const int64_t cap = 40, F = static_cast<int64_t>(seq.size());
+  for (const auto& [name, c] : ep_configs()) {
+    SCOPED_TRACE(name + " on " + std::to_string(n) + " GPU(s)");
+    if (n > c.num_experts) continue;
+    const MoELayerWeights w = test::random_layer(rng, c, DType::kBF16);
+    const int64_t H = c.hidden_size, k = c.top_k;
+    std::vector<std::vector<int64_t>> tokens(F, std::vector<int64_t>(n));
+    std::vector<Tensor> xs, want(F);
+    for (int64_t f = 0; f < F; ++f) {
+      int64_t total = 0;
+      for (int r = 0; r < n; ++r) total += tokens[f][r] = seq[(f + 3 * r) % F];
+      xs.push_back(test::randn_f32(rng, {total, H}));
+      test::cuda_ok(cudaSetDevice(0), "cudaSetDevice");
+      MoERunner one(c, w, cuda_options(std::max<int64_t>(total, 1)));
+      DeviceTensor xd = DeviceTensor::from_host(xs[f]), out(DType::kF32, {total, H});
+      one.forward(xd, out);
+      test::cuda_ok(cudaDeviceSynchronize(), "sync");
+      want[f] = out.to_host();
+    }
+    // [rank][forward]: graphed and eager outputs, ids, weights.
+    std::vector<std::vector<std::array<Tensor, 6>>> got(n, std::vector<std::array<Tensor, 6>>(F));
+    std::vector<size_t> graphs(n);
+    run_ranks(n, [&](int r) {
+      test::cuda_ok(cudaSetDevice(devices[r]), "cudaSetDevice");
+      cudaStream_t stream = nullptr;
+      test::cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+      {
+        MoEConfig cr = c;
+        cr.parallel = parallel_config_for_rank(r, n, 1, 1);
+        RunnerOptions o = cuda_options(cap);
+        o.device = Device{DeviceType::kCUDA, devices[r]};
+        o.communicator = comms[r];
+        o.cuda_stream = stream;
+        MoERunner eager(cr, w, o);
+        o.cuda_graph_sizes = {16, 1, 4};
+        MoERunner graphed(cr, w, o);
+        std::vector<DeviceTensor> xd, dev;  // dev: 6 a forward
+        for (int64_t f = 0; f < F; ++f) {
+          const int64_t T = tokens[f][r];
+          int64_t start = 0;
+          for (int q = 0; q < r; ++q) start += tokens[f][q];
+          xd.push_back(DeviceTensor::from_host(rows_of(xs[f], start, T)));
+          for (int g = 0; g < 2; ++g) {
+            dev.emplace_back(DType::kF32, std::vector<int64_t>{T, H});
+            dev.emplace_back(DType::kI32, std::vector<int64_t>{T, k});
+            dev.emplace_back(DType::kF32, std::vector<int64_t>{T, k});
+          }
+        }
+        for (DeviceTensor& d : dev) d.poison();
+        test::cuda_ok(cudaDeviceSynchronize(), "sync");
+        for (int64_t f = 0; f < F; ++f) {  // no host sync in between
+          DeviceTensor* d = &dev[6 * f];
+          ForwardOutputs fg{TensorView(), d[1], d[2]}, fe{TensorView(), d[4], d[5]};
+          graphed.forward(xd[f], d[0], nullptr, nullptr, &fg);
+          eager.forward(xd[f], d[3], nullptr, nullptr, &fe);
+        }
+        test::cuda_ok(cudaStreamSynchronize(stream), "sync");
+        for (int64_t f = 0; f < F; ++f)
+          for (int i = 0; i < 6; ++i) got[r][f][i] = dev[6 * f + i].to_host();
+        graphs[r] = graphed.num_cuda_graphs();
+      }
+      cudaStreamDestroy(stream);
+    });
+    for (int r = 0; r < n; ++r) EXPECT_GE(graphs[r], 1u) << "rank " << r << " replayed no graph";
+    for (int64_t f = 0; f < F; ++f) {
+      int64_t start = 0;
+      for (int r = 0; r < n; ++r) {
+        const int64_t T = tokens[f][r];
+        SCOPED_TRACE("forward " + std::to_string(f) + " rank " + std::to_string(r) + " T " +
+                     std::to_string(T));
+        const std::array<Tensor, 6>& g = got[r][f];
+        EXPECT_EQ(test::count_non_finite(g[0]), 0) << "unwritten (NaN-poisoned) output";
+        EXPECT_TRUE(same_bits(g[1], g[4])) << "topk_ids: graph replay vs eager";
+        EXPECT_TRUE(same_bits(g[2], g[5])) << "topk_weights: graph replay vs eager";
+        if (T > 0) {
+          EXPECT_LE(test::rel_l2(g[0], g[3]), 1e-2) << "graph replay vs eager";
+          EXPECT_LE(test::rel_l2(g[0], rows_of(want[f], start, T)), 1e-2) << "vs one GPU";
+        }
+        start += T;
+      }
+    }
+    if (HasFailure()) break;
+  }
+  run_ranks(n, [&](int r) { comms[r].reset(); });
+}
+
+// The nccl transport synchronises with the host: the runner's graph replay is
+// refused at construction, naming the transport to use.
+TEST(CudaEp, NcclRunnerRefusesGraphSizes) {
+  FUSEDMOE_REQUIRE_NCCL();
+  std::mt19937_64 rng(test::fresh_seed());
+  TransportEnv env("nccl");
+  const MoEConfig c = test::base_config(8, 2, 64, 48);
+  const MoELayerWeights w = test::random_layer(rng, c, DType::kBF16);
+  std::shared_ptr<Communicator> comm = one_rank_nccl();
+  RunnerOptions o = cuda_options(16);
+  o.communicator = comm;
+  o.cuda_graph_sizes = {1, 4};
+  const std::string err =
+      test::error_of([&] { MoERunner ep(c, w, o); }, ErrorCode::kInvalidArgument);
+  EXPECT_NE(err.find("cuda_graph_sizes: graph replay under GPU expert parallelism needs the peer "
+                     "transport"),
+            std::string::npos)
+      << err;
+}
+
 // RunnerOptions::cuda_workspace under expert parallelism (peer transport):
 // each rank's layers of two shapes share one workspace (the local experts'
 // scratch for ep_size * max_num_tokens rows); forwards interleaved across the

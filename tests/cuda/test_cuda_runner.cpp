@@ -463,6 +463,8 @@ TEST(CudaRunner, GraphReplayPadsToCaptureSize) {
           test::reference_moe_layer(c, lw, xh, ids_e.to_host(), w_e.to_host());
       EXPECT_LE(test::rel_l2(og, f64_view(ref, T, H)), 1e-2) << "vs float64 reference";
     }
+    EXPECT_EQ(graphed.num_cuda_graphs(), 3u) << "sizes 1, 4 and 16 (T = 30 runs eagerly)";
+    EXPECT_EQ(eager.num_cuda_graphs(), 0u);
     CUDA_OK(cudaStreamDestroy(stream));
   }
 }

@@ -77,7 +77,12 @@ struct RunnerOptions {
   // replays the CUDA graph of the smallest size S >= T, captured on its first
   // use: inputs are copied into static buffers of S rows, rows T..S-1 are
   // padding routed to no expert (not counted), and T rows are copied back.
-  // Larger T run eagerly. Such a forward is not itself capturable.
+  // Larger T run eagerly. Such a forward is not itself capturable. Under GPU
+  // expert parallelism (below) the peer transport only (kInvalidArgument over
+  // nccl): each rank replays the graphs of its own T (ranks may pick
+  // different sizes; a rank with T = 0 or above the largest size runs
+  // eagerly), max_num_tokens per rank; cuda_ep_stats() is not updated by
+  // replays.
   std::vector<int64_t> cuda_graph_sizes;
   // CUDA backend with a communicator over device memory (make_nccl_communicator,
   // one GPU per rank, the current device): expert parallelism on GPUs,
@@ -177,6 +182,9 @@ class MoERunner {
   // CUDA expert parallelism: rows, bytes and times of the last forward's
   // dispatch and combine on this rank; null on other paths.
   const EpStats* cuda_ep_stats() const;
+  // CUDA graph replay (RunnerOptions::cuda_graph_sizes): the graphs captured
+  // so far, one per capture size and call signature used; 0 without it.
+  size_t num_cuda_graphs() const;
   // CUDA backend: bytes of the forward's scratch, the layer's own or its share
   // of RunnerOptions::cuda_workspace (0 on the CPU).
   size_t cuda_workspace_bytes() const;

@@ -477,9 +477,14 @@ const ExpertMap& CudaEpMoELayer::expert_map() const {
   return impl_->map;
 }
 
+bool CudaEpMoELayer::capturable() const {
+  return impl_->peer;
+}
+
 void CudaEpMoELayer::forward(const TensorView& hidden_states, const TensorView& output,
                              const TensorView* router_logits, const TensorView* token_ids,
-                             const ForwardOutputs* outputs, Stream stream) {
+                             const ForwardOutputs* outputs, Stream stream,
+                             const int32_t* num_valid_tokens) {
   using Clock = std::chrono::steady_clock;
   Impl& s = *impl_;
   const int P = s.P, me = s.me;
@@ -497,8 +502,13 @@ void CudaEpMoELayer::forward(const TensorView& hidden_states, const TensorView& 
                      "(FUSEDMOE_EP_TRANSPORT)");
   }
 
+  // The nccl transport sizes its exchanges from the routed rows on the host:
+  // padding rows would have to be counted there too (graph replay needs peer).
+  FUSEDMOE_CHECK(s.peer || num_valid_tokens == nullptr,
+                 "num_valid_tokens: padded forwards (CUDA-graph replay) need the peer transport");
+
   // ---- 1. route ----
-  layer.ep_route(hidden_states, router_logits, token_ids, outputs, stream);
+  layer.ep_route(hidden_states, router_logits, token_ids, outputs, stream, num_valid_tokens);
   if (s.peer) {
     s.forward_peer(output, T, stream);
     return;

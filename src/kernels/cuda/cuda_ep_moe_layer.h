@@ -89,9 +89,16 @@ class CudaEpMoELayer {
 
   // Collective. Arguments as CudaMoELayer::forward (device views, T <=
   // max_tokens_per_rank); returns with the output enqueued on `stream`.
+  // num_valid_tokens (device i32 scalar, optional; peer transport only: the
+  // graph replay of CudaGraphLayer): rows at and past it are padding, routed
+  // to no expert and so dispatched to no rank.
   void forward(const TensorView& hidden_states, const TensorView& output,
                const TensorView* router_logits, const TensorView* token_ids,
-               const ForwardOutputs* outputs, Stream stream);
+               const ForwardOutputs* outputs, Stream stream,
+               const int32_t* num_valid_tokens = nullptr);
+
+  // Whether forward() can be captured in a CUDA graph (the peer transport).
+  bool capturable() const;
 
   // Rows, bytes (logical: to / from other ranks) and times of the last
   // forward (NCCL: host wall clock; peer: CUDA events, after waiting for it).

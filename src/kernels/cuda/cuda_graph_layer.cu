@@ -49,16 +49,28 @@ struct CudaGraphLayer::Buffers {
 };
 
 CudaGraphLayer::CudaGraphLayer(CudaMoELayer& layer, std::vector<int64_t> capture_sizes)
-    : layer_(layer), sizes_(std::move(capture_sizes)), buf_(std::make_unique<Buffers>()) {
+    : CudaGraphLayer(
+          layer.config(), layer.max_num_tokens(),
+          [&layer](const TensorView& x, const TensorView& out, const TensorView* logits,
+                   const TensorView* token_ids, const ForwardOutputs* outputs, Stream stream,
+                   const int32_t* num_valid) {
+            layer.forward(x, out, logits, token_ids, outputs, stream, num_valid);
+          },
+          std::move(capture_sizes)) {}
+
+CudaGraphLayer::CudaGraphLayer(const MoEConfig& c, int64_t max_num_tokens, Forward forward,
+                               std::vector<int64_t> capture_sizes)
+    : forward_(std::move(forward)),
+      sizes_(std::move(capture_sizes)),
+      buf_(std::make_unique<Buffers>()) {
   FUSEDMOE_CHECK(!sizes_.empty(), "cuda_graph_sizes: expected at least one capture size");
   std::sort(sizes_.begin(), sizes_.end());
   sizes_.erase(std::unique(sizes_.begin(), sizes_.end()), sizes_.end());
   FUSEDMOE_CHECK(sizes_.front() > 0, "cuda_graph_sizes: expected positive sizes, got ",
                  sizes_.front());
-  FUSEDMOE_CHECK(sizes_.back() <= layer.max_num_tokens(),
-                 "cuda_graph_sizes: expected sizes <= max_num_tokens = ", layer.max_num_tokens(),
-                 ", got ", sizes_.back());
-  const MoEConfig& c = layer.config();
+  FUSEDMOE_CHECK(sizes_.back() <= max_num_tokens,
+                 "cuda_graph_sizes: expected sizes <= max_num_tokens = ", max_num_tokens, ", got ",
+                 sizes_.back());
   Buffers& b = *buf_;
   b.rows = sizes_.back();
   b.hidden = c.hidden_size;
@@ -139,9 +151,8 @@ void CudaGraphLayer::forward(const TensorView& hidden_states, const TensorView& 
     cudaGraph_t graph = nullptr;
     FUSEDMOE_CUDA_CHECK(cudaStreamBeginCapture(b.capture, cudaStreamCaptureModeThreadLocal));
     try {
-      layer_.forward(s_in, s_out, router_logits ? &s_logits : nullptr,
-                     token_ids ? &s_tokens : nullptr, outputs ? &s_outputs : nullptr, b.capture,
-                     b.num_valid);
+      forward_(s_in, s_out, router_logits ? &s_logits : nullptr, token_ids ? &s_tokens : nullptr,
+               outputs ? &s_outputs : nullptr, b.capture, b.num_valid);
     } catch (...) {
       cudaStreamEndCapture(b.capture, &graph);
       if (graph) cudaGraphDestroy(graph);

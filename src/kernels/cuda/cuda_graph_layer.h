@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <tuple>
@@ -22,9 +23,18 @@ namespace fusedmoe::cuda {
 
 class CudaGraphLayer {
  public:
+  // CudaMoELayer::forward's arguments; num_valid_tokens: a device i32 scalar.
+  using Forward = std::function<void(const TensorView& hidden_states, const TensorView& output,
+                                     const TensorView* router_logits, const TensorView* token_ids,
+                                     const ForwardOutputs* outputs, Stream stream,
+                                     const int32_t* num_valid_tokens)>;
   // capture_sizes: positive, at most layer.max_num_tokens() (sorted and
   // de-duplicated here). Throws Error(kInvalidArgument) otherwise.
   CudaGraphLayer(CudaMoELayer& layer, std::vector<int64_t> capture_sizes);
+  // The graphs capture `forward` for a layer of `config` taking at most
+  // max_num_tokens tokens a call (capture_sizes: as above).
+  CudaGraphLayer(const MoEConfig& config, int64_t max_num_tokens, Forward forward,
+                 std::vector<int64_t> capture_sizes);
   ~CudaGraphLayer();
   CudaGraphLayer(const CudaGraphLayer&) = delete;
   CudaGraphLayer& operator=(const CudaGraphLayer&) = delete;
@@ -46,7 +56,7 @@ class CudaGraphLayer {
   struct Buffers;
   // (S, hidden dtype, output dtype, flags: logits in, token ids, want logits/ids/weights)
   using Key = std::tuple<int64_t, int, int, int>;
-  CudaMoELayer& layer_;
+  Forward forward_;
   std::vector<int64_t> sizes_;
   std::unique_ptr<Buffers> buf_;
   std::map<Key, void*> graphs_;  // cudaGraphExec_t
