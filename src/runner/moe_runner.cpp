@@ -519,6 +519,13 @@ void MoERunner::forward(const TensorView& hidden_states, const TensorView& outpu
   require_finite_output(output);
 }
 
+size_t MoERunner::cuda_ep_window_bytes() const {
+#ifdef FUSEDMOE_WITH_CUDA
+  if (cuda_ep_) return cuda_ep_->window_bytes();
+#endif
+  return 0;
+}
+
 size_t MoERunner::num_cuda_graphs() const {
 #ifdef FUSEDMOE_WITH_CUDA
   if (cuda_graphs_) return cuda_graphs_->num_graphs();

@@ -1218,8 +1218,9 @@ TEST(CudaEp, NcclRunnerRefusesGraphSizes) {
 
 // RunnerOptions::cuda_workspace under expert parallelism (peer transport):
 // each rank's layers of two shapes share one workspace (the local experts'
-// scratch for ep_size * max_num_tokens rows); forwards interleaved across the
-// layers with no host sync give the bits of layers with their own.
+// scratch for ep_size * max_num_tokens rows) and the two layers of one shape
+// its peer window too (the second allocates none); forwards interleaved
+// across the layers with no host sync give the bits of layers with their own.
 TEST(CudaEp, PeerLayersSharingAWorkspaceMatchTheirOwn) {
   FUSEDMOE_REQUIRE_NCCL();
   const uint64_t seed = test::fresh_seed();
@@ -1230,11 +1231,13 @@ TEST(CudaEp, PeerLayersSharingAWorkspaceMatchTheirOwn) {
   std::vector<std::shared_ptr<Communicator>> comms = up_to_four_gpus(devices);
   const int n = static_cast<int>(comms.size());
   const std::vector<std::pair<std::string, MoEConfig>> all = ep_configs();
-  const std::vector<MoEConfig> cfgs = {all[2].second, all[0].second};  // deepseek_v3, mixtral
+  // deepseek_v3, mixtral, deepseek_v3 (other weights: the first one's window)
+  const std::vector<MoEConfig> cfgs = {all[2].second, all[0].second, all[2].second};
   std::vector<MoELayerWeights> ws;
   for (const MoEConfig& c : cfgs) ws.push_back(test::random_layer(rng, c, DType::kBF16));
   const int64_t cap = 48;
-  const std::vector<std::pair<int, int64_t>> calls = {{0, 48}, {1, 5}, {1, 48}, {0, 1}, {0, 30}};
+  const std::vector<std::pair<int, int64_t>> calls = {{0, 48}, {2, 7}, {1, 5}, {2, 48},
+                                                      {1, 48}, {0, 1}, {2, 0}, {0, 30}};
   std::vector<Tensor> xs;
   for (const auto& [l, T] : calls) xs.push_back(test::randn_f32(rng, {T, cfgs[l].hidden_size}));
   std::vector<std::vector<Tensor>> shared_out(n), own_out(n);
@@ -1251,6 +1254,11 @@ TEST(CudaEp, PeerLayersSharingAWorkspaceMatchTheirOwn) {
       own.push_back(std::make_unique<MoERunner>(c, ws[l], o));
       o.cuda_workspace = workspace;
       shared.push_back(std::make_unique<MoERunner>(c, ws[l], o));
+      EXPECT_GT(own.back()->cuda_ep_window_bytes(), 0u) << "layer " << l;
+      if (l == 2)  // layer 0's
+        EXPECT_EQ(shared.back()->cuda_ep_window_bytes(), 0u) << "layer 2: a window of its own";
+      else
+        EXPECT_GT(shared.back()->cuda_ep_window_bytes(), 0u) << "layer " << l;
     }
     for (auto* set : {&shared, &own}) {
       std::vector<DeviceTensor> xd, out;

@@ -16,8 +16,10 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 
 #include "fusedmoe/config/moe_config.h"
 #include "fusedmoe/experts/expert_weights.h"
@@ -70,6 +72,10 @@ void synchronize();
 // the older block (their pointers, also those captured in CUDA graphs, stay
 // valid) until the last of them is destroyed. Build the largest layer first (or
 // call reserve) to hold one block. Thread-safe.
+// GPU expert parallelism (peer transport): the layers sharing one with the
+// same communicator, hidden size, top_k, max_num_tokens and payloads also
+// share one peer window (the epoch in it orders their forwards as one
+// layer's): one window a model instead of one a layer.
 class SharedWorkspace {
  public:
   SharedWorkspace() = default;
@@ -86,7 +92,14 @@ class SharedWorkspace {
   size_t bytes() const;  // of the current block (0 before the first acquire / reserve)
   int device() const;    // of the memory; -1 before the first acquire / reserve
 
+  // For the layers: other objects that layers sharing this workspace share,
+  // by key (GPU expert parallelism's peer windows), held weakly: attachment()
+  // is null once no layer holds the object attached under `key`.
+  std::shared_ptr<void> attachment(const std::string& key) const;
+  void attach(const std::string& key, std::shared_ptr<void> object);
+
  private:
+  std::map<std::string, std::weak_ptr<void>> attached_;
   mutable std::mutex mutex_;
   std::shared_ptr<void> block_;
   size_t bytes_ = 0;

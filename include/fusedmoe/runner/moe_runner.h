@@ -123,7 +123,10 @@ struct RunnerOptions {
   // CUDA: the workspace's scratch from this SharedWorkspace (kernels/cuda.h),
   // shared with the other layers given the same one, instead of an allocation
   // of this layer's own; their forward() calls must then run one at a time in
-  // stream order (a model's layers do). nullptr: the layer's own.
+  // stream order (a model's layers do). nullptr: the layer's own. Under GPU
+  // expert parallelism (peer transport) the layers given one with the same
+  // communicator, hidden size, top_k, max_num_tokens and payloads also share
+  // the peer window (cuda_ep_window_bytes()).
   std::shared_ptr<cuda::SharedWorkspace> cuda_workspace;
 };
 
@@ -182,6 +185,11 @@ class MoERunner {
   // CUDA expert parallelism: rows, bytes and times of the last forward's
   // dispatch and combine on this rank; null on other paths.
   const EpStats* cuda_ep_stats() const;
+  // GPU expert parallelism over the peer transport: bytes of the peer window
+  // (records in, rows back) this layer allocated; 0 where it shares an
+  // earlier layer's through cuda_workspace (same communicator, hidden size,
+  // top_k, max_num_tokens and payloads), and on other paths.
+  size_t cuda_ep_window_bytes() const;
   // CUDA graph replay (RunnerOptions::cuda_graph_sizes): the graphs captured
   // so far, one per capture size and call signature used; 0 without it.
   size_t num_cuda_graphs() const;

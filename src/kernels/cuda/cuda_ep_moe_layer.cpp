@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -115,6 +116,54 @@ std::string first_reason(const std::vector<std::string>& reasons) {
 
 }  // namespace
 
+// The peer transport's window and what goes with it (ep_peer.h): this rank's
+// window, the others' mapped, the epoch and the dispatch cursors, the fp8
+// receive buffer. Layers given one SharedWorkspace (their forwards one at a
+// time, in stream order) share it where their communicator and window layout
+// are the same: the epoch then orders all their forwards as one layer's.
+struct PeerWindows {
+  std::shared_ptr<Communicator> comm;
+  int device = 0;
+  char* window = nullptr;         // this rank's (cudaMalloc)
+  std::vector<void*> ipc_opened;  // other processes' windows (cudaIpcCloseMemHandle)
+  DeviceArray peers;              // char* [P]
+  DeviceArray sync;               // u64 epoch, u32 dispatch done, u32 combine done
+  DeviceArray cursor;             // u32 [P]: the dispatch's rows taken on each destination
+  DeviceArray x_recv;             // fp8 records: the received rows dequantised, half [P * Tmax, H]
+  // Rank 0's process id and window address when it was set up: the same on
+  // every rank that holds this set-up's windows.
+  uint64_t generation[2] = {0, 0};
+  bool exported = false;  // the others mapped it: release after a barrier
+  size_t bytes = 0;       // of the window
+
+  // Other processes may have mapped the window (CUDA IPC): freeing it before
+  // they closed their mapping is undefined, so with `barrier` every rank
+  // closes what it opened, then a barrier, then frees its own.
+  void release(bool barrier);
+  ~PeerWindows() { release(exported); }
+};
+
+void PeerWindows::release(bool barrier) {
+  exported = false;
+  if (!window && ipc_opened.empty() && !barrier) return;
+  int prev = 0;
+  cudaGetDevice(&prev);
+  cudaSetDevice(device);
+  cudaDeviceSynchronize();  // no kernel of ours still stores into a window
+  for (void* q : ipc_opened) cudaIpcCloseMemHandle(q);
+  ipc_opened.clear();
+  if (barrier && comm) {
+    try {
+      comm->barrier();
+    } catch (...) {  // a rank that is gone: nobody is left to use the window
+    }
+  }
+  if (window) cudaFree(window);
+  window = nullptr;
+  cudaGetLastError();
+  cudaSetDevice(prev);
+}
+
 struct CudaEpMoELayer::Impl {
   CudaMoELayer* layer = nullptr;
   MoEConfig cfg;
@@ -136,13 +185,9 @@ struct CudaEpMoELayer::Impl {
   bool peer = false;
   int device = 0;
   PeerLayout layout;
-  char* window = nullptr;         // this rank's (cudaMalloc)
-  std::vector<void*> ipc_opened;  // other processes' windows (cudaIpcCloseMemHandle)
-  DeviceArray peers;              // char* [P]
-  DeviceArray sync;               // u64 epoch, u32 dispatch done, u32 combine done
-  DeviceArray cursor;             // u32 [P]: the dispatch's rows taken on each destination
-  DeviceArray rows_seen;          // i64 [P]: rows each source sent in the last forward (stats)
-  DeviceArray x_recv;             // fp8 records: the received rows dequantised, half [P * Tmax, H]
+  std::shared_ptr<PeerWindows> win;  // this layer's, or shared (see PeerWindows)
+  bool own_window = false;           // set up by this layer (not another's reused)
+  DeviceArray rows_seen;             // i64 [P]: rows each source sent in the last forward (stats)
   double timeout_s = 60;
   // start, dispatched, received, experts done, combined, combine waited
   cudaEvent_t ev[6] = {};
@@ -154,12 +199,16 @@ struct CudaEpMoELayer::Impl {
   // (another host, two ranks on one GPU, no peer access, no CUDA IPC between
   // processes, no memory, more than 32 ranks); where a rank asked for peer,
   // that throws on every rank, as do mixed nccl / peer requests and ranks of
-  // different window layouts.
+  // different window layouts. Reuses the windows of an earlier layer of the
+  // same SharedWorkspace, communicator and layout where every rank has them.
   bool setup_peer(EpTransport want);
   void release_peer(bool exported);
   void forward_peer(const TensorView& output, int64_t T, Stream stream);
   void peer_stats();
-  ~Impl() { release_peer(peer); }
+  ~Impl() {  // the windows go with the last layer holding them (~PeerWindows)
+    win.reset();
+    release_peer(false);
+  }
 };
 
 bool CudaEpMoELayer::Impl::setup_peer(EpTransport want) {
@@ -169,6 +218,43 @@ bool CudaEpMoELayer::Impl::setup_peer(EpTransport want) {
   FUSEDMOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   layout = peer_layout(P, me, static_cast<int>(k), H, max_tokens, layer->dtype() == DType::kF16,
                        fp8, combine_bf16, sms);
+  // Round 0 (every rank): the windows of an earlier layer, where every rank
+  // holds the same set-up's for this communicator and layout.
+  const std::shared_ptr<SharedWorkspace>& workspace = layer->shared_workspace();
+  const std::string key =
+      "ep_peer_windows " + std::to_string(reinterpret_cast<uintptr_t>(comm.get())) + " " +
+      std::to_string(P) + " " + std::to_string(me) + " " + std::to_string(k) + " " +
+      std::to_string(H) + " " + std::to_string(max_tokens) + " " + std::to_string(layout.x_f16) +
+      std::to_string(fp8) + std::to_string(combine_bf16);
+  {
+    auto held = std::static_pointer_cast<PeerWindows>(workspace->attachment(key));
+    struct Reuse {
+      int32_t mode;
+      uint64_t generation[2];
+    } mine{static_cast<int32_t>(want), {0, 0}};
+    if (held) std::memcpy(mine.generation, held->generation, sizeof mine.generation);
+    const std::vector<unsigned char> all = gather_host(*comm, &mine, sizeof mine);
+    bool reuse = true;
+    for (int p = 0; p < P; ++p) {
+      Reuse q;
+      std::memcpy(&q, all.data() + sizeof q * p, sizeof q);
+      reuse = reuse && q.mode != static_cast<int32_t>(EpTransport::kNccl) && q.generation[0] != 0 &&
+              q.generation[0] == mine.generation[0] && q.generation[1] == mine.generation[1];
+    }
+    if (reuse) {  // every rank decides the same: the same gathered values
+      win = std::move(held);
+      rows_seen = DeviceArray(8 * P);
+      for (cudaEvent_t& e : ev) FUSEDMOE_CUDA_CHECK(cudaEventCreate(&e));
+      timeout_s = comm_timeout_seconds();
+      peer = true;
+      return true;
+    }
+  }
+  win = std::make_shared<PeerWindows>();
+  win->comm = comm;
+  win->device = device;
+  own_window = true;
+  char*& window = win->window;
   std::string why;  // this rank's reason, when it cannot
   PeerInfo info{};
   info.mode = static_cast<int32_t>(want);
@@ -201,7 +287,7 @@ bool CudaEpMoELayer::Impl::setup_peer(EpTransport want) {
     }
     // Here, not after set-up: a rank that cannot must fail with all the others.
     const size_t xb = size_t{2} * P * max_tokens * H;
-    if (fp8 && !x_recv.try_allocate(xb))
+    if (fp8 && !win->x_recv.try_allocate(xb))
       why = "cudaMalloc of its " + std::to_string(xb) + "-byte fp8 receive buffer failed";
   }
   // Round 1 (every rank, whatever it asks for): modes, layouts, handles.
@@ -309,7 +395,7 @@ bool CudaEpMoELayer::Impl::setup_peer(EpTransport want) {
         why = "cudaIpcOpenMemHandle of rank " + std::to_string(p) +
               "'s window: " + cudaGetErrorString(e);
       } else {
-        ipc_opened.push_back(q);
+        win->ipc_opened.push_back(q);
         ptrs[p] = static_cast<char*>(q);
       }
     }
@@ -317,13 +403,18 @@ bool CudaEpMoELayer::Impl::setup_peer(EpTransport want) {
   // Round 3: whether every rank mapped every window.
   if (const auto reasons = gather_reasons(*comm, why); !first_reason(reasons).empty())
     return fail(reasons);
-  peers = DeviceArray(sizeof(char*) * P);
+  win->peers = DeviceArray(sizeof(char*) * P);
   FUSEDMOE_CUDA_CHECK(
-      cudaMemcpy(peers.as<void>(), ptrs.data(), sizeof(char*) * P, cudaMemcpyHostToDevice));
-  sync = DeviceArray(16);
-  FUSEDMOE_CUDA_CHECK(cudaMemset(sync.as<void>(), 0, 16));
-  cursor = DeviceArray(4 * P);
-  FUSEDMOE_CUDA_CHECK(cudaMemset(cursor.as<void>(), 0, 4 * P));
+      cudaMemcpy(win->peers.as<void>(), ptrs.data(), sizeof(char*) * P, cudaMemcpyHostToDevice));
+  win->sync = DeviceArray(16);
+  FUSEDMOE_CUDA_CHECK(cudaMemset(win->sync.as<void>(), 0, 16));
+  win->cursor = DeviceArray(4 * P);
+  FUSEDMOE_CUDA_CHECK(cudaMemset(win->cursor.as<void>(), 0, 4 * P));
+  win->generation[0] = infos[0].process;
+  win->generation[1] = infos[0].ptr;
+  win->exported = true;
+  win->bytes = layout.bytes;
+  workspace->attach(key, win);
   rows_seen = DeviceArray(8 * P);
   for (cudaEvent_t& e : ev) FUSEDMOE_CUDA_CHECK(cudaEventCreate(&e));
   timeout_s = comm_timeout_seconds();
@@ -332,25 +423,14 @@ bool CudaEpMoELayer::Impl::setup_peer(EpTransport want) {
   return true;
 }
 
-// Other processes may have mapped the window (CUDA IPC): freeing it before
-// they closed their mapping is undefined, so with `exported` every rank
-// closes what it opened, then a barrier, then frees its own.
+// Set-up failures, while the windows are this layer's alone (exported: after
+// the others may have mapped the window, see PeerWindows::release).
 void CudaEpMoELayer::Impl::release_peer(bool exported) {
-  if (!window && ipc_opened.empty() && !exported) return;
+  if (win) win->release(exported);
+  win.reset();
   int prev = 0;
   cudaGetDevice(&prev);
   cudaSetDevice(device);
-  cudaDeviceSynchronize();  // no kernel of ours still stores into a window
-  for (void* q : ipc_opened) cudaIpcCloseMemHandle(q);
-  ipc_opened.clear();
-  if (exported) {
-    try {
-      comm->barrier();
-    } catch (...) {  // a rank that is gone: nobody is left to use the window
-    }
-  }
-  if (window) cudaFree(window);
-  window = nullptr;
   for (cudaEvent_t& e : ev)
     if (e) cudaEventDestroy(e), e = nullptr;
   cudaGetLastError();
@@ -479,6 +559,10 @@ const ExpertMap& CudaEpMoELayer::expert_map() const {
 
 bool CudaEpMoELayer::capturable() const {
   return impl_->peer;
+}
+
+size_t CudaEpMoELayer::window_bytes() const {
+  return impl_->peer && impl_->own_window ? impl_->win->bytes : 0;
 }
 
 void CudaEpMoELayer::forward(const TensorView& hidden_states, const TensorView& output,
@@ -612,6 +696,9 @@ void CudaEpMoELayer::forward(const TensorView& hidden_states, const TensorView& 
 void CudaEpMoELayer::Impl::forward_peer(const TensorView& output, int64_t T, Stream stream) {
   const int64_t M = P * max_tokens;
   CudaMoELayer& l = *layer;
+  char* const window = win->window;
+  const DeviceArray &sync = win->sync, &cursor = win->cursor, &peers = win->peers,
+                    &x_recv = win->x_recv;
   auto* epoch = sync.as<uint64_t>();
   auto* done = reinterpret_cast<unsigned*>(epoch + 1);
   const auto st = static_cast<cudaStream_t>(stream);

@@ -99,6 +99,10 @@ class CudaEpMoELayer {
 
   // Whether forward() can be captured in a CUDA graph (the peer transport).
   bool capturable() const;
+  // The peer transport: bytes of the window this layer set up; 0 where it
+  // reuses an earlier layer's (same SharedWorkspace, communicator and window
+  // layout: their forwards run one at a time in stream order) or over nccl.
+  size_t window_bytes() const;
 
   // Rows, bytes (logical: to / from other ranks) and times of the last
   // forward (NCCL: host wall clock; peer: CUDA events, after waiting for it).

@@ -166,6 +166,7 @@ struct CudaMoELayer::Impl {
   // workspace: the scratch (a block of the SharedWorkspace given, or of the
   // layer's own) and the state kept between calls
   std::shared_ptr<void> ws;
+  std::shared_ptr<SharedWorkspace> workspace;  // the one given, or a private one
   size_t ws_bytes = 0;
   DeviceMemory state;
   float* logits = nullptr;
@@ -314,8 +315,8 @@ CudaMoELayer::CudaMoELayer(const MoEConfig& config, const MoELayerWeights& w,
   size_t total = 0;
   for (const Part& p : parts) total += (p.bytes + 255) / 256 * 256;
   s.ws_bytes = total;
-  s.ws =
-      (shared_workspace ? shared_workspace : std::make_shared<SharedWorkspace>())->acquire(total);
+  s.workspace = shared_workspace ? shared_workspace : std::make_shared<SharedWorkspace>();
+  s.ws = s.workspace->acquire(total);
   char* const base = static_cast<char*>(s.ws.get());
   size_t off = 0;
   for (const Part& p : parts) {
@@ -350,6 +351,10 @@ size_t CudaMoELayer::weight_bytes() const {
 DType CudaMoELayer::dtype() const {
   return impl_->dtype;
 }
+const std::shared_ptr<SharedWorkspace>& CudaMoELayer::shared_workspace() const {
+  return impl_->workspace;
+}
+
 size_t CudaMoELayer::workspace_bytes() const {
   return impl_->ws_bytes;
 }

@@ -109,6 +109,8 @@ class CudaMoELayer {
   size_t weight_bytes() const;
   DType dtype() const;             // the experts' half type: kBF16 or kF16
   size_t workspace_bytes() const;  // the scratch's bytes (own or in the shared workspace)
+  // The workspace its scratch is a block of: the one given, or its own.
+  const std::shared_ptr<SharedWorkspace>& shared_workspace() const;
 
  private:
   // finalize() of the routed part `f` (y, topk_ids, sizes, and for the sm90

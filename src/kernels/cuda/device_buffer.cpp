@@ -70,6 +70,19 @@ void SharedWorkspace::reserve(size_t bytes) {
   acquire(bytes);
 }
 
+std::shared_ptr<void> SharedWorkspace::attachment(const std::string& key) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const auto it = attached_.find(key);
+  return it == attached_.end() ? nullptr : it->second.lock();
+}
+
+void SharedWorkspace::attach(const std::string& key, std::shared_ptr<void> object) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto it = attached_.begin(); it != attached_.end();)  // drop the expired ones
+    it = it->second.expired() ? attached_.erase(it) : std::next(it);
+  attached_[key] = object;
+}
+
 size_t SharedWorkspace::bytes() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return bytes_;
