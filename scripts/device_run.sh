@@ -143,6 +143,21 @@ if [ "$what" = ep ] || [ "$what" = all ]; then
         echo "== ep run (peer, sm90 experts) $(basename "$m") T=512 on $ngpu GPUs vs one GPU rc=$r: $(grep -E 'reference|error' "$OUT/ep_run.log" | head -3 | tr '\n' ' ')" | tee -a "$OUT/ep_checks.log"
       done
     fi
+    # The peer transport with one GPU visible to each rank (CUDA_VISIBLE_DEVICES
+    # per rank, as some launchers set it): the windows map through CUDA IPC.
+    if [ -z "${EP_SKIP_CHECKS:-}" ] && [[ " ${EP_TRANSPORTS:-nccl peer} " == *" peer "* ]]; then
+      m=tests/data/hf/qwen2_moe
+      timeout 60 "$bin/fusedmoe" run --backend cuda --model "$m" --tokens 256 --seed 1 \
+        --output "$OUT/one.safetensors" --quiet >"$OUT/ep_one.log" 2>&1
+      FUSEDMOE_EP_TRANSPORT=peer timeout 120 "${mpi[@]}" bash -c \
+        'CUDA_VISIBLE_DEVICES=$OMPI_COMM_WORLD_LOCAL_RANK exec "$0" "$@"' "$bin/fusedmoe" run \
+        --backend cuda --ep-size "$ngpu" --model "$m" --tokens 256 --seed 1 \
+        --reference "$OUT/one.safetensors" --reference-key output --tolerance 1e-6 \
+        >"$OUT/ep_run.log" 2>&1
+      r=$?
+      [ $r -ne 0 ] && rc=1
+      echo "== ep run (peer, one visible GPU a rank) $(basename "$m") T=256 on $ngpu GPUs vs one GPU rc=$r: $(grep -E 'reference|error|transport' "$OUT/ep_run.log" | head -3 | tr '\n' ' ')" | tee -a "$OUT/ep_checks.log"
+    fi
     for transport in ${EP_TRANSPORTS:-nccl peer}; do
       FUSEDMOE_EP_TRANSPORT=$transport timeout 300 "${mpi[@]}" "$bin/fusedmoe" bench --backend cuda \
         --ep-size "$ngpu" --shapes ${EP_SHAPES:-deepseek,qwen3,mixtral} \

@@ -356,11 +356,15 @@ bool CudaEpMoELayer::Impl::setup_peer(EpTransport want) {
         if (std::memcmp(&pd.uuid, q.uuid, 16) == 0) local_dev[p] = d;
       }
       int can = 0;
-      if (local_dev[p] < 0)
-        why = qn + "'s GPU is not visible to this process";
-      else if (local_dev[p] == device)
+      if (std::memcmp(q.uuid, info.uuid, 16) == 0)
         why = qn + " shares this rank's GPU (cuda:" + std::to_string(device) + ")";
-      else if (cudaDeviceCanAccessPeer(&can, device, local_dev[p]) != cudaSuccess || !can)
+      else if (local_dev[p] < 0 && q.process == info.process)
+        why = qn + "'s GPU is not visible to this process";
+      // Another process's GPU hidden here (CUDA_VISIBLE_DEVICES per rank): CUDA
+      // IPC still maps its window over peer access (as NCCL's P2P transport does
+      // since CUDA 10.1); where it cannot, cudaIpcOpenMemHandle's error is the reason.
+      else if (local_dev[p] >= 0 &&
+               (cudaDeviceCanAccessPeer(&can, device, local_dev[p]) != cudaSuccess || !can))
         why = "cuda:" + std::to_string(device) + " has no peer access to " + qn + "'s GPU";
     }
   }
