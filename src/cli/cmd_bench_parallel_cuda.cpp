@@ -4,13 +4,13 @@
 // rank brings --tokens T tokens of its own, routed by a random gate (the same
 // on every rank), through a runner sized for T. Reports the transport (nccl or
 // peer: FUSEDMOE_EP_TRANSPORT), the layer time (forward + device
-// synchronisation) and the dispatch / combine time and bandwidth from the EP
-// path's statistics (nccl: host wall clock of each phase, including its stream
-// synchronisation; peer: CUDA events from the pack kernel to the end of the
-// receive kernel, and from the combine kernel to the end of its wait):
-// logical GB/s = bytes that left their rank, summed over ranks / the slowest
-// rank's time; payload GB/s = all payload bytes including a rank's copy to
-// itself / that time (the only traffic at one rank).
+// synchronisation; with the peer transport also as the replay of a CUDA graph
+// through RunnerOptions::cuda_graph_sizes) and the dispatch / combine time and bandwidth from the
+// EP path's statistics (nccl: host wall clock of each phase, including its stream synchronisation;
+// peer: CUDA events from the pack kernel to the end of the receive kernel, and from the combine
+// kernel to the end of its wait): logical GB/s = bytes that left their rank, summed over ranks /
+// the slowest rank's time; payload GB/s = all payload bytes including a rank's copy to itself /
+// that time (the only traffic at one rank).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -75,7 +75,9 @@ int run_bench_parallel_cuda(const BenchOptions& o) {
     std::printf(
         "- T = tokens per rank (bf16 hidden states and output), routed by a random bf16 gate "
         "(softmax top-k, renormalized); times: "
-        "median over runs, slowest rank; layer = forward + device sync; transport nccl: "
+        "median over runs, slowest rank; layer = forward + device sync; graph = the same "
+        "through the runner's CUDA-graph replay (cuda_graph_sizes {T}; peer transport only); "
+        "transport nccl: "
         "dispatch = layout, pack, counts and records all-to-all; combine = pack, all-to-all, "
         "unpack (host wall clock, stream syncs included); transport peer (stores into the other "
         "GPUs' memory): dispatch = the pack kernel, combine = the combine kernel (CUDA events: "
@@ -128,9 +130,10 @@ int run_bench_parallel_cuda(const BenchOptions& o) {
                   format_bytes(static_cast<double>(expert_bytes_rank)).c_str());
       if (!shape.note.empty()) std::printf("(%s)\n\n", shape.note.c_str());
       std::printf(
-          "| T | transport | layer ms | dispatch ms | dispatch GB/s logical | dispatch GB/s "
-          "payload | combine ms | combine GB/s logical | combine GB/s payload | wait ms | rows "
-          "received (max rank) |\n|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+          "| T | transport | layer ms | graph ms | dispatch ms | dispatch GB/s logical | dispatch "
+          "GB/s payload | combine ms | combine GB/s logical | combine GB/s payload | wait ms | "
+          "rows received (max rank) |\n|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:"
+          "|\n");
       std::fflush(stdout);
     }
     const int64_t H = shape.H, k = shape.k;
@@ -195,10 +198,30 @@ int run_bench_parallel_cuda(const BenchOptions& o) {
       const double pc = sum_of(gather_doubles(*world, back_rows * back));
       const double rows =
           max_of(gather_doubles(*world, static_cast<double>(last.dispatch_rows_received)));
+      // The same layer replayed as a CUDA graph (a runner of its own; every
+      // rank decides alike: the transport is agreed at set-up).
+      double tg = 0;
+      if (last.transport == "peer" && T > 0) {
+        RunnerOptions go = ro;
+        go.cuda_graph_sizes = {T};
+        MoERunner graphed(config, w, go);
+        std::vector<double> graph_s;
+        for (int r = 0; r <= reps; ++r) {  // the first captures the graph
+          const auto t0 = std::chrono::steady_clock::now();
+          graphed.forward(xv, ov);
+          cuda::synchronize();
+          if (r > 0)
+            graph_s.push_back(
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+        }
+        tg = max_of(gather_doubles(*world, median(graph_s)));
+      }
+      char graph_ms[32] = "-";
+      if (tg > 0) std::snprintf(graph_ms, sizeof graph_ms, "%.3f", tg * 1e3);
       if (root)
         std::printf(
-            "| %lld | %s | %.3f | %.3f | %.2f | %.2f | %.3f | %.2f | %.2f | %.3f | %.0f |\n",
-            static_cast<long long>(T), last.transport.c_str(), tl * 1e3, td * 1e3,
+            "| %lld | %s | %.3f | %s | %.3f | %.2f | %.2f | %.3f | %.2f | %.2f | %.3f | %.0f |\n",
+            static_cast<long long>(T), last.transport.c_str(), tl * 1e3, graph_ms, td * 1e3,
             td > 0 ? bd / td * 1e-9 : 0.0, td > 0 ? pd / td * 1e-9 : 0.0, tc * 1e3,
             tc > 0 ? bc / tc * 1e-9 : 0.0, tc > 0 ? pc / tc * 1e-9 : 0.0, tw * 1e3, rows);
       if (root) std::fflush(stdout);
