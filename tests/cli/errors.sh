@@ -232,6 +232,17 @@ for c in "--help=3:--help: a flag, expected no value, got \"3\" (see fusedmoe --
   expect_usage "with --help: ${c%%:*}" "error: ${c#*:}" -- ${c%%:*}
   [ -s "$TMP/stdout" ] && { echo "FAIL with --help: ${c%%:*}: printed the help"; failures=$((failures + 1)); }
 done
+# --version beside a command printed the version and exited 0 without running
+# it: a usage error naming both, nothing on stdout (after the command too, where
+# --version is an unknown option of the command).
+for c in "--version run --model $FIX --layer 1 --tokens 2:run" "--version inspect $FIX:inspect" \
+  "--version inspect:inspect" "--version bench --shapes qwen3-cpu --tokens 1:bench"; do
+  # shellcheck disable=SC2086
+  expect_usage "--version with a command: ${c%%:*}" "error: --version: prints the version only and takes no command, got --version with ${c##*:} (fusedmoe --version alone; fusedmoe ${c##*:} ... without --version to run the command)" -- ${c%%:*}
+  [ -s "$TMP/stdout" ] && { echo "FAIL --version with a command: ${c%%:*}: printed to stdout"; failures=$((failures + 1)); }
+done
+expect_usage "--version after the command" "error: run: unknown option --version (see fusedmoe run --help)" -- \
+  run --model "$FIX" --layer 1 --tokens 2 --version
 # The help alone still needs no input, PATH or command (exit 0, the help on stdout).
 for c in "--help" "-h" "run --help" "run -h" "inspect --help" "bench --help" "--help run" \
   "run --tokens 2 --help" "--version"; do
