@@ -917,6 +917,17 @@ int run_run(const RunOptions& o) {
     }
   }();
   const size_t weight_bytes = weights.nbytes();
+  // The device is this rank's own too: looked for before rank_local_done(), so
+  // that under mpirun a machine (or build) without one is an error each rank
+  // reports and exits with (exit 1), told to the others there, not an
+  // MPI_Abort after the collectives started.
+  if (on_cuda) {
+#ifdef FUSEDMOE_WITH_CUDA
+    FUSEDMOE_CHECK(cuda::device_count() > 0, "--backend cuda: no CUDA device found");
+#else
+    FUSEDMOE_THROW(kUnsupported, "--backend cuda: this build of fusedmoe has no CUDA backend");
+#endif
+  }
   rank_local_done();  // every rank's own work done: the collectives start
   if (world)
     check_same_weights(*world, weights, config.parallel,
@@ -945,7 +956,6 @@ int run_run(const RunOptions& o) {
   int cuda_device = 0;
   if (on_cuda) {
 #ifdef FUSEDMOE_WITH_CUDA
-    FUSEDMOE_CHECK(cuda::device_count() > 0, "--backend cuda: no CUDA device found");
     if (parallel) {
       // One GPU per rank (local rank % device count); NCCL over the GPUs, its
       // unique id shared through the MPI world.
@@ -959,8 +969,6 @@ int run_run(const RunOptions& o) {
     // peer transport's experts run on ep_size * max_num_tokens rows.
     const int64_t groups = token_groups(config.parallel);
     ropts.max_num_tokens = std::max<int64_t>((T + groups - 1) / groups, 1);
-#else
-    FUSEDMOE_THROW(kUnsupported, "--backend cuda: this build of fusedmoe has no CUDA backend");
 #endif
   }
   MoERunner runner(config, std::move(weights), ropts);

@@ -142,6 +142,17 @@ expect_error 2 "--ep-size 2 --tp-size 1 --dp-size 2: expected 2 ranks, .*, e\.g\
 # "no CUDA device found" on one without a GPU).
 expect_error 2 "--dispatch-dtype bf16 with --compute-dtype f16: with --backend cuda the experts take f16 inputs" 2 -- \
   $M "$npflag" 2 $R --tokens 8 --ep-size 2 --backend cuda --compute-dtype f16 --dispatch-dtype bf16
+# A machine (or a build) without a GPU fails alike on every rank: each rank
+# prints the error and exits 1, no MPI_Abort (the device was looked for after
+# the ranks' collectives began, and a failing rank ended the job with
+# MPI_Abort, on most runs). Three runs: the abort was a race.
+if ! nvidia-smi -L 2>/dev/null | grep -q "^GPU"; then
+  for i in 1 2 3; do
+    expect_error 1 "--backend cuda: (no CUDA device found|this build of fusedmoe has no CUDA backend)\$" 2 -- \
+      $M "$npflag" 2 $R --tokens 8 --ep-size 2 --backend cuda --dispatch-dtype fp8
+    no_abort "--backend cuda without a GPU, run $i"
+  done
+fi
 # ... and with the f16 compute of an f16 checkpoint (its config.json's dtype; checked
 # once it is read, still before any device).
 F16="$TMP/f16"
