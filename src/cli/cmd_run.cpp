@@ -276,11 +276,20 @@ Tensor read_tensor(const std::string& path, const std::string& key, const char* 
     // The command line's mistake (a usage error, exit 2), as is a missing key below.
     usage_check(key.empty(), flag, "-key '", key, "': ", path,
                 " is a .npy file, which holds one array and takes no key");
+    // read_npy's errors ("PATH: ...") named with the option whose file it is,
+    // as those above; the caller's checks name it themselves.
+    bool in_check = false;
     try {
-      return read_npy(path, check);
-    } catch (const Error& e) {  // no memory for the data: the option whose file it is
-      if (std::string_view(e.what()).rfind("Tensor::empty", 0) != 0) throw;
-      throw Error(e.code(), flag + " " + path + ": " + e.what());
+      return read_npy(path, [&](DType d, std::span<const int64_t> shape) {
+        in_check = true;
+        check(d, shape);
+        in_check = false;
+      });
+    } catch (const Error& e) {
+      if (in_check) throw;
+      if (std::string_view(e.what()).rfind("Tensor::empty", 0) == 0)  // no memory for the data
+        throw Error(e.code(), flag + " " + path + ": " + e.what());
+      throw Error(e.code(), flag + " " + e.what());
     }
   }
   std::shared_ptr<SafetensorsFile> file;
@@ -323,9 +332,14 @@ std::string dims_str(std::span<const int64_t> shape) {
   return out + "]";
 }
 
-std::string describe(const std::string& path, const std::string& key, const char* what) {
-  return key.empty() ? std::string(what) + " " + path  // a .npy file
-                     : std::string(what) + " '" + key + "' in " + path;
+// An input file's tensor as its errors name it: "--input x.npy" (a .npy
+// file), "--input 'x' in ref.safetensors"; with option = false, "input ..."
+// (the reference a result differs from, no misuse of the option).
+std::string describe(const std::string& path, const std::string& key, const char* what,
+                     bool option = true) {
+  const std::string name = (option ? "--" : "") + std::string(what);
+  return key.empty() ? name + " " + path  // a .npy file
+                     : name + " '" + key + "' in " + path;
 }
 
 // --input and --reference: f32, bf16, f16 or f64 (what the README lists; FP8
@@ -1222,7 +1236,9 @@ int run_run(const RunOptions& o) {
                     tol_source.c_str());
     else
       std::snprintf(buf, sizeof buf, "%.3e > tolerance %.6g", rel, tol);
-    FUSEDMOE_THROW(kInvalidArgument, "output differs from ", ref_what, ": relative L2 error ", buf);
+    FUSEDMOE_THROW(kInvalidArgument, "output differs from ",
+                   describe(o.reference, o.reference_key, "reference", false),
+                   ": relative L2 error ", buf);
   }
   return 0;
 }

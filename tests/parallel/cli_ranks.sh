@@ -219,7 +219,7 @@ write_npy "$TMP/nan.npy" "$H" 5 0.5 0.5 nan
 write_npy "$TMP/big.npy" "$H" 5 0.5 0.5 3e38 3e38
 write_npy "$TMP/nanlogits.npy" "$H" 5 3e38 -3e38 ...
 RI="$BIN run --quiet --output $TMP/out.safetensors --ep-size 2 --input"
-expect_error 1 'input .*nan.npy: expected finite values, got NaN at token 5, column 2$' 1 -- \
+expect_error 1 '--input .*nan.npy: expected finite values, got NaN at token 5, column 2$' 1 -- \
   $M "$npflag" 2 $RI "$TMP/nan.npy"
 expect_error 1 'output: non-finite value at token 5, column 0 ' 1 -- $M "$npflag" 2 $RI "$TMP/big.npy"
 expect_error 1 'router_logits: expected no NaN, got NaN at token 5, expert [0-9]+ \(of 8 tokens ' 1 -- \
@@ -233,7 +233,7 @@ expect_error 2 '--output .*in1.npy: is the same file as --input' 1 -- \
 grep -qE '^fusedmoe: error: rank 0: not run: rank 1 stopped with an error' "$TMP/log" ||
   { echo "FAIL: rank 0 does not say why it stopped"; cat "$TMP/log"; fail=1; }
 # DP: rank 1 runs rows 4..7 there too.
-expect_error 1 'input .*nan.npy: expected finite values, got NaN at token 5, column 2$' 1 -- \
+expect_error 1 '--input .*nan.npy: expected finite values, got NaN at token 5, column 2$' 1 -- \
   $M "$npflag" 2 $RI "$TMP/nan.npy" --dp-size 2
 # An error on rank 0 after the ranks' last collective (the reference check):
 # its own exit code, no other rank left waiting.
@@ -364,7 +364,7 @@ with open(path, "wb") as f:
     f.write(b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header.encode())
     f.truncate(f.tell() + T * H * 2)
 PY
-expect_error 1 "input .*many.npy: expected at most [0-9]+ tokens for this machine's memory, got [0-9]+ " 2 -- \
+expect_error 1 "--input .*many.npy: expected at most [0-9]+ tokens for this machine's memory, got [0-9]+ " 2 -- \
   $M "$npflag" 2 $RI "$TMP/many.npy"
 no_abort "run --input (too many tokens) --ep-size 2"
 rm -f "$TMP/many.npy"
