@@ -406,7 +406,8 @@ std::unique_ptr<Communicator> make_mpi_communicator(double timeout) {
   // world, sent just before the collective below): on a timeout, the ranks
   // whose message did not come are the ones that never started the creation.
   // Every message is received before this returns (one from each rank, per
-  // creation), so none is left on the caller's MPI_COMM_WORLD.
+  // creation), so none is left on the caller's MPI_COMM_WORLD (a receive of the
+  // caller's own with MPI_ANY_TAG pending on it meanwhile could take one).
   std::vector<MPI_Request> hello_recv(static_cast<size_t>(size), MPI_REQUEST_NULL),
       hello_send(static_cast<size_t>(size), MPI_REQUEST_NULL);
   for (int p = 0; p < size; ++p) {
