@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -371,3 +372,33 @@ def test_fused_experts_out_of_memory_names_the_buffer_and_its_bytes():
     assert r.stdout.strip() == ("out of memory: cannot allocate 268435456 bytes (256 MiB) of "
                                 "workspace for the routed rows' hidden states, f32 [M, H] = "
                                 "[262144, 256]"), r.stdout
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/meminfo: Linux")
+def test_fused_experts_beyond_the_machines_memory_fails_at_once():
+    """Routed rows whose workspace is more than the machine's memory and swap
+    together: a MemoryError naming hidden_states and the bytes, before anything is
+    allocated (the buffers were allocated and filled one by one until the largest
+    failed, seconds later, or the OOM killer ended the process). Twice the
+    machine's memory of rows of 256 KiB (I = 2^16), from small inputs."""
+    swap = 0
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("SwapTotal:"):
+                swap = int(line.split()[1]) * 1024
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") + swap
+    H, E, I, k = 1, 8, 1 << 16, 8
+    T = 2 * memory // ((8 * H + 4 * I + 4) * k) + 1
+    x = np.ones((T, H), np.float32)
+    w13 = np.zeros((E, 2 * I, H), np.float32)
+    w2 = np.zeros((E, H, I), np.float32)
+    ids = np.tile(np.arange(k, dtype=np.int32), (T, 1))
+    tw = np.full((T, k), 0.125, np.float32)
+    with pytest.raises(MemoryError) as e:
+        fusedmoe.fused_experts(x, w13, w2, tw, ids)
+    assert str(e.value).startswith(
+        f"hidden_states: {T} tokens routed to M = {T * k} expert rows (topk_ids [{T}, {k}]) "
+        f"need "), str(e.value)
+    assert (f" of workspace (f32 [M, H] twice and [M, I], H = {H}, I = {I}), more than the "
+            f"machine's ") in str(e.value)
+    assert str(e.value).endswith(" of memory and swap; pass fewer tokens a call")

@@ -3,6 +3,7 @@
 
 #include <cblas.h>
 #include <immintrin.h>
+#include <sched.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -233,8 +234,15 @@ const char* simd_isa() {
 #endif
 }
 
+int usable_cpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
+  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
+
 double measure_peak_fma_gflops(int threads) {
-  threads = std::max(1, threads);
+  threads = std::clamp(threads, 1, usable_cpus());
   // Calibrate to ~0.15 s per trial on one thread.
   int64_t iters = 1 << 20;
   for (;;) {
@@ -256,7 +264,7 @@ double measure_peak_fma_gflops(int threads) {
 }
 
 double measure_read_gbps(int threads, size_t bytes) {
-  threads = std::max(1, threads);
+  threads = std::clamp(threads, 1, usable_cpus());
   const size_t n = bytes / sizeof(float);
   Tensor buf = Tensor::empty(DType::kF32, {static_cast<int64_t>(n)});
   float* p = buf.data_as<float>();
@@ -287,6 +295,7 @@ double measure_read_gbps(int threads, size_t bytes) {
 Ceilings measure_ceilings(int threads) {
   Ceilings c;
   c.threads = threads;
+  c.measured_threads = std::clamp(threads, 1, usable_cpus());
   c.isa = simd_isa();
   c.peak_gflops = measure_peak_fma_gflops(threads);
   c.read_gbps = measure_read_gbps(threads);

@@ -45,14 +45,21 @@ std::string openblas_kernel_description();
 // ---- machine ceilings ----------------------------------------------------------
 struct Ceilings {
   int threads = 1;
+  // The threads the ceilings were measured on: `threads`, at most usable_cpus()
+  // (more threads share those cores and cannot go faster).
+  int measured_threads = 1;
   std::string isa;         // "avx512f", "avx2+fma" or "scalar"
   double peak_gflops = 0;  // fp32 FMA rate, all threads
   double read_gbps = 0;    // streaming read bandwidth, all threads (1 GB = 1e9 bytes)
 };
-// Best of a few trials of each. Takes about a second.
+// Best of a few trials of each. Takes about a second, whatever `threads`: each
+// measures on min(threads, usable_cpus()) threads (a fixed amount of work a
+// thread, so a thread count far above the cores took time in proportion).
 Ceilings measure_ceilings(int threads);
 double measure_peak_fma_gflops(int threads);
 double measure_read_gbps(int threads, size_t bytes = size_t{1} << 30);
+// The CPUs this process may run on (its affinity mask), at least 1.
+int usable_cpus();
 const char* simd_isa();
 
 // ---- shapes ----------------------------------------------------------------------

@@ -320,7 +320,13 @@ int run_bench(const BenchOptions& o) {
       "- ceilings (measured now, the best of 3 and 4 runs): peak fp32 FMA %.1f GFLOP/s "
       "(register-only %s microkernel, %s); read bandwidth %.1f GB/s (streaming sum over "
       "1 GiB)\n",
-      ceil.peak_gflops, ceil.isa.c_str(), count_of(threads, "thread").c_str(), ceil.read_gbps);
+      ceil.peak_gflops, ceil.isa.c_str(),
+      (count_of(ceil.measured_threads, "thread") +
+       (ceil.measured_threads < threads ? ", the CPUs this process may use: --threads " +
+                                              std::to_string(threads) + " share them"
+                                        : ""))
+          .c_str(),
+      ceil.read_gbps);
   std::printf(
       "- roofline floor = max(bytes / bandwidth, FLOPs / peak); FLOPs = 2*T*k*3*H*I; bytes = "
       "distinct experts touched x expert bytes + activations in/out; %% roofline = floor / "

@@ -276,11 +276,20 @@ Tensor read_tensor(const std::string& path, const std::string& key, const char* 
     // The command line's mistake (a usage error, exit 2), as is a missing key below.
     usage_check(key.empty(), flag, "-key '", key, "': ", path,
                 " is a .npy file, which holds one array and takes no key");
+    // read_npy's errors ("PATH: ...") named with the option whose file it is,
+    // as those above; the caller's checks name it themselves.
+    bool in_check = false;
     try {
-      return read_npy(path, check);
-    } catch (const Error& e) {  // no memory for the data: the option whose file it is
-      if (std::string_view(e.what()).rfind("Tensor::empty", 0) != 0) throw;
-      throw Error(e.code(), flag + " " + path + ": " + e.what());
+      return read_npy(path, [&](DType d, std::span<const int64_t> shape) {
+        in_check = true;
+        check(d, shape);
+        in_check = false;
+      });
+    } catch (const Error& e) {
+      if (in_check) throw;
+      if (std::string_view(e.what()).rfind("Tensor::empty", 0) == 0)  // no memory for the data
+        throw Error(e.code(), flag + " " + path + ": " + e.what());
+      throw Error(e.code(), flag + " " + e.what());
     }
   }
   std::shared_ptr<SafetensorsFile> file;
@@ -323,9 +332,14 @@ std::string dims_str(std::span<const int64_t> shape) {
   return out + "]";
 }
 
-std::string describe(const std::string& path, const std::string& key, const char* what) {
-  return key.empty() ? std::string(what) + " " + path  // a .npy file
-                     : std::string(what) + " '" + key + "' in " + path;
+// An input file's tensor as its errors name it: "--input x.npy" (a .npy
+// file), "--input 'x' in ref.safetensors"; with option = false, "input ..."
+// (the reference a result differs from, no misuse of the option).
+std::string describe(const std::string& path, const std::string& key, const char* what,
+                     bool option = true) {
+  const std::string name = (option ? "--" : "") + std::string(what);
+  return key.empty() ? name + " " + path  // a .npy file
+                     : name + " '" + key + "' in " + path;
 }
 
 // --input and --reference: f32, bf16, f16 or f64 (what the README lists; FP8
@@ -917,6 +931,17 @@ int run_run(const RunOptions& o) {
     }
   }();
   const size_t weight_bytes = weights.nbytes();
+  // The device is this rank's own too: looked for before rank_local_done(), so
+  // that under mpirun a machine (or build) without one is an error each rank
+  // reports and exits with (exit 1), told to the others there, not an
+  // MPI_Abort after the collectives started.
+  if (on_cuda) {
+#ifdef FUSEDMOE_WITH_CUDA
+    FUSEDMOE_CHECK(cuda::device_count() > 0, "--backend cuda: no CUDA device found");
+#else
+    FUSEDMOE_THROW(kUnsupported, "--backend cuda: this build of fusedmoe has no CUDA backend");
+#endif
+  }
   rank_local_done();  // every rank's own work done: the collectives start
   if (world)
     check_same_weights(*world, weights, config.parallel,
@@ -945,7 +970,6 @@ int run_run(const RunOptions& o) {
   int cuda_device = 0;
   if (on_cuda) {
 #ifdef FUSEDMOE_WITH_CUDA
-    FUSEDMOE_CHECK(cuda::device_count() > 0, "--backend cuda: no CUDA device found");
     if (parallel) {
       // One GPU per rank (local rank % device count); NCCL over the GPUs, its
       // unique id shared through the MPI world.
@@ -959,8 +983,6 @@ int run_run(const RunOptions& o) {
     // peer transport's experts run on ep_size * max_num_tokens rows.
     const int64_t groups = token_groups(config.parallel);
     ropts.max_num_tokens = std::max<int64_t>((T + groups - 1) / groups, 1);
-#else
-    FUSEDMOE_THROW(kUnsupported, "--backend cuda: this build of fusedmoe has no CUDA backend");
 #endif
   }
   MoERunner runner(config, std::move(weights), ropts);
@@ -1214,7 +1236,9 @@ int run_run(const RunOptions& o) {
                     tol_source.c_str());
     else
       std::snprintf(buf, sizeof buf, "%.3e > tolerance %.6g", rel, tol);
-    FUSEDMOE_THROW(kInvalidArgument, "output differs from ", ref_what, ": relative L2 error ", buf);
+    FUSEDMOE_THROW(kInvalidArgument, "output differs from ",
+                   describe(o.reference, o.reference_key, "reference", false),
+                   ": relative L2 error ", buf);
   }
   return 0;
 }

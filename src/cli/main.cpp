@@ -666,12 +666,13 @@ std::string describe_parse_error(const CLI::ParseError& e, CLI::App& cmd, int ar
 // usage error as it is without --help: the flag is refused a value, and the
 // command line without these flags is parsed again, any error but a missing
 // argument or input (what help is asked for before giving) reported as the
-// parse reports it. Returns the message, or "" when the command line is fine.
-// Parses `app` again.
+// parse reports it. --version beside a command ("--version run ...") is one
+// too: the command would not run. Returns the message, or "" when the command
+// line is fine. Parses `app` again.
 std::string help_misuse(CLI::App& app, int argc, char** argv) {
   std::vector<char*> kept{argv[0]};
   std::string cmd;  // the command the flag came after ("" for the top level)
-  bool options_end = false;
+  bool options_end = false, saw_version = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (!options_end && a == "--") options_end = true;
@@ -685,20 +686,32 @@ std::string help_misuse(CLI::App& app, int argc, char** argv) {
       kept.push_back(argv[i]);
       continue;
     }
-    if (a.size() == flag.size()) continue;  // the flag alone
+    if (a.size() == flag.size()) {  // the flag alone
+      saw_version = saw_version || flag == "--version";
+      continue;
+    }
     // "--help=3", "-h=3", "-h3": no value.
     const std::string value = a.substr(a[flag.size()] == '=' ? flag.size() + 1 : flag.size());
     const std::string where = cmd.empty() ? "" : cmd + " ";
     return where + flag + ": a flag, expected no value, got \"" + value + "\" (see fusedmoe " +
            where + "--help)";
   }
+  // --version prints the version and nothing else: a command beside it
+  // ("fusedmoe --version run ...") would not run, so it is a usage error.
+  const auto version_with_command = [&]() -> std::string {
+    if (!saw_version || app.get_subcommands().empty()) return "";
+    const std::string name = app.get_subcommands()[0]->get_name();
+    return "--version: prints the version only and takes no command, got --version with " + name +
+           " (fusedmoe --version alone; fusedmoe " + name +
+           " ... without --version to run the command)";
+  };
   try {
     app.clear();
     app.parse(static_cast<int>(kept.size()), kept.data());
   } catch (const CLI::RequiredError&) {
     // Missing what help is asked for (inspect's PATH, run's input): fine, but
     // for anything unknown beside it.
-    if (app.remaining_size(true) == 0) return "";
+    if (app.remaining_size(true) == 0) return version_with_command();
     if (!app.get_subcommands().empty())
       return describe_parse_error(CLI::ExtrasError(app.get_subcommands()[0]->remaining()),
                                   *app.get_subcommands()[0], static_cast<int>(kept.size()),
@@ -713,7 +726,7 @@ std::string help_misuse(CLI::App& app, int argc, char** argv) {
                                   kept.data());
     return std::string(e.what()) + " (see fusedmoe --help)";
   }
-  return "";
+  return version_with_command();
 }
 
 // Interrupted (Ctrl-C, kill, a closed pipe): remove the temporaries of unfinished output files

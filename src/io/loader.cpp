@@ -61,6 +61,7 @@ struct Source {
   // row_to_f32 dequantizes the rows (LoadOptions::check_finite). An f64
   // tensor's range is checked when it is fetched (Reader::get).
   bool check_range = false;
+  std::string file;  // the checkpoint it is read from, as errors name it (printable)
 };
 
 class Reader {
@@ -82,7 +83,7 @@ class Reader {
     if (!ckpt_.contains(name))
       FUSEDMOE_THROW(kIo, printable(ckpt_.path()), ": missing tensor '", name, "' (expected ",
                      shape_str(shape), ")");
-    Source s{name, ckpt_.get(name), std::nullopt};
+    Source s{name, ckpt_.get(name), std::nullopt, false, printable(ckpt_.path())};
     if (!same_shape(s.t, shape))
       FUSEDMOE_THROW(kIo, printable(ckpt_.path()), ": tensor '", name, "': expected shape ",
                      shape_str(shape), ", got ", s.t.view().str());
@@ -253,7 +254,7 @@ void row_to_f32(const Source& s, int64_t row, float* out) {
   if (!s.check_range) return;
   for (int64_t c = 0; c < cols; ++c)
     if (!std::isfinite(out[c]))
-      FUSEDMOE_THROW(kIo, "tensor '", s.name, "': element [", row, ", ", c,
+      FUSEDMOE_THROW(kIo, s.file, ": tensor '", s.name, "': element [", row, ", ", c,
                      "] is beyond the f32 range once dequantized (times its block's "
                      "weight_scale_inv ",
                      sc[c / 128],

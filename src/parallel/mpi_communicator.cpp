@@ -38,6 +38,8 @@ constexpr int64_t kChunkBytes = int64_t{1} << 30;
 constexpr int kTagAllToAll = 0x4d01;
 constexpr int kTagAllGather = 0x4d02;
 constexpr int kTagReduceScatter = 0x4d03;
+// On MPI_COMM_WORLD: "this rank arrived" (make_mpi_communicator).
+constexpr int kTagHello = 0x4d7e;
 
 // Initializes MPI on first use; finalizes it at exit when this library
 // initialized it and no communicator broke (a broken one has requests that
@@ -397,6 +399,28 @@ std::unique_ptr<Communicator> make_mpi_communicator(double timeout) {
                  "make_mpi_communicator: timeout_s: expected seconds in (0, ",
                  kMaxCommTimeoutSeconds, "], got ", timeout);
   MpiRuntime::get().ensure();
+  int rank = 0, size = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  // Each rank tells every other one that it arrived (an empty message on the
+  // world, sent just before the collective below): on a timeout, the ranks
+  // whose message did not come are the ones that never started the creation.
+  // Every message is received before this returns (one from each rank, per
+  // creation), so none is left on the caller's MPI_COMM_WORLD (a receive of the
+  // caller's own with MPI_ANY_TAG pending on it meanwhile could take one).
+  std::vector<MPI_Request> hello_recv(static_cast<size_t>(size), MPI_REQUEST_NULL),
+      hello_send(static_cast<size_t>(size), MPI_REQUEST_NULL);
+  for (int p = 0; p < size; ++p) {
+    if (p == rank) continue;
+    int rc = MPI_Irecv(nullptr, 0, MPI_BYTE, p, kTagHello, MPI_COMM_WORLD, &hello_recv[p]);
+    if (rc == MPI_SUCCESS)
+      rc = MPI_Isend(nullptr, 0, MPI_BYTE, p, kTagHello, MPI_COMM_WORLD, &hello_send[p]);
+    if (rc != MPI_SUCCESS) {
+      MpiRuntime::get().broken = true;
+      FUSEDMOE_THROW(kIo, "MPI communicator creation (rank ", rank, " of ", size,
+                     "): telling rank ", p, " of this one failed: ", mpi_error_string(rc));
+    }
+  }
   // A private copy of the world, so that our messages never meet the caller's.
   MPI_Comm comm = MPI_COMM_NULL;
   MPI_Request req = MPI_REQUEST_NULL;
@@ -405,14 +429,44 @@ std::unique_ptr<Communicator> make_mpi_communicator(double timeout) {
   using clock = std::chrono::steady_clock;
   const auto deadline = clock::now() + std::chrono::duration_cast<clock::duration>(
                                            std::chrono::duration<double>(timeout));
-  for (int done = 0;;) {
-    rc = MPI_Test(&req, &done, MPI_STATUS_IGNORE);
-    if (rc != MPI_SUCCESS) FUSEDMOE_THROW(kIo, "MPI_Comm_idup failed: ", mpi_error_string(rc));
+  // Done when the copy exists and every rank's message has come (sent before
+  // its part of the copy, it is on its way once the copy exists).
+  for (bool done = false;;) {
+    int flag = 0;
+    if (req != MPI_REQUEST_NULL) {
+      rc = MPI_Test(&req, &flag, MPI_STATUS_IGNORE);
+      if (rc != MPI_SUCCESS) FUSEDMOE_THROW(kIo, "MPI_Comm_idup failed: ", mpi_error_string(rc));
+    }
+    if (req == MPI_REQUEST_NULL) {
+      rc = MPI_Testall(size, hello_recv.data(), &flag, MPI_STATUSES_IGNORE);
+      if (rc == MPI_SUCCESS && flag)
+        rc = MPI_Testall(size, hello_send.data(), &flag, MPI_STATUSES_IGNORE);
+      if (rc != MPI_SUCCESS)
+        FUSEDMOE_THROW(kIo, "MPI communicator creation (rank ", rank, " of ", size,
+                       "): failed: ", mpi_error_string(rc));
+      done = flag != 0;
+    }
     if (done) break;
     if (clock::now() > deadline) {
       MpiRuntime::get().broken = true;
-      FUSEDMOE_THROW(kIo, "MPI communicator creation: timed out after ", timeout,
-                     " s (FUSEDMOE_COMM_TIMEOUT_S) waiting for the other ranks");
+      // The ranks not heard from (a completed request is MPI_REQUEST_NULL).
+      std::string missing;
+      int count = 0;
+      for (int p = 0; p < size; ++p) {
+        if (hello_recv[p] == MPI_REQUEST_NULL) continue;
+        int arrived = 0;
+        MPI_Request_get_status(hello_recv[p], &arrived, MPI_STATUS_IGNORE);
+        if (arrived) continue;
+        missing += (missing.empty() ? "" : ", ") + std::to_string(p);
+        ++count;
+      }
+      FUSEDMOE_THROW(kIo, "MPI communicator creation (rank ", rank, " of ", size,
+                     "): timed out after ", timeout, " s (FUSEDMOE_COMM_TIMEOUT_S) ",
+                     missing.empty()
+                         ? std::string("waiting for the other ranks")
+                         : std::string("waiting for rank") + (count > 1 ? "s " : " ") + missing +
+                               ", which did not reach it (exited, crashed, "
+                               "stopped, or still busy before it)");
     }
     std::this_thread::sleep_for(std::chrono::microseconds(50));
   }

@@ -150,7 +150,7 @@ expect_error "nonexistent model dir" "$TMP/does-not-exist" -- run --model "$TMP/
 
 # --- bad inputs / arguments ---
 python3 "$ST" write-f32 "$TMP/small.safetensors" x 5 64
-expect_error "wrong hidden size" "input 'x' in $TMP/small.safetensors: expected [T, 128], got [5, 64]" -- \
+expect_error "wrong hidden size" "--input 'x' in $TMP/small.safetensors: expected [T, 128], got [5, 64]" -- \
   run --model "$FIX" --layer 1 --input "$TMP/small.safetensors" --input-key x
 # An FP8 tensor as --input: refused, as the README and the message list f32, bf16, f16, f64.
 python3 - "$TMP/f8.safetensors" <<'PY'
@@ -159,9 +159,9 @@ data = bytes([0x38]) * (2 * 128)  # e4m3 1.0
 h = json.dumps({"x": {"dtype": "F8_E4M3", "shape": [2, 128], "data_offsets": [0, len(data)]}}).encode()
 open(sys.argv[1], "wb").write(struct.pack("<Q", len(h)) + h + data)
 PY
-expect_error "--input an F8_E4M3 tensor" "input 'x' in $TMP/f8.safetensors: expected dtype f32, bf16, f16 or f64, got f8_e4m3fn" -- \
+expect_error "--input an F8_E4M3 tensor" "--input 'x' in $TMP/f8.safetensors: expected dtype f32, bf16, f16 or f64, got f8_e4m3fn" -- \
   run --model "$FIX" --layer 1 --input "$TMP/f8.safetensors" --input-key x
-expect_error "--reference an F8_E4M3 tensor" "reference 'x' in $TMP/f8.safetensors: expected dtype f32, bf16, f16 or f64, got f8_e4m3fn" -- \
+expect_error "--reference an F8_E4M3 tensor" "--reference 'x' in $TMP/f8.safetensors: expected dtype f32, bf16, f16 or f64, got f8_e4m3fn" -- \
   run --model "$FIX" --layer 1 --tokens 2 --reference "$TMP/f8.safetensors" --reference-key x
 expect_error "--layer not an MoE layer" "layer 0 is not an MoE layer" -- run --model "$FIX" --layer 0 --input "$REF" --input-key layers.1.T5.input
 expect_error "--layer out of range" "layer 7: out of range, the model has 3 layers (0..2); MoE layers: 1, 2" -- run --model "$FIX" --layer 7 --input "$REF" --input-key layers.1.T5.input
@@ -232,6 +232,17 @@ for c in "--help=3:--help: a flag, expected no value, got \"3\" (see fusedmoe --
   expect_usage "with --help: ${c%%:*}" "error: ${c#*:}" -- ${c%%:*}
   [ -s "$TMP/stdout" ] && { echo "FAIL with --help: ${c%%:*}: printed the help"; failures=$((failures + 1)); }
 done
+# --version beside a command printed the version and exited 0 without running
+# it: a usage error naming both, nothing on stdout (after the command too, where
+# --version is an unknown option of the command).
+for c in "--version run --model $FIX --layer 1 --tokens 2:run" "--version inspect $FIX:inspect" \
+  "--version inspect:inspect" "--version bench --shapes qwen3-cpu --tokens 1:bench"; do
+  # shellcheck disable=SC2086
+  expect_usage "--version with a command: ${c%%:*}" "error: --version: prints the version only and takes no command, got --version with ${c##*:} (fusedmoe --version alone; fusedmoe ${c##*:} ... without --version to run the command)" -- ${c%%:*}
+  [ -s "$TMP/stdout" ] && { echo "FAIL --version with a command: ${c%%:*}: printed to stdout"; failures=$((failures + 1)); }
+done
+expect_usage "--version after the command" "error: run: unknown option --version (see fusedmoe run --help)" -- \
+  run --model "$FIX" --layer 1 --tokens 2 --version
 # The help alone still needs no input, PATH or command (exit 0, the help on stdout).
 for c in "--help" "-h" "run --help" "run -h" "inspect --help" "bench --help" "--help run" \
   "run --tokens 2 --help" "--version"; do
@@ -434,26 +445,26 @@ with open(path, "wb") as f:
 PY
 }
 sparse_npy "$TMP/many.npy" "<f2" 2 4096
-expect_error "--input beyond memory" "error: input $TMP/many.npy: expected at most " -- \
+expect_error "--input beyond memory" "error: --input $TMP/many.npy: expected at most " -- \
   run --model "$FIX" --layer 1 --input "$TMP/many.npy" --quiet
 rm -f "$TMP/many.npy"
 # A sparse f32 .npy file twice the physical memory, as --input and as --reference: the
 # header's shape is checked before anything is allocated for, or read of, its data
 # (the data was read first: an out-of-memory error naming neither, or the OOM killer).
 sparse_npy "$TMP/twice.npy" "<f4" 4 256  # twice the memory: T * 512 bytes = 2 x phys
-expect_error "--input .npy twice the memory" "error: input $TMP/twice.npy: expected at most " -- \
+expect_error "--input .npy twice the memory" "error: --input $TMP/twice.npy: expected at most " -- \
   run --model "$FIX" --layer 1 --input "$TMP/twice.npy" --quiet
 python3 "$ST" npy "$TMP/two.npy" f 2 128 1
-expect_error "--reference .npy twice the memory" "error: reference $TMP/twice.npy: expected [2, 128], got [" -- \
+expect_error "--reference .npy twice the memory" "error: --reference $TMP/twice.npy: expected [2, 128], got [" -- \
   run --model "$FIX" --layer 1 --input "$TMP/two.npy" --reference "$TMP/twice.npy" --quiet
 rm -f "$TMP/twice.npy"
 # Values the f32 input cannot hold: an f64 one beyond its range (it became Inf, named as
 # "hidden_states: ... got Inf"), an f16 Inf: each named in the input file, with its place.
 python3 "$ST" npy "$TMP/f64big.npy" d 2 128 1 1,7=1e300
 python3 "$ST" npy "$TMP/f16inf.npy" e 2 128 1 1,3=inf
-expect_error "f64 --input beyond the f32 range" "error: input $TMP/f64big.npy: element [1, 7] is beyond the f32 range once converted from f64 (its value 1e+300)" -- \
+expect_error "f64 --input beyond the f32 range" "error: --input $TMP/f64big.npy: element [1, 7] is beyond the f32 range once converted from f64 (its value 1e+300)" -- \
   run --model "$FIX" --layer 1 --input "$TMP/f64big.npy" --quiet
-expect_error "f16 --input with an Inf" "error: input $TMP/f16inf.npy: expected finite values, got Inf at token 1, column 3" -- \
+expect_error "f16 --input with an Inf" "error: --input $TMP/f16inf.npy: expected finite values, got Inf at token 1, column 3" -- \
   run --model "$FIX" --layer 1 --input "$TMP/f16inf.npy" --quiet
 expect_error "--tokens beyond 64 bits" "--tokens: expected a decimal integer >= 0, got \"99999999999999999999\" (beyond 64 bits)" -- \
   run --model "$FIX" --layer 1 --tokens 99999999999999999999
@@ -566,9 +577,9 @@ fi
   # A reference holding NaN / Inf: refused, named, whatever the tolerance.
   python3 "$ST" npy "$TMP/nanref.npy" d 2 128 nan
   python3 "$ST" npy "$TMP/infref.npy" d 2 128 1 1,5=inf
-  expect_error "all-NaN --reference" "reference $TMP/nanref.npy: expected finite values, got NaN at row 0, column 0" -- \
+  expect_error "all-NaN --reference" "--reference $TMP/nanref.npy: expected finite values, got NaN at row 0, column 0" -- \
     run --model "$FIX" --layer 1 --input "$TMP/x.npy" --reference "$TMP/nanref.npy" --tolerance 1e308
-  expect_error "--reference with an Inf" "reference $TMP/infref.npy: expected finite values, got Inf at row 1, column 5" -- \
+  expect_error "--reference with an Inf" "--reference $TMP/infref.npy: expected finite values, got Inf at row 1, column 5" -- \
     run --model "$FIX" --layer 1 --input "$TMP/x.npy" --reference "$TMP/infref.npy"
 }
 
@@ -1007,47 +1018,51 @@ open(f"{sys.argv[1]}/v4.npy", "wb").write(b"\x93NUMPY\x04\x00" + struct.pack("<I
 h = b"{'descr': '<f4', 'fortran_order': False, 'shape': (1, 128), }".ljust(117) + b"\n"
 open(f"{sys.argv[1]}/trailing.npy", "wb").write(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(h)) + h + b"\0" * 520)
 PY
-expect_error ".npy shape unclosed" "unclosed.npy: .npy header: malformed shape" -- \
+expect_error ".npy shape unclosed" "error: --input $TMP/unclosed.npy: .npy header: malformed shape" -- \
   run --model "$FIX" --layer 1 --input "$TMP/unclosed.npy"
 # A header that is no dict: named as such, not read on to a data-length error.
-expect_error ".npy header without its closing brace" "unbraced.npy: malformed .npy header: expected a dict {'descr': ..., 'fortran_order': ..., 'shape': (...)}, but it has no closing '}' (header: \"{'descr': '<f4', 'fortran_order': False, 'shape': (2, 128),\")" -- \
+expect_error ".npy header without its closing brace" "error: --input $TMP/unbraced.npy: malformed .npy header: expected a dict {'descr': ..., 'fortran_order': ..., 'shape': (...)}, but it has no closing '}' (header: \"{'descr': '<f4', 'fortran_order': False, 'shape': (2, 128),\")" -- \
   run --model "$FIX" --layer 1 --input "$TMP/unbraced.npy"
-expect_error ".npy header without its opening brace" "nodict.npy: malformed .npy header: expected a dict" -- \
+expect_error ".npy header without its opening brace" "error: --input $TMP/nodict.npy: malformed .npy header: expected a dict" -- \
   run --model "$FIX" --layer 1 --input "$TMP/nodict.npy"
-expect_error ".npy negative size" "negative.npy: .npy header: expected non-negative sizes" -- \
+expect_error ".npy negative size" "error: --input $TMP/negative.npy: .npy header: expected non-negative sizes" -- \
   run --model "$FIX" --layer 1 --input "$TMP/negative.npy"
-expect_error ".npy shape beyond its data" "huge.npy: .npy data shorter than its shape [1000000000000, 128]: 512 bytes" -- \
+expect_error ".npy shape beyond its data" "error: --input $TMP/huge.npy: .npy data shorter than its shape [1000000000000, 128]: 512 bytes" -- \
   run --model "$FIX" --layer 1 --input "$TMP/huge.npy"
 # Bytes after the array: an error, as a safetensors file's trailing bytes are (it was read).
-expect_error ".npy trailing bytes" "trailing.npy: .npy data longer than its shape [1, 128]: 520 bytes, expected 512" -- \
+expect_error ".npy trailing bytes" "error: --input $TMP/trailing.npy: .npy data longer than its shape [1, 128]: 520 bytes, expected 512" -- \
   run --model "$FIX" --layer 1 --input "$TMP/trailing.npy"
-expect_error ".npy shape overflowing 64 bits" "overflow.npy: .npy header: the shape (4611686018427387904, 4611686018427387904) overflows 64 bits" -- \
+expect_error ".npy shape overflowing 64 bits" "error: --input $TMP/overflow.npy: .npy header: the shape (4611686018427387904, 4611686018427387904) overflows 64 bits" -- \
   run --model "$FIX" --layer 1 --input "$TMP/overflow.npy"
 # A size that int64 cannot hold: named as beyond 64 bits (it read "expected non-negative sizes").
-expect_error ".npy size beyond 64 bits" "beyond64.npy: .npy header: the size 18446744073709551617 in the shape (18446744073709551617, 128) is beyond 64 bits (2^64 or more)" -- \
+expect_error ".npy size beyond 64 bits" "error: --input $TMP/beyond64.npy: .npy header: the size 18446744073709551617 in the shape (18446744073709551617, 128) is beyond 64 bits (2^64 or more)" -- \
   run --model "$FIX" --layer 1 --input "$TMP/beyond64.npy"
-expect_error ".npy size beyond int64" "beyond63.npy: .npy header: the size 9223372036854775808 in the shape (9223372036854775808, 128) is beyond the signed 64-bit range (expected at most 2^63 - 1)" -- \
+expect_error ".npy size beyond int64" "error: --input $TMP/beyond63.npy: .npy header: the size 9223372036854775808 in the shape (9223372036854775808, 128) is beyond the signed 64-bit range (expected at most 2^63 - 1)" -- \
   run --model "$FIX" --layer 1 --input "$TMP/beyond63.npy"
-expect_error ".npy structured dtype" "record.npy: .npy structured dtypes (record arrays) are not supported" -- \
+expect_error ".npy structured dtype" "error: --input $TMP/record.npy: .npy structured dtypes (record arrays) are not supported" -- \
   run --model "$FIX" --layer 1 --input "$TMP/record.npy"
 # The header's dict is read entry by entry: a key given twice (numpy takes the last
 # value, this reader took the first), a key numpy does not know, a missing key, a value
 # or separator out of place: each an error naming it (all but the first were read on as
 # if the header were right); another format version is named, not read as version 2.
-expect_error ".npy key given twice" "twice.npy: .npy header: key 'shape' given more than once" -- \
+expect_error ".npy key given twice" "error: --input $TMP/twice.npy: .npy header: key 'shape' given more than once" -- \
   run --model "$FIX" --layer 1 --input "$TMP/twice.npy"
-expect_error ".npy unknown key" "extra.npy: .npy header: unexpected key 'order' (expected 'descr', 'fortran_order' and 'shape')" -- \
+expect_error ".npy unknown key" "error: --input $TMP/extra.npy: .npy header: unexpected key 'order' (expected 'descr', 'fortran_order' and 'shape')" -- \
   run --model "$FIX" --layer 1 --input "$TMP/extra.npy"
-expect_error ".npy without fortran_order" "nofortran.npy: .npy header has no 'fortran_order'" -- \
+expect_error ".npy without fortran_order" "error: --input $TMP/nofortran.npy: .npy header has no 'fortran_order'" -- \
   run --model "$FIX" --layer 1 --input "$TMP/nofortran.npy"
-expect_error ".npy fortran_order neither True nor False" "fals.npy: malformed .npy header: expected True or False for 'fortran_order' at byte 34 of the header, got \"Fals, 'shape': (1, 128)}" -- \
+expect_error ".npy fortran_order neither True nor False" "error: --input $TMP/fals.npy: malformed .npy header: expected True or False for 'fortran_order' at byte 34 of the header, got \"Fals, 'shape': (1, 128)}" -- \
   run --model "$FIX" --layer 1 --input "$TMP/fals.npy"
-expect_error ".npy entries without a comma" "nocomma.npy: malformed .npy header: expected ',' or '}' after the value of 'descr' at byte 16" -- \
+expect_error ".npy entries without a comma" "error: --input $TMP/nocomma.npy: malformed .npy header: expected ',' or '}' after the value of 'descr' at byte 16" -- \
   run --model "$FIX" --layer 1 --input "$TMP/nocomma.npy"
-expect_error ".npy format version 4.0" "v4.npy: .npy format version 4.0 not supported (expected 1.0, 2.0 or 3.0)" -- \
+expect_error ".npy format version 4.0" "error: --input $TMP/v4.npy: .npy format version 4.0 not supported (expected 1.0, 2.0 or 3.0)" -- \
   run --model "$FIX" --layer 1 --input "$TMP/v4.npy"
 expect_error "--input .safetensors without --input-key" "--input-key is required with a .safetensors file" -- \
   run --model "$FIX" --layer 1 --input "$REF"
+# The reader's errors name the option whose file it is, as the others do (they
+# began with the path alone).
+expect_error ".npy --reference format version 4.0" "error: --reference $TMP/v4.npy: .npy format version 4.0 not supported" -- \
+  run --model "$FIX" --layer 1 --input "$REF" --input-key layers.1.T64.input --reference "$TMP/v4.npy"
 
 # --output through a symbolic link to a missing file: refused (README), nothing created.
 ln -s "$TMP/missing-target.safetensors" "$OUTDIR/dangling.safetensors"

@@ -142,6 +142,17 @@ expect_error 2 "--ep-size 2 --tp-size 1 --dp-size 2: expected 2 ranks, .*, e\.g\
 # "no CUDA device found" on one without a GPU).
 expect_error 2 "--dispatch-dtype bf16 with --compute-dtype f16: with --backend cuda the experts take f16 inputs" 2 -- \
   $M "$npflag" 2 $R --tokens 8 --ep-size 2 --backend cuda --compute-dtype f16 --dispatch-dtype bf16
+# A machine (or a build) without a GPU fails alike on every rank: each rank
+# prints the error and exits 1, no MPI_Abort (the device was looked for after
+# the ranks' collectives began, and a failing rank ended the job with
+# MPI_Abort, on most runs). Three runs: the abort was a race.
+if ! nvidia-smi -L 2>/dev/null | grep -q "^GPU"; then
+  for i in 1 2 3; do
+    expect_error 1 "--backend cuda: (no CUDA device found|this build of fusedmoe has no CUDA backend)\$" 2 -- \
+      $M "$npflag" 2 $R --tokens 8 --ep-size 2 --backend cuda --dispatch-dtype fp8
+    no_abort "--backend cuda without a GPU, run $i"
+  done
+fi
 # ... and with the f16 compute of an f16 checkpoint (its config.json's dtype; checked
 # once it is read, still before any device).
 F16="$TMP/f16"
@@ -208,7 +219,7 @@ write_npy "$TMP/nan.npy" "$H" 5 0.5 0.5 nan
 write_npy "$TMP/big.npy" "$H" 5 0.5 0.5 3e38 3e38
 write_npy "$TMP/nanlogits.npy" "$H" 5 3e38 -3e38 ...
 RI="$BIN run --quiet --output $TMP/out.safetensors --ep-size 2 --input"
-expect_error 1 'input .*nan.npy: expected finite values, got NaN at token 5, column 2$' 1 -- \
+expect_error 1 '--input .*nan.npy: expected finite values, got NaN at token 5, column 2$' 1 -- \
   $M "$npflag" 2 $RI "$TMP/nan.npy"
 expect_error 1 'output: non-finite value at token 5, column 0 ' 1 -- $M "$npflag" 2 $RI "$TMP/big.npy"
 expect_error 1 'router_logits: expected no NaN, got NaN at token 5, expert [0-9]+ \(of 8 tokens ' 1 -- \
@@ -222,7 +233,7 @@ expect_error 2 '--output .*in1.npy: is the same file as --input' 1 -- \
 grep -qE '^fusedmoe: error: rank 0: not run: rank 1 stopped with an error' "$TMP/log" ||
   { echo "FAIL: rank 0 does not say why it stopped"; cat "$TMP/log"; fail=1; }
 # DP: rank 1 runs rows 4..7 there too.
-expect_error 1 'input .*nan.npy: expected finite values, got NaN at token 5, column 2$' 1 -- \
+expect_error 1 '--input .*nan.npy: expected finite values, got NaN at token 5, column 2$' 1 -- \
   $M "$npflag" 2 $RI "$TMP/nan.npy" --dp-size 2
 # An error on rank 0 after the ranks' last collective (the reference check):
 # its own exit code, no other rank left waiting.
@@ -353,7 +364,7 @@ with open(path, "wb") as f:
     f.write(b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header.encode())
     f.truncate(f.tell() + T * H * 2)
 PY
-expect_error 1 "input .*many.npy: expected at most [0-9]+ tokens for this machine's memory, got [0-9]+ " 2 -- \
+expect_error 1 "--input .*many.npy: expected at most [0-9]+ tokens for this machine's memory, got [0-9]+ " 2 -- \
   $M "$npflag" 2 $RI "$TMP/many.npy"
 no_abort "run --input (too many tokens) --ep-size 2"
 rm -f "$TMP/many.npy"

@@ -24,6 +24,21 @@ for mode in exit stuck; do
   if [ "$elapsed" -gt 30 ]; then echo "FAIL ($mode): took ${elapsed} s"; fail=1; fi
 done
 
+# The last rank stops before a communicator's creation: the others time out
+# there, naming it (the rank that did not arrive), and no rank hangs.
+start=$(date +%s)
+out=$(FUSEDMOE_COMM_TIMEOUT_S=2 timeout 60 "$mpiexec" $pre "$npflag" "$np" "$prog" late 2>&1)
+rc=$?
+elapsed=$(( $(date +%s) - start ))
+echo "---- mode late: rc $rc, ${elapsed} s"
+echo "$out" | grep -v '^\s*$' | head -20
+if [ "$rc" -eq 0 ] || [ "$rc" -eq 124 ]; then echo "FAIL (late): rc $rc"; fail=1; fi
+last=$((np - 1))
+if ! echo "$out" | grep -qE "MPI communicator creation \(rank [0-9]+ of $np\): timed out after 2 s \(FUSEDMOE_COMM_TIMEOUT_S\) waiting for rank $last, which did not reach it"; then
+  echo "FAIL (late): no rank named rank $last as the one that did not arrive"; fail=1
+fi
+if [ "$elapsed" -gt 30 ]; then echo "FAIL (late): took ${elapsed} s"; fail=1; fi
+
 # Ranks that disagree on a message size: an error naming both sizes on every
 # rank, no write past the receive buffer (rc 4), no hang.
 out=$(FUSEDMOE_COMM_TIMEOUT_S=20 timeout 60 "$mpiexec" $pre "$npflag" "$np" "$prog" mismatch 2>&1)

@@ -9,6 +9,9 @@
 //     every rank): every rank must fail with an error naming both sizes, and
 //     nothing may be written past the receive buffer (Open MPI's single-copy
 //     transport writes a truncated message past the end).
+//   MODE late: the last rank stops (sleeps) before a second communicator's
+//     creation; the others must time out there with an error naming it
+//     ("waiting for rank P-1, which did not arrive").
 #include <unistd.h>
 
 #include <chrono>
@@ -24,6 +27,7 @@ int main(int argc, char** argv) {
   using namespace fusedmoe;
   const bool stuck = argc > 1 && std::strcmp(argv[1], "stuck") == 0;
   const bool mismatch = argc > 1 && std::strcmp(argv[1], "mismatch") == 0;
+  const bool late = argc > 1 && std::strcmp(argv[1], "late") == 0;
   auto world = make_mpi_communicator();
   const int P = world->size(), me = world->rank();
   std::vector<float> v(1024, 1.0f);
@@ -31,6 +35,24 @@ int main(int argc, char** argv) {
   if (v[0] != static_cast<float>(P)) {
     std::fprintf(stderr, "rank %d: first all_reduce_sum gave %g, expected %d\n", me, v[0], P);
     return 2;
+  }
+  if (late) {
+    if (me == P - 1) {
+      std::fprintf(stderr, "rank %d: not creating the second communicator (late)\n", me);
+      std::fflush(stderr);
+      std::this_thread::sleep_for(std::chrono::seconds(600));
+      _exit(0);
+    }
+    try {
+      auto second = make_mpi_communicator();
+      std::fprintf(stderr, "rank %d: the second communicator was created without rank %d\n", me,
+                   P - 1);
+      return 1;
+    } catch (const Error& e) {
+      std::fprintf(stderr, "rank %d: fusedmoe::Error: %s\n", me, e.what());
+      std::fflush(stderr);
+      _exit(3);
+    }
   }
   if (mismatch) {
     const int64_t n = 8192 * (me + 1), guard = 8192 * (P + 1);

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -43,6 +44,21 @@ TEST(BenchRoofline, ShareIsAtMostOneAndSaysWhenACeilingWasRaised) {
   EXPECT_FALSE(s.raised);
   // No time, no share.
   EXPECT_EQ(roofline_share(r, 0.0, c).frac, 0.0);
+}
+
+// The FMA ceiling ran a fixed amount of work on each of `threads` threads:
+// `fusedmoe bench --threads 1024` on 2 cores spent ~7 minutes measuring it
+// (~0.3 s a thread). More threads than CPUs now measure on the CPUs alone, in
+// the time of one thread a CPU, and give a peak all the same.
+TEST(BenchCeilings, ThreadsBeyondTheCpusTakeNoLonger) {
+  const int cpus = usable_cpus();
+  ASSERT_GE(cpus, 1);
+  const auto t0 = std::chrono::steady_clock::now();
+  const double gflops = measure_peak_fma_gflops(64 * cpus);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_GT(gflops, 0.0);
+  EXPECT_LT(seconds, 10.0) << "64 threads a CPU: the measurement grew with the threads";
 }
 
 // The memory budget of `fusedmoe bench` is a share of the machine's memory, or of

@@ -394,6 +394,39 @@ TEST(CpuModularKernel, OutOfMemoryNamesTheBufferAndItsBytes) {
   EXPECT_EQ(out_row, std::vector<float>(H, 1234.5f));
 }
 
+// Routed rows whose workspace is beyond the machine's memory and swap together:
+// refused at once, naming hidden_states and the bytes, before anything is
+// allocated (the buffers were allocated and filled one by one until the largest
+// failed, or the process was ended by the OOM killer, seconds later). 2^26
+// routed rows of 256 KiB each (I = 2^16): 16 TiB, views of one row repeated.
+TEST(CpuModularKernel, WorkspaceBeyondTheMachinesMemoryIsRefusedAtOnce) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  auto kernel = make_cpu_modular_kernel();
+  Workspace ws;
+  const int64_t T = int64_t{1} << 25, E = 2, k = 2, H = 16, I = int64_t{1} << 16;
+  const ExpertWeights w = make_experts(rng, E, H, I, DType::kF32, false);
+  std::vector<float> row(H, 1.0f), out_row(H, 1234.5f), tw_row(k, 0.5f);
+  std::vector<int32_t> ids_row = {0, 1};
+  const int64_t shape_h[] = {T, H}, shape_k[] = {T, k}, strides_h[] = {0, 1}, strides_k[] = {0, 1};
+  const TensorView hidden(row.data(), DType::kF32, shape_h, strides_h);
+  const TensorView out(out_row.data(), DType::kF32, shape_h, strides_h);
+  const TensorView ids(ids_row.data(), DType::kI32, shape_k, strides_k);
+  const TensorView tw(tw_row.data(), DType::kF32, shape_k, strides_k);
+  const std::string msg = test::error_of(
+      [&] { kernel->forward(hidden, ids, tw, w, {}, false, out, ws); }, ErrorCode::kOutOfMemory);
+  EXPECT_HAS(msg,
+             "hidden_states: 33554432 tokens routed to M = 67108864 expert rows (topk_ids "
+             "[33554432, 2]) need ");
+  EXPECT_HAS(msg,
+             " of workspace (f32 [M, H] twice and [M, I], H = 16, I = 65536), more than the "
+             "machine's ");
+  EXPECT_HAS(msg, " of memory and swap; pass fewer tokens a call");
+  EXPECT_EQ(ws.total_bytes(), 0u);  // nothing allocated
+  EXPECT_EQ(out_row, std::vector<float>(H, 1234.5f));
+}
+
 TEST(CpuModularKernel, RejectsBadInputsWithoutWriting) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE(testing::Message() << "seed " << seed);

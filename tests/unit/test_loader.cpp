@@ -484,7 +484,9 @@ TEST(Loader, WeightBeyondF32OnceConvertedIsNamed) {
     const Checkpoint ck = Checkpoint::open(dir.path());
     const std::string msg =
         error_of([&] { load_moe_layer(ck, info, 1, {.progress = false}); }, ErrorCode::kIo);
-    EXPECT_HAS(msg, "tensor 'model.layers.1.mlp.experts.2.down_proj.weight': element [");
+    // The checkpoint first, as every other error of the loader names it.
+    EXPECT_HAS(msg,
+               ck.path() + ": tensor 'model.layers.1.mlp.experts.2.down_proj.weight': element [");
     EXPECT_HAS(msg,
                "is beyond the f32 range once dequantized (times its block's "
                "weight_scale_inv 3e+38)");

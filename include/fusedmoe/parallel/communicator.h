@@ -109,8 +109,10 @@ int launcher_world_size();
 // FUSEDMOE_COMM_TIMEOUT_S, before MPI starts), or `timeout_s` given: seconds
 // in (0, kMaxCommTimeoutSeconds], else Error(kInvalidArgument) (so that a rank
 // whose variable is bad can still join the others' first collective and tell
-// them, with the default deadline). Throws Error(kUnsupported) when the build
-// has no MPI.
+// them, with the default deadline). A creation that a rank does not join
+// within the deadline throws Error(kIo) naming the ranks that did not reach it
+// (each rank sends every other an empty message on MPI_COMM_WORLD first).
+// Throws Error(kUnsupported) when the build has no MPI.
 std::unique_ptr<Communicator> make_mpi_communicator();
 std::unique_ptr<Communicator> make_mpi_communicator(double timeout_s);
 // make_mpi_communicator() when launched_by_mpi(), else a single rank.

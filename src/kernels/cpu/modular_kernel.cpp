@@ -2,12 +2,28 @@
 // finalize) and the CPU backend factory.
 #include "fusedmoe/kernels/modular_kernel.h"
 
+#include <sys/sysinfo.h>
+
 #include <climits>
 
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/workspace_slots.h"
 
 namespace fusedmoe {
+
+namespace {
+// The machine's memory and swap together (bytes; 0 when unknown): no set of
+// allocations, however it is split, can hold more.
+size_t memory_and_swap_bytes() {
+  static const size_t bytes = [] {
+    struct sysinfo si {};
+    if (sysinfo(&si) != 0) return size_t{0};
+    return static_cast<size_t>((static_cast<unsigned long long>(si.totalram) + si.totalswap) *
+                               si.mem_unit);
+  }();
+  return bytes;
+}
+}  // namespace
 
 void ModularKernel::forward(const TensorView& hidden_states, const TensorView& topk_ids,
                             const TensorView& topk_weights, const ExpertWeights& weights,
@@ -52,12 +68,30 @@ void ModularKernel::forward(const TensorView& hidden_states, const TensorView& t
   if (T == 0) return;
   const int32_t* ids = topk_ids.data_as<const int32_t>();
   const int64_t ld_ids = topk_ids.stride(0);
+  int64_t routed = 0;  // M: the slots with an expert
   for (int64_t t = 0; t < T; ++t)
     for (int64_t j = 0; j < k; ++j) {
       const int32_t id = ids[t * ld_ids + j];
       FUSEDMOE_CHECK(id >= -1 && id < E, "topk_ids: expected values in [-1, ", E, "), got ", id,
                      " at [", t, ", ", j, "]");
+      routed += id >= 0;
     }
+  // The workspace of the M routed rows (their hidden states and the experts'
+  // output rows f32 [M, H], the intermediate activations f32 [M, I], their
+  // indices) beyond the machine's memory and swap: refused before anything is
+  // allocated (the buffers were allocated and filled one by one, seconds
+  // before the largest failed, or the process was ended by the OOM killer).
+  const double need = static_cast<double>(routed) * static_cast<double>(8 * H + 4 * I + 4) +
+                      static_cast<double>(T * k) * 4.0;
+  const size_t memory = memory_and_swap_bytes();
+  if (memory > 0 && need > static_cast<double>(memory) &&
+      need > static_cast<double>(ws.total_bytes()))
+    FUSEDMOE_THROW(kOutOfMemory, "hidden_states: ", T, " tokens routed to M = ", routed,
+                   " expert rows (topk_ids [", T, ", ", k, "]) need ",
+                   bytes_str(static_cast<unsigned long long>(need)),
+                   " of workspace (f32 [M, H] twice and [M, I], H = ", H, ", I = ", I,
+                   "), more than the machine's ", bytes_str(memory),
+                   " of memory and swap; pass fewer tokens a call");
 
   // ---- prepare -> experts -> finalize ----
   const PrepareResult prepared =
