@@ -93,16 +93,21 @@ def set_num_threads(num_threads: int) -> None:
 
 def cuda_fused_experts_workspace_bytes(num_tokens: int, hidden_size: int, intermediate_size: int,
                                        num_experts: int, top_k: int,
-                                       apply_router_weight_on_input: bool = False) -> int:
+                                       apply_router_weight_on_input: bool = False,
+                                       w13_layout: str = "standard") -> int:
     """Device bytes of workspace ``fused_experts`` needs on CUDA for these sizes
-    (the functions below allocate it with the caller's framework)."""
+    (the functions below allocate it with the caller's framework). ``w13_layout``:
+    the one the call passes; "interleaved128" needs fewer (no rows of the w13
+    GEMM before the activation: T * top_k * 2 * intermediate_size halves)."""
     sizes = {"num_tokens": num_tokens, "hidden_size": hidden_size,
              "intermediate_size": intermediate_size, "num_experts": num_experts, "top_k": top_k}
     sizes = {k: _int_in(v, k, 0, _I64_MAX) for k, v in sizes.items()}
     on_input = _bool(apply_router_weight_on_input, "apply_router_weight_on_input")
+    w13_layout = _str(w13_layout, "w13_layout", "'standard' or 'interleaved128'")
     if not cuda_built:
         raise NotImplementedError("this build of fusedmoe has no CUDA backend")
-    return _ext.cuda_fused_experts_workspace_bytes(**sizes, apply_router_weight_on_input=on_input)
+    return _ext.cuda_fused_experts_workspace_bytes(**sizes, apply_router_weight_on_input=on_input,
+                                                   w13_layout=w13_layout)
 
 
 def get_num_threads() -> int:
@@ -617,7 +622,7 @@ def _fused_experts_impl(
     if _ndim_ok(w2, 3) and _ndim_ok(tw, 2) and min(w2.shape[0], w2.shape[2], tw.shape[1]) > 0:
         ws_bytes = _ext.cuda_fused_experts_workspace_bytes(
             T, max(H, 1), w2.shape[2], w2.shape[0], tw.shape[1],
-            _bool(apply_router_weight_on_input, "apply_router_weight_on_input"))
+            _bool(apply_router_weight_on_input, "apply_router_weight_on_input"), w13_layout)
     else:
         ws_bytes = 0  # the extension reports the bad shape
     ws = _empty_like_framework(x, (ws_bytes,), "u8")

@@ -18,9 +18,9 @@ def fused_experts(hidden_states: Annotated[NDArray, dict(writable=False)], w13: 
     Routed experts (prepare -> w13 GEMM -> activation -> w2 GEMM -> weighted sum) into `output` [T, H]. CUDA arrays: `workspace` uint8 of at least cuda_fused_experts_workspace_bytes(...) bytes, `stream` a cudaStream_t. `w13_layout`: "standard" (gate rows, then up rows) or, on CUDA only, "interleaved128" (the order interleave_w13 writes).
     """
 
-def cuda_fused_experts_workspace_bytes(num_tokens: int, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, apply_router_weight_on_input: bool = False) -> int:
+def cuda_fused_experts_workspace_bytes(num_tokens: int, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, apply_router_weight_on_input: bool = False, w13_layout: str = 'standard') -> int:
     """
-    Device bytes of workspace the CUDA fused_experts needs for these sizes.
+    Device bytes of workspace the CUDA fused_experts needs for these sizes and w13 layout ("standard" or "interleaved128": fewer bytes).
     """
 
 def cuda_device_count() -> int:

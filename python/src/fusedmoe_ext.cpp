@@ -436,8 +436,9 @@ cuda::FusedExpertsArgs cuda_fused_experts_args(const TensorView& x, const Expert
   FUSEDMOE_CHECK(tw.is_contiguous(), "topk_weights: expected a contiguous tensor");
   FUSEDMOE_CHECK(ti.is_contiguous(), "topk_ids: expected a contiguous tensor");
   check_tensor(out, "output", out.dtype(), {T, H}, true, dev);
-  const size_t need =
-      cuda::fused_experts_workspace_bytes(T, H, I, E, k, apply_router_weight_on_input);
+  const size_t need = cuda::fused_experts_workspace_bytes(
+      T, H, I, E, k, apply_router_weight_on_input,
+      w13_interleaved ? cuda::W13Layout::kInterleaved128 : cuda::W13Layout::kStandard);
   FUSEDMOE_CHECK(ws.has_value(), "workspace: required on CUDA (a uint8 device tensor of ", need,
                  " bytes: fusedmoe.cuda_fused_experts_workspace_bytes)");
   check_tensor(*ws, "workspace", ws->dtype(), {-1}, true, dev);
@@ -621,13 +622,16 @@ std::pair<double, double> time_fused_experts_cuda(const InArray& hidden_states, 
 
 // The same bindings in builds with and without the CUDA backend (one stub).
 size_t cuda_workspace_bytes(int64_t num_tokens, int64_t hidden_size, int64_t intermediate_size,
-                            int64_t num_experts, int64_t top_k, bool apply_router_weight_on_input) {
+                            int64_t num_experts, int64_t top_k, bool apply_router_weight_on_input,
+                            const std::string& w13_layout) {
+  const bool interleaved = parse_w13_layout(w13_layout);
 #ifdef FUSEDMOE_WITH_CUDA
-  return cuda::fused_experts_workspace_bytes(num_tokens, hidden_size, intermediate_size,
-                                             num_experts, top_k, apply_router_weight_on_input);
+  return cuda::fused_experts_workspace_bytes(
+      num_tokens, hidden_size, intermediate_size, num_experts, top_k, apply_router_weight_on_input,
+      interleaved ? cuda::W13Layout::kInterleaved128 : cuda::W13Layout::kStandard);
 #else
   (void)num_tokens, (void)hidden_size, (void)intermediate_size, (void)num_experts, (void)top_k,
-      (void)apply_router_weight_on_input;
+      (void)apply_router_weight_on_input, (void)interleaved;
   FUSEDMOE_THROW(kUnsupported, "this build of fusedmoe has no CUDA backend");
 #endif
 }
@@ -1054,8 +1058,9 @@ NB_MODULE(_ext, m) {
         "order interleave_w13 writes).");
   m.def("cuda_fused_experts_workspace_bytes", &cuda_workspace_bytes, "num_tokens"_a,
         "hidden_size"_a, "intermediate_size"_a, "num_experts"_a, "top_k"_a,
-        "apply_router_weight_on_input"_a = false,
-        "Device bytes of workspace the CUDA fused_experts needs for these sizes.");
+        "apply_router_weight_on_input"_a = false, "w13_layout"_a = "standard",
+        "Device bytes of workspace the CUDA fused_experts needs for these sizes and w13 layout "
+        "(\"standard\" or \"interleaved128\": fewer bytes).");
   m.def("_time_fused_experts_cuda", &time_fused_experts_cuda, "hidden_states"_a, "w13"_a, "w2"_a,
         "topk_weights"_a, "topk_ids"_a, "output"_a, "workspace"_a, "repeat"_a, "stream"_a,
         "Benchmark hook: (total seconds incl. one final stream sync, enqueue seconds) of "

@@ -245,6 +245,16 @@ def test_str_arguments_are_checked_in_python(case):
         fusedmoe.cuda_fused_experts_workspace_bytes(2**70, 16, 8, 4, 2)
     with pytest.raises(TypeError, match="^top_k: expected an int"):
         fusedmoe.cuda_fused_experts_workspace_bytes(4, 16, 8, 4, 2.0)
+    with pytest.raises(TypeError, match="^w13_layout: expected 'standard' or 'interleaved128'"):
+        fusedmoe.cuda_fused_experts_workspace_bytes(4, 16, 8, 4, 2, w13_layout=1)
+    if fusedmoe.cuda_built:
+        with pytest.raises(ValueError, match='^w13_layout: expected "standard" or "interleaved128"'
+                                             ', got "bogus"'):
+            fusedmoe.cuda_fused_experts_workspace_bytes(4, 16, 8, 4, 2, w13_layout="bogus")
+        # interleaved: no rows of the w13 GEMM before the activation (with an sm_90 device)
+        assert fusedmoe.cuda_fused_experts_workspace_bytes(
+            4096, 256, 128, 8, 2, w13_layout="interleaved128") <= \
+            fusedmoe.cuda_fused_experts_workspace_bytes(4096, 256, 128, 8, 2)
 
 
 # ---- 6. dtype errors name the argument and list only its values ------------------------

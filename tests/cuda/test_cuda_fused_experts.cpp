@@ -70,7 +70,7 @@ void run_case(const Case& c, std::mt19937_64& rng, bool on_input = false) {
     cuda::interleave_w13(dw.w13.data_as<uint16_t>(), E, I, H, nullptr);
   DeviceTensor ids_d = DeviceTensor::from_host(ids), tw_d = DeviceTensor::from_host(tw);
   DeviceTensor out(c.io, {T, H}, H + 16);
-  const size_t ws_bytes = cuda::fused_experts_workspace_bytes(T, H, I, E, k, on_input);
+  const size_t ws_bytes = cuda::fused_experts_workspace_bytes(T, H, I, E, k, on_input, c.layout);
   DeviceTensor ws(DType::kU8, {static_cast<int64_t>(ws_bytes)});
   out.poison();
   ws.poison();
@@ -330,6 +330,14 @@ TEST(CudaFusedExperts, ArgumentErrorsNameTheField) {
   const size_t need = cuda::fused_experts_workspace_bytes(4, 64, 32, 8, 2, false);
   EXPECT_GT(need, size_t{4} * 64 * 2);
   EXPECT_GE(cuda::fused_experts_workspace_bytes(400, 64, 32, 8, 2, false), need);
+  // w13 interleaved: no h13 rows where the sm90 path applies the activation in its epilogue.
+  const auto il = cuda::W13Layout::kInterleaved128;
+  const size_t standard = cuda::fused_experts_workspace_bytes(4096, 256, 128, 8, 2, false);
+  const size_t interleaved = cuda::fused_experts_workspace_bytes(4096, 256, 128, 8, 2, false, il);
+  if (cuda::sm90_experts_available())
+    EXPECT_EQ(standard - interleaved, size_t{4096} * 2 * 2 * 128 * 2) << "the h13 rows";
+  else
+    EXPECT_EQ(standard, interleaved);
   void* ws = reinterpret_cast<void*>(uintptr_t{1} << 24);
   auto call = [&](cuda::FusedExpertsArgs b, size_t bytes = 0, void* w = nullptr) {
     return [=] { cuda::fused_experts(b, w ? w : ws, bytes ? bytes : need, nullptr); };

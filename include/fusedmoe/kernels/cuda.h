@@ -421,9 +421,12 @@ struct FusedExpertsArgs {
 };
 // Device bytes fused_experts needs as workspace for these sizes (grows with T;
 // includes the sm90_experts scratch when sm90_experts_available()).
+// w13_layout: the one the call passes (kInterleaved128 needs fewer bytes: no
+// rows of the w13 GEMM before the activation, T * k * 2I halves).
 size_t fused_experts_workspace_bytes(int64_t num_tokens, int64_t hidden_size,
                                      int64_t intermediate_size, int64_t num_experts, int64_t top_k,
-                                     bool apply_router_weight_on_input);
+                                     bool apply_router_weight_on_input,
+                                     W13Layout w13_layout = W13Layout::kStandard);
 void fused_experts(const FusedExpertsArgs& args, void* workspace, size_t workspace_bytes,
                    Stream stream);
 

@@ -227,11 +227,14 @@ struct FunctionalWorkspace {
 };
 
 FunctionalWorkspace carve_functional(Carver& c, int64_t T, int64_t H, int64_t I, int64_t E,
-                                     int64_t k) {
+                                     int64_t k, W13Layout w13_layout) {
   FunctionalWorkspace w;
   w.xb = c.take<uint16_t>(T * H);
-  // Any w13 layout may come (FusedExpertsArgs::w13_layout): room for h13.
-  w.routed = carve(c, T, k, E, H, I, sm90_experts_available(), false);
+  // w13 in HF's order: room for the w13 GEMM's rows before the activation
+  // pass; interleaved: the activation in the GEMM's epilogue, no such rows.
+  const bool glu_epilogue = w13_layout == W13Layout::kInterleaved128 && I % kW13Block == 0 &&
+                            pick_sm90_glu_epilogue(routed_rows_per_expert(T, k, E), E, H, I);
+  w.routed = carve(c, T, k, E, H, I, sm90_experts_available(), glu_epilogue);
   return w;
 }
 
@@ -239,7 +242,8 @@ FunctionalWorkspace carve_functional(Carver& c, int64_t T, int64_t H, int64_t I,
 
 size_t fused_experts_workspace_bytes(int64_t num_tokens, int64_t hidden_size,
                                      int64_t intermediate_size, int64_t num_experts, int64_t top_k,
-                                     bool /*apply_router_weight_on_input: same bytes*/) {
+                                     bool /*apply_router_weight_on_input: same bytes*/,
+                                     W13Layout w13_layout) {
   FUSEDMOE_CHECK(
       num_tokens >= 0 && hidden_size > 0 && intermediate_size > 0 && num_experts > 0 && top_k > 0,
       "fused_experts_workspace_bytes: expected num_tokens >= 0 and positive sizes, got "
@@ -247,7 +251,7 @@ size_t fused_experts_workspace_bytes(int64_t num_tokens, int64_t hidden_size,
       num_tokens, ", H = ", hidden_size, ", I = ", intermediate_size, ", E = ", num_experts,
       ", k = ", top_k);
   Carver c(nullptr);
-  carve_functional(c, num_tokens, hidden_size, intermediate_size, num_experts, top_k);
+  carve_functional(c, num_tokens, hidden_size, intermediate_size, num_experts, top_k, w13_layout);
   return c.used();
 }
 
@@ -256,7 +260,8 @@ void fused_experts(const FusedExpertsArgs& a, void* workspace, size_t workspace_
   const int64_t T = a.num_tokens, H = a.hidden_size, I = a.intermediate_size, E = a.num_experts,
                 k = a.top_k;
   // ---- validate ----
-  const size_t need = fused_experts_workspace_bytes(T, H, I, E, k, a.apply_router_weight_on_input);
+  const size_t need =
+      fused_experts_workspace_bytes(T, H, I, E, k, a.apply_router_weight_on_input, a.w13_layout);
   if (H % 8 != 0 || I % 8 != 0)
     FUSEDMOE_THROW(kUnsupported,
                    "fused_experts (CUDA): hidden_size and intermediate_size must be multiples of "
@@ -304,7 +309,7 @@ void fused_experts(const FusedExpertsArgs& a, void* workspace, size_t workspace_
 
   // ---- launch ----
   Carver c(workspace);
-  const FunctionalWorkspace w = carve_functional(c, T, H, I, E, k);
+  const FunctionalWorkspace w = carve_functional(c, T, H, I, E, k, a.w13_layout);
   to_half_rows(a.hidden_states, a.hidden_dtype, a.ldx, T, H,
                a.apply_router_weight_on_input ? a.topk_weights : nullptr, k, a.weight_dtype, w.xb,
                stream);
