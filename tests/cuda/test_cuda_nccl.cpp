@@ -385,6 +385,14 @@ RunnerOptions cuda_options(int64_t max_tokens) {
   return o;
 }
 
+// A rank's runner options for GPU expert parallelism: its GPU and communicator.
+RunnerOptions ep_rank_options(int64_t max_tokens, int device, std::shared_ptr<Communicator> comm) {
+  RunnerOptions o = cuda_options(max_tokens);
+  o.device = Device{DeviceType::kCUDA, device};
+  o.communicator = std::move(comm);
+  return o;
+}
+
 bool same_bits(const Tensor& a, const Tensor& b) {
   return a.nbytes() == b.nbytes() && std::memcmp(a.data(), b.data(), a.nbytes()) == 0;
 }
@@ -472,9 +480,7 @@ void check_ep(const MoEConfig& base, const MoELayerWeights& w, const std::vector
     MoEConfig c = base;
     c.parallel = parallel_config_for_rank(r, P, 1, 1);
     c.parallel.expert_placement = placement;
-    RunnerOptions o = cuda_options(tmax);
-    o.device = Device{DeviceType::kCUDA, devices[r]};
-    o.communicator = comms[r];
+    RunnerOptions o = ep_rank_options(tmax, devices[r], comms[r]);
     o.dispatch_dtype = payloads.dispatch;
     o.combine_dtype = payloads.combine;
     MoERunner ep(c, w, o);
@@ -950,9 +956,7 @@ void check_peer_graph(const MoEConfig& base, const MoELayerWeights& w, int64_t T
     test::cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
     MoEConfig c = base;
     c.parallel = parallel_config_for_rank(r, P, 1, 1);
-    RunnerOptions o = cuda_options(T);
-    o.device = Device{DeviceType::kCUDA, devices[r]};
-    o.communicator = comms[r];
+    RunnerOptions o = ep_rank_options(T, devices[r], comms[r]);
     o.cuda_stream = stream;
     {
       MoERunner ep(c, w, o);
@@ -1055,9 +1059,7 @@ TEST(CudaEp, PeerTransportForwardsWithoutSyncAndChangingT) {
       test::cuda_ok(cudaSetDevice(devices[r]), "cudaSetDevice");
       MoEConfig cr = c;
       cr.parallel = parallel_config_for_rank(r, n, 1, 1);
-      RunnerOptions o = cuda_options(cap);
-      o.device = Device{DeviceType::kCUDA, devices[r]};
-      o.communicator = comms[r];
+      RunnerOptions o = ep_rank_options(cap, devices[r], comms[r]);
       MoERunner ep(cr, w, o);
       std::vector<DeviceTensor> xd, ld, out;
       for (int64_t f = 0; f < F; ++f) {
@@ -1139,9 +1141,7 @@ TEST(CudaEp, PeerRunnerGraphReplayPadsToCaptureSize) {
       {
         MoEConfig cr = c;
         cr.parallel = parallel_config_for_rank(r, n, 1, 1);
-        RunnerOptions o = cuda_options(cap);
-        o.device = Device{DeviceType::kCUDA, devices[r]};
-        o.communicator = comms[r];
+        RunnerOptions o = ep_rank_options(cap, devices[r], comms[r]);
         o.cuda_stream = stream;
         MoERunner eager(cr, w, o);
         o.cuda_graph_sizes = {16, 1, 4};
@@ -1248,9 +1248,7 @@ TEST(CudaEp, PeerLayersSharingAWorkspaceMatchTheirOwn) {
     for (size_t l = 0; l < cfgs.size(); ++l) {
       MoEConfig c = cfgs[l];
       c.parallel = parallel_config_for_rank(r, n, 1, 1);
-      RunnerOptions o = cuda_options(cap);
-      o.device = Device{DeviceType::kCUDA, devices[r]};
-      o.communicator = comms[r];
+      RunnerOptions o = ep_rank_options(cap, devices[r], comms[r]);
       own.push_back(std::make_unique<MoERunner>(c, ws[l], o));
       o.cuda_workspace = workspace;
       shared.push_back(std::make_unique<MoERunner>(c, ws[l], o));

@@ -332,6 +332,23 @@ void expect_error(Fn&& fn, std::initializer_list<const char*> parts) {
   }
 }
 
+// The inputs of a fused-experts call of T tokens too large to exist: every
+// token is one row (zero row strides); out_row must stay unwritten (1234.5).
+struct OneRowTokens {
+  int64_t H;
+  std::vector<float> row, out_row, tw_row = {0.5f, 0.5f};
+  std::vector<int32_t> ids_row = {0, 1};  // k = 2
+  explicit OneRowTokens(int64_t hidden) : H(hidden), row(hidden, 1.0f), out_row(hidden, 1234.5f) {}
+  TensorView view(void* data, DType dtype, int64_t T, int64_t cols) const {
+    const int64_t shape[] = {T, cols}, strides[] = {0, 1};
+    return TensorView(data, dtype, shape, strides);
+  }
+  TensorView hidden(int64_t T) { return view(row.data(), DType::kF32, T, H); }
+  TensorView out(int64_t T) { return view(out_row.data(), DType::kF32, T, H); }
+  TensorView ids(int64_t T) { return view(ids_row.data(), DType::kI32, T, 2); }
+  TensorView tw(int64_t T) { return view(tw_row.data(), DType::kF32, T, 2); }
+};
+
 // Out of memory: an allocation that fails, or whose size overflows 63 bits, is
 // Error(kOutOfMemory) naming what was allocated and how many bytes (it was a bare
 // std::bad_alloc, the Python module's "MemoryError: std::bad_alloc").
@@ -363,35 +380,26 @@ TEST(CpuModularKernel, OutOfMemoryNamesTheBufferAndItsBytes) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   std::mt19937_64 rng(seed);
   auto kernel = make_cpu_modular_kernel();
-  const int64_t T = int64_t{1} << 56, E = 2, k = 2, H = 16, I = 8;
+  const int64_t T = int64_t{1} << 56, E = 2, H = 16, I = 8;
   const ExpertWeights w = make_experts(rng, E, H, I, DType::kF32, false);
-  std::vector<float> row(H, 1.0f), out_row(H, 1234.5f), tw_row(k, 0.5f);
-  std::vector<int32_t> ids_row = {0, 1};
-  const int64_t shape_h[] = {T, H}, shape_k[] = {T, k}, strides_h[] = {0, 1}, strides_k[] = {0, 1};
-  const TensorView hidden(row.data(), DType::kF32, shape_h, strides_h);
-  const TensorView out(out_row.data(), DType::kF32, shape_h, strides_h);
-  const TensorView ids(ids_row.data(), DType::kI32, shape_k, strides_k);
-  const TensorView tw(tw_row.data(), DType::kF32, shape_k, strides_k);
-  msg = oom_message([&] { kernel->forward(hidden, ids, tw, w, {}, false, out, ws); });
+  OneRowTokens x(H);
+  msg = oom_message(
+      [&] { kernel->forward(x.hidden(T), x.ids(T), x.tw(T), w, {}, false, x.out(T), ws); });
   EXPECT_HAS(msg,
              "out of memory: the routed rows' hidden states, f32 [T, k, H] = "
              "[72057594037927936, 2, 16] of 4-byte elements would take 2^63 bytes or more");
-  EXPECT_EQ(out_row, std::vector<float>(H, 1234.5f));
+  EXPECT_EQ(x.out_row, std::vector<float>(H, 1234.5f));
 
   // 2^31 routed slots (their rows would fit in 64-bit sizes): more than prepare's
   // i32 row indices hold, refused before anything reads the inputs.
   const int64_t T31 = int64_t{1} << 30;
-  const int64_t shape_h31[] = {T31, H}, shape_k31[] = {T31, k};
-  const TensorView hidden31(row.data(), DType::kF32, shape_h31, strides_h);
-  const TensorView out31(out_row.data(), DType::kF32, shape_h31, strides_h);
-  const TensorView ids31(ids_row.data(), DType::kI32, shape_k31, strides_k);
-  const TensorView tw31(tw_row.data(), DType::kF32, shape_k31, strides_k);
-  msg = test::error_of([&] { kernel->forward(hidden31, ids31, tw31, w, {}, false, out31, ws); },
-                       ErrorCode::kUnsupported);
+  msg = test::error_of(
+      [&] { kernel->forward(x.hidden(T31), x.ids(T31), x.tw(T31), w, {}, false, x.out(T31), ws); },
+      ErrorCode::kUnsupported);
   EXPECT_HAS(msg,
              "topk_ids: the CPU backend takes at most 2147483647 routed slots (T * k, i32 row "
              "indices), got 1073741824 * 2 = 2147483648");
-  EXPECT_EQ(out_row, std::vector<float>(H, 1234.5f));
+  EXPECT_EQ(x.out_row, std::vector<float>(H, 1234.5f));
 }
 
 // Routed rows whose workspace is beyond the machine's memory and swap together:
@@ -405,17 +413,12 @@ TEST(CpuModularKernel, WorkspaceBeyondTheMachinesMemoryIsRefusedAtOnce) {
   std::mt19937_64 rng(seed);
   auto kernel = make_cpu_modular_kernel();
   Workspace ws;
-  const int64_t T = int64_t{1} << 25, E = 2, k = 2, H = 16, I = int64_t{1} << 16;
+  const int64_t T = int64_t{1} << 25, E = 2, H = 16, I = int64_t{1} << 16;
   const ExpertWeights w = make_experts(rng, E, H, I, DType::kF32, false);
-  std::vector<float> row(H, 1.0f), out_row(H, 1234.5f), tw_row(k, 0.5f);
-  std::vector<int32_t> ids_row = {0, 1};
-  const int64_t shape_h[] = {T, H}, shape_k[] = {T, k}, strides_h[] = {0, 1}, strides_k[] = {0, 1};
-  const TensorView hidden(row.data(), DType::kF32, shape_h, strides_h);
-  const TensorView out(out_row.data(), DType::kF32, shape_h, strides_h);
-  const TensorView ids(ids_row.data(), DType::kI32, shape_k, strides_k);
-  const TensorView tw(tw_row.data(), DType::kF32, shape_k, strides_k);
+  OneRowTokens x(H);
   const std::string msg = test::error_of(
-      [&] { kernel->forward(hidden, ids, tw, w, {}, false, out, ws); }, ErrorCode::kOutOfMemory);
+      [&] { kernel->forward(x.hidden(T), x.ids(T), x.tw(T), w, {}, false, x.out(T), ws); },
+      ErrorCode::kOutOfMemory);
   EXPECT_HAS(msg,
              "hidden_states: 33554432 tokens routed to M = 67108864 expert rows (topk_ids "
              "[33554432, 2]) need ");
@@ -424,7 +427,7 @@ TEST(CpuModularKernel, WorkspaceBeyondTheMachinesMemoryIsRefusedAtOnce) {
              "machine's ");
   EXPECT_HAS(msg, " of memory and swap; pass fewer tokens a call");
   EXPECT_EQ(ws.total_bytes(), 0u);  // nothing allocated
-  EXPECT_EQ(out_row, std::vector<float>(H, 1234.5f));
+  EXPECT_EQ(x.out_row, std::vector<float>(H, 1234.5f));
 }
 
 TEST(CpuModularKernel, RejectsBadInputsWithoutWriting) {
