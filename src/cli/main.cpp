@@ -13,6 +13,7 @@
 #include <exception>
 #include <filesystem>
 #include <iostream>
+#include <map>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -673,6 +674,7 @@ std::string help_misuse(CLI::App& app, int argc, char** argv) {
   std::vector<char*> kept{argv[0]};
   std::string cmd;  // the command the flag came after ("" for the top level)
   bool options_end = false, saw_version = false;
+  std::map<std::string, int> times;  // of each flag alone, before and after the command
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (!options_end && a == "--") options_end = true;
@@ -688,6 +690,12 @@ std::string help_misuse(CLI::App& app, int argc, char** argv) {
     }
     if (a.size() == flag.size()) {  // the flag alone
       saw_version = saw_version || flag == "--version";
+      const std::string key = cmd + (flag == "-h" ? "--help" : flag);
+      if (++times[key] > 1) {
+        const std::string where = cmd.empty() ? "" : cmd + " ";
+        return where + flag + ": expected once, given " + std::to_string(times[key]) +
+               " times (see fusedmoe " + where + "--help)";
+      }
       continue;
     }
     // "--help=3", "-h=3", "-h3": no value.
@@ -833,6 +841,16 @@ int run_command_line(int argc, char** argv) {
   std::string ran = app.get_subcommands().empty() ? "" : app.get_subcommands()[0]->get_name();
   bool parse_failed = false;
   std::string help_error;  // what --help left unchecked (help_misuse)
+  // "--version=false", "--help=0": CLI11 takes them as the flag not given and
+  // runs the command (or asks for one); a value is a usage error as "--help=3" is.
+  for (int i = 1; i < argc && std::string_view(argv[i]) != "--"; ++i) {
+    const std::string_view a = argv[i];
+    if (a.rfind("--help=", 0) == 0 || a.rfind("--version=", 0) == 0 || a.rfind("-h=", 0) == 0) {
+      help_error = help_misuse(app, argc, argv);
+      parse_failed = !help_error.empty();
+      break;
+    }
+  }
   if (parse_error) {
     try {
       std::rethrow_exception(parse_error);
@@ -848,9 +866,10 @@ int run_command_line(int argc, char** argv) {
       parse_failed = true;
     }
   }
-  const bool collectives = !parse_error && (run->parsed() || bench->parsed());
+  const bool collectives = !parse_error && !parse_failed && (run->parsed() || bench->parsed());
   // It may exec this program again: before MPI starts.
-  if (!parse_error && bench->parsed()) fusedmoe::bench::use_best_openblas_kernel(argv);
+  if (!parse_error && !parse_failed && bench->parsed())
+    fusedmoe::bench::use_best_openblas_kernel(argv);
   try {
     start_launch(ran, parse_failed, collectives);
   } catch (const CollectiveError& e) {

@@ -227,7 +227,13 @@ for c in "--help=3:--help: a flag, expected no value, got \"3\" (see fusedmoe --
   "bench --bogus --help:bench: unknown option --bogus" \
   "inspect --help --bogus:inspect: unknown option --bogus" \
   "run --help --quiet=3:run --quiet: a flag, expected no value (or true / false), got \"3\"" \
-  "--help --bogus:unknown option --bogus before the command" "--version --bogus:unknown option --bogus before the command"; do
+  "--help --bogus:unknown option --bogus before the command" "--version --bogus:unknown option --bogus before the command" \
+  "--version=false:--version: a flag, expected no value, got \"false\" (see fusedmoe --help)" \
+  "--version=false inspect $FIX:--version: a flag, expected no value, got \"false\"" \
+  "inspect --help=false $FIX:inspect --help: a flag, expected no value, got \"false\"" \
+  "--help=0 run --model $FIX --tokens 1:--help: a flag, expected no value, got \"0\"" \
+  "--version --version:--version: expected once, given 2 times (see fusedmoe --help)" \
+  "run --help -h:run -h: expected once, given 2 times (see fusedmoe run --help)"; do
   # shellcheck disable=SC2086
   expect_usage "with --help: ${c%%:*}" "error: ${c#*:}" -- ${c%%:*}
   [ -s "$TMP/stdout" ] && { echo "FAIL with --help: ${c%%:*}: printed the help"; failures=$((failures + 1)); }
