@@ -186,12 +186,13 @@ Tensor read_npy(const std::string& path, const HeaderCheck& check) {
       {"f2", DType::kF16}, {"f4", DType::kF32}, {"f8", DType::kF64},
       {"i1", DType::kI8},  {"i2", DType::kI16}, {"i4", DType::kI32},
       {"i8", DType::kI64}, {"u1", DType::kU8},  {"b1", DType::kBool}};
-  // '<' little-endian, '>' big-endian, '|' not applicable (1 byte), '=' native.
-  const char order = descr.empty() ? '?' : descr[0];
+  // '<' little-endian, '>' big-endian, '|' not applicable (1 byte), '=' native;
+  // none ('f4', as numpy also reads it): native.
+  const bool has_order = !descr.empty() && std::strchr("<>|=", descr[0]) != nullptr;
+  const char order = has_order ? descr[0] : '=';
   const NpyType* type = nullptr;
-  if (order == '<' || order == '>' || order == '|' || order == '=')
-    for (const NpyType& t : kTypes)
-      if (descr.compare(1, std::string::npos, t.code) == 0) type = &t;
+  for (const NpyType& t : kTypes)
+    if (descr.compare(has_order ? 1 : 0, std::string::npos, t.code) == 0) type = &t;
   if (type == nullptr)
     FUSEDMOE_THROW(kIo, path, ": .npy dtype '", descr,
                    "' not supported (expected f2, f4, f8, i1, i2, i4, i8, u1 or b1, little- or "
@@ -201,7 +202,9 @@ Tensor read_npy(const std::string& path, const HeaderCheck& check) {
   std::vector<int64_t> shape;
   uint64_t bytes = dtype_size(dtype);
   bool overflows = false;
-  for (const auto& item : split_list(shape_text)) {
+  for (auto item : split_list(shape_text)) {
+    // Python 2's longs ("(4L, 128L)"), which numpy still reads.
+    if (item.size() > 1 && (item.back() == 'L' || item.back() == 'l')) item.pop_back();
     int64_t d = -1;  // split_list trimmed the item
     const char* e = item.data() + item.size();
     const auto r = std::from_chars(item.data(), e, d);

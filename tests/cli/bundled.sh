@@ -58,12 +58,15 @@ with open(sys.argv[2], "wb") as f:
 # The same values big-endian, f8 and f4 (byte-swapped on load, as the Python API does),
 # and little-endian f4 to compare with.
 # dq4: the le4 array under a header that numpy reads as well, written otherwise: the
-# keys in double quotes, in another order, with spaces around ':' and no trailing comma.
+# keys in double quotes, in another order, with spaces around ':' and no trailing comma;
+# no4: 'f4' with no byte-order character (native); py2: Python 2's longs in the shape.
 for name, code, fmt in (("be8", ">f8", ">%dd"), ("be4", ">f4", ">%df"), ("le4", "<f4", "<%df"),
-                        ("dq4", "<f4", "<%df")):
+                        ("dq4", "<f4", "<%df"), ("no4", "f4", "<%df"), ("py2", "<f4", "<%df")):
     header = "{'descr': '%s', 'fortran_order': False, 'shape': (5, 128), }" % code
     if name == "dq4":
         header = '{ "shape" : ( 5 , 128 ) , "fortran_order" : False , "descr" : "<f4" }'
+    if name == "py2":
+        header = "{'descr': '<f4', 'fortran_order': False, 'shape': (5L, 128L), }"
     header += " " * (63 - (10 + len(header)) % 64) + "\n"
     with open(sys.argv[2].replace("x.npy", name + ".npy"), "wb") as f:
         f.write(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header.encode())
@@ -71,12 +74,14 @@ for name, code, fmt in (("be8", ">f8", ">%dd"), ("be4", ">f4", ">%df"), ("le4", 
 PY
 "$BIN" run --layer 1 --input "$TMP/x.npy" --reference "$REF" --reference-key layers.1.T5.output_f64 --quiet |
   grep -q "relative L2 error .*: ok"
-for n in be8 be4 le4 dq4; do
+for n in be8 be4 le4 dq4 no4 py2; do
   "$BIN" run --layer 1 --input "$TMP/$n.npy" --reference "$REF" --reference-key layers.1.T5.output_f64 \
     --output "$TMP/$n.safetensors" --quiet | grep -q "relative L2 error .*: ok"
 done
 cmp "$TMP/be4.safetensors" "$TMP/le4.safetensors" || { echo "FAIL: big-endian .npy input differs"; exit 1; }
 cmp "$TMP/dq4.safetensors" "$TMP/le4.safetensors" || { echo "FAIL: .npy header in double quotes read otherwise"; exit 1; }
+cmp "$TMP/no4.safetensors" "$TMP/le4.safetensors" || { echo "FAIL: .npy 'f4' (no byte order) read otherwise"; exit 1; }
+cmp "$TMP/py2.safetensors" "$TMP/le4.safetensors" || { echo "FAIL: .npy shape (5L, 128L) read otherwise"; exit 1; }
 # A .npy file is told by its content, whatever its name.
 cp "$TMP/x.npy" "$TMP/x.bin"
 "$BIN" run --layer 1 --input "$TMP/x.bin" --reference "$REF" --reference-key layers.1.T5.output_f64 --quiet |
