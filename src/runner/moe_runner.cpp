@@ -281,24 +281,28 @@ MoERunner::MoERunner(MoEConfig config, MoELayerWeights weights, RunnerOptions op
                                                    options_.compute_dtype, /*routed_sm90=*/true,
                                                    options_.cuda_workspace);
     }
-    if (!options_.cuda_graph_sizes.empty() && cuda_ep_) {
-      // Each rank replays its own graphs (the peer transport's flags advance
-      // on the device); a rank with 0 tokens or more than the largest size
-      // runs eagerly, in step with the others.
-      FUSEDMOE_CHECK(cuda_ep_->capturable(),
+    if (!options_.cuda_graph_sizes.empty()) {
+      // Under expert parallelism each rank replays its own graphs (the peer
+      // transport's flags advance on the device); a rank with 0 tokens or more
+      // than the largest size runs eagerly, in step with the others.
+      FUSEDMOE_CHECK(!cuda_ep_ || cuda_ep_->capturable(),
                      "cuda_graph_sizes: graph replay under GPU expert parallelism needs the "
                      "peer transport (FUSEDMOE_EP_TRANSPORT=peer, or auto where every rank maps "
                      "every other's GPU memory); this layer runs over nccl, which synchronises "
                      "with the host");
       cuda::CudaEpMoELayer* ep = cuda_ep_.get();
+      cuda::CudaMoELayer* one = cuda_.get();
       cuda_graphs_ = std::make_unique<cuda::CudaGraphLayer>(
           config_, options_.max_num_tokens,
-          [ep](const TensorView& x, const TensorView& out, const TensorView* logits,
-               const TensorView* ids, const ForwardOutputs* outs, cuda::Stream st,
-               const int32_t* num_valid) { ep->forward(x, out, logits, ids, outs, st, num_valid); },
+          [ep, one](const TensorView& x, const TensorView& out, const TensorView* logits,
+                    const TensorView* ids, const ForwardOutputs* outs, cuda::Stream st,
+                    const int32_t* num_valid) {
+            if (ep)
+              ep->forward(x, out, logits, ids, outs, st, num_valid);
+            else
+              one->forward(x, out, logits, ids, outs, st, num_valid);
+          },
           options_.cuda_graph_sizes);
-    } else if (!options_.cuda_graph_sizes.empty()) {
-      cuda_graphs_ = std::make_unique<cuda::CudaGraphLayer>(*cuda_, options_.cuda_graph_sizes);
     }
 #else
     FUSEDMOE_THROW(kUnsupported,

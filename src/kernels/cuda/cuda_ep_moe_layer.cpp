@@ -134,7 +134,6 @@ struct PeerWindows {
   // every rank that holds this set-up's windows.
   uint64_t generation[2] = {0, 0};
   bool exported = false;  // the others mapped it: release after a barrier
-  size_t bytes = 0;       // of the window
 
   // Other processes may have mapped the window (CUDA IPC): freeing it before
   // they closed their mapping is undefined, so with `barrier` every rank
@@ -417,7 +416,6 @@ bool CudaEpMoELayer::Impl::setup_peer(EpTransport want) {
   win->generation[0] = infos[0].process;
   win->generation[1] = infos[0].ptr;
   win->exported = true;
-  win->bytes = layout.bytes;
   workspace->attach(key, win);
   rows_seen = DeviceArray(8 * P);
   for (cudaEvent_t& e : ev) FUSEDMOE_CUDA_CHECK(cudaEventCreate(&e));
@@ -566,7 +564,7 @@ bool CudaEpMoELayer::capturable() const {
 }
 
 size_t CudaEpMoELayer::window_bytes() const {
-  return impl_->peer && impl_->own_window ? impl_->win->bytes : 0;
+  return impl_->peer && impl_->own_window ? impl_->layout.bytes : 0;
 }
 
 void CudaEpMoELayer::forward(const TensorView& hidden_states, const TensorView& output,

@@ -48,16 +48,6 @@ struct CudaGraphLayer::Buffers {
   }
 };
 
-CudaGraphLayer::CudaGraphLayer(CudaMoELayer& layer, std::vector<int64_t> capture_sizes)
-    : CudaGraphLayer(
-          layer.config(), layer.max_num_tokens(),
-          [&layer](const TensorView& x, const TensorView& out, const TensorView* logits,
-                   const TensorView* token_ids, const ForwardOutputs* outputs, Stream stream,
-                   const int32_t* num_valid) {
-            layer.forward(x, out, logits, token_ids, outputs, stream, num_valid);
-          },
-          std::move(capture_sizes)) {}
-
 CudaGraphLayer::CudaGraphLayer(const MoEConfig& c, int64_t max_num_tokens, Forward forward,
                                std::vector<int64_t> capture_sizes)
     : forward_(std::move(forward)),

@@ -1,4 +1,5 @@
-// fusedmoe internal: CUDA-graph replay of a CudaMoELayer at fixed capture sizes.
+// fusedmoe internal: CUDA-graph replay of a layer forward (CudaMoELayer or CudaEpMoELayer) at fixed
+// capture sizes.
 //
 // A forward of T tokens runs as the graph captured for the smallest capture
 // size S >= T (captured on first use, then replayed): the caller's rows are
@@ -28,11 +29,10 @@ class CudaGraphLayer {
                                      const TensorView* router_logits, const TensorView* token_ids,
                                      const ForwardOutputs* outputs, Stream stream,
                                      const int32_t* num_valid_tokens)>;
-  // capture_sizes: positive, at most layer.max_num_tokens() (sorted and
-  // de-duplicated here). Throws Error(kInvalidArgument) otherwise.
-  CudaGraphLayer(CudaMoELayer& layer, std::vector<int64_t> capture_sizes);
   // The graphs capture `forward` for a layer of `config` taking at most
-  // max_num_tokens tokens a call (capture_sizes: as above).
+  // max_num_tokens tokens a call. capture_sizes: positive, at most
+  // max_num_tokens (sorted and de-duplicated here); throws
+  // Error(kInvalidArgument) otherwise.
   CudaGraphLayer(const MoEConfig& config, int64_t max_num_tokens, Forward forward,
                  std::vector<int64_t> capture_sizes);
   ~CudaGraphLayer();
