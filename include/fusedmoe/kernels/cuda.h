@@ -375,7 +375,9 @@ void finalize(const FinalizeArgs& args, Stream stream);
 // or f16; f16 hidden states with bf16 weights are converted to bf16, and bf16
 // ones with f16 weights to f16), GEMMs accumulate in f32, the k rows of a
 // token are summed in slot order (deterministic). The pipeline is the CUDA MoE
-// layer's routed experts (the same code): to_half_rows -> for a few slots
+// layer's routed experts (the same code): to_half_rows (skipped where
+// hidden_states are already weight_dtype, not scaled on the input, with H and
+// ldx multiples of 8 and a 16-byte aligned pointer: read in place) -> for a few slots
 // (T * k <= 96, and T <= 4 or T * k <= 2 E) two weight-streaming decode kernels
 // straight from topk_ids (FUSEDMOE_CUDA_DECODE=0 turns them off), otherwise align -> either
 // grouped_gemm (kGlu) -> grouped_gemm (kScatter), or, for many rows per expert

@@ -310,12 +310,20 @@ void fused_experts(const FusedExpertsArgs& a, void* workspace, size_t workspace_
   // ---- launch ----
   Carver c(workspace);
   const FunctionalWorkspace w = carve_functional(c, T, H, I, E, k, a.w13_layout);
-  to_half_rows(a.hidden_states, a.hidden_dtype, a.ldx, T, H,
-               a.apply_router_weight_on_input ? a.topk_weights : nullptr, k, a.weight_dtype, w.xb,
-               stream);
+  // Inputs already in the weights' type are read where they are (the kernels
+  // take a row stride, a multiple of 8 elements: 16-byte rows); others are
+  // converted (and scaled, Llama-4) into xb first.
+  const bool read_in_place = a.hidden_dtype == a.weight_dtype && !a.apply_router_weight_on_input &&
+                             H % 8 == 0 && a.ldx % 8 == 0 &&
+                             reinterpret_cast<uintptr_t>(a.hidden_states) % 16 == 0;
+  if (!read_in_place)
+    to_half_rows(a.hidden_states, a.hidden_dtype, a.ldx, T, H,
+                 a.apply_router_weight_on_input ? a.topk_weights : nullptr, k, a.weight_dtype, w.xb,
+                 stream);
   RoutedExpertsArgs r;
   r.dtype = a.weight_dtype;
-  r.x = w.xb;
+  r.x = read_in_place ? static_cast<const uint16_t*>(a.hidden_states) : w.xb;
+  r.ldx = read_in_place ? a.ldx : H;
   r.topk_ids = a.topk_ids;
   r.topk_weights = a.topk_weights;
   r.num_tokens = T;
