@@ -794,10 +794,19 @@ int run_run(const RunOptions& o) {
   // memory fits, is told to the other ranks at rank_local_done(), not MPI_Abort.
   rank_local_begin();
 
-  // Model and layer.
+  // Model and layer. The errors of --model's files (no such folder, no
+  // config.json, a damaged checkpoint) name the option first, as --output's do.
   const std::string model_dir = o.model.empty() ? bundled_model_dir() : o.model;
-  const ModelInfo info = load_model_info(model_dir);
-  FUSEDMOE_CHECK(!info.moe_layers.empty(), model_dir, ": the model has no MoE layers");
+  const std::string model_flag = o.model.empty() ? "" : "--model: ";
+  const auto model_error = [&](const Error& e) { return Error(e.code(), model_flag + e.what()); };
+  const ModelInfo info = [&] {
+    try {
+      return load_model_info(model_dir);
+    } catch (const Error& e) {
+      throw model_error(e);
+    }
+  }();
+  FUSEDMOE_CHECK(!info.moe_layers.empty(), model_flag, model_dir, ": the model has no MoE layers");
   const int64_t layer = o.layer >= 0 ? o.layer : info.moe_layers.front();
   MoEConfig config = info.layer_config(layer);
   // Every expert-parallel rank holds an expert: name the option here (ExpertMap
@@ -918,7 +927,13 @@ int run_run(const RunOptions& o) {
   }
 
   // Weights and runner.
-  const Checkpoint checkpoint = Checkpoint::open(model_dir);
+  const Checkpoint checkpoint = [&] {
+    try {
+      return Checkpoint::open(model_dir);
+    } catch (const Error& e) {
+      throw model_error(e);
+    }
+  }();
   LoadOptions lopts;
   lopts.progress = root;
   lopts.parallel = config.parallel;  // this rank's share only
@@ -930,7 +945,7 @@ int run_run(const RunOptions& o) {
       std::string what = e.what();
       const std::string hint = "; LoadOptions::check_finite = false skips this check";
       for (size_t at; (at = what.find(hint)) != std::string::npos;) what.erase(at, hint.size());
-      throw Error(e.code(), what);
+      throw Error(e.code(), model_flag + what);
     }
   }();
   const size_t weight_bytes = weights.nbytes();

@@ -65,7 +65,9 @@ run_args=(--layer 1 --input "$REF" --input-key layers.1.T5.input)
 
 # --- damaged checkpoints ---
 corrupt_model "$TMP/truncated" truncate >/dev/null
-expect_error "truncated model.safetensors" "model.safetensors" -- run --model "$TMP/truncated" "${run_args[@]}"
+# Errors of --model's files name the option first, as other options' errors do
+# (they began with the path).
+expect_error "truncated model.safetensors" "error: --model: $TMP/truncated" -- run --model "$TMP/truncated" "${run_args[@]}"
 
 corrupt_model "$TMP/header" header-past-eof >/dev/null
 expect_error "header length past EOF" "model.safetensors" -- run --model "$TMP/header" "${run_args[@]}"
@@ -95,18 +97,18 @@ t=$(corrupt_model "$TMP/missing" rename)
 expect_error "missing expert tensor" "$t" -- run --model "$TMP/missing" "${run_args[@]}"
 
 t=$(corrupt_model "$TMP/nan" nan-weight)
-expect_error "NaN in an expert weight" "'$t': expected finite values, got NaN at [0, 3] (a corrupt checkpoint)" -- \
+expect_error "NaN in an expert weight" "error: --model: $TMP/nan: tensor '$t': expected finite values, got NaN at [0, 3] (a corrupt checkpoint)" -- \
   run --model "$TMP/nan" "${run_args[@]}"
 # (The library's LoadOptions::check_finite, no option of the CLI's, is not named.)
 
 mkdir -p "$TMP/noweights" && cp "$FIX/config.json" "$TMP/noweights/"
-expect_error "no model.safetensors" "model.safetensors" -- run --model "$TMP/noweights" "${run_args[@]}"
+expect_error "no model.safetensors" "error: --model: $TMP/noweights: checkpoint directory has neither model.safetensors" -- run --model "$TMP/noweights" "${run_args[@]}"
 
 # --- bad config.json ---
 mkdir -p "$TMP/unknown"
 cp "$FIX/model.safetensors" "$TMP/unknown/"
 sed 's/"model_type": "deepseek_v3"/"model_type": "frobnicator_moe"/' "$FIX/config.json" >"$TMP/unknown/config.json"
-expect_error "unknown model_type" "frobnicator_moe" -- run --model "$TMP/unknown" "${run_args[@]}"
+expect_error "unknown model_type" "error: --model: $TMP/unknown/config.json: model_type 'frobnicator_moe'" -- run --model "$TMP/unknown" "${run_args[@]}"
 
 # --model (and inspect) naming a file that is no model (a .npy): the same message, not
 # "not valid JSON".
@@ -132,7 +134,7 @@ expect_error "inspect: hidden_act with a newline" "hidden_act 'si\x0alu' is not 
 
 # Paths with control characters: quoted as printable() writes them (a newline
 # as \x0a, not as the "; " that joins a message's own lines; ESC as \x1b).
-expect_error "--model with a newline and ESC" "$TMP/bad\x0aname\x1b: cannot open" -- \
+expect_error "--model with a newline and ESC" "error: --model: $TMP/bad\x0aname\x1b: cannot open" -- \
   run --model "$TMP/bad"$'\n'"name"$'\x1b' "${run_args[@]}"
 expect_error "--model=PATH with a newline" "$TMP/bad\x0aname: cannot open" -- \
   run --model="$TMP/bad"$'\n'"name" "${run_args[@]}"
@@ -144,9 +146,9 @@ expect_error "--output in a missing folder with a newline" \
 
 mkdir -p "$TMP/notjson" && cp "$FIX/model.safetensors" "$TMP/notjson/"
 echo '{"model_type": "deepseek_v3",' >"$TMP/notjson/config.json"
-expect_error "config.json not JSON" "config.json" -- run --model "$TMP/notjson" "${run_args[@]}"
+expect_error "config.json not JSON" "error: --model: $TMP/notjson/config.json: not valid JSON" -- run --model "$TMP/notjson" "${run_args[@]}"
 
-expect_error "nonexistent model dir" "$TMP/does-not-exist" -- run --model "$TMP/does-not-exist" "${run_args[@]}"
+expect_error "nonexistent model dir" "error: --model: $TMP/does-not-exist: cannot open" -- run --model "$TMP/does-not-exist" "${run_args[@]}"
 
 # --- bad inputs / arguments ---
 python3 "$ST" write-f32 "$TMP/small.safetensors" x 5 64
