@@ -235,7 +235,9 @@ for c in "--help=3:--help: a flag, expected no value, got \"3\" (see fusedmoe --
   "inspect --help=false $FIX:inspect --help: a flag, expected no value, got \"false\"" \
   "--help=0 run --model $FIX --tokens 1:--help: a flag, expected no value, got \"0\"" \
   "--version --version:--version: expected once, given 2 times (see fusedmoe --help)" \
-  "run --help -h:run -h: expected once, given 2 times (see fusedmoe run --help)"; do
+  "run --help -h:run -h: expected once, given 2 times (see fusedmoe run --help)" \
+  "--help --version:--version: prints the version only, got --version with --help (fusedmoe --version for the version; fusedmoe --help for the help)" \
+  "--version -h:--version: prints the version only, got --version with -h"; do
   # shellcheck disable=SC2086
   expect_usage "with --help: ${c%%:*}" "error: ${c#*:}" -- ${c%%:*}
   [ -s "$TMP/stdout" ] && { echo "FAIL with --help: ${c%%:*}: printed the help"; failures=$((failures + 1)); }
