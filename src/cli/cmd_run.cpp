@@ -69,28 +69,42 @@ Tensor read_npy(const std::string& path, const HeaderCheck& check) {
   require_regular_file(path);
   std::ifstream f(path, std::ios::binary);
   if (!f) FUSEDMOE_THROW(kIo, path, ": cannot open: ", std::strerror(errno));
+  f.seekg(0, std::ios::end);
+  const auto size = static_cast<uint64_t>(f.tellg());
+  f.seekg(0);
+  // A file that ends before its header does: truncated, with what it lacks.
+  const auto truncated = [&](uint64_t need, const std::string& what) {
+    FUSEDMOE_THROW(kIo, path, ": truncated .npy file: ", size, " bytes, expected at least ", need,
+                   " (", what, ")");
+  };
   char magic[8];
   f.read(magic, 8);
-  if (!f || std::memcmp(magic, kNpyMagic, 6) != 0)
+  if (f.gcount() < 6 || std::memcmp(magic, kNpyMagic, 6) != 0)
     FUSEDMOE_THROW(kIo, path, ": not a .npy file (bad magic)");
+  if (!f)
+    truncated(10, std::string("the 6-byte magic, the 2-byte format version and the header's "
+                              "length; ") +
+                      (size == 6 ? "nothing follows the magic" : "the format version is cut"));
   // Versions 1.0 (2-byte header length), 2.0 and 3.0 (4-byte); another version's
   // layout is unknown, so it is not read as one of these.
   if (magic[6] < 1 || magic[6] > 3 || magic[7] != 0)
     FUSEDMOE_THROW(kIo, path, ": .npy format version ", static_cast<int>(magic[6]), ".",
                    static_cast<int>(magic[7]), " not supported (expected 1.0, 2.0 or 3.0)");
   uint32_t header_len = 0;
-  if (magic[6] == 1) {
-    unsigned char b[2];
-    f.read(reinterpret_cast<char*>(b), 2);
-    header_len = b[0] | (b[1] << 8);
-  } else {
-    unsigned char b[4];
-    f.read(reinterpret_cast<char*>(b), 4);
-    header_len = b[0] | (b[1] << 8) | (b[2] << 16) | (static_cast<uint32_t>(b[3]) << 24);
-  }
+  const int len_bytes = magic[6] == 1 ? 2 : 4;
+  unsigned char b[4] = {};
+  f.read(reinterpret_cast<char*>(b), len_bytes);
+  if (!f)
+    truncated(8 + len_bytes, "the magic, the format version and the " + std::to_string(len_bytes) +
+                                 "-byte header length of version " + std::to_string(magic[6]) +
+                                 ".0");
+  header_len = b[0] | (b[1] << 8) | (b[2] << 16) | (static_cast<uint32_t>(b[3]) << 24);
   std::string header(header_len, '\0');
   f.read(header.data(), header_len);
-  if (!f) FUSEDMOE_THROW(kIo, path, ": truncated .npy header");
+  if (!f)
+    truncated(8 + len_bytes + uint64_t{header_len},
+              "the " + std::to_string(8 + len_bytes) + "-byte preamble and the " +
+                  std::to_string(header_len) + "-byte header it announces");
   // The header is a Python dict literal (padded with spaces, ended by a newline).
   {
     const size_t b = header.find_first_not_of(" \t\r\n"), e = header.find_last_not_of(" \t\r\n");

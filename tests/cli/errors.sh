@@ -1025,6 +1025,10 @@ npy("fals.npy", "{'descr': '<f4', 'fortran_order': Fals, 'shape': (1, 128)}")
 npy("nocomma.npy", "{'descr': '<f4' 'fortran_order': False, 'shape': (1, 128)}")
 h = b"{'descr': '<f4', 'fortran_order': False, 'shape': (1, 128), }"
 open(f"{sys.argv[1]}/v4.npy", "wb").write(b"\x93NUMPY\x04\x00" + struct.pack("<I", len(h)) + h + b"\0" * 512)
+# Cut short: after the magic, in the header's length, in the header.
+open(f"{sys.argv[1]}/magic.npy", "wb").write(b"\x93NUMPY")
+open(f"{sys.argv[1]}/cutlen.npy", "wb").write(b"\x93NUMPY\x02\x00\x76\x00")
+open(f"{sys.argv[1]}/cuthdr.npy", "wb").write(b"\x93NUMPY\x01\x00\x76\x00{'descr'")
 h = b"{'descr': '<f4', 'fortran_order': False, 'shape': (1, 128), }".ljust(117) + b"\n"
 open(f"{sys.argv[1]}/trailing.npy", "wb").write(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(h)) + h + b"\0" * 520)
 PY
@@ -1067,6 +1071,14 @@ expect_error ".npy entries without a comma" "error: --input $TMP/nocomma.npy: ma
   run --model "$FIX" --layer 1 --input "$TMP/nocomma.npy"
 expect_error ".npy format version 4.0" "error: --input $TMP/v4.npy: .npy format version 4.0 not supported (expected 1.0, 2.0 or 3.0)" -- \
   run --model "$FIX" --layer 1 --input "$TMP/v4.npy"
+# A file cut short before its data: named as truncated, with the size it has and needs (a
+# file cut right after its magic was reported as "bad magic").
+expect_error ".npy cut after its magic" "error: --input $TMP/magic.npy: truncated .npy file: 6 bytes, expected at least 10 (the 6-byte magic, the 2-byte format version and the header's length; nothing follows the magic)" -- \
+  run --model "$FIX" --layer 1 --input "$TMP/magic.npy"
+expect_error ".npy cut in its header length" "error: --input $TMP/cutlen.npy: truncated .npy file: 10 bytes, expected at least 12 (the magic, the format version and the 4-byte header length of version 2.0)" -- \
+  run --model "$FIX" --layer 1 --input "$TMP/cutlen.npy"
+expect_error ".npy --reference cut in its header" "error: --reference $TMP/cuthdr.npy: truncated .npy file: 18 bytes, expected at least 128 (the 10-byte preamble and the 118-byte header it announces)" -- \
+  run --model "$FIX" --layer 1 --tokens 2 --reference "$TMP/cuthdr.npy"
 expect_error "--input .safetensors without --input-key" "--input-key is required with a .safetensors file" -- \
   run --model "$FIX" --layer 1 --input "$REF"
 # The reader's errors name the option whose file it is, as the others do (they
