@@ -101,11 +101,34 @@ def test_w13_shape_error_expects_what_w2_implies(case):
     shape w2 [E, H, I] implies: [4, 16, 16] (it said [4, 14, 16], from w13's
     own 15 rows). Where w13 and w2 disagree otherwise, both are named."""
     E, I2, H = case["w13"].shape
-    with pytest.raises(ValueError, match=r"w13: expected f32 \[4, 16, 16\], got f32 \[4, 15, 16\]"):
+    with pytest.raises(ValueError, match=r"^w13: expected f32 \[4, 16, 16\], got f32 \[4, 15, 16\]"):
         _fe(case, w13=case["w13"][:, :-1].copy())
-    with pytest.raises(ValueError, match=r"w13 f32 \[4, 18, 16\] and experts.w2 f32 \[4, 16, 8\] "
-                                         r"disagree"):
+    with pytest.raises(ValueError, match=r"^w13 f32 \[4, 18, 16\] and w2 f32 \[4, 16, 8\] disagree"):
         _fe(case, w13=np.zeros((E, I2 + 2, H), np.float32))
+
+
+def test_weight_shape_errors_name_the_arguments(case):
+    """Shape mismatches of w13, w2 and their biases name the arguments as
+    given, with the expected and actual shapes (they said experts.w13,
+    experts.w2: the kernel's names)."""
+    E, I2, H = case["w13"].shape
+    I = I2 // 2
+    with pytest.raises(ValueError, match=rf"^w13: expected f32 \[{E}, {I2}, {H}\], got f32 "
+                                         rf"\[{E}, {I2}, {H // 2}\]"):
+        _fe(case, w13=case["w13"][:, :, :H // 2].copy())
+    with pytest.raises(ValueError, match=rf"^w2: expected f32 \[{E}, {H}, {I}\], got f32 "
+                                         rf"\[{E}, {H // 2}, {I}\]"):
+        _fe(case, w2=case["w2"][:, :H // 2].copy())
+    with pytest.raises(ValueError, match=rf"^w13 f32 \[{E}, {I2}, {H}\] and w2 f32 "
+                                         rf"\[{E - 1}, {H}, {I}\] disagree"):
+        _fe(case, w2=case["w2"][:-1].copy())
+    b13, b2 = np.zeros((E, I2), np.float32), np.zeros((E, H), np.float32)
+    with pytest.raises(ValueError, match=rf"^w13_bias: expected f32 \[{E}, {I2}\], got f32 "
+                                         rf"\[{E}, 3\]"):
+        _fe(case, w13_bias=np.zeros((E, 3), np.float32), w2_bias=b2)
+    with pytest.raises(ValueError, match=rf"^w2_bias: expected f32 \[{E}, {H}\], got f32 "
+                                         rf"\[{E}, 3\]"):
+        _fe(case, w13_bias=b13, w2_bias=np.zeros((E, 3), np.float32))
 
 
 def test_router_weight_on_input_takes_top_1_only(case):
