@@ -252,6 +252,8 @@ def _ndim(x: Any, name: str, ndim: int, what: str) -> None:
 
 
 _FLOAT, _INT = "a floating dtype", "an integer dtype (int32)"
+# Router logits: what _f32_logits converts (not NumPy's float8 arrays: ml_dtypes).
+_LOGITS = "dtype float32, bfloat16, float16 or float64"
 _HIDDEN_CPU = "dtype float32"  # hidden_states on the CPU (_hidden_dtype has the CUDA ones)
 
 
@@ -334,7 +336,7 @@ def _f32_logits(x: Any, name: str) -> Any:
     if isinstance(x, np.ndarray):
         if x.dtype != np.float32:
             if x.dtype.kind != "f" and x.dtype.name != "bfloat16":
-                raise TypeError(f"{name}: expected a floating dtype, got {x.dtype}")
+                raise TypeError(f"{name}: expected {_LOGITS}, got {x.dtype}")
             wide = x
             with np.errstate(over="ignore"):
                 x = x.astype(np.float32)
@@ -344,7 +346,7 @@ def _f32_logits(x: Any, name: str) -> Any:
     if _is_torch(x):
         if x.dtype != _torch.float32:
             if not x.dtype.is_floating_point:
-                raise TypeError(f"{name}: expected a floating dtype, got {x.dtype}")
+                raise TypeError(f"{name}: expected {_LOGITS}, got {x.dtype}")
             wide = x
             x = x.float()
             if wide.dtype == _torch.float64 and not wide.is_cuda:
@@ -798,7 +800,7 @@ def _hidden_dtype(x: Any, cuda: bool) -> None:
 
 
 def _fused_topk_impl(hidden_states, gating_output, topk, renormalize, scoring_func):
-    logits = _f32_logits(_as_array(gating_output, "gating_output", _FLOAT), "gating_output")
+    logits = _f32_logits(_as_array(gating_output, "gating_output", _LOGITS), "gating_output")
     _ndim(logits, "gating_output", 2, "[T, E]")
     config = {
         "num_experts": int(logits.shape[1]), "top_k": _int(topk, "topk"), "hidden_size": 1,
@@ -843,7 +845,7 @@ def grouped_topk(
 
 def _grouped_topk_impl(gating_output, topk, renormalize, num_expert_group, topk_group,
                        scoring_func, e_score_correction_bias, routed_scaling_factor, group_score):
-    logits = _f32_logits(_as_array(gating_output, "gating_output", _FLOAT), "gating_output")
+    logits = _f32_logits(_as_array(gating_output, "gating_output", _LOGITS), "gating_output")
     _ndim(logits, "gating_output", 2, "[T, E]")
     has_bias = e_score_correction_bias is not None
     config = {
@@ -921,7 +923,7 @@ def select_experts(
         names["top_k"] = "top_k"
     if "top_k" not in cfg:
         raise ValueError("top_k: required (as an argument or in config)")
-    logits = _f32_logits(_as_array(router_logits, "router_logits", _FLOAT), "router_logits")
+    logits = _f32_logits(_as_array(router_logits, "router_logits", _LOGITS), "router_logits")
     _ndim(logits, "router_logits", 2, "[T, E + num_zero_experts]")
     if "num_experts" not in cfg:  # the logits' columns minus the zero experts
         zero = cfg.get("num_zero_experts", 0)
@@ -1216,7 +1218,7 @@ class MoELayer:
         _hidden_dtype(x, self.backend == "cuda")
         T = x.shape[0]
         if router_logits is not None:
-            router_logits = _f32_logits(_as_array(router_logits, "router_logits", _FLOAT),
+            router_logits = _f32_logits(_as_array(router_logits, "router_logits", _LOGITS),
                                         "router_logits")
         if token_ids is not None:
             token_ids = _i32(_as_array(token_ids, "token_ids", _INT), "token_ids")
