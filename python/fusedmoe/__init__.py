@@ -252,6 +252,8 @@ def _ndim(x: Any, name: str, ndim: int, what: str) -> None:
 
 
 _FLOAT, _INT = "a floating dtype", "an integer dtype (int32)"
+# Router logits: what _f32_logits converts (not NumPy's float8 arrays: ml_dtypes).
+_LOGITS = "dtype float32, bfloat16, float16 or float64"
 _HIDDEN_CPU = "dtype float32"  # hidden_states on the CPU (_hidden_dtype has the CUDA ones)
 
 
@@ -292,20 +294,57 @@ def _as_array(x: Any, name: str, expected: str = "a numeric dtype") -> Any:
     return x
 
 
+def _rows_copied(x: Any) -> bool:
+    """Whether _rows(x) copies x: its last dimension is not contiguous or a
+    stride is negative."""
+    if isinstance(x, np.ndarray):
+        return bool(x.ndim) and ((x.strides[-1] != x.itemsize and x.shape[-1] > 1)
+                                 or any(s < 0 for s in x.strides))
+    if _is_torch(x):
+        return bool(x.dim()) and x.stride(-1) != 1 and x.shape[-1] > 1
+    return False
+
+
 def _rows(x: Any) -> Any:
     """Zero copy when the last dimension is contiguous and no stride is
     negative (the extension reads neither), else a contiguous copy."""
     if isinstance(x, np.ndarray):
-        if x.ndim and ((x.strides[-1] != x.itemsize and x.shape[-1] > 1)
-                       or any(s < 0 for s in x.strides)):
-            return np.ascontiguousarray(x)
-        return x
+        return np.ascontiguousarray(x) if _rows_copied(x) else x
     if _is_torch(x):
         if x.requires_grad:
             x = x.detach()
-        if x.dim() and x.stride(-1) != 1 and x.shape[-1] > 1:
+        if _rows_copied(x):
             return x.contiguous()
     return x
+
+
+def _check_host_memory(x: Any, name: str, outputs: Tuple[Tuple[str, int], ...] = (),
+                       to_f32: bool = False) -> None:
+    """Before a host array argument `x` [T, ...] is copied (_rows; or
+    converted to float32, `to_f32`) and the call's outputs
+    (`outputs`: (what, bytes) each) are allocated: MemoryError naming `name`
+    and the bytes when together they are more than the machine's memory and
+    swap, as the CPU fused experts check their workspace. A broadcast view
+    (numpy.broadcast_to, stride 0) holds one row whatever its T: its copy or
+    the outputs failed in NumPy first, naming no argument."""
+    if _on_cuda(x) or not x.ndim:
+        return
+    shape = tuple(int(d) for d in x.shape)
+    parts = list(outputs)
+    itemsize, copy = (4 if to_f32 else 0), f"{name} converted to float32 {list(shape)}"
+    if not to_f32 and _rows_copied(x):
+        itemsize = x.element_size() if _is_torch(x) else getattr(x, "itemsize", 0)
+        dtype = str(x.dtype).replace("torch.", "")
+        copy = f"a contiguous copy of {name}, {dtype} {list(shape)}"
+    if itemsize:
+        n = 1
+        for d in shape:
+            n *= d
+        parts.insert(0, (copy, n * itemsize))
+    need = sum(b for _, b in parts)
+    if parts and need > 0:
+        _ext._check_host_bytes(name, min(need, 2**63 - 1),
+                               f"{shape[0]} tokens ({', '.join(w for w, _ in parts)})")
 
 
 def _contiguous(x: Any) -> Any:
@@ -334,21 +373,27 @@ def _f32_logits(x: Any, name: str) -> Any:
     if isinstance(x, np.ndarray):
         if x.dtype != np.float32:
             if x.dtype.kind != "f" and x.dtype.name != "bfloat16":
-                raise TypeError(f"{name}: expected a floating dtype, got {x.dtype}")
+                raise TypeError(f"{name}: expected {_LOGITS}, got {x.dtype}")
+            _check_host_memory(x, name, to_f32=True)
             wide = x
             with np.errstate(over="ignore"):
                 x = x.astype(np.float32)
             if wide.dtype.itemsize > 4:
                 _beyond_f32(name, wide, x, np)
+        else:
+            _check_host_memory(x, name)
         return _rows(x)
     if _is_torch(x):
         if x.dtype != _torch.float32:
             if not x.dtype.is_floating_point:
-                raise TypeError(f"{name}: expected a floating dtype, got {x.dtype}")
+                raise TypeError(f"{name}: expected {_LOGITS}, got {x.dtype}")
+            _check_host_memory(x, name, to_f32=True)
             wide = x
             x = x.float()
             if wide.dtype == _torch.float64 and not wide.is_cuda:
                 _beyond_f32(name, wide.detach(), x.detach(), _torch)
+        else:
+            _check_host_memory(x, name)
         return _rows(x)
     return x
 
@@ -570,10 +615,13 @@ def _fused_experts_impl(
     apply_router_weight_on_input, compute_dtype, weight_dtype, swiglu_alpha, swiglu_limit,
     w13_layout="standard",
 ):
-    x = _rows(_as_array(hidden_states, "hidden_states", _HIDDEN_CPU))
+    x = _as_array(hidden_states, "hidden_states", _HIDDEN_CPU)
     _ndim(x, "hidden_states", 2, "[T, H]")
     cuda = _on_cuda(x)
     _hidden_dtype(x, cuda)
+    T, H = int(x.shape[0]), int(x.shape[1])
+    _check_host_memory(x, "hidden_states", ((f"the output f32 [{T}, {H}]", T * H * 4),))
+    x = _rows(x)
     if compute_dtype is None:
         # CUDA computes in the weights' half type (bf16 or f16).
         # float16 weights of any array library (torch, CuPy: dtype names differ)
@@ -707,6 +755,8 @@ def _route(logits: Any, config: dict, e_score_correction_bias: Any = None, token
         raise ValueError(f"{k_name}: expected 1 <= {k_name} <= {logits.shape[1]} (router logit "
                          f"columns), got {k}")
     T = logits.shape[0]
+    _check_host_memory(logits, logits_name,
+                       ((f"topk_ids and topk_weights [{T}, {k}]", T * k * 8),))
     ids = _empty_like_framework(logits, (T, k), "i32")
     weights = _empty_like_framework(logits, (T, k), "f32")
     if e_score_correction_bias is not None:
@@ -798,7 +848,7 @@ def _hidden_dtype(x: Any, cuda: bool) -> None:
 
 
 def _fused_topk_impl(hidden_states, gating_output, topk, renormalize, scoring_func):
-    logits = _f32_logits(_as_array(gating_output, "gating_output", _FLOAT), "gating_output")
+    logits = _f32_logits(_as_array(gating_output, "gating_output", _LOGITS), "gating_output")
     _ndim(logits, "gating_output", 2, "[T, E]")
     config = {
         "num_experts": int(logits.shape[1]), "top_k": _int(topk, "topk"), "hidden_size": 1,
@@ -843,7 +893,7 @@ def grouped_topk(
 
 def _grouped_topk_impl(gating_output, topk, renormalize, num_expert_group, topk_group,
                        scoring_func, e_score_correction_bias, routed_scaling_factor, group_score):
-    logits = _f32_logits(_as_array(gating_output, "gating_output", _FLOAT), "gating_output")
+    logits = _f32_logits(_as_array(gating_output, "gating_output", _LOGITS), "gating_output")
     _ndim(logits, "gating_output", 2, "[T, E]")
     has_bias = e_score_correction_bias is not None
     config = {
@@ -921,7 +971,7 @@ def select_experts(
         names["top_k"] = "top_k"
     if "top_k" not in cfg:
         raise ValueError("top_k: required (as an argument or in config)")
-    logits = _f32_logits(_as_array(router_logits, "router_logits", _FLOAT), "router_logits")
+    logits = _f32_logits(_as_array(router_logits, "router_logits", _LOGITS), "router_logits")
     _ndim(logits, "router_logits", 2, "[T, E + num_zero_experts]")
     if "num_experts" not in cfg:  # the logits' columns minus the zero experts
         zero = cfg.get("num_zero_experts", 0)
@@ -1211,12 +1261,18 @@ class MoELayer:
         self._impl.check_errors(stream)
 
     def _forward(self, hidden_states, router_logits, token_ids, routing):
-        x = _rows(_as_array(hidden_states, "hidden_states", _HIDDEN_CPU))
+        x = _as_array(hidden_states, "hidden_states", _HIDDEN_CPU)
         _ndim(x, "hidden_states", 2, f"[T, {self.hidden_size}]")
         _hidden_dtype(x, self.backend == "cuda")
-        T = x.shape[0]
+        T, H, E, k = int(x.shape[0]), self.hidden_size, self.num_router_logits, self.top_k
+        outputs = ((f"the output f32 [{T}, {H}]", T * H * 4),)
+        if routing:
+            outputs += ((f"router_logits [{T}, {E}], topk_ids and topk_weights [{T}, {k}]",
+                         T * (E + 2 * k) * 4),)
+        _check_host_memory(x, "hidden_states", outputs)
+        x = _rows(x)
         if router_logits is not None:
-            router_logits = _f32_logits(_as_array(router_logits, "router_logits", _FLOAT),
+            router_logits = _f32_logits(_as_array(router_logits, "router_logits", _LOGITS),
                                         "router_logits")
         if token_ids is not None:
             token_ids = _i32(_as_array(token_ids, "token_ids", _INT), "token_ids")

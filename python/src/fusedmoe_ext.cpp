@@ -536,6 +536,20 @@ void fused_experts(const InArray& hidden_states, const InArray& w13, const InArr
   check_w2_dtype_is_w13s(weights);
   check_dtype(tw, "topk_weights", {DType::kF32});
   check_dtype(ti, "topk_ids", {DType::kI32});
+  // The weights' shapes as ModularKernel::forward takes them (E and I from w2,
+  // H from w13, or from w2 where only w2 agrees with hidden_states), named as
+  // the arguments are: the kernel names them experts.w13, experts.w2.
+  const ExpertSizes sizes = expert_sizes_from_w2(weights, "w13", "w2");
+  const int64_t E = sizes.num_experts, I = sizes.intermediate_size;
+  int64_t H = weights.w13.size(2);
+  if (weights.w2.size(1) != H && x.ndim() == 2 && weights.w2.size(1) == x.size(1))
+    H = weights.w2.size(1);
+  check_tensor(weights.w13.view(), "w13", weights.w13.dtype(), {E, 2 * I, H});
+  check_tensor(weights.w2.view(), "w2", weights.w2.dtype(), {E, H, I});
+  if (weights.w13_bias)
+    check_tensor(weights.w13_bias->view(), "w13_bias", weights.w13_bias->dtype(), {E, 2 * I});
+  if (weights.w2_bias)
+    check_tensor(weights.w2_bias->view(), "w2_bias", weights.w2_bias->dtype(), {E, H});
 
   FunctionalState& s = functional_state();
   nb::gil_scoped_release release;
@@ -1092,6 +1106,20 @@ NB_MODULE(_ext, m) {
   m.def(
       "normalize_config", [](const nb::dict& d) { return config_to_dict(config_from_dict(d)); },
       "config"_a, "The full config dict (defaults filled in) for a partial one.");
+  m.def(
+      "_check_host_bytes",
+      [](const std::string& name, int64_t nbytes, const std::string& what) {
+        const size_t memory = memory_and_swap_bytes();
+        if (memory > 0 && nbytes > 0 && static_cast<uint64_t>(nbytes) > memory)
+          FUSEDMOE_THROW(kOutOfMemory, name, ": ", what, " need ",
+                         bytes_str(static_cast<unsigned long long>(nbytes)),
+                         ", more than the machine's ", bytes_str(memory),
+                         " of memory and swap; pass fewer tokens a call");
+      },
+      "name"_a, "nbytes"_a, "what"_a,
+      "MemoryError \"NAME: WHAT need N bytes, more than the machine's M of memory and swap\" "
+      "when host buffers of `nbytes` cannot fit, as the CPU fused experts check their "
+      "workspace (before the wrapper copies or allocates them).");
   m.def("inspect", &inspect, "path"_a,
         "Describes a model directory (or lists a .safetensors file): the content of "
         "`fusedmoe inspect PATH --json`.");

@@ -416,10 +416,27 @@ def test_router_logits_of_any_float_dtype_are_converted(mixtral, rng):
     ref = mixtral(x, router_logits=logits.astype(np.float32))
     np.testing.assert_array_equal(mixtral(x, router_logits=logits), ref)
     np.testing.assert_array_equal(mixtral(x, router_logits=logits.astype(np.float64)), ref)
-    with pytest.raises(TypeError, match="^router_logits: expected a floating dtype"):
+    with pytest.raises(TypeError, match="^router_logits: expected dtype float32, bfloat16, float16 or float64, got int32$"):
         mixtral(x, router_logits=logits.astype(np.int32))
     with pytest.raises(TypeError, match="^hidden_states: expected dtype float32, got float64"):
         mixtral(x.astype(np.float64))
+
+
+def test_float8_router_logits_name_the_accepted_dtypes(mixtral):
+    """ml_dtypes' float8 logits are refused naming the dtypes taken and the one
+    given (they read "expected a floating dtype": float8 is one)."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    x = np.zeros((2, mixtral.hidden_size), np.float32)
+    g = np.zeros((2, mixtral.num_router_logits), ml_dtypes.float8_e4m3fn)
+    want = "expected dtype float32, bfloat16, float16 or float64, got float8_e4m3fn$"
+    with pytest.raises(TypeError, match="^router_logits: " + want):
+        mixtral(x, router_logits=g)
+    with pytest.raises(TypeError, match="^router_logits: " + want):
+        fusedmoe.select_experts(g, 2)
+    with pytest.raises(TypeError, match="^gating_output: " + want):
+        fusedmoe.fused_topk(None, g, 2, True)
+    with pytest.raises(TypeError, match="^gating_output: " + want):
+        fusedmoe.grouped_topk(g, 2, True, 4, 2)
 
 
 def _no_dlpack_arrays(shape):
@@ -458,15 +475,15 @@ def test_arrays_without_dlpack_form_are_named(mixtral, case):
             fusedmoe.fused_experts(c["x"], c["w13"], c["w2"], bad, c["ids"])
         with pytest.raises(TypeError, match=r"^topk_ids: expected an integer dtype \(int32\)"):
             fusedmoe.fused_experts(c["x"], c["w13"], c["w2"], c["tw"], bad)
-        with pytest.raises(TypeError, match="^gating_output: expected a floating dtype, got "):
+        with pytest.raises(TypeError, match="^gating_output: expected dtype float32, bfloat16, float16 or float64, got "):
             fusedmoe.fused_topk(None, bad, 1, True)
-        with pytest.raises(TypeError, match="^router_logits: expected a floating dtype, got "):
+        with pytest.raises(TypeError, match="^router_logits: expected dtype float32, bfloat16, float16 or float64, got "):
             fusedmoe.select_experts(bad, 1)
     for dt, bad in _no_dlpack_arrays(c["w13"].shape).items():
         with pytest.raises(TypeError, match="^w13: expected dtype float32 or bfloat16"):
             fusedmoe.fused_experts(c["x"], bad, c["w2"], c["tw"], c["ids"])
     bad = _no_dlpack_arrays((2, mixtral.num_router_logits))["object"]
-    with pytest.raises(TypeError, match="^router_logits: expected a floating dtype, got object"):
+    with pytest.raises(TypeError, match="^router_logits: expected dtype float32, bfloat16, float16 or float64, got object"):
         mixtral(x, router_logits=bad)
 
 

@@ -101,11 +101,34 @@ def test_w13_shape_error_expects_what_w2_implies(case):
     shape w2 [E, H, I] implies: [4, 16, 16] (it said [4, 14, 16], from w13's
     own 15 rows). Where w13 and w2 disagree otherwise, both are named."""
     E, I2, H = case["w13"].shape
-    with pytest.raises(ValueError, match=r"w13: expected f32 \[4, 16, 16\], got f32 \[4, 15, 16\]"):
+    with pytest.raises(ValueError, match=r"^w13: expected f32 \[4, 16, 16\], got f32 \[4, 15, 16\]"):
         _fe(case, w13=case["w13"][:, :-1].copy())
-    with pytest.raises(ValueError, match=r"w13 f32 \[4, 18, 16\] and experts.w2 f32 \[4, 16, 8\] "
-                                         r"disagree"):
+    with pytest.raises(ValueError, match=r"^w13 f32 \[4, 18, 16\] and w2 f32 \[4, 16, 8\] disagree"):
         _fe(case, w13=np.zeros((E, I2 + 2, H), np.float32))
+
+
+def test_weight_shape_errors_name_the_arguments(case):
+    """Shape mismatches of w13, w2 and their biases name the arguments as
+    given, with the expected and actual shapes (they said experts.w13,
+    experts.w2: the kernel's names)."""
+    E, I2, H = case["w13"].shape
+    I = I2 // 2
+    with pytest.raises(ValueError, match=rf"^w13: expected f32 \[{E}, {I2}, {H}\], got f32 "
+                                         rf"\[{E}, {I2}, {H // 2}\]"):
+        _fe(case, w13=case["w13"][:, :, :H // 2].copy())
+    with pytest.raises(ValueError, match=rf"^w2: expected f32 \[{E}, {H}, {I}\], got f32 "
+                                         rf"\[{E}, {H // 2}, {I}\]"):
+        _fe(case, w2=case["w2"][:, :H // 2].copy())
+    with pytest.raises(ValueError, match=rf"^w13 f32 \[{E}, {I2}, {H}\] and w2 f32 "
+                                         rf"\[{E - 1}, {H}, {I}\] disagree"):
+        _fe(case, w2=case["w2"][:-1].copy())
+    b13, b2 = np.zeros((E, I2), np.float32), np.zeros((E, H), np.float32)
+    with pytest.raises(ValueError, match=rf"^w13_bias: expected f32 \[{E}, {I2}\], got f32 "
+                                         rf"\[{E}, 3\]"):
+        _fe(case, w13_bias=np.zeros((E, 3), np.float32), w2_bias=b2)
+    with pytest.raises(ValueError, match=rf"^w2_bias: expected f32 \[{E}, {H}\], got f32 "
+                                         rf"\[{E}, 3\]"):
+        _fe(case, w13_bias=b13, w2_bias=np.zeros((E, 3), np.float32))
 
 
 def test_router_weight_on_input_takes_top_1_only(case):
@@ -402,3 +425,55 @@ def test_fused_experts_beyond_the_machines_memory_fails_at_once():
     assert (f" of workspace (f32 [M, H] twice and [M, I], H = {H}, I = {I}), more than the "
             f"machine's ") in str(e.value)
     assert str(e.value).endswith(" of memory and swap; pass fewer tokens a call")
+
+
+def _memory_and_swap():
+    swap = 0
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("SwapTotal:"):
+                swap = int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") + swap
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/meminfo: Linux")
+def test_broadcast_inputs_beyond_the_machines_memory_name_the_argument(case, layer):
+    """A broadcast view (numpy.broadcast_to, stride 0) of T rows beyond the
+    machine's memory holds one row: its contiguous copy, or the outputs the
+    call allocates for its T rows, raised NumPy's MemoryError ("Unable to
+    allocate ...", naming no argument) before any check. Now the bytes are
+    checked first: a MemoryError naming the argument, as the CPU experts'
+    own check names hidden_states. Nothing is allocated."""
+    memory = _memory_and_swap()
+    tail = " of memory and swap; pass fewer tokens a call"
+    H = case["x"].shape[1]
+    T = 2 * memory // (4 * H) + 1  # the output f32 [T, H] alone: twice the memory
+    tw = np.broadcast_to(case["tw"][0], (T, case["tw"].shape[1]))
+    ids = np.broadcast_to(case["ids"][0], (T, case["ids"].shape[1]))
+    row = np.broadcast_to(case["x"][0], (T, H))  # strides (0, 4): no copy
+    one = np.broadcast_to(np.float32(1), (T, H))  # strides (0, 0): a contiguous copy
+    with pytest.raises(MemoryError, match=rf"^hidden_states: {T} tokens \(the output f32 "
+                                          rf"\[{T}, {H}\]\) need {T * H * 4} bytes \("):
+        fusedmoe.fused_experts(row, case["w13"], case["w2"], tw, ids)
+    with pytest.raises(MemoryError, match=rf"^hidden_states: {T} tokens \(a contiguous copy of "
+                                          rf"hidden_states, float32 \[{T}, {H}\], the output f32 "
+                                          rf"\[{T}, {H}\]\) need {T * H * 8} bytes") as e:
+        fusedmoe.fused_experts(one, case["w13"], case["w2"], tw, ids)
+    assert str(e.value).endswith(tail), str(e.value)
+    H = layer.hidden_size
+    T = 2 * memory // (4 * H) + 1
+    for routing in (False, True):
+        with pytest.raises(MemoryError, match=rf"^hidden_states: {T} tokens \(the output f32 "
+                                              rf"\[{T}, {H}\]") as e:
+            layer(np.broadcast_to(np.ones(H, np.float32), (T, H)), return_routing=routing)
+        assert str(e.value).endswith(tail), str(e.value)
+    # Router logits: their float32 conversion, and the topk outputs.
+    E = 8
+    T = memory // (4 * E) + 1
+    with pytest.raises(MemoryError, match=rf"^router_logits: {T} tokens \(router_logits converted "
+                                          rf"to float32 \[{T}, {E}\]\) need {T * E * 4} bytes"):
+        fusedmoe.select_experts(np.broadcast_to(np.zeros(E, np.float16), (T, E)), 2)
+    T = memory // (8 * 2) + 1
+    with pytest.raises(MemoryError, match=rf"^gating_output: {T} tokens \(topk_ids and "
+                                          rf"topk_weights \[{T}, 2\]\) need {T * 16} bytes"):
+        fusedmoe.fused_topk(None, np.broadcast_to(np.zeros(E, np.float32), (T, E)), 2, True)

@@ -69,28 +69,42 @@ Tensor read_npy(const std::string& path, const HeaderCheck& check) {
   require_regular_file(path);
   std::ifstream f(path, std::ios::binary);
   if (!f) FUSEDMOE_THROW(kIo, path, ": cannot open: ", std::strerror(errno));
+  f.seekg(0, std::ios::end);
+  const auto size = static_cast<uint64_t>(f.tellg());
+  f.seekg(0);
+  // A file that ends before its header does: truncated, with what it lacks.
+  const auto truncated = [&](uint64_t need, const std::string& what) {
+    FUSEDMOE_THROW(kIo, path, ": truncated .npy file: ", size, " bytes, expected at least ", need,
+                   " (", what, ")");
+  };
   char magic[8];
   f.read(magic, 8);
-  if (!f || std::memcmp(magic, kNpyMagic, 6) != 0)
+  if (f.gcount() < 6 || std::memcmp(magic, kNpyMagic, 6) != 0)
     FUSEDMOE_THROW(kIo, path, ": not a .npy file (bad magic)");
+  if (!f)
+    truncated(10, std::string("the 6-byte magic, the 2-byte format version and the header's "
+                              "length; ") +
+                      (size == 6 ? "nothing follows the magic" : "the format version is cut"));
   // Versions 1.0 (2-byte header length), 2.0 and 3.0 (4-byte); another version's
   // layout is unknown, so it is not read as one of these.
   if (magic[6] < 1 || magic[6] > 3 || magic[7] != 0)
     FUSEDMOE_THROW(kIo, path, ": .npy format version ", static_cast<int>(magic[6]), ".",
                    static_cast<int>(magic[7]), " not supported (expected 1.0, 2.0 or 3.0)");
   uint32_t header_len = 0;
-  if (magic[6] == 1) {
-    unsigned char b[2];
-    f.read(reinterpret_cast<char*>(b), 2);
-    header_len = b[0] | (b[1] << 8);
-  } else {
-    unsigned char b[4];
-    f.read(reinterpret_cast<char*>(b), 4);
-    header_len = b[0] | (b[1] << 8) | (b[2] << 16) | (static_cast<uint32_t>(b[3]) << 24);
-  }
+  const int len_bytes = magic[6] == 1 ? 2 : 4;
+  unsigned char b[4] = {};
+  f.read(reinterpret_cast<char*>(b), len_bytes);
+  if (!f)
+    truncated(8 + len_bytes, "the magic, the format version and the " + std::to_string(len_bytes) +
+                                 "-byte header length of version " + std::to_string(magic[6]) +
+                                 ".0");
+  header_len = b[0] | (b[1] << 8) | (b[2] << 16) | (static_cast<uint32_t>(b[3]) << 24);
   std::string header(header_len, '\0');
   f.read(header.data(), header_len);
-  if (!f) FUSEDMOE_THROW(kIo, path, ": truncated .npy header");
+  if (!f)
+    truncated(8 + len_bytes + uint64_t{header_len},
+              "the " + std::to_string(8 + len_bytes) + "-byte preamble and the " +
+                  std::to_string(header_len) + "-byte header it announces");
   // The header is a Python dict literal (padded with spaces, ended by a newline).
   {
     const size_t b = header.find_first_not_of(" \t\r\n"), e = header.find_last_not_of(" \t\r\n");
@@ -794,10 +808,19 @@ int run_run(const RunOptions& o) {
   // memory fits, is told to the other ranks at rank_local_done(), not MPI_Abort.
   rank_local_begin();
 
-  // Model and layer.
+  // Model and layer. The errors of --model's files (no such folder, no
+  // config.json, a damaged checkpoint) name the option first, as --output's do.
   const std::string model_dir = o.model.empty() ? bundled_model_dir() : o.model;
-  const ModelInfo info = load_model_info(model_dir);
-  FUSEDMOE_CHECK(!info.moe_layers.empty(), model_dir, ": the model has no MoE layers");
+  const std::string model_flag = o.model.empty() ? "" : "--model: ";
+  const auto model_error = [&](const Error& e) { return Error(e.code(), model_flag + e.what()); };
+  const ModelInfo info = [&] {
+    try {
+      return load_model_info(model_dir);
+    } catch (const Error& e) {
+      throw model_error(e);
+    }
+  }();
+  FUSEDMOE_CHECK(!info.moe_layers.empty(), model_flag, model_dir, ": the model has no MoE layers");
   const int64_t layer = o.layer >= 0 ? o.layer : info.moe_layers.front();
   MoEConfig config = info.layer_config(layer);
   // Every expert-parallel rank holds an expert: name the option here (ExpertMap
@@ -918,7 +941,13 @@ int run_run(const RunOptions& o) {
   }
 
   // Weights and runner.
-  const Checkpoint checkpoint = Checkpoint::open(model_dir);
+  const Checkpoint checkpoint = [&] {
+    try {
+      return Checkpoint::open(model_dir);
+    } catch (const Error& e) {
+      throw model_error(e);
+    }
+  }();
   LoadOptions lopts;
   lopts.progress = root;
   lopts.parallel = config.parallel;  // this rank's share only
@@ -930,7 +959,7 @@ int run_run(const RunOptions& o) {
       std::string what = e.what();
       const std::string hint = "; LoadOptions::check_finite = false skips this check";
       for (size_t at; (at = what.find(hint)) != std::string::npos;) what.erase(at, hint.size());
-      throw Error(e.code(), what);
+      throw Error(e.code(), model_flag + what);
     }
   }();
   const size_t weight_bytes = weights.nbytes();

@@ -674,6 +674,7 @@ std::string help_misuse(CLI::App& app, int argc, char** argv) {
   std::vector<char*> kept{argv[0]};
   std::string cmd;  // the command the flag came after ("" for the top level)
   bool options_end = false, saw_version = false;
+  std::string top_help;              // --help or -h given before any command
   std::map<std::string, int> times;  // of each flag alone, before and after the command
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -690,6 +691,7 @@ std::string help_misuse(CLI::App& app, int argc, char** argv) {
     }
     if (a.size() == flag.size()) {  // the flag alone
       saw_version = saw_version || flag == "--version";
+      if (cmd.empty() && flag != "--version" && top_help.empty()) top_help = flag;
       const std::string key = cmd + (flag == "-h" ? "--help" : flag);
       if (++times[key] > 1) {
         const std::string where = cmd.empty() ? "" : cmd + " ";
@@ -707,6 +709,10 @@ std::string help_misuse(CLI::App& app, int argc, char** argv) {
   // --version prints the version and nothing else: a command beside it
   // ("fusedmoe --version run ...") would not run, so it is a usage error.
   const auto version_with_command = [&]() -> std::string {
+    // Nor beside --help: one of the two would be left unsaid.
+    if (saw_version && app.get_subcommands().empty() && !top_help.empty())
+      return "--version: prints the version only, got --version with " + top_help +
+             " (fusedmoe --version for the version; fusedmoe --help for the help)";
     if (!saw_version || app.get_subcommands().empty()) return "";
     const std::string name = app.get_subcommands()[0]->get_name();
     return "--version: prints the version only and takes no command, got --version with " + name +

@@ -65,7 +65,9 @@ run_args=(--layer 1 --input "$REF" --input-key layers.1.T5.input)
 
 # --- damaged checkpoints ---
 corrupt_model "$TMP/truncated" truncate >/dev/null
-expect_error "truncated model.safetensors" "model.safetensors" -- run --model "$TMP/truncated" "${run_args[@]}"
+# Errors of --model's files name the option first, as other options' errors do
+# (they began with the path).
+expect_error "truncated model.safetensors" "error: --model: $TMP/truncated" -- run --model "$TMP/truncated" "${run_args[@]}"
 
 corrupt_model "$TMP/header" header-past-eof >/dev/null
 expect_error "header length past EOF" "model.safetensors" -- run --model "$TMP/header" "${run_args[@]}"
@@ -95,18 +97,18 @@ t=$(corrupt_model "$TMP/missing" rename)
 expect_error "missing expert tensor" "$t" -- run --model "$TMP/missing" "${run_args[@]}"
 
 t=$(corrupt_model "$TMP/nan" nan-weight)
-expect_error "NaN in an expert weight" "'$t': expected finite values, got NaN at [0, 3] (a corrupt checkpoint)" -- \
+expect_error "NaN in an expert weight" "error: --model: $TMP/nan: tensor '$t': expected finite values, got NaN at [0, 3] (a corrupt checkpoint)" -- \
   run --model "$TMP/nan" "${run_args[@]}"
 # (The library's LoadOptions::check_finite, no option of the CLI's, is not named.)
 
 mkdir -p "$TMP/noweights" && cp "$FIX/config.json" "$TMP/noweights/"
-expect_error "no model.safetensors" "model.safetensors" -- run --model "$TMP/noweights" "${run_args[@]}"
+expect_error "no model.safetensors" "error: --model: $TMP/noweights: checkpoint directory has neither model.safetensors" -- run --model "$TMP/noweights" "${run_args[@]}"
 
 # --- bad config.json ---
 mkdir -p "$TMP/unknown"
 cp "$FIX/model.safetensors" "$TMP/unknown/"
 sed 's/"model_type": "deepseek_v3"/"model_type": "frobnicator_moe"/' "$FIX/config.json" >"$TMP/unknown/config.json"
-expect_error "unknown model_type" "frobnicator_moe" -- run --model "$TMP/unknown" "${run_args[@]}"
+expect_error "unknown model_type" "error: --model: $TMP/unknown/config.json: model_type 'frobnicator_moe'" -- run --model "$TMP/unknown" "${run_args[@]}"
 
 # --model (and inspect) naming a file that is no model (a .npy): the same message, not
 # "not valid JSON".
@@ -132,7 +134,7 @@ expect_error "inspect: hidden_act with a newline" "hidden_act 'si\x0alu' is not 
 
 # Paths with control characters: quoted as printable() writes them (a newline
 # as \x0a, not as the "; " that joins a message's own lines; ESC as \x1b).
-expect_error "--model with a newline and ESC" "$TMP/bad\x0aname\x1b: cannot open" -- \
+expect_error "--model with a newline and ESC" "error: --model: $TMP/bad\x0aname\x1b: cannot open" -- \
   run --model "$TMP/bad"$'\n'"name"$'\x1b' "${run_args[@]}"
 expect_error "--model=PATH with a newline" "$TMP/bad\x0aname: cannot open" -- \
   run --model="$TMP/bad"$'\n'"name" "${run_args[@]}"
@@ -144,9 +146,9 @@ expect_error "--output in a missing folder with a newline" \
 
 mkdir -p "$TMP/notjson" && cp "$FIX/model.safetensors" "$TMP/notjson/"
 echo '{"model_type": "deepseek_v3",' >"$TMP/notjson/config.json"
-expect_error "config.json not JSON" "config.json" -- run --model "$TMP/notjson" "${run_args[@]}"
+expect_error "config.json not JSON" "error: --model: $TMP/notjson/config.json: not valid JSON" -- run --model "$TMP/notjson" "${run_args[@]}"
 
-expect_error "nonexistent model dir" "$TMP/does-not-exist" -- run --model "$TMP/does-not-exist" "${run_args[@]}"
+expect_error "nonexistent model dir" "error: --model: $TMP/does-not-exist: cannot open" -- run --model "$TMP/does-not-exist" "${run_args[@]}"
 
 # --- bad inputs / arguments ---
 python3 "$ST" write-f32 "$TMP/small.safetensors" x 5 64
@@ -233,7 +235,9 @@ for c in "--help=3:--help: a flag, expected no value, got \"3\" (see fusedmoe --
   "inspect --help=false $FIX:inspect --help: a flag, expected no value, got \"false\"" \
   "--help=0 run --model $FIX --tokens 1:--help: a flag, expected no value, got \"0\"" \
   "--version --version:--version: expected once, given 2 times (see fusedmoe --help)" \
-  "run --help -h:run -h: expected once, given 2 times (see fusedmoe run --help)"; do
+  "run --help -h:run -h: expected once, given 2 times (see fusedmoe run --help)" \
+  "--help --version:--version: prints the version only, got --version with --help (fusedmoe --version for the version; fusedmoe --help for the help)" \
+  "--version -h:--version: prints the version only, got --version with -h"; do
   # shellcheck disable=SC2086
   expect_usage "with --help: ${c%%:*}" "error: ${c#*:}" -- ${c%%:*}
   [ -s "$TMP/stdout" ] && { echo "FAIL with --help: ${c%%:*}: printed the help"; failures=$((failures + 1)); }
@@ -1021,6 +1025,10 @@ npy("fals.npy", "{'descr': '<f4', 'fortran_order': Fals, 'shape': (1, 128)}")
 npy("nocomma.npy", "{'descr': '<f4' 'fortran_order': False, 'shape': (1, 128)}")
 h = b"{'descr': '<f4', 'fortran_order': False, 'shape': (1, 128), }"
 open(f"{sys.argv[1]}/v4.npy", "wb").write(b"\x93NUMPY\x04\x00" + struct.pack("<I", len(h)) + h + b"\0" * 512)
+# Cut short: after the magic, in the header's length, in the header.
+open(f"{sys.argv[1]}/magic.npy", "wb").write(b"\x93NUMPY")
+open(f"{sys.argv[1]}/cutlen.npy", "wb").write(b"\x93NUMPY\x02\x00\x76\x00")
+open(f"{sys.argv[1]}/cuthdr.npy", "wb").write(b"\x93NUMPY\x01\x00\x76\x00{'descr'")
 h = b"{'descr': '<f4', 'fortran_order': False, 'shape': (1, 128), }".ljust(117) + b"\n"
 open(f"{sys.argv[1]}/trailing.npy", "wb").write(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(h)) + h + b"\0" * 520)
 PY
@@ -1063,6 +1071,14 @@ expect_error ".npy entries without a comma" "error: --input $TMP/nocomma.npy: ma
   run --model "$FIX" --layer 1 --input "$TMP/nocomma.npy"
 expect_error ".npy format version 4.0" "error: --input $TMP/v4.npy: .npy format version 4.0 not supported (expected 1.0, 2.0 or 3.0)" -- \
   run --model "$FIX" --layer 1 --input "$TMP/v4.npy"
+# A file cut short before its data: named as truncated, with the size it has and needs (a
+# file cut right after its magic was reported as "bad magic").
+expect_error ".npy cut after its magic" "error: --input $TMP/magic.npy: truncated .npy file: 6 bytes, expected at least 10 (the 6-byte magic, the 2-byte format version and the header's length; nothing follows the magic)" -- \
+  run --model "$FIX" --layer 1 --input "$TMP/magic.npy"
+expect_error ".npy cut in its header length" "error: --input $TMP/cutlen.npy: truncated .npy file: 10 bytes, expected at least 12 (the magic, the format version and the 4-byte header length of version 2.0)" -- \
+  run --model "$FIX" --layer 1 --input "$TMP/cutlen.npy"
+expect_error ".npy --reference cut in its header" "error: --reference $TMP/cuthdr.npy: truncated .npy file: 18 bytes, expected at least 128 (the 10-byte preamble and the 118-byte header it announces)" -- \
+  run --model "$FIX" --layer 1 --tokens 2 --reference "$TMP/cuthdr.npy"
 expect_error "--input .safetensors without --input-key" "--input-key is required with a .safetensors file" -- \
   run --model "$FIX" --layer 1 --input "$REF"
 # The reader's errors name the option whose file it is, as the others do (they

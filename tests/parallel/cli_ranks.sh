@@ -374,7 +374,7 @@ BUNDLED=$("$BIN" --help | sed -n 's/^Bundled model: //p')
 mkdir -p "$TMP/m0/m" "$TMP/m1/m"
 cp "$BUNDLED/config.json" "$BUNDLED/model.safetensors" "$TMP/m0/m/"
 cp "$BUNDLED/config.json" "$TMP/m1/m/"
-expect_error 1 "m: checkpoint directory has neither model.safetensors" 1 -- \
+expect_error 1 "--model: m: checkpoint directory has neither model.safetensors" 1 -- \
   $M "$npflag" 1 -wdir "$TMP/m0" "$BIN" run --model m --quiet --tokens 8 --ep-size 2 : \
   "$npflag" 1 -wdir "$TMP/m1" "$BIN" run --model m --quiet --tokens 8 --ep-size 2
 grep -qE '^fusedmoe: error: rank 0: not run: rank 1 stopped with an error' "$TMP/log" ||

@@ -50,6 +50,11 @@ class Workspace {
 // product overflows 63 bits. Sizes < 0 count as 0.
 size_t checked_bytes(const char* what, std::initializer_list<int64_t> shape, size_t elem_bytes);
 
+// The machine's memory and swap together (bytes; 0 when unknown): no set of
+// allocations, however it is split, can hold more. ModularKernel::forward
+// refuses routed rows whose workspace is more (Error(kOutOfMemory)).
+size_t memory_and_swap_bytes();
+
 // Expert-contiguous routed rows.
 struct PrepareResult {
   TensorView permuted;        // f32 [M, H]: row m = hidden_states[token of m] (x weight if

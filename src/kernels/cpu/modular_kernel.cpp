@@ -11,9 +11,6 @@
 
 namespace fusedmoe {
 
-namespace {
-// The machine's memory and swap together (bytes; 0 when unknown): no set of
-// allocations, however it is split, can hold more.
 size_t memory_and_swap_bytes() {
   static const size_t bytes = [] {
     struct sysinfo si {};
@@ -23,7 +20,6 @@ size_t memory_and_swap_bytes() {
   }();
   return bytes;
 }
-}  // namespace
 
 void ModularKernel::forward(const TensorView& hidden_states, const TensorView& topk_ids,
                             const TensorView& topk_weights, const ExpertWeights& weights,
