@@ -73,14 +73,48 @@ TEST(CudaAlign, PaddedExpertContiguousLayout) {
   const uint64_t seed = test::fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
-  for (int64_t T : {0, 1, 3, 17, 130, 1000, 4096})
-    for (int64_t E : {8, 10, 60, 128, 256})
-      for (int64_t k : {1, 2, 8})
-        for (int bm : {16, 64, 128}) {
-          check_align(T, E, k, bm, rng);
-          if (HasFailure()) return;
-        }
-  check_align(3000, 5000, 4, 16, rng);  // histogram beyond shared memory, multi-chunk scan
+  // The picked kernels (one block up to 8192 slots, or 16384 with <= 32
+  // experts: T = 1500, k = 8), then each forced (FUSEDMOE_CUDA_ALIGN).
+  for (const char* mode : {"", "fused", "grid"}) {
+    SCOPED_TRACE(std::string("FUSEDMOE_CUDA_ALIGN=") + mode);
+    setenv("FUSEDMOE_CUDA_ALIGN", mode, 1);
+    for (int64_t T : {0, 1, 3, 17, 130, 1000, 1500, 4096})
+      for (int64_t E : {8, 10, 60, 128, 256})
+        for (int64_t k : {1, 2, 8})
+          for (int bm : {16, 64, 128}) {
+            check_align(T, E, k, bm, rng);
+            if (HasFailure()) {
+              unsetenv("FUSEDMOE_CUDA_ALIGN");
+              return;
+            }
+          }
+    check_align(3000, 5000, 4, 16, rng);  // histogram beyond shared memory, multi-chunk scan
+  }
+  unsetenv("FUSEDMOE_CUDA_ALIGN");
+}
+
+TEST(CudaAlign, UnknownKernelChoiceIsAnError) {
+  FUSEDMOE_REQUIRE_CUDA();
+  DeviceTensor ids(DType::kI32, {4}), offsets(DType::kI64, {9}), sorted(DType::kI32, {64}),
+      counts(DType::kI32, {8}), cursor(DType::kI32, {8});
+  cuda::AlignArgs a;
+  a.topk_ids = ids.data_as<int32_t>();
+  a.num_slots = 4;
+  a.num_experts = 8;
+  a.expert_offsets = offsets.data_as<int64_t>();
+  a.sorted_slot = sorted.data_as<int32_t>();
+  a.expert_counts = counts.data_as<int32_t>();
+  a.expert_cursor = cursor.data_as<int32_t>();
+  setenv("FUSEDMOE_CUDA_ALIGN", "blocks", 1);
+  try {
+    cuda::align(a, nullptr);
+    ADD_FAILURE() << "FUSEDMOE_CUDA_ALIGN=blocks accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("FUSEDMOE_CUDA_ALIGN: expected fused or grid, got blocks"),
+              std::string::npos)
+        << e.what();
+  }
+  unsetenv("FUSEDMOE_CUDA_ALIGN");
 }
 
 }  // namespace

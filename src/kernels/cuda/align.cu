@@ -5,6 +5,9 @@
 // exclusive prefix sum, 64-bit offsets, padding rows marked -1, per-expert
 // cursors) -> scatter (an atomic cursor per expert). Everything the host does
 // not know (counts, offsets, the number of tiles) stays on the device.
+#include <cstdlib>
+#include <cstring>
+
 #include "fusedmoe/kernels/cuda.h"
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/pdl.cuh"
@@ -99,6 +102,7 @@ __global__ void scatter_kernel(const int32_t* __restrict__ ids, int64_t n, int n
 constexpr int kFusedThreads = 1024;
 constexpr int64_t kFusedMaxSlots = 16384;
 constexpr int kFusedMaxExperts = 1024;
+constexpr int kFusedFewExperts = 32;  // up to kFusedMaxSlots slots (align() has the timings)
 
 __global__ void __launch_bounds__(kFusedThreads)
     align_fused_kernel(const int32_t* __restrict__ ids, int n, int num_experts, int block_m,
@@ -166,7 +170,18 @@ void align(const AlignArgs& a, Stream stream) {
   FUSEDMOE_CHECK(a.expert_offsets && a.sorted_slot && a.expert_counts && a.expert_cursor,
                  "align: output and scratch pointers are required");
   const int E = static_cast<int>(a.num_experts);
-  if (a.num_slots <= kFusedMaxSlots && E <= kFusedMaxExperts) {
+  // The one-block kernel where it fits and is faster (session 16, ncu, us,
+  // one block vs count + scan + scatter, bench/results/2026-11-30-session16.md):
+  // E = 128 / 256 at 2048-4096 slots 5-7 vs 8-10, at 8192 11-12 vs 9-10 (+ the
+  // memset: a tie), at 16384 20-21 vs 11-12; E = 8 at 8192 5.8 vs 9.5.
+  // FUSEDMOE_CUDA_ALIGN=fused|grid forces one (fused: where it fits).
+  const char* env = std::getenv("FUSEDMOE_CUDA_ALIGN");
+  const bool set = env != nullptr && env[0] != '\0';
+  FUSEDMOE_CHECK(!set || std::strcmp(env, "fused") == 0 || std::strcmp(env, "grid") == 0,
+                 "FUSEDMOE_CUDA_ALIGN: expected fused or grid, got ", env);
+  const bool fits = a.num_slots <= kFusedMaxSlots && E <= kFusedMaxExperts;
+  const bool faster = a.num_slots <= kFusedMaxSlots / 2 || E <= kFusedFewExperts;
+  if (fits && (set ? std::strcmp(env, "fused") == 0 : faster)) {
     launch_pdl(align_fused_kernel, 1, kFusedThreads, 0, stream, a.topk_ids,
                static_cast<int>(a.num_slots), E, a.block_m, a.expert_offsets, a.sorted_slot);
     return;
