@@ -534,6 +534,32 @@ def _use_torch_ops(*xs: Any) -> bool:
     return _torch_ops is not None and any(_is_torch(x) for x in xs)
 
 
+def _needs_op(*xs: Any) -> bool:
+    """For a call with torch tensors: whether it must go through its
+    ``torch.ops.fusedmoe`` op rather than straight to the implementation the op
+    runs (the op's dispatch costs tens of µs a call): while torch.compile or
+    export traces, or any torch function / dispatch mode is active; for tensor
+    subclasses (FakeTensor, ...; nn.Parameter excepted) and functorch's wrapped
+    tensors; and when autograd records (an input requires grad with grad mode
+    on: the op's formula refuses a backward)."""
+    t = _torch
+    try:
+        if (t.compiler.is_compiling() or t._C._is_torch_function_mode_enabled()
+                or t._C._len_torch_dispatch_stack() > 0):
+            return True
+        grad = t.is_grad_enabled()
+        for x in xs:
+            if not _is_torch(x):
+                continue
+            if type(x) is not t.Tensor and type(x) is not t.nn.Parameter:
+                return True
+            if (grad and x.requires_grad) or t._C._functorch.is_functorch_wrapped_tensor(x):
+                return True
+    except AttributeError:  # a torch without these: the op always
+        return True
+    return False
+
+
 # ---- functional ops ---------------------------------------------------------------
 
 
@@ -599,10 +625,12 @@ def fused_experts(
         _same_library(ref_name, ref, hidden_states=hidden_states, w13=w13, w2=w2,
                       topk_weights=topk_weights, topk_ids=topk_ids, w13_bias=w13_bias,
                       w2_bias=w2_bias)
-        return _torch.ops.fusedmoe.fused_experts(
-            hidden_states, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias,
-            apply_router_weight_on_input, compute_dtype, swiglu_alpha, swiglu_limit, w13_layout,
-        )
+        if _needs_op(hidden_states, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias):
+            return _torch.ops.fusedmoe.fused_experts(
+                hidden_states, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias,
+                apply_router_weight_on_input, compute_dtype, swiglu_alpha, swiglu_limit,
+                w13_layout,
+            )
     return _fused_experts_impl(
         hidden_states, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias,
         apply_router_weight_on_input, compute_dtype, weight_dtype, swiglu_alpha, swiglu_limit,
@@ -816,7 +844,7 @@ def fused_topk(
     _same_library("gating_output", gating_output, hidden_states=hidden_states)
     if hidden_states is not None:
         _check_hidden_states(hidden_states, gating_output)
-    if _use_torch_ops(gating_output):
+    if _use_torch_ops(gating_output) and _needs_op(gating_output):
         return _torch.ops.fusedmoe.fused_topk(gating_output, topk, renormalize, scoring_func)
     return _fused_topk_impl(hidden_states, gating_output, topk, renormalize, scoring_func)
 
@@ -882,7 +910,7 @@ def grouped_topk(
     topk_group = _int(topk_group, "topk_group")
     _check_array(gating_output, "gating_output")
     _same_library("gating_output", gating_output, e_score_correction_bias=e_score_correction_bias)
-    if _use_torch_ops(gating_output):
+    if _use_torch_ops(gating_output) and _needs_op(gating_output, e_score_correction_bias):
         return _torch.ops.fusedmoe.grouped_topk(
             gating_output, topk, renormalize, num_expert_group, topk_group, scoring_func,
             e_score_correction_bias, routed_scaling_factor, group_score)
@@ -1231,7 +1259,8 @@ class MoELayer:
         _check_array(hidden_states, "hidden_states")
         _same_library("hidden_states", hidden_states, router_logits=router_logits,
                       token_ids=token_ids)
-        if token_ids is None and _use_torch_ops(hidden_states):
+        if (token_ids is None and _use_torch_ops(hidden_states)
+                and _needs_op(hidden_states, router_logits)):
             return _torch.ops.fusedmoe.moe_layer(hidden_states, self._id, router_logits)
         return self._forward(hidden_states, router_logits, token_ids, False)
 
@@ -1244,7 +1273,8 @@ class MoELayer:
         _check_array(hidden_states, "hidden_states")
         _same_library("hidden_states", hidden_states, router_logits=router_logits,
                       token_ids=token_ids)
-        if token_ids is None and _use_torch_ops(hidden_states):
+        if (token_ids is None and _use_torch_ops(hidden_states)
+                and _needs_op(hidden_states, router_logits)):
             return _torch.ops.fusedmoe.moe_layer_with_routing(hidden_states, self._id,
                                                               router_logits)
         return self._forward(hidden_states, router_logits, token_ids, True)

@@ -8,7 +8,9 @@ CUDA backend (on torch's current stream, outputs and workspace from PyTorch's
 caching allocator, nothing synchronised), so the ops can be captured in a
 ``torch.cuda.CUDAGraph``. Imported by
 ``fusedmoe/__init__.py`` when torch is importable; the public functions of
-``fusedmoe`` route torch tensors through these ops.
+``fusedmoe`` route torch tensors through these ops where it matters (tracing,
+modes, tensor subclasses, autograd: ``fusedmoe._needs_op``) and otherwise call
+the implementations the ops run directly (no dispatch cost).
 
 Ops:
   fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation,

@@ -894,3 +894,45 @@ def test_select_experts_config_errors_name_config_keys_and_values():
     with pytest.raises(TypeError, match="^config.routed_scaling_factor: expected float, got "
                                         "str 'x'$"):
         fusedmoe.select_experts(g, 2, config={"routed_scaling_factor": "x"})
+
+
+def test_torch_calls_skip_the_op_dispatch_only_when_nothing_needs_it(monkeypatch):
+    """Eager calls with no autograd to record run the op's implementation
+    directly (the same bits); with an input requiring grad they go through the
+    op (its output requires grad and refuses a backward)."""
+    torch = _torch()
+    g = torch.Generator().manual_seed(7)
+    T, E, H, I, k = 5, 4, 16, 8, 2
+    x = torch.randn(T, H, generator=g)
+    w13 = torch.randn(E, 2 * I, H, generator=g) / 4
+    w2 = torch.randn(E, H, I, generator=g) / 3
+    logits = torch.randn(T, E, generator=g)
+    tw, ids = fusedmoe.fused_topk(x, logits, k, True)
+    op_tw, op_ids = torch.ops.fusedmoe.fused_topk(logits, k, True)
+    assert torch.equal(tw, op_tw) and torch.equal(ids, op_ids)
+    gtw, gids = fusedmoe.grouped_topk(logits, k, True, 2, 1)
+    op_gtw, op_gids = torch.ops.fusedmoe.grouped_topk(logits, k, True, 2, 1)
+    assert torch.equal(gtw, op_gtw) and torch.equal(gids, op_gids)
+
+    calls = []
+    real = torch.ops.fusedmoe.fused_experts
+
+    class Spy:
+        def __call__(self, *a, **kw):
+            calls.append(1)
+            return real(*a, **kw)
+
+    monkeypatch.setattr(torch.ops.fusedmoe, "fused_experts", Spy())
+    out = fusedmoe.fused_experts(x, w13, w2, tw, ids)
+    assert not calls, "an eager call without autograd went through the op"
+    assert torch.equal(out, real(x, w13, w2, tw, ids))
+    xg = x.clone().requires_grad_()
+    out_g = fusedmoe.fused_experts(xg, w13, w2, tw, ids)
+    assert calls, "a call with an input requiring grad skipped the op"
+    assert out_g.requires_grad and torch.equal(out_g.detach(), out)
+    with pytest.raises(RuntimeError, match="inference-only"):
+        out_g.sum().backward()
+    with torch.no_grad():
+        calls.clear()
+        assert torch.equal(fusedmoe.fused_experts(xg, w13, w2, tw, ids), out)
+        assert not calls
