@@ -539,8 +539,9 @@ def _needs_op(*xs: Any) -> bool:
     ``torch.ops.fusedmoe`` op rather than straight to the implementation the op
     runs (the op's dispatch costs tens of µs a call): while torch.compile or
     export traces, or any torch function / dispatch mode is active; for tensor
-    subclasses (FakeTensor, ...; nn.Parameter excepted) and functorch's wrapped
-    tensors; and when autograd records (an input requires grad with grad mode
+    subclasses (FakeTensor, ...; nn.Parameter excepted), meta tensors (the
+    fake implementation names a device mix) and functorch's wrapped tensors;
+    and when autograd records (an input requires grad with grad mode
     on: the op's formula refuses a backward)."""
     t = _torch
     try:
@@ -553,7 +554,8 @@ def _needs_op(*xs: Any) -> bool:
                 continue
             if type(x) is not t.Tensor and type(x) is not t.nn.Parameter:
                 return True
-            if (grad and x.requires_grad) or t._C._functorch.is_functorch_wrapped_tensor(x):
+            if (x.is_meta or (grad and x.requires_grad)
+                    or t._C._functorch.is_functorch_wrapped_tensor(x)):
                 return True
     except AttributeError:  # a torch without these: the op always
         return True
