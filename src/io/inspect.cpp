@@ -8,6 +8,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <string_view>
 
 #include "fusedmoe/core/error.h"
 #include "fusedmoe/io/hf_config.h"
@@ -77,13 +78,17 @@ ojson inspect_model(const std::string& path) {
     struct stat st {};
     return ::lstat(p.c_str(), &st) == 0;
   };
-  const bool has_weights =
-      there(dir + "/model.safetensors") || there(dir + "/model.safetensors.index.json");
+  // An index named by the path is the checkpoint (as `run --model` reads it),
+  // whatever its name; else the folder's model.safetensors or index.
+  const bool index_given =
+      !is_dir(path) && std::string_view(path).ends_with(".safetensors.index.json");
+  const bool has_weights = index_given || there(dir + "/model.safetensors") ||
+                           there(dir + "/model.safetensors.index.json");
 
   std::map<int64_t, LayerBytes> bytes;
   size_t total_bytes = 0;
   if (has_weights) {
-    const Checkpoint ck = Checkpoint::open(dir);
+    const Checkpoint ck = Checkpoint::open(index_given ? path : dir);
     const auto names = ck.names();
     for (int64_t layer : info.moe_layers) {
       const std::string prefix = info.moe_prefix(layer);

@@ -89,6 +89,37 @@ grep -qF "model type     deepseek_v3" "$TMP/text" && grep -qE "^  layer 1 +[1-9]
 rc=0; "$BIN" inspect "$TMP/one-gone/model.safetensors.index.json" >"$TMP/text2" 2>&1 || rc=$?
 [ "$rc" -eq 1 ] && diff <(sed 1d "$TMP/text") <(sed 1d "$TMP/text2") >/dev/null ||
   { echo "FAIL: inspect of an index (exit $rc)"; cat "$TMP/text2"; exit 1; }
+# An index of another name is the one read (as run --model reads it), not the
+# folder's model.safetensors.index.json: its missing tensor fails the layer.
+python3 - "$TMP/one-gone" <<'PY'
+import json, sys
+d = sys.argv[1]
+j = json.load(open(f"{d}/model.safetensors.index.json"))
+j["weight_map"] = {k: "model-00001-of-00002.safetensors" for k in j["weight_map"]}
+json.dump(j, open(f"{d}/model.safetensors.index.json", "w"))  # the folder's: every tensor there
+gone = next(k for k in j["weight_map"] if ".layers.1." in k and "experts" in k)
+del j["weight_map"][gone]
+json.dump(j, open(f"{d}/other.safetensors.index.json", "w"))
+print(gone, file=open(f"{d}/gone.txt", "w"))
+PY
+rc=0; "$BIN" inspect "$TMP/one-gone/model.safetensors.index.json" >/dev/null 2>&1 || rc=$?
+[ "$rc" -eq 0 ] || { echo "FAIL: inspect of the folder's full index (exit $rc)"; exit 1; }
+rc=0; "$BIN" inspect "$TMP/one-gone/other.safetensors.index.json" >"$TMP/text3" 2>&1 || rc=$?
+[ "$rc" -eq 1 ] && grep -qF "$(cat "$TMP/one-gone/gone.txt")" "$TMP/text3" ||
+  { echo "FAIL: inspect of another index (exit $rc)"; cat "$TMP/text3"; exit 1; }
+mv "$TMP/one-gone/model.safetensors.index.json" "$TMP/one-gone/model.safetensors.index.json.full"
+rc=0; "$BIN" inspect "$TMP/one-gone/other.safetensors.index.json" --json >"$TMP/json3" || rc=$?
+python3 -c 'import json,sys; j = json.load(open(sys.argv[1])); assert j["weights"] and [x["weights_ok"] for x in j["layers"]] == [False, True], j' "$TMP/json3" &&
+  [ "$rc" -eq 1 ] || { echo "FAIL: inspect --json of the only index, another name (exit $rc)"; cat "$TMP/json3"; exit 1; }
+mv "$TMP/one-gone/model.safetensors.index.json.full" "$TMP/one-gone/model.safetensors.index.json"
+python3 - "$TMP/one-gone" <<'PY'
+import json, struct, sys
+d = sys.argv[1]
+raw = open(f"{d}/model-00001-of-00002.safetensors", "rb").read()
+names = [k for k in json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]]) if k != "__metadata__"]
+json.dump({"weight_map": {k: "gone.safetensors" if ".layers.2." in k else "model-00001-of-00002.safetensors" for k in names}},
+          open(f"{d}/model.safetensors.index.json", "w"))
+PY
 rc=0; "$BIN" inspect "$TMP/one-gone" --json >"$TMP/json" || rc=$?
 python3 -c 'import json,sys; l = json.load(open(sys.argv[1]))["layers"]; assert [x["weights_ok"] for x in l] == [True, False] and "gone.safetensors" in l[1]["weights_error"], l' "$TMP/json" &&
   [ "$rc" -eq 1 ] || { echo "FAIL: inspect --json with a missing shard (exit $rc)"; exit 1; }
