@@ -137,11 +137,9 @@ Tensor read_npy(const std::string& path, const HeaderCheck& check) {
       while (pos < header.size() && std::isspace(static_cast<unsigned char>(header[pos]))) ++pos;
     };
     auto malformed = [&](const std::string& what) {
-      std::string shown = header.substr(pos, 40);
-      for (char& c : shown)
-        if (static_cast<unsigned char>(c) < 0x20 || static_cast<unsigned char>(c) >= 0x7f) c = '?';
+      // Control and non-ASCII bytes as \xNN (a newline as \x0a), as everywhere.
       FUSEDMOE_THROW(kIo, path, ": malformed .npy header: expected ", what, " at byte ", pos,
-                     " of the header, got \"", shown, "\"");
+                     " of the header, got \"", printable(header.substr(pos, 40)), "\"");
     };
     // A Python string literal in ' or " (no escapes: numpy writes none in these).
     auto quoted = [&](const char* what) {

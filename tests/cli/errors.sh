@@ -1067,6 +1067,9 @@ expect_error ".npy without fortran_order" "error: --input $TMP/nofortran.npy: .n
   run --model "$FIX" --layer 1 --input "$TMP/nofortran.npy"
 expect_error ".npy fortran_order neither True nor False" "error: --input $TMP/fals.npy: malformed .npy header: expected True or False for 'fortran_order' at byte 34 of the header, got \"Fals, 'shape': (1, 128)}" -- \
   run --model "$FIX" --layer 1 --input "$TMP/fals.npy"
+printf '\x93NUMPY\x01\x00\x10\x00{garbage}      \n' >"$TMP/garbage.npy"
+expect_error ".npy header's newline written as \\x0a" "error: --input $TMP/garbage.npy: malformed .npy header: expected a quoted key at byte 1 of the header, got \"garbage}      \\x0a\"" -- \
+  run --model "$FIX" --layer 1 --input "$TMP/garbage.npy"
 expect_error ".npy entries without a comma" "error: --input $TMP/nocomma.npy: malformed .npy header: expected ',' or '}' after the value of 'descr' at byte 16" -- \
   run --model "$FIX" --layer 1 --input "$TMP/nocomma.npy"
 expect_error ".npy format version 4.0" "error: --input $TMP/v4.npy: .npy format version 4.0 not supported (expected 1.0, 2.0 or 3.0)" -- \
