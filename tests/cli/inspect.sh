@@ -71,7 +71,9 @@ rc=0; "$BIN" inspect "$TMP/cut.safetensors" >/dev/null 2>"$TMP/err" || rc=$?
 mkdir -p "$TMP/one-gone"
 cp "$DATA/hf/deepseek_v3/config.json" "$TMP/one-gone/"
 cp "$DATA/hf/deepseek_v3/model.safetensors" "$TMP/one-gone/model-00001-of-00002.safetensors"
-python3 - "$TMP/one-gone" <<'PY'
+# The folder's index: layer 2's tensors in a shard that is not there.
+gone_index() {
+  python3 - "$TMP/one-gone" <<'PY'
 import json, struct, sys
 d = sys.argv[1]
 raw = open(f"{d}/model-00001-of-00002.safetensors", "rb").read()
@@ -79,6 +81,8 @@ names = [k for k in json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]]) if k 
 json.dump({"weight_map": {k: "gone.safetensors" if ".layers.2." in k else "model-00001-of-00002.safetensors" for k in names}},
           open(f"{d}/model.safetensors.index.json", "w"))
 PY
+}
+gone_index
 rc=0; "$BIN" inspect "$TMP/one-gone" >"$TMP/text" 2>"$TMP/err" || rc=$?
 grep -qF "model type     deepseek_v3" "$TMP/text" && grep -qE "^  layer 1 +[1-9]" "$TMP/text" &&
   grep -qF "error: $TMP/one-gone/model.safetensors.index.json: the shard of tensor 'model.layers.2." "$TMP/text" &&
@@ -112,14 +116,7 @@ rc=0; "$BIN" inspect "$TMP/one-gone/other.safetensors.index.json" --json >"$TMP/
 python3 -c 'import json,sys; j = json.load(open(sys.argv[1])); assert j["weights"] and [x["weights_ok"] for x in j["layers"]] == [False, True], j' "$TMP/json3" &&
   [ "$rc" -eq 1 ] || { echo "FAIL: inspect --json of the only index, another name (exit $rc)"; cat "$TMP/json3"; exit 1; }
 mv "$TMP/one-gone/model.safetensors.index.json.full" "$TMP/one-gone/model.safetensors.index.json"
-python3 - "$TMP/one-gone" <<'PY'
-import json, struct, sys
-d = sys.argv[1]
-raw = open(f"{d}/model-00001-of-00002.safetensors", "rb").read()
-names = [k for k in json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]]) if k != "__metadata__"]
-json.dump({"weight_map": {k: "gone.safetensors" if ".layers.2." in k else "model-00001-of-00002.safetensors" for k in names}},
-          open(f"{d}/model.safetensors.index.json", "w"))
-PY
+gone_index
 rc=0; "$BIN" inspect "$TMP/one-gone" --json >"$TMP/json" || rc=$?
 python3 -c 'import json,sys; l = json.load(open(sys.argv[1]))["layers"]; assert [x["weights_ok"] for x in l] == [True, False] and "gone.safetensors" in l[1]["weights_error"], l' "$TMP/json" &&
   [ "$rc" -eq 1 ] || { echo "FAIL: inspect --json with a missing shard (exit $rc)"; exit 1; }
