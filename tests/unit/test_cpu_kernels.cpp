@@ -347,6 +347,10 @@ struct OneRowTokens {
   TensorView out(int64_t T) { return view(out_row.data(), DType::kF32, T, H); }
   TensorView ids(int64_t T) { return view(ids_row.data(), DType::kI32, T, 2); }
   TensorView tw(int64_t T) { return view(tw_row.data(), DType::kF32, T, 2); }
+  // kernel.forward of T such tokens (no biases, the weight on the output).
+  void forward(ModularKernel& kernel, const ExpertWeights& w, int64_t T, Workspace& ws) {
+    kernel.forward(hidden(T), ids(T), tw(T), w, {}, false, out(T), ws);
+  }
 };
 
 // Out of memory: an allocation that fails, or whose size overflows 63 bits, is
@@ -383,8 +387,7 @@ TEST(CpuModularKernel, OutOfMemoryNamesTheBufferAndItsBytes) {
   const int64_t T = int64_t{1} << 56, E = 2, H = 16, I = 8;
   const ExpertWeights w = make_experts(rng, E, H, I, DType::kF32, false);
   OneRowTokens x(H);
-  msg = oom_message(
-      [&] { kernel->forward(x.hidden(T), x.ids(T), x.tw(T), w, {}, false, x.out(T), ws); });
+  msg = oom_message([&] { x.forward(*kernel, w, T, ws); });
   EXPECT_HAS(msg,
              "out of memory: the routed rows' hidden states, f32 [T, k, H] = "
              "[72057594037927936, 2, 16] of 4-byte elements would take 2^63 bytes or more");
@@ -393,9 +396,7 @@ TEST(CpuModularKernel, OutOfMemoryNamesTheBufferAndItsBytes) {
   // 2^31 routed slots (their rows would fit in 64-bit sizes): more than prepare's
   // i32 row indices hold, refused before anything reads the inputs.
   const int64_t T31 = int64_t{1} << 30;
-  msg = test::error_of(
-      [&] { kernel->forward(x.hidden(T31), x.ids(T31), x.tw(T31), w, {}, false, x.out(T31), ws); },
-      ErrorCode::kUnsupported);
+  msg = test::error_of([&] { x.forward(*kernel, w, T31, ws); }, ErrorCode::kUnsupported);
   EXPECT_HAS(msg,
              "topk_ids: the CPU backend takes at most 2147483647 routed slots (T * k, i32 row "
              "indices), got 1073741824 * 2 = 2147483648");
@@ -416,9 +417,8 @@ TEST(CpuModularKernel, WorkspaceBeyondTheMachinesMemoryIsRefusedAtOnce) {
   const int64_t T = int64_t{1} << 25, E = 2, H = 16, I = int64_t{1} << 16;
   const ExpertWeights w = make_experts(rng, E, H, I, DType::kF32, false);
   OneRowTokens x(H);
-  const std::string msg = test::error_of(
-      [&] { kernel->forward(x.hidden(T), x.ids(T), x.tw(T), w, {}, false, x.out(T), ws); },
-      ErrorCode::kOutOfMemory);
+  const std::string msg =
+      test::error_of([&] { x.forward(*kernel, w, T, ws); }, ErrorCode::kOutOfMemory);
   EXPECT_HAS(msg,
              "hidden_states: 33554432 tokens routed to M = 67108864 expert rows (topk_ids "
              "[33554432, 2]) need ");
