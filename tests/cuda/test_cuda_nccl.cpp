@@ -76,6 +76,51 @@ void run_ranks(int n, const std::function<void(int)>& fn) {
   if (!all.empty()) throw std::runtime_error(all);
 }
 
+std::shared_ptr<Communicator> one_rank_nccl() {
+  return std::shared_ptr<Communicator>(
+      make_nccl_communicator(std::shared_ptr<Communicator>(make_single_rank_communicator()), 0));
+}
+
+// GPUs 0 .. n - 1.
+std::vector<int> first_gpus(int n) {
+  std::vector<int> devices(n);
+  for (int i = 0; i < n; ++i) devices[i] = i;
+  return devices;
+}
+
+// One process's ranks, a thread each, one NCCL rank a GPU of `devices` (one
+// device: one NCCL rank on GPU 0). Made together and destroyed together: each
+// rank's finalize may wait for its peers'.
+struct GpuRanks {
+  std::vector<int> devices;
+  std::vector<std::shared_ptr<Communicator>> comms;
+
+  explicit GpuRanks(std::vector<int> devs) : devices(std::move(devs)) {
+    if (devices.size() == 1) {
+      comms.push_back(one_rank_nccl());
+    } else {
+      for (auto& c : make_nccl_communicators(devices)) comms.push_back(std::move(c));
+    }
+  }
+  GpuRanks(const GpuRanks&) = delete;
+  GpuRanks& operator=(const GpuRanks&) = delete;
+  ~GpuRanks() {
+    run_ranks(static_cast<int>(comms.size()), [&](int r) { comms[r].reset(); });
+  }
+};
+
+// One rank a GPU over the first min(4, visible) GPUs, or one NCCL rank on GPU 0.
+GpuRanks up_to_four_gpus() {
+  return GpuRanks(first_gpus(std::max(1, std::min(cuda::device_count(), 4))));
+}
+
+// Rank r of P's layer config: `c` with rank r's parallel config (contiguous experts).
+MoEConfig rank_config(const MoEConfig& c, int r, int P) {
+  MoEConfig cr = c;
+  cr.parallel = parallel_config_for_rank(r, P, 1, 1);
+  return cr;
+}
+
 template <typename T>
 DeviceTensor upload_vec(const std::vector<T>& v, DType dtype) {
   DeviceTensor d(dtype, {static_cast<int64_t>(v.size())});
@@ -229,16 +274,12 @@ TEST(NcclCommunicator, EveryVisibleGpuOneProcess) {
   FUSEDMOE_REQUIRE_NCCL();
   const int n = cuda::device_count();
   if (n < 2) GTEST_SKIP() << "skipped: needs >= 2 CUDA devices, found " << n;
-  std::vector<int> devices(n);
-  for (int i = 0; i < n; ++i) devices[i] = i;
-  std::vector<std::unique_ptr<Communicator>> comms = make_nccl_communicators(devices);
-  ASSERT_EQ(static_cast<int>(comms.size()), n);
+  const GpuRanks ranks(first_gpus(n));
+  ASSERT_EQ(static_cast<int>(ranks.comms.size()), n);
   run_ranks(n, [&](int r) {
     test::cuda_ok(cudaSetDevice(r), "cudaSetDevice");
-    check_collectives(*comms[r]);
+    check_collectives(*ranks.comms[r]);
   });
-  // Destroyed together (each rank's finalize may wait for its peers').
-  run_ranks(n, [&](int r) { comms[r].reset(); });
 }
 
 // A bootstrap that claims to be rank 0 of 2 but has no peer: rank 1 never joins.
@@ -477,8 +518,7 @@ void check_ep(const MoEConfig& base, const MoELayerWeights& w, const std::vector
   std::vector<EpStats> stats(P);
   run_ranks(P, [&](int r) {
     test::cuda_ok(cudaSetDevice(devices[r]), "cudaSetDevice");
-    MoEConfig c = base;
-    c.parallel = parallel_config_for_rank(r, P, 1, 1);
+    MoEConfig c = rank_config(base, r, P);
     c.parallel.expert_placement = placement;
     RunnerOptions o = ep_rank_options(tmax, devices[r], comms[r]);
     o.dispatch_dtype = payloads.dispatch;
@@ -547,26 +587,6 @@ std::vector<std::pair<std::string, MoEConfig>> ep_configs() {
   return v;
 }
 
-std::shared_ptr<Communicator> one_rank_nccl() {
-  return std::shared_ptr<Communicator>(
-      make_nccl_communicator(std::shared_ptr<Communicator>(make_single_rank_communicator()), 0));
-}
-
-// One rank a GPU over the first min(4, visible) GPUs (devices: their
-// indices), or one NCCL rank on GPU 0.
-std::vector<std::shared_ptr<Communicator>> up_to_four_gpus(std::vector<int>& devices) {
-  const int n = std::max(1, std::min(cuda::device_count(), 4));
-  devices.resize(n);
-  for (int i = 0; i < n; ++i) devices[i] = i;
-  std::vector<std::shared_ptr<Communicator>> comms;
-  if (n == 1) {
-    comms.push_back(one_rank_nccl());
-  } else {
-    for (auto& c : make_nccl_communicators(devices)) comms.push_back(std::move(c));
-  }
-  return comms;
-}
-
 // Sets FUSEDMOE_EP_TRANSPORT for its lifetime.
 class TransportEnv {
  public:
@@ -626,8 +646,7 @@ std::vector<std::string> two_rank_construction_errors(std::array<int64_t, 2> max
   std::vector<std::string> errors(2);
   run_ranks(2, [&](int r) {
     test::cuda_ok(cudaSetDevice(0), "cudaSetDevice");
-    MoEConfig cr = c;
-    cr.parallel = parallel_config_for_rank(r, 2, 1, 1);
+    const MoEConfig cr = rank_config(c, r, 2);
     RunnerOptions o = cuda_options(max_tokens[r]);
     o.communicator = std::make_shared<ThreadCommunicator>(group, r);
     errors[r] = test::error_of([&] { MoERunner ep(cr, w, o); }, ErrorCode::kInvalidArgument);
@@ -707,11 +726,8 @@ TEST(CudaEp, EveryVisibleGpuNcclMatchesOneGpu) {
   const uint64_t seed = test::fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
-  std::vector<int> devices(n);
-  for (int i = 0; i < n; ++i) devices[i] = i;
-  std::vector<std::unique_ptr<Communicator>> made = make_nccl_communicators(devices);
-  std::vector<std::shared_ptr<Communicator>> comms;
-  for (auto& c : made) comms.push_back(std::move(c));
+  const GpuRanks ranks(first_gpus(n));
+  const auto& [devices, comms] = ranks;
   std::vector<int64_t> tokens(n);
   for (int r = 0; r < n; ++r) tokens[r] = r % 3 == 1 ? 0 : 17 + 29 * r;  // T = 0 on some ranks
   for (const auto& [name, c] : ep_configs()) {
@@ -724,8 +740,6 @@ TEST(CudaEp, EveryVisibleGpuNcclMatchesOneGpu) {
     }
     if (HasFailure()) break;
   }
-  // Destroyed together (each rank's finalize may wait for its peers').
-  run_ranks(n, [&](int r) { comms[r].reset(); });
 }
 
 // The peer transport on every visible GPU (one process, a thread a rank):
@@ -740,11 +754,8 @@ TEST(CudaEp, EveryVisibleGpuPeerMatchesOneGpu) {
   const uint64_t seed = test::fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
-  std::vector<int> devices(n);
-  for (int i = 0; i < n; ++i) devices[i] = i;
-  std::vector<std::unique_ptr<Communicator>> made = make_nccl_communicators(devices);
-  std::vector<std::shared_ptr<Communicator>> comms;
-  for (auto& c : made) comms.push_back(std::move(c));
+  const GpuRanks ranks(first_gpus(n));
+  const auto& [devices, comms] = ranks;
   std::vector<int64_t> uneven(n);
   for (int r = 0; r < n; ++r) uneven[r] = r % 3 == 1 ? 0 : 17 + 29 * r;  // T = 0 on some ranks
   for (const auto& [name, c] : ep_configs()) {
@@ -759,7 +770,6 @@ TEST(CudaEp, EveryVisibleGpuPeerMatchesOneGpu) {
     }
     if (HasFailure()) break;
   }
-  run_ranks(n, [&](int r) { comms[r].reset(); });
 }
 
 // Sets FUSEDMOE_CUDA_EXPERTS=sm90 and FUSEDMOE_CUDA_SM90_TILE=m64 for its
@@ -805,11 +815,8 @@ TEST(CudaEp, PeerSm90ExpertsMatchOneGpu) {
   one.reset();
   const int n = cuda::device_count();
   if (n < 2) return;
-  std::vector<int> devices(n);
-  for (int i = 0; i < n; ++i) devices[i] = i;
-  std::vector<std::unique_ptr<Communicator>> made = make_nccl_communicators(devices);
-  std::vector<std::shared_ptr<Communicator>> comms;
-  for (auto& m : made) comms.push_back(std::move(m));
+  const GpuRanks ranks(first_gpus(n));
+  const auto& [devices, comms] = ranks;
   for (const auto& [name, c] : ep_configs()) {
     SCOPED_TRACE(name);
     if (n > c.num_experts) continue;
@@ -821,7 +828,6 @@ TEST(CudaEp, PeerSm90ExpertsMatchOneGpu) {
     }
     if (HasFailure()) break;
   }
-  run_ranks(n, [&](int r) { comms[r].reset(); });
 }
 
 // The peer transport's payloads: fp8 records (1 x 128 group scales,
@@ -839,19 +845,12 @@ TEST(CudaEp, PeerFp8DispatchAndBf16Combine) {
   std::mt19937_64 rng(seed);
   const int n = cuda::device_count();
   std::vector<std::vector<int>> setups{{0}};
-  if (n >= 2) {
-    setups.emplace_back(n);
-    for (int i = 0; i < n; ++i) setups.back()[i] = i;
-  }
-  for (const std::vector<int>& devices : setups) {
+  if (n >= 2) setups.push_back(first_gpus(n));
+  for (const std::vector<int>& setup : setups) {
+    const GpuRanks ranks(setup);
+    const auto& [devices, comms] = ranks;
     const int P = static_cast<int>(devices.size());
     SCOPED_TRACE(std::to_string(P) + " GPU(s)");
-    std::vector<std::shared_ptr<Communicator>> comms;
-    if (P == 1) {
-      comms.push_back(one_rank_nccl());
-    } else {
-      for (auto& m : make_nccl_communicators(devices)) comms.push_back(std::move(m));
-    }
     // H = 88: the fp8 records' 8-values-a-thread path (H % 16 != 0); H = 4224:
     // 33 groups of 128 columns, a row longer than a dispatch block's threads
     // (256 x 16) and than a combine item (2048 columns).
@@ -881,7 +880,6 @@ TEST(CudaEp, PeerFp8DispatchAndBf16Combine) {
       }
       if (HasFailure()) break;
     }
-    run_ranks(P, [&](int r) { comms[r].reset(); });
     if (HasFailure()) return;
   }
 }
@@ -920,23 +918,17 @@ TEST(CudaEp, UnsupportedPayloadsAreRefused) {
   // Two thread ranks on two GPUs asking for different payloads.
   if (cuda::device_count() >= 2) {
     TransportEnv env("peer");
-    const std::vector<int> devices{0, 1};
-    std::vector<std::shared_ptr<Communicator>> comms;
-    for (auto& m : make_nccl_communicators(devices)) comms.push_back(std::move(m));
+    const GpuRanks ranks(first_gpus(2));
     std::vector<std::string> errors(2);
     run_ranks(2, [&](int r) {
       test::cuda_ok(cudaSetDevice(r), "cudaSetDevice");
-      MoEConfig cr = c;
-      cr.parallel = parallel_config_for_rank(r, 2, 1, 1);
-      RunnerOptions o = cuda_options(16);
-      o.device = Device{DeviceType::kCUDA, r};
-      o.communicator = comms[r];
+      const MoEConfig cr = rank_config(c, r, 2);
+      RunnerOptions o = ep_rank_options(16, r, ranks.comms[r]);
       o.dispatch_dtype = r == 0 ? DispatchDType::kFP8 : DispatchDType::kAuto;
       errors[r] = test::error_of([&] { MoERunner ep(cr, w, o); }, ErrorCode::kInvalidArgument);
     });
     for (const std::string& e : errors)
       EXPECT_NE(e.find("every rank must use the same"), std::string::npos) << e;
-    run_ranks(2, [&](int r) { comms[r].reset(); });
   }
 }
 
@@ -954,8 +946,7 @@ void check_peer_graph(const MoEConfig& base, const MoELayerWeights& w, int64_t T
     test::cuda_ok(cudaSetDevice(devices[r]), "cudaSetDevice");
     cudaStream_t stream = nullptr;
     test::cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
-    MoEConfig c = base;
-    c.parallel = parallel_config_for_rank(r, P, 1, 1);
+    const MoEConfig c = rank_config(base, r, P);
     RunnerOptions o = ep_rank_options(T, devices[r], comms[r]);
     o.cuda_stream = stream;
     {
@@ -1001,8 +992,8 @@ TEST(CudaEp, PeerTransportIsCapturableInACudaGraph) {
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
   TransportEnv env("peer");
-  std::vector<int> devices;
-  std::vector<std::shared_ptr<Communicator>> comms = up_to_four_gpus(devices);
+  const GpuRanks ranks = up_to_four_gpus();
+  const auto& [devices, comms] = ranks;
   const int n = static_cast<int>(comms.size());
   for (const auto& [name, c] : ep_configs()) {
     SCOPED_TRACE(name + " on " + std::to_string(n) + " GPU(s)");
@@ -1011,7 +1002,6 @@ TEST(CudaEp, PeerTransportIsCapturableInACudaGraph) {
     for (int64_t T : {1, 40}) check_peer_graph(c, w, T, comms, devices, rng);
     if (HasFailure()) break;
   }
-  run_ranks(n, [&](int r) { comms[r].reset(); });
 }
 
 // Forwards of one layer back to back without a host sync, with T changing
@@ -1027,8 +1017,8 @@ TEST(CudaEp, PeerTransportForwardsWithoutSyncAndChangingT) {
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
   TransportEnv env("peer");
-  std::vector<int> devices;
-  std::vector<std::shared_ptr<Communicator>> comms = up_to_four_gpus(devices);
+  const GpuRanks ranks = up_to_four_gpus();
+  const auto& [devices, comms] = ranks;
   const int n = static_cast<int>(comms.size());
   const std::vector<int64_t> seq = {40, 3, 0, 17, 40, 1};
   const int64_t cap = 40, F = static_cast<int64_t>(seq.size());
@@ -1057,8 +1047,7 @@ TEST(CudaEp, PeerTransportForwardsWithoutSyncAndChangingT) {
     std::vector<std::vector<Tensor>> got(n, std::vector<Tensor>(F));
     run_ranks(n, [&](int r) {
       test::cuda_ok(cudaSetDevice(devices[r]), "cudaSetDevice");
-      MoEConfig cr = c;
-      cr.parallel = parallel_config_for_rank(r, n, 1, 1);
+      const MoEConfig cr = rank_config(c, r, n);
       RunnerOptions o = ep_rank_options(cap, devices[r], comms[r]);
       MoERunner ep(cr, w, o);
       std::vector<DeviceTensor> xd, ld, out;
@@ -1091,7 +1080,6 @@ TEST(CudaEp, PeerTransportForwardsWithoutSyncAndChangingT) {
     }
     if (HasFailure()) break;
   }
-  run_ranks(n, [&](int r) { comms[r].reset(); });
 }
 
 // RunnerOptions::cuda_graph_sizes under expert parallelism (peer transport):
@@ -1108,8 +1096,8 @@ TEST(CudaEp, PeerRunnerGraphReplayPadsToCaptureSize) {
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
   TransportEnv env("peer");
-  std::vector<int> devices;
-  std::vector<std::shared_ptr<Communicator>> comms = up_to_four_gpus(devices);
+  const GpuRanks ranks = up_to_four_gpus();
+  const auto& [devices, comms] = ranks;
   const int n = static_cast<int>(comms.size());
   const std::vector<int64_t> seq = {3, 16, 0, 9, 1, 40, 4, 17};
   const int64_t cap = 40, F = static_cast<int64_t>(seq.size());
@@ -1139,8 +1127,7 @@ TEST(CudaEp, PeerRunnerGraphReplayPadsToCaptureSize) {
       cudaStream_t stream = nullptr;
       test::cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
       {
-        MoEConfig cr = c;
-        cr.parallel = parallel_config_for_rank(r, n, 1, 1);
+        const MoEConfig cr = rank_config(c, r, n);
         RunnerOptions o = ep_rank_options(cap, devices[r], comms[r]);
         o.cuda_stream = stream;
         MoERunner eager(cr, w, o);
@@ -1193,7 +1180,6 @@ TEST(CudaEp, PeerRunnerGraphReplayPadsToCaptureSize) {
     }
     if (HasFailure()) break;
   }
-  run_ranks(n, [&](int r) { comms[r].reset(); });
 }
 
 // The nccl transport synchronises with the host: the runner's graph replay is
@@ -1227,8 +1213,8 @@ TEST(CudaEp, PeerLayersSharingAWorkspaceMatchTheirOwn) {
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
   TransportEnv env("peer");
-  std::vector<int> devices;
-  std::vector<std::shared_ptr<Communicator>> comms = up_to_four_gpus(devices);
+  const GpuRanks ranks = up_to_four_gpus();
+  const auto& [devices, comms] = ranks;
   const int n = static_cast<int>(comms.size());
   const std::vector<std::pair<std::string, MoEConfig>> all = ep_configs();
   // deepseek_v3, mixtral, deepseek_v3 (other weights: the first one's window)
@@ -1246,8 +1232,7 @@ TEST(CudaEp, PeerLayersSharingAWorkspaceMatchTheirOwn) {
     auto workspace = std::make_shared<cuda::SharedWorkspace>();
     std::vector<std::unique_ptr<MoERunner>> shared, own;
     for (size_t l = 0; l < cfgs.size(); ++l) {
-      MoEConfig c = cfgs[l];
-      c.parallel = parallel_config_for_rank(r, n, 1, 1);
+      const MoEConfig c = rank_config(cfgs[l], r, n);
       RunnerOptions o = ep_rank_options(cap, devices[r], comms[r]);
       own.push_back(std::make_unique<MoERunner>(c, ws[l], o));
       o.cuda_workspace = workspace;
@@ -1281,7 +1266,6 @@ TEST(CudaEp, PeerLayersSharingAWorkspaceMatchTheirOwn) {
       EXPECT_TRUE(same_bits(shared_out[r][i], own_out[r][i]))
           << "shared workspace vs own: rel L2 " << test::rel_l2(shared_out[r][i], own_out[r][i]);
     }
-  run_ranks(n, [&](int r) { comms[r].reset(); });
 }
 
 // Every rank must use the same max_num_tokens: refused at set-up, on every rank.
