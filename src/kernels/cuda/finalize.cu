@@ -52,7 +52,7 @@ __host__ __device__ constexpr int finalize_threads() {
 }
 
 template <typename Out, bool kRows, typename Y = float, int kU = 8>
-__global__ void __launch_bounds__(finalize_threads<Y>())
+__global__ void __launch_bounds__(finalize_threads<Y>(), 1024 / finalize_threads<Y>())
     finalize_kernel(const Y* __restrict__ y, const int32_t* __restrict__ ids, int top_k,
                     int num_experts, int64_t hidden, int64_t chunks,
                     const float* __restrict__ shared, const float* __restrict__ shared_gate,

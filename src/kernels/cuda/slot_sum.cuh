@@ -17,23 +17,30 @@ struct SortedRows {
   const float* bias;       // f32 [E, H] or null
 };
 
-// 16 bytes of y as f32: four f32 values, or eight bf16 (sm90_experts' rows).
+// 16 bytes of y: four f32 values, or eight bf16 (sm90_experts' rows). Loaded
+// raw (4 registers), unpacked to f32 only when added: a thread's kU loads in
+// flight take 4 kU registers, not 4 or 8 kU.
 template <typename Y>
 struct YVec {
   static constexpr int kCols = 4;
-  __device__ __forceinline__ static void load(const float* p, float* v) {
-    const float4 a = *reinterpret_cast<const float4*>(p);
-    v[0] = a.x;
-    v[1] = a.y;
-    v[2] = a.z;
-    v[3] = a.w;
+  __device__ __forceinline__ static uint4 load(const float* p) {
+    return *reinterpret_cast<const uint4*>(p);
+  }
+  __device__ __forceinline__ static void unpack(const uint4& a, float* v) {
+    v[0] = __uint_as_float(a.x);
+    v[1] = __uint_as_float(a.y);
+    v[2] = __uint_as_float(a.z);
+    v[3] = __uint_as_float(a.w);
   }
 };
 template <>
 struct YVec<uint16_t> {
   static constexpr int kCols = 8;
-  __device__ __forceinline__ static void load(const uint16_t* p, float* v) {
-    gemm::unpack8<uint16_t>(*reinterpret_cast<const uint4*>(p), v);
+  __device__ __forceinline__ static uint4 load(const uint16_t* p) {
+    return *reinterpret_cast<const uint4*>(p);
+  }
+  __device__ __forceinline__ static void unpack(const uint4& a, float* v) {
+    gemm::unpack8<uint16_t>(a, v);
   }
 };
 
@@ -59,39 +66,39 @@ __device__ __forceinline__ void sum_slots(const Y* __restrict__ y, const int32_t
       row[u] = in && kRows ? rows.slot_row[s] : 0;
       sc[u] = in && kRows && rows.row_scale ? rows.row_scale[s] : 1.0f;
     }
-    float v[kU][kCols];
+    uint4 raw[kU];
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
       const bool ok = e[u] >= 0 && (num_experts <= 0 || e[u] < num_experts);
       if (!ok) e[u] = -1;
+      raw[u] = make_uint4(0, 0, 0, 0);
       if (ok) {
         const int64_t r = kRows ? static_cast<int64_t>(row[u]) : slot0 + j0 + u;
-        YVec<Y>::load(y + r * hidden + h, v[u]);
-      } else {
-#pragma unroll
-        for (int c = 0; c < kCols; ++c) v[u][c] = 0.0f;
+        raw[u] = YVec<Y>::load(y + r * hidden + h);
       }
     }
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
       if (e[u] < 0) continue;
+      float v[kCols];
+      YVec<Y>::unpack(raw[u], v);
       if (kRows) {
         if (rows.bias) {
           const float* b = rows.bias + static_cast<int64_t>(e[u]) * hidden + h;
 #pragma unroll
           for (int c = 0; c < kCols; c += 4) {
             const float4 b4 = *reinterpret_cast<const float4*>(b + c);
-            v[u][c] += b4.x;
-            v[u][c + 1] += b4.y;
-            v[u][c + 2] += b4.z;
-            v[u][c + 3] += b4.w;
+            v[c] += b4.x;
+            v[c + 1] += b4.y;
+            v[c + 2] += b4.z;
+            v[c + 3] += b4.w;
           }
         }
 #pragma unroll
-        for (int c = 0; c < kCols; ++c) v[u][c] *= sc[u];
+        for (int c = 0; c < kCols; ++c) v[c] *= sc[u];
       }
 #pragma unroll
-      for (int c = 0; c < kCols; ++c) acc[c] += v[u][c];
+      for (int c = 0; c < kCols; ++c) acc[c] += v[c];
     }
   }
 }

@@ -59,11 +59,19 @@ __global__ void __launch_bounds__(kPermuteThreads)
       row[threadIdx.x] = e >= 0 && e < num_experts ? slot_row[s] : -1;
     }
     __syncthreads();
+    // Two 16-byte loads in flight a thread before its stores (H = 2048: the
+    // whole row in one step of 128 threads).
     const uint4* src = reinterpret_cast<const uint4*>(x + t * ldx);
-    for (int64_t v = threadIdx.x; v < vecs; v += blockDim.x) {
-      const uint4 val = src[v];
-      for (int j = 0; j < top_k; ++j)
-        if (row[j] >= 0) reinterpret_cast<uint4*>(xs + row[j] * hidden)[v] = val;
+    for (int64_t v = threadIdx.x; v < vecs; v += 2 * blockDim.x) {
+      const int64_t v2 = v + blockDim.x;
+      const uint4 a = src[v];
+      const uint4 b = v2 < vecs ? src[v2] : a;
+      for (int j = 0; j < top_k; ++j) {
+        if (row[j] < 0) continue;
+        uint4* dst = reinterpret_cast<uint4*>(xs + row[j] * hidden);
+        dst[v] = a;
+        if (v2 < vecs) dst[v2] = b;
+      }
     }
   }
 }
