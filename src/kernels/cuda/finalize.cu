@@ -309,9 +309,12 @@ void finalize(const FinalizeArgs& a, Stream stream) {
                  static_cast<int>(a.top_k), num_experts, a.hidden, chunks, a.shared, a.shared_gate,
                  a.x, x_f16, a.ldx, out, a.ldo, rows);
     };
-    // Rows in flight a thread: top_k rounded up to 1, 2, 4 or 8. Eight for every
-    // k held 104 registers on the bf16-rows kernel (4 blocks an SM): at k = 2 a
-    // quarter of the threads with two loads each.
+    // Rows in flight a thread: top_k rounded up to 1, 2, 4 or 8 (eight for every
+    // k: at k = 2 a quarter of the threads with two loads each). The launch
+    // bounds hold the kernel to 64 registers (8 bf16-rows blocks an SM: y rows
+    // stay raw until added); at 95 registers, 5 blocks an SM, it read at 42-45 %
+    // of DRAM bandwidth, at 64 at 78-85 % (ncu, H200, Qwen3 / DeepSeek-V3
+    // T = 4096: 72.7 -> 39.5 us, 242 -> 128 us; bench/results/2026-11-30-session17.md).
     auto by_rows = [&](auto u) {
       constexpr int kU = decltype(u)::value;
       if (a.y_dtype == DType::kBF16 && a.slot_row)
