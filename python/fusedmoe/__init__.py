@@ -1048,7 +1048,8 @@ def _like(ref: Any, a: np.ndarray) -> Any:
 def inspect(path: "os.PathLike[str] | str") -> dict:
     """Describes a HF model directory (or config.json): model type, MoE layers,
     each layer's config and weight bytes — the content of
-    ``fusedmoe inspect PATH --json``. A ``.safetensors`` path lists its tensors."""
+    ``fusedmoe inspect PATH --json``. A ``.safetensors`` path lists its tensors.
+    A model with no MoE layer (nothing fusedmoe can run) raises ValueError."""
     return _ext.inspect(_path(path, "path"))
 
 
