@@ -265,12 +265,17 @@ def _is_array(x: Any) -> bool:
 def _check_array(x: Any, name: str) -> None:
     """An array argument: anything but an array (None, a list, a scalar, ...)
     raises TypeError naming `name` and the type given; a list or a scalar is
-    not converted (its float64 / object dtype would be named instead)."""
+    not converted (its float64 / object dtype would be named instead). A NumPy
+    masked array raises TypeError too: its mask cannot be honoured."""
     if not _is_array(x):
         t = type(x)
         got = ("None" if x is None else t.__name__ if t.__module__ == "builtins"
                else f"{t.__module__}.{t.__name__}")  # numpy.float32: a scalar, not an array
         raise TypeError(f"{name}: expected a NumPy array or torch tensor, got {got}")
+    if isinstance(x, np.ma.MaskedArray):  # an ndarray, whose mask DLPack would drop
+        raise TypeError(f"{name}: expected a NumPy array or torch tensor, got "
+                        "numpy.ma.MaskedArray (its mask would be ignored; pass its "
+                        ".filled(value), the masked elements set to value, or its .data)")
 
 
 def _as_array(x: Any, name: str, expected: str = "a numeric dtype") -> Any:
@@ -1048,7 +1053,8 @@ def _like(ref: Any, a: np.ndarray) -> Any:
 def inspect(path: "os.PathLike[str] | str") -> dict:
     """Describes a HF model directory (or config.json): model type, MoE layers,
     each layer's config and weight bytes — the content of
-    ``fusedmoe inspect PATH --json``. A ``.safetensors`` path lists its tensors."""
+    ``fusedmoe inspect PATH --json``. A ``.safetensors`` path lists its tensors.
+    A model with no MoE layer (nothing fusedmoe can run) raises ValueError."""
     return _ext.inspect(_path(path, "path"))
 
 

@@ -679,6 +679,23 @@ def test_non_array_arguments_name_the_type_given(mixtral, case):
                 (name, bad, str(e.value))
 
 
+def test_masked_arrays_are_refused(mixtral, case):
+    """A numpy.ma.MaskedArray (an ndarray) was read through its data, its mask
+    ignored: a masked hidden state computed as if it were there."""
+    x = np.ma.masked_array(np.ones((2, mixtral.hidden_size), np.float32))
+    x[0, 3] = np.ma.masked
+    arguments = _array_arguments(mixtral, case) + [("w13", True, fusedmoe.interleave_w13)]
+    for name, _, call in arguments:
+        for bad in (x, np.ma.masked_array(case["w13"]), np.ma.masked_array(np.zeros((3, 8)))):
+            with pytest.raises(TypeError) as e:
+                call(bad)
+            assert str(e.value) == (
+                f"{name}: expected a NumPy array or torch tensor, got numpy.ma.MaskedArray "
+                "(its mask would be ignored; pass its .filled(value), the masked elements set "
+                "to value, or its .data)"), (name, str(e.value))
+    assert np.array_equal(mixtral(x.filled(0.0)), mixtral(np.asarray(x.filled(0.0))))
+
+
 def test_non_array_arguments_beside_torch_tensors():
     """With torch tensors the calls go to torch.ops, whose own message for None
     ("expected Tensor ... but got NoneType") named no argument of fusedmoe's."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -266,6 +267,15 @@ def test_from_pretrained_errors(tmp_path):
         fusedmoe.inspect(tmp_path)
     with pytest.raises(OSError):
         fusedmoe.inspect(tmp_path / "nothing")
+    # A model whose config.json makes no layer MoE: inspect says it cannot be run,
+    # as from_pretrained refuses it (it described "moe_layers": []).
+    dense = json.loads((HF / "deepseek_v3" / "config.json").read_text())
+    dense["first_k_dense_replace"] = dense["num_hidden_layers"]
+    (tmp_path / "config.json").write_text(json.dumps(dense))
+    with pytest.raises(ValueError, match="has no MoE layer fusedmoe can run"):
+        fusedmoe.inspect(tmp_path)
+    with pytest.raises(ValueError, match="has no MoE layer"):
+        fusedmoe.MoELayer.from_pretrained(tmp_path)
 
 
 def test_non_finite_inputs_are_named(case):

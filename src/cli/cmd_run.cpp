@@ -57,15 +57,21 @@ std::string utf8_replaced(const std::string& text) {
 
 constexpr char kNpyMagic[] = "\x93NUMPY";
 
+// The dtypes --input and --reference take (converted to f32): check_float_dtype
+// checks them, and read_npy names the .npy codes of those a .npy file can hold.
+constexpr DType kFloatDTypes[] = {DType::kF32, DType::kBF16, DType::kF16, DType::kF64};
+
 // What a caller checks of a tensor file's dtype and shape (from its header) before
 // anything is allocated for, or read of, its data.
 using HeaderCheck = std::function<void(DType, std::span<const int64_t>)>;
 
 // Minimal .npy reader (format versions 1-3, C order): floats f2/f4/f8, signed and
-// unsigned integers, bool; little- or big-endian (big-endian data is byte-swapped
-// to the machine's order, as the Python API converts such arrays). `check` sees
-// the header's dtype and shape before the data is read.
-Tensor read_npy(const std::string& path, const HeaderCheck& check) {
+// unsigned integers, bool, of them those in `accepted` (another dtype is an error
+// that lists the accepted ones); little- or big-endian (big-endian data is
+// byte-swapped to the machine's order, as the Python API converts such arrays).
+// `check` sees the header's dtype and shape before the data is read.
+Tensor read_npy(const std::string& path, std::span<const DType> accepted,
+                const HeaderCheck& check) {
   require_regular_file(path);
   std::ifstream f(path, std::ios::binary);
   if (!f) FUSEDMOE_THROW(kIo, path, ": cannot open: ", std::strerror(errno));
@@ -202,13 +208,24 @@ Tensor read_npy(const std::string& path, const HeaderCheck& check) {
   // none ('f4', as numpy also reads it): native.
   const bool has_order = !descr.empty() && std::strchr("<>|=", descr[0]) != nullptr;
   const char order = has_order ? descr[0] : '=';
+  const auto is_accepted = [&](DType d) {
+    return std::find(accepted.begin(), accepted.end(), d) != accepted.end();
+  };
   const NpyType* type = nullptr;
   for (const NpyType& t : kTypes)
-    if (descr.compare(has_order ? 1 : 0, std::string::npos, t.code) == 0) type = &t;
-  if (type == nullptr)
-    FUSEDMOE_THROW(kIo, path, ": .npy dtype '", descr,
-                   "' not supported (expected f2, f4, f8, i1, i2, i4, i8, u1 or b1, little- or "
-                   "big-endian)");
+    if (is_accepted(t.dtype) && descr.compare(has_order ? 1 : 0, std::string::npos, t.code) == 0)
+      type = &t;
+  if (type == nullptr) {
+    // The codes the caller takes ("f2, f4 or f8"), in the table's order.
+    std::vector<std::string> codes;
+    for (const NpyType& t : kTypes)
+      if (is_accepted(t.dtype)) codes.push_back(t.code);
+    std::string expected;
+    for (size_t i = 0; i < codes.size(); ++i)
+      expected += (i == 0 ? "" : i + 1 == codes.size() ? " or " : ", ") + codes[i];
+    FUSEDMOE_THROW(kIo, path, ": .npy dtype '", printable(descr), "' not supported (expected ",
+                   expected, ", little- or big-endian)");
+  }
   const DType dtype = type->dtype;
   if (fortran == "True") FUSEDMOE_THROW(kIo, path, ": Fortran-order .npy arrays are not supported");
   std::vector<int64_t> shape;
@@ -270,7 +287,8 @@ Tensor read_npy(const std::string& path, const HeaderCheck& check) {
 }
 
 // The tensor `key` of a .safetensors file, or the array of a .npy file (told
-// apart by their content, whatever the name); `check` sees its dtype and shape
+// apart by their content, whatever the name; a .npy file's dtype one of
+// kFloatDTypes, which both callers take); `check` sees its dtype and shape
 // before its data is read (a .safetensors file's is mapped, read as used).
 Tensor read_tensor(const std::string& path, const std::string& key, const char* what,
                    const HeaderCheck& check) {
@@ -295,7 +313,7 @@ Tensor read_tensor(const std::string& path, const std::string& key, const char* 
     // as those above; the caller's checks name it themselves.
     bool in_check = false;
     try {
-      return read_npy(path, [&](DType d, std::span<const int64_t> shape) {
+      return read_npy(path, kFloatDTypes, [&](DType d, std::span<const int64_t> shape) {
         in_check = true;
         check(d, shape);
         in_check = false;
@@ -360,8 +378,9 @@ std::string describe(const std::string& path, const std::string& key, const char
 // --input and --reference: f32, bf16, f16 or f64 (what the README lists; FP8
 // is a weight format whose values need scales, not an activation file's).
 void check_float_dtype(DType d, const std::string& what) {
-  FUSEDMOE_CHECK(d == DType::kF32 || d == DType::kBF16 || d == DType::kF16 || d == DType::kF64,
-                 what, ": expected dtype f32, bf16, f16 or f64, got ", dtype_name(d));
+  FUSEDMOE_CHECK(
+      std::find(std::begin(kFloatDTypes), std::end(kFloatDTypes), d) != std::end(kFloatDTypes),
+      what, ": expected dtype f32, bf16, f16 or f64, got ", dtype_name(d));
 }
 
 // The contents of a file as the ranks' options check compares them: its size

@@ -68,10 +68,9 @@ class Fields {
       if (def) return *def;
       missing(keys);
     }
+    // A float, even a whole one (4.0): not an integer field's value (Python
+    // reads it as a float, which HF's torch.topk and range() refuse).
     if (v->is_number_integer()) return v->get<int64_t>();
-    if (v->is_number_float() &&
-        v->get<double>() == static_cast<double>(static_cast<int64_t>(v->get<double>())))
-      return static_cast<int64_t>(v->get<double>());
     FUSEDMOE_THROW(kInvalidArgument, where_, ": field '", k, "': expected an integer, got ",
                    v->dump());
   }
@@ -301,6 +300,13 @@ ModelInfo load_model_info(const std::string& model_dir) {
 ModelInfo parse_model_info(const std::string& json_text, const std::string& source) {
   // The path as error messages quote it (control characters as \xNN).
   const std::string shown = printable(source);
+  // nlohmann's parser skips a byte-order mark; Python's json.load (HF
+  // transformers' reader) refuses the file, so it is refused here too.
+  if (json_text.starts_with("\xEF\xBB\xBF"))
+    FUSEDMOE_THROW(kIo, shown,
+                   ": starts with a UTF-8 byte-order mark (bytes EF BB BF), which Python's "
+                   "json.load and so HF transformers refuse; expected JSON text without one "
+                   "(save the file as UTF-8 without a BOM)");
   json root;
   try {
     root = json::parse(json_text);

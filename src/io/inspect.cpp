@@ -67,6 +67,16 @@ ojson inspect_model(const std::string& path) {
     FUSEDMOE_THROW(kIo, printable(path), ": no such model directory or file");
   // load_model_info names any other file (not a .json) as no model.
   const ModelInfo info = load_model_info(path);
+  // A model without an MoE layer (a dense one, or config.json's fields make
+  // every layer dense) is nothing fusedmoe can run (`run` and from_pretrained
+  // refuse it): an error, as an unsupported model_type is, not a description
+  // of no layers that reads as a model to run.
+  if (info.moe_layers.empty())
+    FUSEDMOE_THROW(kInvalidArgument, printable(path),
+                   ": the model has no MoE layer fusedmoe can run (model_type '",
+                   printable(info.model_type), "', ", info.num_hidden_layers,
+                   info.num_hidden_layers == 1 ? " layer" : " layers",
+                   ", none of them MoE by its config.json; fusedmoe run refuses it too)");
   std::string dir = path;
   if (!is_dir(path)) {
     const auto slash = path.find_last_of('/');

@@ -281,7 +281,10 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) 
     (void)inserted;  // JSON object keys are unique after parsing
     spans.push_back({pos->second.begin, pos->second.end, &pos->first});
   }
-  // No two tensors may share bytes (empty tensors occupy nothing).
+  // No two tensors may share bytes, and no byte between them may be left
+  // unused: the tensors follow one another from offset 0 (as HF's safetensors
+  // requires: "invalid offset" otherwise; a gap is damage or a bad writer, not
+  // padding to skip). Empty tensors occupy nothing.
   std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) {
     return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
   });
@@ -292,7 +295,16 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) 
       FUSEDMOE_THROW(kIo, printable(path), ": tensor '", *s.name, "': data_offsets ",
                      offsets_str(s.begin, s.end), " overlap tensor '", *prev->name, "' ",
                      offsets_str(prev->begin, prev->end));
-    if (!prev || s.end > prev->end) prev = &s;
+    const size_t covered = prev ? prev->end : 0;
+    if (s.begin > covered)
+      FUSEDMOE_THROW(kIo, printable(path), ": tensor '", *s.name, "': data_offsets ",
+                     offsets_str(s.begin, s.end), " leave the bytes ",
+                     offsets_str(covered, s.begin), " of the data section unused (",
+                     prev ? "expected begin " + std::to_string(covered) + ", where tensor '" +
+                                *prev->name + "' " + offsets_str(prev->begin, prev->end) + " ends"
+                          : std::string("expected begin 0, the first tensor's"),
+                     "); a safetensors file's tensors follow one another from offset 0");
+    prev = &s;
   }
   // The data section ends with the last tensor's bytes (as HF's safetensors
   // requires: "incomplete buffer" otherwise): bytes past it are damage

@@ -1055,6 +1055,22 @@ expect_error ".npy size beyond int64" "error: --input $TMP/beyond63.npy: .npy he
   run --model "$FIX" --layer 1 --input "$TMP/beyond63.npy"
 expect_error ".npy structured dtype" "error: --input $TMP/record.npy: .npy structured dtypes (record arrays) are not supported" -- \
   run --model "$FIX" --layer 1 --input "$TMP/record.npy"
+# A dtype --input and --reference do not take: the message lists the ones they take (it
+# listed the integer and bool codes too, which the option then refused).
+python3 - "$TMP" <<'PY'
+import sys
+for name, descr, size in (("int32", "<i4", 4), ("complex", "<c8", 8)):
+    h = ("{'descr': '%s', 'fortran_order': False, 'shape': (1, 128), }" % descr).encode().ljust(117) + b"\n"
+    open(f"{sys.argv[1]}/{name}.npy", "wb").write(b"\x93NUMPY\x01\x00" + len(h).to_bytes(2, "little") + h + bytes(128 * size))
+PY
+for name in int32 complex; do
+  descr=$([ $name = int32 ] && echo "<i4" || echo "<c8")
+  expect_error ".npy $name --input" "error: --input $TMP/$name.npy: .npy dtype '$descr' not supported (expected f2, f4 or f8, little- or big-endian)" -- \
+    run --model "$FIX" --layer 1 --input "$TMP/$name.npy"
+  expect_error ".npy $name --reference" "error: --reference $TMP/$name.npy: .npy dtype '$descr' not supported (expected f2, f4 or f8, little- or big-endian)" -- \
+    run --model "$FIX" --layer 1 --tokens 1 --reference "$TMP/$name.npy"
+done
+rm -f "$TMP/int32.npy" "$TMP/complex.npy"
 # The header's dict is read entry by entry: a key given twice (numpy takes the last
 # value, this reader took the first), a key numpy does not know, a missing key, a value
 # or separator out of place: each an error naming it (all but the first were read on as

@@ -41,6 +41,22 @@ PY
 done
 [ "$n" -ge 8 ] || { echo "FAIL: only $n models inspected"; exit 1; }
 
+# A model whose config.json makes no layer MoE: an error saying that fusedmoe cannot
+# run it (exit 1, as run's), text or --json, as an unsupported model_type is (it was
+# described as "MoE layers: none" with exit code 0).
+mkdir -p "$TMP/dense"
+cp "$DATA/hf/deepseek_v3/model.safetensors" "$TMP/dense/"
+python3 -c 'import json, sys; c = json.load(open(sys.argv[1])); c["first_k_dense_replace"] = c["num_hidden_layers"]; json.dump(c, open(sys.argv[2], "w"))' \
+  "$DATA/hf/deepseek_v3/config.json" "$TMP/dense/config.json"
+for json_flag in "" --json; do
+  rc=0; "$BIN" inspect "$TMP/dense" $json_flag >"$TMP/text" 2>"$TMP/err" || rc=$?
+  [ "$rc" -eq 1 ] && [ ! -s "$TMP/text" ] &&
+    grep -qF "fusedmoe: error: $TMP/dense: the model has no MoE layer fusedmoe can run (model_type 'deepseek_v3', 3 layers" "$TMP/err" ||
+    { echo "FAIL: inspect $json_flag of a model without MoE layers (exit $rc)"; cat "$TMP/text" "$TMP/err"; exit 1; }
+done
+rc=0; "$BIN" run --model "$TMP/dense" --tokens 2 >/dev/null 2>"$TMP/err" || rc=$?
+[ "$rc" -eq 1 ] && grep -qF "no MoE layers" "$TMP/err" || { echo "FAIL: run of a model without MoE layers (exit $rc)"; cat "$TMP/err"; exit 1; }
+
 # A .safetensors file: its tensors, with dtype and shape.
 "$BIN" inspect "$DATA/hf/mixtral/reference.safetensors" >"$TMP/text"
 grep -qE "layers\.0\.T64\.output_f64 +f64 +\[64, 128\]" "$TMP/text" || { echo "FAIL: safetensors listing"; cat "$TMP/text"; exit 1; }

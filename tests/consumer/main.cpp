@@ -1,6 +1,7 @@
-// The README's C++ example, built against the installed package
-// (tests/consumer/consumer.sh): the bundled model's first MoE layer on 8
-// tokens; exits 1 unless every output element is finite.
+// A user's program built against the installed package, as the README's C++
+// example (tests/consumer/consumer.sh builds that one too, from README.md):
+// the bundled model's first MoE layer on 8 tokens; exits 1 unless every output
+// element is finite.
 #include <cmath>
 #include <cstdio>
 

@@ -199,6 +199,40 @@ TEST(HfConfig, MissingAndInvalidFields) {
              "/nonexistent/dir/config.json");
 }
 
+// An integer field given as a float, even a whole one (4.0), is refused naming
+// the field and the value (it was read as 4): Python reads it as a float, which
+// HF's torch.topk / range() refuse.
+TEST(HfConfig, IntegerFieldsRefuseFloats) {
+  const std::pair<const char*, const char*> cases[] = {
+      {"mixtral", "num_experts_per_tok"}, {"mixtral", "num_local_experts"},
+      {"mixtral", "hidden_size"},         {"mixtral", "intermediate_size"},
+      {"mixtral", "num_hidden_layers"},   {"qwen2_moe", "decoder_sparse_step"},
+      {"deepseek_v3", "n_group"},         {"deepseek_v3", "first_k_dense_replace"}};
+  for (const auto& [arch, key] : cases) {
+    SCOPED_TRACE(std::string(arch) + " " + key);
+    json j = fixture_json(arch);
+    ASSERT_TRUE(j.contains(key));
+    j[key] = j[key].get<double>();
+    EXPECT_HAS(error_of([&] { parse(j); }, ErrorCode::kInvalidArgument),
+               std::string("test/config.json: field '") + key + "': expected an integer, got " +
+                   j[key].dump());
+  }
+  json j = fixture_json("olmoe");
+  j["num_experts_per_tok"] = 4.0;
+  EXPECT_HAS(error_of([&] { parse(j); }, ErrorCode::kInvalidArgument),
+             "test/config.json: field 'num_experts_per_tok': expected an integer, got 4.0");
+}
+
+// A UTF-8 byte-order mark before the JSON: refused, as Python's json.load
+// (transformers' reader) refuses it; nlohmann's parser skipped it.
+TEST(HfConfig, ByteOrderMarkIsRefused) {
+  const std::string text = fixture_json("mixtral").dump();
+  EXPECT_NO_THROW(parse_model_info(text, "test/config.json"));
+  EXPECT_HAS(error_of([&] { parse_model_info("\xEF\xBB\xBF" + text, "test/config.json"); },
+                      ErrorCode::kIo),
+             "test/config.json: starts with a UTF-8 byte-order mark (bytes EF BB BF)");
+}
+
 // A config string quoted in an error keeps its control characters as \xNN: a
 // newline in it neither breaks the message in two nor reads as the CLI's "; ".
 TEST(HfConfig, QuotedConfigStringsEscapeControlCharacters) {

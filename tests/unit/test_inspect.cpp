@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -149,6 +150,27 @@ TEST(InspectJson, SafetensorsFileListsItsTensors) {
   }
   EXPECT_EQ(j["bytes"], bytes);
   EXPECT_EQ(j["metadata"], ojson(file->metadata()));
+}
+
+// A model whose config.json makes no layer MoE: nothing fusedmoe can run, an
+// error naming the path (it was described as "MoE layers: none", exit code 0).
+TEST(InspectJson, ModelWithoutMoELayersIsAnError) {
+  test::TempDir tmp("inspect");
+  std::ifstream in(test::hf_fixture_dir("deepseek_v3") + "/config.json");
+  ojson cfg = ojson::parse(in);
+  cfg["first_k_dense_replace"] = cfg["num_hidden_layers"];
+  std::ofstream(tmp.file("config.json")) << cfg.dump();
+  try {
+    inspect_json(tmp.path());
+    FAIL() << "no error for a model without MoE layers";
+  } catch (const Error& e) {
+    EXPECT_EQ(static_cast<int>(e.code()), static_cast<int>(ErrorCode::kInvalidArgument));
+    EXPECT_EQ(std::string(e.what()),
+              tmp.path() +
+                  ": the model has no MoE layer fusedmoe can run (model_type "
+                  "'deepseek_v3', 3 layers, none of them MoE by its config.json; "
+                  "fusedmoe run refuses it too)");
+  }
 }
 
 TEST(InspectJson, MissingPathIsAnIoError) {

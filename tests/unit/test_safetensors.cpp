@@ -240,6 +240,20 @@ TEST(Safetensors, RejectsBadFiles) {
        16,
        std::nullopt,
        {"tensor 'w.h'", "overlap tensor 'w.g'"}},
+      // Bytes no tensor holds, between two tensors or before the first (HF's
+      // safetensors: "invalid offset"); empty tensors occupy nothing anywhere.
+      {"gap between tensors",
+       R"({"w.j":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"w.k":{"dtype":"F32","shape":[2],"data_offsets":[12,20]}})",
+       20,
+       std::nullopt,
+       {"tensor 'w.k': data_offsets [12, 20] leave the bytes [8, 12] of the data section unused "
+        "(expected begin 8, where tensor 'w.j' [0, 8] ends)"}},
+      {"gap before the first tensor",
+       R"({"w.l":{"dtype":"F32","shape":[2],"data_offsets":[4,12]},"w.m":{"dtype":"F32","shape":[0],"data_offsets":[0,0]}})",
+       12,
+       std::nullopt,
+       {"tensor 'w.l': data_offsets [4, 12] leave the bytes [0, 4] of the data section unused "
+        "(expected begin 0, the first tensor's)"}},
       {"duplicate tensor name",
        R"({"w.i":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"w.i":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})",
        8,
@@ -306,6 +320,31 @@ TEST(Safetensors, RejectsBytesAfterTheLastTensor) {
   EXPECT_NO_THROW(SafetensorsFile::open(none));
   { std::ofstream(none, std::ios::binary | std::ios::app) << "x"; }
   EXPECT_HAS(error_of([&] { SafetensorsFile::open(none); }), ": 1 byte after the last tensor");
+  // Bytes past the last tensor that an empty tensor's offsets reach into are
+  // still unused.
+  const std::string empty_last = dir.file("empty_last.safetensors");
+  write_raw(empty_last,
+            R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
+            R"("b":{"dtype":"F32","shape":[0],"data_offsets":[8,8]}})",
+            8);
+  EXPECT_HAS(error_of([&] { SafetensorsFile::open(empty_last); }),
+             ": 4 bytes after the last tensor's data");
+}
+
+// Tensors that follow one another from offset 0 load, in any header order,
+// empty tensors among them (they occupy no bytes).
+TEST(Safetensors, ContiguousTensorsInAnyOrderLoad) {
+  TempDir dir("st_contig");
+  const std::string path = dir.file("contig.safetensors");
+  write_raw(path,
+            R"({"c":{"dtype":"U8","shape":[4],"data_offsets":[8,12]},)"
+            R"("e":{"dtype":"F32","shape":[0,3],"data_offsets":[8,8]},)"
+            R"("a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+            R"("z":{"dtype":"U8","shape":[0],"data_offsets":[12,12]}})",
+            12);
+  const auto f = SafetensorsFile::open(path);
+  EXPECT_EQ(f->names().size(), 4u);
+  EXPECT_EQ(f->get("c").numel(), 4);
 }
 
 TEST(Safetensors, SaveIsAtomicAndChecksNames) {

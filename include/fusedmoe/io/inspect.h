@@ -23,8 +23,9 @@ namespace fusedmoe {
 // A .safetensors file: {file, tensors [{name, dtype, shape}], bytes, metadata}.
 //
 // Returns the object printed with 2-space indentation, keys in that order.
-// Throws Error(kIo) if `path` does not exist or cannot be read, and what
-// load_model_info throws for a bad config.json.
+// Throws Error(kIo) if `path` does not exist or cannot be read, what
+// load_model_info throws for a bad config.json, and Error(kInvalidArgument)
+// for a model with no MoE layer (nothing fusedmoe can run).
 std::string inspect_json(const std::string& path);
 
 }  // namespace fusedmoe

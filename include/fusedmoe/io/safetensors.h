@@ -4,7 +4,9 @@
 // copy) that keeps the mapping alive. open() validates the whole header before
 // anything is returned: file at least 8 bytes, header length within the file,
 // header valid JSON object, known dtype strings, data_offsets inside the data
-// section, end - begin == numel * dtype size, no two tensors overlapping.
+// section, end - begin == numel * dtype size, no two tensors overlapping, and
+// the tensors covering the data section one after another from offset 0 (no
+// unused bytes between them or after the last one, as HF's safetensors requires).
 // Any violation throws Error(kIo) naming the file (and the tensor).
 #pragma once
 
