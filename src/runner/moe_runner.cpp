@@ -377,9 +377,10 @@ void MoERunner::forward(const TensorView& hidden_states, const TensorView& outpu
       check_tensor(outputs->topk_weights, "outputs.topk_weights", DType::kF32, {T, k}, true, dev);
     check_written_tensors_do_not_overlap(hidden_states, output, router_logits, token_ids, outputs);
     const auto stream = static_cast<cuda::Stream>(options_.cuda_stream);
-    if (cuda_graphs_ && T > 0 && T <= cuda_graphs_->max_capture_size())
+    if (cuda_graphs_ && T > 0 && T <= cuda_graphs_->max_capture_size()) {
       cuda_graphs_->forward(hidden_states, output, router_logits, token_ids, outputs, stream);
-    else if (cuda_ep_)
+      if (cuda_ep_) cuda_ep_->replayed();
+    } else if (cuda_ep_)
       cuda_ep_->forward(hidden_states, output, router_logits, token_ids, outputs, stream);
     else
       cuda_->forward(hidden_states, output, router_logits, token_ids, outputs, stream);

@@ -1157,6 +1157,28 @@ TEST(CudaEp, PeerRunnerGraphReplayPadsToCaptureSize) {
         for (int64_t f = 0; f < F; ++f)
           for (int i = 0; i < 6; ++i) got[r][f][i] = dev[6 * f + i].to_host();
         graphs[r] = graphed.num_cuda_graphs();
+        // cuda_ep_stats() after each forward, replays too: the graphed runner's
+        // rows and bytes are the eager one's (padding rows go nowhere), its
+        // times those the graph's event nodes recorded.
+        for (int64_t f = 0; f < F; ++f) {
+          DeviceTensor* d = &dev[6 * f];
+          graphed.forward(xd[f], d[0]);
+          const EpStats g = *graphed.cuda_ep_stats();
+          eager.forward(xd[f], d[3]);
+          const EpStats e = *eager.cuda_ep_stats();
+          const std::string at = "rank " + std::to_string(r) + " forward " + std::to_string(f);
+          EXPECT_EQ(g.transport, "peer") << at;
+          EXPECT_EQ(g.dispatch_rows_sent, e.dispatch_rows_sent) << at;
+          EXPECT_EQ(g.dispatch_rows_received, e.dispatch_rows_received) << at;
+          EXPECT_EQ(g.dispatch_bytes_sent, e.dispatch_bytes_sent) << at;
+          EXPECT_EQ(g.dispatch_bytes_received, e.dispatch_bytes_received) << at;
+          EXPECT_EQ(g.combine_bytes_sent, e.combine_bytes_sent) << at;
+          EXPECT_EQ(g.combine_bytes_received, e.combine_bytes_received) << at;
+          if (tokens[f][r] > 0) {
+            EXPECT_GT(g.dispatch_seconds, 0) << at;
+            EXPECT_GT(g.combine_seconds, 0) << at;
+          }
+        }
       }
       cudaStreamDestroy(stream);
     });

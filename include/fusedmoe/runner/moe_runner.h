@@ -81,8 +81,8 @@ struct RunnerOptions {
   // expert parallelism (below) the peer transport only (kInvalidArgument over
   // nccl): each rank replays the graphs of its own T (ranks may pick
   // different sizes; a rank with T = 0 or above the largest size runs
-  // eagerly), max_num_tokens per rank; cuda_ep_stats() is not updated by
-  // replays.
+  // eagerly), max_num_tokens per rank; cuda_ep_stats() reports a replay as
+  // a forward (its rows, bytes and kernel times, which the graph records).
   std::vector<int64_t> cuda_graph_sizes;
   // CUDA backend with a communicator over device memory (make_nccl_communicator,
   // one GPU per rank, the current device): expert parallelism on GPUs,

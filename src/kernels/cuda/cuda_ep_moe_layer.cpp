@@ -523,6 +523,10 @@ const EpStats& CudaEpMoELayer::stats() const {
   return impl_->stats;
 }
 
+void CudaEpMoELayer::replayed() {
+  impl_->stats_pending = true;
+}
+
 // The peer transport's EpStats of the last forward, from its events and counts
 // (waits for that forward to finish).
 void CudaEpMoELayer::Impl::peer_stats() {
@@ -704,13 +708,15 @@ void CudaEpMoELayer::Impl::forward_peer(const TensorView& output, int64_t T, Str
   auto* epoch = sync.as<uint64_t>();
   auto* done = reinterpret_cast<unsigned*>(epoch + 1);
   const auto st = static_cast<cudaStream_t>(stream);
-  // Captured into a CUDA graph (nothing here synchronises with the host): no
-  // timing events, so no stats for graph replays.
+  // Captured into a CUDA graph (nothing here synchronises with the host): the
+  // timing events become event-record nodes of the graph, recorded by each
+  // replay (replayed() then marks the stats pending).
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   FUSEDMOE_CUDA_CHECK(cudaStreamIsCapturing(st, &capture));
   const bool timed = capture == cudaStreamCaptureStatusNone;
   const auto mark = [&](int i) {
-    if (timed) FUSEDMOE_CUDA_CHECK(cudaEventRecord(ev[i], st));
+    FUSEDMOE_CUDA_CHECK(timed ? cudaEventRecord(ev[i], st)
+                              : cudaEventRecordWithFlags(ev[i], st, cudaEventRecordExternal));
   };
   mark(0);
   peer_dispatch(l.expert_input(), l.topk_ids(), l.topk_weights(), T, rank_of.as<int32_t>(),

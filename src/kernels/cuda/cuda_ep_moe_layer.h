@@ -107,6 +107,10 @@ class CudaEpMoELayer {
   // Rows, bytes (logical: to / from other ranks) and times of the last
   // forward (NCCL: host wall clock; peer: CUDA events, after waiting for it).
   const EpStats& stats() const;
+  // A CUDA graph that captured forward() (peer transport) was launched: stats()
+  // reports that replay, from the counts its kernels wrote and the events it
+  // recorded (a captured forward records its events as graph nodes).
+  void replayed();
   const ExpertMap& expert_map() const;
 
  private:
