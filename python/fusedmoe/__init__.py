@@ -638,12 +638,6 @@ def fused_experts(
                 apply_router_weight_on_input, compute_dtype, swiglu_alpha, swiglu_limit,
                 w13_layout,
             )
-        if _plain_cuda_call(hidden_states, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias,
-                            apply_router_weight_on_input, swiglu_alpha, swiglu_limit):
-            return _cuda_fused_experts(
-                hidden_states, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias,
-                apply_router_weight_on_input, compute_dtype or _CUDA_COMPUTE[w13.dtype], False,
-                swiglu_alpha, swiglu_limit, w13_layout)
     return _fused_experts_impl(
         hidden_states, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias,
         apply_router_weight_on_input, compute_dtype, weight_dtype, swiglu_alpha, swiglu_limit,
@@ -704,75 +698,24 @@ def _fused_experts_impl(
             w13_layout=w13_layout,
         )
         return out
-    return _cuda_fused_experts(
-        x, w13, w2, tw, ids, activation, w13_bias, w2_bias,
-        _bool(apply_router_weight_on_input, "apply_router_weight_on_input"), compute_dtype,
-        bf16_13 or bf16_2, _float(swiglu_alpha, "swiglu_alpha"),
-        _float(swiglu_limit, "swiglu_limit"), w13_layout)
-
-
-def _cuda_fused_experts(x, w13, w2, tw, ids, activation, w13_bias, w2_bias, on_input,
-                        compute_dtype, weights_u16_is_bf16, swiglu_alpha, swiglu_limit,
-                        w13_layout):
-    """The CUDA call on checked arrays: output in the hidden states' dtype,
-    workspace from the caller's framework (its caching allocator; the graph's
-    pool under CUDA-graph capture), the work on the caller's current stream."""
-    T, H = int(x.shape[0]), int(x.shape[1])
+    # CUDA: output in the hidden states' dtype, workspace from the caller's
+    # framework (its caching allocator; the graph's pool under CUDA-graph capture).
     out = _empty_like_framework(x, (T, H), "same")
     # E and I from w2, as the extension takes them (a misshapen w13 is named there).
     if _ndim_ok(w2, 3) and _ndim_ok(tw, 2) and min(w2.shape[0], w2.shape[2], tw.shape[1]) > 0:
         ws_bytes = _ext.cuda_fused_experts_workspace_bytes(
-            T, max(H, 1), w2.shape[2], w2.shape[0], tw.shape[1], on_input, w13_layout)
+            T, max(H, 1), w2.shape[2], w2.shape[0], tw.shape[1],
+            _bool(apply_router_weight_on_input, "apply_router_weight_on_input"), w13_layout)
     else:
         ws_bytes = 0  # the extension reports the bad shape
     ws = _empty_like_framework(x, (ws_bytes,), "u8")
     _ext.fused_experts(
         _dl(x), _dl(w13), _dl(w2), _dl(tw), _dl(ids), _dl(out), activation, _dl(w13_bias),
-        _dl(w2_bias), on_input, compute_dtype, weights_u16_is_bf16, swiglu_alpha, swiglu_limit,
-        _dl(ws), _stream(x), w13_layout=w13_layout,
+        _dl(w2_bias), _bool(apply_router_weight_on_input, "apply_router_weight_on_input"), compute_dtype, bf16_13 or bf16_2,
+        _float(swiglu_alpha, "swiglu_alpha"), _float(swiglu_limit, "swiglu_limit"), _dl(ws), _stream(x),
+        w13_layout=w13_layout,
     )
     return out
-
-
-_CUDA_COMPUTE: dict = {}
-_PLAIN: tuple = ()
-if _torch is not None:
-    _CUDA_COMPUTE = {_torch.bfloat16: "bf16", _torch.float16: "f16"}
-    _PLAIN = (_torch.Tensor, _torch.nn.Parameter)
-
-
-def _plain_cuda_call(x, w13, w2, tw, ids, w13_bias, w2_bias, on_input, alpha, limit) -> bool:
-    """Whether a torch call (after _needs_op) has nothing for _fused_experts_impl's
-    checks and conversions to do, so _cuda_fused_experts can take its tensors as
-    they are (an eager decode call's host time: ~20 µs less): plain CUDA tensors
-    that need no grad, x [T, H] (H >= 1) float32 / bfloat16 / float16 with
-    contiguous rows, w13 and w2 contiguous 3-d bfloat16 or float16 of one dtype
-    with E, I >= 1, topk_weights float32 and topk_ids int32 [T, k >= 1] with
-    contiguous rows, biases None or contiguous float32, the flags a bool and
-    floats. Anything else takes the checked path (which names what is wrong)."""
-    try:
-        for v in (x, w13, w2, tw, ids):
-            if (type(v) not in _PLAIN or v.layout is not _torch.strided or not v.is_cuda
-                    or v.requires_grad):
-                return False
-        for b in (w13_bias, w2_bias):
-            if b is not None and (type(b) not in _PLAIN or b.layout is not _torch.strided
-                                  or not b.is_cuda or b.requires_grad
-                                  or b.dtype != _torch.float32 or not b.is_contiguous()):
-                return False
-        if (type(on_input) is not bool or type(alpha) is not float
-                or type(limit) is not float):
-            return False
-        return (x.dim() == 2 and x.shape[1] >= 1 and x.stride(1) == 1
-                and (x.dtype == _torch.float32 or x.dtype in _CUDA_COMPUTE)
-                and w13.dim() == 3 and w2.dim() == 3 and w13.dtype in _CUDA_COMPUTE
-                and w2.dtype == w13.dtype and w13.is_contiguous() and w2.is_contiguous()
-                and min(w13.shape[0], w13.shape[1], w2.shape[0], w2.shape[2]) >= 1
-                and tw.dim() == 2 and tw.dtype == _torch.float32 and tw.stride(1) == 1
-                and tw.shape[1] >= 1 and ids.dim() == 2 and ids.dtype == _torch.int32
-                and ids.stride(1) == 1)
-    except AttributeError:  # a tensor-like without these: the checked path
-        return False
 
 
 _W13_BLOCK = 128  # cuda::kW13Block: intermediate rows per block of the interleaved128 layout

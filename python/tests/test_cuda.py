@@ -330,52 +330,6 @@ def test_fused_experts_cuda_on_a_side_stream(g):
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-def test_plain_cuda_calls_skip_the_checked_path_with_the_same_bits(g, monkeypatch):
-    """Eager calls whose tensors need no check or conversion (plain CUDA tensors,
-    kernel dtypes, contiguous rows and weights, f32 biases, no grad) go straight to
-    the CUDA call; every other call takes the checked path. Both give the same
-    bits."""
-    x, w13, w2, tw, ids, b13, b2 = _case(g, T=9, bias=True)
-    checked = []
-    real = fusedmoe._fused_experts_impl
-
-    def spy(*a, **kw):
-        checked.append(1)
-        return real(*a, **kw)
-
-    def run(*args, **kw):
-        checked.clear()
-        monkeypatch.setattr(fusedmoe, "_fused_experts_impl", spy)
-        out = fusedmoe.fused_experts(*args, **kw)
-        monkeypatch.setattr(fusedmoe, "_fused_experts_impl", real)
-        ref = real(*args, kw.get("activation", "silu"), kw.get("w13_bias"), kw.get("w2_bias"),
-                   False, None, None, 1.702, 7.0)
-        assert torch.equal(out, ref)
-        return bool(checked)
-
-    xb = x.to(torch.bfloat16)
-    w13p, w2p = torch.nn.Parameter(w13, requires_grad=False), torch.nn.Parameter(w2, False)
-    plain = [(x, w13, w2, tw, ids), (xb, w13, w2, tw, ids), (xb, w13p, w2p, tw, ids),
-             (x[:, :], w13.half(), w2.half(), tw, ids)]
-    for args in plain:
-        assert not run(*args), "a plain call took the checked path"
-    assert not run(xb, w13, w2, tw, ids, w13_bias=b13, w2_bias=b2, activation="gelu")
-    # Each needs a check or a conversion: the checked path.
-    wide = torch.empty(x.shape[0], 2 * x.shape[1], device="cuda")[:, ::2]
-    wide.copy_(x)
-    others = [(x, w13, w2, tw, ids.long()), (wide, w13, w2, tw, ids),
-              (x, w13.transpose(1, 2).contiguous().transpose(1, 2), w2, tw, ids),
-              (x, w13, w2, tw.double(), ids), (x, w13.float(), w2.float(), tw, ids)]
-    for args in others[:3]:
-        assert run(*args), "a call needing conversion skipped the checked path"
-    for args in others[3:]:  # refused by the checked path, naming the argument
-        with pytest.raises((TypeError, ValueError)):
-            fusedmoe.fused_experts(*args)
-    assert run(x, w13, w2, tw, ids, w13_bias=b13.bfloat16(), w2_bias=b2)
-    with torch.no_grad():  # weights requiring grad: detached by the checked path
-        assert run(x, torch.nn.Parameter(w13), torch.nn.Parameter(w2), tw, ids)
-
-
 def test_routing_cuda_matches_reference(g):
     logits = torch.randn(9, 16, generator=g, device="cuda")
     w, ids = fusedmoe.fused_topk(None, logits, 4, True, "sigmoid")
