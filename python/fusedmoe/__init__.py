@@ -60,6 +60,8 @@ __version__: str = _ext.__version__
 __all__ = [
     "MoELayer",
     "CudaWorkspace",
+    "ExpertParallelGroup",
+    "nccl_unique_id",
     "fused_topk",
     "grouped_topk",
     "select_experts",
@@ -1105,6 +1107,92 @@ class CudaWorkspace:
         return f"CudaWorkspace(nbytes={self.nbytes}, device={self.device})"
 
 
+class ExpertParallelGroup:
+    """GPU expert parallelism: the ranks (processes, one GPU each) among which
+    CUDA layers given it as ``ep_group`` spread their experts. One NCCL
+    communicator, made once and shared by those layers.
+
+    ``ExpertParallelGroup(group=None)``: over the ranks of a torch.distributed
+    process group (default: the world), each on its current CUDA device —
+    collective: every rank of the group calls it. ``from_unique_id``: over ranks
+    that hand one rank's ``nccl_unique_id()`` bytes to the others themselves.
+
+    >>> torch.distributed.init_process_group("nccl")      # e.g. under torchrun
+    >>> torch.cuda.set_device(local_rank)
+    >>> ep = fusedmoe.ExpertParallelGroup()
+    >>> layer = fusedmoe.MoELayer.from_pretrained(path, backend="cuda", ep_group=ep)
+    >>> out = layer(my_tokens)   # collective; each rank its own tokens (0 too)
+
+    Rank r holds the experts [r * E // P, (r + 1) * E // P) (P ranks); a forward
+    dispatches each token once to every rank holding one of its experts and
+    combines the results back (stores into the other GPUs' memory where every
+    rank maps the others', else NCCL all-to-all; FUSEDMOE_EP_TRANSPORT), with
+    the output of one GPU on all the ranks' tokens (bit for bit over NCCL, to
+    f32 rounding over peer memory). Every rank must build its layers in the
+    same order with the same ``max_num_tokens``, and call each layer's forward
+    the same number of times (with up to ``max_num_tokens`` tokens); a rank
+    that stops makes the others raise within FUSEDMOE_COMM_TIMEOUT_S (default
+    60) seconds."""
+
+    def __init__(self, group: Any = None):
+        t = _torch
+        if t is None or not t.distributed.is_available():
+            raise ImportError("ExpertParallelGroup: torch.distributed is needed (or use "
+                              "ExpertParallelGroup.from_unique_id)")
+        dist = t.distributed
+        if not dist.is_initialized():
+            raise RuntimeError("ExpertParallelGroup: torch.distributed is not initialized "
+                               "(torch.distributed.init_process_group first)")
+        if not t.cuda.is_available():
+            raise RuntimeError("ExpertParallelGroup: no CUDA device is visible")
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        uid = [nccl_unique_id() if rank == 0 else None]
+        src = 0 if group is None else dist.get_global_rank(group, 0)
+        dist.broadcast_object_list(uid, src=src, group=group)
+        self._impl = _ext.EpGroup(uid[0], rank, size, t.cuda.current_device())
+
+    @classmethod
+    def from_unique_id(cls, unique_id: bytes, rank: int, size: int,
+                       device: Optional[int] = None) -> "ExpertParallelGroup":
+        """Rank ``rank`` of ``size`` on CUDA device ``device`` (default: the current
+        one), joined by the bytes of one rank's ``nccl_unique_id()`` — collective."""
+        if not isinstance(unique_id, bytes):
+            raise TypeError(f"unique_id: expected the bytes of fusedmoe.nccl_unique_id(), "
+                            f"got {type(unique_id).__name__}")
+        size = _int_in(size, "size", 1, 2**31 - 1)
+        rank = _int_in(rank, "rank", 0, size - 1, f" (size {size})")
+        if device is None:
+            if not cuda_built or _ext.cuda_device_count() == 0:
+                raise RuntimeError("ExpertParallelGroup: no CUDA device is visible")
+            device = _torch.cuda.current_device() if _torch is not None else 0
+        g = cls.__new__(cls)
+        g._impl = _ext.EpGroup(unique_id, rank, size, _int_in(device, "device", 0, 2**31 - 1))
+        return g
+
+    @property
+    def rank(self) -> int:
+        return self._impl.rank
+
+    @property
+    def size(self) -> int:
+        """P: ranks"""
+        return self._impl.size
+
+    @property
+    def device(self) -> int:
+        """This rank's CUDA device index"""
+        return self._impl.device
+
+    def __repr__(self) -> str:
+        return f"ExpertParallelGroup(rank={self.rank}, size={self.size}, device=cuda:{self.device})"
+
+
+def nccl_unique_id() -> bytes:
+    """The bytes of a fresh NCCL unique id, for
+    ``ExpertParallelGroup.from_unique_id`` on every rank."""
+    return _ext.nccl_unique_id()
+
+
 class MoELayer:
     """One MoE layer (router, routed experts, shared experts) of a HF model.
 
@@ -1129,6 +1217,7 @@ class MoELayer:
         *,
         check_finite: bool = True,
         workspace: Optional[CudaWorkspace] = None,
+        ep_group: Optional[ExpertParallelGroup] = None,
     ) -> "MoELayer":
         """Loads MoE layer ``layer`` (default: the first MoE layer) of the HF
         checkpoint in ``model_dir`` (config.json + model.safetensors, sharded or
@@ -1149,7 +1238,10 @@ class MoELayer:
         False skips the check (a call whose tokens reach such a weight then
         raises ValueError naming the first non-finite output). ``workspace``
         (CUDA): a ``CudaWorkspace`` whose memory this layer's scratch shares
-        with the other layers given it, instead of its own."""
+        with the other layers given it, instead of its own. ``ep_group`` (CUDA):
+        an ``ExpertParallelGroup``: this rank holds its share of the experts and
+        a call is collective over the group (see ExpertParallelGroup); the
+        current device must be the group's."""
         model_dir = _path(model_dir, "model_dir")
         _str(backend, "backend", "'cpu' or 'cuda'")
         if backend not in ("cpu", "cuda"):
@@ -1169,9 +1261,13 @@ class MoELayer:
         if workspace is not None and not isinstance(workspace, CudaWorkspace):
             raise TypeError(f"workspace: expected a fusedmoe.CudaWorkspace or None, got "
                             f"{type(workspace).__name__}")
+        if ep_group is not None and not isinstance(ep_group, ExpertParallelGroup):
+            raise TypeError(f"ep_group: expected a fusedmoe.ExpertParallelGroup or None, got "
+                            f"{type(ep_group).__name__}")
         return cls(_ext.MoELayer.from_pretrained(model_dir, layer, dtype, threads, backend, mnt,
                                                  _bool(check_finite, "check_finite"),
-                                                 None if workspace is None else workspace._impl))
+                                                 None if workspace is None else workspace._impl,
+                                                 None if ep_group is None else ep_group._impl))
 
     # -- properties
     @property

@@ -54,6 +54,24 @@ def set_num_threads(num_threads: int) -> None:
 
 def get_num_threads() -> int: ...
 
+def nccl_unique_id() -> bytes:
+    """The bytes of a fresh ncclUniqueId, for EpGroup on every rank."""
+
+class EpGroup:
+    def __init__(self, unique_id: bytes, rank: int, size: int, device: int) -> None:
+        """
+        Rank `rank` of `size` on CUDA device `device`, joined by nccl_unique_id()'s bytes (collective: every rank constructs one, within FUSEDMOE_COMM_TIMEOUT_S).
+        """
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def device(self) -> int: ...
+
 class CudaWorkspace:
     def __init__(self) -> None: ...
 
@@ -67,7 +85,7 @@ class CudaWorkspace:
 
 class MoELayer:
     @staticmethod
-    def from_pretrained(model_dir: str, layer: int | None = None, dtype: str = 'f32', threads: int | None = None, backend: str = 'cpu', max_num_tokens: int = 0, check_finite: bool = True, workspace: CudaWorkspace | None = None) -> MoELayer: ...
+    def from_pretrained(model_dir: str, layer: int | None = None, dtype: str = 'f32', threads: int | None = None, backend: str = 'cpu', max_num_tokens: int = 0, check_finite: bool = True, workspace: CudaWorkspace | None = None, ep_group: EpGroup | None = None) -> MoELayer: ...
 
     def forward(self, hidden_states: Annotated[NDArray, dict(writable=False)], output: NDArray, router_logits: Annotated[NDArray, dict(writable=False)] | None, out_router_logits: NDArray | None, out_topk_ids: NDArray | None, out_topk_weights: NDArray | None, token_ids: Annotated[NDArray, dict(writable=False)] | None, stream: int = 0) -> None: ...
 

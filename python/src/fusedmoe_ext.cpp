@@ -44,6 +44,7 @@
 #include "fusedmoe/io/loader.h"
 #include "fusedmoe/io/safetensors.h"
 #include "fusedmoe/kernels/modular_kernel.h"
+#include "fusedmoe/parallel/communicator.h"
 #include "fusedmoe/routing/router.h"
 #include "fusedmoe/runner/moe_runner.h"
 
@@ -790,6 +791,30 @@ class PyCudaWorkspace {
 #endif
 };
 
+// ---- expert parallelism -----------------------------------------------------------
+
+// One rank of a GPU expert-parallel group: an NCCL communicator joined by the
+// ncclUniqueId bytes one rank made (nccl_unique_id()) and handed to all
+// (fusedmoe.ExpertParallelGroup does it over torch.distributed).
+class PyEpGroup {
+ public:
+  PyEpGroup(const nb::bytes& unique_id, int rank, int size, int device) {
+    const auto* p = static_cast<const uint8_t*>(unique_id.data());
+    const std::vector<uint8_t> id(p, p + unique_id.size());
+    nb::gil_scoped_release release;  // collective: waits for the other ranks
+    comm_ = make_nccl_communicator(std::span<const uint8_t>(id), rank, size, device);
+    device_ = device;
+  }
+  int rank() const { return comm_->rank(); }
+  int size() const { return comm_->size(); }
+  int device() const { return device_; }
+  const std::shared_ptr<Communicator>& comm() const { return comm_; }
+
+ private:
+  std::shared_ptr<Communicator> comm_;
+  int device_ = 0;
+};
+
 // ---- MoELayer ----------------------------------------------------------------------
 
 class PyMoELayer {
@@ -798,7 +823,8 @@ class PyMoELayer {
   // workspace for max_num_tokens tokens allocated once).
   PyMoELayer(MoEConfig config, MoELayerWeights weights, DType compute_dtype,
              std::optional<int> threads, std::string source, int64_t layer, Device device,
-             int64_t max_num_tokens, const PyCudaWorkspace* workspace = nullptr)
+             int64_t max_num_tokens, const PyCudaWorkspace* workspace = nullptr,
+             const PyEpGroup* ep_group = nullptr)
       : source_(std::move(source)), layer_(layer), device_(device) {
     if (threads) {
       // 0: the global pool (all cores unless set_num_threads changed it), as
@@ -815,6 +841,10 @@ class PyMoELayer {
 #ifdef FUSEDMOE_WITH_CUDA
     if (workspace) options.cuda_workspace = workspace->get();
 #endif
+    if (ep_group) {
+      config.parallel = parallel_config_for_rank(ep_group->rank(), ep_group->size(), 1, 1);
+      options.communicator = ep_group->comm();
+    }
     if (device.type == DeviceType::kCUDA) {
       nb::gil_scoped_release release;  // uploads the weights
       runner_ = std::make_unique<MoERunner>(std::move(config), std::move(weights), options);
@@ -829,7 +859,8 @@ class PyMoELayer {
   static PyMoELayer* from_pretrained(const std::string& model_dir, std::optional<int64_t> layer,
                                      const std::string& dtype, std::optional<int> threads,
                                      const std::string& backend, int64_t max_num_tokens,
-                                     bool check_finite, const PyCudaWorkspace* workspace) {
+                                     bool check_finite, const PyCudaWorkspace* workspace,
+                                     const PyEpGroup* ep_group) {
     // "auto" (CUDA): f16 for an f16 checkpoint, else bf16 (decided below).
     const bool auto_dtype = dtype == "auto" && backend == "cuda";
     DType compute = auto_dtype ? DType::kBF16 : parse_compute_dtype(dtype, "dtype");
@@ -845,6 +876,10 @@ class PyMoELayer {
                      "expected \"bf16\" or \"f16\", got \"",
                      dtype, "\"");
       FUSEDMOE_CHECK(max_num_tokens >= 0, "max_num_tokens: expected >= 0, got ", max_num_tokens);
+      FUSEDMOE_CHECK(!ep_group || ep_group->device() == current,
+                     "ep_group: its GPU is cuda:", ep_group ? ep_group->device() : 0,
+                     ", but the current device is cuda:", current,
+                     " (torch.cuda.set_device(the group's device) first)");
 #else
       FUSEDMOE_THROW(kUnsupported,
                      "backend: \"cuda\", but this build of fusedmoe has no CUDA backend (built "
@@ -859,6 +894,9 @@ class PyMoELayer {
       FUSEDMOE_CHECK(workspace == nullptr,
                      "workspace: a CudaWorkspace serves CUDA layers only (backend=\"cuda\"), "
                      "got backend=\"cpu\"");
+      FUSEDMOE_CHECK(ep_group == nullptr,
+                     "ep_group: GPU expert parallelism needs backend=\"cuda\", got "
+                     "backend=\"cpu\"");
     }
     MoEConfig config;
     MoELayerWeights weights;
@@ -887,7 +925,7 @@ class PyMoELayer {
       }
     }
     return new PyMoELayer(std::move(config), std::move(weights), compute, threads, model_dir, l,
-                          device, max_num_tokens, workspace);
+                          device, max_num_tokens, workspace, ep_group);
   }
 
   // stream: the cudaStream_t (as an integer) CUDA layers enqueue on.
@@ -1134,6 +1172,22 @@ NB_MODULE(_ext, m) {
       "num_threads"_a, "Sets the threads of the global pool (0: all cores).");
   m.def("get_num_threads", [] { return ThreadPool::global().num_threads(); });
 
+  m.def(
+      "nccl_unique_id",
+      [] {
+        const std::vector<uint8_t> id = nccl_unique_id();
+        return nb::bytes(reinterpret_cast<const char*>(id.data()), id.size());
+      },
+      "The bytes of a fresh ncclUniqueId, for EpGroup on every rank.");
+  nb::class_<PyEpGroup>(m, "EpGroup")
+      .def(nb::init<const nb::bytes&, int, int, int>(), "unique_id"_a, "rank"_a, "size"_a,
+           "device"_a,
+           "Rank `rank` of `size` on CUDA device `device`, joined by nccl_unique_id()'s bytes "
+           "(collective: every rank constructs one, within FUSEDMOE_COMM_TIMEOUT_S).")
+      .def_prop_ro("rank", &PyEpGroup::rank)
+      .def_prop_ro("size", &PyEpGroup::size)
+      .def_prop_ro("device", &PyEpGroup::device);
+
   nb::class_<PyCudaWorkspace>(m, "CudaWorkspace")
       .def(nb::init<>())
       .def("reserve", &PyCudaWorkspace::reserve, "nbytes"_a)
@@ -1144,7 +1198,8 @@ NB_MODULE(_ext, m) {
       .def_static("from_pretrained", &PyMoELayer::from_pretrained, "model_dir"_a,
                   "layer"_a.none() = nb::none(), "dtype"_a = "f32", "threads"_a.none() = nb::none(),
                   "backend"_a = "cpu", "max_num_tokens"_a = 0, "check_finite"_a = true,
-                  "workspace"_a.none() = nb::none(), nb::rv_policy::take_ownership)
+                  "workspace"_a.none() = nb::none(), "ep_group"_a.none() = nb::none(),
+                  nb::rv_policy::take_ownership)
       .def("forward", &PyMoELayer::forward, "hidden_states"_a, "output"_a, "router_logits"_a.none(),
            "out_router_logits"_a.none(), "out_topk_ids"_a.none(), "out_topk_weights"_a.none(),
            "token_ids"_a.none(), "stream"_a = 0)

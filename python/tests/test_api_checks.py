@@ -953,3 +953,29 @@ def test_torch_calls_skip_the_op_dispatch_only_when_nothing_needs_it(monkeypatch
         calls.clear()
         assert torch.equal(fusedmoe.fused_experts(xg, w13, w2, tw, ids), out)
         assert not calls
+
+
+def test_expert_parallel_group_argument_errors():
+    """ExpertParallelGroup / ep_group arguments are checked before any rank
+    waits for the others."""
+    try:
+        uid = fusedmoe.nccl_unique_id()
+    except NotImplementedError as e:  # a build without NCCL says so
+        assert "no NCCL" in str(e)
+        uid = bytes(128)
+    else:
+        assert isinstance(uid, bytes) and len(uid) == 128
+    with pytest.raises(ValueError, match="unique_id: expected the 128 bytes of nccl_unique_id"):
+        fusedmoe.ExpertParallelGroup.from_unique_id(b"x", 0, 1, device=0)
+    with pytest.raises(TypeError, match="unique_id: expected the bytes"):
+        fusedmoe.ExpertParallelGroup.from_unique_id(uid.hex(), 0, 1)
+    with pytest.raises(ValueError, match=r"rank: expected 0\.\.1 \(size 2\), got 3"):
+        fusedmoe.ExpertParallelGroup.from_unique_id(uid, 3, 2)
+    with pytest.raises(ValueError, match="size: expected 1"):
+        fusedmoe.ExpertParallelGroup.from_unique_id(uid, 0, 0)
+    with pytest.raises(TypeError, match="ep_group: expected a fusedmoe.ExpertParallelGroup"):
+        fusedmoe.MoELayer.from_pretrained(HF / "mixtral", ep_group=1)
+    if not fusedmoe.cuda_built or fusedmoe._ext.cuda_device_count() == 0:
+        with pytest.raises((RuntimeError, ValueError, NotImplementedError),
+                           match="no CUDA device|no NCCL|device"):
+            fusedmoe.ExpertParallelGroup.from_unique_id(uid, 0, 1)

@@ -242,18 +242,27 @@ ParallelGroups ParallelGroups::single() {
 }
 
 #ifndef FUSEDMOE_WITH_NCCL
+namespace {
+[[noreturn]] void no_nccl() {
+  FUSEDMOE_THROW(kUnsupported,
+                 "NCCL communicator: this build of fusedmoe has no NCCL (a CUDA build finds "
+                 "nccl.h and libnccl in the CUDA toolkit or NCCL_HOME)");
+}
+}  // namespace
 bool nccl_built() {
   return false;
 }
 std::unique_ptr<Communicator> make_nccl_communicator(std::shared_ptr<Communicator>, int) {
-  FUSEDMOE_THROW(kUnsupported,
-                 "NCCL communicator: this build of fusedmoe has no NCCL (a CUDA build finds "
-                 "nccl.h and libnccl in the CUDA toolkit or NCCL_HOME)");
+  no_nccl();
 }
 std::vector<std::unique_ptr<Communicator>> make_nccl_communicators(std::span<const int>) {
-  FUSEDMOE_THROW(kUnsupported,
-                 "NCCL communicator: this build of fusedmoe has no NCCL (a CUDA build finds "
-                 "nccl.h and libnccl in the CUDA toolkit or NCCL_HOME)");
+  no_nccl();
+}
+std::vector<uint8_t> nccl_unique_id() {
+  no_nccl();
+}
+std::unique_ptr<Communicator> make_nccl_communicator(std::span<const uint8_t>, int, int, int) {
+  no_nccl();
 }
 #endif
 

@@ -428,35 +428,72 @@ bool nccl_built() {
   return true;
 }
 
+namespace {
+
+ncclUniqueId new_unique_id() {
+  ncclUniqueId id{};
+  const ncclResult_t r = ncclGetUniqueId(&id);
+  if (r != ncclSuccess) FUSEDMOE_THROW(kIo, "ncclGetUniqueId: ", nccl_message(nullptr, r));
+  return id;
+}
+
+// Rank `rank` of `size` on `device` joined by `id` (bootstrap: kept for
+// abort(), may be null).
+std::unique_ptr<Communicator> init_rank(const ncclUniqueId& id, int rank, int size, int device,
+                                        std::shared_ptr<Communicator> bootstrap) {
+  const char* op = "ncclCommInitRankConfig";
+  const double timeout_s = comm_timeout_seconds();
+  DeviceGuard g(device);
+  ncclConfig_t cfg = nonblocking_config();
+  ncclComm_t comm = nullptr;
+  const Clock::time_point deadline = deadline_in(timeout_s);
+  const ncclResult_t r = ncclCommInitRankConfig(&comm, size, id, rank, &cfg);
+  if (r != ncclSuccess && r != ncclInProgress) {
+    if (comm) ncclCommAbort(comm);
+    FUSEDMOE_THROW(kIo, op, ": NCCL error creating rank ", rank, " of ", size, ": ",
+                   nccl_message(nullptr, r));
+  }
+  finish_init(comm, op, rank, size, timeout_s, deadline);
+  return std::make_unique<NcclCommunicator>(comm, device, timeout_s, std::move(bootstrap));
+}
+
+}  // namespace
+
 std::unique_ptr<Communicator> make_nccl_communicator(std::shared_ptr<Communicator> bootstrap,
                                                      int device) {
-  const char* op = "ncclCommInitRankConfig";
   FUSEDMOE_CHECK(bootstrap != nullptr, "make_nccl_communicator: bootstrap communicator is null");
   FUSEDMOE_CHECK(!bootstrap->device_buffers(),
                  "make_nccl_communicator: the bootstrap must be a host communicator (single or "
                  "MPI), got ",
                  bootstrap->backend());
   check_device(device);
-  const double timeout_s = comm_timeout_seconds();
+  comm_timeout_seconds();  // a bad FUSEDMOE_COMM_TIMEOUT_S throws before the broadcast
   ncclUniqueId id{};
-  if (bootstrap->rank() == 0) {
-    const ncclResult_t r = ncclGetUniqueId(&id);
-    if (r != ncclSuccess) FUSEDMOE_THROW(kIo, "ncclGetUniqueId: ", nccl_message(nullptr, r));
-  }
+  if (bootstrap->rank() == 0) id = new_unique_id();
   bootstrap->broadcast(&id, sizeof(id), 0);
-  DeviceGuard g(device);
-  ncclConfig_t cfg = nonblocking_config();
-  ncclComm_t comm = nullptr;
-  const Clock::time_point deadline = deadline_in(timeout_s);
-  const ncclResult_t r =
-      ncclCommInitRankConfig(&comm, bootstrap->size(), id, bootstrap->rank(), &cfg);
-  if (r != ncclSuccess && r != ncclInProgress) {
-    if (comm) ncclCommAbort(comm);
-    FUSEDMOE_THROW(kIo, op, ": NCCL error creating rank ", bootstrap->rank(), " of ",
-                   bootstrap->size(), ": ", nccl_message(nullptr, r));
-  }
-  finish_init(comm, op, bootstrap->rank(), bootstrap->size(), timeout_s, deadline);
-  return std::make_unique<NcclCommunicator>(comm, device, timeout_s, std::move(bootstrap));
+  const int rank = bootstrap->rank(), size = bootstrap->size();
+  return init_rank(id, rank, size, device, std::move(bootstrap));
+}
+
+std::vector<uint8_t> nccl_unique_id() {
+  static_assert(sizeof(ncclUniqueId) == kNcclUniqueIdBytes);
+  const ncclUniqueId id = new_unique_id();
+  const auto* p = reinterpret_cast<const uint8_t*>(&id);
+  return std::vector<uint8_t>(p, p + sizeof(id));
+}
+
+std::unique_ptr<Communicator> make_nccl_communicator(std::span<const uint8_t> unique_id, int rank,
+                                                     int size, int device) {
+  FUSEDMOE_CHECK(static_cast<int64_t>(unique_id.size()) == kNcclUniqueIdBytes,
+                 "unique_id: expected the ", kNcclUniqueIdBytes, " bytes of nccl_unique_id(), got ",
+                 unique_id.size());
+  FUSEDMOE_CHECK(size >= 1, "size: expected >= 1 ranks, got ", size);
+  FUSEDMOE_CHECK(rank >= 0 && rank < size, "rank: expected 0..", size - 1, " (size ", size,
+                 "), got ", rank);
+  check_device(device);
+  ncclUniqueId id{};
+  std::memcpy(&id, unique_id.data(), sizeof(id));
+  return init_rank(id, rank, size, device, nullptr);
 }
 
 std::vector<std::unique_ptr<Communicator>> make_nccl_communicators(std::span<const int> devices) {

@@ -282,6 +282,29 @@ TEST(NcclCommunicator, EveryVisibleGpuOneProcess) {
   });
 }
 
+// Ranks joined by one nccl_unique_id() handed to each (as Python processes do
+// over torch.distributed): one thread a rank over the first min(4, visible)
+// GPUs; the id's size and the rank are checked first.
+TEST(NcclCommunicator, RanksJoinedByAUniqueId) {
+  FUSEDMOE_REQUIRE_NCCL();
+  const std::vector<uint8_t> id = nccl_unique_id();
+  ASSERT_EQ(static_cast<int64_t>(id.size()), kNcclUniqueIdBytes);
+  FUSEDMOE_EXPECT_ERROR(make_nccl_communicator(std::span<const uint8_t>(id).first(100), 0, 1, 0),
+                        kInvalidArgument, "unique_id: expected the 128 bytes");
+  FUSEDMOE_EXPECT_ERROR(make_nccl_communicator(id, 2, 2, 0), kInvalidArgument,
+                        "rank: expected 0..1 (size 2), got 2");
+  const int n = std::max(1, std::min(cuda::device_count(), 4));
+  std::vector<std::unique_ptr<Communicator>> comms(n);
+  run_ranks(n, [&](int r) {
+    comms[r] = make_nccl_communicator(id, r, n, r);
+    EXPECT_EQ(comms[r]->rank(), r);
+    EXPECT_EQ(comms[r]->size(), n);
+    test::cuda_ok(cudaSetDevice(r), "cudaSetDevice");
+    check_collectives(*comms[r]);
+  });
+  run_ranks(n, [&](int r) { comms[r].reset(); });
+}
+
 // A bootstrap that claims to be rank 0 of 2 but has no peer: rank 1 never joins.
 class LonelyBootstrap final : public Communicator {
  public:

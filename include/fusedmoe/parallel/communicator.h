@@ -159,6 +159,18 @@ bool nccl_built();
 // errors or when the other ranks do not join within the deadline.
 std::unique_ptr<Communicator> make_nccl_communicator(std::shared_ptr<Communicator> bootstrap,
                                                      int device);
+// For ranks that exchange the NCCL id themselves (e.g. Python processes over
+// torch.distributed): one rank calls nccl_unique_id() (the bytes of a fresh
+// ncclUniqueId, kNcclUniqueIdBytes of them), hands them to every rank, and
+// each calls make_nccl_communicator(id, rank, size, device) — collective, as
+// above. abort() aborts NCCL and std::exit()s this process only (the others
+// see the broken communicator and fail within the deadline). Throws
+// Error(kInvalidArgument) for an id of another size, size < 1 or rank outside
+// [0, size); otherwise as above.
+inline constexpr int64_t kNcclUniqueIdBytes = 128;  // NCCL_UNIQUE_ID_BYTES
+std::vector<uint8_t> nccl_unique_id();
+std::unique_ptr<Communicator> make_nccl_communicator(std::span<const uint8_t> unique_id, int rank,
+                                                     int size, int device);
 // One process, several GPUs: rank i on devices[i] (distinct), created together
 // (ncclGroupStart / ncclCommInitRankConfig per device / ncclGroupEnd, which is
 // ncclCommInitAll with a non-blocking config). Collectives must then be called
