@@ -157,6 +157,19 @@ def ref_fused_experts(x, w13, w2, topk_weights, topk_ids, activation="silu", w13
 # ---- fixtures ------------------------------------------------------------------------
 
 @pytest.fixture
+def need_cuda():
+    """Skips (with the reason shown) without torch's CUDA device or a fusedmoe
+    built with the CUDA backend; the CUDA test modules use it for every test."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("skipped: no CUDA device")
+    import fusedmoe
+
+    if not fusedmoe.cuda_built:
+        pytest.skip("skipped: fusedmoe was built without the CUDA backend")
+
+
+@pytest.fixture
 def rng(request):
     """A fresh-seeded generator; the seed is printed when the test fails."""
     seed = random.SystemRandom().randrange(2**32)

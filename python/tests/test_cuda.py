@@ -22,12 +22,7 @@ from conftest import (ARCHS, HF, bf16_to_f32, read_safetensors, ref_fused_expert
 from test_hf_fixtures import CASES  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _need_cuda():
-    if not torch.cuda.is_available():
-        pytest.skip("skipped: no CUDA device")
-    if not fusedmoe.cuda_built:
-        pytest.skip("skipped: fusedmoe was built without the CUDA backend")
+pytestmark = pytest.mark.usefixtures("need_cuda")
 
 
 @pytest.fixture

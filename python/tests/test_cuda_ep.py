@@ -23,12 +23,7 @@ import fusedmoe  # noqa: E402
 from conftest import HF, rel_l2  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _need_cuda():
-    if not torch.cuda.is_available():
-        pytest.skip("skipped: no CUDA device")
-    if not fusedmoe.cuda_built:
-        pytest.skip("skipped: fusedmoe was built without the CUDA backend")
+pytestmark = pytest.mark.usefixtures("need_cuda")
 
 
 ARCHS = [("mixtral", 0), ("qwen2_moe", 1), ("deepseek_v3", 1), ("gpt_oss", 0)]
