@@ -1159,6 +1159,9 @@ class ExpertParallelGroup:
         if not isinstance(unique_id, bytes):
             raise TypeError(f"unique_id: expected the bytes of fusedmoe.nccl_unique_id(), "
                             f"got {type(unique_id).__name__}")
+        if len(unique_id) != 128:  # NCCL_UNIQUE_ID_BYTES; checked here in builds without NCCL too
+            raise ValueError(f"unique_id: expected the 128 bytes of nccl_unique_id(), got "
+                             f"{len(unique_id)}")
         size = _int_in(size, "size", 1, 2**31 - 1)
         rank = _int_in(rank, "rank", 0, size - 1, f" (size {size})")
         if device is None:

@@ -251,6 +251,17 @@ def test_str_arguments_are_checked_in_python(case):
         with pytest.raises(ValueError, match='^w13_layout: expected "standard" or "interleaved128"'
                                              ', got "bogus"'):
             fusedmoe.cuda_fused_experts_workspace_bytes(4, 16, 8, 4, 2, w13_layout="bogus")
+        # sizes whose byte counts would wrap around 64 bits are refused, naming them
+        for args, msg in [((2**60, 7168, 2048, 256, 8), r"num_tokens \* top_k \(routed slots\)"),
+                          ((2**50, 7168, 2048, 256, 8), r"num_tokens \* top_k \(routed slots\)"),
+                          ((8192, 2**50, 2048, 256, 8), "hidden_size and intermediate_size"),
+                          ((8192, 64, 32, 2**40, 8), "num_experts must be at most 2\\^20")]:
+            with pytest.raises(ValueError, match=msg):
+                fusedmoe.cuda_fused_experts_workspace_bytes(*args)
+        with pytest.raises(ValueError, match="w13_layout: kInterleaved128 needs intermediate_size "
+                                             "a multiple of 128, got 32"):
+            fusedmoe.cuda_fused_experts_workspace_bytes(5, 64, 32, 8, 2,
+                                                        w13_layout="interleaved128")
         # interleaved: no rows of the w13 GEMM before the activation (with an sm_90 device)
         assert fusedmoe.cuda_fused_experts_workspace_bytes(
             4096, 256, 128, 8, 2, w13_layout="interleaved128") <= \

@@ -243,3 +243,32 @@ def test_layer_outputs_are_numpy_and_deterministic(rng):
     np.testing.assert_array_equal(a[:7], b)  # batch invariant
     assert layer(x[:0]).shape == (0, layer.hidden_size)
     assert "deepseek_v3" in repr(layer)
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="skipped: no os.fork here")
+@pytest.mark.parametrize("threads", [None, 2])  # the global pool, a private one
+def test_layer_calls_in_a_forked_child(threads, rng):
+    """A layer used before fork() works in the child (multiprocessing's fork
+    start method): its thread pool starts new workers there instead of waiting
+    for the parent's, which the child does not have."""
+    import os
+    import signal
+    import warnings
+
+    from conftest import HF
+
+    layer = fusedmoe.MoELayer.from_pretrained(HF / "mixtral", layer=0, threads=threads)
+    x = rng.standard_normal((16, layer.hidden_size)).astype(np.float32)
+    want = layer(x)
+    with warnings.catch_warnings():  # Python 3.12: fork() of a multi-threaded process
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:  # the child: 20 s, then SIGALRM
+        signal.alarm(20)
+        try:
+            os._exit(0 if np.array_equal(layer(x), want) else 1)
+        except BaseException:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status), f"the child hung or died (signal {os.WTERMSIG(status)})"
+    assert os.WEXITSTATUS(status) == 0, "the child's output differs from the parent's"

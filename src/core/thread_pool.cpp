@@ -1,5 +1,7 @@
 #include "fusedmoe/core/thread_pool.h"
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
@@ -7,6 +9,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <system_error>
 #include <thread>
 #include <vector>
@@ -30,6 +33,7 @@ int resolve_threads(int num_threads) {
 // claim chunk indices from an atomic counter, the caller waits for all chunks.
 struct ThreadPool::Impl {
   int num_threads = 1;
+  bool spawned = false;  // workers started (false in a forked child until the next job)
   std::vector<std::thread> workers;
   std::mutex mu;
   std::condition_variable cv_work;
@@ -79,28 +83,73 @@ struct ThreadPool::Impl {
   }
 };
 
+namespace {
+// fork(): the child has only the forking thread, so a pool's workers (and any
+// lock they held) are gone there. Every live pool is registered; in the child
+// each gets a fresh, unlocked state whose workers start with its next job, and
+// the old state is leaked (its std::thread handles name threads that do not
+// exist in the child: neither joinable nor destructible). The registry's mutex
+// is held across fork() so the child's copy of the registry is consistent.
+std::mutex& registry_mu() {
+  static std::mutex* mu = new std::mutex;  // never destroyed: used by atfork handlers
+  return *mu;
+}
+std::set<ThreadPool*>& registry() {
+  static auto* pools = new std::set<ThreadPool*>;
+  return *pools;
+}
+}  // namespace
+
+void ThreadPool::after_fork_in_child() {
+  const int n = impl_->num_threads;
+  impl_.release();  // NOLINT(bugprone-unused-return-value): leaked on purpose, see above
+  impl_ = std::make_unique<Impl>();
+  impl_->num_threads = n;
+}
+
+void ThreadPool::start_workers() {
+  Impl& s = *impl_;
+  try {
+    for (int i = 1; i < s.num_threads; ++i) s.workers.emplace_back([&s, i] { s.worker_loop(i); });
+  } catch (const std::system_error& e) {
+    // Join the workers already started before the throw.
+    {
+      std::lock_guard<std::mutex> lk(s.mu);
+      s.stop = true;
+    }
+    s.cv_work.notify_all();
+    for (auto& w : s.workers) w.join();
+    s.workers.clear();
+    s.stop = false;
+    FUSEDMOE_THROW(kInternal, "num_threads: could not start ", s.num_threads, " threads (",
+                   e.what(), ")");
+  }
+  s.spawned = true;
+}
+
 ThreadPool::ThreadPool(int num_threads) : impl_(std::make_unique<Impl>()) {
   num_threads = resolve_threads(num_threads);
   FUSEDMOE_CHECK(num_threads <= kMaxThreads, "num_threads: expected 1..", kMaxThreads,
                  " (or <= 0 for all cores), got ", num_threads);
   impl_->num_threads = num_threads;
-  try {
-    for (int i = 1; i < num_threads; ++i)
-      impl_->workers.emplace_back([this, i] { impl_->worker_loop(i); });
-  } catch (const std::system_error& e) {
-    // Join the workers already started before impl_ goes away with the throw.
-    {
-      std::lock_guard<std::mutex> lk(impl_->mu);
-      impl_->stop = true;
-    }
-    impl_->cv_work.notify_all();
-    for (auto& w : impl_->workers) w.join();
-    FUSEDMOE_THROW(kInternal, "num_threads: could not start ", num_threads, " threads (", e.what(),
-                   ")");
-  }
+  static std::once_flag atfork;
+  std::call_once(atfork, [] {
+    pthread_atfork([] { registry_mu().lock(); }, [] { registry_mu().unlock(); },
+                   [] {
+                     for (ThreadPool* p : registry()) p->after_fork_in_child();
+                     registry_mu().unlock();
+                   });
+  });
+  start_workers();
+  std::lock_guard<std::mutex> lk(registry_mu());
+  registry().insert(this);
 }
 
 ThreadPool::~ThreadPool() {
+  {
+    std::lock_guard<std::mutex> lk(registry_mu());
+    registry().erase(this);
+  }
   {
     std::lock_guard<std::mutex> lk(impl_->mu);
     impl_->stop = true;
@@ -124,6 +173,7 @@ void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t, int64
   }
   std::lock_guard<std::mutex> job_lock(impl_->job_mu);
   Impl& s = *impl_;
+  if (!s.spawned) start_workers();  // a forked child's first job
   // A few chunks per thread balance uneven work without much overhead.
   const int64_t target_chunks = static_cast<int64_t>(threads) * 4;
   s.chunk = std::max(grain, (n + target_chunks - 1) / target_chunks);

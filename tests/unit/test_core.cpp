@@ -1,5 +1,7 @@
 // Core: dtype conversions, tensor views, thread pool, boundary checks.
 #include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cmath>
@@ -232,6 +234,45 @@ TEST(ThreadPool, ResizingTheGlobalPoolWhileInUse) {
   user.join();
   EXPECT_EQ(total.load(), 400 * 1000);
   ThreadPool::set_global_num_threads(0);
+}
+
+// fork() after a pool has run jobs: the child has none of the parent's
+// workers, so each pool (the global one, a private one) starts new ones with
+// its next job instead of waiting for them forever. The child gets 20 s
+// (alarm) and reports by its exit status; the parent's pools still work after.
+TEST(ThreadPool, UsableInAForkedChild) {
+  ThreadPool pool(3);
+  std::atomic<int64_t> n{0};
+  const auto count = [&](int64_t b, int64_t e, int) { n += e - b; };
+  pool.parallel_for(1000, count);
+  ThreadPool::global().parallel_for(1000, count);
+  const pid_t pid = fork();
+  ASSERT_GE(pid, 0) << "fork failed";
+  if (pid == 0) {
+    alarm(20);
+    n = 0;
+    std::atomic<int> tids{0};
+    for (int i = 0; i < 3; ++i) {
+      pool.parallel_for(1000, [&](int64_t b, int64_t e, int tid) {
+        n += e - b;
+        tids |= 1 << tid;
+      });
+      ThreadPool::global().parallel_for(1000, count);
+    }
+    ThreadPool other(2);  // a pool made in the child
+    other.parallel_for(1000, count);
+    _exit(n.load() == 7000 ? 0 : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  EXPECT_TRUE(WIFEXITED(status)) << "the child did not exit (signal "
+                                 << (WIFSIGNALED(status) ? WTERMSIG(status) : 0)
+                                 << "; SIGALRM: a pool waited for workers it does not have)";
+  EXPECT_EQ(WIFEXITED(status) ? WEXITSTATUS(status) : -1, 0) << "wrong item count in the child";
+  n = 0;
+  pool.parallel_for(1000, count);
+  ThreadPool::global().parallel_for(1000, count);
+  EXPECT_EQ(n.load(), 2000);
 }
 
 TEST(ThreadPool, RejectsAbsurdThreadCounts) {

@@ -5,6 +5,8 @@
 // done. An exception thrown by a task is rethrown in the caller (the first
 // one; the remaining chunks still finish). Nested calls from inside a task run
 // serially on that thread, so a kernel may call parallel_for unconditionally.
+// fork()-safe: in a child process every pool starts new workers with its next
+// job (the parent's are not there).
 #pragma once
 
 #include <cstdint>
@@ -41,6 +43,8 @@ class ThreadPool {
 
  private:
   struct Impl;
+  void start_workers();
+  void after_fork_in_child();
   std::unique_ptr<Impl> impl_;
 };
 

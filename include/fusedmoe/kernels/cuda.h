@@ -424,7 +424,10 @@ struct FusedExpertsArgs {
 // Device bytes fused_experts needs as workspace for these sizes (grows with T;
 // includes the sm90_experts scratch when sm90_experts_available()).
 // w13_layout: the one the call passes (kInterleaved128 needs fewer bytes: no
-// rows of the w13 GEMM before the activation, T * k * 2I halves).
+// rows of the w13 GEMM before the activation, T * k * 2I halves). Throws
+// Error(kInvalidArgument) for T < 0, other sizes < 1, H or I above 2^24, E above
+// 2^20, T * k above 2^31 - 1 (no byte count wraps), or kInterleaved128 with I
+// not a multiple of 128.
 size_t fused_experts_workspace_bytes(int64_t num_tokens, int64_t hidden_size,
                                      int64_t intermediate_size, int64_t num_experts, int64_t top_k,
                                      bool apply_router_weight_on_input,

@@ -250,6 +250,23 @@ size_t fused_experts_workspace_bytes(int64_t num_tokens, int64_t hidden_size,
       "T = ",
       num_tokens, ", H = ", hidden_size, ", I = ", intermediate_size, ", E = ", num_experts,
       ", k = ", top_k);
+  // Bounds that keep every byte count of the carve below 2^62 (the GPU takes at
+  // most 2^31 - 1 routed slots anyway): no silent wrap-around for absurd sizes.
+  constexpr int64_t kMaxDim = int64_t{1} << 24, kMaxExperts = int64_t{1} << 20;
+  FUSEDMOE_CHECK(hidden_size <= kMaxDim && intermediate_size <= kMaxDim,
+                 "fused_experts_workspace_bytes: hidden_size and intermediate_size must be at "
+                 "most 2^24, got H = ",
+                 hidden_size, ", I = ", intermediate_size);
+  FUSEDMOE_CHECK(num_experts <= kMaxExperts,
+                 "fused_experts_workspace_bytes: num_experts must be at most 2^20, got ",
+                 num_experts);
+  FUSEDMOE_CHECK(num_tokens <= INT32_MAX / top_k,
+                 "fused_experts_workspace_bytes: num_tokens * top_k (routed slots) must be at "
+                 "most 2^31 - 1, got T = ",
+                 num_tokens, ", k = ", top_k);
+  FUSEDMOE_CHECK(w13_layout == W13Layout::kStandard || intermediate_size % kW13Block == 0,
+                 "w13_layout: kInterleaved128 needs intermediate_size a multiple of ", kW13Block,
+                 ", got ", intermediate_size);
   Carver c(nullptr);
   carve_functional(c, num_tokens, hidden_size, intermediate_size, num_experts, top_k, w13_layout);
   return c.used();
@@ -285,9 +302,6 @@ void fused_experts(const FusedExpertsArgs& a, void* workspace, size_t workspace_
                  "weight_dtype: expected bf16 or f16 (w13 and w2), got ",
                  dtype_name(a.weight_dtype));
   a.activation.validate();
-  FUSEDMOE_CHECK(a.w13_layout == W13Layout::kStandard || I % kW13Block == 0,
-                 "w13_layout: kInterleaved128 needs intermediate_size a multiple of ", kW13Block,
-                 ", got ", I);
   FUSEDMOE_CHECK(a.ldx >= H, "hidden_states: row stride must be >= H = ", H, ", got ", a.ldx);
   FUSEDMOE_CHECK(a.ldo >= H, "output: row stride must be >= H = ", H, ", got ", a.ldo);
   FUSEDMOE_CHECK(workspace_bytes >= need, "workspace: expected at least ", need,
