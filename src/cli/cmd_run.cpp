@@ -737,6 +737,19 @@ int run_run(const RunOptions& o) {
                 folder.string(), ", the folder of ", whose,
                 "; the output is never written among the model's files, give a path outside "
                 "that folder");
+    // Nor the bundled model's folder with another --model: its
+    // reference.safetensors is what the README's checks compare against.
+    if (!o.model.empty()) {
+      const std::string bundled = bundled_model_dir();
+      const std::filesystem::path bundled_folder =
+          model_folder(std::filesystem::path(bundled) / "config.json");
+      usage_check(bundled_folder.empty() || out.empty() || !is_inside(out, bundled_folder),
+                  "--output ", o.output, out.string() == o.output ? "" : " (" + out.string() + ")",
+                  ": is inside ", bundled_folder.string(), ", the folder of the bundled model ",
+                  bundled,
+                  "; the output is never written among the model's files, give a path outside "
+                  "that folder");
+    }
   }
   // A NumPy name, in any case (.NPY was written as safetensors under it).
   std::string ext = std::filesystem::path(o.output).extension().string();

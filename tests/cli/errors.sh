@@ -369,12 +369,16 @@ for c in "$TMP/own|$TMP/own/out.safetensors|$RT/own/out.safetensors|--model $TMP
   "$TMP/own-dirlink|$TMP/own/sub/../out.safetensors|$RT/own/out.safetensors|--model $TMP/own-dirlink|$RT/own" \
   "$TMP/own|$TMP/to-notes.safetensors|$RT/own/notes.txt|--model $TMP/own|$RT/own" \
   "$TMP/own-sharded/model.safetensors.index.json|$TMP/own-sharded/out.safetensors|$RT/own-sharded/out.safetensors|--model $TMP/own-sharded/model.safetensors.index.json|$RT/own-sharded" \
-  "|$BUNDLED/reference.safetensors|$RB/reference.safetensors|the bundled model |$RB"; do
+  "|$BUNDLED/reference.safetensors|$RB/reference.safetensors|the bundled model |$RB" \
+  "$TMP/own|$BUNDLED/reference.safetensors|$RB/reference.safetensors|the bundled model |$RB" \
+  "$TMP/own|$BUNDLED/new.safetensors|$RB/new.safetensors|the bundled model |$RB"; do
   IFS='|' read -r m o resolved whose folder <<<"$c"
   # The bundled model's folder is the source tree's: --layer 99 stops a run that
-  # did not refuse the output before it writes there.
+  # did not refuse the output before it writes there (with another --model too:
+  # that folder was not protected then).
   model=(--layer 99)
   [ -z "$m" ] || model=(--model "$m" --layer 1)
+  case "$o" in "$BUNDLED"/*) [ -z "$m" ] || model=(--model "$m" --layer 99) ;; esac
   expect_usage "--output $o in the folder of ${m:-the bundled model}" "--output $o" -- \
     run "${model[@]}" --tokens 2 --output "$o"
   [ "$resolved" = "$o" ] && shown="" || shown=" ($resolved)"
