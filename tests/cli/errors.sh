@@ -899,6 +899,24 @@ for args in "run --model $FIX --layer 1 --tokens 3 --output $OUTDIR/of.safetenso
   # shellcheck disable=SC2086
   stdout_fails closed $args
 done
+# An existing read-only output (no write bit: root may still write it, and the
+# rename ignored the mode) is refused before the work, naming the option; the file
+# is kept as it was.
+mkdir -p "$TMP/ro"
+for c in "run|--output|$TMP/ro/out.safetensors|--model $FIX --layer 1 --tokens 2" \
+  "bench|--csv|$TMP/ro/out.csv|--shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0 --no-baseline"; do
+  IFS='|' read -r cmd flag file rest <<<"$c"
+  echo keep >"$file"
+  chmod 444 "$file"
+  # shellcheck disable=SC2086
+  expect_error "$cmd $flag read-only" "$flag: $file: is read-only (mode 0444); will not replace it" -- \
+    $cmd $rest $flag "$file"
+  [ "$(cat "$file")" = keep ] && [ "$(ls -A "$TMP/ro")" = "$(basename "$file")" ] ||
+    { echo "FAIL $cmd $flag read-only: the file was replaced: $(ls -A "$TMP/ro")"; failures=$((failures + 1)); }
+  rm -f "$file"
+done
+rm -rf "$TMP/ro"
+
 # A weights name that is there but unusable (a directory, a dangling link) is an
 # error naming it, for inspect (not "none found", exit 0) and run (not "neither
 # model.safetensors nor ..." when the link is there).
