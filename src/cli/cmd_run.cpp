@@ -1239,12 +1239,17 @@ int run_run(const RunOptions& o) {
                                             {"backend", o.backend},
                                             {"producer", "fusedmoe run"}};
     if (parallel) meta["parallel"] = layout;
-    write_safetensors(*output_file,
-                      {{"output", output.view()},
-                       {"topk_ids", topk_ids.view()},
-                       {"topk_weights", topk_weights.view()},
-                       {"router_logits", router_logits.view()}},
-                      meta);
+    try {
+      write_safetensors(*output_file,
+                        {{"output", output.view()},
+                         {"topk_ids", topk_ids.view()},
+                         {"topk_weights", topk_weights.view()},
+                         {"router_logits", router_logits.view()}},
+                        meta);
+    } catch (const Error& e) {
+      if (e.code() != ErrorCode::kIo) throw;
+      throw Error(e.code(), std::string("--output: ") + e.what());
+    }
   }
 
   // Summary.
@@ -1286,7 +1291,13 @@ int run_run(const RunOptions& o) {
   }
   check_stdout();
   // A failed --reference check still writes the complete output (README).
-  if (output_file) output_file->commit();
+  if (output_file) {
+    try {
+      output_file->commit();
+    } catch (const Error& e) {
+      throw Error(e.code(), std::string("--output: ") + e.what());
+    }
+  }
   if (failed) {
     // The tolerance is --tolerance's ("given") or the default chosen above.
     const std::string tol_source = o.tolerance >= 0.0 ? "given"

@@ -915,6 +915,28 @@ for c in "run|--output|$TMP/ro/out.safetensors|--model $FIX --layer 1 --tokens 2
     { echo "FAIL $cmd $flag read-only: the file was replaced: $(ls -A "$TMP/ro")"; failures=$((failures + 1)); }
   rm -f "$file"
 done
+# A write that fails (a full disk; here the file size limit, ulimit -f 0, with
+# SIGXFSZ ignored: EFBIG) names the option; bench still prints its whole report
+# (it printed nothing: the CSV's header failed first), and no file is left. The
+# standard streams are pipes (the limit is on files).
+for c in "run|--output|$TMP/ro/out.safetensors|--model $FIX --layer 1 --tokens 2|^time " \
+  "bench|--csv|$TMP/ro/out.csv|--shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0 --no-baseline|^largest peak resident memory"; do
+  IFS='|' read -r cmd flag file rest report <<<"$c"
+  rc=0
+  # shellcheck disable=SC2086
+  { (trap '' XFSZ; ulimit -f 0; exec "$BIN" $cmd $rest $flag "$file") 2>&1 1>&3 | cat >"$TMP/stderr"; } 3>&1 |
+    cat >"$TMP/stdout" || rc=$?
+  if [ "$rc" -ne 1 ] || ! grep -q "^fusedmoe: error: $flag: $file: write failed: File too large" "$TMP/stderr" ||
+    [ "$(wc -l <"$TMP/stderr")" -ne 1 ] || [ -n "$(ls -A "$TMP/ro")" ] ||
+    { [ "$cmd" = bench ] && ! grep -q "$report" "$TMP/stdout"; }; then
+    echo "FAIL $cmd $flag on a full disk: exit $rc, left: $(ls -A "$TMP/ro")"
+    sed 's/^/  stderr: /' "$TMP/stderr"
+    sed 's/^/  stdout: /' "$TMP/stdout" | tail -3
+    failures=$((failures + 1))
+  else
+    echo "ok   $cmd $flag on a full disk: $(cat "$TMP/stderr")"
+  fi
+done
 rm -rf "$TMP/ro"
 
 # A weights name that is there but unusable (a directory, a dangling link) is an
