@@ -21,7 +21,7 @@ expect_error() {
   shift 3
   local rc=0 out=(--output "$OUTDIR/out.safetensors")
   case " $* " in *" --output "*) out=() ;; esac
-  [ "$1" = run ] || out=()  # only `run` takes --output
+  [ "${1:-}" = run ] || out=()  # only `run` takes --output
   "$BIN" "$@" "${out[@]}" >"$TMP/stdout" 2>"$TMP/stderr" || rc=$?
   last_rc=$rc
   local lines
@@ -860,7 +860,7 @@ if [ -w /dev/full ]; then
     # shellcheck disable=SC2086
     "$BIN" $args >/dev/full 2>"$TMP/stderr" || rc=$?
     if [ "$rc" -ne 1 ] || [ "$(wc -l <"$TMP/stderr")" -ne 1 ] ||
-      ! grep -q "^fusedmoe: error: the standard output is incomplete: " "$TMP/stderr"; then
+      ! grep -q "^fusedmoe: error: the standard output is incomplete: No space left on device$" "$TMP/stderr"; then
       echo "FAIL fusedmoe $args >/dev/full: exit $rc"
       sed 's/^/  stderr: /' "$TMP/stderr"
       failures=$((failures + 1))
@@ -938,6 +938,8 @@ for c in "run|--output|$TMP/ro/out.safetensors|--model $FIX --layer 1 --tokens 2
   fi
 done
 rm -rf "$TMP/ro"
+# No command at all: an error in lower case as the others (CLI11 said "A subcommand is required").
+expect_usage "no command" "error: a command is required: expected inspect, run or bench (see fusedmoe --help)" --
 
 # A weights name that is there but unusable (a directory, a dangling link) is an
 # error naming it, for inspect (not "none found", exit 0) and run (not "neither
