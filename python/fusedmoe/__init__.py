@@ -964,11 +964,12 @@ def select_experts(
     routed_scaling_factor, num_zero_experts, ...). ``num_experts`` defaults to
     the logits' columns minus num_zero_experts. router_logits: [T, E + Z].
     With a MoELayer as ``config`` the layer's router parameters are used too
-    (``e_score_correction_bias``, ``hash_table``, unless given), so the result
-    is the layer's own routing of these logits; ``top_k`` is then None or the
-    layer's top_k, and keyword ``fields`` equal to the layer's (another value:
-    ValueError; ``config=layer.config`` routes with changes: a ``top_k``
-    argument replaces a config dict's). Hash routing: routing_method="hash",
+    (``e_score_correction_bias``, ``hash_table``: these arguments are then
+    None), so the result is the layer's own routing of these logits; ``top_k``
+    is then None or the layer's top_k, and keyword ``fields`` equal to the
+    layer's (another value, or a bias or hash table given: ValueError;
+    ``config=layer.config`` routes with changes: a ``top_k`` argument replaces
+    a config dict's). Hash routing: routing_method="hash",
     hash_vocab_size=V, ``hash_table`` int32 [V, k] and ``token_ids`` int32 [T].
     Returns (topk_weights f32 [T, k], topk_ids int32 [T, k]; id -1 = zero expert)."""
     _check_array(router_logits, "router_logits")
@@ -978,10 +979,20 @@ def select_experts(
         if top_k is not None and _int(top_k, "top_k") != config.top_k:
             raise ValueError(f"top_k: expected the layer's top_k = {config.top_k} (config is a "
                              f"MoELayer: its own routing), got {_int(top_k, 'top_k')}")
+        # Nor another router parameter: a bias or hash table given with the
+        # layer was silently routed with instead of the layer's own.
+        for name, given in (("e_score_correction_bias", e_score_correction_bias),
+                            ("hash_table", hash_table)):
+            if given is not None:
+                shape = getattr(given, "shape", None)
+                what = type(given).__name__ + (f" {list(shape)}" if shape is not None else "")
+                raise ValueError(f"{name}: expected None, the layer's own (config is a MoELayer: "
+                                 f"its own routing; config=layer.config takes another {name}), "
+                                 f"got {what}")
         params = config._impl.router_params()
-        if e_score_correction_bias is None and params["e_score_correction_bias"] is not None:
+        if params["e_score_correction_bias"] is not None:
             e_score_correction_bias = _like(router_logits, params["e_score_correction_bias"])
-        if hash_table is None and params["hash_table"] is not None:
+        if params["hash_table"] is not None:
             hash_table = _like(router_logits, params["hash_table"])
         config = config.config
         # Likewise a keyword field that differs from the layer's (e.g.

@@ -415,6 +415,7 @@ cuda::FusedExpertsArgs cuda_fused_experts_args(const TensorView& x, const Expert
   FUSEDMOE_CHECK(tw.ndim() == 2, "topk_weights: expected [T, k], got ", tw.str());
   const int64_t k = tw.size(1);
   FUSEDMOE_CHECK(k >= 1, "topk_weights: expected [T, k] with k >= 1 (top_k), got ", tw.str());
+  check_topk_shapes_agree(ti, tw);
   FUSEDMOE_CHECK(!w13_interleaved || I % cuda::kW13Block == 0,
                  "w13_layout: \"interleaved128\" needs the intermediate size I a multiple of ",
                  cuda::kW13Block, ", got I = ", I, " (w2 ", w.w2.view().str(),

@@ -122,6 +122,14 @@ def test_select_experts_with_layer_refuses_another_top_k(rng):
         fusedmoe.select_experts(logits, config=moe, renormalize=not moe.config["renormalize"])
     assert fusedmoe.select_experts(logits, config=moe,
                                    renormalize=moe.config["renormalize"])[1].shape == (3, k)
+    # A bias given with the layer was silently used instead of the layer's own.
+    with pytest.raises(ValueError, match=r"^e_score_correction_bias: expected None, the layer's "
+                                         r"own \(config is a MoELayer.*got ndarray \[" +
+                                         str(moe.num_experts) + r"\]$"):
+        fusedmoe.select_experts(logits, config=moe,
+                                e_score_correction_bias=np.zeros(moe.num_experts, np.float32))
+    with pytest.raises(ValueError, match=r"^hash_table: expected None, the layer's own"):
+        fusedmoe.select_experts(logits, config=moe, hash_table=np.zeros((4, k), np.int32))
     bias = np.zeros(moe.num_experts, np.float32)
     assert fusedmoe.select_experts(logits, config=moe.config, e_score_correction_bias=bias,
                                    renormalize=not moe.config["renormalize"])[1].shape == (3, k)

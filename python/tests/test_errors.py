@@ -97,6 +97,17 @@ def test_fused_experts_shape_and_value_errors(case):
         _fe(case, weight_dtype="fp8")
 
 
+def test_topk_ids_and_weights_of_different_k_name_both(case):
+    """topk_ids [3, 1] with topk_weights [3, 2]: the error blamed topk_weights
+    ("expected f32 [3, 1]") though topk_ids may be the odd one; both are named."""
+    with pytest.raises(ValueError, match=r"^topk_ids \[3, 1\] and topk_weights \[3, 2\] "
+                                         r"disagree: expected the same \[T, top_k\]"):
+        _fe(case, ids=case["ids"][:, :1].copy())
+    with pytest.raises(ValueError, match=r"^topk_ids \[3, 2\] and topk_weights \[3, 1\] "
+                                         r"disagree"):
+        _fe(case, tw=case["tw"][:, :1].copy())
+
+
 def test_w13_shape_error_expects_what_w2_implies(case):
     """A w13 that cannot be [E, 2I, H] (an odd middle size) is named with the
     shape w2 [E, H, I] implies: [4, 16, 16] (it said [4, 14, 16], from w13's

@@ -295,14 +295,26 @@ int run_bench(const BenchOptions& o) {
   // The CSV goes to a temporary file beside it (created now, so a path that
   // cannot be written fails before the benchmark runs), renamed into place
   // once every row is there: an error on the way leaves no file.
+  // A write that fails (a full disk) drops the CSV, not the report: the
+  // benchmark runs on and prints it, then the error names --csv.
   std::unique_ptr<AtomicFile> csv;
+  std::string csv_error;
+  const auto csv_write = [&](const std::string& text) {
+    if (!csv) return;
+    try {
+      csv->write(text);
+    } catch (const Error& e) {
+      csv_error = std::string("--csv: ") + e.what();
+      csv.reset();  // its temporary removed
+    }
+  };
   if (!o.csv.empty()) {
     try {
       csv = std::make_unique<AtomicFile>(o.csv);
     } catch (const Error& e) {
       throw Error(e.code(), std::string("--csv: ") + e.what());
     }
-    csv->write(
+    csv_write(
         "shape,E,k,H,I,dtype,routing,T,experts_touched,ours_s,ours_gflops,ours_gbps,"
         "roofline_frac,bound,baseline_s,baseline_gflops,speedup,rel_diff,ceiling_raised\n");
   }
@@ -421,7 +433,7 @@ int run_bench(const BenchOptions& o) {
                       static_cast<long long>(T), experts, t_ours, roof.flops / t_ours * 1e-9,
                       roof.bytes / t_ours * 1e-9, frac, roof.memory_bound ? "memory" : "compute",
                       base_cols, share.raised ? 1 : 0);
-        csv->write(row);
+        csv_write(row);
       }
     }
     if (any_raised)
@@ -441,7 +453,15 @@ int run_bench(const BenchOptions& o) {
               format_bytes(static_cast<double>(max_peak)).c_str());
   // The report reached the standard output before the CSV is renamed into place.
   check_stdout();
-  if (csv) csv->commit();
+  if (!csv_error.empty())
+    throw Error(ErrorCode::kIo, csv_error + " (the report above is complete)");
+  if (csv) {
+    try {
+      csv->commit();
+    } catch (const Error& e) {
+      throw Error(e.code(), std::string("--csv: ") + e.what());
+    }
+  }
   return 0;
 }
 

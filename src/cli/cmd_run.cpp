@@ -737,6 +737,19 @@ int run_run(const RunOptions& o) {
                 folder.string(), ", the folder of ", whose,
                 "; the output is never written among the model's files, give a path outside "
                 "that folder");
+    // Nor the bundled model's folder with another --model: its
+    // reference.safetensors is what the README's checks compare against.
+    if (!o.model.empty()) {
+      const std::string bundled = bundled_model_dir();
+      const std::filesystem::path bundled_folder =
+          model_folder(std::filesystem::path(bundled) / "config.json");
+      usage_check(bundled_folder.empty() || out.empty() || !is_inside(out, bundled_folder),
+                  "--output ", o.output, out.string() == o.output ? "" : " (" + out.string() + ")",
+                  ": is inside ", bundled_folder.string(), ", the folder of the bundled model ",
+                  bundled,
+                  "; the output is never written among the model's files, give a path outside "
+                  "that folder");
+    }
   }
   // A NumPy name, in any case (.NPY was written as safetensors under it).
   std::string ext = std::filesystem::path(o.output).extension().string();
@@ -1226,12 +1239,17 @@ int run_run(const RunOptions& o) {
                                             {"backend", o.backend},
                                             {"producer", "fusedmoe run"}};
     if (parallel) meta["parallel"] = layout;
-    write_safetensors(*output_file,
-                      {{"output", output.view()},
-                       {"topk_ids", topk_ids.view()},
-                       {"topk_weights", topk_weights.view()},
-                       {"router_logits", router_logits.view()}},
-                      meta);
+    try {
+      write_safetensors(*output_file,
+                        {{"output", output.view()},
+                         {"topk_ids", topk_ids.view()},
+                         {"topk_weights", topk_weights.view()},
+                         {"router_logits", router_logits.view()}},
+                        meta);
+    } catch (const Error& e) {
+      if (e.code() != ErrorCode::kIo) throw;
+      throw Error(e.code(), std::string("--output: ") + e.what());
+    }
   }
 
   // Summary.
@@ -1273,7 +1291,13 @@ int run_run(const RunOptions& o) {
   }
   check_stdout();
   // A failed --reference check still writes the complete output (README).
-  if (output_file) output_file->commit();
+  if (output_file) {
+    try {
+      output_file->commit();
+    } catch (const Error& e) {
+      throw Error(e.code(), std::string("--output: ") + e.what());
+    }
+  }
   if (failed) {
     // The tolerance is --tolerance's ("given") or the default chosen above.
     const std::string tol_source = o.tolerance >= 0.0 ? "given"

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <charconv>
 #include <csignal>
@@ -896,7 +897,23 @@ int run_command_line(int argc, char** argv) {
       std::rethrow_exception(parse_error);
     } catch (const CLI::Success& e) {  // --help, --version
       if (silent_rank) return 0;
-      return app.exit(e);
+      // Written here, not by CLI11's std::endl: a failed write's errno is
+      // then known (--version > /dev/full said "a write to it failed" where
+      // every other command says "No space left on device").
+      std::ostringstream out;
+      const int rc = app.exit(e, out, std::cerr);
+      if (std::fflush(stdout) != 0) return fail(stdout_error(), 1);
+      const std::string text = out.str();
+      for (size_t done = 0; done < text.size();) {
+        const ssize_t n = ::write(STDOUT_FILENO, text.data() + done, text.size() - done);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0)
+          return fail(std::string("the standard output is incomplete: ") +
+                          (n < 0 ? std::strerror(errno) : "a write to it failed"),
+                      1);
+        done += static_cast<size_t>(n);
+      }
+      return rc;
     } catch (const CLI::ParseError& e) {
       if (!before_command.empty()) return fail(before_command, 2);
       if (app.get_subcommands().empty()) {
@@ -907,7 +924,14 @@ int run_command_line(int argc, char** argv) {
             return fail(std::string("unknown command '") + argv[i] +
                             "': expected inspect, run or bench (see fusedmoe --help)",
                         2);
-        return fail(std::string(e.what()) + ": inspect, run or bench (see fusedmoe --help)", 2);
+        // CLI11's "A subcommand is required", in lower case as the other errors.
+        if (dynamic_cast<const CLI::RequiredError*>(&e))
+          return fail("a command is required: expected inspect, run or bench (see fusedmoe --help)",
+                      2);
+        std::string what = e.what();
+        if (!what.empty())
+          what[0] = static_cast<char>(std::tolower(static_cast<unsigned char>(what[0])));
+        return fail(what + ": inspect, run or bench (see fusedmoe --help)", 2);
       }
       return fail(describe_parse_error(e, *app.get_subcommands()[0], argc, argv), 2);
     }

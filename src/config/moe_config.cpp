@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <charconv>
 #include <cmath>
 #include <limits>
 #include <nlohmann/json.hpp>
@@ -322,12 +323,26 @@ constexpr SimulatedRouting kSimulated[] = {SimulatedRouting::kUniform, Simulated
 constexpr Activation kActivations[] = {Activation::kSiluGlu, Activation::kGeluGlu,
                                        Activation::kGeluTanhGlu, Activation::kSwigluOai};
 
-#define FUSEDMOE_JSON_FIELD(key, member)                                       \
-  JsonField {                                                                  \
-    key, [](const MoEConfig& c, ojson& j, const char* k) { j[k] = c.member; }, \
-        [](MoEConfig& c, const ojson& v, const std::string& w) {               \
-          c.member = json_value<std::decay_t<decltype(c.member)>>(v, w);       \
-        }                                                                      \
+// A float member is written as the double nearest its shortest decimal form
+// that reads back as the same float (1.702f as 1.702, not 1.7020000219345093).
+template <class T>
+T json_number(T v) {
+  return v;
+}
+double json_number(float v) {
+  char buf[32];
+  const auto r = std::to_chars(buf, buf + sizeof buf, v);  // shortest float round trip
+  double d = v;
+  std::from_chars(buf, r.ptr, d);  // as printed (no locale); inf and nan as they were
+  return d;
+}
+
+#define FUSEDMOE_JSON_FIELD(key, member)                                                    \
+  JsonField {                                                                               \
+    key, [](const MoEConfig& c, ojson& j, const char* k) { j[k] = json_number(c.member); }, \
+        [](MoEConfig& c, const ojson& v, const std::string& w) {                            \
+          c.member = json_value<std::decay_t<decltype(c.member)>>(v, w);                    \
+        }                                                                                   \
   }
 #define FUSEDMOE_JSON_ENUM(key, member, values)                                           \
   JsonField {                                                                             \

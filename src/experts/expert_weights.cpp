@@ -105,4 +105,11 @@ void check_router_weight_on_input(bool apply_router_weight_on_input, const Tenso
                  k, " (topk_ids ", topk_ids.str(), ")");
 }
 
+void check_topk_shapes_agree(const TensorView& topk_ids, const TensorView& topk_weights) {
+  if (topk_ids.ndim() != 2 || topk_weights.ndim() != 2) return;
+  if (topk_ids.size(0) != topk_weights.size(0) || topk_ids.size(1) == topk_weights.size(1)) return;
+  FUSEDMOE_THROW(kInvalidArgument, "topk_ids ", topk_ids.shape_str(), " and topk_weights ",
+                 topk_weights.shape_str(), " disagree: expected the same [T, top_k]");
+}
+
 }  // namespace fusedmoe

@@ -307,6 +307,11 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
                    ": starts with a UTF-8 byte-order mark (bytes EF BB BF), which Python's "
                    "json.load and so HF transformers refuse; expected JSON text without one "
                    "(save the file as UTF-8 without a BOM)");
+  // nlohmann reports a NUL byte as "unexpected end of input": name it (a
+  // binary file, or one a crash left zero-filled).
+  if (const size_t nul = json_text.find('\0'); nul != std::string::npos)
+    FUSEDMOE_THROW(kIo, shown, ": not JSON text: contains a NUL byte at offset ", nul,
+                   " (a binary or damaged file?); expected the model's config.json");
   json root;
   try {
     root = json::parse(json_text);

@@ -16,6 +16,7 @@
 #include <atomic>
 #include <cerrno>
 #include <climits>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <limits>
@@ -677,6 +678,15 @@ AtomicFile::AtomicFile(const std::string& path) : path_(path) {
   replaces_ = fs::exists(st);
   if (replaces_) {
     mode_ = static_cast<unsigned>(st.permissions()) & 07777;
+    // The rename would replace a file its mode says may not be written: a file
+    // without any write bit (root may write it, and passes access()) or one
+    // this user may not write.
+    if ((mode_ & 0222) == 0 || (::access(target.c_str(), W_OK) != 0 && errno == EACCES)) {
+      char mode[8];
+      std::snprintf(mode, sizeof mode, "%04o", mode_);
+      FUSEDMOE_THROW(kIo, printable(path), ": is read-only (mode ", mode,
+                     "); will not replace it (make it writable, or give another path)");
+    }
   } else {
     const mode_t mask = ::umask(0);
     ::umask(mask);

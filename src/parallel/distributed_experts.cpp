@@ -99,6 +99,7 @@ void DistributedExperts::forward(const TensorView& hidden_states, const TensorVi
   const int64_t k = topk_ids.size(1);
   FUSEDMOE_CHECK(k >= 1, "topk_ids: expected [T, k] with k >= 1 (top_k), got ",
                  topk_ids.shape_str());
+  check_topk_shapes_agree(topk_ids, topk_weights);
   check_tensor(topk_weights, "topk_weights", DType::kF32, {T, k});
   check_router_weight_on_input(apply_router_weight_on_input, topk_ids);
   params.activation.validate();

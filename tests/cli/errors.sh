@@ -21,7 +21,7 @@ expect_error() {
   shift 3
   local rc=0 out=(--output "$OUTDIR/out.safetensors")
   case " $* " in *" --output "*) out=() ;; esac
-  [ "$1" = run ] || out=()  # only `run` takes --output
+  [ "${1:-}" = run ] || out=()  # only `run` takes --output
   "$BIN" "$@" "${out[@]}" >"$TMP/stdout" 2>"$TMP/stderr" || rc=$?
   last_rc=$rc
   local lines
@@ -369,12 +369,16 @@ for c in "$TMP/own|$TMP/own/out.safetensors|$RT/own/out.safetensors|--model $TMP
   "$TMP/own-dirlink|$TMP/own/sub/../out.safetensors|$RT/own/out.safetensors|--model $TMP/own-dirlink|$RT/own" \
   "$TMP/own|$TMP/to-notes.safetensors|$RT/own/notes.txt|--model $TMP/own|$RT/own" \
   "$TMP/own-sharded/model.safetensors.index.json|$TMP/own-sharded/out.safetensors|$RT/own-sharded/out.safetensors|--model $TMP/own-sharded/model.safetensors.index.json|$RT/own-sharded" \
-  "|$BUNDLED/reference.safetensors|$RB/reference.safetensors|the bundled model |$RB"; do
+  "|$BUNDLED/reference.safetensors|$RB/reference.safetensors|the bundled model |$RB" \
+  "$TMP/own|$BUNDLED/reference.safetensors|$RB/reference.safetensors|the bundled model |$RB" \
+  "$TMP/own|$BUNDLED/new.safetensors|$RB/new.safetensors|the bundled model |$RB"; do
   IFS='|' read -r m o resolved whose folder <<<"$c"
   # The bundled model's folder is the source tree's: --layer 99 stops a run that
-  # did not refuse the output before it writes there.
+  # did not refuse the output before it writes there (with another --model too:
+  # that folder was not protected then).
   model=(--layer 99)
   [ -z "$m" ] || model=(--model "$m" --layer 1)
+  case "$o" in "$BUNDLED"/*) [ -z "$m" ] || model=(--model "$m" --layer 99) ;; esac
   expect_usage "--output $o in the folder of ${m:-the bundled model}" "--output $o" -- \
     run "${model[@]}" --tokens 2 --output "$o"
   [ "$resolved" = "$o" ] && shown="" || shown=" ($resolved)"
@@ -856,7 +860,7 @@ if [ -w /dev/full ]; then
     # shellcheck disable=SC2086
     "$BIN" $args >/dev/full 2>"$TMP/stderr" || rc=$?
     if [ "$rc" -ne 1 ] || [ "$(wc -l <"$TMP/stderr")" -ne 1 ] ||
-      ! grep -q "^fusedmoe: error: the standard output is incomplete: " "$TMP/stderr"; then
+      ! grep -q "^fusedmoe: error: the standard output is incomplete: No space left on device$" "$TMP/stderr"; then
       echo "FAIL fusedmoe $args >/dev/full: exit $rc"
       sed 's/^/  stderr: /' "$TMP/stderr"
       failures=$((failures + 1))
@@ -895,6 +899,48 @@ for args in "run --model $FIX --layer 1 --tokens 3 --output $OUTDIR/of.safetenso
   # shellcheck disable=SC2086
   stdout_fails closed $args
 done
+# An existing read-only output (no write bit: root may still write it, and the
+# rename ignored the mode) is refused before the work, naming the option; the file
+# is kept as it was.
+mkdir -p "$TMP/ro"
+for c in "run|--output|$TMP/ro/out.safetensors|--model $FIX --layer 1 --tokens 2" \
+  "bench|--csv|$TMP/ro/out.csv|--shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0 --no-baseline"; do
+  IFS='|' read -r cmd flag file rest <<<"$c"
+  echo keep >"$file"
+  chmod 444 "$file"
+  # shellcheck disable=SC2086
+  expect_error "$cmd $flag read-only" "$flag: $file: is read-only (mode 0444); will not replace it" -- \
+    $cmd $rest $flag "$file"
+  [ "$(cat "$file")" = keep ] && [ "$(ls -A "$TMP/ro")" = "$(basename "$file")" ] ||
+    { echo "FAIL $cmd $flag read-only: the file was replaced: $(ls -A "$TMP/ro")"; failures=$((failures + 1)); }
+  rm -f "$file"
+done
+# A write that fails (a full disk; here the file size limit, ulimit -f 0, with
+# SIGXFSZ ignored: EFBIG) names the option; bench still prints its whole report
+# (it printed nothing: the CSV's header failed first), and no file is left. The
+# standard streams are pipes (the limit is on files).
+for c in "run|--output|$TMP/ro/out.safetensors|--model $FIX --layer 1 --tokens 2|^time " \
+  "bench|--csv|$TMP/ro/out.csv|--shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0 --no-baseline|^largest peak resident memory"; do
+  IFS='|' read -r cmd flag file rest report <<<"$c"
+  rc=0
+  # shellcheck disable=SC2086
+  { (trap '' XFSZ; ulimit -f 0; exec "$BIN" $cmd $rest $flag "$file") 2>&1 1>&3 | cat >"$TMP/stderr"; } 3>&1 |
+    cat >"$TMP/stdout" || rc=$?
+  if [ "$rc" -ne 1 ] || ! grep -q "^fusedmoe: error: $flag: $file: write failed: File too large" "$TMP/stderr" ||
+    [ "$(wc -l <"$TMP/stderr")" -ne 1 ] || [ -n "$(ls -A "$TMP/ro")" ] ||
+    { [ "$cmd" = bench ] && ! grep -q "$report" "$TMP/stdout"; }; then
+    echo "FAIL $cmd $flag on a full disk: exit $rc, left: $(ls -A "$TMP/ro")"
+    sed 's/^/  stderr: /' "$TMP/stderr"
+    sed 's/^/  stdout: /' "$TMP/stdout" | tail -3
+    failures=$((failures + 1))
+  else
+    echo "ok   $cmd $flag on a full disk: $(cat "$TMP/stderr")"
+  fi
+done
+rm -rf "$TMP/ro"
+# No command at all: an error in lower case as the others (CLI11 said "A subcommand is required").
+expect_usage "no command" "error: a command is required: expected inspect, run or bench (see fusedmoe --help)" --
+
 # A weights name that is there but unusable (a directory, a dangling link) is an
 # error naming it, for inspect (not "none found", exit 0) and run (not "neither
 # model.safetensors nor ..." when the link is there).

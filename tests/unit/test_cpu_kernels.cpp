@@ -466,7 +466,11 @@ TEST(CpuModularKernel, RejectsBadInputsWithoutWriting) {
   Tensor ids_rows = Tensor::empty(DType::kI32, {T + 1, k});
   expect_error(run(hidden, ids_rows, tw, w, out), {"topk_ids"});
   Tensor tw_bad = test::random_f32(rng, {T, k + 1});
-  expect_error(run(hidden, ids, tw_bad, w, out), {"topk_weights"});
+  // topk_ids [4, 2] with topk_weights [4, 3]: which is wrong cannot be told, both are named.
+  expect_error(run(hidden, ids, tw_bad, w, out),
+               {"topk_ids [4, 2] and topk_weights [4, 3] disagree: expected the same [T, top_k]"});
+  Tensor tw_rows = test::random_f32(rng, {T + 1, k});
+  expect_error(run(hidden, ids, tw_rows, w, out), {"topk_weights: expected f32 [4, 2]"});
   Tensor ids_k0 = Tensor::empty(DType::kI32, {T, 0});  // top_k 0: it wrote zeros
   Tensor tw_k0 = Tensor::empty(DType::kF32, {T, 0});
   expect_error(run(hidden, ids_k0, tw_k0, w, out), {"topk_ids", "k >= 1", "[4, 0]"});

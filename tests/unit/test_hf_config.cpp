@@ -233,6 +233,19 @@ TEST(HfConfig, ByteOrderMarkIsRefused) {
              "test/config.json: starts with a UTF-8 byte-order mark (bytes EF BB BF)");
 }
 
+// A NUL byte (a binary or zero-filled file) is named with its offset, not
+// reported as nlohmann's "unexpected end of input".
+TEST(HfConfig, NulByteIsNamed) {
+  const std::string text = fixture_json("mixtral").dump();
+  EXPECT_HAS(error_of([&] { parse_model_info(std::string(1, '\0') + text, "test/config.json"); },
+                      ErrorCode::kIo),
+             "test/config.json: not JSON text: contains a NUL byte at offset 0");
+  std::string mid = text;
+  mid[5] = '\0';
+  EXPECT_HAS(error_of([&] { parse_model_info(mid, "test/config.json"); }, ErrorCode::kIo),
+             "contains a NUL byte at offset 5");
+}
+
 // A config string quoted in an error keeps its control characters as \xNN: a
 // newline in it neither breaks the message in two nor reads as the CLI's "; ".
 TEST(HfConfig, QuotedConfigStringsEscapeControlCharacters) {

@@ -311,6 +311,11 @@ TEST(MoEConfigJson, RoundTripAndErrors) {
   EXPECT_FLOAT_EQ(r.routed_scaling_factor, 2.5f);
   EXPECT_EQ(r.simulation_seed, 1234567890123ull);
   EXPECT_NE(c.to_json().find("\"e_score_correction_bias\":true"), std::string::npos);
+  // f32 members in their shortest form that reads back as the same float.
+  EXPECT_NE(c.to_json().find("\"swiglu_alpha\":1.702,"), std::string::npos) << c.to_json();
+  c.routed_scaling_factor = 0.1f;
+  EXPECT_NE(c.to_json().find("\"routed_scaling_factor\":0.1,"), std::string::npos);
+  EXPECT_EQ(MoEConfig::from_json(c.to_json()).routed_scaling_factor, 0.1f);
   // A subset keeps the defaults.
   const MoEConfig s = MoEConfig::from_json(R"({"num_experts": 8, "top_k": 2})");
   EXPECT_EQ(s.num_experts, 8);

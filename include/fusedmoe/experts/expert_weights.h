@@ -54,6 +54,12 @@ ExpertSizes expert_sizes_from_w2(const ExpertWeights& w, const char* w13_name, c
 // and topk_ids [T, k] when it is set and k != 1.
 void check_router_weight_on_input(bool apply_router_weight_on_input, const TensorView& topk_ids);
 
+// topk_ids [T, k] and topk_weights [T, k'] (both 2-D, T rows each) with k !=
+// k': which one is wrong cannot be told, so Error(kInvalidArgument) names both
+// ("topk_ids [5, 1] and topk_weights [5, 2] disagree: expected the same [T,
+// top_k]"). Other shapes pass (check_tensor names the one that is wrong).
+void check_topk_shapes_agree(const TensorView& topk_ids, const TensorView& topk_weights);
+
 // Parameters of the gated activation (from MoEConfig).
 struct ActivationParams {
   Activation activation = Activation::kSiluGlu;

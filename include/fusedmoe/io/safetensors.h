@@ -109,7 +109,9 @@ class Checkpoint {
 // removed_stale().
 class AtomicFile {
  public:
-  explicit AtomicFile(const std::string& path);  // creates the temporary
+  // Creates the temporary; Error(kIo) when `path` exists and is not a regular
+  // file, or is read-only (no write bit, or not writable by this user).
+  explicit AtomicFile(const std::string& path);
   ~AtomicFile();
   AtomicFile(const AtomicFile&) = delete;
   AtomicFile& operator=(const AtomicFile&) = delete;
