@@ -642,6 +642,11 @@ size_t cuda_workspace_bytes(int64_t num_tokens, int64_t hidden_size, int64_t int
                             const std::string& w13_layout) {
   const bool interleaved = parse_w13_layout(w13_layout);
 #ifdef FUSEDMOE_WITH_CUDA
+  // As fused_experts names it (the library's message spells the C++ enum).
+  FUSEDMOE_CHECK(!interleaved || intermediate_size <= 0 || intermediate_size % cuda::kW13Block == 0,
+                 "w13_layout: \"interleaved128\" needs the intermediate size I a multiple of ",
+                 cuda::kW13Block, ", got I = ", intermediate_size,
+                 "; pass w13_layout=\"standard\" with w13 in HF's order");
   return cuda::fused_experts_workspace_bytes(
       num_tokens, hidden_size, intermediate_size, num_experts, top_k, apply_router_weight_on_input,
       interleaved ? cuda::W13Layout::kInterleaved128 : cuda::W13Layout::kStandard);

@@ -266,8 +266,8 @@ def test_str_arguments_are_checked_in_python(case):
                           ((8192, 64, 32, 2**40, 8), "num_experts must be at most 2\\^20")]:
             with pytest.raises(ValueError, match=msg):
                 fusedmoe.cuda_fused_experts_workspace_bytes(*args)
-        with pytest.raises(ValueError, match="w13_layout: kInterleaved128 needs intermediate_size "
-                                             "a multiple of 128, got 32"):
+        with pytest.raises(ValueError, match='^w13_layout: "interleaved128" needs the '
+                                             'intermediate size I a multiple of 128, got I = 32'):
             fusedmoe.cuda_fused_experts_workspace_bytes(5, 64, 32, 8, 2,
                                                         w13_layout="interleaved128")
         # interleaved: no rows of the w13 GEMM before the activation (with an sm_90 device)
