@@ -285,13 +285,22 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) 
   // No two tensors may share bytes, and no byte between them may be left
   // unused: the tensors follow one another from offset 0 (as HF's safetensors
   // requires: "invalid offset" otherwise; a gap is damage or a bad writer, not
-  // padding to skip). Empty tensors occupy nothing.
+  // padding to skip). Empty tensors occupy nothing, but sit where the bytes
+  // before them end, as HF's check has them (not inside another tensor).
   std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) {
     return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
   });
   const Span* prev = nullptr;
   for (const Span& s : spans) {
-    if (s.begin == s.end) continue;
+    if (s.begin == s.end) {
+      const size_t at = prev ? prev->end : 0;
+      if (s.begin != at)
+        FUSEDMOE_THROW(kIo, printable(path), ": empty tensor '", *s.name, "': data_offsets ",
+                       offsets_str(s.begin, s.end), " expected [", at, ", ", at,
+                       "], where the bytes before it end (a safetensors file's tensors follow "
+                       "one another from offset 0)");
+      continue;
+    }
     if (prev && s.begin < prev->end)
       FUSEDMOE_THROW(kIo, printable(path), ": tensor '", *s.name, "': data_offsets ",
                      offsets_str(s.begin, s.end), " overlap tensor '", *prev->name, "' ",

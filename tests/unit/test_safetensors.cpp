@@ -254,6 +254,11 @@ TEST(Safetensors, RejectsBadFiles) {
        std::nullopt,
        {"tensor 'w.l': data_offsets [4, 12] leave the bytes [0, 4] of the data section unused "
         "(expected begin 0, the first tensor's)"}},
+      {"empty tensor inside another",
+       R"({"w.n":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"w.o":{"dtype":"F32","shape":[0],"data_offsets":[4,4]}})",
+       8,
+       std::nullopt,
+       {"empty tensor 'w.o': data_offsets [4, 4] expected [8, 8]"}},
       {"duplicate tensor name",
        R"({"w.i":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"w.i":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})",
        8,
@@ -320,15 +325,16 @@ TEST(Safetensors, RejectsBytesAfterTheLastTensor) {
   EXPECT_NO_THROW(SafetensorsFile::open(none));
   { std::ofstream(none, std::ios::binary | std::ios::app) << "x"; }
   EXPECT_HAS(error_of([&] { SafetensorsFile::open(none); }), ": 1 byte after the last tensor");
-  // Bytes past the last tensor that an empty tensor's offsets reach into are
-  // still unused.
+  // An empty tensor's offsets past the last tensor's bytes do not cover the
+  // bytes between (HF's safetensors: "invalid offset").
   const std::string empty_last = dir.file("empty_last.safetensors");
   write_raw(empty_last,
             R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
             R"("b":{"dtype":"F32","shape":[0],"data_offsets":[8,8]}})",
             8);
   EXPECT_HAS(error_of([&] { SafetensorsFile::open(empty_last); }),
-             ": 4 bytes after the last tensor's data");
+             ": empty tensor 'b': data_offsets [8, 8] expected [4, 4], where the bytes before "
+             "it end");
 }
 
 // Tensors that follow one another from offset 0 load, in any header order,
