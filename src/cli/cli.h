@@ -334,6 +334,16 @@ std::string stdout_error();
 // before they commit an output file (--output, --csv), so that a run whose
 // report did not arrive leaves no file, as any other failed run.
 void check_stdout();
+// f()'s result; an Error it throws comes back with `option` in front of its
+// message ("--csv: PATH: write failed: ..."): the errors of a file an option names.
+template <class F>
+auto naming_option(const char* option, F&& f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const fusedmoe::Error& e) {
+    throw fusedmoe::Error(e.code(), std::string(option) + ": " + e.what());
+  }
+}
 // Under a launcher with more than one rank (and a build with MPI), main()
 // starts MPI for every command, so that no rank waits in MPI_Init for one that
 // never calls it (--help on one rank, run on another), and the ranks compare

@@ -302,18 +302,14 @@ int run_bench(const BenchOptions& o) {
   const auto csv_write = [&](const std::string& text) {
     if (!csv) return;
     try {
-      csv->write(text);
+      naming_option("--csv", [&] { csv->write(text); });
     } catch (const Error& e) {
-      csv_error = std::string("--csv: ") + e.what();
+      csv_error = e.what();
       csv.reset();  // its temporary removed
     }
   };
   if (!o.csv.empty()) {
-    try {
-      csv = std::make_unique<AtomicFile>(o.csv);
-    } catch (const Error& e) {
-      throw Error(e.code(), std::string("--csv: ") + e.what());
-    }
+    csv = naming_option("--csv", [&] { return std::make_unique<AtomicFile>(o.csv); });
     csv_write(
         "shape,E,k,H,I,dtype,routing,T,experts_touched,ours_s,ours_gflops,ours_gbps,"
         "roofline_frac,bound,baseline_s,baseline_gflops,speedup,rel_diff,ceiling_raised\n");
@@ -455,13 +451,7 @@ int run_bench(const BenchOptions& o) {
   check_stdout();
   if (!csv_error.empty())
     throw Error(ErrorCode::kIo, csv_error + " (the report above is complete)");
-  if (csv) {
-    try {
-      csv->commit();
-    } catch (const Error& e) {
-      throw Error(e.code(), std::string("--csv: ") + e.what());
-    }
-  }
+  if (csv) naming_option("--csv", [&] { csv->commit(); });
   return 0;
 }
 

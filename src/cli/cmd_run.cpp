@@ -728,28 +728,22 @@ int run_run(const RunOptions& o) {
       usage_check(!same(path), "--output ", o.output, ": is the same file as ", path, " (the ",
                   what, " of ", whose, "; it would be overwritten)");
     // Nor any other file in the model's folder (the bundled model's
-    // reference.safetensors, a file of the checkpoint not yet read): the
-    // output, resolved, lies outside the folder, resolved.
-    const std::filesystem::path folder = model_folder(files.front().first);
+    // reference.safetensors, a file of the checkpoint not yet read), nor in the
+    // bundled model's folder with another --model (its reference.safetensors is
+    // what the README's checks compare against): the output, resolved, lies
+    // outside each folder, resolved.
     const std::filesystem::path out = resolved_output(o.output);
-    usage_check(folder.empty() || out.empty() || !is_inside(out, folder), "--output ", o.output,
-                out.string() == o.output ? "" : " (" + out.string() + ")", ": is inside ",
-                folder.string(), ", the folder of ", whose,
-                "; the output is never written among the model's files, give a path outside "
-                "that folder");
-    // Nor the bundled model's folder with another --model: its
-    // reference.safetensors is what the README's checks compare against.
-    if (!o.model.empty()) {
-      const std::string bundled = bundled_model_dir();
-      const std::filesystem::path bundled_folder =
-          model_folder(std::filesystem::path(bundled) / "config.json");
-      usage_check(bundled_folder.empty() || out.empty() || !is_inside(out, bundled_folder),
-                  "--output ", o.output, out.string() == o.output ? "" : " (" + out.string() + ")",
-                  ": is inside ", bundled_folder.string(), ", the folder of the bundled model ",
-                  bundled,
+    std::vector<std::pair<std::filesystem::path, std::string>> folders = {
+        {model_folder(files.front().first), whose}};
+    if (!o.model.empty())
+      folders.emplace_back(model_folder(std::filesystem::path(bundled_model_dir()) / "config.json"),
+                           "the bundled model " + bundled_model_dir());
+    for (const auto& [folder, owner] : folders)
+      usage_check(folder.empty() || out.empty() || !is_inside(out, folder), "--output ", o.output,
+                  out.string() == o.output ? "" : " (" + out.string() + ")", ": is inside ",
+                  folder.string(), ", the folder of ", owner,
                   "; the output is never written among the model's files, give a path outside "
                   "that folder");
-    }
   }
   // A NumPy name, in any case (.NPY was written as safetensors under it).
   std::string ext = std::filesystem::path(o.output).extension().string();
@@ -1239,17 +1233,14 @@ int run_run(const RunOptions& o) {
                                             {"backend", o.backend},
                                             {"producer", "fusedmoe run"}};
     if (parallel) meta["parallel"] = layout;
-    try {
+    naming_option("--output", [&] {
       write_safetensors(*output_file,
                         {{"output", output.view()},
                          {"topk_ids", topk_ids.view()},
                          {"topk_weights", topk_weights.view()},
                          {"router_logits", router_logits.view()}},
                         meta);
-    } catch (const Error& e) {
-      if (e.code() != ErrorCode::kIo) throw;
-      throw Error(e.code(), std::string("--output: ") + e.what());
-    }
+    });
   }
 
   // Summary.
@@ -1291,13 +1282,7 @@ int run_run(const RunOptions& o) {
   }
   check_stdout();
   // A failed --reference check still writes the complete output (README).
-  if (output_file) {
-    try {
-      output_file->commit();
-    } catch (const Error& e) {
-      throw Error(e.code(), std::string("--output: ") + e.what());
-    }
-  }
+  if (output_file) naming_option("--output", [&] { output_file->commit(); });
   if (failed) {
     // The tolerance is --tolerance's ("given") or the default chosen above.
     const std::string tol_source = o.tolerance >= 0.0 ? "given"
