@@ -15,7 +15,8 @@
 #include "fusedmoe/kernels/cuda.h"
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/gemm/sm90_bf16_grouped_gemm.cuh"  // act_glu
-#include "kernels/cuda/routed_experts.h"                 // pick_sm90_tile
+#include "kernels/cuda/pdl.cuh"
+#include "kernels/cuda/routed_experts.h"  // pick_sm90_tile
 #ifdef FUSEDMOE_WITH_CUTLASS
 #include "kernels/cuda/gemm/sm90_cutlass_instances.h"
 #endif
@@ -31,6 +32,8 @@ constexpr int kPermuteThreads = 128;
 __global__ void slot_row_kernel(const int32_t* __restrict__ sorted_slot,
                                 const int64_t* __restrict__ offsets, int num_experts,
                                 int64_t max_rows, int32_t* __restrict__ slot_row) {
+  pdl_wait();  // sorted_slot and offsets from align; slot_row read by the kernels before
+  pdl_launch_dependents();
   const int64_t rows = offsets[num_experts];
   for (int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
        r < rows && r < max_rows; r += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -50,6 +53,8 @@ __global__ void __launch_bounds__(kPermuteThreads)
                           int64_t num_tokens, int num_experts, int top_k, int64_t hidden,
                           uint16_t* __restrict__ xs) {
   __shared__ int64_t row[kPermuteMaxK];  // -1: no expert
+  pdl_wait();  // slot_row from slot_row_kernel; xs read by the kernels before
+  pdl_launch_dependents();
   const int64_t vecs = hidden / 8;
   for (int64_t t = blockIdx.x; t < num_tokens; t += gridDim.x) {
     __syncthreads();  // the previous token's rows are read
@@ -90,6 +95,8 @@ __global__ void glu_rows_kernel(const uint16_t* __restrict__ h, const int32_t* _
                                 int64_t max_rows, const float* __restrict__ bias,
                                 ActivationParams act, bool interleaved,
                                 uint16_t* __restrict__ out) {
+  pdl_wait();  // h from the w13 GEMM; out read by the kernels before
+  pdl_launch_dependents();
   const int64_t rows = offsets[num_experts] < max_rows ? offsets[num_experts] : max_rows;
   const Idx vecs = static_cast<Idx>(inter / 8);
   const Idx total = static_cast<Idx>(rows) * vecs;
@@ -126,6 +133,8 @@ __global__ void glu_rows_kernel(const uint16_t* __restrict__ h, const int32_t* _
 // One dense expert: expert_offsets {0, T} (the CUTLASS group arguments are
 // built from device offsets; written here so that T stays a launch argument).
 __global__ void dense_offsets_kernel(int64_t* offsets, int64_t rows) {
+  pdl_wait();  // offsets read by the kernels before
+  pdl_launch_dependents();
   offsets[0] = 0;
   offsets[1] = rows;
 }
@@ -176,6 +185,21 @@ size_t h13_bytes(int64_t rows, int64_t inter) {
   return (static_cast<size_t>(rows) * 2 * inter * 2 + 255) / 256 * 256;
 }
 
+// The workspace of one grouped GEMM: the largest of the instances (bf16 and f16).
+size_t gemm_workspace_bytes(int64_t num_experts) {
+  size_t gemm = 0;
+  for (const size_t b :
+       {sm90::workspace_bytes_bf16out(num_experts), sm90::workspace_bytes_f32out(num_experts),
+        sm90::workspace_bytes_bf16out_m64(num_experts),
+        sm90::workspace_bytes_f16_f16out(num_experts),
+        sm90::workspace_bytes_f16_f32out(num_experts),
+        sm90::workspace_bytes_glu_bf16_m64(num_experts),
+        sm90::workspace_bytes_glu_bf16_m128(num_experts),
+        sm90::workspace_bytes_glu_f16_m128(num_experts)})
+    gemm = b > gemm ? b : gemm;
+  return (gemm + 255) / 256 * 256;
+}
+
 void glu_pass(const GemmGluGemm& a, const uint16_t* h13, Stream stream);
 
 // Whether the w13 GEMM applies the activation in its epilogue (no h13 rows).
@@ -184,58 +208,101 @@ bool glu_in_epilogue(const GemmGluGemm& a) {
          pick_sm90_glu_epilogue(a.rows_per_expert, a.num_experts, a.hidden, a.inter);
 }
 
-void gemm_glu_gemm(const GemmGluGemm& a, Stream stream) {
-  const int64_t H = a.hidden, I = a.inter, E = a.num_experts, rows = a.max_rows;
-  const bool epilogue = glu_in_epilogue(a);
-  auto* h13 = static_cast<uint16_t*>(a.workspace);  // unused with the epilogue
-  const size_t h13b = epilogue ? 0 : h13_bytes(rows, I);
+// The two GEMMs of gemm_glu_gemm, each with its own part of the workspace
+// (h13 rows unless the activation is in the epilogue, then the w13 GEMM's
+// arrays, then the w2 GEMM's), so that both GEMMs' group arrays can be written
+// before the first of them runs.
+struct GemmPair {
+  sm90::Sm90GemmArgs w13, w2;
+  bool epilogue;
+  uint16_t* h13;
+};
 
-  sm90::Sm90GemmArgs g;
+GemmPair gemm_pair(const GemmGluGemm& a) {
+  const int64_t H = a.hidden, I = a.inter, E = a.num_experts, rows = a.max_rows;
+  GemmPair p;
+  p.epilogue = glu_in_epilogue(a);
+  p.h13 = static_cast<uint16_t*>(a.workspace);  // unused with the epilogue
+  const size_t h13b = p.epilogue ? 0 : h13_bytes(rows, I), gemm_b = gemm_workspace_bytes(E);
+  FUSEDMOE_CHECK(a.workspace_bytes >= h13b + 2 * gemm_b, "sm90 experts: workspace of ",
+                 h13b + 2 * gemm_b, " bytes needed, got ", a.workspace_bytes);
+  sm90::Sm90GemmArgs& g = p.w13;
   g.a = a.a;
   g.w = a.w13;
-  g.d = h13;
+  g.d = p.h13;
   g.ldd = 2 * I;
   g.expert_offsets = a.offsets;
   g.num_experts = E;
   g.n = 2 * I;
   g.k = H;
   g.workspace = static_cast<char*>(a.workspace) + h13b;
-  g.workspace_bytes = a.workspace_bytes - h13b;
-  const bool f16 = a.dtype == DType::kF16;
-  FUSEDMOE_CHECK(!f16 || !a.y_bf16, "sm90 experts: f16 writes f32 rows");
-  if (epilogue) {
+  g.workspace_bytes = gemm_b;
+  if (p.epilogue) {
     // inter_rows = act(a . w13[e]^T + b13[e]) straight from the accumulators.
     g.d = a.inter_rows;
     g.ldd = I;
     g.glu_bias = a.w13_bias;
     g.glu_act = a.act;
-    if (f16)
-      sm90::grouped_gemm_glu_f16_m128(g, stream);
-    else if (pick_sm90_tile(a.dtype, a.rows_per_expert, E, g.n) == Sm90Tile::kM64N256)
-      sm90::grouped_gemm_glu_bf16_m64(g, stream);
-    else
-      sm90::grouped_gemm_glu_bf16_m128(g, stream);
-  } else {
-    if (f16)
-      sm90::grouped_gemm_f16_f16out(g, stream);
-    else
-      grouped_gemm_bf16out(pick_sm90_tile(a.dtype, a.rows_per_expert, E, g.n), g, stream);
-    glu_pass(a, h13, stream);
   }
-
-  sm90::Sm90GemmArgs g2 = g;
+  sm90::Sm90GemmArgs& g2 = p.w2;
+  g2 = g;
+  g2.glu_bias = nullptr;
+  g2.glu_act = {};
   g2.a = a.inter_rows;
   g2.w = a.w2;
   g2.d = a.y_rows;
   g2.ldd = H;
   g2.n = H;
   g2.k = I;
-  if (f16)
-    sm90::grouped_gemm_f16_f32out(g2, stream);
+  g2.workspace = static_cast<char*>(a.workspace) + h13b + gemm_b;
+  return p;
+}
+
+// One grouped GEMM of the pair (w13: with the activation in the epilogue or
+// not), in the instance its dtype and tile take, for phase g.phase.
+void gemm_w13(const GemmGluGemm& a, const GemmPair& p, const sm90::Sm90GemmArgs& g, Stream stream) {
+  const bool f16 = a.dtype == DType::kF16;
+  const Sm90Tile tile = pick_sm90_tile(a.dtype, a.rows_per_expert, a.num_experts, g.n);
+  if (p.epilogue) {
+    if (f16)
+      sm90::grouped_gemm_glu_f16_m128(g, stream);
+    else if (tile == Sm90Tile::kM64N256)
+      sm90::grouped_gemm_glu_bf16_m64(g, stream);
+    else
+      sm90::grouped_gemm_glu_bf16_m128(g, stream);
+  } else if (f16) {
+    sm90::grouped_gemm_f16_f16out(g, stream);
+  } else {
+    grouped_gemm_bf16out(tile, g, stream);
+  }
+}
+void gemm_w2(const GemmGluGemm& a, const sm90::Sm90GemmArgs& g, Stream stream) {
+  if (a.dtype == DType::kF16)
+    sm90::grouped_gemm_f16_f32out(g, stream);
   else if (!a.y_bf16)
-    sm90::grouped_gemm_f32out(g2, stream);
+    sm90::grouped_gemm_f32out(g, stream);
   else
-    grouped_gemm_bf16out(pick_sm90_tile(a.dtype, a.rows_per_expert, E, g2.n), g2, stream);
+    grouped_gemm_bf16out(pick_sm90_tile(a.dtype, a.rows_per_expert, a.num_experts, g.n), g, stream);
+}
+
+// Writes both GEMMs' group arrays (needs only a.offsets): before the kernels
+// that make the w13 GEMM's input, so that nothing runs between the GEMMs.
+void gemm_glu_gemm_prepare(const GemmGluGemm& a, Stream stream) {
+  FUSEDMOE_CHECK(a.dtype != DType::kF16 || !a.y_bf16, "sm90 experts: f16 writes f32 rows");
+  GemmPair p = gemm_pair(a);
+  p.w13.phase = p.w2.phase = sm90::Sm90GemmArgs::Phase::kPrepare;
+  gemm_w13(a, p, p.w13, stream);
+  gemm_w2(a, p.w2, stream);
+}
+
+// The GEMMs (and the activation pass where it is not in the epilogue) on the
+// arrays gemm_glu_gemm_prepare wrote.
+void gemm_glu_gemm(const GemmGluGemm& a, Stream stream) {
+  GemmPair p = gemm_pair(a);
+  p.w13.phase = p.w2.phase = sm90::Sm90GemmArgs::Phase::kLaunch;
+  gemm_w13(a, p, p.w13, stream);
+  if (!p.epilogue) glu_pass(a, p.h13, stream);
+  gemm_w2(a, p.w2, stream);
 }
 
 // The gated activation as its own pass (w13 in W13Layout::kStandard): h13 -> inter_rows.
@@ -250,10 +317,9 @@ void glu_pass(const GemmGluGemm& a, const uint16_t* h13, Stream stream) {
       f16 ? (idx32 ? glu_rows_kernel<__half, uint32_t> : glu_rows_kernel<__half, int64_t>)
           : (idx32 ? glu_rows_kernel<__nv_bfloat16, uint32_t>
                    : glu_rows_kernel<__nv_bfloat16, int64_t>);
-  glu_rows<<<static_cast<unsigned>(glu_blocks), 256, 0, stream>>>(
-      h13, a.topk_ids, a.sorted_slot, a.offsets, static_cast<int>(E), I, rows, a.w13_bias, a.act,
-      a.w13_interleaved, a.inter_rows);
-  FUSEDMOE_CUDA_CHECK_LAUNCH();
+  launch_pdl(glu_rows, static_cast<unsigned>(glu_blocks), 256, 0, stream, h13, a.topk_ids,
+             a.sorted_slot, a.offsets, static_cast<int>(E), I, rows, a.w13_bias, a.act,
+             a.w13_interleaved, a.inter_rows);
 }
 
 }  // namespace
@@ -280,18 +346,10 @@ size_t sm90_experts_workspace_bytes(int64_t num_slots, int64_t num_experts, int6
 size_t sm90_experts_workspace_bytes_for(int64_t num_slots, int64_t num_experts, int64_t inter,
                                         bool glu_epilogue) {
 #ifdef FUSEDMOE_WITH_CUTLASS
+  // h13 rows (unless the activation is in the w13 epilogue), then the group
+  // arrays and CUTLASS workspace of each of the two GEMMs (gemm_pair).
   const size_t h13 = glu_epilogue ? 0 : h13_bytes(num_slots, inter);
-  size_t gemm = 0;  // the largest of the instances (bf16 and f16)
-  for (const size_t b :
-       {sm90::workspace_bytes_bf16out(num_experts), sm90::workspace_bytes_f32out(num_experts),
-        sm90::workspace_bytes_bf16out_m64(num_experts),
-        sm90::workspace_bytes_f16_f16out(num_experts),
-        sm90::workspace_bytes_f16_f32out(num_experts),
-        sm90::workspace_bytes_glu_bf16_m64(num_experts),
-        sm90::workspace_bytes_glu_bf16_m128(num_experts),
-        sm90::workspace_bytes_glu_f16_m128(num_experts)})
-    gemm = b > gemm ? b : gemm;
-  return h13 + gemm;
+  return h13 + 2 * gemm_workspace_bytes(num_experts);
 #else
   (void)num_slots;
   (void)num_experts;
@@ -358,17 +416,15 @@ void sm90_experts(const Sm90ExpertsArgs& a, Stream stream) {
                      : "");
   if (slots == 0) return;
 
+  gemm_glu_gemm_prepare(g, stream);
   const int64_t blocks = static_cast<int64_t>(num_sms()) * 16;
   const int64_t row_blocks = ceil_div(slots, 256);
-  slot_row_kernel<<<static_cast<unsigned>(row_blocks < blocks ? row_blocks : blocks), 256, 0,
-                    stream>>>(a.sorted_slot, a.expert_offsets, static_cast<int>(E), slots,
-                              a.slot_row);
-  FUSEDMOE_CUDA_CHECK_LAUNCH();
+  launch_pdl(slot_row_kernel, static_cast<unsigned>(row_blocks < blocks ? row_blocks : blocks), 256,
+             0, stream, a.sorted_slot, a.expert_offsets, static_cast<int>(E), slots, a.slot_row);
   const int64_t T = a.num_tokens;
-  permute_tokens_kernel<<<static_cast<unsigned>(T < blocks ? T : blocks), kPermuteThreads, 0,
-                          stream>>>(a.x, a.ldx, a.topk_ids, a.slot_row, T, static_cast<int>(E),
-                                    static_cast<int>(a.top_k), H, xs);
-  FUSEDMOE_CUDA_CHECK_LAUNCH();
+  launch_pdl(permute_tokens_kernel, static_cast<unsigned>(T < blocks ? T : blocks), kPermuteThreads,
+             0, stream, a.x, a.ldx, a.topk_ids, a.slot_row, T, static_cast<int>(E),
+             static_cast<int>(a.top_k), H, xs);
 
   gemm_glu_gemm(g, stream);
 #else
@@ -403,29 +459,29 @@ void sm90_dense_expert(const Sm90DenseExpertArgs& a, Stream stream) {
                  " bytes needed, got ", a.workspace_bytes);
   if (T == 0) return;
   auto* offsets = static_cast<int64_t*>(a.workspace);
-  dense_offsets_kernel<<<1, 1, 0, stream>>>(offsets, T);
-  FUSEDMOE_CUDA_CHECK_LAUNCH();
-  gemm_glu_gemm({a.dtype,
-                 a.x,
-                 T,
-                 T,
-                 offsets,
-                 1,
-                 nullptr,
-                 nullptr,
-                 H,
-                 I,
-                 a.w13,
-                 false,
-                 a.w13_bias,
-                 a.w2,
-                 a.act,
-                 a.inter_rows,
-                 a.out,
-                 false,
-                 static_cast<char*>(a.workspace) + 256,
-                 a.workspace_bytes - 256},
-                stream);
+  launch_pdl(dense_offsets_kernel, 1, 1, 0, stream, offsets, T);
+  const GemmGluGemm g{a.dtype,
+                      a.x,
+                      T,
+                      T,
+                      offsets,
+                      1,
+                      nullptr,
+                      nullptr,
+                      H,
+                      I,
+                      a.w13,
+                      false,
+                      a.w13_bias,
+                      a.w2,
+                      a.act,
+                      a.inter_rows,
+                      a.out,
+                      false,
+                      static_cast<char*>(a.workspace) + 256,
+                      a.workspace_bytes - 256};
+  gemm_glu_gemm_prepare(g, stream);
+  gemm_glu_gemm(g, stream);
 #else
   (void)a;
   (void)stream;

@@ -30,8 +30,23 @@
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/gemm/sm90_cutlass_glu_epilogue.cuh"
 #include "kernels/cuda/gemm/sm90_cutlass_instances.h"
+#include "kernels/cuda/pdl.cuh"
 
 namespace fusedmoe::cuda::sm90 {
+
+// CUTLASS's sm90 ptr-array kernels do not wait on the kernel before them, so
+// they cannot be launched with Programmatic Dependent Launch as they are: this
+// kernel is the CUTLASS one behind pdl_wait() (pdl.cuh's rule: wait first,
+// then let the next kernel launch). Launched with the attribute, its CTAs are
+// scheduled during the previous kernel's tail and its launch latency is hidden.
+template <class Base>
+struct PdlKernel : Base {
+  CUTLASS_DEVICE void operator()(typename Base::Params const& params, char* smem) {
+    pdl_wait();  // the group arrays, A rows and offsets come from the kernels before
+    pdl_launch_dependents();
+    Base::operator()(params, smem);
+  }
+};
 
 using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
 
@@ -57,8 +72,8 @@ struct GroupedGemmWith {
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       KernelSchedule_>::CollectiveOp;
 
-  using Kernel =
-      cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+  using Kernel = PdlKernel<
+      cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   using StrideA = typename Kernel::InternalStrideA;
   using StrideB = typename Kernel::InternalStrideB;
@@ -165,6 +180,8 @@ __global__ void group_args_kernel(GroupArrays<G> g, const int64_t* __restrict__ 
                                   int num_experts, const typename G::ElementA* a,
                                   const typename G::ElementB* b, typename G::ElementD* d, int n,
                                   int k, int64_t ldd) {
+  pdl_wait();  // offsets from the kernels before; the arrays read by the GEMM before
+  pdl_launch_dependents();
   for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
     const int64_t row0 = offsets[e];
     const int m = static_cast<int>(offsets[e + 1] - row0);
@@ -220,17 +237,19 @@ size_t workspace_bytes(int64_t groups) {
 
 template <class G>
 void run(const Sm90GemmArgs& a, Stream stream) {
-  const size_t front = GroupArrays<G>::bytes(a.num_experts);
   FUSEDMOE_CHECK(a.workspace != nullptr && a.workspace_bytes >= workspace_bytes<G>(a.num_experts),
                  "sm90 grouped GEMM: workspace of ", workspace_bytes<G>(a.num_experts),
                  " bytes needed, got ", a.workspace_bytes);
   GroupArrays<G> g = GroupArrays<G>::carve(a.workspace, a.num_experts);
-  group_args_kernel<G><<<1, 256, 0, stream>>>(g, a.expert_offsets, static_cast<int>(a.num_experts),
-                                              reinterpret_cast<const typename G::ElementA*>(a.a),
-                                              reinterpret_cast<const typename G::ElementB*>(a.w),
-                                              static_cast<typename G::ElementD*>(a.d),
-                                              static_cast<int>(a.n), static_cast<int>(a.k), a.ldd);
-  FUSEDMOE_CUDA_CHECK_LAUNCH();
+  if (a.phase != Sm90GemmArgs::Phase::kLaunch) {
+    launch_pdl(group_args_kernel<G>, 1, 256, 0, stream, g, a.expert_offsets,
+               static_cast<int>(a.num_experts), reinterpret_cast<const typename G::ElementA*>(a.a),
+               reinterpret_cast<const typename G::ElementB*>(a.w),
+               static_cast<typename G::ElementD*>(a.d), static_cast<int>(a.n),
+               static_cast<int>(a.k), a.ldd);
+    if (a.phase == Sm90GemmArgs::Phase::kPrepare) return;
+  }
+  const size_t front = GroupArrays<G>::bytes(a.num_experts);
   int device = 0;
   FUSEDMOE_CUDA_CHECK(cudaGetDevice(&device));
   const auto args = make_arguments<G>(g, a.num_experts, num_sms(), device, a);
@@ -243,7 +262,7 @@ void run(const Sm90GemmArgs& a, Stream stream) {
   st = gemm.initialize(args, cutlass_ws, stream);
   FUSEDMOE_CHECK(st == cutlass::Status::kSuccess,
                  "sm90 grouped GEMM: initialize failed: ", cutlassGetStatusString(st));
-  st = gemm.run(stream);
+  st = gemm.run(stream, nullptr, pdl_enabled());
   FUSEDMOE_CHECK(st == cutlass::Status::kSuccess,
                  "sm90 grouped GEMM: launch failed: ", cutlassGetStatusString(st));
   FUSEDMOE_CUDA_CHECK_LAUNCH();

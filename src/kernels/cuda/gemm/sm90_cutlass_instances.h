@@ -30,6 +30,14 @@ struct Sm90GemmArgs {
   // (N = 2I, I % 128 == 0); d: [rows, ldd] of act(gate + b, up + b), I wide.
   const float* glu_bias = nullptr;  // f32 [E, 2I] (standard order) or null
   ActivationParams glu_act{};
+  // kAll: write the per-expert group arrays (a one-block kernel reading
+  // expert_offsets) into the front of the workspace, then launch the GEMM.
+  // kPrepare: the arrays only; kLaunch: the GEMM only, on arrays a kPrepare
+  // call with the same arguments wrote (so that the arrays of both GEMMs of a
+  // layer are written before the first GEMM, none between the two). Every
+  // kernel is launched with launch_pdl (pdl.cuh).
+  enum class Phase : uint8_t { kAll, kPrepare, kLaunch };
+  Phase phase = Phase::kAll;
 };
 
 // Tile 128 x 256 x 64, cooperative (2 consumer warpgroups on one tile), cluster 1 x 1.
