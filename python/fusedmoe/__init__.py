@@ -100,10 +100,13 @@ def cuda_fused_experts_workspace_bytes(num_tokens: int, hidden_size: int, interm
     """Device bytes of workspace ``fused_experts`` needs on CUDA for these sizes
     (the functions below allocate it with the caller's framework). ``w13_layout``:
     the one the call passes; "interleaved128" needs fewer (no rows of the w13
-    GEMM before the activation: T * top_k * 2 * intermediate_size halves)."""
+    GEMM before the activation: T * top_k * 2 * intermediate_size halves).
+    ``num_tokens`` >= 0, the other sizes >= 1 (else ValueError naming the
+    argument, in any build); ``top_k`` may exceed ``num_experts`` (slots of
+    -1, as ``fused_experts`` takes them)."""
     sizes = {"num_tokens": num_tokens, "hidden_size": hidden_size,
              "intermediate_size": intermediate_size, "num_experts": num_experts, "top_k": top_k}
-    sizes = {k: _int_in(v, k, 0, _I64_MAX) for k, v in sizes.items()}
+    sizes = {k: _int_in(v, k, 0 if k == "num_tokens" else 1, _I64_MAX) for k, v in sizes.items()}
     on_input = _bool(apply_router_weight_on_input, "apply_router_weight_on_input")
     w13_layout = _str(w13_layout, "w13_layout", "'standard' or 'interleaved128'")
     if not cuda_built:

@@ -253,6 +253,14 @@ def test_str_arguments_are_checked_in_python(case):
         fusedmoe.cuda_fused_experts_workspace_bytes(2**70, 16, 8, 4, 2)
     with pytest.raises(TypeError, match="^top_k: expected an int"):
         fusedmoe.cuda_fused_experts_workspace_bytes(4, 16, 8, 4, 2.0)
+    # top_k < 1 (and other sizes < 1) named with the range, in every build (a CPU-only
+    # build raised NotImplementedError; a CUDA build the library's "positive sizes")
+    for i, name in enumerate(["hidden_size", "intermediate_size", "num_experts", "top_k"]):
+        for bad in (0, -1):
+            args = [4, 16, 8, 4, 2]
+            args[i + 1] = bad
+            with pytest.raises(ValueError, match=rf"^{name}: expected 1\.\.2\*\*63-1, got {bad}$"):
+                fusedmoe.cuda_fused_experts_workspace_bytes(*args)
     with pytest.raises(TypeError, match="^w13_layout: expected 'standard' or 'interleaved128'"):
         fusedmoe.cuda_fused_experts_workspace_bytes(4, 16, 8, 4, 2, w13_layout=1)
     if fusedmoe.cuda_built:
@@ -270,6 +278,9 @@ def test_str_arguments_are_checked_in_python(case):
                                              'intermediate size I a multiple of 128, got I = 32'):
             fusedmoe.cuda_fused_experts_workspace_bytes(5, 64, 32, 8, 2,
                                                         w13_layout="interleaved128")
+        # top_k above num_experts is taken (as fused_experts on the CPU takes it): slots of
+        # -1, e.g. select_experts(logits [T, 16], 6, num_zero_experts=12) -> E = 4, k = 6
+        assert fusedmoe.cuda_fused_experts_workspace_bytes(4, 16, 8, 4, 6) > 0
         # interleaved: no rows of the w13 GEMM before the activation (with an sm_90 device)
         assert fusedmoe.cuda_fused_experts_workspace_bytes(
             4096, 256, 128, 8, 2, w13_layout="interleaved128") <= \

@@ -789,11 +789,7 @@ int run_run(const RunOptions& o) {
   // path that cannot be written fails before the work, naming --output.
   std::unique_ptr<AtomicFile> output_file;
   if (!o.output.empty() && (!launch_world() || launch_world()->rank() == 0)) {
-    try {
-      output_file = std::make_unique<AtomicFile>(o.output);
-    } catch (const Error& e) {
-      throw Error(e.code(), std::string("--output: ") + e.what());
-    }
+    output_file = naming_option("--output", [&] { return std::make_unique<AtomicFile>(o.output); });
   }
   std::shared_ptr<Communicator> world;
   if (parallel) {
@@ -1224,7 +1220,10 @@ int run_run(const RunOptions& o) {
 
   // Output file: written into its temporary now, renamed into place only after
   // the report below reached the standard output (a run that fails there, a
-  // full disk or a closed pipe, leaves no file).
+  // full disk or a closed pipe, leaves no file). A write that fails (a full
+  // disk) drops the file, not the report: the summary is printed, then the
+  // error names --output (as bench --csv).
+  std::string output_error;
   if (output_file) {
     std::map<std::string, std::string> meta{{"model", utf8_replaced(model_dir)},
                                             {"model_type", info.model_type},
@@ -1233,14 +1232,19 @@ int run_run(const RunOptions& o) {
                                             {"backend", o.backend},
                                             {"producer", "fusedmoe run"}};
     if (parallel) meta["parallel"] = layout;
-    naming_option("--output", [&] {
-      write_safetensors(*output_file,
-                        {{"output", output.view()},
-                         {"topk_ids", topk_ids.view()},
-                         {"topk_weights", topk_weights.view()},
-                         {"router_logits", router_logits.view()}},
-                        meta);
-    });
+    try {
+      naming_option("--output", [&] {
+        write_safetensors(*output_file,
+                          {{"output", output.view()},
+                           {"topk_ids", topk_ids.view()},
+                           {"topk_weights", topk_weights.view()},
+                           {"router_logits", router_logits.view()}},
+                          meta);
+      });
+    } catch (const Error& e) {
+      output_error = e.what();
+      output_file.reset();  // its temporary removed
+    }
   }
 
   // Summary.
@@ -1269,7 +1273,7 @@ int run_run(const RunOptions& o) {
                 printable(o.reference_key.empty() ? o.reference : o.reference_key).c_str(), rel,
                 tol, tol_note.c_str(), ref_all_zero ? " (the reference is all zeros)" : "",
                 failed ? "FAIL" : "ok");
-  if (!o.output.empty())
+  if (output_file)
     std::printf("output         %s (output, topk_ids, topk_weights, router_logits)\n",
                 printable(o.output).c_str());
   if (!o.quiet && T > 0) {
@@ -1281,6 +1285,8 @@ int run_run(const RunOptions& o) {
     print_histogram(counts, routed);
   }
   check_stdout();
+  if (!output_error.empty())
+    throw Error(ErrorCode::kIo, output_error + " (the report above is complete)");
   // A failed --reference check still writes the complete output (README).
   if (output_file) naming_option("--output", [&] { output_file->commit(); });
   if (failed) {

@@ -289,6 +289,12 @@ expect_usage "bench --csv -" "error: bench --csv: expected a file path, got \"-\
 popd >/dev/null
 expect_error "output into a missing folder" "$TMP/no/such/dir" -- run --model "$FIX" "${run_args[@]}" \
   --output "$TMP/no/such/dir/out.safetensors"
+# A directory: refused before the work, naming --output and the path (as bench --csv).
+mkdir -p "$TMP/outdir-as-file"
+expect_error "run --output a directory" \
+  "--output: $TMP/outdir-as-file: exists and is not a regular file (a directory" -- \
+  run --model "$FIX" "${run_args[@]}" --output "$TMP/outdir-as-file"
+rmdir "$TMP/outdir-as-file"
 
 {
   python3 "$ST" npy "$TMP/x.npy" f 3 128 0.5
@@ -916,9 +922,11 @@ for c in "run|--output|$TMP/ro/out.safetensors|--model $FIX --layer 1 --tokens 2
   rm -f "$file"
 done
 # A write that fails (a full disk; here the file size limit, ulimit -f 0, with
-# SIGXFSZ ignored: EFBIG) names the option; bench still prints its whole report
-# (it printed nothing: the CSV's header failed first), and no file is left. The
-# standard streams are pipes (the limit is on files).
+# SIGXFSZ ignored: EFBIG) names the option; bench and run still print their whole
+# report (bench printed nothing: the CSV's header failed first; run stopped before
+# its summary), then the error, exit 1, and no file is left. run's summary has no
+# "output" line for the file it did not write. The standard streams are pipes (the
+# limit is on files).
 for c in "run|--output|$TMP/ro/out.safetensors|--model $FIX --layer 1 --tokens 2|^time " \
   "bench|--csv|$TMP/ro/out.csv|--shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0 --no-baseline|^largest peak resident memory"; do
   IFS='|' read -r cmd flag file rest report <<<"$c"
@@ -926,9 +934,10 @@ for c in "run|--output|$TMP/ro/out.safetensors|--model $FIX --layer 1 --tokens 2
   # shellcheck disable=SC2086
   { (trap '' XFSZ; ulimit -f 0; exec "$BIN" $cmd $rest $flag "$file") 2>&1 1>&3 | cat >"$TMP/stderr"; } 3>&1 |
     cat >"$TMP/stdout" || rc=$?
-  if [ "$rc" -ne 1 ] || ! grep -q "^fusedmoe: error: $flag: $file: write failed: File too large" "$TMP/stderr" ||
+  if [ "$rc" -ne 1 ] ||
+    ! grep -q "^fusedmoe: error: $flag: $file: write failed: File too large.* (the report above is complete)$" "$TMP/stderr" ||
     [ "$(wc -l <"$TMP/stderr")" -ne 1 ] || [ -n "$(ls -A "$TMP/ro")" ] ||
-    { [ "$cmd" = bench ] && ! grep -q "$report" "$TMP/stdout"; }; then
+    ! grep -q "$report" "$TMP/stdout" || grep -q "^output " "$TMP/stdout"; then
     echo "FAIL $cmd $flag on a full disk: exit $rc, left: $(ls -A "$TMP/ro")"
     sed 's/^/  stderr: /' "$TMP/stderr"
     sed 's/^/  stdout: /' "$TMP/stdout" | tail -3
