@@ -6,7 +6,7 @@ set -euo pipefail
 build=${1:-build-cuda}
 rm -rf .devbin && mkdir -p .devbin/lib
 find "$build/tests" -maxdepth 1 -type f -perm -u+x -name 'test_cuda_*' -exec cp {} .devbin/ \;
-cp "$build/bench_cuda_moe" "$build/bench_cuda_layer" "$build/fusedmoe" .devbin/
+cp "$build/bench_cuda_moe" "$build/bench_cuda_layer" "$build/bench_cuda_dram" "$build/fusedmoe" .devbin/
 # Every shared library the binaries need beyond glibc and libstdc++ (CUDA
 # runtime, OpenBLAS for the CLI's bench baseline, Open MPI): the device image
 # may lack them (NCCL excepted). Compressed: OpenBLAS alone is 35 MB and a call carries 64 MiB.

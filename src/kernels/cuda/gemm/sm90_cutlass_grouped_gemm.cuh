@@ -43,8 +43,7 @@ template <class Base>
 struct PdlKernel : Base {
   CUTLASS_DEVICE void operator()(typename Base::Params const& params, char* smem) {
     pdl_wait();  // the group arrays, A rows and offsets come from the kernels before
-    pdl_launch_dependents();
-    Base::operator()(params, smem);
+    Base::operator()(params, smem);  // the next kernel launches as the CTAs exit
   }
 };
 
