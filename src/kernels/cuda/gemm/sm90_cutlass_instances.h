@@ -34,8 +34,9 @@ struct Sm90GemmArgs {
   // expert_offsets) into the front of the workspace, then launch the GEMM.
   // kPrepare: the arrays only; kLaunch: the GEMM only, on arrays a kPrepare
   // call with the same arguments wrote (so that the arrays of both GEMMs of a
-  // layer are written before the first GEMM, none between the two). Every
-  // kernel is launched with launch_pdl (pdl.cuh).
+  // layer are written before the first GEMM, none between the two). The
+  // arrays' kernel is launched with launch_pdl (pdl.cuh), the GEMM plainly
+  // (sm90_cutlass_grouped_gemm.cuh says why).
   enum class Phase : uint8_t { kAll, kPrepare, kLaunch };
   Phase phase = Phase::kAll;
 };
