@@ -52,6 +52,19 @@ TEST(CudaTiles, Sm90TileFollowsTheMeasuredPoints) {
   EXPECT_EQ(tile(64, 1, 4096), Sm90Tile::kM64N256);
 }
 
+// PDL for the sm90 GEMMs only where every expert has one m tile (gemm_configs.cpp):
+// Mixtral T = 64 / 128 (16 / 32 rows an expert), DeepSeek-V3 T = 1024 (32 rows),
+// not Mixtral T = 256 (64 rows: some experts take two 64-row tiles) and up.
+TEST(CudaTiles, Sm90GemmPdlOnlyForOneMTileAnExpert) {
+  for (const int64_t rows : {1, 16, 32, 48, 58})
+    EXPECT_TRUE(cuda::sm90_gemm_pdl(rows, 64)) << rows << " rows";
+  for (const int64_t rows : {59, 64, 256, 1024})
+    EXPECT_FALSE(cuda::sm90_gemm_pdl(rows, 64)) << rows << " rows";
+  EXPECT_TRUE(cuda::sm90_gemm_pdl(64, 128));
+  EXPECT_TRUE(cuda::sm90_gemm_pdl(119, 128));
+  EXPECT_FALSE(cuda::sm90_gemm_pdl(120, 128));
+}
+
 // m16n64's pipeline at the points measured on an H200 (132 SMs; gemm_configs.cpp).
 TEST(CudaTiles, M16n64StagesFollowTheMeasuredPoints) {
   const auto stages = [](int64_t rows, int64_t E, int64_t n_tiles, int64_t k) {

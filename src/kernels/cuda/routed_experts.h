@@ -75,6 +75,13 @@ Sm90Tile pick_sm90_tile(DType dtype, int64_t rows_per_expert, int64_t num_expert
 // The bf16 rule of pick_sm90_tile on a device of `sms` multiprocessors (host
 // only, no environment: the tests check it without a device).
 Sm90Tile sm90_tile_for(int64_t rows_per_expert, int64_t num_experts, int64_t n, int64_t sms);
+// Whether an sm90 grouped GEMM in tiles block_m rows high may be launched with
+// Programmatic Dependent Launch: only where (nearly) every expert has one m
+// tile, i.e. rows_per_expert + 0.75 sqrt(rows_per_expert) <= block_m. With
+// several m tiles an expert, the CTAs sharing a weight panel read it from L2
+// only while they run in step, which an early launch (CTAs placed over the
+// previous kernel's tail) breaks: 5-70 % slower, measured (gemm_configs.cpp).
+bool sm90_gemm_pdl(int64_t rows_per_expert, int block_m);
 // The m16n64 mma.sync tile's pipeline (both shapes stage 128 elements of K):
 // 4 stages, 2 CTAs an SM (the deeper pipeline: long K), or 3 stages, 3 CTAs an
 // SM (more warps: short K). For a GEMM of `rows` routed rows over num_experts

@@ -244,6 +244,14 @@ GemmPair gemm_pair(const GemmGluGemm& a) {
     g.glu_bias = a.w13_bias;
     g.glu_act = a.act;
   }
+  // The tile height of each GEMM's instance (gemm_w13, gemm_w2): 64 only for
+  // bf16 in 64 x 256 pingpong tiles; f16 and f32 output rows take 128 x 256.
+  const auto block_m = [&](int64_t n, bool bf16_out) {
+    return bf16_out && pick_sm90_tile(a.dtype, a.rows_per_expert, E, n) == Sm90Tile::kM64N256 ? 64
+                                                                                              : 128;
+  };
+  const bool bf16 = a.dtype == DType::kBF16;
+  g.pdl = sm90_gemm_pdl(a.rows_per_expert, block_m(g.n, bf16));
   sm90::Sm90GemmArgs& g2 = p.w2;
   g2 = g;
   g2.glu_bias = nullptr;
@@ -255,6 +263,7 @@ GemmPair gemm_pair(const GemmGluGemm& a) {
   g2.n = H;
   g2.k = I;
   g2.workspace = static_cast<char*>(a.workspace) + h13b + gemm_b;
+  g2.pdl = sm90_gemm_pdl(a.rows_per_expert, block_m(g2.n, bf16 && a.y_bf16));
   return p;
 }
 

@@ -179,6 +179,20 @@ Sm90Tile pick_sm90_tile(DType dtype, int64_t rows_per_expert, int64_t num_expert
   return sm90_tile_for(rows_per_expert, num_experts, n, num_sms());
 }
 
+// Session 18 (bench/results/2026-12-01-session18.md; bench_cuda_moe, two
+// passes, old and new binaries alternating, us): both GEMMs launched with PDL
+// (their CTAs placed during the previous kernel's tail) vs plainly: Mixtral
+// T = 64 684 / 681 -> 676 / 676, T = 128 687 / 686 -> 680 / 681 (one m tile an
+// expert); but Mixtral T = 256 735 -> 848, T = 1024 1344 -> 2049, T = 4096 4530 ->
+// 5636, Qwen3 T = 4096 701 -> 884, DeepSeek-V3 T = 4096 7333 -> 11519 (several m
+// tiles sharing each weight panel through L2, which needs their CTAs in step; ncu
+// alone, the same kernels ran at the same speed both ways). So PDL only for one
+// m tile an expert.
+bool sm90_gemm_pdl(int64_t rows_per_expert, int block_m) {
+  const double rows = static_cast<double>(rows_per_expert);
+  return rows + 0.75 * std::sqrt(rows) <= block_m;
+}
+
 Sm90Tile sm90_tile_for(int64_t rows_per_expert, int64_t num_experts, int64_t n, int64_t sms) {
   // Uniform routing gives an expert about rows +- 0.75 sqrt(rows) rows. Where
   // that range straddles a multiple of 64, some experts need one more 64-row

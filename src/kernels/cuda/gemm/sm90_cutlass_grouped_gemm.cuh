@@ -34,6 +34,17 @@
 
 namespace fusedmoe::cuda::sm90 {
 
+// CUTLASS's sm90 ptr-array kernels do not wait on the kernel before them, so
+// they cannot be launched with Programmatic Dependent Launch as they are: this
+// is the CUTLASS kernel behind pdl_wait() (a no-op when launched plainly). It
+// never lets the next kernel launch early (its CTAs exit first).
+template <class Base>
+struct PdlKernel : Base {
+  CUTLASS_DEVICE void operator()(typename Base::Params const& params, char* smem) {
+    pdl_wait();  // the group arrays, A rows and offsets come from the kernels before
+    Base::operator()(params, smem);
+  }
+};
 
 using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
 
@@ -59,8 +70,8 @@ struct GroupedGemmWith {
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       KernelSchedule_>::CollectiveOp;
 
-  using Kernel =
-      cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+  using Kernel = PdlKernel<
+      cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   using StrideA = typename Kernel::InternalStrideA;
   using StrideB = typename Kernel::InternalStrideB;
@@ -249,12 +260,8 @@ void run(const Sm90GemmArgs& a, Stream stream) {
   st = gemm.initialize(args, cutlass_ws, stream);
   FUSEDMOE_CHECK(st == cutlass::Status::kSuccess,
                  "sm90 grouped GEMM: initialize failed: ", cutlassGetStatusString(st));
-  // A plain launch, not PDL (measured, bench/results/2026-12-01-session18.md): a
-  // GEMM launched early has its CTAs placed over the previous kernel's tail, at
-  // staggered times, and the CTAs that share an expert's weight panel (its
-  // m tiles) then no longer read it from L2 in step; every GEMM with several
-  // m tiles an expert got 5-70 % slower (Mixtral T = 1024 1.35 -> 2.05 ms).
-  st = gemm.run(stream);
+  // PDL only where the caller asks (Sm90GemmArgs::pdl: one m tile an expert).
+  st = gemm.run(stream, nullptr, a.pdl && pdl_enabled());
   FUSEDMOE_CHECK(st == cutlass::Status::kSuccess,
                  "sm90 grouped GEMM: launch failed: ", cutlassGetStatusString(st));
   FUSEDMOE_CUDA_CHECK_LAUNCH();

@@ -35,10 +35,13 @@ struct Sm90GemmArgs {
   // kPrepare: the arrays only; kLaunch: the GEMM only, on arrays a kPrepare
   // call with the same arguments wrote (so that the arrays of both GEMMs of a
   // layer are written before the first GEMM, none between the two). The
-  // arrays' kernel is launched with launch_pdl (pdl.cuh), the GEMM plainly
-  // (sm90_cutlass_grouped_gemm.cuh says why).
+  // arrays' kernel is launched with launch_pdl (pdl.cuh).
   enum class Phase : uint8_t { kAll, kPrepare, kLaunch };
   Phase phase = Phase::kAll;
+  // The GEMM launched with PDL too (its CTAs placed over the previous
+  // kernel's tail, waiting there): only where every expert has one m tile
+  // (sm90_gemm_pdl), else plainly.
+  bool pdl = false;
 };
 
 // Tile 128 x 256 x 64, cooperative (2 consumer warpgroups on one tile), cluster 1 x 1.
