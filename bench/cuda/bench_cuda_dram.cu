@@ -197,8 +197,8 @@ int main(int argc, char** argv) {
   }
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
-    std::printf("skipped: no CUDA device\n");
-    return 0;
+    std::fprintf(stderr, "bench_cuda_dram: error: no CUDA device found\n");
+    return 1;
   }
   int sms = 0;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
