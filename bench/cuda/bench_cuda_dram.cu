@@ -23,6 +23,8 @@
 #include <cstring>
 #include <vector>
 
+#include "kernels/cuda/gemm/gemv_common.cuh"
+
 namespace {
 
 #define CK(x)                                                                        \
@@ -36,13 +38,8 @@ namespace {
 
 constexpr double kDatasheetGBs = 4800.0;
 
-__device__ __forceinline__ uint4 load_na(const uint4* p) {
-  uint4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-               : "l"(p));
-  return r;
-}
+// The decode kernels' 16-byte weight load (ld.global.nc, no L1 allocation).
+using fusedmoe::cuda::gemm::ld_weight;
 __device__ __forceinline__ uint32_t fold(uint4 v) {
   return v.x ^ v.y ^ v.z ^ v.w;
 }
@@ -60,11 +57,11 @@ __global__ void linear_kernel(const uint4* __restrict__ p, int64_t n, uint32_t* 
   for (; i + (U - 1) * stride < n; i += U * stride) {
     uint4 v[U];
 #pragma unroll
-    for (int u = 0; u < U; ++u) v[u] = load_na(p + i + u * stride);
+    for (int u = 0; u < U; ++u) v[u] = ld_weight(p + i + u * stride);
 #pragma unroll
     for (int u = 0; u < U; ++u) acc ^= fold(v[u]);
   }
-  for (; i < n; i += stride) acc ^= fold(load_na(p + i));
+  for (; i < n; i += stride) acc ^= fold(ld_weight(p + i));
   keep(acc, out);
 }
 
@@ -83,7 +80,7 @@ __global__ void __launch_bounds__(128) row_tiles_kernel(const uint8_t* __restric
       for (int j = 0; j < kLoads; ++j) {
         const int idx = threadIdx.x + j * 128, r = idx / kChunks, c = idx % kChunks;
         v[buf][j] =
-            load_na(reinterpret_cast<const uint4*>(base + r * row_bytes + step * kSeg + c * 16));
+            ld_weight(reinterpret_cast<const uint4*>(base + r * row_bytes + step * kSeg + c * 16));
       }
     };
     load(0, 0);
