@@ -244,14 +244,6 @@ GemmPair gemm_pair(const GemmGluGemm& a) {
     g.glu_bias = a.w13_bias;
     g.glu_act = a.act;
   }
-  // The tile height of each GEMM's instance (gemm_w13, gemm_w2): 64 only for
-  // bf16 in 64 x 256 pingpong tiles; f16 and f32 output rows take 128 x 256.
-  const auto block_m = [&](int64_t n, bool bf16_out) {
-    return bf16_out && pick_sm90_tile(a.dtype, a.rows_per_expert, E, n) == Sm90Tile::kM64N256 ? 64
-                                                                                              : 128;
-  };
-  const bool bf16 = a.dtype == DType::kBF16;
-  g.pdl = sm90_gemm_pdl(a.rows_per_expert, block_m(g.n, bf16));
   sm90::Sm90GemmArgs& g2 = p.w2;
   g2 = g;
   g2.glu_bias = nullptr;
@@ -263,35 +255,40 @@ GemmPair gemm_pair(const GemmGluGemm& a) {
   g2.n = H;
   g2.k = I;
   g2.workspace = static_cast<char*>(a.workspace) + h13b + gemm_b;
-  g2.pdl = sm90_gemm_pdl(a.rows_per_expert, block_m(g2.n, bf16 && a.y_bf16));
   return p;
 }
 
 // One grouped GEMM of the pair (w13: with the activation in the epilogue or
-// not), in the instance its dtype and tile take, for phase g.phase.
-void gemm_w13(const GemmGluGemm& a, const GemmPair& p, const sm90::Sm90GemmArgs& g, Stream stream) {
+// not), in the instance its dtype and tile take, for phase g.phase; with PDL
+// where that instance's tile height holds every expert's rows (sm90_gemm_pdl).
+void gemm_w13(const GemmGluGemm& a, const GemmPair& p, sm90::Sm90GemmArgs g, Stream stream) {
   const bool f16 = a.dtype == DType::kF16;
-  const Sm90Tile tile = pick_sm90_tile(a.dtype, a.rows_per_expert, a.num_experts, g.n);
+  const bool m64 =
+      !f16 && pick_sm90_tile(a.dtype, a.rows_per_expert, a.num_experts, g.n) == Sm90Tile::kM64N256;
+  g.pdl = sm90_gemm_pdl(a.rows_per_expert, m64 ? 64 : 128);
   if (p.epilogue) {
     if (f16)
       sm90::grouped_gemm_glu_f16_m128(g, stream);
-    else if (tile == Sm90Tile::kM64N256)
+    else if (m64)
       sm90::grouped_gemm_glu_bf16_m64(g, stream);
     else
       sm90::grouped_gemm_glu_bf16_m128(g, stream);
   } else if (f16) {
     sm90::grouped_gemm_f16_f16out(g, stream);
   } else {
-    grouped_gemm_bf16out(tile, g, stream);
+    grouped_gemm_bf16out(m64 ? Sm90Tile::kM64N256 : Sm90Tile::kM128N256, g, stream);
   }
 }
-void gemm_w2(const GemmGluGemm& a, const sm90::Sm90GemmArgs& g, Stream stream) {
+void gemm_w2(const GemmGluGemm& a, sm90::Sm90GemmArgs g, Stream stream) {
+  const bool bf16_out = a.dtype == DType::kBF16 && a.y_bf16;  // else 128 x 256 (f32 out)
+  const Sm90Tile tile = pick_sm90_tile(a.dtype, a.rows_per_expert, a.num_experts, g.n);
+  g.pdl = sm90_gemm_pdl(a.rows_per_expert, bf16_out && tile == Sm90Tile::kM64N256 ? 64 : 128);
   if (a.dtype == DType::kF16)
     sm90::grouped_gemm_f16_f32out(g, stream);
   else if (!a.y_bf16)
     sm90::grouped_gemm_f32out(g, stream);
   else
-    grouped_gemm_bf16out(pick_sm90_tile(a.dtype, a.rows_per_expert, a.num_experts, g.n), g, stream);
+    grouped_gemm_bf16out(tile, g, stream);
 }
 
 // Writes both GEMMs' group arrays (needs only a.offsets): before the kernels
