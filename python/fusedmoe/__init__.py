@@ -1218,6 +1218,11 @@ class MoELayer:
     """
 
     def __init__(self, impl: "_ext.MoELayer"):
+        # Layers come from MoELayer.from_pretrained (which wraps the loaded one).
+        if not isinstance(impl, _ext.MoELayer):
+            raise TypeError("MoELayer: expected a layer loaded by the extension; build one with "
+                            "fusedmoe.MoELayer.from_pretrained(model_dir, layer=...), got "
+                            f"{type(impl).__name__} {impl!r}")
         self._impl = impl
         self._id = next(_layer_ids)
         _layers[self._id] = self

@@ -216,6 +216,10 @@ def test_from_pretrained_checks_arguments_in_python():
         fusedmoe.MoELayer.from_pretrained(5)
     with pytest.raises(TypeError, match="^path: expected a path"):
         fusedmoe.inspect(None)
+    # MoELayer(path) is not the constructor users call: a TypeError pointing at
+    # from_pretrained, not an AttributeError at the first call (trial finding).
+    with pytest.raises(TypeError, match=r"^MoELayer: .*MoELayer\.from_pretrained.*got str"):
+        fusedmoe.MoELayer(str(HF / "mixtral"))
     # bytes paths work as os functions take them
     layer = fusedmoe.MoELayer.from_pretrained(bytes(HF / "mixtral"), layer=1)
     assert layer.layer == 1

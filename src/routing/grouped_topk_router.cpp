@@ -9,9 +9,12 @@
 //                 = sum of the 2 largest choice  (GroupScore::kSumTop2, V3)
 //   keep the topk_group best groups (ties: lower group id)
 //   ids = top-k of choice among the experts of kept groups (ties: lower id);
-//         experts of dropped groups are never selected (vLLM masks with -inf;
-//         HF V2 masks softmax scores with 0, the same whenever k fits the kept
-//         groups, which validate() enforces)
+//         experts of dropped groups are never selected (DeepSeek-V3's reference
+//         inference code and vLLM mask them with -inf). HF transformers masks
+//         them with 0: the same for V2's softmax scores whenever k fits the kept
+//         groups (validate() enforces it), but with V3's bias a kept expert's
+//         choice can be negative, and HF then picks dropped experts (0 > it);
+//         we do not (test Router.GroupedTopKNeverSelectsDroppedGroupsWithNegativeScores).
 //   weights = scores[ids], renormalized with a 1e-20 guard if renormalize,
 //             * routed_scaling_factor.
 #include <vector>
