@@ -128,11 +128,15 @@ inline CLI::Validator one_of(std::vector<std::string> values) {
 
 // A path or name option given as "": an error naming the option, not the same
 // as leaving the option out.
-inline const CLI::Validator kNonEmpty(
-    [](std::string& input) -> std::string {
-      return input.empty() ? "expected a path, got an empty string" : std::string();
-    },
-    "PATH");
+inline CLI::Validator non_empty(const std::string& what, const std::string& metavar) {
+  return CLI::Validator(
+      [what](std::string& input) -> std::string {
+        return input.empty() ? "expected " + what + ", got an empty string" : std::string();
+      },
+      metavar);
+}
+inline const CLI::Validator kNonEmpty = non_empty("a path", "PATH");
+inline const CLI::Validator kNonEmptyKey = non_empty("a tensor name", "KEY");
 
 // A flag (run --quiet, bench --no-baseline, ...): given alone, or as
 // --flag=true / --flag=false. Any other value is a usage error naming the flag

@@ -644,6 +644,7 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
                                 "f32/bf16/f16/f64 [T, H]")
                     ->check(kNonEmpty);
   cmd->add_option("--input-key", o.input_key, "Tensor name in the --input safetensors file")
+      ->check(kNonEmptyKey)
       ->needs(input);
   auto* tokens = cmd->add_option("--tokens", o.tokens, "Use T random N(0,1) tokens as input")
                      ->transform(integer_at_least(0));
@@ -673,6 +674,7 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
                               "--reference-key, or .npy)")
                   ->check(kNonEmpty);
   cmd->add_option("--reference-key", o.reference_key, "Tensor name in the --reference file")
+      ->check(kNonEmptyKey)
       ->needs(ref);
   cmd->add_option("--tolerance", o.tolerance,
                   "Largest relative L2 error accepted (default: 1e-5 f32, 1e-2 bf16 / f16; at "

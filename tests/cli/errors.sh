@@ -1047,6 +1047,11 @@ expect_error "--output \"\"" "--output: expected a path, got an empty string" --
 expect_usage "inspect \"\"" "PATH: expected a path, got an empty string" -- inspect ""
 expect_error "--input \"\"" "--input: expected a path, got an empty string" -- \
   run --model "$FIX" --layer 1 --input ""
+# An empty key is a key given empty, not one left out (trial finding).
+expect_error "--input-key \"\"" "--input-key: expected a tensor name, got an empty string" -- \
+  run --model "$FIX" --layer 1 --input "$FIX/model.safetensors" --input-key ""
+expect_error "--reference-key \"\"" "--reference-key: expected a tensor name, got an empty string" -- \
+  run --model "$FIX" --layer 1 --tokens 2 --reference "$FIX/model.safetensors" --reference-key ""
 
 # --input that is no tensor file: named as such, with the OS reason, before any key.
 expect_error "--input a directory" "--input $TMP: not a regular file (a directory)" -- \
