@@ -823,6 +823,10 @@ def _route(logits: Any, config: dict, e_score_correction_bias: Any = None, token
                 f"(e_score_correction_bias=...), or config=layer (a MoELayer) to route with "
                 f"the layer's own bias") from None
         arg = names.get(head[len("config."):] if head.startswith("config.") else head)
+        if head == "e_score_correction_bias":
+            # Unprefixed, the extension means the bias array (an argument),
+            # not the config's flag of the same name.
+            arg = head
         if not sep or arg is None:
             raise
         raise type(e)(f"{arg}: {rest}") from None

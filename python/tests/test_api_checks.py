@@ -908,6 +908,11 @@ def test_select_experts_config_bias_flag_without_array_names_the_dict_key(rng):
     w2, ids2 = fusedmoe.select_experts(g, None, config=layer.config, e_score_correction_bias=bias)
     np.testing.assert_array_equal(ids2, ids)
     np.testing.assert_array_equal(w2, w)
+    # a bias array of the wrong shape beside layer.config: the argument is named,
+    # not the config's flag of the same name (trial finding)
+    with pytest.raises(ValueError, match=r"^e_score_correction_bias: expected f32 \[16\], got f32 \[8\]"):
+        fusedmoe.select_experts(g, None, config=layer.config,
+                                e_score_correction_bias=np.zeros(8, np.float32))
 
 
 def test_functional_routers_name_gating_output_for_nan_logits():
