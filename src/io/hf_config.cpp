@@ -103,6 +103,19 @@ class Fields {
     FUSEDMOE_THROW(kInvalidArgument, where_, ": field '", k, "': expected a number, got ",
                    v->dump());
   }
+  // DeepSeek's shared experts as one MLP: n_shared_experts x the routed
+  // width (0 for null: see the top of this file), bounded here so that the
+  // error names both fields rather than the product only.
+  int64_t shared_width(int64_t def_count, int64_t routed_width) const {
+    if (is_null("n_shared_experts")) return 0;
+    const int64_t n = get_count("n_shared_experts", kMaxNumExperts, def_count);
+    if (routed_width > 0 && n > kMaxIntermediateSize / routed_width)
+      FUSEDMOE_THROW(kInvalidArgument, where_,
+                     ": fields 'n_shared_experts' x 'moe_intermediate_size' (the shared experts' "
+                     "width): expected at most ",
+                     kMaxIntermediateSize, ", got ", n, " x ", routed_width);
+    return n * routed_width;
+  }
   // True when `key` is present with the value null (Python's None).
   bool is_null(const char* key) const {
     const auto it = j_.find(key);
@@ -481,10 +494,7 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
       FUSEDMOE_THROW(kUnsupported, where, ": topk_method '", printable(method),
                      "' is not supported (supported: greedy, group_limited_greedy, noaux_tc)");
     }
-    c.shared_intermediate_size =
-        f.is_null("n_shared_experts")
-            ? 0  // no shared expert (see the top of this file)
-            : f.get_count("n_shared_experts", kMaxNumExperts, 2) * c.intermediate_size;
+    c.shared_intermediate_size = f.shared_width(2, c.intermediate_size);
     layers = deepseek_moe_layers(f, L, 0);
   } else if (mt == "deepseek_v3") {
     // DeepseekV3TopkRouter (noaux_tc): sigmoid, + e_score_correction_bias for
@@ -518,10 +528,7 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
     c.topk_group = f.get_int({"topk_group"}, 4);
     c.renormalize = f.get_bool({"norm_topk_prob"}, true);
     c.routed_scaling_factor = static_cast<float>(f.get_double({"routed_scaling_factor"}, 2.5));
-    c.shared_intermediate_size =
-        f.is_null("n_shared_experts")
-            ? 0  // no shared expert (see the top of this file)
-            : f.get_count("n_shared_experts", kMaxNumExperts, 1) * c.intermediate_size;
+    c.shared_intermediate_size = f.shared_width(1, c.intermediate_size);
     layers = deepseek_moe_layers(f, L, 3);
   } else if (mt == "gpt_oss") {
     // GptOssTopKRouter: linear with bias, top-k over logits, softmax over the k.

@@ -296,6 +296,18 @@ TEST(HfConfig, AbsurdSizesNameTheField) {
   }
 }
 
+// n_shared_experts within its own bound but its product with
+// moe_intermediate_size too wide: both fields named (trial finding; the
+// error named the derived shared_intermediate_size only).
+TEST(HfConfig, SharedExpertsWidthNamesBothFields) {
+  json j = fixture_json("deepseek_v3");  // DeepSeek-V2 reads the fields through the same code
+  j["n_shared_experts"] = 65536;
+  const int64_t inter = j["moe_intermediate_size"].get<int64_t>();
+  const std::string msg = error_of([&] { parse(j); }, ErrorCode::kInvalidArgument);
+  EXPECT_HAS(msg, "fields 'n_shared_experts' x 'moe_intermediate_size'");
+  EXPECT_HAS(msg, "expected at most 1048576, got 65536 x " + std::to_string(inter));
+}
+
 TEST(HfConfig, SafetensorsFileStandsForItsModel) {
   // A checkpoint's .safetensors file: the config.json beside it (as
   // Checkpoint::open takes the file for the weights).
