@@ -387,6 +387,17 @@ std::shared_ptr<Communicator> make_parallel_world(
     throw CollectiveError(e.what(), 2);
   }
   const int need = ranks_needed(ep_size, tp_size, dp_size);
+  // A launcher's size variable that MPI does not bear out (OMPI_COMM_WORLD_SIZE
+  // set by hand, no mpirun): named as such, not as a rank count the
+  // variable contradicts (check_launch_size() believed it).
+  const int declared = launcher_world_size();
+  if (declared > 0 && declared != world->size())
+    throw CollectiveError("the environment says an MPI launcher started " +
+                              std::to_string(declared) + " ranks (OMPI_COMM_WORLD_SIZE, PMI_SIZE " +
+                              "or SLURM_STEP_NUM_TASKS), but MPI started " +
+                              std::to_string(world->size()) + ": start the ranks with mpirun -np " +
+                              std::to_string(need) + ", or run without those variables",
+                          2);
   if (world->size() != need)
     throw CollectiveError(expected_ranks(ep_size, tp_size, dp_size) + " (mpirun -np " +
                               std::to_string(need) + "), got " + std::to_string(world->size()),

@@ -129,6 +129,14 @@ expect_error 2 "$sizes" 1 -- \
 expect_error 2 "--ep-size 3 --tp-size 1 --dp-size 1: expected 3 ranks, but the MPI launcher started 2" 1 -- \
   $M "$npflag" 2 $R --tokens 8 --ep-size 3
 
+# Open MPI's size variable set by hand, no mpirun (a trial finding: "expected 2
+# ranks, got 1" contradicted the launcher size believed before): the error
+# says the environment and MPI disagree.
+if "$mpiexec" --version 2>&1 | grep -q "Open MPI"; then
+  expect_error 2 "the environment says an MPI launcher started 2 ranks .*, but MPI started 1" 1 -- \
+    env OMPI_COMM_WORLD_SIZE=2 $R --tokens 8 --ep-size 2
+fi
+
 # The hint names sizes that fit the options given (it said --ep-size 2 to
 # --ep-size 2 --tp-size 2, and --ep-size 3 to --tp-size 2 on 3 ranks).
 expect_error 2 "--ep-size 2 --tp-size 2 --dp-size 1: expected 4 ranks, .*; start 4 ranks \(mpirun -np 4\), or give sizes for 2 ranks .*, e\.g\. --ep-size 1 --tp-size 2\$" 1 -- \
