@@ -132,7 +132,7 @@ expect_error 2 "--ep-size 3 --tp-size 1 --dp-size 1: expected 3 ranks, but the M
 # Open MPI's size variable set by hand, no mpirun (a trial finding: "expected 2
 # ranks, got 1" contradicted the launcher size believed before): the error
 # says the environment and MPI disagree.
-if "$mpiexec" --version 2>&1 | grep -q "Open MPI"; then
+if "$mpiexec" --version 2>&1 | grep -qiE "open ?mpi|openrte|open-mpi"; then
   expect_error 2 "the environment says an MPI launcher started 2 ranks .*, but MPI started 1" 1 -- \
     env OMPI_COMM_WORLD_SIZE=2 $R --tokens 8 --ep-size 2
 fi
