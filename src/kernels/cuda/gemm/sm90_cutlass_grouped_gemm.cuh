@@ -239,13 +239,13 @@ void run(const Sm90GemmArgs& a, Stream stream) {
                  "sm90 grouped GEMM: workspace of ", workspace_bytes<G>(a.num_experts),
                  " bytes needed, got ", a.workspace_bytes);
   GroupArrays<G> g = GroupArrays<G>::carve(a.workspace, a.num_experts);
-  if (a.phase != Sm90GemmArgs::Phase::kLaunch) {
+  if (a.phase == Sm90GemmArgs::Phase::kPrepare) {
     launch_pdl(group_args_kernel<G>, 1, 256, 0, stream, g, a.expert_offsets,
                static_cast<int>(a.num_experts), reinterpret_cast<const typename G::ElementA*>(a.a),
                reinterpret_cast<const typename G::ElementB*>(a.w),
                static_cast<typename G::ElementD*>(a.d), static_cast<int>(a.n),
                static_cast<int>(a.k), a.ldd);
-    if (a.phase == Sm90GemmArgs::Phase::kPrepare) return;
+    return;
   }
   const size_t front = GroupArrays<G>::bytes(a.num_experts);
   int device = 0;

@@ -30,14 +30,13 @@ struct Sm90GemmArgs {
   // (N = 2I, I % 128 == 0); d: [rows, ldd] of act(gate + b, up + b), I wide.
   const float* glu_bias = nullptr;  // f32 [E, 2I] (standard order) or null
   ActivationParams glu_act{};
-  // kAll: write the per-expert group arrays (a one-block kernel reading
-  // expert_offsets) into the front of the workspace, then launch the GEMM.
-  // kPrepare: the arrays only; kLaunch: the GEMM only, on arrays a kPrepare
-  // call with the same arguments wrote (so that the arrays of both GEMMs of a
-  // layer are written before the first GEMM, none between the two). The
-  // arrays' kernel is launched with launch_pdl (pdl.cuh).
-  enum class Phase : uint8_t { kAll, kPrepare, kLaunch };
-  Phase phase = Phase::kAll;
+  // kPrepare: write the per-expert group arrays (a one-block kernel reading
+  // expert_offsets, launched with launch_pdl) into the front of the workspace;
+  // kLaunch: the GEMM on the arrays a kPrepare call with the same arguments
+  // wrote (so that the arrays of both GEMMs of a layer are written before the
+  // first GEMM, none between the two).
+  enum class Phase : uint8_t { kPrepare, kLaunch };
+  Phase phase = Phase::kPrepare;
   // The GEMM launched with PDL too (its CTAs placed over the previous
   // kernel's tail, waiting there): only where every expert has one m tile
   // (sm90_gemm_pdl), else plainly.
