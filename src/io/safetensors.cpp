@@ -187,12 +187,24 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) 
   f->data_start_ = 8 + static_cast<size_t>(header_len);
   const size_t data_size = file_size - f->data_start_;
 
+  const char* const text = reinterpret_cast<const char*>(bytes + 8);
+  // The format: the header begins with '{' and may be padded with spaces
+  // (0x20) after the JSON. HF's safetensors parses the whole header with
+  // serde_json, so it rejects anything else there, and so does this reader:
+  // json reads a NUL byte as the end of its input and would take whatever
+  // follows one (NUL padding, a cut-off header) without a word.
+  if (header_len > 0 && text[0] != '{')
+    FUSEDMOE_THROW(kIo, printable(path), ": header is not a JSON object: its first byte is ", "'",
+                   printable(std::string_view(text, 1)), "' (expected '{')");
+  if (const void* nul = std::memchr(text, '\0', static_cast<size_t>(header_len)))
+    FUSEDMOE_THROW(kIo, printable(path), ": header holds a NUL byte at byte ",
+                   8 + (static_cast<const char*>(nul) - text), " of the file (a header is JSON, ",
+                   "padded with spaces only)");
   json header;
   // JSON lets a key repeat (the last one wins); a header that names a tensor
   // twice is corrupt, so a SAX pass checks the top-level keys first. (json's
   // callback parser did it in the same pass, but takes time quadratic in the
   // number of tensors: 30000 took 12 s.)
-  const char* const text = reinterpret_cast<const char*>(bytes + 8);
   TopLevelKeys keys;
   try {
     json::sax_parse(text, text + header_len, &keys);

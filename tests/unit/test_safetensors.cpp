@@ -264,6 +264,19 @@ TEST(Safetensors, RejectsBadFiles) {
        8,
        std::nullopt,
        {"tensor 'w.i' more than once"}},
+      // The header may be padded with spaces only (HF's reader parses all of
+      // it as JSON): NUL padding, which json alone would read as the end.
+      {"NUL padding",
+       std::string(R"({"w.p":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})") +
+           std::string(4, '\0'),
+       4,
+       std::nullopt,
+       {"header holds a NUL byte at byte 64 of the file"}},
+      {"leading space",
+       R"( {"w.q":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})",
+       4,
+       std::nullopt,
+       {"header is not a JSON object: its first byte is ' ' (expected '{')"}},
       {"metadata not strings",
        R"({"__metadata__":{"seed":3}})",
        0,
@@ -279,6 +292,22 @@ TEST(Safetensors, RejectsBadFiles) {
     EXPECT_EQ(msg.rfind(path + ": ", 0), 0u) << msg;
     for (const auto& s : c.substrings) EXPECT_HAS(msg, s);
   }
+}
+
+// What HF's reader (serde_json over the whole header) accepts: trailing spaces
+// padding the header (its writer pads to 8 bytes), and fields of a tensor
+// entry beyond dtype / shape / data_offsets, which it ignores.
+TEST(Safetensors, SpacePaddingAndExtraEntryFieldsOpen) {
+  TempDir dir("st_pad");
+  const std::string path = dir.file("padded.safetensors");
+  write_raw(
+      path,
+      R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"note":"x"}})" + std::string(7, ' '),
+      4);
+  const auto f = SafetensorsFile::open(path);
+  const Tensor w = f->get("w");
+  ASSERT_EQ(w.ndim(), 1);
+  EXPECT_EQ(w.shape()[0], 1);
 }
 
 TEST(Safetensors, RejectsTruncatedFiles) {
