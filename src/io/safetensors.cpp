@@ -194,12 +194,12 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) 
   // json reads a NUL byte as the end of its input and would take whatever
   // follows one (NUL padding, a cut-off header) without a word.
   if (header_len > 0 && text[0] != '{')
-    FUSEDMOE_THROW(kIo, printable(path), ": header is not a JSON object: its first byte is ", "'",
+    FUSEDMOE_THROW(kIo, printable(path), ": header is not a JSON object: its first byte is '",
                    printable(std::string_view(text, 1)), "' (expected '{')");
   if (const void* nul = std::memchr(text, '\0', static_cast<size_t>(header_len)))
     FUSEDMOE_THROW(kIo, printable(path), ": header holds a NUL byte at byte ",
-                   8 + (static_cast<const char*>(nul) - text), " of the file (a header is JSON, ",
-                   "padded with spaces only)");
+                   8 + (static_cast<const char*>(nul) - text),
+                   " of the file (a header is JSON, padded with spaces only)");
   json header;
   // JSON lets a key repeat (the last one wins); a header that names a tensor
   // twice is corrupt, so a SAX pass checks the top-level keys first. (json's
