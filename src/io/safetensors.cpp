@@ -193,9 +193,6 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) 
   // serde_json, so it rejects anything else there, and so does this reader:
   // json reads a NUL byte as the end of its input and would take whatever
   // follows one (NUL padding, a cut-off header) without a word.
-  if (header_len > 0 && text[0] != '{')
-    FUSEDMOE_THROW(kIo, printable(path), ": header is not a JSON object: its first byte is '",
-                   printable(std::string_view(text, 1)), "' (expected '{')");
   if (const void* nul = std::memchr(text, '\0', static_cast<size_t>(header_len)))
     FUSEDMOE_THROW(kIo, printable(path), ": header holds a NUL byte at byte ",
                    8 + (static_cast<const char*>(nul) - text),
@@ -219,6 +216,9 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) 
   if (!header.is_object())
     FUSEDMOE_THROW(kIo, printable(path), ": header is not a JSON object (got ", header.type_name(),
                    ")");
+  if (text[0] != '{')  // an object after leading whitespace (HF: "invalid header start")
+    FUSEDMOE_THROW(kIo, printable(path), ": header begins with '",
+                   printable(std::string_view(text, 1)), "' (expected '{', with no space before)");
 
   struct Span {
     size_t begin, end;

@@ -276,7 +276,7 @@ TEST(Safetensors, RejectsBadFiles) {
        R"( {"w.q":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})",
        4,
        std::nullopt,
-       {"header is not a JSON object: its first byte is ' ' (expected '{')"}},
+       {"header begins with ' ' (expected '{', with no space before)"}},
       {"metadata not strings",
        R"({"__metadata__":{"seed":3}})",
        0,
