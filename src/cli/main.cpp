@@ -777,6 +777,9 @@ int run_command_line(int argc, char** argv) {
   // SIGPIPE too: a report written into a closed pipe (run ... | head -c 1) ends
   // the run before its output file is committed, and leaves no temporary.
   for (const int sig : {SIGINT, SIGTERM, SIGHUP, SIGPIPE}) std::signal(sig, on_fatal_signal);
+  // A write past the file size limit (ulimit -f) fails with EFBIG instead of
+  // killing the process: the write error names the file and no temporary stays.
+  std::signal(SIGXFSZ, SIG_IGN);
   using namespace fusedmoe::cli;
   CLI::App app{
       "fusedmoe: run and benchmark the Mixture-of-Experts layer of HF models on the CPU or a\n"
