@@ -702,11 +702,18 @@ AtomicFile::AtomicFile(const std::string& path) : path_(path) {
     // The rename would replace a file its mode says may not be written: a file
     // without any write bit (root may write it, and passes access()) or one
     // this user may not write.
-    if ((mode_ & 0222) == 0 || (::access(target.c_str(), W_OK) != 0 && errno == EACCES)) {
+    const bool no_write_bit = (mode_ & 0222) == 0;
+    if (no_write_bit || (::access(target.c_str(), W_OK) != 0 && errno == EACCES)) {
       char mode[8];
       std::snprintf(mode, sizeof mode, "%04o", mode_);
-      FUSEDMOE_THROW(kIo, printable(path), ": is read-only (mode ", mode,
-                     "); will not replace it (make it writable, or give another path)");
+      if (no_write_bit)
+        FUSEDMOE_THROW(kIo, printable(path), ": is read-only (mode ", mode,
+                       "); will not replace it (make it writable, or give another path)");
+      struct stat sb {};
+      const long owner = ::stat(target.c_str(), &sb) == 0 ? static_cast<long>(sb.st_uid) : -1;
+      FUSEDMOE_THROW(kIo, printable(path), ": is not writable by this user (uid ",
+                     static_cast<long>(::geteuid()), "; the file's owner uid ", owner, ", mode ",
+                     mode, "); will not replace it (give another path)");
     }
   } else {
     const mode_t mask = ::umask(0);

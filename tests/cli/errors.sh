@@ -921,6 +921,30 @@ for c in "run|--output|$TMP/ro/out.safetensors|--model $FIX --layer 1 --tokens 2
     { echo "FAIL $cmd $flag read-only: the file was replaced: $(ls -A "$TMP/ro")"; failures=$((failures + 1)); }
   rm -f "$file"
 done
+# Another user's file (mode 0644) is not "read-only": it is named as not writable
+# by this user, with both uids. Run as nobody where the tests run as root and su
+# lets nobody reach the binary and the model; else said skipped.
+owned_dir=$(mktemp -d)
+chmod 755 "$owned_dir"
+echo keep >"$owned_dir/owned.safetensors"
+chmod 644 "$owned_dir/owned.safetensors"
+if [ "$(id -u)" = 0 ] && id nobody >/dev/null 2>&1 &&
+  su nobody -s /bin/sh -c "'$BIN' --version && test -r '$FIX/config.json'" >/dev/null 2>&1; then
+  rc=0
+  su nobody -s /bin/sh -c "'$BIN' run --model '$FIX' --layer 1 --tokens 2 --output '$owned_dir/owned.safetensors'" \
+    >/dev/null 2>"$TMP/stderr" || rc=$?
+  if [ "$rc" -ne 1 ] || [ "$(cat "$owned_dir/owned.safetensors")" != keep ] ||
+    ! grep -q "^fusedmoe: error: --output: $owned_dir/owned.safetensors: is not writable by this user (uid [0-9]*; the file's owner uid 0, mode 0644); will not replace it" "$TMP/stderr"; then
+    echo "FAIL run --output another user's file: exit $rc"
+    sed 's/^/  stderr: /' "$TMP/stderr"
+    failures=$((failures + 1))
+  else
+    echo "ok   run --output another user's file: $(cat "$TMP/stderr")"
+  fi
+else
+  echo "skip run --output another user's file: needs root and su to nobody"
+fi
+rm -rf "$owned_dir"
 # A write that fails (a full disk; here the file size limit, ulimit -f 0: fusedmoe
 # ignores SIGXFSZ, so the write fails with EFBIG instead of killing it) names the option; bench and run still print their whole
 # report (bench printed nothing: the CSV's header failed first; run stopped before
