@@ -456,10 +456,36 @@ def _weight_dtype(weight_dtype: Any) -> Optional[str]:
     return _ext.parse_dtype_option(weight_dtype, "weight_dtype", ["bf16"])
 
 
+def _check_weight_copy(x: Any, name: str) -> None:
+    """Before _contiguous copies a host weight that is not contiguous (a
+    broadcast or strided view): MemoryError naming `name` and the bytes when
+    the copy cannot fit in the machine's memory and swap (NumPy's own error
+    named no argument)."""
+    if _on_cuda(x) or not getattr(x, "ndim", 0):
+        return
+    if isinstance(x, np.ndarray):
+        copied, itemsize = not x.flags.c_contiguous, x.itemsize
+    elif _is_torch(x):
+        copied, itemsize = not x.is_contiguous(), x.element_size()
+    else:
+        return
+    if copied:
+        shape = [int(d) for d in x.shape]
+        n = itemsize
+        for d in shape:
+            n *= d
+        dtype = str(x.dtype).replace("torch.", "")
+        _ext._check_host_bytes(name, min(n, 2**63 - 1), f"a contiguous copy of {name}, {dtype} "
+                               f"{shape},", "pass it contiguous (a broadcast or strided view is "
+                               "copied first)")
+
+
 def _weight(x: Any, name: str, weight_dtype: Optional[str]) -> Tuple[Any, bool]:
     """Expert weights: (array, uint16-is-bf16 flag); weight_dtype checked by
     _weight_dtype."""
-    x = _contiguous(_as_array(x, name, "dtype float32 or bfloat16 (CUDA: bfloat16 or float16)"))
+    x = _as_array(x, name, "dtype float32 or bfloat16 (CUDA: bfloat16 or float16)")
+    _check_weight_copy(x, name)
+    x = _contiguous(x)
     if isinstance(x, np.ndarray) or _is_cupy(x):
         if x.dtype.kind == "V" and x.dtype.name == "bfloat16":  # ml_dtypes.bfloat16
             return x.view(np.uint16), True

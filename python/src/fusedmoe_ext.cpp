@@ -1152,17 +1152,18 @@ NB_MODULE(_ext, m) {
       "config"_a, "The full config dict (defaults filled in) for a partial one.");
   m.def(
       "_check_host_bytes",
-      [](const std::string& name, int64_t nbytes, const std::string& what) {
+      [](const std::string& name, int64_t nbytes, const std::string& what,
+         const std::string& advice) {
         const size_t memory = memory_and_swap_bytes();
         if (memory > 0 && nbytes > 0 && static_cast<uint64_t>(nbytes) > memory)
           FUSEDMOE_THROW(kOutOfMemory, name, ": ", what, " need ",
                          bytes_str(static_cast<unsigned long long>(nbytes)),
-                         ", more than the machine's ", bytes_str(memory),
-                         " of memory and swap; pass fewer tokens a call");
+                         ", more than the machine's ", bytes_str(memory), " of memory and swap; ",
+                         advice);
       },
-      "name"_a, "nbytes"_a, "what"_a,
-      "MemoryError \"NAME: WHAT need N bytes, more than the machine's M of memory and swap\" "
-      "when host buffers of `nbytes` cannot fit, as the CPU fused experts check their "
+      "name"_a, "nbytes"_a, "what"_a, "advice"_a = "pass fewer tokens a call",
+      "MemoryError \"NAME: WHAT need N bytes, more than the machine's M of memory and swap; "
+      "ADVICE\" when host buffers of `nbytes` cannot fit, as the CPU fused experts check their "
       "workspace (before the wrapper copies or allocates them).");
   m.def("inspect", &inspect, "path"_a,
         "Describes a model directory (or lists a .safetensors file): the content of "

@@ -498,3 +498,42 @@ def test_broadcast_inputs_beyond_the_machines_memory_name_the_argument(case, lay
     with pytest.raises(MemoryError, match=rf"^gating_output: {T} tokens \(topk_ids and "
                                           rf"topk_weights \[{T}, 2\]\) need {T * 16} bytes"):
         fusedmoe.fused_topk(None, np.broadcast_to(np.zeros(E, np.float32), (T, E)), 2, True)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/meminfo: Linux")
+def test_broadcast_weights_beyond_the_machines_memory_name_the_argument():
+    """A broadcast view of one expert's w13 or w2 for more experts than the
+    machine's memory holds: its contiguous copy raised NumPy's MemoryError,
+    naming no argument (session 19's trial). Now a MemoryError naming the
+    weight and the bytes, before the copy. torch tensors the same way."""
+    E = _memory_and_swap() // (64 * 128 * 4) + 1
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((3, 128)).astype(np.float32)
+    one13 = rng.standard_normal((1, 128, 128)).astype(np.float32)
+    one2 = rng.standard_normal((1, 128, 64)).astype(np.float32)
+    ids = np.zeros((3, 1), np.int32)
+    tw = np.ones((3, 1), np.float32)
+    tail = " of memory and swap; pass it contiguous (a broadcast or strided view is copied first)"
+    w13, w2 = np.broadcast_to(one13, (E, 128, 128)), np.broadcast_to(one2, (E, 128, 64))
+    with pytest.raises(MemoryError) as e:
+        fusedmoe.fused_experts(x, w13, np.ascontiguousarray(one2), tw, ids)
+    assert str(e.value).startswith(
+        f"w13: a contiguous copy of w13, float32 [{E}, 128, 128], need "), str(e.value)
+    assert str(e.value).endswith(tail), str(e.value)
+    with pytest.raises(MemoryError) as e:
+        fusedmoe.fused_experts(x, np.ascontiguousarray(one13), w2, tw, ids)
+    assert str(e.value).startswith(f"w2: a contiguous copy of w2, float32 [{E}, 128, 64], need ")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/meminfo: Linux")
+def test_expanded_torch_weights_beyond_the_machines_memory_name_the_argument():
+    """The same with torch's expand (stride 0): MemoryError naming w13."""
+    torch = pytest.importorskip("torch")
+    E = _memory_and_swap() // (64 * 128 * 4) + 1
+    x = torch.randn(3, 128)
+    w13 = torch.randn(1, 128, 128).expand(E, 128, 128)
+    w2 = torch.randn(1, 128, 64)
+    with pytest.raises(MemoryError) as e:
+        fusedmoe.fused_experts(x, w13, w2, torch.ones(3, 1), torch.zeros(3, 1, dtype=torch.int32))
+    assert str(e.value).startswith(f"w13: a contiguous copy of w13, float32 [{E}, 128, 128], "
+                                   f"need "), str(e.value)
