@@ -10,8 +10,8 @@
 // self.norm_topk_prob:`); DeepSeek's n_shared_experts null is no shared expert
 // (DeepSeek's reference code and vLLM test `is not None`; HF's strict config
 // class refuses it); a null that HF cannot build or run a layer with
-// (DeepSeek-V3's n_group, topk_group, first_k_dense_replace) is an error naming
-// the field.
+// (DeepSeek-V3's n_group, topk_group, first_k_dense_replace; hidden_act but for
+// gpt-oss; gpt-oss's swiglu_limit) is an error naming the field.
 #include "fusedmoe/io/hf_config.h"
 
 #include <algorithm>
@@ -435,6 +435,11 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
   MoEConfig c;
   c.hidden_size = f.get_size({"hidden_size"}, kMaxHiddenSize);
   c.top_k = f.get_size({"num_experts_per_tok"}, kMaxNumExperts);
+  // gpt-oss's experts have their own clamped SwiGLU (below) and never read
+  // hidden_act; every other architecture's ACT2FN[config.hidden_act] fails on None.
+  if (mt != "gpt_oss")
+    f.refuse_null("hidden_act", "an activation name",
+                  "HF transformers' experts look their activation up by it");
   c.activation = activation_from_hf(f);
   std::vector<int64_t> layers;
   const int64_t L = info.num_hidden_layers;
@@ -542,6 +547,8 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
     c.has_expert_bias = true;
     c.activation = Activation::kSwigluOai;
     c.swiglu_alpha = static_cast<float>(f.get_double({"swiglu_alpha"}, 1.702));
+    f.refuse_null("swiglu_limit", "a number",
+                  "HF transformers' GptOssExperts clamp the gate and up halves by it");
     c.swiglu_limit = static_cast<float>(f.get_double({"swiglu_limit"}, 7.0));
     layers = all_layers(L);
   } else {  // llama4 / llama4_text

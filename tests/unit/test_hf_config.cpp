@@ -520,6 +520,21 @@ TEST(HfConfig, NullFieldsAsHfReadsThem) {
     EXPECT_HAS(error_of([&] { parse(d); }, ErrorCode::kInvalidArgument),
                std::string("test/config.json: field '") + k + "': expected an integer, got null");
   }
+  // hidden_act: ACT2FN[None] fails in HF for every architecture whose experts read
+  // it; gpt-oss's never do (its clamped SwiGLU), and its swiglu_limit None fails.
+  for (const char* arch : {"mixtral", "qwen3_moe", "olmoe", "deepseek_v3", "llama4"}) {
+    SCOPED_TRACE(arch);
+    json a = fixture_json(arch);
+    (a.contains("text_config") ? a["text_config"] : a)["hidden_act"] = nullptr;
+    EXPECT_HAS(error_of([&] { parse(a); }, ErrorCode::kInvalidArgument),
+               "test/config.json: field 'hidden_act': expected an activation name, got null");
+  }
+  json g = fixture_json("gpt_oss");
+  g["hidden_act"] = nullptr;
+  EXPECT_EQ(parse(g).layer_config(0).activation, Activation::kSwigluOai);
+  g["swiglu_limit"] = nullptr;
+  EXPECT_HAS(error_of([&] { parse(g); }, ErrorCode::kInvalidArgument),
+             "test/config.json: field 'swiglu_limit': expected a number, got null");
   // Required fields: null is named as such, not as missing.
   json o = fixture_json("olmoe");
   o["hidden_size"] = nullptr;
