@@ -16,6 +16,18 @@ mkdir -p "$OUTDIR"
 failures=0
 
 # expect_error NAME PATTERN -- ARGS...: the run fails cleanly with PATTERN in its message.
+# A case checked by hand: "ok" with its stderr, or "FAIL" with `problem` and its
+# stderr (counted). verdict NAME PROBLEM ("" when the case passed).
+verdict() {
+  if [ -n "$2" ]; then
+    echo "FAIL $1: $2"
+    sed 's/^/  stderr: /' "$TMP/stderr"
+    failures=$((failures + 1))
+  else
+    echo "ok   $1: $(cat "$TMP/stderr")"
+  fi
+}
+
 expect_error() {
   local name=$1 pattern=$2
   shift 3
@@ -865,14 +877,12 @@ if [ -w /dev/full ]; then
     rc=0
     # shellcheck disable=SC2086
     "$BIN" $args >/dev/full 2>"$TMP/stderr" || rc=$?
+    problem=""
     if [ "$rc" -ne 1 ] || [ "$(wc -l <"$TMP/stderr")" -ne 1 ] ||
       ! grep -q "^fusedmoe: error: the standard output is incomplete: No space left on device$" "$TMP/stderr"; then
-      echo "FAIL fusedmoe $args >/dev/full: exit $rc"
-      sed 's/^/  stderr: /' "$TMP/stderr"
-      failures=$((failures + 1))
-    else
-      echo "ok   fusedmoe $args >/dev/full: $(cat "$TMP/stderr")"
+      problem="exit $rc"
     fi
+    verdict "fusedmoe $args >/dev/full" "$problem"
   done
 fi
 
@@ -933,14 +943,12 @@ if [ "$(id -u)" = 0 ] && id nobody >/dev/null 2>&1 &&
   rc=0
   su nobody -s /bin/sh -c "'$BIN' run --model '$FIX' --layer 1 --tokens 2 --output '$owned_dir/owned.safetensors'" \
     >/dev/null 2>"$TMP/stderr" || rc=$?
+  problem=""
   if [ "$rc" -ne 1 ] || [ "$(cat "$owned_dir/owned.safetensors")" != keep ] ||
     ! grep -q "^fusedmoe: error: --output: $owned_dir/owned.safetensors: is not writable by this user (uid [0-9]*; the file's owner uid 0, mode 0644); will not replace it" "$TMP/stderr"; then
-    echo "FAIL run --output another user's file: exit $rc"
-    sed 's/^/  stderr: /' "$TMP/stderr"
-    failures=$((failures + 1))
-  else
-    echo "ok   run --output another user's file: $(cat "$TMP/stderr")"
+    problem="exit $rc"
   fi
+  verdict "run --output another user's file" "$problem"
 else
   echo "skip run --output another user's file: needs root and su to nobody"
 fi
