@@ -15,8 +15,7 @@ OUTDIR="$TMP/outdir"
 mkdir -p "$OUTDIR"
 failures=0
 
-# expect_error NAME PATTERN -- ARGS...: the run fails cleanly with PATTERN in its message.
-# A case checked by hand: "ok" with its stderr, or "FAIL" with `problem` and its
+# A case's outcome: "ok" with its stderr, or "FAIL" with `problem` and its
 # stderr (counted). verdict NAME PROBLEM ("" when the case passed).
 verdict() {
   if [ -n "$2" ]; then
@@ -28,6 +27,7 @@ verdict() {
   fi
 }
 
+# expect_error NAME PATTERN -- ARGS...: the run fails cleanly with PATTERN in its message.
 expect_error() {
   local name=$1 pattern=$2
   shift 3
@@ -46,13 +46,7 @@ expect_error() {
   elif ! grep -qF -- "$pattern" "$TMP/stderr"; then problem="message does not name '$pattern'"
   elif [ -n "$(ls -A "$OUTDIR")" ]; then problem="left files: $(ls -A "$OUTDIR")"
   fi
-  if [ -n "$problem" ]; then
-    echo "FAIL $name: $problem"
-    sed 's/^/  stderr: /' "$TMP/stderr"
-    failures=$((failures + 1))
-  else
-    echo "ok   $name: $(cat "$TMP/stderr")"
-  fi
+  verdict "$name" "$problem"
   rm -rf "${OUTDIR:?}"/* "$OUTDIR"/.[!.]* 2>/dev/null || true
 }
 
