@@ -188,10 +188,10 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) 
   const size_t data_size = file_size - f->data_start_;
 
   const char* const text = reinterpret_cast<const char*>(bytes + 8);
-  // The format: the header begins with '{' and may be padded with spaces
-  // (0x20) after the JSON. HF's safetensors parses the whole header with
-  // serde_json, so it rejects anything else there, and so does this reader:
-  // json reads a NUL byte as the end of its input and would take whatever
+  // The header is JSON, which whitespace may surround (HF's writer pads it with
+  // spaces). HF's safetensors parses the whole header with serde_json, so it
+  // rejects a NUL byte anywhere in it ("trailing characters"), and so does this
+  // reader: json reads a NUL as the end of its input and would take whatever
   // follows one (NUL padding, a cut-off header) without a word.
   if (const void* nul = std::memchr(text, '\0', static_cast<size_t>(header_len)))
     FUSEDMOE_THROW(kIo, printable(path), ": header holds a NUL byte at byte ",
@@ -216,9 +216,6 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) 
   if (!header.is_object())
     FUSEDMOE_THROW(kIo, printable(path), ": header is not a JSON object (got ", header.type_name(),
                    ")");
-  if (text[0] != '{')  // an object after leading whitespace (HF: "invalid header start")
-    FUSEDMOE_THROW(kIo, printable(path), ": header begins with '",
-                   printable(std::string_view(text, 1)), "' (expected '{', with no space before)");
 
   struct Span {
     size_t begin, end;
@@ -229,6 +226,7 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) 
     const std::string& name = it.key();
     const json& v = it.value();
     if (name == "__metadata__") {
+      if (v.is_null()) continue;  // HF's reader: no metadata (Option<HashMap>)
       if (!v.is_object())
         FUSEDMOE_THROW(kIo, printable(path), ": __metadata__ is not a JSON object (got ",
                        v.type_name(), ")");
