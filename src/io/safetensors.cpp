@@ -713,6 +713,19 @@ AtomicFile::AtomicFile(const std::string& path) : path_(path) {
                      static_cast<long>(::geteuid()), "; the file's owner uid ", owner, ", mode ",
                      mode, "); will not replace it (give another path)");
     }
+    // In a sticky directory (/tmp) only the file's or the directory's owner
+    // (or root) may replace a file: the rename would fail after the work.
+    struct stat fst {
+    }, dst{};
+    const fs::path parent = target.parent_path().empty() ? fs::path(".") : target.parent_path();
+    const uid_t me = ::geteuid();
+    if (me != 0 && ::stat(target.c_str(), &fst) == 0 && ::stat(parent.c_str(), &dst) == 0 &&
+        (dst.st_mode & S_ISVTX) != 0 && fst.st_uid != me && dst.st_uid != me)
+      FUSEDMOE_THROW(kIo, printable(path), ": belongs to another user (uid ",
+                     static_cast<long>(fst.st_uid), ") in a sticky directory (",
+                     printable(parent.string()),
+                     ": only a file's owner may replace it); will not replace it (give another "
+                     "path)");
   } else {
     const mode_t mask = ::umask(0);
     ::umask(mask);

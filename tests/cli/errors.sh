@@ -943,8 +943,21 @@ if [ "$(id -u)" = 0 ] && id nobody >/dev/null 2>&1 &&
     problem="exit $rc"
   fi
   verdict "run --output another user's file" "$problem"
+  # Writable by all (0666) but in a sticky directory (1777): only its owner may
+  # replace it, so the rename would fail after the work; refused before it.
+  chmod 1777 "$owned_dir"
+  chmod 666 "$owned_dir/owned.safetensors"
+  rc=0
+  su nobody -s /bin/sh -c "'$BIN' run --model '$FIX' --layer 1 --tokens 2 --output '$owned_dir/owned.safetensors'" \
+    >"$TMP/stdout" 2>"$TMP/stderr" || rc=$?
+  problem=""
+  if [ "$rc" -ne 1 ] || [ "$(cat "$owned_dir/owned.safetensors")" != keep ] || [ -s "$TMP/stdout" ] ||
+    ! grep -q "^fusedmoe: error: --output: $owned_dir/owned.safetensors: belongs to another user (uid 0) in a sticky directory ($owned_dir: only a file's owner may replace it); will not replace it" "$TMP/stderr"; then
+    problem="exit $rc, $(wc -l <"$TMP/stdout") lines of report"
+  fi
+  verdict "run --output another user's file in a sticky directory" "$problem"
 else
-  echo "skip run --output another user's file: needs root and su to nobody"
+  echo "skip run --output another user's file (and in a sticky directory): needs root and su to nobody"
 fi
 rm -rf "$owned_dir"
 # A write that fails (a full disk; here the file size limit, ulimit -f 0: fusedmoe
