@@ -456,35 +456,43 @@ def _weight_dtype(weight_dtype: Any) -> Optional[str]:
     return _ext.parse_dtype_option(weight_dtype, "weight_dtype", ["bf16"])
 
 
-def _check_weight_copy(x: Any, name: str) -> None:
-    """Before _contiguous copies a host weight that is not contiguous (a
-    broadcast or strided view): MemoryError naming `name` and the bytes when
-    the copy cannot fit in the machine's memory and swap (NumPy's own error
-    named no argument)."""
+def _weight_copy_bytes(x: Any) -> int:
+    """Bytes of the contiguous copy _contiguous makes of a host weight that is
+    not contiguous (a broadcast or strided view); 0 when none is made."""
     if _on_cuda(x) or not getattr(x, "ndim", 0):
-        return
+        return 0
     if isinstance(x, np.ndarray):
-        copied, itemsize = not x.flags.c_contiguous, x.itemsize
+        copied, n = not x.flags.c_contiguous, x.itemsize
     elif _is_torch(x):
-        copied, itemsize = not x.is_contiguous(), x.element_size()
+        copied, n = not x.is_contiguous(), x.element_size()
     else:
-        return
-    if copied:
-        shape = [int(d) for d in x.shape]
-        n = itemsize
-        for d in shape:
-            n *= d
-        dtype = str(x.dtype).replace("torch.", "")
-        _ext._check_host_bytes(name, min(n, 2**63 - 1), f"a contiguous copy of {name}, {dtype} "
-                               f"{shape},", "pass it contiguous (a broadcast or strided view is "
-                               "copied first)")
+        return 0
+    if not copied:
+        return 0
+    for d in x.shape:
+        n *= int(d)
+    return n
+
+
+def _check_weight_copies(weights: Tuple[Tuple[Any, str], ...]) -> None:
+    """Before the weights' contiguous copies: MemoryError naming the first
+    weight copied and the bytes of all the copies when together they cannot
+    fit in the machine's memory and swap (NumPy's own error, at the one that
+    failed, named no argument)."""
+    copies = [(x, name, _weight_copy_bytes(x)) for x, name in weights]
+    copies = [c for c in copies if c[2] > 0]
+    if copies:
+        what = " and ".join(f"a contiguous copy of {name}, {str(x.dtype).replace('torch.', '')} "
+                            f"{[int(d) for d in x.shape]}" for x, name, _ in copies)
+        _ext._check_host_bytes(copies[0][1], min(sum(c[2] for c in copies), 2**63 - 1),
+                               what + ",", "pass the weights contiguous (a broadcast or strided "
+                               "view is copied first)")
 
 
 def _weight(x: Any, name: str, weight_dtype: Optional[str]) -> Tuple[Any, bool]:
-    """Expert weights: (array, uint16-is-bf16 flag); weight_dtype checked by
+    """Expert weights: (array, uint16-is-bf16 flag) of _as_array's result `x`
+    (its copy checked by _check_weight_copies); weight_dtype checked by
     _weight_dtype."""
-    x = _as_array(x, name, "dtype float32 or bfloat16 (CUDA: bfloat16 or float16)")
-    _check_weight_copy(x, name)
     x = _contiguous(x)
     if isinstance(x, np.ndarray) or _is_cupy(x):
         if x.dtype.kind == "V" and x.dtype.name == "bfloat16":  # ml_dtypes.bfloat16
@@ -694,6 +702,9 @@ def _fused_experts_impl(
         f16 = str(getattr(w13, "dtype", "")) in ("float16", "torch.float16")
         compute_dtype = ("f16" if f16 else "bf16") if cuda else "f32"
     weight_dtype = _weight_dtype(weight_dtype)
+    kinds = "dtype float32 or bfloat16 (CUDA: bfloat16 or float16)"
+    w13, w2 = _as_array(w13, "w13", kinds), _as_array(w2, "w2", kinds)
+    _check_weight_copies(((w13, "w13"), (w2, "w2")))
     w13, bf16_13 = _weight(w13, "w13", weight_dtype)
     w2, bf16_2 = _weight(w2, "w2", weight_dtype)
     if w13_bias is not None:

@@ -513,7 +513,8 @@ def test_broadcast_weights_beyond_the_machines_memory_name_the_argument():
     one2 = rng.standard_normal((1, 128, 64)).astype(np.float32)
     ids = np.zeros((3, 1), np.int32)
     tw = np.ones((3, 1), np.float32)
-    tail = " of memory and swap; pass it contiguous (a broadcast or strided view is copied first)"
+    tail = (" of memory and swap; pass the weights contiguous (a broadcast or strided view is "
+            "copied first)")
     w13, w2 = np.broadcast_to(one13, (E, 128, 128)), np.broadcast_to(one2, (E, 128, 64))
     with pytest.raises(MemoryError) as e:
         fusedmoe.fused_experts(x, w13, np.ascontiguousarray(one2), tw, ids)
@@ -523,6 +524,14 @@ def test_broadcast_weights_beyond_the_machines_memory_name_the_argument():
     with pytest.raises(MemoryError) as e:
         fusedmoe.fused_experts(x, np.ascontiguousarray(one13), w2, tw, ids)
     assert str(e.value).startswith(f"w2: a contiguous copy of w2, float32 [{E}, 128, 64], need ")
+    # Two copies that fit one at a time but not together: named together.
+    E2 = _memory_and_swap() // (128 * 128 * 4 + 128 * 64 * 4) + 1
+    with pytest.raises(MemoryError) as e:
+        fusedmoe.fused_experts(x, np.broadcast_to(one13, (E2, 128, 128)),
+                               np.broadcast_to(one2, (E2, 128, 64)), tw, ids)
+    assert str(e.value).startswith(
+        f"w13: a contiguous copy of w13, float32 [{E2}, 128, 128] and a contiguous copy of w2, "
+        f"float32 [{E2}, 128, 64], need "), str(e.value)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/meminfo: Linux")
