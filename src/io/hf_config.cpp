@@ -9,9 +9,11 @@
 // models"): a boolean null is false (HF tests its truth: `if
 // self.norm_topk_prob:`); DeepSeek's n_shared_experts null is no shared expert
 // (DeepSeek's reference code and vLLM test `is not None`; HF's strict config
-// class refuses it); a null that HF cannot build or run a layer with
-// (DeepSeek-V3's n_group, topk_group, first_k_dense_replace; hidden_act but for
-// gpt-oss; gpt-oss's swiglu_limit) is an error naming the field.
+// class refuses it); a null that HF's configuration class refuses (hidden_act,
+// routed_scaling_factor, Qwen / OLMoE's norm_topk_prob, decoder_sparse_step,
+// shared_expert_intermediate_size, interleave_moe_layer_step) or that HF cannot
+// build or run a layer with (DeepSeek's n_group, topk_group,
+// first_k_dense_replace; gpt-oss's swiglu_limit) is an error naming the field.
 #include "fusedmoe/io/hf_config.h"
 
 #include <algorithm>
@@ -182,6 +184,10 @@ class Fields {
   const json& j_;
   std::string where_;
 };
+
+// Why a null is refused where transformers' configuration class refuses it
+// (its strict field validation, transformers 5.17: StrictDataclassFieldValidationError).
+constexpr const char* kStrictNone = "HF transformers' configuration refuses None for it";
 
 Activation activation_from_hf(const Fields& f) {
   const std::string act = f.get_string({"hidden_act"}, std::string("silu"));
@@ -435,11 +441,7 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
   MoEConfig c;
   c.hidden_size = f.get_size({"hidden_size"}, kMaxHiddenSize);
   c.top_k = f.get_size({"num_experts_per_tok"}, kMaxNumExperts);
-  // gpt-oss's experts have their own clamped SwiGLU (below) and never read
-  // hidden_act; every other architecture's ACT2FN[config.hidden_act] fails on None.
-  if (mt != "gpt_oss")
-    f.refuse_null("hidden_act", "an activation name",
-                  "HF transformers' experts look their activation up by it");
+  f.refuse_null("hidden_act", "an activation name", kStrictNone);
   c.activation = activation_from_hf(f);
   std::vector<int64_t> layers;
   const int64_t L = info.num_hidden_layers;
@@ -457,8 +459,11 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
     c.intermediate_size = f.get_size({"moe_intermediate_size"}, kMaxIntermediateSize);
     c.routing_method = RoutingMethod::kTopK;
     c.scoring_func = ScoringFunc::kSoftmax;
+    f.refuse_null("norm_topk_prob", "true or false", kStrictNone);
+    f.refuse_null("decoder_sparse_step", "an integer >= 1", kStrictNone);
     c.renormalize = f.get_bool({"norm_topk_prob"}, false);
     if (mt == "qwen2_moe") {
+      f.refuse_null("shared_expert_intermediate_size", "an integer", kStrictNone);
       // Qwen2MoeSparseMoeBlock: shared_expert + sigmoid(shared_expert_gate).
       c.shared_intermediate_size =
           f.get_size({"shared_expert_intermediate_size"}, kMaxIntermediateSize);
@@ -470,6 +475,7 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
     c.intermediate_size = f.get_size({"intermediate_size"}, kMaxIntermediateSize);
     c.routing_method = RoutingMethod::kTopK;
     c.scoring_func = ScoringFunc::kSoftmax;
+    f.refuse_null("norm_topk_prob", "true or false", kStrictNone);
     c.renormalize = f.get_bool({"norm_topk_prob"}, false);
     layers = all_layers(L);
   } else if (mt == "deepseek_v2") {
@@ -480,6 +486,7 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
     c.intermediate_size = f.get_size({"moe_intermediate_size"}, kMaxIntermediateSize);
     c.scoring_func = scoring_from_hf(f, "softmax");
     c.renormalize = f.get_bool({"norm_topk_prob"}, false);
+    f.refuse_null("routed_scaling_factor", "a number", kStrictNone);
     c.routed_scaling_factor = static_cast<float>(f.get_double({"routed_scaling_factor"}, 1.0));
     const std::string method = f.get_string({"topk_method"}, std::string("greedy"));
     if (method == "greedy") {
@@ -532,6 +539,7 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
     c.num_expert_group = f.get_int({"n_group"}, 8);
     c.topk_group = f.get_int({"topk_group"}, 4);
     c.renormalize = f.get_bool({"norm_topk_prob"}, true);
+    f.refuse_null("routed_scaling_factor", "a number", kStrictNone);
     c.routed_scaling_factor = static_cast<float>(f.get_double({"routed_scaling_factor"}, 2.5));
     c.shared_intermediate_size = f.shared_width(1, c.intermediate_size);
     layers = deepseek_moe_layers(f, L, 3);
@@ -564,6 +572,7 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
     c.shared_intermediate_size = c.intermediate_size;
     // The step is checked even where moe_layers, which takes precedence, is
     // given: a step of 0 or below describes no model (HF's range() fails on it).
+    f.refuse_null("interleave_moe_layer_step", "an integer >= 1", kStrictNone);
     const int64_t step = f.get_int({"interleave_moe_layer_step"}, 1);
     if (step <= 0)
       FUSEDMOE_THROW(kInvalidArgument, where,

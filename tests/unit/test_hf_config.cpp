@@ -474,8 +474,9 @@ TEST(HfConfig, DeepseekV3Defaults) {
 // transformers reads the None itself: a boolean is false (DeepSeek-V3's
 // `if self.norm_topk_prob:` does not renormalize), n_shared_experts null is no
 // shared expert (DeepSeek's reference code and vLLM; the default would ask for
-// tensors such a checkpoint does not have), and what HF cannot build or run
-// with None is refused naming the field.
+// tensors such a checkpoint does not have), and what HF's configuration class
+// refuses (transformers 5.17's strict fields), or cannot build or run with
+// None, is refused naming the field.
 TEST(HfConfig, NullFieldsAsHfReadsThem) {
   json j = fixture_json("deepseek_v3");
   ASSERT_TRUE(parse(j).layer_config(1).renormalize);
@@ -488,8 +489,31 @@ TEST(HfConfig, NullFieldsAsHfReadsThem) {
     json q = fixture_json(arch);
     q["norm_topk_prob"] = true;
     ASSERT_TRUE(parse(q).layer_config(1).renormalize);
-    q["norm_topk_prob"] = nullptr;
-    EXPECT_FALSE(parse(q).layer_config(1).renormalize);
+    q["norm_topk_prob"] = nullptr;  // a strict bool there: refused
+    EXPECT_HAS(error_of([&] { parse(q); }, ErrorCode::kInvalidArgument),
+               "test/config.json: field 'norm_topk_prob': expected true or false, got null (HF "
+               "transformers' configuration refuses None for it)");
+  }
+  // The other fields transformers' configuration classes refuse as None.
+  for (const auto& [arch, key] : std::vector<std::pair<const char*, const char*>>{
+           {"qwen2_moe", "decoder_sparse_step"},
+           {"qwen3_moe", "decoder_sparse_step"},
+           {"qwen2_moe", "shared_expert_intermediate_size"},
+           {"deepseek_v3", "routed_scaling_factor"},
+           {"llama4", "interleave_moe_layer_step"}}) {
+    SCOPED_TRACE(std::string(arch) + " " + key);
+    json a = fixture_json(arch);
+    (a.contains("text_config") ? a["text_config"] : a)[key] = nullptr;
+    EXPECT_HAS(error_of([&] { parse(a); }, ErrorCode::kInvalidArgument),
+               std::string("test/config.json: field '") + key + "': expected ");
+    EXPECT_HAS(error_of([&] { parse(a); }, ErrorCode::kInvalidArgument),
+               ", got null (HF transformers' configuration refuses None for it)");
+  }
+  {
+    json v2 = deepseek_v2_config();
+    v2["routed_scaling_factor"] = nullptr;
+    EXPECT_HAS(error_of([&] { parse(v2); }, ErrorCode::kInvalidArgument),
+               "field 'routed_scaling_factor': expected a number, got null");
   }
 
   for (json d : {fixture_json("deepseek_v3"), deepseek_v2_config()}) {
@@ -520,9 +544,10 @@ TEST(HfConfig, NullFieldsAsHfReadsThem) {
     EXPECT_HAS(error_of([&] { parse(d); }, ErrorCode::kInvalidArgument),
                std::string("test/config.json: field '") + k + "': expected an integer, got null");
   }
-  // hidden_act: ACT2FN[None] fails in HF for every architecture whose experts read
-  // it; gpt-oss's never do (its clamped SwiGLU), and its swiglu_limit None fails.
-  for (const char* arch : {"mixtral", "qwen3_moe", "olmoe", "deepseek_v3", "llama4"}) {
+  // hidden_act: every configuration class refuses None (gpt-oss's too, whose
+  // experts never read it); gpt-oss's swiglu_limit None passes the class but
+  // fails in its experts' clamp.
+  for (const char* arch : {"mixtral", "qwen3_moe", "olmoe", "deepseek_v3", "llama4", "gpt_oss"}) {
     SCOPED_TRACE(arch);
     json a = fixture_json(arch);
     (a.contains("text_config") ? a["text_config"] : a)["hidden_act"] = nullptr;
@@ -530,8 +555,6 @@ TEST(HfConfig, NullFieldsAsHfReadsThem) {
                "test/config.json: field 'hidden_act': expected an activation name, got null");
   }
   json g = fixture_json("gpt_oss");
-  g["hidden_act"] = nullptr;
-  EXPECT_EQ(parse(g).layer_config(0).activation, Activation::kSwigluOai);
   g["swiglu_limit"] = nullptr;
   EXPECT_HAS(error_of([&] { parse(g); }, ErrorCode::kInvalidArgument),
              "test/config.json: field 'swiglu_limit': expected a number, got null");
@@ -540,12 +563,10 @@ TEST(HfConfig, NullFieldsAsHfReadsThem) {
   o["hidden_size"] = nullptr;
   EXPECT_HAS(error_of([&] { parse(o); }, ErrorCode::kInvalidArgument),
              "required field 'hidden_size': expected a value, got null");
-  // Other nulls: the class default (moe_layer_freq: 1, routed_scaling_factor: 2.5).
+  // Other nulls: the class default (moe_layer_freq: 1; the class keeps None).
   json d = fixture_json("deepseek_v3");
   d["moe_layer_freq"] = nullptr;
-  d["routed_scaling_factor"] = nullptr;
   EXPECT_EQ(parse(d).moe_layers, parse(fixture_json("deepseek_v3")).moe_layers);
-  EXPECT_FLOAT_EQ(parse(d).layer_config(1).routed_scaling_factor, 2.5f);
 }
 
 // moe_layer_freq (DeepSeek's reference code: layer % freq == 0) is honoured
