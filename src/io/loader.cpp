@@ -576,8 +576,9 @@ MoELayerWeights load_or_check(const Checkpoint& checkpoint, const ModelInfo& inf
       if (rd.has(t))
         FUSEDMOE_THROW(kIo, printable(checkpoint.path()), ": tensor '", rd.full(t),
                        "' belongs to a shared expert, but config.json gives none (",
-                       deepseek ? "n_shared_experts" : "shared_expert_intermediate_size",
-                       " 0 or absent): expected the shared expert's size in config.json, or a "
+                       deepseek ? "n_shared_experts 0, null or absent"
+                                : "shared_expert_intermediate_size 0 or absent",
+                       "): expected the shared expert's size in config.json, or a "
                        "checkpoint without it");
   }
   return out;

@@ -344,10 +344,10 @@ TEST(Loader, SharedExpertTheConfigLeavesOutIsNamed) {
   for (const auto& [arch, from, to, field, tensor] :
        std::vector<std::tuple<std::string, std::string, std::string, std::string, std::string>>{
            {"qwen2_moe", "\"shared_expert_intermediate_size\": 96",
-            "\"shared_expert_intermediate_size\": 0", "shared_expert_intermediate_size",
+            "\"shared_expert_intermediate_size\": 0", "shared_expert_intermediate_size 0 or absent",
             "model.layers.0.mlp.shared_expert.gate_proj.weight"},
            {"deepseek_v3", "\"n_shared_experts\": 1", "\"n_shared_experts\": null",
-            "n_shared_experts", ".mlp.shared_experts.gate_proj.weight"}}) {
+            "n_shared_experts 0, null or absent", ".mlp.shared_experts.gate_proj.weight"}}) {
     SCOPED_TRACE(arch);
     test::TempDir dir("loader_shared_" + arch);
     write_modified_fixture(arch, dir, [](auto&) {});
