@@ -196,7 +196,7 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) 
   if (const void* nul = std::memchr(text, '\0', static_cast<size_t>(header_len)))
     FUSEDMOE_THROW(kIo, printable(path), ": header holds a NUL byte at byte ",
                    8 + (static_cast<const char*>(nul) - text),
-                   " of the file (a header is JSON, padded with spaces only)");
+                   " of the file (a header is JSON text, whitespace around it at most)");
   json header;
   // JSON lets a key repeat (the last one wins); a header that names a tensor
   // twice is corrupt, so a SAX pass checks the top-level keys first. (json's
@@ -715,8 +715,8 @@ AtomicFile::AtomicFile(const std::string& path) : path_(path) {
     }
     // In a sticky directory (/tmp) only the file's or the directory's owner
     // (or root) may replace a file: the rename would fail after the work.
-    struct stat fst {
-    }, dst{};
+    struct stat fst {};
+    struct stat dst {};
     const fs::path parent = target.parent_path().empty() ? fs::path(".") : target.parent_path();
     const uid_t me = ::geteuid();
     if (me != 0 && ::stat(target.c_str(), &fst) == 0 && ::stat(parent.c_str(), &dst) == 0 &&

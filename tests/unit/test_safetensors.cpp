@@ -264,8 +264,8 @@ TEST(Safetensors, RejectsBadFiles) {
        8,
        std::nullopt,
        {"tensor 'w.i' more than once"}},
-      // The header may be padded with spaces only (HF's reader parses all of
-      // it as JSON): NUL padding, which json alone would read as the end.
+      // Around the header's JSON only whitespace (HF's reader parses all of it
+      // as JSON): NUL padding, which json alone would read as the end.
       {"NUL padding",
        std::string(R"({"w.p":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})") +
            std::string(4, '\0'),
