@@ -695,8 +695,13 @@ AtomicFile::AtomicFile(const std::string& path) : path_(path) {
                    fs::is_directory(st) ? "a directory" : "a device, FIFO or socket",
                    "; will not replace it)");
   replaces_ = fs::exists(st);
+  fs::path dir = target.parent_path();
+  if (dir.empty()) dir = ".";
   if (replaces_) {
     mode_ = static_cast<unsigned>(st.permissions()) & 07777;
+    struct stat fst {};
+    const bool have_owner = ::stat(target.c_str(), &fst) == 0;
+    const uid_t me = ::geteuid();
     // The rename would replace a file its mode says may not be written: a file
     // without any write bit (root may write it, and passes access()) or one
     // this user may not write.
@@ -707,23 +712,19 @@ AtomicFile::AtomicFile(const std::string& path) : path_(path) {
       if (no_write_bit)
         FUSEDMOE_THROW(kIo, printable(path), ": is read-only (mode ", mode,
                        "); will not replace it (make it writable, or give another path)");
-      struct stat sb {};
-      const long owner = ::stat(target.c_str(), &sb) == 0 ? static_cast<long>(sb.st_uid) : -1;
       FUSEDMOE_THROW(kIo, printable(path), ": is not writable by this user (uid ",
-                     static_cast<long>(::geteuid()), "; the file's owner uid ", owner, ", mode ",
-                     mode, "); will not replace it (give another path)");
+                     static_cast<long>(me), "; the file's owner uid ",
+                     have_owner ? static_cast<long>(fst.st_uid) : -1L, ", mode ", mode,
+                     "); will not replace it (give another path)");
     }
     // In a sticky directory (/tmp) only the file's or the directory's owner
     // (or root) may replace a file: the rename would fail after the work.
-    struct stat fst {};
     struct stat dst {};
-    const fs::path parent = target.parent_path().empty() ? fs::path(".") : target.parent_path();
-    const uid_t me = ::geteuid();
-    if (me != 0 && ::stat(target.c_str(), &fst) == 0 && ::stat(parent.c_str(), &dst) == 0 &&
-        (dst.st_mode & S_ISVTX) != 0 && fst.st_uid != me && dst.st_uid != me)
+    if (me != 0 && have_owner && ::stat(dir.c_str(), &dst) == 0 && (dst.st_mode & S_ISVTX) != 0 &&
+        fst.st_uid != me && dst.st_uid != me)
       FUSEDMOE_THROW(kIo, printable(path), ": belongs to another user (uid ",
                      static_cast<long>(fst.st_uid), ") in a sticky directory (",
-                     printable(parent.string()),
+                     printable(dir.string()),
                      ": only a file's owner may replace it); will not replace it (give another "
                      "path)");
   } else {
@@ -731,8 +732,6 @@ AtomicFile::AtomicFile(const std::string& path) : path_(path) {
     ::umask(mask);
     mode_ = 0666 & ~mask;
   }
-  fs::path dir = target.parent_path();
-  if (dir.empty()) dir = ".";
   target_ = target.string();
   // Those a killed process left (SIGKILL runs no handler), then ours.
   removed_stale_ = remove_stale_temporaries(target_);
