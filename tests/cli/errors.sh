@@ -925,45 +925,40 @@ for c in "run|--output|$TMP/ro/out.safetensors|--model $FIX --layer 1 --tokens 2
     { echo "FAIL $cmd $flag read-only: the file was replaced: $(ls -A "$TMP/ro")"; failures=$((failures + 1)); }
   rm -f "$file"
 done
-# Another user's file (mode 0644) is not "read-only": it is named as not writable
-# by this user, with both uids. Run as nobody where the tests run as root and su
+# Another user's file is refused before the work, naming why: mode 0644, not
+# "read-only" but not writable by this user (both uids); mode 0666 in a sticky
+# directory (1777), where only its owner may replace it (the rename failed after
+# the work, the report printed). Run as nobody where the tests run as root and su
 # lets nobody reach the binary and the model; else said skipped.
 owned_dir=$(mktemp -d)
-chmod 755 "$owned_dir"
-echo keep >"$owned_dir/owned.safetensors"
-chmod 644 "$owned_dir/owned.safetensors"
-if [ "$(id -u)" = 0 ] && id nobody >/dev/null 2>&1 &&
+owned="$owned_dir/owned.safetensors"
+if [ "$(id -u)" = 0 ] && id nobody >/dev/null 2>&1 && chmod 755 "$owned_dir" &&
   su nobody -s /bin/sh -c "'$BIN' --version && test -r '$FIX/config.json'" >/dev/null 2>&1; then
-  rc=0
-  su nobody -s /bin/sh -c "'$BIN' run --model '$FIX' --layer 1 --tokens 2 --output '$owned_dir/owned.safetensors'" \
-    >/dev/null 2>"$TMP/stderr" || rc=$?
-  problem=""
-  if [ "$rc" -ne 1 ] || [ "$(cat "$owned_dir/owned.safetensors")" != keep ] ||
-    ! grep -q "^fusedmoe: error: --output: $owned_dir/owned.safetensors: is not writable by this user (uid [0-9]*; the file's owner uid 0, mode 0644); will not replace it" "$TMP/stderr"; then
-    problem="exit $rc"
-  fi
-  verdict "run --output another user's file" "$problem"
-  # Writable by all (0666) but in a sticky directory (1777): only its owner may
-  # replace it, so the rename would fail after the work; refused before it.
-  chmod 1777 "$owned_dir"
-  chmod 666 "$owned_dir/owned.safetensors"
-  rc=0
-  su nobody -s /bin/sh -c "'$BIN' run --model '$FIX' --layer 1 --tokens 2 --output '$owned_dir/owned.safetensors'" \
-    >"$TMP/stdout" 2>"$TMP/stderr" || rc=$?
-  problem=""
-  if [ "$rc" -ne 1 ] || [ "$(cat "$owned_dir/owned.safetensors")" != keep ] || [ -s "$TMP/stdout" ] ||
-    ! grep -q "^fusedmoe: error: --output: $owned_dir/owned.safetensors: belongs to another user (uid 0) in a sticky directory ($owned_dir: only a file's owner may replace it); will not replace it" "$TMP/stderr"; then
-    problem="exit $rc, $(wc -l <"$TMP/stdout") lines of report"
-  fi
-  verdict "run --output another user's file in a sticky directory" "$problem"
+  for c in "another user's file|755|644|is not writable by this user (uid [0-9]*; the file's owner uid 0, mode 0644)" \
+    "another user's file in a sticky directory|1777|666|belongs to another user (uid 0) in a sticky directory ($owned_dir: only a file's owner may replace it)"; do
+    IFS='|' read -r what dir_mode file_mode why <<<"$c"
+    chmod "$dir_mode" "$owned_dir"
+    echo keep >"$owned"
+    chmod "$file_mode" "$owned"
+    rc=0
+    su nobody -s /bin/sh -c "'$BIN' run --model '$FIX' --layer 1 --tokens 2 --output '$owned'" \
+      >"$TMP/stdout" 2>"$TMP/stderr" || rc=$?
+    problem=""
+    if [ "$rc" -ne 1 ] || [ "$(cat "$owned")" != keep ] || [ -s "$TMP/stdout" ] ||
+      ! grep -q "^fusedmoe: error: --output: $owned: $why; will not replace it" "$TMP/stderr"; then
+      problem="exit $rc, $(wc -l <"$TMP/stdout") lines of report"
+    fi
+    verdict "run --output $what" "$problem"
+  done
 else
   echo "skip run --output another user's file (and in a sticky directory): needs root and su to nobody"
 fi
 rm -rf "$owned_dir"
 # A write that fails (a full disk; here the file size limit, ulimit -f 0: fusedmoe
-# ignores SIGXFSZ, so the write fails with EFBIG instead of killing it) names the option; bench and run still print their whole
-# report (bench printed nothing: the CSV's header failed first; run stopped before
-# its summary), then the error, exit 1, and no file is left. run's summary has no
+# ignores SIGXFSZ, so the write fails with EFBIG instead of killing it) names the
+# option; bench and run still print their whole report (bench printed nothing: the
+# CSV's header failed first; run stopped before its summary), then the error, exit
+# 1, and no file is left. run's summary has no
 # "output" line for the file it did not write. The standard streams are pipes (the
 # limit is on files).
 for c in "run|--output|$TMP/ro/out.safetensors|--model $FIX --layer 1 --tokens 2|^time " \
