@@ -196,7 +196,8 @@ Activation activation_from_hf(const Fields& f) {
   if (act == "gelu_pytorch_tanh" || act == "gelu_new" || act == "gelu_fast")
     return Activation::kGeluTanhGlu;
   FUSEDMOE_THROW(kUnsupported, f.where(), ": hidden_act '", printable(act),
-                 "' is not supported (supported: silu, gelu, gelu_pytorch_tanh)");
+                 "' is not supported (supported: silu, swish, gelu, gelu_pytorch_tanh, gelu_new, "
+                 "gelu_fast)");
 }
 
 ScoringFunc scoring_from_hf(const Fields& f, const char* def) {

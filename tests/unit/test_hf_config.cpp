@@ -187,7 +187,13 @@ TEST(HfConfig, MissingAndInvalidFields) {
   // Unknown activation.
   j = fixture_json("mixtral");
   j["hidden_act"] = "relu2";
-  EXPECT_HAS(error_of([&] { parse(j); }, ErrorCode::kUnsupported), "hidden_act 'relu2'");
+  EXPECT_HAS(error_of([&] { parse(j); }, ErrorCode::kUnsupported),
+             "hidden_act 'relu2' is not supported (supported: silu, swish, gelu, "
+             "gelu_pytorch_tanh, gelu_new, gelu_fast)");
+  for (const char* act : {"silu", "swish", "gelu", "gelu_pytorch_tanh", "gelu_new", "gelu_fast"}) {
+    j["hidden_act"] = act;  // every name the message lists is taken
+    EXPECT_NO_THROW(parse(j)) << act;
+  }
   j["hidden_act"] = "gelu_pytorch_tanh";
   EXPECT_EQ(parse(j).layer_config(0).activation, Activation::kGeluTanhGlu);
   j["hidden_act"] = "gelu";
