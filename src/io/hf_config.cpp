@@ -21,11 +21,13 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <initializer_list>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <sstream>
+#include <string_view>
 
 #include "fusedmoe/core/error.h"
 #include "fusedmoe/io/safetensors.h"
@@ -44,6 +46,94 @@ std::string join(const std::vector<int64_t>& v) {
   std::ostringstream os;
   for (size_t i = 0; i < v.size(); ++i) os << (i ? ", " : "") << v[i];
   return os.str();
+}
+
+// Python's json module (so HF transformers) reads the literals NaN, Infinity
+// and -Infinity; nlohmann's parser refuses them. A config holding them (in a
+// field this library does not read, say) is parsed once more with each such
+// literal outside strings turned into a marker string, and the markers then
+// into binary values (a type no JSON text yields), so that every typed read
+// below refuses them as it refuses any value of the wrong type, and
+// as_written() prints them back as written.
+constexpr const char* kNonFiniteLiterals[] = {"NaN", "Infinity", "-Infinity"};
+// (\x01 then the text: "\x01f" would be one hex escape.)
+constexpr std::string_view kNonFiniteMarker =
+    "\x01"
+    "fusedmoe-non-finite:";
+
+// The text with the literals outside strings as marker strings; nullopt when it has none.
+std::optional<std::string> mark_non_finite(const std::string& text) {
+  std::string out;
+  out.reserve(text.size() + 64);
+  bool in_string = false, marked = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      out += c;
+      if (c == '\\' && i + 1 < text.size())
+        out += text[++i];
+      else if (c == '"')
+        in_string = false;
+      continue;
+    }
+    bool matched = false;
+    for (const char* lit : kNonFiniteLiterals) {
+      const size_t n = std::strlen(lit);
+      if (text.compare(i, n, lit) == 0) {
+        out += "\"\\u0001fusedmoe-non-finite:";
+        out += lit;
+        out += '"';
+        i += n - 1;
+        matched = marked = true;
+        break;
+      }
+    }
+    if (matched) continue;
+    if (c == '"') in_string = true;
+    out += c;
+  }
+  if (!marked) return std::nullopt;
+  return out;
+}
+
+// Which literal a binary value made by mark_non_finite stands for.
+void markers_to_binary(json& v) {
+  if (v.is_string()) {
+    const std::string& s = v.get_ref<const std::string&>();
+    if (!s.starts_with(kNonFiniteMarker)) return;
+    const std::string lit = s.substr(kNonFiniteMarker.size());
+    for (uint8_t i = 0; i < 3; ++i)
+      if (lit == kNonFiniteLiterals[i]) v = json::binary({}, i);
+  } else if (v.is_structured()) {
+    for (json& e : v) markers_to_binary(e);
+  }
+}
+
+// v.dump() with the non-finite literals as config.json spelled them.
+std::string as_written(const json& v) {
+  if (v.is_binary()) {
+    const auto st = v.get_binary().subtype();
+    return st < 3 ? kNonFiniteLiterals[st] : "?";
+  }
+  if (!v.is_structured()) return v.dump();
+  // Each literal as a marker string in a copy, the dumped markers replaced.
+  json copy = v;
+  std::function<void(json&)> to_marker = [&](json& e) {
+    if (e.is_binary()) {
+      const auto st = e.get_binary().subtype();
+      e = std::string(kNonFiniteMarker) + (st < 3 ? kNonFiniteLiterals[st] : "?");
+    } else if (e.is_structured()) {
+      for (json& x : e) to_marker(x);
+    }
+  };
+  to_marker(copy);
+  std::string d = copy.dump();
+  for (const char* lit : kNonFiniteLiterals) {
+    const std::string quoted = std::string("\"\\u0001fusedmoe-non-finite:") + lit + "\"";
+    for (size_t at = d.find(quoted); at != std::string::npos; at = d.find(quoted, at))
+      d.replace(at, quoted.size(), lit);
+  }
+  return d;
 }
 
 // Typed access to a config object with aliases, defaults and named errors.
@@ -74,7 +164,7 @@ class Fields {
     // reads it as a float, which HF's torch.topk and range() refuse).
     if (v->is_number_integer()) return v->get<int64_t>();
     FUSEDMOE_THROW(kInvalidArgument, where_, ": field '", k, "': expected an integer, got ",
-                   v->dump());
+                   as_written(*v));
   }
   // A size field: at most `max`, the error naming the key as config.json spells it.
   int64_t get_size(std::initializer_list<const char*> keys, int64_t max,
@@ -102,8 +192,11 @@ class Fields {
     const json* v = find(keys, &k);
     if (!v) return def;
     if (v->is_number()) return v->get<double>();
+    if (v->is_binary())  // NaN, Infinity or -Infinity (see mark_non_finite)
+      FUSEDMOE_THROW(kInvalidArgument, where_, ": field '", k, "': expected a finite number, got ",
+                     as_written(*v));
     FUSEDMOE_THROW(kInvalidArgument, where_, ": field '", k, "': expected a number, got ",
-                   v->dump());
+                   as_written(*v));
   }
   // DeepSeek's shared experts as one MLP: n_shared_experts x the routed
   // width (0 for null: see the top of this file), bounded here so that the
@@ -141,7 +234,7 @@ class Fields {
     if (!v) return def;
     if (v->is_boolean()) return v->get<bool>();
     FUSEDMOE_THROW(kInvalidArgument, where_, ": field '", k, "': expected true or false, got ",
-                   v->dump());
+                   as_written(*v));
   }
   std::string get_string(std::initializer_list<const char*> keys,
                          std::optional<std::string> def = {}) const {
@@ -153,7 +246,7 @@ class Fields {
     }
     if (v->is_string()) return v->get<std::string>();
     FUSEDMOE_THROW(kInvalidArgument, where_, ": field '", k, "': expected a string, got ",
-                   v->dump());
+                   as_written(*v));
   }
   std::optional<std::vector<int64_t>> get_int_list(const char* key) const {
     const json* v = find({key});
@@ -167,7 +260,7 @@ class Fields {
       if (out.size() == v->size()) return out;
     }
     FUSEDMOE_THROW(kInvalidArgument, where_, ": field '", key,
-                   "': expected a list of integers, got ", v->dump());
+                   "': expected a list of integers, got ", as_written(*v));
   }
   const std::string& where() const { return where_; }
 
@@ -336,10 +429,16 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
   try {
     root = json::parse(json_text);
   } catch (const json::exception& e) {
-    FUSEDMOE_THROW(kIo, shown, ": not valid JSON: ", e.what());
+    // Python's json takes NaN / Infinity / -Infinity (see mark_non_finite):
+    // parsed again with them marked; the first error stands otherwise.
+    const std::optional<std::string> marked = mark_non_finite(json_text);
+    if (!marked || (root = json::parse(*marked, nullptr, false)).is_discarded())
+      FUSEDMOE_THROW(kIo, shown, ": not valid JSON: ", e.what());
+    markers_to_binary(root);
   }
   if (!root.is_object())
-    FUSEDMOE_THROW(kIo, shown, ": not a JSON object (got ", root.type_name(), ")");
+    FUSEDMOE_THROW(kIo, shown, ": not a JSON object (got ",
+                   root.is_binary() ? as_written(root) : root.type_name(), ")");
 
   ModelInfo info;
   info.source = source;
@@ -366,12 +465,12 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
     if (!q->is_object())
       FUSEDMOE_THROW(kInvalidArgument, shown,
                      ": quantization_config: expected an object with a 'quant_method', got ",
-                     q->dump());
+                     as_written(*q));
     const auto m = q->find("quant_method");
     if (m == q->end() || !m->is_string())
       FUSEDMOE_THROW(kInvalidArgument, shown,
                      ": quantization_config.quant_method: expected a string, got ",
-                     m == q->end() ? std::string("none") : m->dump());
+                     m == q->end() ? std::string("none") : as_written(*m));
     const std::string method = m->get<std::string>();
     if (method != "fp8")
       FUSEDMOE_THROW(kUnsupported, shown, ": quantization_config.quant_method '", printable(method),
@@ -386,7 +485,7 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
       if (v == q->end() || v->is_null()) continue;
       if (!v->is_string())
         FUSEDMOE_THROW(kInvalidArgument, shown, ": quantization_config.", key,
-                       ": expected a string, got ", v->dump());
+                       ": expected a string, got ", as_written(*v));
       if (v->get<std::string>() != want)
         FUSEDMOE_THROW(kUnsupported, shown, ": quantization_config.", key, ": expected '", want,
                        "' (the FP8 format this library reads, as DeepSeek-V3 ships), got '",
@@ -400,7 +499,7 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
       if (!ok)
         FUSEDMOE_THROW(kUnsupported, shown,
                        ": quantization_config.weight_block_size: expected [128, 128], got ",
-                       b->dump());
+                       as_written(*b));
     }
   }
 
@@ -422,7 +521,7 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
   if (dt) {
     if (!dt->is_string())
       FUSEDMOE_THROW(kInvalidArgument, where, ": field 'dtype': expected a string, got ",
-                     dt->dump());
+                     as_written(*dt));
     try {
       info.dtype = parse_dtype(dt->get<std::string>());
       info.dtype_given = true;

@@ -239,6 +239,67 @@ TEST(HfConfig, ByteOrderMarkIsRefused) {
              "test/config.json: starts with a UTF-8 byte-order mark (bytes EF BB BF)");
 }
 
+// NaN, Infinity and -Infinity literals, which Python's json (so HF
+// transformers' AutoConfig) reads: a field this library does not read may
+// hold one; one it reads is refused naming the field and the literal. Inside
+// strings the words are text; a literal glued to other letters is no JSON.
+TEST(HfConfig, NonFiniteLiteralsAsPythonJsonReadsThem) {
+  json j = fixture_json("mixtral");
+  // The config's text with `key` set to `literal` (written into the text).
+  const auto with = [&](const std::string& key, const std::string& literal) {
+    json c = j;
+    c[key] = "@literal@";
+    std::string t = c.dump();
+    t.replace(t.find("\"@literal@\""), 11, literal);
+    return t;
+  };
+  const auto where = std::string("test/config.json");
+  // Unread fields: the layer loads as without them.
+  for (const char* lit : {"NaN", "Infinity", "-Infinity", "[1, NaN, {\"a\": -Infinity}]"}) {
+    SCOPED_TRACE(lit);
+    const ModelInfo m = parse_model_info(with("initializer_range", lit), where);
+    EXPECT_EQ(m.layer_config(0).num_experts, 8);
+  }
+  // Read fields: named, the literal as written.
+  EXPECT_HAS(error_of([&] { parse_model_info(with("num_local_experts", "Infinity"), where); },
+                      ErrorCode::kInvalidArgument),
+             "test/config.json: field 'num_local_experts': expected an integer, got Infinity");
+  EXPECT_HAS(error_of([&] { parse_model_info(with("hidden_act", "NaN"), where); },
+                      ErrorCode::kInvalidArgument),
+             "test/config.json: field 'hidden_act': expected a string, got NaN");
+  EXPECT_HAS(error_of([&] { parse_model_info(with("dtype", "-Infinity"), where); },
+                      ErrorCode::kInvalidArgument),
+             "field 'dtype': expected a string, got -Infinity");
+  j = fixture_json("deepseek_v3");
+  EXPECT_HAS(error_of([&] { parse_model_info(with("routed_scaling_factor", "NaN"), where); },
+                      ErrorCode::kInvalidArgument),
+             "test/config.json: field 'routed_scaling_factor': expected a finite number, got NaN");
+  EXPECT_HAS(
+      error_of(
+          [&] { parse_model_info(with("quantization_config", "{\"quant_method\": NaN}"), where); },
+          ErrorCode::kInvalidArgument),
+      "quantization_config.quant_method: expected a string, got NaN");
+  j = fixture_json("gpt_oss");
+  EXPECT_HAS(error_of([&] { parse_model_info(with("swiglu_limit", "Infinity"), where); },
+                      ErrorCode::kInvalidArgument),
+             "field 'swiglu_limit': expected a finite number, got Infinity");
+  // In strings: text, as ever.
+  j = fixture_json("mixtral");
+  EXPECT_HAS(error_of([&] { parse_model_info(with("hidden_act", "\"NaN\""), where); },
+                      ErrorCode::kUnsupported),
+             "hidden_act 'NaN' is not supported");
+  EXPECT_NO_THROW(parse_model_info(with("note", "\"a \\\" NaN, Infinity\""), where));
+  // Not literals: still invalid JSON, reported as nlohmann reports the text.
+  for (const char* bad : {"NaNa", "nan", "+Infinity", "inf"}) {
+    SCOPED_TRACE(bad);
+    EXPECT_HAS(
+        error_of([&] { parse_model_info(with("initializer_range", bad), where); }, ErrorCode::kIo),
+        "test/config.json: not valid JSON");
+  }
+  EXPECT_HAS(error_of([&] { parse_model_info("NaN", where); }, ErrorCode::kIo),
+             "test/config.json: not a JSON object (got NaN)");
+}
+
 // A NUL byte (a binary or zero-filled file) is named with its offset, not
 // reported as nlohmann's "unexpected end of input".
 TEST(HfConfig, NulByteIsNamed) {
