@@ -40,6 +40,23 @@ def read_safetensors(path: os.PathLike) -> dict:
     return out
 
 
+def write_safetensors(path: os.PathLike, tensors: dict) -> None:
+    """The reverse of read_safetensors: uint16 arrays are written as BF16 bit
+    patterns; tensors in the order given, header padded to 8 bytes."""
+    names = {np.dtype(t): n for n, t in _ST_DTYPES.items() if n != "BF16"}
+    names[np.dtype(np.uint16)] = "BF16"
+    header, blobs, off = {}, [], 0
+    for name, a in tensors.items():
+        a = np.ascontiguousarray(a)
+        header[name] = {"dtype": names[a.dtype], "shape": list(a.shape),
+                        "data_offsets": [off, off + a.nbytes]}
+        blobs.append(a.tobytes())
+        off += a.nbytes
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    Path(path).write_bytes(struct.pack("<Q", len(h)) + h + b"".join(blobs))
+
+
 def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32)
 

@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 
 import fusedmoe  # noqa: E402
 from conftest import (ARCHS, HF, bf16_to_f32, read_safetensors, ref_fused_experts,  # noqa: E402
-                      ref_fused_topk, ref_grouped_topk, rel_l2)
+                      ref_fused_topk, ref_grouped_topk, rel_l2, write_safetensors)
 from test_hf_fixtures import CASES  # noqa: E402
 
 
@@ -253,20 +253,6 @@ def test_hf_fixture_cuda_layer_float16():
     assert rel_l2(out32.cpu().numpy(), ref[p + "output_f64"]) <= 1e-2
 
 
-def _write_safetensors(path, tensors: dict) -> None:
-    header, blobs, off = {}, [], 0
-    for name, a in tensors.items():
-        a = np.ascontiguousarray(a)
-        dt = {np.dtype(np.float16): "F16", np.dtype(np.float32): "F32", np.dtype(np.int64): "I64",
-              np.dtype(np.int32): "I32"}[a.dtype]
-        header[name] = {"dtype": dt, "shape": list(a.shape), "data_offsets": [off, off + a.nbytes]}
-        blobs.append(a.tobytes())
-        off += a.nbytes
-    h = json.dumps(header).encode()
-    h += b" " * (-len(h) % 8)
-    path.write_bytes(struct.pack("<Q", len(h)) + h + b"".join(blobs))
-
-
 def test_float16_checkpoint_stays_float16_on_cuda(tmp_path):
     """A float16 checkpoint (the mixtral fixture's bf16 weights, exact in f16):
     MoELayer(backend="cuda") runs it in f16 by default."""
@@ -277,7 +263,7 @@ def test_float16_checkpoint_stays_float16_on_cuda(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     w = read_safetensors(src / "model.safetensors")
     raw = read_safetensors_raw_dtypes(src / "model.safetensors")
-    _write_safetensors(tmp_path / "model.safetensors",
+    write_safetensors(tmp_path / "model.safetensors",
                        {k: (bf16_to_f32(v).astype(np.float16) if raw[k] == "BF16" else v)
                         for k, v in w.items()})
     moe = fusedmoe.MoELayer.from_pretrained(tmp_path, layer=layer, backend="cuda",

@@ -128,6 +128,14 @@ int run_inspect(const InspectOptions& opts) {
               info.dtype_given ? ""
                                : " (config.json names no dtype: fusedmoe's default; the weights' "
                                  "own types are listed below)");
+  if (info.quant_method == "fp8")
+    std::printf(
+        "quantization   fp8: e4m3 weights, 128 x 128 block scales (dequantized to f32 "
+        "on load)\n");
+  else if (info.quant_method == "mxfp4")
+    std::printf(
+        "quantization   mxfp4: experts in E2M1 with an E8M0 scale per 32 (dequantized to "
+        "bf16 on load)\n");
   std::string moe;
   for (int64_t l : info.moe_layers) moe += (moe.empty() ? "" : ", ") + std::to_string(l);
   std::printf("layers         %lld, MoE layers: %s\n",

@@ -472,15 +472,23 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
                      ": quantization_config.quant_method: expected a string, got ",
                      m == q->end() ? std::string("none") : as_written(*m));
     const std::string method = m->get<std::string>();
-    if (method != "fp8")
+    // MXFP4 experts as gpt-oss ships them (the loader's gpt-oss path reads
+    // them; any other model's loader would not).
+    if (method == "mxfp4" && mt != "gpt_oss")
+      FUSEDMOE_THROW(kUnsupported, shown,
+                     ": quantization_config.quant_method 'mxfp4' is supported "
+                     "for model_type gpt_oss only (its MXFP4 experts), got model_type '",
+                     printable(mt), "'");
+    if (method != "fp8" && method != "mxfp4")
       FUSEDMOE_THROW(kUnsupported, shown, ": quantization_config.quant_method '", printable(method),
-                     "' is not supported (supported: unquantized weights, and 'fp8' with 128 x 128 "
-                     "weight blocks as DeepSeek-V3 ships)");
+                     "' is not supported (supported: unquantized weights, 'fp8' with 128 x 128 "
+                     "weight blocks as DeepSeek-V3 ships, and 'mxfp4' experts as gpt-oss ships)");
     // The format DeepSeek-V3 ships and the loader reads: e4m3 weights, with
     // the activations quantized per call ("dynamic", as HF transformers'
     // FP8 layers take them: there are no activation scales to read). Another
     // value would be ignored, the weights read as if it were this one.
     for (const auto& [key, want] : {std::pair{"fmt", "e4m3"}, {"activation_scheme", "dynamic"}}) {
+      if (method != "fp8") break;
       const auto v = q->find(key);
       if (v == q->end() || v->is_null()) continue;
       if (!v->is_string())
@@ -492,7 +500,8 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
                        printable(v->get<std::string>()), "'");
     }
     info.quant_method = method;
-    if (const auto b = q->find("weight_block_size"); b != q->end() && !b->is_null()) {
+    if (const auto b = q->find("weight_block_size");
+        method == "fp8" && b != q->end() && !b->is_null()) {
       const bool ok = b->is_array() && b->size() == 2 && (*b)[0].is_number_integer() &&
                       (*b)[1].is_number_integer() && (*b)[0].get<int64_t>() == 128 &&
                       (*b)[1].get<int64_t>() == 128;

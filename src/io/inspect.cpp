@@ -134,6 +134,7 @@ ojson inspect_model(const std::string& path) {
   j["num_hidden_layers"] = info.num_hidden_layers;
   j["dtype"] = dtype_name(info.dtype);
   j["dtype_given"] = info.dtype_given;
+  j["quant_method"] = info.quant_method;
   j["moe_layers"] = info.moe_layers;
   j["weights"] = has_weights;
   ojson layers = ojson::array();

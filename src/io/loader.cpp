@@ -14,6 +14,10 @@
 //             experts.down_proj [E, I, H]                                 (HF Llama4TextExperts)
 //   DeepSeek FP8 (per-expert F8_E4M3 weights with weight_scale_inv [ceil(out/128),
 //             ceil(in/128)]): dequantized to f32 (value * scale of its 128x128 block).
+//   gpt-oss MXFP4 (quant_method "mxfp4"): experts.gate_up_proj_blocks U8 [E, 2I, H/32, 16]
+//             and _scales U8 [E, 2I, H/32] (rows interleaved gate / up), down_proj_blocks
+//             [E, H, I/32, 16] and _scales [E, H, I/32]: dequantized to bf16 as HF
+//             transformers' convert_moe_packed_tensors does (see mxfp4_row).
 // f32 and bf16 weights keep their dtype; f16 and f64 are converted to f32.
 #include "fusedmoe/io/loader.h"
 
@@ -75,6 +79,20 @@ class Reader {
         quant_method_(std::move(quant_method)) {}
 
   bool has(const std::string& rel) const { return ckpt_.contains(prefix_ + rel); }
+
+  // Fetches prefix+rel, a U8 tensor of `shape` (MXFP4 blocks or scales).
+  // Throws Error(kIo) naming the tensor otherwise.
+  Tensor get_u8(const std::string& rel, std::initializer_list<int64_t> shape) const {
+    const std::string name = prefix_ + rel;
+    if (!ckpt_.contains(name))
+      FUSEDMOE_THROW(kIo, printable(ckpt_.path()), ": missing tensor '", name, "' (expected u8 ",
+                     shape_str(shape), ")");
+    Tensor t = ckpt_.get(name);
+    if (t.dtype() != DType::kU8 || !same_shape(t, shape))
+      FUSEDMOE_THROW(kIo, printable(ckpt_.path()), ": tensor '", name, "': expected u8 ",
+                     shape_str(shape), ", got ", t.view().str());
+    return t;
+  }
   std::string full(const std::string& rel) const { return prefix_ + rel; }
 
   // Fetches prefix+rel and checks its shape. Throws Error(kIo) naming the tensor.
@@ -393,6 +411,51 @@ void parallel_over(int64_t n, const std::function<void(int64_t)>& fn) {
       1);
 }
 
+// MXFP4 (OCP Microscaling Formats v1.0): each byte holds two E2M1 values, the
+// low nibble first; each group of 32 values shares an E8M0 scale byte s,
+// worth 2^(s - 127). One row of `groups` groups -> bf16 out[groups * 32], as
+// HF transformers' convert_moe_packed_tensors computes it (the E2M1 value,
+// ldexp by s - 127, in bf16: exact but where it overflows). With
+// `check_finite`, a scale of 255 (NaN in the format) or a value beyond the
+// bf16 range is an error naming the tensor and the element; else such a
+// value loads as +-Inf.
+struct Mxfp4Table {  // v[s][n]: the bf16 bits of E2M1 nibble n times 2^(s - 127)
+  uint16_t v[256][16];
+  Mxfp4Table() {
+    constexpr float kE2M1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                                 -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+    for (int s = 0; s < 256; ++s)
+      for (int n = 0; n < 16; ++n) v[s][n] = f32_to_bf16(std::ldexp(kE2M1[n], s - 127));
+  }
+};
+void mxfp4_row(const uint8_t* blocks, const uint8_t* scales, int64_t groups, uint16_t* out,
+               bool check_finite, const std::string& file, const std::string& name, int64_t e,
+               int64_t row) {
+  static const Mxfp4Table table;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int s = scales[g];
+    const uint16_t* t = table.v[s];
+    for (int j = 0; j < 16; ++j) {
+      const uint8_t b = blocks[g * 16 + j];
+      out[g * 32 + 2 * j] = t[b & 0x0F];
+      out[g * 32 + 2 * j + 1] = t[b >> 4];
+    }
+    if (!check_finite) continue;
+    if (s == 255)
+      FUSEDMOE_THROW(kIo, file, ": tensor '", name, "_scales': element [", e, ", ", row, ", ", g,
+                     "] is 255, which E8M0 reserves for NaN (a corrupt checkpoint; "
+                     "LoadOptions::check_finite = false skips this check)");
+    for (int i = 0; i < 32; ++i)
+      if ((out[g * 32 + i] & 0x7F80) == 0x7F80)  // Inf or NaN
+        FUSEDMOE_THROW(kIo, file, ": tensor '", name, "_blocks': element [", e, ", ", row, ", ", g,
+                       ", ", i / 2, "] (", i % 2 ? "high" : "low",
+                       " nibble) is beyond the bf16 range once scaled by its E8M0 scale ", s,
+                       " (2^", s - 127,
+                       ") (a corrupt checkpoint; LoadOptions::check_finite = false skips this "
+                       "check)");
+  }
+}
+
 // Per-expert layout: fetches all 3*E tensors first (checks, serial: Checkpoint
 // is not thread-safe), then copies them in parallel.
 ExpertWeights load_per_expert(const Reader& rd, const Checkpoint& ckpt,
@@ -474,13 +537,36 @@ MoELayerWeights load_or_check(const Checkpoint& checkpoint, const ModelInfo& inf
 
   // ---- routed experts ----
   if (mt == "gpt_oss" || mt == "llama4" || mt == "llama4_text") {
-    const Source gu = rd.get("experts.gate_up_proj", {E, H, 2 * I});
-    const Source dn = rd.get("experts.down_proj", {E, I, H});
-    const DType dt = target_dtype(gu);
-    check_dtype(dn, gu, checkpoint.path());
-    if (gu.scale_inv || dn.scale_inv)
-      FUSEDMOE_THROW(kUnsupported, printable(checkpoint.path()), ": tensor '", gu.name,
-                     "': packed FP8 experts are not supported");
+    // gpt-oss's MXFP4 experts (see mxfp4_row), or packed f32 / bf16 ones.
+    const bool mxfp4 =
+        mt == "gpt_oss" && (info.quant_method == "mxfp4" || rd.has("experts.gate_up_proj_blocks"));
+    std::optional<Source> gu, dn;
+    Tensor gu_blocks, gu_scales, dn_blocks, dn_scales;
+    DType dt = DType::kBF16;  // MXFP4 dequantizes to bf16, as HF transformers does
+    if (mxfp4) {
+      if (info.quant_method != "mxfp4")
+        FUSEDMOE_THROW(kIo, printable(checkpoint.path()), ": tensor '",
+                       rd.full("experts.gate_up_proj_blocks"),
+                       "' holds MXFP4 blocks, but config.json has no quantization_config: "
+                       "expected quantization_config {\"quant_method\": \"mxfp4\"} in "
+                       "config.json, or a checkpoint without MXFP4 experts");
+      FUSEDMOE_CHECK(H % 32 == 0 && I % 32 == 0,
+                     "MXFP4 experts: hidden_size and intermediate_size must be multiples of 32 "
+                     "(the format's group), got ",
+                     H, " and ", I);
+      gu_blocks = rd.get_u8("experts.gate_up_proj_blocks", {E, 2 * I, H / 32, 16});
+      gu_scales = rd.get_u8("experts.gate_up_proj_scales", {E, 2 * I, H / 32});
+      dn_blocks = rd.get_u8("experts.down_proj_blocks", {E, H, I / 32, 16});
+      dn_scales = rd.get_u8("experts.down_proj_scales", {E, H, I / 32});
+    } else {
+      gu = rd.get("experts.gate_up_proj", {E, H, 2 * I});
+      dn = rd.get("experts.down_proj", {E, I, H});
+      dt = target_dtype(*gu);
+      check_dtype(*dn, *gu, checkpoint.path());
+      if (gu->scale_inv || dn->scale_inv)
+        FUSEDMOE_THROW(kUnsupported, printable(checkpoint.path()), ": tensor '", gu->name,
+                       "': packed FP8 experts are not supported");
+    }
     std::optional<Source> gub, dnb;
     if (cfg.has_expert_bias) {
       gub = rd.get("experts.gate_up_proj_bias", {E, 2 * I});
@@ -513,11 +599,31 @@ MoELayerWeights load_or_check(const Checkpoint& checkpoint, const ModelInfo& inf
       // gpt-oss: gate = columns 0, 2, 4, ...; up = 1, 3, 5, ... Llama-4: gate = [0, I), up = [I,
       // 2I).
       const int64_t gate_c0 = 0, up_c0 = interleaved ? 1 : I, step = interleaved ? 2 : 1;
-      gather_transposed(gu.t.view(), e, gate_c0, step, I, d13, dt);
-      gather_transposed(gu.t.view(), e, up_c0, step, I, d13 + static_cast<size_t>(I * H) * es, dt);
-      // down_proj [E, I, H] -> w2 [E, H, I].
-      gather_transposed(dn.t.view(), e, 0, 1, H,
-                        static_cast<char*>(w.w2.data()) + static_cast<size_t>(i * H * I) * es, dt);
+      char* d2 = static_cast<char*>(w.w2.data()) + static_cast<size_t>(i * H * I) * es;
+      if (mxfp4) {
+        // Blocks are [out, in] per expert, as w13 / w2 rows: gate_up row 2j is
+        // gate row j, row 2j + 1 up row j.
+        const auto row = [&](const Tensor& blocks, const Tensor& scales, const char* name,
+                             int64_t r, int64_t in, void* dst) {
+          const int64_t groups = in / 32, rows = blocks.size(1);
+          mxfp4_row(blocks.data_as<uint8_t>() + (e * rows + r) * groups * 16,
+                    scales.data_as<uint8_t>() + (e * rows + r) * groups, groups,
+                    static_cast<uint16_t*>(dst), options.check_finite, printable(checkpoint.path()),
+                    rd.full(name), e, r);
+        };
+        for (int64_t j = 0; j < I; ++j) {
+          row(gu_blocks, gu_scales, "experts.gate_up_proj", 2 * j, H, d13 + j * H * es);
+          row(gu_blocks, gu_scales, "experts.gate_up_proj", 2 * j + 1, H, d13 + (I + j) * H * es);
+        }
+        for (int64_t h = 0; h < H; ++h)
+          row(dn_blocks, dn_scales, "experts.down_proj", h, I, d2 + h * I * es);
+      } else {
+        gather_transposed(gu->t.view(), e, gate_c0, step, I, d13, dt);
+        gather_transposed(gu->t.view(), e, up_c0, step, I, d13 + static_cast<size_t>(I * H) * es,
+                          dt);
+        // down_proj [E, I, H] -> w2 [E, H, I].
+        gather_transposed(dn->t.view(), e, 0, 1, H, d2, dt);
+      }
       if (gub) {
         char* b = static_cast<char*>(w.w13_bias->data()) + static_cast<size_t>(i * 2 * I) * bes;
         gather_bias(gub->t.view(), e, gate_c0, step, I, b, bdt);

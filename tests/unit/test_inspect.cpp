@@ -27,16 +27,25 @@ std::vector<std::string> keys(const ojson& j) {
   return k;
 }
 
+// A quantized checkpoint says how: quant_method as config.json names it.
+TEST(InspectJson, QuantMethodOfAnFp8Checkpoint) {
+  const ojson j = ojson::parse(inspect_json(test::test_data_dir() + "/fp8/deepseek_v3_fp8"));
+  EXPECT_EQ(j["quant_method"], "fp8");
+  EXPECT_TRUE(j["layers"][0]["weights_ok"].get<bool>());
+}
+
 TEST(InspectJson, EveryFixtureHasItsLayersAndWeightBytes) {
   for (const auto& arch : test::hf_fixture_archs()) {
     SCOPED_TRACE(arch);
     const std::string dir = test::hf_fixture_dir(arch);
     const ojson j = ojson::parse(inspect_json(dir));
-    EXPECT_EQ(keys(j), (std::vector<std::string>{
-                           "path", "model_type", "architecture", "num_hidden_layers", "dtype",
-                           "dtype_given", "moe_layers", "weights", "layers", "moe_bytes_total"}));
+    EXPECT_EQ(keys(j),
+              (std::vector<std::string>{"path", "model_type", "architecture", "num_hidden_layers",
+                                        "dtype", "dtype_given", "quant_method", "moe_layers",
+                                        "weights", "layers", "moe_bytes_total"}));
     const ModelInfo info = load_model_info(dir);
     EXPECT_EQ(j["dtype_given"], info.dtype_given);
+    EXPECT_EQ(j["quant_method"], "");
     EXPECT_EQ(j["path"], dir);
     EXPECT_EQ(j["model_type"], info.model_type);
     EXPECT_EQ(j["num_hidden_layers"], info.num_hidden_layers);

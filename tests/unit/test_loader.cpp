@@ -764,5 +764,225 @@ TEST(Loader, DeepseekFp8IsDequantized) {
   }
 }
 
+// ---- gpt-oss MXFP4 experts ---------------------------------------------------
+
+// A gpt-oss layer 0 as gpt-oss ships its experts (the fixture's config with
+// intermediate_size 64, E 8, H 128): U8 MXFP4 blocks and E8M0 scales
+// (random bytes; scales 118-130), bf16 biases and router. `quant`: the
+// config's quantization_config ("" for none). `edit` changes the tensors.
+void write_mxfp4_gpt_oss(
+    const test::TempDir& dir, uint64_t seed, const std::string& quant,
+    const std::function<void(std::vector<std::pair<std::string, Tensor>>&)>& edit = {}) {
+  std::ifstream in(test::hf_fixture_dir("gpt_oss") + "/config.json");
+  std::string cfg((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const size_t at = cfg.find("\"intermediate_size\": 48");
+  ASSERT_NE(at, std::string::npos);
+  cfg.replace(at, 23, "\"intermediate_size\": 64");
+  if (!quant.empty()) cfg.insert(cfg.find('{') + 1, "\"quantization_config\": " + quant + ", ");
+  std::ofstream(dir.file("config.json")) << cfg;
+  const int64_t E = 8, H = 128, I = 64;
+  std::mt19937_64 rng(seed);
+  const auto bytes = [&](std::vector<int64_t> shape, int lo, int hi) {
+    Tensor t = Tensor::empty(DType::kU8, shape);
+    uint8_t* p = t.data_as<uint8_t>();
+    for (int64_t i = 0; i < t.view().numel(); ++i)
+      p[i] = static_cast<uint8_t>(lo + rng() % (hi - lo + 1));
+    return t;
+  };
+  const auto bf16 = [&](std::vector<int64_t> shape) {
+    Tensor t = Tensor::empty(DType::kBF16, shape);
+    std::normal_distribution<float> nd(0.0f, 0.5f);
+    for (int64_t i = 0; i < t.view().numel(); ++i) t.data_as<uint16_t>()[i] = f32_to_bf16(nd(rng));
+    return t;
+  };
+  const std::string p = "model.layers.0.mlp.";
+  std::vector<std::pair<std::string, Tensor>> ts = {
+      {p + "router.weight", bf16({E, H})},
+      {p + "router.bias", bf16({E})},
+      {p + "experts.gate_up_proj_blocks", bytes({E, 2 * I, H / 32, 16}, 0, 255)},
+      {p + "experts.gate_up_proj_scales", bytes({E, 2 * I, H / 32}, 118, 130)},
+      {p + "experts.gate_up_proj_bias", bf16({E, 2 * I})},
+      {p + "experts.down_proj_blocks", bytes({E, H, I / 32, 16}, 0, 255)},
+      {p + "experts.down_proj_scales", bytes({E, H, I / 32}, 118, 130)},
+      {p + "experts.down_proj_bias", bf16({E, H})}};
+  if (edit) edit(ts);
+  std::vector<std::pair<std::string, TensorView>> views(ts.begin(), ts.end());
+  save_safetensors(dir.file("model.safetensors"), views);
+}
+
+constexpr const char* kMxfp4Quant = R"({"quant_method": "mxfp4", "modules_to_not_convert": []})";
+
+// MXFP4 value j of row `row` of a [E, rows, G, 16] block tensor and its
+// [E, rows, G] scales, in float64: OCP MX v1.0 (E2M1 nibbles, low first; E8M0
+// scale 2^(s - 127)).
+double mxfp4_ref(const Checkpoint& ck, const std::string& base, int64_t e, int64_t row, int64_t j) {
+  static const double kE2M1[16] = {0,    0.5,  1,  1.5,  2,  3,  4,  6,
+                                   -0.0, -0.5, -1, -1.5, -2, -3, -4, -6};
+  const Tensor b = ck.get(base + "_blocks"), s = ck.get(base + "_scales");
+  const int64_t rows = b.size(1), G = b.size(2);
+  const uint8_t byte = b.data_as<uint8_t>()[((e * rows + row) * G + j / 32) * 16 + (j % 32) / 2];
+  const int scale = s.data_as<uint8_t>()[(e * rows + row) * G + j / 32];
+  return kE2M1[j % 2 ? byte >> 4 : byte & 0x0F] * std::pow(2.0, scale - 127);
+}
+
+// Every element of w13 / w2 against the format, gate_up's rows de-interleaved
+// (row 2i: gate row i, row 2i + 1: up row i, as HF's convert_moe_packed_tensors
+// leaves them before its transpose), bf16 (exact for these scales), biases as
+// in the unquantized layout; an expert-parallel rank's share the same experts.
+TEST(Loader, GptOssMxfp4IsDequantized) {
+  test::TempDir dir("loader_mxfp4");
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  write_mxfp4_gpt_oss(dir, seed, kMxfp4Quant);
+  const ModelInfo info = load_model_info(dir.path());
+  EXPECT_EQ(info.quant_method, "mxfp4");
+  const Checkpoint ck = Checkpoint::open(dir.path());
+  EXPECT_NO_THROW(check_moe_layer(ck, info, 0));
+  const MoELayerWeights w = load_moe_layer(ck, info, 0, {.progress = false});
+  const int64_t E = 8, H = 128, I = 64;
+  ASSERT_EQ(w.experts.w13.view().str(), "bf16 [8, 128, 128]");
+  ASSERT_EQ(w.experts.w2.view().str(), "bf16 [8, 128, 64]");
+  const std::string p = "model.layers.0.mlp.experts.";
+  const Tensor gub = ck.get(p + "gate_up_proj_bias");
+  for (int64_t e = 0; e < E; ++e) {
+    for (int64_t i = 0; i < I; ++i)
+      for (int64_t h = 0; h < H; ++h) {
+        ASSERT_EQ(elem(w.experts.w13, {e, i, h}), mxfp4_ref(ck, p + "gate_up_proj", e, 2 * i, h))
+            << e << " " << i << " " << h;
+        ASSERT_EQ(elem(w.experts.w13, {e, I + i, h}),
+                  mxfp4_ref(ck, p + "gate_up_proj", e, 2 * i + 1, h));
+      }
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < I; ++i)
+        ASSERT_EQ(elem(w.experts.w2, {e, h, i}), mxfp4_ref(ck, p + "down_proj", e, h, i));
+    for (int64_t i = 0; i < I; ++i) {
+      EXPECT_EQ(elem(*w.experts.w13_bias, {e, i}), elem(gub, {e, 2 * i}));
+      EXPECT_EQ(elem(*w.experts.w13_bias, {e, I + i}), elem(gub, {e, 2 * i + 1}));
+    }
+  }
+  // Rank 1 of 2 (contiguous placement): experts 4..7, the same values.
+  LoadOptions ep{.progress = false};
+  ep.parallel.ep_size = 2;
+  ep.parallel.ep_rank = 1;
+  const MoELayerWeights r1 = load_moe_layer(ck, info, 0, ep);
+  ASSERT_EQ(r1.experts.w13.view().str(), "bf16 [4, 128, 128]");
+  EXPECT_EQ(std::memcmp(r1.experts.w13.data(),
+                        static_cast<const char*>(w.experts.w13.data()) + 4 * 2 * I * H * 2,
+                        4 * 2 * I * H * 2),
+            0);
+  EXPECT_EQ(
+      std::memcmp(r1.experts.w2.data(),
+                  static_cast<const char*>(w.experts.w2.data()) + 4 * H * I * 2, 4 * H * I * 2),
+      0);
+}
+
+// What the MXFP4 path refuses, each named: blocks under a config without
+// quantization_config, a wrong dtype or shape, an E8M0 scale of 255 (NaN),
+// a value beyond bf16 (taken with check_finite off), mxfp4 for another
+// model, sizes that are not whole groups.
+TEST(Loader, GptOssMxfp4ErrorsAreNamed) {
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const std::string p = "model.layers.0.mlp.experts.";
+  {
+    test::TempDir dir("loader_mxfp4_noquant");
+    write_mxfp4_gpt_oss(dir, seed, "");
+    const ModelInfo info = load_model_info(dir.path());
+    const Checkpoint ck = Checkpoint::open(dir.path());
+    for (const bool check_only : {false, true}) {
+      const std::string msg = error_of(
+          [&] {
+            if (check_only)
+              check_moe_layer(ck, info, 0);
+            else
+              load_moe_layer(ck, info, 0, {.progress = false});
+          },
+          ErrorCode::kIo);
+      EXPECT_HAS(msg, "tensor '" + p +
+                          "gate_up_proj_blocks' holds MXFP4 blocks, but config.json "
+                          "has no quantization_config: expected quantization_config "
+                          "{\"quant_method\": \"mxfp4\"}");
+    }
+  }
+  {
+    test::TempDir dir("loader_mxfp4_dtype");
+    write_mxfp4_gpt_oss(dir, seed, kMxfp4Quant, [&](auto& ts) {
+      for (auto& [n, t] : ts)
+        if (n == p + "down_proj_scales") t = Tensor::empty(DType::kI8, {8, 128, 2});
+    });
+    const Checkpoint ck = Checkpoint::open(dir.path());
+    EXPECT_HAS(
+        error_of([&] { check_moe_layer(ck, load_model_info(dir.path()), 0); }, ErrorCode::kIo),
+        "tensor '" + p + "down_proj_scales': expected u8 [8, 128, 2], got i8 [8, 128, 2]");
+  }
+  {
+    test::TempDir dir("loader_mxfp4_shape");
+    write_mxfp4_gpt_oss(dir, seed, kMxfp4Quant, [&](auto& ts) {
+      for (auto& [n, t] : ts)
+        if (n == p + "gate_up_proj_blocks") t = Tensor::empty(DType::kU8, {8, 128, 4, 8});
+    });
+    const Checkpoint ck = Checkpoint::open(dir.path());
+    EXPECT_HAS(
+        error_of([&] { check_moe_layer(ck, load_model_info(dir.path()), 0); }, ErrorCode::kIo),
+        "tensor '" + p +
+            "gate_up_proj_blocks': expected u8 [8, 128, 4, 16], got u8 [8, 128, 4, 8]");
+  }
+  for (const int scale : {255, 254}) {
+    SCOPED_TRACE(scale);
+    test::TempDir dir("loader_mxfp4_nan");
+    write_mxfp4_gpt_oss(dir, seed, kMxfp4Quant, [&](auto& ts) {
+      for (auto& [n, t] : ts) {
+        if (n == p + "down_proj_scales")
+          t.template data_as<uint8_t>()[(3 * 128 + 5) * 2 + 1] = scale;
+        if (n ==
+            p + "down_proj_blocks") {  // group 1 zeros but element 7 (byte 3's high nibble): -6
+          uint8_t* g = t.template data_as<uint8_t>() + ((3 * 128 + 5) * 2 + 1) * 16;
+          std::memset(g, 0, 16);
+          g[3] = 0xF0;
+        }
+      }
+    });
+    const ModelInfo info = load_model_info(dir.path());
+    const Checkpoint ck = Checkpoint::open(dir.path());
+    const std::string msg =
+        error_of([&] { load_moe_layer(ck, info, 0, {.progress = false}); }, ErrorCode::kIo);
+    if (scale == 255)
+      EXPECT_HAS(msg, "tensor '" + p +
+                          "down_proj_scales': element [3, 5, 1] is 255, which E8M0 "
+                          "reserves for NaN");
+    else
+      EXPECT_HAS(msg, "tensor '" + p +
+                          "down_proj_blocks': element [3, 5, 1, 3] (high nibble) is "
+                          "beyond the bf16 range once scaled by its E8M0 scale 254 (2^127)");
+    LoadOptions off{.progress = false};
+    off.check_finite = false;
+    const MoELayerWeights w = load_moe_layer(ck, info, 0, off);
+    EXPECT_TRUE(std::isinf(elem(w.experts.w2, {3, 5, 32 + 7})));
+  }
+  {
+    test::TempDir dir("loader_mxfp4_mixtral");
+    std::ifstream in(test::hf_fixture_dir("mixtral") + "/config.json");
+    std::string cfg((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    cfg.insert(cfg.find('{') + 1, std::string("\"quantization_config\": ") + kMxfp4Quant + ", ");
+    std::ofstream(dir.file("config.json")) << cfg;
+    EXPECT_HAS(error_of([&] { load_model_info(dir.path()); }, ErrorCode::kUnsupported),
+               "quantization_config.quant_method 'mxfp4' is supported for model_type gpt_oss only");
+  }
+  {
+    test::TempDir dir("loader_mxfp4_groups");
+    std::ifstream in(test::hf_fixture_dir("gpt_oss") + "/config.json");  // intermediate_size 48
+    std::string cfg((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    cfg.insert(cfg.find('{') + 1, std::string("\"quantization_config\": ") + kMxfp4Quant + ", ");
+    std::ofstream(dir.file("config.json")) << cfg;
+    fs::copy_file(test::hf_fixture_dir("gpt_oss") + "/model.safetensors",
+                  dir.file("model.safetensors"));
+    const Checkpoint ck = Checkpoint::open(dir.path());
+    EXPECT_HAS(error_of([&] { check_moe_layer(ck, load_model_info(dir.path()), 0); },
+                        ErrorCode::kInvalidArgument),
+               "MXFP4 experts: hidden_size and intermediate_size must be multiples of 32 (the "
+               "format's group), got 128 and 48");
+  }
+}
+
 }  // namespace
 }  // namespace fusedmoe

@@ -30,9 +30,11 @@ struct ModelInfo {
   bool dtype_given = false;                    // config.json names it (else bf16 assumed)
   std::vector<int64_t> moe_layers;             // sorted layer indices that are MoE
   std::map<int64_t, MoEConfig> layer_configs;  // one per MoE layer (validated)
-  // quantization_config.quant_method ("fp8", the only one read), or "" when
-  // config.json has no quantization_config: the loader then refuses FP8
-  // weights (block-scaled weights the config does not declare).
+  // quantization_config.quant_method: "fp8" (DeepSeek-V3's 128 x 128 block
+  // format) or "mxfp4" (gpt-oss's MXFP4 experts, model_type gpt_oss only),
+  // the two read; "" when config.json has no quantization_config: the loader
+  // then refuses FP8 weights (block-scaled weights the config does not
+  // declare) and MXFP4 blocks.
   std::string quant_method;
   // Weight-name prefix of layer L's MoE block, e.g. "model.layers.3.mlp."; Mixtral
   // "model.layers.L.block_sparse_moe.", llama4_text "model.layers.L.feed_forward.",
