@@ -80,6 +80,27 @@ constexpr DTypeName kDTypeNames[] = {
     {DType::kBool, "BOOL"},
 };
 
+// Every dtype of HF's safetensors 0.8 (its Dtype enum, in its order) and the
+// bits of one element: a file holding one of those fusedmoe has no DType for
+// opens (their tensors are listed, their offsets checked), only get() refuses them.
+struct DTypeBits {
+  const char* name;
+  int bits;
+};
+constexpr DTypeBits kHfDTypes[] = {
+    {"BOOL", 8},        {"F4", 4},      {"F6_E2M3", 6}, {"F6_E3M2", 6}, {"U8", 8},
+    {"I8", 8},          {"F8_E5M2", 8}, {"F8_E4M3", 8}, {"F8_E8M0", 8}, {"F8_E4M3FNUZ", 8},
+    {"F8_E5M2FNUZ", 8}, {"I16", 16},    {"U16", 16},    {"F16", 16},    {"BF16", 16},
+    {"I32", 32},        {"U32", 32},    {"F32", 32},    {"C64", 64},    {"F64", 64},
+    {"I64", 64},        {"U64", 64},
+};
+
+std::string hf_dtype_list() {
+  std::string out;
+  for (const auto& d : kHfDTypes) out += (out.empty() ? "" : " ") + std::string(d.name);
+  return out;
+}
+
 std::string errno_str() {
   return std::strerror(errno);
 }
@@ -108,8 +129,14 @@ bool write_all(int fd, const void* buf, size_t n) {
 DType parse_safetensors_dtype(const std::string& s) {
   for (const auto& d : kDTypeNames)
     if (s == d.name) return d.dtype;
-  FUSEDMOE_THROW(kIo, "unknown safetensors dtype '", s,
-                 "' (known: F64 F32 F16 BF16 F8_E4M3 F8_E5M2 I64 I32 I16 I8 U8 BOOL)");
+  FUSEDMOE_THROW(kIo, "unknown safetensors dtype '", s, "' (known: ", kSupportedSafetensorsDTypes,
+                 ")");
+}
+
+int safetensors_dtype_bits(std::string_view s) {
+  for (const auto& d : kHfDTypes)
+    if (s == d.name) return d.bits;
+  return 0;
 }
 
 const char* safetensors_dtype_name(DType dtype) {
@@ -250,25 +277,29 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) 
         v["data_offsets"].size() != 2)
       throw bad("missing 'data_offsets' or not a list of 2 integers");
     Entry e{};
-    const std::string dtype_s = v["dtype"].get<std::string>();
-    try {
-      e.dtype = parse_safetensors_dtype(dtype_s);
-    } catch (const Error& err) {
-      throw bad(err.what());
-    }
-    // numel * dtype size, guarding against overflow.
-    unsigned __int128 nbytes = dtype_size(e.dtype);
+    e.dtype_name = v["dtype"].get<std::string>();
+    const int bits = safetensors_dtype_bits(e.dtype_name);
+    if (bits == 0)
+      throw bad(detail::concat("unknown safetensors dtype '", e.dtype_name,
+                               "' (known: ", hf_dtype_list(), ")"));
+    for (const auto& d : kDTypeNames)
+      if (e.dtype_name == d.name) e.dtype = d.dtype;
+    // numel (saturating at 2^64 - 1: the shape overflows), then its bits.
+    unsigned __int128 numel = 1;
     bool overflows = false;
     for (const json& d : v["shape"]) {
       if (!d.is_number_integer() || d.get<int64_t>() < 0)
         throw bad(
             detail::concat("shape ", v["shape"].dump(), " is not a list of non-negative integers"));
       e.shape.push_back(d.get<int64_t>());
-      nbytes *= static_cast<uint64_t>(e.shape.back());
-      if (nbytes > std::numeric_limits<uint64_t>::max())
-        overflows = true, nbytes = std::numeric_limits<uint64_t>::max();
+      numel *= static_cast<uint64_t>(e.shape.back());
+      if (numel > std::numeric_limits<uint64_t>::max())
+        overflows = true, numel = std::numeric_limits<uint64_t>::max();
     }
-    if (nbytes == 0) overflows = false;  // a zero size empties any shape
+    if (numel == 0) overflows = false;  // a zero size empties any shape
+    const unsigned __int128 nbits = numel * static_cast<unsigned>(bits);
+    const unsigned __int128 nbytes = nbits / 8;
+    if (nbytes > std::numeric_limits<uint64_t>::max()) overflows = true;
     const json& off = v["data_offsets"];
     for (const json& o : off)
       if (!o.is_number_unsigned() && !(o.is_number_integer() && o.get<int64_t>() >= 0))
@@ -279,12 +310,18 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) 
       throw bad(detail::concat("data_offsets ", offsets_str(b, en), " end past the data section (",
                                data_size, " bytes)"));
     if (overflows)
-      throw bad(detail::concat("shape ", v["shape"].dump(), " of ", safetensors_dtype_name(e.dtype),
-                               " overflows 64 bits (2^64 bytes or more; data_offsets ",
+      throw bad(detail::concat("shape ", v["shape"].dump(), " of ", e.dtype_name,
+                               " overflows 64 bits (2^64 elements or bytes or more; data_offsets ",
                                offsets_str(b, en), " hold ", en - b, " bytes)"));
+    // Sub-byte elements (F4, F6_*) are packed: HF's safetensors refuses a
+    // tensor whose bits do not end on a byte boundary.
+    if (nbits % 8 != 0)
+      throw bad(detail::concat("shape ", v["shape"].dump(), " of ", e.dtype_name, " (", bits,
+                               " bits an element) holds ", static_cast<uint64_t>(nbits),
+                               " bits, not a whole number of bytes"));
     if (static_cast<unsigned __int128>(en - b) != nbytes)
       throw bad(detail::concat("data_offsets ", offsets_str(b, en), " hold ", en - b, " bytes but ",
-                               safetensors_dtype_name(e.dtype), " ", v["shape"].dump(), " needs ",
+                               e.dtype_name, " ", v["shape"].dump(), " needs ",
                                static_cast<uint64_t>(nbytes), " bytes (size mismatch)"));
     e.begin = static_cast<size_t>(b);
     e.end = static_cast<size_t>(en);
@@ -352,15 +389,25 @@ bool SafetensorsFile::contains(const std::string& name) const {
   return entries_.count(name) != 0;
 }
 
+SafetensorsFile::Info SafetensorsFile::info(const std::string& name) const {
+  auto it = entries_.find(name);
+  if (it == entries_.end()) FUSEDMOE_THROW(kIo, printable(path_), ": no tensor named '", name, "'");
+  const Entry& e = it->second;
+  return Info{e.dtype_name, e.dtype, e.shape, e.end - e.begin};
+}
+
 Tensor SafetensorsFile::get(const std::string& name) const {
   auto it = entries_.find(name);
   if (it == entries_.end()) FUSEDMOE_THROW(kIo, printable(path_), ": no tensor named '", name, "'");
   const Entry& e = it->second;
+  if (!e.dtype)
+    FUSEDMOE_THROW(kUnsupported, printable(path_), ": tensor '", name, "': dtype ", e.dtype_name,
+                   " is not supported by fusedmoe (supported: ", kSupportedSafetensorsDTypes, ")");
   if (e.shape.size() > static_cast<size_t>(kMaxDims))
     FUSEDMOE_THROW(kUnsupported, printable(path_), ": tensor '", name, "' has ", e.shape.size(),
                    " dimensions; at most ", kMaxDims, " are supported");
   char* base = static_cast<char*>(mapping_.get()) + data_start_ + e.begin;
-  TensorView view(base, e.dtype, std::span<const int64_t>(e.shape.data(), e.shape.size()));
+  TensorView view(base, *e.dtype, std::span<const int64_t>(e.shape.data(), e.shape.size()));
   return Tensor(view, mapping_);
 }
 
@@ -457,7 +504,7 @@ bool Checkpoint::contains(const std::string& name) const {
   return weight_map_.count(name) != 0;
 }
 
-Tensor Checkpoint::get(const std::string& name) const {
+const SafetensorsFile& Checkpoint::shard_of(const std::string& name) const {
   auto it = weight_map_.find(name);
   if (it == weight_map_.end())
     FUSEDMOE_THROW(kIo, printable(path_), ": no tensor named '", name, "'");
@@ -475,7 +522,15 @@ Tensor Checkpoint::get(const std::string& name) const {
   if (!shard->contains(name))
     FUSEDMOE_THROW(kIo, printable(path_), ": the index maps tensor '", name, "\' to ",
                    printable(it->second), ", which has no tensor of that name");
-  return shard->get(name);
+  return *shard;
+}
+
+Tensor Checkpoint::get(const std::string& name) const {
+  return shard_of(name).get(name);
+}
+
+SafetensorsFile::Info Checkpoint::info(const std::string& name) const {
+  return shard_of(name).info(name);
 }
 
 std::vector<std::string> Checkpoint::names() const {

@@ -21,6 +21,10 @@ namespace fusedmoe {
 // check_moe_layer), and when not, weights_error = its message) and, with
 // weights, moe_bytes_total.
 // A .safetensors file: {file, tensors [{name, dtype, shape}], bytes, metadata}.
+// A dtype is fusedmoe's name ("bf16", dtype_name); a tensor of a dtype that
+// fusedmoe does not read (io/safetensors.h: U32, F8_E8M0, F4, ...) has the
+// file's string ("U32") instead, counts in tensors and bytes, and in a file's
+// list has "supported": false after its shape.
 //
 // Returns the object printed with 2-space indentation, keys in that order.
 // Throws Error(kIo) if `path` does not exist or cannot be read, what
