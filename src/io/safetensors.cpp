@@ -220,6 +220,13 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) 
   // rejects a NUL byte anywhere in it ("trailing characters"), and so does this
   // reader: json reads a NUL as the end of its input and would take whatever
   // follows one (NUL padding, a cut-off header) without a word.
+  // A UTF-8 byte-order mark is no JSON whitespace: serde_json, so HF's
+  // safetensors, refuses a header starting with one ("expected value at line
+  // 1 column 1"); json would skip it without a word.
+  if (header_len >= 3 && std::memcmp(text, "\xEF\xBB\xBF", 3) == 0)
+    FUSEDMOE_THROW(kIo, printable(path),
+                   ": header starts with a UTF-8 byte-order mark (bytes EF BB BF at byte 8 of the "
+                   "file; a header is JSON text, whitespace around it at most)");
   if (const void* nul = std::memchr(text, '\0', static_cast<size_t>(header_len)))
     FUSEDMOE_THROW(kIo, printable(path), ": header holds a NUL byte at byte ",
                    8 + (static_cast<const char*>(nul) - text),

@@ -302,6 +302,21 @@ TEST(Safetensors, RejectsBadFiles) {
        4,
        std::nullopt,
        {"header holds a NUL byte at byte 64 of the file"}},
+      // A UTF-8 byte-order mark before the JSON (json alone would skip it; HF's
+      // reader refuses it: "expected value at line 1 column 1"), or after
+      // whitespace.
+      {"UTF-8 byte-order mark",
+       "\xEF\xBB\xBF"
+       R"({"w.q":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})",
+       4,
+       std::nullopt,
+       {"header starts with a UTF-8 byte-order mark (bytes EF BB BF at byte 8 of the file"}},
+      {"UTF-8 byte-order mark after a space",
+       " \xEF\xBB\xBF"
+       R"({"w.q":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})",
+       4,
+       std::nullopt,
+       {"header is not valid JSON"}},
       {"metadata not strings",
        R"({"__metadata__":{"seed":3}})",
        0,

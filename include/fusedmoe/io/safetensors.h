@@ -3,7 +3,8 @@
 // Files are memory-mapped; get() returns a Tensor viewing the mapping (zero
 // copy) that keeps the mapping alive. open() validates the whole header before
 // anything is returned, as HF's safetensors (0.8) does: file at least 8 bytes,
-// header length within the file, header valid JSON object, dtype strings HF's
+// header length within the file, header valid JSON object (not after a UTF-8
+// byte-order mark, which HF's serde_json refuses too), dtype strings HF's
 // safetensors knows (safetensors_dtype_bits: those fusedmoe cannot read too),
 // data_offsets inside the data section, numel * dtype bits a whole number of
 // bytes (F4 and F6_* pack sub-byte elements) and end - begin that number, no
