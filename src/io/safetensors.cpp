@@ -484,7 +484,8 @@ Checkpoint Checkpoint::open(const std::string& path) {
                      "' is not a string");
     // A shard lies in the model's folder (or below it): an index must not
     // lead the reader to any other file (lexically: symbolic links in the
-    // folder, as a Hugging Face cache has, are followed).
+    // folder, as a Hugging Face cache has, are followed; a ".." is checked
+    // against the folders the OS finds when a tensor is read).
     const std::string shard = it.value().get<std::string>();
     const fs::path rel = fs::path(shard).lexically_normal();
     if (shard.empty() || rel.is_absolute() || rel.has_root_name() || rel.begin() == rel.end() ||
@@ -494,6 +495,11 @@ Checkpoint Checkpoint::open(const std::string& path) {
                      dir.empty() ? std::string(".") : printable(dir.string()),
                      " (expected a shard file name relative to it)");
     c.weight_map_[it.key()] = (dir / rel).string();
+    // A ".." is resolved by the OS, not lexically: shard_of() checks that it
+    // steps out of a folder that is there (see check_dotdot).
+    const fs::path given(shard);
+    if (std::find(given.begin(), given.end(), fs::path("..")) != given.end())
+      c.dotdot_[it.key()] = shard;
   }
   return c;
 }
@@ -511,14 +517,50 @@ bool Checkpoint::contains(const std::string& name) const {
   return weight_map_.count(name) != 0;
 }
 
+namespace {
+// `shard` (a weight_map entry, relative to `dir`, holding ".." and inside the
+// folder lexically) as the OS resolves it must be the file its lexically
+// normal form names, which the reader opens: every folder a ".." steps out
+// of exists, is a directory (else opening the path fails: ENOENT, ENOTDIR, as
+// it does for HF's reader), and its ".." is the folder its name says (not
+// another, through a symbolic link). Throws Error(kIo) naming the path.
+void check_dotdot(const fs::path& dir, const std::string& shard) {
+  const std::string path = printable((dir / shard).string());
+  fs::path at = dir;
+  for (const fs::path& c : fs::path(shard)) {
+    if (c == "..") {
+      const fs::path folder = at.empty() ? fs::path(".") : at;
+      struct stat st {};
+      const int err = ::stat(folder.c_str(), &st) != 0 ? errno : !S_ISDIR(st.st_mode) ? ENOTDIR : 0;
+      if (err != 0)
+        FUSEDMOE_THROW(kIo, path, ": cannot open: ", std::strerror(err), " (",
+                       printable(folder.string()), ", which '..' steps out of, ",
+                       err == ENOENT ? "does not exist" : "is no directory", ")");
+      fs::path named = folder.lexically_normal().parent_path();
+      if (named.empty()) named = ".";
+      std::error_code ec;
+      if (!fs::equivalent(folder / "..", named, ec) || ec)
+        FUSEDMOE_THROW(kIo, path, ": ", printable((folder / "..").string()), " is not ",
+                       printable(named.string()), " as the OS resolves it (",
+                       printable(folder.string()),
+                       " is a symbolic link); expected a shard path whose '..' steps back out "
+                       "of a folder of the model");
+    }
+    at /= c;
+  }
+}
+}  // namespace
+
 const SafetensorsFile& Checkpoint::shard_of(const std::string& name) const {
   auto it = weight_map_.find(name);
   if (it == weight_map_.end())
     FUSEDMOE_THROW(kIo, printable(path_), ": no tensor named '", name, "'");
+  const auto dotdot = dotdot_.find(name);
   auto& shard = shards_[it->second];
-  if (!shard) {
+  if (!shard || dotdot != dotdot_.end()) {
     try {
-      shard = SafetensorsFile::open(it->second);
+      if (dotdot != dotdot_.end()) check_dotdot(fs::path(index_).parent_path(), dotdot->second);
+      if (!shard) shard = SafetensorsFile::open(it->second);
     } catch (const Error& e) {
       // A shard of an index: which one the index names, and for what tensor.
       if (index_.empty()) throw;

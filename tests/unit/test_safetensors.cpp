@@ -802,6 +802,50 @@ TEST(Checkpoint, ShardPathsStayInsideTheModelFolder) {
   EXPECT_HAS(msg, "No such file or directory");
 }
 
+// A ".." in a shard's path is resolved as the OS resolves it (HF's reader
+// opens the path as the index gives it): `sub/../x.safetensors` with no folder
+// `sub` (or `sub` a file) cannot be opened, even when x.safetensors is there
+// and already open for another tensor; a `..` out of a symbolic link to a
+// folder elsewhere is refused (the OS would read outside the model folder).
+TEST(Checkpoint, ShardPathDotDotIsResolvedAsTheOSDoes) {
+  TempDir dir("ckpt_dotdot");
+  fs::create_directories(dir.file("model/real"));
+  fs::create_directories(dir.file("elsewhere/deep"));
+  Tensor t = Tensor::zeros(DType::kF32, {2});
+  save_safetensors(dir.file("model/x.safetensors"), {{"a", t}, {"b", t}, {"c", t}, {"d", t}});
+  save_safetensors(dir.file("elsewhere/x.safetensors"), {{"e", t}});
+  fs::create_directory_symlink(dir.file("elsewhere/deep"), dir.file("model/out"));
+  fs::create_directory_symlink("real", dir.file("model/in"));
+  const std::string index = dir.file("model/model.safetensors.index.json");
+  std::ofstream(index) << R"({"weight_map": {"a": "sub/../x.safetensors", "b": "x.safetensors",
+      "c": "x.safetensors/../x.safetensors", "d": "in/../real/../x.safetensors",
+      "e": "out/../x.safetensors"}})";
+  const Checkpoint ck = Checkpoint::open(dir.file("model"));
+  EXPECT_EQ(ck.names(), (std::vector<std::string>{"a", "b", "c", "d", "e"}));
+  EXPECT_EQ(ck.get("b").view().str(), "f32 [2]");  // x.safetensors is open now
+  const std::string shard_of = index + ": the shard of tensor ";
+  for (int info = 0; info < 2; ++info) {
+    SCOPED_TRACE(info ? "info" : "get");
+    const auto read = [&](const std::string& name) {
+      return error_of([&] { info ? (void)ck.info(name) : (void)ck.get(name); });
+    };
+    EXPECT_EQ(read("a"), shard_of + "'a': " + dir.file("model/sub/../x.safetensors") +
+                             ": cannot open: No such file or directory (" + dir.file("model/sub") +
+                             ", which '..' steps out of, does not exist)");
+    EXPECT_EQ(read("c"), shard_of + "'c': " + dir.file("model/x.safetensors/../x.safetensors") +
+                             ": cannot open: Not a directory (" + dir.file("model/x.safetensors") +
+                             ", which '..' steps out of, is no directory)");
+    EXPECT_EQ(read("e"), shard_of + "'e': " + dir.file("model/out/../x.safetensors") + ": " +
+                             dir.file("model/out/..") + " is not " + dir.file("model") +
+                             " as the OS resolves it (" + dir.file("model/out") +
+                             " is a symbolic link); expected a shard path whose '..' steps back "
+                             "out of a folder of the model");
+  }
+  // Through folders that are there (a link into the model folder too): read.
+  EXPECT_EQ(ck.get("d").view().str(), "f32 [2]");
+  EXPECT_EQ(ck.info("d").nbytes, 8u);
+}
+
 TEST(Safetensors, SaveWritesThroughSymlinksAndRefusesSpecialFiles) {
   TempDir dir("st_special");
   Tensor t = Tensor::zeros(DType::kF32, {2});

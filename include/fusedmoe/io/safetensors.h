@@ -101,6 +101,11 @@ class SafetensorsFile {
 // read anywhere). Throws Error(kIo) when the path has none of these or the index is malformed,
 // or names a shard outside the index's folder (an absolute path, or one that leads up out of it
 // with ".."); a shard that cannot be opened is an Error naming the index, the tensor and the shard.
+// A ".." in a shard's path is resolved as the OS (and so HF's reader) resolves it: the folder it
+// steps out of must exist and be a directory (`sub/../x.safetensors` with no folder `sub` cannot
+// be opened) whose parent is the folder its name says (not elsewhere through a symbolic link);
+// else get() and info() of the shard's tensors throw Error(kIo) naming the index, the tensor and
+// the shard.
 class Checkpoint {
  public:
   static Checkpoint open(const std::string& path);
@@ -126,6 +131,8 @@ class Checkpoint {
   std::string index_;  // model.safetensors.index.json of a sharded checkpoint, else empty
   std::map<std::string, std::string> weight_map_;  // name -> shard path
   mutable std::map<std::string, std::shared_ptr<SafetensorsFile>> shards_;
+  // name -> its weight_map entry as the index gives it, for one holding "..".
+  std::map<std::string, std::string> dotdot_;
   // The shard holding `name` (opened on first use), checked to hold it.
   const SafetensorsFile& shard_of(const std::string& name) const;
 };
