@@ -74,8 +74,9 @@ void print_safetensors(const std::string& path, const ojson& j) {
     for (size_t i = 0; i < t["shape"].size(); ++i)
       shape += (i ? ", " : "") + std::to_string(t["shape"][i].get<int64_t>());
     shape += "]";
-    std::printf("  %-50s %-6s %s\n", printable(t["name"].get<std::string>()).c_str(),
-                t["dtype"].get<std::string>().c_str(), shape.c_str());
+    std::printf("  %-50s %-6s %s%s\n", printable(t["name"].get<std::string>()).c_str(),
+                t["dtype"].get<std::string>().c_str(), shape.c_str(),
+                t.value("supported", true) ? "" : "  (dtype not supported by fusedmoe)");
   }
   for (const auto& [k, v] : j["metadata"].items())
     std::printf("  metadata %s = %s\n", printable(k).c_str(),

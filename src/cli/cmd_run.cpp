@@ -353,7 +353,13 @@ Tensor read_tensor(const std::string& path, const std::string& key, const char* 
                    names.empty() ? std::string() : ": " + some, " (`fusedmoe inspect ",
                    printable(path), "` lists them)");
   }
-  Tensor t = file->get(key);
+  // A dtype fusedmoe does not read (U32, F8_E8M0, ...): named with the option.
+  Tensor t;
+  try {
+    t = file->get(key);
+  } catch (const Error& e) {
+    throw Error(e.code(), flag + " " + e.what());
+  }
   check(t.dtype(), t.shape());
   return t;
 }

@@ -80,6 +80,27 @@ constexpr DTypeName kDTypeNames[] = {
     {DType::kBool, "BOOL"},
 };
 
+// Every dtype of HF's safetensors 0.8 (its Dtype enum, in its order) and the
+// bits of one element: a file holding one of those fusedmoe has no DType for
+// opens (their tensors are listed, their offsets checked), only get() refuses them.
+struct DTypeBits {
+  const char* name;
+  int bits;
+};
+constexpr DTypeBits kHfDTypes[] = {
+    {"BOOL", 8},        {"F4", 4},      {"F6_E2M3", 6}, {"F6_E3M2", 6}, {"U8", 8},
+    {"I8", 8},          {"F8_E5M2", 8}, {"F8_E4M3", 8}, {"F8_E8M0", 8}, {"F8_E4M3FNUZ", 8},
+    {"F8_E5M2FNUZ", 8}, {"I16", 16},    {"U16", 16},    {"F16", 16},    {"BF16", 16},
+    {"I32", 32},        {"U32", 32},    {"F32", 32},    {"C64", 64},    {"F64", 64},
+    {"I64", 64},        {"U64", 64},
+};
+
+std::string hf_dtype_list() {
+  std::string out;
+  for (const auto& d : kHfDTypes) out += (out.empty() ? "" : " ") + std::string(d.name);
+  return out;
+}
+
 std::string errno_str() {
   return std::strerror(errno);
 }
@@ -108,8 +129,14 @@ bool write_all(int fd, const void* buf, size_t n) {
 DType parse_safetensors_dtype(const std::string& s) {
   for (const auto& d : kDTypeNames)
     if (s == d.name) return d.dtype;
-  FUSEDMOE_THROW(kIo, "unknown safetensors dtype '", s,
-                 "' (known: F64 F32 F16 BF16 F8_E4M3 F8_E5M2 I64 I32 I16 I8 U8 BOOL)");
+  FUSEDMOE_THROW(kIo, "unknown safetensors dtype '", s, "' (known: ", kSupportedSafetensorsDTypes,
+                 ")");
+}
+
+int safetensors_dtype_bits(std::string_view s) {
+  for (const auto& d : kHfDTypes)
+    if (s == d.name) return d.bits;
+  return 0;
 }
 
 const char* safetensors_dtype_name(DType dtype) {
@@ -193,6 +220,13 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) 
   // rejects a NUL byte anywhere in it ("trailing characters"), and so does this
   // reader: json reads a NUL as the end of its input and would take whatever
   // follows one (NUL padding, a cut-off header) without a word.
+  // A UTF-8 byte-order mark is no JSON whitespace: serde_json, so HF's
+  // safetensors, refuses a header starting with one ("expected value at line
+  // 1 column 1"); json would skip it without a word.
+  if (header_len >= 3 && std::memcmp(text, "\xEF\xBB\xBF", 3) == 0)
+    FUSEDMOE_THROW(kIo, printable(path),
+                   ": header starts with a UTF-8 byte-order mark (bytes EF BB BF at byte 8 of the "
+                   "file; a header is JSON text, whitespace around it at most)");
   if (const void* nul = std::memchr(text, '\0', static_cast<size_t>(header_len)))
     FUSEDMOE_THROW(kIo, printable(path), ": header holds a NUL byte at byte ",
                    8 + (static_cast<const char*>(nul) - text),
@@ -250,25 +284,29 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) 
         v["data_offsets"].size() != 2)
       throw bad("missing 'data_offsets' or not a list of 2 integers");
     Entry e{};
-    const std::string dtype_s = v["dtype"].get<std::string>();
-    try {
-      e.dtype = parse_safetensors_dtype(dtype_s);
-    } catch (const Error& err) {
-      throw bad(err.what());
-    }
-    // numel * dtype size, guarding against overflow.
-    unsigned __int128 nbytes = dtype_size(e.dtype);
+    e.dtype_name = v["dtype"].get<std::string>();
+    const int bits = safetensors_dtype_bits(e.dtype_name);
+    if (bits == 0)
+      throw bad(detail::concat("unknown safetensors dtype '", e.dtype_name,
+                               "' (known: ", hf_dtype_list(), ")"));
+    for (const auto& d : kDTypeNames)
+      if (e.dtype_name == d.name) e.dtype = d.dtype;
+    // numel (saturating at 2^64 - 1: the shape overflows), then its bits.
+    unsigned __int128 numel = 1;
     bool overflows = false;
     for (const json& d : v["shape"]) {
       if (!d.is_number_integer() || d.get<int64_t>() < 0)
         throw bad(
             detail::concat("shape ", v["shape"].dump(), " is not a list of non-negative integers"));
       e.shape.push_back(d.get<int64_t>());
-      nbytes *= static_cast<uint64_t>(e.shape.back());
-      if (nbytes > std::numeric_limits<uint64_t>::max())
-        overflows = true, nbytes = std::numeric_limits<uint64_t>::max();
+      numel *= static_cast<uint64_t>(e.shape.back());
+      if (numel > std::numeric_limits<uint64_t>::max())
+        overflows = true, numel = std::numeric_limits<uint64_t>::max();
     }
-    if (nbytes == 0) overflows = false;  // a zero size empties any shape
+    if (numel == 0) overflows = false;  // a zero size empties any shape
+    const unsigned __int128 nbits = numel * static_cast<unsigned>(bits);
+    const unsigned __int128 nbytes = nbits / 8;
+    if (nbytes > std::numeric_limits<uint64_t>::max()) overflows = true;
     const json& off = v["data_offsets"];
     for (const json& o : off)
       if (!o.is_number_unsigned() && !(o.is_number_integer() && o.get<int64_t>() >= 0))
@@ -279,12 +317,18 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) 
       throw bad(detail::concat("data_offsets ", offsets_str(b, en), " end past the data section (",
                                data_size, " bytes)"));
     if (overflows)
-      throw bad(detail::concat("shape ", v["shape"].dump(), " of ", safetensors_dtype_name(e.dtype),
-                               " overflows 64 bits (2^64 bytes or more; data_offsets ",
+      throw bad(detail::concat("shape ", v["shape"].dump(), " of ", e.dtype_name,
+                               " overflows 64 bits (2^64 elements or bytes or more; data_offsets ",
                                offsets_str(b, en), " hold ", en - b, " bytes)"));
+    // Sub-byte elements (F4, F6_*) are packed: HF's safetensors refuses a
+    // tensor whose bits do not end on a byte boundary.
+    if (nbits % 8 != 0)
+      throw bad(detail::concat("shape ", v["shape"].dump(), " of ", e.dtype_name, " (", bits,
+                               " bits an element) holds ", static_cast<uint64_t>(nbits),
+                               " bits, not a whole number of bytes"));
     if (static_cast<unsigned __int128>(en - b) != nbytes)
       throw bad(detail::concat("data_offsets ", offsets_str(b, en), " hold ", en - b, " bytes but ",
-                               safetensors_dtype_name(e.dtype), " ", v["shape"].dump(), " needs ",
+                               e.dtype_name, " ", v["shape"].dump(), " needs ",
                                static_cast<uint64_t>(nbytes), " bytes (size mismatch)"));
     e.begin = static_cast<size_t>(b);
     e.end = static_cast<size_t>(en);
@@ -352,15 +396,25 @@ bool SafetensorsFile::contains(const std::string& name) const {
   return entries_.count(name) != 0;
 }
 
+SafetensorsFile::Info SafetensorsFile::info(const std::string& name) const {
+  auto it = entries_.find(name);
+  if (it == entries_.end()) FUSEDMOE_THROW(kIo, printable(path_), ": no tensor named '", name, "'");
+  const Entry& e = it->second;
+  return Info{e.dtype_name, e.dtype, e.shape, e.end - e.begin};
+}
+
 Tensor SafetensorsFile::get(const std::string& name) const {
   auto it = entries_.find(name);
   if (it == entries_.end()) FUSEDMOE_THROW(kIo, printable(path_), ": no tensor named '", name, "'");
   const Entry& e = it->second;
+  if (!e.dtype)
+    FUSEDMOE_THROW(kUnsupported, printable(path_), ": tensor '", name, "': dtype ", e.dtype_name,
+                   " is not supported by fusedmoe (supported: ", kSupportedSafetensorsDTypes, ")");
   if (e.shape.size() > static_cast<size_t>(kMaxDims))
     FUSEDMOE_THROW(kUnsupported, printable(path_), ": tensor '", name, "' has ", e.shape.size(),
                    " dimensions; at most ", kMaxDims, " are supported");
   char* base = static_cast<char*>(mapping_.get()) + data_start_ + e.begin;
-  TensorView view(base, e.dtype, std::span<const int64_t>(e.shape.data(), e.shape.size()));
+  TensorView view(base, *e.dtype, std::span<const int64_t>(e.shape.data(), e.shape.size()));
   return Tensor(view, mapping_);
 }
 
@@ -430,7 +484,8 @@ Checkpoint Checkpoint::open(const std::string& path) {
                      "' is not a string");
     // A shard lies in the model's folder (or below it): an index must not
     // lead the reader to any other file (lexically: symbolic links in the
-    // folder, as a Hugging Face cache has, are followed).
+    // folder, as a Hugging Face cache has, are followed; a ".." is checked
+    // against the folders the OS finds when a tensor is read).
     const std::string shard = it.value().get<std::string>();
     const fs::path rel = fs::path(shard).lexically_normal();
     if (shard.empty() || rel.is_absolute() || rel.has_root_name() || rel.begin() == rel.end() ||
@@ -440,6 +495,11 @@ Checkpoint Checkpoint::open(const std::string& path) {
                      dir.empty() ? std::string(".") : printable(dir.string()),
                      " (expected a shard file name relative to it)");
     c.weight_map_[it.key()] = (dir / rel).string();
+    // A ".." is resolved by the OS, not lexically: shard_of() checks that it
+    // steps out of a folder that is there (see check_dotdot).
+    const fs::path given(shard);
+    if (std::find(given.begin(), given.end(), fs::path("..")) != given.end())
+      c.dotdot_[it.key()] = shard;
   }
   return c;
 }
@@ -457,14 +517,50 @@ bool Checkpoint::contains(const std::string& name) const {
   return weight_map_.count(name) != 0;
 }
 
-Tensor Checkpoint::get(const std::string& name) const {
+namespace {
+// `shard` (a weight_map entry, relative to `dir`, holding ".." and inside the
+// folder lexically) as the OS resolves it must be the file its lexically
+// normal form names, which the reader opens: every folder a ".." steps out
+// of exists, is a directory (else opening the path fails: ENOENT, ENOTDIR, as
+// it does for HF's reader), and its ".." is the folder its name says (not
+// another, through a symbolic link). Throws Error(kIo) naming the path.
+void check_dotdot(const fs::path& dir, const std::string& shard) {
+  const std::string path = printable((dir / shard).string());
+  fs::path at = dir;
+  for (const fs::path& c : fs::path(shard)) {
+    if (c == "..") {
+      const fs::path folder = at.empty() ? fs::path(".") : at;
+      struct stat st {};
+      const int err = ::stat(folder.c_str(), &st) != 0 ? errno : !S_ISDIR(st.st_mode) ? ENOTDIR : 0;
+      if (err != 0)
+        FUSEDMOE_THROW(kIo, path, ": cannot open: ", std::strerror(err), " (",
+                       printable(folder.string()), ", which '..' steps out of, ",
+                       err == ENOENT ? "does not exist" : "is no directory", ")");
+      fs::path named = folder.lexically_normal().parent_path();
+      if (named.empty()) named = ".";
+      std::error_code ec;
+      if (!fs::equivalent(folder / "..", named, ec) || ec)
+        FUSEDMOE_THROW(kIo, path, ": ", printable((folder / "..").string()), " is not ",
+                       printable(named.string()), " as the OS resolves it (",
+                       printable(folder.string()),
+                       " is a symbolic link); expected a shard path whose '..' steps back out "
+                       "of a folder of the model");
+    }
+    at /= c;
+  }
+}
+}  // namespace
+
+const SafetensorsFile& Checkpoint::shard_of(const std::string& name) const {
   auto it = weight_map_.find(name);
   if (it == weight_map_.end())
     FUSEDMOE_THROW(kIo, printable(path_), ": no tensor named '", name, "'");
+  const auto dotdot = dotdot_.find(name);
   auto& shard = shards_[it->second];
-  if (!shard) {
+  if (!shard || dotdot != dotdot_.end()) {
     try {
-      shard = SafetensorsFile::open(it->second);
+      if (dotdot != dotdot_.end()) check_dotdot(fs::path(index_).parent_path(), dotdot->second);
+      if (!shard) shard = SafetensorsFile::open(it->second);
     } catch (const Error& e) {
       // A shard of an index: which one the index names, and for what tensor.
       if (index_.empty()) throw;
@@ -475,7 +571,15 @@ Tensor Checkpoint::get(const std::string& name) const {
   if (!shard->contains(name))
     FUSEDMOE_THROW(kIo, printable(path_), ": the index maps tensor '", name, "\' to ",
                    printable(it->second), ", which has no tensor of that name");
-  return shard->get(name);
+  return *shard;
+}
+
+Tensor Checkpoint::get(const std::string& name) const {
+  return shard_of(name).get(name);
+}
+
+SafetensorsFile::Info Checkpoint::info(const std::string& name) const {
+  return shard_of(name).info(name);
 }
 
 std::vector<std::string> Checkpoint::names() const {

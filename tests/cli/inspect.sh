@@ -137,6 +137,29 @@ rc=0; "$BIN" inspect "$TMP/one-gone" --json >"$TMP/json" || rc=$?
 python3 -c 'import json,sys; l = json.load(open(sys.argv[1]))["layers"]; assert [x["weights_ok"] for x in l] == [True, False] and "gone.safetensors" in l[1]["weights_error"], l' "$TMP/json" &&
   [ "$rc" -eq 1 ] || { echo "FAIL: inspect --json with a missing shard (exit $rc)"; exit 1; }
 
+# Tensors of dtypes HF's safetensors knows and fusedmoe does not read (an MXFP4
+# checkpoint's F8_E8M0 scales, U32 tensors): listed by the file's dtype string and
+# marked, exit 0 (the file was refused: "unknown safetensors dtype"); get() alone
+# refuses them, as `run --input` shows.
+python3 - "$TMP" <<'PY'
+import json, struct, sys
+d = sys.argv[1]
+h = json.dumps({"s": {"dtype": "F8_E8M0", "shape": [2, 2], "data_offsets": [0, 4]},
+                "u": {"dtype": "U32", "shape": [1], "data_offsets": [4, 8]},
+                "w": {"dtype": "F32", "shape": [1], "data_offsets": [8, 12]}}).encode()
+open(f"{d}/mx.safetensors", "wb").write(struct.pack("<Q", len(h)) + h + b"\0" * 12)
+PY
+"$BIN" inspect "$TMP/mx.safetensors" >"$TMP/text" || { echo "FAIL: inspect of a file with U32 and F8_E8M0"; cat "$TMP/text"; exit 1; }
+grep -qE "^  s +F8_E8M0 +\[2, 2\]  \(dtype not supported by fusedmoe\)$" "$TMP/text" &&
+  grep -qE "^  u +U32 +\[1\]  \(dtype not supported by fusedmoe\)$" "$TMP/text" &&
+  grep -qE "^  w +f32 +\[1\]$" "$TMP/text" && grep -qF "3 tensors, 12 B" "$TMP/text" ||
+  { echo "FAIL: listing of a file with U32 and F8_E8M0"; cat "$TMP/text"; exit 1; }
+"$BIN" inspect "$TMP/mx.safetensors" --json |
+  python3 -c 'import json,sys; t = json.load(sys.stdin)["tensors"]; assert [(x["dtype"], x.get("supported")) for x in t] == [("F8_E8M0", False), ("U32", False), ("f32", None)], t'
+rc=0; "$BIN" run --model "$DATA/hf/mixtral" --input "$TMP/mx.safetensors" --input-key u >/dev/null 2>"$TMP/err" || rc=$?
+[ "$rc" -eq 1 ] && grep -qF -- "--input $TMP/mx.safetensors: tensor 'u': dtype U32 is not supported by fusedmoe (supported: F64 F32" "$TMP/err" ||
+  { echo "FAIL: run --input of a U32 tensor (exit $rc)"; cat "$TMP/err"; exit 1; }
+
 # Control characters in a file's text (a tensor name, metadata, config.json's
 # architectures), in the text output and in errors that quote it: written as \xNN,
 # never sent to the terminal raw (an ESC sequence could clear or recolour it).

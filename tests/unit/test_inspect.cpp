@@ -161,6 +161,60 @@ TEST(InspectJson, SafetensorsFileListsItsTensors) {
   EXPECT_EQ(j["metadata"], ojson(file->metadata()));
 }
 
+// Writes a safetensors file of one tensor: `dtype`, `shape`, `bytes` zero bytes.
+void write_one(const std::string& path, const std::string& name, const std::string& dtype,
+               const std::string& shape, size_t bytes) {
+  const std::string header = "{\"" + name + "\":{\"dtype\":\"" + dtype + "\",\"shape\":" + shape +
+                             ",\"data_offsets\":[0," + std::to_string(bytes) + "]}}";
+  std::ofstream out(path, std::ios::binary);
+  for (int i = 0; i < 8; ++i) out.put(static_cast<char>(uint64_t{header.size()} >> (8 * i)));
+  out << header << std::string(bytes, '\0');
+}
+
+// Tensors of a dtype fusedmoe does not read (HF's safetensors knows it: an
+// MXFP4 checkpoint's F8_E8M0 scales, U32 tensors) are described, not the end
+// of the description: listed by the file's dtype string, their bytes counted.
+TEST(InspectJson, DtypesFusedmoeDoesNotReadAreListed) {
+  test::TempDir tmp("inspect");
+  write_one(tmp.file("u32.safetensors"), "idx", "U32", "[2,3]", 24);
+  const ojson f = ojson::parse(inspect_json(tmp.file("u32.safetensors")));
+  ASSERT_EQ(f["tensors"].size(), 1u);
+  EXPECT_EQ(f["tensors"][0],
+            ojson({{"name", "idx"}, {"dtype", "U32"}, {"shape", {2, 3}}, {"supported", false}}));
+  EXPECT_EQ(f["bytes"], 24);
+
+  // A model: layer 0's prefix gains an F8_E8M0 tensor from a second shard.
+  const std::string dir = test::hf_fixture_dir("olmoe");
+  const ModelInfo info = load_model_info(dir);
+  const int64_t layer = info.moe_layers.at(0);
+  const std::string extra = info.moe_prefix(layer) + "experts.scales";
+  fs::copy_file(dir + "/config.json", tmp.file("config.json"));
+  fs::copy_file(dir + "/model.safetensors", tmp.file("model-1.safetensors"));
+  write_one(tmp.file("model-2.safetensors"), extra, "F8_E8M0", "[4,2]", 8);
+  ojson index;
+  for (const auto& name : SafetensorsFile::open(dir + "/model.safetensors")->names())
+    index["weight_map"][name] = "model-1.safetensors";
+  index["weight_map"][extra] = "model-2.safetensors";
+  std::ofstream(tmp.file("model.safetensors.index.json")) << index.dump();
+  const ojson before = ojson::parse(inspect_json(dir));
+  const ojson j = ojson::parse(inspect_json(tmp.path()));
+  ASSERT_EQ(j["layers"].size(), before["layers"].size());
+  for (size_t i = 0; i < j["layers"].size(); ++i) {
+    const ojson &l = j["layers"][i], &b = before["layers"][i];
+    SCOPED_TRACE(l["layer"].dump());
+    EXPECT_TRUE(l["weights_ok"].get<bool>());  // the layer does not need it
+    const int64_t more = l["layer"] == layer ? 1 : 0;
+    EXPECT_EQ(l["tensors"], b["tensors"].get<int64_t>() + more);
+    EXPECT_EQ(l["bytes"], b["bytes"].get<int64_t>() + 8 * more);
+    ojson dtypes = b["weight_dtypes"];
+    if (more) dtypes["F8_E8M0"] = 1;
+    // Compared as sets of keys (std::map's order: "F8_E8M0" before "bf16").
+    EXPECT_EQ(nlohmann::json::parse(l["weight_dtypes"].dump()),
+              nlohmann::json::parse(dtypes.dump()));
+  }
+  EXPECT_EQ(j["moe_bytes_total"], before["moe_bytes_total"].get<int64_t>() + 8);
+}
+
 // A model whose config.json makes no layer MoE: nothing fusedmoe can run, an
 // error naming the path (it was described as "MoE layers: none", exit code 0).
 TEST(InspectJson, ModelWithoutMoELayersIsAnError) {

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <tuple>
 
 #include "expect_error.h"
 #include "fixtures.h"
@@ -199,6 +200,35 @@ TEST(Safetensors, RejectsBadFiles) {
        8,
        std::nullopt,
        {"tensor 'w.a'", "unknown safetensors dtype 'F7'"}},
+      // A dtype HF's safetensors does not know either (it refuses the file).
+      {"dtype nobody knows",
+       R"({"w.x":{"dtype":"X9","shape":[2],"data_offsets":[0,8]}})",
+       8,
+       std::nullopt,
+       {"tensor 'w.x'", "unknown safetensors dtype 'X9' (known: BOOL F4 F6_E2M3"}},
+      // Those fusedmoe does not read are checked as any other (as HF's reader does).
+      {"size mismatch of a dtype fusedmoe does not read",
+       R"({"w.u":{"dtype":"U32","shape":[3],"data_offsets":[0,8]}})",
+       8,
+       std::nullopt,
+       {"tensor 'w.u'", "hold 8 bytes but U32 [3] needs 12 bytes (size mismatch)"}},
+      {"sub-byte elements that end inside a byte",
+       R"({"w.f4":{"dtype":"F4","shape":[3],"data_offsets":[0,2]}})",
+       2,
+       std::nullopt,
+       {"tensor 'w.f4'",
+        "shape [3] of F4 (4 bits an element) holds 12 bits, not a whole number "
+        "of bytes"}},
+      {"F6 elements that end inside a byte",
+       R"({"w.f6":{"dtype":"F6_E3M2","shape":[2,3],"data_offsets":[0,5]}})",
+       5,
+       std::nullopt,
+       {"tensor 'w.f6'", "holds 36 bits, not a whole number of bytes"}},
+      {"overlap with a tensor of a dtype fusedmoe does not read",
+       R"({"w.s":{"dtype":"F8_E8M0","shape":[8],"data_offsets":[0,8]},"w.t":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
+       12,
+       std::nullopt,
+       {"tensor 'w.t'", "overlap tensor 'w.s'"}},
       {"offsets outside",
        R"({"w.b":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}})",
        8,
@@ -272,6 +302,21 @@ TEST(Safetensors, RejectsBadFiles) {
        4,
        std::nullopt,
        {"header holds a NUL byte at byte 64 of the file"}},
+      // A UTF-8 byte-order mark before the JSON (json alone would skip it; HF's
+      // reader refuses it: "expected value at line 1 column 1"), or after
+      // whitespace.
+      {"UTF-8 byte-order mark",
+       "\xEF\xBB\xBF"
+       R"({"w.q":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})",
+       4,
+       std::nullopt,
+       {"header starts with a UTF-8 byte-order mark (bytes EF BB BF at byte 8 of the file"}},
+      {"UTF-8 byte-order mark after a space",
+       " \xEF\xBB\xBF"
+       R"({"w.q":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})",
+       4,
+       std::nullopt,
+       {"header is not valid JSON"}},
       {"metadata not strings",
        R"({"__metadata__":{"seed":3}})",
        0,
@@ -287,6 +332,95 @@ TEST(Safetensors, RejectsBadFiles) {
     EXPECT_EQ(msg.rfind(path + ": ", 0), 0u) << msg;
     for (const auto& s : c.substrings) EXPECT_HAS(msg, s);
   }
+}
+
+// Builds a header (tensors one after another in the order given) and writes the
+// file with that many data bytes; returns the data bytes.
+size_t write_entries(const std::string& path,
+                     const std::vector<std::tuple<std::string, std::string, std::string, size_t>>&
+                         entries /* name, dtype, shape JSON, bytes */) {
+  std::string header = "{";
+  size_t at = 0;
+  for (const auto& [name, dtype, shape, bytes] : entries) {
+    header += (header.size() > 1 ? "," : "") + std::string("\"") + name + "\":{\"dtype\":\"" +
+              dtype + "\",\"shape\":" + shape + ",\"data_offsets\":[" + std::to_string(at) + "," +
+              std::to_string(at + bytes) + "]}";
+    at += bytes;
+  }
+  write_raw(path, header + "}", at);
+  return at;
+}
+
+// A file with tensors of dtypes HF's safetensors (0.8.0 checked) knows and
+// fusedmoe does not read (an MXFP4 checkpoint's F8_E8M0 scales, U32 indices):
+// opens, lists them, checks their sizes (sub-byte F4 and F6_* packed), and only
+// get() of one of them is refused, naming the file, the tensor and the dtype.
+TEST(Safetensors, DtypesFusedmoeDoesNotReadOpenAndAreListed) {
+  TempDir dir("st_dtypes");
+  const std::string path = dir.file("mixed.safetensors");
+  const std::vector<std::tuple<std::string, std::string, std::string, size_t>> entries = {
+      {"w.f32", "F32", "[2]", 8},
+      {"w.u32", "U32", "[3]", 12},
+      {"w.u16", "U16", "[2]", 4},
+      {"w.u64", "U64", "[1]", 8},
+      {"w.c64", "C64", "[1]", 8},
+      {"w.e8m0", "F8_E8M0", "[2,2]", 4},
+      {"w.fnuz", "F8_E4M3FNUZ", "[3]", 3},
+      {"w.fnuz2", "F8_E5M2FNUZ", "[1]", 1},
+      {"w.f4", "F4", "[3,2]", 3},
+      {"w.f6a", "F6_E2M3", "[4]", 3},
+      {"w.f6b", "F6_E3M2", "[2,4]", 6},
+      {"w.f4empty", "F4", "[0,3]", 0},
+      {"w.u8", "U8", "[2]", 2},
+  };
+  write_entries(path, entries);
+  auto f = SafetensorsFile::open(path);
+  std::vector<std::string> names;
+  for (const auto& e : entries) names.push_back(std::get<0>(e));
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(f->names(), names);
+  for (const auto& [name, dtype, shape, bytes] : entries) {
+    SCOPED_TRACE(name);
+    EXPECT_TRUE(f->contains(name));
+    const SafetensorsFile::Info info = f->info(name);
+    EXPECT_EQ(info.dtype_name, dtype);
+    EXPECT_EQ(info.nbytes, bytes);
+    std::string shown = "[";
+    for (size_t i = 0; i < info.shape.size(); ++i)
+      shown += (i ? "," : "") + std::to_string(info.shape[i]);
+    EXPECT_EQ(shown + "]", shape);
+    EXPECT_EQ(info.dtype.has_value(), dtype == "F32" || dtype == "U8");
+    if (info.dtype) {
+      EXPECT_EQ(f->get(name).nbytes(), bytes);
+      continue;
+    }
+    const std::string msg = error_of([&] { f->get(name); }, ErrorCode::kUnsupported);
+    EXPECT_EQ(msg, path + ": tensor '" + name + "': dtype " + dtype +
+                       " is not supported by fusedmoe (supported: F64 F32 F16 BF16 F8_E4M3 "
+                       "F8_E5M2 I64 I32 I16 I8 U8 BOOL)");
+  }
+  EXPECT_EQ(f->get("w.f32").view().str(), "f32 [2]");
+  EXPECT_HAS(error_of([&] { f->info("w.none"); }), "no tensor named 'w.none'");
+  // The bits of each of HF's dtypes; 0 (unknown) for others.
+  EXPECT_EQ(safetensors_dtype_bits("F4"), 4);
+  EXPECT_EQ(safetensors_dtype_bits("F6_E2M3"), 6);
+  EXPECT_EQ(safetensors_dtype_bits("F8_E8M0"), 8);
+  EXPECT_EQ(safetensors_dtype_bits("U16"), 16);
+  EXPECT_EQ(safetensors_dtype_bits("C64"), 64);
+  EXPECT_EQ(safetensors_dtype_bits("X9"), 0);
+  EXPECT_EQ(safetensors_dtype_bits("f32"), 0);
+  // parse_safetensors_dtype still takes only those fusedmoe reads.
+  EXPECT_HAS(error_of([] { parse_safetensors_dtype("U32"); }), "unknown safetensors dtype 'U32'");
+  // Through a checkpoint: listed, described, refused by get() alone.
+  fs::create_directory(dir.file("model"));
+  fs::copy_file(path, dir.file("model/model.safetensors"));
+  const Checkpoint ck = Checkpoint::open(dir.file("model"));
+  EXPECT_EQ(ck.names(), names);
+  EXPECT_EQ(ck.info("w.e8m0").dtype_name, "F8_E8M0");
+  EXPECT_EQ(ck.info("w.e8m0").nbytes, 4u);
+  EXPECT_HAS(error_of([&] { ck.get("w.e8m0"); }, ErrorCode::kUnsupported),
+             "tensor 'w.e8m0': dtype F8_E8M0 is not supported by fusedmoe");
+  EXPECT_EQ(ck.get("w.u8").view().str(), "u8 [2]");
 }
 
 // What HF's reader (serde_json over the whole header; safetensors 0.8.0 checked)
@@ -666,6 +800,50 @@ TEST(Checkpoint, ShardPathsStayInsideTheModelFolder) {
   const std::string msg = error_of([&] { gone.get("a"); }, ErrorCode::kIo);
   EXPECT_HAS(msg, index + ": the shard of tensor 'a': " + dir.file("model/missing.safetensors"));
   EXPECT_HAS(msg, "No such file or directory");
+}
+
+// A ".." in a shard's path is resolved as the OS resolves it (HF's reader
+// opens the path as the index gives it): `sub/../x.safetensors` with no folder
+// `sub` (or `sub` a file) cannot be opened, even when x.safetensors is there
+// and already open for another tensor; a `..` out of a symbolic link to a
+// folder elsewhere is refused (the OS would read outside the model folder).
+TEST(Checkpoint, ShardPathDotDotIsResolvedAsTheOSDoes) {
+  TempDir dir("ckpt_dotdot");
+  fs::create_directories(dir.file("model/real"));
+  fs::create_directories(dir.file("elsewhere/deep"));
+  Tensor t = Tensor::zeros(DType::kF32, {2});
+  save_safetensors(dir.file("model/x.safetensors"), {{"a", t}, {"b", t}, {"c", t}, {"d", t}});
+  save_safetensors(dir.file("elsewhere/x.safetensors"), {{"e", t}});
+  fs::create_directory_symlink(dir.file("elsewhere/deep"), dir.file("model/out"));
+  fs::create_directory_symlink("real", dir.file("model/in"));
+  const std::string index = dir.file("model/model.safetensors.index.json");
+  std::ofstream(index) << R"({"weight_map": {"a": "sub/../x.safetensors", "b": "x.safetensors",
+      "c": "x.safetensors/../x.safetensors", "d": "in/../real/../x.safetensors",
+      "e": "out/../x.safetensors"}})";
+  const Checkpoint ck = Checkpoint::open(dir.file("model"));
+  EXPECT_EQ(ck.names(), (std::vector<std::string>{"a", "b", "c", "d", "e"}));
+  EXPECT_EQ(ck.get("b").view().str(), "f32 [2]");  // x.safetensors is open now
+  const std::string shard_of = index + ": the shard of tensor ";
+  for (int info = 0; info < 2; ++info) {
+    SCOPED_TRACE(info ? "info" : "get");
+    const auto read = [&](const std::string& name) {
+      return error_of([&] { info ? (void)ck.info(name) : (void)ck.get(name); });
+    };
+    EXPECT_EQ(read("a"), shard_of + "'a': " + dir.file("model/sub/../x.safetensors") +
+                             ": cannot open: No such file or directory (" + dir.file("model/sub") +
+                             ", which '..' steps out of, does not exist)");
+    EXPECT_EQ(read("c"), shard_of + "'c': " + dir.file("model/x.safetensors/../x.safetensors") +
+                             ": cannot open: Not a directory (" + dir.file("model/x.safetensors") +
+                             ", which '..' steps out of, is no directory)");
+    EXPECT_EQ(read("e"), shard_of + "'e': " + dir.file("model/out/../x.safetensors") + ": " +
+                             dir.file("model/out/..") + " is not " + dir.file("model") +
+                             " as the OS resolves it (" + dir.file("model/out") +
+                             " is a symbolic link); expected a shard path whose '..' steps back "
+                             "out of a folder of the model");
+  }
+  // Through folders that are there (a link into the model folder too): read.
+  EXPECT_EQ(ck.get("d").view().str(), "f32 [2]");
+  EXPECT_EQ(ck.info("d").nbytes, 8u);
 }
 
 TEST(Safetensors, SaveWritesThroughSymlinksAndRefusesSpecialFiles) {

@@ -2,17 +2,22 @@
 //
 // Files are memory-mapped; get() returns a Tensor viewing the mapping (zero
 // copy) that keeps the mapping alive. open() validates the whole header before
-// anything is returned: file at least 8 bytes, header length within the file,
-// header valid JSON object, known dtype strings, data_offsets inside the data
-// section, end - begin == numel * dtype size, no two tensors overlapping, and
-// the tensors covering the data section one after another from offset 0 (no
-// unused bytes between them or after the last one, as HF's safetensors requires).
+// anything is returned, as HF's safetensors (0.8) does: file at least 8 bytes,
+// header length within the file, header valid JSON object (not after a UTF-8
+// byte-order mark, which HF's serde_json refuses too), dtype strings HF's
+// safetensors knows (safetensors_dtype_bits: those fusedmoe cannot read too),
+// data_offsets inside the data section, numel * dtype bits a whole number of
+// bytes (F4 and F6_* pack sub-byte elements) and end - begin that number, no
+// two tensors overlapping, and the tensors covering the data section one after
+// another from offset 0 (no unused bytes between them or after the last one).
 // Any violation throws Error(kIo) naming the file (and the tensor).
 #pragma once
 
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -31,19 +36,43 @@ void require_regular_file(const std::string& path);
 // name; false when the file cannot be read. open() still validates the rest.
 bool looks_like_safetensors(const std::string& path);
 
-// Safetensors dtype strings ("F32", "BF16", "F8_E4M3", ...) <-> DType.
+// Safetensors dtype strings ("F32", "BF16", "F8_E4M3", ...) <-> DType: the
+// twelve of kSupportedSafetensorsDTypes.
 DType parse_safetensors_dtype(const std::string& s);  // throws Error(kIo) if unknown
 const char* safetensors_dtype_name(DType dtype);
+// The safetensors dtype strings fusedmoe reads (parse_safetensors_dtype), in a
+// line as messages list them.
+inline constexpr const char* kSupportedSafetensorsDTypes =
+    "F64 F32 F16 BF16 F8_E4M3 F8_E5M2 I64 I32 I16 I8 U8 BOOL";
+// Bits of one element of a dtype HF's safetensors (0.8) knows, whether or not
+// fusedmoe reads it: 4 for F4, 6 for F6_E2M3 and F6_E3M2, 8 for BOOL U8 I8
+// F8_E4M3 F8_E5M2 F8_E8M0 F8_E4M3FNUZ F8_E5M2FNUZ, 16 for I16 U16 F16 BF16, 32
+// for I32 U32 F32, 64 for I64 U64 F64 C64; 0 for any other string (a file
+// holding one is refused).
+int safetensors_dtype_bits(std::string_view s);
 
 class SafetensorsFile {
  public:
   static std::shared_ptr<SafetensorsFile> open(const std::string& path);
   ~SafetensorsFile();
 
+  // What the header says of one tensor, whatever its dtype.
+  struct Info {
+    std::string dtype_name;      // the header's dtype string: "F32", "U32", "F8_E8M0", ...
+    std::optional<DType> dtype;  // empty for a dtype fusedmoe does not read (get() refuses it)
+    std::vector<int64_t> shape;
+    size_t nbytes = 0;  // bytes in the file
+  };
+
   const std::string& path() const { return path_; }
+  // Every tensor, those of dtypes fusedmoe does not read (U32, F8_E8M0, F4, ...) too.
   std::vector<std::string> names() const;  // sorted
   bool contains(const std::string& name) const;
+  // Throws Error(kIo) "FILE: no tensor named NAME" when absent.
+  Info info(const std::string& name) const;
   // Throws Error(kIo) "FILE: no tensor named NAME" when absent, Error(kUnsupported)
+  // "FILE: tensor 'NAME': dtype U32 is not supported by fusedmoe (supported: ...)"
+  // for a dtype that parse_safetensors_dtype does not take, and Error(kUnsupported)
   // for more than kMaxDims dimensions. The view is read-only (a PROT_READ mapping):
   // never write through it; copy first (Tensor::copy_of).
   Tensor get(const std::string& name) const;
@@ -51,7 +80,8 @@ class SafetensorsFile {
 
  private:
   struct Entry {
-    DType dtype;
+    std::string dtype_name;      // as the header spells it
+    std::optional<DType> dtype;  // empty: a dtype HF's safetensors knows, fusedmoe does not
     std::vector<int64_t> shape;
     size_t begin, end;  // offsets in the data section
   };
@@ -71,12 +101,23 @@ class SafetensorsFile {
 // read anywhere). Throws Error(kIo) when the path has none of these or the index is malformed,
 // or names a shard outside the index's folder (an absolute path, or one that leads up out of it
 // with ".."); a shard that cannot be opened is an Error naming the index, the tensor and the shard.
+// A ".." in a shard's path is resolved as the OS (and so HF's reader) resolves it: the folder it
+// steps out of must exist and be a directory (`sub/../x.safetensors` with no folder `sub` cannot
+// be opened) whose parent is the folder its name says (not elsewhere through a symbolic link);
+// else get() and info() of the shard's tensors throw Error(kIo) naming the index, the tensor and
+// the shard.
 class Checkpoint {
  public:
   static Checkpoint open(const std::string& path);
   bool contains(const std::string& name) const;
-  // Throws Error(kIo) naming the tensor and the checkpoint when absent.
+  // Throws Error(kIo) naming the tensor and the checkpoint when absent, and
+  // what SafetensorsFile::get throws (a dtype fusedmoe does not read:
+  // Error(kUnsupported)).
   Tensor get(const std::string& name) const;
+  // The header's word on the tensor (SafetensorsFile::info), whatever its
+  // dtype; opens its shard as get() does and throws as get() does for an
+  // absent tensor or a shard that cannot be opened.
+  SafetensorsFile::Info info(const std::string& name) const;
   std::vector<std::string> names() const;
   const std::string& path() const { return path_; }
   // Every file the checkpoint reads: the index (when sharded), then each
@@ -90,6 +131,10 @@ class Checkpoint {
   std::string index_;  // model.safetensors.index.json of a sharded checkpoint, else empty
   std::map<std::string, std::string> weight_map_;  // name -> shard path
   mutable std::map<std::string, std::shared_ptr<SafetensorsFile>> shards_;
+  // name -> its weight_map entry as the index gives it, for one holding "..".
+  std::map<std::string, std::string> dotdot_;
+  // The shard holding `name` (opened on first use), checked to hold it.
+  const SafetensorsFile& shard_of(const std::string& name) const;
 };
 
 // A file written in full or not at all: the bytes go to a temporary file in the
