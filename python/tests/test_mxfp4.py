@@ -119,3 +119,17 @@ def test_mxfp4_blocks_without_quantization_config_are_refused(checkpoints):
     with pytest.raises(OSError, match=r"'model\.layers\.0\.mlp\.experts\.gate_up_proj_blocks' holds "
                                       r"MXFP4 blocks, but config\.json has no quantization_config"):
         fusedmoe.MoELayer.from_pretrained(q, layer=0)
+
+
+def test_mxfp4_experts_on_cuda_match_the_dequantized_checkpoint(checkpoints, rng, need_cuda):
+    """The CUDA backend uploads the dequantized bf16 experts: the same outputs
+    as the unquantized checkpoint's layer, bit for bit."""
+    import torch
+
+    q, d, _ = checkpoints
+    mx = fusedmoe.MoELayer.from_pretrained(q, layer=0, backend="cuda", max_num_tokens=64)
+    dense = fusedmoe.MoELayer.from_pretrained(d, layer=0, backend="cuda", max_num_tokens=64)
+    x = torch.from_numpy(rng.standard_normal((33, H)).astype(np.float32)).cuda()
+    out = mx(x)
+    assert torch.equal(out, dense(x))
+    assert torch.isfinite(out).all()
