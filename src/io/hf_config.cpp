@@ -31,6 +31,7 @@
 
 #include "fusedmoe/core/error.h"
 #include "fusedmoe/io/safetensors.h"
+#include "io/python_json.h"
 
 namespace fusedmoe {
 
@@ -48,92 +49,9 @@ std::string join(const std::vector<int64_t>& v) {
   return os.str();
 }
 
-// Python's json module (so HF transformers) reads the literals NaN, Infinity
-// and -Infinity; nlohmann's parser refuses them. A config holding them (in a
-// field this library does not read, say) is parsed once more with each such
-// literal outside strings turned into a marker string, and the markers then
-// into binary values (a type no JSON text yields), so that every typed read
-// below refuses them as it refuses any value of the wrong type, and
-// as_written() prints them back as written.
-constexpr const char* kNonFiniteLiterals[] = {"NaN", "Infinity", "-Infinity"};
-// (\x01 then the text: "\x01f" would be one hex escape.)
-constexpr std::string_view kNonFiniteMarker =
-    "\x01"
-    "fusedmoe-non-finite:";
-
-// The text with the literals outside strings as marker strings; nullopt when it has none.
-std::optional<std::string> mark_non_finite(const std::string& text) {
-  std::string out;
-  out.reserve(text.size() + 64);
-  bool in_string = false, marked = false;
-  for (size_t i = 0; i < text.size(); ++i) {
-    const char c = text[i];
-    if (in_string) {
-      out += c;
-      if (c == '\\' && i + 1 < text.size())
-        out += text[++i];
-      else if (c == '"')
-        in_string = false;
-      continue;
-    }
-    bool matched = false;
-    for (const char* lit : kNonFiniteLiterals) {
-      const size_t n = std::strlen(lit);
-      if (text.compare(i, n, lit) == 0) {
-        out += "\"\\u0001fusedmoe-non-finite:";
-        out += lit;
-        out += '"';
-        i += n - 1;
-        matched = marked = true;
-        break;
-      }
-    }
-    if (matched) continue;
-    if (c == '"') in_string = true;
-    out += c;
-  }
-  if (!marked) return std::nullopt;
-  return out;
-}
-
-// Which literal a binary value made by mark_non_finite stands for.
-void markers_to_binary(json& v) {
-  if (v.is_string()) {
-    const std::string& s = v.get_ref<const std::string&>();
-    if (!s.starts_with(kNonFiniteMarker)) return;
-    const std::string lit = s.substr(kNonFiniteMarker.size());
-    for (uint8_t i = 0; i < 3; ++i)
-      if (lit == kNonFiniteLiterals[i]) v = json::binary({}, i);
-  } else if (v.is_structured()) {
-    for (json& e : v) markers_to_binary(e);
-  }
-}
-
-// v.dump() with the non-finite literals as config.json spelled them.
+// A config value as config.json wrote it (NaN / Infinity as such: io/python_json.h).
 std::string as_written(const json& v) {
-  if (v.is_binary()) {
-    const auto st = v.get_binary().subtype();
-    return st < 3 ? kNonFiniteLiterals[st] : "?";
-  }
-  if (!v.is_structured()) return v.dump();
-  // Each literal as a marker string in a copy, the dumped markers replaced.
-  json copy = v;
-  std::function<void(json&)> to_marker = [&](json& e) {
-    if (e.is_binary()) {
-      const auto st = e.get_binary().subtype();
-      e = std::string(kNonFiniteMarker) + (st < 3 ? kNonFiniteLiterals[st] : "?");
-    } else if (e.is_structured()) {
-      for (json& x : e) to_marker(x);
-    }
-  };
-  to_marker(copy);
-  std::string d = copy.dump();
-  for (const char* lit : kNonFiniteLiterals) {
-    const std::string quoted = std::string("\"\\u0001fusedmoe-non-finite:") + lit + "\"";
-    for (size_t at = d.find(quoted); at != std::string::npos; at = d.find(quoted, at))
-      d.replace(at, quoted.size(), lit);
-  }
-  return d;
+  return detail::json_as_written(v);
 }
 
 // Typed access to a config object with aliases, defaults and named errors.
@@ -192,7 +110,7 @@ class Fields {
     const json* v = find(keys, &k);
     if (!v) return def;
     if (v->is_number()) return v->get<double>();
-    if (v->is_binary())  // NaN, Infinity or -Infinity (see mark_non_finite)
+    if (v->is_binary())  // NaN, Infinity or -Infinity (io/python_json.h)
       FUSEDMOE_THROW(kInvalidArgument, where_, ": field '", k, "': expected a finite number, got ",
                      as_written(*v));
     FUSEDMOE_THROW(kInvalidArgument, where_, ": field '", k, "': expected a number, got ",
@@ -413,29 +331,9 @@ ModelInfo load_model_info(const std::string& model_dir) {
 ModelInfo parse_model_info(const std::string& json_text, const std::string& source) {
   // The path as error messages quote it (control characters as \xNN).
   const std::string shown = printable(source);
-  // nlohmann's parser skips a byte-order mark; Python's json.load (HF
-  // transformers' reader) refuses the file, so it is refused here too.
-  if (json_text.starts_with("\xEF\xBB\xBF"))
-    FUSEDMOE_THROW(kIo, shown,
-                   ": starts with a UTF-8 byte-order mark (bytes EF BB BF), which Python's "
-                   "json.load and so HF transformers refuse; expected JSON text without one "
-                   "(save the file as UTF-8 without a BOM)");
-  // nlohmann reports a NUL byte as "unexpected end of input": name it (a
-  // binary file, or one a crash left zero-filled).
-  if (const size_t nul = json_text.find('\0'); nul != std::string::npos)
-    FUSEDMOE_THROW(kIo, shown, ": not JSON text: contains a NUL byte at offset ", nul,
-                   " (a binary or damaged file?); expected the model's config.json");
-  json root;
-  try {
-    root = json::parse(json_text);
-  } catch (const json::exception& e) {
-    // Python's json takes NaN / Infinity / -Infinity (see mark_non_finite):
-    // parsed again with them marked; the first error stands otherwise.
-    const std::optional<std::string> marked = mark_non_finite(json_text);
-    if (!marked || (root = json::parse(*marked, nullptr, false)).is_discarded())
-      FUSEDMOE_THROW(kIo, shown, ": not valid JSON: ", e.what());
-    markers_to_binary(root);
-  }
+  // As Python's json.load reads it (transformers' reader): a byte-order mark
+  // refused, NaN / Infinity taken (refused by every typed read below), ...
+  json root = detail::parse_python_json(json_text, shown, "the model's config.json");
   if (!root.is_object())
     FUSEDMOE_THROW(kIo, shown, ": not a JSON object (got ",
                    root.is_binary() ? as_written(root) : root.type_name(), ")");
@@ -457,9 +355,9 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
     FUSEDMOE_THROW(kUnsupported, shown, ": model_type '", printable(mt),
                    "' is not supported (supported: ", kSupported, ")");
 
-  // Quantized checkpoints: only DeepSeek-V3's FP8 format (e4m3 weights with
-  // one f32 scale per 128 x 128 block, io/loader.h) is read; anything else
-  // would be loaded as if it were plain weights.
+  // Quantized checkpoints: DeepSeek-V3's FP8 format (e4m3 weights with one
+  // f32 scale per 128 x 128 block) and gpt-oss's MXFP4 experts (io/loader.h)
+  // are read; anything else would be loaded as if it were plain weights.
   if (const auto q = root.find("quantization_config"); q != root.end() && !q->is_null()) {
     // Not an object, or no quant_method string in it: said so (it read as quant_method '').
     if (!q->is_object())
@@ -663,9 +561,13 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
     c.has_router_bias = true;
     c.has_expert_bias = true;
     c.activation = Activation::kSwigluOai;
+    // swiglu_limit: the clamp of HF transformers' MXFP4 experts
+    // (getattr(config, "swiglu_limit", 7.0)) and of vLLM; HF's bf16
+    // GptOssExperts fix it (and alpha) at 7.0 (1.702), the released configs' value.
     c.swiglu_alpha = static_cast<float>(f.get_double({"swiglu_alpha"}, 1.702));
     f.refuse_null("swiglu_limit", "a number",
-                  "HF transformers' GptOssExperts clamp the gate and up halves by it");
+                  "HF transformers' MXFP4 gpt-oss experts and vLLM clamp the gate and up halves "
+                  "by it");
     c.swiglu_limit = static_cast<float>(f.get_double({"swiglu_limit"}, 7.0));
     layers = all_layers(L);
   } else {  // llama4 / llama4_text

@@ -418,7 +418,7 @@ void parallel_over(int64_t n, const std::function<void(int64_t)>& fn) {
 // ldexp by s - 127, in bf16: exact but where it overflows). With
 // `check_finite`, a scale of 255 (NaN in the format) or a value beyond the
 // bf16 range is an error naming the tensor and the element; else such a
-// value loads as +-Inf.
+// value loads as +-Inf (and a zero as 0, where HF's bf16 ldexp gives NaN).
 struct Mxfp4Table {  // v[s][n]: the bf16 bits of E2M1 nibble n times 2^(s - 127)
   uint16_t v[256][16];
   Mxfp4Table() {
@@ -445,6 +445,7 @@ void mxfp4_row(const uint8_t* blocks, const uint8_t* scales, int64_t groups, uin
       FUSEDMOE_THROW(kIo, file, ": tensor '", name, "_scales': element [", e, ", ", row, ", ", g,
                      "] is 255, which E8M0 reserves for NaN (a corrupt checkpoint; "
                      "LoadOptions::check_finite = false skips this check)");
+    if (s < 253) continue;  // 6 x 2^(252 - 127) is within bf16: only larger scales overflow
     for (int i = 0; i < 32; ++i)
       if ((out[g * 32 + i] & 0x7F80) == 0x7F80)  // Inf or NaN
         FUSEDMOE_THROW(kIo, file, ": tensor '", name, "_blocks': element [", e, ", ", row, ", ", g,
@@ -538,18 +539,22 @@ MoELayerWeights load_or_check(const Checkpoint& checkpoint, const ModelInfo& inf
   // ---- routed experts ----
   if (mt == "gpt_oss" || mt == "llama4" || mt == "llama4_text") {
     // gpt-oss's MXFP4 experts (see mxfp4_row), or packed f32 / bf16 ones.
-    const bool mxfp4 =
-        mt == "gpt_oss" && (info.quant_method == "mxfp4" || rd.has("experts.gate_up_proj_blocks"));
+    // Told by the tensors, as HF's loader does: a quant_method "mxfp4" config
+    // over plain bf16 experts (a re-upload) loads them as they are.
+    const bool mxfp4 = mt == "gpt_oss" && rd.has("experts.gate_up_proj_blocks");
     std::optional<Source> gu, dn;
     Tensor gu_blocks, gu_scales, dn_blocks, dn_scales;
     DType dt = DType::kBF16;  // MXFP4 dequantizes to bf16, as HF transformers does
     if (mxfp4) {
       if (info.quant_method != "mxfp4")
-        FUSEDMOE_THROW(kIo, printable(checkpoint.path()), ": tensor '",
-                       rd.full("experts.gate_up_proj_blocks"),
-                       "' holds MXFP4 blocks, but config.json has no quantization_config: "
-                       "expected quantization_config {\"quant_method\": \"mxfp4\"} in "
-                       "config.json, or a checkpoint without MXFP4 experts");
+        FUSEDMOE_THROW(
+            kIo, printable(checkpoint.path()), ": tensor '", rd.full("experts.gate_up_proj_blocks"),
+            "' holds MXFP4 blocks, but ",
+            info.quant_method.empty()
+                ? std::string("config.json has no quantization_config")
+                : "config.json's quantization_config.quant_method is '" + info.quant_method + "'",
+            ": expected quantization_config {\"quant_method\": \"mxfp4\"} in "
+            "config.json, or a checkpoint without MXFP4 experts");
       FUSEDMOE_CHECK(H % 32 == 0 && I % 32 == 0,
                      "MXFP4 experts: hidden_size and intermediate_size must be multiples of 32 "
                      "(the format's group), got ",

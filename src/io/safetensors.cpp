@@ -25,6 +25,7 @@
 #include <unordered_set>
 
 #include "fusedmoe/core/error.h"
+#include "io/python_json.h"
 
 namespace fusedmoe {
 
@@ -295,6 +296,10 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) 
     unsigned __int128 numel = 1;
     bool overflows = false;
     for (const json& d : v["shape"]) {
+      if (d.is_number_unsigned() && d.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX))
+        throw bad(detail::concat("shape ", v["shape"].dump(),
+                                 " has a dimension of 2^63 or more (fusedmoe's shapes are "
+                                 "signed 64-bit)"));
       if (!d.is_number_integer() || d.get<int64_t>() < 0)
         throw bad(
             detail::concat("shape ", v["shape"].dump(), " is not a list of non-negative integers"));
@@ -303,10 +308,12 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) 
       if (numel > std::numeric_limits<uint64_t>::max())
         overflows = true, numel = std::numeric_limits<uint64_t>::max();
     }
-    if (numel == 0) overflows = false;  // a zero size empties any shape
+    // As HF's reader: the element count multiplied out in order, an overflow
+    // on the way refused even when a later dimension is 0 ([2^62, 8, 0]; but
+    // [0, 2^62, 8] and [2^63, 0] open), then its bits, refused past 64 bits.
     const unsigned __int128 nbits = numel * static_cast<unsigned>(bits);
     const unsigned __int128 nbytes = nbits / 8;
-    if (nbytes > std::numeric_limits<uint64_t>::max()) overflows = true;
+    if (nbits > std::numeric_limits<uint64_t>::max()) overflows = true;
     const json& off = v["data_offsets"];
     for (const json& o : off)
       if (!o.is_number_unsigned() && !(o.is_number_integer() && o.get<int64_t>() >= 0))
@@ -469,12 +476,10 @@ Checkpoint Checkpoint::open(const std::string& path) {
     std::fclose(fp);
     if (err) FUSEDMOE_THROW(kIo, printable(index.string()), ": read error");
   }
-  json j;
-  try {
-    j = json::parse(text);
-  } catch (const json::exception& e) {
-    FUSEDMOE_THROW(kIo, printable(index.string()), ": not valid JSON: ", e.what());
-  }
+  // As Python's json reads it (transformers' sharded loading): a BOM refused, NaN in metadata
+  // taken.
+  json j =
+      detail::parse_python_json(text, printable(index.string()), "a model.safetensors.index.json");
   if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
     FUSEDMOE_THROW(kIo, printable(index.string()), ": no 'weight_map' object");
   const fs::path dir = index.parent_path();
@@ -536,8 +541,11 @@ void check_dotdot(const fs::path& dir, const std::string& shard) {
         FUSEDMOE_THROW(kIo, path, ": cannot open: ", std::strerror(err), " (",
                        printable(folder.string()), ", which '..' steps out of, ",
                        err == ENOENT ? "does not exist" : "is no directory", ")");
-      fs::path named = folder.lexically_normal().parent_path();
-      if (named.empty()) named = ".";
+      // The folder `folder/..` names (lexically_normal leaves "a/" of "a/b/.."
+      // or "a/b/./..": its trailing separator dropped).
+      std::string named_s = (folder / "..").lexically_normal().string();
+      while (named_s.size() > 1 && named_s.back() == '/') named_s.pop_back();
+      const fs::path named = named_s.empty() ? fs::path(".") : fs::path(named_s);
       std::error_code ec;
       if (!fs::equivalent(folder / "..", named, ec) || ec)
         FUSEDMOE_THROW(kIo, path, ": ", printable((folder / "..").string()), " is not ",
@@ -812,7 +820,7 @@ AtomicFile::AtomicFile(const std::string& path) : path_(path) {
     const bool no_write_bit = (mode_ & 0222) == 0;
     if (no_write_bit || (::access(target.c_str(), W_OK) != 0 && errno == EACCES)) {
       char mode[8];
-      std::snprintf(mode, sizeof mode, "%04o", mode_);
+      std::snprintf(mode, sizeof mode, "%04o", mode_ & 07777u);
       if (no_write_bit)
         FUSEDMOE_THROW(kIo, printable(path), ": is read-only (mode ", mode,
                        "); will not replace it (make it writable, or give another path)");

@@ -298,6 +298,43 @@ TEST(HfConfig, NonFiniteLiteralsAsPythonJsonReadsThem) {
   }
   EXPECT_HAS(error_of([&] { parse_model_info("NaN", where); }, ErrorCode::kIo),
              "test/config.json: not a JSON object (got NaN)");
+  // A number beyond the double range is Python's inf: taken where unread.
+  EXPECT_NO_THROW(parse_model_info(with("initializer_range", "-1e999"), where));
+  EXPECT_HAS(error_of([&] { parse_model_info(with("num_local_experts", "1E400"), where); },
+                      ErrorCode::kInvalidArgument),
+             "field 'num_local_experts': expected an integer, got Infinity");
+  // A literal as an object key: Python refuses it too.
+  EXPECT_HAS(error_of([&] { parse_model_info(with("x", "{NaN: 1}"), where); }, ErrorCode::kIo),
+             "test/config.json: not valid JSON");
+  // A syntax error after a NaN is reported where it is, in the text as written.
+  const std::string bad = "{\"a\": NaN,\n  \"b\": tru}";
+  const std::string msg = error_of([&] { parse_model_info(bad, where); }, ErrorCode::kIo);
+  EXPECT_HAS(msg, "test/config.json: not valid JSON: ");
+  // As nlohmann places it with a number of the same length in the NaN's place.
+  const std::string same =
+      error_of([&] { parse_model_info("{\"a\": 1.0,\n  \"b\": tru}", where); }, ErrorCode::kIo);
+  EXPECT_HAS(same, "at line 2, column 11:");
+  EXPECT_HAS(msg, "at line 2, column 11:");
+  EXPECT_EQ(msg.find("NaN"), std::string::npos) << msg;
+}
+
+// Nesting deeper than Python's json takes (RecursionError) is refused, with or
+// without a NaN in it (a recursion over the nesting crashed the reader once).
+TEST(HfConfig, NestingDeeperThanPythonTakesIsRefused) {
+  std::string text = fixture_json("mixtral").dump();
+  for (const char* leaf : {"1", "NaN"}) {
+    SCOPED_TRACE(leaf);
+    const int depth = 100000;
+    const std::string deep = std::string(depth, '[') + leaf + std::string(depth, ']');
+    std::string t = text;
+    t.insert(1, "\"x\": " + deep + ", ");
+    EXPECT_HAS(error_of([&] { parse_model_info(t, "test/config.json"); }, ErrorCode::kIo),
+               "test/config.json: JSON nested deeper than 1500 levels");
+    const std::string ok = std::string(1400, '[') + leaf + std::string(1400, ']');
+    t = text;
+    t.insert(1, "\"x\": " + ok + ", ");
+    EXPECT_NO_THROW(parse_model_info(t, "test/config.json"));
+  }
 }
 
 // A NUL byte (a binary or zero-filled file) is named with its offset, not

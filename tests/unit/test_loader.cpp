@@ -877,9 +877,10 @@ TEST(Loader, GptOssMxfp4IsDequantized) {
 }
 
 // What the MXFP4 path refuses, each named: blocks under a config without
-// quantization_config, a wrong dtype or shape, an E8M0 scale of 255 (NaN),
-// a value beyond bf16 (taken with check_finite off), mxfp4 for another
-// model, sizes that are not whole groups.
+// quantization_config or with another method, a wrong dtype or shape, an
+// E8M0 scale of 255 (NaN), a value beyond bf16 (taken with check_finite
+// off), mxfp4 for another model, sizes that are not whole groups; and what
+// it takes: an mxfp4 config over plain bf16 experts, as HF's loader does.
 TEST(Loader, GptOssMxfp4ErrorsAreNamed) {
   const uint64_t seed = test::fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
@@ -969,18 +970,49 @@ TEST(Loader, GptOssMxfp4ErrorsAreNamed) {
                "quantization_config.quant_method 'mxfp4' is supported for model_type gpt_oss only");
   }
   {
+    // Blocks, but a config whose quantization_config names another method.
+    test::TempDir dir("loader_mxfp4_fp8");
+    write_mxfp4_gpt_oss(dir, seed, R"({"quant_method": "fp8"})");
+    const Checkpoint ck = Checkpoint::open(dir.path());
+    EXPECT_HAS(
+        error_of([&] { check_moe_layer(ck, load_model_info(dir.path()), 0); }, ErrorCode::kIo),
+        "holds MXFP4 blocks, but config.json's quantization_config.quant_method is "
+        "'fp8': expected quantization_config {\"quant_method\": \"mxfp4\"}");
+  }
+  {
+    // Blocks with an intermediate_size that is no whole number of groups.
     test::TempDir dir("loader_mxfp4_groups");
-    std::ifstream in(test::hf_fixture_dir("gpt_oss") + "/config.json");  // intermediate_size 48
+    write_mxfp4_gpt_oss(dir, seed, kMxfp4Quant);
+    std::ifstream in(dir.file("config.json"));
+    std::string cfg((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    cfg.replace(cfg.find("\"intermediate_size\": 64"), 23, "\"intermediate_size\": 48");
+    std::ofstream(dir.file("config.json")) << cfg;
+    const Checkpoint ck = Checkpoint::open(dir.path());
+    EXPECT_HAS(error_of([&] { check_moe_layer(ck, load_model_info(dir.path()), 0); },
+                        ErrorCode::kInvalidArgument),
+               "MXFP4 experts: hidden_size and intermediate_size must be multiples of 32 (the "
+               "format's group), got 128 and 48");
+  }
+  {
+    // quant_method "mxfp4" over plain bf16 experts (a re-upload that kept the
+    // config): loaded as they are, as HF's loader takes them (I = 48 too).
+    test::TempDir dir("loader_mxfp4_plain");
+    std::ifstream in(test::hf_fixture_dir("gpt_oss") + "/config.json");
     std::string cfg((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
     cfg.insert(cfg.find('{') + 1, std::string("\"quantization_config\": ") + kMxfp4Quant + ", ");
     std::ofstream(dir.file("config.json")) << cfg;
     fs::copy_file(test::hf_fixture_dir("gpt_oss") + "/model.safetensors",
                   dir.file("model.safetensors"));
     const Checkpoint ck = Checkpoint::open(dir.path());
-    EXPECT_HAS(error_of([&] { check_moe_layer(ck, load_model_info(dir.path()), 0); },
-                        ErrorCode::kInvalidArgument),
-               "MXFP4 experts: hidden_size and intermediate_size must be multiples of 32 (the "
-               "format's group), got 128 and 48");
+    const ModelInfo info = load_model_info(dir.path());
+    EXPECT_EQ(info.quant_method, "mxfp4");
+    const MoELayerWeights w = load_moe_layer(ck, info, 0, {.progress = false});
+    const Checkpoint ref = Checkpoint::open(test::hf_fixture_dir("gpt_oss"));
+    const MoELayerWeights want = load_moe_layer(
+        ref, load_model_info(test::hf_fixture_dir("gpt_oss")), 0, {.progress = false});
+    ASSERT_EQ(w.experts.w13.view().str(), want.experts.w13.view().str());
+    EXPECT_EQ(std::memcmp(w.experts.w13.data(), want.experts.w13.data(), want.experts.w13.nbytes()),
+              0);
   }
 }
 

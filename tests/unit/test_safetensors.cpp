@@ -55,6 +55,12 @@ TEST(Safetensors, DtypeNamesRoundTrip) {
   EXPECT_STREQ(safetensors_dtype_name(DType::kBF16), "BF16");
   EXPECT_STREQ(safetensors_dtype_name(DType::kF8E4M3FN), "F8_E4M3");
   EXPECT_HAS(error_of([] { parse_safetensors_dtype("F7"); }), "'F7'");
+  // kSupportedSafetensorsDTypes (the list messages give) is exactly these names.
+  std::istringstream listed(kSupportedSafetensorsDTypes);
+  std::vector<std::string> names;
+  for (std::string n; listed >> n;) names.push_back(n);
+  ASSERT_EQ(names.size(), std::size(all));
+  for (size_t i = 0; i < std::size(all); ++i) EXPECT_EQ(names[i], safetensors_dtype_name(all[i]));
 }
 
 TEST(Safetensors, RoundTripAllDtypesAndMetadata) {
@@ -185,6 +191,20 @@ TEST(Safetensors, LooksLikeSafetensorsByContent) {
   EXPECT_FALSE(looks_like_safetensors(dir.path()));  // a directory
 }
 
+// Zero-element shapes open where HF's reader opens them (the 0 before the
+// large dimensions). A dimension of 2^63 or more (HF takes [2^63, 0]) is
+// beyond fusedmoe's signed 64-bit shapes: said so.
+TEST(Safetensors, ZeroElementShapesOpenAsHfOpensThem) {
+  TempDir dir("st_zero");
+  write_raw(dir.file("z.safetensors"),
+            R"({"a":{"dtype":"F32","shape":[0,4611686018427387904,8],"data_offsets":[0,0]}})", 0);
+  EXPECT_EQ(SafetensorsFile::open(dir.file("z.safetensors"))->info("a").nbytes, 0u);
+  write_raw(dir.file("b.safetensors"),
+            R"({"b":{"dtype":"F32","shape":[9223372036854775808,0],"data_offsets":[0,0]}})", 0);
+  EXPECT_HAS(error_of([&] { SafetensorsFile::open(dir.file("b.safetensors")); }, ErrorCode::kIo),
+             "tensor 'b': shape [9223372036854775808,0] has a dimension of 2^63 or more");
+}
+
 TEST(Safetensors, RejectsBadFiles) {
   TempDir dir("st_bad");
   const std::vector<BadCase> cases = {
@@ -250,11 +270,17 @@ TEST(Safetensors, RejectsBadFiles) {
        8,
        std::nullopt,
        {"tensor 'w.o'", "overflows 64 bits", "[0, 8]"}},
+      // HF's reader multiplies the shape out in order: an overflow before the 0 is refused.
       {"shape overflowing 64 bits, then a 0",
-       R"({"w.z":{"dtype":"F32","shape":[4611686018427387904,4611686018427387904,0],"data_offsets":[0,8]}})",
-       8,
+       R"({"w.z":{"dtype":"F32","shape":[4611686018427387904,8,0],"data_offsets":[0,0]}})",
+       0,
        std::nullopt,
-       {"tensor 'w.z'", "size mismatch", "needs 0 bytes"}},
+       {"tensor 'w.z'", "overflows 64 bits"}},
+      {"bits overflowing 64 bits",
+       R"({"w.y":{"dtype":"F32","shape":[1152921504606846976],"data_offsets":[0,0]}})",
+       0,
+       std::nullopt,
+       {"tensor 'w.y'", "overflows 64 bits"}},
       {"negative shape",
        R"({"w.e":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}})",
        8,
@@ -766,6 +792,25 @@ TEST(Checkpoint, ShardedThroughIndex) {
   EXPECT_HAS(error_of([&] { Checkpoint::open(dir.file("bad.index.json")); }), "weight_map");
 }
 
+// The index is read as Python's json reads it (transformers' sharded
+// loading): a NaN or Infinity in its metadata is taken, a byte-order mark
+// refused (nlohmann skipped it).
+TEST(Checkpoint, IndexIsReadAsPythonJsonReadsIt) {
+  TempDir dir("ckpt_index_json");
+  save_safetensors(dir.file("s.safetensors"), {{"a", Tensor::zeros(DType::kF32, {2})}});
+  const std::string index = dir.file("model.safetensors.index.json");
+  const std::string body =
+      R"({"metadata": {"total_size": NaN, "x": [Infinity, -1e999]}, "weight_map": {"a": "s.safetensors"}})";
+  std::ofstream(index) << body;
+  EXPECT_EQ(Checkpoint::open(dir.path()).get("a").view().str(), "f32 [2]");
+  std::ofstream(index) << "\xEF\xBB\xBF" << body;
+  EXPECT_HAS(error_of([&] { Checkpoint::open(dir.path()); }, ErrorCode::kIo),
+             index + ": starts with a UTF-8 byte-order mark (bytes EF BB BF)");
+  std::ofstream(index) << R"({"weight_map": {"a": NaN}})";
+  EXPECT_HAS(error_of([&] { Checkpoint::open(dir.path()); }, ErrorCode::kIo),
+             index + ": weight_map entry 'a' is not a string");
+}
+
 TEST(Checkpoint, ShardPathsStayInsideTheModelFolder) {
   TempDir dir("ckpt_escape");
   fs::create_directory(dir.file("model"));
@@ -812,16 +857,19 @@ TEST(Checkpoint, ShardPathDotDotIsResolvedAsTheOSDoes) {
   fs::create_directories(dir.file("model/real"));
   fs::create_directories(dir.file("elsewhere/deep"));
   Tensor t = Tensor::zeros(DType::kF32, {2});
-  save_safetensors(dir.file("model/x.safetensors"), {{"a", t}, {"b", t}, {"c", t}, {"d", t}});
+  save_safetensors(dir.file("model/x.safetensors"),
+                   {{"a", t}, {"b", t}, {"c", t}, {"d", t}, {"f", t}, {"g", t}, {"h", t}});
   save_safetensors(dir.file("elsewhere/x.safetensors"), {{"e", t}});
   fs::create_directory_symlink(dir.file("elsewhere/deep"), dir.file("model/out"));
   fs::create_directory_symlink("real", dir.file("model/in"));
   const std::string index = dir.file("model/model.safetensors.index.json");
+  fs::create_directories(dir.file("model/real/two"));
   std::ofstream(index) << R"({"weight_map": {"a": "sub/../x.safetensors", "b": "x.safetensors",
       "c": "x.safetensors/../x.safetensors", "d": "in/../real/../x.safetensors",
-      "e": "out/../x.safetensors"}})";
+      "e": "out/../x.safetensors", "f": "real/two/../../x.safetensors",
+      "g": "real/./../x.safetensors", "h": "./real/../x.safetensors"}})";
   const Checkpoint ck = Checkpoint::open(dir.file("model"));
-  EXPECT_EQ(ck.names(), (std::vector<std::string>{"a", "b", "c", "d", "e"}));
+  EXPECT_EQ(ck.names(), (std::vector<std::string>{"a", "b", "c", "d", "e", "f", "g", "h"}));
   EXPECT_EQ(ck.get("b").view().str(), "f32 [2]");  // x.safetensors is open now
   const std::string shard_of = index + ": the shard of tensor ";
   for (int info = 0; info < 2; ++info) {
@@ -841,8 +889,10 @@ TEST(Checkpoint, ShardPathDotDotIsResolvedAsTheOSDoes) {
                              " is a symbolic link); expected a shard path whose '..' steps back "
                              "out of a folder of the model");
   }
-  // Through folders that are there (a link into the model folder too): read.
-  EXPECT_EQ(ck.get("d").view().str(), "f32 [2]");
+  // Through folders that are there (a link into the model folder too; two
+  // ".." in a row; a "." before one): read.
+  for (const char* name : {"d", "f", "g", "h"})
+    EXPECT_EQ(ck.get(name).view().str(), "f32 [2]") << name;
   EXPECT_EQ(ck.info("d").nbytes, 8u);
 }
 

@@ -8,8 +8,12 @@
 // canonical layout of experts/expert_weights.h in the checkpoint's dtype (bf16
 // stays bf16; f32 stays f32; f16/f64 become f32). Only the layer's own tensors
 // are read. Also accepted: the fused canonical names experts.gate_up_proj
-// [E, 2I, H] / experts.down_proj [E, H, I] (zero copy), and DeepSeek's FP8 format
-// (F8_E4M3 weights + weight_scale_inv per 128x128 block), dequantized to f32.
+// [E, 2I, H] / experts.down_proj [E, H, I] (zero copy), DeepSeek's FP8 format
+// (F8_E4M3 weights + weight_scale_inv per 128x128 block), dequantized to f32, and
+// gpt-oss's MXFP4 experts (experts.gate_up_proj_blocks / _scales, down_proj_blocks
+// / _scales: U8 E2M1 pairs and one E8M0 scale per 32 values, under
+// quantization_config quant_method "mxfp4"), dequantized to bf16 as HF
+// transformers' convert_moe_packed_tensors does.
 // Router weights and biases are zero-copy views of the checkpoint mapping.
 #pragma once
 
@@ -32,7 +36,8 @@ struct LoadOptions {
   // Every tensor read is checked for NaN/Inf (one parallel pass over it), an
   // f64 one also for finite values beyond the f32 range it loads as, FP8 block
   // scales (weight_scale_inv) for negative ones (0 is taken: an all-zero block),
-  // and FP8 weights times their scales for values beyond f32: an Error(kIo)
+  // and FP8 weights times their scales for values beyond f32, MXFP4 scales for
+  // 255 (NaN in E8M0) and MXFP4 values for ones beyond bf16: an Error(kIo)
   // naming the tensor, the index (and for a scale the value and its block).
   bool check_finite = true;
 };
