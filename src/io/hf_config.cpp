@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -80,6 +81,10 @@ class Fields {
     }
     // A float, even a whole one (4.0): not an integer field's value (Python
     // reads it as a float, which HF's torch.topk and range() refuse).
+    // An unsigned value past 2^63 - 1 would wrap negative in int64_t.
+    if (v->is_number_unsigned() && v->get<uint64_t>() > static_cast<uint64_t>(INT64_MAX))
+      FUSEDMOE_THROW(kInvalidArgument, where_, ": field '", k,
+                     "': expected an integer below 2^63, got ", as_written(*v));
     if (v->is_number_integer()) return v->get<int64_t>();
     FUSEDMOE_THROW(kInvalidArgument, where_, ": field '", k, "': expected an integer, got ",
                    as_written(*v));
@@ -104,6 +109,19 @@ class Fields {
       FUSEDMOE_THROW(kInvalidArgument, where_, ": field '", key,
                      "': expected an integer >= 0, got ", v);
     return v;
+  }
+  // A number stored as f32 (a scale, a clamp): beyond the f32 range it would
+  // load as Inf, so it is named here.
+  float get_float(std::initializer_list<const char*> keys, double def) const {
+    const double v = get_double(keys, def);
+    if (std::isfinite(v) && std::fabs(v) > std::numeric_limits<float>::max()) {
+      const char* k = "";
+      find(keys, &k);
+      FUSEDMOE_THROW(kInvalidArgument, where_, ": field '", k,
+                     "': expected a number within the f32 range (|x| <= 3.4028235e38), got ",
+                     as_written(*find(keys)));
+    }
+    return static_cast<float>(v);
   }
   double get_double(std::initializer_list<const char*> keys, double def) const {
     const char* k = nullptr;
@@ -494,7 +512,7 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
     c.scoring_func = scoring_from_hf(f, "softmax");
     c.renormalize = f.get_bool({"norm_topk_prob"}, false);
     f.refuse_null("routed_scaling_factor", "a number", kStrictNone);
-    c.routed_scaling_factor = static_cast<float>(f.get_double({"routed_scaling_factor"}, 1.0));
+    c.routed_scaling_factor = f.get_float({"routed_scaling_factor"}, 1.0);
     const std::string method = f.get_string({"topk_method"}, std::string("greedy"));
     if (method == "greedy") {
       c.routing_method = RoutingMethod::kTopK;
@@ -547,7 +565,7 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
     c.topk_group = f.get_int({"topk_group"}, 4);
     c.renormalize = f.get_bool({"norm_topk_prob"}, true);
     f.refuse_null("routed_scaling_factor", "a number", kStrictNone);
-    c.routed_scaling_factor = static_cast<float>(f.get_double({"routed_scaling_factor"}, 2.5));
+    c.routed_scaling_factor = f.get_float({"routed_scaling_factor"}, 2.5);
     c.shared_intermediate_size = f.shared_width(1, c.intermediate_size);
     layers = deepseek_moe_layers(f, L, 3);
   } else if (mt == "gpt_oss") {
@@ -564,11 +582,11 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
     // swiglu_limit: the clamp of HF transformers' MXFP4 experts
     // (getattr(config, "swiglu_limit", 7.0)) and of vLLM; HF's bf16
     // GptOssExperts fix it (and alpha) at 7.0 (1.702), the released configs' value.
-    c.swiglu_alpha = static_cast<float>(f.get_double({"swiglu_alpha"}, 1.702));
+    c.swiglu_alpha = f.get_float({"swiglu_alpha"}, 1.702);
     f.refuse_null("swiglu_limit", "a number",
                   "HF transformers' MXFP4 gpt-oss experts and vLLM clamp the gate and up halves "
                   "by it");
-    c.swiglu_limit = static_cast<float>(f.get_double({"swiglu_limit"}, 7.0));
+    c.swiglu_limit = f.get_float({"swiglu_limit"}, 7.0);
     layers = all_layers(L);
   } else {  // llama4 / llama4_text
     // Llama4TextMoe: top-1 logit, sigmoid, scales the expert input; experts and

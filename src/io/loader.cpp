@@ -87,11 +87,19 @@ class Reader {
     if (!ckpt_.contains(name))
       FUSEDMOE_THROW(kIo, printable(ckpt_.path()), ": missing tensor '", name, "' (expected u8 ",
                      shape_str(shape), ")");
-    Tensor t = ckpt_.get(name);
-    if (t.dtype() != DType::kU8 || !same_shape(t, shape))
+    // Told from the header first: a dtype fusedmoe does not read (F8_E8M0
+    // scales, say, whose values HF's converter would take for the bytes) is
+    // named as the file spells it.
+    const SafetensorsFile::Info in = ckpt_.info(name);
+    if (in.dtype != DType::kU8 ||
+        !std::equal(in.shape.begin(), in.shape.end(), shape.begin(), shape.end())) {
+      std::string got = in.dtype ? dtype_name(*in.dtype) : in.dtype_name;
+      for (size_t d = 0; d < in.shape.size(); ++d)
+        got += (d ? ", " : " [") + std::to_string(in.shape[d]);
       FUSEDMOE_THROW(kIo, printable(ckpt_.path()), ": tensor '", name, "': expected u8 ",
-                     shape_str(shape), ", got ", t.view().str());
-    return t;
+                     shape_str(shape), ", got ", got, in.shape.empty() ? " []" : "]");
+    }
+    return ckpt_.get(name);
   }
   std::string full(const std::string& rel) const { return prefix_ + rel; }
 
@@ -539,37 +547,59 @@ MoELayerWeights load_or_check(const Checkpoint& checkpoint, const ModelInfo& inf
   // ---- routed experts ----
   if (mt == "gpt_oss" || mt == "llama4" || mt == "llama4_text") {
     // gpt-oss's MXFP4 experts (see mxfp4_row), or packed f32 / bf16 ones.
-    // Told by the tensors, as HF's loader does: a quant_method "mxfp4" config
+    // Told by the tensors, each projection apart, as HF's loader converts
+    // each `_blocks` / `_scales` pair it finds: a quant_method "mxfp4" config
     // over plain bf16 experts (a re-upload) loads them as they are.
-    const bool mxfp4 = mt == "gpt_oss" && rd.has("experts.gate_up_proj_blocks");
+    const bool gu_mx = mt == "gpt_oss" && rd.has("experts.gate_up_proj_blocks");
+    const bool dn_mx = mt == "gpt_oss" && rd.has("experts.down_proj_blocks");
     std::optional<Source> gu, dn;
     Tensor gu_blocks, gu_scales, dn_blocks, dn_scales;
-    DType dt = DType::kBF16;  // MXFP4 dequantizes to bf16, as HF transformers does
-    if (mxfp4) {
+    if (gu_mx || dn_mx) {
+      const std::string blocks = gu_mx ? "experts.gate_up_proj" : "experts.down_proj";
       if (info.quant_method != "mxfp4")
         FUSEDMOE_THROW(
-            kIo, printable(checkpoint.path()), ": tensor '", rd.full("experts.gate_up_proj_blocks"),
+            kIo, printable(checkpoint.path()), ": tensor '", rd.full(blocks + "_blocks"),
             "' holds MXFP4 blocks, but ",
             info.quant_method.empty()
                 ? std::string("config.json has no quantization_config")
                 : "config.json's quantization_config.quant_method is '" + info.quant_method + "'",
             ": expected quantization_config {\"quant_method\": \"mxfp4\"} in "
             "config.json, or a checkpoint without MXFP4 experts");
-      FUSEDMOE_CHECK(H % 32 == 0 && I % 32 == 0,
+      FUSEDMOE_CHECK((!gu_mx || H % 32 == 0) && (!dn_mx || I % 32 == 0),
                      "MXFP4 experts: hidden_size and intermediate_size must be multiples of 32 "
                      "(the format's group), got ",
                      H, " and ", I);
+      // Both forms of one projection: which one HF keeps depends on its load order.
+      for (const auto& [mx, name] :
+           {std::pair{gu_mx, "experts.gate_up_proj"}, std::pair{dn_mx, "experts.down_proj"}})
+        if (mx && rd.has(name))
+          FUSEDMOE_THROW(kIo, printable(checkpoint.path()), ": the checkpoint holds both '",
+                         rd.full(name), "' and its MXFP4 blocks '", rd.full(name), "_blocks'",
+                         ": expected one of them");
+    }
+    if (gu_mx) {
       gu_blocks = rd.get_u8("experts.gate_up_proj_blocks", {E, 2 * I, H / 32, 16});
       gu_scales = rd.get_u8("experts.gate_up_proj_scales", {E, 2 * I, H / 32});
+    } else {
+      gu = rd.get("experts.gate_up_proj", {E, H, 2 * I});
+    }
+    if (dn_mx) {
       dn_blocks = rd.get_u8("experts.down_proj_blocks", {E, H, I / 32, 16});
       dn_scales = rd.get_u8("experts.down_proj_scales", {E, H, I / 32});
     } else {
-      gu = rd.get("experts.gate_up_proj", {E, H, 2 * I});
       dn = rd.get("experts.down_proj", {E, I, H});
-      dt = target_dtype(*gu);
-      check_dtype(*dn, *gu, checkpoint.path());
-      if (gu->scale_inv || dn->scale_inv)
-        FUSEDMOE_THROW(kUnsupported, printable(checkpoint.path()), ": tensor '", gu->name,
+    }
+    // MXFP4 dequantizes to bf16, as HF transformers does: a plain partner must load as bf16 too.
+    const DType dt = gu ? target_dtype(*gu) : dn ? target_dtype(*dn) : DType::kBF16;
+    if (gu && dn) check_dtype(*dn, *gu, checkpoint.path());
+    for (const std::optional<Source>* plain : {&gu, &dn}) {
+      if (!*plain) continue;
+      if ((gu_mx || dn_mx) && target_dtype(**plain) != DType::kBF16)
+        FUSEDMOE_THROW(kIo, printable(checkpoint.path()), ": tensor '", (*plain)->name, "': dtype ",
+                       dtype_name((*plain)->t.dtype()),
+                       " beside MXFP4 experts, which load as bf16: expected bf16");
+      if ((*plain)->scale_inv)
+        FUSEDMOE_THROW(kUnsupported, printable(checkpoint.path()), ": tensor '", (*plain)->name,
                        "': packed FP8 experts are not supported");
     }
     std::optional<Source> gub, dnb;
@@ -605,29 +635,31 @@ MoELayerWeights load_or_check(const Checkpoint& checkpoint, const ModelInfo& inf
       // 2I).
       const int64_t gate_c0 = 0, up_c0 = interleaved ? 1 : I, step = interleaved ? 2 : 1;
       char* d2 = static_cast<char*>(w.w2.data()) + static_cast<size_t>(i * H * I) * es;
-      if (mxfp4) {
-        // Blocks are [out, in] per expert, as w13 / w2 rows: gate_up row 2j is
-        // gate row j, row 2j + 1 up row j.
-        const auto row = [&](const Tensor& blocks, const Tensor& scales, const char* name,
-                             int64_t r, int64_t in, void* dst) {
-          const int64_t groups = in / 32, rows = blocks.size(1);
-          mxfp4_row(blocks.data_as<uint8_t>() + (e * rows + r) * groups * 16,
-                    scales.data_as<uint8_t>() + (e * rows + r) * groups, groups,
-                    static_cast<uint16_t*>(dst), options.check_finite, printable(checkpoint.path()),
-                    rd.full(name), e, r);
-        };
+      // MXFP4 blocks are [out, in] per expert, as w13 / w2 rows: gate_up row
+      // 2j is gate row j, row 2j + 1 up row j.
+      const auto row = [&](const Tensor& blocks, const Tensor& scales, const char* name, int64_t r,
+                           int64_t in, void* dst) {
+        const int64_t groups = in / 32, rows = blocks.size(1);
+        mxfp4_row(blocks.data_as<uint8_t>() + (e * rows + r) * groups * 16,
+                  scales.data_as<uint8_t>() + (e * rows + r) * groups, groups,
+                  static_cast<uint16_t*>(dst), options.check_finite, printable(checkpoint.path()),
+                  rd.full(name), e, r);
+      };
+      if (gu_mx) {
         for (int64_t j = 0; j < I; ++j) {
           row(gu_blocks, gu_scales, "experts.gate_up_proj", 2 * j, H, d13 + j * H * es);
           row(gu_blocks, gu_scales, "experts.gate_up_proj", 2 * j + 1, H, d13 + (I + j) * H * es);
         }
-        for (int64_t h = 0; h < H; ++h)
-          row(dn_blocks, dn_scales, "experts.down_proj", h, I, d2 + h * I * es);
       } else {
         gather_transposed(gu->t.view(), e, gate_c0, step, I, d13, dt);
         gather_transposed(gu->t.view(), e, up_c0, step, I, d13 + static_cast<size_t>(I * H) * es,
                           dt);
-        // down_proj [E, I, H] -> w2 [E, H, I].
-        gather_transposed(dn->t.view(), e, 0, 1, H, d2, dt);
+      }
+      if (dn_mx) {
+        for (int64_t h = 0; h < H; ++h)
+          row(dn_blocks, dn_scales, "experts.down_proj", h, I, d2 + h * I * es);
+      } else {
+        gather_transposed(dn->t.view(), e, 0, 1, H, d2, dt);  // down_proj [E, I, H] -> w2 [E, H, I]
       }
       if (gub) {
         char* b = static_cast<char*>(w.w13_bias->data()) + static_cast<size_t>(i * 2 * I) * bes;

@@ -398,6 +398,21 @@ TEST(HfConfig, AbsurdSizesNameTheField) {
     EXPECT_HAS(msg, std::string("field '") + c.field + "': expected <= ");
     EXPECT_HAS(msg, "got 100000000000");
   }
+  // Past 2^63 - 1 (an unsigned JSON integer): named as written, not wrapped negative.
+  for (const char* field : {"num_experts_per_tok", "num_hidden_layers"}) {
+    SCOPED_TRACE(field);
+    json j = fixture_json("mixtral");
+    j[field] = uint64_t{18446744073709551615u};
+    EXPECT_HAS(error_of([&] { parse(j); }, ErrorCode::kInvalidArgument),
+               std::string("field '") + field +
+                   "': expected an integer below 2^63, got 18446744073709551615");
+  }
+  // A float field stored as f32: past its range, named (not "got inf" from the conversion).
+  json d = fixture_json("deepseek_v3");
+  d["routed_scaling_factor"] = 1e39;
+  EXPECT_HAS(error_of([&] { parse(d); }, ErrorCode::kInvalidArgument),
+             "field 'routed_scaling_factor': expected a number within the f32 range (|x| <= "
+             "3.4028235e38), got 1e+39");
 }
 
 // n_shared_experts within its own bound but its product with

@@ -11,6 +11,7 @@
 #include <fstream>
 #include <functional>
 #include <limits>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <sstream>
 #include <string>
@@ -825,6 +826,23 @@ double mxfp4_ref(const Checkpoint& ck, const std::string& base, int64_t e, int64
   return kE2M1[j % 2 ? byte >> 4 : byte & 0x0F] * std::pow(2.0, scale - 127);
 }
 
+// Rewrites the header of safetensors file `path` with tensor `name`'s dtype
+// string `dtype` (same element size), the data untouched.
+void retag_dtype(const std::string& path, const std::string& name, const std::string& dtype) {
+  std::ifstream in(path, std::ios::binary);
+  std::string raw((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  uint64_t n = 0;
+  std::memcpy(&n, raw.data(), 8);
+  nlohmann::json h = nlohmann::json::parse(raw.substr(8, n));
+  h[name]["dtype"] = dtype;
+  std::string text = h.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');
+  const uint64_t len = text.size();
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(reinterpret_cast<const char*>(&len), 8);
+  out << text << raw.substr(8 + n);
+}
+
 // Every element of w13 / w2 against the format, gate_up's rows de-interleaved
 // (row 2i: gate row i, row 2i + 1: up row i, as HF's convert_moe_packed_tensors
 // leaves them before its transpose), bf16 (exact for these scales), biases as
@@ -874,6 +892,32 @@ TEST(Loader, GptOssMxfp4IsDequantized) {
       std::memcmp(r1.experts.w2.data(),
                   static_cast<const char*>(w.experts.w2.data()) + 4 * H * I * 2, 4 * H * I * 2),
       0);
+}
+
+// MXFP4 gate_up with a bf16 down_proj (HF converts each `_blocks` pair it
+// finds): the MXFP4 half dequantized, the bf16 half as in the unquantized layout.
+TEST(Loader, GptOssMxfp4BesidePlainExperts) {
+  test::TempDir dir("loader_mxfp4_mixed");
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const std::string p = "model.layers.0.mlp.experts.";
+  Tensor down;
+  write_mxfp4_gpt_oss(dir, seed, kMxfp4Quant, [&](auto& ts) {
+    std::erase_if(ts, [&](const auto& t) { return t.first.starts_with(p + "down_proj_"); });
+    down = Tensor::empty(DType::kBF16, {8, 64, 128});  // [E, I, H]
+    for (int64_t i = 0; i < down.view().numel(); ++i)
+      down.template data_as<uint16_t>()[i] = f32_to_bf16(static_cast<float>(i % 17) - 8.0f);
+    ts.emplace_back(p + "down_proj", down);
+    ts.emplace_back(p + "down_proj_bias", Tensor::zeros(DType::kBF16, {8, 128}));
+  });
+  const Checkpoint ck = Checkpoint::open(dir.path());
+  const MoELayerWeights w = load_moe_layer(ck, load_model_info(dir.path()), 0, {.progress = false});
+  for (int64_t e = 0; e < 8; e += 3)
+    for (int64_t h = 0; h < 128; h += 5)
+      for (int64_t i = 0; i < 64; i += 7) {
+        ASSERT_EQ(elem(w.experts.w2, {e, h, i}), elem(down, {e, i, h}));
+        ASSERT_EQ(elem(w.experts.w13, {e, i, h}), mxfp4_ref(ck, p + "gate_up_proj", e, 2 * i, h));
+      }
 }
 
 // What the MXFP4 path refuses, each named: blocks under a config without
@@ -968,6 +1012,31 @@ TEST(Loader, GptOssMxfp4ErrorsAreNamed) {
     std::ofstream(dir.file("config.json")) << cfg;
     EXPECT_HAS(error_of([&] { load_model_info(dir.path()); }, ErrorCode::kUnsupported),
                "quantization_config.quant_method 'mxfp4' is supported for model_type gpt_oss only");
+  }
+  {
+    // E8M0 scales stored as F8_E8M0 (HF's converter would read their values,
+    // not their bytes): named with the file's dtype.
+    test::TempDir dir("loader_mxfp4_e8m0");
+    write_mxfp4_gpt_oss(dir, seed, kMxfp4Quant);
+    retag_dtype(dir.file("model.safetensors"), p + "gate_up_proj_scales", "F8_E8M0");
+    const Checkpoint ck = Checkpoint::open(dir.path());
+    EXPECT_HAS(
+        error_of([&] { check_moe_layer(ck, load_model_info(dir.path()), 0); }, ErrorCode::kIo),
+        "tensor '" + p +
+            "gate_up_proj_scales': expected u8 [8, 128, 4], got F8_E8M0 [8, "
+            "128, 4]");
+  }
+  {
+    // One projection in both forms.
+    test::TempDir dir("loader_mxfp4_both");
+    write_mxfp4_gpt_oss(dir, seed, kMxfp4Quant, [&](auto& ts) {
+      ts.emplace_back(p + "down_proj", Tensor::zeros(DType::kBF16, {8, 64, 128}));
+    });
+    const Checkpoint ck = Checkpoint::open(dir.path());
+    EXPECT_HAS(
+        error_of([&] { check_moe_layer(ck, load_model_info(dir.path()), 0); }, ErrorCode::kIo),
+        "the checkpoint holds both '" + p + "down_proj' and its MXFP4 blocks '" + p +
+            "down_proj_blocks': expected one of them");
   }
   {
     // Blocks, but a config whose quantization_config names another method.
