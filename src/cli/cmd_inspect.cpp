@@ -98,16 +98,27 @@ CLI::App* add_inspect_command(CLI::App& app, InspectOptions& opts) {
   return cmd;
 }
 
+// The exit status of a model's report, said on stderr too when it is 1 (as
+// every error is): the layers whose tensors cannot be loaded.
+int layers_status(int bad_layers, int layers) {
+  if (bad_layers == 0) return 0;
+  std::fprintf(stderr,
+               "fusedmoe: error: inspect: %d of %d MoE layers cannot be loaded (the report names "
+               "each one's error)\n",
+               bad_layers, layers);
+  return 1;
+}
+
 int run_inspect(const InspectOptions& opts) {
   const std::string& path = opts.path;
   const std::string text = inspect_json(path);
   const ojson j = ojson::parse(text);
   if (opts.json) {
     std::cout << text << "\n";
-    bool ok = true;
+    int bad = 0, layers = 0;
     if (j.contains("layers"))
-      for (const auto& l : j["layers"]) ok &= l.value("weights_ok", true);
-    return ok ? 0 : 1;
+      for (const auto& l : j["layers"]) ++layers, bad += l.value("weights_ok", true) ? 0 : 1;
+    return layers_status(bad, layers);
   }
   if (j.contains("file")) {
     print_safetensors(path, j);
@@ -177,7 +188,7 @@ int run_inspect(const InspectOptions& opts) {
     std::printf("weights        none found (no model.safetensors or index in %s)\n",
                 printable(dir).c_str());
   }
-  return bad_layers == 0 ? 0 : 1;
+  return layers_status(bad_layers, static_cast<int>(j.value("layers", ojson::array()).size()));
 }
 
 }  // namespace fusedmoe::cli

@@ -247,7 +247,9 @@ Tensor read_npy(const std::string& path, std::span<const DType> accepted,
                               : "64 bits (2^64 or more)");
     }
     if (r.ec != std::errc() || r.ptr != e || d < 0)
-      FUSEDMOE_THROW(kIo, path, ": .npy header: expected non-negative sizes in the shape, got (",
+      FUSEDMOE_THROW(kIo, path,
+                     ": .npy header: expected the shape's sizes as non-negative decimal integers "
+                     "(as numpy writes them), got (",
                      shape_text, ")");
     if (d != 0 && bytes > UINT64_MAX / static_cast<uint64_t>(d))
       overflows = true;
@@ -353,13 +355,12 @@ Tensor read_tensor(const std::string& path, const std::string& key, const char* 
                    names.empty() ? std::string() : ": " + some, " (`fusedmoe inspect ",
                    printable(path), "` lists them)");
   }
-  // A dtype fusedmoe does not read (U32, F8_E8M0, ...): named with the option.
-  Tensor t;
-  try {
-    t = file->get(key);
-  } catch (const Error& e) {
-    throw Error(e.code(), flag + " " + e.what());
-  }
+  // A dtype fusedmoe does not read (U32, F8_E8M0, ...): what an input takes,
+  // as for any other dtype the option does not take.
+  const SafetensorsFile::Info info = file->info(key);
+  FUSEDMOE_CHECK(info.dtype.has_value(), flag, " '", printable(key), "' in ", printable(path),
+                 ": expected dtype f32, bf16, f16 or f64, got ", info.dtype_name);
+  Tensor t = file->get(key);
   check(t.dtype(), t.shape());
   return t;
 }

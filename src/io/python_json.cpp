@@ -34,7 +34,8 @@ struct Marked {
 };
 
 // The text with NaN / Infinity / -Infinity and numbers beyond the double
-// range outside strings as marker strings; nullopt when it has none.
+// range outside strings as marker strings, and lone UTF-16 surrogate escapes
+// inside strings as U+FFFD; nullopt when it has none of these.
 std::optional<Marked> mark_non_finite(const std::string& text) {
   Marked m;
   m.text.reserve(text.size() + 64);
@@ -49,6 +50,28 @@ std::optional<Marked> mark_non_finite(const std::string& text) {
   for (size_t i = 0; i < text.size(); ++i) {
     const char c = text[i];
     if (in_string) {
+      // A \uXXXX escape of a lone UTF-16 surrogate (Python's json keeps it in
+      // the string; nlohmann refuses the text): U+FFFD in its place.
+      const auto unit = [&](size_t at) -> int {  // the code unit of "\uXXXX" at `at`, or -1
+        if (at + 6 > text.size() || text[at] != '\\' || text[at + 1] != 'u') return -1;
+        char* end = nullptr;
+        const std::string hex = text.substr(at + 2, 4);
+        const long u = std::strtol(hex.c_str(), &end, 16);
+        return end == hex.c_str() + 4 ? static_cast<int>(u) : -1;
+      };
+      const int u = c == '\\' ? unit(i) : -1;
+      if (u >= 0xD800 && u <= 0xDFFF) {
+        const int next = unit(i + 6);
+        if (u <= 0xDBFF && next >= 0xDC00 && next <= 0xDFFF) {  // a pair: kept
+          m.text.append(text, i, 12);
+          i += 11;
+        } else {
+          m.text += "\\ufffd";
+          m.at.push_back({m.text.size() - 6, i, 6, 6});
+          i += 5;
+        }
+        continue;
+      }
       m.text += c;
       if (c == '\\' && i + 1 < text.size())
         m.text += text[++i];

@@ -17,6 +17,8 @@ namespace fusedmoe::detail {
 //     binary value (a type no JSON text yields) that every typed read refuses
 //     as it refuses a value of the wrong type, and json_as_written() prints
 //     as written; one used as an object key is refused, as Python refuses it;
+//   - a \uXXXX escape of a lone UTF-16 surrogate (Python keeps it; nlohmann
+//     refuses the text): read as U+FFFD;
 //   - nesting deeper than kMaxJsonDepth: refused (Python: RecursionError).
 // Throws Error(kIo) "<shown>: ..." (`what`: the file it should be, for the
 // NUL message, e.g. "the model's config.json").

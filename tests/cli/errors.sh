@@ -1105,6 +1105,7 @@ def npy(name, header, data=b"\0" * 512):
     open(f"{sys.argv[1]}/{name}", "wb").write(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(h)) + h + data)
 npy("unclosed.npy", "{'descr': '<f4', 'fortran_order': False, 'shape': (3, 128, }")
 npy("negative.npy", "{'descr': '<f4', 'fortran_order': False, 'shape': (-1, 128), }")
+npy("plus.npy", "{'descr': '<f4', 'fortran_order': False, 'shape': (+2, 128), }")
 npy("huge.npy", "{'descr': '<f4', 'fortran_order': False, 'shape': (1000000000000, 128), }")
 npy("record.npy", "{'descr': [('a', '<f4')], 'fortran_order': False, 'shape': (4,), }")
 npy("unbraced.npy", "{'descr': '<f4', 'fortran_order': False, 'shape': (2, 128), ")
@@ -1133,8 +1134,12 @@ expect_error ".npy header without its closing brace" "error: --input $TMP/unbrac
   run --model "$FIX" --layer 1 --input "$TMP/unbraced.npy"
 expect_error ".npy header without its opening brace" "error: --input $TMP/nodict.npy: malformed .npy header: expected a dict" -- \
   run --model "$FIX" --layer 1 --input "$TMP/nodict.npy"
-expect_error ".npy negative size" "error: --input $TMP/negative.npy: .npy header: expected non-negative sizes" -- \
+expect_error ".npy negative size" "error: --input $TMP/negative.npy: .npy header: expected the shape's sizes as non-negative decimal integers (as numpy writes them), got (-1, 128)" -- \
   run --model "$FIX" --layer 1 --input "$TMP/negative.npy"
+# numpy writes plain decimal sizes; its reader (ast.literal_eval) would take "+2", the
+# strict header reader (README) does not, and says what it takes.
+expect_error ".npy size with a sign" "error: --input $TMP/plus.npy: .npy header: expected the shape's sizes as non-negative decimal integers (as numpy writes them), got (+2, 128)" -- \
+  run --model "$FIX" --layer 1 --input "$TMP/plus.npy"
 expect_error ".npy shape beyond its data" "error: --input $TMP/huge.npy: .npy data shorter than its shape [1000000000000, 128]: 512 bytes" -- \
   run --model "$FIX" --layer 1 --input "$TMP/huge.npy"
 # Bytes after the array: an error, as a safetensors file's trailing bytes are (it was read).

@@ -303,6 +303,13 @@ TEST(HfConfig, NonFiniteLiteralsAsPythonJsonReadsThem) {
   EXPECT_HAS(error_of([&] { parse_model_info(with("num_local_experts", "1E400"), where); },
                       ErrorCode::kInvalidArgument),
              "field 'num_local_experts': expected an integer, got Infinity");
+  // A lone UTF-16 surrogate escape (Python keeps it; nlohmann refused the text),
+  // beside a NaN or alone, and a valid pair.
+  EXPECT_NO_THROW(parse_model_info(with("note", "\"a\\ud800b\""), where));
+  EXPECT_NO_THROW(parse_model_info(with("note", "[\"\\udc00\", NaN, \"\\ud83d\\ude00\"]"), where));
+  EXPECT_HAS(error_of([&] { parse_model_info(with("hidden_act", "\"\\ud800\""), where); },
+                      ErrorCode::kUnsupported),
+             "hidden_act '\xEF\xBF\xBD' is not supported");
   // A literal as an object key: Python refuses it too.
   EXPECT_HAS(error_of([&] { parse_model_info(with("x", "{NaN: 1}"), where); }, ErrorCode::kIo),
              "test/config.json: not valid JSON");
