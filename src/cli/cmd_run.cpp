@@ -920,6 +920,22 @@ int run_run(const RunOptions& o) {
                        "); give fewer tokens"));
   };
 
+  // The checkpoint against config.json first, from the headers alone: a layer
+  // whose tensors do not fit the config is the model's error, not an input's
+  // (an input of the checkpoint's H was said to be the wrong size).
+  const Checkpoint checkpoint = [&] {
+    try {
+      return Checkpoint::open(model_dir);
+    } catch (const Error& e) {
+      throw model_error(e);
+    }
+  }();
+  try {
+    check_moe_layer(checkpoint, info, layer);
+  } catch (const Error& e) {
+    throw model_error(e);
+  }
+
   // Input.
   Tensor input;
   std::string input_desc;
@@ -970,13 +986,6 @@ int run_run(const RunOptions& o) {
   }
 
   // Weights and runner.
-  const Checkpoint checkpoint = [&] {
-    try {
-      return Checkpoint::open(model_dir);
-    } catch (const Error& e) {
-      throw model_error(e);
-    }
-  }();
   LoadOptions lopts;
   lopts.progress = root;
   lopts.parallel = config.parallel;  // this rank's share only

@@ -309,6 +309,13 @@ rmdir "$TMP/outdir-as-file"
     run --model "$FIX" --layer 1 --input "$TMP/x.npy" --input-key x
   expect_usage "--input .safetensors without --input-key" "--input-key is required with a .safetensors file ($REF has " -- \
     run --model "$FIX" --layer 1 --input "$REF"
+  # A config.json whose hidden_size does not fit its checkpoint: the model's error (the
+  # checkpoint checked from its headers first), not the input's, which fits the checkpoint.
+  mkdir -p "$TMP/h96"
+  python3 -c 'import json,sys; c = json.load(open(sys.argv[1])); c["hidden_size"] = 96; json.dump(c, open(sys.argv[2], "w"))' "$FIX/config.json" "$TMP/h96/config.json"
+  ln -sf "$FIX/model.safetensors" "$TMP/h96/model.safetensors"
+  expect_error "config.json's hidden_size against its checkpoint" "--model: $TMP/h96: tensor 'model.layers.1.mlp.gate.weight': expected shape [16, 96], got bf16 [16, 128]" -- \
+    run --model "$TMP/h96" --layer 1 --input "$TMP/x.npy"
 }
 cp "$REF" "$TMP/in.safetensors"
 expect_usage "--output is the --input file" "is the same file as --input" -- run --model "$FIX" \
