@@ -40,10 +40,11 @@ std::optional<Marked> mark_non_finite(const std::string& text) {
   Marked m;
   m.text.reserve(text.size() + 64);
   bool in_string = false;
-  const auto emit = [&](size_t i, size_t n, const char* lit) {
+  // The marker keeps the text it stands for (letters, digits, + - . e E: no escapes needed).
+  const auto emit = [&](size_t i, size_t n) {
     const size_t start = m.text.size();
     m.text += kMarkerJson;
-    m.text += lit;
+    m.text.append(text, i, n);
     m.text += '"';
     m.at.push_back({start, i, m.text.size() - start, n});
   };
@@ -83,7 +84,7 @@ std::optional<Marked> mark_non_finite(const std::string& text) {
     for (const char* lit : kLiterals) {
       const size_t n = std::strlen(lit);
       if (text.compare(i, n, lit) == 0) {
-        emit(i, n, lit);
+        emit(i, n);
         i += n - 1;
         matched = true;
         break;
@@ -98,7 +99,7 @@ std::optional<Marked> mark_non_finite(const std::string& text) {
       char* end = nullptr;
       const double v = std::strtod(run.c_str(), &end);
       if (end == run.c_str() + run.size() && std::isinf(v)) {
-        emit(i, run.size(), v < 0 ? "-Infinity" : "Infinity");
+        emit(i, run.size());
       } else {
         m.text += run;
       }
@@ -138,7 +139,7 @@ std::string unmarked_position(const std::string& what, const Marked& m, const st
          std::to_string(col) + what.substr(colon);
 }
 
-// Marker strings to binary values (subtype: the literal's index); the depth
+// Marker strings to binary values (holding the text they stand for); the depth
 // checked and object keys that were literals refused (`original_error`).
 // Iterative: the depth is checked before anything recurses.
 void finish(json& root, const std::string& shown, bool marked, const std::string& original_error) {
@@ -153,9 +154,7 @@ void finish(json& root, const std::string& shown, bool marked, const std::string
     if (marked && v->is_string()) {
       const std::string& s = v->get_ref<const std::string&>();
       if (!s.starts_with(kMarker)) continue;
-      const std::string lit = s.substr(kMarker.size());
-      for (uint8_t i = 0; i < 3; ++i)
-        if (lit == kLiterals[i]) *v = json::binary({}, i);
+      *v = json::binary(std::vector<uint8_t>(s.begin() + kMarker.size(), s.end()));
     } else if (v->is_object()) {
       for (auto it = v->begin(); it != v->end(); ++it) {
         if (marked && std::string_view(it.key()).starts_with(kMarker))
@@ -206,8 +205,8 @@ nlohmann::json parse_python_json(const std::string& text, const std::string& sho
 
 std::string json_as_written(const nlohmann::json& v) {
   if (v.is_binary()) {
-    const auto st = v.get_binary().subtype();
-    return st < 3 ? kLiterals[st] : "?";
+    const auto& b = v.get_binary();
+    return std::string(b.begin(), b.end());
   }
   if (!v.is_structured()) return v.dump();
   std::string out;

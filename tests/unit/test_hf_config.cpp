@@ -302,7 +302,13 @@ TEST(HfConfig, NonFiniteLiteralsAsPythonJsonReadsThem) {
   EXPECT_NO_THROW(parse_model_info(with("initializer_range", "-1e999"), where));
   EXPECT_HAS(error_of([&] { parse_model_info(with("num_local_experts", "1E400"), where); },
                       ErrorCode::kInvalidArgument),
-             "field 'num_local_experts': expected an integer, got Infinity");
+             "field 'num_local_experts': expected an integer, got 1E400");
+  // An integer of 400 digits (a Python int) too, named as written where read.
+  const std::string digits(400, '9');
+  EXPECT_NO_THROW(parse_model_info(with("initializer_range", digits), where));
+  EXPECT_HAS(error_of([&] { parse_model_info(with("num_local_experts", digits), where); },
+                      ErrorCode::kInvalidArgument),
+             "field 'num_local_experts': expected an integer, got " + digits);
   // A lone UTF-16 surrogate escape (Python keeps it; nlohmann refused the text),
   // beside a NaN or alone, and a valid pair.
   EXPECT_NO_THROW(parse_model_info(with("note", "\"a\\ud800b\""), where));
