@@ -42,9 +42,9 @@ def hf_convert_moe_packed_tensors(blocks: np.ndarray, scales: np.ndarray) -> np.
     return out.transpose(0, 2, 1)
 
 
-def _config(quantized: bool) -> dict:
+def _config(quantized: bool, shape: dict) -> dict:
     cfg = json.loads((HF / "gpt_oss" / "config.json").read_text())
-    cfg["intermediate_size"] = I
+    cfg.update(shape)
     if quantized:  # as openai/gpt-oss-20b's config.json has it
         cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
             "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
@@ -52,25 +52,30 @@ def _config(quantized: bool) -> dict:
     return cfg
 
 
-def write_checkpoints(tmp_path, rng):
-    """Writes an MXFP4 gpt-oss layer 0 (random blocks, scales 118-123) and the
-    same weights unquantized, as HF dequantizes them; returns (MXFP4
-    checkpoint dir, unquantized dir, the unquantized tensors as f32)."""
+def write_checkpoints(tmp_path, rng, E=E, H=H, I=I, K=K, scales=(118, 124), bias_scale=4.0,
+                      router_scale=4.0):
+    """Writes an MXFP4 gpt-oss layer 0 of E experts, top-K, hidden size H and
+    intermediate size I (random blocks, scales in [scales[0], scales[1]); the
+    fixture's config otherwise) and the same weights unquantized, as HF
+    dequantizes them; returns (MXFP4 checkpoint dir, unquantized dir, the
+    unquantized tensors as f32)."""
     t = {
-        P + "router.weight": f32_to_bf16(rng.standard_normal((E, H)) / 4),
-        P + "router.bias": f32_to_bf16(rng.standard_normal(E) / 4),
+        P + "router.weight": f32_to_bf16(rng.standard_normal((E, H)) / router_scale),
+        P + "router.bias": f32_to_bf16(rng.standard_normal(E) / router_scale),
         P + "experts.gate_up_proj_blocks": rng.integers(0, 256, (E, 2 * I, H // 32, 16), np.uint8),
-        P + "experts.gate_up_proj_scales": rng.integers(118, 124, (E, 2 * I, H // 32), np.uint8),
-        P + "experts.gate_up_proj_bias": f32_to_bf16(rng.standard_normal((E, 2 * I)) / 4),
+        P + "experts.gate_up_proj_scales": rng.integers(*scales, (E, 2 * I, H // 32), np.uint8),
+        P + "experts.gate_up_proj_bias": f32_to_bf16(rng.standard_normal((E, 2 * I)) / bias_scale),
         P + "experts.down_proj_blocks": rng.integers(0, 256, (E, H, I // 32, 16), np.uint8),
-        P + "experts.down_proj_scales": rng.integers(118, 124, (E, H, I // 32), np.uint8),
-        P + "experts.down_proj_bias": f32_to_bf16(rng.standard_normal((E, H)) / 4),
+        P + "experts.down_proj_scales": rng.integers(*scales, (E, H, I // 32), np.uint8),
+        P + "experts.down_proj_bias": f32_to_bf16(rng.standard_normal((E, H)) / bias_scale),
     }
+    shape = {"hidden_size": H, "intermediate_size": I, "num_local_experts": E,
+             "num_experts_per_tok": K}
     q, d = tmp_path / "mxfp4", tmp_path / "bf16"
     q.mkdir()
     d.mkdir()
-    (q / "config.json").write_text(json.dumps(_config(True)))
-    (d / "config.json").write_text(json.dumps(_config(False)))
+    (q / "config.json").write_text(json.dumps(_config(True, shape)))
+    (d / "config.json").write_text(json.dumps(_config(False, shape)))
     write_safetensors(q / "model.safetensors", t)
     gate_up = hf_convert_moe_packed_tensors(t[P + "experts.gate_up_proj_blocks"],
                                             t[P + "experts.gate_up_proj_scales"])  # [E, H, 2I]
@@ -84,6 +89,18 @@ def write_checkpoints(tmp_path, rng):
     write_safetensors(d / "model.safetensors", dense)
     f32 = {k: bf16_to_f32(v) if v.dtype == np.uint16 else v for k, v in dense.items()}
     return q, d, f32
+
+
+def ref_forward(w: dict, x: np.ndarray, logits: np.ndarray, k: int = K) -> np.ndarray:
+    """float64 gpt-oss MoE of the unquantized tensors `w` (write_checkpoints'
+    third result): top-k over the logits, softmax over the k; w13's gate / up
+    rows are gate_up's even / odd columns."""
+    tw, ids = ref_fused_topk(logits, k, renormalize=True)
+    gu, gub = w[P + "experts.gate_up_proj"], w[P + "experts.gate_up_proj_bias"]
+    w13 = np.concatenate([gu[:, :, 0::2], gu[:, :, 1::2]], axis=2).transpose(0, 2, 1)
+    b13 = np.concatenate([gub[:, 0::2], gub[:, 1::2]], axis=1)
+    return ref_fused_experts(x, w13, w[P + "experts.down_proj"].transpose(0, 2, 1), tw, ids,
+                             "swiglu_oai", b13, w[P + "experts.down_proj_bias"])
 
 
 @pytest.fixture
@@ -102,20 +119,12 @@ def test_mxfp4_experts_load_as_transformers_dequantizes_them(checkpoints, rng, d
               + w[P + "router.bias"]).astype(np.float32)
     out = mx(x, router_logits=logits)
     assert np.array_equal(out, dense(x, router_logits=logits))
-    # float64 forward: gpt-oss's top-k over the logits, softmax over the k;
-    # w13's gate / up rows are gate_up's even / odd columns.
-    tw, ids = ref_fused_topk(logits, K, renormalize=True)
-    gu, gub = w[P + "experts.gate_up_proj"], w[P + "experts.gate_up_proj_bias"]
-    w13 = np.concatenate([gu[:, :, 0::2], gu[:, :, 1::2]], axis=2).transpose(0, 2, 1)
-    b13 = np.concatenate([gub[:, 0::2], gub[:, 1::2]], axis=1)
-    ref = ref_fused_experts(x, w13, w[P + "experts.down_proj"].transpose(0, 2, 1), tw, ids,
-                            "swiglu_oai", b13, w[P + "experts.down_proj_bias"])
-    assert rel_l2(out, ref) <= (1e-5 if dtype == "f32" else 1e-2)
+    assert rel_l2(out, ref_forward(w, x, logits)) <= (1e-5 if dtype == "f32" else 1e-2)
 
 
 def test_mxfp4_blocks_without_quantization_config_are_refused(checkpoints):
     q, _, _ = checkpoints
-    (q / "config.json").write_text(json.dumps(_config(False)))
+    (q / "config.json").write_text(json.dumps(_config(False, {"intermediate_size": I})))
     with pytest.raises(OSError, match=r"'model\.layers\.0\.mlp\.experts\.gate_up_proj_blocks' holds "
                                       r"MXFP4 blocks, but config\.json has no quantization_config"):
         fusedmoe.MoELayer.from_pretrained(q, layer=0)
