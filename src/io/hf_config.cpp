@@ -81,8 +81,13 @@ class Fields {
     }
     // A float, even a whole one (4.0): not an integer field's value (Python
     // reads it as a float, which HF's torch.topk and range() refuse).
-    // An unsigned value past 2^63 - 1 would wrap negative in int64_t.
-    if (v->is_number_unsigned() && v->get<uint64_t>() > static_cast<uint64_t>(INT64_MAX))
+    // An unsigned value past 2^63 - 1 would wrap negative in int64_t; one past
+    // 64 bits is kept as its text (io/python_json.h).
+    const std::string text = v->is_binary() ? as_written(*v) : std::string();
+    const bool big =
+        !text.empty() &&
+        text.find_first_not_of("0123456789", text[0] == '-' ? 1 : 0) == std::string::npos;
+    if (big || (v->is_number_unsigned() && v->get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)))
       FUSEDMOE_THROW(kInvalidArgument, where_, ": field '", k,
                      "': expected an integer below 2^63, got ", as_written(*v));
     if (v->is_number_integer()) return v->get<int64_t>();

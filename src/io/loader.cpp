@@ -18,7 +18,8 @@
 //             and _scales U8 [E, 2I, H/32] (rows interleaved gate / up), down_proj_blocks
 //             [E, H, I/32, 16] and _scales [E, H, I/32]: dequantized to bf16 as HF
 //             transformers' convert_moe_packed_tensors does (see mxfp4_row).
-// f32 and bf16 weights keep their dtype; f16 and f64 are converted to f32.
+// f32 and bf16 weights keep their dtype; f16 and f64 are converted to f32; a
+// layer's routed experts in mixed dtypes load together as f32 (common_dtype).
 #include "fusedmoe/io/loader.h"
 
 #include <unistd.h>
@@ -257,13 +258,17 @@ DType target_dtype(const Source& s) {
   return (d == DType::kF32 || d == DType::kBF16) ? d : DType::kF32;
 }
 
-// `s` must load to the dtype `ref` loads to; the message names both stored dtypes.
-void check_dtype(const Source& s, const Source& ref, const std::string& ckpt) {
-  if (target_dtype(s) != target_dtype(ref))
-    FUSEDMOE_THROW(kIo, printable(ckpt), ": tensor '", s.name, "': dtype ", dtype_name(s.t.dtype()),
-                   " differs from '", ref.name, "' (", dtype_name(ref.t.dtype()),
-                   "): the expert tensors must load as one dtype (bf16 is kept; f32, f16, f64 "
-                   "and FP8 load as f32)");
+// The dtype tensors that load together (a layer's routed experts, their
+// biases) take: bf16 when each of them is kept as bf16, else f32 (a bf16
+// one converted), as HF casts a checkpoint's tensors to one dtype.
+template <class Sources>
+DType common_dtype(const Sources& sources) {
+  for (const Source* s : sources)
+    if (target_dtype(*s) != DType::kBF16) return DType::kF32;
+  return DType::kBF16;
+}
+DType common_dtype(std::initializer_list<const Source*> sources) {
+  return common_dtype<std::initializer_list<const Source*>>(sources);
 }
 
 // Converts row `row` of a 2-D source to float, applying FP8 block scales.
@@ -482,12 +487,11 @@ ExpertWeights load_per_expert(const Reader& rd, const Checkpoint& ckpt,
     up.push_back(rd.get(p + up_n, {I, H}));
     down.push_back(rd.get(p + down_n, {H, I}));
   }
-  const DType dt = target_dtype(gate[0]);
-  for (int64_t e = 0; e < E; ++e) {
-    check_dtype(gate[e], gate[0], ckpt.path());
-    check_dtype(up[e], gate[0], ckpt.path());
-    check_dtype(down[e], gate[0], ckpt.path());
-  }
+  std::vector<const Source*> all;
+  for (const auto* v : {&gate, &up, &down})
+    for (const Source& src : *v) all.push_back(&src);
+  const DType dt = common_dtype(all);
+  (void)ckpt;
   ExpertWeights w;
   if (check_only) return w;
   w.w13 = Tensor::empty(dt, {E, 2 * I, H});
@@ -590,8 +594,10 @@ MoELayerWeights load_or_check(const Checkpoint& checkpoint, const ModelInfo& inf
       dn = rd.get("experts.down_proj", {E, I, H});
     }
     // MXFP4 dequantizes to bf16, as HF transformers does: a plain partner must load as bf16 too.
-    const DType dt = gu ? target_dtype(*gu) : dn ? target_dtype(*dn) : DType::kBF16;
-    if (gu && dn) check_dtype(*dn, *gu, checkpoint.path());
+    const DType dt = gu && dn ? common_dtype({&*gu, &*dn})
+                     : gu     ? target_dtype(*gu)
+                     : dn     ? target_dtype(*dn)
+                              : DType::kBF16;
     for (const std::optional<Source>* plain : {&gu, &dn}) {
       if (!*plain) continue;
       if ((gu_mx || dn_mx) && target_dtype(**plain) != DType::kBF16)
@@ -606,17 +612,16 @@ MoELayerWeights load_or_check(const Checkpoint& checkpoint, const ModelInfo& inf
     if (cfg.has_expert_bias) {
       gub = rd.get("experts.gate_up_proj_bias", {E, 2 * I});
       dnb = rd.get("experts.down_proj_bias", {E, H});
-      check_dtype(*dnb, *gub, checkpoint.path());
     }
     if (check_only) return out;
     const bool interleaved = mt == "gpt_oss";
     ExpertWeights& w = out.experts;
     w.w13 = Tensor::empty(dt, {n, 2 * I, H});
     w.w2 = Tensor::empty(dt, {n, H, I});
-    const DType bdt = gub ? target_dtype(*gub) : dt;
+    const DType bdt = gub ? common_dtype({&*gub, &*dnb}) : dt;
     if (gub) {
       w.w13_bias = Tensor::empty(bdt, {n, 2 * I});
-      const Tensor b2 = as_f32_or_bf16(dnb->t);
+      const Tensor b2 = bdt == target_dtype(*dnb) ? as_f32_or_bf16(dnb->t) : to_f32(dnb->t.view());
       if (n == E) {
         w.w2_bias = b2;
       } else {
@@ -676,10 +681,11 @@ MoELayerWeights load_or_check(const Checkpoint& checkpoint, const ModelInfo& inf
     if (gu.scale_inv || dn.scale_inv)
       FUSEDMOE_THROW(kUnsupported, printable(checkpoint.path()), ": tensor '", gu.name,
                      "': packed FP8 experts are not supported");
-    check_dtype(dn, gu, checkpoint.path());
     if (check_only) return out;
-    out.experts.w13 = as_f32_or_bf16(gu.t);
-    out.experts.w2 = as_f32_or_bf16(dn.t);
+    // Zero copy when both load as one dtype; else both as f32.
+    const DType dt = common_dtype({&gu, &dn});
+    out.experts.w13 = dt == target_dtype(gu) ? as_f32_or_bf16(gu.t) : to_f32(gu.t.view());
+    out.experts.w2 = dt == target_dtype(dn) ? as_f32_or_bf16(dn.t) : to_f32(dn.t.view());
     if (n != E) out.experts = shard_expert_weights(out.experts, experts, 1, 0);  // views
   } else if (mt == "mixtral") {
     out.experts = load_per_expert(rd, checkpoint, experts, H, I, "experts.", "w1.weight",

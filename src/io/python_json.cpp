@@ -33,10 +33,11 @@ struct Marked {
   std::vector<At> at;
 };
 
-// The text with NaN / Infinity / -Infinity and numbers beyond the double
-// range outside strings as marker strings, and lone UTF-16 surrogate escapes
-// inside strings as U+FFFD; nullopt when it has none of these.
-std::optional<Marked> mark_non_finite(const std::string& text) {
+// The text with NaN / Infinity / -Infinity, numbers beyond the double range
+// and integers beyond 64 bits outside strings as marker strings, and lone
+// UTF-16 surrogate escapes inside strings as U+FFFD; nullopt when it has none
+// of these. Throws Error(kIo) for an integer Python's int would refuse.
+std::optional<Marked> mark_non_finite(const std::string& text, const std::string& shown_) {
   Marked m;
   m.text.reserve(text.size() + 64);
   bool in_string = false;
@@ -92,13 +93,25 @@ std::optional<Marked> mark_non_finite(const std::string& text) {
     }
     if (matched) continue;
     if (c == '-' || (c >= '0' && c <= '9')) {
-      // A number: kept, unless beyond the double range (Python's float: inf).
+      // A number: kept, unless beyond the double range (Python's float: inf)
+      // or an integer beyond 64 bits (Python's int; nlohmann rounds it to a
+      // double); an integer of more than 4300 digits Python's int refuses.
       size_t j = i + 1;
       while (j < text.size() && (std::strchr("0123456789+-.eE", text[j]) != nullptr)) ++j;
       const std::string run = text.substr(i, j - i);
+      const std::string_view digits = std::string_view(run).substr(run[0] == '-' ? 1 : 0);
+      const bool integer =
+          !digits.empty() && digits.find_first_not_of("0123456789") == std::string_view::npos;
+      if (integer && digits.size() > 4300)
+        FUSEDMOE_THROW(kIo, shown_, ": an integer of ", digits.size(), " digits at byte ", i,
+                       ", more than Python's int reads from text (4300: ValueError)");
+      // Past 2^64 - 1 (positive) or below -2^63: nlohmann's integers end there.
+      const std::string_view most = run[0] == '-' ? "9223372036854775808" : "18446744073709551615";
+      const bool big = integer && (digits.size() > most.size() ||
+                                   (digits.size() == most.size() && digits > most));
       char* end = nullptr;
-      const double v = std::strtod(run.c_str(), &end);
-      if (end == run.c_str() + run.size() && std::isinf(v)) {
+      const double v = integer ? 0.0 : std::strtod(run.c_str(), &end);
+      if (big || (!integer && end == run.c_str() + run.size() && std::isinf(v))) {
         emit(i, run.size());
       } else {
         m.text += run;
@@ -140,9 +153,9 @@ std::string unmarked_position(const std::string& what, const Marked& m, const st
 }
 
 // Marker strings to binary values (holding the text they stand for); the depth
-// checked and object keys that were literals refused (`original_error`).
+// checked and object keys that were literals refused.
 // Iterative: the depth is checked before anything recurses.
-void finish(json& root, const std::string& shown, bool marked, const std::string& original_error) {
+void finish(json& root, const std::string& shown, bool marked) {
   std::vector<std::pair<json*, int>> stack{{&root, 1}};
   while (!stack.empty()) {
     auto [v, depth] = stack.back();
@@ -158,7 +171,8 @@ void finish(json& root, const std::string& shown, bool marked, const std::string
     } else if (v->is_object()) {
       for (auto it = v->begin(); it != v->end(); ++it) {
         if (marked && std::string_view(it.key()).starts_with(kMarker))
-          FUSEDMOE_THROW(kIo, shown, ": not valid JSON: ", original_error);
+          FUSEDMOE_THROW(kIo, shown, ": not valid JSON: ", it.key().substr(kMarker.size()),
+                         " as an object key (Python's json takes only strings as keys)");
         stack.push_back({&it.value(), depth + 1});
       }
     } else if (v->is_array()) {
@@ -182,25 +196,27 @@ nlohmann::json parse_python_json(const std::string& text, const std::string& sho
     FUSEDMOE_THROW(kIo, shown, ": not JSON text: contains a NUL byte at offset ", nul,
                    " (a binary or damaged file?); expected ", what);
   json root;
-  try {
-    root = json::parse(text);
-    finish(root, shown, false, "");
-    return root;
-  } catch (const json::exception& e) {
-    const std::optional<Marked> marked = mark_non_finite(text);
-    if (!marked) FUSEDMOE_THROW(kIo, shown, ": not valid JSON: ", e.what());
+  const std::optional<Marked> marked = mark_non_finite(text, shown);
+  if (!marked) {
     try {
-      root = json::parse(marked->text);
-    } catch (const json::parse_error& e2) {
-      // The error in the marked text (a NaN before it is no error), placed in the original.
-      FUSEDMOE_THROW(kIo, shown,
-                     ": not valid JSON: ", unmarked_position(e2.what(), *marked, text, e2.byte));
-    } catch (const json::exception& e2) {
-      FUSEDMOE_THROW(kIo, shown, ": not valid JSON: ", e2.what());
+      root = json::parse(text);
+    } catch (const json::exception& e) {
+      FUSEDMOE_THROW(kIo, shown, ": not valid JSON: ", e.what());
     }
-    finish(root, shown, true, e.what());
+    finish(root, shown, false);
     return root;
   }
+  try {
+    root = json::parse(marked->text);
+  } catch (const json::parse_error& e) {
+    // Placed in the text as written (the markers are longer than what they stand for).
+    FUSEDMOE_THROW(kIo, shown,
+                   ": not valid JSON: ", unmarked_position(e.what(), *marked, text, e.byte));
+  } catch (const json::exception& e) {
+    FUSEDMOE_THROW(kIo, shown, ": not valid JSON: ", e.what());
+  }
+  finish(root, shown, true);
+  return root;
 }
 
 std::string json_as_written(const nlohmann::json& v) {

@@ -315,9 +315,14 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) 
     const unsigned __int128 nbytes = nbits / 8;
     if (nbits > std::numeric_limits<uint64_t>::max()) overflows = true;
     const json& off = v["data_offsets"];
-    for (const json& o : off)
+    for (const json& o : off) {
+      // nlohmann reads an integer past 64 bits as a double.
+      if (o.is_number_float() && o.get<double>() >= 18446744073709551616.0)
+        throw bad(detail::concat("data_offsets ", off.dump(),
+                                 " hold an offset of 2^64 or more (expected 64-bit offsets)"));
       if (!o.is_number_unsigned() && !(o.is_number_integer() && o.get<int64_t>() >= 0))
         throw bad(detail::concat("data_offsets ", off.dump(), " are not non-negative integers"));
+    }
     const uint64_t b = off[0].get<uint64_t>(), en = off[1].get<uint64_t>();
     if (b > en) throw bad(detail::concat("data_offsets ", offsets_str(b, en), " has begin > end"));
     if (en > data_size)
@@ -492,6 +497,12 @@ Checkpoint Checkpoint::open(const std::string& path) {
     // folder, as a Hugging Face cache has, are followed; a ".." is checked
     // against the folders the OS finds when a tensor is read).
     const std::string shard = it.value().get<std::string>();
+    // A NUL ends the name the OS sees: the file opened would be another
+    // (Python's open() refuses such a path: "embedded null byte").
+    if (const size_t nul = shard.find('\0'); nul != std::string::npos)
+      FUSEDMOE_THROW(kIo, printable(index.string()), ": weight_map entry '", printable(it.key()),
+                     "': \"", printable(shard), "\" holds a NUL byte (at ", nul,
+                     "), which no file name can; expected a shard file name");
     const fs::path rel = fs::path(shard).lexically_normal();
     if (shard.empty() || rel.is_absolute() || rel.has_root_name() || rel.begin() == rel.end() ||
         *rel.begin() == ".." || rel == ".")

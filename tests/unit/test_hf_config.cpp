@@ -308,7 +308,19 @@ TEST(HfConfig, NonFiniteLiteralsAsPythonJsonReadsThem) {
   EXPECT_NO_THROW(parse_model_info(with("initializer_range", digits), where));
   EXPECT_HAS(error_of([&] { parse_model_info(with("num_local_experts", digits), where); },
                       ErrorCode::kInvalidArgument),
-             "field 'num_local_experts': expected an integer, got " + digits);
+             "field 'num_local_experts': expected an integer below 2^63, got " + digits);
+  // 2^64 + 4: past nlohmann's integers (it read 1.8446744073709552e+19), as written.
+  EXPECT_HAS(
+      error_of(
+          [&] { parse_model_info(with("num_experts_per_tok", "18446744073709551620"), where); },
+          ErrorCode::kInvalidArgument),
+      "field 'num_experts_per_tok': expected an integer below 2^63, got "
+      "18446744073709551620");
+  // More digits than Python's int reads from text (4300): refused, as HF refuses it.
+  EXPECT_HAS(
+      error_of([&] { parse_model_info(with("initializer_range", std::string(4301, '7')), where); },
+               ErrorCode::kIo),
+      "test/config.json: an integer of 4301 digits at byte ");
   // A lone UTF-16 surrogate escape (Python keeps it; nlohmann refused the text),
   // beside a NaN or alone, and a valid pair.
   EXPECT_NO_THROW(parse_model_info(with("note", "\"a\\ud800b\""), where));

@@ -281,6 +281,11 @@ TEST(Safetensors, RejectsBadFiles) {
        0,
        std::nullopt,
        {"tensor 'w.y'", "overflows 64 bits"}},
+      {"offset past 64 bits",
+       R"({"w.g":{"dtype":"F32","shape":[2],"data_offsets":[0,18446744073709551616]}})",
+       8,
+       std::nullopt,
+       {"tensor 'w.g'", "hold an offset of 2^64 or more"}},
       {"negative shape",
        R"({"w.e":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}})",
        8,
@@ -809,6 +814,11 @@ TEST(Checkpoint, IndexIsReadAsPythonJsonReadsIt) {
   std::ofstream(index) << R"({"weight_map": {"a": NaN}})";
   EXPECT_HAS(error_of([&] { Checkpoint::open(dir.path()); }, ErrorCode::kIo),
              index + ": weight_map entry 'a' is not a string");
+  // A NUL in a shard's name (a \u0000 escape) would open the file named by
+  // what precedes it: refused, as Python's open() refuses it.
+  std::ofstream(index) << R"({"weight_map": {"a": "s.safetensors\u0000junk"}})";
+  EXPECT_HAS(error_of([&] { Checkpoint::open(dir.path()); }, ErrorCode::kIo),
+             index + ": weight_map entry 'a': \"s.safetensors\\x00junk\" holds a NUL byte (at 13)");
 }
 
 TEST(Checkpoint, ShardPathsStayInsideTheModelFolder) {

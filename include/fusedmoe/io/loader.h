@@ -6,7 +6,8 @@
 // biases, down_proj [E, I, H]; Llama-4 experts.gate_up_proj [E, H, 2I] with
 // gate then up halves, down_proj [E, I, H]) are gathered once into the
 // canonical layout of experts/expert_weights.h in the checkpoint's dtype (bf16
-// stays bf16; f32 stays f32; f16/f64 become f32). Only the layer's own tensors
+// stays bf16; f32 stays f32; f16/f64 become f32; experts stored in mixed dtypes
+// all become f32). Only the layer's own tensors
 // are read. Also accepted: the fused canonical names experts.gate_up_proj
 // [E, 2I, H] / experts.down_proj [E, H, I] (zero copy), DeepSeek's FP8 format
 // (F8_E4M3 weights + weight_scale_inv per 128x128 block), dequantized to f32, and
