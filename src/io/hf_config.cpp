@@ -22,13 +22,11 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <functional>
 #include <initializer_list>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <sstream>
-#include <string_view>
 
 #include "fusedmoe/core/error.h"
 #include "fusedmoe/io/safetensors.h"
@@ -79,8 +77,6 @@ class Fields {
       if (def) return *def;
       missing(keys);
     }
-    // A float, even a whole one (4.0): not an integer field's value (Python
-    // reads it as a float, which HF's torch.topk and range() refuse).
     // An unsigned value past 2^63 - 1 would wrap negative in int64_t; one past
     // 64 bits is kept as its text (io/python_json.h).
     const std::string text = v->is_binary() ? as_written(*v) : std::string();
@@ -90,6 +86,8 @@ class Fields {
     if (big || (v->is_number_unsigned() && v->get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)))
       FUSEDMOE_THROW(kInvalidArgument, where_, ": field '", k,
                      "': expected an integer below 2^63, got ", as_written(*v));
+    // A float, even a whole one (4.0): not an integer field's value (Python
+    // reads it as a float, which HF's torch.topk and range() refuse).
     if (v->is_number_integer()) return v->get<int64_t>();
     FUSEDMOE_THROW(kInvalidArgument, where_, ": field '", k, "': expected an integer, got ",
                    as_written(*v));
@@ -133,7 +131,7 @@ class Fields {
     const json* v = find(keys, &k);
     if (!v) return def;
     if (v->is_number()) return v->get<double>();
-    if (v->is_binary())  // NaN, Infinity or -Infinity (io/python_json.h)
+    if (v->is_binary())  // NaN, Infinity, 1e999, a 64-bit-plus integer (io/python_json.h)
       FUSEDMOE_THROW(kInvalidArgument, where_, ": field '", k, "': expected a finite number, got ",
                      as_written(*v));
     FUSEDMOE_THROW(kInvalidArgument, where_, ": field '", k, "': expected a number, got ",

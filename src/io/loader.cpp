@@ -472,10 +472,10 @@ void mxfp4_row(const uint8_t* blocks, const uint8_t* scales, int64_t groups, uin
 
 // Per-expert layout: fetches all 3*E tensors first (checks, serial: Checkpoint
 // is not thread-safe), then copies them in parallel.
-ExpertWeights load_per_expert(const Reader& rd, const Checkpoint& ckpt,
-                              const std::vector<int64_t>& experts, int64_t H, int64_t I,
-                              const std::string& expert_fmt, const char* gate_n, const char* up_n,
-                              const char* down_n, Progress* progress, bool check_only) {
+ExpertWeights load_per_expert(const Reader& rd, const std::vector<int64_t>& experts, int64_t H,
+                              int64_t I, const std::string& expert_fmt, const char* gate_n,
+                              const char* up_n, const char* down_n, Progress* progress,
+                              bool check_only) {
   const int64_t E = static_cast<int64_t>(experts.size());
   std::vector<Source> gate, up, down;
   gate.reserve(E);
@@ -491,7 +491,6 @@ ExpertWeights load_per_expert(const Reader& rd, const Checkpoint& ckpt,
   for (const auto* v : {&gate, &up, &down})
     for (const Source& src : *v) all.push_back(&src);
   const DType dt = common_dtype(all);
-  (void)ckpt;
   ExpertWeights w;
   if (check_only) return w;
   w.w13 = Tensor::empty(dt, {E, 2 * I, H});
@@ -688,10 +687,10 @@ MoELayerWeights load_or_check(const Checkpoint& checkpoint, const ModelInfo& inf
     out.experts.w2 = dt == target_dtype(dn) ? as_f32_or_bf16(dn.t) : to_f32(dn.t.view());
     if (n != E) out.experts = shard_expert_weights(out.experts, experts, 1, 0);  // views
   } else if (mt == "mixtral") {
-    out.experts = load_per_expert(rd, checkpoint, experts, H, I, "experts.", "w1.weight",
-                                  "w3.weight", "w2.weight", &progress, check_only);
+    out.experts = load_per_expert(rd, experts, H, I, "experts.", "w1.weight", "w3.weight",
+                                  "w2.weight", &progress, check_only);
   } else {
-    out.experts = load_per_expert(rd, checkpoint, experts, H, I, "experts.", "gate_proj.weight",
+    out.experts = load_per_expert(rd, experts, H, I, "experts.", "gate_proj.weight",
                                   "up_proj.weight", "down_proj.weight", &progress, check_only);
   }
   if (par.tp_size > 1 && !check_only) {
@@ -706,9 +705,9 @@ MoELayerWeights load_or_check(const Checkpoint& checkpoint, const ModelInfo& inf
     const char* sp =
         (mt == "deepseek_v2" || mt == "deepseek_v3") ? "shared_experts." : "shared_expert.";
     const std::string p = sp;
-    out.shared_experts = load_per_expert(
-        rd, checkpoint, {0}, H, S, "", (p + "gate_proj.weight").c_str(),
-        (p + "up_proj.weight").c_str(), (p + "down_proj.weight").c_str(), nullptr, check_only);
+    out.shared_experts = load_per_expert(rd, {0}, H, S, "", (p + "gate_proj.weight").c_str(),
+                                         (p + "up_proj.weight").c_str(),
+                                         (p + "down_proj.weight").c_str(), nullptr, check_only);
     if (par.tp_size > 1 && !check_only) {
       const std::vector<int64_t> one{0};
       out.shared_experts = shard_expert_weights(*out.shared_experts, one, par.tp_size, par.tp_rank);
