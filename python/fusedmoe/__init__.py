@@ -1015,7 +1015,10 @@ def select_experts(
     ``config=layer.config`` routes with changes: a ``top_k`` argument replaces
     a config dict's). Hash routing: routing_method="hash",
     hash_vocab_size=V, ``hash_table`` int32 [V, k] and ``token_ids`` int32 [T].
-    Returns (topk_weights f32 [T, k], topk_ids int32 [T, k]; id -1 = zero expert)."""
+    routing_method "grouped_topk" without group_score scores groups as
+    ``grouped_topk`` does: the sum of the top 2 with e_score_correction_bias,
+    else the max. Returns (topk_weights f32 [T, k], topk_ids int32 [T, k]; id
+    -1 = zero expert)."""
     _check_array(router_logits, "router_logits")
     if isinstance(config, MoELayer):
         # The layer's routing: a top_k of another value would silently route
@@ -1078,8 +1081,18 @@ def select_experts(
         cfg["num_experts"] = cols - int(zero)
     cfg.setdefault("hidden_size", 1)
     cfg.setdefault("intermediate_size", 1)
+    method = cfg.get("routing_method", "topk")
     if e_score_correction_bias is not None:
+        # Only the topk and grouped_topk routers read a bias: named here as the
+        # argument, not as the configuration's internal flag.
+        if method not in ("topk", "grouped_topk"):
+            raise ValueError(f"e_score_correction_bias: only used by routing_method 'topk' and "
+                             f"'grouped_topk', got routing_method {method!r}")
         cfg.setdefault("e_score_correction_bias", True)
+    if method == "grouped_topk" and "group_score" not in cfg:
+        # grouped_topk's (and vLLM's) default: the top-2 sum with a bias, else the max.
+        biased = e_score_correction_bias is not None or cfg.get("e_score_correction_bias") is True
+        cfg["group_score"] = "sum_top2" if biased else "max"
     return _route(logits, cfg, e_score_correction_bias, token_ids, hash_table, names=names,
                   config_keys=config_keys)
 

@@ -96,6 +96,21 @@ def test_select_experts_methods(rng):
     rw, rids = ref_grouped_topk(logits, k, True, 4, 2, "sigmoid", bias)
     np.testing.assert_array_equal(ids, rids)
     assert rel_l2(w, rw) <= 1e-6
+    # grouped without group_score: grouped_topk's default (max without a bias,
+    # the top-2 sum with one), as vLLM's grouped_topk scores groups
+    for b in (None, bias):
+        w, ids = fusedmoe.select_experts(logits, k, routing_method="grouped_topk",
+                                         scoring_func="sigmoid", num_expert_group=4, topk_group=2,
+                                         renormalize=True, e_score_correction_bias=b)
+        gw, gids = fusedmoe.grouped_topk(logits, k, True, 4, 2, "sigmoid", b)
+        np.testing.assert_array_equal(ids, gids)
+        np.testing.assert_array_equal(w, gw)
+    # a bias for a router that reads none: named as the argument
+    for method in ("llama4", "topk_softmax"):
+        with pytest.raises(ValueError, match=r"^e_score_correction_bias: only used by "
+                                             r"routing_method 'topk' and 'grouped_topk', got "
+                                             rf"routing_method '{method}'"):
+            fusedmoe.select_experts(logits, 1, routing_method=method, e_score_correction_bias=bias)
 
 
 def test_select_experts_zero_experts_and_hash(rng):
