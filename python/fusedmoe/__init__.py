@@ -289,6 +289,14 @@ def _as_array(x: Any, name: str, expected: str = "a numeric dtype") -> Any:
     NumPy dtype with no DLPack form raises TypeError naming `name` and
     `expected`."""
     _check_array(x, name)
+    if not (isinstance(x, np.ndarray) or _is_torch(x) or hasattr(x, "shape")):
+        # An object with the DLPack protocol alone (no shape): imported as a
+        # NumPy array (a CPU one; NumPy names another device).
+        try:
+            x = np.from_dlpack(x)
+        except Exception as e:
+            raise TypeError(f"{name}: a DLPack object NumPy cannot import "
+                            f"({type(e).__name__}: {e})") from e
     if isinstance(x, np.ndarray):
         # Object, string, void, structured, datetime and ml_dtypes' float8 arrays
         # have no DLPack form: the extension could only refuse them with its raw

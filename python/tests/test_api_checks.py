@@ -1018,3 +1018,41 @@ def test_expert_parallel_group_argument_errors():
         with pytest.raises((RuntimeError, ValueError, NotImplementedError),
                            match="no CUDA device|no NCCL|device"):
             fusedmoe.ExpertParallelGroup.from_unique_id(uid, 0, 1)
+
+
+def test_dlpack_only_objects_are_imported_as_numpy(rng):
+    """An object with the DLPack protocol alone (no shape, ndim): imported as a
+    NumPy array, the same results as the arrays it wraps; one whose
+    __dlpack__ fails raises TypeError naming the argument and the cause."""
+    class DL:
+        def __init__(self, a):
+            self.a = a
+
+        def __dlpack__(self, **kw):
+            return self.a.__dlpack__(**kw)
+
+        def __dlpack_device__(self):
+            return self.a.__dlpack_device__()
+
+    class Broken:
+        def __dlpack__(self, **kw):
+            raise RuntimeError("no export")
+
+        def __dlpack_device__(self):
+            return (1, 0)
+
+    E, H, I, T, k = 4, 16, 8, 3, 2
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    w13 = rng.standard_normal((E, 2 * I, H)).astype(np.float32)
+    w2 = rng.standard_normal((E, H, I)).astype(np.float32)
+    tw = rng.random((T, k)).astype(np.float32)
+    ids = np.array([[0, 1], [2, 3], [1, 2]], np.int32)
+    out = fusedmoe.fused_experts(DL(x), DL(w13), DL(w2), DL(tw), DL(ids))
+    np.testing.assert_array_equal(out, fusedmoe.fused_experts(x, w13, w2, tw, ids))
+    logits = rng.standard_normal((T, E)).astype(np.float32)
+    for a, b in zip(fusedmoe.fused_topk(None, DL(logits), 2, True),
+                    fusedmoe.fused_topk(None, logits, 2, True)):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(TypeError, match=r"^gating_output: a DLPack object NumPy cannot import "
+                                        r"\(RuntimeError: no export\)"):
+        fusedmoe.fused_topk(None, Broken(), 2, True)
