@@ -287,3 +287,19 @@ def test_layer_calls_in_a_forked_child(threads, rng):
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status), f"the child hung or died (signal {os.WTERMSIG(status)})"
     assert os.WEXITSTATUS(status) == 0, "the child's output differs from the parent's"
+
+
+def test_sqrtsoftplus_infinite_logit_takes_the_limit(rng):
+    """A +inf logit under a renormalized sqrtsoftplus: all the weight on it
+    (two: half each), never NaN; not renormalized its weight is +inf."""
+    logits = rng.standard_normal((3, 8)).astype(np.float32)
+    logits[0, 2] = np.inf
+    logits[1, 4] = logits[1, 6] = np.inf
+    w, ids = fusedmoe.fused_topk(None, logits, 2, True, scoring_func="sqrtsoftplus")
+    np.testing.assert_array_equal(ids[0, 0], 2)
+    np.testing.assert_array_equal(w[0], [1.0, 0.0])
+    np.testing.assert_array_equal(np.sort(ids[1]), [4, 6])
+    np.testing.assert_array_equal(w[1], [0.5, 0.5])
+    assert np.isfinite(w).all()
+    w, _ = fusedmoe.fused_topk(None, logits, 2, False, scoring_func="sqrtsoftplus")
+    assert w[0, 0] == np.inf

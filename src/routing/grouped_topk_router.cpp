@@ -87,14 +87,14 @@ class GroupedTopKRouter final : public RouterBase {
         const int64_t e0 = gids[j] * per;
         etop.scan(choice.data() + e0, per, static_cast<int32_t>(e0));
       }
-      double sum = 0.0;
-      for (int64_t j = 0; j < k; ++j) sum += (w[j] = scores[eids[j]]);
-      const double denom = config_.renormalize ? sum + 1e-20 : 1.0;
+      double sum = 0.0, infinite = 0.0;
+      for (int64_t j = 0; j < k; ++j) sum += (w[j] = scores[eids[j]]), infinite += w[j] == HUGE_VAL;
       int32_t* ids = a.ids + t * a.ids_ld;
       float* out = a.weights + t * a.weights_ld;
       for (int64_t j = 0; j < k; ++j) {
         ids[j] = eids[j];
-        out[j] = static_cast<float>(w[j] / denom * scale);
+        const double wj = config_.renormalize ? renormalized(w[j], sum, 1e-20, infinite) : w[j];
+        out[j] = static_cast<float>(wj * scale);
       }
     }
   }

@@ -88,6 +88,14 @@ FUSEDMOE_HOST_DEVICE inline double sqrt_softplus(double x) {
   const double ax = x < 0.0 ? -x : x;
   return std::sqrt((x > 0.0 ? x : 0.0) + log1p_unit_d(exp_d(-ax)));
 }
+// One of k weights renormalized by their sum (+ the guard eps). A +inf sum
+// (sqrtsoftplus of a +inf logit) takes the limit, as rel_exp does for
+// softmax: the `infinite` weights equal to +inf share 1 equally, the others
+// get 0, so no inf / inf = NaN arises.
+FUSEDMOE_HOST_DEVICE inline double renormalized(double w, double sum, double eps, double infinite) {
+  if (sum == HUGE_VAL) return w == HUGE_VAL ? 1.0 / infinite : 0.0;
+  return w / (sum + eps);
+}
 // exp(x - m) where m is the row maximum. If m is infinite (+inf present, or the
 // whole row is -inf) the softmax limit is used: entries equal to m share the
 // mass equally and all others get 0, so no NaN arises.

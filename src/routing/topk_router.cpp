@@ -90,10 +90,10 @@ class TopKRouter final : public RouterBase {
         sel = s.ids.data();
       }
       if (config_.renormalize && (f != ScoringFunc::kSoftmax || !bias_.empty())) {
-        double sum = 0.0;
-        for (int64_t j = 0; j < k; ++j) sum += wk[j];
-        const double denom = sum + (f == ScoringFunc::kSoftmax ? 0.0 : 1e-20);
-        for (int64_t j = 0; j < k; ++j) wk[j] /= denom;
+        double sum = 0.0, infinite = 0.0;
+        for (int64_t j = 0; j < k; ++j) sum += wk[j], infinite += wk[j] == HUGE_VAL;
+        const double eps = f == ScoringFunc::kSoftmax ? 0.0 : 1e-20;
+        for (int64_t j = 0; j < k; ++j) wk[j] = renormalized(wk[j], sum, eps, infinite);
       }
       for (int64_t j = 0; j < k; ++j) {
         ids[j] = out_id(sel[j]);

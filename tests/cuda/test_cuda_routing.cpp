@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -138,8 +139,9 @@ const int64_t kTokens[] = {0, 1, 3, 17, 130, 1000, 4096};
 const int64_t kExperts[] = {8, 10, 60, 128, 256};
 const int64_t kTopK[] = {1, 2, 6, 8};
 
-// Kinds of router logits: fresh uniform values, or rows built to tie.
-enum class Logits { kRandom, kTies };
+// Kinds of router logits: fresh uniform values, rows built to tie, or fresh
+// values with 0, 1 or 2 +inf logits a row (and a -inf in every fourth).
+enum class Logits { kRandom, kTies, kInfinite };
 
 // Rows of kTies, in turn: (a) every logit from {-1, -0.5, -0, +0, 0.5, 1}
 // (exact ties everywhere, -0 equal to +0); (b) one random base value, each logit
@@ -196,6 +198,12 @@ void check_case(const MoEConfig& c, int64_t T, std::mt19937_64& rng, Logits kind
   period += period % 2;
   Tensor logits_h = kind == Logits::kTies ? tie_logits(rng, T, L, period)
                                           : test::random_f32(rng, {T, L}, -4.0f, 4.0f);
+  if (kind == Logits::kInfinite)
+    for (int64_t t = 0; t < T; ++t) {
+      float* row = logits_h.data_as<float>() + t * L;
+      for (int64_t n = 0; n < t % 3; ++n) row[rng() % L] = INFINITY;
+      if (t % 4 == 0) row[rng() % L] = -INFINITY;
+    }
   Tensor ids_h = Tensor::empty(DType::kI32, {T, k});
   Tensor w_h = Tensor::empty(DType::kF32, {T, k});
   router->select_experts(logits_h, ids_h, w_h);
@@ -220,7 +228,8 @@ void check_case(const MoEConfig& c, int64_t T, std::mt19937_64& rng, Logits kind
   for (int64_t i = 0; i < T * k && bad < 5; ++i) {
     const int32_t want = ids_h.data_as<int32_t>()[i], got = ids_d.data_as<int32_t>()[i];
     const float ww = w_h.data_as<float>()[i], wg = w_d.data_as<float>()[i];
-    if (want != got || !(std::abs(ww - wg) <= 1e-6f * std::abs(ww) + 1e-30f)) {
+    if (want != got || !(std::abs(ww - wg) <= 1e-6f * std::abs(ww) + 1e-30f) ||
+        !std::isfinite(wg)) {
       ADD_FAILURE() << "token " << i / k << " slot " << i % k << ": id " << got << " (cpu " << want
                     << "), weight " << wg << " (cpu " << ww << ")";
       ++bad;
@@ -281,6 +290,41 @@ TEST_P(CudaRouting, TiesMatchCpuRouter) {
       check_case(c, T, rng, Logits::kTies, i++ % 2 == 1);
       if (HasFailure()) return;
     }
+}
+
+// +inf logits: the softmax limit for softmax, sigmoid's 1, and for a
+// renormalized sqrtsoftplus (an infinite score) the infinite scores sharing 1
+// (routing/scores.h's renormalized): the CPU's ids and weights, all finite.
+TEST(CudaRouting, InfiniteLogitsTakeTheLimitAsTheCpuRouter) {
+  FUSEDMOE_REQUIRE_CUDA();
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const std::vector<Variant> all = variants();
+  int i = 0;
+  for (const char* name : {"softmax", "softmax_renorm", "sigmoid_renorm_scaled", "sigmoid_bias",
+                           "sqrtsoftplus_bias", "grouped_v3", "grouped_v2"}) {
+    const Variant v = *std::find_if(all.begin(), all.end(),
+                                    [&](const Variant& x) { return x.name == std::string(name); });
+    for (const bool sqrt_softplus : {false, true}) {
+      for (int64_t E : {8, 60, 256}) {
+        MoEConfig c = v.make(E, 6);
+        if (sqrt_softplus) {
+          if (!c.renormalize) continue;  // an infinite score is an infinite weight then
+          c.scoring_func = ScoringFunc::kSqrtSoftplus;
+        }
+        try {
+          c.validate();
+        } catch (const Error&) {
+          continue;
+        }
+        SCOPED_TRACE(std::string(name) + (sqrt_softplus ? " sqrtsoftplus" : "") + " E " +
+                     std::to_string(E));
+        check_case(c, 130, rng, Logits::kInfinite, i++ % 2 == 0);
+        if (HasFailure()) return;
+      }
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(AllVariants, CudaRouting, ::testing::Range(0, 13),

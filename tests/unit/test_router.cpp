@@ -424,6 +424,15 @@ TEST(Router, EqualAndInfiniteLogitsGiveDistinctLowestIds) {
         configs.push_back(c);
       }
     }
+    // sqrtsoftplus renormalized: infinite scores share 1 (not inf / inf).
+    MoEConfig ssp = base_config(E, k);
+    ssp.scoring_func = ScoringFunc::kSqrtSoftplus;
+    ssp.renormalize = true;
+    configs.push_back(ssp);
+    MoEConfig ssp_grouped = deepseek_v3(E, k, 4, 2);
+    ssp_grouped.scoring_func = ScoringFunc::kSqrtSoftplus;
+    ssp_grouped.has_e_score_correction_bias = false;
+    configs.push_back(ssp_grouped);
     MoEConfig gpt = base_config(E, k);
     gpt.routing_method = RoutingMethod::kTopKSoftmax;
     configs.push_back(gpt);
@@ -441,9 +450,24 @@ TEST(Router, EqualAndInfiniteLogitsGiveDistinctLowestIds) {
       for (int64_t t = 0; t < T; ++t)
         for (int64_t j = 0; j < k; ++j) EXPECT_EQ(got.id(t, j), j) << "token " << t;
       if (c.routing_method == RoutingMethod::kTopKSoftmax ||
-          (c.scoring_func == ScoringFunc::kSoftmax && c.renormalize))
+          (c.scoring_func == ScoringFunc::kSoftmax && c.renormalize) ||
+          (c.scoring_func == ScoringFunc::kSqrtSoftplus && value == inf))
         EXPECT_NEAR(got.weight(0, 0), c.routed_scaling_factor / k, 1e-6);
     }
+  }
+  // One +inf logit among finite ones under a renormalized sqrtsoftplus: all
+  // the mass on it (the limit), plain and grouped.
+  for (const bool grouped : {false, true}) {
+    MoEConfig c = grouped ? deepseek_v3(E, k, 4, 2) : base_config(E, k);
+    c.scoring_func = ScoringFunc::kSqrtSoftplus;
+    c.renormalize = true;
+    c.has_e_score_correction_bias = false;
+    Logits l = make_logits(rng, 1, E, E);
+    l.row(0)[5] = inf;
+    Routed got = route(*create_router(c), l.view, 1);
+    EXPECT_EQ(got.id(0, 0), 5);
+    EXPECT_FLOAT_EQ(got.weight(0, 0), c.routed_scaling_factor);
+    for (int64_t j = 1; j < k; ++j) EXPECT_EQ(got.weight(0, j), 0.0f);
   }
 }
 

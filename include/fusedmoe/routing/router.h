@@ -19,7 +19,9 @@
 // column, and nothing is written. A NaN never silently becomes an id.
 // Infinite logits are allowed: softmax of a row whose maximum is +-inf gives
 // the entries equal to the maximum equal shares and the others 0 (the limit),
-// never NaN.
+// never NaN; renormalized sqrtsoftplus scores, infinite for a +inf logit, take
+// the same limit (the infinite ones share 1; not renormalized, such a weight is
+// +inf).
 // Sums of selected weights that are 0 (sigmoid underflow) are guarded by an
 // epsilon of 1e-20 when renormalizing (sigmoid / sqrtsoftplus scores), as
 // DeepSeek's reference does, so no NaN. Softmax renormalizes by the plain sum.

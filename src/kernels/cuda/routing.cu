@@ -98,6 +98,14 @@ __device__ __forceinline__ double warp_sum(double v) {
   return v;
 }
 
+// renormalized() of this lane's weight over the warp's k (warp-uniform: every
+// lane calls it): a +inf sum takes the limit (routing/scores.h).
+__device__ __forceinline__ double warp_renormalized(double w, double eps) {
+  const double sum = warp_sum(w);
+  const double infinite = sum == HUGE_VAL ? warp_sum(w == HUGE_VAL ? 1.0 : 0.0) : 0.0;
+  return routing::renormalized(w, sum, eps, infinite);
+}
+
 // ---- order-preserving keys: a > b (as numbers) <=> key(a) > key(b) ----
 // -0 is folded into +0 (they compare equal on the CPU). Key 0 marks "no
 // candidate"; live keys are at least 1. Every NaN maps to 1, below every
@@ -446,7 +454,7 @@ __device__ __forceinline__ bool route_screened(const RouteParams& p, const float
   }
   const bool picked = lane < total && rank < p.top_k;
   double w = picked ? sd : 0.0;
-  if (p.renormalize) w /= warp_sum(w) + 1e-20;
+  if (p.renormalize) w = warp_renormalized(w, 1e-20);
   if (picked) {
     ids[rank] = col < p.experts ? col : -1;
     weights[rank] = static_cast<float>(w * p.scale);
@@ -620,7 +628,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, kN <= 8 ? 8 : 1)
     } else {  // sigmoid / sqrtsoftplus of the logit (kTopK), sigmoid (kLlama4)
       const ScoringFunc f = p.variant == Variant::kLlama4 ? ScoringFunc::kSigmoid : p.scoring;
       w = in_k ? elementwise_d(f, xj) : 0.0;
-      if (p.renormalize) w /= warp_sum(w) + 1e-20;
+      if (p.renormalize) w = warp_renormalized(w, 1e-20);
     }
   } else {
     const float xf = in_k && my_c < p.cols ? __ldg(row + my_c) : 0.0f;
@@ -628,8 +636,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, kN <= 8 ? 8 : 1)
       w = p.scoring == ScoringFunc::kSoftmax ? rel_exp_d(xf, row_max) / row_denom
                                              : elementwise_d(p.scoring, xf);
     if (p.renormalize)
-      w /= warp_sum(w) +
-           (p.variant == Variant::kTopKBias && p.scoring == ScoringFunc::kSoftmax ? 0.0 : 1e-20);
+      w = warp_renormalized(
+          w, p.variant == Variant::kTopKBias && p.scoring == ScoringFunc::kSoftmax ? 0.0 : 1e-20);
   }
   if (in_k) {
     topk_ids[t * p.top_k + lane] = my_c < p.experts ? my_c : -1;
