@@ -4,7 +4,15 @@ per-kernel times from torch.profiler, and GEMM ceilings (dense torch.mm of the
 same FLOPs, torch._grouped_mm on balanced groups). Both sm90 tiles (the
 default pick and FUSEDMOE_CUDA_SM90_TILE=m128) on each routing.
 
-    python python/benchmarks/cuda_balance.py [mixtral] [qwen3] [deepseek]
+    python python/benchmarks/cuda_balance.py [mixtral] [qwen3] [deepseek] [wide8] [narrow64] ...
+
+Beside the three layer shapes (the default), pairs of shapes that separate
+what the grouped GEMMs pay for many small experts from what they pay for
+work (bench/results/2026-12-01-session20.md): wide8 / narrow64 have the same
+FLOPs, weight bytes and 64 x 256 tile counts (8 experts of I = 6144 or 64 of
+I = 768, 256 and 512 rows an expert), rows8 / rows64 / rows16 the same rows
+in fewer experts. FUSEDMOE_CUDA_PDL=0 keeps the kernels from overlapping, so
+each profiled time is the kernel's own.
 
 Needs a CUDA device, torch and the fusedmoe package built with CUDA."""
 import os, statistics, sys
@@ -47,8 +55,14 @@ def kernels(fn):
 
 shapes = [("mixtral", 8, 2, 4096, 14336, [1024, 4096]),
           ("qwen3", 128, 8, 2048, 768, [1024, 4096]),
-          ("deepseek", 256, 8, 7168, 2048, [4096])]
-which = sys.argv[1:] or [s[0] for s in shapes]
+          ("deepseek", 256, 8, 7168, 2048, [4096]),
+          ("wide8", 8, 8, 2048, 6144, [256, 512]),
+          ("narrow64", 64, 8, 2048, 768, [2048, 4096]),
+          ("rows8", 8, 8, 2048, 768, [2048]),
+          ("rows64", 64, 8, 2048, 768, [16384]),
+          ("rows16", 16, 8, 2048, 768, [4096]),
+          ("deepseek32", 32, 8, 7168, 2048, [4096])]
+which = sys.argv[1:] or ["mixtral", "qwen3", "deepseek"]
 for name, E, k, H, I, Ts in shapes:
     if name not in which:
         continue
