@@ -857,6 +857,15 @@ int run_run(const RunOptions& o) {
   usage_check(o.ep_size <= config.num_experts, "--ep-size ", o.ep_size,
               ": expected at most num_experts = ", config.num_experts, " (the routed experts of ",
               model_dir, " layer ", layer, ")");
+  // Every tensor-parallel rank holds a slice of each expert's intermediate
+  // columns (and of the shared expert's): named as the option, as --ep-size.
+  usage_check(o.tp_size <= config.intermediate_size, "--tp-size ", o.tp_size,
+              ": expected at most intermediate_size = ", config.intermediate_size,
+              " (the routed experts of ", model_dir, " layer ", layer, ")");
+  usage_check(!config.has_shared_expert() || o.tp_size <= config.shared_intermediate_size,
+              "--tp-size ", o.tp_size,
+              ": expected at most shared_intermediate_size = ", config.shared_intermediate_size,
+              " (the shared expert of ", model_dir, " layer ", layer, ")");
   // On the GPU an f16 checkpoint stays f16 unless --compute-dtype says otherwise.
   if (on_cuda && !o.compute_dtype_given && info.dtype == DType::kF16) compute_dtype = DType::kF16;
   // As above, for the f16 compute an f16 checkpoint brings (before the device).

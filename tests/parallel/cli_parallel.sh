@@ -134,6 +134,20 @@ grep -qE "^fusedmoe: error: rank [0-8]: --ep-size 9: expected at most num_expert
 grep -q "ExpertMap" "$TMP/log" && { echo "FAIL: ExpertMap named"; cat "$TMP/log"; exit 1; }
 echo "ok --ep-size beyond the experts"
 
+# More TP ranks than intermediate columns: a usage error naming --tp-size (it
+# named MoEConfig's tp_size with exit 1). A copy of mixtral whose config says
+# intermediate_size 1, so that two ranks exceed it (the check runs before any
+# weight is read).
+cp -r "$DATA/hf/mixtral" "$TMP/tp_model"
+sed -i 's/"intermediate_size": 48/"intermediate_size": 1/' "$TMP/tp_model/config.json"
+rc=0
+$mpiexec $pre "$npflag" 2 "$BIN" run --model "$TMP/tp_model" --tokens 4 --tp-size 2 \
+  >"$TMP/log" 2>&1 || rc=$?
+[ "$rc" -eq 2 ] || { echo "FAIL: --tp-size 2 with intermediate_size 1: exit $rc, expected 2"; cat "$TMP/log"; exit 1; }
+grep -qE "^fusedmoe: error: rank [01]: --tp-size 2: expected at most intermediate_size = 1 \(" \
+  "$TMP/log" || { echo "FAIL: --tp-size 2 not named"; cat "$TMP/log"; exit 1; }
+echo "ok --tp-size beyond the intermediate size"
+
 # An argument error: every rank that hits it prints it, with its rank.
 if $mpiexec $pre "$npflag" 2 "$BIN" run --tokens 4 --ep-size 0 >"$TMP/log" 2>&1; then
   echo "FAIL: --ep-size 0 succeeded"; exit 1
