@@ -5,6 +5,8 @@
 
 #include <sys/stat.h>
 
+#include <cerrno>
+#include <cstring>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -71,8 +73,15 @@ ojson inspect_model(const std::string& path) {
   // A FIFO, device or socket: named as `run --model` names it (a FIFO would
   // otherwise block the reader of config.json).
   if (!is_dir(path)) require_regular_file(path);
-  if (!is_dir(path) && !is_file(path))
+  if (!is_dir(path) && !is_file(path)) {
+    // Why stat failed where it says more than "missing" (a symbolic-link
+    // loop, a component that is no directory, no permission), as run names it.
+    struct stat st {};
+    const int err = ::stat(path.c_str(), &st) == 0 ? 0 : errno;
+    if (err != 0 && err != ENOENT)
+      FUSEDMOE_THROW(kIo, printable(path), ": cannot open: ", std::strerror(err));
     FUSEDMOE_THROW(kIo, printable(path), ": no such model directory or file");
+  }
   // load_model_info names any other file (not a .json) as no model.
   const ModelInfo info = load_model_info(path);
   // A model without an MoE layer (a dense one, or config.json's fields make

@@ -146,6 +146,13 @@ expect_error "--model=PATH with a newline" "$TMP/bad\x0aname: cannot open" -- \
   run --model="$TMP/bad"$'\n'"name" "${run_args[@]}"
 expect_error "inspect: path with a newline" "$TMP/x\x0ay: no such model directory or file" -- \
   inspect "$TMP/x"$'\n'"y"
+# A symbolic-link loop or a path through a file: why, as run --model says it
+# (it was "no such model directory or file").
+ln -sfn "$TMP/loop_b" "$TMP/loop_a" && ln -sfn "$TMP/loop_a" "$TMP/loop_b"
+expect_error "inspect: symbolic-link loop" "$TMP/loop_a: cannot open: Too many levels of symbolic links" -- \
+  inspect "$TMP/loop_a"
+expect_error "run --model: symbolic-link loop" "--model: $TMP/loop_a: cannot open: Too many levels of symbolic links" -- \
+  run --model "$TMP/loop_a" "${run_args[@]}"
 expect_error "--output in a missing folder with a newline" \
   "$TMP/no\x0adir/o.safetensors: cannot create a temporary file in $TMP/no\x0adir: " -- \
   run --model "$FIX" "${run_args[@]}" --output "$TMP/no"$'\n'"dir/o.safetensors"
