@@ -583,7 +583,12 @@ void check_ep(const MoEConfig& base, const MoELayerWeights& w, const std::vector
       if (!same_bits(got[r], w_r))
         ADD_FAILURE() << "output not bit-identical to one GPU: rel L2 " << rel;
     } else {
-      EXPECT_LE(rel, 1e-6) << "own gate GEMM: output vs one GPU";
+      // With the router weight applied on the input (Llama-4), x * w is rounded
+      // to bf16 before the experts: an f32 rounding difference in a logit can
+      // move that rounding by one bf16 step (2^-8 relative) in some elements
+      // (seen: 8.7e-5 relative L2, seed 14482149831746600384).
+      const double own_gate_tol = base.apply_router_weight_on_input ? 1e-3 : 1e-6;
+      EXPECT_LE(rel, own_gate_tol) << "own gate GEMM: output vs one GPU";
     }
     sent += stats[r].dispatch_bytes_sent;
     received += stats[r].dispatch_bytes_received;
@@ -722,8 +727,9 @@ TEST(CudaEp, ThreadRanksOnOneGpuMatchOneGpu) {
   }
 }
 
-// Each rank's own gate GEMM on its tokens: the same logits (and so the same
-// output) as the gate GEMM over all tokens on one GPU.
+// Each rank's own gate GEMM on its tokens: the same logits as the gate GEMM
+// over all tokens on one GPU up to f32 rounding (the summation order depends
+// on the token count), so the same ids and the output within check_ep's bound.
 TEST(CudaEp, ThreadRanksOwnGateMatchOneGpu) {
   FUSEDMOE_REQUIRE_CUDA();
   const uint64_t seed = test::fresh_seed();
