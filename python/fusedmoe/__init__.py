@@ -1022,7 +1022,11 @@ def select_experts(
     layer's (another value, or a bias or hash table given: ValueError;
     ``config=layer.config`` routes with changes: a ``top_k`` argument replaces
     a config dict's). Hash routing: routing_method="hash",
-    hash_vocab_size=V, ``hash_table`` int32 [V, k] and ``token_ids`` int32 [T].
+    hash_vocab_size=V, ``hash_table`` int32 [V, k] and ``token_ids`` int32 [T]
+    (on CPU arrays a token id outside [0, V) raises ValueError; on CUDA tensors
+    the values stay on the device: such a token is routed to no expert, ids -1
+    and weights 0, as NaN logits there are not reported either; a MoELayer call
+    reports it through ``check_errors()``).
     routing_method "grouped_topk" without group_score scores groups as
     ``grouped_topk`` does: the sum of the top 2 with e_score_correction_bias,
     else the max. Returns (topk_weights f32 [T, k], topk_ids int32 [T, k]; id
@@ -1469,9 +1473,11 @@ class MoELayer:
 
     def check_errors(self) -> None:
         """CUDA layers: waits for the current stream, then raises ValueError
-        naming the first token whose router logits held a NaN in a call since
-        the last check (the kernels record it on the device; reporting needs
-        this synchronisation, so calls do not raise for it). CPU layers raise
+        naming the first token whose router logits held a NaN, or (hash
+        routing) whose token id was outside [0, hash_vocab_size), in a call
+        since the last check (the kernels record it on the device and route
+        such a token to no expert; reporting needs this synchronisation, so
+        calls do not raise for it). CPU layers raise
         in the call itself; this is a no-op for them."""
         stream = 0
         if self.backend == "cuda" and _torch is not None and _torch.cuda.is_available():

@@ -4,7 +4,9 @@
 // bit-identical reruns, CUDA-graph capture and replay, 64-bit offsets.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -466,6 +468,79 @@ TEST(CudaRunner, GraphReplayPadsToCaptureSize) {
     EXPECT_EQ(graphed.num_cuda_graphs(), 3u) << "sizes 1, 4 and 16 (T = 30 runs eagerly)";
     EXPECT_EQ(eager.num_cuda_graphs(), 0u);
     CUDA_OK(cudaStreamDestroy(stream));
+  }
+}
+
+// Hash routing on CUDA: token_ids must be i32 [T] on the device (refused
+// before anything runs); an id outside [0, hash_vocab_size) reads no table row
+// (it read out of bounds): the token goes to no expert (its output row is
+// zero), the others route as on the CPU, and check_errors() names the token
+// once.
+TEST(CudaRunner, HashTokenIdsOutsideTheTableAreReported) {
+  FUSEDMOE_REQUIRE_CUDA();
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  MoEConfig c = test::base_config(8, 2, 64, 48);
+  c.routing_method = RoutingMethod::kHash;
+  c.hash_vocab_size = 50;
+  MoELayerWeights lw = test::random_layer(rng, c, DType::kBF16);
+  MoERunner gpu(c, lw, cuda_options(16));
+  MoERunner cpu(c, lw);
+  const int64_t T = 5, H = 64;
+  const Tensor x = test::randn_f32(rng, {T, H});
+  Tensor tok = Tensor::empty(DType::kI32, {T});
+  const int32_t ids[T] = {3, 49, 50, 0, -7};  // 50 and -7: outside the table
+  std::memcpy(tok.data(), ids, sizeof ids);
+  DeviceTensor xd = DeviceTensor::from_host(x), td = DeviceTensor::from_host(tok),
+               out(DType::kF32, {T, H});
+  out.poison();
+  const TensorView tv = td.view();
+  gpu.forward(xd, out, nullptr, &tv);
+  try {
+    gpu.check_errors();
+    ADD_FAILURE() << "no error for token ids outside the hash table";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("hash_vocab_size = 50"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("at token 2"), std::string::npos) << e.what();
+  }
+  EXPECT_NO_THROW(gpu.check_errors());  // cleared
+  const Tensor got = to_f32(out.to_host());
+  EXPECT_EQ(test::count_non_finite(got), 0);
+  // Tokens 2 and 4: no expert, a zero row. Tokens 0, 1, 3: the CPU's output
+  // for the same token ids (the CPU refuses the bad ones, so those rows alone).
+  for (const int64_t t : {int64_t{2}, int64_t{4}})
+    for (int64_t n = 0; n < H; ++n) EXPECT_EQ(got.data_as<float>()[t * H + n], 0.0f) << t;
+  const int64_t good[3] = {0, 1, 3};
+  for (const int64_t t : good) {
+    Tensor xt = Tensor::empty(DType::kF32, {1, H}), tt = Tensor::empty(DType::kI32, {1});
+    std::memcpy(xt.data(), x.data_as<float>() + t * H, H * sizeof(float));
+    tt.data_as<int32_t>()[0] = ids[t];
+    Tensor ot = Tensor::empty(DType::kF32, {1, H});
+    const TensorView ttv = tt.view();
+    cpu.forward(xt, ot, nullptr, &ttv);
+    double num = 0, den = 0;
+    for (int64_t n = 0; n < H; ++n) {
+      const double d = got.data_as<float>()[t * H + n] - ot.data_as<float>()[n];
+      num += d * d;
+      den += static_cast<double>(ot.data_as<float>()[n]) * ot.data_as<float>()[n];
+    }
+    EXPECT_LE(std::sqrt(num / den), 1e-2) << "token " << t;
+  }
+  // token_ids of another dtype or length: refused naming the argument.
+  DeviceTensor t64 = DeviceTensor::from_host(Tensor::zeros(DType::kI64, {T}));
+  DeviceTensor short_ids = DeviceTensor::from_host(Tensor::zeros(DType::kI32, {T - 1}));
+  for (const DeviceTensor* bad : {&t64, &short_ids}) {
+    const TensorView bv = bad->view();
+    try {
+      gpu.forward(xd, out, nullptr, &bv);
+      ADD_FAILURE() << "token_ids " << bv.str() << " accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("token_ids: expected a contiguous CUDA i32 tensor [5]"),
+                std::string::npos)
+          << e.what();
+    }
   }
 }
 

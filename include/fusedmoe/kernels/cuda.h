@@ -116,6 +116,9 @@ class SharedWorkspace {
 // NaN logits: a NaN is never selected while a non-NaN column remains, ids stay
 // in range, and with RouteArgs::nan_token the first such token is recorded on
 // the device (reporting it needs a host sync: CudaMoELayer::check_errors).
+// kHash: a token id outside [0, config.hash_vocab_size) reads no table row; the
+// token is routed nowhere (ids -1, weights 0) and, with RouteArgs::bad_token,
+// the first such token is recorded the same way.
 // kSimulated (benchmarks) ignores the logits: one thread per token runs the CPU
 // simulator's draw (routing/simulated_router.cpp), so ids equal the CPU's for
 // the same simulation_seed; kZipf needs zipf_pmf / zipf_cdf.
@@ -134,6 +137,7 @@ struct RouteArgs {
   // initialises it (e.g. INT32_MAX) and reads it after the stream synchronises.
   const int32_t* num_valid_tokens = nullptr;
   int32_t* nan_token = nullptr;
+  int32_t* bad_token = nullptr;  // kHash: as nan_token, for token ids outside the table
   // kSimulated + kZipf: device f64 [E + Z] tables pmf[c] = (c + 1)^-zipf_s and
   // their prefix sums, computed on the host (routing::simulated::zipf_tables in
   // src/routing/simulated_routing.h) so that the draws match the CPU's.

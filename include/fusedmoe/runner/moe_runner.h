@@ -150,10 +150,13 @@ class MoERunner {
   // token_ids: i32 [T], for hash routing only; outputs: optional router results.
   // output and the outputs given each overlap no other tensor of the call
   // (outputs->router_logits may be router_logits itself).
-  // T = 0 is valid. Throws Error(kInvalidArgument) on any shape/dtype mismatch
-  // or NaN router logits, before writing the output; on the CPU also when the
+  // T = 0 is valid. Throws Error(kInvalidArgument) on any shape/dtype mismatch,
+  // before writing the output; on the CPU also for NaN router logits or token
+  // ids outside the hash table (before writing the output), and when the
   // output holds a NaN / Inf (a finite input overflowing f32 in the experts),
-  // naming the token and column (the output is then written but invalid).
+  // naming the token and column (the output is then written but invalid). On
+  // CUDA, NaN logits and bad hash token ids are recorded on the device and
+  // reported by check_errors() (forward cannot: no host sync).
   void forward(const TensorView& hidden_states, const TensorView& output,
                const TensorView* router_logits = nullptr, const TensorView* token_ids = nullptr,
                const ForwardOutputs* outputs = nullptr);
@@ -161,10 +164,11 @@ class MoERunner {
   Tensor forward(const TensorView& hidden_states, const TensorView* router_logits = nullptr);
 
   // CUDA backend: synchronises cuda_stream, then throws Error(kInvalidArgument)
-  // naming the first token whose router logits held a NaN in a forward since
-  // the last call (detected by the routing kernels; reporting needs a host
-  // sync, so forward() cannot). No-op on the CPU backend, where forward()
-  // itself throws for NaN logits.
+  // naming the first token whose router logits held a NaN, or (hash routing)
+  // whose token id was outside [0, hash_vocab_size), in a forward since the
+  // last call (detected by the routing kernels, which route such a hash token
+  // to no expert; reporting needs a host sync, so forward() cannot). No-op on
+  // the CPU backend, where forward() itself throws for both.
   void check_errors();
 
   // router_logits f32 [T, E + Z] = hidden_states . gate_weight^T (+ gate_bias).

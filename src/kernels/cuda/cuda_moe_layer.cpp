@@ -179,6 +179,7 @@ struct CudaMoELayer::Impl {
   uint16_t* inter_s = nullptr;
   float* shared_out = nullptr;
   int32_t* nan_token = nullptr;  // first token with a NaN router logit, else kNoNanToken
+  int32_t* bad_token = nullptr;  // hash routing: first token id outside the table, else kNoNanToken
   // the shared expert on the sm90 path (many rows): its own workspace, as it
   // runs on the side stream beside the routed experts
   void* shared_sm90_ws = nullptr;
@@ -323,10 +324,11 @@ CudaMoELayer::CudaMoELayer(const MoEConfig& config, const MoELayerWeights& w,
     *p.ptr = base + off;
     off += (p.bytes + 255) / 256 * 256;
   }
-  s.state = DeviceMemory(sizeof(int32_t));
+  s.state = DeviceMemory(2 * sizeof(int32_t));
   s.nan_token = s.state.as<int32_t>();
+  s.bad_token = s.nan_token + 1;
   s.routed = carve_routed_scratch(s.routed_base, Tm, k, E, H, I, s.routed_sm90, glu_epilogue);
-  FUSEDMOE_CUDA_CHECK(cudaMemset(s.nan_token, 0x7f, sizeof(int32_t)));
+  FUSEDMOE_CUDA_CHECK(cudaMemset(s.nan_token, 0x7f, 2 * sizeof(int32_t)));
   FUSEDMOE_CUDA_CHECK(cudaDeviceSynchronize());
   if (c.has_shared_expert()) {
     FUSEDMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s.side, cudaStreamNonBlocking));
@@ -361,15 +363,20 @@ size_t CudaMoELayer::workspace_bytes() const {
 
 void CudaMoELayer::check_errors(Stream stream) {
   Impl& s = *impl_;
-  int32_t token = kNoNanToken;
+  int32_t token[2] = {kNoNanToken, kNoNanToken};  // nan_token, bad_token
   FUSEDMOE_CUDA_CHECK(
-      cudaMemcpyAsync(&token, s.nan_token, sizeof token, cudaMemcpyDeviceToHost, stream));
+      cudaMemcpyAsync(token, s.nan_token, sizeof token, cudaMemcpyDeviceToHost, stream));
   FUSEDMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-  if (token == kNoNanToken) return;
-  FUSEDMOE_CUDA_CHECK(cudaMemsetAsync(s.nan_token, 0x7f, sizeof(int32_t), stream));
+  if (token[0] == kNoNanToken && token[1] == kNoNanToken) return;
+  FUSEDMOE_CUDA_CHECK(cudaMemsetAsync(s.nan_token, 0x7f, sizeof token, stream));
   FUSEDMOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  if (token[1] != kNoNanToken)
+    FUSEDMOE_THROW(kInvalidArgument,
+                   "token_ids: expected values in [0, hash_vocab_size = ", s.cfg.hash_vocab_size,
+                   "), got one outside at token ", token[1],
+                   " (of a forward since the last check; that token was routed to no expert)");
   FUSEDMOE_THROW(kInvalidArgument, "router_logits: expected finite values, got NaN at token ",
-                 token, " (of a forward since the last check; its output is not meaningful)");
+                 token[0], " (of a forward since the last check; its output is not meaningful)");
 }
 
 void CudaMoELayer::router_logits(const TensorView& hidden_states, const TensorView& logits,
@@ -440,8 +447,10 @@ void CudaMoELayer::ep_route(const TensorView& hidden_states, const TensorView* r
                  " tokens (RunnerOptions::max_num_tokens), got ", T);
   if (router_logits_in) check_device_view(*router_logits_in, "router_logits", {DType::kF32});
   if (token_ids) {
-    FUSEDMOE_CHECK(token_ids->device().type == DeviceType::kCUDA && token_ids->is_contiguous(),
-                   "token_ids: expected a contiguous CUDA i32 tensor, got ", token_ids->str());
+    FUSEDMOE_CHECK(
+        token_ids->device().type == DeviceType::kCUDA && token_ids->is_contiguous() &&
+            token_ids->dtype() == DType::kI32 && token_ids->ndim() == 1 && token_ids->size(0) == T,
+        "token_ids: expected a contiguous CUDA i32 tensor [", T, "], got ", token_ids->str());
   }
   const bool want_logits = outputs && outputs->router_logits.data() != nullptr;
   const bool want_ids = outputs && outputs->topk_ids.data() != nullptr;
@@ -485,6 +494,7 @@ void CudaMoELayer::ep_route(const TensorView& hidden_states, const TensorView* r
   ra.topk_weights = s.weights;
   ra.num_valid_tokens = num_valid_tokens;
   ra.nan_token = s.nan_token;
+  ra.bad_token = s.bad_token;
   ra.zipf_pmf = s.zipf_pmf.as<double>();
   ra.zipf_cdf = s.zipf_cdf.as<double>();
   route(c, ra, T, stream);

@@ -645,11 +645,14 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32, kN <= 8 ? 8 : 1)
   }
 }
 
+// A token id outside [0, vocab) reads no table row: the token is routed
+// nowhere (ids -1, weights 0) and recorded in bad_token (atomicMin) when given.
 __global__ void route_hash_kernel(const int32_t* __restrict__ table,
                                   const int32_t* __restrict__ token_ids, int64_t num_tokens,
-                                  int top_k, int experts, float weight,
+                                  int top_k, int experts, int64_t vocab, float weight,
                                   int32_t* __restrict__ topk_ids, float* __restrict__ topk_weights,
-                                  const int32_t* __restrict__ num_valid) {
+                                  const int32_t* __restrict__ num_valid,
+                                  int32_t* __restrict__ bad_token) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= num_tokens * top_k) return;
   const int64_t t = i / top_k, j = i % top_k;
@@ -658,7 +661,14 @@ __global__ void route_hash_kernel(const int32_t* __restrict__ table,
     topk_weights[i] = 0.0f;
     return;
   }
-  const int32_t id = table[static_cast<int64_t>(token_ids[t]) * top_k + j];
+  const int32_t tok = token_ids[t];
+  if (tok < 0 || tok >= vocab) {
+    topk_ids[i] = -1;
+    topk_weights[i] = 0.0f;
+    if (bad_token != nullptr && j == 0) atomicMin(bad_token, static_cast<int32_t>(t));
+    return;
+  }
+  const int32_t id = table[static_cast<int64_t>(tok) * top_k + j];
   topk_ids[i] = id < experts ? id : -1;
   topk_weights[i] = weight;
 }
@@ -715,7 +725,7 @@ void route(const MoEConfig& c, const RouteArgs& a, int64_t num_tokens, Stream st
     const int64_t n = num_tokens * k;
     route_hash_kernel<<<static_cast<unsigned>(ceil_div(n, 256)), 256, 0, stream>>>(
         a.hash_table, a.token_ids, num_tokens, static_cast<int>(k), static_cast<int>(c.num_experts),
-        w, a.topk_ids, a.topk_weights, a.num_valid_tokens);
+        c.hash_vocab_size, w, a.topk_ids, a.topk_weights, a.num_valid_tokens, a.bad_token);
     FUSEDMOE_CUDA_CHECK_LAUNCH();
     return;
   }
