@@ -22,7 +22,8 @@ void atomic_min(std::atomic<int64_t>& a, int64_t v) {
 }  // namespace
 
 void RouterBase::select_experts(const TensorView& router_logits, const TensorView& topk_ids,
-                                const TensorView& topk_weights, const TensorView* token_ids) const {
+                                const TensorView& topk_weights, const TensorView* token_ids,
+                                ThreadPool* given_pool) const {
   const int64_t cols = config_.num_router_logits();
   const int64_t k = config_.top_k;
   const bool have_logits = router_logits.ndim() != 0;
@@ -54,7 +55,7 @@ void RouterBase::select_experts(const TensorView& router_logits, const TensorVie
   args.weights = topk_weights.data_as<float>();
   args.weights_ld = topk_weights.stride(0);
 
-  ThreadPool& pool = ThreadPool::global();
+  ThreadPool& pool = given_pool ? *given_pool : ThreadPool::global();
   // Check everything first so that nothing is written when the input is bad.
   if (uses_logits_) {
     std::atomic<int64_t> first_nan{std::numeric_limits<int64_t>::max()};

@@ -26,12 +26,12 @@ struct RouteArgs {
 };
 
 // Does the boundary checks once (shapes, dtypes, NaN, token id range) and
-// runs route() over token ranges on ThreadPool::global().
+// runs route() over token ranges on the given pool (ThreadPool::global() by default).
 class RouterBase : public Router {
  public:
   void select_experts(const TensorView& router_logits, const TensorView& topk_ids,
-                      const TensorView& topk_weights,
-                      const TensorView* token_ids = nullptr) const final;
+                      const TensorView& topk_weights, const TensorView* token_ids = nullptr,
+                      ThreadPool* pool = nullptr) const final;
 
  protected:
   RouterBase(const MoEConfig& config, bool uses_logits, bool uses_token_ids)

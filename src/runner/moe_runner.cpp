@@ -450,7 +450,7 @@ void MoERunner::forward(const TensorView& hidden_states, const TensorView& outpu
           ? outputs->topk_weights
           : TensorView(ws.get(cpu::kWsTopkWeights, "the topk weights, f32 [T, k]", {T, k}, 4),
                        DType::kF32, {T, k});
-  router_->select_experts(logits, ids, weights, token_ids);
+  router_->select_experts(logits, ids, weights, token_ids, options_.pool);
   if (router_logits && want_logits && router_logits->data() != outputs->router_logits.data()) {
     for (int64_t t = 0; t < T; ++t)
       std::memcpy(outputs->router_logits.data_as<float>() + t * outputs->router_logits.stride(0),

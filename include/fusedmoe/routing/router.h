@@ -2,7 +2,8 @@
 //
 // Every router fills
 //   topk_ids     i32 [T, k]: expert ids in [0, E), or -1 ("no expert": a zero
-//                expert). Ids of one token are distinct (never duplicated).
+//                expert). A token's ids >= 0 are distinct (never duplicated);
+//                -1 may repeat (several zero experts chosen).
 //   topk_weights f32 [T, k]: the weight each chosen expert's output is scaled by,
 //                routed_scaling_factor included (applied exactly once, here).
 // from router_logits f32 [T, E + num_zero_experts] (row stride may exceed the
@@ -42,8 +43,8 @@
 // - kGroupedTopK: choice = scores + bias (if any); group score = max of choice
 //   (GroupScore::kMax) or sum of its two largest (kSumTop2); the topk_group best
 //   groups are kept and experts of dropped groups are never selected (vLLM's
-//   -inf mask; HF DeepSeek-V2 masks with 0.0, which differs only when k exceeds
-//   the kept experts with positive scores); top-k by choice, weights = unbiased
+//   -inf mask; HF DeepSeek-V2 / V3 mask with 0.0, which differs only when fewer
+//   than k kept experts have a positive (biased) choice); top-k by choice, weights = unbiased
 //   scores, renormalized (1e-20 guard) if set, * routed_scaling_factor.
 // - kLlama4: top-k of the logits, weight = sigmoid(logit) (renormalized if
 //   set), * routed_scaling_factor.
@@ -54,8 +55,9 @@
 //   may be empty (or [T, E + Z], then shape-checked).
 // - kSimulated: ignores router_logits (may be empty); see SimulatedRouting.
 //   Each token's k distinct experts come from a generator seeded by
-//   (simulation_seed, token index): reproducible, independent of batch split
-//   and thread count. weights = routed_scaling_factor / k.
+//   (simulation_seed, token index = its row in this call): reproducible,
+//   independent of the thread count (a batch split over two calls numbers the
+//   second call's rows from 0 again). weights = routed_scaling_factor / k.
 //
 // Algorithms: softmax top-k (Shazeer et al. 2017; Mixtral), grouped top-k with
 // score-correction bias (DeepSeek-V2/V3 technical reports and HF modeling code),
@@ -72,9 +74,12 @@
 
 namespace fusedmoe {
 
+class ThreadPool;
+
 // Learned or user-provided tensors some routers need.
 struct RouterParams {
-  // f32 or bf16 [E]: DeepSeek-V3 e_score_correction_bias (selection only).
+  // f32 or bf16: DeepSeek-V3 e_score_correction_bias (selection only), [E] for
+  // grouped top-k, [E + Z] for kTopK.
   std::optional<Tensor> e_score_correction_bias;
   // i32 [hash_vocab_size, k]: kHash expert table.
   std::optional<Tensor> hash_table;
@@ -89,11 +94,12 @@ class Router {
   // topk_ids: i32 [T, k] (written), topk_weights: f32 [T, k] (written), both
   //   with contiguous rows.
   // token_ids: i32 [T], required by kHash only (values in [0, hash_vocab_size)).
+  // pool: the threads that route (nullptr: ThreadPool::global()).
   // Throws Error(kInvalidArgument) on shape/dtype mismatch, NaN logits, or
-  //   out-of-range token ids; nothing is written when it throws for shapes.
+  //   out-of-range token ids; nothing is written when it throws.
   virtual void select_experts(const TensorView& router_logits, const TensorView& topk_ids,
-                              const TensorView& topk_weights,
-                              const TensorView* token_ids = nullptr) const = 0;
+                              const TensorView& topk_weights, const TensorView* token_ids = nullptr,
+                              ThreadPool* pool = nullptr) const = 0;
 
   virtual const char* name() const = 0;
   const MoEConfig& config() const { return config_; }
