@@ -24,7 +24,8 @@ enum class RoutingMethod : uint8_t {
   kTopK,         // score, top-k over scores, optional renormalize
   kTopKSoftmax,  // top-k over raw logits, then softmax over the k (gpt-oss)
   kGroupedTopK,  // DeepSeek-V2/V3: groups, top groups, then top-k within them
-  kLlama4,       // top-1 logit, weight = sigmoid(logit), applied to the expert input
+  kLlama4,       // top-k logits, weight = sigmoid(logit) (Llama-4: k = 1, with
+                 // apply_router_weight_on_input scaling the expert input)
   kHash,         // ids from a table indexed by token id
   kSimulated,    // benchmark routing: uniform / zipf / all-to-one, ignores logits
 };
@@ -101,7 +102,8 @@ struct MoEConfig {
   int64_t num_expert_group = 1;  // grouped top-k: number of groups (1 = no grouping)
   int64_t topk_group = 1;        // grouped top-k: groups kept per token
   GroupScore group_score = GroupScore::kSumTop2;
-  bool has_e_score_correction_bias = false;   // DeepSeek-V3: bias [E] added for selection only
+  bool has_e_score_correction_bias = false;   // DeepSeek-V3: bias added for selection only
+                                              // ([E] grouped top-k, [E + Z] kTopK)
   float routed_scaling_factor = 1.0f;         // multiplies topk_weights once, in the router
   bool apply_router_weight_on_input = false;  // Llama-4: scale the expert input, not output
   bool has_router_bias = false;               // gate linear has a bias [E] (gpt-oss)
@@ -129,13 +131,18 @@ struct MoEConfig {
   int64_t num_router_logits() const { return num_experts + num_zero_experts; }
 
   // Throws Error(kInvalidArgument) for configurations that cannot work:
-  // non-positive sizes, sizes above the kMax* bounds, top_k > experts, num_experts %
-  // num_expert_group != 0, topk_group > num_expert_group, top_k > topk_group * experts per group,
-  // apply_router_weight_on_input with top_k != 1, parallel sizes < 1, ranks
-  // out of range, ep_size > num_experts, tp_size > intermediate sizes,
-  // dp_size > 1 with ep_size not 1 or dp_size, NaN/negative scaling, zipf_s <= 0,
-  // swiglu_alpha / swiglu_limit other than their defaults with an activation
-  // other than swiglu_oai (which alone reads them), ...
+  // non-positive sizes, sizes above the kMax* bounds, top_k > num_experts +
+  // num_zero_experts, num_experts % num_expert_group != 0, topk_group >
+  // num_expert_group, top_k > topk_group * experts per group, kSumTop2 with
+  // fewer than 2 experts a group, zero experts with grouped top-k,
+  // apply_router_weight_on_input with top_k != 1, a bias with a router other
+  // than topk / grouped_topk, hash_vocab_size <= 0 for kHash, a shared expert
+  // gate without a shared expert, parallel sizes < 1, ranks out of range,
+  // ep_size > num_experts, tp_size > intermediate sizes, dp_size > 1 with
+  // ep_size not 1 or dp_size (and ep_rank != dp_rank when experts are spread
+  // over DP), routed_scaling_factor not finite and > 0, zipf_s <= 0 (kSimulated
+  // + kZipf), swiglu_alpha / swiglu_limit other than their defaults with an
+  // activation other than swiglu_oai (which alone reads them), ...
   void validate() const;
 
   // One line per field, for `fusedmoe inspect` and messages.

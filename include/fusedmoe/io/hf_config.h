@@ -49,14 +49,19 @@ struct ModelInfo {
 };
 
 // Reads `model_dir`/config.json (or a path to a .json file; or a checkpoint's
-// .safetensors file, standing for the config.json beside it, as
-// Checkpoint::open takes that file for the weights).
+// .safetensors file or model.safetensors.index.json, standing for the
+// config.json beside it, as Checkpoint::open takes that file for the weights).
 // Any other file (not a .json: a .npy, a text file) is Error(kInvalidArgument)
 // "expected a model directory, its config.json, ...", as `fusedmoe inspect` says.
-// Throws Error(kIo) if unreadable / not JSON, Error(kUnsupported) for an
-// unknown model_type (naming it and listing the supported ones),
-// Error(kInvalidArgument) for missing or invalid fields (naming them).
+// Throws Error(kIo) if unreadable / not JSON (or a checkpoint file's folder has
+// no config.json), Error(kUnsupported) for an unknown model_type (naming it and
+// listing the supported ones) or a hidden_act, scoring_func, topk_method or
+// quantization_config fusedmoe does not implement, Error(kInvalidArgument) for
+// missing or invalid fields (naming them). Fields are read as HF transformers'
+// configuration classes read them (defaults included).
 ModelInfo load_model_info(const std::string& model_dir);
+// The same from the text of a config.json: `source` names it in messages and
+// becomes ModelInfo::source. Reads no file; malformed JSON is Error(kIo).
 ModelInfo parse_model_info(const std::string& json_text, const std::string& source);
 
 }  // namespace fusedmoe

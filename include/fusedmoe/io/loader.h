@@ -15,7 +15,8 @@
 // / _scales: U8 E2M1 pairs and one E8M0 scale per 32 values, under
 // quantization_config quant_method "mxfp4"), dequantized to bf16 as HF
 // transformers' convert_moe_packed_tensors does.
-// Router weights and biases are zero-copy views of the checkpoint mapping.
+// Router weights and biases are zero-copy views of the checkpoint mapping
+// when stored as f32 or bf16 (f16 / f64 ones are converted to f32 copies).
 #pragma once
 
 #include <cstdint>
@@ -43,9 +44,13 @@ struct LoadOptions {
   bool check_finite = true;
 };
 
-// Throws Error(kInvalidArgument) if `layer` is not an MoE layer, Error(kIo)
-// naming the tensor if one is missing, has the wrong shape/dtype, or (with
-// check_finite) holds a value it cannot load (see LoadOptions::check_finite).
+// Throws Error(kInvalidArgument) if `layer` is not an MoE layer, for a bad
+// LoadOptions::parallel, or MXFP4 experts with H or I not a multiple of 32;
+// Error(kIo) naming the tensor if one is missing, has the wrong shape/dtype,
+// or (with check_finite) holds a value it cannot load (see
+// LoadOptions::check_finite); Error(kUnsupported) naming it for a dtype
+// fusedmoe does not read, FP8 weights without weight_scale_inv, or packed FP8
+// experts.
 MoELayerWeights load_moe_layer(const Checkpoint& checkpoint, const ModelInfo& info, int64_t layer,
                                const LoadOptions& options = {});
 

@@ -143,8 +143,10 @@ class Checkpoint {
 // without commit() (an error on the way), the temporary is removed. The target
 // may be missing or a regular file; a symbolic link to an existing file is
 // written through (its target is replaced); a link to a missing file, a device,
-// FIFO or directory is refused. Every failure throws Error(kIo) naming `path`
-// and the OS reason.
+// FIFO or directory is refused, and so is another user's file in a sticky
+// folder (such as /tmp). Every I/O failure throws Error(kIo) naming `path` and
+// the OS reason; an empty path, a write after commit() and a second commit()
+// are Error(kInvalidArgument).
 //
 // The temporary is `.<name>.fusedmoe-tmp.<pid>.XXXXXX` beside the target
 // (<name> the target's file name, <pid> this process). A process killed by a

@@ -154,7 +154,10 @@ void route(const MoEConfig& config, const RouteArgs& args, int64_t num_tokens, S
 //                               padding (only [0, off[E]) is written);
 //   expert_counts  i32 [E] (scratch: routed rows per expert).
 // Slots with id -1 are skipped. Rows of one expert appear in no particular
-// order (atomics); results downstream do not depend on it.
+// order (atomics); results downstream do not depend on it. vLLM's
+// moe_align_block_size, without its host sync. Throws Error(kInvalidArgument)
+// for num_experts or block_m <= 0, num_slots + E * block_m >= 2^31, null
+// pointers, or FUSEDMOE_CUDA_ALIGN other than fused / grid.
 int64_t max_padded_rows(int64_t num_slots, int64_t num_experts, int block_m);
 struct AlignArgs {
   const int32_t* topk_ids = nullptr;  // [T, k] contiguous
@@ -332,7 +335,8 @@ struct Sm90DenseExpertArgs {
 void sm90_dense_expert(const Sm90DenseExpertArgs& args, Stream stream);
 // Whether the routed experts take sm90_experts() (true) or the mma.sync / GEMV
 // grouped GEMMs (tuning data in gemm_configs.cpp). FUSEDMOE_CUDA_EXPERTS=sm90
-// or =mma in the environment forces one (sm90 only where available).
+// or =mma in the environment forces one (=sm90 where the sm_90a path is not
+// available: Error(kUnsupported); another value: Error(kInvalidArgument)).
 // The shared expert (one expert, T rows) takes sm90_dense_expert() when
 // pick_sm90_experts(T, T, H, I_shared) says so: the same threshold.
 bool pick_sm90_experts(int64_t rows_per_expert, int64_t routed_rows, int64_t hidden, int64_t inter);

@@ -48,7 +48,9 @@ class Communicator {
   // All-to-all with per-peer sizes, in bytes: rank p sends
   // send[send_displs[p], + send_counts[p]) to each peer p, and receives into
   // recv[recv_displs[p], + recv_counts[p]) what peer p sent it. All spans have
-  // size() entries; recv_counts[p] must equal what p sends (Error(kIo) otherwise).
+  // size() entries (Error(kInvalidArgument) otherwise); recv_counts[p] must
+  // equal what p sends: Error(kIo) for a peer's mismatch found on the wire,
+  // Error(kInvalidArgument) for this rank's own count (and on one rank).
   // Zero counts are fine. send and recv must not overlap.
   virtual void all_to_all_v(const void* send, std::span<const int64_t> send_counts,
                             std::span<const int64_t> send_displs, void* recv,

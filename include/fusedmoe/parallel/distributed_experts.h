@@ -16,8 +16,9 @@
 // With tp_size > 1 the result is this rank's TP partial sum; reduce_tp() adds
 // the TP group's partials (one all-reduce) — call it once, after adding the
 // (TP-sliced) shared expert, so that routed + shared are reduced together.
-// Results: EP alone is bit-identical to the single-rank modular kernel; TP and
-// DP+EP change the order of some f32 sums (<= ~1e-6 relative).
+// Results: EP alone is bit-identical to the single-rank modular kernel with
+// f32 payloads and with the bf16 payloads kAuto picks (ep_prepare_finalize.h);
+// TP and DP+EP change the order of some f32 sums (<= ~1e-6 relative).
 #pragma once
 
 #include <memory>

@@ -15,8 +15,11 @@
 // k results in slot order j = 0..k-1 with the CPU finalize. A routed row's
 // value does not depend on the batch (fixed-order GEMM), and the sum order is
 // the single-rank one, so the output is bit-identical to the single-rank
-// modular kernel on the same inputs, whatever the arrival order (f32 / bf16
-// payloads; FP8 rounds the dispatched hidden states).
+// modular kernel on the same inputs, whatever the arrival order, with f32
+// payloads, and with bf16 payloads where the single-rank kernel rounds the
+// same way (bf16 compute, router weight not on the input: where kAuto picks
+// bf16); a bf16 payload beside f32 compute, and FP8, round the dispatched
+// hidden states.
 // As DeepEP's / pplx-kernels' normal (non-low-latency) dispatch and combine,
 // on host memory with the Communicator's all_to_all_v.
 #pragma once
@@ -79,7 +82,8 @@ struct EpStats {
 
 // FP8 e4m3fn per-token-group quantization of rows: x f32 [rows, H] (row
 // stride ldx) -> q u8 [rows, H] (stride H), scales f32 [rows, ceil(H / group)].
-// scale = amax / 448 of the group (1 when the group is all zero); q = x / scale
+// scale = amax / 448 of the group (1 when the group is all zero or its amax
+// is Inf / NaN); q = x / scale
 // rounded to e4m3fn (saturating).
 void quantize_fp8_groups(const float* x, int64_t rows, int64_t H, int64_t ldx, int64_t group,
                          uint8_t* q, float* scales);

@@ -106,7 +106,8 @@ struct RunnerOptions {
   // The workspace holds ep_size * max_num_tokens received rows.
   // Parallel layouts (config.parallel sizes > 1; CPU backend): the communicator
   // over all ranks of the layout (parallel/communicator.h ParallelGroups; its
-  // rank must match config.parallel's ranks; nullptr: one rank). The weights
+  // rank must match config.parallel's ranks; required when a parallel size is
+  // above 1: nullptr is a one-rank world, refused then). The weights
   // may be the whole layer (the runner keeps this rank's share) or only this
   // rank's share, as load_moe_layer with LoadOptions.parallel reads it.
   std::shared_ptr<Communicator> communicator;
