@@ -53,7 +53,37 @@ from typing import Any, Mapping, Optional, Tuple
 
 import numpy as np
 
-from . import _ext
+
+def _preload_pip_nccl() -> None:
+    """Loads PyTorch's NCCL (the nvidia-nccl-cu* wheel), when installed, before
+    the extension. A CUDA build of the extension links libnccl.so.2 (the CUDA
+    toolkit's), and whichever libnccl.so.2 a process loads first serves every
+    library that needs one: loaded first, an older toolkit NCCL left torch's
+    libtorch_cuda without the newer symbols it needs (``import fusedmoe`` then
+    ``import torch`` failed). NCCL 2.x keeps its ABI, so the extension runs on
+    the wheel's. FUSEDMOE_NO_NCCL_PRELOAD=1 skips this."""
+    if sys.platform != "linux" or os.environ.get("FUSEDMOE_NO_NCCL_PRELOAD"):
+        return
+    try:
+        spec = importlib.util.find_spec("nvidia.nccl")
+    except (ImportError, ValueError):
+        return
+    if spec is None:
+        return
+    for folder in spec.submodule_search_locations or []:
+        lib = os.path.join(folder, "lib", "libnccl.so.2")
+        if os.path.isfile(lib):
+            try:
+                import ctypes
+                ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
+            except OSError:  # unloadable: the extension takes its own
+                pass
+            return
+
+
+_preload_pip_nccl()
+
+from . import _ext  # noqa: E402
 
 __version__: str = _ext.__version__
 

@@ -3,6 +3,8 @@ and out, torch.ops.fusedmoe.* custom ops (opcheck), torch.compile(fullgraph=True
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -130,3 +132,19 @@ def test_fused_experts_mixed_numpy_and_torch_is_a_type_error(trng):
         fusedmoe.fused_experts(x.numpy(), w13, w2, tw, ids)
     with pytest.raises(TypeError, match="topk_ids: expected a torch.Tensor"):
         fusedmoe.fused_experts(x, w13, w2, tw, ids.numpy())
+
+
+def test_torch_imports_after_fusedmoe():
+    """Either import order works: a CUDA build of the extension links the CUDA
+    toolkit's libnccl.so.2, and loaded first it left torch's libtorch_cuda
+    without the newer NCCL symbols it needs (ImportError on ``import torch``);
+    fusedmoe now loads torch's NCCL wheel first where it is installed."""
+    import subprocess
+    import sys
+
+    code = ("import fusedmoe\n"
+            "import torch\n"
+            "assert fusedmoe._torch is torch, fusedmoe._torch\n")
+    env = {k: v for k, v in os.environ.items() if k != "FUSEDMOE_NO_TORCH"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
