@@ -313,15 +313,29 @@ def _check_array(x: Any, name: str) -> None:
                         ".filled(value), the masked elements set to value, or its .data)")
 
 
+def _dtype_name(x: Any) -> str:
+    """The dtype name of an array: "float32", "bfloat16", ... for NumPy, torch
+    and other DLPack arrays alike (torch.float32, a NumPy scalar type as dtype,
+    another library's "paddle.float32" all give "float32")."""
+    dt = x.dtype
+    if isinstance(dt, np.dtype):
+        return dt.name
+    try:
+        return np.dtype(dt).name  # a NumPy scalar type, a dtype-like name
+    except Exception:
+        return str(dt).rsplit(".", 1)[-1]
+
+
 def _as_array(x: Any, name: str, expected: str = "a numeric dtype") -> Any:
     """NumPy arrays and torch tensors pass through; DLPack objects too (the
     extension imports them); anything else raises TypeError (_check_array). A
     NumPy dtype with no DLPack form raises TypeError naming `name` and
     `expected`."""
     _check_array(x, name)
-    if not (isinstance(x, np.ndarray) or _is_torch(x) or hasattr(x, "shape")):
-        # An object with the DLPack protocol alone (no shape): imported as a
-        # NumPy array (a CPU one; NumPy names another device).
+    if not (isinstance(x, np.ndarray) or _is_torch(x)
+            or all(hasattr(x, a) for a in ("shape", "ndim", "dtype"))):
+        # An object with the DLPack protocol and not all of shape / ndim / dtype:
+        # imported as a NumPy array (a CPU one; NumPy names another device).
         try:
             x = np.from_dlpack(x)
         except Exception as e:
@@ -382,8 +396,7 @@ def _check_host_memory(x: Any, name: str, outputs: Tuple[Tuple[str, int], ...] =
     itemsize, copy = (4 if to_f32 else 0), f"{name} converted to float32 {list(shape)}"
     if not to_f32 and _rows_copied(x):
         itemsize = x.element_size() if _is_torch(x) else getattr(x, "itemsize", 0)
-        dtype = str(x.dtype).replace("torch.", "")
-        copy = f"a contiguous copy of {name}, {dtype} {list(shape)}"
+        copy = f"a contiguous copy of {name}, {_dtype_name(x)} {list(shape)}"
     if itemsize:
         n = 1
         for d in shape:
@@ -455,7 +468,7 @@ def _router_bias(x: Any, cuda: bool) -> Any:
     name = "e_score_correction_bias"
     x = _as_array(x, name, _FLOAT)
     if not cuda:
-        dt = str(x.dtype).replace("torch.", "")
+        dt = _dtype_name(x)
         if dt not in ("float32", "bfloat16"):
             raise TypeError(f"{name}: expected dtype float32 or bfloat16 on the CPU, got {dt}")
     return _contiguous(_f32_logits(x, name))
@@ -520,7 +533,7 @@ def _check_weight_copies(weights: Tuple[Tuple[Any, str], ...]) -> None:
     copies = [(x, name, _weight_copy_bytes(x)) for x, name in weights]
     copies = [c for c in copies if c[2] > 0]
     if copies:
-        what = " and ".join(f"a contiguous copy of {name}, {str(x.dtype).replace('torch.', '')} "
+        what = " and ".join(f"a contiguous copy of {name}, {_dtype_name(x)} "
                             f"{[int(d) for d in x.shape]}" for x, name, _ in copies)
         _ext._check_host_bytes(copies[0][1], min(sum(c[2] for c in copies), 2**63 - 1),
                                what + ",", "pass the weights contiguous (a broadcast or strided "
@@ -958,12 +971,12 @@ def _hidden_dtype(x: Any, cuda: bool) -> None:
     if _is_torch(x):  # dtype objects, not names: torch.compile traces this
         ok = x.dtype == _torch.float32 or (cuda and x.dtype in (_torch.bfloat16, _torch.float16))
     else:  # NumPy, CuPy, other DLPack arrays (torch's too under FUSEDMOE_NO_TORCH)
-        name = str(x.dtype).replace("torch.", "")
+        name = _dtype_name(x)
         ok = name == "float32" or (cuda and name in ("bfloat16", "float16"))
     if not ok:
         raise TypeError(f"hidden_states: expected dtype "
                         f"{'float32, bfloat16 or float16 (CUDA)' if cuda else 'float32'}, "
-                        f"got {x.dtype}")
+                        f"got {_dtype_name(x)}")
 
 
 def _fused_topk_impl(hidden_states, gating_output, topk, renormalize, scoring_func):

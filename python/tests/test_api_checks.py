@@ -1056,3 +1056,36 @@ def test_dlpack_only_objects_are_imported_as_numpy(rng):
     with pytest.raises(TypeError, match=r"^gating_output: a DLPack object NumPy cannot import "
                                         r"\(RuntimeError: no export\)"):
         fusedmoe.fused_topk(None, Broken(), 2, True)
+
+
+def test_dlpack_objects_with_partial_or_foreign_attributes(rng):
+    """A DLPack object with shape but no ndim is imported as a NumPy array (it
+    raised AttributeError inside the package); a dtype that is a NumPy scalar
+    type or another library's name ("paddle.float32") is read by its name
+    (np.float32 as dtype was refused as "expected float32, got <class
+    'numpy.float32'>"); a wrong one is named plainly."""
+    class DL:
+        def __init__(self, a, dtype=None, ndim=False):
+            self.a, self.shape = a, a.shape
+            if dtype is not None:
+                self.dtype = dtype
+            if ndim:
+                self.ndim = a.ndim
+
+        def __dlpack__(self, **kw):
+            return self.a.__dlpack__(**kw)
+
+        def __dlpack_device__(self):
+            return self.a.__dlpack_device__()
+
+    E, H, I, T, k = 4, 16, 8, 3, 2
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    w13 = rng.standard_normal((E, 2 * I, H)).astype(np.float32)
+    w2 = rng.standard_normal((E, H, I)).astype(np.float32)
+    tw = rng.random((T, k)).astype(np.float32)
+    ids = np.array([[0, 1], [2, 3], [1, 2]], np.int32)
+    want = fusedmoe.fused_experts(x, w13, w2, tw, ids)
+    for hx in (DL(x), DL(x, np.float32, True), DL(x, "paddle.float32", True)):
+        np.testing.assert_array_equal(fusedmoe.fused_experts(hx, w13, w2, tw, ids), want)
+    with pytest.raises(TypeError, match=r"^hidden_states: expected dtype float32, got float64$"):
+        fusedmoe.fused_experts(DL(x.astype(np.float64), "paddle.float64", True), w13, w2, tw, ids)
