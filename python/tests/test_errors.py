@@ -443,8 +443,9 @@ def test_fused_experts_beyond_the_machines_memory_fails_at_once():
     assert str(e.value).startswith(
         f"hidden_states: {T} tokens routed to M = {T * k} expert rows (topk_ids [{T}, {k}]) "
         f"need "), str(e.value)
-    assert (f" of workspace (f32 [M, H] twice and [M, I], H = {H}, I = {I}), more than the "
-            f"machine's ") in str(e.value)
+    assert (f" of workspace (f32 [M, H] twice and [M, I], H = {H}, I = {I}), with the "
+            f"output's ") in str(e.value)
+    assert " (f32 [T, H]) more than the machine's " in str(e.value)
     assert str(e.value).endswith(" of memory and swap; pass fewer tokens a call")
 
 

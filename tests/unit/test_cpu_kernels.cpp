@@ -423,8 +423,8 @@ TEST(CpuModularKernel, WorkspaceBeyondTheMachinesMemoryIsRefusedAtOnce) {
              "hidden_states: 33554432 tokens routed to M = 67108864 expert rows (topk_ids "
              "[33554432, 2]) need ");
   EXPECT_HAS(msg,
-             " of workspace (f32 [M, H] twice and [M, I], H = 16, I = 65536), more than the "
-             "machine's ");
+             " of workspace (f32 [M, H] twice and [M, I], H = 16, I = 65536), with the output's ");
+  EXPECT_HAS(msg, " (f32 [T, H]) more than the machine's ");
   EXPECT_HAS(msg, " of memory and swap; pass fewer tokens a call");
   EXPECT_EQ(ws.total_bytes(), 0u);  // nothing allocated
   EXPECT_EQ(x.out_row, std::vector<float>(H, 1234.5f));

@@ -78,16 +78,20 @@ void ModularKernel::forward(const TensorView& hidden_states, const TensorView& t
   // indices) beyond the machine's memory and swap: refused before anything is
   // allocated (the buffers were allocated and filled one by one, seconds
   // before the largest failed, or the process was ended by the OOM killer).
+  // The output f32 [T, H] (the caller's, written at the end) is counted too:
+  // a workspace just below the limit beside it met the OOM killer (trial).
   const double need = static_cast<double>(routed) * static_cast<double>(8 * H + 4 * I + 4) +
                       static_cast<double>(T * k) * 4.0;
+  const double out_bytes = static_cast<double>(T) * static_cast<double>(H) * 4.0;
   const size_t memory = memory_and_swap_bytes();
-  if (memory > 0 && need > static_cast<double>(memory) &&
+  if (memory > 0 && need + out_bytes > static_cast<double>(memory) &&
       need > static_cast<double>(ws.total_bytes()))
     FUSEDMOE_THROW(kOutOfMemory, "hidden_states: ", T, " tokens routed to M = ", routed,
                    " expert rows (topk_ids [", T, ", ", k, "]) need ",
                    bytes_str(static_cast<unsigned long long>(need)),
                    " of workspace (f32 [M, H] twice and [M, I], H = ", H, ", I = ", I,
-                   "), more than the machine's ", bytes_str(memory),
+                   "), with the output's ", bytes_str(static_cast<unsigned long long>(out_bytes)),
+                   " (f32 [T, H]) more than the machine's ", bytes_str(memory),
                    " of memory and swap; pass fewer tokens a call");
 
   // ---- prepare -> experts -> finalize ----
