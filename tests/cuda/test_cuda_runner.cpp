@@ -528,7 +528,8 @@ TEST(CudaRunner, HashTokenIdsOutsideTheTableAreReported) {
     }
     EXPECT_LE(std::sqrt(num / den), 1e-2) << "token " << t;
   }
-  // token_ids of another dtype or length: refused naming the argument.
+  // token_ids of another dtype or length: refused naming the argument (by
+  // MoERunner's checks, before the layer's own).
   DeviceTensor t64 = DeviceTensor::from_host(Tensor::zeros(DType::kI64, {T}));
   DeviceTensor short_ids = DeviceTensor::from_host(Tensor::zeros(DType::kI32, {T - 1}));
   for (const DeviceTensor* bad : {&t64, &short_ids}) {
@@ -537,8 +538,7 @@ TEST(CudaRunner, HashTokenIdsOutsideTheTableAreReported) {
       gpu.forward(xd, out, nullptr, &bv);
       ADD_FAILURE() << "token_ids " << bv.str() << " accepted";
     } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("token_ids: expected a contiguous CUDA i32 tensor [5]"),
-                std::string::npos)
+      EXPECT_EQ(std::string(e.what()).rfind("token_ids: expected i32 [5], got ", 0), 0u)
           << e.what();
     }
   }
