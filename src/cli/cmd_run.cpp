@@ -181,9 +181,13 @@ Tensor read_npy(const std::string& path, std::span<const DType> accepted,
         pos += fortran.size();
       } else {
         const size_t close = header.find(')', pos);
-        if (at() != '(' || close == std::string::npos)
-          FUSEDMOE_THROW(kIo, path, ": .npy header: malformed shape ",
-                         header.substr(pos, std::min<size_t>(40, header.size() - pos)));
+        if (at() != '(' || close == std::string::npos) {
+          // Up to 40 characters of what stands there, without the header's
+          // trailing padding (spaces and the newline).
+          std::string got = header.substr(pos, std::min<size_t>(40, header.size() - pos));
+          got.erase(got.find_last_not_of(" \n") + 1);
+          FUSEDMOE_THROW(kIo, path, ": .npy header: malformed shape ", got);
+        }
         shape_text = header.substr(pos + 1, close - pos - 1);
         pos = close + 1;
       }

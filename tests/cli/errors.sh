@@ -1143,6 +1143,12 @@ open(f"{sys.argv[1]}/trailing.npy", "wb").write(b"\x93NUMPY\x01\x00" + struct.pa
 PY
 expect_error ".npy shape unclosed" "error: --input $TMP/unclosed.npy: .npy header: malformed shape" -- \
   run --model "$FIX" --layer 1 --input "$TMP/unclosed.npy"
+# ... quoting what stands there without the header's padding (it quoted ~30 spaces).
+if grep -q ' $' "$TMP/stderr"; then
+  verdict ".npy shape error without the padding" "trailing spaces"
+else
+  verdict ".npy shape error without the padding" ""
+fi
 # A header that is no dict: named as such, not read on to a data-length error.
 expect_error ".npy header without its closing brace" "error: --input $TMP/unbraced.npy: malformed .npy header: expected a dict {'descr': ..., 'fortran_order': ..., 'shape': (...)}, but it has no closing '}' (header: \"{'descr': '<f4', 'fortran_order': False, 'shape': (2, 128),\")" -- \
   run --model "$FIX" --layer 1 --input "$TMP/unbraced.npy"
