@@ -387,6 +387,38 @@ def test_from_pretrained_nan_weight_names_check_finite(tmp_path):
         fusedmoe.MoELayer.from_pretrained(tmp_path, layer=0, check_finite=0)
 
 
+def test_nan_gate_weight_is_named_not_router_logits(tmp_path):
+    """A NaN router (gate) weight loaded with check_finite=False: a call without
+    router_logits named "router_logits" (an argument not given); the message
+    now says the logits were computed from hidden_states and gate_weight."""
+    import json
+    import shutil
+    import struct
+
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(HF / "mixtral" / f, tmp_path / f)
+    path = tmp_path / "model.safetensors"
+    raw = bytearray(path.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    name = "model.layers.0.block_sparse_moe.gate.weight"
+    entry = json.loads(raw[8:8 + n])[name]
+    size = {"BF16": 2, "F32": 4}[entry["dtype"]]
+    at = 8 + n + entry["data_offsets"][0]  # element [0, 0]: expert 0's row
+    raw[at:at + size] = struct.pack("<H", 0x7FC0) if size == 2 else struct.pack("<f", float("nan"))
+    path.write_bytes(bytes(raw))
+    layer = fusedmoe.MoELayer.from_pretrained(tmp_path, layer=0, check_finite=False)
+    x = np.ones((2, layer.hidden_size), np.float32)
+    with pytest.raises(ValueError, match=r"^the router logits computed from hidden_states and "
+                                         r"gate_weight \(no router_logits given\): expected no "
+                                         r"NaN, got NaN at token 0, expert 0"):
+        layer(x)
+    # Logits given: still named as the argument.
+    g = np.zeros((2, layer.num_router_logits), np.float32)
+    g[1, 3] = np.nan
+    with pytest.raises(ValueError, match=r"^router_logits: expected no NaN, got NaN at token 1"):
+        layer(x, g)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc: Linux")
 def test_fused_experts_out_of_memory_names_the_buffer_and_its_bytes():
     """Out of memory inside fused_experts (CPU) was a bare "MemoryError: std::bad_alloc";

@@ -450,7 +450,22 @@ void MoERunner::forward(const TensorView& hidden_states, const TensorView& outpu
           ? outputs->topk_weights
           : TensorView(ws.get(cpu::kWsTopkWeights, "the topk weights, f32 [T, k]", {T, k}, 4),
                        DType::kF32, {T, k});
-  router_->select_experts(logits, ids, weights, token_ids, options_.pool);
+  try {
+    router_->select_experts(logits, ids, weights, token_ids, options_.pool);
+  } catch (const Error& e) {
+    // NaN in logits this call computed (hidden_states are checked finite
+    // above): name where they came from, not an argument the caller did not
+    // pass (a gate weight loaded with check_finite = false; trial).
+    const std::string what = e.what(), prefix = "router_logits: ";
+    if (router_logits || e.code() != ErrorCode::kInvalidArgument || what.rfind(prefix, 0) != 0)
+      throw;
+    FUSEDMOE_THROW(kInvalidArgument,
+                   "the router logits computed from hidden_states and gate_weight (no "
+                   "router_logits given): ",
+                   what.substr(prefix.size()),
+                   " (a non-finite gate_weight / gate_bias, e.g. loaded with check_finite "
+                   "off, or a product beyond f32)");
+  }
   if (router_logits && want_logits && router_logits->data() != outputs->router_logits.data()) {
     for (int64_t t = 0; t < T; ++t)
       std::memcpy(outputs->router_logits.data_as<float>() + t * outputs->router_logits.stride(0),
