@@ -1020,19 +1020,24 @@ def test_expert_parallel_group_argument_errors():
             fusedmoe.ExpertParallelGroup.from_unique_id(uid, 0, 1)
 
 
+class _DLPackOnly:
+    """Wraps an array behind the DLPack protocol alone (no shape, ndim, dtype)."""
+
+    def __init__(self, a):
+        self.a = a
+
+    def __dlpack__(self, **kw):
+        return self.a.__dlpack__(**kw)
+
+    def __dlpack_device__(self):
+        return self.a.__dlpack_device__()
+
+
 def test_dlpack_only_objects_are_imported_as_numpy(rng):
     """An object with the DLPack protocol alone (no shape, ndim): imported as a
     NumPy array, the same results as the arrays it wraps; one whose
     __dlpack__ fails raises TypeError naming the argument and the cause."""
-    class DL:
-        def __init__(self, a):
-            self.a = a
-
-        def __dlpack__(self, **kw):
-            return self.a.__dlpack__(**kw)
-
-        def __dlpack_device__(self):
-            return self.a.__dlpack_device__()
+    DL = _DLPackOnly
 
     class Broken:
         def __dlpack__(self, **kw):
@@ -1064,19 +1069,14 @@ def test_dlpack_objects_with_partial_or_foreign_attributes(rng):
     type or another library's name ("paddle.float32") is read by its name
     (np.float32 as dtype was refused as "expected float32, got <class
     'numpy.float32'>"); a wrong one is named plainly."""
-    class DL:
+    class DL(_DLPackOnly):
         def __init__(self, a, dtype=None, ndim=False):
-            self.a, self.shape = a, a.shape
+            super().__init__(a)
+            self.shape = a.shape
             if dtype is not None:
                 self.dtype = dtype
             if ndim:
                 self.ndim = a.ndim
-
-        def __dlpack__(self, **kw):
-            return self.a.__dlpack__(**kw)
-
-        def __dlpack_device__(self):
-            return self.a.__dlpack_device__()
 
     E, H, I, T, k = 4, 16, 8, 3, 2
     x = rng.standard_normal((T, H)).astype(np.float32)

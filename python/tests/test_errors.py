@@ -357,24 +357,30 @@ def test_bias_dtype_and_config_type_errors(case):
         fusedmoe.select_experts(np.zeros((3, 8), np.float32), 2, config=5)
 
 
-def test_from_pretrained_nan_weight_names_check_finite(tmp_path):
-    """A NaN weight: the error named the C++ LoadOptions::check_finite; Python's
-    from_pretrained takes check_finite=False and names it."""
+def _mixtral_with_nan(folder, name: str, element: int) -> None:
+    """The mixtral fixture copied into `folder` with bf16 tensor `name`'s flat
+    element `element` set to NaN."""
     import json
     import shutil
     import struct
 
     for f in ("config.json", "model.safetensors"):
-        shutil.copy(HF / "mixtral" / f, tmp_path / f)
-    path = tmp_path / "model.safetensors"
+        shutil.copy(HF / "mixtral" / f, folder / f)
+    path = folder / "model.safetensors"
     raw = bytearray(path.read_bytes())
     (n,) = struct.unpack("<Q", raw[:8])
-    name = "model.layers.0.block_sparse_moe.experts.1.w2.weight"
     entry = json.loads(raw[8:8 + n])[name]
     assert entry["dtype"] == "BF16"
-    at = 8 + n + entry["data_offsets"][0] + 2 * 3  # element [0, 3]
+    at = 8 + n + entry["data_offsets"][0] + 2 * element
     raw[at:at + 2] = struct.pack("<H", 0x7FC0)  # bf16 NaN
     path.write_bytes(bytes(raw))
+
+
+def test_from_pretrained_nan_weight_names_check_finite(tmp_path):
+    """A NaN weight: the error named the C++ LoadOptions::check_finite; Python's
+    from_pretrained takes check_finite=False and names it."""
+    name = "model.layers.0.block_sparse_moe.experts.1.w2.weight"
+    _mixtral_with_nan(tmp_path, name, 3)  # element [0, 3]
     with pytest.raises(OSError) as e:
         fusedmoe.MoELayer.from_pretrained(tmp_path, layer=0)
     msg = str(e.value)
@@ -391,21 +397,7 @@ def test_nan_gate_weight_is_named_not_router_logits(tmp_path):
     """A NaN router (gate) weight loaded with check_finite=False: a call without
     router_logits named "router_logits" (an argument not given); the message
     now says the logits were computed from hidden_states and gate_weight."""
-    import json
-    import shutil
-    import struct
-
-    for f in ("config.json", "model.safetensors"):
-        shutil.copy(HF / "mixtral" / f, tmp_path / f)
-    path = tmp_path / "model.safetensors"
-    raw = bytearray(path.read_bytes())
-    (n,) = struct.unpack("<Q", raw[:8])
-    name = "model.layers.0.block_sparse_moe.gate.weight"
-    entry = json.loads(raw[8:8 + n])[name]
-    size = {"BF16": 2, "F32": 4}[entry["dtype"]]
-    at = 8 + n + entry["data_offsets"][0]  # element [0, 0]: expert 0's row
-    raw[at:at + size] = struct.pack("<H", 0x7FC0) if size == 2 else struct.pack("<f", float("nan"))
-    path.write_bytes(bytes(raw))
+    _mixtral_with_nan(tmp_path, "model.layers.0.block_sparse_moe.gate.weight", 0)  # expert 0
     layer = fusedmoe.MoELayer.from_pretrained(tmp_path, layer=0, check_finite=False)
     x = np.ones((2, layer.hidden_size), np.float32)
     with pytest.raises(ValueError, match=r"^the router logits computed from hidden_states and "
