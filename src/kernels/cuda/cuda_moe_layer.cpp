@@ -375,7 +375,12 @@ void CudaMoELayer::check_errors(Stream stream) {
                    "token_ids: expected values in [0, hash_vocab_size = ", s.cfg.hash_vocab_size,
                    "), got one outside at token ", token[1],
                    " (of a forward since the last check; that token was routed to no expert)");
-  FUSEDMOE_THROW(kInvalidArgument, "router_logits: expected finite values, got NaN at token ",
+  // The logits were given (router_logits) or computed from hidden_states and
+  // gate_weight (a non-finite gate weight, or a product beyond f32): the
+  // device does not record which, so the message names both.
+  FUSEDMOE_THROW(kInvalidArgument,
+                 "router logits (router_logits given, or computed from hidden_states and "
+                 "gate_weight): expected finite values, got NaN at token ",
                  token[0], " (of a forward since the last check; its output is not meaningful)");
 }
 
