@@ -474,6 +474,11 @@ def _router_bias(x: Any, cuda: bool) -> Any:
     return _contiguous(_f32_logits(x, name))
 
 
+_TORCH_WIDE_UNSIGNED: Tuple[Any, ...] = tuple(
+    getattr(_torch, n) for n in ("uint16", "uint32", "uint64") if hasattr(_torch, n)
+) if _torch is not None else ()
+
+
 def _i32(x: Any, name: str) -> Any:
     """topk_ids / token_ids: int32 (other integer dtypes are converted)."""
     if isinstance(x, np.ndarray):
@@ -489,9 +494,17 @@ def _i32(x: Any, name: str) -> Any:
         if x.dtype != _torch.int32:
             if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == _torch.bool:
                 raise TypeError(f"{name}: expected an integer dtype (int32), got {x.dtype}")
-            if x.numel() and (int(x.min()) < -2**31 or int(x.max()) >= 2**31):
+            # torch's uint16 / uint32 / uint64 have no min / max: read them as int64
+            # (a uint64 value from 2^63 on then reads negative).
+            y = x
+            if x.dtype in _TORCH_WIDE_UNSIGNED:
+                y = x.to(_torch.int64)
+                if y.numel() and int(y.min()) < 0:
+                    raise ValueError(f"{name}: values must fit int32, got values >= 2^63 "
+                                     f"({x.dtype})")
+            if y.numel() and (int(y.min()) < -2**31 or int(y.max()) >= 2**31):
                 raise ValueError(f"{name}: values must fit int32, got range "
-                                 f"[{int(x.min())}, {int(x.max())}] ({x.dtype})")
+                                 f"[{int(y.min())}, {int(y.max())}] ({x.dtype})")
             x = x.to(_torch.int32)
         return _rows(x)
     return x
@@ -1334,6 +1347,9 @@ class MoELayer:
                             f"{type(impl).__name__} {impl!r}")
         self._impl = impl
         self._id = next(_layer_ids)
+        # The torch ops' layer_id: a string attribute, a constant to
+        # torch.compile (an int one changing between calls became a SymInt).
+        self._op_id = str(self._id)
         _layers[self._id] = self
 
     @classmethod
@@ -1496,7 +1512,7 @@ class MoELayer:
                       token_ids=token_ids)
         if (token_ids is None and _use_torch_ops(hidden_states)
                 and _needs_op(hidden_states, router_logits)):
-            return _torch.ops.fusedmoe.moe_layer(hidden_states, self._id, router_logits)
+            return _torch.ops.fusedmoe.moe_layer(hidden_states, self._op_id, router_logits)
         return self._forward(hidden_states, router_logits, token_ids, False)
 
     forward = __call__
@@ -1510,7 +1526,7 @@ class MoELayer:
                       token_ids=token_ids)
         if (token_ids is None and _use_torch_ops(hidden_states)
                 and _needs_op(hidden_states, router_logits)):
-            return _torch.ops.fusedmoe.moe_layer_with_routing(hidden_states, self._id,
+            return _torch.ops.fusedmoe.moe_layer_with_routing(hidden_states, self._op_id,
                                                               router_logits)
         return self._forward(hidden_states, router_logits, token_ids, True)
 
@@ -1564,8 +1580,12 @@ def __dir__() -> list:
     return sorted(set(__all__) | {n for n in globals() if n.startswith("__")})
 
 
-def _layer_by_id(layer_id: int) -> MoELayer:
-    layer = _layers.get(layer_id)
+def _layer_by_id(layer_id: "int | str") -> MoELayer:
+    """The live layer of id `layer_id` (the torch ops pass it as a string)."""
+    try:
+        layer = _layers.get(int(layer_id))
+    except ValueError:
+        layer = None
     if layer is None:
         raise ValueError(f"layer_id: no live fusedmoe.MoELayer with id {layer_id}")
     return layer

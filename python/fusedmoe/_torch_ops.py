@@ -23,7 +23,10 @@ Ops:
   moe_layer(hidden_states, layer_id, router_logits) -> [T, H] (hidden_states' dtype)
   moe_layer_with_routing(hidden_states, layer_id, router_logits)
       -> ([T, H], i32 [T, k], f32 [T, k], f32 [T, E + Z])
-``layer_id`` is ``MoELayer._id`` (a constant in a traced graph).
+``layer_id`` is ``MoELayer._op_id``, its id as a string, which torch.compile keeps a
+constant (guarded: one graph a layer). As an int it became a SymInt once a
+compiled function saw a second layer, and the fake implementation could not
+look the layer up ("unhashable type: non-nested SymInt").
 
 Inference only: the ops have no backward. Each registers an autograd formula
 whose backward raises RuntimeError saying so (instead of torch's generic "no
@@ -135,7 +138,7 @@ def _(gating_output, topk, renormalize, num_expert_group, topk_group, scoring_fu
 
 
 @torch.library.custom_op(f"{_LIB}::moe_layer", mutates_args=())
-def moe_layer(hidden_states: Tensor, layer_id: int,
+def moe_layer(hidden_states: Tensor, layer_id: str,
               router_logits: Optional[Tensor] = None) -> Tensor:
     return _fm._layer_by_id(layer_id)._forward(hidden_states, router_logits, None, False)
 
@@ -149,7 +152,7 @@ def _(hidden_states, layer_id, router_logits=None):
 
 
 @torch.library.custom_op(f"{_LIB}::moe_layer_with_routing", mutates_args=())
-def moe_layer_with_routing(hidden_states: Tensor, layer_id: int,
+def moe_layer_with_routing(hidden_states: Tensor, layer_id: str,
                            router_logits: Optional[Tensor] = None
                            ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     out, ids, weights, logits = _fm._layer_by_id(layer_id)._forward(

@@ -463,7 +463,7 @@ def test_opcheck_cuda(g):
     torch.library.opcheck(torch.ops.fusedmoe.fused_topk.default, (logits, 2, True))
     moe = _cuda_layer("mixtral", 0)
     xs = torch.randn(3, moe.hidden_size, generator=g, device="cuda")
-    torch.library.opcheck(torch.ops.fusedmoe.moe_layer.default, (xs, moe._id, None))
+    torch.library.opcheck(torch.ops.fusedmoe.moe_layer.default, (xs, moe._op_id, None))
 
 
 def test_cuda_graph_capture_replay(g):

@@ -90,7 +90,7 @@ def test_opcheck(trng):
     torch.library.opcheck(torch.ops.fusedmoe.grouped_topk.default, (logits, 2, True, 4, 2))
     layer = fusedmoe.MoELayer.from_pretrained(HF / "mixtral", layer=0)
     xs = torch.randn(3, layer.hidden_size, generator=trng)
-    torch.library.opcheck(torch.ops.fusedmoe.moe_layer.default, (xs, layer._id, None))
+    torch.library.opcheck(torch.ops.fusedmoe.moe_layer.default, (xs, layer._op_id, None))
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
@@ -113,6 +113,25 @@ def test_torch_compile_fullgraph(trng, backend):
     xl = torch.randn(6, layer.hidden_size, generator=trng)
     cg = torch.compile(g, fullgraph=True, backend=backend)
     np.testing.assert_allclose(cg(xl).numpy(), g(xl).numpy(), rtol=0, atol=0)
+
+
+def test_torch_compile_one_function_over_several_layers(trng):
+    """A compiled function taking the layer as an argument, called with one
+    layer after another: the op's layer id was an int, which torch.compile
+    made a SymInt at the second layer, and the fake implementation failed
+    ("unhashable type: non-nested SymInt", trial). Now a string: one graph a
+    layer, each the layer's own output."""
+    layers = [fusedmoe.MoELayer.from_pretrained(HF / "qwen2_moe", layer=i) for i in (0, 1)]
+    layers.append(fusedmoe.MoELayer.from_pretrained(HF / "qwen2_moe", layer=0))
+
+    def f(hidden, moe):
+        return moe(hidden) * 2.0
+
+    torch._dynamo.reset()
+    cf = torch.compile(f, fullgraph=True, backend="aot_eager")
+    x = torch.randn(5, layers[0].hidden_size, generator=trng)
+    for moe in layers:
+        np.testing.assert_array_equal(cf(x, moe).numpy(), f(x, moe).numpy())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or fusedmoe.cuda_built,
@@ -148,3 +167,23 @@ def test_torch_imports_after_fusedmoe():
     env = {k: v for k, v in os.environ.items() if k != "FUSEDMOE_NO_TORCH"}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_unsigned_torch_ids_are_converted_or_named(trng):
+    """torch's uint16 / uint32 / uint64 topk_ids are converted as the other
+    integer dtypes are; values beyond int32 are named. They raised torch's
+    'min_all not implemented for UInt64', naming no argument (trial)."""
+    x, w13, w2, tw, ids = _case(trng)
+    want = fusedmoe.fused_experts(x, w13, w2, tw, ids)
+    for dt in (getattr(torch, n) for n in ("uint16", "uint32", "uint64") if hasattr(torch, n)):
+        assert torch.equal(fusedmoe.fused_experts(x, w13, w2, tw, ids.to(dt)), want), dt
+    if hasattr(torch, "uint64"):
+        big = ids.to(torch.int64)
+        big[0, 0] = 2**40
+        with pytest.raises(ValueError, match=r"^topk_ids: values must fit int32, got range "
+                                             r"\[\d+, 1099511627776\] \(torch.uint64\)$"):
+            fusedmoe.fused_experts(x, w13, w2, tw, big.to(torch.uint64))
+        big[0, 0] = -1  # 2^64 - 1 as uint64
+        with pytest.raises(ValueError, match=r"^topk_ids: values must fit int32, got values "
+                                             r">= 2\^63 \(torch.uint64\)$"):
+            fusedmoe.fused_experts(x, w13, w2, tw, big.to(torch.uint64))
