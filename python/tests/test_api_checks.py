@@ -158,6 +158,10 @@ def test_select_experts_hash_routing_as_the_readme_says(rng):
                                      routing_method="hash", hash_vocab_size=20)
     assert ids.tolist() == table[tok].tolist()
     assert np.all(np.isfinite(w))
+    # A 0-d token_ids is named by its shape (it was reported as "got none").
+    with pytest.raises(ValueError, match=r"^token_ids: expected i32 \[4\], got i32 \[\]$"):
+        fusedmoe.select_experts(g, 2, token_ids=np.array(3, np.int32), hash_table=table,
+                                routing_method="hash", hash_vocab_size=20)
 
 
 def test_select_experts_with_layer_torch(rng):

@@ -39,8 +39,10 @@ void RouterBase::select_experts(const TensorView& router_logits, const TensorVie
   check_tensor(topk_weights, "topk_weights", DType::kF32, {T, k});
   RouteArgs args;
   if (uses_token_ids_) {
-    FUSEDMOE_CHECK(token_ids != nullptr && token_ids->ndim() != 0, "token_ids: expected i32 [", T,
-                   "] (required by ", name(), " routing), got none");
+    // A default TensorView is "none"; a 0-d array given is named by check_tensor.
+    FUSEDMOE_CHECK(token_ids != nullptr && (token_ids->ndim() != 0 || token_ids->data() != nullptr),
+                   "token_ids: expected i32 [", T, "] (required by ", name(),
+                   " routing), got none");
     check_tensor(*token_ids, "token_ids", DType::kI32, {T}, false);
     args.token_ids = token_ids->data_as<const int32_t>();
     args.token_ids_stride = T > 0 ? token_ids->stride(0) : 1;
