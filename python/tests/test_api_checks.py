@@ -1024,6 +1024,17 @@ def test_expert_parallel_group_argument_errors():
             fusedmoe.ExpertParallelGroup.from_unique_id(uid, 0, 1)
 
 
+def _small_experts_case(rng):
+    """fused_experts' arguments for E = 4, H = 16, I = 8, T = 3, k = 2 (f32)."""
+    E, H, I, T, k = 4, 16, 8, 3, 2
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    w13 = rng.standard_normal((E, 2 * I, H)).astype(np.float32)
+    w2 = rng.standard_normal((E, H, I)).astype(np.float32)
+    tw = rng.random((T, k)).astype(np.float32)
+    ids = np.array([[0, 1], [2, 3], [1, 2]], np.int32)
+    return x, w13, w2, tw, ids
+
+
 class _DLPackOnly:
     """Wraps an array behind the DLPack protocol alone (no shape, ndim, dtype)."""
 
@@ -1050,15 +1061,10 @@ def test_dlpack_only_objects_are_imported_as_numpy(rng):
         def __dlpack_device__(self):
             return (1, 0)
 
-    E, H, I, T, k = 4, 16, 8, 3, 2
-    x = rng.standard_normal((T, H)).astype(np.float32)
-    w13 = rng.standard_normal((E, 2 * I, H)).astype(np.float32)
-    w2 = rng.standard_normal((E, H, I)).astype(np.float32)
-    tw = rng.random((T, k)).astype(np.float32)
-    ids = np.array([[0, 1], [2, 3], [1, 2]], np.int32)
+    x, w13, w2, tw, ids = _small_experts_case(rng)
     out = fusedmoe.fused_experts(DL(x), DL(w13), DL(w2), DL(tw), DL(ids))
     np.testing.assert_array_equal(out, fusedmoe.fused_experts(x, w13, w2, tw, ids))
-    logits = rng.standard_normal((T, E)).astype(np.float32)
+    logits = rng.standard_normal((x.shape[0], w13.shape[0])).astype(np.float32)
     for a, b in zip(fusedmoe.fused_topk(None, DL(logits), 2, True),
                     fusedmoe.fused_topk(None, logits, 2, True)):
         np.testing.assert_array_equal(a, b)
@@ -1082,12 +1088,7 @@ def test_dlpack_objects_with_partial_or_foreign_attributes(rng):
             if ndim:
                 self.ndim = a.ndim
 
-    E, H, I, T, k = 4, 16, 8, 3, 2
-    x = rng.standard_normal((T, H)).astype(np.float32)
-    w13 = rng.standard_normal((E, 2 * I, H)).astype(np.float32)
-    w2 = rng.standard_normal((E, H, I)).astype(np.float32)
-    tw = rng.random((T, k)).astype(np.float32)
-    ids = np.array([[0, 1], [2, 3], [1, 2]], np.int32)
+    x, w13, w2, tw, ids = _small_experts_case(rng)
     want = fusedmoe.fused_experts(x, w13, w2, tw, ids)
     for hx in (DL(x), DL(x, np.float32, True), DL(x, "paddle.float32", True)):
         np.testing.assert_array_equal(fusedmoe.fused_experts(hx, w13, w2, tw, ids), want)
