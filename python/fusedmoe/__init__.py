@@ -1088,6 +1088,10 @@ def select_experts(
     else the max. Returns (topk_weights f32 [T, k], topk_ids int32 [T, k]; id
     -1 = zero expert)."""
     _check_array(router_logits, "router_logits")
+    # torch logits take torch tensors everywhere, as the other functions do (a
+    # NumPy token_ids / hash_table / bias beside them was accepted; trial).
+    _same_library("router_logits", router_logits, e_score_correction_bias=e_score_correction_bias,
+                  token_ids=token_ids, hash_table=hash_table)
     if isinstance(config, MoELayer):
         # The layer's routing: a top_k of another value would silently route
         # with that k instead (the layer's own k is what its experts expect).

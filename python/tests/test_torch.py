@@ -187,3 +187,21 @@ def test_unsigned_torch_ids_are_converted_or_named(trng):
         with pytest.raises(ValueError, match=r"^topk_ids: values must fit int32, got values "
                                              r">= 2\^63 \(torch.uint64\)$"):
             fusedmoe.fused_experts(x, w13, w2, tw, big.to(torch.uint64))
+
+
+def test_select_experts_with_torch_logits_takes_torch_arguments_only():
+    """Torch router_logits: a NumPy token_ids, hash_table or bias is a TypeError
+    naming it, as in the other functions (select_experts accepted them; trial)."""
+    g = torch.zeros(2, 8)
+    tab = torch.tensor([[0, 1]] * 4, dtype=torch.int32)
+    tok = torch.tensor([1, 2], dtype=torch.int32)
+    kw = dict(routing_method="hash", hash_vocab_size=4, num_experts=8)
+    with pytest.raises(TypeError, match=r"^token_ids: expected a torch.Tensor like router_logits"):
+        fusedmoe.select_experts(g, 2, token_ids=tok.numpy(), hash_table=tab, **kw)
+    with pytest.raises(TypeError, match=r"^hash_table: expected a torch.Tensor like router_logits"):
+        fusedmoe.select_experts(g, 2, token_ids=tok, hash_table=tab.numpy(), **kw)
+    w, ids = fusedmoe.select_experts(g, 2, token_ids=tok, hash_table=tab, **kw)
+    assert isinstance(ids, torch.Tensor) and ids.tolist() == [[0, 1], [0, 1]]
+    with pytest.raises(TypeError, match=r"^e_score_correction_bias: expected a torch.Tensor"):
+        fusedmoe.select_experts(g, 2, scoring_func="sigmoid",
+                                e_score_correction_bias=np.zeros(8, np.float32))
