@@ -123,16 +123,25 @@ fi
 grep -q "expected 3 ranks, but the MPI launcher started 2" "$TMP/log" ||
   { echo "FAIL: no rank-count message"; cat "$TMP/log"; exit 1; }
 
+# expect_rank_usage NAME NP PATTERN -- ARGS...: `mpirun -np NP fusedmoe ARGS`
+# exits 2 with an error line matching PATTERN (every rank hits it, the first
+# to report ends the job).
+expect_rank_usage() {
+  local name=$1 np=$2 pattern=$3 rc=0
+  shift 4
+  $mpiexec $pre "$npflag" "$np" "$BIN" "$@" >"$TMP/log" 2>&1 || rc=$?
+  [ "$rc" -eq 2 ] || { echo "FAIL: $name: exit $rc, expected 2"; cat "$TMP/log"; exit 1; }
+  grep -qE "^fusedmoe: error: rank [0-9]+: $pattern" "$TMP/log" ||
+    { echo "FAIL: $name: no '$pattern'"; cat "$TMP/log"; exit 1; }
+  echo "ok $name"
+}
+
 # More EP ranks than experts (mixtral: 8): a usage error naming --ep-size (it
-# named ExpertMap's ep_size); every rank hits it, the first to report ends the job.
-rc=0
-$mpiexec $pre "$npflag" 9 "$BIN" run --model "$DATA/hf/mixtral" --tokens 4 --ep-size 9 \
-  >"$TMP/log" 2>&1 || rc=$?
-[ "$rc" -eq 2 ] || { echo "FAIL: --ep-size 9 with 8 experts: exit $rc, expected 2"; cat "$TMP/log"; exit 1; }
-grep -qE "^fusedmoe: error: rank [0-8]: --ep-size 9: expected at most num_experts = 8 \(" \
-  "$TMP/log" || { echo "FAIL: --ep-size 9 not named"; cat "$TMP/log"; exit 1; }
+# named ExpertMap's ep_size).
+expect_rank_usage "--ep-size beyond the experts" 9 \
+  "--ep-size 9: expected at most num_experts = 8 \(" -- \
+  run --model "$DATA/hf/mixtral" --tokens 4 --ep-size 9
 grep -q "ExpertMap" "$TMP/log" && { echo "FAIL: ExpertMap named"; cat "$TMP/log"; exit 1; }
-echo "ok --ep-size beyond the experts"
 
 # More TP ranks than intermediate columns: a usage error naming --tp-size (it
 # named MoEConfig's tp_size with exit 1). A copy of mixtral whose config says
@@ -140,13 +149,9 @@ echo "ok --ep-size beyond the experts"
 # weight is read).
 cp -r "$DATA/hf/mixtral" "$TMP/tp_model"
 sed -i 's/"intermediate_size": 48/"intermediate_size": 1/' "$TMP/tp_model/config.json"
-rc=0
-$mpiexec $pre "$npflag" 2 "$BIN" run --model "$TMP/tp_model" --tokens 4 --tp-size 2 \
-  >"$TMP/log" 2>&1 || rc=$?
-[ "$rc" -eq 2 ] || { echo "FAIL: --tp-size 2 with intermediate_size 1: exit $rc, expected 2"; cat "$TMP/log"; exit 1; }
-grep -qE "^fusedmoe: error: rank [01]: --tp-size 2: expected at most intermediate_size = 1 \(" \
-  "$TMP/log" || { echo "FAIL: --tp-size 2 not named"; cat "$TMP/log"; exit 1; }
-echo "ok --tp-size beyond the intermediate size"
+expect_rank_usage "--tp-size beyond the intermediate size" 2 \
+  "--tp-size 2: expected at most intermediate_size = 1 \(" -- \
+  run --model "$TMP/tp_model" --tokens 4 --tp-size 2
 
 # An argument error: every rank that hits it prints it, with its rank.
 if $mpiexec $pre "$npflag" 2 "$BIN" run --tokens 4 --ep-size 0 >"$TMP/log" 2>&1; then
