@@ -293,7 +293,10 @@ _HIDDEN_CPU = "dtype float32"  # hidden_states on the CPU (_hidden_dtype has the
 
 
 def _is_array(x: Any) -> bool:
-    """A NumPy array, a torch tensor or another DLPack array (CuPy, ...)."""
+    """A NumPy array, a torch tensor or another DLPack array (CuPy, ...); not
+    an array class (np.ndarray itself has __dlpack__ too)."""
+    if isinstance(x, type):
+        return False
     return isinstance(x, np.ndarray) or _is_torch(x) or hasattr(x, "__dlpack__")
 
 
@@ -306,6 +309,8 @@ def _check_array(x: Any, name: str) -> None:
         t = type(x)
         got = ("None" if x is None else t.__name__ if t.__module__ == "builtins"
                else f"{t.__module__}.{t.__name__}")  # numpy.float32: a scalar, not an array
+        if isinstance(x, type):  # np.ndarray, torch.Tensor: the class, not an instance
+            got = f"the class {x.__module__}.{x.__qualname__} (not an array of it)"
         raise TypeError(f"{name}: expected a NumPy array or torch tensor, got {got}")
     if isinstance(x, np.ma.MaskedArray):  # an ndarray, whose mask DLPack would drop
         raise TypeError(f"{name}: expected a NumPy array or torch tensor, got "
@@ -351,8 +356,19 @@ def _as_array(x: Any, name: str, expected: str = "a numeric dtype") -> Any:
         if not x.dtype.isnative:  # big-endian: DLPack carries native byte order only
             x = x.astype(x.dtype.newbyteorder("="))
         return x
-    if _is_torch(x) and x.layout != _torch.strided:  # sparse, ...: no DLPack form
-        raise TypeError(f"{name}: expected a dense (strided) tensor, got layout {x.layout}")
+    if _is_torch(x):
+        if x.layout != _torch.strided:  # sparse, jagged nested, ...: no DLPack form
+            raise TypeError(f"{name}: expected a dense (strided) tensor, got layout {x.layout}")
+        if x.is_nested:  # a strided-layout nested tensor: its rows differ in shape
+            raise TypeError(f"{name}: expected a dense (strided) tensor, got a nested tensor")
+        return x
+    # Another library's array: its shape as the extension will read it.
+    try:
+        dims = tuple(int(d) for d in x.shape)
+    except Exception as e:
+        raise TypeError(f"{name}: shape {x.shape!r} is not a sequence of integers") from e
+    if any(d < 0 for d in dims):
+        raise ValueError(f"{name}: shape {dims} has a negative dimension")
     return x
 
 

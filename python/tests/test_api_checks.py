@@ -1094,3 +1094,27 @@ def test_dlpack_objects_with_partial_or_foreign_attributes(rng):
         np.testing.assert_array_equal(fusedmoe.fused_experts(hx, w13, w2, tw, ids), want)
     with pytest.raises(TypeError, match=r"^hidden_states: expected dtype float32, got float64$"):
         fusedmoe.fused_experts(DL(x.astype(np.float64), "paddle.float64", True), w13, w2, tw, ids)
+
+
+def test_array_classes_and_negative_shapes_are_named(rng):
+    """The class np.ndarray passed instead of an array (it has __dlpack__ too)
+    raised "'getset_descriptor' object is not iterable"; a DLPack object whose
+    shape has a negative dimension raised NumPy's "negative dimensions are not
+    allowed" without the argument. Both name the argument now."""
+    x, w13, w2, tw, ids = _small_experts_case(rng)
+    with pytest.raises(TypeError, match=r"^hidden_states: expected a NumPy array or torch tensor, "
+                                        r"got the class numpy\.ndarray \(not an array of it\)$"):
+        fusedmoe.fused_experts(np.ndarray, w13, w2, tw, ids)
+    with pytest.raises(TypeError, match=r"^gating_output: .* got the class numpy\.ndarray"):
+        fusedmoe.fused_topk(None, np.ndarray, 2, True)
+
+    class Negative(_DLPackOnly):
+        def __init__(self, a):
+            super().__init__(a)
+            self.shape, self.ndim, self.dtype = (-1, a.shape[1]), 2, a.dtype
+
+    with pytest.raises(ValueError, match=r"^gating_output: shape \(-1, 4\) has a negative "
+                                         r"dimension$"):
+        fusedmoe.fused_topk(None, Negative(np.ones((3, 4), np.float32)), 2, True)
+    with pytest.raises(ValueError, match=r"^hidden_states: shape \(-1, \d+\) has a negative"):
+        fusedmoe.fused_experts(Negative(x), w13, w2, tw, ids)
