@@ -312,6 +312,8 @@ def _check_array(x: Any, name: str) -> None:
         if isinstance(x, type):  # np.ndarray, torch.Tensor: the class, not an instance
             got = f"the class {x.__module__}.{x.__qualname__} (not an array of it)"
         raise TypeError(f"{name}: expected a NumPy array or torch tensor, got {got}")
+    if _is_torch(x) and x.is_nested:  # before any op dispatch, which would not name it
+        raise TypeError(f"{name}: expected a dense (strided) tensor, got a nested tensor")
     if isinstance(x, np.ma.MaskedArray):  # an ndarray, whose mask DLPack would drop
         raise TypeError(f"{name}: expected a NumPy array or torch tensor, got "
                         "numpy.ma.MaskedArray (its mask would be ignored; pass its "
@@ -357,10 +359,8 @@ def _as_array(x: Any, name: str, expected: str = "a numeric dtype") -> Any:
             x = x.astype(x.dtype.newbyteorder("="))
         return x
     if _is_torch(x):
-        if x.layout != _torch.strided:  # sparse, jagged nested, ...: no DLPack form
+        if x.layout != _torch.strided:  # sparse, ...: no DLPack form
             raise TypeError(f"{name}: expected a dense (strided) tensor, got layout {x.layout}")
-        if x.is_nested:  # a strided-layout nested tensor: its rows differ in shape
-            raise TypeError(f"{name}: expected a dense (strided) tensor, got a nested tensor")
         return x
     # Another library's array: its shape as the extension will read it.
     try:

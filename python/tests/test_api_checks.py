@@ -894,6 +894,27 @@ def test_sparse_torch_tensor_is_named():
         layer(x)
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch: nested tensors are a prototype
+def test_nested_torch_tensors_are_named():
+    """A nested tensor, strided (its rows differ in shape) or jagged (a tensor
+    subclass the custom ops' dispatch raised NotImplementedError
+    "fusedmoe.fused_topk.default" for), is refused naming the argument."""
+    torch = _torch()
+    if torch is None:
+        pytest.skip("needs torch")
+    layer = fusedmoe.MoELayer.from_pretrained(HF / "mixtral", layer=0)
+    H = layer.hidden_size
+    for layout in (torch.strided, torch.jagged):
+        nt = torch.nested.nested_tensor([torch.ones(3, H), torch.ones(2, H)], layout=layout)
+        with pytest.raises(TypeError, match=r"^hidden_states: expected a dense \(strided\) "
+                                            r"tensor, got a nested tensor$"):
+            layer(nt)
+        with pytest.raises(TypeError, match=r"^gating_output: expected a dense .* nested"):
+            fusedmoe.fused_topk(None, nt, 2, True)
+        with pytest.raises(TypeError, match=r"^router_logits: expected a dense .* nested"):
+            fusedmoe.select_experts(nt, 2)
+
+
 def test_select_experts_config_bias_flag_without_array_names_the_dict_key(rng):
     """layer.config says e_score_correction_bias = True: the error named the C++
     field config.has_e_score_correction_bias, a key the dict does not have."""
