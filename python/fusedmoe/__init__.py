@@ -229,12 +229,15 @@ def _path(v: Any, name: str) -> str:
     return path
 
 
-def _same_library(ref_name: str, ref: Any, **others: Any) -> None:
-    """torch.ops take tensors only: with a torch tensor `ref`, every other
-    array argument given must be a torch tensor too (TypeError naming it)."""
-    if not _is_torch(ref):
+def _same_library(**arrays: Any) -> None:
+    """The array arguments of one call come from one library: where any is a
+    torch tensor, every other one given (not None) must be one too (torch.ops
+    take tensors only, and the outputs follow the inputs' library): TypeError
+    naming the first that is not, and the first torch tensor, in argument order."""
+    ref_name = next((n for n, v in arrays.items() if _is_torch(v)), None)
+    if ref_name is None:
         return
-    for name, v in others.items():
+    for name, v in arrays.items():
         if v is not None and not _is_torch(v):
             raise TypeError(f"{name}: expected a torch.Tensor like {ref_name}, "
                             f"got {type(v).__name__}")
@@ -742,15 +745,11 @@ def fused_experts(
     for name, v in (("hidden_states", hidden_states), ("w13", w13), ("w2", w2),
                     ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
         _check_array(v, name)
+    _same_library(hidden_states=hidden_states, w13=w13, w2=w2, topk_weights=topk_weights,
+                  topk_ids=topk_ids, w13_bias=w13_bias, w2_bias=w2_bias)
     if _use_torch_ops(hidden_states, w13):
         if weight_dtype is not None:
             raise ValueError("weight_dtype: only for NumPy uint16 weights, not torch tensors")
-        # torch.ops takes tensors only: name a NumPy array passed among them
-        ref_name, ref = ("hidden_states", hidden_states) if _is_torch(hidden_states) \
-            else ("w13", w13)
-        _same_library(ref_name, ref, hidden_states=hidden_states, w13=w13, w2=w2,
-                      topk_weights=topk_weights, topk_ids=topk_ids, w13_bias=w13_bias,
-                      w2_bias=w2_bias)
         if _needs_op(hidden_states, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias):
             return _torch.ops.fusedmoe.fused_experts(
                 hidden_states, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias,
@@ -974,7 +973,7 @@ def fused_topk(
     topk_ids int32 [T, k]), on gating_output's device."""
     topk = _int(topk, "topk")
     _check_array(gating_output, "gating_output")
-    _same_library("gating_output", gating_output, hidden_states=hidden_states)
+    _same_library(hidden_states=hidden_states, gating_output=gating_output)
     if hidden_states is not None:
         _check_hidden_states(hidden_states, gating_output)
     if _use_torch_ops(gating_output) and _needs_op(gating_output):
@@ -1042,7 +1041,7 @@ def grouped_topk(
     num_expert_group = _int(num_expert_group, "num_expert_group")
     topk_group = _int(topk_group, "topk_group")
     _check_array(gating_output, "gating_output")
-    _same_library("gating_output", gating_output, e_score_correction_bias=e_score_correction_bias)
+    _same_library(gating_output=gating_output, e_score_correction_bias=e_score_correction_bias)
     if _use_torch_ops(gating_output) and _needs_op(gating_output, e_score_correction_bias):
         return _torch.ops.fusedmoe.grouped_topk(
             gating_output, topk, renormalize, num_expert_group, topk_group, scoring_func,
@@ -1106,7 +1105,7 @@ def select_experts(
     _check_array(router_logits, "router_logits")
     # torch logits take torch tensors everywhere, as the other functions do (a
     # NumPy token_ids / hash_table / bias beside them was accepted; trial).
-    _same_library("router_logits", router_logits, e_score_correction_bias=e_score_correction_bias,
+    _same_library(router_logits=router_logits, e_score_correction_bias=e_score_correction_bias,
                   token_ids=token_ids, hash_table=hash_table)
     if isinstance(config, MoELayer):
         # The layer's routing: a top_k of another value would silently route
@@ -1528,7 +1527,7 @@ class MoELayer:
         if _bool(return_routing, "return_routing"):
             return self.forward_with_routing(hidden_states, router_logits, token_ids=token_ids)
         _check_array(hidden_states, "hidden_states")
-        _same_library("hidden_states", hidden_states, router_logits=router_logits,
+        _same_library(hidden_states=hidden_states, router_logits=router_logits,
                       token_ids=token_ids)
         if (token_ids is None and _use_torch_ops(hidden_states)
                 and _needs_op(hidden_states, router_logits)):
@@ -1542,7 +1541,7 @@ class MoELayer:
         """Returns (output f32 [T, H], topk_ids int32 [T, k], topk_weights f32
         [T, k], router_logits f32 [T, E + Z])."""
         _check_array(hidden_states, "hidden_states")
-        _same_library("hidden_states", hidden_states, router_logits=router_logits,
+        _same_library(hidden_states=hidden_states, router_logits=router_logits,
                       token_ids=token_ids)
         if (token_ids is None and _use_torch_ops(hidden_states)
                 and _needs_op(hidden_states, router_logits)):

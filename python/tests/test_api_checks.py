@@ -204,6 +204,26 @@ def test_layer_mixed_numpy_and_torch_is_a_type_error(mixtral):
         fusedmoe.grouped_topk(g, 2, True, 4, 2, "sigmoid", np.zeros(8, np.float32))
     with pytest.raises(TypeError, match="hidden_states: expected a torch.Tensor like gating_"):
         fusedmoe.fused_topk(x.numpy(), g, 2, True)
+    # NumPy first and a torch tensor after: refused the same way (a NumPy result
+    # came back where the first argument was NumPy; session 21's trial).
+    gn = g.numpy()
+    with pytest.raises(TypeError, match=r"^gating_output: expected a torch.Tensor like "
+                                        r"e_score_correction_bias, got ndarray$"):
+        fusedmoe.grouped_topk(gn, 2, True, 4, 2, "sigmoid", torch.zeros(8))
+    with pytest.raises(TypeError, match=r"^router_logits: expected a torch.Tensor like "
+                                        r"e_score_correction_bias"):
+        fusedmoe.select_experts(gn, 2, scoring_func="sigmoid", num_expert_group=4, topk_group=2,
+                                e_score_correction_bias=torch.zeros(8))
+    with pytest.raises(TypeError, match=r"^hidden_states: expected a torch.Tensor like "
+                                        r"router_logits"):
+        mixtral(x.numpy(), router_logits=torch.zeros(2, mixtral.num_router_logits))
+    xn, H = x.numpy(), mixtral.hidden_size
+    w13, w2 = np.zeros((8, 4, H), np.float32), np.zeros((8, H, 2), np.float32)
+    tw, ids = np.ones((2, 1), np.float32), np.zeros((2, 1), np.int32)
+    with pytest.raises(TypeError, match=r"^hidden_states: expected a torch.Tensor like w2"):
+        fusedmoe.fused_experts(xn, w13, torch.from_numpy(w2), tw, ids)
+    with pytest.raises(TypeError, match=r"^hidden_states: expected a torch.Tensor like w13_bias"):
+        fusedmoe.fused_experts(xn, w13, w2, tw, ids, w13_bias=torch.zeros(8, 4))
 
 
 # ---- 5. from_pretrained / inspect argument types -------------------------------------
