@@ -507,9 +507,10 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
     c.renormalize = f.get_bool({"norm_topk_prob"}, false);
     layers = all_layers(L);
   } else if (mt == "deepseek_v2") {
-    // DeepseekV2TopkRouter: softmax; "greedy" = plain top-k, "group_limited_greedy" =
-    // groups scored by their max, top topk_group groups, then top-k. norm_topk_prob
-    // follows DeepSeek's reference code (renormalize when set; default false).
+    // DeepseekV2Moe: softmax; "greedy" = plain top-k, "group_limited_greedy" =
+    // groups scored by their max, top topk_group groups, then top-k; the weights
+    // times routed_scaling_factor, never renormalized. "noaux_tc" (which HF's V2
+    // cannot run) routes as deepseek_v3, as vLLM does.
     c.num_experts = f.get_size({"n_routed_experts", "num_experts"}, kMaxNumExperts);
     c.intermediate_size = f.get_size({"moe_intermediate_size"}, kMaxIntermediateSize);
     c.scoring_func = scoring_from_hf(f, "softmax");
@@ -517,6 +518,26 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
     f.refuse_null("routed_scaling_factor", "a number", kStrictNone);
     c.routed_scaling_factor = f.get_float({"routed_scaling_factor"}, 1.0);
     const std::string method = f.get_string({"topk_method"}, std::string("greedy"));
+    if (method == "greedy" || method == "group_limited_greedy") {
+      // Where implementations disagree, refuse rather than pick one. With
+      // norm_topk_prob true, HF's DeepseekV2Moe ignores the field (scales by
+      // routed_scaling_factor), DeepSeek's reference modeling_deepseek.py
+      // renormalizes instead of scaling, and vLLM does both. Another
+      // scoring_func: HF takes the softmax anyway, DeepSeek's code raises
+      // NotImplementedError, vLLM reads it. No released V2 checkpoint sets either.
+      if (c.renormalize)
+        FUSEDMOE_THROW(kUnsupported, where, ": norm_topk_prob true is not supported for "
+                       "deepseek_v2 with topk_method '", printable(method), "' (HF transformers' "
+                       "DeepseekV2Moe ignores it and scales the weights by routed_scaling_"
+                       "factor, DeepSeek's reference code renormalizes them instead of scaling, "
+                       "vLLM does both; released DeepSeek-V2 checkpoints set false)");
+      if (c.scoring_func != ScoringFunc::kSoftmax)
+        FUSEDMOE_THROW(kUnsupported, where, ": scoring_func '",
+                       printable(f.get_string({"scoring_func"}, std::string())),
+                       "' is not supported for deepseek_v2 with topk_method '", printable(method),
+                       "' (supported: softmax; HF transformers' DeepseekV2Moe always takes the "
+                       "softmax, DeepSeek's reference code supports only it)");
+    }
     if (method == "greedy") {
       c.routing_method = RoutingMethod::kTopK;
     } else if (method == "group_limited_greedy") {

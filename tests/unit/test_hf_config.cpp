@@ -590,9 +590,39 @@ TEST(HfConfig, DeepseekV2Routing) {
   EXPECT_EQ(c.scoring_func, ScoringFunc::kSigmoid);
   EXPECT_TRUE(c.has_e_score_correction_bias);
 
+  // Where HF's DeepseekV2Moe, DeepSeek's reference code and vLLM disagree
+  // (norm_topk_prob true; a scoring_func other than softmax), refused naming the
+  // field, for both HF topk methods; false and softmax (the released
+  // checkpoints') load as above.
+  for (const char* method : {"greedy", "group_limited_greedy"}) {
+    SCOPED_TRACE(method);
+    json v = j;
+    v["topk_method"] = method;
+    v.erase("scoring_func");
+    v["norm_topk_prob"] = true;
+    const std::string e = error_of([&] { parse(v); }, ErrorCode::kUnsupported);
+    EXPECT_HAS(e, std::string("norm_topk_prob true is not supported for deepseek_v2 with "
+                              "topk_method '") + method + "'");
+    EXPECT_HAS(e, "HF transformers' DeepseekV2Moe ignores it");
+    v["norm_topk_prob"] = false;
+    v["scoring_func"] = "sigmoid";
+    EXPECT_HAS(error_of([&] { parse(v); }, ErrorCode::kUnsupported),
+               std::string("scoring_func 'sigmoid' is not supported for deepseek_v2 with "
+                           "topk_method '") + method + "' (supported: softmax");
+    v["scoring_func"] = "softmax";
+    EXPECT_FALSE(parse(v).layer_config(2).renormalize);
+  }
+  // noaux_tc (V3's router under model_type deepseek_v2, as vLLM reads it) keeps
+  // renormalizing when asked.
+  j["topk_method"] = "noaux_tc";
+  j["norm_topk_prob"] = true;
+  EXPECT_TRUE(parse(j).layer_config(2).renormalize);
+  j.erase("norm_topk_prob");
+
   j["topk_method"] = "magic";
   EXPECT_HAS(error_of([&] { parse(j); }, ErrorCode::kUnsupported), "topk_method 'magic'");
   j["topk_method"] = "group_limited_greedy";
+  j.erase("scoring_func");
   j["n_group"] = 7;  // 64 experts do not split into 7 groups
   EXPECT_HAS(error_of([&] { parse(j); }, ErrorCode::kInvalidArgument), "num_expert_group");
 }
