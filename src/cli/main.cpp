@@ -836,8 +836,30 @@ int run_command_line(int argc, char** argv) {
   if (!before_command.empty()) {
     parse_error = std::make_exception_ptr(CLI::ExtrasError(std::vector<std::string>{}));
   } else {
+    // "--name=" with nothing after '=' for an option that takes a value: CLI11
+    // reads it as "--name" and takes the next argument as the value ("--output=
+    // --quiet" wrote a file named --quiet; trial). Passed as "--name" "" instead,
+    // so the option's own check names the empty value.
+    std::vector<std::string> words(argv, argv + argc);
+    const CLI::App* cmd = nullptr;
+    for (size_t i = 1; i < words.size() && words[i] != "--"; ++i) {
+      const std::string& w = words[i];
+      if (cmd == nullptr) {
+        for (const CLI::App* c : {inspect, run, bench})
+          if (w == c->get_name()) cmd = c;
+        continue;
+      }
+      if (w.size() < 4 || w.rfind("--", 0) != 0 || w.find('=') != w.size() - 1) continue;
+      const CLI::Option* opt = cmd->get_option_no_throw(w.substr(0, w.size() - 1));
+      if (opt == nullptr || opt->get_expected_min() == 0) continue;
+      words[i].pop_back();
+      words.insert(words.begin() + static_cast<std::ptrdiff_t>(i) + 1, std::string());
+      ++i;
+    }
+    std::vector<char*> word_ptrs;
+    for (std::string& w : words) word_ptrs.push_back(w.data());
     try {
-      app.parse(argc, argv);
+      app.parse(static_cast<int>(word_ptrs.size()), word_ptrs.data());
     } catch (const CLI::ParseError&) {
       parse_error = std::current_exception();
     }

@@ -290,6 +290,21 @@ for flag in "run --quiet=3" "run --quiet=0" "run --quiet=yes" "bench --no-baseli
   expect_usage "CLI11: $flag" "error: $cmd ${f%%=*}: a flag, expected no value (or true / false), got \"${f#*=}\" (see fusedmoe $cmd --help)" -- \
     $cmd "${extra[@]}" "$f"
 done
+# An option that takes a value, given "--name=" (nothing after '='): CLI11 read it as
+# "--name" and took the next argument as the value ("--output= --quiet" wrote a file
+# named --quiet and printed the report; trial). Now the empty value is refused, and
+# the next argument stays an option: no file named --quiet in the folder run in.
+pushd "$OUTDIR" >/dev/null
+expect_usage "run --output= --quiet" "error: run --output: expected a path, got an empty string" -- \
+  run --model "$FIX" --tokens 1 --output= --quiet
+[ ! -e "$OUTDIR/--quiet" ] || { echo "FAIL run --output= --quiet: wrote a file named --quiet"; failures=$((failures + 1)); }
+popd >/dev/null
+expect_usage "run --model= 2" "error: run --model: expected a path, got an empty string" -- \
+  run --model= --tokens 2
+expect_usage "run --tokens= --quiet" "error: run --tokens: expected a decimal integer >= 0, got \"\"" -- \
+  run --model "$FIX" --tokens= --quiet
+expect_usage "bench --csv= --shapes" "error: bench --csv: expected a path, got an empty string" -- \
+  bench --csv= --shapes qwen3-cpu
 "$BIN" run --model "$FIX" --tokens 1 --quiet=true >/dev/null && "$BIN" run --model "$FIX" --tokens 1 --quiet=false >/dev/null ||
   { echo "FAIL run --quiet=true / --quiet=false: refused"; failures=$((failures + 1)); }
 # "-" is no file name here, nor the standard output (which carries the report): refused, and no
