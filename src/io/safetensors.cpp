@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <cerrno>
 #include <climits>
 #include <cstdio>
@@ -776,13 +777,16 @@ std::vector<std::string> AtomicFile::remove_stale_temporaries(const std::string&
   for (; !ec && it != end; it.increment(ec)) {
     const std::string name = it->path().filename().string();
     if (name.compare(0, prefix.size(), prefix) != 0) continue;
-    // <pid>.<suffix>: decimal digits, then a dot and at least one character.
+    // <pid>.<suffix>: decimal digits, a dot, then mkstemp's six letters or digits
+    // (a longer or other suffix is not ours: left alone).
     size_t at = prefix.size();
     long long pid = 0;
     while (at < name.size() && name[at] >= '0' && name[at] <= '9' && pid <= INT_MAX)
       pid = pid * 10 + (name[at++] - '0');
-    if (at == prefix.size() || pid <= 0 || pid > INT_MAX || at + 1 >= name.size() ||
-        name[at] != '.')
+    if (at == prefix.size() || pid <= 0 || pid > INT_MAX || name.size() != at + 7 ||
+        name[at] != '.' ||
+        !std::all_of(name.begin() + static_cast<std::ptrdiff_t>(at) + 1, name.end(),
+                     [](char ch) { return std::isalnum(static_cast<unsigned char>(ch)) != 0; }))
       continue;
     if (static_cast<pid_t>(pid) == ::getpid()) continue;  // ours: a live AtomicFile
     // Another process's: kept unless that process is gone (EPERM: it runs, as

@@ -686,10 +686,10 @@ TEST(Safetensors, AtomicFileAllOrNothing) {
   EXPECT_HAS(error_of([&] { AtomicFile f(""); }, ErrorCode::kInvalidArgument), "empty");
 }
 
-// A process killed by SIGKILL leaves its temporary `.<name>.fusedmoe-tmp.<pid>.*`;
+// A process killed by SIGKILL leaves its temporary `.<name>.fusedmoe-tmp.<pid>.XXXXXX`;
 // the next AtomicFile for the same target removes it once that process is gone,
 // and leaves every other file (a live process's temporary, another target's, a
-// name not of the pattern) alone.
+// name not of the pattern, another suffix than mkstemp's six letters or digits) alone.
 TEST(Safetensors, AtomicFileRemovesStaleTemporaries) {
   TempDir dir("atomic_stale");
   const std::string path = dir.file("out.safetensors");
@@ -701,11 +701,14 @@ TEST(Safetensors, AtomicFileRemovesStaleTemporaries) {
   const std::vector<std::string> stale = {".out.safetensors.fusedmoe-tmp." + d + ".a1B2c3",
                                           ".out.safetensors.fusedmoe-tmp." + d + ".zzzzzz"};
   const std::vector<std::string> kept = {
-      ".out.safetensors.fusedmoe-tmp." + live + ".a1B2c3",  // its process runs
-      ".other.safetensors.fusedmoe-tmp." + d + ".a1B2c3",   // another target's
-      ".out.safetensors.fusedmoe-tmp.x" + d + ".a1B2c3",    // no pid
-      ".out.safetensors.fusedmoe-tmp." + d,                 // no suffix
-      ".out.safetensors.tmp.a1B2c3"};                       // not of the pattern
+      ".out.safetensors.fusedmoe-tmp." + live + ".a1B2c3",      // its process runs
+      ".other.safetensors.fusedmoe-tmp." + d + ".a1B2c3",       // another target's
+      ".out.safetensors.fusedmoe-tmp.x" + d + ".a1B2c3",        // no pid
+      ".out.safetensors.fusedmoe-tmp." + d,                     // no suffix
+      ".out.safetensors.fusedmoe-tmp." + d + ".toolongsuffix",  // not mkstemp's six
+      ".out.safetensors.fusedmoe-tmp." + d + ".a1B2c",          // characters (trial)
+      ".out.safetensors.fusedmoe-tmp." + d + ".a1B-c3",         // a letter or digit each
+      ".out.safetensors.tmp.a1B2c3"};                           // not of the pattern
   for (const auto& n : stale) std::ofstream(dir.file(n)).put('x');
   for (const auto& n : kept) std::ofstream(dir.file(n)).put('x');
   {

@@ -168,9 +168,9 @@ class AtomicFile {
   const std::string& path() const { return path_; }
   // The stale temporaries of the same target that the constructor removed.
   const std::vector<std::string>& removed_stale() const { return removed_stale_; }
-  // The temporaries `.<name>.fusedmoe-tmp.<pid>.*` of `target` (the path whose
-  // folder and file name they share) left by processes that no longer exist
-  // (not this one): unlinks those that are regular files, returns their paths.
+  // The temporaries `.<name>.fusedmoe-tmp.<pid>.XXXXXX` (six letters or digits) of `target` (the
+  // path whose folder and file name they share) left by processes that no longer exist (not this
+  // one): unlinks those that are regular files, returns their paths.
   static std::vector<std::string> remove_stale_temporaries(const std::string& target);
   // Unlinks the temporaries of every AtomicFile not yet committed or destroyed
   // (up to 16 at once): async-signal-safe, for a SIGINT / SIGTERM handler (the
