@@ -526,8 +526,11 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
       // scoring_func: HF takes the softmax anyway, DeepSeek's code raises
       // NotImplementedError, vLLM reads it. No released V2 checkpoint sets either.
       if (c.renormalize)
-        FUSEDMOE_THROW(kUnsupported, where, ": norm_topk_prob true is not supported for "
-                       "deepseek_v2 with topk_method '", printable(method), "' (HF transformers' "
+        FUSEDMOE_THROW(kUnsupported, where,
+                       ": norm_topk_prob true is not supported for "
+                       "deepseek_v2 with topk_method '",
+                       printable(method),
+                       "' (HF transformers' "
                        "DeepseekV2Moe ignores it and scales the weights by routed_scaling_"
                        "factor, DeepSeek's reference code renormalizes them instead of scaling, "
                        "vLLM does both; released DeepSeek-V2 checkpoints set false)");

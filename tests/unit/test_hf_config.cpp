@@ -602,13 +602,15 @@ TEST(HfConfig, DeepseekV2Routing) {
     v["norm_topk_prob"] = true;
     const std::string e = error_of([&] { parse(v); }, ErrorCode::kUnsupported);
     EXPECT_HAS(e, std::string("norm_topk_prob true is not supported for deepseek_v2 with "
-                              "topk_method '") + method + "'");
+                              "topk_method '") +
+                      method + "'");
     EXPECT_HAS(e, "HF transformers' DeepseekV2Moe ignores it");
     v["norm_topk_prob"] = false;
     v["scoring_func"] = "sigmoid";
     EXPECT_HAS(error_of([&] { parse(v); }, ErrorCode::kUnsupported),
                std::string("scoring_func 'sigmoid' is not supported for deepseek_v2 with "
-                           "topk_method '") + method + "' (supported: softmax");
+                           "topk_method '") +
+                   method + "' (supported: softmax");
     v["scoring_func"] = "softmax";
     EXPECT_FALSE(parse(v).layer_config(2).renormalize);
   }
