@@ -234,13 +234,6 @@ const char* simd_isa() {
 #endif
 }
 
-int usable_cpus() {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
-  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-}
-
 double measure_peak_fma_gflops(int threads) {
   threads = std::clamp(threads, 1, usable_cpus());
   // Calibrate to ~0.15 s per trial on one thread.

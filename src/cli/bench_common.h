@@ -58,8 +58,6 @@ struct Ceilings {
 Ceilings measure_ceilings(int threads);
 double measure_peak_fma_gflops(int threads);
 double measure_read_gbps(int threads, size_t bytes = size_t{1} << 30);
-// The CPUs this process may run on (its affinity mask), at least 1.
-int usable_cpus();
 const char* simd_isa();
 
 // ---- shapes ----------------------------------------------------------------------

@@ -1,6 +1,7 @@
 #include "fusedmoe/core/thread_pool.h"
 
 #include <pthread.h>
+#include <sched.h>
 
 #include <algorithm>
 #include <atomic>
@@ -22,12 +23,18 @@ namespace {
 // Set while a thread runs a parallel_for task: nested calls then run inline.
 thread_local bool t_in_parallel_region = false;
 
-// num_threads <= 0: every core.
+// num_threads <= 0: every CPU this process may run on.
 int resolve_threads(int num_threads) {
-  return num_threads > 0 ? num_threads
-                         : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  return num_threads > 0 ? num_threads : usable_cpus();
 }
 }  // namespace
+
+int usable_cpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
+  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
 
 // One job at a time: the caller publishes (fn, chunks), workers and the caller
 // claim chunk indices from an atomic counter, the caller waits for all chunks.

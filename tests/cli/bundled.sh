@@ -177,6 +177,14 @@ esac
   { echo "FAIL: after the next run --output: $(ls -A "$TMP/kill")"; exit 1; }
 echo ok stale temporary
 
+# Threads by default: the CPUs the process may run on (taskset -c 0: one), not every
+# core of the machine (trial).
+if command -v taskset >/dev/null; then
+  line=$(taskset -c 0 "$BIN" run --tokens 2 | grep '^threads')
+  [ "$line" = "threads        1" ] || { echo "FAIL: taskset -c 0: '$line', expected one thread"; exit 1; }
+  echo ok threads under taskset
+fi
+
 # Installed with a prefix chosen at install time (cmake --install build --prefix DIR): the
 # executable finds the model installed beside it, DIR/share/fusedmoe/models (it looked in
 # the prefix configured at build time, /usr/local by default, wherever it was put).

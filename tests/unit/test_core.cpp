@@ -1,5 +1,6 @@
 // Core: dtype conversions, tensor views, thread pool, boundary checks.
 #include <gtest/gtest.h>
+#include <sched.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -273,6 +274,28 @@ TEST(ThreadPool, UsableInAForkedChild) {
   pool.parallel_for(1000, count);
   ThreadPool::global().parallel_for(1000, count);
   EXPECT_EQ(n.load(), 2000);
+}
+
+// "All cores" is the CPUs the process may run on: under an affinity mask of one
+// CPU (taskset -c 0), one thread; it was hardware_concurrency() (trial).
+TEST(ThreadPool, AllCoresFollowsTheAffinityMask) {
+  const int all = usable_cpus();
+  EXPECT_GE(all, 1);
+  EXPECT_EQ(ThreadPool(0).num_threads(), all);
+  const pid_t pid = fork();  // the mask is set in a child: this process keeps its own
+  ASSERT_GE(pid, 0) << "fork failed";
+  if (pid == 0) {
+    alarm(20);
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(sched_getcpu() >= 0 ? sched_getcpu() : 0, &one);
+    if (sched_setaffinity(0, sizeof one, &one) != 0) _exit(2);
+    _exit(usable_cpus() == 1 && ThreadPool(0).num_threads() == 1 ? 0 : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "2: sched_setaffinity failed; 1: not one thread";
 }
 
 TEST(ThreadPool, RejectsAbsurdThreadCounts) {

@@ -15,10 +15,16 @@
 
 namespace fusedmoe {
 
+// The CPUs this process may run on: its affinity mask's count (sched_getaffinity:
+// what taskset, numactl, an MPI launcher's binding or a cgroup cpuset leave
+// it), else std::thread::hardware_concurrency(); at least 1. The thread count
+// of "all cores" (num_threads <= 0) everywhere.
+int usable_cpus();
+
 class ThreadPool {
  public:
   static constexpr int kMaxThreads = 1024;
-  // num_threads <= 0: std::thread::hardware_concurrency(). Throws
+  // num_threads <= 0: usable_cpus(). Throws
   // Error(kInvalidArgument) above kMaxThreads, Error(kInternal) when the
   // system cannot start the threads.
   explicit ThreadPool(int num_threads = 0);
