@@ -63,6 +63,18 @@ void print_config(const MoEConfig& c) {
   std::printf("%s\n", c.has_expert_bias ? ", expert biases" : "");
 }
 
+// A tensor name as listed: printable(), quoted where it would print blank (empty
+// or only spaces), padded to `width` characters (UTF-8 code points, not bytes:
+// a multi-byte name no longer shifts its row's columns).
+std::string listed_name(const std::string& raw, size_t width) {
+  std::string s = printable(raw);
+  if (s.find_first_not_of(' ') == std::string::npos) s = "'" + s + "'";
+  size_t chars = 0;
+  for (const unsigned char c : s) chars += (c & 0xC0) != 0x80;
+  if (chars < width) s.append(width - chars, ' ');
+  return s;
+}
+
 void print_safetensors(const std::string& path, const ojson& j) {
   const ojson& tensors = j["tensors"];
   const size_t total = j["bytes"].get<size_t>();
@@ -74,7 +86,7 @@ void print_safetensors(const std::string& path, const ojson& j) {
     for (size_t i = 0; i < t["shape"].size(); ++i)
       shape += (i ? ", " : "") + std::to_string(t["shape"][i].get<int64_t>());
     shape += "]";
-    std::printf("  %-50s %-6s %s%s\n", printable(t["name"].get<std::string>()).c_str(),
+    std::printf("  %s %-6s %s%s\n", listed_name(t["name"].get<std::string>(), 50).c_str(),
                 t["dtype"].get<std::string>().c_str(), shape.c_str(),
                 t.value("supported", true) ? "" : "  (dtype not supported by fusedmoe)");
   }

@@ -162,6 +162,25 @@ rc=0; "$BIN" run --model "$DATA/hf/mixtral" --input "$TMP/mx.safetensors" --inpu
 [ "$rc" -eq 1 ] && grep -qF -- "--input 'u' in $TMP/mx.safetensors: expected dtype f32, bf16, f16 or f64, got U32" "$TMP/err" ||
   { echo "FAIL: run --input of a U32 tensor (exit $rc)"; cat "$TMP/err"; exit 1; }
 
+# Names that would print blank ('' and ' ') are quoted, and a multi-byte UTF-8 name
+# is padded by characters, not bytes: its dtype column lines up with the others (trial).
+python3 - "$TMP" <<'PY'
+import json, struct, sys
+d = sys.argv[1]
+h = json.dumps({"": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+                " ": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]},
+                "h\u00e9llo.w\u00f6rld": {"dtype": "F32", "shape": [1], "data_offsets": [8, 12]},
+                "plain": {"dtype": "F32", "shape": [1], "data_offsets": [12, 16]}}).encode()
+open(f"{d}/names.safetensors", "wb").write(struct.pack("<Q", len(h)) + h + b"\0" * 16)
+PY
+"$BIN" inspect "$TMP/names.safetensors" >"$TMP/text" || { echo "FAIL: inspect of odd names"; cat "$TMP/text"; exit 1; }
+python3 - "$TMP/text" <<'PY' || { echo "FAIL: listing of odd names"; cat "$TMP/text"; exit 1; }
+import sys
+rows = [l for l in open(sys.argv[1], encoding="utf-8").read().splitlines() if l.endswith("f32    [1]")]
+assert [r.split()[0] for r in rows] == ["''", "'", "h\u00e9llo.w\u00f6rld", "plain"], rows
+assert len({r.index("f32") for r in rows}) == 1, rows  # one column, in characters
+PY
+
 # Control characters in a file's text (a tensor name, metadata, config.json's
 # architectures), in the text output and in errors that quote it: written as \xNN,
 # never sent to the terminal raw (an ESC sequence could clear or recolour it).
