@@ -48,6 +48,7 @@ import importlib.util
 import itertools
 import os
 import sys
+import uuid
 import weakref
 from typing import Any, Mapping, Optional, Tuple
 
@@ -250,6 +251,8 @@ def _dl(x: Any) -> Any:
     would make the legacy default stream wait, which fails inside CUDA-graph
     capture), CuPy arrays likewise; anything else as is."""
     if _is_torch(x):
+        if x.is_neg() or x.is_conj():  # lazy negation / conjugation: DLPack drops the bit
+            x = x.resolve_conj().resolve_neg()
         return _to_dlpack(x)
     if x is not None and _is_cupy(x):
         try:
@@ -303,11 +306,20 @@ def _is_array(x: Any) -> bool:
     return isinstance(x, np.ndarray) or _is_torch(x) or hasattr(x, "__dlpack__")
 
 
+def _is_fx_proxy(x: Any) -> bool:
+    fx = getattr(_torch, "fx", None) if _torch is not None else None
+    return fx is not None and isinstance(x, fx.Proxy)
+
+
 def _check_array(x: Any, name: str) -> None:
     """An array argument: anything but an array (None, a list, a scalar, ...)
     raises TypeError naming `name` and the type given; a list or a scalar is
     not converted (its float64 / object dtype would be named instead). A NumPy
     masked array raises TypeError too: its mask cannot be honoured."""
+    if _is_fx_proxy(x):  # has every attribute: it would pass as an array
+        raise TypeError(f"{name}: a torch.fx Proxy: torch.fx.symbolic_trace cannot trace into "
+                        "fusedmoe's functions and layers; trace with torch.compile or "
+                        "torch.export, or call the torch.ops.fusedmoe ops directly")
     if not _is_array(x):
         t = type(x)
         got = ("None" if x is None else t.__name__ if t.__module__ == "builtins"
@@ -330,6 +342,8 @@ def _dtype_name(x: Any) -> str:
     dt = x.dtype
     if isinstance(dt, np.dtype):
         return dt.name
+    if _torch is not None and isinstance(dt, _torch.dtype):  # no np.dtype(): Dynamo traces this
+        return str(dt).rsplit(".", 1)[-1]
     try:
         return np.dtype(dt).name  # a NumPy scalar type, a dtype-like name
     except Exception:
@@ -664,15 +678,17 @@ def _use_torch_ops(*xs: Any) -> bool:
 def _needs_op(*xs: Any) -> bool:
     """For a call with torch tensors: whether it must go through its
     ``torch.ops.fusedmoe`` op rather than straight to the implementation the op
-    runs (the op's dispatch costs tens of µs a call): while torch.compile or
-    export traces, or any torch function / dispatch mode is active; for tensor
+    runs (the op's dispatch costs tens of µs a call): while torch.compile,
+    export or torch.jit.trace traces (a trace without the op recorded only the
+    output's allocation), or any torch function / dispatch mode is active; for tensor
     subclasses (FakeTensor, ...; nn.Parameter excepted), meta tensors (the
     fake implementation names a device mix) and functorch's wrapped tensors;
     and when autograd records (an input requires grad with grad mode
     on: the op's formula refuses a backward)."""
     t = _torch
     try:
-        if (t.compiler.is_compiling() or t._C._is_torch_function_mode_enabled()
+        if (t.compiler.is_compiling() or t.jit.is_tracing()
+                or t._C._is_torch_function_mode_enabled()
                 or t._C._len_torch_dispatch_stack() > 0):
             return True
         grad = t.is_grad_enabled()
@@ -972,6 +988,7 @@ def fused_topk(
     "softmax", "sigmoid" or "sqrtsoftplus". Returns (topk_weights f32 [T, k],
     topk_ids int32 [T, k]), on gating_output's device."""
     topk = _int(topk, "topk")
+    renormalize = _bool(renormalize, "renormalize")  # before the op, whose schema takes 1
     _check_array(gating_output, "gating_output")
     _same_library(hidden_states=hidden_states, gating_output=gating_output)
     if hidden_states is not None:
@@ -1040,6 +1057,7 @@ def grouped_topk(
     topk = _int(topk, "topk")
     num_expert_group = _int(num_expert_group, "num_expert_group")
     topk_group = _int(topk_group, "topk_group")
+    renormalize = _bool(renormalize, "renormalize")
     _check_array(gating_output, "gating_output")
     _same_library(gating_output=gating_output, e_score_correction_bias=e_score_correction_bias)
     if _use_torch_ops(gating_output) and _needs_op(gating_output, e_score_correction_bias):
@@ -1218,7 +1236,11 @@ def inspect(path: "os.PathLike[str] | str") -> dict:
 # ---- MoELayer ---------------------------------------------------------------------
 
 _layer_ids = itertools.count(1)
-_layers: "weakref.WeakValueDictionary[int, MoELayer]" = weakref.WeakValueDictionary()
+# The torch ops' layer ids name this process too: a torch.export program saved
+# here and loaded in another process finds no layer of its ids there (an error)
+# instead of whichever layer that process numbered the same (a wrong answer).
+_process_tag = uuid.uuid4().hex[:16]
+_layers: "weakref.WeakValueDictionary[str, MoELayer]" = weakref.WeakValueDictionary()
 
 
 class CudaWorkspace:
@@ -1365,11 +1387,18 @@ class MoELayer:
                             "fusedmoe.MoELayer.from_pretrained(model_dir, layer=...), got "
                             f"{type(impl).__name__} {impl!r}")
         self._impl = impl
-        self._id = next(_layer_ids)
         # The torch ops' layer_id: a string attribute, a constant to
-        # torch.compile (an int one changing between calls became a SymInt).
-        self._op_id = str(self._id)
-        _layers[self._id] = self
+        # torch.compile (an int one changing between calls became a SymInt):
+        # "<n>@<process tag>", unique to this layer of this process.
+        self._op_id = f"{next(_layer_ids)}@{_process_tag}"
+        _layers[self._op_id] = self
+
+    def __reduce__(self):
+        raise TypeError(
+            "MoELayer cannot be pickled or copied: it holds its loaded weights (in host or GPU "
+            "memory) in the extension. Load it again with MoELayer.from_pretrained(...); to "
+            "copy a module that holds one, share the layer: copy.deepcopy(module, "
+            "memo={id(layer): layer})")
 
     @classmethod
     def from_pretrained(
@@ -1599,14 +1628,17 @@ def __dir__() -> list:
     return sorted(set(__all__) | {n for n in globals() if n.startswith("__")})
 
 
-def _layer_by_id(layer_id: "int | str") -> MoELayer:
-    """The live layer of id `layer_id` (the torch ops pass it as a string)."""
-    try:
-        layer = _layers.get(int(layer_id))
-    except ValueError:
-        layer = None
+def _layer_by_id(layer_id: str) -> MoELayer:
+    """The live layer of id `layer_id` (MoELayer._op_id, as the torch ops pass it)."""
+    layer = _layers.get(str(layer_id))
     if layer is None:
-        raise ValueError(f"layer_id: no live fusedmoe.MoELayer with id {layer_id}")
+        elsewhere = str(layer_id).rpartition("@")[2] != _process_tag
+        raise ValueError(
+            f"layer_id: no live fusedmoe.MoELayer with id {layer_id!r}"
+            + (" (a layer of another process: a torch.export program that calls fusedmoe "
+               "layers runs only in the process that exported it, while those layers live; "
+               "export again after loading the layers)" if elsewhere else
+               " (the layer was deleted)"))
     return layer
 
 

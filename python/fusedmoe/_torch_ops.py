@@ -23,7 +23,9 @@ Ops:
   moe_layer(hidden_states, layer_id, router_logits) -> [T, H] (hidden_states' dtype)
   moe_layer_with_routing(hidden_states, layer_id, router_logits)
       -> ([T, H], i32 [T, k], f32 [T, k], f32 [T, E + Z])
-``layer_id`` is ``MoELayer._op_id``, its id as a string, which torch.compile keeps a
+``layer_id`` is ``MoELayer._op_id``, "<n>@<process tag>" (a program exported here and
+loaded in another process names no layer there: an error, not another layer's
+output), a string, which torch.compile keeps a
 constant (guarded: one graph a layer). As an int it became a SymInt once a
 compiled function saw a second layer, and the fake implementation could not
 look the layer up ("unhashable type: non-nested SymInt").

@@ -205,3 +205,99 @@ def test_select_experts_with_torch_logits_takes_torch_arguments_only():
     with pytest.raises(TypeError, match=r"^e_score_correction_bias: expected a torch.Tensor"):
         fusedmoe.select_experts(g, 2, scoring_func="sigmoid",
                                 e_score_correction_bias=np.zeros(8, np.float32))
+
+
+# ---- tracing, exporting and copying (second trial, session 22) ---------------------
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # torch.jit.trace is deprecated
+def test_jit_trace_records_the_ops(trng):
+    """torch.jit.trace of a layer call or fused_topk: the eager fast path skipped
+    the op, so the trace held only the output's allocation (values ~1e31, ids like
+    251847968). Traces now record torch.ops.fusedmoe.* and replay the eager bits."""
+    layer = fusedmoe.MoELayer.from_pretrained(HF / "mixtral", layer=0)
+    h = torch.randn(3, layer.hidden_size, generator=trng)
+    g = torch.randn(3, layer.num_router_logits, generator=trng)
+    with torch.no_grad():
+        tr = torch.jit.trace(lambda a: layer(a), (h,), check_trace=False)
+        tk = torch.jit.trace(lambda a: fusedmoe.fused_topk(None, a, 2, True), (g,),
+                             check_trace=False)
+    h2 = torch.randn(3, layer.hidden_size, generator=trng)  # not the traced input
+    assert torch.equal(tr(h2), layer(h2))
+    w, i = tk(g)
+    w_eager, i_eager = fusedmoe.fused_topk(None, g, 2, True)
+    assert torch.equal(i, i_eager) and torch.equal(w, w_eager)
+
+
+def test_negative_and_conjugate_views_are_resolved(trng):
+    """A tensor with its lazy negation bit set (torch._neg_view) is contiguous
+    and went to DLPack as is, which drops the bit: the result was x's, not -x's."""
+    layer = fusedmoe.MoELayer.from_pretrained(HF / "mixtral", layer=0)
+    x = torch.randn(3, layer.hidden_size, generator=trng)
+    neg = torch._neg_view(x.clone())
+    assert neg.is_neg() and neg.is_contiguous()
+    assert torch.equal(layer(neg), layer(-x))
+    c = _case(trng)
+    assert torch.equal(fusedmoe.fused_experts(torch._neg_view(c[0].clone()), *c[1:]),
+                       fusedmoe.fused_experts(-c[0], *c[1:]))
+
+
+def test_layers_are_not_copied_but_can_be_shared():
+    """copy.deepcopy / pickle of a layer: a TypeError that says why and how to
+    share it (it was 'cannot pickle MoELayer object')."""
+    import copy
+    import pickle
+
+    layer = fusedmoe.MoELayer.from_pretrained(HF / "mixtral", layer=0)
+    for f in (lambda: copy.deepcopy(layer), lambda: pickle.dumps(layer), lambda: copy.copy(layer)):
+        with pytest.raises(TypeError, match=r"^MoELayer cannot be pickled or copied: .* "
+                                             r"copy\.deepcopy\(module, memo=\{id\(layer\): "
+                                             r"layer\}\)$"):
+            f()
+    m = torch.nn.Module()
+    m.moe = layer
+    assert copy.deepcopy(m, memo={id(layer): layer}).moe is layer
+
+
+def test_a_layer_id_of_another_process_is_an_error(trng):
+    """A torch.export program names its layers by MoELayer._op_id; loaded in
+    another process it ran whichever layer had the same number there. The id now
+    carries a process tag: another process's id is an error saying so."""
+    layer = fusedmoe.MoELayer.from_pretrained(HF / "mixtral", layer=0)
+    n, tag = layer._op_id.split("@")
+    h = torch.randn(2, layer.hidden_size, generator=trng)
+    assert torch.equal(torch.ops.fusedmoe.moe_layer(h, layer._op_id, None), layer(h))
+    with pytest.raises(ValueError, match=r"^layer_id: no live fusedmoe.MoELayer with id "
+                                         r"'\d+@0{16}' \(a layer of another process: a "
+                                         r"torch.export program"):
+        torch.ops.fusedmoe.moe_layer(h, f"{n}@{'0' * 16}", None)
+
+
+def test_fx_symbolic_trace_is_named():
+    """torch.fx.symbolic_trace passes Proxies, which have every attribute: the
+    error was 'shape Proxy(getattr_1) is not a sequence of integers'."""
+    layer = fusedmoe.MoELayer.from_pretrained(HF / "mixtral", layer=0)
+
+    class Mod(torch.nn.Module):
+        def forward(self, a):
+            return layer(a)
+
+    with pytest.raises(TypeError, match=r"^hidden_states: a torch.fx Proxy: "
+                                        r"torch.fx.symbolic_trace cannot trace into"):
+        torch.fx.symbolic_trace(Mod())
+
+
+def test_compiled_topk_checks_as_eager(trng):
+    """Under torch.compile: a bf16 hidden_states on the CPU raised Dynamo's
+    internal error (np.dtype(torch.bfloat16) inside the wrapper), and
+    renormalize=1 was accepted (the op's schema takes it); both now as eager."""
+    g = torch.randn(3, 8, generator=trng)
+    f = torch.compile(lambda a, l: fusedmoe.fused_topk(a, l, 2, True))
+    with pytest.raises(TypeError, match=r"^hidden_states: expected dtype float32, got bfloat16$"):
+        f(torch.randn(3, 4).bfloat16(), g)
+    with pytest.raises(Exception, match=r"TypeError\('hidden_states: expected dtype float32, "
+                                        r"got bfloat16'\)"):
+        torch.compile(lambda a, l: fusedmoe.fused_topk(a, l, 2, True),
+                      fullgraph=True)(torch.randn(3, 4).bfloat16(), g)
+    with pytest.raises(TypeError, match=r"^renormalize: expected a bool"):
+        torch.compile(lambda l: fusedmoe.fused_topk(None, l, 2, 1))(g)
