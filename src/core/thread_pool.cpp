@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <exception>
 #include <map>
@@ -36,6 +37,27 @@ int usable_cpus() {
   return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 }
 
+// How long a worker waiting for the next job, and the caller waiting for the
+// workers to finish one, poll (yielding the CPU each time) before they sleep on
+// a condition variable. A forward runs several jobs back to back; each sleep and
+// futex wake-up cost tens of microseconds on a VM (2-core development machine,
+// tiny layer, T = 1: 269 us a call on 2 threads against 21 us on one;
+// bench/results/2026-12-01-session22.md), the polls a few. The yield keeps an
+// oversubscribed machine (MPI ranks on fewer cores) from losing CPU to them.
+constexpr auto kSpinBeforeSleep = std::chrono::microseconds(200);
+
+// Polls `ready` (yielding between tries) until it holds or kSpinBeforeSleep
+// passes; whether it held.
+template <class Ready>
+bool spin_until(Ready&& ready) {
+  const auto deadline = std::chrono::steady_clock::now() + kSpinBeforeSleep;
+  for (int i = 0;; ++i) {
+    if (ready()) return true;
+    if ((i & 15) == 15 && std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::yield();
+  }
+}
+
 // One job at a time: the caller publishes (fn, chunks), workers and the caller
 // claim chunk indices from an atomic counter, the caller waits for all chunks.
 struct ThreadPool::Impl {
@@ -46,14 +68,16 @@ struct ThreadPool::Impl {
   std::condition_variable cv_work;
   std::condition_variable cv_done;
   std::mutex job_mu;  // serialises parallel_for calls from different threads
-  uint64_t generation = 0;
-  bool stop = false;
+  // Incremented (under mu) when a job is published: the job's fields, written
+  // before it, are visible to a worker that reads the new value (acquire).
+  std::atomic<uint64_t> generation{0};
+  std::atomic<bool> stop{false};
 
   // current job
   const std::function<void(int64_t, int64_t, int)>* fn = nullptr;
   int64_t n = 0, chunk = 1, num_chunks = 0;
   std::atomic<int64_t> next_chunk{0};
-  int active_workers = 0;  // workers still inside the current job
+  std::atomic<int> active_workers{0};  // workers still inside the current job
   std::exception_ptr error;
 
   void run_chunks(int thread_index) {
@@ -75,16 +99,19 @@ struct ThreadPool::Impl {
   void worker_loop(int thread_index) {
     uint64_t seen = 0;
     for (;;) {
-      {
+      const auto job = [&] { return stop.load() || generation.load() != seen; };
+      if (!spin_until(job)) {
         std::unique_lock<std::mutex> lk(mu);
-        cv_work.wait(lk, [&] { return stop || generation != seen; });
-        if (stop) return;
-        seen = generation;
+        cv_work.wait(lk, job);
       }
+      if (stop.load()) return;
+      // The caller waits for every worker before it publishes again: no job is
+      // skipped, and this is the one just published.
+      seen = generation.load();
       run_chunks(thread_index);
-      {
-        std::lock_guard<std::mutex> lk(mu);
-        if (--active_workers == 0) cv_done.notify_one();
+      if (active_workers.fetch_sub(1) == 1) {
+        std::lock_guard<std::mutex> lk(mu);  // the caller checks under mu: no lost wake-up
+        cv_done.notify_one();
       }
     }
   }
@@ -122,12 +149,12 @@ void ThreadPool::start_workers() {
     // Join the workers already started before the throw.
     {
       std::lock_guard<std::mutex> lk(s.mu);
-      s.stop = true;
+      s.stop.store(true);
     }
     s.cv_work.notify_all();
     for (auto& w : s.workers) w.join();
     s.workers.clear();
-    s.stop = false;
+    s.stop.store(false);
     FUSEDMOE_THROW(kInternal, "num_threads: could not start ", s.num_threads, " threads (",
                    e.what(), ")");
   }
@@ -159,7 +186,7 @@ ThreadPool::~ThreadPool() {
   }
   {
     std::lock_guard<std::mutex> lk(impl_->mu);
-    impl_->stop = true;
+    impl_->stop.store(true);
   }
   impl_->cv_work.notify_all();
   for (auto& w : impl_->workers) w.join();
@@ -191,15 +218,19 @@ void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t, int64
   s.error = nullptr;
   {
     std::lock_guard<std::mutex> lk(s.mu);
-    s.active_workers = static_cast<int>(s.workers.size());
-    ++s.generation;
+    s.active_workers.store(static_cast<int>(s.workers.size()));
+    s.generation.fetch_add(1);
   }
   s.cv_work.notify_all();
   s.run_chunks(0);
   std::exception_ptr err;
   {
-    std::unique_lock<std::mutex> lk(s.mu);
-    s.cv_done.wait(lk, [&] { return s.active_workers == 0; });
+    const auto done = [&] { return s.active_workers.load() == 0; };
+    if (!spin_until(done)) {
+      std::unique_lock<std::mutex> lk(s.mu);
+      s.cv_done.wait(lk, done);
+    }
+    std::lock_guard<std::mutex> lk(s.mu);  // error: written under mu by a worker
     err = s.error;
     s.fn = nullptr;
   }
