@@ -3,7 +3,6 @@
 
 #include <cblas.h>
 #include <immintrin.h>
-#include <sched.h>
 #include <sys/resource.h>
 #include <unistd.h>
 

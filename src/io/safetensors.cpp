@@ -750,6 +750,9 @@ void AtomicFile::remove_pending_temporaries() noexcept {
 }
 
 namespace {
+// mkstemp's template, the end of every temporary's name: replaced by as many
+// letters or digits.
+constexpr std::string_view kTempSuffix = "XXXXXX";
 // ".<name>.fusedmoe-tmp.": the start of every temporary of a target named <name>.
 std::string temp_prefix(const fs::path& target) {
   // Appended piece by piece: "." + name + "..." made GCC 12 warn (-Wrestrict,
@@ -777,14 +780,14 @@ std::vector<std::string> AtomicFile::remove_stale_temporaries(const std::string&
   for (; !ec && it != end; it.increment(ec)) {
     const std::string name = it->path().filename().string();
     if (name.compare(0, prefix.size(), prefix) != 0) continue;
-    // <pid>.<suffix>: decimal digits, a dot, then mkstemp's six letters or digits
-    // (a longer or other suffix is not ours: left alone).
+    // <pid>.<suffix>: decimal digits, a dot, then mkstemp's letters or digits, as
+    // many as kTempSuffix has (a longer or other suffix is not ours: left alone).
     size_t at = prefix.size();
     long long pid = 0;
     while (at < name.size() && name[at] >= '0' && name[at] <= '9' && pid <= INT_MAX)
       pid = pid * 10 + (name[at++] - '0');
-    if (at == prefix.size() || pid <= 0 || pid > INT_MAX || name.size() != at + 7 ||
-        name[at] != '.' ||
+    if (at == prefix.size() || pid <= 0 || pid > INT_MAX ||
+        name.size() != at + 1 + kTempSuffix.size() || name[at] != '.' ||
         !std::all_of(name.begin() + static_cast<std::ptrdiff_t>(at) + 1, name.end(),
                      [](char ch) { return std::isalnum(static_cast<unsigned char>(ch)) != 0; }))
       continue;
@@ -862,7 +865,8 @@ AtomicFile::AtomicFile(const std::string& path) : path_(path) {
   target_ = target.string();
   // Those a killed process left (SIGKILL runs no handler), then ours.
   removed_stale_ = remove_stale_temporaries(target_);
-  tmp_ = (dir / (temp_prefix(target) + std::to_string(::getpid()) + ".XXXXXX")).string();
+  tmp_ = (dir / (temp_prefix(target) + std::to_string(::getpid()) + "." + std::string(kTempSuffix)))
+             .string();
   fd_ = ::mkstemp(tmp_.data());
   if (fd_ < 0) {
     const int err = errno;
