@@ -24,6 +24,7 @@ constexpr int64_t kW2Block = 64;    // hidden columns (w2 rows) per w2 item
 struct WorkItem {
   int32_t expert;
   int32_t row0;  // first row within the expert
+  int32_t rows;  // rows of the item (<= kRowBlock)
   int32_t col0;  // first column block start (intermediate or hidden index)
 };
 
@@ -32,10 +33,16 @@ int64_t build_items(const int64_t* offsets, int64_t E, int64_t cols, int64_t col
                     WorkItem* items) {
   int64_t n = 0;
   for (int64_t e = 0; e < E; ++e) {
+    // An expert's rows in ceil(rows / kRowBlock) blocks of near-equal size,
+    // so that no block is a short remainder.
     const int64_t rows = offsets[e + 1] - offsets[e];
-    for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock)
+    const int64_t blocks = (rows + kRowBlock - 1) / kRowBlock;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t r0 = rows * b / blocks, r1 = rows * (b + 1) / blocks;
       for (int64_t c0 = 0; c0 < cols; c0 += col_block)
-        items[n++] = {static_cast<int32_t>(e), static_cast<int32_t>(r0), static_cast<int32_t>(c0)};
+        items[n++] = {static_cast<int32_t>(e), static_cast<int32_t>(r0),
+                      static_cast<int32_t>(r1 - r0), static_cast<int32_t>(c0)};
+    }
   }
   return n;
 }
@@ -104,7 +111,7 @@ void CpuExperts::apply(const PrepareResult& prepared, const ExpertWeights& weigh
   run_items(tp, n, [&](int64_t i, int64_t next_i, int tid) {
     const WorkItem it = items[i];
     const int64_t e = it.expert, row = offsets[e] + it.row0;
-    const int64_t rows = std::min(kRowBlock, offsets[e + 1] - row);
+    const int64_t rows = it.rows;
     const int64_t i0 = it.col0, nb = std::min(kW13Block, I - i0);
     float* gu = scratch + tid * per_thread;  // [rows, 2 * kW13Block]: gate | up
     const float* x = X.data_as<const float>() + row * ldx;
@@ -129,7 +136,7 @@ void CpuExperts::apply(const PrepareResult& prepared, const ExpertWeights& weigh
   run_items(tp, n, [&](int64_t i, int64_t next_i, int) {
     const WorkItem it = items[i];
     const int64_t e = it.expert, row = offsets[e] + it.row0;
-    const int64_t rows = std::min(kRowBlock, offsets[e + 1] - row);
+    const int64_t rows = it.rows;
     const int64_t h0 = it.col0, hb = std::min(kW2Block, H - h0);
     const char* we = w2 + (e * H + h0) * I * wsz;
     const char* be = b2 ? b2 + (e * H + h0) * b2sz : nullptr;
