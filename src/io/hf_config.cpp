@@ -249,6 +249,12 @@ std::vector<int64_t> qwen_moe_layers(const Fields& f, int64_t n_layers, int64_t 
                    step);
   const std::vector<int64_t> mlp_only =
       f.get_int_list("mlp_only_layers").value_or(std::vector<int64_t>{});
+  // HF ignores entries the model does not have; like Llama-4's moe_layers they
+  // are refused here (a config for another model, or a typo).
+  for (int64_t l : mlp_only)
+    if (l < 0 || l >= n_layers)
+      FUSEDMOE_THROW(kInvalidArgument, f.where(), ": field 'mlp_only_layers': layer ", l,
+                     " is outside [0, ", n_layers, ")");
   std::vector<int64_t> out;
   for (int64_t l = 0; l < n_layers; ++l) {
     bool dense = std::find(mlp_only.begin(), mlp_only.end(), l) != mlp_only.end();

@@ -846,6 +846,12 @@ TEST(HfConfig, QwenSparseStepAndMlpOnlyLayers) {
   j = fixture_json("qwen3_moe");
   j["mlp_only_layers"] = {1};
   EXPECT_EQ(parse(j).moe_layers, (std::vector<int64_t>{0}));
+  // A layer the model does not have is refused, as in Llama-4's moe_layers.
+  for (const int64_t bad : {2, -1}) {
+    j["mlp_only_layers"] = {1, bad};
+    EXPECT_HAS(error_of([&] { parse(j); }, ErrorCode::kInvalidArgument),
+               "field 'mlp_only_layers': layer " + std::to_string(bad) + " is outside [0, 2)");
+  }
 }
 
 TEST(HfConfig, GptOssSwigluFields) {
