@@ -11,6 +11,7 @@
 #include "kernels/cpu/activation.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/gemm.h"
+#include "kernels/cpu/gemm_amx.h"
 #include "kernels/cpu/workspace_slots.h"
 
 namespace fusedmoe::cpu {
@@ -68,6 +69,103 @@ void run_items(ThreadPool& pool, int64_t n, Fn&& fn) {
 
 }  // namespace
 
+#ifdef FUSEDMOE_GEMM_X86
+// bf16 weights with bf16 compute on a CPU with AMX (gemm_amx.h): X and the
+// activations are packed into AMX tiles once per expert row tile (16 rows), so
+// that every GEMM of the layer reads them in place. The same work items as
+// below, with row blocks made of whole 16-row tiles.
+void apply_amx(ThreadPool& tp, const float* X, int64_t ldx, int64_t H, int64_t E, int64_t I,
+               const int64_t* offsets, const uint16_t* w13, const uint16_t* w2, const char* b13,
+               DType b13t, const char* b2, DType b2t, const ActivationParams& activation, float* o,
+               int64_t ldo, Workspace& ws) {
+  constexpr int64_t kTileRows = 16, kBlockTiles = kRowBlock / kTileRows;
+  const int64_t kb_h = (H + 31) / 32, kb_i = (I + 31) / 32;
+  // First row tile of each expert.
+  auto* tile0 = static_cast<int64_t*>(
+      ws.get(kWsAmxTiles, "the experts' first AMX row tiles", {E + 1}, sizeof(int64_t)));
+  tile0[0] = 0;
+  for (int64_t e = 0; e < E; ++e)
+    tile0[e + 1] = tile0[e] + (offsets[e + 1] - offsets[e] + kTileRows - 1) / kTileRows;
+  const int64_t tiles = tile0[E];
+  auto* xp = static_cast<uint16_t*>(
+      ws.get(kWsAmxX, "the routed rows packed for AMX, bf16", {tiles, kb_h * kAmxBlock}, 2));
+  auto* ap = static_cast<uint16_t*>(
+      ws.get(kWsAmxAct, "the activations packed for AMX, bf16", {tiles, kb_i * kAmxBlock}, 2));
+  // Work items: (expert, row block of whole tiles, column block).
+  const int64_t max_items =
+      (tiles / kBlockTiles + E + 1) *
+      std::max((I + kW13Block - 1) / kW13Block, (H + kW2Block - 1) / kW2Block);
+  auto* items = static_cast<WorkItem*>(
+      ws.get(kWsWorkItems, "the GEMM work items", {max_items}, sizeof(WorkItem)));
+  const auto build = [&](int64_t cols, int64_t col_block) {
+    int64_t n = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t rows = offsets[e + 1] - offsets[e], t = tile0[e + 1] - tile0[e];
+      const int64_t blocks = (t + kBlockTiles - 1) / kBlockTiles;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t r0 = t * b / blocks * kTileRows,
+                      r1 = std::min(rows, t * (b + 1) / blocks * kTileRows);
+        for (int64_t c0 = 0; c0 < cols; c0 += col_block)
+          items[n++] = {static_cast<int32_t>(e), static_cast<int32_t>(r0),
+                        static_cast<int32_t>(r1 - r0), static_cast<int32_t>(c0)};
+      }
+    }
+    return n;
+  };
+  const int threads = tp.num_threads();
+  const int64_t per_thread = kRowBlock * (2 * kW13Block + kW13Block);  // gate | up, then act
+  auto* scratch = static_cast<float*>(
+      ws.get(kWsThreadScratch, threads * per_thread * sizeof(float), "the threads' GEMM blocks"));
+
+  // Phase 0: pack X, one row tile an item.
+  tp.parallel_for(
+      E,
+      [&](int64_t e0, int64_t e1, int) {
+        for (int64_t e = e0; e < e1; ++e)
+          for (int64_t t = tile0[e]; t < tile0[e + 1]; ++t) {
+            const int64_t r0 = (t - tile0[e]) * kTileRows;
+            amx_pack_rows(X + (offsets[e] + r0) * ldx, ldx,
+                          std::min(kTileRows, offsets[e + 1] - offsets[e] - r0), H,
+                          xp + t * kb_h * kAmxBlock);
+          }
+      },
+      1);
+
+  // Phase 1: act = act_fn(X . w13[gate]^T, X . w13[up]^T), bf16, packed.
+  const size_t b13sz = dtype_size(b13t), b2sz = dtype_size(b2t);
+  int64_t n = build(I, kW13Block);
+  run_items(tp, n, [&](int64_t i, int64_t, int tid) {
+    const WorkItem it = items[i];
+    const int64_t e = it.expert, rows = it.rows, i0 = it.col0;
+    const int64_t nb = std::min(kW13Block, I - i0), t = tile0[e] + it.row0 / kTileRows;
+    float* gu = scratch + tid * per_thread;     // [rows, 2 * kW13Block]: gate | up
+    float* a = gu + kRowBlock * 2 * kW13Block;  // [rows, kW13Block]
+    const uint16_t* wg = w13 + (e * 2 * I + i0) * H;
+    const char* be = b13 ? b13 + e * 2 * I * b13sz : nullptr;
+    const uint16_t* x = xp + t * kb_h * kAmxBlock;
+    amx_gemm_packed(x, rows, nb, H, wg, H, be ? be + i0 * b13sz : nullptr, b13t == DType::kBF16, gu,
+                    2 * kW13Block);
+    amx_gemm_packed(x, rows, nb, H, wg + I * H, H, be ? be + (I + i0) * b13sz : nullptr,
+                    b13t == DType::kBF16, gu + kW13Block, 2 * kW13Block);
+    activation_rows(activation, gu, gu + kW13Block, 2 * kW13Block, a, kW13Block, rows, nb, true);
+    for (int64_t r0 = 0; r0 < rows; r0 += kTileRows)
+      amx_pack_rows(a + r0 * kW13Block, kW13Block, std::min(kTileRows, rows - r0), nb,
+                    ap + ((t + r0 / kTileRows) * kb_i + i0 / 32) * kAmxBlock);
+  });
+
+  // Phase 2: out[rows, h0:h1] = act[rows] . w2[h0:h1]^T (+ bias).
+  n = build(H, kW2Block);
+  run_items(tp, n, [&](int64_t i, int64_t, int) {
+    const WorkItem it = items[i];
+    const int64_t e = it.expert, h0 = it.col0, hb = std::min(kW2Block, H - h0);
+    const int64_t t = tile0[e] + it.row0 / kTileRows;
+    amx_gemm_packed(ap + t * kb_i * kAmxBlock, it.rows, hb, I, w2 + (e * H + h0) * I, I,
+                    b2 ? b2 + (e * H + h0) * b2sz : nullptr, b2t == DType::kBF16,
+                    o + (offsets[e] + it.row0) * ldo + h0, ldo);
+  });
+}
+#endif
+
 void CpuExperts::apply(const PrepareResult& prepared, const ExpertWeights& weights,
                        const ExpertsParams& params, const TensorView& out, Workspace& ws) {
   const TensorView& X = prepared.permuted;
@@ -90,6 +188,15 @@ void CpuExperts::apply(const PrepareResult& prepared, const ExpertWeights& weigh
   const size_t b13sz = dtype_size(b13t), b2sz = dtype_size(b2t);
 
   ThreadPool& tp = pool();
+#ifdef FUSEDMOE_GEMM_X86
+  if (wdt == DType::kBF16 && round_bf16 && amx_in_use()) {
+    apply_amx(tp, X.data_as<const float>(), ldx, H, E, I, offsets,
+              static_cast<const uint16_t*>(weights.w13.data()),
+              static_cast<const uint16_t*>(weights.w2.data()), b13, b13t, b2, b2t,
+              params.activation, out.data_as<float>(), ldo, ws);
+    return;
+  }
+#endif
   const int threads = tp.num_threads();
   // Per thread: a [kRowBlock, 2 * kW13Block] gate/up block (stays in L1/L2).
   const size_t per_thread = kRowBlock * 2 * kW13Block;

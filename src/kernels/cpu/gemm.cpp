@@ -12,7 +12,13 @@
 #include <string>
 
 #include "fusedmoe/core/error.h"
+#include "kernels/cpu/gemm_amx.h"
 #include "kernels/cpu/gemm_kernels.h"
+
+#if defined(__linux__) && defined(FUSEDMOE_GEMM_X86)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace fusedmoe::cpu {
 
@@ -153,6 +159,60 @@ void set_gemm_isa(CpuIsa isa) {
   std::lock_guard<std::mutex> lock(g_init_mutex);
   g_isa.store(static_cast<int>(isa));
   g_kernel.store(kernel_of(isa), std::memory_order_release);
+}
+
+// ---------------------------------------------------------------- AMX
+
+bool amx_supported() {
+  static const bool ok = [] {
+#if defined(__linux__) && defined(FUSEDMOE_GEMM_X86)
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16") ||
+        !cpu_isa_supported(CpuIsa::kAvx512))
+      return false;
+    // Linux enables the 8 KiB tile state per process, on request.
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+    return false;
+#endif
+  }();
+  return ok;
+}
+
+namespace {
+
+std::atomic<int> g_amx{-1};  // -1: from the environment at first use; 0 off; 1 on
+
+}  // namespace
+
+bool amx_in_use() {
+  int on = g_amx.load(std::memory_order_acquire);
+  if (on < 0) {
+    const char* env = std::getenv("FUSEDMOE_CPU_AMX");
+    if (env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0) {
+      on = amx_supported() ? 1 : 0;
+    } else if (std::strcmp(env, "0") == 0) {
+      on = 0;
+    } else if (std::strcmp(env, "1") == 0) {
+      if (!amx_supported())
+        FUSEDMOE_THROW(kUnsupported, "FUSEDMOE_CPU_AMX=1: this CPU or OS does not support AMX ",
+                       "(AMX-TILE and AMX-BF16 with AVX-512, and the tile state granted by the "
+                       "kernel)");
+      on = 1;
+    } else {
+      FUSEDMOE_THROW(kInvalidArgument, "FUSEDMOE_CPU_AMX: expected 0, 1 or auto, got '",
+                     printable(env), "'");
+    }
+    g_amx.store(on, std::memory_order_release);
+  }
+  return on == 1 && gemm_isa() == CpuIsa::kAvx512;
+}
+
+void set_amx(bool on) {
+  if (on && !amx_supported())
+    FUSEDMOE_THROW(kUnsupported, "set_amx: this CPU or OS does not support AMX");
+  g_amx.store(on ? 1 : 0, std::memory_order_release);
 }
 
 // ---------------------------------------------------------------- entry points

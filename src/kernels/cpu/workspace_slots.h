@@ -16,6 +16,9 @@ enum WorkspaceSlot : int {
   kWsIntermediate,   // f32 [M, I]: activation output
   kWsWorkItems,      // work item list
   kWsThreadScratch,  // per-thread GEMM panel + gate/up block
+  kWsAmxTiles,       // i64 [E + 1]: first AMX row tile of each expert
+  kWsAmxX,           // u16: the routed rows packed into AMX tiles (bf16)
+  kWsAmxAct,         // u16: the activations packed into AMX tiles (bf16)
   // Runner
   kWsRouterLogits,   // f32 [T, E + Z]
   kWsTopkIds,        // i32 [T, k]

@@ -1,0 +1,56 @@
+// fusedmoe internal: bf16 x bf16 GEMM on Intel AMX (AMX-TILE + AMX-BF16), used by
+// the CPU experts when the compute dtype and the weights are bf16 (cpu_experts.cpp).
+//
+// The activations X are first packed, 16 rows at a time, into AMX's pair-
+// interleaved ("VNNI") tile layout; W (nn.Linear's [N, K], bf16) is read in
+// place as the tiles' A operand, so that each C^T tile is W[16 n] . X[16 m]^T.
+//
+// Order (fixed, like gemm.h's, but its own): K padded with zeros to a multiple
+// of 32; c = 0, then for k0 = 0, 32, ... in increasing order one TDPBF16PS step
+// adds sum over the 16 pairs of w[k] x[k] + w[k+1] x[k+1] (products exact, f32
+// accumulation, round to nearest even; bf16 denormal inputs read as zero and
+// denormal results flush to zero, as AMX does); then c + bias. It depends on K
+// only, never on M, N, the tile or the thread, so a row's result is the same
+// alone or in a batch -- on a CPU with AMX. It is not gemm.h's order: the
+// results differ from the AVX-512 / AVX2 / scalar paths by float rounding.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/cpu/gemm_kernels.h"  // FUSEDMOE_GEMM_X86
+
+namespace fusedmoe::cpu {
+
+// u16 elements of one packed tile block: 16 pairs x 16 rows x 2.
+constexpr int64_t kAmxBlock = 512;
+
+// Whether the AMX kernels can run: the CPU has AMX-TILE, AMX-BF16 and AVX-512
+// (F, BW, VL, DQ), and the OS grants this process the tile data state
+// (Linux arch_prctl ARCH_REQ_XCOMP_PERM, asked once).
+bool amx_supported();
+// Whether the CPU experts use them (for bf16 weights with bf16 compute): the
+// GEMM instruction set is avx512 (gemm_isa()) and AMX is on. On by default
+// where supported; the environment variable FUSEDMOE_CPU_AMX=0 turns it off,
+// =1 requires it (the first use throws Error(kUnsupported) without it), other
+// values throw Error(kInvalidArgument).
+bool amx_in_use();
+// Turns AMX on or off for later calls (tests, benchmarks); Error(kUnsupported)
+// when turning it on where !amx_supported(). Not while experts are running.
+void set_amx(bool on);
+
+#ifdef FUSEDMOE_GEMM_X86
+// Packs rows X[0:rows, 0:K] (f32, row stride ldx, rows <= 16; every value a
+// bf16 value, e.g. rounded with round_to_bf16) into ceil(K / 32) blocks of
+// kAmxBlock u16 at dst: block kb, pair p, row m = bf16 X[m, 32 kb + 2p] and
+// X[m, 32 kb + 2p + 1]; rows >= `rows` and k >= K are zero.
+void amx_pack_rows(const float* X, int64_t ldx, int64_t rows, int64_t K, uint16_t* dst);
+
+// C[0:rows, 0:N] (f32, row stride ldc) = X . W^T (+ bias) in the order above.
+// xp: ceil(rows / 16) packed row tiles of ceil(K / 32) blocks each, one after
+// the other; W: bf16 [N, K] with row stride ldw; bias: nullptr or N values
+// (bf16 if bias_bf16, else f32).
+void amx_gemm_packed(const uint16_t* xp, int64_t rows, int64_t N, int64_t K, const uint16_t* W,
+                     int64_t ldw, const void* bias, bool bias_bf16, float* C, int64_t ldc);
+#endif
+
+}  // namespace fusedmoe::cpu
