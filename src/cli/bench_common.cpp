@@ -20,6 +20,7 @@
 
 #include "fusedmoe/core/error.h"
 #include "fusedmoe/routing/router.h"
+#include "kernels/cpu/gemm_amx.h"
 
 namespace fusedmoe::bench {
 namespace {
@@ -255,6 +256,33 @@ double measure_peak_fma_gflops(int threads) {
   return best;
 }
 
+double measure_peak_amx_gflops(int threads) {
+#ifdef FUSEDMOE_GEMM_X86
+  if (!cpu::amx_in_use()) return 0.0;
+  threads = std::clamp(threads, 1, usable_cpus());
+  constexpr double kFlopsPerIter = 4.0 * 16 * 16 * 32 * 2;
+  int64_t iters = 1 << 14;
+  for (;;) {
+    const auto t0 = clock_type::now();
+    g_sink = g_sink + cpu::amx_peak_kernel(iters);
+    if (seconds_since(t0) > 0.02 || iters > (int64_t{1} << 34)) break;
+    iters *= 2;
+  }
+  iters *= 3;
+  double best = 0;
+  for (int trial = 0; trial < 3; ++trial) {
+    std::vector<float> out(threads);
+    const double s = run_on_threads(threads, [&](int t) { out[t] = cpu::amx_peak_kernel(iters); });
+    for (float v : out) g_sink = g_sink + v;
+    best = std::max(best, kFlopsPerIter * static_cast<double>(iters) * threads / s * 1e-9);
+  }
+  return best;
+#else
+  (void)threads;
+  return 0.0;
+#endif
+}
+
 double measure_read_gbps(int threads, size_t bytes) {
   threads = std::clamp(threads, 1, usable_cpus());
   const size_t n = bytes / sizeof(float);
@@ -290,6 +318,7 @@ Ceilings measure_ceilings(int threads) {
   c.measured_threads = std::clamp(threads, 1, usable_cpus());
   c.isa = simd_isa();
   c.peak_gflops = measure_peak_fma_gflops(threads);
+  c.amx_gflops = measure_peak_amx_gflops(threads);
   c.read_gbps = measure_read_gbps(threads);
   return c;
 }
@@ -658,7 +687,8 @@ Roofline layer_roofline(const LayerShape& s, int64_t T, double distinct_experts,
       static_cast<double>(distinct_experts) * static_cast<double>(expert_bytes(s, weight_dtype)) +
       2.0 * static_cast<double>(T) * s.H * 4.0;
   const double mem_s = c.read_gbps > 0 ? r.bytes / (c.read_gbps * 1e9) : 0.0;
-  const double flop_s = c.peak_gflops > 0 ? r.flops / (c.peak_gflops * 1e9) : 0.0;
+  r.peak_gflops = c.peak_for(weight_dtype);
+  const double flop_s = r.peak_gflops > 0 ? r.flops / (r.peak_gflops * 1e9) : 0.0;
   r.floor_s = std::max(mem_s, flop_s);
   r.memory_bound = mem_s >= flop_s;
   return r;
@@ -668,8 +698,8 @@ RooflineShare roofline_share(const Roofline& r, double seconds, const Ceilings& 
   RooflineShare share;
   if (!(seconds > 0)) return share;
   const double gbps = r.bytes / seconds * 1e-9, gflops = r.flops / seconds * 1e-9;
-  share.raised = gbps > c.read_gbps || gflops > c.peak_gflops;
-  const double bw = std::max(c.read_gbps, gbps), peak = std::max(c.peak_gflops, gflops);
+  share.raised = gbps > c.read_gbps || gflops > r.peak_gflops;
+  const double bw = std::max(c.read_gbps, gbps), peak = std::max(r.peak_gflops, gflops);
   const double mem_s = bw > 0 ? r.bytes / (bw * 1e9) : 0.0;
   const double flop_s = peak > 0 ? r.flops / (peak * 1e9) : 0.0;
   share.frac = std::min(1.0, std::max(mem_s, flop_s) / seconds);  // 1 + rounding at most

@@ -51,12 +51,22 @@ struct Ceilings {
   std::string isa;         // "avx512f", "avx2+fma" or "scalar"
   double peak_gflops = 0;  // fp32 FMA rate, all threads
   double read_gbps = 0;    // streaming read bandwidth, all threads (1 GB = 1e9 bytes)
+  // bf16 tile products on Intel AMX, all threads, where the CPU experts use
+  // AMX (cpu::amx_in_use(): bf16 weights with bf16 compute); else 0.
+  double amx_gflops = 0;
+  // The compute ceiling of a layer with these weights and compute: amx_gflops
+  // for bf16 where it is measured, else peak_gflops.
+  double peak_for(DType dtype) const {
+    return dtype == DType::kBF16 && amx_gflops > 0 ? amx_gflops : peak_gflops;
+  }
 };
 // Best of a few trials of each. Takes about a second, whatever `threads`: each
 // measures on min(threads, usable_cpus()) threads (a fixed amount of work a
 // thread, so a thread count far above the cores took time in proportion).
 Ceilings measure_ceilings(int threads);
 double measure_peak_fma_gflops(int threads);
+// 0 where the CPU experts do not use AMX.
+double measure_peak_amx_gflops(int threads);
 double measure_read_gbps(int threads, size_t bytes = size_t{1} << 30);
 const char* simd_isa();
 
@@ -200,9 +210,10 @@ class BlasPerExpertBaseline {
 
 // ---- measurement -------------------------------------------------------------------------
 struct Roofline {
-  double flops = 0;    // 2 T k 3 H I
-  double bytes = 0;    // distinct experts x expert bytes + T H 4 x 2
-  double floor_s = 0;  // max(bytes / bandwidth, flops / peak)
+  double flops = 0;        // 2 T k 3 H I
+  double bytes = 0;        // distinct experts x expert bytes + T H 4 x 2
+  double floor_s = 0;      // max(bytes / bandwidth, flops / peak)
+  double peak_gflops = 0;  // the compute ceiling used: Ceilings::peak_for(weight dtype)
   bool memory_bound = false;
 };
 Roofline layer_roofline(const LayerShape& s, int64_t T, double distinct_experts, DType weight_dtype,

@@ -335,6 +335,12 @@ int run_bench(const BenchOptions& o) {
                                         : ""))
           .c_str(),
       ceil.read_gbps);
+  if (dtype == DType::kBF16 && ceil.amx_gflops > 0)
+    std::printf(
+        "- bf16 experts run on Intel AMX tiles (FUSEDMOE_CPU_AMX=0: AVX-512 instead): their "
+        "compute ceiling is the peak bf16 AMX rate, %.1f GFLOP/s (TDPBF16PS on tiles in "
+        "registers, the same threads)\n",
+        ceil.amx_gflops);
   std::printf(
       "- roofline floor = max(bytes / bandwidth, FLOPs / peak); FLOPs = 2*T*k*3*H*I; bytes = "
       "distinct experts touched x expert bytes + activations in/out; %% roofline = floor / "
@@ -437,7 +443,7 @@ int run_bench(const BenchOptions& o) {
           "\n\\* faster than the ceiling measured at the start (read bandwidth %.1f GB/s, peak "
           "%.1f GFLOP/s): its weights stayed in the caches, or the machine was busier during "
           "the measurement; %% roofline is against what the row achieved\n",
-          ceil.read_gbps, ceil.peak_gflops);
+          ceil.read_gbps, ceil.peak_for(dtype));
     const size_t peak = peak_rss_bytes();
     max_peak = std::max(max_peak, peak);
     std::printf("\npeak resident memory for this shape: %s (weights %s%s); set-up %.1f s\n\n",

@@ -65,22 +65,22 @@ inline __m512i load_pairs(const float* p, int n) {
 }
 
 // W rows [0, rows) (rows <= 32) x K at w (row stride ldw) as ceil(K / 32) pairs
-// of 16-row tiles, zero-padded: wp[(kb * 2 + r / 16) * 512 + (r % 16) * 32 + k].
-// Contiguous tiles: loading a tile straight from W reads 16 rows 2 K bytes apart
-// (4 KiB for K = 2048: one L1 set), and every row tile of X would reload them.
+// of 16-row tiles, zero-padded: wp[(kb * 2 + r / 16) * 512 + (r % 16) * 32 + k]
+// (for blocks with a partial tile; measured slower than loading whole tiles in
+// place, so only for those).
 void pack_w(const uint16_t* w, int64_t ldw, int rows, int64_t K, uint16_t* wp) {
   const int64_t kb_count = (K + 31) / 32, k_main = K / 32 * 32;
   if (rows < 32 || k_main < K) std::memset(wp, 0, kb_count * 2 * 1024);
-  // 32 row streams, each prefetched 1 KiB ahead (hardware prefetchers do not
-  // follow that many).
-  for (int64_t kb = 0; kb * 32 < k_main; ++kb)
-    for (int r = 0; r < rows; ++r) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + r * ldw + kb * 32 + 512), _MM_HINT_T0);
-      _mm512_store_si512(wp + kb * 1024 + r * 32, _mm512_loadu_si512(w + r * ldw + kb * 32));
+  // Row by row, in memory order (the block is one stream when ldw == K).
+  for (int r = 0; r < rows; ++r) {
+    const uint16_t* src = w + r * ldw;
+    uint16_t* dst = wp + (r / 16) * 512 + (r % 16) * 32;
+    int64_t kb = 0;
+    for (; kb * 32 < k_main; ++kb) {
+      _mm512_store_si512(dst + kb * 1024, _mm512_loadu_si512(src + kb * 32));
     }
-  if (k_main < K)
-    for (int r = 0; r < rows; ++r)
-      std::memcpy(wp + k_main / 32 * 1024 + r * 32, w + r * ldw + k_main, (K - k_main) * 2);
+    if (k_main < K) std::memcpy(dst + kb * 1024, src + k_main, (K - k_main) * 2);
+  }
 }
 
 // C[m, n0 + n] = acc[n][m] (+ bias[n0 + n]) for m < mv, n < nv.
@@ -106,11 +106,14 @@ inline void store_ct(const float* acc, int mv, int nv, float* C, int64_t ldc, co
   }
 }
 
-// One block: NT tiles of 16 W rows (packed, wp) x MT tiles of 16 rows of X
-// (packed, xp) over all K blocks.
+// One block: NT tiles of 16 W rows x MT tiles of 16 rows of X (packed, xp)
+// over all K blocks. W's row r, k block kb is at w + r * ld + kb * kstep: W in
+// place (ld = ldw, kstep = 32; then each row is prefetched ahead) or pack_w's
+// copy (ld = 32, kstep = 1024).
 template <int NT, int MT>
-void block(const uint16_t* xp, int64_t kb_count, int mv0, int mv1, const uint16_t* wp, int nv0,
-           int nv1, float* C, int64_t ldc, const void* bias, bool bias_bf16, int64_t n0) {
+void block(const uint16_t* xp, int64_t kb_count, int mv0, int mv1, const uint16_t* w, int64_t ld,
+           int64_t kstep, bool in_place, int nv0, int nv1, float* C, int64_t ldc, const void* bias,
+           bool bias_bf16, int64_t n0) {
   alignas(64) float acc[16 * 16];
   _tile_zero(0);
   if (MT > 1) _tile_zero(1);
@@ -118,13 +121,18 @@ void block(const uint16_t* xp, int64_t kb_count, int mv0, int mv1, const uint16_
   if (NT > 1 && MT > 1) _tile_zero(3);
   const int64_t x_stride = kb_count * 512;  // u16 per packed row tile
   for (int64_t kb = 0; kb < kb_count; ++kb) {
+    const uint16_t* wk = w + kb * kstep;
+    // Each W row is a stream of its own: 512 bytes ahead into L2.
+    if (in_place)
+      for (int r = 0; r < NT * 16; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(wk + r * ld + 256), _MM_HINT_T1);
     _tile_loadd(4, xp + kb * 512, 64);
     if (MT > 1) _tile_loadd(5, xp + x_stride + kb * 512, 64);
-    _tile_loadd(6, wp + kb * 1024, 64);
+    _tile_loadd(6, wk, ld * 2);
     _tile_dpbf16ps(0, 6, 4);
     if (MT > 1) _tile_dpbf16ps(1, 6, 5);
     if (NT > 1) {
-      _tile_loadd(7, wp + kb * 1024 + 512, 64);
+      _tile_loadd(7, wk + 16 * ld, ld * 2);
       _tile_dpbf16ps(2, 7, 4);
       if (MT > 1) _tile_dpbf16ps(3, 7, 5);
     }
@@ -197,24 +205,60 @@ void amx_gemm_packed(const uint16_t* xp, int64_t rows, int64_t N, int64_t K, con
   configure_tiles();
   for (int64_t n0 = 0; n0 < N; n0 += 32) {
     const int nv = static_cast<int>(N - n0 < 32 ? N - n0 : 32);
-    pack_w(W + n0 * ldw, ldw, nv, K, wp);
     const int nv0 = nv < 16 ? nv : 16, nv1 = nv - nv0;  // nv1 0: one n tile
+    // Whole tiles are read in place; a block with a partial tile (N or K not
+    // a multiple of 16 / 32) through a zero-padded copy.
+    const bool in_place = nv % 16 == 0 && K % 32 == 0;
+    const uint16_t* w = W + n0 * ldw;
+    if (!in_place) {
+      pack_w(w, ldw, nv, K, wp);
+      w = wp;
+    }
+    const int64_t ld = in_place ? ldw : 32, kstep = in_place ? 32 : 1024;
     for (int64_t mt = 0; mt < m_tiles; mt += 2) {
       const int mv0 = static_cast<int>(rows - mt * 16 < 16 ? rows - mt * 16 : 16);
       const int mv1 = static_cast<int>(rows - mt * 16 - 16 < 16 ? rows - mt * 16 - 16 : 16);
       const uint16_t* x = xp + mt * x_stride;
       float* c = C + mt * 16 * ldc;
       if (nv1 > 0 && mv1 > 0)
-        block<2, 2>(x, kb_count, mv0, mv1, wp, nv0, nv1, c, ldc, bias, bias_bf16, n0);
+        block<2, 2>(x, kb_count, mv0, mv1, w, ld, kstep, in_place, nv0, nv1, c, ldc, bias,
+                    bias_bf16, n0);
       else if (nv1 > 0)
-        block<2, 1>(x, kb_count, mv0, 0, wp, nv0, nv1, c, ldc, bias, bias_bf16, n0);
+        block<2, 1>(x, kb_count, mv0, 0, w, ld, kstep, in_place, nv0, nv1, c, ldc, bias, bias_bf16,
+                    n0);
       else if (mv1 > 0)
-        block<1, 2>(x, kb_count, mv0, mv1, wp, nv0, 0, c, ldc, bias, bias_bf16, n0);
+        block<1, 2>(x, kb_count, mv0, mv1, w, ld, kstep, in_place, nv0, 0, c, ldc, bias, bias_bf16,
+                    n0);
       else
-        block<1, 1>(x, kb_count, mv0, 0, wp, nv0, 0, c, ldc, bias, bias_bf16, n0);
+        block<1, 1>(x, kb_count, mv0, 0, w, ld, kstep, in_place, nv0, 0, c, ldc, bias, bias_bf16,
+                    n0);
     }
   }
   _tile_release();
+}
+
+float amx_peak_kernel(int64_t iters) {
+  configure_tiles();
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  alignas(64) uint16_t one[512];
+  for (uint16_t& v : one) v = 0x3f80;  // 1.0
+  _tile_loadd(4, one, 64);
+  _tile_loadd(5, one, 64);
+  _tile_loadd(6, one, 64);
+  _tile_loadd(7, one, 64);
+  for (int64_t i = 0; i < iters; ++i) {
+    _tile_dpbf16ps(0, 6, 4);
+    _tile_dpbf16ps(1, 6, 5);
+    _tile_dpbf16ps(2, 7, 4);
+    _tile_dpbf16ps(3, 7, 5);
+  }
+  alignas(64) float acc[256];
+  _tile_stored(0, acc, 64);
+  _tile_release();
+  return acc[0];
 }
 
 }  // namespace fusedmoe::cpu

@@ -51,6 +51,10 @@ void amx_pack_rows(const float* X, int64_t ldx, int64_t rows, int64_t K, uint16_
 // (bf16 if bias_bf16, else f32).
 void amx_gemm_packed(const uint16_t* xp, int64_t rows, int64_t N, int64_t K, const uint16_t* W,
                      int64_t ldw, const void* bias, bool bias_bf16, float* C, int64_t ldc);
+
+// The benchmarks' ceiling: 4 x iters TDPBF16PS (16 x 16 x 32 products each,
+// 16384 FLOPs) on tiles already in registers; returns an element of the result.
+float amx_peak_kernel(int64_t iters);
 #endif
 
 }  // namespace fusedmoe::cpu
