@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
@@ -23,8 +24,9 @@ TEST(BenchRoofline, ShareIsAtMostOneAndSaysWhenACeilingWasRaised) {
   c.read_gbps = 10;     // 10 GB/s
   c.peak_gflops = 100;  // 100 GFLOP/s
   Roofline r;
-  r.bytes = 1e9;  // 0.1 s at the bandwidth
-  r.flops = 1e9;  // 0.01 s at the peak
+  r.bytes = 1e9;                  // 0.1 s at the bandwidth
+  r.flops = 1e9;                  // 0.01 s at the peak
+  r.peak_gflops = c.peak_gflops;  // as layer_roofline sets it (Ceilings::peak_for)
   // Slower than both ceilings: floor / time, nothing raised.
   RooflineShare s = roofline_share(r, 0.2, c);
   EXPECT_DOUBLE_EQ(s.frac, 0.5);
@@ -44,6 +46,23 @@ TEST(BenchRoofline, ShareIsAtMostOneAndSaysWhenACeilingWasRaised) {
   EXPECT_FALSE(s.raised);
   // No time, no share.
   EXPECT_EQ(roofline_share(r, 0.0, c).frac, 0.0);
+}
+
+// bf16 layers whose experts run on AMX are held against the AMX peak, the
+// rest against the FMA peak.
+TEST(BenchRoofline, Bf16OnAmxUsesTheAmxPeak) {
+  Ceilings c;
+  c.read_gbps = 10;
+  c.peak_gflops = 100;
+  const LayerShape s = find_shape("qwen3-cpu");
+  EXPECT_EQ(layer_roofline(s, 256, 64, DType::kBF16, c).peak_gflops, 100);
+  c.amx_gflops = 1000;
+  const Roofline bf16 = layer_roofline(s, 256, 64, DType::kBF16, c);
+  const Roofline f32 = layer_roofline(s, 256, 64, DType::kF32, c);
+  EXPECT_EQ(bf16.peak_gflops, 1000);
+  EXPECT_EQ(f32.peak_gflops, 100);
+  EXPECT_DOUBLE_EQ(bf16.floor_s, std::max(bf16.bytes / 10e9, bf16.flops / 1000e9));
+  EXPECT_DOUBLE_EQ(f32.floor_s, std::max(f32.bytes / 10e9, f32.flops / 100e9));
 }
 
 // The FMA ceiling ran a fixed amount of work on each of `threads` threads:

@@ -167,7 +167,10 @@ TEST(AmxExperts, Bf16ComputeMatchesTheAvx512Path) {
     cpu::set_amx(false);
     const Tensor avx = forward(l, hidden, ids, tw);
     ASSERT_EQ(test::count_non_finite(amx), 0);
-    EXPECT_LE(test::rel_l2(amx, avx), 1e-5);
+    // The w13 sums differ by f32 rounding (~1e-7), which now and then moves an
+    // activation across a bf16 rounding boundary (a step of 2^-8): ~1e-4 apart
+    // (measured up to 6.6e-5), where a wrong tile or pair is ~1.
+    EXPECT_LE(test::rel_l2(amx, avx), 1e-3);
   }
 }
 
