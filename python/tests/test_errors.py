@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import fusedmoe
-from conftest import HF
+from conftest import HF, REPO
 
 
 @pytest.fixture(scope="module")
@@ -571,3 +571,25 @@ def test_expanded_torch_weights_beyond_the_machines_memory_name_the_argument():
         fusedmoe.fused_experts(x, w13, w2, torch.ones(3, 1), torch.zeros(3, 1, dtype=torch.int32))
     assert str(e.value).startswith(f"w13: a contiguous copy of w13, float32 [{E}, 128, 128], "
                                    f"need "), str(e.value)
+
+
+@pytest.mark.parametrize("var,value,message", [
+    ("FUSEDMOE_CPU_ISA", "bogus",
+     "FUSEDMOE_CPU_ISA: expected one of auto, avx512, avx2, scalar, got 'bogus'"),
+    ("FUSEDMOE_CPU_AMX", "yes", "FUSEDMOE_CPU_AMX: expected 0, 1 or auto, got 'yes'"),
+])
+def test_bad_cpu_gemm_environment_fails_when_the_layer_is_made(var, value, message):
+    """A bad FUSEDMOE_CPU_ISA / FUSEDMOE_CPU_AMX raised only at the first call,
+    after from_pretrained had succeeded (trial); now when the layer is made."""
+    code = textwrap.dedent(f"""
+        import fusedmoe
+        try:
+            fusedmoe.MoELayer.from_pretrained({str(REPO / "models" / "tiny-deepseek-v3")!r})
+        except ValueError as e:
+            print(e)
+        """)
+    env = dict(os.environ, **{var: value})
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env=env)
+    assert r.returncode == 0, r.stderr
+    assert message in r.stdout, r.stdout

@@ -234,6 +234,26 @@ const char* simd_isa() {
 #endif
 }
 
+size_t last_level_cache_bytes() {
+  size_t best = 0;
+  for (int i = 0; i < 16; ++i) {
+    std::ifstream f("/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(i) + "/size");
+    if (!f) break;
+    std::string v;
+    f >> v;
+    size_t n = 0, pos = 0;
+    while (pos < v.size() && std::isdigit(static_cast<unsigned char>(v[pos])))
+      n = n * 10 + static_cast<size_t>(v[pos++] - '0');
+    const char unit = pos < v.size() ? v[pos] : ' ';
+    n *= unit == 'K'   ? size_t{1} << 10
+         : unit == 'M' ? size_t{1} << 20
+         : unit == 'G' ? size_t{1} << 30
+                       : 1;
+    best = std::max(best, n);
+  }
+  return best;
+}
+
 double measure_peak_fma_gflops(int threads) {
   threads = std::clamp(threads, 1, usable_cpus());
   // Calibrate to ~0.15 s per trial on one thread.

@@ -69,6 +69,8 @@ double measure_peak_fma_gflops(int threads);
 double measure_peak_amx_gflops(int threads);
 double measure_read_gbps(int threads, size_t bytes = size_t{1} << 30);
 const char* simd_isa();
+// The largest CPU cache's size in bytes (Linux sysfs, cpu0), 0 if unknown.
+size_t last_level_cache_bytes();
 
 // ---- shapes ----------------------------------------------------------------------
 struct LayerShape {

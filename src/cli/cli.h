@@ -199,6 +199,7 @@ struct RunOptions {
   std::string reference, reference_key;
   double tolerance = -1.0;  // < 0: default for the compute dtype
   int repeat = 1;
+  int warmup = 1;  // untimed forward calls before the timed ones
   bool quiet = false;
   std::string backend = "cpu";  // cpu or cuda (bf16 compute on the GPU)
   bool compute_dtype_given = false;

@@ -17,6 +17,8 @@
 #include "cli/cli.h"
 #include "fusedmoe/core/thread_pool.h"
 #include "fusedmoe/io/safetensors.h"
+#include "kernels/cpu/gemm.h"
+#include "kernels/cpu/gemm_amx.h"
 #ifdef FUSEDMOE_WITH_CUDA
 #include "bench/cuda/cuda_bench.h"
 #include "fusedmoe/kernels/cuda.h"
@@ -316,8 +318,10 @@ int run_bench(const BenchOptions& o) {
   }
 
   std::printf("# fusedmoe bench\n\n");
-  std::printf("- CPU: %s, %s, SIMD %s\n", cpu_model_name().c_str(),
-              count_of(threads, "thread").c_str(), simd_isa());
+  std::printf("- CPU: %s, %s, GEMM %s%s (FUSEDMOE_CPU_ISA%s)\n", cpu_model_name().c_str(),
+              count_of(threads, "thread").c_str(), cpu::cpu_isa_name(cpu::gemm_isa()),
+              dtype == DType::kBF16 && cpu::amx_in_use() ? ", bf16 experts on AMX" : "",
+              dtype == DType::kBF16 ? ", FUSEDMOE_CPU_AMX" : "");
   std::printf(
       "- weights and compute: %s; routing: simulated %s; timing: median after 1 warm-up, "
       ">= 3 runs (2 if over 1 s each) and >= %.2f s, at most 1000 runs\n",
@@ -348,8 +352,9 @@ int run_bench(const BenchOptions& o) {
       "beat a ceiling measured at the start: weights in the caches, or a machine busier then)\n");
   std::printf(
       "- each measurement cycles through %d batches with different routing, so weights come "
-      "from memory, not from a cache; `experts` is the mean number touched per batch\n",
-      kBatchRotation);
+      "from memory unless those batches' experts fit the last-level cache (%s here; such "
+      "rows are usually marked *); `experts` is the mean number touched per batch\n",
+      kBatchRotation, format_bytes(static_cast<double>(last_level_cache_bytes())).c_str());
   if (baseline)
     std::printf(
         "- baseline: BLAS-per-expert loop (gather rows, OpenBLAS sgemm on f32 weights for "
@@ -453,6 +458,25 @@ int run_bench(const BenchOptions& o) {
   }
   std::printf("largest peak resident memory of one shape: %s\n",
               format_bytes(static_cast<double>(max_peak)).c_str());
+  // The ceilings again: a machine shared with other processes (or VMs) measures
+  // them far apart from one second to the next, and every % roofline above
+  // used the first measurement.
+  {
+    const Ceilings end = measure_ceilings(threads);
+    const double peak0 = ceil.peak_for(dtype), peak1 = end.peak_for(dtype);
+    const double d_peak = std::fabs(peak1 / peak0 - 1),
+                 d_bw = std::fabs(end.read_gbps / ceil.read_gbps - 1);
+    std::printf(
+        "ceilings measured again at the end: peak %.1f GFLOP/s, read bandwidth %.1f GB/s "
+        "(%+.0f %%, %+.0f %% from the start)\n",
+        peak1, end.read_gbps, 100 * (peak1 / peak0 - 1),
+        100 * (end.read_gbps / ceil.read_gbps - 1));
+    if (d_peak > 0.15 || d_bw > 0.15)
+      std::printf(
+          "warning: the machine's ceilings changed by more than 15 %% during the run (other "
+          "load on its cores or memory): the %% roofline figures above are not reliable; run "
+          "again on a quiet machine\n");
+  }
   // The report reached the standard output before the CSV is renamed into place.
   check_stdout();
   if (!csv_error.empty())

@@ -694,6 +694,10 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
       ->needs(ref);
   cmd->add_option("--repeat", o.repeat, "Run the forward N times; the median time is reported")
       ->transform(kPositiveInt);
+  cmd->add_option("--warmup", o.warmup,
+                  "Untimed forward calls before the timed ones (default 1: the first call "
+                  "allocates the workspace and brings the weights in)")
+      ->transform(integer_in(0, 1000000));
   add_bool_flag(*cmd, "--quiet", o.quiet, "Leave out the expert load histogram");
   cmd->add_option("--ep-size", o.ep_size,
                   "Expert parallelism over ranks (mpirun -np N ... --ep-size N): each EP rank "
@@ -766,6 +770,11 @@ int run_run(const RunOptions& o) {
               ": the output is a .safetensors file (output, topk_ids, topk_weights, "
               "router_logits), not .npy / .npz; name it *.safetensors");
   if (o.threads > 0) ThreadPool::set_global_num_threads(o.threads);
+  if (o.backend == "cpu" && o.threads > usable_cpus())
+    std::fprintf(stderr,
+                 "fusedmoe: warning: --threads %d is more than the %d CPUs this process may use: "
+                 "the threads share them, which is slower than one each\n",
+                 o.threads, usable_cpus());
   const bool on_cuda = o.backend == "cuda";
   usage_check(
       !on_cuda || !o.compute_dtype_given || o.compute_dtype == "bf16" || o.compute_dtype == "f16",
@@ -825,6 +834,7 @@ int run_run(const RunOptions& o) {
          {"--dispatch-dtype", o.dispatch_dtype},
          {"--combine-dtype", o.combine_dtype},
          {"--repeat", std::to_string(o.repeat)},
+         {"--warmup", std::to_string(o.warmup)},
          {"--output", or_not_given(o.output)},
          {"--reference", or_not_given(o.reference)},
          {"--reference-key", or_not_given(o.reference_key)},
@@ -1094,11 +1104,11 @@ int run_run(const RunOptions& o) {
       }
     };
     if (!on_cuda) {
-      for (int r = 0; r < o.repeat; ++r) {
+      for (int r = 0; r < o.warmup + o.repeat; ++r) {
         const auto t0 = std::chrono::steady_clock::now();
         forward_rows(input.view().narrow(0, r0, n), output.view().narrow(0, r0, n), &mine);
         const auto t1 = std::chrono::steady_clock::now();
-        times.push_back(std::chrono::duration<double>(t1 - t0).count());
+        if (r >= o.warmup) times.push_back(std::chrono::duration<double>(t1 - t0).count());
       }
     } else {
 #ifdef FUSEDMOE_WITH_CUDA
@@ -1112,13 +1122,13 @@ int run_run(const RunOptions& o) {
       ForwardOutputs douts{TensorView(lg_d.data(), DType::kF32, {n, num_logits}, dev),
                            TensorView(ids_d.data(), DType::kI32, {n, k}, dev),
                            TensorView(w_d.data(), DType::kF32, {n, k}, dev)};
-      for (int r = 0; r < o.repeat; ++r) {
+      for (int r = 0; r < o.warmup + o.repeat; ++r) {
         const auto t0 = std::chrono::steady_clock::now();
         forward_rows(TensorView(x_d.data(), DType::kF32, {n, H}, dev),
                      TensorView(out_d.data(), DType::kF32, {n, H}, dev), &douts);
         cuda::synchronize();
         const auto t1 = std::chrono::steady_clock::now();
-        times.push_back(std::chrono::duration<double>(t1 - t0).count());
+        if (r >= o.warmup) times.push_back(std::chrono::duration<double>(t1 - t0).count());
       }
       if (n > 0) {
         out_d.download(output.view().narrow(0, r0, n).data(), n * H * 4);
@@ -1143,11 +1153,11 @@ int run_run(const RunOptions& o) {
     parallel_world_done();  // no collective left: an error below is rank 0's alone
     if (!root) return 0;    // rank 0 compares, writes and reports
   } else if (!on_cuda) {
-    for (int r = 0; r < o.repeat; ++r) {
+    for (int r = 0; r < o.warmup + o.repeat; ++r) {
       const auto t0 = std::chrono::steady_clock::now();
       runner.forward(input, output, nullptr, nullptr, &outs);
       const auto t1 = std::chrono::steady_clock::now();
-      times.push_back(std::chrono::duration<double>(t1 - t0).count());
+      if (r >= o.warmup) times.push_back(std::chrono::duration<double>(t1 - t0).count());
     }
   } else {
 #ifdef FUSEDMOE_WITH_CUDA
@@ -1170,12 +1180,12 @@ int run_run(const RunOptions& o) {
     ForwardOutputs douts{TensorView(lg_d.data(), DType::kF32, {T, num_logits}, dev),
                          TensorView(ids_d.data(), DType::kI32, {T, k}, dev),
                          TensorView(w_d.data(), DType::kF32, {T, k}, dev)};
-    for (int r = 0; r < o.repeat; ++r) {
+    for (int r = 0; r < o.warmup + o.repeat; ++r) {
       const auto t0 = std::chrono::steady_clock::now();
       runner.forward(xv, ov, nullptr, nullptr, &douts);
       cuda::synchronize();
       const auto t1 = std::chrono::steady_clock::now();
-      times.push_back(std::chrono::duration<double>(t1 - t0).count());
+      if (r >= o.warmup) times.push_back(std::chrono::duration<double>(t1 - t0).count());
     }
     runner.check_errors();  // NaN router logits, recorded on the device
     out_d.download(output.data(), output.nbytes());
@@ -1297,7 +1307,8 @@ int run_run(const RunOptions& o) {
                 parallel ? ", NCCL one GPU per rank" : "");
   else
     std::printf("threads        %d\n", ThreadPool::global().num_threads());
-  std::printf("time           %.3f ms (median of %d)\n", median * 1e3, o.repeat);
+  std::printf("time           %.3f ms (median of %d, after %d untimed)\n", median * 1e3, o.repeat,
+              o.warmup);
   std::printf("throughput     %.0f tokens/s\n", median > 0 ? static_cast<double>(T) / median : 0.0);
   if (reference.defined())
     std::printf("reference      %s: relative L2 error %.3e (tolerance %.6g%s)%s: %s\n",

@@ -27,6 +27,8 @@
 #include "fusedmoe/io/safetensors.h"
 #include "fusedmoe/parallel/communicator.h"
 #include "fusedmoe/parallel/ep_prepare_finalize.h"
+#include "kernels/cpu/gemm.h"
+#include "kernels/cpu/gemm_amx.h"
 
 namespace fusedmoe::cli {
 
@@ -165,6 +167,15 @@ void check_comm_timeout() {
 void check_ep_transport() {
   try {
     ep_transport_from_env();
+  } catch (const fusedmoe::Error& e) {
+    throw UsageError(e.what());
+  }
+}
+
+void check_cpu_isa() {
+  try {
+    cpu::gemm_isa();    // FUSEDMOE_CPU_ISA
+    cpu::amx_in_use();  // FUSEDMOE_CPU_AMX
   } catch (const fusedmoe::Error& e) {
     throw UsageError(e.what());
   }
@@ -988,6 +999,7 @@ int run_command_line(int argc, char** argv) {
     if (collectives) {
       check_comm_timeout();
       check_ep_transport();
+      check_cpu_isa();  // the CPU GEMM's settings, before anything runs (any backend)
     }
     if (inspect->parsed()) return silent_rank ? 0 : run_inspect(inspect_opts);
     if (run->parsed()) return run_run(run_opts);

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "kernels/cpu/gemm.h"
+#include "kernels/cpu/gemm_amx.h"
 #include "kernels/cpu/workspace_slots.h"
 #ifdef FUSEDMOE_WITH_CUDA
 #include "kernels/cuda/cuda_ep_moe_layer.h"
@@ -181,6 +182,10 @@ MoERunner::MoERunner(MoEConfig config, MoELayerWeights weights, RunnerOptions op
   FUSEDMOE_CHECK(!options_.cuda_workspace || options_.device.type == DeviceType::kCUDA,
                  "cuda_workspace: for the CUDA backend (RunnerOptions::device CUDA); given "
                  "with device cpu");
+  // The CPU GEMM's environment settings (FUSEDMOE_CPU_ISA, FUSEDMOE_CPU_AMX):
+  // a bad value is an error here, not at the first forward.
+  cpu::gemm_isa();
+  cpu::amx_in_use();
   router_ = create_router(config_, weights_.router_params);
   kernel_ = make_cpu_modular_kernel(options_.pool);
   workspace_ = std::make_unique<Workspace>();

@@ -595,6 +595,27 @@ FUSEDMOE_COMM_TIMEOUT_S=abc expect_usage "FUSEDMOE_COMM_TIMEOUT_S=abc, run on on
 FUSEDMOE_COMM_TIMEOUT_S=0 expect_usage "FUSEDMOE_COMM_TIMEOUT_S=0, bench on one rank" \
   "FUSEDMOE_COMM_TIMEOUT_S: expected a decimal number of seconds in (0, 1e+09], got \"0\"" -- \
   bench --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0
+# The CPU GEMM's FUSEDMOE_CPU_ISA and FUSEDMOE_CPU_AMX: usage errors before anything runs
+# (bench printed its header and measured the ceilings first, exit 1).
+FUSEDMOE_CPU_ISA=bogus expect_usage "FUSEDMOE_CPU_ISA=bogus, bench" \
+  "FUSEDMOE_CPU_ISA: expected one of auto, avx512, avx2, scalar, got 'bogus'" -- \
+  bench --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0
+if [ -s "$TMP/stdout" ]; then
+  echo "FAIL FUSEDMOE_CPU_ISA=bogus, bench: printed before the error"; failures=$((failures + 1))
+fi
+FUSEDMOE_CPU_AMX=yes expect_usage "FUSEDMOE_CPU_AMX=yes, run" \
+  "FUSEDMOE_CPU_AMX: expected 0, 1 or auto, got 'yes'" -- run --model "$FIX" --layer 1 --tokens 4
+expect_usage "run --warmup -1" 'run --warmup: expected a decimal integer in [0, 1000000], got "-1"' -- \
+  run --model "$FIX" --layer 1 --tokens 4 --warmup -1
+# More threads than CPUs: a warning on stderr, the run goes on.
+cpus=$(nproc)
+if ! "$BIN" run --model "$FIX" --layer 1 --tokens 4 --threads $((cpus + 1)) --quiet >"$TMP/stdout" 2>"$TMP/stderr" ||
+  ! grep -q "^fusedmoe: warning: --threads $((cpus + 1)) is more than the $cpus CPUs" "$TMP/stderr" ||
+  ! grep -q "after 1 untimed" "$TMP/stdout"; then
+  echo "FAIL run --threads above the CPUs"; cat "$TMP/stderr"; failures=$((failures + 1))
+else
+  echo "ok   run --threads above the CPUs: $(cat "$TMP/stderr")"
+fi
 # FUSEDMOE_EP_TRANSPORT (read by the GPUs' expert parallelism): a bad value is a usage
 # error of run and bench on every backend, one rank too, checked where
 # FUSEDMOE_COMM_TIMEOUT_S is (it used to pass unnoticed on the CPU, exit 0).
@@ -1084,7 +1105,7 @@ expect_usage "bench --memory-fraction 1e400" "--memory-fraction: expected a deci
 # bench at T = 0 has no speedup ("-" in the table, empty in the CSV); one thread and
 # one tensor are singular.
 "$BIN" bench --shapes qwen3-cpu --max-experts 8 --tokens 0 --min-time 0 --threads 1 --csv "$TMP/t0.csv" >"$TMP/stdout" 2>&1 || true
-if ! grep -qE '^\| 0 \|.*\| - \| [0-9.e+-]+ \|$' "$TMP/stdout" || ! grep -q "^- CPU: .*, 1 thread, SIMD" "$TMP/stdout" ||
+if ! grep -qE '^\| 0 \|.*\| - \| [0-9.e+-]+ \|$' "$TMP/stdout" || ! grep -q "^- CPU: .*, 1 thread, GEMM" "$TMP/stdout" ||
   ! grep -q ",0,.*,,[0-9.e+-]*,0$" "$TMP/t0.csv"; then
   echo "FAIL bench T = 0 speedup / 1 thread"; cat "$TMP/stdout" "$TMP/t0.csv"; failures=$((failures + 1))
 else
