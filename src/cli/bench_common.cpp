@@ -254,49 +254,41 @@ size_t last_level_cache_bytes() {
   return best;
 }
 
-double measure_peak_fma_gflops(int threads) {
+// The best of 3 trials of kernel(iters, t) (t: the thread index; returns a
+// value kept from the optimiser) on `threads` threads, in GFLOP/s, with iters
+// calibrated on one thread to ~0.02 s, times `scale`.
+template <typename Kernel>
+double best_gflops(int threads, int64_t iters, int scale, double flops_per_iter, Kernel kernel) {
   threads = std::clamp(threads, 1, usable_cpus());
-  // Calibrate to ~0.15 s per trial on one thread.
-  int64_t iters = 1 << 20;
   for (;;) {
     const auto t0 = clock_type::now();
-    g_sink = g_sink + fma_kernel(iters, 1.0f);
+    g_sink = g_sink + kernel(iters, 0);
     if (seconds_since(t0) > 0.02 || iters > (int64_t{1} << 34)) break;
     iters *= 2;
   }
-  iters *= 6;
+  iters *= scale;
   double best = 0;
   for (int trial = 0; trial < 3; ++trial) {
     std::vector<float> out(threads);
-    const double s = run_on_threads(threads, [&](int t) { out[t] = fma_kernel(iters, 1.0f + t); });
+    const double s = run_on_threads(threads, [&](int t) { out[t] = kernel(iters, t); });
     for (float v : out) g_sink = g_sink + v;
-    const double flops = 2.0 * kLanes * kChains * static_cast<double>(iters) * threads;
-    best = std::max(best, flops / s * 1e-9);
+    best = std::max(best, flops_per_iter * static_cast<double>(iters) * threads / s * 1e-9);
   }
   return best;
+}
+
+double measure_peak_fma_gflops(int threads) {
+  // ~0.15 s a trial on one thread.
+  return best_gflops(threads, int64_t{1} << 20, 6, 2.0 * kLanes * kChains,
+                     [](int64_t iters, int t) { return fma_kernel(iters, 1.0f + t); });
 }
 
 double measure_peak_amx_gflops(int threads) {
 #ifdef FUSEDMOE_GEMM_X86
   if (!cpu::amx_in_use()) return 0.0;
-  threads = std::clamp(threads, 1, usable_cpus());
-  constexpr double kFlopsPerIter = 4.0 * 16 * 16 * 32 * 2;
-  int64_t iters = 1 << 14;
-  for (;;) {
-    const auto t0 = clock_type::now();
-    g_sink = g_sink + cpu::amx_peak_kernel(iters);
-    if (seconds_since(t0) > 0.02 || iters > (int64_t{1} << 34)) break;
-    iters *= 2;
-  }
-  iters *= 3;
-  double best = 0;
-  for (int trial = 0; trial < 3; ++trial) {
-    std::vector<float> out(threads);
-    const double s = run_on_threads(threads, [&](int t) { out[t] = cpu::amx_peak_kernel(iters); });
-    for (float v : out) g_sink = g_sink + v;
-    best = std::max(best, kFlopsPerIter * static_cast<double>(iters) * threads / s * 1e-9);
-  }
-  return best;
+  // 4 TDPBF16PS an iteration, 16 x 16 x 32 products each.
+  return best_gflops(threads, int64_t{1} << 14, 3, 4.0 * 16 * 16 * 32 * 2,
+                     [](int64_t iters, int) { return cpu::amx_peak_kernel(iters); });
 #else
   (void)threads;
   return 0.0;
