@@ -22,7 +22,9 @@
 // change with M — measured on OpenBLAS 0.3.21 — hence the own kernel.) The
 // AVX-512 path holds the 16 lanes in one zmm, the AVX2 path in two ymm, the
 // scalar path in 16 floats with std::fma; AVX512-BF16 dot products (which sum
-// pairs before accumulating) are deliberately not used.
+// pairs before accumulating) are deliberately not used here. (With bf16
+// weights and bf16 compute on a CPU with AMX, the experts use gemm_amx.h
+// instead, which has an order of its own.)
 //
 // Instruction set: chosen at the first call from the CPU (cpuid via
 // __builtin_cpu_supports): AVX-512 (F, BW, VL, DQ), else AVX2 + FMA, else
