@@ -284,8 +284,8 @@ double measure_peak_fma_gflops(int threads) {
 }
 
 double measure_peak_amx_gflops(int threads) {
-#ifdef FUSEDMOE_GEMM_X86
-  if (!cpu::amx_in_use()) return 0.0;
+#if defined(FUSEDMOE_GEMM_X86) && defined(FUSEDMOE_AMX)
+  if (!cpu::amx_ready()) return 0.0;
   // 4 TDPBF16PS an iteration, 16 x 16 x 32 products each.
   return best_gflops(threads, int64_t{1} << 14, 3, 4.0 * 16 * 16 * 32 * 2,
                      [](int64_t iters, int) { return cpu::amx_peak_kernel(iters); });

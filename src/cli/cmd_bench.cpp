@@ -320,7 +320,7 @@ int run_bench(const BenchOptions& o) {
   std::printf("# fusedmoe bench\n\n");
   std::printf("- CPU: %s, %s, GEMM %s%s (FUSEDMOE_CPU_ISA%s)\n", cpu_model_name().c_str(),
               count_of(threads, "thread").c_str(), cpu::cpu_isa_name(cpu::gemm_isa()),
-              dtype == DType::kBF16 && cpu::amx_in_use() ? ", bf16 experts on AMX" : "",
+              dtype == DType::kBF16 && cpu::amx_ready() ? ", bf16 experts on AMX" : "",
               dtype == DType::kBF16 ? ", FUSEDMOE_CPU_AMX" : "");
   std::printf(
       "- weights and compute: %s; routing: simulated %s; timing: median after 1 warm-up, "

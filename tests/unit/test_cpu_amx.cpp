@@ -8,6 +8,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include "fusedmoe/core/error.h"
@@ -25,7 +27,7 @@ using test::fresh_seed;
   if (!cpu::amx_supported()) \
   GTEST_SKIP() << "skipped: no AMX (AMX-TILE, AMX-BF16) on this CPU or OS"
 
-#ifdef FUSEDMOE_GEMM_X86
+#if defined(FUSEDMOE_GEMM_X86) && defined(FUSEDMOE_AMX)
 // X [rows, K] packed tile by tile as amx_gemm_packed reads it.
 std::vector<uint16_t> pack(const std::vector<float>& X, int64_t ldx, int64_t rows, int64_t K) {
   const int64_t kb = (K + 31) / 32, tiles = (rows + 15) / 16;
@@ -100,12 +102,66 @@ TEST(AmxGemm, RowsAreBatchInvariant) {
     ASSERT_EQ(0, std::memcmp(alone.data(), batch.data() + m * N, N * sizeof(float))) << "row " << m;
   }
 }
+
+// K = 0 (an expert with I = 0, or H = 0): C = bias, on a thread that never
+// ran the kernel before (its weight buffer not yet allocated: it threw bad_alloc).
+TEST(AmxGemm, EmptyKGivesTheBias) {
+  SKIP_WITHOUT_AMX();
+  const std::vector<float> bias = {0.5f, -1.0f, 2.0f};
+  const std::vector<uint16_t> xp(cpu::kAmxBlock, 0), W(3, 0);
+  std::vector<float> C(2 * 4, NAN);
+  std::string error;
+  std::thread([&] {
+    try {
+      cpu::amx_gemm_packed(xp.data(), 2, 3, 0, W.data(), 0, bias.data(), false, C.data(), 4);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }).join();
+  ASSERT_EQ(error, "");
+  for (int m = 0; m < 2; ++m) {
+    for (int n = 0; n < 3; ++n) EXPECT_EQ(C[m * 4 + n], bias[n]) << m << ", " << n;
+    EXPECT_TRUE(std::isnan(C[m * 4 + 3]));
+  }
+}
+
+// Values that are not bf16 values are rounded to the nearest even bf16; NaN
+// stays NaN (a NaN with its payload in the low 16 bits became +Inf).
+TEST(AmxGemm, PackRoundsToNearestEvenAndKeepsNaN) {
+  SKIP_WITHOUT_AMX();
+  const auto bits = [](uint32_t u) {
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  };
+  const std::vector<float> X = {
+      bits(0x3f808000u), bits(0x3f818000u), bits(0x3f808001u), bits(0x7f800001u), 1.0f, -2.5f};
+  std::vector<uint16_t> xp(cpu::kAmxBlock, 0xffff);
+  cpu::amx_pack_rows(X.data(), 6, 1, 6, xp.data());
+  // Row 0's pairs are xp[32 p], xp[32 p + 1].
+  EXPECT_EQ(xp[0], 0x3f80);   // tie, even stays
+  EXPECT_EQ(xp[1], 0x3f82);   // tie, odd rounds up
+  EXPECT_EQ(xp[32], 0x3f81);  // above the tie
+  EXPECT_EQ(xp[33] & 0x7f80, 0x7f80);
+  EXPECT_NE(xp[33] & 0x007f, 0);  // NaN, not Inf
+  EXPECT_EQ(xp[64], 0x3f80);
+  EXPECT_EQ(xp[65], 0xc020);
+  EXPECT_EQ(xp[96], 0);  // k >= K: zero
+}
 #endif
 
-// Restores AMX's setting when a test ends.
+// Restores the GEMM instruction set and AMX's setting when a test ends; the
+// AMX tests run at avx512 (AMX is used only there).
 struct AmxGuard {
+  cpu::CpuIsa isa = cpu::gemm_isa();
   bool saved = cpu::amx_in_use();
-  ~AmxGuard() { cpu::set_amx(saved); }
+  AmxGuard() {
+    if (cpu::cpu_isa_supported(cpu::CpuIsa::kAvx512)) cpu::set_gemm_isa(cpu::CpuIsa::kAvx512);
+  }
+  ~AmxGuard() {
+    cpu::set_gemm_isa(isa);
+    cpu::set_amx(saved);
+  }
 };
 
 struct Layer {

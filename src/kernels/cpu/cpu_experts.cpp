@@ -67,9 +67,10 @@ void run_items(ThreadPool& pool, int64_t n, Fn&& fn) {
       1);
 }
 
-}  // namespace
+#if defined(FUSEDMOE_GEMM_X86) && defined(FUSEDMOE_AMX)
+static_assert(kRowBlock % 16 == 0, "AMX row blocks are made of whole 16-row tiles");
+static_assert(kW13Block % 32 == 0, "a w13 item's activations fill whole 32-wide AMX k blocks");
 
-#ifdef FUSEDMOE_GEMM_X86
 // bf16 weights with bf16 compute on a CPU with AMX (gemm_amx.h): X and the
 // activations are packed into AMX tiles once per expert row tile (16 rows), so
 // that every GEMM of the layer reads them in place. The same work items as
@@ -117,19 +118,21 @@ void apply_amx(ThreadPool& tp, const float* X, int64_t ldx, int64_t H, int64_t E
   auto* scratch = static_cast<float*>(
       ws.get(kWsThreadScratch, threads * per_thread * sizeof(float), "the threads' GEMM blocks"));
 
-  // Phase 0: pack X, one row tile an item.
+  // Phase 0: pack X, split over the row tiles (not the experts: one expert may
+  // hold them all).
   tp.parallel_for(
-      E,
-      [&](int64_t e0, int64_t e1, int) {
-        for (int64_t e = e0; e < e1; ++e)
-          for (int64_t t = tile0[e]; t < tile0[e + 1]; ++t) {
-            const int64_t r0 = (t - tile0[e]) * kTileRows;
-            amx_pack_rows(X + (offsets[e] + r0) * ldx, ldx,
-                          std::min(kTileRows, offsets[e + 1] - offsets[e] - r0), H,
-                          xp + t * kb_h * kAmxBlock);
-          }
+      tiles,
+      [&](int64_t t0, int64_t t1, int) {
+        int64_t e = std::upper_bound(tile0, tile0 + E + 1, t0) - tile0 - 1;
+        for (int64_t t = t0; t < t1; ++t) {
+          while (tile0[e + 1] <= t) ++e;
+          const int64_t r0 = (t - tile0[e]) * kTileRows;
+          amx_pack_rows(X + (offsets[e] + r0) * ldx, ldx,
+                        std::min(kTileRows, offsets[e + 1] - offsets[e] - r0), H,
+                        xp + t * kb_h * kAmxBlock);
+        }
       },
-      1);
+      4);
 
   // Phase 1: act = act_fn(X . w13[gate]^T, X . w13[up]^T), bf16, packed.
   const size_t b13sz = dtype_size(b13t), b2sz = dtype_size(b2t);
@@ -166,6 +169,8 @@ void apply_amx(ThreadPool& tp, const float* X, int64_t ldx, int64_t H, int64_t E
 }
 #endif
 
+}  // namespace
+
 void CpuExperts::apply(const PrepareResult& prepared, const ExpertWeights& weights,
                        const ExpertsParams& params, const TensorView& out, Workspace& ws) {
   const TensorView& X = prepared.permuted;
@@ -188,8 +193,8 @@ void CpuExperts::apply(const PrepareResult& prepared, const ExpertWeights& weigh
   const size_t b13sz = dtype_size(b13t), b2sz = dtype_size(b2t);
 
   ThreadPool& tp = pool();
-#ifdef FUSEDMOE_GEMM_X86
-  if (wdt == DType::kBF16 && round_bf16 && amx_in_use()) {
+#if defined(FUSEDMOE_GEMM_X86) && defined(FUSEDMOE_AMX)
+  if (wdt == DType::kBF16 && round_bf16 && amx_ready()) {
     apply_amx(tp, X.data_as<const float>(), ldx, H, E, I, offsets,
               static_cast<const uint16_t*>(weights.w13.data()),
               static_cast<const uint16_t*>(weights.w2.data()), b13, b13t, b2, b2t,

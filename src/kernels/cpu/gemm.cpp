@@ -163,14 +163,29 @@ void set_gemm_isa(CpuIsa isa) {
 
 // ---------------------------------------------------------------- AMX
 
+namespace {
+
+// The CPU has AMX-TILE, AMX-BF16 and AVX-512 (cpuid only: no system call).
+bool amx_cpu() {
+#if defined(__linux__) && defined(FUSEDMOE_GEMM_X86) && defined(FUSEDMOE_AMX)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") &&
+         cpu_isa_supported(CpuIsa::kAvx512);
+#else
+  return false;
+#endif
+}
+
+std::atomic<int> g_amx{-1};  // -1: from the environment at first use; 0 off; 1 on
+
+}  // namespace
+
 bool amx_supported() {
   static const bool ok = [] {
-#if defined(__linux__) && defined(FUSEDMOE_GEMM_X86)
-    __builtin_cpu_init();
-    if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16") ||
-        !cpu_isa_supported(CpuIsa::kAvx512))
-      return false;
-    // Linux enables the 8 KiB tile state per process, on request.
+#if defined(__linux__) && defined(FUSEDMOE_GEMM_X86) && defined(FUSEDMOE_AMX)
+    if (!amx_cpu()) return false;
+    // Linux enables the 8 KiB tile state per process, on request. (The request
+    // raises the process's smallest accepted sigaltstack size.)
     constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
     return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
 #else
@@ -180,18 +195,12 @@ bool amx_supported() {
   return ok;
 }
 
-namespace {
-
-std::atomic<int> g_amx{-1};  // -1: from the environment at first use; 0 off; 1 on
-
-}  // namespace
-
 bool amx_in_use() {
   int on = g_amx.load(std::memory_order_acquire);
   if (on < 0) {
     const char* env = std::getenv("FUSEDMOE_CPU_AMX");
     if (env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0) {
-      on = amx_supported() ? 1 : 0;
+      on = amx_cpu() ? 1 : 0;
     } else if (std::strcmp(env, "0") == 0) {
       on = 0;
     } else if (std::strcmp(env, "1") == 0) {
@@ -207,6 +216,15 @@ bool amx_in_use() {
     g_amx.store(on, std::memory_order_release);
   }
   return on == 1 && gemm_isa() == CpuIsa::kAvx512;
+}
+
+bool amx_ready() {
+  return amx_in_use() && amx_supported();
+}
+
+void amx_out_of_memory(size_t bytes) {
+  FUSEDMOE_THROW(kOutOfMemory, "out of memory: cannot allocate ", bytes,
+                 " bytes for a thread's AMX weight tiles");
 }
 
 void set_amx(bool on) {

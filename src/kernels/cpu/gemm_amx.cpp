@@ -7,14 +7,13 @@
 // on CPUs without them).
 #include "kernels/cpu/gemm_amx.h"
 
-#ifdef FUSEDMOE_GEMM_X86
+#if defined(FUSEDMOE_GEMM_X86) && defined(FUSEDMOE_AMX)
 
 #include <immintrin.h>
 
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <new>
 
 // GCC 12 reports its own _mm512_undefined_* helpers as uninitialised (false positive).
 #pragma GCC diagnostic ignored "-Wuninitialized"
@@ -34,17 +33,36 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
+// GCC's tile intrinsics are asm statements that do not tell the compiler which
+// memory they read: before one reads memory just written here, this keeps the
+// stores in place.
+inline void memory_barrier() {
+  asm volatile("" ::: "memory");
+}
+
 void configure_tiles() {
   TileConfig c;
   for (int t = 0; t < 8; ++t) {
     c.rows[t] = 16;
     c.colsb[t] = 64;
   }
+  memory_barrier();
   _tile_loadconfig(&c);
 }
 
+// bf16 of each lane (in its low 16 bits): round to nearest even, NaN kept a
+// (quiet) NaN, as round_to_bf16; a bf16 value is unchanged.
+inline __m512i to_bf16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r =
+      _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
+  const __m512i nan = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, nan);
+}
+
 // 16 consecutive pairs (32 floats from p, the first n of them valid, 0 <= n <= 32;
-// each a bf16 value, so its top 16 bits are the bf16) as 16 u32 lanes:
+// as 16 u32 lanes:
 // lane i = bf16(p[2i]) | bf16(p[2i+1]) << 16.
 inline __m512i load_pairs(const float* p, int n) {
   __m512 v0, v1;  // floats 0-15, 16-31
@@ -58,10 +76,9 @@ inline __m512i load_pairs(const float* p, int n) {
   }
   const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-  const __m512i e = _mm512_castps_si512(_mm512_permutex2var_ps(v0, even, v1));
-  const __m512i o = _mm512_castps_si512(_mm512_permutex2var_ps(v0, odd, v1));
-  return _mm512_or_si512(_mm512_srli_epi32(e, 16),
-                         _mm512_and_si512(o, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+  const __m512i e = to_bf16(_mm512_permutex2var_ps(v0, even, v1));
+  const __m512i o = to_bf16(_mm512_permutex2var_ps(v0, odd, v1));
+  return _mm512_or_si512(e, _mm512_slli_epi32(o, 16));
 }
 
 // W rows [0, rows) (rows <= 32) x K at w (row stride ldw) as ceil(K / 32) pairs
@@ -120,6 +137,7 @@ void block(const uint16_t* xp, int64_t kb_count, int mv0, int mv1, const uint16_
   if (NT > 1) _tile_zero(2);
   if (NT > 1 && MT > 1) _tile_zero(3);
   const int64_t x_stride = kb_count * 512;  // u16 per packed row tile
+  memory_barrier();                         // the packed X and W written before
   for (int64_t kb = 0; kb < kb_count; ++kb) {
     const uint16_t* wk = w + kb * kstep;
     // Each W row is a stream of its own: 512 bytes ahead into L2.
@@ -138,16 +156,20 @@ void block(const uint16_t* xp, int64_t kb_count, int mv0, int mv1, const uint16_
     }
   }
   _tile_stored(0, acc, 64);
+  memory_barrier();  // acc written by the tile stores
   store_ct(acc, mv0, nv0, C, ldc, bias, bias_bf16, n0);
   if (MT > 1) {
     _tile_stored(1, acc, 64);
+    memory_barrier();
     store_ct(acc, mv1, nv0, C + 16 * ldc, ldc, bias, bias_bf16, n0);
   }
   if (NT > 1) {
     _tile_stored(2, acc, 64);
+    memory_barrier();
     store_ct(acc, mv0, nv1, C, ldc, bias, bias_bf16, n0 + 16);
     if (MT > 1) {
       _tile_stored(3, acc, 64);
+      memory_barrier();
       store_ct(acc, mv1, nv1, C + 16 * ldc, ldc, bias, bias_bf16, n0 + 16);
     }
   }
@@ -200,8 +222,10 @@ void amx_gemm_packed(const uint16_t* xp, int64_t rows, int64_t N, int64_t K, con
   if (rows <= 0 || N <= 0) return;
   const int64_t kb_count = (K + 31) / 32, x_stride = kb_count * 512;
   const int64_t m_tiles = (rows + 15) / 16;
-  uint16_t* wp = t_wp.get(kb_count * 1024);
-  if (wp == nullptr) throw std::bad_alloc();
+  // (K = 0: no k step; the blocks store 0 + bias.)
+  const int64_t wp_elems = (kb_count > 0 ? kb_count : 1) * 1024;
+  uint16_t* wp = t_wp.get(wp_elems);
+  if (wp == nullptr) amx_out_of_memory(static_cast<size_t>(wp_elems) * 2);
   configure_tiles();
   for (int64_t n0 = 0; n0 < N; n0 += 32) {
     const int nv = static_cast<int>(N - n0 < 32 ? N - n0 : 32);
@@ -245,6 +269,7 @@ float amx_peak_kernel(int64_t iters) {
   _tile_zero(3);
   alignas(64) uint16_t one[512];
   for (uint16_t& v : one) v = 0x3f80;  // 1.0
+  memory_barrier();
   _tile_loadd(4, one, 64);
   _tile_loadd(5, one, 64);
   _tile_loadd(6, one, 64);
@@ -257,10 +282,11 @@ float amx_peak_kernel(int64_t iters) {
   }
   alignas(64) float acc[256];
   _tile_stored(0, acc, 64);
+  memory_barrier();
   _tile_release();
   return acc[0];
 }
 
 }  // namespace fusedmoe::cpu
 
-#endif  // FUSEDMOE_GEMM_X86
+#endif  // FUSEDMOE_GEMM_X86 && FUSEDMOE_AMX

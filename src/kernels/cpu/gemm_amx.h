@@ -15,6 +15,7 @@
 // results differ from the AVX-512 / AVX2 / scalar paths by float rounding.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "kernels/cpu/gemm_kernels.h"  // FUSEDMOE_GEMM_X86
@@ -24,25 +25,34 @@ namespace fusedmoe::cpu {
 // u16 elements of one packed tile block: 16 pairs x 16 rows x 2.
 constexpr int64_t kAmxBlock = 512;
 
-// Whether the AMX kernels can run: the CPU has AMX-TILE, AMX-BF16 and AVX-512
-// (F, BW, VL, DQ), and the OS grants this process the tile data state
-// (Linux arch_prctl ARCH_REQ_XCOMP_PERM, asked once).
+// Whether the AMX kernels can run: the library was built with them, the CPU
+// has AMX-TILE, AMX-BF16 and AVX-512 (F, BW, VL, DQ), and the OS grants this
+// process the tile data state (Linux arch_prctl ARCH_REQ_XCOMP_PERM, asked at
+// the first call; the grant raises the process's smallest accepted
+// sigaltstack size, so it is asked only where AMX is about to be used).
 bool amx_supported();
-// Whether the CPU experts use them (for bf16 weights with bf16 compute): the
-// GEMM instruction set is avx512 (gemm_isa()) and AMX is on. On by default
-// where supported; the environment variable FUSEDMOE_CPU_AMX=0 turns it off,
-// =1 requires it (the first use throws Error(kUnsupported) without it), other
-// values throw Error(kInvalidArgument).
+// Whether the CPU experts are set to use them for bf16 weights with bf16
+// compute: the GEMM instruction set is avx512 (gemm_isa()), the CPU has AMX
+// (no system call) and AMX is on. On by default where the CPU has it; the
+// environment variable FUSEDMOE_CPU_AMX=0 turns it off, =1 requires it (the
+// first use throws Error(kUnsupported) where !amx_supported()), other values
+// throw Error(kInvalidArgument).
 bool amx_in_use();
+// amx_in_use() and amx_supported(): where the experts are about to run on AMX.
+bool amx_ready();
 // Turns AMX on or off for later calls (tests, benchmarks); Error(kUnsupported)
 // when turning it on where !amx_supported(). Not while experts are running.
 void set_amx(bool on);
+// Throws Error(kOutOfMemory) naming `bytes` (for the AMX kernels, which may not
+// use the library's inline helpers).
+[[noreturn]] void amx_out_of_memory(size_t bytes);
 
-#ifdef FUSEDMOE_GEMM_X86
-// Packs rows X[0:rows, 0:K] (f32, row stride ldx, rows <= 16; every value a
-// bf16 value, e.g. rounded with round_to_bf16) into ceil(K / 32) blocks of
+#if defined(FUSEDMOE_GEMM_X86) && defined(FUSEDMOE_AMX)
+// Packs rows X[0:rows, 0:K] (f32, row stride ldx, rows <= 16; with bf16 compute
+// already bf16 values) into ceil(K / 32) blocks of
 // kAmxBlock u16 at dst: block kb, pair p, row m = bf16 X[m, 32 kb + 2p] and
-// X[m, 32 kb + 2p + 1]; rows >= `rows` and k >= K are zero.
+// X[m, 32 kb + 2p + 1]; rows >= `rows` and k >= K are zero. Values are rounded
+// to bf16 (nearest even; NaN stays NaN), which keeps bf16 values as they are.
 void amx_pack_rows(const float* X, int64_t ldx, int64_t rows, int64_t K, uint16_t* dst);
 
 // C[0:rows, 0:N] (f32, row stride ldc) = X . W^T (+ bias) in the order above.
