@@ -463,15 +463,24 @@ int run_bench(const BenchOptions& o) {
   // used the first measurement.
   {
     const Ceilings end = measure_ceilings(threads);
-    const double peak0 = ceil.peak_for(dtype), peak1 = end.peak_for(dtype);
-    const double d_peak = std::fabs(peak1 / peak0 - 1),
-                 d_bw = std::fabs(end.read_gbps / ceil.read_gbps - 1);
+    // Signed whole percentages, rounded first (no "-0 %").
+    const auto change = [](double now, double then) {
+      const long p = then > 0 ? std::lround(100 * (now / then - 1)) : 0;
+      return (p >= 0 ? "+" : "") + std::to_string(p) + " %";
+    };
+    char amx[128] = "";
+    if (ceil.amx_gflops > 0)
+      std::snprintf(amx, sizeof amx, ", peak bf16 AMX %.1f GFLOP/s (%s)", end.amx_gflops,
+                    change(end.amx_gflops, ceil.amx_gflops).c_str());
     std::printf(
-        "ceilings measured again at the end: peak %.1f GFLOP/s, read bandwidth %.1f GB/s "
-        "(%+.0f %%, %+.0f %% from the start)\n",
-        peak1, end.read_gbps, 100 * (peak1 / peak0 - 1),
-        100 * (end.read_gbps / ceil.read_gbps - 1));
-    if (d_peak > 0.15 || d_bw > 0.15)
+        "ceilings measured again at the end: peak fp32 FMA %.1f GFLOP/s (%s)%s, read "
+        "bandwidth %.1f GB/s (%s), against the start\n",
+        end.peak_gflops, change(end.peak_gflops, ceil.peak_gflops).c_str(), amx, end.read_gbps,
+        change(end.read_gbps, ceil.read_gbps).c_str());
+    const auto moved = [](double now, double then) {
+      return then > 0 && std::fabs(now / then - 1) > 0.15;
+    };
+    if (moved(end.peak_for(dtype), ceil.peak_for(dtype)) || moved(end.read_gbps, ceil.read_gbps))
       std::printf(
           "warning: the machine's ceilings changed by more than 15 %% during the run (other "
           "load on its cores or memory): the %% roofline figures above are not reliable; run "

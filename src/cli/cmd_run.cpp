@@ -27,6 +27,8 @@
 #include "fusedmoe/parallel/communicator.h"
 #include "fusedmoe/parallel/expert_map.h"
 #include "fusedmoe/runner/moe_runner.h"
+#include "kernels/cpu/gemm.h"
+#include "kernels/cpu/gemm_amx.h"
 #ifdef FUSEDMOE_WITH_CUDA
 #include <cuda_runtime_api.h>
 
@@ -231,7 +233,10 @@ Tensor read_npy(const std::string& path, std::span<const DType> accepted,
                    expected, ", little- or big-endian)");
   }
   const DType dtype = type->dtype;
-  if (fortran == "True") FUSEDMOE_THROW(kIo, path, ": Fortran-order .npy arrays are not supported");
+  if (fortran == "True")
+    FUSEDMOE_THROW(kIo, path,
+                   ": Fortran-order .npy arrays are not supported (expected C order: "
+                   "numpy.ascontiguousarray before numpy.save)");
   std::vector<int64_t> shape;
   uint64_t bytes = dtype_size(dtype);
   bool overflows = false;
@@ -772,9 +777,9 @@ int run_run(const RunOptions& o) {
   if (o.threads > 0) ThreadPool::set_global_num_threads(o.threads);
   if (o.backend == "cpu" && o.threads > usable_cpus())
     std::fprintf(stderr,
-                 "fusedmoe: warning: --threads %d is more than the %d CPUs this process may use: "
+                 "fusedmoe: warning: --threads %d is more than the %s this process may use: "
                  "the threads share them, which is slower than one each\n",
-                 o.threads, usable_cpus());
+                 o.threads, count_of(usable_cpus(), "CPU").c_str());
   const bool on_cuda = o.backend == "cuda";
   usage_check(
       !on_cuda || !o.compute_dtype_given || o.compute_dtype == "bf16" || o.compute_dtype == "f16",
@@ -1024,6 +1029,7 @@ int run_run(const RunOptions& o) {
     }
   }();
   const size_t weight_bytes = weights.nbytes();
+  const bool weights_bf16 = weights.experts.w13.dtype() == DType::kBF16;
   // The device is this rank's own too: looked for before rank_local_done(), so
   // that under mpirun a machine (or build) without one is an error each rank
   // reports and exits with (exit 1), told to the others there, not an
@@ -1238,7 +1244,9 @@ int run_run(const RunOptions& o) {
       bad >= 0)
     FUSEDMOE_THROW(kInvalidArgument, "output: non-finite value at token ", bad / H, ", column ",
                    bad % H,
-                   " (the input or the weights overflow f32 arithmetic); no output written");
+                   " (the input or the weights overflow f32 arithmetic, or with bf16 compute an "
+                   "input beyond bf16's largest value, 3.39e38, rounded to Inf); no output "
+                   "written");
 
   // The EP payloads as run (auto resolved): what rounded the hidden states the
   // experts saw, and the rows summed back, named in the report and the file.
@@ -1306,7 +1314,11 @@ int run_run(const RunOptions& o) {
     std::printf("backend        cuda (device %d%s)\n", cuda_device,
                 parallel ? ", NCCL one GPU per rank" : "");
   else
-    std::printf("threads        %d\n", ThreadPool::global().num_threads());
+    std::printf("threads        %d (GEMM %s%s)\n", ThreadPool::global().num_threads(),
+                cpu::cpu_isa_name(cpu::gemm_isa()),
+                compute_dtype == DType::kBF16 && weights_bf16 && cpu::amx_ready()
+                    ? ", bf16 experts on AMX"
+                    : "");
   std::printf("time           %.3f ms (median of %d, after %d untimed)\n", median * 1e3, o.repeat,
               o.warmup);
   std::printf("throughput     %.0f tokens/s\n", median > 0 ? static_cast<double>(T) / median : 0.0);

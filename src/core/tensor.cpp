@@ -263,7 +263,8 @@ void require_finite_output(const TensorView& output) {
   if (first_non_finite(output, t, h))
     FUSEDMOE_THROW(kInvalidArgument, "output: non-finite value at token ", t, ", column ", h,
                    " (the weights hold NaN or Inf, or the input or the weights overflow f32 "
-                   "arithmetic)");
+                   "arithmetic, or with bf16 compute an input beyond bf16's largest value, "
+                   "3.39e38, rounded to Inf)");
 }
 
 }  // namespace fusedmoe

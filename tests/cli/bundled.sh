@@ -181,7 +181,7 @@ echo ok stale temporary
 # core of the machine (trial).
 if command -v taskset >/dev/null; then
   line=$(taskset -c 0 "$BIN" run --tokens 2 | grep '^threads')
-  [ "$line" = "threads        1" ] || { echo "FAIL: taskset -c 0: '$line', expected one thread"; exit 1; }
+  case "$line" in "threads        1 (GEMM "*) ;; *) false ;; esac || { echo "FAIL: taskset -c 0: '$line', expected one thread"; exit 1; }
   echo ok threads under taskset
 fi
 

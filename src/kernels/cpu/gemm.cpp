@@ -176,7 +176,8 @@ bool amx_cpu() {
 #endif
 }
 
-std::atomic<int> g_amx{-1};  // -1: from the environment at first use; 0 off; 1 on
+// -1: from the environment at first use; 0 off; 1 on; 2 on, required (FUSEDMOE_CPU_AMX=1)
+std::atomic<int> g_amx{-1};
 
 }  // namespace
 
@@ -208,14 +209,18 @@ bool amx_in_use() {
         FUSEDMOE_THROW(kUnsupported, "FUSEDMOE_CPU_AMX=1: this CPU or OS does not support AMX ",
                        "(AMX-TILE and AMX-BF16 with AVX-512, and the tile state granted by the "
                        "kernel)");
-      on = 1;
+      on = 2;
     } else {
       FUSEDMOE_THROW(kInvalidArgument, "FUSEDMOE_CPU_AMX: expected 0, 1 or auto, got '",
                      printable(env), "'");
     }
     g_amx.store(on, std::memory_order_release);
   }
-  return on == 1 && gemm_isa() == CpuIsa::kAvx512;
+  const CpuIsa isa = gemm_isa();
+  if (on == 2 && isa != CpuIsa::kAvx512)
+    FUSEDMOE_THROW(kInvalidArgument, "FUSEDMOE_CPU_AMX=1: AMX runs with the avx512 GEMM, but ",
+                   "FUSEDMOE_CPU_ISA (or set_gemm_isa) chose ", cpu_isa_name(isa));
+  return on >= 1 && isa == CpuIsa::kAvx512;
 }
 
 bool amx_ready() {
