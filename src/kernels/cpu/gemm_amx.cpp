@@ -1,6 +1,7 @@
 // fusedmoe internal: bf16 GEMM kernels on Intel AMX (AMX-TILE, AMX-BF16; Sapphire
 // Rapids and later). Compiled with those flags plus AVX-512 (root
-// CMakeLists.txt); called only when amx_supported() (gemm.cpp) is true.
+// CMakeLists.txt, where the compiler knows AMX: FUSEDMOE_AMX); called only
+// where amx_supported() (gemm.cpp) is true.
 //
 // Nothing here calls an inline function of another header (see gemm_impl.inc:
 // a copy compiled with these flags could be picked by the linker for callers
@@ -61,9 +62,8 @@ inline __m512i to_bf16(__m512 v) {
   return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, nan);
 }
 
-// 16 consecutive pairs (32 floats from p, the first n of them valid, 0 <= n <= 32;
-// as 16 u32 lanes:
-// lane i = bf16(p[2i]) | bf16(p[2i+1]) << 16.
+// 16 consecutive pairs (32 floats from p, the first n of them valid, 0 <= n <= 32,
+// the rest read as 0) as 16 u32 lanes: lane i = bf16(p[2i]) | bf16(p[2i+1]) << 16.
 inline __m512i load_pairs(const float* p, int n) {
   __m512 v0, v1;  // floats 0-15, 16-31
   if (n >= 32) {
