@@ -1,9 +1,12 @@
 #include "test_util.h"
 
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+
+#include "fusedmoe/core/error.h"
 
 namespace fusedmoe::test {
 
@@ -128,6 +131,16 @@ double max_abs_diff(const TensorView& a, const TensorView& b) {
     if (!(d <= m)) m = d;  // NaN propagates as NaN -> m = NaN
   }
   return m;
+}
+
+[[noreturn]] void exit_with_env(const char* var, const char* value, int (*read)()) {
+  ::setenv(var, value, 1);
+  try {
+    std::exit(read());
+  } catch (const Error& e) {
+    std::fprintf(stderr, "%s\n", e.what());
+    std::exit(e.code() == ErrorCode::kUnsupported ? 20 : 21);
+  }
 }
 
 }  // namespace fusedmoe::test

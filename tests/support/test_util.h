@@ -36,4 +36,9 @@ double max_abs_diff(const TensorView& a, const TensorView& b);
 // Reads every element of a floating or integer tensor (any strides) as double.
 std::vector<double> to_f64_vector(const TensorView& t);
 
+// For a death test of a setting read from the environment at its first use:
+// sets `var` to `value`, then exits with read()'s result (0-19), or, after an
+// Error, prints its message to stderr and exits with 20 (kUnsupported) or 21.
+[[noreturn]] void exit_with_env(const char* var, const char* value, int (*read)());
+
 }  // namespace fusedmoe::test

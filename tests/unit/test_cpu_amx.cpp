@@ -272,13 +272,7 @@ class AmxEnvironment : public testing::Test {
 };
 
 [[noreturn]] void exit_with_amx_of_env(const char* value) {
-  ::setenv("FUSEDMOE_CPU_AMX", value, 1);
-  try {
-    std::exit(cpu::amx_in_use() ? 1 : 0);
-  } catch (const Error& e) {
-    std::fprintf(stderr, "%s\n", e.what());
-    std::exit(e.code() == ErrorCode::kUnsupported ? 20 : 21);
-  }
+  test::exit_with_env("FUSEDMOE_CPU_AMX", value, [] { return cpu::amx_in_use() ? 1 : 0; });
 }
 
 TEST_F(AmxEnvironment, ZeroOneAutoAndBadValues) {

@@ -236,13 +236,7 @@ class GemmIsaEnvironment : public testing::Test {
 };
 
 [[noreturn]] void exit_with_isa_of_env(const char* value) {
-  ::setenv("FUSEDMOE_CPU_ISA", value, 1);
-  try {
-    std::exit(static_cast<int>(cpu::gemm_isa()));
-  } catch (const Error& e) {
-    std::fprintf(stderr, "%s\n", e.what());
-    std::exit(e.code() == ErrorCode::kUnsupported ? 20 : 21);
-  }
+  test::exit_with_env("FUSEDMOE_CPU_ISA", value, [] { return static_cast<int>(cpu::gemm_isa()); });
 }
 
 TEST_F(GemmIsaEnvironment, SelectsForcedPath) {

@@ -29,17 +29,20 @@ struct WorkItem {
   int32_t col0;  // first column block start (intermediate or hidden index)
 };
 
-// Lists (expert, row block, column block) items over non-empty experts.
+// Lists (expert, row block, column block) items over non-empty experts. An
+// expert's rows, in units of `unit` rows (1, or the AMX path's 16-row tiles; the
+// last unit may be partial), go into ceil(units / (kRowBlock / unit)) blocks of
+// near-equal size, so that no block is a short remainder.
 int64_t build_items(const int64_t* offsets, int64_t E, int64_t cols, int64_t col_block,
-                    WorkItem* items) {
+                    WorkItem* items, int64_t unit = 1) {
+  const int64_t units_per_block = kRowBlock / unit;
   int64_t n = 0;
   for (int64_t e = 0; e < E; ++e) {
-    // An expert's rows in ceil(rows / kRowBlock) blocks of near-equal size,
-    // so that no block is a short remainder.
-    const int64_t rows = offsets[e + 1] - offsets[e];
-    const int64_t blocks = (rows + kRowBlock - 1) / kRowBlock;
+    const int64_t rows = offsets[e + 1] - offsets[e], units = (rows + unit - 1) / unit;
+    const int64_t blocks = (units + units_per_block - 1) / units_per_block;
     for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t r0 = rows * b / blocks, r1 = rows * (b + 1) / blocks;
+      const int64_t r0 = units * b / blocks * unit,
+                    r1 = std::min(rows, units * (b + 1) / blocks * unit);
       for (int64_t c0 = 0; c0 < cols; c0 += col_block)
         items[n++] = {static_cast<int32_t>(e), static_cast<int32_t>(r0),
                       static_cast<int32_t>(r1 - r0), static_cast<int32_t>(c0)};
@@ -98,21 +101,6 @@ void apply_amx(ThreadPool& tp, const float* X, int64_t ldx, int64_t H, int64_t E
       std::max((I + kW13Block - 1) / kW13Block, (H + kW2Block - 1) / kW2Block);
   auto* items = static_cast<WorkItem*>(
       ws.get(kWsWorkItems, "the GEMM work items", {max_items}, sizeof(WorkItem)));
-  const auto build = [&](int64_t cols, int64_t col_block) {
-    int64_t n = 0;
-    for (int64_t e = 0; e < E; ++e) {
-      const int64_t rows = offsets[e + 1] - offsets[e], t = tile0[e + 1] - tile0[e];
-      const int64_t blocks = (t + kBlockTiles - 1) / kBlockTiles;
-      for (int64_t b = 0; b < blocks; ++b) {
-        const int64_t r0 = t * b / blocks * kTileRows,
-                      r1 = std::min(rows, t * (b + 1) / blocks * kTileRows);
-        for (int64_t c0 = 0; c0 < cols; c0 += col_block)
-          items[n++] = {static_cast<int32_t>(e), static_cast<int32_t>(r0),
-                        static_cast<int32_t>(r1 - r0), static_cast<int32_t>(c0)};
-      }
-    }
-    return n;
-  };
   const int threads = tp.num_threads();
   const int64_t per_thread = kRowBlock * (2 * kW13Block + kW13Block);  // gate | up, then act
   auto* scratch = static_cast<float*>(
@@ -136,7 +124,7 @@ void apply_amx(ThreadPool& tp, const float* X, int64_t ldx, int64_t H, int64_t E
 
   // Phase 1: act = act_fn(X . w13[gate]^T, X . w13[up]^T), bf16, packed.
   const size_t b13sz = dtype_size(b13t), b2sz = dtype_size(b2t);
-  int64_t n = build(I, kW13Block);
+  int64_t n = build_items(offsets, E, I, kW13Block, items, kTileRows);
   run_items(tp, n, [&](int64_t i, int64_t, int tid) {
     const WorkItem it = items[i];
     const int64_t e = it.expert, rows = it.rows, i0 = it.col0;
@@ -157,7 +145,7 @@ void apply_amx(ThreadPool& tp, const float* X, int64_t ldx, int64_t H, int64_t E
   });
 
   // Phase 2: out[rows, h0:h1] = act[rows] . w2[h0:h1]^T (+ bias).
-  n = build(H, kW2Block);
+  n = build_items(offsets, E, H, kW2Block, items, kTileRows);
   run_items(tp, n, [&](int64_t i, int64_t, int) {
     const WorkItem it = items[i];
     const int64_t e = it.expert, h0 = it.col0, hb = std::min(kW2Block, H - h0);
