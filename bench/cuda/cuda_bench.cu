@@ -133,7 +133,7 @@ int run_cuda_bench(const CudaBenchOptions& o) {
     CK(cudaGetLastError());
     const int64_t slots_max = Tmax * k;
     const int64_t padded_max = cuda::max_padded_rows(slots_max, E, 128);
-    int32_t *ids, *sorted, *counts, *cursor;
+    int32_t *ids, *sorted, *counts, *cursor, *chunk_counts;
     int64_t* offsets;
     float *wts, *y;
     uint16_t *inter, *out;
@@ -142,6 +142,7 @@ int run_cuda_bench(const CudaBenchOptions& o) {
     CK(cudaMalloc(&sorted, padded_max * 4));
     CK(cudaMalloc(&counts, E * 4));
     CK(cudaMalloc(&cursor, E * 4));
+    CK(cudaMalloc(&chunk_counts, cuda::align_chunk_counts_size(slots_max, E) * 4));
     CK(cudaMalloc(&offsets, (E + 1) * 8));
     CK(cudaMalloc(&inter, padded_max * I * 2));
     CK(cudaMalloc(&y, slots_max * H * 4));
@@ -255,6 +256,8 @@ int run_cuda_bench(const CudaBenchOptions& o) {
         al.sorted_slot = sorted;
         al.expert_counts = counts;
         al.expert_cursor = cursor;
+        al.chunk_counts = chunk_counts;
+        al.slot_row = sm90 ? slot_row : nullptr;
         cuda::align(al, stream);
         if (sm90) {
           cuda::Sm90ExpertsArgs a;
@@ -274,6 +277,7 @@ int run_cuda_bench(const CudaBenchOptions& o) {
           a.inter_rows = inter;
           a.y_rows = y;
           a.slot_row = slot_row;
+          a.slot_row_written = true;
           a.workspace = sm90_ws;
           a.workspace_bytes = sm90_ws_bytes;
           cuda::sm90_experts(a, stream);
@@ -407,8 +411,8 @@ int run_cuda_bench(const CudaBenchOptions& o) {
       first_case = false;
     }
     for (void* p : {(void*)w13, (void*)w2, (void*)x, (void*)ids, (void*)wts, (void*)sorted,
-                    (void*)counts, (void*)cursor, (void*)offsets, (void*)inter, (void*)y,
-                    (void*)out, (void*)slot_row, sm90_ws})
+                    (void*)counts, (void*)cursor, (void*)chunk_counts, (void*)offsets, (void*)inter,
+                    (void*)y, (void*)out, (void*)slot_row, sm90_ws})
       CK(cudaFree(p));
   }
   manifest += "\n], \"seeds\": {\"w13\": 11, \"w2\": 12, \"x\": 13}}\n";

@@ -152,13 +152,22 @@ void route(const MoEConfig& config, const RouteArgs& args, int64_t num_tokens, S
 //                               every off[e] a multiple of block_m;
 //   sorted_slot    i32 [max_padded_rows]: slot t*k+j of each padded row, -1 for
 //                               padding (only [0, off[E]) is written);
-//   expert_counts  i32 [E] (scratch: routed rows per expert).
-// Slots with id -1 are skipped. Rows of one expert appear in no particular
-// order (atomics); results downstream do not depend on it. vLLM's
-// moe_align_block_size, without its host sync. Throws Error(kInvalidArgument)
-// for num_experts or block_m <= 0, num_slots + E * block_m >= 2^31, null
-// pointers, or FUSEDMOE_CUDA_ALIGN other than fused / grid.
+//   slot_row       i32 [T*k], optional: the row of each routed slot
+//                               (sorted_slot[slot_row[s]] == s; slots with no
+//                               expert are not written);
+//   expert_counts, expert_cursor i32 [E]: scratch;
+//   chunk_counts   i32 [align_chunk_counts_size(T*k, E)], optional scratch: with it,
+//                               many slots (E <= 1024) take two kernels that place
+//                               each expert's rows in ascending slot order.
+// Slots with id -1 (or any id outside [0, E)) are skipped. Otherwise the rows
+// of one expert appear in no particular order (atomics); results downstream do
+// not depend on it. vLLM's moe_align_block_size, without its host sync.
+// Throws Error(kInvalidArgument) for num_experts or block_m <= 0, num_slots < 0
+// or num_slots + E * block_m >= 2^31, null pointers, or FUSEDMOE_CUDA_ALIGN
+// other than fused / chunks / grid (which force a kernel where it applies).
 int64_t max_padded_rows(int64_t num_slots, int64_t num_experts, int block_m);
+// Elements of AlignArgs::chunk_counts for num_slots slots and num_experts experts.
+int64_t align_chunk_counts_size(int64_t num_slots, int64_t num_experts);
 struct AlignArgs {
   const int32_t* topk_ids = nullptr;  // [T, k] contiguous
   int64_t num_slots = 0;              // T * k
@@ -166,8 +175,10 @@ struct AlignArgs {
   int block_m = 16;
   int64_t* expert_offsets = nullptr;
   int32_t* sorted_slot = nullptr;
+  int32_t* slot_row = nullptr;       // optional [T * k]
   int32_t* expert_counts = nullptr;  // scratch [E]
   int32_t* expert_cursor = nullptr;  // scratch [E]
+  int32_t* chunk_counts = nullptr;   // optional scratch [align_chunk_counts_size(T * k, E)]
 };
 void align(const AlignArgs& args, Stream stream);
 
@@ -252,7 +263,8 @@ void grouped_gemm(const GroupedGemmArgs& args, Stream stream);
 // Needs align() with block_m = 1 (no padding rows). x, the weights and the
 // intermediates are of one half type, `dtype` (bf16 or f16; CUTLASS instances
 // of each). In order, on `stream`:
-//   1. xs[r] = x[sorted_slot[r] / top_k]  (dtype [T*k, H], kept in y_rows), slot_row[s] = r;
+//   1. slot_row[s] = r (unless slot_row_written), xs[r] = x[sorted_slot[r] / top_k]  (dtype
+//      [T*k, H], kept in y_rows);
 //   2. h13[r] = xs[r] . w13[e]^T           (dtype [T*k, 2I], in `workspace`);
 //   3. inter_rows[r, i] = act(h13[r, i] + b[e, i], h13[r, I + i] + b[e, I + i])  (dtype);
 //   4. y_rows[r] = inter_rows[r] . w2[e]^T ([T*k, H], unweighted, without w2 bias: bf16 for
@@ -301,6 +313,7 @@ struct Sm90ExpertsArgs {
   void* y_rows = nullptr;          // [T * k, H]: bf16 (dtype bf16) or f32 (dtype f16), 16-byte
                                    // aligned, room for T * k * H f32
   int32_t* slot_row = nullptr;     // i32 [T * k]
+  bool slot_row_written = false;   // align() already wrote slot_row (AlignArgs::slot_row)
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
 };

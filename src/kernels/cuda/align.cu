@@ -1,10 +1,21 @@
 // fusedmoe CUDA: align / permute — group routed slots by expert, padded to
 // the GEMM tile height (vLLM's moe_align_block_size, without a host sync).
 //
-// memset(counts) -> count (shared-memory histogram) -> scan (one block: padded
-// exclusive prefix sum, 64-bit offsets, padding rows marked -1, per-expert
-// cursors) -> scatter (an atomic cursor per expert). Everything the host does
-// not know (counts, offsets, the number of tiles) stays on the device.
+// Three ways, picked by size (align() has the timings):
+//   * fused: one block counts, scans and scatters in shared memory (few slots);
+//   * chunks (many slots, E <= kChunkMaxExperts, with AlignArgs::chunk_counts):
+//     the slots in up to kMaxChunks contiguous chunks; chunk_count_kernel
+//     writes each chunk's per-expert counts, chunk_scatter_kernel (a block a
+//     chunk) sums them into the padded offsets and its chunk's first row per
+//     expert, then places its slots in slot order (per-warp counts in shared
+//     memory, ranks from __match_any_sync): two launches, no atomics in global
+//     memory, and each expert's rows in ascending slot order;
+//   * grid: memset(counts) -> count (shared-memory histogram) -> scan (one
+//     block: padded exclusive prefix sum, padding rows marked -1, per-expert
+//     cursors) -> scatter (an atomic cursor per expert).
+// Everything the host does not know (counts, offsets, the number of tiles)
+// stays on the device.
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 
@@ -87,13 +98,15 @@ __global__ void __launch_bounds__(kScanThreads)
 }
 
 __global__ void scatter_kernel(const int32_t* __restrict__ ids, int64_t n, int num_experts,
-                               int32_t* __restrict__ cursor, int32_t* __restrict__ sorted_slot) {
+                               int32_t* __restrict__ cursor, int32_t* __restrict__ sorted_slot,
+                               int32_t* __restrict__ slot_row) {
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int32_t e = ids[i];
     if (e < 0 || e >= num_experts) continue;
     const int32_t pos = atomicAdd(&cursor[e], 1);
     sorted_slot[pos] = static_cast<int32_t>(i);
+    if (slot_row) slot_row[i] = pos;
   }
 }
 
@@ -102,11 +115,11 @@ __global__ void scatter_kernel(const int32_t* __restrict__ ids, int64_t n, int n
 constexpr int kFusedThreads = 1024;
 constexpr int64_t kFusedMaxSlots = 16384;
 constexpr int kFusedMaxExperts = 1024;
-constexpr int kFusedFewExperts = 32;  // up to kFusedMaxSlots slots (align() has the timings)
 
 __global__ void __launch_bounds__(kFusedThreads)
     align_fused_kernel(const int32_t* __restrict__ ids, int n, int num_experts, int block_m,
-                       int64_t* __restrict__ offsets, int32_t* __restrict__ sorted_slot) {
+                       int64_t* __restrict__ offsets, int32_t* __restrict__ sorted_slot,
+                       int32_t* __restrict__ slot_row) {
   __shared__ int32_t cnt[kFusedMaxExperts];
   __shared__ int32_t cur[kFusedMaxExperts];
   __shared__ int32_t warp_sums[kFusedThreads / 32];
@@ -152,7 +165,185 @@ __global__ void __launch_bounds__(kFusedThreads)
   __syncthreads();
   for (int i = tid; i < n; i += kFusedThreads) {
     const int32_t ex = ids[i];
-    if (ex >= 0 && ex < num_experts) sorted_slot[atomicAdd(&cur[ex], 1)] = i;
+    if (ex < 0 || ex >= num_experts) continue;
+    const int32_t pos = atomicAdd(&cur[ex], 1);
+    sorted_slot[pos] = i;
+    if (slot_row) slot_row[i] = pos;
+  }
+}
+
+// ---- chunks ----
+constexpr int kChunkThreads = 256;
+constexpr int kChunkWarps = kChunkThreads / 32;
+// Every block of chunk_scatter_kernel reads all chunks' counts (its first
+// phase's latency grows with their number): few chunks of many slots.
+constexpr int64_t kChunkMinSlots = 1024;
+constexpr int64_t kMaxChunks = 32;
+constexpr int kChunkMaxExperts = 1024;
+
+int64_t chunk_slots(int64_t num_slots) {
+  const int64_t c = std::max(kChunkMinSlots, ceil_div(num_slots, kMaxChunks));
+  return ceil_div(c, kChunkThreads) * kChunkThreads;  // whole 32-slot steps of every warp
+}
+int64_t num_chunks(int64_t num_slots) {
+  return std::max<int64_t>(1, ceil_div(num_slots, chunk_slots(num_slots)));
+}
+
+// chunk_counts[c * E + e] = routed slots of expert e in chunk c (slots [c *
+// chunk, (c + 1) * chunk)); a block a chunk.
+__global__ void __launch_bounds__(kChunkThreads)
+    chunk_count_kernel(const int32_t* __restrict__ ids, int n, int num_experts, int chunk,
+                       int32_t* __restrict__ chunk_counts) {
+  extern __shared__ int32_t hist[];
+  pdl_wait();  // ids from route; chunk_counts read by the kernels before
+  pdl_launch_dependents();
+  for (int e = threadIdx.x; e < num_experts; e += kChunkThreads) hist[e] = 0;
+  __syncthreads();
+  const int begin = blockIdx.x * chunk, end = min(n, begin + chunk);
+  for (int i = begin + threadIdx.x; i < end; i += kChunkThreads) {
+    const int32_t e = ids[i];
+    if (e >= 0 && e < num_experts) atomicAdd(&hist[e], 1);
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < num_experts; e += kChunkThreads)
+    chunk_counts[static_cast<int64_t>(blockIdx.x) * num_experts + e] = hist[e];
+}
+
+// A block a chunk (gridDim.x chunks). From every chunk's counts: the padded
+// offsets (written by block 0), padding rows -1 (expert e by block e % chunks)
+// and this chunk's first row of each expert; then the chunk's slots, each
+// warp a contiguous run of them, in slot order: per-warp counts, their
+// exclusive prefix over warps, then each slot's rank among the equal ids of
+// its 32-slot step (__match_any_sync). No global atomics; deterministic.
+// The warp's first kIdSteps steps of ids are read before pdl_wait(): they come
+// from the kernel before chunk_count_kernel, complete when this one starts
+// (pdl.cuh), so the read overlaps chunk_count_kernel.
+constexpr int kIdSteps = 8;
+__device__ __forceinline__ void load_ids(const int32_t* __restrict__ ids, int i0, int end, int lane,
+                                         int32_t (&id)[kIdSteps]) {
+#pragma unroll
+  for (int j = 0; j < kIdSteps; ++j) {
+    const int i = i0 + j * 32 + lane;
+    id[j] = i < end ? __ldcg(ids + i) : -1;
+  }
+}
+__global__ void __launch_bounds__(kChunkThreads)
+    chunk_scatter_kernel(const int32_t* __restrict__ ids, int n, int num_experts, int chunk,
+                         int block_m, const int32_t* __restrict__ chunk_counts,
+                         int64_t* __restrict__ offsets, int32_t* __restrict__ sorted_slot,
+                         int32_t* __restrict__ slot_row) {
+  extern __shared__ int32_t sm[];
+  int32_t* first = sm;                // [E]: this chunk's first row of expert e
+  int32_t* whist = sm + num_experts;  // [warps][E]: counts, then first rows per warp
+  __shared__ int32_t warp_sums[kChunkWarps];
+  __shared__ int32_t carry;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int b = blockIdx.x, chunks = gridDim.x;
+  const int per_warp = chunk / kChunkWarps;  // a multiple of 32
+  const int w_begin = b * chunk + warp * per_warp;
+  const int w_end = min(n, w_begin + per_warp);
+  int32_t id0[kIdSteps];  // the first kIdSteps steps (all of them up to 8192 slots a chunk)
+  load_ids(ids, w_begin, w_end, lane, id0);
+  pdl_wait();  // chunk_counts from chunk_count_kernel; outputs read by the kernels before
+  pdl_launch_dependents();
+  if (tid == 0) carry = 0;
+  for (int i = tid; i < kChunkWarps * num_experts; i += kChunkThreads) whist[i] = 0;
+  __syncthreads();
+  for (int e0 = 0; e0 < num_experts; e0 += kChunkThreads) {
+    const int e = e0 + tid;
+    int32_t total = 0, before = 0;
+    if (e < num_experts) {
+#pragma unroll 16
+      for (int c = 0; c < chunks; ++c) {
+        const int32_t v = chunk_counts[static_cast<int64_t>(c) * num_experts + e];
+        total += v;
+        before += c < b ? v : 0;
+      }
+    }
+    const int32_t padded = (total + block_m - 1) / block_m * block_m;
+    int32_t v = padded;  // inclusive scan: warp, then across warps
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int32_t u = __shfl_up_sync(0xffffffffu, v, o);
+      if (lane >= o) v += u;
+    }
+    if (lane == 31) warp_sums[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+      int32_t s = lane < kChunkWarps ? warp_sums[lane] : 0;
+#pragma unroll
+      for (int o = 1; o < kChunkWarps; o <<= 1) {
+        const int32_t u = __shfl_up_sync(0xffffffffu, s, o);
+        if (lane >= o) s += u;
+      }
+      if (lane < kChunkWarps) warp_sums[lane] = s;
+    }
+    __syncthreads();
+    const int32_t start = carry + (warp > 0 ? warp_sums[warp - 1] : 0) + v - padded;
+    if (e < num_experts) {
+      first[e] = start + before;
+      if (b == 0) offsets[e] = start;
+      if (e % chunks == b)
+        for (int32_t r = start + total; r < start + padded; ++r) sorted_slot[r] = -1;
+    }
+    __syncthreads();
+    if (tid == kChunkThreads - 1) carry = start + padded;
+    __syncthreads();
+  }
+  if (b == 0 && tid == 0) offsets[num_experts] = carry;
+
+  int32_t* h = whist + warp * num_experts;
+  const uint32_t lanes_below = (1u << lane) - 1u;
+  // Pass 1 counts the warp's slots per expert, pass 2 places them; kIdSteps
+  // steps of ids at a time (the first batch already in id0, its peer masks
+  // kept from pass 1 in peers0).
+  uint32_t peers0[kIdSteps];
+  for (int pass = 0; pass < 2; ++pass) {
+    for (int i0 = w_begin; i0 < w_end; i0 += kIdSteps * 32) {
+      int32_t id[kIdSteps];
+      const bool first_batch = i0 == w_begin;
+      if (first_batch) {
+#pragma unroll
+        for (int j = 0; j < kIdSteps; ++j) id[j] = id0[j];
+      } else {
+        load_ids(ids, i0, w_end, lane, id);
+      }
+#pragma unroll
+      for (int j = 0; j < kIdSteps; ++j) {
+        if (i0 + j * 32 >= w_end) break;  // warp-uniform
+        const int32_t e = id[j];
+        const bool valid = e >= 0 && e < num_experts;
+        uint32_t peers;
+        if (pass == 1 && first_batch) {
+          peers = peers0[j];
+        } else {
+          peers = __match_any_sync(0xffffffffu, valid ? e : -1 - lane);
+          if (first_batch) peers0[j] = peers;
+        }
+        const bool leader = valid && (peers & lanes_below) == 0;
+        if (pass == 1 && valid) {
+          const int i = i0 + j * 32 + lane;
+          const int32_t pos = h[e] + __popc(peers & lanes_below);
+          sorted_slot[pos] = i;
+          if (slot_row) slot_row[i] = pos;
+        }
+        __syncwarp();  // h[e] read by every lane before its leader adds the step's count
+        if (leader) h[e] += __popc(peers);
+        __syncwarp();
+      }
+    }
+    __syncthreads();
+    if (pass == 0) {
+      for (int e = tid; e < num_experts; e += kChunkThreads) {
+        int32_t row = first[e];
+        for (int w = 0; w < kChunkWarps; ++w) {
+          const int32_t c = whist[w * num_experts + e];
+          whist[w * num_experts + e] = row;
+          row += c;
+        }
+      }
+      __syncthreads();
+    }
   }
 }
 
@@ -163,27 +354,52 @@ int64_t max_padded_rows(int64_t num_slots, int64_t num_experts, int block_m) {
   return num_slots + touched * (block_m - 1);
 }
 
+int64_t align_chunk_counts_size(int64_t num_slots, int64_t num_experts) {
+  return num_chunks(std::max<int64_t>(num_slots, 0)) * std::max<int64_t>(num_experts, 0);
+}
+
 void align(const AlignArgs& a, Stream stream) {
   FUSEDMOE_CHECK(a.num_experts > 0 && a.block_m > 0, "align: num_experts and block_m must be > 0");
+  FUSEDMOE_CHECK(a.num_slots >= 0, "align: num_slots must be >= 0, got ", a.num_slots);
   FUSEDMOE_CHECK(a.num_slots < (int64_t{1} << 31) - a.num_experts * a.block_m,
                  "align: too many routed slots for 32-bit row indices: ", a.num_slots);
   FUSEDMOE_CHECK(a.expert_offsets && a.sorted_slot && a.expert_counts && a.expert_cursor,
                  "align: output and scratch pointers are required");
   const int E = static_cast<int>(a.num_experts);
-  // The one-block kernel where it fits and is faster (session 16, ncu, us,
-  // one block vs count + scan + scatter, bench/results/2026-11-30-session16.md):
-  // E = 128 / 256 at 2048-4096 slots 5-7 vs 8-10, at 8192 11-12 vs 9-10 (+ the
-  // memset: a tie), at 16384 20-21 vs 11-12; E = 8 at 8192 5.8 vs 9.5.
-  // FUSEDMOE_CUDA_ALIGN=fused|grid forces one (fused: where it fits).
+  const int n = static_cast<int>(a.num_slots);
+  // FUSEDMOE_CUDA_ALIGN=fused|chunks|grid forces one (fused: where it fits;
+  // chunks: with chunk_counts and E <= kChunkMaxExperts).
   const char* env = std::getenv("FUSEDMOE_CUDA_ALIGN");
   const bool set = env != nullptr && env[0] != '\0';
-  FUSEDMOE_CHECK(!set || std::strcmp(env, "fused") == 0 || std::strcmp(env, "grid") == 0,
-                 "FUSEDMOE_CUDA_ALIGN: expected fused or grid, got ", env);
+  FUSEDMOE_CHECK(!set || std::strcmp(env, "fused") == 0 || std::strcmp(env, "chunks") == 0 ||
+                     std::strcmp(env, "grid") == 0,
+                 "FUSEDMOE_CUDA_ALIGN: expected fused, chunks or grid, got ", env);
   const bool fits = a.num_slots <= kFusedMaxSlots && E <= kFusedMaxExperts;
-  const bool faster = a.num_slots <= kFusedMaxSlots / 2 || E <= kFusedFewExperts;
-  if (fits && (set ? std::strcmp(env, "fused") == 0 : faster)) {
-    launch_pdl(align_fused_kernel, 1, kFusedThreads, 0, stream, a.topk_ids,
-               static_cast<int>(a.num_slots), E, a.block_m, a.expert_offsets, a.sorted_slot);
+  const bool chunks_fit = a.chunk_counts != nullptr && E <= kChunkMaxExperts;
+  // The one-block kernel where it fits and is faster. Session 16 (ncu, us, one
+  // block vs count + scan + scatter, bench/results/2026-11-30-session16.md):
+  // E = 128 / 256 at 2048-4096 slots 5-7 vs 8-10, at 8192 11-12 vs 9-10 (+ the
+  // memset: a tie), at 16384 20-21 vs 11-12; E = 8 at 8192 5.8 vs 9.5. Session
+  // 24 (bench/results/2026-12-01-session24.md; routed experts end to end, us,
+  // chunks vs fused): Qwen3 T = 2048 (16384 slots) 447-449 vs 460-462, DeepSeek-V3
+  // T = 512 / 1024 5278-5282 / 5427-5440 vs 5287-5291 / 5434-5448; at 2048-4096
+  // slots within the noise (Qwen3 T = 256 fused 2-5 us ahead in two of three
+  // passes). So the fused kernel up to 4096 slots (any E), else the chunks.
+  const bool faster = a.num_slots <= kFusedMaxSlots / 4 || !chunks_fit;
+  if (set ? std::strcmp(env, "fused") == 0 && fits : fits && faster) {
+    launch_pdl(align_fused_kernel, 1, kFusedThreads, 0, stream, a.topk_ids, n, E, a.block_m,
+               a.expert_offsets, a.sorted_slot, a.slot_row);
+    return;
+  }
+  if (chunks_fit && (!set || std::strcmp(env, "grid") != 0)) {
+    const int64_t chunk = chunk_slots(a.num_slots), chunks = num_chunks(a.num_slots);
+    launch_pdl(chunk_count_kernel, static_cast<unsigned>(chunks), kChunkThreads,
+               sizeof(int32_t) * E, stream, a.topk_ids, n, E, static_cast<int>(chunk),
+               a.chunk_counts);
+    launch_pdl(chunk_scatter_kernel, static_cast<unsigned>(chunks), kChunkThreads,
+               sizeof(int32_t) * E * (1 + kChunkWarps), stream, a.topk_ids, n, E,
+               static_cast<int>(chunk), a.block_m, a.chunk_counts, a.expert_offsets, a.sorted_slot,
+               a.slot_row);
     return;
   }
   FUSEDMOE_CUDA_CHECK(cudaMemsetAsync(a.expert_counts, 0, sizeof(int32_t) * E, stream));
@@ -203,7 +419,7 @@ void align(const AlignArgs& a, Stream stream) {
     const int64_t blocks = ceil_div(a.num_slots, threads);
     const unsigned grid = static_cast<unsigned>(blocks < 1024 ? blocks : 1024);
     scatter_kernel<<<grid, threads, 0, stream>>>(a.topk_ids, a.num_slots, E, a.expert_cursor,
-                                                 a.sorted_slot);
+                                                 a.sorted_slot, a.slot_row);
     FUSEDMOE_CUDA_CHECK_LAUNCH();
   }
 }

@@ -42,6 +42,7 @@ RoutedScratch carve(Carver& c, int64_t T, int64_t k, int64_t E, int64_t H, int64
   RoutedScratch s;
   s.counts = c.take<int32_t>(E);
   s.cursor = c.take<int32_t>(E);
+  s.chunk_counts = c.take<int32_t>(align_chunk_counts_size(slots, E));
   s.offsets = c.take<int64_t>(E + 1);
   s.sorted_slot = c.take<int32_t>(padded);
   s.inter = c.take<uint16_t>(padded * I);
@@ -115,6 +116,8 @@ RoutedResult routed_experts(const RoutedExpertsArgs& a, const RoutedScratch& s, 
   al.sorted_slot = s.sorted_slot;
   al.expert_counts = s.counts;
   al.expert_cursor = s.cursor;
+  al.chunk_counts = s.chunk_counts;
+  al.slot_row = sm90 ? s.slot_row : nullptr;  // finalize's map of the sm90 rows
   align(al, stream);
 
   if (sm90) {
@@ -139,6 +142,7 @@ RoutedResult routed_experts(const RoutedExpertsArgs& a, const RoutedScratch& s, 
     x.inter_rows = s.inter;
     x.y_rows = s.y;
     x.slot_row = s.slot_row;
+    x.slot_row_written = true;
     x.workspace = s.sm90_ws;
     x.workspace_bytes = s.sm90_ws_bytes;
     sm90_experts(x, stream);

@@ -424,9 +424,12 @@ void sm90_experts(const Sm90ExpertsArgs& a, Stream stream) {
 
   gemm_glu_gemm_prepare(g, stream);
   const int64_t blocks = static_cast<int64_t>(num_sms()) * 16;
-  const int64_t row_blocks = ceil_div(slots, 256);
-  launch_pdl(slot_row_kernel, static_cast<unsigned>(row_blocks < blocks ? row_blocks : blocks), 256,
-             0, stream, a.sorted_slot, a.expert_offsets, static_cast<int>(E), slots, a.slot_row);
+  if (!a.slot_row_written) {
+    const int64_t row_blocks = ceil_div(slots, 256);
+    launch_pdl(slot_row_kernel, static_cast<unsigned>(row_blocks < blocks ? row_blocks : blocks),
+               256, 0, stream, a.sorted_slot, a.expert_offsets, static_cast<int>(E), slots,
+               a.slot_row);
+  }
   const int64_t T = a.num_tokens;
   launch_pdl(permute_tokens_kernel, static_cast<unsigned>(T < blocks ? T : blocks), kPermuteThreads,
              0, stream, a.x, a.ldx, a.topk_ids, a.slot_row, T, static_cast<int>(E),
