@@ -29,6 +29,37 @@ namespace {
 constexpr int kScanThreads = 1024;
 constexpr int kSmemHistMax = 4096;
 
+// Exclusive prefix sum of x over a block of kThreads (a multiple of 32, at
+// most 1024) threads: an inclusive scan in each warp, then over the warps'
+// sums (warp_sums: shared, kThreads / 32 entries). Every thread must call it;
+// *total gets the block's sum. warp_sums is read until the call returns: a
+// __syncthreads() is needed before it is reused.
+template <int kThreads, class T>
+__device__ __forceinline__ T block_exclusive_scan(T x, T* warp_sums, T* total) {
+  constexpr int kWarps = kThreads / 32;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  T v = x;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const T u = __shfl_up_sync(0xffffffffu, v, o);
+    if (lane >= o) v += u;
+  }
+  if (lane == 31) warp_sums[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    T s = lane < kWarps ? warp_sums[lane] : T(0);
+#pragma unroll
+    for (int o = 1; o < kWarps; o <<= 1) {
+      const T u = __shfl_up_sync(0xffffffffu, s, o);
+      if (lane >= o) s += u;
+    }
+    if (lane < kWarps) warp_sums[lane] = s;  // inclusive over warps
+  }
+  __syncthreads();
+  *total = warp_sums[kWarps - 1];
+  return (warp > 0 ? warp_sums[warp - 1] : T(0)) + v - x;
+}
+
 __global__ void count_kernel(const int32_t* __restrict__ ids, int64_t n, int num_experts,
                              int32_t* __restrict__ counts) {
   extern __shared__ int32_t hist[];
@@ -58,40 +89,21 @@ __global__ void __launch_bounds__(kScanThreads)
                 int32_t* __restrict__ sorted_slot) {
   __shared__ int64_t warp_sums[kScanThreads / 32];
   __shared__ int64_t carry;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   if (threadIdx.x == 0) carry = 0;
   __syncthreads();
   for (int base = 0; base < num_experts; base += kScanThreads) {
     const int e = base + threadIdx.x;
     const int64_t cnt = e < num_experts ? counts[e] : 0;
     const int64_t padded = (cnt + block_m - 1) / block_m * block_m;
-    // Inclusive warp scan, then across warps.
-    int64_t v = padded;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int64_t u = __shfl_up_sync(0xffffffffu, v, o);
-      if (lane >= o) v += u;
-    }
-    if (lane == 31) warp_sums[warp] = v;
-    __syncthreads();
-    if (warp == 0) {
-      int64_t s = warp_sums[lane];
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int64_t u = __shfl_up_sync(0xffffffffu, s, o);
-        if (lane >= o) s += u;
-      }
-      warp_sums[lane] = s;  // inclusive over warps
-    }
-    __syncthreads();
-    const int64_t start = carry + (warp > 0 ? warp_sums[warp - 1] : 0) + v - padded;
+    int64_t sum = 0;
+    const int64_t start = carry + block_exclusive_scan<kScanThreads>(padded, warp_sums, &sum);
     if (e < num_experts) {
       offsets[e] = start;
       cursor[e] = static_cast<int32_t>(start);
       for (int64_t r = start + cnt; r < start + padded; ++r) sorted_slot[r] = -1;
     }
     __syncthreads();
-    if (threadIdx.x == kScanThreads - 1) carry = start + padded;
+    if (threadIdx.x == 0) carry += sum;
     __syncthreads();
   }
   if (threadIdx.x == 0) offsets[num_experts] = carry;
@@ -125,7 +137,7 @@ __global__ void __launch_bounds__(kFusedThreads)
   __shared__ int32_t warp_sums[kFusedThreads / 32];
   pdl_wait();  // ids from route; offsets and sorted_slot read by the kernels before
   pdl_launch_dependents();
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int tid = threadIdx.x;
   for (int e = tid; e < num_experts; e += kFusedThreads) cnt[e] = 0;
   __syncthreads();
   for (int i = tid; i < n; i += kFusedThreads) {
@@ -137,31 +149,14 @@ __global__ void __launch_bounds__(kFusedThreads)
   const int e = tid;
   const int32_t c = e < num_experts ? cnt[e] : 0;
   const int32_t padded = (c + block_m - 1) / block_m * block_m;
-  int32_t v = padded;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int32_t u = __shfl_up_sync(0xffffffffu, v, o);
-    if (lane >= o) v += u;
-  }
-  if (lane == 31) warp_sums[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    int32_t s = warp_sums[lane];
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int32_t u = __shfl_up_sync(0xffffffffu, s, o);
-      if (lane >= o) s += u;
-    }
-    warp_sums[lane] = s;
-  }
-  __syncthreads();
-  const int32_t start = (warp > 0 ? warp_sums[warp - 1] : 0) + v - padded;
+  int32_t rows = 0;
+  const int32_t start = block_exclusive_scan<kFusedThreads>(padded, warp_sums, &rows);
   if (e < num_experts) {
     offsets[e] = start;
     cur[e] = start;
     for (int32_t r = start + c; r < start + padded; ++r) sorted_slot[r] = -1;
   }
-  if (tid == kFusedThreads - 1) offsets[num_experts] = start + padded;
+  if (tid == 0) offsets[num_experts] = rows;
   __syncthreads();
   for (int i = tid; i < n; i += kFusedThreads) {
     const int32_t ex = ids[i];
@@ -261,25 +256,8 @@ __global__ void __launch_bounds__(kChunkThreads)
       }
     }
     const int32_t padded = (total + block_m - 1) / block_m * block_m;
-    int32_t v = padded;  // inclusive scan: warp, then across warps
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int32_t u = __shfl_up_sync(0xffffffffu, v, o);
-      if (lane >= o) v += u;
-    }
-    if (lane == 31) warp_sums[warp] = v;
-    __syncthreads();
-    if (warp == 0) {
-      int32_t s = lane < kChunkWarps ? warp_sums[lane] : 0;
-#pragma unroll
-      for (int o = 1; o < kChunkWarps; o <<= 1) {
-        const int32_t u = __shfl_up_sync(0xffffffffu, s, o);
-        if (lane >= o) s += u;
-      }
-      if (lane < kChunkWarps) warp_sums[lane] = s;
-    }
-    __syncthreads();
-    const int32_t start = carry + (warp > 0 ? warp_sums[warp - 1] : 0) + v - padded;
+    int32_t sum = 0;
+    const int32_t start = carry + block_exclusive_scan<kChunkThreads>(padded, warp_sums, &sum);
     if (e < num_experts) {
       first[e] = start + before;
       if (b == 0) offsets[e] = start;
@@ -287,7 +265,7 @@ __global__ void __launch_bounds__(kChunkThreads)
         for (int32_t r = start + total; r < start + padded; ++r) sorted_slot[r] = -1;
     }
     __syncthreads();
-    if (tid == kChunkThreads - 1) carry = start + padded;
+    if (tid == 0) carry += sum;
     __syncthreads();
   }
   if (b == 0 && tid == 0) offsets[num_experts] = carry;
