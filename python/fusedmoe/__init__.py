@@ -108,9 +108,12 @@ __all__ = [
 
 cuda_built: bool = _ext.cuda_built
 
-# torch, when importable (never required).
+# torch, when importable (never required); FUSEDMOE_NO_TORCH=1 skips it.
+_no_torch = os.environ.get("FUSEDMOE_NO_TORCH", "")
+if _no_torch not in ("", "0", "1"):
+    raise ValueError(f"FUSEDMOE_NO_TORCH: expected 0 or 1, got {_no_torch!r}")
 _torch: Any = None
-if not os.environ.get("FUSEDMOE_NO_TORCH") and importlib.util.find_spec("torch") is not None:
+if _no_torch != "1" and importlib.util.find_spec("torch") is not None:
     try:
         import torch as _torch  # noqa: F401
     except Exception:  # a broken torch install must not break fusedmoe

@@ -593,3 +593,20 @@ def test_bad_cpu_gemm_environment_fails_when_the_layer_is_made(var, value, messa
                        env=env)
     assert r.returncode == 0, r.stderr
     assert message in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("value,expect", [("bogus", "FUSEDMOE_NO_TORCH: expected 0 or 1, got 'bogus'"),
+                                          ("0", "imported"), ("1", "imported")])
+def test_no_torch_environment_is_checked(value, expect):
+    """FUSEDMOE_NO_TORCH took any non-empty value, 0 included, as 1 (trial)."""
+    code = "import fusedmoe; print('imported', 'torch' in __import__('sys').modules)"
+    env = dict(os.environ, FUSEDMOE_NO_TORCH=value)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env=env)
+    if value == "bogus":
+        assert r.returncode != 0 and expect in r.stderr, r.stderr
+        return
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(expect), r.stdout
+    if value == "1":
+        assert r.stdout.strip().endswith("False"), r.stdout  # torch not imported
