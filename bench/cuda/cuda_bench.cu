@@ -277,7 +277,6 @@ int run_cuda_bench(const CudaBenchOptions& o) {
           a.inter_rows = inter;
           a.y_rows = y;
           a.slot_row = slot_row;
-          a.slot_row_written = true;
           a.workspace = sm90_ws;
           a.workspace_bytes = sm90_ws_bytes;
           cuda::sm90_experts(a, stream);

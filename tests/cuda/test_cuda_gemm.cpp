@@ -269,6 +269,7 @@ void check_sm90(int64_t T, int64_t E, int64_t k, int64_t H, int64_t I, Activatio
   al.block_m = 1;
   al.expert_offsets = offsets.data_as<int64_t>();
   al.sorted_slot = sorted.data_as<int32_t>();
+  al.slot_row = slot_row.data_as<int32_t>();
   al.expert_counts = counts.data_as<int32_t>();
   al.expert_cursor = cursor.data_as<int32_t>();
   cuda::Sm90ExpertsArgs a;

@@ -166,7 +166,8 @@ void route(const MoEConfig& config, const RouteArgs& args, int64_t num_tokens, S
 // or num_slots + E * block_m >= 2^31, null pointers, or FUSEDMOE_CUDA_ALIGN
 // other than fused / chunks / grid (which force a kernel where it applies).
 int64_t max_padded_rows(int64_t num_slots, int64_t num_experts, int block_m);
-// Elements of AlignArgs::chunk_counts for num_slots slots and num_experts experts.
+// Elements of AlignArgs::chunk_counts for num_slots slots and num_experts experts
+// (0 beyond 1024 experts, where the chunks do not apply).
 int64_t align_chunk_counts_size(int64_t num_slots, int64_t num_experts);
 struct AlignArgs {
   const int32_t* topk_ids = nullptr;  // [T, k] contiguous
@@ -260,11 +261,10 @@ void grouped_gemm(const GroupedGemmArgs& args, Stream stream);
 // wgmma + TMA (CUTLASS 3.x ptr-array grouped GEMM, warp-specialized: bf16 in
 // 64 x 256 pingpong or 128 x 256 cooperative tiles by pick_sm90_tile, f16 in
 // 128 x 256 cooperative; f32 accumulation) over expert-contiguous rows.
-// Needs align() with block_m = 1 (no padding rows). x, the weights and the
+// Needs align() with block_m = 1 (no padding rows) and its slot_row. x, the weights and the
 // intermediates are of one half type, `dtype` (bf16 or f16; CUTLASS instances
 // of each). In order, on `stream`:
-//   1. slot_row[s] = r (unless slot_row_written), xs[r] = x[sorted_slot[r] / top_k]  (dtype
-//      [T*k, H], kept in y_rows);
+//   1. xs[slot_row[s]] = x[s / top_k]  (dtype [T*k, H], kept in y_rows);
 //   2. h13[r] = xs[r] . w13[e]^T           (dtype [T*k, 2I], in `workspace`);
 //   3. inter_rows[r, i] = act(h13[r, i] + b[e, i], h13[r, I + i] + b[e, I + i])  (dtype);
 //   4. y_rows[r] = inter_rows[r] . w2[e]^T ([T*k, H], unweighted, without w2 bias: bf16 for
@@ -309,11 +309,10 @@ struct Sm90ExpertsArgs {
   const float* w13_bias = nullptr;
   const uint16_t* w2 = nullptr;
   ActivationParams act;
-  uint16_t* inter_rows = nullptr;  // dtype [T * k, I]
-  void* y_rows = nullptr;          // [T * k, H]: bf16 (dtype bf16) or f32 (dtype f16), 16-byte
-                                   // aligned, room for T * k * H f32
-  int32_t* slot_row = nullptr;     // i32 [T * k]
-  bool slot_row_written = false;   // align() already wrote slot_row (AlignArgs::slot_row)
+  uint16_t* inter_rows = nullptr;     // dtype [T * k, I]
+  void* y_rows = nullptr;             // [T * k, H]: bf16 (dtype bf16) or f32 (dtype f16), 16-byte
+                                      // aligned, room for T * k * H f32
+  const int32_t* slot_row = nullptr;  // i32 [T * k]: from align(block_m = 1)
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
 };

@@ -333,7 +333,8 @@ int64_t max_padded_rows(int64_t num_slots, int64_t num_experts, int block_m) {
 }
 
 int64_t align_chunk_counts_size(int64_t num_slots, int64_t num_experts) {
-  return num_chunks(std::max<int64_t>(num_slots, 0)) * std::max<int64_t>(num_experts, 0);
+  if (num_experts <= 0 || num_experts > kChunkMaxExperts) return 0;  // the chunks do not apply
+  return num_chunks(std::max<int64_t>(num_slots, 0)) * num_experts;
 }
 
 void align(const AlignArgs& a, Stream stream) {

@@ -117,7 +117,7 @@ RoutedResult routed_experts(const RoutedExpertsArgs& a, const RoutedScratch& s, 
   al.expert_counts = s.counts;
   al.expert_cursor = s.cursor;
   al.chunk_counts = s.chunk_counts;
-  al.slot_row = sm90 ? s.slot_row : nullptr;  // finalize's map of the sm90 rows
+  al.slot_row = sm90 ? s.slot_row : nullptr;  // the sm90 path's permute and finalize read it
   align(al, stream);
 
   if (sm90) {
@@ -142,7 +142,6 @@ RoutedResult routed_experts(const RoutedExpertsArgs& a, const RoutedScratch& s, 
     x.inter_rows = s.inter;
     x.y_rows = s.y;
     x.slot_row = s.slot_row;
-    x.slot_row_written = true;
     x.workspace = s.sm90_ws;
     x.workspace_bytes = s.sm90_ws_bytes;
     sm90_experts(x, stream);

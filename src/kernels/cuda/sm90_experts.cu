@@ -27,21 +27,6 @@ namespace {
 
 constexpr int kPermuteThreads = 128;
 
-// slot_row[sorted_slot[r]] = r for rows r < offsets[E] (align's block_m is 1
-// here: every row holds a routed slot); one thread a row.
-__global__ void slot_row_kernel(const int32_t* __restrict__ sorted_slot,
-                                const int64_t* __restrict__ offsets, int num_experts,
-                                int64_t max_rows, int32_t* __restrict__ slot_row) {
-  pdl_wait();  // sorted_slot and offsets from align; slot_row read by the kernels before
-  pdl_launch_dependents();
-  const int64_t rows = offsets[num_experts];
-  for (int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-       r < rows && r < max_rows; r += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int32_t slot = sorted_slot[r];
-    if (slot >= 0) slot_row[slot] = static_cast<int32_t>(r);
-  }
-}
-
 // xs[slot_row[t * top_k + j]] = x[t] for every routed slot of token t (ids in
 // [0, E)); one block a token (grid-stride). Token-major, so each x row is read
 // once even when x does not fit in L2 (DeepSeek-V3 at T = 4096: 58 MB), where
@@ -53,7 +38,7 @@ __global__ void __launch_bounds__(kPermuteThreads)
                           int64_t num_tokens, int num_experts, int top_k, int64_t hidden,
                           uint16_t* __restrict__ xs) {
   __shared__ int64_t row[kPermuteMaxK];  // -1: no expert
-  pdl_wait();  // slot_row from slot_row_kernel; xs read by the kernels before
+  pdl_wait();                            // slot_row from align; xs read by the kernels before
   pdl_launch_dependents();
   const int64_t vecs = hidden / 8;
   for (int64_t t = blockIdx.x; t < num_tokens; t += gridDim.x) {
@@ -424,12 +409,6 @@ void sm90_experts(const Sm90ExpertsArgs& a, Stream stream) {
 
   gemm_glu_gemm_prepare(g, stream);
   const int64_t blocks = static_cast<int64_t>(num_sms()) * 16;
-  if (!a.slot_row_written) {
-    const int64_t row_blocks = ceil_div(slots, 256);
-    launch_pdl(slot_row_kernel, static_cast<unsigned>(row_blocks < blocks ? row_blocks : blocks),
-               256, 0, stream, a.sorted_slot, a.expert_offsets, static_cast<int>(E), slots,
-               a.slot_row);
-  }
   const int64_t T = a.num_tokens;
   launch_pdl(permute_tokens_kernel, static_cast<unsigned>(T < blocks ? T : blocks), kPermuteThreads,
              0, stream, a.x, a.ldx, a.topk_ids, a.slot_row, T, static_cast<int>(E),
