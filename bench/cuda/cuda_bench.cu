@@ -145,7 +145,9 @@ int run_cuda_bench(const CudaBenchOptions& o) {
     CK(cudaMalloc(&chunk_counts, cuda::align_chunk_counts_size(slots_max, E) * 4));
     CK(cudaMalloc(&offsets, (E + 1) * 8));
     CK(cudaMalloc(&inter, padded_max * I * 2));
-    CK(cudaMalloc(&y, slots_max * H * 4));
+    // y: f32 slot rows, or the contiguous sm90 GEMMs' bf16 rows padded to 64 an expert.
+    CK(cudaMalloc(
+        &y, std::max(slots_max * H * 4, (cuda::max_padded_rows(slots_max, E, 64) + 64) * H * 2)));
     CK(cudaMalloc(&out, Tmax * H * 2));
     // The sm_90a wgmma + TMA path (sm90_experts), where this build and device have it.
     const bool have_sm90 = cuda::sm90_experts_available();
@@ -213,6 +215,8 @@ int run_cuda_bench(const CudaBenchOptions& o) {
       cuda::GemmTile tile = picked;
       const bool picked_sm90 = cuda::pick_sm90_experts(rows, slots, H, I);
       bool sm90 = picked_sm90;
+      // The sm90 GEMMs' form (routed_experts' rule): contiguous over rows padded to 64.
+      const bool contig = cuda::pick_sm90_contig(DType::kBF16, rows, slots, E, H, I);
       // The decode path (decode_experts: no align, two weight-streaming kernels)
       // where the layer takes it; FUSEDMOE_CUDA_DECODE=0 times the align + GEMV chain.
       const bool picked_decode = !picked_sm90 && cuda::pick_decode_experts(T, k, E, I);
@@ -251,7 +255,7 @@ int run_cuda_bench(const CudaBenchOptions& o) {
         al.topk_ids = ids + r * slots;
         al.num_slots = slots;
         al.num_experts = E;
-        al.block_m = sm90 ? 1 : cuda::gemm_tile_block_m(tile);
+        al.block_m = sm90 ? (contig ? 64 : 1) : cuda::gemm_tile_block_m(tile);
         al.expert_offsets = offsets;
         al.sorted_slot = sorted;
         al.expert_counts = counts;
@@ -277,6 +281,7 @@ int run_cuda_bench(const CudaBenchOptions& o) {
           a.inter_rows = inter;
           a.y_rows = y;
           a.slot_row = slot_row;
+          a.block_m = al.block_m;
           a.workspace = sm90_ws;
           a.workspace_bytes = sm90_ws_bytes;
           cuda::sm90_experts(a, stream);
@@ -391,7 +396,7 @@ int run_cuda_bench(const CudaBenchOptions& o) {
       const double flops = 2.0 * slots * 3.0 * H * I;
       const double bytes = touched * 3.0 * H * I * 2 + 2.0 * T * H * 2;
       const double floor_us = std::max(bytes / 4.8e12, flops / 790e12) * 1e6;
-      const std::string tname_s = picked_sm90     ? "sm90"
+      const std::string tname_s = picked_sm90     ? (contig ? "sm90c" : "sm90")
                                   : picked_decode ? "decode"
                                                   : cuda::gemm_tile_name(picked);
       const char* tname = tname_s.c_str();

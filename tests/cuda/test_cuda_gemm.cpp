@@ -228,10 +228,10 @@ TEST(CudaGroupedGemm, EveryTileF16) {
 // H and I not multiples of the 128 x 256 tile; a second run bit-identical.
 void check_sm90(int64_t T, int64_t E, int64_t k, int64_t H, int64_t I, Activation act, bool bias,
                 std::mt19937_64& rng, DType dt = DType::kBF16,
-                cuda::W13Layout layout = cuda::W13Layout::kStandard) {
+                cuda::W13Layout layout = cuda::W13Layout::kStandard, int block_m = 1) {
   SCOPED_TRACE("sm90 T " + std::to_string(T) + " E " + std::to_string(E) + " k " +
                std::to_string(k) + " H " + std::to_string(H) + " I " + std::to_string(I) + " " +
-               dtype_name(dt) + layout_name(layout));
+               dtype_name(dt) + layout_name(layout) + " block_m " + std::to_string(block_m));
   const ExpertWeights w = test::random_experts(rng, E, H, I, dt, bias);
   const Tensor x = dt == DType::kF16 ? test::to_f16(test::randn_f32(rng, {T, H}))
                                      : test::to_bf16(test::randn_f32(rng, {T, H}));
@@ -252,10 +252,13 @@ void check_sm90(int64_t T, int64_t E, int64_t k, int64_t H, int64_t I, Activatio
     b13 = DeviceTensor::from_host(to_f32(*w.w13_bias));
     b2 = DeviceTensor::from_host(to_f32(*w.w2_bias));
   }
-  DeviceTensor offsets(DType::kI64, {E + 1}), sorted(DType::kI32, {slots}),
+  // block_m 64 (the contiguous GEMMs): each expert's rows padded to 64, the
+  // buffers as Sm90ExpertsArgs asks (y_rows: bf16 padded rows or f32 slot rows).
+  const int64_t padded = cuda::max_padded_rows(slots, E, block_m);
+  DeviceTensor offsets(DType::kI64, {E + 1}), sorted(DType::kI32, {padded}),
       counts(DType::kI32, {E}), cursor(DType::kI32, {E});
-  DeviceTensor inter(dt, {slots, I}), y(DType::kF32, {slots, H}), slot_row(DType::kI32, {slots}),
-      out(DType::kF32, {T, H});
+  DeviceTensor inter(dt, {padded, I}), y(DType::kF32, {std::max(slots, (padded + 1) / 2), H}),
+      slot_row(DType::kI32, {slots}), out(DType::kF32, {T, H});
   const size_t ws_bytes = cuda::sm90_experts_workspace_bytes(slots, E, I);
   DeviceTensor ws(DType::kU8, {static_cast<int64_t>(ws_bytes)});
   inter.poison();
@@ -266,7 +269,7 @@ void check_sm90(int64_t T, int64_t E, int64_t k, int64_t H, int64_t I, Activatio
   al.topk_ids = ids.data_as<int32_t>();
   al.num_slots = slots;
   al.num_experts = E;
-  al.block_m = 1;
+  al.block_m = block_m;
   al.expert_offsets = offsets.data_as<int64_t>();
   al.sorted_slot = sorted.data_as<int32_t>();
   al.slot_row = slot_row.data_as<int32_t>();
@@ -292,6 +295,7 @@ void check_sm90(int64_t T, int64_t E, int64_t k, int64_t H, int64_t I, Activatio
   a.inter_rows = inter.data_as<uint16_t>();
   a.y_rows = y.data_as<float>();
   a.slot_row = slot_row.data_as<int32_t>();
+  a.block_m = block_m;
   a.workspace = ws.data();
   a.workspace_bytes = ws_bytes;
   cuda::FinalizeArgs f;
@@ -366,6 +370,30 @@ TEST(CudaSm90Experts, MatchesFloat64) {
   unsetenv("FUSEDMOE_CUDA_SM90_TILE");
 }
 
+// The contiguous GEMMs (block_m 64: one TMA descriptor per operand, the expert
+// of each 64-row tile from a table): -1 ids, empty experts, N and K not multiples
+// of the 256 x 64 tile (B's tiles run past an expert's rows, which TMA fills with
+// zeros, not the next expert's), several m tiles an expert, both w13 layouts.
+TEST(CudaSm90Experts, ContiguousMatchesFloat64) {
+  FUSEDMOE_REQUIRE_CUDA();
+  if (!cuda::sm90_experts_available()) GTEST_SKIP() << "skipped: no sm_90 device or no CUTLASS";
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const auto st = cuda::W13Layout::kStandard, il = cuda::W13Layout::kInterleaved128;
+  const DType bf = DType::kBF16;
+  check_sm90(37, 5, 2, 96, 80, Activation::kSiluGlu, false, rng, bf, st, 64);
+  check_sm90(300, 4, 3, 136, 200, Activation::kSwigluOai, true, rng, bf, st, 64);
+  check_sm90(9, 60, 6, 264, 24, Activation::kGeluGlu, false, rng, bf, st, 64);
+  check_sm90(1, 8, 1, 64, 40, Activation::kGeluTanhGlu, true, rng, bf, st, 64);
+  check_sm90(700, 8, 2, 328, 296, Activation::kSiluGlu, true, rng, bf, st, 64);
+  check_sm90(37, 5, 2, 96, 128, Activation::kSiluGlu, false, rng, bf, il, 64);
+  check_sm90(300, 4, 3, 136, 256, Activation::kSwigluOai, true, rng, bf, il, 64);
+  check_sm90(9, 60, 6, 264, 384, Activation::kGeluGlu, false, rng, bf, il, 64);
+  check_sm90(700, 8, 2, 328, 384, Activation::kGeluTanhGlu, true, rng, bf, il, 64);
+  check_sm90(1000, 128, 8, 512, 256, Activation::kSiluGlu, false, rng, bf, il, 64);
+}
+
 // The f16 CUTLASS instances and the f16 activation kernel.
 TEST(CudaSm90Experts, MatchesFloat64F16) {
   FUSEDMOE_REQUIRE_CUDA();
@@ -409,6 +437,20 @@ TEST(CudaSm90Experts, RejectsBadArguments) {
     EXPECT_NE(std::string(e.what()).find("kInterleaved128"), std::string::npos) << e.what();
   }
   a.w13_layout = cuda::W13Layout::kStandard;
+  for (const int bm : {16, 128}) {  // block_m: 1, or 64 (bf16)
+    a.block_m = bm;
+    EXPECT_THROW(cuda::sm90_experts(a, nullptr), Error) << "block_m " << bm;
+  }
+  a.block_m = 64;
+  a.dtype = DType::kF16;  // the contiguous GEMMs are bf16
+  try {
+    cuda::sm90_experts(a, nullptr);
+    ADD_FAILURE() << "block_m 64 with f16 accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("block_m"), std::string::npos) << e.what();
+  }
+  a.dtype = DType::kBF16;
+  a.block_m = 1;
 
   cuda::FinalizeArgs f;
   f.y = buf.data();

@@ -4,6 +4,7 @@
 // bit-identical reruns, CUDA-graph capture and replay, 64-bit offsets.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -197,6 +198,34 @@ TEST_P(CudaRunnerArch, Sm90ExpertsPathMatches) {
     if (HasFailure()) return;
   }
   check_runner(c, 33, rng, DType::kBF16);
+}
+
+// The sm90 path's two forms of its GEMMs (pick_sm90_contig): contiguous (one TMA
+// descriptor per operand over rows padded to 64 an expert; forced on, at T where
+// the scratch holds those rows: T * k >= 32 E) and CUTLASS's ptr-array grouped GEMMs.
+TEST_P(CudaRunnerArch, Sm90ContiguousAndGroupedGemmsMatch) {
+  FUSEDMOE_REQUIRE_CUDA();
+  if (!cuda::sm90_experts_available()) GTEST_SKIP() << "skipped: no sm_90 device or no CUTLASS";
+  const ForceExperts force("sm90");
+  const auto [name, c] = arch_configs()[GetParam()];
+  const uint64_t seed = test::fresh_seed();
+  std::mt19937_64 rng(seed);
+  const int64_t T = std::max<int64_t>(300, 33 * c.num_experts / c.top_k + 1);
+  for (const char* mode : {"on", "off"}) {
+    SCOPED_TRACE("seed " + std::to_string(seed) + " " + name + " T " + std::to_string(T) +
+                 " FUSEDMOE_CUDA_SM90_CONTIG=" + mode);
+    setenv("FUSEDMOE_CUDA_SM90_CONTIG", mode, 1);
+    check_runner(c, T, rng, DType::kBF16);
+    unsetenv("FUSEDMOE_CUDA_SM90_CONTIG");
+    if (HasFailure()) return;
+  }
+}
+
+TEST(CudaRunner, RejectsUnknownSm90ContigValue) {
+  FUSEDMOE_REQUIRE_CUDA();
+  setenv("FUSEDMOE_CUDA_SM90_CONTIG", "yes", 1);
+  EXPECT_THROW(cuda::pick_sm90_contig(DType::kBF16, 64, 8192, 128, 2048, 768), Error);
+  unsetenv("FUSEDMOE_CUDA_SM90_CONTIG");
 }
 
 TEST(CudaRunner, ForcedMmaPathAtLargeT) {

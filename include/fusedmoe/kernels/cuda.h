@@ -261,7 +261,8 @@ void grouped_gemm(const GroupedGemmArgs& args, Stream stream);
 // wgmma + TMA (CUTLASS 3.x ptr-array grouped GEMM, warp-specialized: bf16 in
 // 64 x 256 pingpong or 128 x 256 cooperative tiles by pick_sm90_tile, f16 in
 // 128 x 256 cooperative; f32 accumulation) over expert-contiguous rows.
-// Needs align() with block_m = 1 (no padding rows) and its slot_row. x, the weights and the
+// Needs align() with block_m = 1 (no padding rows) or 64 (Sm90ExpertsArgs::block_m) and its
+// slot_row. x, the weights and the
 // intermediates are of one half type, `dtype` (bf16 or f16; CUTLASS instances
 // of each). In order, on `stream`:
 //   1. xs[slot_row[s]] = x[s / top_k]  (dtype [T*k, H], kept in y_rows);
@@ -298,8 +299,15 @@ struct Sm90ExpertsArgs {
   const uint16_t* x = nullptr;  // bf16 / f16 bits
   int64_t ldx = 0;
   const int32_t* topk_ids = nullptr;        // i32 [T, k]
-  const int32_t* sorted_slot = nullptr;     // from align(block_m = 1)
-  const int64_t* expert_offsets = nullptr;  // from align(block_m = 1)
+  const int32_t* sorted_slot = nullptr;     // from align(block_m)
+  const int64_t* expert_offsets = nullptr;  // from align(block_m)
+  // align()'s block_m: 1 (rows packed: CUTLASS's ptr-array grouped GEMMs, a TMA
+  // descriptor update per expert change) or 64 (bf16 only; each expert's rows
+  // padded to 64: one GEMM over all rows with one TMA descriptor per operand,
+  // the expert of each 64-row tile from a table; the rows of inter_rows and
+  // y_rows are then max_padded_rows(T * k, E, 64)). routed experts pick it by
+  // pick_sm90_contig (FUSEDMOE_CUDA_SM90_CONTIG=on|off forces it where it fits).
+  int block_m = 1;
   int64_t num_tokens = 0, top_k = 0, num_experts = 0, hidden = 0, inter = 0;
   const uint16_t* w13 = nullptr;
   // kInterleaved128: the activation runs in the w13 GEMM's epilogue (steps 2
@@ -309,10 +317,11 @@ struct Sm90ExpertsArgs {
   const float* w13_bias = nullptr;
   const uint16_t* w2 = nullptr;
   ActivationParams act;
-  uint16_t* inter_rows = nullptr;     // dtype [T * k, I]
-  void* y_rows = nullptr;             // [T * k, H]: bf16 (dtype bf16) or f32 (dtype f16), 16-byte
-                                      // aligned, room for T * k * H f32
-  const int32_t* slot_row = nullptr;  // i32 [T * k]: from align(block_m = 1)
+  uint16_t* inter_rows = nullptr;     // dtype [rows, I], rows = T * k (block_m 1) or
+                                      // max_padded_rows(T * k, E, 64) (block_m 64)
+  void* y_rows = nullptr;             // [rows, H]: bf16 (dtype bf16) or f32 (dtype f16), 16-byte
+                                      // aligned, room for T * k * H f32 and rows * H bf16
+  const int32_t* slot_row = nullptr;  // i32 [T * k]: from align(block_m)
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
 };

@@ -46,7 +46,11 @@ RoutedScratch carve(Carver& c, int64_t T, int64_t k, int64_t E, int64_t H, int64
   s.offsets = c.take<int64_t>(E + 1);
   s.sorted_slot = c.take<int32_t>(padded);
   s.inter = c.take<uint16_t>(padded * I);
-  s.y = c.take<float>(slots * H);
+  // y: f32 [slots, H], or bf16 [max_padded_rows(slots, E, 64), H] for the
+  // contiguous sm90 GEMMs (pick_sm90_contig) where they may run.
+  const int64_t contig_rows =
+      sm90 && sm90_contig_fits(slots, E) ? max_padded_rows(slots, E, 64) + 64 : 0;
+  s.y = c.take<float>(std::max(slots * H, (contig_rows * H + 1) / 2));
   if (sm90) {
     s.slot_row = c.take<int32_t>(slots);
     s.sm90_ws_bytes = sm90_experts_workspace_bytes_for(slots, E, I, sm90_glu_epilogue);
@@ -111,7 +115,10 @@ RoutedResult routed_experts(const RoutedExpertsArgs& a, const RoutedScratch& s, 
   al.topk_ids = a.topk_ids;
   al.num_slots = slots;
   al.num_experts = E;
-  al.block_m = sm90 ? 1 : gemm_tile_block_m(tile);  // TMA tiles need no padded rows
+  // TMA tiles need no padded rows, but the contiguous GEMMs take 64-row tiles
+  // inside one expert.
+  const bool contig = sm90 && pick_sm90_contig(a.dtype, rows_per_expert, slots, E, H, I);
+  al.block_m = contig ? 64 : sm90 ? 1 : gemm_tile_block_m(tile);
   al.expert_offsets = s.offsets;
   al.sorted_slot = s.sorted_slot;
   al.expert_counts = s.counts;
@@ -142,6 +149,7 @@ RoutedResult routed_experts(const RoutedExpertsArgs& a, const RoutedScratch& s, 
     x.inter_rows = s.inter;
     x.y_rows = s.y;
     x.slot_row = s.slot_row;
+    x.block_m = al.block_m;
     x.workspace = s.sm90_ws;
     x.workspace_bytes = s.sm90_ws_bytes;
     sm90_experts(x, stream);

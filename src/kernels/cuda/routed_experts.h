@@ -76,6 +76,18 @@ Sm90Tile pick_sm90_tile(DType dtype, int64_t rows_per_expert, int64_t num_expert
 // The bf16 rule of pick_sm90_tile on a device of `sms` multiprocessors (host
 // only, no environment: the tests check it without a device).
 Sm90Tile sm90_tile_for(int64_t rows_per_expert, int64_t num_experts, int64_t n, int64_t sms);
+// Whether the sm90 path runs its two GEMMs contiguously (Sm90ExpertsArgs::block_m
+// = 64: align pads each expert's rows to 64, one TMA descriptor per operand;
+// sm90_cutlass_contig_gemm.cuh) rather than as CUTLASS ptr-array grouped GEMMs:
+// bf16, both GEMMs in 64 x 256 tiles (pick_sm90_tile), and the scratch holds
+// the padded rows (sm90_contig_fits); by default only for few experts (E <= 16)
+// of at most 256 expected rows, where it measured faster. Tuning data in gemm_configs.cpp.
+// FUSEDMOE_CUDA_SM90_CONTIG=on|off forces it (on: where it fits); other values throw.
+bool pick_sm90_contig(DType dtype, int64_t rows_per_expert, int64_t num_slots, int64_t num_experts,
+                      int64_t hidden, int64_t inter);
+// Whether routed scratch for num_slots slots holds the contiguous GEMMs' padded rows:
+// num_slots >= 32 E (then max_padded_rows(num_slots, E, 64) <= 3 num_slots).
+bool sm90_contig_fits(int64_t num_slots, int64_t num_experts);
 // Whether an sm90 grouped GEMM in tiles block_m rows high may be launched with
 // Programmatic Dependent Launch: only where (nearly) every expert has one m
 // tile, i.e. rows_per_expert + 0.75 sqrt(rows_per_expert) <= block_m. With

@@ -151,6 +151,11 @@ struct GemmGluGemm {
   bool y_bf16;
   void* workspace;
   size_t workspace_bytes;
+  // The contiguous GEMMs (offsets padded to 64, bf16, 64 x 256 tiles;
+  // Sm90ExpertsArgs::block_m = 64): max_rows is then max_padded_rows(T*k, E, 64)
+  // and tile_expert the table of each 64-row tile's expert.
+  bool contig = false;
+  int32_t* tile_expert = nullptr;
 };
 
 // bf16 in, bf16 out: the instance of that tile.
@@ -170,6 +175,17 @@ size_t h13_bytes(int64_t rows, int64_t inter) {
   return (static_cast<size_t>(rows) * 2 * inter * 2 + 255) / 256 * 256;
 }
 
+// The contiguous GEMMs' bound on the rows (a multiple of their 64-row tile).
+constexpr int kContigBlockM = 64;
+int64_t contig_max_rows(int64_t slots, int64_t num_experts) {
+  return ceil_div(max_padded_rows(slots, num_experts, kContigBlockM), int64_t{kContigBlockM}) *
+         kContigBlockM;
+}
+size_t tile_expert_bytes(int64_t slots, int64_t num_experts) {
+  return (static_cast<size_t>(contig_max_rows(slots, num_experts) / kContigBlockM) * 4 + 255) /
+         256 * 256;
+}
+
 // The workspace of one grouped GEMM: the largest of the instances (bf16 and f16).
 size_t gemm_workspace_bytes(int64_t num_experts) {
   size_t gemm = 0;
@@ -180,7 +196,8 @@ size_t gemm_workspace_bytes(int64_t num_experts) {
         sm90::workspace_bytes_f16_f32out(num_experts),
         sm90::workspace_bytes_glu_bf16_m64(num_experts),
         sm90::workspace_bytes_glu_bf16_m128(num_experts),
-        sm90::workspace_bytes_glu_f16_m128(num_experts)})
+        sm90::workspace_bytes_glu_f16_m128(num_experts), sm90::contig_workspace_bytes_bf16out_m64(),
+        sm90::contig_workspace_bytes_glu_bf16_m64()})
     gemm = b > gemm ? b : gemm;
   return (gemm + 255) / 256 * 256;
 }
@@ -222,6 +239,8 @@ GemmPair gemm_pair(const GemmGluGemm& a) {
   g.k = H;
   g.workspace = static_cast<char*>(a.workspace) + h13b;
   g.workspace_bytes = gemm_b;
+  g.tile_expert = a.tile_expert;
+  g.max_rows = a.max_rows;
   if (p.epilogue) {
     // inter_rows = act(a . w13[e]^T + b13[e]) straight from the accumulators.
     g.d = a.inter_rows;
@@ -247,6 +266,14 @@ GemmPair gemm_pair(const GemmGluGemm& a) {
 // not), in the instance its dtype and tile take, for phase g.phase; with PDL
 // where that instance's tile height holds every expert's rows (sm90_gemm_pdl).
 void gemm_w13(const GemmGluGemm& a, const GemmPair& p, sm90::Sm90GemmArgs g, Stream stream) {
+  if (a.contig) {  // the tile_expert table (kPrepare) serves both GEMMs
+    g.pdl = sm90_gemm_pdl(a.rows_per_expert, 64);
+    if (p.epilogue)
+      sm90::contig_gemm_glu_bf16_m64(g, stream);
+    else
+      sm90::contig_gemm_bf16out_m64(g, stream);
+    return;
+  }
   const bool f16 = a.dtype == DType::kF16;
   const bool m64 =
       !f16 && pick_sm90_tile(a.dtype, a.rows_per_expert, a.num_experts, g.n) == Sm90Tile::kM64N256;
@@ -265,6 +292,12 @@ void gemm_w13(const GemmGluGemm& a, const GemmPair& p, sm90::Sm90GemmArgs g, Str
   }
 }
 void gemm_w2(const GemmGluGemm& a, sm90::Sm90GemmArgs g, Stream stream) {
+  if (a.contig) {
+    if (g.phase == sm90::Sm90GemmArgs::Phase::kPrepare) return;  // gemm_w13's table
+    g.pdl = sm90_gemm_pdl(a.rows_per_expert, 64);
+    sm90::contig_gemm_bf16out_m64(g, stream);
+    return;
+  }
   const bool bf16_out = a.dtype == DType::kBF16 && a.y_bf16;  // else 128 x 256 (f32 out)
   const Sm90Tile tile = pick_sm90_tile(a.dtype, a.rows_per_expert, a.num_experts, g.n);
   g.pdl = sm90_gemm_pdl(a.rows_per_expert, bf16_out && tile == Sm90Tile::kM64N256 ? 64 : 128);
@@ -337,10 +370,11 @@ size_t sm90_experts_workspace_bytes(int64_t num_slots, int64_t num_experts, int6
 size_t sm90_experts_workspace_bytes_for(int64_t num_slots, int64_t num_experts, int64_t inter,
                                         bool glu_epilogue) {
 #ifdef FUSEDMOE_WITH_CUTLASS
-  // h13 rows (unless the activation is in the w13 epilogue), then the group
-  // arrays and CUTLASS workspace of each of the two GEMMs (gemm_pair).
-  const size_t h13 = glu_epilogue ? 0 : h13_bytes(num_slots, inter);
-  return h13 + 2 * gemm_workspace_bytes(num_experts);
+  // h13 rows (unless the activation is in the w13 epilogue; room for block_m
+  // 64's padded rows), then the group arrays and CUTLASS workspace of each of
+  // the two GEMMs (gemm_pair), then the contiguous GEMMs' tile_expert table.
+  const size_t h13 = glu_epilogue ? 0 : h13_bytes(contig_max_rows(num_slots, num_experts), inter);
+  return h13 + 2 * gemm_workspace_bytes(num_experts) + tile_expert_bytes(num_slots, num_experts);
 #else
   (void)num_slots;
   (void)num_experts;
@@ -375,30 +409,41 @@ void sm90_experts(const Sm90ExpertsArgs& a, Stream stream) {
   FUSEDMOE_CHECK(!interleaved || I % kW13Block == 0,
                  "sm90_experts: w13_layout kInterleaved128 needs inter a multiple of ", kW13Block,
                  ", got ", I);
-  // The permuted input (bf16 / f16 [slots, H]) lives in y_rows until w2 writes it.
+  FUSEDMOE_CHECK(a.block_m == 1 || (a.block_m == kContigBlockM && a.dtype == DType::kBF16),
+                 "sm90_experts: block_m must be 1, or ", kContigBlockM, " with dtype bf16, got ",
+                 a.block_m, " with ", dtype_name(a.dtype));
+  const bool contig = a.block_m == kContigBlockM;
+  // The permuted input (bf16 / f16 [rows, H]) lives in y_rows until w2 writes it.
   auto* xs = reinterpret_cast<uint16_t*>(a.y_rows);
-  const GemmGluGemm g{a.dtype,
-                      xs,
-                      slots,
-                      routed_rows_per_expert(a.num_tokens, a.top_k, E),
-                      a.expert_offsets,
-                      E,
-                      a.topk_ids,
-                      a.sorted_slot,
-                      H,
-                      I,
-                      a.w13,
-                      interleaved,
-                      a.w13_bias,
-                      a.w2,
-                      a.act,
-                      a.inter_rows,
-                      a.y_rows,
-                      a.dtype == DType::kBF16,
-                      a.workspace,
-                      a.workspace_bytes};
+  GemmGluGemm g{a.dtype,
+                xs,
+                slots,
+                routed_rows_per_expert(a.num_tokens, a.top_k, E),
+                a.expert_offsets,
+                E,
+                a.topk_ids,
+                a.sorted_slot,
+                H,
+                I,
+                a.w13,
+                interleaved,
+                a.w13_bias,
+                a.w2,
+                a.act,
+                a.inter_rows,
+                a.y_rows,
+                a.dtype == DType::kBF16,
+                a.workspace,
+                a.workspace_bytes};
   const bool epilogue = glu_in_epilogue(g);
   const size_t need = sm90_experts_workspace_bytes_for(slots, E, I, epilogue);
+  if (contig) {
+    g.contig = true;
+    g.max_rows = contig_max_rows(slots, E);
+    // The table at the end of the workspace (sm90_experts_workspace_bytes_for's layout).
+    g.tile_expert = reinterpret_cast<int32_t*>(static_cast<char*>(a.workspace) + need -
+                                               tile_expert_bytes(slots, E));
+  }
   FUSEDMOE_CHECK(a.workspace_bytes >= need, "sm90_experts: workspace of ", need,
                  " bytes needed, got ", a.workspace_bytes,
                  interleaved && !epilogue

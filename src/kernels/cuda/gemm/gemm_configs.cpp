@@ -179,6 +179,36 @@ Sm90Tile pick_sm90_tile(DType dtype, int64_t rows_per_expert, int64_t num_expert
   return sm90_tile_for(rows_per_expert, num_experts, n, num_sms());
 }
 
+// Session 25 (bench/results/2026-12-01-session25.md; bench_cuda_moe, three passes
+// alternating FUSEDMOE_CUDA_SM90_CONTIG=off|on, us; ncu per GEMM): the contiguous
+// GEMMs (no TMA descriptor updates, one table load a tile for the expert) are
+// faster only for few large experts at a few m tiles each: Mixtral T = 512
+// 906-911 -> 819-823, T = 1024 1331-1347 -> 1271-1275 (w13 GEMM 583-587 -> 513-516
+// and 906-956 -> 812-863 us, L2 bytes -12 %; w2 equal). Elsewhere equal within noise
+// (Qwen3 T = 512-4096, DeepSeek-V3 T = 1024 / 4096, Mixtral T = 2048 / 4096 per GEMM) or
+// slower (DeepSeek-V3 T = 2048 5699-5723 -> 5813-5831). A first version with the
+// tiles in raster order along N over all experts (not expert-major) was 5-10 %
+// slower for Qwen3 / DeepSeek-V3 and 2x slower for Mixtral.
+constexpr int64_t kContigMaxExperts = 16, kContigMaxRowsPerExpert = 256;
+
+bool sm90_contig_fits(int64_t num_slots, int64_t num_experts) {
+  return num_slots >= 32 * num_experts;
+}
+
+bool pick_sm90_contig(DType dtype, int64_t rows_per_expert, int64_t num_slots, int64_t num_experts,
+                      int64_t hidden, int64_t inter) {
+  const char* env = std::getenv("FUSEDMOE_CUDA_SM90_CONTIG");
+  const bool set = env != nullptr && env[0] != '\0';
+  FUSEDMOE_CHECK(!set || std::strcmp(env, "on") == 0 || std::strcmp(env, "off") == 0,
+                 "FUSEDMOE_CUDA_SM90_CONTIG: expected on or off, got ", env);
+  if (set && std::strcmp(env, "off") == 0) return false;
+  if (dtype != DType::kBF16 || !sm90_contig_fits(num_slots, num_experts)) return false;
+  if (pick_sm90_tile(dtype, rows_per_expert, num_experts, 2 * inter) != Sm90Tile::kM64N256 ||
+      pick_sm90_tile(dtype, rows_per_expert, num_experts, hidden) != Sm90Tile::kM64N256)
+    return false;
+  return set || (num_experts <= kContigMaxExperts && rows_per_expert <= kContigMaxRowsPerExpert);
+}
+
 // Session 18 (bench/results/2026-12-01-session18.md; bench_cuda_moe, two
 // passes, old and new binaries alternating, us): both GEMMs launched with PDL
 // (their CTAs placed during the previous kernel's tail) vs plainly: Mixtral

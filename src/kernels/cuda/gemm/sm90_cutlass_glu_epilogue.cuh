@@ -20,6 +20,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
@@ -34,18 +35,23 @@
 namespace fusedmoe::cuda::sm90 {
 
 // T: __nv_bfloat16 or __half (the output and weight type); ElementD: its
-// CUTLASS spelling; LayoutD: the row-major tag (pointer-to for grouped GEMMs).
-template <class T, class ElementD_>
-class GluEpilogueArray {
+// CUTLASS spelling. kContig = false: for the ptr-array grouped GEMM (a D
+// pointer and stride per group, the group = the expert); true: for the
+// contiguous GEMM (sm90_cutlass_contig_gemm.cuh: one D, rows global, the
+// expert of each 64-row tile in tile_expert).
+template <class T, class ElementD_, bool kContig = false>
+class GluEpilogue {
  public:
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayNoSmemWarpSpecialized;
+  using EpilogueSchedule = std::conditional_t<kContig, cutlass::epilogue::NoSmemWarpSpecialized,
+                                              cutlass::epilogue::PtrArrayNoSmemWarpSpecialized>;
   using DispatchPolicy = EpilogueSchedule;
   using ElementOutput = ElementD_;
   using ElementAccumulator = float;
   using ElementCompute = float;
   using ElementScalar = float;
   using ElementC = void;
-  using StrideC = cutlass::detail::TagToStrideC_t<cutlass::layout::RowMajor*>;
+  using StrideC = cutlass::detail::TagToStrideC_t<
+      std::conditional_t<kContig, cutlass::layout::RowMajor, cutlass::layout::RowMajor*>>;
   using InternalStrideC = cute::remove_pointer_t<StrideC>;
   using ElementD = ElementD_;
   using StrideD = StrideC;
@@ -61,11 +67,13 @@ class GluEpilogueArray {
   using TensorMapStorage = SharedStorage;
 
   struct Arguments {
-    ElementD** ptr_D = nullptr;   // per group: the group's first output row
-    StrideD dD{};                 // per group: (ldd, 1, 0)
+    // Per group: the group's first output row and (ldd, 1, 0); kContig: row 0 and (ldd, 1, 0).
+    std::conditional_t<kContig, ElementD*, ElementD**> ptr_D = nullptr;
+    StrideD dD{};
     const float* bias = nullptr;  // f32 [groups, 2I] (gate then up, the standard order) or null
     int64_t inter = 0;            // I (output columns), a multiple of kBlock
     ActivationParams act{};
+    const int32_t* tile_expert = nullptr;  // kContig: the expert of each m tile (for the bias)
   };
   using Params = Arguments;
 
@@ -75,7 +83,7 @@ class GluEpilogueArray {
     return args;
   }
   template <class ProblemShape>
-  static size_t get_workspace_size(ProblemShape const&, Arguments const&, int) {
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&, int = 0) {
     return 0;
   }
   template <class ProblemShape>
@@ -88,7 +96,7 @@ class GluEpilogueArray {
     return args.ptr_D != nullptr && args.inter > 0 && args.inter % kBlock == 0;
   }
 
-  CUTLASS_HOST_DEVICE explicit GluEpilogueArray(Params const& params) : params_(params) {}
+  CUTLASS_HOST_DEVICE explicit GluEpilogue(Params const& params) : params_(params) {}
 
   template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine,
             class FrgLayout, class TiledMma, class ResidueMNK>
@@ -105,18 +113,27 @@ class GluEpilogueArray {
 
     const int M = get<0>(problem_shape_mnkl);
     const int m_coord = get<0>(blk_coord_mnkl), n_coord = get<1>(blk_coord_mnkl);
-    const int l_coord = get<3>(blk_coord_mnkl);  // the group: the expert
-
     // Tile-local coordinates of this thread's accumulators.
     auto cD = make_identity_tensor(make_shape(Int<kBM>{}, Int<kBN>{}));
     auto tCcD = tiled_mma.get_thread_slice(thread_idx).partition_C(cD);
     CUTE_STATIC_ASSERT_V(size(tCcD) == size(accumulators), "one coordinate per accumulator");
 
-    T* out = reinterpret_cast<T*>(params_.ptr_D[l_coord]);
-    const int64_t ldd = get<0>(params_.dD[l_coord]);
+    T* out;
+    int64_t ldd;
     const int64_t inter = params_.inter;
-    const float* bias =
-        params_.bias ? params_.bias + static_cast<int64_t>(l_coord) * 2 * inter : nullptr;
+    const float* bias = nullptr;
+    if constexpr (kContig) {
+      out = reinterpret_cast<T*>(params_.ptr_D);
+      ldd = get<0>(params_.dD);
+      if (params_.bias)
+        bias =
+            params_.bias + static_cast<int64_t>(__ldg(params_.tile_expert + m_coord)) * 2 * inter;
+    } else {
+      const int l_coord = get<3>(blk_coord_mnkl);  // the group: the expert
+      out = reinterpret_cast<T*>(params_.ptr_D[l_coord]);
+      ldd = get<0>(params_.dD[l_coord]);
+      if (params_.bias) bias = params_.bias + static_cast<int64_t>(l_coord) * 2 * inter;
+    }
     const ActivationParams act = params_.act;
     const int64_t col0 = static_cast<int64_t>(n_coord) * kBlock;
     const int row0 = m_coord * kBM;

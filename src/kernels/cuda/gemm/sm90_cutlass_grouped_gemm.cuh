@@ -95,13 +95,13 @@ using GroupedGemm = GroupedGemmWith<
     false>;
 
 // The w13 GEMM with the gated activation in its epilogue (weights in
-// W13Layout::kInterleaved128): GluEpilogueArray writes act(gate, up) straight
+// W13Layout::kInterleaved128): GluEpilogue writes act(gate, up) straight
 // from the accumulators (no shared memory: the mainloop's stages take it all).
 template <class T, class ElementAB, class TileShape, class ClusterShape, class KernelSchedule>
 using GroupedGemmGlu =
     GroupedGemmWith<ElementAB, TileShape, ClusterShape, KernelSchedule,
                     cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
-                        GluEpilogueArray<T, ElementAB>>,
+                        GluEpilogue<T, ElementAB>>,
                     true>;
 template <class T, class ElementAB>
 using GluCooperative128x256 =

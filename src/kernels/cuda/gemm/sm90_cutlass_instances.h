@@ -37,6 +37,12 @@ struct Sm90GemmArgs {
   // first GEMM, none between the two).
   enum class Phase : uint8_t { kPrepare, kLaunch };
   Phase phase = Phase::kPrepare;
+  // The contiguous instances only (contig_gemm_*): rows of expert e are
+  // [off[e], off[e+1]), every off[e] a multiple of 64 (align with block_m = 64);
+  // max_rows: the host's bound on off[E] (max_padded_rows(T*k, E, 64)), the rows of
+  // a and d; tile_expert: device i32 [max_rows / 64], written by the kPrepare call.
+  int32_t* tile_expert = nullptr;
+  int64_t max_rows = 0;
   // The GEMM launched with PDL too (its CTAs placed over the previous
   // kernel's tail, waiting there): only where every expert has one m tile
   // (sm90_gemm_pdl), else plainly.
@@ -62,5 +68,13 @@ size_t workspace_bytes_glu_bf16_m64(int64_t num_experts);
 size_t workspace_bytes_glu_bf16_m128(int64_t num_experts);
 size_t workspace_bytes_glu_f16_m128(int64_t num_experts);
 size_t workspace_bytes_f16_f16out(int64_t num_experts);
+// The contiguous grouped GEMM (sm90_cutlass_contig_gemm.cuh: one TMA descriptor
+// per operand, no per-group descriptor updates), bf16, 64 x 256 pingpong:
+// bf16 out (w2; w13 without the activation) and the w13 GEMM with the gated
+// activation in its epilogue.
+void contig_gemm_bf16out_m64(const Sm90GemmArgs& args, Stream stream);
+void contig_gemm_glu_bf16_m64(const Sm90GemmArgs& args, Stream stream);
+size_t contig_workspace_bytes_bf16out_m64();
+size_t contig_workspace_bytes_glu_bf16_m64();
 size_t workspace_bytes_f16_f32out(int64_t num_experts);
 }  // namespace fusedmoe::cuda::sm90
