@@ -400,19 +400,8 @@ void run_contig(const Sm90GemmArgs& a, Stream stream) {
   int device = 0;
   FUSEDMOE_CUDA_CHECK(cudaGetDevice(&device));
   const auto args = make_contig_arguments<G>(a, num_sms(), device);
-  typename G::Gemm gemm;
-  cutlass::Status st = gemm.can_implement(args);
-  FUSEDMOE_CHECK(st == cutlass::Status::kSuccess,
-                 "sm90 contiguous GEMM: CUTLASS cannot implement N = ", a.n, ", K = ", a.k, ": ",
-                 cutlassGetStatusString(st));
   void* ws = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(a.workspace) + 255) / 256 * 256);
-  st = gemm.initialize(args, ws, stream);
-  FUSEDMOE_CHECK(st == cutlass::Status::kSuccess,
-                 "sm90 contiguous GEMM: initialize failed: ", cutlassGetStatusString(st));
-  st = gemm.run(stream, nullptr, a.pdl && pdl_enabled());
-  FUSEDMOE_CHECK(st == cutlass::Status::kSuccess,
-                 "sm90 contiguous GEMM: launch failed: ", cutlassGetStatusString(st));
-  FUSEDMOE_CUDA_CHECK_LAUNCH();
+  launch_gemm<typename G::Gemm>(args, ws, a, stream, "sm90 contiguous GEMM");
 }
 
 }  // namespace fusedmoe::cuda::sm90

@@ -98,11 +98,10 @@ using GroupedGemm = GroupedGemmWith<
 // W13Layout::kInterleaved128): GluEpilogue writes act(gate, up) straight
 // from the accumulators (no shared memory: the mainloop's stages take it all).
 template <class T, class ElementAB, class TileShape, class ClusterShape, class KernelSchedule>
-using GroupedGemmGlu =
-    GroupedGemmWith<ElementAB, TileShape, ClusterShape, KernelSchedule,
-                    cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
-                        GluEpilogue<T, ElementAB>>,
-                    true>;
+using GroupedGemmGlu = GroupedGemmWith<
+    ElementAB, TileShape, ClusterShape, KernelSchedule,
+    cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<GluEpilogue<T, ElementAB>>,
+    true>;
 template <class T, class ElementAB>
 using GluCooperative128x256 =
     GroupedGemmGlu<T, ElementAB, cute::Shape<cute::_128, cute::_256, cute::_64>,
@@ -233,6 +232,24 @@ size_t workspace_bytes(int64_t groups) {
   return GroupArrays<G>::bytes(groups) + G::Gemm::get_workspace_size(args) + 256;
 }
 
+// can_implement, initialize (on `workspace`) and run a CUTLASS device GEMM, with
+// PDL only where the caller asks (Sm90GemmArgs::pdl: one m tile an expert).
+template <class Gemm>
+void launch_gemm(const typename Gemm::Arguments& args, void* workspace, const Sm90GemmArgs& a,
+                 Stream stream, const char* what) {
+  Gemm gemm;
+  cutlass::Status st = gemm.can_implement(args);
+  FUSEDMOE_CHECK(st == cutlass::Status::kSuccess, what, ": CUTLASS cannot implement N = ", a.n,
+                 ", K = ", a.k, ": ", cutlassGetStatusString(st));
+  st = gemm.initialize(args, workspace, stream);
+  FUSEDMOE_CHECK(st == cutlass::Status::kSuccess, what,
+                 ": initialize failed: ", cutlassGetStatusString(st));
+  st = gemm.run(stream, nullptr, a.pdl && pdl_enabled());
+  FUSEDMOE_CHECK(st == cutlass::Status::kSuccess, what,
+                 ": launch failed: ", cutlassGetStatusString(st));
+  FUSEDMOE_CUDA_CHECK_LAUNCH();
+}
+
 template <class G>
 void run(const Sm90GemmArgs& a, Stream stream) {
   FUSEDMOE_CHECK(a.workspace != nullptr && a.workspace_bytes >= workspace_bytes<G>(a.num_experts),
@@ -251,20 +268,8 @@ void run(const Sm90GemmArgs& a, Stream stream) {
   int device = 0;
   FUSEDMOE_CUDA_CHECK(cudaGetDevice(&device));
   const auto args = make_arguments<G>(g, a.num_experts, num_sms(), device, a);
-  typename G::Gemm gemm;
-  cutlass::Status st = gemm.can_implement(args);
-  FUSEDMOE_CHECK(st == cutlass::Status::kSuccess,
-                 "sm90 grouped GEMM: CUTLASS cannot implement N = ", a.n, ", K = ", a.k, ": ",
-                 cutlassGetStatusString(st));
-  void* cutlass_ws = static_cast<char*>(a.workspace) + (front + 255) / 256 * 256;
-  st = gemm.initialize(args, cutlass_ws, stream);
-  FUSEDMOE_CHECK(st == cutlass::Status::kSuccess,
-                 "sm90 grouped GEMM: initialize failed: ", cutlassGetStatusString(st));
-  // PDL only where the caller asks (Sm90GemmArgs::pdl: one m tile an expert).
-  st = gemm.run(stream, nullptr, a.pdl && pdl_enabled());
-  FUSEDMOE_CHECK(st == cutlass::Status::kSuccess,
-                 "sm90 grouped GEMM: launch failed: ", cutlassGetStatusString(st));
-  FUSEDMOE_CUDA_CHECK_LAUNCH();
+  launch_gemm<typename G::Gemm>(args, static_cast<char*>(a.workspace) + (front + 255) / 256 * 256,
+                                a, stream, "sm90 grouped GEMM");
 }
 
 }  // namespace fusedmoe::cuda::sm90
