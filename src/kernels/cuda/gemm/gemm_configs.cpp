@@ -186,7 +186,10 @@ Sm90Tile pick_sm90_tile(DType dtype, int64_t rows_per_expert, int64_t num_expert
 // 906-911 -> 819-823, T = 1024 1331-1347 -> 1271-1275 (w13 GEMM 583-587 -> 513-516
 // and 906-956 -> 812-863 us, L2 bytes -12 %; w2 equal). Elsewhere equal within noise
 // (Qwen3 T = 512-4096, DeepSeek-V3 T = 1024 / 4096, Mixtral T = 2048 / 4096 per GEMM) or
-// slower (DeepSeek-V3 T = 2048 5699-5723 -> 5813-5831). A first version with the
+// slower (DeepSeek-V3 T = 2048 5699-5723 -> 5813-5831). A finer Mixtral sweep (run 8)
+// puts it within +-5 % elsewhere: T = 768 991-1002 -> 1028-1030 (the GEMMs equal under
+// ncu), T = 1152 1555-1579 -> 1482-1483, T = 1280 1622-1649 -> 1675-1682; the default
+// covers E <= 16 at <= 256 rows (Mixtral T <= 1024). A first version with the
 // tiles in raster order along N over all experts (not expert-major) was 5-10 %
 // slower for Qwen3 / DeepSeek-V3 and 2x slower for Mixtral.
 constexpr int64_t kContigMaxExperts = 16, kContigMaxRowsPerExpert = 256;
