@@ -23,6 +23,7 @@
 
 #include "cli/bench_common.h"
 #include "cli/cli.h"
+#include "fusedmoe/core/env.h"
 #include "fusedmoe/core/error.h"
 #include "fusedmoe/io/safetensors.h"
 #include "fusedmoe/parallel/communicator.h"
@@ -172,10 +173,11 @@ void check_ep_transport() {
   }
 }
 
-void check_cpu_isa() {
+void check_gemm_switches() {
   try {
-    cpu::gemm_isa();    // FUSEDMOE_CPU_ISA
-    cpu::amx_in_use();  // FUSEDMOE_CPU_AMX
+    cpu::gemm_isa();        // FUSEDMOE_CPU_ISA
+    cpu::amx_in_use();      // FUSEDMOE_CPU_AMX
+    check_cuda_switches();  // FUSEDMOE_CUDA_*, on every backend
   } catch (const fusedmoe::Error& e) {
     throw UsageError(e.what());
   }
@@ -999,7 +1001,7 @@ int run_command_line(int argc, char** argv) {
     if (collectives) {
       check_comm_timeout();
       check_ep_transport();
-      check_cpu_isa();  // the CPU GEMM's settings, before anything runs (any backend)
+      check_gemm_switches();  // the GEMMs' switches, before anything runs (any backend)
     }
     if (inspect->parsed()) return silent_rank ? 0 : run_inspect(inspect_opts);
     if (run->parsed()) return run_run(run_opts);

@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "fusedmoe/core/env.h"
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/gemm_amx.h"
 #include "kernels/cpu/workspace_slots.h"
@@ -170,6 +171,7 @@ MoERunner::MoERunner(MoEConfig config, MoELayerWeights weights, RunnerOptions op
     : config_(std::move(config)), weights_(std::move(weights)), options_(options) {
   config_.validate();
   weights_.validate(config_);
+  check_cuda_switches();  // on every backend: a bad FUSEDMOE_CUDA_* value is never ignored
   FUSEDMOE_CHECK(
       options_.compute_dtype == DType::kF32 || options_.compute_dtype == DType::kBF16 ||
           (options_.compute_dtype == DType::kF16 && options_.device.type == DeviceType::kCUDA),

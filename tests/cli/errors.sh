@@ -630,7 +630,22 @@ FUSEDMOE_EP_TRANSPORT=Peer expect_usage "FUSEDMOE_EP_TRANSPORT=Peer, run --ep-si
   run --model "$FIX" --layer 1 --tokens 2 --ep-size 2
 FUSEDMOE_EP_TRANSPORT=nvshmem expect_usage "FUSEDMOE_EP_TRANSPORT=nvshmem, bench" "$transport_msg \"nvshmem\"" -- \
   bench --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0
-# ... while its values (and empty: unset) run.
+# The CUDA backend's switches (FUSEDMOE_CUDA_*): a bad value is a usage error of run and
+# bench on every backend too (it used to pass unnoticed without a GPU, exit 0).
+FUSEDMOE_CUDA_SM90_CONTIG=maybe expect_usage "FUSEDMOE_CUDA_SM90_CONTIG=maybe, run" \
+  "FUSEDMOE_CUDA_SM90_CONTIG: expected on or off, got 'maybe'" -- run --model "$FIX" --layer 1 --tokens 2
+FUSEDMOE_CUDA_PDL=7 expect_usage "FUSEDMOE_CUDA_PDL=7, bench" \
+  "FUSEDMOE_CUDA_PDL: expected 0 or 1, got '7'" -- \
+  bench --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0
+FUSEDMOE_CUDA_ALIGN=blocks expect_usage "FUSEDMOE_CUDA_ALIGN=blocks, run" \
+  "FUSEDMOE_CUDA_ALIGN: expected fused, chunks or grid, got 'blocks'" -- \
+  run --model "$FIX" --layer 1 --tokens 2
+if FUSEDMOE_CUDA_SM90_CONTIG=off FUSEDMOE_CUDA_SM90_TILE=m128 FUSEDMOE_CUDA_PDL= "$BIN" run --model "$FIX" --layer 1 --tokens 2 --quiet >"$TMP/stdout" 2>"$TMP/stderr"; then
+  echo "ok   FUSEDMOE_CUDA_* valid values: run"
+else
+  echo "FAIL FUSEDMOE_CUDA_* valid values: refused"; cat "$TMP/stderr"; failures=$((failures + 1))
+fi
+# ... while FUSEDMOE_EP_TRANSPORT's values (and empty: unset) run.
 for v in "" auto nccl peer; do
   if FUSEDMOE_EP_TRANSPORT=$v "$BIN" run --model "$FIX" --layer 1 --tokens 2 --quiet >"$TMP/stdout" 2>"$TMP/stderr"; then
     echo "ok   FUSEDMOE_EP_TRANSPORT='$v': runs"

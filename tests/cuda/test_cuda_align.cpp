@@ -141,7 +141,7 @@ TEST(CudaAlign, UnknownKernelChoiceIsAnError) {
     ADD_FAILURE() << "FUSEDMOE_CUDA_ALIGN=blocks accepted";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find(
-                  "FUSEDMOE_CUDA_ALIGN: expected fused, chunks or grid, got blocks"),
+                  "FUSEDMOE_CUDA_ALIGN: expected fused, chunks or grid, got 'blocks'"),
               std::string::npos)
         << e.what();
   }

@@ -19,6 +19,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "fusedmoe/core/env.h"
 #include "fusedmoe/kernels/cuda.h"
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/pdl.cuh"
@@ -348,11 +349,7 @@ void align(const AlignArgs& a, Stream stream) {
   const int n = static_cast<int>(a.num_slots);
   // FUSEDMOE_CUDA_ALIGN=fused|chunks|grid forces one (fused: where it fits;
   // chunks: with chunk_counts and E <= kChunkMaxExperts).
-  const char* env = std::getenv("FUSEDMOE_CUDA_ALIGN");
-  const bool set = env != nullptr && env[0] != '\0';
-  FUSEDMOE_CHECK(!set || std::strcmp(env, "fused") == 0 || std::strcmp(env, "chunks") == 0 ||
-                     std::strcmp(env, "grid") == 0,
-                 "FUSEDMOE_CUDA_ALIGN: expected fused, chunks or grid, got ", env);
+  const int forced = cuda_switch(CudaSwitch::kAlign);  // fused, chunks, grid
   const bool fits = a.num_slots <= kFusedMaxSlots && E <= kFusedMaxExperts;
   const bool chunks_fit = a.chunk_counts != nullptr && E <= kChunkMaxExperts;
   // The one-block kernel where it fits and is faster. Session 16 (ncu, us, one
@@ -365,12 +362,12 @@ void align(const AlignArgs& a, Stream stream) {
   // slots within the noise (Qwen3 T = 256 fused 2-5 us ahead in two of three
   // passes). So the fused kernel up to 4096 slots (any E), else the chunks.
   const bool faster = a.num_slots <= kFusedMaxSlots / 4 || !chunks_fit;
-  if (set ? std::strcmp(env, "fused") == 0 && fits : fits && faster) {
+  if (forced >= 0 ? forced == 0 && fits : fits && faster) {
     launch_pdl(align_fused_kernel, 1, kFusedThreads, 0, stream, a.topk_ids, n, E, a.block_m,
                a.expert_offsets, a.sorted_slot, a.slot_row);
     return;
   }
-  if (chunks_fit && (!set || std::strcmp(env, "grid") != 0)) {
+  if (chunks_fit && forced != 2) {
     const int64_t chunk = chunk_slots(a.num_slots), chunks = num_chunks(a.num_slots);
     launch_pdl(chunk_count_kernel, static_cast<unsigned>(chunks), kChunkThreads,
                sizeof(int32_t) * E, stream, a.topk_ids, n, E, static_cast<int>(chunk),

@@ -628,13 +628,7 @@ bool decode_experts_eligible(int64_t num_tokens, int64_t top_k) {
 }
 
 bool pick_decode_experts(int64_t num_tokens, int64_t top_k, int64_t num_experts, int64_t inter) {
-  static const bool enabled = [] {
-    const char* v = std::getenv("FUSEDMOE_CUDA_DECODE");
-    FUSEDMOE_CHECK(
-        v == nullptr || v[0] == '\0' || std::strcmp(v, "0") == 0 || std::strcmp(v, "1") == 0,
-        "FUSEDMOE_CUDA_DECODE: expected 0 or 1, got ", v);
-    return v == nullptr || std::strcmp(v, "0") != 0;
-  }();
+  static const bool enabled = cuda_switch(CudaSwitch::kDecode) != 0;  // 0 turns it off
   // Past T = 4, only while a touched expert gets about two slots or fewer
   // (T * k <= 2 E): groups hold at most 4 slots, and an expert with more is
   // streamed once per group; and up to 96 slots. H200, decode vs align + the

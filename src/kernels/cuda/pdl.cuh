@@ -29,6 +29,7 @@
 #include <cstring>
 #include <utility>
 
+#include "fusedmoe/core/env.h"
 #include "kernels/cuda/cuda_check.h"
 
 namespace fusedmoe::cuda {
@@ -45,10 +46,7 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 
 inline bool pdl_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("FUSEDMOE_CUDA_PDL");
-    return v == nullptr || std::strcmp(v, "0") != 0;
-  }();
+  static const bool on = cuda_switch(CudaSwitch::kPdl) != 0;  // 0 turns it off
   return on;
 }
 

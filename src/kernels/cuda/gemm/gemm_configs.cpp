@@ -69,6 +69,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "fusedmoe/core/env.h"
 #include "fusedmoe/kernels/cuda.h"
 #include "kernels/cuda/cuda_common.cuh"  // num_sms
 #include "kernels/cuda/gemm/gemm_instances.h"
@@ -124,11 +125,8 @@ GemmTile pick_gemm_tile(int64_t rows_per_expert, int64_t routed_rows, int64_t /*
 
 bool pick_sm90_experts(int64_t rows_per_expert, int64_t /*routed_rows*/, int64_t /*hidden*/,
                        int64_t /*inter*/) {
-  const char* env = std::getenv("FUSEDMOE_CUDA_EXPERTS");
-  const bool force_mma = env != nullptr && std::strcmp(env, "mma") == 0;
-  const bool force_sm90 = env != nullptr && std::strcmp(env, "sm90") == 0;
-  FUSEDMOE_CHECK(env == nullptr || env[0] == '\0' || force_mma || force_sm90,
-                 "FUSEDMOE_CUDA_EXPERTS: expected sm90 or mma, got ", env);
+  const int choice = cuda_switch(CudaSwitch::kExperts);  // sm90, mma
+  const bool force_sm90 = choice == 0, force_mma = choice == 1;
   if (force_mma) return false;
   if (!sm90_experts_available()) {
     if (force_sm90)
@@ -141,10 +139,7 @@ bool pick_sm90_experts(int64_t rows_per_expert, int64_t /*routed_rows*/, int64_t
 }
 
 W13Layout pick_w13_layout(int64_t inter) {
-  const char* env = std::getenv("FUSEDMOE_CUDA_W13_LAYOUT");
-  const bool standard = env != nullptr && env[0] != '\0' && std::strcmp(env, "interleaved") != 0;
-  FUSEDMOE_CHECK(!standard || std::strcmp(env, "standard") == 0,
-                 "FUSEDMOE_CUDA_W13_LAYOUT: expected interleaved or standard, got ", env);
+  const bool standard = cuda_switch(CudaSwitch::kW13Layout) == 1;  // interleaved, standard
   return !standard && inter % kW13Block == 0 && sm90_experts_available()
              ? W13Layout::kInterleaved128
              : W13Layout::kStandard;
@@ -158,24 +153,13 @@ W13Layout pick_w13_layout(int64_t inter) {
 // 7241 vs 7357 / 7423; T = 64 ties. So the epilogue everywhere.
 bool pick_sm90_glu_epilogue(int64_t /*rows_per_expert*/, int64_t /*num_experts*/,
                             int64_t /*hidden*/, int64_t /*inter*/) {
-  const char* env = std::getenv("FUSEDMOE_CUDA_SM90_GLU");
-  if (env != nullptr && env[0] != '\0') {
-    if (std::strcmp(env, "epilogue") == 0) return true;
-    FUSEDMOE_CHECK(std::strcmp(env, "pass") == 0,
-                   "FUSEDMOE_CUDA_SM90_GLU: expected epilogue or pass, got ", env);
-    return false;
-  }
-  return true;
+  return cuda_switch(CudaSwitch::kSm90Glu) != 1;  // epilogue (default), pass
 }
 
 Sm90Tile pick_sm90_tile(DType dtype, int64_t rows_per_expert, int64_t num_experts, int64_t n) {
   if (dtype != DType::kBF16) return Sm90Tile::kM128N256;
-  const char* env = std::getenv("FUSEDMOE_CUDA_SM90_TILE");
-  if (env != nullptr && env[0] != '\0') {
-    if (std::strcmp(env, "m64") == 0) return Sm90Tile::kM64N256;
-    if (std::strcmp(env, "m128") == 0) return Sm90Tile::kM128N256;
-    FUSEDMOE_THROW(kInvalidArgument, "FUSEDMOE_CUDA_SM90_TILE: expected m64 or m128, got ", env);
-  }
+  const int forced = cuda_switch(CudaSwitch::kSm90Tile);  // m64, m128
+  if (forced >= 0) return forced == 0 ? Sm90Tile::kM64N256 : Sm90Tile::kM128N256;
   return sm90_tile_for(rows_per_expert, num_experts, n, num_sms());
 }
 
@@ -200,11 +184,9 @@ bool sm90_contig_fits(int64_t num_slots, int64_t num_experts) {
 
 bool pick_sm90_contig(DType dtype, int64_t rows_per_expert, int64_t num_slots, int64_t num_experts,
                       int64_t hidden, int64_t inter) {
-  const char* env = std::getenv("FUSEDMOE_CUDA_SM90_CONTIG");
-  const bool set = env != nullptr && env[0] != '\0';
-  FUSEDMOE_CHECK(!set || std::strcmp(env, "on") == 0 || std::strcmp(env, "off") == 0,
-                 "FUSEDMOE_CUDA_SM90_CONTIG: expected on or off, got ", env);
-  if (set && std::strcmp(env, "off") == 0) return false;
+  const int forced = cuda_switch(CudaSwitch::kSm90Contig);  // on, off
+  const bool set = forced == 0;
+  if (forced == 1) return false;
   if (dtype != DType::kBF16 || !sm90_contig_fits(num_slots, num_experts)) return false;
   if (pick_sm90_tile(dtype, rows_per_expert, num_experts, 2 * inter) != Sm90Tile::kM64N256 ||
       pick_sm90_tile(dtype, rows_per_expert, num_experts, hidden) != Sm90Tile::kM64N256)
@@ -273,12 +255,8 @@ int m16n64_stages_for(int64_t rows, int64_t num_experts, int64_t n_tiles, int64_
 }
 
 int pick_m16n64_stages(int64_t rows, int64_t num_experts, int64_t n_tiles, int64_t k) {
-  const char* env = std::getenv("FUSEDMOE_CUDA_M16_STAGES");
-  if (env != nullptr && env[0] != '\0') {
-    FUSEDMOE_CHECK(std::strcmp(env, "3") == 0 || std::strcmp(env, "4") == 0,
-                   "FUSEDMOE_CUDA_M16_STAGES: expected 3 or 4, got ", env);
-    return env[0] - '0';
-  }
+  const int forced = cuda_switch(CudaSwitch::kM16Stages);  // 3, 4
+  if (forced >= 0) return 3 + forced;
   return m16n64_stages_for(rows, num_experts, n_tiles, k, num_sms());
 }
 
