@@ -577,10 +577,14 @@ def test_expanded_torch_weights_beyond_the_machines_memory_name_the_argument():
     ("FUSEDMOE_CPU_ISA", "bogus",
      "FUSEDMOE_CPU_ISA: expected one of auto, avx512, avx2, scalar, got 'bogus'"),
     ("FUSEDMOE_CPU_AMX", "yes", "FUSEDMOE_CPU_AMX: expected 0, 1 or auto, got 'yes'"),
+    ("FUSEDMOE_CUDA_SM90_CONTIG", "maybe",
+     "FUSEDMOE_CUDA_SM90_CONTIG: expected on or off, got 'maybe'"),
+    ("FUSEDMOE_CUDA_PDL", "7", "FUSEDMOE_CUDA_PDL: expected 0 or 1, got '7'"),
 ])
 def test_bad_cpu_gemm_environment_fails_when_the_layer_is_made(var, value, message):
     """A bad FUSEDMOE_CPU_ISA / FUSEDMOE_CPU_AMX raised only at the first call,
-    after from_pretrained had succeeded (trial); now when the layer is made."""
+    after from_pretrained had succeeded (trial); now when the layer is made. The
+    CUDA switches too, on the CPU backend (they passed unnoticed there)."""
     code = textwrap.dedent(f"""
         import fusedmoe
         try:
