@@ -47,15 +47,15 @@ int cuda_switch(CudaSwitch s) {
       return env_choice("FUSEDMOE_CUDA_DECODE", {"0", "1"});
     case CudaSwitch::kPdl:
       return env_choice("FUSEDMOE_CUDA_PDL", {"0", "1"});
+    case CudaSwitch::kCount:
+      break;
   }
   FUSEDMOE_THROW(kInvalidArgument, "cuda_switch: unknown switch ", static_cast<int>(s));
 }
 
 void check_cuda_switches() {
-  for (const CudaSwitch s : {CudaSwitch::kExperts, CudaSwitch::kSm90Tile, CudaSwitch::kSm90Contig,
-                             CudaSwitch::kSm90Glu, CudaSwitch::kW13Layout, CudaSwitch::kM16Stages,
-                             CudaSwitch::kAlign, CudaSwitch::kDecode, CudaSwitch::kPdl})
-    cuda_switch(s);
+  for (int s = 0; s < static_cast<int>(CudaSwitch::kCount); ++s)
+    cuda_switch(static_cast<CudaSwitch>(s));
 }
 
 }  // namespace fusedmoe

@@ -22,6 +22,7 @@ enum class CudaSwitch {
   kAlign,       // FUSEDMOE_CUDA_ALIGN: fused, chunks, grid
   kDecode,      // FUSEDMOE_CUDA_DECODE: 0, 1
   kPdl,         // FUSEDMOE_CUDA_PDL: 0, 1
+  kCount        // the number of switches (not one)
 };
 int cuda_switch(CudaSwitch s);
 
