@@ -146,8 +146,8 @@ int run_cuda_bench(const CudaBenchOptions& o) {
     CK(cudaMalloc(&offsets, (E + 1) * 8));
     CK(cudaMalloc(&inter, padded_max * I * 2));
     // y: f32 slot rows, or the contiguous sm90 GEMMs' bf16 rows padded to 64 an expert.
-    CK(cudaMalloc(
-        &y, std::max(slots_max * H * 4, (cuda::max_padded_rows(slots_max, E, 64) + 64) * H * 2)));
+    CK(cudaMalloc(&y,
+                  std::max(slots_max * H * 4, cuda::sm90_contig_max_rows(slots_max, E) * H * 2)));
     CK(cudaMalloc(&out, Tmax * H * 2));
     // The sm_90a wgmma + TMA path (sm90_experts), where this build and device have it.
     const bool have_sm90 = cuda::sm90_experts_available();
@@ -255,7 +255,7 @@ int run_cuda_bench(const CudaBenchOptions& o) {
         al.topk_ids = ids + r * slots;
         al.num_slots = slots;
         al.num_experts = E;
-        al.block_m = sm90 ? (contig ? 64 : 1) : cuda::gemm_tile_block_m(tile);
+        al.block_m = sm90 ? (contig ? cuda::kSm90ContigBlockM : 1) : cuda::gemm_tile_block_m(tile);
         al.expert_offsets = offsets;
         al.sorted_slot = sorted;
         al.expert_counts = counts;

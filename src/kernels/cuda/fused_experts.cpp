@@ -46,10 +46,10 @@ RoutedScratch carve(Carver& c, int64_t T, int64_t k, int64_t E, int64_t H, int64
   s.offsets = c.take<int64_t>(E + 1);
   s.sorted_slot = c.take<int32_t>(padded);
   s.inter = c.take<uint16_t>(padded * I);
-  // y: f32 [slots, H], or bf16 [max_padded_rows(slots, E, 64), H] for the
+  // y: f32 [slots, H], or bf16 [sm90_contig_max_rows(slots, E), H] for the
   // contiguous sm90 GEMMs (pick_sm90_contig) where they may run.
   const int64_t contig_rows =
-      sm90 && sm90_contig_fits(slots, E) ? max_padded_rows(slots, E, 64) + 64 : 0;
+      sm90 && sm90_contig_fits(slots, E) ? sm90_contig_max_rows(slots, E) : 0;
   s.y = c.take<float>(std::max(slots * H, (contig_rows * H + 1) / 2));
   if (sm90) {
     s.slot_row = c.take<int32_t>(slots);
@@ -118,7 +118,7 @@ RoutedResult routed_experts(const RoutedExpertsArgs& a, const RoutedScratch& s, 
   // TMA tiles need no padded rows, but the contiguous GEMMs take 64-row tiles
   // inside one expert.
   const bool contig = sm90 && pick_sm90_contig(a.dtype, rows_per_expert, slots, E, H, I);
-  al.block_m = contig ? 64 : sm90 ? 1 : gemm_tile_block_m(tile);
+  al.block_m = contig ? kSm90ContigBlockM : sm90 ? 1 : gemm_tile_block_m(tile);
   al.expert_offsets = s.offsets;
   al.sorted_slot = s.sorted_slot;
   al.expert_counts = s.counts;

@@ -85,9 +85,15 @@ Sm90Tile sm90_tile_for(int64_t rows_per_expert, int64_t num_experts, int64_t n, 
 // FUSEDMOE_CUDA_SM90_CONTIG=on|off forces it (on: where it fits); other values throw.
 bool pick_sm90_contig(DType dtype, int64_t rows_per_expert, int64_t num_slots, int64_t num_experts,
                       int64_t hidden, int64_t inter);
+// The contiguous GEMMs' tile height: align()'s block_m for them (Sm90ExpertsArgs::block_m).
+constexpr int kSm90ContigBlockM = 64;
 // Whether routed scratch for num_slots slots holds the contiguous GEMMs' padded rows:
-// num_slots >= 32 E (then max_padded_rows(num_slots, E, 64) <= 3 num_slots).
+// num_slots >= 32 E (then sm90_contig_max_rows(num_slots, E) <= 3 num_slots + 64).
 bool sm90_contig_fits(int64_t num_slots, int64_t num_experts);
+// The contiguous GEMMs' bound on their rows: max_padded_rows(num_slots, E,
+// kSm90ContigBlockM) rounded up to a multiple of kSm90ContigBlockM (the rows
+// of inter_rows and y_rows, and the GEMMs' problem M).
+int64_t sm90_contig_max_rows(int64_t num_slots, int64_t num_experts);
 // Whether an sm90 grouped GEMM in tiles block_m rows high may be launched with
 // Programmatic Dependent Launch: only where (nearly) every expert has one m
 // tile, i.e. rows_per_expert + 0.75 sqrt(rows_per_expert) <= block_m. With

@@ -151,11 +151,11 @@ struct GemmGluGemm {
   bool y_bf16;
   void* workspace;
   size_t workspace_bytes;
-  // The contiguous GEMMs (offsets padded to 64, bf16, 64 x 256 tiles;
-  // Sm90ExpertsArgs::block_m = 64): max_rows is then max_padded_rows(T*k, E, 64)
-  // and tile_expert the table of each 64-row tile's expert.
-  bool contig = false;
+  // The contiguous GEMMs when set (offsets padded to kSm90ContigBlockM, bf16,
+  // 64 x 256 tiles; Sm90ExpertsArgs::block_m = 64): the table of each 64-row
+  // tile's expert; max_rows is then sm90_contig_max_rows(T*k, E).
   int32_t* tile_expert = nullptr;
+  bool contig() const { return tile_expert != nullptr; }
 };
 
 // bf16 in, bf16 out: the instance of that tile.
@@ -175,14 +175,9 @@ size_t h13_bytes(int64_t rows, int64_t inter) {
   return (static_cast<size_t>(rows) * 2 * inter * 2 + 255) / 256 * 256;
 }
 
-// The contiguous GEMMs' bound on the rows (a multiple of their 64-row tile).
-constexpr int kContigBlockM = 64;
-int64_t contig_max_rows(int64_t slots, int64_t num_experts) {
-  return ceil_div(max_padded_rows(slots, num_experts, kContigBlockM), int64_t{kContigBlockM}) *
-         kContigBlockM;
-}
 size_t tile_expert_bytes(int64_t slots, int64_t num_experts) {
-  return (static_cast<size_t>(contig_max_rows(slots, num_experts) / kContigBlockM) * 4 + 255) /
+  return (static_cast<size_t>(sm90_contig_max_rows(slots, num_experts) / kSm90ContigBlockM) * 4 +
+          255) /
          256 * 256;
 }
 
@@ -266,8 +261,8 @@ GemmPair gemm_pair(const GemmGluGemm& a) {
 // not), in the instance its dtype and tile take, for phase g.phase; with PDL
 // where that instance's tile height holds every expert's rows (sm90_gemm_pdl).
 void gemm_w13(const GemmGluGemm& a, const GemmPair& p, sm90::Sm90GemmArgs g, Stream stream) {
-  if (a.contig) {  // the tile_expert table (kPrepare) serves both GEMMs
-    g.pdl = sm90_gemm_pdl(a.rows_per_expert, 64);
+  if (a.contig()) {  // the tile_expert table (kPrepare) serves both GEMMs
+    g.pdl = sm90_gemm_pdl(a.rows_per_expert, kSm90ContigBlockM);
     if (p.epilogue)
       sm90::contig_gemm_glu_bf16_m64(g, stream);
     else
@@ -292,9 +287,9 @@ void gemm_w13(const GemmGluGemm& a, const GemmPair& p, sm90::Sm90GemmArgs g, Str
   }
 }
 void gemm_w2(const GemmGluGemm& a, sm90::Sm90GemmArgs g, Stream stream) {
-  if (a.contig) {
+  if (a.contig()) {
     if (g.phase == sm90::Sm90GemmArgs::Phase::kPrepare) return;  // gemm_w13's table
-    g.pdl = sm90_gemm_pdl(a.rows_per_expert, 64);
+    g.pdl = sm90_gemm_pdl(a.rows_per_expert, kSm90ContigBlockM);
     sm90::contig_gemm_bf16out_m64(g, stream);
     return;
   }
@@ -373,7 +368,8 @@ size_t sm90_experts_workspace_bytes_for(int64_t num_slots, int64_t num_experts, 
   // h13 rows (unless the activation is in the w13 epilogue; room for block_m
   // 64's padded rows), then the group arrays and CUTLASS workspace of each of
   // the two GEMMs (gemm_pair), then the contiguous GEMMs' tile_expert table.
-  const size_t h13 = glu_epilogue ? 0 : h13_bytes(contig_max_rows(num_slots, num_experts), inter);
+  const size_t h13 =
+      glu_epilogue ? 0 : h13_bytes(sm90_contig_max_rows(num_slots, num_experts), inter);
   return h13 + 2 * gemm_workspace_bytes(num_experts) + tile_expert_bytes(num_slots, num_experts);
 #else
   (void)num_slots;
@@ -409,10 +405,10 @@ void sm90_experts(const Sm90ExpertsArgs& a, Stream stream) {
   FUSEDMOE_CHECK(!interleaved || I % kW13Block == 0,
                  "sm90_experts: w13_layout kInterleaved128 needs inter a multiple of ", kW13Block,
                  ", got ", I);
-  FUSEDMOE_CHECK(a.block_m == 1 || (a.block_m == kContigBlockM && a.dtype == DType::kBF16),
-                 "sm90_experts: block_m must be 1, or ", kContigBlockM, " with dtype bf16, got ",
-                 a.block_m, " with ", dtype_name(a.dtype));
-  const bool contig = a.block_m == kContigBlockM;
+  FUSEDMOE_CHECK(a.block_m == 1 || (a.block_m == kSm90ContigBlockM && a.dtype == DType::kBF16),
+                 "sm90_experts: block_m must be 1, or ", kSm90ContigBlockM,
+                 " with dtype bf16, got ", a.block_m, " with ", dtype_name(a.dtype));
+  const bool contig = a.block_m == kSm90ContigBlockM;
   // The permuted input (bf16 / f16 [rows, H]) lives in y_rows until w2 writes it.
   auto* xs = reinterpret_cast<uint16_t*>(a.y_rows);
   GemmGluGemm g{a.dtype,
@@ -438,8 +434,7 @@ void sm90_experts(const Sm90ExpertsArgs& a, Stream stream) {
   const bool epilogue = glu_in_epilogue(g);
   const size_t need = sm90_experts_workspace_bytes_for(slots, E, I, epilogue);
   if (contig) {
-    g.contig = true;
-    g.max_rows = contig_max_rows(slots, E);
+    g.max_rows = sm90_contig_max_rows(slots, E);
     // The table at the end of the workspace (sm90_experts_workspace_bytes_for's layout).
     g.tile_expert = reinterpret_cast<int32_t*>(static_cast<char*>(a.workspace) + need -
                                                tile_expert_bytes(slots, E));

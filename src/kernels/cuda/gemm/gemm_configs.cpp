@@ -182,6 +182,11 @@ bool sm90_contig_fits(int64_t num_slots, int64_t num_experts) {
   return num_slots >= 32 * num_experts;
 }
 
+int64_t sm90_contig_max_rows(int64_t num_slots, int64_t num_experts) {
+  constexpr int64_t m = kSm90ContigBlockM;
+  return (max_padded_rows(num_slots, num_experts, kSm90ContigBlockM) + m - 1) / m * m;
+}
+
 bool pick_sm90_contig(DType dtype, int64_t rows_per_expert, int64_t num_slots, int64_t num_experts,
                       int64_t hidden, int64_t inter) {
   const int forced = cuda_switch(CudaSwitch::kSm90Contig);  // on, off
