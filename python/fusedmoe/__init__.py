@@ -710,6 +710,89 @@ def _needs_op(*xs: Any) -> bool:
 
 # ---- functional ops ---------------------------------------------------------------
 
+_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "swiglu_oai")
+
+
+def _fused_experts_fast(x, w13, w2, tw, ids, activation, w13_bias, w2_bias, apply, compute_dtype,
+                        swiglu_alpha, swiglu_limit, w13_layout):
+    """fused_experts for the plain CUDA call, in a few µs of Python instead of
+    the general path's tens (argument checks for every array library): every
+    array an exact torch.Tensor (nn.Parameter for weights and biases) on the
+    current CUDA device, contiguous, hidden_states in the weights' dtype (bf16
+    or f16), topk_weights f32 and topk_ids i32 [T, k] with 1 <= k <= E, f32
+    biases, consistent shapes, valid options; no tracing, torch function or
+    dispatch mode, functorch transform or grad to record. Returns None for any
+    other call: the general path then runs, with its error messages."""
+    t = _torch
+    if not (type(activation) is str and activation in _ACTIVATIONS
+            and type(w13_layout) is str and w13_layout in ("standard", "interleaved128")
+            and type(apply) is bool and type(swiglu_alpha) in (float, int)
+            and type(swiglu_limit) in (float, int)):
+        return None
+    try:
+        if (t.compiler.is_compiling() or t.jit.is_tracing()
+                or t._C._is_torch_function_mode_enabled()
+                or t._C._len_torch_dispatch_stack() > 0):
+            return None
+        if type(x) is not t.Tensor or not x.is_cuda:
+            return None
+        dev = x.get_device()
+        if dev != t.cuda.current_device():
+            return None
+        grad = t.is_grad_enabled()
+        arrays = [x, w13, w2, tw, ids]
+        if w13_bias is not None:
+            arrays.append(w13_bias)
+        if w2_bias is not None:
+            arrays.append(w2_bias)
+        wrapped = t._C._functorch.is_functorch_wrapped_tensor
+        for i, a in enumerate(arrays):
+            if type(a) is not t.Tensor and (i in (0, 3, 4) or type(a) is not t.nn.Parameter):
+                return None
+            if (not a.is_cuda or a.get_device() != dev or not a.is_contiguous() or a.is_neg()
+                    or a.is_conj() or wrapped(a) or (a.requires_grad and grad)):
+                return None
+    except AttributeError:  # a torch without these: the general path
+        return None
+    dt = w13.dtype
+    if dt not in (t.bfloat16, t.float16) or x.dtype != dt or w2.dtype != dt:
+        return None
+    if tw.dtype != t.float32 or ids.dtype != t.int32:
+        return None
+    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3 or tw.dim() != 2 or ids.dim() != 2:
+        return None
+    T, H = x.shape
+    E, I2, H13 = w13.shape
+    k = tw.shape[1]
+    I = I2 // 2
+    if (T < 1 or H < 1 or I < 1 or I2 != 2 * I or H13 != H or tuple(w2.shape) != (E, H, I)
+            or tuple(tw.shape) != (T, k) or tuple(ids.shape) != (T, k) or not 1 <= k <= E
+            or (apply and k != 1) or (w13_layout == "interleaved128" and I % _W13_BLOCK)):
+        return None
+    for b, shape in ((w13_bias, (E, I2)), (w2_bias, (E, H))):
+        if b is not None and (b.dtype != t.float32 or tuple(b.shape) != shape):
+            return None
+    half = "f16" if dt == t.float16 else "bf16"
+    if compute_dtype is not None and compute_dtype != half:
+        return None
+    # Parameters that require grad, with grad mode off: DLPack exports no such tensor.
+    w13, w2 = (w.detach() if w.requires_grad else w for w in (w13, w2))
+    w13_bias, w2_bias = (b.detach() if b is not None and b.requires_grad else b
+                         for b in (w13_bias, w2_bias))
+    out = t.empty((T, H), dtype=dt, device=x.device)
+    ws = t.empty((_ext.cuda_fused_experts_workspace_bytes(T, H, I, E, k, apply, w13_layout),),
+                 dtype=t.uint8, device=x.device)
+    dl = _to_dlpack
+    stream = (_raw_stream(dev) if _raw_stream is not None
+              else t.cuda.current_stream(x.device).cuda_stream)
+    _ext.fused_experts(
+        dl(x), dl(w13), dl(w2), dl(tw), dl(ids), dl(out), activation,
+        None if w13_bias is None else dl(w13_bias), None if w2_bias is None else dl(w2_bias),
+        apply, half, False, float(swiglu_alpha), float(swiglu_limit), dl(ws),
+        stream, w13_layout=w13_layout,
+    )
+    return out
+
 
 def fused_experts(
     hidden_states: Any,
@@ -756,6 +839,12 @@ def fused_experts(
     w13_bias stays in the standard order. The CPU refuses "interleaved128"
     (ValueError naming w13_layout): its kernels read the standard order.
     """
+    if _torch is not None and weight_dtype is None:
+        out = _fused_experts_fast(hidden_states, w13, w2, topk_weights, topk_ids, activation,
+                                  w13_bias, w2_bias, apply_router_weight_on_input, compute_dtype,
+                                  swiglu_alpha, swiglu_limit, w13_layout)
+        if out is not None:
+            return out
     activation = _str(activation, "activation",
                       "'silu', 'gelu', 'gelu_pytorch_tanh' or 'swiglu_oai'")
     w13_layout = _str(w13_layout, "w13_layout", "'standard' or 'interleaved128'")

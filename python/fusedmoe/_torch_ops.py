@@ -80,6 +80,12 @@ def fused_experts(
     swiglu_limit: float = 7.0,
     w13_layout: str = "standard",
 ) -> Tensor:
+    out = _fm._fused_experts_fast(
+        hidden_states, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias,
+        apply_router_weight_on_input, compute_dtype, swiglu_alpha, swiglu_limit, w13_layout,
+    )
+    if out is not None:
+        return out
     return _fm._fused_experts_impl(
         hidden_states, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias,
         apply_router_weight_on_input, compute_dtype, None, swiglu_alpha, swiglu_limit, w13_layout,

@@ -181,6 +181,68 @@ def test_fused_experts_cuda_float16_weights(g, T, E, k, hidden_dtype):
         fusedmoe.fused_experts(x, w13h, w2h, tw, ids, compute_dtype="bf16")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("T", [1, 40, 600])
+def test_fused_experts_fast_path_matches_the_general_path(g, dtype, T):
+    """The plain CUDA call (_fused_experts_fast: a few µs of Python) gives the
+    general path's bits; any other call falls back to the general path."""
+    x, w13, w2, tw, ids, b13, b2 = _case(g, T=T, E=8, H=256, I=256, k=2, hidden_dtype=dtype,
+                                         bias=True)
+    w13, w2 = w13.to(dtype), w2.to(dtype)
+    ids[0, 1] = -1
+
+    def fast(x, w13, w2, tw, ids, act="silu", b13=None, b2=None, on_input=False, cd=None,
+             layout="standard"):
+        return fusedmoe._fused_experts_fast(x, w13, w2, tw, ids, act, b13, b2, on_input, cd,
+                                            1.702, 7.0, layout)
+
+    def general(x, w13, w2, tw, ids, act="silu", b13=None, b2=None, on_input=False,
+                layout="standard"):
+        return fusedmoe._fused_experts_impl(x, w13, w2, tw, ids, act, b13, b2, on_input, None,
+                                            None, 1.702, 7.0, layout)
+
+    w13i = fusedmoe.interleave_w13(w13)
+    for args, layout in (((x, w13, w2, tw, ids), "standard"),
+                         ((x, w13, w2, tw, ids, "swiglu_oai", b13, b2), "standard"),
+                         ((x, w13i, w2, tw, ids, "gelu", b13, b2), "interleaved128")):
+        out = fast(*args, layout=layout)
+        assert out is not None and out.dtype == dtype and out.shape == x.shape
+        want = general(*args, layout=layout)
+        assert torch.equal(out, want) and not want.isnan().any()
+        assert torch.equal(fusedmoe.fused_experts(*args, w13_layout=layout), want)
+        assert torch.equal(torch.ops.fusedmoe.fused_experts(*args, w13_layout=layout), want)
+    # nn.Parameter weights that require grad, with grad off: the fast path (detached)
+    p13, p2 = torch.nn.Parameter(w13), torch.nn.Parameter(w2)
+    with torch.no_grad():
+        assert fast(x, p13, p2, tw, ids) is not None
+        assert torch.equal(fusedmoe.fused_experts(x, p13, p2, tw, ids),
+                           general(x, w13, w2, tw, ids))
+    assert fast(x, p13, p2, tw, ids) is None  # grad on: the op (its autograd refuses a backward)
+    # top_k = 1 with the weight on the input (Llama-4)
+    tw1, ids1 = tw[:, :1].contiguous(), ids[:, :1].contiguous()
+    assert torch.equal(fast(x, w13, w2, tw1, ids1, on_input=True),
+                       general(x, w13, w2, tw1, ids1, on_input=True))
+    # Not plain: None, and fused_experts takes the general path (its result or its error).
+    xs = torch.empty(T, 2 * x.shape[1], device="cuda", dtype=dtype)[:, :x.shape[1]]
+    xs.copy_(x)
+    xc = torch.empty(T, 2 * x.shape[1], device="cuda", dtype=dtype)[:, ::2]  # column-strided
+    xc.copy_(x)
+    for a, kw in (((x.float(), w13, w2, tw, ids), {}), ((xc, w13, w2, tw, ids), {}),
+                  ((x, w13, w2, tw, ids.long()), {}), ((x, w13, w2, tw.double(), ids), {}),
+                  ((x, w13.float(), w2, tw, ids), {}), ((x.cpu(), w13, w2, tw, ids), {}),
+                  ((x, w13, w2, tw, ids, "relu"), {}), ((x, w13, w2, tw, ids), {"cd": "f32"}),
+                  ((x, w13, w2, tw, ids), {"on_input": True}),
+                  ((x, w13, w2, tw, ids), {"layout": "interleaved"})):
+        assert fast(*a, **kw) is None
+    for xn in (xs, xc):  # one row is contiguous whatever its stride: xs is plain at T = 1
+        torch.testing.assert_close(fusedmoe.fused_experts(xn, w13, w2, tw, ids.long()),
+                                   general(x, w13, w2, tw, ids), rtol=0, atol=0)
+    with pytest.raises(NotImplementedError, match="apply_router_weight_on_input"):
+        fusedmoe.fused_experts(x, w13, w2, tw, ids, apply_router_weight_on_input=True)
+    with pytest.raises(ValueError, match="activation"):
+        fusedmoe.fused_experts(x, w13, w2, tw, ids, "relu")
+
+
 # T = 1: the decode kernels; 40 (10 rows an expert): the grouped GEMMs; 600 (150 rows an
 # expert): the sm90 path on an H200, where the activation runs in the w13 GEMM's epilogue.
 @pytest.mark.parametrize("T", [1, 40, 600])

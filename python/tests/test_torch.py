@@ -51,6 +51,16 @@ def test_fused_experts_torch(trng, wdtype):
             out.numpy())
 
 
+def test_fused_experts_fast_path_is_cuda_only(trng):
+    """_fused_experts_fast (the plain CUDA call) declines host tensors and
+    NumPy arrays: they take the general path (test_cuda.py covers CUDA)."""
+    x, w13, w2, tw, ids = _case(trng)
+    bf = [a.to(torch.bfloat16) for a in (x, w13, w2)]
+    for args in ((*bf, tw, ids), (x.numpy(), w13.numpy(), w2.numpy(), tw.numpy(), ids.numpy())):
+        assert fusedmoe._fused_experts_fast(*args, "silu", None, None, False, None, 1.702, 7.0,
+                                            "standard") is None
+
+
 def test_fused_experts_mixed_weight_dtypes_is_a_type_error(trng):
     x, w13, w2, tw, ids = _case(trng)
     with pytest.raises(TypeError, match=r"w2: expected the dtype of w13 \(bf16\), got f32"):
