@@ -62,8 +62,12 @@ def _preload_pip_nccl() -> None:
     library that needs one: loaded first, an older toolkit NCCL left torch's
     libtorch_cuda without the newer symbols it needs (``import fusedmoe`` then
     ``import torch`` failed). NCCL 2.x keeps its ABI, so the extension runs on
-    the wheel's. FUSEDMOE_NO_NCCL_PRELOAD=1 skips this."""
-    if sys.platform != "linux" or os.environ.get("FUSEDMOE_NO_NCCL_PRELOAD"):
+    the wheel's. FUSEDMOE_NO_NCCL_PRELOAD=1 skips this (0 or unset: preload;
+    another value fails the import, as FUSEDMOE_NO_TORCH does)."""
+    no_preload = os.environ.get("FUSEDMOE_NO_NCCL_PRELOAD", "")
+    if no_preload not in ("", "0", "1"):
+        raise ValueError(f"FUSEDMOE_NO_NCCL_PRELOAD: expected 0 or 1, got {no_preload!r}")
+    if sys.platform != "linux" or no_preload == "1":
         return
     try:
         spec = importlib.util.find_spec("nvidia.nccl")

@@ -22,6 +22,7 @@
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
+#include <pthread.h>
 
 #include <algorithm>
 #include <chrono>
@@ -30,7 +31,9 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -359,12 +362,59 @@ MoEConfig config_from_dict(const nb::dict& d) {
   return MoEConfig::from_json(text, "config");
 }
 
+// ---- fork() and the calls' mutexes -------------------------------------------------
+
+// A thread of the parent may hold one of the mutexes that serialise a layer's
+// (or the functional ops') calls when another thread forks: the child has only
+// the forking thread, so that mutex would stay locked there for ever (the next
+// call in the child hung). Every such mutex is registered; the child re-creates
+// them unlocked (what they guard, a workspace, is rewritten by the next call;
+// the thread pools and MoERunner take themselves over in the child too). The
+// registry's own mutex is held across fork() so the child's copy is whole.
+std::mutex& call_mutexes_mu() {
+  static auto* mu = new std::mutex;  // never destroyed: the atfork handlers use it
+  return *mu;
+}
+std::set<std::mutex*>& call_mutexes() {
+  static auto* set = new std::set<std::mutex*>;
+  return *set;
+}
+void register_call_mutex(std::mutex* m) {
+  static std::once_flag atfork;
+  std::call_once(atfork, [] {
+    pthread_atfork([] { call_mutexes_mu().lock(); }, [] { call_mutexes_mu().unlock(); },
+                   [] {
+                     for (std::mutex* m : call_mutexes()) new (m) std::mutex();
+                     call_mutexes_mu().unlock();
+                   });
+  });
+  std::lock_guard<std::mutex> lock(call_mutexes_mu());
+  call_mutexes().insert(m);
+}
+void unregister_call_mutex(std::mutex* m) {
+  std::lock_guard<std::mutex> lock(call_mutexes_mu());
+  call_mutexes().erase(m);
+}
+// A registered std::mutex (BasicLockable: std::lock_guard<CallMutex>).
+class CallMutex {
+ public:
+  CallMutex() { register_call_mutex(&mu_); }
+  ~CallMutex() { unregister_call_mutex(&mu_); }
+  CallMutex(const CallMutex&) = delete;
+  CallMutex& operator=(const CallMutex&) = delete;
+  void lock() { mu_.lock(); }
+  void unlock() { mu_.unlock(); }
+
+ private:
+  std::mutex mu_;
+};
+
 // ---- functional ops ----------------------------------------------------------------
 
 // One modular kernel and workspace for the functional fused_experts; calls are
 // serialised (the workspace is reused across calls, grow-only).
 struct FunctionalState {
-  std::mutex mu;
+  CallMutex mu;
   std::unique_ptr<ModularKernel> kernel = make_cpu_modular_kernel();
   Workspace ws;
 };
@@ -555,7 +605,7 @@ void fused_experts(const InArray& hidden_states, const InArray& w13, const InArr
 
   FunctionalState& s = functional_state();
   nb::gil_scoped_release release;
-  std::lock_guard<std::mutex> lock(s.mu);
+  std::lock_guard<CallMutex> lock(s.mu);
   s.kernel->forward(x, ti, tw, weights, params, apply_router_weight_on_input, out, s.ws);
   // As MoELayer: hidden states that overflow f32 inside the experts, or weights
   // holding NaN / Inf (not checked here: they are the caller's), raise
@@ -581,7 +631,7 @@ std::vector<double> time_fused_experts(const InArray& hidden_states, const InArr
   std::vector<double> times(static_cast<size_t>(std::max(repeat, 0)));
   FunctionalState& s = functional_state();
   nb::gil_scoped_release release;
-  std::lock_guard<std::mutex> lock(s.mu);
+  std::lock_guard<CallMutex> lock(s.mu);
   for (auto& t : times) {
     const auto t0 = std::chrono::steady_clock::now();
     s.kernel->forward(x, ti, tw, weights, params, false, out, s.ws);
@@ -973,7 +1023,7 @@ class PyMoELayer {
     if (o_weights) outputs.topk_weights = *o_weights;
     const bool want = o_logits || o_ids || o_weights;
     nb::gil_scoped_release release;
-    std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<CallMutex> lock(mu_);
     if (device_.type == DeviceType::kCUDA)
       runner_->set_cuda_stream(reinterpret_cast<void*>(stream));
     runner_->forward(x, out, logits ? &*logits : nullptr, tok ? &*tok : nullptr,
@@ -985,7 +1035,7 @@ class PyMoELayer {
   // check_errors). CPU: nothing (forward raises there).
   void check_errors(uintptr_t stream) {
     nb::gil_scoped_release release;
-    std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<CallMutex> lock(mu_);
     if (device_.type != DeviceType::kCUDA) return;
     runner_->set_cuda_stream(reinterpret_cast<void*>(stream));
     runner_->check_errors();
@@ -1040,7 +1090,7 @@ class PyMoELayer {
  private:
   std::unique_ptr<ThreadPool> pool_;
   std::unique_ptr<MoERunner> runner_;
-  std::mutex mu_;  // the runner's workspace serves one call at a time
+  CallMutex mu_;  // the runner's workspace serves one call at a time
   DType compute_dtype_ = DType::kF32;
   std::string source_;
   int64_t layer_ = 0;

@@ -599,6 +599,20 @@ def test_bad_cpu_gemm_environment_fails_when_the_layer_is_made(var, value, messa
     assert message in r.stdout, r.stdout
 
 
+@pytest.mark.parametrize("value", ["banana", "0", "1"])
+def test_no_nccl_preload_environment_is_checked(value):
+    """FUSEDMOE_NO_NCCL_PRELOAD took any non-empty value, 0 included, as 1 (trial)."""
+    code = "import fusedmoe; print('imported')"
+    env = dict(os.environ, FUSEDMOE_NO_NCCL_PRELOAD=value)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env=env)
+    if value == "banana":
+        assert r.returncode != 0, r.stdout
+        assert "FUSEDMOE_NO_NCCL_PRELOAD: expected 0 or 1, got 'banana'" in r.stderr, r.stderr
+        return
+    assert r.returncode == 0 and r.stdout.startswith("imported"), r.stderr
+
+
 @pytest.mark.parametrize("value,expect", [("bogus", "FUSEDMOE_NO_TORCH: expected 0 or 1, got 'bogus'"),
                                           ("0", "imported"), ("1", "imported")])
 def test_no_torch_environment_is_checked(value, expect):

@@ -9,6 +9,8 @@
 // bf16 gate weights are widened exactly.
 #include "fusedmoe/runner/moe_runner.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -322,7 +324,35 @@ MoERunner::MoERunner(MoEConfig config, MoELayerWeights weights, RunnerOptions op
 MoERunner::~MoERunner() = default;
 MoERunner::MoERunner(MoERunner&&) noexcept = default;
 
+namespace {
+// Holds a runner for one call (moe_runner.h: one call at a time). The flag
+// holds the caller's process id: a second caller of this process finds its
+// own id there and throws; a child forked during a call (the flag set by a
+// thread it does not have) finds its parent's and takes the runner over.
+class OneCall {
+ public:
+  OneCall(std::atomic<long long>* busy, const char* what) : busy_(busy) {
+    FUSEDMOE_CHECK(busy_ != nullptr, "MoERunner::", what,
+                   ": this runner was moved from (it holds no layer)");
+    const long long me = static_cast<long long>(getpid());
+    long long held = 0;
+    if (busy_->compare_exchange_strong(held, me)) return;
+    FUSEDMOE_CHECK(held != me && busy_->compare_exchange_strong(held, me), "MoERunner::", what,
+                   ": called while another call on this runner runs in another thread; a "
+                   "runner serves one call at a time (one workspace): serialise the calls or "
+                   "use one runner a thread");
+  }
+  ~OneCall() { busy_->store(0); }
+  OneCall(const OneCall&) = delete;
+  OneCall& operator=(const OneCall&) = delete;
+
+ private:
+  std::atomic<long long>* busy_;
+};
+}  // namespace
+
 void MoERunner::check_errors() {
+  const OneCall one(busy_.get(), "check_errors");
 #ifdef FUSEDMOE_WITH_CUDA
   if (cuda_) cuda_->check_errors(static_cast<cuda::Stream>(options_.cuda_stream));
 #endif
@@ -330,6 +360,12 @@ void MoERunner::check_errors() {
 
 void MoERunner::compute_router_logits(const TensorView& hidden_states,
                                       const TensorView& router_logits) {
+  const OneCall one(busy_.get(), "compute_router_logits");
+  router_logits_into(hidden_states, router_logits);
+}
+
+void MoERunner::router_logits_into(const TensorView& hidden_states,
+                                   const TensorView& router_logits) {
   const int64_t H = config_.hidden_size, L = config_.num_router_logits();
 #ifdef FUSEDMOE_WITH_CUDA
   if (cuda_) {
@@ -359,6 +395,7 @@ void MoERunner::compute_router_logits(const TensorView& hidden_states,
 void MoERunner::forward(const TensorView& hidden_states, const TensorView& output,
                         const TensorView* router_logits, const TensorView* token_ids,
                         const ForwardOutputs* outputs) {
+  const OneCall one(busy_.get(), "forward");
   const int64_t H = config_.hidden_size, L = config_.num_router_logits(), k = config_.top_k;
   FUSEDMOE_CHECK(token_ids == nullptr || config_.routing_method == RoutingMethod::kHash,
                  "token_ids: given, but the ", to_string(config_.routing_method),
@@ -441,12 +478,12 @@ void MoERunner::forward(const TensorView& hidden_states, const TensorView& outpu
     logits = TensorView();  // the simulator ignores logits: skip the gate GEMM
   } else if (want_logits) {
     logits = outputs->router_logits;
-    compute_router_logits(hidden_states, logits);
+    router_logits_into(hidden_states, logits);
   } else {
     logits =
         TensorView(ws.get(cpu::kWsRouterLogits, "the router logits, f32 [T, E + Z]", {T, L}, 4),
                    DType::kF32, {T, L});
-    compute_router_logits(hidden_states, logits);
+    router_logits_into(hidden_states, logits);
   }
   const TensorView ids =
       want_ids ? outputs->topk_ids
@@ -575,6 +612,9 @@ size_t MoERunner::cuda_workspace_bytes() const {
 }
 
 Tensor MoERunner::forward(const TensorView& hidden_states, const TensorView* router_logits) {
+  FUSEDMOE_CHECK(busy_ != nullptr,
+                 "MoERunner::forward: this runner was moved from (it holds no "
+                 "layer)");
   if (cuda_)
     FUSEDMOE_THROW(kUnsupported,
                    "MoERunner::forward: the allocating overload is CPU-only; pass a "

@@ -4,10 +4,12 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <random>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -226,6 +228,61 @@ void expect_error(Fn&& fn, std::initializer_list<std::string> parts) {
       EXPECT_NE(std::string(e.what()).find(p), std::string::npos)
           << "message '" << e.what() << "' lacks '" << p << "'";
   }
+}
+
+// Several threads calling one runner: each call either runs alone (the same
+// bits as a serial call) or is refused with the one-call-at-a-time error; never
+// a crash or a torn output (session 26's trial: segfaults and heap aborts).
+TEST(MoERunner, CallsFromSeveralThreadsRunOneAtATime) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  const MoEConfig config = arch_configs()[0].second;
+  ThreadPool pool(2);
+  MoERunner runner(config, random_layer(rng, config, DType::kF32), {DType::kF32, &pool});
+  const int64_t T = 64;
+  Tensor hidden = test::random_f32(rng, {T, config.hidden_size}, -2.0f, 2.0f);
+  Tensor want = runner.forward(hidden);
+  std::atomic<int> refused{0}, ran{0}, wrong{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t)
+    threads.emplace_back([&] {
+      Tensor out = Tensor::empty(DType::kF32, {T, config.hidden_size});
+      for (int i = 0; i < 200; ++i) {
+        try {
+          runner.forward(hidden, out);
+          ++ran;
+          if (std::memcmp(out.data(), want.data(), out.nbytes()) != 0) ++wrong;
+        } catch (const Error& e) {
+          if (std::string(e.what()).find("one call at a time") != std::string::npos)
+            ++refused;
+          else
+            ++wrong;
+        }
+      }
+    });
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(wrong.load(), 0);
+  EXPECT_EQ(ran.load() + refused.load(), 800);
+  EXPECT_GT(ran.load(), 0);
+  Tensor again = runner.forward(hidden);  // the runner is free again
+  EXPECT_EQ(std::memcmp(again.data(), want.data(), want.nbytes()), 0);
+}
+
+TEST(MoERunner, AMovedFromRunnerIsAnError) {
+  std::mt19937_64 rng(fresh_seed());
+  const MoEConfig config = arch_configs()[0].second;
+  MoERunner a(config, random_layer(rng, config, DType::kF32));
+  MoERunner b(std::move(a));
+  Tensor hidden = test::random_f32(rng, {3, config.hidden_size}, -2.0f, 2.0f);
+  Tensor out = Tensor::empty(DType::kF32, {3, config.hidden_size});
+  Tensor logits = Tensor::empty(DType::kF32, {3, config.num_router_logits()});
+  expect_error([&] { a.forward(hidden, out); }, {"MoERunner::forward", "moved from"});
+  expect_error([&] { a.forward(hidden); }, {"MoERunner::forward", "moved from"});
+  expect_error([&] { a.compute_router_logits(hidden, logits); },
+               {"compute_router_logits", "moved from"});
+  expect_error([&] { a.check_errors(); }, {"check_errors", "moved from"});
+  EXPECT_EQ(b.forward(hidden).size(0), 3);
 }
 
 // A finite input that overflows f32 inside the experts: an error naming the

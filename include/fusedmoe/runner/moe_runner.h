@@ -18,6 +18,7 @@
 // all-reduce; expert biases are added once (w2_bias on tp_rank 0 only).
 #pragma once
 
+#include <atomic>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -138,6 +139,13 @@ struct ForwardOutputs {
   TensorView topk_weights;   // f32 [T, k]
 };
 
+// One runner serves one call at a time (it owns one workspace, its CUDA
+// graphs and, on the CPU, uses one thread pool): forward(),
+// compute_router_logits() and check_errors() called while another of them
+// runs in another thread throw Error(kInvalidArgument) saying so, before
+// touching anything (serialise the calls, or use a runner per thread). A
+// process forked while a call ran may use the runner in the child. These
+// calls on a runner that was moved from throw Error(kInvalidArgument) too.
 class MoERunner {
  public:
   // Validates config and weights (Error(kInvalidArgument) naming what is wrong).
@@ -203,6 +211,9 @@ class MoERunner {
   size_t cuda_workspace_bytes() const;
 
  private:
+  // compute_router_logits without taking the runner (forward's own use).
+  void router_logits_into(const TensorView& hidden_states, const TensorView& router_logits);
+
   MoEConfig config_;
   MoELayerWeights weights_;
   RunnerOptions options_;
@@ -213,6 +224,8 @@ class MoERunner {
   std::unique_ptr<cuda::CudaGraphLayer> cuda_graphs_;  // cuda_graph_sizes given, else null
   std::unique_ptr<cuda::CudaEpMoELayer> cuda_ep_;      // CUDA + device communicator, else null
   std::unique_ptr<DistributedExperts> parallel_;       // parallel layouts, else null
+  // The process id of the running call's caller, 0 when none (null once moved from).
+  std::unique_ptr<std::atomic<long long>> busy_ = std::make_unique<std::atomic<long long>>(0);
 };
 
 }  // namespace fusedmoe
