@@ -5,6 +5,7 @@
 #include <cctype>
 #include <charconv>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -130,6 +131,19 @@ void MoEConfig::validate() const {
     FUSEDMOE_CHECK(v <= max, name, ": expected <= ", max, " (far above any released model), got ",
                    v);
   };
+  // Enumerators out of range (a cast from an integer): named, not run as something else.
+  auto known = [](const char* name, const char* value, int raw) {
+    FUSEDMOE_CHECK(std::strcmp(value, "?") != 0, name, ": not a known value (", raw, ")");
+  };
+  known("routing_method", to_string(routing_method), static_cast<int>(routing_method));
+  known("scoring_func", to_string(scoring_func), static_cast<int>(scoring_func));
+  known("group_score", to_string(group_score), static_cast<int>(group_score));
+  known("simulated", to_string(simulated), static_cast<int>(simulated));
+  known("activation", to_string(activation), static_cast<int>(activation));
+  FUSEDMOE_CHECK(parallel.expert_placement == ExpertPlacement::kContiguous ||
+                     parallel.expert_placement == ExpertPlacement::kRoundRobin,
+                 "parallel.expert_placement: not a known value (",
+                 static_cast<int>(parallel.expert_placement), ")");
   positive(num_experts, "num_experts", kMaxNumExperts);
   positive(top_k, "top_k", kMaxNumExperts);
   positive(hidden_size, "hidden_size", kMaxHiddenSize);

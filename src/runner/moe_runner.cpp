@@ -96,6 +96,12 @@ void check_written_tensors_do_not_overlap(const TensorView& hidden_states, const
   if (token_ids) given.push_back({"token_ids", token_ids});
   for (size_t i = 0; i < written.size(); ++i) {
     const auto& [name, v] = written[i];
+    // Rows of one tensor over each other (a row stride below the row's length):
+    // the rows would be written over each other.
+    FUSEDMOE_CHECK(
+        v->ndim() != 2 || v->size(0) <= 1 || v->size(1) == 0 || v->stride(0) >= v->size(1), name,
+        ": its rows overlap (row stride ", v->stride(0), " for rows of ", v->size(1),
+        " elements); each row forward writes needs memory of its own");
     for (size_t j = 0; j < i; ++j)
       FUSEDMOE_CHECK(!overlaps(*v, *written[j].second), name, ": must not overlap ",
                      written[j].first, " (each tensor forward writes needs memory of its own)");

@@ -89,6 +89,23 @@ TEST(MoEConfig, RejectsNonPositiveSizes) {
                  {"intermediate_size", "got -5"});
 }
 
+// Enumerators cast from integers out of range (trial: accepted and run).
+TEST(MoEConfig, RejectsUnknownEnumValues) {
+  expect_invalid(with([](MoEConfig& c) { c.activation = static_cast<Activation>(77); }),
+                 {"activation: not a known value (77)"});
+  expect_invalid(with([](MoEConfig& c) { c.routing_method = static_cast<RoutingMethod>(77); }),
+                 {"routing_method: not a known value (77)"});
+  expect_invalid(with([](MoEConfig& c) { c.scoring_func = static_cast<ScoringFunc>(77); }),
+                 {"scoring_func: not a known value (77)"});
+  expect_invalid(with([](MoEConfig& c) { c.group_score = static_cast<GroupScore>(77); }),
+                 {"group_score: not a known value (77)"});
+  expect_invalid(with([](MoEConfig& c) { c.simulated = static_cast<SimulatedRouting>(77); }),
+                 {"simulated: not a known value (77)"});
+  expect_invalid(
+      with([](MoEConfig& c) { c.parallel.expert_placement = static_cast<ExpertPlacement>(77); }),
+      {"parallel.expert_placement: not a known value (77)"});
+}
+
 TEST(MoEConfig, RejectsAbsurdSizes) {
   // Named with the value, not left to fail as an allocation of the weights.
   expect_invalid(with([](MoEConfig& c) { c.num_experts = 100000000000; }),

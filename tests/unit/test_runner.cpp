@@ -367,6 +367,19 @@ TEST(MoERunner, RejectsWrittenTensorsThatOverlap) {
       ASSERT_EQ(hidden.data_as<float>()[i], hidden_before.data_as<float>()[i]) << i;
     }
   }
+  // An output whose rows overlap each other (row stride 0, or H / 2 for rows of H).
+  const std::vector<int64_t> shape_th{T, H}, shape_tk{T, k}, strides_0{0, 1};
+  for (int64_t row_stride : {int64_t{0}, H / 2}) {
+    const std::vector<int64_t> strides{row_stride, 1};
+    const TensorView rows_over(out.data(), DType::kF32, shape_th, strides);
+    expect_error([&] { runner.forward(hidden, rows_over); },
+                 {"output: its rows overlap (row stride " + std::to_string(row_stride)});
+    const ForwardOutputs w_over{logits.view(), ids.view(),
+                                TensorView(weights.data(), DType::kF32, shape_tk, strides_0)};
+    expect_error([&] { runner.forward(hidden, out, nullptr, nullptr, &w_over); },
+                 {"outputs.topk_weights: its rows overlap (row stride 0"});
+    for (int64_t i = 0; i < T * H; ++i) ASSERT_EQ(out.data_as<float>()[i], 42.0f) << i;
+  }
   // The router_logits given, overlapping an output: named too.
   Tensor given = test::random_f32(rng, {T, L});
   const ForwardOutputs ids_over_given{TensorView(), TensorView(given.data(), DType::kI32, {T, k}),
