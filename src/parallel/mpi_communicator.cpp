@@ -356,23 +356,29 @@ class MpiCommunicator final : public Communicator {
 
   [[noreturn]] void timeout(Exchange& x, const char* op) {
     fail();
-    std::string missing;
+    std::string missing, unsent;
     for (const PendingRecv& r : x.pending) {
       const std::string name = std::to_string(r.peer);
       if (!r.posted && missing.find(" " + name + ",") == std::string::npos)
         missing += " " + name + ",";
     }
+    // Receives not complete name the peers that sent nothing; sends not complete
+    // (a message too large to leave before its receiver takes it) the peers that
+    // took nothing, e.g. a rank stopped after sending its own data.
     for (size_t i = 0; i < x.reqs.size(); ++i) {
-      if (x.peer[i] < 0 || !x.is_recv[i]) continue;
+      if (x.peer[i] < 0) continue;
       int flag = 0;
       MPI_Request_get_status(x.reqs[i], &flag, MPI_STATUS_IGNORE);
+      std::string& list = x.is_recv[i] ? missing : unsent;
       const std::string name = std::to_string(x.peer[i]);
-      if (!flag && missing.find(" " + name + ",") == std::string::npos) missing += " " + name + ",";
+      if (!flag && list.find(" " + name + ",") == std::string::npos) list += " " + name + ",";
     }
     if (!missing.empty()) missing.pop_back();
+    if (!unsent.empty()) unsent.pop_back();
     FUSEDMOE_THROW(kIo, "MPI ", op, " (rank ", rank_, " of ", size_, "): timed out after ",
                    timeout_s_, " s (FUSEDMOE_COMM_TIMEOUT_S)",
                    missing.empty() ? std::string() : ", no data from rank(s)" + missing,
+                   unsent.empty() ? std::string() : ", data to rank(s)" + unsent + " not taken",
                    ": a peer exited, crashed or stopped calling the collective");
   }
 
