@@ -434,6 +434,10 @@ Tensor SafetensorsFile::get(const std::string& name) const {
 // ---- Checkpoint ------------------------------------------------------------
 
 Checkpoint Checkpoint::open(const std::string& path) {
+  if (path.empty())
+    FUSEDMOE_THROW(kIo,
+                   "Checkpoint::open: the path is empty (expected a .safetensors file, a "
+                   "sharded index or a model folder)");
   Checkpoint c;
   c.path_ = path;
   std::error_code ec;

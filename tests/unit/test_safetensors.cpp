@@ -747,6 +747,7 @@ TEST(Checkpoint, SingleFileDirectoryAndPath) {
   }
   TempDir empty("ckpt_empty");
   EXPECT_HAS(error_of([&] { Checkpoint::open(empty.path()); }), "model.safetensors");
+  EXPECT_HAS(error_of([&] { Checkpoint::open(""); }), "the path is empty");  // (trial)
 }
 
 TEST(Checkpoint, ShardedThroughIndex) {

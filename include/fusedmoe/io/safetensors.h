@@ -98,14 +98,14 @@ class SafetensorsFile {
 // `model.safetensors.index.json` (weight_map: tensor -> shard file), or a
 // single .safetensors file path; a model's config.json stands for its directory. Shards are opened
 // lazily, once each, so get() is not thread-safe: fetch tensors from one thread (they may then be
-// read anywhere). Throws Error(kIo) when the path has none of these or the index is malformed,
-// or names a shard outside the index's folder (an absolute path, or one that leads up out of it
-// with ".."); a shard that cannot be opened is an Error naming the index, the tensor and the shard.
-// A ".." in a shard's path is resolved as the OS (and so HF's reader) resolves it: the folder it
-// steps out of must exist and be a directory (`sub/../x.safetensors` with no folder `sub` cannot
-// be opened) whose parent is the folder its name says (not elsewhere through a symbolic link);
-// else get() and info() of the shard's tensors throw Error(kIo) naming the index, the tensor and
-// the shard.
+// read anywhere). Throws Error(kIo) when the path is empty, has none of these or the index is
+// malformed, or names a shard outside the index's folder (an absolute path, or one that leads up
+// out of it with ".."); a shard that cannot be opened is an Error naming the index, the tensor and
+// the shard. A ".." in a shard's path is resolved as the OS (and so HF's reader) resolves it: the
+// folder it steps out of must exist and be a directory (`sub/../x.safetensors` with no folder `sub`
+// cannot be opened) whose parent is the folder its name says (not elsewhere through a symbolic
+// link); else get() and info() of the shard's tensors throw Error(kIo) naming the index, the tensor
+// and the shard.
 class Checkpoint {
  public:
   static Checkpoint open(const std::string& path);
