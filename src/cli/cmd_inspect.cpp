@@ -4,6 +4,7 @@
 // PATH may also be a single .safetensors file: then its tensors are listed.
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <iostream>
 #include <nlohmann/json.hpp>
@@ -81,13 +82,16 @@ void print_safetensors(const std::string& path, const ojson& j) {
   std::printf("file: %s\n%s, %s\n", printable(path).c_str(),
               count_of(static_cast<long long>(tensors.size()), "tensor").c_str(),
               format_bytes(static_cast<double>(total)).c_str());
+  int dtype_width = 6;  // the dtype column as wide as its longest name (f8_e4m3fn: 9)
+  for (const auto& t : tensors)
+    dtype_width = std::max(dtype_width, static_cast<int>(t["dtype"].get<std::string>().size()));
   for (const auto& t : tensors) {
     std::string shape = "[";
     for (size_t i = 0; i < t["shape"].size(); ++i)
       shape += (i ? ", " : "") + std::to_string(t["shape"][i].get<int64_t>());
     shape += "]";
-    std::printf("  %s %-6s %s%s\n", listed_name(t["name"].get<std::string>(), 50).c_str(),
-                t["dtype"].get<std::string>().c_str(), shape.c_str(),
+    std::printf("  %s %-*s %s%s\n", listed_name(t["name"].get<std::string>(), 50).c_str(),
+                dtype_width, t["dtype"].get<std::string>().c_str(), shape.c_str(),
                 t.value("supported", true) ? "" : "  (dtype not supported by fusedmoe)");
   }
   for (const auto& [k, v] : j["metadata"].items())
