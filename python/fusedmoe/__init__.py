@@ -53,6 +53,9 @@ import weakref
 from typing import Any, Mapping, Optional, Tuple
 
 import numpy as np
+# numpy.ma now, not at the first call's check: NumPy 2 imports it lazily, under an import
+# lock that a fork() while another thread takes it leaves held in the child for ever.
+from numpy import ma as _np_ma  # noqa: F401
 
 
 def _preload_pip_nccl() -> None:

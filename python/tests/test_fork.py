@@ -80,3 +80,34 @@ def test_fork_while_another_thread_calls(rng, what):
     finally:
         stop.set()
         thread.join()
+
+
+def test_fork_during_the_first_call_of_a_fresh_process(tmp_path):
+    """A fork while another thread makes the process's first call (session 26's
+    second trial: the child waited for ever on the import lock of NumPy's lazily
+    imported numpy.ma, 10 times in 10)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "first_call.py"
+    script.write_text(f"""
+import os, signal, sys, threading
+import numpy as np
+import fusedmoe
+layer = fusedmoe.MoELayer.from_pretrained({str(REPO / "models" / "tiny-deepseek-v3")!r})
+x = np.random.default_rng(0).standard_normal((64, layer.hidden_size)).astype(np.float32)
+t = threading.Thread(target=lambda: layer(x))
+t.start()
+pid = os.fork()
+if pid == 0:
+    signal.alarm(20)
+    out = layer(x)
+    os._exit(0 if np.isfinite(out).all() else 2)
+t.join()
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+""")
+    for _ in range(3):
+        r = subprocess.run([sys.executable, "-W", "ignore::DeprecationWarning", str(script)],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, (r.returncode, r.stderr)  # -14: the child hung (SIGALRM)

@@ -124,6 +124,9 @@ namespace {
 // the old state is leaked (its std::thread handles name threads that do not
 // exist in the child: neither joinable nor destructible). The registry's mutex
 // is held across fork() so the child's copy of the registry is consistent.
+// Guards the global pools (global(), set_global_num_threads); taken before
+// registry_mu() where both are.
+std::mutex g_pool_mu;
 std::mutex& registry_mu() {
   static std::mutex* mu = new std::mutex;  // never destroyed: used by atfork handlers
   return *mu;
@@ -133,6 +136,26 @@ std::set<ThreadPool*>& registry() {
   return *pools;
 }
 }  // namespace
+
+void ThreadPool::register_fork_handlers() {
+  static std::once_flag atfork;
+  std::call_once(atfork, [] {
+    pthread_atfork(
+        [] {
+          g_pool_mu.lock();
+          registry_mu().lock();
+        },
+        [] {
+          registry_mu().unlock();
+          g_pool_mu.unlock();
+        },
+        [] {
+          for (ThreadPool* p : registry()) p->after_fork_in_child();
+          registry_mu().unlock();
+          g_pool_mu.unlock();
+        });
+  });
+}
 
 void ThreadPool::after_fork_in_child() {
   const int n = impl_->num_threads;
@@ -166,14 +189,7 @@ ThreadPool::ThreadPool(int num_threads) : impl_(std::make_unique<Impl>()) {
   FUSEDMOE_CHECK(num_threads <= kMaxThreads, "num_threads: expected 1..", kMaxThreads,
                  " (or <= 0 for all cores), got ", num_threads);
   impl_->num_threads = num_threads;
-  static std::once_flag atfork;
-  std::call_once(atfork, [] {
-    pthread_atfork([] { registry_mu().lock(); }, [] { registry_mu().unlock(); },
-                   [] {
-                     for (ThreadPool* p : registry()) p->after_fork_in_child();
-                     registry_mu().unlock();
-                   });
-  });
+  register_fork_handlers();
   start_workers();
   std::lock_guard<std::mutex> lk(registry_mu());
   registry().insert(this);
@@ -241,8 +257,8 @@ namespace {
 // Every global pool stays until exit: a thread may still be inside a call on
 // the pool it got from global() when another thread replaces it
 // (set_global_num_threads), so a replaced pool is kept, idle, and reused when
-// its size is asked for again — never destroyed while in use.
-std::mutex g_pool_mu;
+// its size is asked for again — never destroyed while in use. (g_pool_mu
+// guards them, above.)
 std::map<int, std::unique_ptr<ThreadPool>>& g_pools() {
   static std::map<int, std::unique_ptr<ThreadPool>> pools;
   return pools;
@@ -267,12 +283,14 @@ ThreadPool* pool_of_size(int num_threads) {
 
 ThreadPool& ThreadPool::global() {
   if (ThreadPool* p = g_pool.load(std::memory_order_acquire)) return *p;
+  register_fork_handlers();  // before g_pool_mu is first taken
   std::lock_guard<std::mutex> lk(g_pool_mu);
   if (!g_pool.load(std::memory_order_relaxed)) g_pool.store(pool_of_size(0));
   return *g_pool.load(std::memory_order_relaxed);
 }
 
 void ThreadPool::set_global_num_threads(int num_threads) {
+  register_fork_handlers();
   std::lock_guard<std::mutex> lk(g_pool_mu);
   g_pool.store(pool_of_size(num_threads), std::memory_order_release);
 }

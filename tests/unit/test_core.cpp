@@ -276,6 +276,38 @@ TEST(ThreadPool, UsableInAForkedChild) {
   EXPECT_EQ(n.load(), 2000);
 }
 
+// A fork while another thread resizes the global pool (session 26's second
+// trial: the child waited for ever on the global pools' mutex, 14 times in 20).
+TEST(ThreadPool, ForkWhileAnotherThreadResizesTheGlobalPool) {
+  std::atomic<bool> stop{false};
+  std::thread resizer([&] {
+    for (int i = 0; !stop.load(); ++i) ThreadPool::set_global_num_threads(1 + i % 4);
+  });
+  int hung = 0, failed = 0;
+  for (int f = 0; f < 20; ++f) {
+    const pid_t pid = fork();
+    ASSERT_GE(pid, 0) << "fork failed";
+    if (pid == 0) {
+      alarm(20);
+      ThreadPool::set_global_num_threads(2);
+      std::atomic<int64_t> n{0};
+      ThreadPool::global().parallel_for(1000, [&](int64_t b, int64_t e, int) { n += e - b; });
+      _exit(n.load() == 1000 ? 0 : 1);
+    }
+    int status = 0;
+    ASSERT_EQ(waitpid(pid, &status, 0), pid);
+    if (WIFSIGNALED(status))
+      ++hung;  // SIGALRM
+    else if (WEXITSTATUS(status) != 0)
+      ++failed;
+  }
+  stop = true;
+  resizer.join();
+  ThreadPool::set_global_num_threads(0);
+  EXPECT_EQ(hung, 0) << "children that hung (SIGALRM) out of 20";
+  EXPECT_EQ(failed, 0);
+}
+
 // "All cores" is the CPUs the process may run on: under an affinity mask of one
 // CPU (taskset -c 0), one thread; it was hardware_concurrency() (trial).
 TEST(ThreadPool, AllCoresFollowsTheAffinityMask) {

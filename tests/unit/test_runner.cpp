@@ -282,6 +282,7 @@ TEST(MoERunner, AMovedFromRunnerIsAnError) {
   expect_error([&] { a.compute_router_logits(hidden, logits); },
                {"compute_router_logits", "moved from"});
   expect_error([&] { a.check_errors(); }, {"check_errors", "moved from"});
+  expect_error([&] { (void)a.router(); }, {"MoERunner::router", "moved from"});
   EXPECT_EQ(b.forward(hidden).size(0), 3);
 }
 

@@ -51,6 +51,9 @@ class ThreadPool {
   struct Impl;
   void start_workers();
   void after_fork_in_child();
+  // pthread_atfork handlers (once a process): the global pools' and the
+  // registry's mutexes held across fork(), every pool made fresh in the child.
+  static void register_fork_handlers();
   std::unique_ptr<Impl> impl_;
 };
 

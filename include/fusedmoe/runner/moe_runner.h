@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "fusedmoe/config/moe_config.h"
+#include "fusedmoe/core/error.h"
 #include "fusedmoe/core/tensor.h"
 #include "fusedmoe/core/thread_pool.h"
 #include "fusedmoe/experts/expert_weights.h"
@@ -191,7 +192,12 @@ class MoERunner {
 
   const MoEConfig& config() const { return config_; }
   const MoELayerWeights& weights() const { return weights_; }
-  const Router& router() const { return *router_; }
+  const Router& router() const {
+    FUSEDMOE_CHECK(router_ != nullptr,
+                   "MoERunner::router: this runner was moved from (it holds "
+                   "no layer)");
+    return *router_;
+  }
   // The routed experts over ranks when config.parallel is not all 1, else null
   // (expert map, groups, dispatch/combine statistics of the last forward).
   const DistributedExperts* distributed() const { return parallel_.get(); }
