@@ -685,6 +685,16 @@ def _use_torch_ops(*xs: Any) -> bool:
     return _torch_ops is not None and any(_is_torch(x) for x in xs)
 
 
+def _torch_traces_or_has_a_mode() -> bool:
+    """Whether torch.compile, export or torch.jit.trace traces, or a torch
+    function or dispatch mode is active (AttributeError on a torch without
+    these checks)."""
+    t = _torch
+    return bool(t.compiler.is_compiling() or t.jit.is_tracing()
+                or t._C._is_torch_function_mode_enabled()
+                or t._C._len_torch_dispatch_stack() > 0)
+
+
 def _needs_op(*xs: Any) -> bool:
     """For a call with torch tensors: whether it must go through its
     ``torch.ops.fusedmoe`` op rather than straight to the implementation the op
@@ -697,9 +707,7 @@ def _needs_op(*xs: Any) -> bool:
     on: the op's formula refuses a backward)."""
     t = _torch
     try:
-        if (t.compiler.is_compiling() or t.jit.is_tracing()
-                or t._C._is_torch_function_mode_enabled()
-                or t._C._len_torch_dispatch_stack() > 0):
+        if _torch_traces_or_has_a_mode():
             return True
         grad = t.is_grad_enabled()
         for x in xs:
@@ -737,9 +745,7 @@ def _fused_experts_fast(x, w13, w2, tw, ids, activation, w13_bias, w2_bias, appl
             and type(swiglu_limit) in (float, int)):
         return None
     try:
-        if (t.compiler.is_compiling() or t.jit.is_tracing()
-                or t._C._is_torch_function_mode_enabled()
-                or t._C._len_torch_dispatch_stack() > 0):
+        if _torch_traces_or_has_a_mode():
             return None
         if type(x) is not t.Tensor or not x.is_cuda:
             return None
