@@ -118,15 +118,16 @@ struct ThreadPool::Impl {
 };
 
 namespace {
+// Guards the global pools (global(), set_global_num_threads); taken before
+// registry_mu() where both are.
+std::mutex g_pool_mu;
+
 // fork(): the child has only the forking thread, so a pool's workers (and any
 // lock they held) are gone there. Every live pool is registered; in the child
 // each gets a fresh, unlocked state whose workers start with its next job, and
 // the old state is leaked (its std::thread handles name threads that do not
 // exist in the child: neither joinable nor destructible). The registry's mutex
 // is held across fork() so the child's copy of the registry is consistent.
-// Guards the global pools (global(), set_global_num_threads); taken before
-// registry_mu() where both are.
-std::mutex g_pool_mu;
 std::mutex& registry_mu() {
   static std::mutex* mu = new std::mutex;  // never destroyed: used by atfork handlers
   return *mu;
