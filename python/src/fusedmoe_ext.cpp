@@ -35,6 +35,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "fusedmoe/config/moe_config.h"
@@ -362,6 +363,11 @@ MoEConfig config_from_dict(const nb::dict& d) {
   return MoEConfig::from_json(text, "config");
 }
 
+// Calls running without the GIL (ReleaseGil), and whether the interpreter is
+// exiting (drain_calls_at_exit); both read and written with the GIL held.
+int g_calls_without_gil = 0;
+bool g_exiting = false;
+
 // ---- fork() and the calls' mutexes -------------------------------------------------
 
 // A thread of the parent may hold one of the mutexes that serialise a layer's
@@ -385,6 +391,7 @@ void register_call_mutex(std::mutex* m) {
     pthread_atfork([] { call_mutexes_mu().lock(); }, [] { call_mutexes_mu().unlock(); },
                    [] {
                      for (std::mutex* m : call_mutexes()) new (m) std::mutex();
+                     g_calls_without_gil = 0;  // the parent's other threads' calls
                      call_mutexes_mu().unlock();
                    });
   });
@@ -408,6 +415,50 @@ class CallMutex {
  private:
   std::mutex mu_;
 };
+
+// ---- the interpreter's exit and calls without the GIL ------------------------------
+
+// A call releases the GIL while it runs (ReleaseGil). When the interpreter
+// exits, CPython (before 3.14) ends a daemon thread that asks for the GIL back
+// with pthread_exit; from inside a C++ call (a destructor: noexcept) that
+// unwinding aborts the process ("terminate called without an active
+// exception"). So at exit (an atexit function, drain_calls_at_exit, run while
+// the interpreter still stands) the calls still running are waited for, and
+// later calls keep the GIL for their whole run: no thread of ours asks for it
+// back once the interpreter has begun to finalize.
+
+// nb::gil_scoped_release that counts its call, or keeps the GIL once the
+// interpreter is exiting.
+class ReleaseGil {
+ public:
+  ReleaseGil() {
+    if (g_exiting) return;
+    ++g_calls_without_gil;
+    state_ = PyEval_SaveThread();
+  }
+  ~ReleaseGil() {
+    if (state_ == nullptr) return;
+    PyEval_RestoreThread(state_);
+    --g_calls_without_gil;
+  }
+  ReleaseGil(const ReleaseGil&) = delete;
+  ReleaseGil& operator=(const ReleaseGil&) = delete;
+
+ private:
+  PyThreadState* state_ = nullptr;
+};
+
+void drain_calls_at_exit() {
+  g_exiting = true;
+  // Daemon threads still running hold their objects (a layer, its arrays) to
+  // the end: nanobind's report of them as leaks would blame the binding.
+  if (nb::cast<int>(nb::module_::import_("threading").attr("active_count")()) > 1)
+    nb::set_leak_warnings(false);
+  while (g_calls_without_gil > 0) {
+    nb::gil_scoped_release release;  // the running calls take the GIL back to return
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
 
 // ---- functional ops ----------------------------------------------------------------
 
@@ -571,7 +622,7 @@ void fused_experts(const InArray& hidden_states, const InArray& w13, const InArr
 #ifdef FUSEDMOE_WITH_CUDA
     const cuda::FusedExpertsArgs a = cuda_fused_experts_args(
         x, weights, tw, ti, out, params, apply_router_weight_on_input, w13_interleaved, ws);
-    nb::gil_scoped_release release;
+    ReleaseGil release;
     cuda::fused_experts(a, ws->data(), ws->nbytes(), reinterpret_cast<cuda::Stream>(stream));
 #endif
     return;
@@ -604,7 +655,7 @@ void fused_experts(const InArray& hidden_states, const InArray& w13, const InArr
     check_tensor(weights.w2_bias->view(), "w2_bias", weights.w2_bias->dtype(), {E, H});
 
   FunctionalState& s = functional_state();
-  nb::gil_scoped_release release;
+  ReleaseGil release;
   std::lock_guard<CallMutex> lock(s.mu);
   s.kernel->forward(x, ti, tw, weights, params, apply_router_weight_on_input, out, s.ws);
   // As MoELayer: hidden states that overflow f32 inside the experts, or weights
@@ -630,7 +681,7 @@ std::vector<double> time_fused_experts(const InArray& hidden_states, const InArr
   ExpertsParams params;
   std::vector<double> times(static_cast<size_t>(std::max(repeat, 0)));
   FunctionalState& s = functional_state();
-  nb::gil_scoped_release release;
+  ReleaseGil release;
   std::lock_guard<CallMutex> lock(s.mu);
   for (auto& t : times) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -675,7 +726,7 @@ std::pair<double, double> time_fused_experts_cuda(const InArray& hidden_states, 
   const cuda::FusedExpertsArgs a =
       cuda_fused_experts_args(x, weights, tw, ti, out, params, false, false, ws);
   const auto s = reinterpret_cast<cuda::Stream>(stream);
-  nb::gil_scoped_release release;
+  ReleaseGil release;
   const auto t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < repeat; ++i) cuda::fused_experts(a, ws->data(), ws->nbytes(), s);
   const auto t1 = std::chrono::steady_clock::now();
@@ -762,7 +813,7 @@ void select_experts_cuda(const MoEConfig& c, const TensorView& logits, const Ten
   ra.topk_ids = ids.data_as<int32_t>();
   ra.topk_weights = weights.data_as<float>();
   if (T == 0) return;
-  nb::gil_scoped_release release;
+  ReleaseGil release;
   cuda::route(c, ra, T, reinterpret_cast<cuda::Stream>(stream));
 }
 #endif
@@ -798,7 +849,7 @@ void select_experts(const InArray& router_logits, const OutArray& topk_ids,
   if (bias) params.e_score_correction_bias = borrow(*bias);
   if (table) params.hash_table = borrow(*table);
   const auto router = create_router(c, params);
-  nb::gil_scoped_release release;
+  ReleaseGil release;
   router->select_experts(logits, ids, weights, tok ? &*tok : nullptr);
 }
 
@@ -830,7 +881,7 @@ class PyCudaWorkspace {
   void reserve(int64_t nbytes) {
     FUSEDMOE_CHECK(nbytes >= 0, "nbytes: expected >= 0, got ", nbytes);
     FUSEDMOE_CHECK(cuda::device_count() > 0, "CudaWorkspace.reserve: no CUDA device is visible");
-    nb::gil_scoped_release release;
+    ReleaseGil release;
     ws_->reserve(static_cast<size_t>(nbytes));
   }
 
@@ -857,7 +908,7 @@ class PyEpGroup {
   PyEpGroup(const nb::bytes& unique_id, int rank, int size, int device) {
     const auto* p = static_cast<const uint8_t*>(unique_id.data());
     const std::vector<uint8_t> id(p, p + unique_id.size());
-    nb::gil_scoped_release release;  // collective: waits for the other ranks
+    ReleaseGil release;  // collective: waits for the other ranks
     comm_ = make_nccl_communicator(std::span<const uint8_t>(id), rank, size, device);
     device_ = device;
   }
@@ -902,7 +953,7 @@ class PyMoELayer {
       options.communicator = ep_group->comm();
     }
     if (device.type == DeviceType::kCUDA) {
-      nb::gil_scoped_release release;  // uploads the weights
+      ReleaseGil release;  // uploads the weights
       runner_ = std::make_unique<MoERunner>(std::move(config), std::move(weights), options);
     } else {
       runner_ = std::make_unique<MoERunner>(std::move(config), std::move(weights), options);
@@ -958,7 +1009,7 @@ class PyMoELayer {
     MoELayerWeights weights;
     int64_t l = 0;
     {
-      nb::gil_scoped_release release;
+      ReleaseGil release;
       const ModelInfo info = load_model_info(model_dir);
       FUSEDMOE_CHECK(!info.moe_layers.empty(), "model_dir: ", printable(model_dir),
                      " has no MoE layer");
@@ -1022,7 +1073,7 @@ class PyMoELayer {
     if (o_ids) outputs.topk_ids = *o_ids;
     if (o_weights) outputs.topk_weights = *o_weights;
     const bool want = o_logits || o_ids || o_weights;
-    nb::gil_scoped_release release;
+    ReleaseGil release;
     std::lock_guard<CallMutex> lock(mu_);
     if (device_.type == DeviceType::kCUDA)
       runner_->set_cuda_stream(reinterpret_cast<void*>(stream));
@@ -1034,7 +1085,7 @@ class PyMoELayer {
   // router logits held a NaN in a forward since the last check (MoERunner::
   // check_errors). CPU: nothing (forward raises there).
   void check_errors(uintptr_t stream) {
-    nb::gil_scoped_release release;
+    ReleaseGil release;
     std::lock_guard<CallMutex> lock(mu_);
     if (device_.type != DeviceType::kCUDA) return;
     runner_->set_cuda_stream(reinterpret_cast<void*>(stream));
@@ -1112,6 +1163,7 @@ NB_MODULE(_ext, m) {
   using namespace fusedmoe;
   using namespace fusedmoe::python;
   m.doc() = "fusedmoe C++ extension (low-level; use the `fusedmoe` package API)";
+  nb::module_::import_("atexit").attr("register")(nb::cpp_function(&drain_calls_at_exit));
 #ifdef FUSEDMOE_VERSION
   m.attr("__version__") = FUSEDMOE_VERSION;
 #endif
