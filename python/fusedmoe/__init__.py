@@ -1426,7 +1426,7 @@ class ExpertParallelGroup:
             raise RuntimeError("ExpertParallelGroup: torch.distributed is not initialized "
                                "(torch.distributed.init_process_group first)")
         if not t.cuda.is_available():
-            raise RuntimeError("ExpertParallelGroup: no CUDA device is visible")
+            raise ValueError("ExpertParallelGroup: no CUDA device is visible")
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         uid = [nccl_unique_id() if rank == 0 else None]
         src = 0 if group is None else dist.get_global_rank(group, 0)
@@ -1448,7 +1448,7 @@ class ExpertParallelGroup:
         rank = _int_in(rank, "rank", 0, size - 1, f" (size {size})")
         if device is None:
             if not cuda_built or _ext.cuda_device_count() == 0:
-                raise RuntimeError("ExpertParallelGroup: no CUDA device is visible")
+                raise ValueError("ExpertParallelGroup: no CUDA device is visible")
             device = _torch.cuda.current_device() if _torch is not None else 0
         g = cls.__new__(cls)
         g._impl = _ext.EpGroup(unique_id, rank, size, _int_in(device, "device", 0, 2**31 - 1))
