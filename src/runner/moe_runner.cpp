@@ -61,18 +61,53 @@ void check_float_param(const Tensor& t, const char* name, std::initializer_list<
                  v.str());
 }
 
-// True when the memory spanned by a and b overlaps.
+// True when a and b share a byte. A 1-D view, or a 2-D one with unit stride
+// in its last dimension, is taken row by row (rows at a stride, each a
+// contiguous run of bytes), so views interleaved in one buffer (column blocks
+// of the same rows) do not overlap; any other view by the span from its first
+// to its last element.
 bool overlaps(const TensorView& a, const TensorView& b) {
   if (a.numel() == 0 || b.numel() == 0) return false;
-  auto span = [](const TensorView& v) {
-    int64_t last = 0;
-    for (int d = 0; d < v.ndim(); ++d) last += (v.size(d) - 1) * v.stride(d);
-    const char* p = static_cast<const char*>(v.data());
-    return std::pair<const char*, const char*>(p, p + (last + 1) * dtype_size(v.dtype()));
+  struct Rows {
+    intptr_t base;
+    int64_t rows, stride, len;  // bytes: row r is [base + r * stride, + len)
   };
-  const auto [a0, a1] = span(a);
-  const auto [b0, b1] = span(b);
-  return a0 < b1 && b0 < a1;
+  auto rows_of = [](const TensorView& v) {
+    const int64_t es = dtype_size(v.dtype());
+    const auto base = reinterpret_cast<intptr_t>(v.data());
+    if (v.ndim() == 1 && v.stride(0) >= 0) return Rows{base, v.size(0), v.stride(0) * es, es};
+    if (v.ndim() == 2 && v.stride(1) == 1 && v.stride(0) >= 0)
+      return Rows{base, v.size(0), v.stride(0) * es, v.size(1) * es};
+    int64_t first = 0, last = 0;  // element offsets of the span
+    for (int d = 0; d < v.ndim(); ++d) {
+      const int64_t step = (v.size(d) - 1) * v.stride(d);
+      (step < 0 ? first : last) += step;
+    }
+    return Rows{base + first * es, 1, 0, (last - first + 1) * es};
+  };
+  Rows x = rows_of(a), y = rows_of(b);
+  // Row stride 0 (or one row): a single run of bytes.
+  if (x.stride == 0) x.rows = 1;
+  if (y.stride == 0) y.rows = 1;
+  if (x.base + (x.rows - 1) * x.stride + x.len <= y.base ||
+      y.base + (y.rows - 1) * y.stride + y.len <= x.base)
+    return false;  // the spans are apart
+  if (x.rows > y.rows) std::swap(x, y);
+  // For each row of x, the rows j of y with y.base + j * y.stride < x1 and
+  // y.base + j * y.stride + y.len > x0 (floor divisions; y.stride > 0 here
+  // when y has more than one row).
+  auto floor_div = [](int64_t n, int64_t d) { return n / d - (n % d != 0 && (n < 0) != (d < 0)); };
+  for (int64_t i = 0; i < x.rows; ++i) {
+    const int64_t x0 = x.base + i * x.stride - y.base, x1 = x0 + x.len;  // relative to y.base
+    if (y.rows == 1) {
+      if (x0 < y.len && x1 > 0) return true;
+      continue;
+    }
+    const int64_t j_lo = std::max<int64_t>(0, floor_div(x0 - y.len, y.stride) + 1);
+    const int64_t j_hi = std::min<int64_t>(y.rows - 1, floor_div(x1 - 1, y.stride));
+    if (j_lo <= j_hi) return true;
+  }
+  return false;
 }
 
 // The tensors forward() writes (output and the routing outputs asked for) must

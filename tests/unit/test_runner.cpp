@@ -394,6 +394,51 @@ TEST(MoERunner, RejectsWrittenTensorsThatOverlap) {
   EXPECT_EQ(std::memcmp(given.data(), given_before.data(), given.nbytes()), 0);
 }
 
+// Outputs interleaved in one buffer (column blocks of the same rows) share no
+// byte: taken, with the values of separate tensors. Blocks that do share
+// bytes (one column) are still refused, and so is a view whose row span
+// reaches into the next row's block.
+TEST(MoERunner, TakesOutputsInterleavedInOneBuffer) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  const MoEConfig c = arch_configs()[1].second;  // qwen2_moe: shared expert with gate
+  const int64_t T = 7, H = c.hidden_size, L = c.num_router_logits(), k = c.top_k;
+  MoERunner runner(c, random_layer(rng, c, DType::kF32));
+  Tensor hidden = test::random_f32(rng, {T, H});
+  Tensor out = Tensor::empty(DType::kF32, {T, H}), out2 = Tensor::empty(DType::kF32, {T, H});
+  Tensor logits = Tensor::empty(DType::kF32, {T, L}), ids = Tensor::empty(DType::kI32, {T, k}),
+         weights = Tensor::empty(DType::kF32, {T, k});
+  const ForwardOutputs separate{logits.view(), ids.view(), weights.view()};
+  runner.forward(hidden, out, nullptr, nullptr, &separate);
+  // One [T, L + 2k] buffer of 4-byte cells: logits | weights | ids in each row.
+  const int64_t W = L + 2 * k;
+  Tensor buf = Tensor::empty(DType::kF32, {T + 1, W});
+  std::fill(buf.data_as<float>(), buf.data_as<float>() + (T + 1) * W, 42.0f);
+  float* b = buf.data_as<float>();
+  const std::vector<int64_t> row{W, 1}, shape_tl{T, L}, shape_tk{T, k};
+  const TensorView lg(b, DType::kF32, shape_tl, row), wt(b + L, DType::kF32, shape_tk, row),
+      id(b + L + k, DType::kI32, shape_tk, row);
+  const ForwardOutputs interleaved{lg, id, wt};
+  runner.forward(hidden, out2, nullptr, nullptr, &interleaved);
+  EXPECT_EQ(std::memcmp(out.data(), out2.data(), out.nbytes()), 0);
+  for (int64_t t = 0; t < T; ++t) {
+    EXPECT_EQ(std::memcmp(b + t * W, logits.data_as<float>() + t * L, L * 4), 0) << t;
+    EXPECT_EQ(std::memcmp(b + t * W + L, weights.data_as<float>() + t * k, k * 4), 0) << t;
+    EXPECT_EQ(std::memcmp(b + t * W + L + k, ids.data_as<int32_t>() + t * k, k * 4), 0) << t;
+  }
+  // The weights one column to the left: their first column is the logits' last.
+  const ForwardOutputs wt_over{lg, id, TensorView(b + L - 1, DType::kF32, shape_tk, row)};
+  expect_error([&] { runner.forward(hidden, out2, nullptr, nullptr, &wt_over); },
+               {"outputs.topk_weights: must not overlap outputs.router_logits"});
+  // The ids in the last column and the next row's first ones: row t's ids
+  // reach into row t + 1's logits (a spare row at the end keeps it in the buffer).
+  const ForwardOutputs id_cross{lg, TensorView(b + W - 1, DType::kI32, shape_tk, row), wt};
+  expect_error([&] { runner.forward(hidden, out2, nullptr, nullptr, &id_cross); },
+               {"outputs.topk_ids: must not overlap outputs.router_logits"});
+  for (int64_t i = 0; i < W; ++i) EXPECT_EQ(b[T * W + i], 42.0f) << i;
+}
+
 TEST(MoERunner, RejectsBadShapesBeforeWriting) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE(testing::Message() << "seed " << seed);
