@@ -11,6 +11,11 @@ each round ended by one stream synchronisation and divided by the calls):
   fusedmoe.fused_experts       the public function (routes to the op)
   torch.compile(fullgraph)     a compiled function calling fusedmoe.fused_experts
   CUDA graph replay            one captured torch.ops call, replayed
+and for MoELayer(backend="cuda") (the HF fixtures' tiny layers, T = 1):
+  _impl.forward                the raw binding, preallocated output
+  MoELayer general path        MoELayer._forward (checks for every array library)
+  MoELayer call                moe(x): the fast path for a plain torch CUDA tensor
+  CUDA graph replay            one captured moe(x), replayed
 When a row's time is above the C++ row, the host (Python) is the bottleneck:
 the difference is the per-call overhead. The GPU time of the kernels alone is
 about the graph-replay row.
@@ -26,6 +31,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -120,6 +126,38 @@ def bench(name, E, k, H, I, repeat, rounds, dtype):
     return rows, cpp
 
 
+HF = Path(__file__).resolve().parents[2] / "tests" / "data" / "hf"
+
+
+def bench_layer(arch, repeat, rounds, dtype):
+    moe = fusedmoe.MoELayer.from_pretrained(HF / arch, layer=1, backend="cuda", max_num_tokens=8)
+    x = torch.randn(1, moe.hidden_size, device="cuda").to(dtype)
+    out = torch.empty_like(x)
+    stream = torch.cuda.current_stream().cuda_stream
+    from torch.utils.dlpack import to_dlpack
+
+    rows = [("_impl.forward (raw binding, preallocated)",
+             *per_call_us(lambda: moe._impl.forward(to_dlpack(x), to_dlpack(out), None, None, None,
+                                                    None, None, stream), repeat, rounds)),
+            ("MoELayer general path (_forward)",
+             *per_call_us(lambda: moe._forward(x, None, None, False), repeat, rounds)),
+            ("MoELayer call moe(x)", *per_call_us(lambda: moe(x), repeat, rounds))]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        moe(x)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = moe(x)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(static_out, moe(x), rtol=0, atol=0)
+    rows.append(("CUDA graph replay (one captured moe(x))",
+                 *per_call_us(graph.replay, repeat, rounds)))
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeat", type=int, default=1000)
@@ -142,6 +180,17 @@ def main():
         for call, us, host in rows:
             print(f"| {call} | {us:.1f} | {host:.1f} | {us - cpp:+.1f} |")
             csv.append(f"{name},{E},{k},{H},{I},{call},{us:.2f},{host:.2f},{us - cpp:.2f}")
+    for arch in ("qwen3_moe", "mixtral"):
+        for dtype in (torch.bfloat16, torch.float32):
+            for _ in range(args.passes - 1):  # warm-up passes, not reported
+                bench_layer(arch, args.repeat, args.rounds, dtype)
+            rows = bench_layer(arch, args.repeat, args.rounds, dtype)
+            print(f"\n## MoELayer {arch} (HF fixture, layer 1), T = 1, {dtype}\n")
+            print("| call | µs/call (incl. GPU) | host µs/call (enqueue) |")
+            print("|---|---|---|")
+            for call, us, host in rows:
+                print(f"| {call} | {us:.1f} | {host:.1f} |")
+                csv.append(f"layer-{arch},,,,,{call} {dtype},{us:.2f},{host:.2f},")
     if args.csv:
         with open(args.csv, "w") as fh:
             fh.write("\n".join(csv) + "\n")

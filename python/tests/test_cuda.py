@@ -243,6 +243,44 @@ def test_fused_experts_fast_path_matches_the_general_path(g, dtype, T):
         fusedmoe.fused_experts(x, w13, w2, tw, ids, "relu")
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_layer_fast_path_matches_the_general_path(g, arch):
+    """A CUDA layer's plain call (MoELayer._forward_fast: a few µs of Python)
+    gives the general path's bits; any other call falls back to the general
+    path, with its result or its error."""
+    moe = _cuda_layer(arch, 1)
+    H = moe.hidden_size
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for T in (1, 7, 128):
+            x = torch.randn(T, H, generator=g, device="cuda").to(dtype)
+            out = moe._forward_fast(x)
+            assert out is not None and out.dtype == dtype and out.shape == (T, H)
+            want = moe._forward(x, None, None, False)
+            assert torch.equal(out, want) and not want.isnan().any()
+            assert torch.equal(moe(x), want)
+    x = torch.randn(5, H, generator=g, device="cuda")
+    want = moe._forward(x, None, None, False)
+    xs = torch.empty(5, 2 * H, device="cuda")[:, :H]  # strided rows
+    xs.copy_(x)
+    xr = x.clone().requires_grad_()
+    for xn in (xs, x.cpu(), x.double(), x[:, :H - 1], x[:0], x.unsqueeze(0),
+               torch.randn(129, H, device="cuda"), torch.nn.Parameter(x)):
+        assert moe._forward_fast(xn) is None
+    assert moe._forward_fast(xr) is None  # grad to record: the op
+    with torch.no_grad():
+        assert torch.equal(moe._forward_fast(xr), want)
+    assert torch.equal(moe(xs), want)  # the general path takes strided rows
+    with pytest.raises(ValueError, match="hidden_states"):
+        moe(x.cpu())
+    with pytest.raises(ValueError, match="128"):
+        moe(torch.randn(129, H, device="cuda"))
+    assert moe(x[:0]).shape == (0, H)
+    # Options other than hidden_states: the general path.
+    out, ids, weights, logits = moe(x, return_routing=True)
+    assert torch.equal(out, want)
+    assert torch.equal(moe(x, logits), want)
+
+
 # T = 1: the decode kernels; 40 (10 rows an expert): the grouped GEMMs; 600 (150 rows an
 # expert): the sm90 path on an H200, where the activation runs in the w13 GEMM's epilogue.
 @pytest.mark.parametrize("T", [1, 40, 600])
