@@ -60,6 +60,12 @@
 //   64 x 128 pingpong tiles (K tile 64 or 128) were slower than m64 at every
 //   point but a few ties within 0.5 % (e.g. Mixtral T = 4096 w13 4522 vs 2659 us,
 //   Qwen3 T = 4096 594 vs 373, DeepSeek-V3 T = 4096 6243 vs 4050): not kept.
+// Session 27 (bench/results/2026-12-01-session27.md): the GEMMs with A and B
+// swapped (D^T = W . A^T: weights as the M operand in 256-row tiles, an expert's
+// rows as N in tiles of 144 or 160, column-major D) were 1-2 % faster at
+// DeepSeek-V3 T = 4096 and 2-9 % slower for Qwen3 T = 1024-4096 (w2, K = 768):
+// not kept. (CuTe picks the wgmma of such an N only with
+// CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED; else m64n16, at half the speed.)
 // Two other CUTLASS configurations were measured there and not kept (each
 // would cost two more heavy translation units): 128 x 128 pingpong and
 // 128 x 256 cooperative in 2 x 1 clusters (B multicast) were slower at every
