@@ -11,6 +11,7 @@
 #include <sstream>
 #include <type_traits>
 
+#include "core/json_error.h"
 #include "fusedmoe/core/error.h"
 #include "fusedmoe/experts/expert_weights.h"  // ActivationParams
 
@@ -410,7 +411,8 @@ MoEConfig MoEConfig::from_json(const std::string& json, const std::string& sourc
   try {
     j = ojson::parse(json);
   } catch (const nlohmann::json::exception& e) {
-    FUSEDMOE_THROW(kInvalidArgument, source, ": not valid JSON (", e.what(), ")");
+    FUSEDMOE_THROW(kInvalidArgument, source, ": not valid JSON (", printable_json_error(e.what()),
+                   ")");
   }
   FUSEDMOE_CHECK(j.is_object(), source, ": expected a JSON object, got ", j.type_name());
   MoEConfig c;

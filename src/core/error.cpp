@@ -1,7 +1,10 @@
 // fusedmoe: error-message helpers (include/fusedmoe/core/error.h).
 #include "fusedmoe/core/error.h"
 
+#include <cctype>
 #include <cstdio>
+
+#include "core/json_error.h"
 
 namespace fusedmoe {
 
@@ -45,6 +48,22 @@ std::string printable(std::string_view text) {
     }
   }
   return out;
+}
+
+std::string printable_json_error(std::string_view what) {
+  // Each "<U+00XX>" (XX < 0x20) back to its byte, then printable() writes it as \xXX.
+  std::string raw;
+  for (size_t i = 0; i < what.size(); ++i) {
+    const auto hex = [&](size_t k) { return std::isxdigit(static_cast<unsigned char>(what[k])); };
+    if (what.compare(i, 5, "<U+00") == 0 && i + 8 <= what.size() && what[i + 7] == '>' &&
+        (what[i + 5] == '0' || what[i + 5] == '1') && hex(i + 6)) {
+      raw += static_cast<char>(std::stoi(std::string(what.substr(i + 5, 2)), nullptr, 16));
+      i += 7;
+      continue;
+    }
+    raw += what[i];
+  }
+  return printable(raw);
 }
 
 std::string bytes_str(unsigned long long bytes) {

@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/json_error.h"
 #include "fusedmoe/core/error.h"
 
 namespace fusedmoe::detail {
@@ -201,7 +202,7 @@ nlohmann::json parse_python_json(const std::string& text, const std::string& sho
     try {
       root = json::parse(text);
     } catch (const json::exception& e) {
-      FUSEDMOE_THROW(kIo, shown, ": not valid JSON: ", e.what());
+      FUSEDMOE_THROW(kIo, shown, ": not valid JSON: ", printable_json_error(e.what()));
     }
     finish(root, shown, false);
     return root;
@@ -210,10 +211,10 @@ nlohmann::json parse_python_json(const std::string& text, const std::string& sho
     root = json::parse(marked->text);
   } catch (const json::parse_error& e) {
     // Placed in the text as written (the markers are longer than what they stand for).
-    FUSEDMOE_THROW(kIo, shown,
-                   ": not valid JSON: ", unmarked_position(e.what(), *marked, text, e.byte));
+    FUSEDMOE_THROW(kIo, shown, ": not valid JSON: ",
+                   printable_json_error(unmarked_position(e.what(), *marked, text, e.byte)));
   } catch (const json::exception& e) {
-    FUSEDMOE_THROW(kIo, shown, ": not valid JSON: ", e.what());
+    FUSEDMOE_THROW(kIo, shown, ": not valid JSON: ", printable_json_error(e.what()));
   }
   finish(root, shown, true);
   return root;

@@ -25,6 +25,7 @@
 #include <set>
 #include <unordered_set>
 
+#include "core/json_error.h"
 #include "fusedmoe/core/error.h"
 #include "io/python_json.h"
 
@@ -243,7 +244,8 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) 
     json::sax_parse(text, text + header_len, &keys);
     header = json::parse(text, text + header_len);
   } catch (const json::exception& e) {
-    FUSEDMOE_THROW(kIo, printable(path), ": header is not valid JSON: ", e.what());
+    FUSEDMOE_THROW(kIo, printable(path),
+                   ": header is not valid JSON: ", printable_json_error(e.what()));
   }
   const std::string& duplicate = keys.duplicate;
   if (!duplicate.empty())

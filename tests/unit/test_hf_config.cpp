@@ -331,6 +331,16 @@ TEST(HfConfig, NonFiniteLiteralsAsPythonJsonReadsThem) {
   // A literal as an object key: Python refuses it too.
   EXPECT_HAS(error_of([&] { parse_model_info(with("x", "{NaN: 1}"), where); }, ErrorCode::kIo),
              "test/config.json: not valid JSON");
+  // A raw control byte in a string (Python refuses it too), quoted as every
+  // message quotes one (the JSON library wrote it "<U+0001>"), with or without a NaN.
+  for (const char* nan : {"1", "NaN"}) {
+    const std::string ctl = error_of(
+        [&] { parse_model_info(with("note", std::string("[") + nan + ", \"a\x01\"]"), where); },
+        ErrorCode::kIo);
+    EXPECT_HAS(ctl, "test/config.json: not valid JSON: ");
+    EXPECT_HAS(ctl, "\"a\\x01");
+    EXPECT_EQ(ctl.find("<U+"), std::string::npos) << ctl;
+  }
   // A syntax error after a NaN is reported where it is, in the text as written.
   const std::string bad = "{\"a\": NaN,\n  \"b\": tru}";
   const std::string msg = error_of([&] { parse_model_info(bad, where); }, ErrorCode::kIo);

@@ -214,6 +214,14 @@ TEST(Safetensors, RejectsBadFiles) {
        1000,
        {"header length 1000", "past the end of the file"}},
       {"invalid json", R"({"a":{"dtype":"F32",)", 8, std::nullopt, {"not valid JSON"}},
+      // A control byte in a name, quoted as every message quotes one (the JSON
+      // library wrote it "<U+0010>").
+      {"control byte in a name",
+       "{\"a\x10"
+       "b\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}",
+       4,
+       std::nullopt,
+       {"header is not valid JSON", "control character U+0010", "last read: '\"a\\x10'"}},
       {"not an object", R"([1, 2, 3])", 0, std::nullopt, {"not a JSON object"}},
       {"unknown dtype",
        R"({"w.a":{"dtype":"F7","shape":[2],"data_offsets":[0,8]}})",
