@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <ostream>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -379,6 +380,10 @@ TEST(CudaRunner, RejectsUnknownExpertsPath) {
 struct Shape {
   int64_t T, E, k, H, I;
 };
+// How gtest (and ctest's list) shows a Shape: "T=17 E=60 k=6 H=96 I=80", not its bytes.
+void PrintTo(const Shape& s, std::ostream* os) {
+  *os << "T=" << s.T << " E=" << s.E << " k=" << s.k << " H=" << s.H << " I=" << s.I;
+}
 class CudaRunnerShapes : public ::testing::TestWithParam<Shape> {};
 
 TEST_P(CudaRunnerShapes, MatchesCpuBackendAndReference) {
