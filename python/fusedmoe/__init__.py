@@ -383,7 +383,7 @@ def _as_array(x: Any, name: str, expected: str = "a numeric dtype") -> Any:
         if x.dtype.kind not in "biufc" and x.dtype.name != "bfloat16":
             raise TypeError(f"{name}: expected {expected}, got {x.dtype}")
         if not x.dtype.isnative:  # big-endian: DLPack carries native byte order only
-            x = x.astype(x.dtype.newbyteorder("="))
+            x = _native_byte_order(x, name)
         return x
     if _is_torch(x):
         if x.layout != _torch.strided:  # sparse, ...: no DLPack form
@@ -397,6 +397,20 @@ def _as_array(x: Any, name: str, expected: str = "a numeric dtype") -> Any:
     if any(d < 0 for d in dims):
         raise ValueError(f"{name}: shape {dims} has a negative dimension")
     return x
+
+
+def _native_byte_order(x: Any, name: str) -> Any:
+    """A NumPy array of the other byte order in native order: a broadcast
+    view (stride 0) is swapped in its distinct elements and broadcast again,
+    so its dtype and shape reach the usual checks first; any other copy is
+    checked against the machine's memory first (MemoryError naming `name`)."""
+    distinct = x[tuple(slice(0, 1) if st == 0 and n > 1 else slice(None)
+                       for st, n in zip(x.strides, x.shape))]
+    _ext._check_host_bytes(name, min(distinct.size * x.itemsize, 2**63 - 1),
+                           f"a native-byte-order copy of {name} ({x.dtype} "
+                           f"{list(distinct.shape)})", "pass a smaller array")
+    swapped = distinct.astype(x.dtype.newbyteorder("="))
+    return swapped if swapped.shape == x.shape else np.broadcast_to(swapped, x.shape)
 
 
 def _rows_copied(x: Any) -> bool:

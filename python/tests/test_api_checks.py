@@ -1161,3 +1161,32 @@ def test_array_classes_and_negative_shapes_are_named(rng):
         fusedmoe.fused_topk(None, Negative(np.ones((3, 4), np.float32)), 2, True)
     with pytest.raises(ValueError, match=r"^hidden_states: shape \(-1, \d+\) has a negative"):
         fusedmoe.fused_experts(Negative(x), w13, w2, tw, ids)
+
+
+def test_big_endian_arrays_are_checked_before_their_copy():
+    """Arrays of the other byte order (DLPack carries native order only) are
+    swapped in their distinct elements: a broadcast view is not copied whole
+    before its dtype and shape are checked (session 27's trial: NumPy's
+    "Unable to allocate 954 GiB" instead of the TypeError), and the values
+    are those of the native array."""
+    layer = fusedmoe.MoELayer.from_pretrained(REPO / "models" / "tiny-deepseek-v3", layer=1)
+    H = layer.hidden_size
+    huge = (10**9, H)
+    with pytest.raises(TypeError, match="hidden_states: expected dtype float32, got float64"):
+        layer(np.broadcast_to(np.zeros(H, ">f8"), huge))
+    with pytest.raises(MemoryError, match=r"^hidden_states: 1000000000 tokens"):
+        layer(np.broadcast_to(np.zeros(H, ">f4"), huge))
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((5, H)).astype(">f4")
+    assert np.array_equal(layer(x), layer(x.astype("<f4")))
+    xb = np.broadcast_to(rng.standard_normal(H).astype(">f4"), (3, H))
+    assert np.array_equal(layer(xb), layer(np.ascontiguousarray(xb, dtype="<f4")))
+    # functional: broadcast weights of the other byte order
+    E, h = 1000, rng.standard_normal((3, 64)).astype(np.float32)
+    ids, tw = np.array([[0, 1], [2, 3], [1, 0]], np.int32), np.full((3, 2), 0.5, np.float32)
+    w13, w2 = rng.standard_normal((64, 64)), rng.standard_normal((64, 32))
+    want = fusedmoe.fused_experts(h, np.broadcast_to(w13.astype("<f4"), (E, 64, 64)),
+                                  np.broadcast_to(w2.astype("<f4"), (E, 64, 32)), tw, ids)
+    got = fusedmoe.fused_experts(h, np.broadcast_to(w13.astype(">f4"), (E, 64, 64)),
+                                 np.broadcast_to(w2.astype(">f4"), (E, 64, 32)), tw, ids)
+    assert np.array_equal(got, want)
