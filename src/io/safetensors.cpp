@@ -167,13 +167,29 @@ bool looks_like_safetensors(const std::string& path) {
   // O_NONBLOCK: a FIFO swapped in after the check cannot block open().
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) return false;
-  unsigned char head[9];
-  const bool read_all = ::pread(fd, head, sizeof head, 0) == static_cast<ssize_t>(sizeof head);
+  // The header length, then the JSON's first bytes: '{', after any JSON
+  // whitespace (HF's reader takes it) and UTF-8 byte-order marks (which open()
+  // then refuses by name), so that a damaged header is reported as such.
+  unsigned char head[8 + 64];
+  const ssize_t got = ::pread(fd, head, sizeof head, 0);
   ::close(fd);
-  if (!read_all) return false;
+  if (got < 9) return false;
   uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = (n << 8) | head[i];
-  return n >= 2 && n <= static_cast<uint64_t>(st.st_size) - 8 && head[8] == '{';
+  if (n < 2 || n > static_cast<uint64_t>(st.st_size) - 8) return false;
+  const size_t end = 8 + static_cast<size_t>(std::min<uint64_t>(n, static_cast<uint64_t>(got) - 8));
+  for (size_t i = 8; i < end;) {
+    const unsigned char c = head[i];
+    if (c == '{') return true;
+    if (c == ' ' || c == '\t' || c == '\n' || c == '\r') {
+      ++i;
+    } else if (c == 0xef && i + 2 < end && head[i + 1] == 0xbb && head[i + 2] == 0xbf) {
+      i += 3;
+    } else {
+      return false;
+    }
+  }
+  return false;
 }
 
 std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) {

@@ -189,6 +189,18 @@ TEST(Safetensors, LooksLikeSafetensorsByContent) {
   EXPECT_FALSE(looks_like_safetensors(dir.path() + "/short.bin"));
   EXPECT_FALSE(looks_like_safetensors(dir.path() + "/missing.st"));
   EXPECT_FALSE(looks_like_safetensors(dir.path()));  // a directory
+  // JSON whitespace before the object (HF's reader takes it), and a UTF-8
+  // byte-order mark (open() refuses it by name: inspect and run --model report
+  // that, not "expected a model directory"; session 27's trial).
+  write_raw(dir.path() + "/space.bin", " \n\t{}", 0);
+  EXPECT_TRUE(looks_like_safetensors(dir.path() + "/space.bin"));
+  EXPECT_NO_THROW(SafetensorsFile::open(dir.path() + "/space.bin"));
+  write_raw(dir.path() + "/bom.bin", "\xEF\xBB\xBF{}", 0);
+  EXPECT_TRUE(looks_like_safetensors(dir.path() + "/bom.bin"));
+  EXPECT_HAS(error_of([&] { SafetensorsFile::open(dir.path() + "/bom.bin"); }, ErrorCode::kIo),
+             "header starts with a UTF-8 byte-order mark");
+  write_raw(dir.path() + "/space-text.bin", "  x{}", 0);
+  EXPECT_FALSE(looks_like_safetensors(dir.path() + "/space-text.bin"));
 }
 
 // Zero-element shapes open where HF's reader opens them (the 0 before the
