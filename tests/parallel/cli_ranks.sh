@@ -135,6 +135,10 @@ expect_error 2 "--ep-size 3 --tp-size 1 --dp-size 1: expected 3 ranks, but the M
 if "$mpiexec" --version 2>&1 | grep -qiE "open ?mpi|openrte|open-mpi"; then
   expect_error 2 "the environment says an MPI launcher started 2 ranks .*, but MPI started 1" 1 -- \
     env OMPI_COMM_WORLD_SIZE=2 $R --tokens 8 --ep-size 2
+  # ... and with sizes for one rank, checked before MPI starts: the variable is
+  # named as the source of the count (session 27's trial).
+  expect_error 2 ".*: expected 1 rank, but the MPI launcher started 2 \(mpirun -np 2\) as the environment says \(OMPI_COMM_WORLD_SIZE" 1 -- \
+    env OMPI_COMM_WORLD_SIZE=2 $R --tokens 8
 fi
 
 # The hint names sizes that fit the options given (it said --ep-size 2 to
