@@ -490,7 +490,10 @@ def _f32_logits(x: Any, name: str) -> Any:
     them would synchronise the stream)."""
     if isinstance(x, np.ndarray):
         if x.dtype != np.float32:
-            if x.dtype.kind != "f" and x.dtype.name != "bfloat16":
+            # float16 / 32 / 64 and bfloat16 (longdouble too is refused: a value
+            # past float64's range named itself inf)
+            if not ((x.dtype.kind == "f" and x.dtype.itemsize <= 8)
+                    or x.dtype.name == "bfloat16"):
                 raise TypeError(f"{name}: expected {_LOGITS}, got {x.dtype}")
             _check_host_memory(x, name, to_f32=True)
             wide = x

@@ -1190,3 +1190,20 @@ def test_big_endian_arrays_are_checked_before_their_copy():
     got = fusedmoe.fused_experts(h, np.broadcast_to(w13.astype(">f4"), (E, 64, 64)),
                                  np.broadcast_to(w2.astype(">f4"), (E, 64, 32)), tw, ids)
     assert np.array_equal(got, want)
+
+
+def test_longdouble_logits_are_refused_as_the_message_lists():
+    """Router logits take float32, bfloat16, float16 or float64, as the
+    TypeError says; a longdouble array is refused too (session 27's trial: it
+    was taken, and a finite 1e4000 was named "inf, beyond the float32 range")."""
+    for v in (np.longdouble("1e4000"), np.longdouble(1.0)):
+        logits = np.array([[v] + [0] * 7], dtype=np.longdouble)
+        if logits.dtype.itemsize <= 8:
+            pytest.skip("skipped: longdouble is float64 on this platform")
+        with pytest.raises(TypeError, match="^gating_output: expected dtype float32, bfloat16, "
+                                            "float16 or float64, got float"):
+            fusedmoe.fused_topk(None, logits, 2, True)
+    layer = fusedmoe.MoELayer.from_pretrained(TINY_DSV3, layer=1)
+    x = np.ones((1, layer.hidden_size), np.float32)
+    with pytest.raises(TypeError, match="^router_logits: expected dtype float32"):
+        layer(x, np.zeros((1, layer.num_router_logits), np.longdouble))
