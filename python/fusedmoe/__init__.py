@@ -1388,6 +1388,12 @@ class CudaWorkspace:
     def __init__(self) -> None:
         self._impl = _ext.CudaWorkspace()  # raises in a build without the CUDA backend
 
+    def __reduce__(self):
+        raise TypeError(
+            "CudaWorkspace cannot be pickled or copied: it holds device memory in the extension. "
+            "Share the object (the layers given it share its memory), or make another with "
+            "fusedmoe.CudaWorkspace()")
+
     @property
     def nbytes(self) -> int:
         """Bytes of the current block (0 before the first layer)."""

@@ -260,6 +260,14 @@ def test_cuda_workspace_without_cuda_or_on_the_cpu_backend():
         return
     ws = fusedmoe.CudaWorkspace()  # no memory until a layer or reserve()
     assert ws.nbytes == 0 and ws.device == -1
+    # Not copied, as a layer is not (copy.copy made a second object over the
+    # same memory while deepcopy and pickle refused; session 27's trial).
+    import copy
+    import pickle
+
+    for f in (copy.copy, copy.deepcopy, pickle.dumps):
+        with pytest.raises(TypeError, match="^CudaWorkspace cannot be pickled or copied"):
+            f(ws)
     with pytest.raises(ValueError, match="workspace: a CudaWorkspace serves CUDA layers only"):
         fusedmoe.MoELayer.from_pretrained(HF / "mixtral", workspace=ws)
     with pytest.raises(TypeError, match="workspace: expected a fusedmoe.CudaWorkspace or None"):
