@@ -404,8 +404,9 @@ def _native_byte_order(x: Any, name: str) -> Any:
     view (stride 0) is swapped in its distinct elements and broadcast again,
     so its dtype and shape reach the usual checks first; any other copy is
     checked against the machine's memory first (MemoryError naming `name`)."""
-    distinct = x[tuple(slice(0, 1) if st == 0 and n > 1 else slice(None)
-                       for st, n in zip(x.strides, x.shape))]
+    idx = tuple(slice(0, 1) if st == 0 and n > 1 else slice(None)
+                for st, n in zip(x.strides, x.shape))
+    distinct = x[idx] if idx else x  # (x[()] of a 0-d array is a scalar)
     _ext._check_host_bytes(name, min(distinct.size * x.itemsize, 2**63 - 1),
                            f"a native-byte-order copy of {name} ({x.dtype} "
                            f"{list(distinct.shape)})", "pass a smaller array")

@@ -1184,6 +1184,10 @@ def test_big_endian_arrays_are_checked_before_their_copy():
         layer(np.broadcast_to(np.zeros(H, ">f8"), huge))
     with pytest.raises(MemoryError, match=r"^hidden_states: 1000000000 tokens"):
         layer(np.broadcast_to(np.zeros(H, ">f4"), huge))
+    for dt in ("<f4", ">f4"):  # a 0-d array: the same error either way
+        with pytest.raises(ValueError, match=r"^hidden_states: expected a 2-d array"):
+            layer(np.array(1.0, dt))
+    assert type(fusedmoe._native_byte_order(np.array(1.0, ">f4"), "x")) is np.ndarray
     rng = np.random.default_rng(0)
     x = rng.standard_normal((5, H)).astype(">f4")
     assert np.array_equal(layer(x), layer(x.astype("<f4")))
