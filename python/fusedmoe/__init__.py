@@ -944,11 +944,17 @@ def _fused_experts_impl(
     if x.shape[1] == 0:
         raise ValueError(f"hidden_states: the hidden size is 0 (shape {tuple(x.shape)}); "
                          f"expected [T, H] with H >= 1")
-    tw = _rows(_as_array(topk_weights, "topk_weights", "dtype float32"))
+    T, H = x.shape[0], x.shape[1]
+    tw = _as_array(topk_weights, "topk_weights", "dtype float32")
     if isinstance(tw, np.ndarray) and tw.dtype != np.float32:
         raise TypeError(f"topk_weights: expected dtype float32, got {tw.dtype}")
-    ids = _i32(_as_array(topk_ids, "topk_ids", _INT), "topk_ids")
-    T, H = x.shape[0], x.shape[1]
+    ids = _as_array(topk_ids, "topk_ids", _INT)
+    # Rows other than T's: the extension names the shape, before any copy or
+    # conversion (a broadcast [1e9, k] was copied whole first; session 27's trial).
+    if _ndim_ok(tw, 2) and int(tw.shape[0]) == T:
+        tw = _rows(tw)
+    if _ndim_ok(ids, 2) and int(ids.shape[0]) == T:
+        ids = _i32(ids, "topk_ids")
     if not cuda:
         out = _empty_like_framework(x, (T, H), "f32")
         _ext.fused_experts(

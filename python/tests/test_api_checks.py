@@ -1219,3 +1219,41 @@ def test_longdouble_logits_are_refused_as_the_message_lists():
     x = np.ones((1, layer.hidden_size), np.float32)
     with pytest.raises(TypeError, match="^router_logits: expected dtype float32"):
         layer(x, np.zeros((1, layer.num_router_logits), np.longdouble))
+
+
+def test_routing_arrays_of_the_wrong_shape_are_refused_before_a_copy():
+    """fused_experts' topk_weights / topk_ids whose rows are not T's: named by
+    their shape or dtype before any copy or conversion (session 27's trial: a
+    broadcast [1e9, 2] float64 topk_weights was copied whole, 15 GB, before its
+    TypeError). Run in a fresh interpreter to read its peak memory."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import resource, numpy as np, fusedmoe
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal((1, 128)).astype(np.float32)
+        w13 = rng.standard_normal((6, 64, 128)).astype(np.float32)
+        w2 = rng.standard_normal((6, 128, 32)).astype(np.float32)
+        ids, tw = np.array([[0, 1]], np.int32), np.full((1, 2), 0.5, np.float32)
+        big = (10**9, 2)
+        for a, b in ((np.broadcast_to(np.zeros(1, ">f8"), big), ids),
+                     (np.broadcast_to(np.zeros(1, "<f4"), big), ids),
+                     (tw, np.broadcast_to(np.zeros(1, "<i8"), big)),
+                     (tw, np.broadcast_to(np.zeros(1, ">i4"), big))):
+            try:
+                fusedmoe.fused_experts(x, w13, w2, a, b)
+                print("taken")
+            except (TypeError, ValueError) as e:
+                print(type(e).__name__, str(e).split(",")[0])
+        print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    lines = r.stdout.split("\n")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert lines[:4] == ["TypeError topk_weights: expected dtype float32",
+                         "ValueError topk_weights: expected f32 [1",
+                         "TypeError topk_ids: expected dtype i32",
+                         "ValueError topk_ids: expected i32 [1"], r.stdout
+    assert int(lines[4]) < 1000, f"peak memory {lines[4]} MB"
