@@ -312,14 +312,18 @@ void check_launch_size(int ep_size, int tp_size, int dp_size) {
   const int world = launch().world ? launch().world->size() : launcher_world_size();
   if (world <= 1 || world == ranks_needed(ep_size, tp_size, dp_size)) return;
   // Before MPI starts, the size is the launcher's environment variable: one set
-  // by hand (no mpirun) is named too, as the way out (a trial finding).
-  const std::string from_env =
-      launch().world ? ""
-                     : " as the environment says (OMPI_COMM_WORLD_SIZE, PMI_SIZE or "
-                       "SLURM_STEP_NUM_TASKS; without an MPI launcher, run without them)";
+  // by hand (no mpirun) is named as the source, with the way out first (a trial
+  // finding: the advice to change the sizes led to the next error).
+  if (!launch().world)
+    throw UsageError(expected_ranks(ep_size, tp_size, dp_size) +
+                     ", but the environment says an MPI launcher started " + std::to_string(world) +
+                     " (OMPI_COMM_WORLD_SIZE, PMI_SIZE or SLURM_STEP_NUM_TASKS): without an MPI "
+                     "launcher, run without those variables; under mpirun -np " +
+                     std::to_string(world) + ", " +
+                     launch_size_hint(ep_size, tp_size, dp_size, world));
   throw UsageError(expected_ranks(ep_size, tp_size, dp_size) + ", but the MPI launcher started " +
-                   std::to_string(world) + " (mpirun -np " + std::to_string(world) + ")" +
-                   from_env + "; " + launch_size_hint(ep_size, tp_size, dp_size, world));
+                   std::to_string(world) + " (mpirun -np " + std::to_string(world) + "); " +
+                   launch_size_hint(ep_size, tp_size, dp_size, world));
 }
 
 CLI::Option* add_expert_placement_option(CLI::App& cmd, std::string& value) {

@@ -137,7 +137,7 @@ if "$mpiexec" --version 2>&1 | grep -qiE "open ?mpi|openrte|open-mpi"; then
     env OMPI_COMM_WORLD_SIZE=2 $R --tokens 8 --ep-size 2
   # ... and with sizes for one rank, checked before MPI starts: the variable is
   # named as the source of the count (session 27's trial).
-  expect_error 2 ".*: expected 1 rank, but the MPI launcher started 2 \(mpirun -np 2\) as the environment says \(OMPI_COMM_WORLD_SIZE" 1 -- \
+  expect_error 2 ".*: expected 1 rank, but the environment says an MPI launcher started 2 \(OMPI_COMM_WORLD_SIZE, PMI_SIZE or SLURM_STEP_NUM_TASKS\): without an MPI launcher, run without those variables; under mpirun -np 2, run one rank" 1 -- \
     env OMPI_COMM_WORLD_SIZE=2 $R --tokens 8
 fi
 
