@@ -481,8 +481,8 @@ Checkpoint Checkpoint::open(const std::string& path) {
                      ": checkpoint directory has neither model.safetensors nor "
                      "model.safetensors.index.json");
     }
-  } else if (p.extension() == ".json") {
-    index = p;
+  } else if (p.extension() == ".json" && !looks_like_safetensors(p.string())) {
+    index = p;  // (a .safetensors file is told by content, whatever its name)
   }
   if (index.empty()) {
     auto file = SafetensorsFile::open(p.string());

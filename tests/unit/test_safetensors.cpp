@@ -178,6 +178,11 @@ TEST(Safetensors, LooksLikeSafetensorsByContent) {
   EXPECT_FALSE(looks_like_safetensors(fixture + "/config.json"));
   fs::copy_file(fixture + "/model.safetensors", dir.path() + "/weights.st");
   EXPECT_TRUE(looks_like_safetensors(dir.path() + "/weights.st"));
+  // Named .json, a checkpoint is still opened as the file it is, not as an
+  // index (run --model took it by name; session 27's second trial).
+  fs::copy_file(fixture + "/model.safetensors", dir.path() + "/weights.json");
+  EXPECT_EQ(Checkpoint::open(dir.path() + "/weights.json").names(),
+            Checkpoint::open(fixture + "/model.safetensors").names());
   write_raw(dir.path() + "/empty-header.bin", "{}", 0);
   EXPECT_TRUE(looks_like_safetensors(dir.path() + "/empty-header.bin"));
   // A header length past the end, a header that is no JSON object, too short a file.
