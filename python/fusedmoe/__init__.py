@@ -746,6 +746,37 @@ def _needs_op(*xs: Any) -> bool:
 _ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "swiglu_oai")
 
 
+def _plain_cuda_device(exact: Tuple[Any, ...], params: Any = ()) -> Optional[int]:
+    """For the fast paths: the current CUDA device's index when every tensor of
+    `exact` is an exact torch.Tensor and every one of `params` one or an
+    nn.Parameter, all on that device, contiguous, without lazy negation or
+    conjugation, not functorch-wrapped, with no grad to record, and no tracing,
+    torch function or dispatch mode is active; else None (also on a torch
+    without these checks)."""
+    t = _torch
+    try:
+        if _torch_traces_or_has_a_mode():
+            return None
+        x = exact[0]
+        if type(x) is not t.Tensor or not x.is_cuda:
+            return None
+        dev = x.get_device()
+        if dev != t.cuda.current_device():
+            return None
+        grad = t.is_grad_enabled()
+        wrapped = t._C._functorch.is_functorch_wrapped_tensor
+        for a in (*exact, *params):
+            if type(a) is not t.Tensor and (type(a) is not t.nn.Parameter
+                                            or any(a is e for e in exact)):
+                return None
+            if (not a.is_cuda or a.get_device() != dev or not a.is_contiguous() or a.is_neg()
+                    or a.is_conj() or wrapped(a) or (a.requires_grad and grad)):
+                return None
+    except AttributeError:  # a torch without these: the general path
+        return None
+    return dev
+
+
 def _fused_experts_fast(x, w13, w2, tw, ids, activation, w13_bias, w2_bias, apply, compute_dtype,
                         swiglu_alpha, swiglu_limit, w13_layout):
     """fused_experts for the plain CUDA call, in a few µs of Python instead of
@@ -762,28 +793,9 @@ def _fused_experts_fast(x, w13, w2, tw, ids, activation, w13_bias, w2_bias, appl
             and type(apply) is bool and type(swiglu_alpha) in (float, int)
             and type(swiglu_limit) in (float, int)):
         return None
-    try:
-        if _torch_traces_or_has_a_mode():
-            return None
-        if type(x) is not t.Tensor or not x.is_cuda:
-            return None
-        dev = x.get_device()
-        if dev != t.cuda.current_device():
-            return None
-        grad = t.is_grad_enabled()
-        arrays = [x, w13, w2, tw, ids]
-        if w13_bias is not None:
-            arrays.append(w13_bias)
-        if w2_bias is not None:
-            arrays.append(w2_bias)
-        wrapped = t._C._functorch.is_functorch_wrapped_tensor
-        for i, a in enumerate(arrays):
-            if type(a) is not t.Tensor and (i in (0, 3, 4) or type(a) is not t.nn.Parameter):
-                return None
-            if (not a.is_cuda or a.get_device() != dev or not a.is_contiguous() or a.is_neg()
-                    or a.is_conj() or wrapped(a) or (a.requires_grad and grad)):
-                return None
-    except AttributeError:  # a torch without these: the general path
+    params = [w13, w2] + [b for b in (w13_bias, w2_bias) if b is not None]
+    dev = _plain_cuda_device((x, tw, ids), params)
+    if dev is None:
         return None
     dt = w13.dtype
     if dt not in (t.bfloat16, t.float16) or x.dtype != dt or w2.dtype != dt:
@@ -1745,16 +1757,8 @@ class MoELayer:
         or dispatch mode, functorch transform or grad to record. None for any
         other call: the general path then runs, with its messages."""
         t = _torch
-        try:
-            if type(x) is not t.Tensor or not x.is_cuda or _torch_traces_or_has_a_mode():
-                return None
-            dev = x.get_device()
-            if (dev != self._cuda_index or dev != t.cuda.current_device() or x.dim() != 2
-                    or not x.is_contiguous() or x.is_neg() or x.is_conj()
-                    or t._C._functorch.is_functorch_wrapped_tensor(x)
-                    or (x.requires_grad and t.is_grad_enabled())):
-                return None
-        except AttributeError:  # a torch without these: the general path
+        dev = _plain_cuda_device((x,))
+        if dev is None or dev != self._cuda_index or x.dim() != 2:
             return None
         T, H = x.shape
         if (H != self._fast_h or not 1 <= T <= self._fast_max_t
