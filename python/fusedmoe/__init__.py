@@ -614,6 +614,44 @@ def _check_weight_copies(weights: Tuple[Tuple[Any, str], ...]) -> None:
                                "view is copied first)")
 
 
+def _copied_before_checks(x: Any, bias: bool) -> bool:
+    """Whether _fused_experts_impl copies weight or bias `x` before the
+    extension checks it: a NumPy / torch view that is not contiguous (a
+    broadcast or strided view), or a bias that is not float32 (converted)."""
+    if bias and _dtype_name(x) != "float32":
+        return True
+    if isinstance(x, np.ndarray):
+        return not x.flags.c_contiguous
+    if _is_torch(x):
+        return not x.is_contiguous()
+    return False
+
+
+def _refuse_misshapen_copies(x: Any, w13: Any, w2: Any, w13_bias: Any, w2_bias: Any) -> None:
+    """ValueError naming a weight or bias of another shape than hidden_states
+    [T, H] and w2 [E, H, I] imply, where it would be copied before the
+    extension's own shape check (a broadcast w13 or w13_bias of the wrong shape
+    was copied whole, 3-15 GB, before its error; session 27's trial). Shapes
+    that cannot be read here (w2 not 3-d) are left to the extension."""
+    if not (_ndim_ok(x, 2) and _ndim_ok(w2, 3)):
+        return
+    H = int(x.shape[1])
+    E, I = int(w2.shape[0]), int(w2.shape[2])
+    expected = (("w2", w2, False, (E, H, I), "[E, H, I]"),
+                ("w13", w13, False, (E, 2 * I, H), "[E, 2I, H]"),
+                ("w13_bias", w13_bias, True, (E, 2 * I), "[E, 2I]"),
+                ("w2_bias", w2_bias, True, (E, H), "[E, H]"))
+    for name, t, bias, shape, layout in expected:
+        if t is None or not hasattr(t, "shape") or not _copied_before_checks(t, bias):
+            continue
+        got = tuple(int(d) for d in t.shape)
+        if got != shape:
+            raise ValueError(
+                f"{name}: expected {layout} = {list(shape)} (H from hidden_states, E and I "
+                f"from w2 {[int(d) for d in w2.shape]}), got {_dtype_name(t)} {list(got)}; "
+                f"checked before the copy a non-contiguous view would need")
+
+
 def _weight(x: Any, name: str, weight_dtype: Optional[str]) -> Tuple[Any, bool]:
     """Expert weights: (array, uint16-is-bf16 flag) of _as_array's result `x`
     (its copy checked by _check_weight_copies); weight_dtype checked by
@@ -934,15 +972,18 @@ def _fused_experts_impl(
     weight_dtype = _weight_dtype(weight_dtype)
     kinds = "dtype float32 or bfloat16 (CUDA: bfloat16 or float16)"
     w13, w2 = _as_array(w13, "w13", kinds), _as_array(w2, "w2", kinds)
+    if w13_bias is not None:
+        w13_bias = _as_array(w13_bias, "w13_bias", _FLOAT if cuda else "dtype float32 or bfloat16")
+    if w2_bias is not None:
+        w2_bias = _as_array(w2_bias, "w2_bias", _FLOAT if cuda else "dtype float32 or bfloat16")
+    _refuse_misshapen_copies(x, w13, w2, w13_bias, w2_bias)
     _check_weight_copies(((w13, "w13"), (w2, "w2")))
     w13, bf16_13 = _weight(w13, "w13", weight_dtype)
     w2, bf16_2 = _weight(w2, "w2", weight_dtype)
     if w13_bias is not None:
-        w13_bias = (_f32(_as_array(w13_bias, "w13_bias", _FLOAT)) if cuda
-                    else _cpu_bias(w13_bias, "w13_bias", weight_dtype))
+        w13_bias = (_f32(w13_bias) if cuda else _cpu_bias(w13_bias, "w13_bias", weight_dtype))
     if w2_bias is not None:
-        w2_bias = (_f32(_as_array(w2_bias, "w2_bias", _FLOAT)) if cuda
-                   else _cpu_bias(w2_bias, "w2_bias", weight_dtype))
+        w2_bias = _f32(w2_bias) if cuda else _cpu_bias(w2_bias, "w2_bias", weight_dtype)
     for name, w, layout in (("w13", w13, "[E, 2I, H]"), ("w2", w2, "[E, H, I]")):
         if _ndim_ok(w, 3) and w.shape[0] == 0:
             raise ValueError(f"{name}: 0 experts (shape {tuple(w.shape)}); expected {layout} "

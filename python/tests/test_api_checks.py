@@ -1257,3 +1257,56 @@ def test_routing_arrays_of_the_wrong_shape_are_refused_before_a_copy():
                          "TypeError topk_ids: expected dtype i32",
                          "ValueError topk_ids: expected i32 [1"], r.stdout
     assert int(lines[4]) < 1000, f"peak memory {lines[4]} MB"
+
+
+def test_weights_of_the_wrong_shape_are_refused_before_a_copy():
+    """fused_experts' w13 / w2 / biases: a view that would be copied (not
+    contiguous, or a bias to convert to float32) of another shape than
+    hidden_states and w2 imply is named before the copy (session 27's trial: a
+    broadcast w13 or w13_bias of the wrong shape was copied whole, 3-15 GB,
+    before its error). Each view below is ~3 GB if copied; the fresh
+    interpreter's peak memory shows none was."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import resource, numpy as np, fusedmoe
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal((1, 128)).astype(np.float32)
+        w13 = rng.standard_normal((6, 64, 128)).astype(np.float32)
+        w2 = rng.standard_normal((6, 128, 32)).astype(np.float32)
+        ids, tw = np.array([[0, 1]], np.int32), np.full((1, 2), 0.5, np.float32)
+        one = np.ones(1, np.float32)
+        cases = (
+            dict(w13=np.broadcast_to(one, (6, 64, 125 * 10**5))),
+            dict(w2=np.broadcast_to(one, (6, 125 * 10**5, 32))),
+            dict(w13_bias=np.broadcast_to(one, (6, 125 * 10**6))),
+            dict(w2_bias=np.broadcast_to(one, (125 * 10**6, 6))),
+            dict(w13_bias=np.ones((6, 63), np.uint16), weight_dtype="bf16"),
+        )
+        for kw in cases:
+            args = dict(w13=w13, w2=w2)
+            args.update(kw)
+            try:
+                fusedmoe.fused_experts(x, args.pop("w13"), args.pop("w2"), tw, ids, **args)
+                print("taken")
+            except (TypeError, ValueError) as e:
+                print(type(e).__name__, str(e).split(" (")[0])
+        # The same views of the right shape are still taken (copied).
+        out = fusedmoe.fused_experts(x, np.broadcast_to(w13[:1], w13.shape), w2, tw, ids,
+                                     w13_bias=np.broadcast_to(one, (6, 64)),
+                                     w2_bias=np.broadcast_to(one, (6, 128)))
+        print("right shape", out.shape)
+        print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    lines = r.stdout.split("\n")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert lines[:6] == ["ValueError w13: expected [E, 2I, H] = [6, 64, 128]",
+                         "ValueError w2: expected [E, H, I] = [6, 128, 32]",
+                         "ValueError w13_bias: expected [E, 2I] = [6, 64]",
+                         "ValueError w2_bias: expected [E, H] = [6, 128]",
+                         "ValueError w13_bias: expected [E, 2I] = [6, 64]",
+                         "right shape (1, 128)"], r.stdout
+    assert int(lines[6]) < 1000, f"peak memory {lines[6]} MB"

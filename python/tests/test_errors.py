@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -541,14 +542,15 @@ def test_broadcast_weights_beyond_the_machines_memory_name_the_argument():
     tail = (" of memory and swap; pass the weights contiguous (a broadcast or strided view is "
             "copied first)")
     w13, w2 = np.broadcast_to(one13, (E, 128, 128)), np.broadcast_to(one2, (E, 128, 64))
-    with pytest.raises(MemoryError) as e:
+    # Beside a w2 of one expert, w13's E is wrong: named as such, before its copy.
+    with pytest.raises(ValueError, match=re.escape(
+            "w13: expected [E, 2I, H] = [1, 128, 128] (H from hidden_states, E and I from w2 "
+            f"[1, 128, 64]), got float32 [{E}, 128, 128]")):
         fusedmoe.fused_experts(x, w13, np.ascontiguousarray(one2), tw, ids)
-    assert str(e.value).startswith(
-        f"w13: a contiguous copy of w13, float32 [{E}, 128, 128], need "), str(e.value)
-    assert str(e.value).endswith(tail), str(e.value)
     with pytest.raises(MemoryError) as e:
         fusedmoe.fused_experts(x, np.ascontiguousarray(one13), w2, tw, ids)
     assert str(e.value).startswith(f"w2: a contiguous copy of w2, float32 [{E}, 128, 64], need ")
+    assert str(e.value).endswith(tail), str(e.value)
     # Two copies that fit one at a time but not together: named together.
     E2 = _memory_and_swap() // (128 * 128 * 4 + 128 * 64 * 4) + 1
     with pytest.raises(MemoryError) as e:
@@ -566,7 +568,7 @@ def test_expanded_torch_weights_beyond_the_machines_memory_name_the_argument():
     E = _memory_and_swap() // (64 * 128 * 4) + 1
     x = torch.randn(3, 128)
     w13 = torch.randn(1, 128, 128).expand(E, 128, 128)
-    w2 = torch.randn(1, 128, 64)
+    w2 = torch.randn(1, 128, 64).expand(E, 128, 64)  # the same E: the shapes agree
     with pytest.raises(MemoryError) as e:
         fusedmoe.fused_experts(x, w13, w2, torch.ones(3, 1), torch.zeros(3, 1, dtype=torch.int32))
     assert str(e.value).startswith(f"w13: a contiguous copy of w13, float32 [{E}, 128, 128], "
