@@ -571,7 +571,8 @@ def test_expanded_torch_weights_beyond_the_machines_memory_name_the_argument():
     w2 = torch.randn(1, 128, 64).expand(E, 128, 64)  # the same E: the shapes agree
     with pytest.raises(MemoryError) as e:
         fusedmoe.fused_experts(x, w13, w2, torch.ones(3, 1), torch.zeros(3, 1, dtype=torch.int32))
-    assert str(e.value).startswith(f"w13: a contiguous copy of w13, float32 [{E}, 128, 128], "
+    assert str(e.value).startswith(f"w13: a contiguous copy of w13, float32 [{E}, 128, 128] "
+                                   f"and a contiguous copy of w2, float32 [{E}, 128, 64], "
                                    f"need "), str(e.value)
 
 
