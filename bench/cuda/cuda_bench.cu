@@ -133,7 +133,7 @@ int run_cuda_bench(const CudaBenchOptions& o) {
     CK(cudaGetLastError());
     const int64_t slots_max = Tmax * k;
     const int64_t padded_max = cuda::max_padded_rows(slots_max, E, 128);
-    int32_t *ids, *sorted, *counts, *cursor, *chunk_counts;
+    int32_t *ids, *sorted, *counts, *cursor, *chunk_counts, *gemm_counters;
     int64_t* offsets;
     float *wts, *y;
     uint16_t *inter, *out;
@@ -143,6 +143,7 @@ int run_cuda_bench(const CudaBenchOptions& o) {
     CK(cudaMalloc(&counts, E * 4));
     CK(cudaMalloc(&cursor, E * 4));
     CK(cudaMalloc(&chunk_counts, cuda::align_chunk_counts_size(slots_max, E) * 4));
+    CK(cudaMalloc(&gemm_counters, 2 * 4));  // the mma.sync GEMMs' work counters, as routed_experts
     CK(cudaMalloc(&offsets, (E + 1) * 8));
     CK(cudaMalloc(&inter, padded_max * I * 2));
     // y: f32 slot rows, or the contiguous sm90 GEMMs' bf16 rows padded to 64 an expert.
@@ -262,6 +263,10 @@ int run_cuda_bench(const CudaBenchOptions& o) {
         al.expert_cursor = cursor;
         al.chunk_counts = chunk_counts;
         al.slot_row = sm90 ? slot_row : nullptr;
+        if (!sm90) {
+          al.zero_words = gemm_counters;
+          al.num_zero_words = 2;
+        }
         cuda::align(al, stream);
         if (sm90) {
           cuda::Sm90ExpertsArgs a;
@@ -309,6 +314,7 @@ int run_cuda_bench(const CudaBenchOptions& o) {
         g.k = H;
         g.out = inter;
         g.ldc = I;
+        g.work_counter = gemm_counters;
         cuda::grouped_gemm(g, stream);
         cuda::GroupedGemmArgs g2 = g;
         g2.epilogue = cuda::GemmEpilogue::kScatter;
@@ -321,6 +327,7 @@ int run_cuda_bench(const CudaBenchOptions& o) {
         g2.row_scale = wts + r * slots;
         g2.out = y;
         g2.ldc = H;
+        g2.work_counter = gemm_counters + 1;
         cuda::grouped_gemm(g2, stream);
         cuda::finalize(f, stream);  // y rows by slot, already weighted
       };
@@ -416,7 +423,7 @@ int run_cuda_bench(const CudaBenchOptions& o) {
     }
     for (void* p : {(void*)w13, (void*)w2, (void*)x, (void*)ids, (void*)wts, (void*)sorted,
                     (void*)counts, (void*)cursor, (void*)chunk_counts, (void*)offsets, (void*)inter,
-                    (void*)y, (void*)out, (void*)slot_row, sm90_ws})
+                    (void*)y, (void*)out, (void*)slot_row, sm90_ws, (void*)gemm_counters})
       CK(cudaFree(p));
   }
   manifest += "\n], \"seeds\": {\"w13\": 11, \"w2\": 12, \"x\": 13}}\n";

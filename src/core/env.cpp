@@ -44,6 +44,7 @@ constexpr Switch kCudaSwitches[] = {
     {"FUSEDMOE_CUDA_ALIGN", {"fused", "chunks", "grid"}, 3},
     {"FUSEDMOE_CUDA_DECODE", {"0", "1"}, 2},
     {"FUSEDMOE_CUDA_PDL", {"0", "1"}, 2},
+    {"FUSEDMOE_CUDA_MMA_SCHEDULE", {"dynamic", "static"}, 2},
 };
 static_assert(std::size(kCudaSwitches) == static_cast<size_t>(CudaSwitch::kCount),
               "one entry a CudaSwitch");

@@ -35,7 +35,9 @@ void check_align(int64_t T, int64_t E, int64_t k, int block_m, std::mt19937_64& 
   DeviceTensor offsets(DType::kI64, {E + 1}), sorted(DType::kI32, {std::max<int64_t>(max_rows, 1)});
   DeviceTensor counts(DType::kI32, {E}), cursor(DType::kI32, {E}),
       chunk_counts(DType::kI32, {cuda::align_chunk_counts_size(n, E)}),
-      slot_row(DType::kI32, {std::max<int64_t>(n, 1)});
+      slot_row(DType::kI32, {std::max<int64_t>(n, 1)}),
+      zero_words(DType::kI32, {cuda::kAlignMaxZeroWords + 1});
+  zero_words.poison();
   offsets.poison();
   sorted.poison();
   counts.poison();
@@ -53,8 +55,15 @@ void check_align(int64_t T, int64_t E, int64_t k, int block_m, std::mt19937_64& 
   a.expert_counts = counts.data_as<int32_t>();
   a.expert_cursor = cursor.data_as<int32_t>();
   a.chunk_counts = chunk_counts.data_as<int32_t>();
+  // The words align zeroes (the GEMMs' work counters); the one after them kept.
+  a.zero_words = zero_words.data_as<int32_t>();
+  a.num_zero_words = cuda::kAlignMaxZeroWords;
   cuda::align(a, nullptr);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const Tensor zero_h = zero_words.to_host();
+  for (int i = 0; i < cuda::kAlignMaxZeroWords; ++i)
+    ASSERT_EQ(zero_h.data_as<int32_t>()[i], 0) << "zero_words[" << i << "]";
+  ASSERT_EQ(zero_h.data_as<int32_t>()[cuda::kAlignMaxZeroWords], -1) << "past zero_words";
   const Tensor off_h = offsets.to_host(), sorted_h = sorted.to_host(), row_h = slot_row.to_host();
   const int64_t* off = off_h.data_as<int64_t>();
   const int32_t* s = sorted_h.data_as<int32_t>();

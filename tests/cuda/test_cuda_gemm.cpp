@@ -69,9 +69,14 @@ const char* layout_name(cuda::W13Layout layout) {
 }
 
 // dt: the element type of x, the weights and the intermediate (bf16 or f16).
+// claims: run both GEMMs with work counters (GroupedGemmArgs::work_counter,
+// poisoned, then zeroed by align, or by a memset in dense mode) and return their
+// final values (the work items each GEMM's CTAs claimed), then the number of
+// m tiles (each expert's rows in tiles of the tile's block_m).
 void check_tile(cuda::GemmTile tile, int64_t T, int64_t E, int64_t k, int64_t H, int64_t I,
                 Activation act, bool bias, bool dense, std::mt19937_64& rng,
-                DType dt = DType::kBF16, cuda::W13Layout layout = cuda::W13Layout::kStandard) {
+                DType dt = DType::kBF16, cuda::W13Layout layout = cuda::W13Layout::kStandard,
+                std::vector<int32_t>* claims = nullptr) {
   SCOPED_TRACE(std::string(cuda::gemm_tile_name(tile)) + " T " + std::to_string(T) + " E " +
                std::to_string(E) + " k " + std::to_string(k) + " H " + std::to_string(H) + " I " +
                std::to_string(I) + (dense ? " dense" : " routed") + " " + dtype_name(dt) +
@@ -105,6 +110,9 @@ void check_tile(cuda::GemmTile tile, int64_t T, int64_t E, int64_t k, int64_t H,
       counts(DType::kI32, {E}), cursor(DType::kI32, {E});
   DeviceTensor inter(dt, {padded, I}), y(DType::kF32, {std::max<int64_t>(slots, 1), H});
   y.poison();
+  DeviceTensor counters(DType::kI32, {2});
+  counters.poison();
+  if (claims && dense) ASSERT_EQ(cudaMemset(counters.data(), 0, 8), cudaSuccess);
   if (!dense) {
     cuda::AlignArgs al;
     al.topk_ids = ids.data_as<int32_t>();
@@ -115,6 +123,10 @@ void check_tile(cuda::GemmTile tile, int64_t T, int64_t E, int64_t k, int64_t H,
     al.sorted_slot = sorted.data_as<int32_t>();
     al.expert_counts = counts.data_as<int32_t>();
     al.expert_cursor = cursor.data_as<int32_t>();
+    if (claims) {
+      al.zero_words = counters.data_as<int32_t>();
+      al.num_zero_words = 2;
+    }
     cuda::align(al, nullptr);
   }
   cuda::GroupedGemmArgs g;
@@ -137,6 +149,7 @@ void check_tile(cuda::GemmTile tile, int64_t T, int64_t E, int64_t k, int64_t H,
   g.w13_layout = layout;
   g.out = inter.data();
   g.ldc = I;
+  g.work_counter = claims ? counters.data_as<int32_t>() : nullptr;
   cuda::grouped_gemm(g, nullptr);
   cuda::GroupedGemmArgs g2 = g;
   g2.epilogue = cuda::GemmEpilogue::kScatter;
@@ -150,9 +163,23 @@ void check_tile(cuda::GemmTile tile, int64_t T, int64_t E, int64_t k, int64_t H,
   g2.row_scale = dense ? nullptr : wt.data_as<float>();
   g2.out = y.data();
   g2.ldc = H;
+  g2.work_counter = claims ? counters.data_as<int32_t>() + 1 : nullptr;
   cuda::grouped_gemm(g2, nullptr);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const Tensor yh = y.to_host();
+  if (claims) {
+    const Tensor c = counters.to_host();
+    claims->assign(c.data_as<int32_t>(), c.data_as<int32_t>() + 2);
+    int64_t m_tiles = (T + bm - 1) / bm;
+    if (!dense) {
+      std::vector<int64_t> rows(E, 0);
+      for (int64_t s = 0; s < slots; ++s)
+        if (ids_h.data_as<int32_t>()[s] >= 0) ++rows[ids_h.data_as<int32_t>()[s]];
+      m_tiles = 0;
+      for (int64_t r : rows) m_tiles += (r + bm - 1) / bm;
+    }
+    claims->push_back(static_cast<int32_t>(m_tiles));
+  }
 
   // float64 per slot: scale * (w2 . act(w13 . x + b13) + b2).
   const std::vector<double> rows = slot_reference(x, w, ids_h, k, act, bias);
@@ -203,6 +230,52 @@ TEST(CudaGroupedGemm, EveryTileEveryMode) {
     check_tile(tile, 77, 1, 1, 200, 256, Activation::kSiluGlu, true, true, rng, DType::kBF16, il);
     if (HasFailure()) return;
   }
+}
+
+// Work items claimed from a counter (GroupedGemmArgs::work_counter), where the
+// K steps cover the pipeline (K >= (stages + 1) x the tile's K depth): every
+// output written and right, and each GEMM's counter ends at its number of work
+// items (expert tiles x n tiles: each claimed once; the CTAs' first items are
+// blockIdx.x and each CTA's last claim is past the end). Short K falls back to
+// the static order (counter left at 0). Routed (align zeroes the counters) and
+// dense (a memset).
+TEST(CudaGroupedGemm, DynamicScheduleClaimsEveryItemOnce) {
+  FUSEDMOE_REQUIRE_CUDA();
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  struct Tile {
+    cuda::GemmTile tile;
+    int64_t bn, bk_stages;  // columns, K depth x (its largest stage count + 1)
+  };
+  const Tile tiles[] = {{cuda::GemmTile::kM16N64, 64, 128 * 5},
+                        {cuda::GemmTile::kM64N128, 128, 64 * 5},
+                        {cuda::GemmTile::kM128N128, 128, 64 * 5},
+                        {cuda::GemmTile::kM128N256, 256, 64 * 5}};
+  for (const Tile& t : tiles) {
+    for (const bool dense : {false, true}) {
+      const int64_t T = dense ? 3000 : 700, E = dense ? 1 : 8, k = dense ? 1 : 2;
+      const int64_t H = t.bk_stages + 40, I = t.bk_stages + 24;  // K of w13 / w2
+      std::vector<int32_t> claims;
+      check_tile(t.tile, T, E, k, H, I, Activation::kSiluGlu, true, dense, rng, DType::kBF16,
+                 cuda::W13Layout::kStandard, &claims);
+      if (HasFailure()) return;
+      ASSERT_EQ(claims.size(), 3u);
+      const int64_t m_tiles = claims[2];
+      const int64_t n13 = (I + t.bn / 2 - 1) / (t.bn / 2), n2 = (H + t.bn - 1) / t.bn;
+      SCOPED_TRACE("m tiles " + std::to_string(m_tiles));
+      EXPECT_EQ(claims[0], m_tiles * n13) << "w13's work items";
+      EXPECT_EQ(claims[1], m_tiles * n2) << "w2's work items";
+    }
+  }
+  // Short K (fewer K steps than the pipeline needs): the static order, the
+  // counter untouched after align zeroed it.
+  std::vector<int32_t> claims;
+  check_tile(cuda::GemmTile::kM16N64, 300, 4, 2, 136, 200, Activation::kSiluGlu, false, false, rng,
+             DType::kBF16, cuda::W13Layout::kStandard, &claims);
+  ASSERT_EQ(claims.size(), 3u);
+  EXPECT_EQ(claims[0], 0);
+  EXPECT_EQ(claims[1], 0);
 }
 
 // The f16 instantiation of every tile (mma.sync .f16, the GEMV's f16 loads).

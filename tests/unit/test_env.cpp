@@ -80,7 +80,8 @@ TEST(CudaSwitches, EveryValueDocumentedIsTakenAndOthersThrow) {
                {"FUSEDMOE_CUDA_M16_STAGES", "3", "5"},
                {"FUSEDMOE_CUDA_ALIGN", "grid", "blocks"},
                {"FUSEDMOE_CUDA_DECODE", "0", "no"},
-               {"FUSEDMOE_CUDA_PDL", "1", "7"}};
+               {"FUSEDMOE_CUDA_PDL", "1", "7"},
+               {"FUSEDMOE_CUDA_MMA_SCHEDULE", "static", "greedy"}};
   check_cuda_switches();  // none set
   for (const auto& c : cases) {
     SCOPED_TRACE(c.name);

@@ -13,16 +13,17 @@ int env_choice(const char* name, std::initializer_list<const char*> values);
 // The CUDA backend's switches; cuda_switch(s) is env_choice of s's variable
 // over the values listed here (the index of the one given, -1 unset):
 enum class CudaSwitch {
-  kExperts,     // FUSEDMOE_CUDA_EXPERTS: sm90, mma
-  kSm90Tile,    // FUSEDMOE_CUDA_SM90_TILE: m64, m128
-  kSm90Contig,  // FUSEDMOE_CUDA_SM90_CONTIG: on, off
-  kSm90Glu,     // FUSEDMOE_CUDA_SM90_GLU: epilogue, pass
-  kW13Layout,   // FUSEDMOE_CUDA_W13_LAYOUT: interleaved, standard
-  kM16Stages,   // FUSEDMOE_CUDA_M16_STAGES: 3, 4
-  kAlign,       // FUSEDMOE_CUDA_ALIGN: fused, chunks, grid
-  kDecode,      // FUSEDMOE_CUDA_DECODE: 0, 1
-  kPdl,         // FUSEDMOE_CUDA_PDL: 0, 1
-  kCount        // the number of switches (not one)
+  kExperts,      // FUSEDMOE_CUDA_EXPERTS: sm90, mma
+  kSm90Tile,     // FUSEDMOE_CUDA_SM90_TILE: m64, m128
+  kSm90Contig,   // FUSEDMOE_CUDA_SM90_CONTIG: on, off
+  kSm90Glu,      // FUSEDMOE_CUDA_SM90_GLU: epilogue, pass
+  kW13Layout,    // FUSEDMOE_CUDA_W13_LAYOUT: interleaved, standard
+  kM16Stages,    // FUSEDMOE_CUDA_M16_STAGES: 3, 4
+  kAlign,        // FUSEDMOE_CUDA_ALIGN: fused, chunks, grid
+  kDecode,       // FUSEDMOE_CUDA_DECODE: 0, 1
+  kPdl,          // FUSEDMOE_CUDA_PDL: 0, 1
+  kMmaSchedule,  // FUSEDMOE_CUDA_MMA_SCHEDULE: dynamic, static
+  kCount         // the number of switches (not one)
 };
 int cuda_switch(CudaSwitch s);
 

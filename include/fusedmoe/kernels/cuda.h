@@ -180,7 +180,13 @@ struct AlignArgs {
   int32_t* expert_counts = nullptr;  // scratch [E]
   int32_t* expert_cursor = nullptr;  // scratch [E]
   int32_t* chunk_counts = nullptr;   // optional scratch [align_chunk_counts_size(T * k, E)]
+  // Optional: num_zero_words (<= kAlignMaxZeroWords) int32 set to 0 by align's
+  // kernels, in stream order before the next kernel (the grouped GEMMs' work
+  // counters: no memset launch of their own).
+  int32_t* zero_words = nullptr;
+  int num_zero_words = 0;
 };
+inline constexpr int kAlignMaxZeroWords = 32;
 void align(const AlignArgs& args, Stream stream);
 
 // ---- w13 row layout ------------------------------------------------------------
@@ -254,6 +260,14 @@ struct GroupedGemmArgs {
   const float* row_scale = nullptr;             // kScatter: f32 per slot, or null
   void* out = nullptr;
   int64_t ldc = 0;
+  // Optional device int32, 0 when the launch starts (align's zero_words, or a
+  // memset): the CTAs then claim their work items one at a time from it
+  // (atomicAdd) instead of taking every gridDim-th one, so a CTA that streams
+  // faster takes more of them (mma.sync tiles with at least stages + 1 K steps;
+  // else, or null, the static order). One counter a launch: two GEMMs that may
+  // overlap (PDL, two streams) need two. FUSEDMOE_CUDA_MMA_SCHEDULE=static
+  // ignores it.
+  int32_t* work_counter = nullptr;
 };
 void grouped_gemm(const GroupedGemmArgs& args, Stream stream);
 

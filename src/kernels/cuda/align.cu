@@ -87,9 +87,11 @@ __global__ void count_kernel(const int32_t* __restrict__ ids, int64_t n, int num
 __global__ void __launch_bounds__(kScanThreads)
     scan_kernel(const int32_t* __restrict__ counts, int num_experts, int block_m,
                 int64_t* __restrict__ offsets, int32_t* __restrict__ cursor,
-                int32_t* __restrict__ sorted_slot) {
+                int32_t* __restrict__ sorted_slot, int32_t* __restrict__ zero_words,
+                int num_zero_words) {
   __shared__ int64_t warp_sums[kScanThreads / 32];
   __shared__ int64_t carry;
+  if (static_cast<int>(threadIdx.x) < num_zero_words) zero_words[threadIdx.x] = 0;
   if (threadIdx.x == 0) carry = 0;
   __syncthreads();
   for (int base = 0; base < num_experts; base += kScanThreads) {
@@ -132,13 +134,15 @@ constexpr int kFusedMaxExperts = 1024;
 __global__ void __launch_bounds__(kFusedThreads)
     align_fused_kernel(const int32_t* __restrict__ ids, int n, int num_experts, int block_m,
                        int64_t* __restrict__ offsets, int32_t* __restrict__ sorted_slot,
-                       int32_t* __restrict__ slot_row) {
+                       int32_t* __restrict__ slot_row, int32_t* __restrict__ zero_words,
+                       int num_zero_words) {
   __shared__ int32_t cnt[kFusedMaxExperts];
   __shared__ int32_t cur[kFusedMaxExperts];
   __shared__ int32_t warp_sums[kFusedThreads / 32];
   pdl_wait();  // ids from route; offsets and sorted_slot read by the kernels before
   pdl_launch_dependents();
   const int tid = threadIdx.x;
+  if (tid < num_zero_words) zero_words[tid] = 0;
   for (int e = tid; e < num_experts; e += kFusedThreads) cnt[e] = 0;
   __syncthreads();
   for (int i = tid; i < n; i += kFusedThreads) {
@@ -227,7 +231,8 @@ __global__ void __launch_bounds__(kChunkThreads)
     chunk_scatter_kernel(const int32_t* __restrict__ ids, int n, int num_experts, int chunk,
                          int block_m, const int32_t* __restrict__ chunk_counts,
                          int64_t* __restrict__ offsets, int32_t* __restrict__ sorted_slot,
-                         int32_t* __restrict__ slot_row) {
+                         int32_t* __restrict__ slot_row, int32_t* __restrict__ zero_words,
+                         int num_zero_words) {
   extern __shared__ int32_t sm[];
   int32_t* first = sm;                // [E]: this chunk's first row of expert e
   int32_t* whist = sm + num_experts;  // [warps][E]: counts, then first rows per warp
@@ -242,6 +247,7 @@ __global__ void __launch_bounds__(kChunkThreads)
   load_ids(ids, w_begin, w_end, lane, id0);
   pdl_wait();  // chunk_counts from chunk_count_kernel; outputs read by the kernels before
   pdl_launch_dependents();
+  if (b == 0 && tid < num_zero_words) zero_words[tid] = 0;
   if (tid == 0) carry = 0;
   for (int i = tid; i < kChunkWarps * num_experts; i += kChunkThreads) whist[i] = 0;
   __syncthreads();
@@ -345,6 +351,10 @@ void align(const AlignArgs& a, Stream stream) {
                  "align: too many routed slots for 32-bit row indices: ", a.num_slots);
   FUSEDMOE_CHECK(a.expert_offsets && a.sorted_slot && a.expert_counts && a.expert_cursor,
                  "align: output and scratch pointers are required");
+  FUSEDMOE_CHECK(a.num_zero_words >= 0 && a.num_zero_words <= kAlignMaxZeroWords &&
+                     (a.num_zero_words == 0 || a.zero_words != nullptr),
+                 "align: num_zero_words: expected 0 .. ", kAlignMaxZeroWords,
+                 " with zero_words given, got ", a.num_zero_words);
   const int E = static_cast<int>(a.num_experts);
   const int n = static_cast<int>(a.num_slots);
   // FUSEDMOE_CUDA_ALIGN=fused|chunks|grid forces one (fused: where it fits;
@@ -364,7 +374,7 @@ void align(const AlignArgs& a, Stream stream) {
   const bool faster = a.num_slots <= kFusedMaxSlots / 4 || !chunks_fit;
   if (forced >= 0 ? forced == 0 && fits : fits && faster) {
     launch_pdl(align_fused_kernel, 1, kFusedThreads, 0, stream, a.topk_ids, n, E, a.block_m,
-               a.expert_offsets, a.sorted_slot, a.slot_row);
+               a.expert_offsets, a.sorted_slot, a.slot_row, a.zero_words, a.num_zero_words);
     return;
   }
   if (chunks_fit && forced != 2) {
@@ -375,7 +385,7 @@ void align(const AlignArgs& a, Stream stream) {
     launch_pdl(chunk_scatter_kernel, static_cast<unsigned>(chunks), kChunkThreads,
                sizeof(int32_t) * E * (1 + kChunkWarps), stream, a.topk_ids, n, E,
                static_cast<int>(chunk), a.block_m, a.chunk_counts, a.expert_offsets, a.sorted_slot,
-               a.slot_row);
+               a.slot_row, a.zero_words, a.num_zero_words);
     return;
   }
   FUSEDMOE_CUDA_CHECK(cudaMemsetAsync(a.expert_counts, 0, sizeof(int32_t) * E, stream));
@@ -388,7 +398,8 @@ void align(const AlignArgs& a, Stream stream) {
     FUSEDMOE_CUDA_CHECK_LAUNCH();
   }
   scan_kernel<<<1, kScanThreads, 0, stream>>>(a.expert_counts, E, a.block_m, a.expert_offsets,
-                                              a.expert_cursor, a.sorted_slot);
+                                              a.expert_cursor, a.sorted_slot, a.zero_words,
+                                              a.num_zero_words);
   FUSEDMOE_CUDA_CHECK_LAUNCH();
   if (a.num_slots > 0) {
     const int threads = 256;

@@ -43,6 +43,7 @@ RoutedScratch carve(Carver& c, int64_t T, int64_t k, int64_t E, int64_t H, int64
   s.counts = c.take<int32_t>(E);
   s.cursor = c.take<int32_t>(E);
   s.chunk_counts = c.take<int32_t>(align_chunk_counts_size(slots, E));
+  s.gemm_counters = c.take<int32_t>(2);
   s.offsets = c.take<int64_t>(E + 1);
   s.sorted_slot = c.take<int32_t>(padded);
   s.inter = c.take<uint16_t>(padded * I);
@@ -125,6 +126,10 @@ RoutedResult routed_experts(const RoutedExpertsArgs& a, const RoutedScratch& s, 
   al.expert_cursor = s.cursor;
   al.chunk_counts = s.chunk_counts;
   al.slot_row = sm90 ? s.slot_row : nullptr;  // the sm90 path's permute and finalize read it
+  if (!sm90) {  // the two grouped GEMMs below claim their work items from these
+    al.zero_words = s.gemm_counters;
+    al.num_zero_words = 2;
+  }
   align(al, stream);
 
   if (sm90) {
@@ -180,6 +185,7 @@ RoutedResult routed_experts(const RoutedExpertsArgs& a, const RoutedScratch& s, 
   g.w13_layout = a.w13_layout;
   g.out = s.inter;
   g.ldc = I;
+  g.work_counter = s.gemm_counters;
   grouped_gemm(g, stream);
 
   GroupedGemmArgs g2 = g;
@@ -194,6 +200,7 @@ RoutedResult routed_experts(const RoutedExpertsArgs& a, const RoutedScratch& s, 
   g2.row_scale = row_scale;
   g2.out = s.y;
   g2.ldc = H;
+  g2.work_counter = s.gemm_counters + 1;
   grouped_gemm(g2, stream);
   return {f, false};
 }

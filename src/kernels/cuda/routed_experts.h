@@ -29,13 +29,14 @@ inline constexpr int kMaxBlockM = 128;
 
 // Scratch of routed_experts, carved from one device allocation.
 struct RoutedScratch {
-  int32_t* counts = nullptr;        // [E]
-  int32_t* cursor = nullptr;        // [E]
-  int32_t* chunk_counts = nullptr;  // [align_chunk_counts_size(T*k, E)]
-  int64_t* offsets = nullptr;       // [E + 1]
-  int32_t* sorted_slot = nullptr;   // [max_padded_rows(T*k, E, kMaxBlockM)]
-  uint16_t* inter = nullptr;        // bf16 / f16 [padded rows, I]
-  float* y = nullptr;               // f32 [T*k, H]: by slot (mma) or by sorted row (sm90)
+  int32_t* counts = nullptr;         // [E]
+  int32_t* cursor = nullptr;         // [E]
+  int32_t* chunk_counts = nullptr;   // [align_chunk_counts_size(T*k, E)]
+  int32_t* gemm_counters = nullptr;  // [2]: the mma.sync GEMMs' work counters (zeroed by align)
+  int64_t* offsets = nullptr;        // [E + 1]
+  int32_t* sorted_slot = nullptr;    // [max_padded_rows(T*k, E, kMaxBlockM)]
+  uint16_t* inter = nullptr;         // bf16 / f16 [padded rows, I]
+  float* y = nullptr;                // f32 [T*k, H]: by slot (mma) or by sorted row (sm90)
   // Only when carved with sm90 = true (else null / 0): the sm90_experts path.
   int32_t* slot_row = nullptr;  // [T*k]: slot -> sorted row
   void* sm90_ws = nullptr;      // sm90_experts_workspace_bytes(T*k, E, I)

@@ -265,6 +265,16 @@ int m16n64_stages_for(int64_t rows, int64_t num_experts, int64_t n_tiles, int64_
   return fill(2) > fill(3) + 0.05 ? 4 : 3;
 }
 
+// Session 28 (bench/results/2026-12-02-session28.md): the routed GEMMs' CTAs
+// claim their work items from a counter (GroupedGemmArgs::work_counter) rather
+// than take every grid-th one. ncu, Qwen3 T = 64: the SMs sat idle 6-7 % of the
+// w13 / w2 kernels (static: sm__cycles_active 94.3 / 93.0 % of elapsed; a CTA
+// streaming slower than its neighbours holds the end) -> 96.7 / 96.3 %, 205 ->
+// 201 / 105.6 -> 102.1 us. bench_cuda_moe, two passes each, FUSEDMOE_CUDA_MMA_
+// SCHEDULE=static vs dynamic, us: DeepSeek-V3 T = 32 3218 / 3217 -> 3176 / 3175,
+// T = 128 5068 / 5072 -> 5009 / 5011, T = 256 5231 / 5237 -> 5130 / 5134; Qwen3
+// T = 64 319 / 322 -> 316 / 313; Mixtral T = 16-32 -0.5 %; Qwen3 T = 16 / 128
+// within noise. So dynamic wherever the items are long enough (kernel).
 int pick_m16n64_stages(int64_t rows, int64_t num_experts, int64_t n_tiles, int64_t k) {
   const int forced = cuda_switch(CudaSwitch::kM16Stages);  // 3, 4
   if (forced >= 0) return 3 + forced;

@@ -7,7 +7,9 @@
 //
 // Work order: expert-major, then n tile, then m tile innermost, so the CTAs
 // running at one time share each expert's weight panel (read once from HBM)
-// and the expert's activation rows stay in L2 across its n tiles.
+// and the expert's activation rows stay in L2 across its n tiles. Each CTA
+// takes item blockIdx.x first, then (with Params::work_counter) claims the next
+// from the counter as it goes, or (without) every gridDim.x-th.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -17,6 +19,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "fusedmoe/core/env.h"
 #include "fusedmoe/kernels/cuda.h"
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/pdl.cuh"
@@ -68,6 +71,7 @@ struct Params {
   const float* row_scale;
   void* out;
   int64_t ldc;
+  int32_t* work_counter;  // null: static schedule (GroupedGemmArgs::work_counter)
 };
 
 // ---- PTX wrappers ----
@@ -305,19 +309,34 @@ __global__ void __launch_bounds__(Cfg::kThreads) grouped_gemm_kernel(const Param
       cp_async_16(base + b_dst[i], ok ? b_ptr[i] + k0 : p.w, ok);
     }
   };
-  // This CTA's items: blockIdx.x, + gridDim.x, ...; step g = item * k_tiles + kt.
-  const int64_t my_items =
-      blockIdx.x < total_work ? (total_work - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
-  const int64_t total_steps = my_items * k_tiles;
-  int64_t load_step = 0, load_work = blockIdx.x;
+  // This CTA's j-th item: j = 0 blockIdx.x; then, static, blockIdx.x + j * gridDim.x;
+  // dynamic (work_counter), the one claimed during item j - 1 (claimed[j % 4]):
+  // thread 0 adds to the counter at item j - 1's first K step and stores the
+  // result at its second, after whose __syncthreads every thread may read it.
+  // The loads of item j start STAGES - 1 steps before its math, i.e. at item
+  // j - 1's step k_tiles - STAGES + 1: with k_tiles >= STAGES + 1 that is after
+  // the store's step. Each item's id is read by the loads and by the math,
+  // both before item j + 3 stores into the same entry.
+  __shared__ int64_t claimed[4];
+  const bool dynamic = p.work_counter != nullptr && k_tiles >= STAGES + 1;
+  auto item_of = [&](int64_t j) -> int64_t {
+    if (j == 0) return blockIdx.x;
+    return dynamic ? claimed[j & 3] : static_cast<int64_t>(blockIdx.x) + j * gridDim.x;
+  };
+  int64_t load_step = 0, load_seq = 0;  // the step and the item (j) being loaded
+  bool load_done = false;
   int load_kt = 0;
   auto issue_next = [&] {  // the loads of step load_step (one commit group, maybe empty)
-    if (load_step < total_steps) {
-      if (load_kt == 0) setup_load(load_work);
+    if (!load_done && load_kt == 0) {
+      const int64_t work = item_of(load_seq);
+      load_done = work >= total_work;
+      if (!load_done) setup_load(work);
+    }
+    if (!load_done) {
       load_stage(static_cast<int>(load_step % STAGES), load_kt);
       if (++load_kt == k_tiles) {
         load_kt = 0;
-        load_work += gridDim.x;
+        ++load_seq;
       }
     }
     cp_async_commit();
@@ -336,7 +355,10 @@ __global__ void __launch_bounds__(Cfg::kThreads) grouped_gemm_kernel(const Param
   for (int s = 0; s < STAGES - 1; ++s) issue_next();
 
   int64_t step = 0;
-  for (int64_t work = blockIdx.x; work < total_work; work += gridDim.x) {
+  int32_t claim = 0;  // thread 0: the counter's value from this item's first K step
+  for (int64_t j = 0;; ++j) {
+    const int64_t work = item_of(j);
+    if (work >= total_work) break;
     const Work w = decode(work);
     float acc[MI][NI][4];
 #pragma unroll
@@ -349,7 +371,11 @@ __global__ void __launch_bounds__(Cfg::kThreads) grouped_gemm_kernel(const Param
     // ---- main loop ----
     for (int kt = 0; kt < k_tiles; ++kt, ++step) {
       cp_async_wait<STAGES - 2>();
-      __syncthreads();  // step's tiles visible; step - 1's stage free for the loads below
+      __syncthreads();            // step's tiles visible; step - 1's stage free for the loads below
+      if (dynamic && tid == 0) {  // the atomic's latency hides behind one K step
+        if (kt == 0) claim = atomicAdd(p.work_counter, 1);
+        if (kt == 1) claimed[(j + 1) & 3] = static_cast<int64_t>(gridDim.x) + claim;
+      }
       issue_next();
 
       const uint32_t a_base = smem_base + static_cast<int>(step % STAGES) * Cfg::kStageBytes;
@@ -468,6 +494,7 @@ inline Params make_params(const GroupedGemmArgs& a) {
   p.row_scale = a.row_scale;
   p.out = a.out;
   p.ldc = a.ldc;
+  p.work_counter = cuda_switch(CudaSwitch::kMmaSchedule) == 1 ? nullptr : a.work_counter;
   return p;
 }
 
