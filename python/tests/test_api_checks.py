@@ -1221,11 +1221,11 @@ def test_longdouble_logits_are_refused_as_the_message_lists():
         layer(x, np.zeros((1, layer.num_router_logits), np.longdouble))
 
 
-def test_routing_arrays_of_the_wrong_shape_are_refused_before_a_copy():
-    """fused_experts' topk_weights / topk_ids whose rows are not T's: named by
-    their shape or dtype before any copy or conversion (session 27's trial: a
-    broadcast [1e9, 2] float64 topk_weights was copied whole, 15 GB, before its
-    TypeError). Run in a fresh interpreter to read its peak memory."""
+def _fresh_interpreter(body: str) -> tuple:
+    """Runs `body` in a fresh interpreter after a preamble that makes a small
+    fused_experts problem (x [1, 128], w13 [6, 64, 128], w2 [6, 128, 32], ids
+    and tw [1, 2]); returns its stdout lines but the last, and its peak memory
+    in MB (printed last)."""
     import subprocess
     import sys
     import textwrap
@@ -1237,6 +1237,20 @@ def test_routing_arrays_of_the_wrong_shape_are_refused_before_a_copy():
         w13 = rng.standard_normal((6, 64, 128)).astype(np.float32)
         w2 = rng.standard_normal((6, 128, 32)).astype(np.float32)
         ids, tw = np.array([[0, 1]], np.int32), np.full((1, 2), 0.5, np.float32)
+    """) + textwrap.dedent(body) + (
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)\n")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.rstrip("\n").split("\n")
+    return lines[:-1], int(lines[-1])
+
+
+def test_routing_arrays_of_the_wrong_shape_are_refused_before_a_copy():
+    """fused_experts' topk_weights / topk_ids whose rows are not T's: named by
+    their shape or dtype before any copy or conversion (session 27's trial: a
+    broadcast [1e9, 2] float64 topk_weights was copied whole, 15 GB, before its
+    TypeError). Run in a fresh interpreter to read its peak memory."""
+    lines, peak_mb = _fresh_interpreter("""
         big = (10**9, 2)
         for a, b in ((np.broadcast_to(np.zeros(1, ">f8"), big), ids),
                      (np.broadcast_to(np.zeros(1, "<f4"), big), ids),
@@ -1247,16 +1261,12 @@ def test_routing_arrays_of_the_wrong_shape_are_refused_before_a_copy():
                 print("taken")
             except (TypeError, ValueError) as e:
                 print(type(e).__name__, str(e).split(",")[0])
-        print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
     """)
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    lines = r.stdout.split("\n")
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert lines[:4] == ["TypeError topk_weights: expected dtype float32",
-                         "ValueError topk_weights: expected f32 [1",
-                         "TypeError topk_ids: expected dtype i32",
-                         "ValueError topk_ids: expected i32 [1"], r.stdout
-    assert int(lines[4]) < 1000, f"peak memory {lines[4]} MB"
+    assert lines == ["TypeError topk_weights: expected dtype float32",
+                     "ValueError topk_weights: expected f32 [1",
+                     "TypeError topk_ids: expected dtype i32",
+                     "ValueError topk_ids: expected i32 [1"], lines
+    assert peak_mb < 1000, f"peak memory {peak_mb} MB"
 
 
 def test_weights_of_the_wrong_shape_are_refused_before_a_copy():
@@ -1266,17 +1276,7 @@ def test_weights_of_the_wrong_shape_are_refused_before_a_copy():
     broadcast w13 or w13_bias of the wrong shape was copied whole, 3-15 GB,
     before its error). Each view below is ~3 GB if copied; the fresh
     interpreter's peak memory shows none was."""
-    import subprocess
-    import sys
-    import textwrap
-
-    script = textwrap.dedent("""
-        import resource, numpy as np, fusedmoe
-        rng = np.random.default_rng(0)
-        x = rng.standard_normal((1, 128)).astype(np.float32)
-        w13 = rng.standard_normal((6, 64, 128)).astype(np.float32)
-        w2 = rng.standard_normal((6, 128, 32)).astype(np.float32)
-        ids, tw = np.array([[0, 1]], np.int32), np.full((1, 2), 0.5, np.float32)
+    lines, peak_mb = _fresh_interpreter("""
         one = np.ones(1, np.float32)
         cases = (
             dict(w13=np.broadcast_to(one, (6, 64, 125 * 10**5))),
@@ -1298,15 +1298,11 @@ def test_weights_of_the_wrong_shape_are_refused_before_a_copy():
                                      w13_bias=np.broadcast_to(one, (6, 64)),
                                      w2_bias=np.broadcast_to(one, (6, 128)))
         print("right shape", out.shape)
-        print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
     """)
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    lines = r.stdout.split("\n")
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert lines[:6] == ["ValueError w13: expected [E, 2I, H] = [6, 64, 128]",
-                         "ValueError w2: expected [E, H, I] = [6, 128, 32]",
-                         "ValueError w13_bias: expected [E, 2I] = [6, 64]",
-                         "ValueError w2_bias: expected [E, H] = [6, 128]",
-                         "ValueError w13_bias: expected [E, 2I] = [6, 64]",
-                         "right shape (1, 128)"], r.stdout
-    assert int(lines[6]) < 1000, f"peak memory {lines[6]} MB"
+    assert lines == ["ValueError w13: expected [E, 2I, H] = [6, 64, 128]",
+                     "ValueError w2: expected [E, H, I] = [6, 128, 32]",
+                     "ValueError w13_bias: expected [E, 2I] = [6, 64]",
+                     "ValueError w2_bias: expected [E, H] = [6, 128]",
+                     "ValueError w13_bias: expected [E, 2I] = [6, 64]",
+                     "right shape (1, 128)"], lines
+    assert peak_mb < 1000, f"peak memory {peak_mb} MB"
