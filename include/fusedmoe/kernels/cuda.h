@@ -263,9 +263,9 @@ struct GroupedGemmArgs {
   // Optional device int32, 0 when the launch starts (align's zero_words, or a
   // memset): the CTAs then claim their work items one at a time from it
   // (atomicAdd) instead of taking every gridDim-th one, so a CTA that streams
-  // faster takes more of them (mma.sync tiles with at least stages + 1 K steps;
-  // else, or null, the static order). One counter a launch: two GEMMs that may
-  // overlap (PDL, two streams) need two. FUSEDMOE_CUDA_MMA_SCHEDULE=static
+  // faster takes more of them (mma.sync tiles with at least stages + 1 K steps
+  // and fewer than 2^31 - grid work items; else, or null, the static order). One counter a launch:
+  // two GEMMs that may overlap (PDL, two streams) need two. FUSEDMOE_CUDA_MMA_SCHEDULE=static
   // ignores it.
   int32_t* work_counter = nullptr;
 };

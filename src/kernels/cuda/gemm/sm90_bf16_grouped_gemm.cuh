@@ -318,7 +318,9 @@ __global__ void __launch_bounds__(Cfg::kThreads) grouped_gemm_kernel(const Param
   // the store's step. Each item's id is read by the loads and by the math,
   // both before item j + 3 stores into the same entry.
   __shared__ int64_t claimed[4];
-  const bool dynamic = p.work_counter != nullptr && k_tiles >= STAGES + 1;
+  // (and the int32 counter's claims, up to total_work + gridDim.x, must not wrap)
+  const bool dynamic = p.work_counter != nullptr && k_tiles >= STAGES + 1 &&
+                       total_work + gridDim.x < (int64_t{1} << 31);
   auto item_of = [&](int64_t j) -> int64_t {
     if (j == 0) return blockIdx.x;
     return dynamic ? claimed[j & 3] : static_cast<int64_t>(blockIdx.x) + j * gridDim.x;
