@@ -11,10 +11,12 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <cctype>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -256,6 +258,20 @@ double sum_of(const std::vector<double>& v);
 // The bundled tiny model: the source-tree copy when it exists, else the
 // installed one.
 std::string bundled_model_dir();
+// An output file (run --output, bench --csv) is never written among a model's
+// files: throws a UsageError (exit 2) naming `flag` when `output`, resolved
+// (links followed, a file not there yet by its folder), lies inside the folder
+// of the model's config.json `config` (resolved), owned by `owner` ("the
+// bundled model DIR", "--model DIR"). Nothing is checked where either cannot
+// be resolved (no config.json there: the model does not load).
+void refuse_output_in_model_folder(const char* flag, const std::string& output,
+                                   const std::filesystem::path& config, const std::string& owner);
+// The extension of `path` in lower case (".npy" for "OUT.NPY"; "" for none).
+inline std::string lower_extension(const std::string& path) {
+  std::string ext = std::filesystem::path(path).extension().string();
+  for (char& c : ext) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return ext;
+}
 // "1.23 MiB"
 std::string format_bytes(double bytes);
 // "1 thread", "2 threads": `n` and the noun, plural unless n is 1.

@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <string>
@@ -157,6 +158,17 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& o) {
 int run_bench(const BenchOptions& o) {
   // Under mpirun the sizes must account for every rank.
   check_launch_size(o.ep_size, o.tp_size, o.dp_size);
+  if (!o.csv.empty()) {
+    // Not over the bundled model (a trial's --csv models/tiny-deepseek-v3/model.safetensors
+    // replaced its checkpoint), nor under a name of the formats the tool reads.
+    refuse_output_in_model_folder("--csv", o.csv,
+                                  std::filesystem::path(bundled_model_dir()) / "config.json",
+                                  "the bundled model " + bundled_model_dir());
+    const std::string ext = lower_extension(o.csv);
+    usage_check(ext != ".safetensors" && ext != ".json" && ext != ".npy" && ext != ".npz", "--csv ",
+                o.csv, ": the results are CSV text, not ", ext,
+                " (a file of that name would be taken for one); name it *.csv");
+  }
   // Options of the CUDA bench: an error on the CPU (parallel or not), not ignored.
   if (o.backend != "cuda") {
     std::string given;

@@ -590,37 +590,6 @@ std::vector<std::pair<std::string, std::string>> model_files(const std::string& 
   return out;
 }
 
-// The folder of a model: the one holding its config.json `config` (as
-// model_files() names it), resolved (links followed, absolute). Empty when
-// that config.json is no regular file (the model does not load, so nothing is
-// written) or the folder cannot be resolved.
-std::filesystem::path model_folder(const std::filesystem::path& config) {
-  namespace fs = std::filesystem;
-  std::error_code ec;
-  if (!fs::is_regular_file(fs::status(config, ec))) return {};
-  fs::path resolved =
-      fs::canonical(config.has_parent_path() ? config.parent_path() : fs::path("."), ec);
-  return ec ? fs::path() : resolved;
-}
-
-// Where the output `path` lands: absolute, links followed (the file's own, when
-// it is one, and its folders'), a file not there yet named by its resolved
-// folder. Empty when it cannot be resolved (creating the file reports why).
-std::filesystem::path resolved_output(const std::string& path) {
-  namespace fs = std::filesystem;
-  std::error_code ec;
-  const fs::path absolute = fs::absolute(path, ec);
-  if (ec) return {};
-  fs::path resolved = fs::weakly_canonical(absolute, ec);
-  return ec ? fs::path() : resolved;
-}
-
-// True when `path` is `folder` or lies below it (both resolved).
-bool is_inside(const std::filesystem::path& path, const std::filesystem::path& folder) {
-  const std::filesystem::path rel = path.lexically_relative(folder);
-  return !rel.empty() && *rel.begin() != "..";
-}
-
 void print_histogram(const std::vector<int64_t>& counts, int64_t routed) {
   const int64_t E = static_cast<int64_t>(counts.size());
   const int64_t max_count = std::max<int64_t>(1, *std::max_element(counts.begin(), counts.end()));
@@ -754,23 +723,14 @@ int run_run(const RunOptions& o) {
     // bundled model's folder with another --model (its reference.safetensors is
     // what the README's checks compare against): the output, resolved, lies
     // outside each folder, resolved.
-    const std::filesystem::path out = resolved_output(o.output);
-    std::vector<std::pair<std::filesystem::path, std::string>> folders = {
-        {model_folder(files.front().first), whose}};
+    refuse_output_in_model_folder("--output", o.output, files.front().first, whose);
     if (!o.model.empty())
-      folders.emplace_back(model_folder(std::filesystem::path(bundled_model_dir()) / "config.json"),
-                           "the bundled model " + bundled_model_dir());
-    for (const auto& [folder, owner] : folders)
-      usage_check(folder.empty() || out.empty() || !is_inside(out, folder), "--output ", o.output,
-                  out.string() == o.output ? "" : " (" + out.string() + ")", ": is inside ",
-                  folder.string(), ", the folder of ", owner,
-                  "; the output is never written among the model's files, give a path outside "
-                  "that folder");
+      refuse_output_in_model_folder("--output", o.output,
+                                    std::filesystem::path(bundled_model_dir()) / "config.json",
+                                    "the bundled model " + bundled_model_dir());
   }
   // A NumPy name, in any case (.NPY was written as safetensors under it).
-  std::string ext = std::filesystem::path(o.output).extension().string();
-  std::transform(ext.begin(), ext.end(), ext.begin(),
-                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  const std::string ext = lower_extension(o.output);
   usage_check(ext != ".npy" && ext != ".npz", "--output ", o.output,
               ": the output is a .safetensors file (output, topk_ids, topk_weights, "
               "router_logits), not .npy / .npz; name it *.safetensors");

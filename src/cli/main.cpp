@@ -454,6 +454,51 @@ std::string bundled_model_dir() {
   return FUSEDMOE_BUNDLED_MODEL_INSTALL_DIR;
 }
 
+namespace {
+
+// The folder of a model: the one holding its config.json `config` (as
+// model_files() names it), resolved (links followed, absolute). Empty when
+// that config.json is no regular file (the model does not load, so nothing is
+// written) or the folder cannot be resolved.
+std::filesystem::path model_folder(const std::filesystem::path& config) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (!fs::is_regular_file(fs::status(config, ec))) return {};
+  fs::path resolved =
+      fs::canonical(config.has_parent_path() ? config.parent_path() : fs::path("."), ec);
+  return ec ? fs::path() : resolved;
+}
+
+// Where the output `path` lands: absolute, links followed (the file's own, when
+// it is one, and its folders'), a file not there yet named by its resolved
+// folder. Empty when it cannot be resolved (creating the file reports why).
+std::filesystem::path resolved_output(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::path absolute = fs::absolute(path, ec);
+  if (ec) return {};
+  fs::path resolved = fs::weakly_canonical(absolute, ec);
+  return ec ? fs::path() : resolved;
+}
+
+// True when `path` is `folder` or lies below it (both resolved).
+bool is_inside(const std::filesystem::path& path, const std::filesystem::path& folder) {
+  const std::filesystem::path rel = path.lexically_relative(folder);
+  return !rel.empty() && *rel.begin() != "..";
+}
+
+}  // namespace
+
+void refuse_output_in_model_folder(const char* flag, const std::string& output,
+                                   const std::filesystem::path& config, const std::string& owner) {
+  const std::filesystem::path folder = model_folder(config), out = resolved_output(output);
+  usage_check(folder.empty() || out.empty() || !is_inside(out, folder), flag, " ", output,
+              out.string() == output ? "" : " (" + out.string() + ")", ": is inside ",
+              folder.string(), ", the folder of ", owner,
+              "; the output is never written among the model's files, give a path outside "
+              "that folder");
+}
+
 std::string format_bytes(double bytes) {
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
   int u = 0;

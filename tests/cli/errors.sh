@@ -360,6 +360,19 @@ expect_usage "--output is the bundled model's checkpoint" \
   run --layer 99 --tokens 2 --output "$BUNDLED/model.safetensors"
 expect_usage "--output is the bundled model's config.json" "(the config.json of the bundled model" -- \
   run --layer 99 --tokens 2 --output "$BUNDLED/./config.json"
+# bench --csv neither (a trial's --csv $BUNDLED/model.safetensors replaced the checkpoint with
+# the CSV, exit 0), nor under a name of the formats the tool reads.
+sum_before=$(cksum <"$BUNDLED/model.safetensors")
+expect_usage "bench --csv over the bundled checkpoint" \
+  "error: --csv $BUNDLED/model.safetensors: is inside " -- \
+  bench --csv "$BUNDLED/model.safetensors" --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0 --no-baseline
+expect_usage "bench --csv in the bundled model's folder" "the folder of the bundled model" -- \
+  bench --csv "$BUNDLED/results.csv" --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0 --no-baseline
+[ "$(cksum <"$BUNDLED/model.safetensors")" = "$sum_before" ] && [ ! -e "$BUNDLED/results.csv" ] ||
+  { echo "FAIL bench --csv in the bundled model's folder: a file there written"; failures=$((failures + 1)); }
+expect_usage "bench --csv *.SafeTensors" \
+  "error: --csv $TMP/r.SafeTensors: the results are CSV text, not .safetensors" -- \
+  bench --csv "$TMP/r.SafeTensors" --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0 --no-baseline
 # --output is never a file of the model (its config.json, checkpoint, index or a
 # shard): a usage error naming --model, the file left as it was (compared as files:
 # through a symbolic link too).
