@@ -468,7 +468,9 @@ def _check_host_memory(x: Any, name: str, outputs: Tuple[Tuple[str, int], ...] =
 
 def _contiguous(x: Any) -> Any:
     if isinstance(x, np.ndarray):
-        return np.ascontiguousarray(x)
+        # Not np.ascontiguousarray on a contiguous array: it makes a 0-d one
+        # 1-d, and the shape errors then named [1] for a () given (a trial).
+        return x if x.flags.c_contiguous else np.ascontiguousarray(x)
     if _is_torch(x):
         return (x.detach() if x.requires_grad else x).contiguous()
     return x
@@ -897,8 +899,9 @@ def fused_experts(
 
     hidden_states f32 [T, H]; w13 [E, 2I, H] (rows 0..I-1 gate, I..2I-1 up) and
     w2 [E, H, I], f32 or bf16; topk_weights f32 [T, k]; topk_ids int32 [T, k]
-    in [-1, E) (-1: no expert). activation: "silu", "gelu",
-    "gelu_pytorch_tanh" or "swiglu_oai" (gpt-oss, with swiglu_alpha/limit).
+    in [-1, E) (-1: no expert). activation: "silu" (also "swiglu": SiLU-gated),
+    "gelu", "gelu_pytorch_tanh" (also "gelu_new", "gelu_tanh", "gelu_fast") or
+    "swiglu_oai" (gpt-oss's clamped SwiGLU, with swiglu_alpha/limit), any case.
     apply_router_weight_on_input: scale the expert input instead of its output
     (Llama-4). compute_dtype: "f32" or "bf16" (default: "f32" on the CPU,
     the weights' type on CUDA). Returns [T, H] in hidden_states' dtype. vLLM's
@@ -1148,7 +1151,9 @@ def _route(logits: Any, config: dict, e_score_correction_bias: Any = None, token
 
 
 # The config keys fused_topk / grouped_topk fill from their arguments.
-_TOPK_NAMES = {"top_k": "topk", "scoring_func": "scoring_func", "renormalize": "renormalize"}
+# num_experts: the logits' columns (an error about it names the argument).
+_TOPK_NAMES = {"top_k": "topk", "scoring_func": "scoring_func", "renormalize": "renormalize",
+               "num_experts": "gating_output's columns (the expert count)"}
 _GROUPED_TOPK_NAMES = {**_TOPK_NAMES, "num_expert_group": "num_expert_group",
                        "topk_group": "topk_group", "routed_scaling_factor": "routed_scaling_factor",
                        "group_score": "group_score"}
@@ -1380,6 +1385,8 @@ def select_experts(
         # grouped_topk's (and vLLM's) default: the top-2 sum with a bias, else the max.
         biased = e_score_correction_bias is not None or cfg.get("e_score_correction_bias") is True
         cfg["group_score"] = "sum_top2" if biased else "max"
+    if "num_experts" not in config_keys:  # taken from the logits' columns above
+        names.setdefault("num_experts", "router_logits' columns (num_experts + num_zero_experts)")
     return _route(logits, cfg, e_score_correction_bias, token_ids, hash_table, names=names,
                   config_keys=config_keys)
 

@@ -1306,3 +1306,38 @@ def test_weights_of_the_wrong_shape_are_refused_before_a_copy():
                      "ValueError w13_bias: expected [E, 2I] = [6, 64]",
                      "right shape (1, 128)"], lines
     assert peak_mb < 1000, f"peak memory {peak_mb} MB"
+
+
+def test_routers_name_the_logits_for_too_many_experts():
+    """The routers' expert count comes from the logits' columns: beyond the
+    limit its error names them, not a num_experts the call never had
+    (session 28's trial)."""
+    logits = np.zeros((2, 70000), np.float32)
+    with pytest.raises(ValueError, match=r"^gating_output's columns \(the expert count\): "
+                                         r"expected <= 65536"):
+        fusedmoe.fused_topk(None, logits, 4, True)
+    with pytest.raises(ValueError, match=r"^gating_output's columns \(the expert count\): "):
+        fusedmoe.grouped_topk(logits, 4, True, 1, 1)
+    with pytest.raises(ValueError, match=r"^router_logits' columns \(num_experts \+ "
+                                         r"num_zero_experts\): expected <= 65536"):
+        fusedmoe.select_experts(logits, top_k=4)
+    # A config that gives num_experts itself is named as such.
+    with pytest.raises(ValueError, match=r"^config\.num_experts: expected <= 65536"):
+        fusedmoe.select_experts(logits, top_k=4, config={"num_experts": 70000})
+
+
+def test_zero_d_weights_and_biases_are_named_with_their_shape():
+    """A 0-d bias or weight is reported as shape [] (the contiguous copy made
+    it [1] first; session 28's trial)."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 16)).astype(np.float32)
+    w13 = rng.standard_normal((4, 16, 16)).astype(np.float32)
+    w2 = rng.standard_normal((4, 16, 8)).astype(np.float32)
+    tw, ids = np.full((2, 2), 0.5, np.float32), np.array([[0, 1], [2, 3]], np.int32)
+    zero_d = np.array(0, np.float32)
+    with pytest.raises(ValueError, match=re.escape("w2_bias: expected f32 [4, 16], got f32 []")):
+        fusedmoe.fused_experts(x, w13, w2, tw, ids, w13_bias=np.zeros((4, 16), np.float32),
+                               w2_bias=zero_d)
+    with pytest.raises(ValueError, match=re.escape("w13: expected a 3-d tensor [E, 2I, H], got "
+                                                   "f32 []")):
+        fusedmoe.fused_experts(x, zero_d, w2, tw, ids)

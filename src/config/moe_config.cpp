@@ -98,12 +98,19 @@ Activation parse_activation(const std::string& s) {
   const std::string v = lower(s);
   if (v == "silu" || v == "swiglu" || v == "silu_glu" || v == "swish") return Activation::kSiluGlu;
   if (v == "gelu" || v == "gelu_glu" || v == "geglu") return Activation::kGeluGlu;
-  if (v == "gelu_pytorch_tanh" || v == "gelu_tanh" || v == "gelu_new" || v == "gelu_tanh_glu")
+  if (v == "gelu_pytorch_tanh" || v == "gelu_tanh" || v == "gelu_new" || v == "gelu_fast" ||
+      v == "gelu_tanh_glu")
     return Activation::kGeluTanhGlu;
   if (v == "swiglu_oai" || v == "swigluoai" || v == "swiglu_oai_clamped")
     return Activation::kSwigluOai;
-  FUSEDMOE_THROW(kInvalidArgument, "activation: expected one of silu, gelu, gelu_pytorch_tanh, ",
-                 "swiglu_oai (or swiglu, gelu_tanh, gelu_new), got \"", printable(s), "\"");
+  // Each name with its aliases: "swiglu" is SiLU-gated (SwiGLU, Shazeer 2020),
+  // not gpt-oss's clamped variant, which only swiglu_oai names.
+  FUSEDMOE_THROW(kInvalidArgument,
+                 "activation: expected one of silu (also swiglu, silu_glu, swish), gelu (also "
+                 "gelu_glu, geglu), gelu_pytorch_tanh (also gelu_tanh, gelu_new, gelu_fast, "
+                 "gelu_tanh_glu), swiglu_oai (gpt-oss's clamped SwiGLU; also swigluoai, "
+                 "swiglu_oai_clamped), in any case, got \"",
+                 printable(s), "\"");
 }
 
 ScoringFunc parse_scoring_func(const std::string& s) {

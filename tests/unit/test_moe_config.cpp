@@ -282,6 +282,19 @@ TEST(MoEConfig, NamesRoundTrip) {
   EXPECT_EQ(parse_activation("silu"), Activation::kSiluGlu);
   EXPECT_EQ(parse_activation("gelu"), Activation::kGeluGlu);
   EXPECT_EQ(parse_activation("gelu_pytorch_tanh"), Activation::kGeluTanhGlu);
+  // The aliases: "swiglu" is SiLU-gated, not gpt-oss's clamped swiglu_oai; gelu_fast
+  // as HF's hidden_act takes it (a trial read the old message's list otherwise).
+  EXPECT_EQ(parse_activation("swiglu"), Activation::kSiluGlu);
+  EXPECT_EQ(parse_activation("gelu_fast"), Activation::kGeluTanhGlu);
+  EXPECT_EQ(parse_activation("swigluoai"), Activation::kSwigluOai);
+  try {
+    parse_activation("swiglu_gptoss");
+    ADD_FAILURE() << "swiglu_gptoss accepted";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("silu (also swiglu, silu_glu, swish)"), std::string::npos) << m;
+    EXPECT_NE(m.find("swiglu_oai (gpt-oss's clamped SwiGLU"), std::string::npos) << m;
+  }
   EXPECT_EQ(parse_scoring_func("Sigmoid"), ScoringFunc::kSigmoid);
   try {
     parse_activation("relu");

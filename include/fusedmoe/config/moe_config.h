@@ -59,7 +59,10 @@ const char* to_string(GroupScore v);
 const char* to_string(SimulatedRouting v);
 const char* to_string(Activation v);
 // Parse the names printed by to_string (and HF spellings such as "silu",
-// "gelu", "softmax", "sigmoid"); throw Error(kInvalidArgument) otherwise.
+// "gelu", "softmax", "sigmoid"), in any case; throw Error(kInvalidArgument)
+// otherwise. Activations: silu (= swiglu, silu_glu, swish), gelu (= gelu_glu,
+// geglu), gelu_pytorch_tanh (= gelu_tanh, gelu_new, gelu_fast, gelu_tanh_glu),
+// swiglu_oai (gpt-oss's clamped SwiGLU; = swigluoai, swiglu_oai_clamped).
 Activation parse_activation(const std::string& s);
 ScoringFunc parse_scoring_func(const std::string& s);
 SimulatedRouting parse_simulated_routing(const std::string& s);
