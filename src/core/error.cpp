@@ -39,6 +39,20 @@ std::string printable(std::string_view text) {
     const unsigned hi = u == 0xed ? 0x9f : u == 0xf4 ? 0x8f : 0xbf;
     bool valid = n > 0 && byte(i + 1) >= lo && byte(i + 1) <= hi;
     for (size_t j = 2; valid && j < n; ++j) valid = byte(i + j) >= 0x80 && byte(i + j) <= 0xbf;
+    if (valid && n == 3) {
+      // Invisible format characters that reorder or hide the text around them
+      // on a terminal (zero-width, bidi marks, embeddings, overrides, isolates,
+      // U+FEFF): written as \uNNNN.
+      const unsigned cp = ((u & 0x0f) << 12) | ((byte(i + 1) & 0x3f) << 6) | (byte(i + 2) & 0x3f);
+      if ((cp >= 0x200b && cp <= 0x200f) || (cp >= 0x202a && cp <= 0x202e) ||
+          (cp >= 0x2060 && cp <= 0x206f) || cp == 0xfeff) {
+        char hex[7];
+        std::snprintf(hex, sizeof hex, "\\u%04x", cp);
+        out += hex;
+        i += n;
+        continue;
+      }
+    }
     if (valid) {
       out.append(text.substr(i, n));
       i += n;

@@ -619,6 +619,24 @@ TEST(Safetensors, ManyTensorsAndALateDuplicate) {
   EXPECT_HAS(error_of([&] { SafetensorsFile::open(bad); }), "tensor 't7' more than once");
 }
 
+// printable(): text is kept, UTF-8 included, but control characters, bytes
+// that are no UTF-8 and the invisible format characters that reorder or hide
+// text on a terminal (a tensor named with U+202E, right-to-left override, showed
+// reversed in `inspect`; session 28's trial) are escaped.
+TEST(Printable, EscapesControlsBadBytesAndInvisibleFormatCharacters) {
+  EXPECT_EQ(printable("w13 caf\xc3\xa9 \xe4\xb8\x93\xe5\xae\xb6"),
+            "w13 caf\xc3\xa9 \xe4\xb8\x93\xe5\xae\xb6");
+  EXPECT_EQ(printable("a\nb\x7f\xc2\x85"), "a\\x0ab\\x7f\\xc2\\x85");
+  EXPECT_EQ(printable("x\xff\xe2\x80"), "x\\xff\\xe2\\x80");
+  EXPECT_EQ(printable("ab\xe2\x80\xae"
+                      "cd"),
+            "ab\\u202ecd");                                                 // RLO
+  EXPECT_EQ(printable("\xe2\x80\x8b\xe2\x80\x8f\xe2\x81\xa6\xef\xbb\xbf"),  // ZWSP, RLM, LRI, BOM
+            "\\u200b\\u200f\\u2066\\ufeff");
+  EXPECT_EQ(printable("\xe2\x80\x94 \xe2\x80\xa6"),
+            "\xe2\x80\x94 \xe2\x80\xa6");  // em dash, ellipsis kept
+}
+
 TEST(Safetensors, PathsInErrorsEscapeControlCharacters) {
   TempDir dir("st_ctrl");
   const std::string sub = dir.file("a\nb"), shown = dir.path() + "/a\\x0ab";
