@@ -629,6 +629,38 @@ def _copied_before_checks(x: Any, bias: bool) -> bool:
     return False
 
 
+def _refuse_disagreeing_copies(x: Any, w13: Any, w2: Any, tw: Any, ids: Any) -> None:
+    """ValueError, before any copy, when hidden_states [T, H], w13 [E, 2I, H]
+    and w2 [E, H, I] disagree (or topk_weights and topk_ids, [T, k] both) and
+    one of them would be copied (a non-contiguous view, ids to convert): the
+    extension names the disagreement only after the copies (a broadcast w2 or
+    hidden_states of a wrong size was copied whole, ~3 GB; session 28's trial).
+    Each shape is given; which one is wrong is for the caller to see."""
+    def copied(t: Any, ids_like: bool = False) -> bool:
+        return (_rows_copied(t) or _copied_before_checks(t, False)
+                or (ids_like and _dtype_name(t) != "int32"))
+
+    if _ndim_ok(x, 2) and _ndim_ok(w13, 3) and _ndim_ok(w2, 3):
+        (E13, I2, H13), (E2, H2, I) = (tuple(int(d) for d in w.shape) for w in (w13, w2))
+        H = int(x.shape[1])
+        if ((E13, I2, H13, H2) != (E2, 2 * I, H, H)
+                and any(copied(t) for t in (x, w13, w2))):
+            raise ValueError(
+                f"hidden_states [T, H], w13 [E, 2I, H] and w2 [E, H, I] disagree: got "
+                f"hidden_states {[int(d) for d in x.shape]}, w13 {[E13, I2, H13]}, w2 "
+                f"{[E2, H2, I]}; checked before the copy a non-contiguous view would need")
+    # (topk_weights / topk_ids are copied only with T rows: others go uncopied
+    # to the extension, which names them.)
+    T = int(x.shape[0]) if _ndim_ok(x, 2) else -1
+    if (_ndim_ok(tw, 2) and _ndim_ok(ids, 2) and tuple(tw.shape) != tuple(ids.shape)
+            and ((int(tw.shape[0]) == T and copied(tw))
+                 or (int(ids.shape[0]) == T and copied(ids, True)))):
+        raise ValueError(
+            f"topk_weights and topk_ids: expected the same [T, k], got topk_weights "
+            f"{[int(d) for d in tw.shape]} and topk_ids {[int(d) for d in ids.shape]}; checked "
+            f"before the copy a non-contiguous view would need")
+
+
 def _refuse_misshapen_copies(x: Any, w13: Any, w2: Any, w13_bias: Any, w2_bias: Any) -> None:
     """ValueError naming a weight or bias of another shape than hidden_states
     [T, H] and w2 [E, H, I] imply, where it would be copied before the
@@ -899,9 +931,11 @@ def fused_experts(
 
     hidden_states f32 [T, H]; w13 [E, 2I, H] (rows 0..I-1 gate, I..2I-1 up) and
     w2 [E, H, I], f32 or bf16; topk_weights f32 [T, k]; topk_ids int32 [T, k]
-    in [-1, E) (-1: no expert). activation: "silu" (also "swiglu": SiLU-gated),
-    "gelu", "gelu_pytorch_tanh" (also "gelu_new", "gelu_tanh", "gelu_fast") or
-    "swiglu_oai" (gpt-oss's clamped SwiGLU, with swiglu_alpha/limit), any case.
+    in [-1, E) (-1: no expert). activation, in any case: "silu" (also "swiglu",
+    "silu_glu", "swish": SiLU-gated), "gelu" (also "gelu_glu", "geglu"),
+    "gelu_pytorch_tanh" (also "gelu_tanh", "gelu_new", "gelu_fast",
+    "gelu_tanh_glu") or "swiglu_oai" (gpt-oss's clamped SwiGLU, with
+    swiglu_alpha/limit; also "swigluoai", "swiglu_oai_clamped").
     apply_router_weight_on_input: scale the expert input instead of its output
     (Llama-4). compute_dtype: "f32" or "bf16" (default: "f32" on the CPU,
     the weights' type on CUDA). Returns [T, H] in hidden_states' dtype. vLLM's
@@ -966,7 +1000,6 @@ def _fused_experts_impl(
     _hidden_dtype(x, cuda)
     T, H = int(x.shape[0]), int(x.shape[1])
     _check_host_memory(x, "hidden_states", ((f"the output f32 [{T}, {H}]", T * H * 4),))
-    x = _rows(x)
     if compute_dtype is None:
         # CUDA computes in the weights' half type (bf16 or f16).
         # float16 weights of any array library (torch, CuPy: dtype names differ)
@@ -979,7 +1012,13 @@ def _fused_experts_impl(
         w13_bias = _as_array(w13_bias, "w13_bias", _FLOAT if cuda else "dtype float32 or bfloat16")
     if w2_bias is not None:
         w2_bias = _as_array(w2_bias, "w2_bias", _FLOAT if cuda else "dtype float32 or bfloat16")
+    tw = _as_array(topk_weights, "topk_weights", "dtype float32")
+    if isinstance(tw, np.ndarray) and tw.dtype != np.float32:
+        raise TypeError(f"topk_weights: expected dtype float32, got {tw.dtype}")
+    ids = _as_array(topk_ids, "topk_ids", _INT)
     _refuse_misshapen_copies(x, w13, w2, w13_bias, w2_bias)
+    _refuse_disagreeing_copies(x, w13, w2, tw, ids)
+    x = _rows(x)
     _check_weight_copies(((w13, "w13"), (w2, "w2")))
     w13, bf16_13 = _weight(w13, "w13", weight_dtype)
     w2, bf16_2 = _weight(w2, "w2", weight_dtype)
@@ -1001,10 +1040,6 @@ def _fused_experts_impl(
         raise ValueError(f"hidden_states: the hidden size is 0 (shape {tuple(x.shape)}); "
                          f"expected [T, H] with H >= 1")
     T, H = x.shape[0], x.shape[1]
-    tw = _as_array(topk_weights, "topk_weights", "dtype float32")
-    if isinstance(tw, np.ndarray) and tw.dtype != np.float32:
-        raise TypeError(f"topk_weights: expected dtype float32, got {tw.dtype}")
-    ids = _as_array(topk_ids, "topk_ids", _INT)
     # Rows other than T's: the extension names the shape, before any copy or
     # conversion (a broadcast [1e9, k] was copied whole first; session 27's trial).
     if _ndim_ok(tw, 2) and int(tw.shape[0]) == T:
@@ -1386,7 +1421,8 @@ def select_experts(
         biased = e_score_correction_bias is not None or cfg.get("e_score_correction_bias") is True
         cfg["group_score"] = "sum_top2" if biased else "max"
     if "num_experts" not in config_keys:  # taken from the logits' columns above
-        names.setdefault("num_experts", "router_logits' columns (num_experts + num_zero_experts)")
+        names.setdefault("num_experts", "num_experts (router_logits' columns less "
+                                        "num_zero_experts)")
     return _route(logits, cfg, e_score_correction_bias, token_ids, hash_table, names=names,
                   config_keys=config_keys)
 

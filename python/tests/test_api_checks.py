@@ -1318,9 +1318,12 @@ def test_routers_name_the_logits_for_too_many_experts():
         fusedmoe.fused_topk(None, logits, 4, True)
     with pytest.raises(ValueError, match=r"^gating_output's columns \(the expert count\): "):
         fusedmoe.grouped_topk(logits, 4, True, 1, 1)
-    with pytest.raises(ValueError, match=r"^router_logits' columns \(num_experts \+ "
-                                         r"num_zero_experts\): expected <= 65536"):
+    with pytest.raises(ValueError, match=r"^num_experts \(router_logits' columns less "
+                                         r"num_zero_experts\): expected <= 65536 .*got 70000"):
         fusedmoe.select_experts(logits, top_k=4)
+    with pytest.raises(ValueError, match=r"^num_experts \(router_logits' columns less "
+                                         r"num_zero_experts\): expected <= 65536 .*got 69996"):
+        fusedmoe.select_experts(logits, top_k=4, num_zero_experts=4)
     # A config that gives num_experts itself is named as such.
     with pytest.raises(ValueError, match=r"^config\.num_experts: expected <= 65536"):
         fusedmoe.select_experts(logits, top_k=4, config={"num_experts": 70000})
@@ -1341,3 +1344,39 @@ def test_zero_d_weights_and_biases_are_named_with_their_shape():
     with pytest.raises(ValueError, match=re.escape("w13: expected a 3-d tensor [E, 2I, H], got "
                                                    "f32 []")):
         fusedmoe.fused_experts(x, zero_d, w2, tw, ids)
+
+
+def test_disagreeing_shapes_are_refused_before_a_copy():
+    """hidden_states, w13 and w2 that disagree (or topk_weights and topk_ids),
+    one of them a view that would be copied: refused with every shape given,
+    before the copy (session 28's trial: a broadcast w2 of a wrong E, or
+    hidden_states of a wrong H, was copied whole, ~3 GB, before the extension's
+    error). Each view below is ~3 GB if copied."""
+    lines, peak_mb = _fresh_interpreter("""
+        one = np.ones(1, np.float32)
+        cases = (
+            dict(w2=np.broadcast_to(one, (6 * 10**6, 128, 32))),       # E
+            dict(w2=np.broadcast_to(one, (6, 128, 10**6))),            # I
+            dict(x=np.broadcast_to(one, (1, 75 * 10**7))),             # H
+            dict(tw=np.broadcast_to(one, (1, 75 * 10**7))),            # k
+            dict(ids=np.broadcast_to(np.zeros(1, np.int64), (1, 3 * 10**8))),
+        )
+        for kw in cases:
+            args = dict(x=x, w13=w13, w2=w2, tw=tw, ids=ids)
+            args.update(kw)
+            try:
+                fusedmoe.fused_experts(args["x"], args["w13"], args["w2"], args["tw"], args["ids"])
+                print("taken")
+            except (TypeError, ValueError) as e:
+                print(type(e).__name__, str(e).split(";")[0])
+    """)
+    head = "ValueError hidden_states [T, H], w13 [E, 2I, H] and w2 [E, H, I] disagree: got "
+    assert lines == [
+        head + "hidden_states [1, 128], w13 [6, 64, 128], w2 [6000000, 128, 32]",
+        head + "hidden_states [1, 128], w13 [6, 64, 128], w2 [6, 128, 1000000]",
+        head + "hidden_states [1, 750000000], w13 [6, 64, 128], w2 [6, 128, 32]",
+        "ValueError topk_weights and topk_ids: expected the same [T, k], got topk_weights "
+        "[1, 750000000] and topk_ids [1, 2]",
+        "ValueError topk_weights and topk_ids: expected the same [T, k], got topk_weights "
+        "[1, 2] and topk_ids [1, 300000000]"], lines
+    assert peak_mb < 1000, f"peak memory {peak_mb} MB"

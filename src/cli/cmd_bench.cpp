@@ -114,7 +114,9 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& o) {
       ->capture_default_str();
   cmd->add_option("--csv", o.csv,
                   "Also write the results to this CSV file (written in full at the end; none on "
-                  "an error; a file path: not - for the standard output, which carries the tables)")
+                  "an error; a file path: not - for the standard output, which carries the tables; "
+                  "not in the bundled model's folder, nor named *.safetensors / .json / .npy / "
+                  ".npz)")
       ->check(output_path("the tables there are Markdown"));
   cmd->add_option("--memory-fraction", o.memory_fraction,
                   "Share of physical memory (or of a lower cgroup limit) a layer may use; larger "
