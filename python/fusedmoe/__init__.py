@@ -964,7 +964,7 @@ def fused_experts(
         if out is not None:
             return out
     activation = _str(activation, "activation",
-                      "'silu', 'gelu', 'gelu_pytorch_tanh' or 'swiglu_oai'")
+                      "'silu', 'gelu', 'gelu_pytorch_tanh', 'swiglu_oai' or an alias of one")
     w13_layout = _str(w13_layout, "w13_layout", "'standard' or 'interleaved128'")
     if compute_dtype is not None:
         compute_dtype = _str(compute_dtype, "compute_dtype", "'f32', 'bf16', 'f16' or None")
@@ -1006,6 +1006,10 @@ def _fused_experts_impl(
         f16 = str(getattr(w13, "dtype", "")) in ("float16", "torch.float16")
         compute_dtype = ("f16" if f16 else "bf16") if cuda else "f32"
     weight_dtype = _weight_dtype(weight_dtype)
+    # The options first: a bad one is named before any array is copied (the
+    # focused trial of session 28: after the weights' copies, 4.3 GB there).
+    _ext.check_experts_options(activation, _float(swiglu_alpha, "swiglu_alpha"),
+                               _float(swiglu_limit, "swiglu_limit"), compute_dtype, w13_layout)
     kinds = "dtype float32 or bfloat16 (CUDA: bfloat16 or float16)"
     w13, w2 = _as_array(w13, "w13", kinds), _as_array(w2, "w2", kinds)
     if w13_bias is not None:

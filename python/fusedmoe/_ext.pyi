@@ -36,6 +36,11 @@ def parse_dtype_option(value: str, name: str, allowed: Sequence[str]) -> str:
     The dtype name `value` when it is one of `allowed` (the rule of every dtype option: exactly "f32", "bf16" or "f16", no aliases); ValueError naming `name` otherwise.
     """
 
+def check_experts_options(activation: str, swiglu_alpha: float, swiglu_limit: float, compute_dtype: str, w13_layout: str) -> None:
+    """
+    Raises ValueError, as fused_experts does, for a bad activation, swiglu_alpha / swiglu_limit, compute_dtype or w13_layout (before any array is read).
+    """
+
 def validate_config(config: dict) -> None:
     """Raises ValueError when the configuration cannot work."""
 

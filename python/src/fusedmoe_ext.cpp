@@ -573,6 +573,29 @@ cuda::FusedExpertsArgs cuda_fused_experts_args(const TensorView& x, const Expert
 }
 #endif
 
+// fused_experts' options, parsed and checked (no array needed): the activation
+// with its clamped-SwiGLU parameters, compute_dtype and w13_layout. The Python
+// wrapper calls it (check_experts_options) before it copies any array, so a
+// bad option is named without the copies of the weights first.
+struct ExpertsOptions {
+  ExpertsParams params;
+  bool w13_interleaved = false;
+};
+ExpertsOptions experts_options(const std::string& activation, float swiglu_alpha,
+                               float swiglu_limit, const std::string& compute_dtype,
+                               const std::string& w13_layout) {
+  ExpertsOptions o;
+  o.params.activation.activation = parse_activation(activation);
+  o.params.activation.swiglu_alpha = swiglu_alpha;
+  o.params.activation.swiglu_limit = swiglu_limit;
+  // On either device: swiglu_alpha / swiglu_limit other than their defaults
+  // with another activation than swiglu_oai (which alone reads them) are refused.
+  o.params.activation.validate();
+  o.params.compute_dtype = parse_compute_dtype(compute_dtype, "compute_dtype");
+  o.w13_interleaved = parse_w13_layout(w13_layout);
+  return o;
+}
+
 void fused_experts(const InArray& hidden_states, const InArray& w13, const InArray& w2,
                    const InArray& topk_weights, const InArray& topk_ids, const OutArray& output,
                    const std::string& activation, const OptIn& w13_bias, const OptIn& w2_bias,
@@ -609,15 +632,10 @@ void fused_experts(const InArray& hidden_states, const InArray& w13, const InArr
                      {&ti, "topk_ids"},
                      {&out, "output"},
                      {opt(ws), "workspace"}});
-  ExpertsParams params;
-  params.activation.activation = parse_activation(activation);
-  params.activation.swiglu_alpha = swiglu_alpha;
-  params.activation.swiglu_limit = swiglu_limit;
-  // On either device: swiglu_alpha / swiglu_limit other than their defaults
-  // with another activation than swiglu_oai (which alone reads them) are refused.
-  params.activation.validate();
-  params.compute_dtype = parse_compute_dtype(compute_dtype, "compute_dtype");
-  const bool w13_interleaved = parse_w13_layout(w13_layout);
+  const ExpertsOptions options =
+      experts_options(activation, swiglu_alpha, swiglu_limit, compute_dtype, w13_layout);
+  const ExpertsParams& params = options.params;
+  const bool w13_interleaved = options.w13_interleaved;
   if (dev.type == DeviceType::kCUDA) {
 #ifdef FUSEDMOE_WITH_CUDA
     const cuda::FusedExpertsArgs a = cuda_fused_experts_args(
@@ -1246,6 +1264,15 @@ NB_MODULE(_ext, m) {
       "The dtype name `value` when it is one of `allowed` (the rule of every dtype option: "
       "exactly \"f32\", \"bf16\" or \"f16\", no aliases); ValueError naming `name` "
       "otherwise.");
+  m.def(
+      "check_experts_options",
+      [](const std::string& activation, float swiglu_alpha, float swiglu_limit,
+         const std::string& compute_dtype, const std::string& w13_layout) {
+        experts_options(activation, swiglu_alpha, swiglu_limit, compute_dtype, w13_layout);
+      },
+      "activation"_a, "swiglu_alpha"_a, "swiglu_limit"_a, "compute_dtype"_a, "w13_layout"_a,
+      "Raises ValueError, as fused_experts does, for a bad activation, swiglu_alpha / "
+      "swiglu_limit, compute_dtype or w13_layout (before any array is read).");
   m.def(
       "validate_config", [](const nb::dict& d) { config_from_dict(d).validate(); }, "config"_a,
       "Raises ValueError when the configuration cannot work.");

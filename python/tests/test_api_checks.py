@@ -1380,3 +1380,26 @@ def test_disagreeing_shapes_are_refused_before_a_copy():
         "ValueError topk_weights and topk_ids: expected the same [T, k], got topk_weights "
         "[1, 2] and topk_ids [1, 300000000]"], lines
     assert peak_mb < 1000, f"peak memory {peak_mb} MB"
+
+
+def test_bad_options_are_refused_before_the_weights_are_copied():
+    """A bad activation, swiglu_alpha / swiglu_limit, compute_dtype or
+    w13_layout is named before right-shaped views of the weights are copied
+    (session 28's focused trial: after 4.3 GB of copies). The views below are
+    ~3 GB if copied."""
+    lines, peak_mb = _fresh_interpreter("""
+        E = 2 * 10**5
+        w13v = np.broadcast_to(np.float32(0.01), (E, 64, 128))
+        w2v = np.broadcast_to(np.float32(0.01), (E, 128, 32))
+        ids0 = np.zeros((1, 2), np.int32)
+        for kw in (dict(activation="bogus"), dict(swiglu_alpha=2.0),
+                   dict(compute_dtype="f64"), dict(w13_layout="interleaved")):
+            try:
+                fusedmoe.fused_experts(x, w13v, w2v, tw, ids0, **kw)
+                print("taken")
+            except (TypeError, ValueError) as e:
+                print(type(e).__name__, str(e).split(":")[0])
+    """)
+    assert lines == ["ValueError activation", "ValueError swiglu_alpha",
+                     "ValueError compute_dtype", "ValueError w13_layout"], lines
+    assert peak_mb < 1000, f"peak memory {peak_mb} MB"
