@@ -39,15 +39,19 @@ std::string printable(std::string_view text) {
     const unsigned hi = u == 0xed ? 0x9f : u == 0xf4 ? 0x8f : 0xbf;
     bool valid = n > 0 && byte(i + 1) >= lo && byte(i + 1) <= hi;
     for (size_t j = 2; valid && j < n; ++j) valid = byte(i + j) >= 0x80 && byte(i + j) <= 0xbf;
-    if (valid && n == 3) {
+    if (valid) {
       // Invisible format characters that reorder or hide the text around them
-      // on a terminal (zero-width, bidi marks, embeddings, overrides, isolates,
-      // U+FEFF): written as \uNNNN.
-      const unsigned cp = ((u & 0x0f) << 12) | ((byte(i + 1) & 0x3f) << 6) | (byte(i + 2) & 0x3f);
-      if ((cp >= 0x200b && cp <= 0x200f) || (cp >= 0x202a && cp <= 0x202e) ||
-          (cp >= 0x2060 && cp <= 0x206f) || cp == 0xfeff) {
-        char hex[7];
-        std::snprintf(hex, sizeof hex, "\\u%04x", cp);
+      // on a terminal (soft hyphen, Arabic letter mark, Mongolian vowel
+      // separator, zero-width characters, bidi marks, embeddings, overrides
+      // and isolates, line / paragraph separators, U+FEFF, interlinear
+      // annotation, tag characters): written as \uNNNN (\UNNNNNNNN past U+FFFF).
+      unsigned cp = n == 2 ? u & 0x1f : n == 3 ? u & 0x0f : u & 0x07;
+      for (size_t j = 1; j < n; ++j) cp = (cp << 6) | (byte(i + j) & 0x3f);
+      if (cp == 0xad || cp == 0x61c || cp == 0x180e || (cp >= 0x200b && cp <= 0x200f) ||
+          (cp >= 0x2028 && cp <= 0x202e) || (cp >= 0x2060 && cp <= 0x206f) || cp == 0xfeff ||
+          (cp >= 0xfff9 && cp <= 0xfffb) || (cp >= 0xe0000 && cp <= 0xe007f)) {
+        char hex[12];
+        std::snprintf(hex, sizeof hex, cp > 0xffff ? "\\U%08x" : "\\u%04x", cp);
         out += hex;
         i += n;
         continue;

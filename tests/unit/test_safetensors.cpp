@@ -633,6 +633,9 @@ TEST(Printable, EscapesControlsBadBytesAndInvisibleFormatCharacters) {
             "ab\\u202ecd");                                                 // RLO
   EXPECT_EQ(printable("\xe2\x80\x8b\xe2\x80\x8f\xe2\x81\xa6\xef\xbb\xbf"),  // ZWSP, RLM, LRI, BOM
             "\\u200b\\u200f\\u2066\\ufeff");
+  // Soft hyphen, Arabic letter mark, line separator, a tag character.
+  EXPECT_EQ(printable("\xc2\xad\xd8\x9c\xe2\x80\xa8\xf3\xa0\x81\x81"),
+            "\\u00ad\\u061c\\u2028\\U000e0041");
   EXPECT_EQ(printable("\xe2\x80\x94 \xe2\x80\xa6"),
             "\xe2\x80\x94 \xe2\x80\xa6");  // em dash, ellipsis kept
 }
