@@ -466,11 +466,21 @@ def _check_host_memory(x: Any, name: str, outputs: Tuple[Tuple[str, int], ...] =
                                f"{shape[0]} tokens ({', '.join(w for w, _ in parts)})")
 
 
+def _contiguous_copies(x: Any) -> bool:
+    """Whether _contiguous(x) copies x: a NumPy array or torch tensor (any
+    device) that is not contiguous (a broadcast or strided view)."""
+    if isinstance(x, np.ndarray):
+        return not x.flags.c_contiguous
+    if _is_torch(x):
+        return not x.is_contiguous()
+    return False
+
+
 def _contiguous(x: Any) -> Any:
     if isinstance(x, np.ndarray):
         # Not np.ascontiguousarray on a contiguous array: it makes a 0-d one
         # 1-d, and the shape errors then named [1] for a () given (a trial).
-        return x if x.flags.c_contiguous else np.ascontiguousarray(x)
+        return np.ascontiguousarray(x) if _contiguous_copies(x) else x
     if _is_torch(x):
         return (x.detach() if x.requires_grad else x).contiguous()
     return x
@@ -586,16 +596,9 @@ def _weight_dtype(weight_dtype: Any) -> Optional[str]:
 def _weight_copy_bytes(x: Any) -> int:
     """Bytes of the contiguous copy _contiguous makes of a host weight that is
     not contiguous (a broadcast or strided view); 0 when none is made."""
-    if _on_cuda(x) or not getattr(x, "ndim", 0):
+    if _on_cuda(x) or not getattr(x, "ndim", 0) or not _contiguous_copies(x):
         return 0
-    if isinstance(x, np.ndarray):
-        copied, n = not x.flags.c_contiguous, x.itemsize
-    elif _is_torch(x):
-        copied, n = not x.is_contiguous(), x.element_size()
-    else:
-        return 0
-    if not copied:
-        return 0
+    n = x.itemsize if isinstance(x, np.ndarray) else x.element_size()
     for d in x.shape:
         n *= int(d)
     return n
@@ -620,13 +623,7 @@ def _copied_before_checks(x: Any, bias: bool) -> bool:
     """Whether _fused_experts_impl copies weight or bias `x` before the
     extension checks it: a NumPy / torch view that is not contiguous (a
     broadcast or strided view), or a bias that is not float32 (converted)."""
-    if bias and _dtype_name(x) != "float32":
-        return True
-    if isinstance(x, np.ndarray):
-        return not x.flags.c_contiguous
-    if _is_torch(x):
-        return not x.is_contiguous()
-    return False
+    return (bias and _dtype_name(x) != "float32") or _contiguous_copies(x)
 
 
 def _refuse_disagreeing_copies(x: Any, w13: Any, w2: Any, tw: Any, ids: Any) -> None:
@@ -636,9 +633,8 @@ def _refuse_disagreeing_copies(x: Any, w13: Any, w2: Any, tw: Any, ids: Any) -> 
     extension names the disagreement only after the copies (a broadcast w2 or
     hidden_states of a wrong size was copied whole, ~3 GB; session 28's trial).
     Each shape is given; which one is wrong is for the caller to see."""
-    def copied(t: Any, ids_like: bool = False) -> bool:
-        return (_rows_copied(t) or _copied_before_checks(t, False)
-                or (ids_like and _dtype_name(t) != "int32"))
+    def copied(t: Any, ids_like: bool = False) -> bool:  # (_rows' copies are among these)
+        return _contiguous_copies(t) or (ids_like and _dtype_name(t) != "int32")
 
     if _ndim_ok(x, 2) and _ndim_ok(w13, 3) and _ndim_ok(w2, 3):
         (E13, I2, H13), (E2, H2, I) = (tuple(int(d) for d in w.shape) for w in (w13, w2))
