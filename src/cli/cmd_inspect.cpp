@@ -193,7 +193,10 @@ int run_inspect(const InspectOptions& opts) {
                   dtypes_str(l["weight_dtypes"]).c_str());
       if (!l["weights_ok"].get<bool>()) {
         ++bad_layers;
-        std::printf("    error: %s\n", printable(l["weights_error"].get<std::string>()).c_str());
+        // (an error message: the names it quotes are printable() already)
+        std::printf(
+            "    error: %s\n",
+            printable(l["weights_error"].get<std::string>(), /*escape_backslash=*/false).c_str());
       }
     }
     std::printf("  total       %s\n", format_bytes(j["moe_bytes_total"].get<double>()).c_str());

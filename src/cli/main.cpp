@@ -560,7 +560,9 @@ bool has_control_character(const std::string& s) {
 }
 
 // A part of an error message on one line: newlines as "; ", other control
-// characters as printable() writes them.
+// characters as printable() writes them; backslashes kept (the values the
+// message quotes are printable() already: escaping them again would show
+// "\\x0a" for a newline).
 std::string plain_line(std::string_view s) {
   std::string out;
   for (char c : s) {

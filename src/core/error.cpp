@@ -8,7 +8,7 @@
 
 namespace fusedmoe {
 
-std::string printable(std::string_view text) {
+std::string printable(std::string_view text, bool escape_backslash) {
   std::string out;
   const auto escape = [&](unsigned char u) {
     char hex[5];
@@ -21,7 +21,9 @@ std::string printable(std::string_view text) {
   for (size_t i = 0; i < text.size();) {
     const unsigned u = byte(i);
     if (u < 0x80) {
-      if (u >= 0x20 && u != 0x7f)
+      if (u == '\\' && escape_backslash)
+        out += "\\\\";  // so that a typed "\x01" or "\u200b" is not read as an escape
+      else if (u >= 0x20 && u != 0x7f)
         out += static_cast<char>(u);
       else
         escape(static_cast<unsigned char>(u));

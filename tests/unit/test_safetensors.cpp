@@ -620,7 +620,7 @@ TEST(Safetensors, ManyTensorsAndALateDuplicate) {
 }
 
 // printable(): text is kept, UTF-8 included, but control characters, bytes
-// that are no UTF-8 and the invisible format characters that reorder or hide
+// that are no UTF-8, backslashes and the invisible format characters that reorder or hide
 // text on a terminal (a tensor named with U+202E, right-to-left override, showed
 // reversed in `inspect`; session 28's trial) are escaped.
 TEST(Printable, EscapesControlsBadBytesAndInvisibleFormatCharacters) {
@@ -638,6 +638,13 @@ TEST(Printable, EscapesControlsBadBytesAndInvisibleFormatCharacters) {
             "\\u00ad\\u061c\\u2028\\U000e0041");
   EXPECT_EQ(printable("\xe2\x80\x94 \xe2\x80\xa6"),
             "\xe2\x80\x94 \xe2\x80\xa6");  // em dash, ellipsis kept
+  // A backslash is escaped too, so that a name typed as "a\u200bb" does not
+  // read like one holding the zero-width space (session 28's focused trial).
+  EXPECT_EQ(printable("a\\u200bb"), "a\\\\u200bb");
+  EXPECT_EQ(printable("a\xe2\x80\x8b"
+                      "b"),
+            "a\\u200bb");
+  EXPECT_EQ(printable("C:\\x\n"), "C:\\\\x\\x0a");
 }
 
 TEST(Safetensors, PathsInErrorsEscapeControlCharacters) {

@@ -41,14 +41,16 @@ std::string concat(const Args&... args) {
 
 // `text` with each control character (below 0x20, 0x7f, and the C1 controls
 // U+0080-U+009F) and each byte that is not part of valid UTF-8 written as \xNN,
-// and the invisible format characters (U+00AD, U+061C, U+180E, U+200B-U+200F,
+// the invisible format characters (U+00AD, U+061C, U+180E, U+200B-U+200F,
 // U+2028-U+202E, U+2060-U+206F, U+FEFF, U+FFF9-U+FFFB, U+E0000-U+E007F:
 // zero-width, bidi marks, overrides, isolates, separators, tags) as \uNNNN
-// (\UNNNNNNNN past U+FFFF): names and values read from files (config strings, tensor names,
-// metadata) that an error message quotes stay on one line, and cannot move the
-// cursor, recolour the terminal or reorder the text shown, nor put bytes that
-// are no text on it.
-std::string printable(std::string_view text);
+// (\UNNNNNNNN past U+FFFF), and a backslash as \\ (so that an escape shown is
+// one, not the text's own; `escape_backslash` false leaves backslashes, for a
+// message whose quoted parts are escaped already): names and values read from
+// files (config strings, tensor names, metadata) that an error message quotes
+// stay on one line, and cannot move the cursor, recolour the terminal or
+// reorder the text shown, nor put bytes that are no text on it.
+std::string printable(std::string_view text, bool escape_backslash = true);
 
 // A byte count as out-of-memory errors give it: "34359738368 bytes (32 GiB)",
 // "100 bytes".
