@@ -2,13 +2,16 @@
 // their weights weigh (io/inspect.h's inspect_json, printed as is with --json;
 // the text form renders it, with each layer's MoEConfig from io/hf_config.h).
 // PATH may also be a single .safetensors file: then its tensors are listed.
+#include <locale.h>
 #include <sys/stat.h>
 
 #include <algorithm>
 #include <cstdio>
+#include <cwchar>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 #include "cli/cli.h"
 #include "fusedmoe/io/hf_config.h"
@@ -64,15 +67,41 @@ void print_config(const MoEConfig& c) {
   std::printf("%s\n", c.has_expert_bias ? ", expert biases" : "");
 }
 
+// Terminal cells of UTF-8 text (printable()'s output): glibc's wcwidth() under
+// its built-in C.UTF-8 locale (East Asian wide characters and emoji 2 cells,
+// combining marks 0), whatever the user's locale; one cell a code point where
+// that locale is missing.
+size_t display_width(const std::string& s) {
+  static const locale_t utf8 = newlocale(LC_CTYPE_MASK, "C.UTF-8", static_cast<locale_t>(nullptr));
+  size_t cells = 0;
+  if (utf8 == nullptr) {
+    for (const unsigned char c : s) cells += (c & 0xC0) != 0x80;
+    return cells;
+  }
+  const locale_t old = uselocale(utf8);
+  std::mbstate_t state{};
+  for (size_t i = 0; i < s.size();) {
+    wchar_t wc = 0;
+    const size_t n = std::mbrtowc(&wc, s.data() + i, s.size() - i, &state);
+    if (n == 0 || n > s.size() - i) {  // (no valid UTF-8 is left by printable(); kept safe)
+      state = std::mbstate_t{};
+      ++cells;
+      ++i;
+      continue;
+    }
+    const int w = wcwidth(wc);
+    cells += w < 0 ? 1 : static_cast<size_t>(w);
+    i += n;
+  }
+  uselocale(old);
+  return cells;
+}
+
 // A tensor name as listed: printable(), quoted where it would print blank (empty
-// or only spaces), padded to `width` characters (UTF-8 code points, not bytes:
-// a multi-byte name no longer shifts its row's columns).
-std::string listed_name(const std::string& raw, size_t width) {
+// or only spaces).
+std::string listed_name(const std::string& raw) {
   std::string s = printable(raw);
   if (s.find_first_not_of(' ') == std::string::npos) s = "'" + s + "'";
-  size_t chars = 0;
-  for (const unsigned char c : s) chars += (c & 0xC0) != 0x80;
-  if (chars < width) s.append(width - chars, ' ');
   return s;
 }
 
@@ -82,16 +111,29 @@ void print_safetensors(const std::string& path, const ojson& j) {
   std::printf("file: %s\n%s, %s\n", printable(path).c_str(),
               count_of(static_cast<long long>(tensors.size()), "tensor").c_str(),
               format_bytes(static_cast<double>(total)).c_str());
-  int dtype_width = 6;  // the dtype column as wide as its longest name (f8_e4m3fn: 9)
-  for (const auto& t : tensors)
+  // The name column as wide as the longest name in terminal cells (CJK and
+  // emoji take two), up to kMaxNameCells (a longer name pushes its own row's
+  // columns only); the dtype column as wide as its longest name (f8_e4m3fn: 9).
+  constexpr size_t kMaxNameCells = 96;
+  size_t name_width = 0;
+  int dtype_width = 6;
+  std::vector<std::string> names;
+  for (const auto& t : tensors) {
+    names.push_back(listed_name(t["name"].get<std::string>()));
+    name_width = std::max(name_width, std::min(display_width(names.back()), kMaxNameCells));
     dtype_width = std::max(dtype_width, static_cast<int>(t["dtype"].get<std::string>().size()));
+  }
+  size_t row = 0;
   for (const auto& t : tensors) {
     std::string shape = "[";
     for (size_t i = 0; i < t["shape"].size(); ++i)
       shape += (i ? ", " : "") + std::to_string(t["shape"][i].get<int64_t>());
     shape += "]";
-    std::printf("  %s %-*s %s%s\n", listed_name(t["name"].get<std::string>(), 50).c_str(),
-                dtype_width, t["dtype"].get<std::string>().c_str(), shape.c_str(),
+    std::string& name = names[row++];
+    const size_t cells = display_width(name);
+    if (cells < name_width) name.append(name_width - cells, ' ');
+    std::printf("  %s %-*s %s%s\n", name.c_str(), dtype_width,
+                t["dtype"].get<std::string>().c_str(), shape.c_str(),
                 t.value("supported", true) ? "" : "  (dtype not supported by fusedmoe)");
   }
   for (const auto& [k, v] : j["metadata"].items())
@@ -130,7 +172,10 @@ int run_inspect(const InspectOptions& opts) {
   const std::string text = inspect_json(path);
   const ojson j = ojson::parse(text);
   if (opts.json) {
-    std::cout << text << "\n";
+    // Non-ASCII characters as \uXXXX escapes (as Python's json.dumps does): the
+    // same JSON, but a name's bidi overrides or zero-width characters cannot
+    // reorder or hide what a terminal shows.
+    std::cout << j.dump(2, ' ', true, ojson::error_handler_t::replace) << "\n";
     int bad = 0, layers = 0;
     if (j.contains("layers"))
       for (const auto& l : j["layers"]) ++layers, bad += l.value("weights_ok", true) ? 0 : 1;

@@ -203,6 +203,40 @@ if grep -q $'[\x01-\x08\x0b-\x1f\x7f]' "$TMP/text" "$TMP/err" ||
   echo "FAIL: control characters of a file reached the terminal (exit $rc)"; od -c "$TMP/text" "$TMP/err" | head -20; exit 1
 fi
 
+# Names of any width (session 28's focused trial): wide CJK and emoji, combining
+# marks, a right-to-left override, a backslash and one name past the column's cap.
+# The text listing keeps the dtype column where the longest capped name puts it
+# (terminal cells, not code points), the override and the backslash escaped;
+# --json is ASCII (non-ASCII as \uXXXX) and gives the names back as they are.
+python3 - "$TMP" <<'PY'
+import json, struct, sys
+names = ["experts.\u4e13\u5bb6.w1", "e\U0001f600.w2", "cafe\u0301.w3", "ab\u202ecd", "a\\u200bb",
+         "long." + "x" * 120, "plain"]
+h = json.dumps({n: {"dtype": "F32", "shape": [1], "data_offsets": [4 * i, 4 * i + 4]}
+                for i, n in enumerate(names)}).encode()
+open(sys.argv[1] + "/wide.safetensors", "wb").write(struct.pack("<Q", len(h)) + h + b"\0" * 4 * len(names))
+json.dump(names, open(sys.argv[1] + "/wide-names.json", "w"))
+PY
+"$BIN" inspect "$TMP/wide.safetensors" >"$TMP/text"
+"$BIN" inspect --json "$TMP/wide.safetensors" >"$TMP/json"
+python3 - "$TMP/text" "$TMP/json" "$TMP/wide-names.json" <<'PY' || { echo "FAIL: inspect of names of any width"; cat "$TMP/text" "$TMP/json"; exit 1; }
+import json, sys, unicodedata
+def cells(s):
+    return sum(0 if unicodedata.combining(c) else 2 if unicodedata.east_asian_width(c) in "WF" else 1
+               for c in s)
+text = open(sys.argv[1], encoding="utf-8").read()
+rows = [l for l in text.splitlines() if l.endswith("[1]")]
+assert len(rows) == 7, rows
+cols = {cells(r[: r.index(" f32 ")]) for r in rows if "long." not in r}
+assert len(cols) == 1, (cols, rows)  # one column for every name within the cap
+assert "\u202e" not in text and "ab\\u202ecd" in text, text
+assert "a\\\\u200bb" in text, text
+raw = open(sys.argv[2], "rb").read()
+assert all(b < 0x80 for b in raw), "inspect --json is not ASCII"
+got = [t["name"] for t in json.loads(raw)["tensors"]]
+assert sorted(got) == sorted(json.load(open(sys.argv[3]))), got
+PY
+
 # --help works and exits 0; no command is a usage error.
 "$BIN" --help | grep -q inspect
 "$BIN" run --help | grep -q -- --reference-key
