@@ -470,14 +470,24 @@ std::filesystem::path model_folder(const std::filesystem::path& config) {
 }
 
 // Where the output `path` lands: absolute, links followed (the file's own, when
-// it is one, and its folders'), a file not there yet named by its resolved
-// folder. Empty when it cannot be resolved (creating the file reports why).
+// it is one, dangling or not, and its folders'), a file not there yet named by
+// its resolved folder. Empty when it cannot be resolved (creating the file
+// reports why).
 std::filesystem::path resolved_output(const std::string& path) {
   namespace fs = std::filesystem;
   std::error_code ec;
-  const fs::path absolute = fs::absolute(path, ec);
+  fs::path at = fs::absolute(path, ec);
   if (ec) return {};
-  fs::path resolved = fs::weakly_canonical(absolute, ec);
+  // weakly_canonical() stops at a link to a missing file; follow such links by
+  // hand (at most 40, as the kernel's ELOOP), each target relative to its
+  // link's folder.
+  for (int hops = 0; hops < 40 && fs::is_symlink(fs::symlink_status(at, ec)) && !fs::exists(at, ec);
+       ++hops) {
+    const fs::path target = fs::read_symlink(at, ec);
+    if (ec) return {};
+    at = target.is_absolute() ? target : at.parent_path() / target;
+  }
+  fs::path resolved = fs::weakly_canonical(at, ec);
   return ec ? fs::path() : resolved;
 }
 

@@ -370,6 +370,18 @@ expect_usage "bench --csv in the bundled model's folder" "the folder of the bund
   bench --csv "$BUNDLED/results.csv" --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0 --no-baseline
 [ "$(cksum <"$BUNDLED/model.safetensors")" = "$sum_before" ] && [ ! -e "$BUNDLED/results.csv" ] ||
   { echo "FAIL bench --csv in the bundled model's folder: a file there written"; failures=$((failures + 1)); }
+# A link to a file not there yet, in the model's folder (dangling: the writer
+# would create its target): the same usage error, exit 2 (it exited 1, "symbolic
+# link to a missing file", session 28's focused trial), nothing created there.
+ln -s "$BUNDLED/new-results.csv" "$TMP/dangling.csv"
+ln -s "$TMP/dangling.csv" "$TMP/dangling2.csv"
+for link in dangling dangling2; do
+  expect_usage "bench --csv, a dangling link ($link) into the bundled model's folder" \
+    "error: --csv $TMP/$link.csv ($BUNDLED/new-results.csv): is inside " -- \
+    bench --csv "$TMP/$link.csv" --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0 --no-baseline
+done
+[ ! -e "$BUNDLED/new-results.csv" ] ||
+  { echo "FAIL bench --csv through a dangling link: the target was created"; failures=$((failures + 1)); }
 expect_usage "bench --csv *.SafeTensors" \
   "error: --csv $TMP/r.SafeTensors: the results are CSV text, not .safetensors" -- \
   bench --csv "$TMP/r.SafeTensors" --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0 --no-baseline
