@@ -303,6 +303,8 @@ def _ndim(x: Any, name: str, ndim: int, what: str) -> None:
 
 
 _FLOAT, _INT = "a floating dtype", "an integer dtype (int32)"
+# The integer dtypes other than int32 that topk_ids / token_ids are converted from.
+_WIDE_INTEGERS = ("int8", "int16", "int64", "uint8", "uint16", "uint32", "uint64")
 # Router logits: what _f32_logits converts (not NumPy's float8 arrays: ml_dtypes).
 _LOGITS = "dtype float32, bfloat16, float16 or float64"
 _HIDDEN_CPU = "dtype float32"  # hidden_states on the CPU (_hidden_dtype has the CUDA ones)
@@ -1046,6 +1048,12 @@ def _fused_experts_impl(
         tw = _rows(tw)
     if _ndim_ok(ids, 2) and int(ids.shape[0]) == T:
         ids = _i32(ids, "topk_ids")
+    elif _dtype_name(ids) in _WIDE_INTEGERS:
+        # The extension checks the dtype first, and would name int64 as the fault
+        # where the shape is (session 28's focused trial).
+        shape = ", ".join(str(int(d)) for d in ids.shape)
+        raise ValueError(f"topk_ids: expected [{T}, k] (int32; other integer dtypes are "
+                         f"converted), got {_dtype_name(ids)} [{shape}]")
     if not cuda:
         out = _empty_like_framework(x, (T, H), "f32")
         _ext.fused_experts(

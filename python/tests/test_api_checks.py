@@ -1264,9 +1264,25 @@ def test_routing_arrays_of_the_wrong_shape_are_refused_before_a_copy():
     """)
     assert lines == ["TypeError topk_weights: expected dtype float32",
                      "ValueError topk_weights: expected f32 [1",
-                     "TypeError topk_ids: expected dtype i32",
+                     "ValueError topk_ids: expected [1",
                      "ValueError topk_ids: expected i32 [1"], lines
     assert peak_mb < 1000, f"peak memory {peak_mb} MB"
+
+
+def test_topk_ids_of_another_integer_dtype_and_the_wrong_shape_name_the_shape():
+    """An int64 (or other integer) topk_ids is converted, so one of the wrong
+    rank or rows is refused for its shape, not its dtype (session 28's focused
+    trial: "expected dtype i32, got i64 [3, 2, 1]")."""
+    rng = np.random.default_rng(7)
+    x, w13, w2, tw, _ = _small_experts_case(rng)
+    T, k = tw.shape
+    for ids, shape in ((np.zeros((T, k, 1), np.int64), f"[{T}, {k}, 1]"),
+                       (np.zeros((T * k,), np.uint8), f"[{T * k}]"),
+                       (np.zeros((T + 1, k), np.int16), f"[{T + 1}, {k}]")):
+        with pytest.raises(ValueError) as e:
+            fusedmoe.fused_experts(x, w13, w2, tw, ids)
+        assert str(e.value) == (f"topk_ids: expected [{T}, k] (int32; other integer dtypes are "
+                                f"converted), got {ids.dtype} {shape}"), str(e.value)
 
 
 def test_weights_of_the_wrong_shape_are_refused_before_a_copy():
