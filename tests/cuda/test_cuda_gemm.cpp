@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "cuda_test_util.h"
+#include "kernels/cuda/gemm/gemm_instances.h"  // m16n64_ctas_per_sm
 #include "reference_moe.h"
 
 namespace fusedmoe {
@@ -276,6 +277,22 @@ TEST(CudaGroupedGemm, DynamicScheduleClaimsEveryItemOnce) {
   ASSERT_EQ(claims.size(), 3u);
   EXPECT_EQ(claims[0], 0);
   EXPECT_EQ(claims[1], 0);
+}
+
+// The m16n64 weight stream's bytes in flight scale with the CTAs an SM holds:
+// with 3 K stages that is 3 (the shared memory's limit), GLU epilogue or not.
+// Session 28's dynamic schedule had raised the GLU kernel to 193 registers, two
+// CTAs an SM, unnoticed; __launch_bounds__ now asks for three (H200, Qwen3-30B-A3B
+// T = 64: 312 -> 293 us with the slimmer load issue; bench/results/2026-12-02-session29.md).
+TEST(CudaGroupedGemm, M16n64KernelsHoldAsManyCtasAsTheirSharedMemoryAllows) {
+  FUSEDMOE_REQUIRE_CUDA();
+  for (const DType dtype : {DType::kBF16, DType::kF16})
+    for (const bool glu : {false, true}) {
+      SCOPED_TRACE(std::string(dtype_name(dtype)) + (glu ? " GLU" : " scatter"));
+      EXPECT_EQ(cuda::gemm::m16n64_ctas_per_sm(3, glu, dtype), 3);
+      EXPECT_EQ(cuda::gemm::m16n64_ctas_per_sm(4, glu, dtype), 2);
+    }
+  EXPECT_THROW(cuda::gemm::m16n64_ctas_per_sm(5, true, DType::kBF16), Error);
 }
 
 // The f16 instantiation of every tile (mma.sync .f16, the GEMV's f16 loads).

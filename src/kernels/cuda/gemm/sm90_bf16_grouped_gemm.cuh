@@ -22,6 +22,7 @@
 #include "fusedmoe/core/env.h"
 #include "fusedmoe/kernels/cuda.h"
 #include "kernels/cuda/cuda_common.cuh"
+#include "kernels/cuda/gemm/cp_async.cuh"
 #include "kernels/cuda/pdl.cuh"
 
 namespace fusedmoe::cuda::gemm {
@@ -44,6 +45,13 @@ struct TileConfig {
   static constexpr int kMI = kWTM / 16, kNI = kWTN / 8;             // mma tiles per warp
   static constexpr int kStageBytes = (kBM + kBN) * kBK * 2;
   static constexpr int kSmemBytes = kStages * kStageBytes + kSmemOffsets * 8;
+  // CTAs an SM that the shared memory allows (an H100 / H200 SM: 228 KiB, 1 KiB
+  // of it reserved a CTA): the kernel's __launch_bounds__ asks the compiler for
+  // registers that allow as many. Without it the GLU epilogue's kernel took 193
+  // registers a thread, two 128-thread CTAs an SM instead of three (session 28's
+  // dynamic schedule, 155 before), and streamed the Qwen3-30B-A3B w13 weights
+  // with a third fewer bytes in flight.
+  static constexpr int kMinBlocks = (228 * 1024) / (kSmemBytes + 1024);
   static_assert(kWTM % 16 == 0 && kWTN % 16 == 0, "warp tile must be a multiple of 16 x 16");
   static_assert((kBM * 8 * kPanels) % kThreads == 0 && (kBN * 8 * kPanels) % kThreads == 0,
                 "load balance");
@@ -75,20 +83,6 @@ struct Params {
 };
 
 // ---- PTX wrappers ----
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
-  const int size = valid ? 16 : 0;  // 0: zero-fill, nothing read
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(size));
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::);
-}
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
 __device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2,
                                             uint32_t& r3) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
@@ -183,12 +177,15 @@ __device__ __forceinline__ float act_glu(Activation act, float g, float u, float
 }
 
 template <class T, class Cfg, bool kGlu>
-__global__ void __launch_bounds__(Cfg::kThreads) grouped_gemm_kernel(const Params p) {
+__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
+    grouped_gemm_kernel(const Params p) {
   constexpr int BM = Cfg::kBM, BN = Cfg::kBN, STAGES = Cfg::kStages;
   constexpr int MI = Cfg::kMI, NI = Cfg::kNI, WTM = Cfg::kWTM, WTN = Cfg::kWTN;
   constexpr int kThreads = Cfg::kThreads;
   constexpr int kBK = Cfg::kBK, kPanels = Cfg::kPanels;
   constexpr int kRowChunks = kPanels * 8;  // 16-byte chunks of a row per stage
+  // (work_ring below needs the loads two or more steps ahead of the math)
+  static_assert(STAGES >= 3, "at least three stages");
   extern __shared__ __align__(128) uint8_t smem[];
   // expert_offsets, when E + 1 <= kSmemOffsets (the work decode's binary search).
   int64_t* s_offsets = reinterpret_cast<int64_t*>(smem + STAGES * Cfg::kStageBytes);
@@ -203,8 +200,12 @@ __global__ void __launch_bounds__(Cfg::kThreads) grouped_gemm_kernel(const Param
     for (int i = tid; i <= p.num_experts; i += kThreads) s_offsets[i] = p.expert_offsets[i];
     __syncthreads();
   }
-  const int64_t* offs = offsets_in_smem ? s_offsets : p.expert_offsets;
-  const int64_t total_tiles = dense ? (p.m + BM - 1) / BM : offs[p.num_experts] / BM;
+  // (a shared or a global load by a uniform branch: a generic load through one
+  // pointer to either is slower, and the decode's binary search chains them)
+  auto offs = [&](int i) -> int64_t {
+    return offsets_in_smem ? s_offsets[i] : p.expert_offsets[i];
+  };
+  const int64_t total_tiles = dense ? (p.m + BM - 1) / BM : offs(p.num_experts) / BM;
   const int64_t total_work = total_tiles * p.n_tiles;
   const int64_t K = p.k;
   const int k_tiles = static_cast<int>((K + kBK - 1) / kBK);
@@ -223,14 +224,14 @@ __global__ void __launch_bounds__(Cfg::kThreads) grouped_gemm_kernel(const Param
       int lo = 0, hi = p.num_experts - 1;  // largest e with start(e) <= work
       while (lo < hi) {
         const int mid = (lo + hi + 1) >> 1;
-        if (offs[mid] / BM * p.n_tiles <= work)
+        if (offs(mid) / BM * p.n_tiles <= work)
           lo = mid;
         else
           hi = mid - 1;
       }
       w.e = lo;
-      tile_begin = offs[lo] / BM;
-      tiles_e = offs[lo + 1] / BM - tile_begin;
+      tile_begin = offs(lo) / BM;
+      tiles_e = offs(lo + 1) / BM - tile_begin;
     }
     const int64_t local = work - tile_begin * p.n_tiles;
     w.n_tile = static_cast<int>(local / tiles_e);
@@ -253,23 +254,34 @@ __global__ void __launch_bounds__(Cfg::kThreads) grouped_gemm_kernel(const Param
   auto tile_off = [](int rows, int r, int c) {
     return static_cast<uint32_t>((c >> 3) * rows * 128) + swz(r, c & 7);
   };
+  // Per chunk: its source at k = 0 (a valid address, row 0's, where the row is
+  // padding or past N: nothing is read from it), its bytes (16, or 0 for such a
+  // row: zero-filled), its shared-memory offset and its k offset in the tile.
   const uint16_t* a_ptr[kAChunks];
-  bool a_ok[kAChunks];
+  int a_bytes[kAChunks];
   uint32_t a_dst[kAChunks];
   int a_chunk[kAChunks];
   const uint16_t* b_ptr[kBChunks];
-  bool b_ok[kBChunks];
+  int b_bytes[kBChunks];
   uint32_t b_dst[kBChunks];
   int b_chunk[kBChunks];
-  auto setup_load = [&](int64_t work) {
+  // Each item's decoded (expert, n tile, rows), written by the load side when it
+  // sets the item up (thread 0) and read by the math side when it starts the
+  // item, at least one __syncthreads later (the load side runs STAGES - 1 >= 2
+  // steps ahead, so a step's __syncthreads lies between; the prologue's items
+  // have one of their own): one binary search an item, not two. The load side
+  // is at most STAGES - 1 items ahead of the math: 8 entries.
+  __shared__ Work work_ring[8];
+  auto setup_load = [&](int64_t work, int64_t seq) {
     const Work w = decode(work);
+    if (tid == 0) work_ring[seq & 7] = w;
 #pragma unroll
     for (int i = 0; i < kAChunks; ++i) {
       const int idx = tid + i * kThreads, r = idx / kRowChunks, c = idx % kRowChunks;
       const int32_t slot = slot_of(w.row0 + r);
       const int32_t src =
           slot < 0 || dense ? slot : (p.gather ? slot / p.a_div : static_cast<int32_t>(w.row0 + r));
-      a_ok[i] = src >= 0;
+      a_bytes[i] = src >= 0 ? 16 : 0;
       a_ptr[i] = p.a + (src >= 0 ? static_cast<int64_t>(src) * p.lda : 0) + c * 8;
       a_dst[i] = tile_off(BM, r, c);
       a_chunk[i] = c;
@@ -289,24 +301,35 @@ __global__ void __launch_bounds__(Cfg::kThreads) grouped_gemm_kernel(const Param
         wrow = static_cast<int64_t>(w.n_tile) * BN + rr;
         ok = wrow < p.n;
       }
-      b_ok[i] = ok;
+      b_bytes[i] = ok ? 16 : 0;
       b_ptr[i] = w_e + (ok ? wrow * K : 0) + c * 8;
       b_dst[i] = BM * kBK * 2 + tile_off(BN, rr, c);
       b_chunk[i] = c;
     }
   };
+  // A whole k tile takes each chunk's bytes as set up (a pointer add, a copy);
+  // only K's last, partial tile tests each chunk against K (ncu: the per-chunk
+  // tests and selects were most of the kernel's instructions, issued between
+  // the barrier and the math, while the stage waited for its loads).
   auto load_stage = [&](int stage, int kt) {
     const uint32_t base = smem_base + stage * Cfg::kStageBytes;
     const int64_t k0 = static_cast<int64_t>(kt) * kBK;
+    if (k0 + kBK <= K) {
+#pragma unroll
+      for (int i = 0; i < kAChunks; ++i) cp_async_16(base + a_dst[i], a_ptr[i] + k0, a_bytes[i]);
+#pragma unroll
+      for (int i = 0; i < kBChunks; ++i) cp_async_16(base + b_dst[i], b_ptr[i] + k0, b_bytes[i]);
+      return;
+    }
 #pragma unroll
     for (int i = 0; i < kAChunks; ++i) {
-      const bool ok = a_ok[i] && k0 + a_chunk[i] * 8 < K;
-      cp_async_16(base + a_dst[i], ok ? a_ptr[i] + k0 : p.a, ok);
+      const bool ok = a_bytes[i] != 0 && k0 + a_chunk[i] * 8 < K;
+      cp_async_16(base + a_dst[i], ok ? a_ptr[i] + k0 : p.a, ok ? 16 : 0);
     }
 #pragma unroll
     for (int i = 0; i < kBChunks; ++i) {
-      const bool ok = b_ok[i] && k0 + b_chunk[i] * 8 < K;
-      cp_async_16(base + b_dst[i], ok ? b_ptr[i] + k0 : p.w, ok);
+      const bool ok = b_bytes[i] != 0 && k0 + b_chunk[i] * 8 < K;
+      cp_async_16(base + b_dst[i], ok ? b_ptr[i] + k0 : p.w, ok ? 16 : 0);
     }
   };
   // This CTA's j-th item: j = 0 blockIdx.x; then, static, blockIdx.x + j * gridDim.x;
@@ -325,24 +348,25 @@ __global__ void __launch_bounds__(Cfg::kThreads) grouped_gemm_kernel(const Param
     if (j == 0) return blockIdx.x;
     return dynamic ? claimed[j & 3] : static_cast<int64_t>(blockIdx.x) + j * gridDim.x;
   };
-  int64_t load_step = 0, load_seq = 0;  // the step and the item (j) being loaded
+  int64_t load_seq = 0;    // the item (j) being loaded
+  int load_stage_idx = 0;  // the stage the next loads fill (the step's index mod STAGES)
   bool load_done = false;
   int load_kt = 0;
-  auto issue_next = [&] {  // the loads of step load_step (one commit group, maybe empty)
+  auto issue_next = [&] {  // the next step's loads (one commit group, maybe empty)
     if (!load_done && load_kt == 0) {
       const int64_t work = item_of(load_seq);
       load_done = work >= total_work;
-      if (!load_done) setup_load(work);
+      if (!load_done) setup_load(work, load_seq);
     }
     if (!load_done) {
-      load_stage(static_cast<int>(load_step % STAGES), load_kt);
+      load_stage(load_stage_idx, load_kt);
       if (++load_kt == k_tiles) {
         load_kt = 0;
         ++load_seq;
       }
     }
     cp_async_commit();
-    ++load_step;
+    load_stage_idx = load_stage_idx == STAGES - 1 ? 0 : load_stage_idx + 1;
   };
 
   // B rows of this lane's ldmatrix.x4 address for mma tile pair (ni, ni + 1).
@@ -355,13 +379,14 @@ __global__ void __launch_bounds__(Cfg::kThreads) grouped_gemm_kernel(const Param
 
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) issue_next();
+  __syncthreads();  // the prologue's work_ring entries
 
-  int64_t step = 0;
-  int32_t claim = 0;  // thread 0: the counter's value from this item's first K step
+  int math_stage = 0;  // the stage of the step being computed
+  int32_t claim = 0;   // thread 0: the counter's value from this item's first K step
   for (int64_t j = 0;; ++j) {
     const int64_t work = item_of(j);
     if (work >= total_work) break;
-    const Work w = decode(work);
+    const Work w = work_ring[j & 7];
     float acc[MI][NI][4];
 #pragma unroll
     for (int mi = 0; mi < MI; ++mi)
@@ -371,7 +396,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) grouped_gemm_kernel(const Param
         for (int c = 0; c < 4; ++c) acc[mi][ni][c] = 0.0f;
 
     // ---- main loop ----
-    for (int kt = 0; kt < k_tiles; ++kt, ++step) {
+    for (int kt = 0; kt < k_tiles; ++kt) {
       cp_async_wait<STAGES - 2>();
       __syncthreads();            // step's tiles visible; step - 1's stage free for the loads below
       if (dynamic && tid == 0) {  // the atomic's latency hides behind one K step
@@ -380,7 +405,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) grouped_gemm_kernel(const Param
       }
       issue_next();
 
-      const uint32_t a_base = smem_base + static_cast<int>(step % STAGES) * Cfg::kStageBytes;
+      const uint32_t a_base = smem_base + math_stage * Cfg::kStageBytes;
+      math_stage = math_stage == STAGES - 1 ? 0 : math_stage + 1;
       const uint32_t b_base = a_base + BM * kBK * 2;
 #pragma unroll
       for (int ks = 0; ks < kBK / 16; ++ks) {
