@@ -9,6 +9,8 @@
 //   row tiles: how a GEMM reads a weight panel — 64 rows of R bytes, a k step
 //              reading `seg` bytes of each of the 64 rows (seg = 128: a 64-wide
 //              bf16 K tile; 256: 128-wide), two k steps in flight (128 threads);
+//   cp.async ring: the mma.sync GEMMs' loads (ring_kernel below), by tile,
+//              stages and CTAs an SM;
 //   bulk:      cp.async.bulk (1D TMA) of contiguous chunks into a ring of
 //              shared-memory stages, one warp a CTA.
 // Prints a Markdown table: pattern, configuration, GB/s, % of 4.8 TB/s.
@@ -23,6 +25,7 @@
 #include <cstring>
 #include <vector>
 
+#include "kernels/cuda/gemm/cp_async.cuh"
 #include "kernels/cuda/gemm/gemv_common.cuh"
 
 namespace {
@@ -40,6 +43,7 @@ constexpr double kDatasheetGBs = 4800.0;
 
 // The decode kernels' 16-byte weight load (ld.global.nc, no L1 allocation).
 using fusedmoe::cuda::gemm::ld_weight;
+using fusedmoe::cuda::gemm::smem_u32;
 __device__ __forceinline__ uint32_t fold(uint4 v) {
   return v.x ^ v.y ^ v.z ^ v.w;
 }
@@ -98,8 +102,65 @@ __global__ void __launch_bounds__(128) row_tiles_kernel(const uint8_t* __restric
   keep(acc, out);
 }
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+// The mma.sync grouped GEMMs' load pattern (sm90_bf16_grouped_gemm.cuh): a ring
+// of kStages shared-memory stages filled by cp.async (16 bytes a copy, 128
+// threads, one commit group a stage), the loads kStages - 1 steps ahead of the
+// consumer, which waits for its stage (cp.async.wait_group kStages - 2) and a
+// __syncthreads, then issues the next stage's loads and reads kConsume 16-byte
+// words of its stage a thread (24: the GEMM's ldmatrix traffic for a 16 x 64 x
+// 128 step). A stage is kRows rows x kSeg bytes of a weight panel plus kARows x
+// kSeg bytes of a 256 KiB L2-resident buffer (the gathered activation rows).
+// Panels of kRows rows are dealt round-robin; the loads run on from one panel
+// to the next as the GEMM's do across work items.
+template <int kRows, int kSeg, int kStages, int kARows, int kConsume>
+__global__ void __launch_bounds__(128)
+    ring_kernel(const uint8_t* __restrict__ p, int64_t rows, int64_t row_bytes,
+                const uint8_t* __restrict__ a, uint32_t* out) {
+  using fusedmoe::cuda::gemm::cp_async_16;
+  extern __shared__ __align__(128) uint8_t ring[];
+  constexpr int kChunks = kSeg / 16, kStage = (kRows + kARows) * kSeg;
+  constexpr int kB = kRows * kChunks / 128, kA = kARows * kChunks / 128;
+  static_assert(kRows * kChunks % 128 == 0 && kARows * kChunks % 128 == 0, "whole copies");
+  const int tid = threadIdx.x;
+  const int64_t panels = rows / kRows, steps = row_bytes / kSeg;
+  const int64_t mine = panels > blockIdx.x ? (panels - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+  const int64_t total = mine * steps;
+  const uint32_t base = smem_u32(ring);
+  int64_t ld = 0;
+  auto issue = [&] {
+    if (ld < total) {
+      const int64_t panel = blockIdx.x + (ld / steps) * gridDim.x, step = ld % steps;
+      const uint32_t dst = base + static_cast<uint32_t>(ld % kStages) * kStage;
+      const uint8_t* src = p + panel * kRows * row_bytes + step * kSeg;
+#pragma unroll
+      for (int j = 0; j < kB; ++j) {
+        const int idx = tid + j * 128, r = idx / kChunks, c = idx % kChunks;
+        cp_async_16(dst + idx * 16, src + r * row_bytes + c * 16, 16);
+      }
+      const uint8_t* a_src = a + ((panel * 7 + step) % 64) * (kARows * kSeg);
+#pragma unroll
+      for (int j = 0; j < kA; ++j) {
+        const int idx = tid + j * 128;
+        cp_async_16(dst + kRows * kSeg + idx * 16, a_src + idx * 16, 16);
+      }
+    }
+    fusedmoe::cuda::gemm::cp_async_commit();
+    ++ld;
+  };
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) issue();
+  uint32_t acc = 0;
+  for (int64_t s = 0; s < total; ++s) {
+    fusedmoe::cuda::gemm::cp_async_wait<kStages - 2>();
+    __syncthreads();
+    issue();
+    const uint4* stage = reinterpret_cast<const uint4*>(ring + (s % kStages) * kStage);
+#pragma unroll
+    for (int i = 0; i < kConsume; ++i) acc ^= fold(stage[(tid + i * 128) % (kStage / 16)]);
+    if (kConsume == 0) acc ^= reinterpret_cast<const uint32_t*>(stage)[tid];
+  }
+  fusedmoe::cuda::gemm::cp_async_wait<0>();
+  keep(acc, out);
 }
 
 // Chunk c of kChunk bytes goes to stage c % kStages of this CTA's ring.
@@ -110,17 +171,17 @@ __global__ void bulk_kernel(const uint8_t* __restrict__ p, int64_t bytes, uint32
   const int lane = threadIdx.x;
   if (lane == 0)
     for (int s = 0; s < kStages; ++s)
-      asm volatile("mbarrier.init.shared.b64 [%0], 1;" ::"r"(smem_addr(&full[s])));
+      asm volatile("mbarrier.init.shared.b64 [%0], 1;" ::"r"(smem_u32(&full[s])));
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   __syncwarp();
   const int64_t chunks = bytes / kChunk;
   auto issue = [&](int64_t c, int stage) {
     if (lane != 0) return;
-    const uint32_t bar = smem_addr(&full[stage]);
+    const uint32_t bar = smem_u32(&full[stage]);
     asm volatile("mbarrier.arrive.expect_tx.shared.b64 _, [%0], %1;" ::"r"(bar), "r"(kChunk));
     asm volatile(
         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, "
-        "[%3];" ::"r"(smem_addr(ring + stage * kChunk)),
+        "[%3];" ::"r"(smem_u32(ring + stage * kChunk)),
         "l"(p + c * kChunk), "r"(kChunk), "r"(bar)
         : "memory");
   };
@@ -135,7 +196,7 @@ __global__ void bulk_kernel(const uint8_t* __restrict__ p, int64_t bytes, uint32
     const uint32_t parity = static_cast<uint32_t>((k / kStages) & 1);
     asm volatile(
         "{ .reg .pred p; W: mbarrier.try_wait.parity.shared.b64 p, [%0], %1; @!p bra W; }" ::"r"(
-            smem_addr(&full[stage])),
+            smem_u32(&full[stage])),
         "r"(parity)
         : "memory");
     acc ^= reinterpret_cast<const uint32_t*>(ring + stage * kChunk)[lane];
@@ -233,6 +294,38 @@ int main(int argc, char** argv) {
           gbs([&] { row_tiles_kernel<256><<<sms * per_sm, 128>>>(p, rows, row_bytes, out); }, b));
     }
   }
+  // The GEMMs' cp.async ring, CTAs an SM as many as the shared memory lets
+  // (at most 8), over rows of Qwen3-30B-A3B's w2 (1536 B) and w13 (4096 B).
+  uint8_t* a_rows = nullptr;
+  CK(cudaMalloc(&a_rows, 256 << 10));
+  CK(cudaMemset(a_rows, 0x3c, 256 << 10));
+  auto ring_row = [&](auto kernel, int rows_, int seg, int stages, int a_rows_n, int consume,
+                      int64_t row_bytes) {
+    const int smem = stages * (rows_ + a_rows_n) * seg;
+    CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    int per_sm = 0;
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 128, smem));
+    per_sm = std::min(per_sm, 8);
+    const int64_t rows = bytes / row_bytes / rows_ * rows_, b = rows * row_bytes;
+    std::snprintf(cfg, sizeof cfg,
+                  "rows of %lld B; stage %d rows x %d B + %d A rows; %d stages; %d CTAs an SM; "
+                  "%d smem reads",
+                  static_cast<long long>(row_bytes), rows_, seg, a_rows_n, stages, per_sm, consume);
+    row("cp.async ring", cfg,
+        gbs([&] { kernel<<<sms * per_sm, 128, smem>>>(p, rows, row_bytes, a_rows, out); }, b));
+  };
+  for (int64_t row_bytes : {int64_t{1536}, int64_t{4096}}) {
+    ring_row(ring_kernel<64, 256, 3, 16, 0>, 64, 256, 3, 16, 0, row_bytes);  // m16n64's
+    ring_row(ring_kernel<64, 256, 3, 16, 24>, 64, 256, 3, 16, 24, row_bytes);
+    ring_row(ring_kernel<64, 256, 4, 16, 24>, 64, 256, 4, 16, 24, row_bytes);
+    ring_row(ring_kernel<64, 256, 2, 16, 24>, 64, 256, 2, 16, 24, row_bytes);
+    ring_row(ring_kernel<64, 128, 6, 16, 12>, 64, 128, 6, 16, 12, row_bytes);
+    ring_row(ring_kernel<32, 256, 4, 16, 12>, 32, 256, 4, 16, 12, row_bytes);
+    ring_row(ring_kernel<128, 256, 3, 16, 48>, 128, 256, 3, 16, 48, row_bytes);
+    ring_row(ring_kernel<32, 512, 3, 16, 24>, 32, 512, 3, 16, 24, row_bytes);
+    ring_row(ring_kernel<64, 256, 3, 0, 24>, 64, 256, 3, 0, 24, row_bytes);
+  }
+  CK(cudaFree(a_rows));
   auto bulk = [&](auto kernel, int stages, int chunk, int per_sm) {
     const int smem = stages * chunk;
     CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
