@@ -275,6 +275,10 @@ int m16n64_stages_for(int64_t rows, int64_t num_experts, int64_t n_tiles, int64_
 // T = 128 5068 / 5072 -> 5009 / 5011, T = 256 5231 / 5237 -> 5130 / 5134; Qwen3
 // T = 64 319 / 322 -> 316 / 313; Mixtral T = 16-32 -0.5 %; Qwen3 T = 16 / 128
 // within noise. So dynamic wherever the items are long enough (kernel).
+// It had also raised the 3-stage GLU kernel to 193 registers (2 CTAs an SM; the
+// times above are with that); session 29 asked for 3 (__launch_bounds__) and
+// slimmed the load issue: Qwen3 T = 16 / 64 / 128 213 / 312 / 321 -> 196 / 293 /
+// 300 us (bench/results/2026-12-02-session29.md).
 int pick_m16n64_stages(int64_t rows, int64_t num_experts, int64_t n_tiles, int64_t k) {
   const int forced = cuda_switch(CudaSwitch::kM16Stages);  // 3, 4
   if (forced >= 0) return 3 + forced;
