@@ -581,7 +581,7 @@ std::string plain_line(std::string_view s) {
     else if (c != '\r')
       out += c;
   }
-  return fusedmoe::cli::printable(out);
+  return fusedmoe::printable(out, /*escape_backslash=*/false);
 }
 
 // Error messages go on one line: the arguments they quote (those with control
