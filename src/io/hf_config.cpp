@@ -456,12 +456,21 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
     if (!dt->is_string())
       FUSEDMOE_THROW(kInvalidArgument, where, ": field 'dtype': expected a string, got ",
                      as_written(*dt));
+    // The model's floating type (its activations and, unquantized, its
+    // weights): HF's names and fusedmoe's short ones; an integer, bool or fp8
+    // type is no model dtype (a trial's "int8" and "bool" were shown as one).
+    const std::string name = dt->get<std::string>();
+    std::optional<DType> d;
     try {
-      info.dtype = parse_dtype(dt->get<std::string>());
-      info.dtype_given = true;
-    } catch (const Error& e) {
-      FUSEDMOE_THROW(kInvalidArgument, where, ": field 'dtype': ", e.what());
+      d = parse_dtype(name);
+    } catch (const Error&) {
     }
+    if (!d || !(*d == DType::kF32 || *d == DType::kBF16 || *d == DType::kF16 || *d == DType::kF64))
+      FUSEDMOE_THROW(kInvalidArgument, where,
+                     ": field 'dtype': expected bfloat16, float16, float32 or float64, got '",
+                     printable(name), "'");
+    info.dtype = *d;
+    info.dtype_given = true;
   }
 
   info.num_hidden_layers = f.get_int({"num_hidden_layers"});
@@ -674,6 +683,15 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
       f.find({field == "topk_group" ? "topk_group" : "routed_scaling_factor"}, &key);
     if (key != nullptr && field.size() < msg.size())
       msg = detail::concat("field '", key, "' (", field, ")", msg.substr(field.size()));
+    // group_score is the model type's, not a config.json field: name the group
+    // count that leaves a group too few experts (a trial's n_group = 16 of 16
+    // experts was told to "use max", which no config.json can say).
+    if (field == "group_score" && f.find({"n_group"}, &key))
+      msg = detail::concat("field '", key, "' (num_expert_group): expected at most ",
+                           c.num_experts / 2, " groups (", c.num_experts,
+                           " routed experts / 2: the router scores each group by the sum of its "
+                           "top 2 experts), got ",
+                           c.num_expert_group);
     throw Error(e.code(), detail::concat(where, " (", mt, "): ", msg));
   }
   info.moe_layers = layers;

@@ -184,6 +184,15 @@ TEST(HfConfig, MissingAndInvalidFields) {
   j["n_group"] = 3;  // 16 routed experts
   EXPECT_HAS(error_of([&] { parse(j); }, ErrorCode::kInvalidArgument),
              "field 'n_group' (num_expert_group): expected a divisor of num_experts");
+  // One expert a group: DeepSeek-V3's group score (the sum of a group's top 2)
+  // has no second expert; named by n_group, not by group_score (no config.json
+  // field) with "use max" advice a config cannot follow (session 29's trial).
+  j["n_group"] = 16;
+  j["topk_group"] = 8;
+  EXPECT_HAS(error_of([&] { parse(j); }, ErrorCode::kInvalidArgument),
+             "(deepseek_v3): field 'n_group' (num_expert_group): expected at most 8 groups (16 "
+             "routed experts / 2: the router scores each group by the sum of its top 2 experts), "
+             "got 16");
   // Unknown activation.
   j = fixture_json("mixtral");
   j["hidden_act"] = "relu2";
@@ -399,7 +408,19 @@ TEST(HfConfig, QuotedConfigStringsEscapeControlCharacters) {
   j = fixture_json("mixtral");
   j["dtype"] = "bf\t16";
   EXPECT_HAS(error_of([&] { parse(j); }, ErrorCode::kInvalidArgument),
-             "field 'dtype': dtype: unknown name 'bf\\x0916'");
+             "field 'dtype': expected bfloat16, float16, float32 or float64, got 'bf\\x0916'");
+  // A type that is no model dtype (session 29's trial: "int8" and "bool" were
+  // taken and shown as the model's dtype); HF's names and the short ones are.
+  for (const char* bad : {"int8", "bool", "float8_e4m3fn", "int4"}) {
+    j["dtype"] = bad;
+    EXPECT_HAS(error_of([&] { parse(j); }, ErrorCode::kInvalidArgument),
+               std::string("field 'dtype': expected bfloat16, float16, float32 or float64, got '") +
+                   bad + "'");
+  }
+  for (const char* good : {"bfloat16", "float16", "float32", "bf16", "f32"}) {
+    j["dtype"] = good;
+    EXPECT_NO_THROW(parse(j)) << good;
+  }
   j = fixture_json("deepseek_v3");
   j["quantization_config"] = {{"quant_method", "fp\r8"}};
   EXPECT_HAS(error_of([&] { parse(j); }, ErrorCode::kUnsupported), "quant_method 'fp\\x0d8'");
