@@ -189,10 +189,19 @@ def test_routing_errors():
         fusedmoe.select_experts(logits, config={"routing_method": "grouped_topk",
                                                 "num_expert_group": 4, "topk_group": 2,
                                                 "top_k": 2, "routed_scaling_factor": -1e39})
-    with pytest.raises(ValueError, match="unknown field"):
+    # A keyword argument that is no config field is named as the argument, with
+    # the fields listed (it read "config: unknown field", no config given).
+    with pytest.raises(ValueError, match=r"^no_such_field: unknown keyword argument, not a "
+                                         r"config field \(the fields: num_experts, top_k, .*renormalize"):
         fusedmoe.select_experts(logits, 2, no_such_field=1)
+    with pytest.raises(ValueError, match=r'^config: unknown field "renormalise" \(the fields: '):
+        fusedmoe.select_experts(logits, 2, config={"renormalise": True})
     with pytest.raises(ValueError, match="routing_method"):
         fusedmoe.select_experts(logits, 2, routing_method="best")
+    # ... with a bias too: the unknown method is named, not the bias.
+    with pytest.raises(ValueError, match=r"routing_method: expected one of .*got \"best\""):
+        fusedmoe.select_experts(logits, 2, routing_method="best",
+                                e_score_correction_bias=np.zeros(logits.shape[1], np.float32))
     with pytest.raises(TypeError, match="renormalize"):
         fusedmoe.select_experts(logits, 2, renormalize="yes")
     # fused_topk / grouped_topk: a str flag is not truthy, a str / bool / None scale is not a number

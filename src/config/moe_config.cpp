@@ -427,7 +427,13 @@ MoEConfig MoEConfig::from_json(const std::string& json, const std::string& sourc
     const JsonField* field = nullptr;
     for (const JsonField& f : kJsonFields)
       if (key == f.key) field = &f;
-    FUSEDMOE_CHECK(field != nullptr, source, ": unknown field \"", printable(key), "\"");
+    if (field == nullptr) {
+      std::string known;
+      for (const JsonField& f : kJsonFields)
+        known += (known.empty() ? "" : ", ") + std::string(f.key);
+      FUSEDMOE_THROW(kInvalidArgument, source, ": unknown field \"", printable(key),
+                     "\" (the fields: ", known, ")");
+    }
     field->read(c, value, source + "." + key);
   }
   return c;

@@ -358,7 +358,7 @@ TEST(MoEConfigJson, RoundTripAndErrors) {
       EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
     }
   };
-  expect_error(R"({"num_expertz": 8})", "cfg: unknown field \"num_expertz\"");
+  expect_error(R"({"num_expertz": 8})", "cfg: unknown field \"num_expertz\" (the fields: ");
   expect_error(R"({"top_k": "2"})", "cfg.top_k: expected an integer");
   expect_error(R"({"top_k": 2.5})", "cfg.top_k: expected an integer");
   expect_error(R"({"renormalize": 1})", "cfg.renormalize: expected a boolean");
