@@ -343,8 +343,21 @@ Tensor read_tensor(const std::string& path, const std::string& key, const char* 
     std::string why = e.what();  // "PATH: reason" (PATH as printable() writes it)
     const std::string shown = printable(path);
     if (why.rfind(shown + ": ", 0) == 0) why.erase(0, shown.size() + 2);
-    throw Error(e.code(), flag + " " + path +
-                              ": neither a .npy file nor a valid .safetensors file (" + why + ")");
+    // A file that opens as safetensors do (an 8-byte header length within the
+    // file, then '{') is one, damaged: said so, not "neither ... nor".
+    std::ifstream in(path, std::ios::binary);
+    unsigned char head[9] = {};
+    uint64_t header_len = 0;
+    std::error_code ec;
+    const auto size = std::filesystem::file_size(path, ec);
+    const bool read = static_cast<bool>(in.read(reinterpret_cast<char*>(head), 9));
+    for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | head[i];  // little-endian
+    const bool looks_safetensors = read && !ec && head[8] == '{' && header_len <= size - 8;
+    throw Error(e.code(),
+                flag + " " + path +
+                    (looks_safetensors ? ": not a valid .safetensors file ("
+                                       : ": neither a .npy file nor a valid .safetensors file (") +
+                    why + ")");
   }
   const std::vector<std::string> names = file->names();  // sorted
   usage_check(!key.empty(), flag, "-key is required with a .safetensors file (", path, " has ",
@@ -1285,7 +1298,10 @@ int run_run(const RunOptions& o) {
   if (reference.defined())
     std::printf("reference      %s: relative L2 error %.3e (tolerance %.6g%s)%s: %s\n",
                 printable(o.reference_key.empty() ? o.reference : o.reference_key).c_str(), rel,
-                tol, tol_note.c_str(), ref_all_zero ? " (the reference is all zeros)" : "",
+                tol, tol_note.c_str(),
+                T == 0         ? " (T = 0: no elements to compare)"
+                : ref_all_zero ? " (the reference is all zeros)"
+                               : "",
                 failed ? "FAIL" : "ok");
   if (output_file)
     std::printf("output         %s (output, topk_ids, topk_weights, router_logits)\n",

@@ -41,6 +41,11 @@ cmp "$TMP/r1.safetensors" "$TMP/r2.safetensors" || { echo "FAIL: printed seed $s
   --reference-key layers.1.T64.output_f64 --tolerance 1.6e-7 --quiet >"$TMP/tol" 2>&1 || true
 grep -q "tolerance 1.6e-07" "$TMP/tol" || { echo "FAIL: tolerance not printed as given"; cat "$TMP/tol"; exit 1; }
 "$BIN" run --tokens 0 --quiet | grep -q "T = 0"
+# ... and against a reference of no rows: said so, not "the reference is all zeros".
+python3 "$HERE/st_util.py" npy "$TMP/t0.npy" f 0 128 0
+"$BIN" run --input "$TMP/t0.npy" --reference "$TMP/t0.npy" --quiet >"$TMP/t0.txt" 2>&1 || true
+grep -q "(T = 0: no elements to compare): ok" "$TMP/t0.txt" ||
+  { echo "FAIL: run at T = 0 against a reference"; cat "$TMP/t0.txt"; exit 1; }
 
 # .npy input (float64, as numpy writes it by default).
 python3 - "$REF" "$TMP/x.npy" <<'PY'

@@ -1186,6 +1186,12 @@ expect_error "--input a directory" "--input $TMP: not a regular file (a director
   run --model "$FIX" --layer 1 --input "$TMP"
 expect_error "--input a config.json" "--input $FIX/config.json: neither a .npy file nor a valid .safetensors file" -- \
   run --model "$FIX" --layer 1 --input "$FIX/config.json"
+# A damaged safetensors file (its data section cut) is named as one, not as
+# "neither a .npy file nor ..." (session 29's trial).
+python3 "$ST" write-f32 "$TMP/whole.safetensors" x 2 128
+head -c -100 "$TMP/whole.safetensors" >"$TMP/cut-input.safetensors"
+expect_error "--input a damaged safetensors" "--input $TMP/cut-input.safetensors: not a valid .safetensors file (" -- \
+  run --model "$FIX" --layer 1 --input "$TMP/cut-input.safetensors" --input-key x
 expect_error "--input missing (.txt)" "--input $TMP/x.txt: cannot open: No such file or directory" -- \
   run --model "$FIX" --layer 1 --input "$TMP/x.txt"
 expect_error "--input missing (.npy)" "--input $TMP/none.npy: cannot open: No such file or directory" -- \
