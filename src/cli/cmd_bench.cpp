@@ -416,9 +416,14 @@ int run_bench(const BenchOptions& o) {
       const RooflineShare share = roofline_share(roof, t_ours, ceil);
       const double frac = share.frac;
       any_raised |= share.raised;
-      std::printf("| %lld | %.1f | %.3f | %.1f | %.1f | %.0f%%%s | %s |", static_cast<long long>(T),
+      // T = 0 moves nothing: no share of a roofline, no bound ("-"; empty in the CSV).
+      char roof_col[32] = "-";
+      if (T > 0)
+        std::snprintf(roof_col, sizeof roof_col, "%.0f%%%s", 100 * frac, share.raised ? "*" : "");
+      const char* bound = T == 0 ? "-" : roof.memory_bound ? "memory" : "compute";
+      std::printf("| %lld | %.1f | %.3f | %.1f | %.1f | %s | %s |", static_cast<long long>(T),
                   experts, t_ours * 1e3, roof.flops / t_ours * 1e-9, roof.bytes / t_ours * 1e-9,
-                  100 * frac, share.raised ? "*" : "", roof.memory_bound ? "memory" : "compute");
+                  roof_col, bound);
       double t_base = 0, diff = 0;
       if (baseline) {
         Tensor ref = Tensor::empty(DType::kF32, {T, shape.H});
@@ -447,15 +452,16 @@ int run_bench(const BenchOptions& o) {
           std::snprintf(base_cols, sizeof base_cols, "%.6e,%.3f,%s,%.3e", t_base,
                         roof.flops / t_base * 1e-9, speedup, diff);
         }
+        char frac_col[32] = "";
+        if (T > 0) std::snprintf(frac_col, sizeof frac_col, "%.4f", frac);
         char row[512];
-        std::snprintf(row, sizeof row,
-                      "%s,%lld,%lld,%lld,%lld,%s,%s,%lld,%.2f,%.6e,%.3f,%.3f,%.4f,%s,%s,%d\n",
-                      shape.name.c_str(), static_cast<long long>(shape.E),
-                      static_cast<long long>(shape.k), static_cast<long long>(shape.H),
-                      static_cast<long long>(shape.I), dtype_name(dtype), o.routing.c_str(),
-                      static_cast<long long>(T), experts, t_ours, roof.flops / t_ours * 1e-9,
-                      roof.bytes / t_ours * 1e-9, frac, roof.memory_bound ? "memory" : "compute",
-                      base_cols, share.raised ? 1 : 0);
+        std::snprintf(
+            row, sizeof row, "%s,%lld,%lld,%lld,%lld,%s,%s,%lld,%.2f,%.6e,%.3f,%.3f,%s,%s,%s,%d\n",
+            shape.name.c_str(), static_cast<long long>(shape.E), static_cast<long long>(shape.k),
+            static_cast<long long>(shape.H), static_cast<long long>(shape.I), dtype_name(dtype),
+            o.routing.c_str(), static_cast<long long>(T), experts, t_ours,
+            roof.flops / t_ours * 1e-9, roof.bytes / t_ours * 1e-9, frac_col, T == 0 ? "" : bound,
+            base_cols, share.raised ? 1 : 0);
         csv_write(row);
       }
     }

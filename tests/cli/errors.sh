@@ -1146,11 +1146,11 @@ expect_usage "bench --memory-fraction 1e-400" "--memory-fraction: expected a dec
 expect_usage "bench --memory-fraction 1e400" "--memory-fraction: expected a decimal number in [0.01, 0.95], got \"1e400\" (beyond the range of a double)" -- \
   bench --shapes qwen3-cpu --tokens 1 --memory-fraction 1e400
 
-# bench at T = 0 has no speedup ("-" in the table, empty in the CSV); one thread and
-# one tensor are singular.
+# bench at T = 0 has no speedup, share of the roofline nor bound ("-" in the table,
+# empty in the CSV); one thread and one tensor are singular.
 "$BIN" bench --shapes qwen3-cpu --max-experts 8 --tokens 0 --min-time 0 --threads 1 --csv "$TMP/t0.csv" >"$TMP/stdout" 2>&1 || true
-if ! grep -qE '^\| 0 \|.*\| - \| [0-9.e+-]+ \|$' "$TMP/stdout" || ! grep -q "^- CPU: .*, 1 thread, GEMM" "$TMP/stdout" ||
-  ! grep -q ",0,.*,,[0-9.e+-]*,0$" "$TMP/t0.csv"; then
+if ! grep -qE '^\| 0 \|.*\| - \| - \|.*\| - \| [0-9.e+-]+ \|$' "$TMP/stdout" || ! grep -q "^- CPU: .*, 1 thread, GEMM" "$TMP/stdout" ||
+  ! grep -qE ",0,[0-9.]+,[0-9.e+-]+,[0-9.]+,[0-9.]+,,,.*,,[0-9.e+-]*,0$" "$TMP/t0.csv"; then
   echo "FAIL bench T = 0 speedup / 1 thread"; cat "$TMP/stdout" "$TMP/t0.csv"; failures=$((failures + 1))
 else
   echo "ok   bench T = 0: $(grep '^| 0 |' "$TMP/stdout")"
