@@ -1184,6 +1184,12 @@ expect_error "--reference-key \"\"" "--reference-key: expected a tensor name, go
 # --input that is no tensor file: named as such, with the OS reason, before any key.
 expect_error "--input a directory" "--input $TMP: not a regular file (a directory)" -- \
   run --model "$FIX" --layer 1 --input "$TMP"
+# A typed backslash in a quoted argument is written as \\ (a name typed as
+# "m\x0ai.npy" read as "m<newline>i.npy" does; session 29's trial).
+expect_error "--input with a backslash" "--input $TMP/m\\\\x0ai.npy: cannot open" -- \
+  run --model "$FIX" --layer 1 --input "$TMP/m\\x0ai.npy"
+expect_error "--input with a newline" "--input $TMP/m\\x0ai.npy: cannot open" -- \
+  run --model "$FIX" --layer 1 --input "$TMP/m"$'\n'"i.npy"
 expect_error "--input a config.json" "--input $FIX/config.json: neither a .npy file nor a valid .safetensors file" -- \
   run --model "$FIX" --layer 1 --input "$FIX/config.json"
 # A damaged safetensors file (its data section cut) is named as one, not as
