@@ -450,11 +450,12 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
   Fields f(*cfg, where);
 
   // dtype: "dtype" (transformers >= 4.56) or "torch_dtype"; text_config first.
-  const json* dt = f.find({"dtype", "torch_dtype"});
-  if (!dt) dt = top.find({"dtype", "torch_dtype"});
+  const char* dtype_key = "dtype";  // the field found, named in errors
+  const json* dt = f.find({"dtype", "torch_dtype"}, &dtype_key);
+  if (!dt) dt = top.find({"dtype", "torch_dtype"}, &dtype_key);
   if (dt) {
     if (!dt->is_string())
-      FUSEDMOE_THROW(kInvalidArgument, where, ": field 'dtype': expected a string, got ",
+      FUSEDMOE_THROW(kInvalidArgument, where, ": field '", dtype_key, "': expected a string, got ",
                      as_written(*dt));
     // The model's floating type (its activations and, unquantized, its
     // weights): HF's names and fusedmoe's short ones; an integer, bool or fp8
@@ -466,9 +467,9 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
     } catch (const Error&) {
     }
     if (!d || !(*d == DType::kF32 || *d == DType::kBF16 || *d == DType::kF16 || *d == DType::kF64))
-      FUSEDMOE_THROW(kInvalidArgument, where,
-                     ": field 'dtype': expected bfloat16, float16, float32 or float64, got '",
-                     printable(name), "'");
+      FUSEDMOE_THROW(kInvalidArgument, where, ": field '", dtype_key,
+                     "': expected bfloat16, float16, float32 or float64, got '", printable(name),
+                     "'");
     info.dtype = *d;
     info.dtype_given = true;
   }
@@ -688,7 +689,8 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
     // experts was told to "use max", which no config.json can say).
     if (field == "group_score" && f.find({"n_group"}, &key))
       msg = detail::concat("field '", key, "' (num_expert_group): expected at most ",
-                           c.num_experts / 2, " groups (", c.num_experts,
+                           c.num_experts / 2, c.num_experts / 2 == 1 ? " group (" : " groups (",
+                           c.num_experts,
                            " routed experts / 2: the router scores each group by the sum of its "
                            "top 2 experts), got ",
                            c.num_expert_group);

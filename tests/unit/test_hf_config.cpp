@@ -417,6 +417,12 @@ TEST(HfConfig, QuotedConfigStringsEscapeControlCharacters) {
                std::string("field 'dtype': expected bfloat16, float16, float32 or float64, got '") +
                    bad + "'");
   }
+  // ... named by the field the file has (torch_dtype in older configs).
+  j.erase("dtype");
+  j["torch_dtype"] = "int8";
+  EXPECT_HAS(error_of([&] { parse(j); }, ErrorCode::kInvalidArgument),
+             "field 'torch_dtype': expected bfloat16, float16, float32 or float64, got 'int8'");
+  j.erase("torch_dtype");
   for (const char* good : {"bfloat16", "float16", "float32", "bf16", "f32"}) {
     j["dtype"] = good;
     EXPECT_NO_THROW(parse(j)) << good;
