@@ -43,6 +43,7 @@ variable ``FUSEDMOE_NO_TORCH=1`` to skip importing torch.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import importlib
 import importlib.util
 import itertools
@@ -1182,15 +1183,6 @@ def _route(logits: Any, config: dict, e_score_correction_bias: Any = None, token
                 f"'e_score_correction_bias' is True), got none: pass the bias array "
                 f"(e_score_correction_bias=...), or config=layer (a MoELayer) to route with "
                 f"the layer's own bias") from None
-        unknown = 'unknown field "'
-        if head == "config" and rest.startswith(unknown):
-            # A keyword argument of select_experts is merged into the config dict:
-            # name it as the argument (the trial read "config: unknown field" with
-            # no config given).
-            key, _, fields_list = rest[len(unknown):].partition('" ')
-            if names.get(key) == key and key not in config_keys:
-                raise ValueError(f"{key}: unknown keyword argument, not a config field "
-                                 f"{fields_list}") from None
         arg = names.get(head[len("config."):] if head.startswith("config.") else head)
         if head == "e_score_correction_bias":
             # Unprefixed, the extension means the bias array (an argument),
@@ -1396,6 +1388,17 @@ def select_experts(
     if config is not None and not isinstance(config, dict):
         raise TypeError(f"config: expected a dict, a MoELayer or None, got "
                         f"{type(config).__name__} {config!r}")
+    # A keyword that is no config field is named as the argument, before it is
+    # merged into the config (it read "config: unknown field" with no config given,
+    # or the JSON encoder's TypeError for an array value; session 29's trials).
+    known = _ext.config_fields()
+    for key in fields:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            shown = key if key.isprintable() and "\\" not in key else repr(key)
+            raise ValueError(f"{shown}: unknown keyword argument, not a config field"
+                             f"{f' (did you mean {close[0]}?)' if close else ''} (the fields: "
+                             f"{', '.join(known)})")
     cfg = dict(config or {})
     config_keys = tuple(str(key) for key in cfg)
     cfg.update(fields)

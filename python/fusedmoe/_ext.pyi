@@ -26,6 +26,11 @@ def cuda_fused_experts_workspace_bytes(num_tokens: int, hidden_size: int, interm
 def cuda_device_count() -> int:
     """Usable CUDA devices (0 without a driver or without the CUDA backend)."""
 
+def config_fields() -> list[str]:
+    """
+    The keys a config dict may have (MoEConfig's JSON fields, in their order).
+    """
+
 def select_experts(router_logits: Annotated[NDArray, dict(writable=False)], topk_ids: NDArray, topk_weights: NDArray, config: dict, e_score_correction_bias: Annotated[NDArray, dict(writable=False)] | None, token_ids: Annotated[NDArray, dict(writable=False)] | None, hash_table: Annotated[NDArray, dict(writable=False)] | None, stream: int = 0) -> None:
     """
     Routes router_logits f32 [T, E + Z] into topk_ids i32 [T, k] and topk_weights f32 [T, k] with the router a MoEConfig (given as a dict) selects.

@@ -284,7 +284,8 @@ DType parse_compute_dtype(const std::string& s, const char* name) {
 // order fusedmoe.interleave_w13 writes; CUDA only). Returns true for the latter.
 bool parse_w13_layout(const std::string& s) {
   FUSEDMOE_CHECK(s == "standard" || s == "interleaved128",
-                 "w13_layout: expected \"standard\" or \"interleaved128\", got \"", s, "\"");
+                 "w13_layout: expected \"standard\" or \"interleaved128\", got \"", printable(s),
+                 "\"");
   return s == "interleaved128";
 }
 
@@ -332,10 +333,38 @@ nb::dict config_to_dict(const MoEConfig& c) {
 
 // Wrong Python types raise TypeError (the JSON type of each key's default value
 // says what it takes); everything else is left to MoEConfig::from_json.
-MoEConfig config_from_dict(const nb::dict& d) {
+// The keys a config dict may have (MoEConfig's JSON fields, in their order).
+std::vector<std::string> config_fields() {
+  std::vector<std::string> keys;
+  for (auto [k, v] : config_to_dict(MoEConfig{})) keys.push_back(nb::cast<std::string>(k));
+  return keys;
+}
+
+MoEConfig config_from_dict(const nb::dict& given) {
   const nb::dict defaults = config_to_dict(MoEConfig{});
+  // Keys first (a value of an unknown key never reaches json.dumps: an array there
+  // raised the encoder's own TypeError, naming nothing; session 29's trial), and
+  // NumPy scalars (np.True_, np.int64(4)) taken as the Python values they hold.
+  nb::dict d;
+  for (auto [k, v] : given) {
+    if (!nb::isinstance<nb::str>(k))
+      throw nb::type_error(("config: keys must be str, got " +
+                            std::string(nb::type_name(k.type()).c_str()) + " " +
+                            printable(nb::cast<std::string>(nb::repr(k))))
+                               .c_str());
+    if (!defaults.contains(k)) {
+      std::string known;
+      for (const std::string& f : config_fields()) known += (known.empty() ? "" : ", ") + f;
+      FUSEDMOE_THROW(kInvalidArgument, "config: unknown field \"",
+                     printable(nb::cast<std::string>(k)), "\" (the fields: ", known, ")");
+    }
+    const bool numpy_scalar =
+        nb::hasattr(v, "item") && nb::hasattr(v, "ndim") &&
+        nb::cast<std::string>(nb::str(v.type().attr("__module__"))) == "numpy" &&
+        nb::cast<int>(v.attr("ndim")) == 0;
+    d[k] = numpy_scalar ? v.attr("item")() : nb::object(v, nb::detail::borrow_t{});
+  }
   for (auto [k, v] : d) {
-    if (!defaults.contains(k)) continue;  // from_json reports the unknown key
     const nb::handle want = defaults[k];
     const bool is_bool = nb::isinstance<nb::bool_>(v);
     bool ok;
@@ -1249,6 +1278,8 @@ NB_MODULE(_ext, m) {
         "topk_weights"_a, "topk_ids"_a, "output"_a, "repeat"_a,
         "Benchmark hook: per-call seconds of `repeat` C++ fused_experts calls (silu, f32 "
         "compute).");
+  m.def("config_fields", &config_fields,
+        "The keys a config dict may have (MoEConfig's JSON fields, in their order).");
   m.def("select_experts", &select_experts, "router_logits"_a, "topk_ids"_a, "topk_weights"_a,
         "config"_a, "e_score_correction_bias"_a.none(), "token_ids"_a.none(), "hash_table"_a.none(),
         "stream"_a = 0,

@@ -196,6 +196,25 @@ def test_routing_errors():
         fusedmoe.select_experts(logits, 2, no_such_field=1)
     with pytest.raises(ValueError, match=r'^config: unknown field "renormalise" \(the fields: '):
         fusedmoe.select_experts(logits, 2, config={"renormalise": True})
+    # Whatever the value (an array, NaN) or the name (vLLM's topk, control
+    # characters): named before the config is serialised (session 29's trial:
+    # the JSON encoder's TypeError, "not valid JSON", or an unmatched name).
+    for kw, shown in (({"hash_tabel": np.zeros((3, 2), np.int32)}, "hash_tabel"),
+                      ({"foo": float("nan")}, "foo"), ({"renorm\nalize": True}, "'renorm\\nalize'"),
+                      ({"topk": 2}, "topk")):
+        with pytest.raises(ValueError) as e:
+            fusedmoe.select_experts(logits, 2, **kw)
+        assert str(e.value).startswith(f"{shown}: unknown keyword argument, not a config field"), e.value
+    with pytest.raises(ValueError, match=r"^topk: .*\(did you mean top_k\?\)"):
+        fusedmoe.select_experts(logits, topk=2)
+    with pytest.raises(ValueError, match=r'^config: unknown field "hash_tabel"'):
+        fusedmoe.select_experts(logits, 2, config={"hash_tabel": np.zeros(3)})
+    with pytest.raises(TypeError, match=r"^config: keys must be str, got tuple"):
+        fusedmoe.select_experts(logits, 2, config={(1, 2): 3})
+    # NumPy scalars are the values they hold.
+    a = fusedmoe.select_experts(logits, 2, renormalize=np.True_, routed_scaling_factor=np.float32(2.0))
+    b = fusedmoe.select_experts(logits, 2, renormalize=True, routed_scaling_factor=2.0)
+    assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
     with pytest.raises(ValueError, match="routing_method"):
         fusedmoe.select_experts(logits, 2, routing_method="best")
     # ... with a bias too: the unknown method is named, not the bias.
