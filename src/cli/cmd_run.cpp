@@ -343,8 +343,8 @@ Tensor read_tensor(const std::string& path, const std::string& key, const char* 
     std::string why = e.what();  // "PATH: reason" (PATH as printable() writes it)
     const std::string shown = printable(path);
     if (why.rfind(shown + ": ", 0) == 0) why.erase(0, shown.size() + 2);
-    // A file that opens as safetensors do (an 8-byte header length within the
-    // file, then '{') is one, damaged: said so, not "neither ... nor".
+    // A file that starts as safetensors do (an 8-byte header length, then '{') is
+    // one, damaged: said so, not "neither ... nor".
     std::ifstream in(path, std::ios::binary);
     unsigned char head[9] = {};
     uint64_t header_len = 0;
@@ -352,7 +352,10 @@ Tensor read_tensor(const std::string& path, const std::string& key, const char* 
     const auto size = std::filesystem::file_size(path, ec);
     const bool read = static_cast<bool>(in.read(reinterpret_cast<char*>(head), 9));
     for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | head[i];  // little-endian
-    const bool looks_safetensors = read && !ec && head[8] == '{' && header_len <= size - 8;
+    // (a header length past the file's end is a cut file; past 100 MB, the format's
+    // cap, it is text or something else)
+    const bool looks_safetensors =
+        read && !ec && head[8] == '{' && header_len >= 2 && header_len <= 100'000'000;
     throw Error(e.code(),
                 flag + " " + path +
                     (looks_safetensors ? ": not a valid .safetensors file ("

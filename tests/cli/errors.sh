@@ -1198,6 +1198,9 @@ python3 "$ST" write-f32 "$TMP/whole.safetensors" x 2 128
 head -c -100 "$TMP/whole.safetensors" >"$TMP/cut-input.safetensors"
 expect_error "--input a damaged safetensors" "--input $TMP/cut-input.safetensors: not a valid .safetensors file (" -- \
   run --model "$FIX" --layer 1 --input "$TMP/cut-input.safetensors" --input-key x
+head -c 20 "$TMP/whole.safetensors" >"$TMP/cut-header.st"  # cut inside its header
+expect_error "--input a safetensors cut in its header" "--input $TMP/cut-header.st: not a valid .safetensors file (" -- \
+  run --model "$FIX" --layer 1 --input "$TMP/cut-header.st" --input-key x
 expect_error "--input missing (.txt)" "--input $TMP/x.txt: cannot open: No such file or directory" -- \
   run --model "$FIX" --layer 1 --input "$TMP/x.txt"
 expect_error "--input missing (.npy)" "--input $TMP/none.npy: cannot open: No such file or directory" -- \
