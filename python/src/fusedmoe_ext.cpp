@@ -352,11 +352,11 @@ MoEConfig config_from_dict(const nb::dict& given) {
                             std::string(nb::type_name(k.type()).c_str()) + " " +
                             printable(nb::cast<std::string>(nb::repr(k))))
                                .c_str());
-    if (!defaults.contains(k)) {
-      std::string known;
-      for (const std::string& f : config_fields()) known += (known.empty() ? "" : ", ") + f;
-      FUSEDMOE_THROW(kInvalidArgument, "config: unknown field \"",
-                     printable(nb::cast<std::string>(k)), "\" (the fields: ", known, ")");
+    if (!defaults.contains(k)) {  // MoEConfig::from_json's error, from the key alone
+      nb::dict alone;
+      alone[k] = nb::none();
+      MoEConfig::from_json(nb::cast<std::string>(nb::module_::import_("json").attr("dumps")(alone)),
+                           "config");
     }
     const bool numpy_scalar =
         nb::hasattr(v, "item") && nb::hasattr(v, "ndim") &&

@@ -566,7 +566,7 @@ std::vector<std::string> g_arguments;
 // writes it: control characters, and backslashes (a typed "m\x0ai.npy" read
 // like "m<newline>i.npy"; session 29's trial). A lone backslash is left alone:
 // it would match every escape of the message.
-bool has_control_character(const std::string& s) {
+bool needs_escape(const std::string& s) {
   return std::any_of(s.begin(), s.end(),
                      [](char c) {
                        const auto u = static_cast<unsigned char>(c);
@@ -601,7 +601,7 @@ std::string one_line(std::string s) {
     size_t best = std::string::npos;
     const std::string* which = nullptr;
     for (const std::string& arg : g_arguments) {
-      if (!has_control_character(arg)) continue;
+      if (!needs_escape(arg)) continue;
       const size_t at = s.find(arg, pos);
       if (at != std::string::npos && (at < best || (at == best && arg.size() > which->size()))) {
         best = at;
