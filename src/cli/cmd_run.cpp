@@ -740,6 +740,15 @@ int run_run(const RunOptions& o) {
     // what the README's checks compare against): the output, resolved, lies
     // outside each folder, resolved.
     refuse_output_in_model_folder("--output", o.output, files.front().first, whose);
+    // Nor in a folder the model's files are links into (a Hugging Face cache
+    // snapshot's files point into its blobs/ folder).
+    for (const auto& [path, what] : files) {
+      std::error_code ec;
+      const std::filesystem::path real = std::filesystem::canonical(path, ec);
+      if (!ec && real.has_parent_path())
+        refuse_output_in_model_folder("--output", o.output, real,
+                                      "the " + what + " of " + whose + " (" + path + ")");
+    }
     if (!o.model.empty())
       refuse_output_in_model_folder("--output", o.output,
                                     std::filesystem::path(bundled_model_dir()) / "config.json",

@@ -457,6 +457,23 @@ done
   diff -r "$BUNDLED" "$TMP/bundled-copy" >/dev/null ||
   { echo "FAIL: a file was written in a model's folder"; failures=$((failures + 1)); }
 rm -rf "$TMP/bundled-copy" "$TMP/own-dirlink" "$TMP/to-notes.safetensors" "$TMP/own/sub" "$TMP/own/notes.txt"
+# ... nor in a folder the model's files are links into: a Hugging Face cache keeps a
+# snapshot's config.json and checkpoint in blobs/, the snapshot folder holds links.
+mkdir -p "$TMP/hf-cache/blobs" "$TMP/hf-cache/snapshots/rev1"
+cp "$FIX/config.json" "$TMP/hf-cache/blobs/aaa" && cp "$FIX/model.safetensors" "$TMP/hf-cache/blobs/bbb"
+ln -s ../../blobs/aaa "$TMP/hf-cache/snapshots/rev1/config.json"
+ln -s ../../blobs/bbb "$TMP/hf-cache/snapshots/rev1/model.safetensors"
+snap="$TMP/hf-cache/snapshots/rev1" blobs="$(cd "$TMP/hf-cache/blobs" && pwd -P)"
+expect_usage "--output in the blobs/ folder of a Hugging Face cache snapshot" \
+  "--output $TMP/hf-cache/blobs/out.safetensors" -- \
+  run --model "$snap" --layer 1 --tokens 2 --output "$TMP/hf-cache/blobs/out.safetensors"
+grep -qF -- "is inside $blobs, the folder of the config.json of --model $snap ($snap/config.json)" "$TMP/stderr" ||
+  { echo "FAIL --output in blobs/: does not name the folder the config.json links into"; failures=$((failures + 1)); }
+[ "$(ls "$TMP/hf-cache/blobs")" = "$(printf 'aaa\nbbb')" ] ||
+  { echo "FAIL: --output in blobs/ wrote a file"; failures=$((failures + 1)); }
+"$BIN" run --model "$snap" --layer 1 --tokens 2 --quiet --output "$TMP/hf-cache/out.safetensors" >/dev/null ||
+  { echo "FAIL: --output beside a Hugging Face cache's blobs/"; failures=$((failures + 1)); }
+rm -rf "$TMP/hf-cache"
 # ... while a folder beside it, whose name begins as the model folder's, may be written.
 mkdir -p "$TMP/own-out"
 "$BIN" run --model "$TMP/own" --layer 1 --tokens 2 --quiet --output "$TMP/own-out/out.safetensors" >/dev/null ||
