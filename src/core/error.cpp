@@ -83,7 +83,13 @@ std::string printable_json_error(std::string_view what) {
     }
     raw += what[i];
   }
-  return printable(raw);
+  // The library's advice "must be escaped to \u0001" is the library's text, not
+  // the file's: its backslash is shown as written, not as "\\".
+  std::string out = printable(raw);
+  static constexpr std::string_view kAdvice = "must be escaped to \\\\u";
+  for (size_t at = out.find(kAdvice); at != std::string::npos; at = out.find(kAdvice, at + 1))
+    out.erase(at + kAdvice.size() - 2, 1);
+  return out;
 }
 
 std::string bytes_str(unsigned long long bytes) {
