@@ -745,7 +745,7 @@ int run_run(const RunOptions& o) {
     for (const auto& [path, what] : files) {
       std::error_code ec;
       const std::filesystem::path real = std::filesystem::canonical(path, ec);
-      if (!ec && real.has_parent_path())
+      if (!ec)
         refuse_output_in_model_folder("--output", o.output, real,
                                       "the " + what + " of " + whose + " (" + path + ")");
     }
