@@ -1,5 +1,6 @@
 // fusedmoe: command-line entry point. Subcommands: inspect, run, bench.
 #include <fcntl.h>
+#include <signal.h>  // sigaction (POSIX)
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -861,8 +862,16 @@ int run_command_line(int argc, char** argv) {
       g_arguments.push_back(arg.substr(eq + 1));
   }
   // SIGPIPE too: a report written into a closed pipe (run ... | head -c 1) ends
-  // the run before its output file is committed, and leaves no temporary.
-  for (const int sig : {SIGINT, SIGTERM, SIGHUP, SIGPIPE}) std::signal(sig, on_fatal_signal);
+  // the run before its output file is committed, and leaves no temporary. A
+  // SIGINT, SIGTERM or SIGHUP the process was started ignoring (a background job
+  // of a script, nohup) stays ignored (the glibc manual's "Basic Signal
+  // Handling" idiom).
+  for (const int sig : {SIGINT, SIGTERM, SIGHUP, SIGPIPE}) {
+    struct sigaction was {};
+    if (sig != SIGPIPE && ::sigaction(sig, nullptr, &was) == 0 && was.sa_handler == SIG_IGN)
+      continue;
+    std::signal(sig, on_fatal_signal);
+  }
   // A write past the file size limit (ulimit -f) fails with EFBIG instead of
   // killing the process: the write error names the file and no temporary stays.
   std::signal(SIGXFSZ, SIG_IGN);

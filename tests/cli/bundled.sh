@@ -158,6 +158,21 @@ for sig in INT TERM; do
   [ -z "$(ls -A "$TMP/int")" ] || { echo "FAIL: SIG$sig left $(ls -A "$TMP/int")"; exit 1; }
 done
 
+# Started with SIGINT and SIGHUP ignored (a script's background job, nohup): they stay
+# ignored; SIGTERM still ends the run, leaving no temporary.
+( trap '' INT HUP; exec "$BIN" bench --shapes qwen3-cpu --max-experts 8 --tokens 1,16,64,256 \
+  --min-time 2 --csv "$TMP/int/c.csv" >/dev/null 2>&1 ) &
+ignorer=$!
+sleep 1
+kill -INT "$ignorer" && kill -HUP "$ignorer" && sleep 0.5
+kill -0 "$ignorer" 2>/dev/null || { echo "FAIL: an inherited SIGINT / SIGHUP ignore was not kept"; exit 1; }
+kill -TERM "$ignorer"
+rc=0
+wait "$ignorer" || rc=$?
+[ "$rc" -eq 143 ] || { echo "FAIL: SIGTERM after ignored SIGINT: exit $rc, expected 143"; exit 1; }
+[ -z "$(ls -A "$TMP/int")" ] || { echo "FAIL: SIGTERM left $(ls -A "$TMP/int")"; exit 1; }
+echo ok inherited signal ignores
+
 # Killed by SIGKILL (no handler runs) while run --output works: its temporary is left,
 # named .<name>.fusedmoe-tmp.<pid>.*; the next run --output to the same path removes it
 # (its process is gone) and leaves a live process's temporary alone.
