@@ -508,12 +508,20 @@ Checkpoint Checkpoint::open(const std::string& path) {
   // taken.
   json j =
       detail::parse_python_json(text, printable(index.string()), "a model.safetensors.index.json");
-  if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
+  if (!j.is_object())
+    FUSEDMOE_THROW(kIo, printable(index.string()),
+                   ": expected a JSON object with a 'weight_map' object, got a JSON ",
+                   j.type_name());
+  if (!j.contains("weight_map"))
     FUSEDMOE_THROW(kIo, printable(index.string()), ": no 'weight_map' object");
+  if (!j["weight_map"].is_object())
+    FUSEDMOE_THROW(kIo, printable(index.string()),
+                   ": 'weight_map' must be an object (tensor name -> shard file), got a JSON ",
+                   j["weight_map"].type_name());
   const fs::path dir = index.parent_path();
   for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it) {
     if (!it.value().is_string())
-      FUSEDMOE_THROW(kIo, printable(index.string()), ": weight_map entry '", it.key(),
+      FUSEDMOE_THROW(kIo, printable(index.string()), ": weight_map entry '", printable(it.key()),
                      "' is not a string");
     // A shard lies in the model's folder (or below it): an index must not
     // lead the reader to any other file (lexically: symbolic links in the

@@ -852,7 +852,21 @@ TEST(Checkpoint, ShardedThroughIndex) {
     std::ofstream idx(dir.file("bad.index.json"));
     idx << R"({"weight_map": [1, 2]})";
   }
-  EXPECT_HAS(error_of([&] { Checkpoint::open(dir.file("bad.index.json")); }), "weight_map");
+  EXPECT_HAS(error_of([&] { Checkpoint::open(dir.file("bad.index.json")); }),
+             "bad.index.json: 'weight_map' must be an object (tensor name -> shard file), got a "
+             "JSON array");
+  // Each way an index lacks its map is named as what it is.
+  const std::vector<std::pair<std::string, std::string>> no_map = {
+      {R"([1])", "expected a JSON object with a 'weight_map' object, got a JSON array"},
+      {R"({"metadata": {}})", "no 'weight_map' object"},
+      {R"({"weight_map": "model.safetensors"})",
+       "'weight_map' must be an object (tensor name -> shard file), got a JSON string"},
+      {R"({"weight_map": {"a\u0001b": 1}})", "weight_map entry 'a\\x01b' is not a string"}};
+  for (const auto& [body, expected] : no_map) {
+    std::ofstream(dir.file("bad.index.json")) << body;
+    EXPECT_HAS(error_of([&] { Checkpoint::open(dir.file("bad.index.json")); }, ErrorCode::kIo),
+               expected);
+  }
 }
 
 // The index is read as Python's json reads it (transformers' sharded
