@@ -128,12 +128,28 @@ inline CLI::Validator one_of(std::vector<std::string> values) {
       "{" + braces + "}");
 }
 
+// A path given as an option's name ("run --model --tokens 1": the parser takes
+// --tokens as the path, then fails on the "1") or as "--": named as such. A
+// file of that name is given as ./--tokens. Returns "" for any other path.
+inline std::string path_is_option_name(const std::string& input) {
+  if (input == "--")
+    return "expected a path, got \"--\", the end of the options (./-- names a file of that "
+           "name)";
+  if (input.size() < 3 || input.compare(0, 2, "--") != 0 ||
+      !std::isalpha(static_cast<unsigned char>(input[2])))
+    return {};
+  return "expected a path, got \"" + input + "\", which is an option (was the value left out? ./" +
+         input + " names a file of that name)";
+}
+
 // A path or name option given as "": an error naming the option, not the same
-// as leaving the option out.
+// as leaving the option out. A path given as an option's name: see
+// path_is_option_name.
 inline CLI::Validator non_empty(const std::string& what, const std::string& metavar) {
   return CLI::Validator(
       [what](std::string& input) -> std::string {
-        return input.empty() ? "expected " + what + ", got an empty string" : std::string();
+        if (input.empty()) return "expected " + what + ", got an empty string";
+        return what == "a path" ? path_is_option_name(input) : std::string();
       },
       metavar);
 }
@@ -164,6 +180,7 @@ inline CLI::Validator output_path(const std::string& what) {
   return CLI::Validator(
       [what](std::string& input) -> std::string {
         if (input.empty()) return "expected a path, got an empty string";
+        if (std::string e = path_is_option_name(input); !e.empty()) return e;
         if (input == "-")
           return "expected a file path, got \"-\" (not the standard output: it carries the "
                  "report, and " +

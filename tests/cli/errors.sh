@@ -305,6 +305,26 @@ expect_usage "run --tokens= --quiet" "error: run --tokens: expected a decimal in
   run --model "$FIX" --tokens= --quiet
 expect_usage "bench --csv= --shapes" "error: bench --csv: expected a path, got an empty string" -- \
   bench --csv= --shapes qwen3-cpu
+# A path option whose value was left out takes the next option as its path ("run --model
+# --tokens 1" read as "unexpected argument '1'"; trial): named as an option, nothing
+# written; "--" too. ./--x names such a file.
+pushd "$OUTDIR" >/dev/null
+for c in "run --model|--model --tokens 1" "run --input|--input --tokens 1" \
+  "run --reference|--tokens 1 --reference --quiet" "run --output|--tokens 1 --output --quiet" \
+  "bench --csv|--csv --shapes qwen3-cpu"; do
+  IFS='|' read -r opt args <<<"$c"
+  read -r -a argv <<<"$args"
+  value=$(sed -E 's/.*'"${opt#* }"' (--[a-z-]+).*/\1/' <<<"$args")
+  expect_usage "$opt $value" "error: $opt: expected a path, got \"$value\", which is an option (was the value left out? ./$value names a file of that name)" -- \
+    ${opt% *} "${argv[@]}"
+done
+expect_usage "run --output --" "error: run --output: expected a path, got \"--\", the end of the options" -- \
+  run --tokens 1 --output --
+[ -z "$(ls -A "$OUTDIR")" ] || { echo "FAIL: a path option given an option's name wrote $(ls -A "$OUTDIR")"; failures=$((failures + 1)); }
+popd >/dev/null
+"$BIN" run --model "$FIX" --tokens 1 --quiet --output "$OUTDIR/--x.safetensors" >/dev/null && [ -f "$OUTDIR/--x.safetensors" ] ||
+  { echo "FAIL: --output DIR/--x.safetensors refused"; failures=$((failures + 1)); }
+rm -f -- "$OUTDIR/--x.safetensors"
 "$BIN" run --model "$FIX" --tokens 1 --quiet=true >/dev/null && "$BIN" run --model "$FIX" --tokens 1 --quiet=false >/dev/null ||
   { echo "FAIL run --quiet=true / --quiet=false: refused"; failures=$((failures + 1)); }
 # "-" is no file name here, nor the standard output (which carries the report): refused, and no
