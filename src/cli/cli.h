@@ -128,10 +128,12 @@ inline CLI::Validator one_of(std::vector<std::string> values) {
       "{" + braces + "}");
 }
 
-// A path given as an option's name ("run --model --tokens 1": the parser takes
-// --tokens as the path, then fails on the "1") or as "--": named as such. A
-// file of that name is given as ./--tokens. Returns "" for any other path.
-inline std::string path_is_option_name(const std::string& input) {
+// What is wrong with a path option's value, or "": an empty string (not the
+// same as leaving the option out), or an option's name or "--" ("run --model
+// --tokens 1": the value left out, the parser took --tokens as the path, then
+// failed on the "1"). A file of such a name is given as ./--tokens.
+inline std::string path_error(const std::string& input) {
+  if (input.empty()) return "expected a path, got an empty string";
   if (input == "--")
     return "expected a path, got \"--\", the end of the options (./-- names a file of that "
            "name)";
@@ -142,18 +144,18 @@ inline std::string path_is_option_name(const std::string& input) {
          input + " names a file of that name)";
 }
 
-// A path or name option given as "": an error naming the option, not the same
-// as leaving the option out. A path given as an option's name: see
-// path_is_option_name.
+// A name option given as "": an error naming the option, not the same as
+// leaving the option out.
 inline CLI::Validator non_empty(const std::string& what, const std::string& metavar) {
   return CLI::Validator(
       [what](std::string& input) -> std::string {
-        if (input.empty()) return "expected " + what + ", got an empty string";
-        return what == "a path" ? path_is_option_name(input) : std::string();
+        return input.empty() ? "expected " + what + ", got an empty string" : std::string();
       },
       metavar);
 }
-inline const CLI::Validator kNonEmpty = non_empty("a path", "PATH");
+// An input path option (path_error).
+inline const CLI::Validator kNonEmpty =
+    CLI::Validator([](std::string& input) { return path_error(input); }, "PATH");
 inline const CLI::Validator kNonEmptyKey = non_empty("a tensor name", "KEY");
 
 // A flag (run --quiet, bench --no-baseline, ...): given alone, or as
@@ -179,8 +181,7 @@ inline CLI::Option* add_bool_flag(CLI::App& cmd, const std::string& name, bool& 
 inline CLI::Validator output_path(const std::string& what) {
   return CLI::Validator(
       [what](std::string& input) -> std::string {
-        if (input.empty()) return "expected a path, got an empty string";
-        if (std::string e = path_is_option_name(input); !e.empty()) return e;
+        if (std::string e = path_error(input); !e.empty()) return e;
         if (input == "-")
           return "expected a file path, got \"-\" (not the standard output: it carries the "
                  "report, and " +
