@@ -27,6 +27,25 @@ TEST(CudaTiles, HeuristicFollowsTheMeasuredTable) {
   EXPECT_EQ(cuda::pick_gemm_tile(1024, 8192, 28672, 4096), GemmTile::kM128N128);
 }
 
+// Where the sm90 path starts (session 31's sweep, gemm_configs.cpp): Mixtral (8
+// experts) from 11 rows an expert, Qwen3 / DeepSeek-V3 (128 / 256) from 13, one
+// dense expert (the shared expert, T rows) from 12.
+TEST(CudaTiles, Sm90PathStartsWhereMeasured) {
+  const auto min_rows = [](int64_t T, int64_t k, int64_t E) {
+    const int64_t rows = cuda::routed_rows_per_expert(T, k, E);
+    return cuda::sm90_min_rows_per_expert(rows, T * k);
+  };
+  EXPECT_EQ(min_rows(44, 2, 8), 11);                      // Mixtral T = 44: 11 rows, sm90
+  EXPECT_EQ(min_rows(40, 2, 8), 11);                      // T = 40: 10 rows, m16n64
+  EXPECT_EQ(min_rows(192, 8, 128), 13);                   // Qwen3 T = 192: 12 rows, m16n64
+  EXPECT_EQ(min_rows(416, 8, 256), 13);                   // DeepSeek-V3 T = 416: 13 rows, sm90
+  EXPECT_EQ(cuda::sm90_min_rows_per_expert(12, 12), 12);  // dense, T = 12
+  EXPECT_EQ(cuda::sm90_min_rows_per_expert(0, 0), 12);    // no rows: dense's
+  EXPECT_EQ(cuda::routed_rows_per_expert(44, 2, 8), 11);
+  EXPECT_EQ(cuda::routed_rows_per_expert(192, 8, 128), 12);
+  EXPECT_EQ(cuda::routed_rows_per_expert(416, 8, 256), 13);
+}
+
 // The sm90 tile rule at the points measured on an H200 (132 SMs; gemm_configs.cpp).
 TEST(CudaTiles, Sm90TileFollowsTheMeasuredPoints) {
   using cuda::Sm90Tile;

@@ -373,7 +373,8 @@ void sm90_dense_expert(const Sm90DenseExpertArgs& args, Stream stream);
 // or =mma in the environment forces one (=sm90 where the sm_90a path is not
 // available: Error(kUnsupported); another value: Error(kInvalidArgument)).
 // The shared expert (one expert, T rows) takes sm90_dense_expert() when
-// pick_sm90_experts(T, T, H, I_shared) says so: the same threshold.
+// pick_sm90_experts(T, T, H, I_shared) says so (one expert: from 12 rows; routed
+// experts: from 11 rows an expert with up to 16 experts touched, else from 13).
 bool pick_sm90_experts(int64_t rows_per_expert, int64_t routed_rows, int64_t hidden, int64_t inter);
 
 // ---- finalize ------------------------------------------------------------------

@@ -111,6 +111,11 @@ bool sm90_gemm_pdl(int64_t rows_per_expert, int block_m);
 int m16n64_stages_for(int64_t rows, int64_t num_experts, int64_t n_tiles, int64_t k, int64_t sms);
 // m16n64_stages_for on this device; FUSEDMOE_CUDA_M16_STAGES=3 or =4 forces one.
 int pick_m16n64_stages(int64_t rows, int64_t num_experts, int64_t n_tiles, int64_t k);
+// The rows per expert from which pick_sm90_experts takes the sm90 path, for
+// routed_rows rows in all (the experts touched: routed_rows / rows_per_expert):
+// one expert (dense) 12, up to 16 experts 11, more 13 (host only, no device: the
+// tests check it anywhere). Tuning data in gemm_configs.cpp.
+int64_t sm90_min_rows_per_expert(int64_t rows_per_expert, int64_t routed_rows);
 // The GEMM tile for that many rows per expert (pick_gemm_tile).
 GemmTile routed_gemm_tile(int64_t num_tokens, int64_t top_k, int64_t num_experts, int64_t hidden,
                           int64_t inter);

@@ -18,7 +18,8 @@
 //   otherwise    m128n128: (Mixtral T = 4096: 9.40 ms vs 10.0 ms with m64n128)
 // m128n256 (64 x 64 warp tiles) was never faster by more than 1.5 %: not picked.
 //
-// From 12 expected rows per expert on (16 before session 10's 128-deep m16n64
+// From 11-13 expected rows per expert on (sm90_min_rows_per_expert; 12 in sessions 10-30,
+// 16 before session 10's 128-deep m16n64
 // stages, 32 before session 4's 64-row tiles), the
 // routed experts take the sm_90a wgmma + TMA path instead (sm90_experts),
 // from the side-by-side runs of bench/results/2026-11-29-cuda-bench-wgmma.md
@@ -93,7 +94,17 @@ constexpr int64_t kGemvMaxRoutedRows = 4;
 // T = 192 319 vs 322, DeepSeek-V3 T = 384 5273 vs 5222 (sm90 on balance: an
 // expert past 16 rows takes a second m16n64 tile); 16 rows: Mixtral T = 64 731
 // vs 686, Qwen3 T = 256 346 vs 323 (sm90).
-constexpr int64_t kSm90MinRowsPerExpert = 12;
+// Session 31 (bench/results/2026-12-02-session31.md; bench_cuda_moe --sweep-sm90, two
+// passes, m16n64 vs sm90, us): with many experts m16n64 still wins at 12 rows and
+// ties at 13 (Qwen3 T = 192 310 / 310 vs 318 / 318, T = 208 316 / 314 vs 319 / 318,
+// T = 224 (14 rows) 323 / 323 vs 320 / 320; DeepSeek-V3 T = 352 (11) 5123 vs 5215,
+// T = 384 (12) 5206 vs 5218, T = 416 (13) 5314 vs 5235); with few (Mixtral's 8) it
+// already loses at 11 (T = 40 (10 rows) 646 / 646 vs 671 / 670, T = 44 (11) 688 / 691 vs
+// 673 / 672): one expert past 16 rows takes a second m16n64 tile, which streams
+// that expert's weights again, and with few experts each is a large share of them.
+constexpr int64_t kSm90MinRowsPerExpert = 12;  // one dense expert (the shared expert)
+constexpr int64_t kSm90MinRowsFewExperts = 11, kSm90MinRowsManyExperts = 13;
+constexpr int64_t kFewExperts = 16;
 
 struct TileRow {
   GemmTile tile;
@@ -129,7 +140,13 @@ GemmTile pick_gemm_tile(int64_t rows_per_expert, int64_t routed_rows, int64_t /*
   return GemmTile::kM128N128;
 }
 
-bool pick_sm90_experts(int64_t rows_per_expert, int64_t /*routed_rows*/, int64_t /*hidden*/,
+int64_t sm90_min_rows_per_expert(int64_t rows_per_expert, int64_t routed_rows) {
+  const int64_t touched = routed_rows / std::max<int64_t>(rows_per_expert, 1);
+  if (touched <= 1) return kSm90MinRowsPerExpert;
+  return touched <= kFewExperts ? kSm90MinRowsFewExperts : kSm90MinRowsManyExperts;
+}
+
+bool pick_sm90_experts(int64_t rows_per_expert, int64_t routed_rows, int64_t /*hidden*/,
                        int64_t /*inter*/) {
   const int choice = cuda_switch(CudaSwitch::kExperts);  // sm90, mma
   const bool force_sm90 = choice == 0, force_mma = choice == 1;
@@ -141,7 +158,7 @@ bool pick_sm90_experts(int64_t rows_per_expert, int64_t /*routed_rows*/, int64_t
                      "CUTLASS in this build, or the device is not sm_90)");
     return false;
   }
-  return force_sm90 || rows_per_expert >= kSm90MinRowsPerExpert;
+  return force_sm90 || rows_per_expert >= sm90_min_rows_per_expert(rows_per_expert, routed_rows);
 }
 
 W13Layout pick_w13_layout(int64_t inter) {
