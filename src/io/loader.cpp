@@ -693,6 +693,15 @@ MoELayerWeights load_or_check(const Checkpoint& checkpoint, const ModelInfo& inf
     out.experts = load_per_expert(rd, experts, H, I, "experts.", "gate_proj.weight",
                                   "up_proj.weight", "down_proj.weight", &progress, check_only);
   }
+  // Per-expert tensors past the config's expert count (e.g. experts.8.* with 8
+  // experts): the config gives too few, and running with them left out would be
+  // silently wrong (as a shared expert the config leaves out, below).
+  for (const std::string t : {"experts." + std::to_string(E) + ".gate_proj.weight",
+                              "experts." + std::to_string(E) + ".w1.weight"})
+    if (rd.has(t))
+      FUSEDMOE_THROW(kIo, printable(checkpoint.path()), ": tensor '", rd.full(t), "' is expert ", E,
+                     ", but config.json gives ", E, " routed experts (0 to ", E - 1,
+                     "): expected the checkpoint's expert count in config.json");
   if (par.tp_size > 1 && !check_only) {
     std::vector<int64_t> all(n);
     for (int64_t i = 0; i < n; ++i) all[i] = i;

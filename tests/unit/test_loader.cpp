@@ -382,6 +382,44 @@ TEST(Loader, SharedExpertTheConfigLeavesOutIsNamed) {
   }
 }
 
+// Per-expert tensors past the config's expert count (experts.E.* with E experts)
+// are refused, naming the tensor and the count, as a shared expert the config
+// leaves out is, not run without them (session 30's trial: they were ignored).
+TEST(Loader, ExpertsPastTheConfigsCountAreNamed) {
+  for (const auto& [arch, prefix, gate] :
+       std::vector<std::tuple<std::string, std::string, std::string>>{
+           {"mixtral", "model.layers.1.block_sparse_moe.experts.", "w1.weight"},
+           {"qwen2_moe", "model.layers.0.mlp.experts.", "gate_proj.weight"}}) {
+    SCOPED_TRACE(arch);
+    const ModelInfo fixture = load_model_info(test::hf_fixture_dir(arch));
+    const int64_t layer = arch == "mixtral" ? 1 : 0;
+    const int64_t E = fixture.layer_config(layer).num_experts;
+    const std::string extra = prefix + std::to_string(E) + "." + gate;
+    test::TempDir dir("loader_extra_expert_" + arch);
+    write_modified_fixture(arch, dir, [&](auto& ts) {
+      Tensor copy;
+      for (auto& [n, t] : ts)
+        if (n == prefix + "0." + gate) copy = t;
+      ASSERT_TRUE(copy.defined());
+      ts.emplace_back(extra, copy);
+    });
+    const ModelInfo info = load_model_info(dir.path());
+    const Checkpoint ck = Checkpoint::open(dir.path());
+    for (const bool check_only : {false, true}) {
+      const std::string msg = error_of(
+          [&] {
+            if (check_only)
+              check_moe_layer(ck, info, layer);
+            else
+              load_moe_layer(ck, info, layer, {.progress = false});
+          },
+          ErrorCode::kIo);
+      EXPECT_HAS(msg, "'" + extra + "' is expert " + std::to_string(E));
+      EXPECT_HAS(msg, "config.json gives " + std::to_string(E) + " routed experts");
+    }
+  }
+}
+
 TEST(Loader, WrongShapeOrDtypeIsNamed) {
   test::TempDir dir("loader_shape");
   const std::string bad_shape = "model.layers.0.mlp.experts.5.down_proj.weight";
