@@ -230,6 +230,13 @@ std::shared_ptr<SafetensorsFile> SafetensorsFile::open(const std::string& path) 
   if (header_len > file_size - 8)
     FUSEDMOE_THROW(kIo, printable(path), ": header length ", header_len,
                    " runs past the end of the file (", file_size, " bytes)");
+  // HF's safetensors refuses a header over 100 MB (MAX_HEADER_SIZE, "HeaderTooLarge"):
+  // a file that library cannot open is not taken here either.
+  constexpr uint64_t kMaxHeaderBytes = 100'000'000;
+  if (header_len > kMaxHeaderBytes)
+    FUSEDMOE_THROW(kIo, printable(path), ": header length ", header_len,
+                   " bytes is over the format's limit of ", kMaxHeaderBytes,
+                   " (HF's safetensors refuses such a file: HeaderTooLarge)");
   f->data_start_ = 8 + static_cast<size_t>(header_len);
   const size_t data_size = file_size - f->data_start_;
 

@@ -208,6 +208,21 @@ TEST(Safetensors, LooksLikeSafetensorsByContent) {
   EXPECT_FALSE(looks_like_safetensors(dir.path() + "/space-text.bin"));
 }
 
+// A header over 100 MB is refused as HF's safetensors refuses it (HeaderTooLarge;
+// session 30's trial: it was read). The file is sparse: no 100 MB written.
+TEST(Safetensors, HeaderOverTheFormatsLimitIsRefused) {
+  TempDir dir("st_huge_header");
+  const std::string path = dir.file("huge.safetensors");
+  write_raw(path, "{}", 0, 100'000'001);
+  std::filesystem::resize_file(path, 100'000'100);
+  EXPECT_HAS(error_of([&] { SafetensorsFile::open(path); }, ErrorCode::kIo),
+             "header length 100000001 bytes is over the format's limit of 100000000");
+  write_raw(path, "{}", 0, 100'000'000);  // at the limit: read (here NUL bytes follow the {})
+  std::filesystem::resize_file(path, 100'000'100);
+  EXPECT_HAS(error_of([&] { SafetensorsFile::open(path); }, ErrorCode::kIo),
+             "header holds a NUL byte at byte 10 of the file");
+}
+
 // Zero-element shapes open where HF's reader opens them (the 0 before the
 // large dimensions). A dimension of 2^63 or more (HF takes [2^63, 0]) is
 // beyond fusedmoe's signed 64-bit shapes: said so.
