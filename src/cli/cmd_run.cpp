@@ -356,6 +356,13 @@ Tensor read_tensor(const std::string& path, const std::string& key, const char* 
     // cap, it is text or something else)
     const bool looks_safetensors =
         read && !ec && head[8] == '{' && header_len >= 2 && header_len <= 100'000'000;
+    // A zip archive (numpy.savez's .npz, or a torch.save file) holds several
+    // arrays: named as such rather than by a "header length" its bytes make.
+    if (read && head[0] == 'P' && head[1] == 'K' && head[2] == 3 && head[3] == 4)
+      throw Error(e.code(), flag + " " + path +
+                                ": a zip archive (numpy.savez's .npz or a torch.save file), "
+                                "not a .npy or .safetensors file: save the one array with "
+                                "numpy.save, or tensors with safetensors' save_file");
     throw Error(e.code(),
                 flag + " " + path +
                     (looks_safetensors ? ": not a valid .safetensors file ("

@@ -715,9 +715,28 @@ std::string describe_parse_error(const CLI::ParseError& e, CLI::App& cmd, int ar
              (nearest.empty() ? "" : "; did you mean " + nearest + "?") + help;
     }
     const bool takes_path = cmd.get_option_no_throw("PATH") != nullptr;
+    // "—model": an option typed with a dash that is no hyphen (a word processor's
+    // en or em dash, or a minus sign): named, with the option it would be.
+    std::string dash_hint;
+    for (const std::string& a : args) {
+      for (const auto& [bytes, what] :
+           {std::pair<std::string_view, const char*>{"\xE2\x80\x94", "an em dash (U+2014)"},
+            {"\xE2\x80\x93", "an en dash (U+2013)"},
+            {"\xE2\x88\x92", "a minus sign (U+2212)"}}) {
+        if (a.rfind(bytes, 0) != 0) continue;
+        std::string rest = a.substr(bytes.size());
+        while (!rest.empty() && rest[0] == '-') rest.erase(0, 1);
+        const std::string option = "--" + rest.substr(0, rest.find('='));
+        if (cmd.get_option_no_throw(option) != nullptr)
+          dash_hint = "; '" + a + "' starts with " + what + ", not two hyphens: did you mean " +
+                      option + "?";
+        break;
+      }
+      if (!dash_hint.empty()) break;
+    }
     return name + ": unexpected argument" + (args.size() > 1 ? "s " : " ") + list(args, "'") +
            (takes_path ? ": expected one PATH" : ": expected options only, each with its value") +
-           help;
+           dash_hint + help;
   }
   if (dynamic_cast<const CLI::ArgumentMismatch*>(&e)) {
     if (CLI::Option* opt = option_named(what)) {
@@ -1051,10 +1070,19 @@ int run_command_line(int argc, char** argv) {
         // The first word that is no option names the command: say so when it is none.
         for (int i = 1; i < argc; ++i)
           if (const std::string w = argv[i];
-              w[0] != '-' && w != "inspect" && w != "run" && w != "bench")
+              w[0] != '-' && w != "inspect" && w != "run" && w != "bench") {
+            // "RUN", "rn": the command it is nearest to, where one is close.
+            std::string lower = w, nearest;
+            for (char& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+            int best = lower.size() > 3 ? 3 : 2;  // a distance below this
+            for (const char* c : {"inspect", "run", "bench"})
+              if (const int d = edit_distance(lower, c); d < best) best = d, nearest = c;
             return fail(std::string("unknown command '") + argv[i] +
-                            "': expected inspect, run or bench (see fusedmoe --help)",
+                            "': expected inspect, run or bench" +
+                            (nearest.empty() ? "" : "; did you mean " + nearest + "?") +
+                            " (see fusedmoe --help)",
                         2);
+          }
         // CLI11's "A subcommand is required", in lower case as the other errors.
         if (dynamic_cast<const CLI::RequiredError*>(&e))
           return fail("a command is required: expected inspect, run or bench (see fusedmoe --help)",

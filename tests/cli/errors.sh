@@ -1160,7 +1160,13 @@ PY
 done
 
 # An unknown command is named, with the valid ones.
-expect_error "unknown command" "unknown command 'bogus': expected inspect, run or bench" -- bogus
+expect_error "unknown command" "unknown command 'bogus': expected inspect, run or bench (see" -- bogus
+# A command in capitals or misspelt: the nearest one suggested (session 30's trial).
+expect_usage "command in capitals" "unknown command 'RUN': expected inspect, run or bench; did you mean run?" -- RUN
+expect_usage "misspelt command" "unknown command 'bnch': expected inspect, run or bench; did you mean bench?" -- bnch
+# An option typed with an em or en dash (a word processor's): named, with the option.
+expect_usage "option with an em dash" "'—tokens' starts with an em dash (U+2014), not two hyphens: did you mean --tokens?" -- run —tokens 3
+expect_usage "option with an en dash" "'–seed=2' starts with an en dash (U+2013), not two hyphens: did you mean --seed?" -- run –seed=2
 # An option before its command: said so, with the command line in the right order.
 expect_usage "an option before the command" "--tokens: an option of run and bench, given before the command; the command comes first, e.g. fusedmoe run --tokens 3 " -- --tokens 3
 expect_usage "an option of inspect before it" "--json: an option of inspect, given before the command; the command comes first, e.g. fusedmoe inspect --json $FIX " -- --json "$FIX"
@@ -1347,6 +1353,11 @@ expect_error ".npy cut after its magic" "error: --input $TMP/magic.npy: truncate
   run --model "$FIX" --layer 1 --input "$TMP/magic.npy"
 expect_error ".npy cut in its header length" "error: --input $TMP/cutlen.npy: truncated .npy file: 10 bytes, expected at least 12 (the magic, the format version and the 4-byte header length of version 2.0)" -- \
   run --model "$FIX" --layer 1 --input "$TMP/cutlen.npy"
+# A zip archive (numpy.savez's .npz) is named as one, not by the "header length" its
+# first bytes make (session 30's trial).
+printf 'PK\x03\x04\x14\x00\x00\x00\x00\x00' >"$TMP/arrays.npz"
+expect_error ".npz as --input" "error: --input $TMP/arrays.npz: a zip archive (numpy.savez's .npz or a torch.save file), not a .npy or .safetensors file" -- \
+  run --model "$FIX" --layer 1 --input "$TMP/arrays.npz"
 expect_error ".npy --reference cut in its header" "error: --reference $TMP/cuthdr.npy: truncated .npy file: 18 bytes, expected at least 128 (the 10-byte preamble and the 118-byte header it announces)" -- \
   run --model "$FIX" --layer 1 --tokens 2 --reference "$TMP/cuthdr.npy"
 expect_error "--input .safetensors without --input-key" "--input-key is required with a .safetensors file" -- \
