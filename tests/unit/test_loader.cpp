@@ -338,6 +338,19 @@ TEST(Loader, PathsInErrorsEscapeControlCharacters) {
              shown + "/config.json (mixtral): field 'num_local_experts'");
 }
 
+// The kIo error of loading layer `layer` (check_only: of check_moe_layer).
+std::string load_error(const Checkpoint& ck, const ModelInfo& info, int64_t layer,
+                       bool check_only) {
+  return error_of(
+      [&] {
+        if (check_only)
+          check_moe_layer(ck, info, layer);
+        else
+          load_moe_layer(ck, info, layer, {.progress = false});
+      },
+      ErrorCode::kIo);
+}
+
 // A checkpoint with a shared expert whose config gives none (size 0, or
 // DeepSeek's n_shared_experts null) is refused, naming the tensor and the
 // config field, not run without it.
@@ -368,14 +381,7 @@ TEST(Loader, SharedExpertTheConfigLeavesOutIsNamed) {
     const int64_t layer = info.moe_layers.front();
     ASSERT_FALSE(info.layer_config(layer).has_shared_expert());
     for (const bool check_only : {false, true}) {
-      const std::string msg = error_of(
-          [&] {
-            if (check_only)
-              check_moe_layer(ck, info, layer);
-            else
-              load_moe_layer(ck, info, layer, {.progress = false});
-          },
-          ErrorCode::kIo);
+      const std::string msg = load_error(ck, info, layer, check_only);
       EXPECT_HAS(msg, tensor);
       EXPECT_HAS(msg, field);
     }
@@ -406,14 +412,7 @@ TEST(Loader, ExpertsPastTheConfigsCountAreNamed) {
     const ModelInfo info = load_model_info(dir.path());
     const Checkpoint ck = Checkpoint::open(dir.path());
     for (const bool check_only : {false, true}) {
-      const std::string msg = error_of(
-          [&] {
-            if (check_only)
-              check_moe_layer(ck, info, layer);
-            else
-              load_moe_layer(ck, info, layer, {.progress = false});
-          },
-          ErrorCode::kIo);
+      const std::string msg = load_error(ck, info, layer, check_only);
       EXPECT_HAS(msg, "'" + extra + "' is expert " + std::to_string(E));
       EXPECT_HAS(msg, "config.json gives " + std::to_string(E) + " routed experts");
     }
