@@ -201,7 +201,18 @@ int run_inspect(const InspectOptions& opts) {
               info.dtype_given ? ""
                                : " (config.json names no dtype: fusedmoe's default; the weights' "
                                  "own types are listed below)");
-  if (info.quant_method == "fp8")
+  // config.json's fp8 over a checkpoint whose MoE weights hold no fp8 tensor
+  // (e.g. one dequantized and saved again): said so, not "e4m3 weights".
+  bool any_fp8 = false;
+  if (has_weights)
+    for (const auto& l : j["layers"])
+      for (const auto& [name, count] : l["weight_dtypes"].items())
+        any_fp8 = any_fp8 || name.rfind("f8_", 0) == 0;
+  if (info.quant_method == "fp8" && has_weights && !any_fp8)
+    std::printf(
+        "quantization   fp8 in config.json, but the MoE weights hold no fp8 tensor (they load "
+        "as their own types, below)\n");
+  else if (info.quant_method == "fp8")
     std::printf(
         "quantization   fp8: e4m3 weights, 128 x 128 block scales (dequantized to f32 "
         "on load)\n");

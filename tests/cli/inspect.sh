@@ -57,6 +57,21 @@ done
 rc=0; "$BIN" run --model "$TMP/dense" --tokens 2 >/dev/null 2>"$TMP/err" || rc=$?
 [ "$rc" -eq 1 ] && grep -qF "no MoE layers" "$TMP/err" || { echo "FAIL: run of a model without MoE layers (exit $rc)"; cat "$TMP/err"; exit 1; }
 
+# The fp8 checkpoint: named as fp8 with its block scales; the same config over bf16
+# weights (a checkpoint dequantized and saved again): said so, not "e4m3 weights"
+# (session 30's trial).
+"$BIN" inspect "$DATA/fp8/deepseek_v3_fp8" >"$TMP/text"
+grep -qF "quantization   fp8: e4m3 weights, 128 x 128 block scales" "$TMP/text" ||
+  { echo "FAIL: inspect of the fp8 checkpoint"; cat "$TMP/text"; exit 1; }
+mkdir -p "$TMP/fp8cfg"
+cp "$DATA/hf/deepseek_v3/model.safetensors" "$TMP/fp8cfg/"
+python3 -c 'import json, sys; c = json.load(open(sys.argv[1])); c["quantization_config"] = json.load(open(sys.argv[2]))["quantization_config"]; json.dump(c, open(sys.argv[3], "w"))' \
+  "$DATA/hf/deepseek_v3/config.json" "$DATA/fp8/deepseek_v3_fp8/config.json" "$TMP/fp8cfg/config.json"
+"$BIN" inspect "$TMP/fp8cfg" >"$TMP/text"
+grep -qF "quantization   fp8 in config.json, but the MoE weights hold no fp8 tensor" "$TMP/text" &&
+  ! grep -qF "e4m3 weights" "$TMP/text" ||
+  { echo "FAIL: inspect of bf16 weights with an fp8 config"; cat "$TMP/text"; exit 1; }
+
 # A .safetensors file: its tensors, with dtype and shape.
 "$BIN" inspect "$DATA/hf/mixtral/reference.safetensors" >"$TMP/text"
 grep -qE "layers\.0\.T64\.output_f64 +f64 +\[64, 128\]" "$TMP/text" || { echo "FAIL: safetensors listing"; cat "$TMP/text"; exit 1; }
