@@ -1058,8 +1058,7 @@ class PyMoELayer {
     {
       ReleaseGil release;
       const ModelInfo info = load_model_info(model_dir);
-      FUSEDMOE_CHECK(!info.moe_layers.empty(), "model_dir: ", printable(model_dir),
-                     " has no MoE layer");
+      require_moe_layer(info, "model_dir: " + printable(model_dir));
       l = layer ? *layer : info.moe_layers.front();
       config = info.layer_config(l);
       if (auto_dtype && info.dtype == DType::kF16) compute = DType::kF16;

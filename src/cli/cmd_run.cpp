@@ -860,7 +860,7 @@ int run_run(const RunOptions& o) {
       throw model_error(e);
     }
   }();
-  FUSEDMOE_CHECK(!info.moe_layers.empty(), model_flag, model_dir, ": the model has no MoE layers");
+  require_moe_layer(info, model_flag + printable(model_dir));
   const int64_t layer = o.layer >= 0 ? o.layer : info.moe_layers.front();
   MoEConfig config = info.layer_config(layer);
   // Every expert-parallel rank holds an expert: name the option here (ExpertMap

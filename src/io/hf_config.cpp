@@ -322,6 +322,14 @@ const MoEConfig& ModelInfo::layer_config(int64_t layer) const {
   return it->second;
 }
 
+void require_moe_layer(const ModelInfo& info, const std::string& shown) {
+  if (!info.moe_layers.empty()) return;
+  FUSEDMOE_THROW(
+      kInvalidArgument, shown, ": the model has no MoE layer fusedmoe can run (model_type '",
+      printable(info.model_type), "', ", info.num_hidden_layers,
+      info.num_hidden_layers == 1 ? " layer" : " layers", ", none of them MoE by its config.json)");
+}
+
 ModelInfo load_model_info(const std::string& model_dir) {
   std::error_code ec;
   fs::path p(model_dir);

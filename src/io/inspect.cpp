@@ -88,12 +88,7 @@ ojson inspect_model(const std::string& path) {
   // every layer dense) is nothing fusedmoe can run (`run` and from_pretrained
   // refuse it): an error, as an unsupported model_type is, not a description
   // of no layers that reads as a model to run.
-  if (info.moe_layers.empty())
-    FUSEDMOE_THROW(kInvalidArgument, printable(path),
-                   ": the model has no MoE layer fusedmoe can run (model_type '",
-                   printable(info.model_type), "', ", info.num_hidden_layers,
-                   info.num_hidden_layers == 1 ? " layer" : " layers",
-                   ", none of them MoE by its config.json; fusedmoe run refuses it too)");
+  require_moe_layer(info, printable(path));
   std::string dir = path;
   if (!is_dir(path)) {
     const auto slash = path.find_last_of('/');

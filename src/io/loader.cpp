@@ -696,7 +696,7 @@ MoELayerWeights load_or_check(const Checkpoint& checkpoint, const ModelInfo& inf
   // Per-expert tensors past the config's expert count (e.g. experts.8.* with 8
   // experts): the config gives too few, and running with them left out would be
   // silently wrong (as a shared expert the config leaves out, below).
-  for (const std::string t : {"experts." + std::to_string(E) + ".gate_proj.weight",
+  for (const std::string& t : {"experts." + std::to_string(E) + ".gate_proj.weight",
                               "experts." + std::to_string(E) + ".w1.weight"})
     if (rd.has(t))
       FUSEDMOE_THROW(kIo, printable(checkpoint.path()), ": tensor '", rd.full(t), "' is expert ", E,

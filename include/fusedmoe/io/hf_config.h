@@ -60,6 +60,12 @@ struct ModelInfo {
 // missing or invalid fields (naming them). Fields are read as HF transformers'
 // configuration classes read them (defaults included).
 ModelInfo load_model_info(const std::string& model_dir);
+// Throws Error(kInvalidArgument) "SHOWN: the model has no MoE layer fusedmoe can run
+// (model_type 'T', N layers, none of them MoE by its config.json)" when `info` has no
+// MoE layer (a dense model, or config.json's fields make every layer dense): what
+// `fusedmoe run`, `fusedmoe inspect` and the Python module say of such a model.
+// `shown`: how the caller names the model (e.g. "--model PATH", printable()).
+void require_moe_layer(const ModelInfo& info, const std::string& shown);
 // The same from the text of a config.json: `source` names it in messages and
 // becomes ModelInfo::source. Reads no file; malformed JSON is Error(kIo).
 ModelInfo parse_model_info(const std::string& json_text, const std::string& source);
