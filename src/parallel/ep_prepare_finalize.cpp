@@ -18,6 +18,8 @@
 #include <string>
 #include <vector>
 
+#include "fusedmoe/core/env.h"  // env_choice
+
 namespace fusedmoe {
 
 namespace {
@@ -83,12 +85,15 @@ DispatchDType parse_dispatch_dtype(const std::string& s) {
 }
 
 EpTransport ep_transport_from_env() {
-  const char* v = std::getenv("FUSEDMOE_EP_TRANSPORT");
-  if (v == nullptr || v[0] == '\0' || std::strcmp(v, "auto") == 0) return EpTransport::kAuto;
-  if (std::strcmp(v, "nccl") == 0) return EpTransport::kNccl;
-  if (std::strcmp(v, "peer") == 0) return EpTransport::kPeer;
-  FUSEDMOE_THROW(kInvalidArgument, "FUSEDMOE_EP_TRANSPORT: expected auto, nccl or peer, got \"",
-                 printable(v), "\"");
+  // (env_choice: the message every FUSEDMOE_* switch gives, "got 'X'")
+  switch (env_choice("FUSEDMOE_EP_TRANSPORT", {"auto", "nccl", "peer"})) {
+    case 1:
+      return EpTransport::kNccl;
+    case 2:
+      return EpTransport::kPeer;
+    default:  // unset, empty or auto
+      return EpTransport::kAuto;
+  }
 }
 
 void quantize_fp8_groups(const float* x, int64_t rows, int64_t H, int64_t ldx, int64_t group,

@@ -686,11 +686,11 @@ fi
 # error of run and bench on every backend, one rank too, checked where
 # FUSEDMOE_COMM_TIMEOUT_S is (it used to pass unnoticed on the CPU, exit 0).
 transport_msg="FUSEDMOE_EP_TRANSPORT: expected auto, nccl or peer, got"
-FUSEDMOE_EP_TRANSPORT=bogus expect_usage "FUSEDMOE_EP_TRANSPORT=bogus, run" "$transport_msg \"bogus\"" -- \
+FUSEDMOE_EP_TRANSPORT=bogus expect_usage "FUSEDMOE_EP_TRANSPORT=bogus, run" "$transport_msg 'bogus'" -- \
   run --model "$FIX" --layer 1 --tokens 2
-FUSEDMOE_EP_TRANSPORT=Peer expect_usage "FUSEDMOE_EP_TRANSPORT=Peer, run --ep-size 2" "$transport_msg \"Peer\"" -- \
+FUSEDMOE_EP_TRANSPORT=Peer expect_usage "FUSEDMOE_EP_TRANSPORT=Peer, run --ep-size 2" "$transport_msg 'Peer'" -- \
   run --model "$FIX" --layer 1 --tokens 2 --ep-size 2
-FUSEDMOE_EP_TRANSPORT=nvshmem expect_usage "FUSEDMOE_EP_TRANSPORT=nvshmem, bench" "$transport_msg \"nvshmem\"" -- \
+FUSEDMOE_EP_TRANSPORT=nvshmem expect_usage "FUSEDMOE_EP_TRANSPORT=nvshmem, bench" "$transport_msg 'nvshmem'" -- \
   bench --shapes qwen3-cpu --max-experts 8 --tokens 1 --min-time 0
 # The CUDA backend's switches (FUSEDMOE_CUDA_*): a bad value is a usage error of run and
 # bench on every backend too (it used to pass unnoticed without a GPU, exit 0).

@@ -700,7 +700,7 @@ TEST(CudaEp, UnknownTransportIsAnError) {
   RunnerOptions o = cuda_options(16);
   o.communicator = one_rank_nccl();
   FUSEDMOE_EXPECT_ERROR(MoERunner(c, w, o), kInvalidArgument,
-                        "FUSEDMOE_EP_TRANSPORT: expected auto, nccl or peer, got \"nvshmem\"");
+                        "FUSEDMOE_EP_TRANSPORT: expected auto, nccl or peer, got 'nvshmem'");
 }
 
 TEST(CudaEp, ThreadRanksOnOneGpuMatchOneGpu) {

@@ -267,12 +267,12 @@ done
 # on the CPU backend too (it was ignored there): a usage error on every rank, exit 2,
 # before any collective.
 for v in bogus Peer; do
-  expect_error 2 "FUSEDMOE_EP_TRANSPORT: expected auto, nccl or peer, got \"$v\"\$" 2 -- \
+  expect_error 2 "FUSEDMOE_EP_TRANSPORT: expected auto, nccl or peer, got '$v'\$" 2 -- \
     env FUSEDMOE_EP_TRANSPORT="$v" $M "$npflag" 2 $R --tokens 8 --ep-size 2
   no_abort "FUSEDMOE_EP_TRANSPORT=$v"
 done
 # ... on one rank only: that rank's error, the other stops ("not run"), exit 2.
-expect_error 2 "FUSEDMOE_EP_TRANSPORT: expected auto, nccl or peer, got \"bogus\"\$" 1 -- \
+expect_error 2 "FUSEDMOE_EP_TRANSPORT: expected auto, nccl or peer, got 'bogus'\$" 1 -- \
   $M "$npflag" 1 $R --tokens 8 --ep-size 2 : "$npflag" 1 env FUSEDMOE_EP_TRANSPORT=bogus $R --tokens 8 --ep-size 2
 grep -qE "^fusedmoe: error: rank 0: not run: rank 1 stopped with an error" "$TMP/log" ||
   { echo "FAIL: FUSEDMOE_EP_TRANSPORT=bogus on rank 1 only: rank 0 does not say why it stopped"; cat "$TMP/log"; fail=1; }
