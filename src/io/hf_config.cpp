@@ -440,7 +440,7 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
                       (*b)[1].get<int64_t>() == 128;
       if (!ok)
         FUSEDMOE_THROW(kUnsupported, shown,
-                       ": quantization_config.weight_block_size: expected [128, 128], got ",
+                       ": quantization_config.weight_block_size: expected [128,128], got ",
                        as_written(*b));
     }
   }

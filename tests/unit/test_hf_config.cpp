@@ -824,7 +824,7 @@ TEST(HfConfig, QuantizationConfigOnlyFp8With128Blocks) {
   EXPECT_NO_THROW(parse(j));
   j["quantization_config"]["weight_block_size"] = {64, 64};
   EXPECT_HAS(error_of([&] { parse(j); }, ErrorCode::kUnsupported),
-             "quantization_config.weight_block_size: expected [128, 128], got [64,64]");
+             "quantization_config.weight_block_size: expected [128,128], got [64,64]");
   j["quantization_config"] = {{"quant_method", "awq"}, {"bits", 4}};
   EXPECT_HAS(error_of([&] { parse(j); }, ErrorCode::kUnsupported),
              "quantization_config.quant_method 'awq' is not supported");
