@@ -720,7 +720,46 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
   return cmd;
 }
 
+namespace {
+int run_run_body(const RunOptions& o);
+
+// The forward's errors about values its arithmetic made non-finite (a finite
+// input can overflow f32: |x| ~ 1e20 and beyond) name the input the run read, not
+// the library's argument names (hidden_states, gate_weight, check_finite; session
+// 31's trial).
+std::string name_the_input(const std::string& what, const RunOptions& o) {
+  const std::string input = o.input.empty()
+                                ? "the generated input (--tokens " + std::to_string(o.tokens) + ")"
+                                : "--input " + printable(o.input);
+  static constexpr std::string_view kLogits =
+      "the router logits computed from hidden_states and gate_weight (no router_logits given): ";
+  static constexpr std::string_view kLogitsWhy = " (a non-finite gate_weight / gate_bias";
+  static constexpr std::string_view kOutput = "output: non-finite value at ";
+  if (what.rfind(kLogits, 0) == 0) {
+    std::string rest = what.substr(kLogits.size());
+    if (const size_t at = rest.rfind(kLogitsWhy); at != std::string::npos) rest.erase(at);
+    return input + ": the router logits computed from it and the model's gate weights: " + rest +
+           " (its values overflow f32 in the router's product, or the gate weights hold NaN or "
+           "Inf)";
+  }
+  if (what.rfind(kOutput, 0) == 0)
+    return input + ": the layer's output has a non-finite value at " + what.substr(kOutput.size());
+  return what;
+}
+}  // namespace
+
 int run_run(const RunOptions& o) {
+  try {
+    return run_run_body(o);
+  } catch (const Error& e) {
+    std::string what = name_the_input(e.what(), o);
+    if (what == e.what()) throw;  // as it was (its type too: a usage error stays one)
+    throw Error(e.code(), what);
+  }
+}
+
+namespace {
+int run_run_body(const RunOptions& o) {
   usage_check(!o.input.empty() || o.tokens >= 0,
               "no input: give --input FILE [--input-key KEY], or --tokens T");
   // The output is written over an existing file only if it is none of the
@@ -1355,5 +1394,7 @@ int run_run(const RunOptions& o) {
   }
   return 0;
 }
+
+}  // namespace
 
 }  // namespace fusedmoe::cli

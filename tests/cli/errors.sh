@@ -537,8 +537,13 @@ fi
 # A finite input that overflows f32 inside the experts: an error, no output file.
 {
   python3 "$ST" npy "$TMP/huge.npy" f 2 128 1e37
-  expect_error "input overflowing f32" "output: non-finite value at token 0" -- \
+  expect_error "input overflowing f32" "error: --input $TMP/huge.npy: the layer's output has a non-finite value at token 0" -- \
     run --model "$FIX" --layer 1 --input "$TMP/huge.npy"
+  # ... already in the router's product: named by the input too, not by the library's
+  # argument names (hidden_states, gate_weight, check_finite; session 31's trial).
+  python3 "$ST" npy "$TMP/huger.npy" f 2 128 3e38
+  expect_error "input overflowing f32 in the router" "error: --input $TMP/huger.npy: the router logits computed from it and the model's gate weights: expected no NaN, got NaN at token 0" -- \
+    run --model "$FIX" --layer 1 --input "$TMP/huger.npy"
 }
 
 # More tokens than memory: the error names --tokens (it named Tensor::empty alone).

@@ -233,9 +233,9 @@ write_npy "$TMP/nanlogits.npy" "$H" 5 3e38 -3e38 ...
 RI="$BIN run --quiet --output $TMP/out.safetensors --ep-size 2 --input"
 expect_error 1 '--input .*nan.npy: expected finite values, got NaN at token 5, column 2$' 1 -- \
   $M "$npflag" 2 $RI "$TMP/nan.npy"
-expect_error 1 'output: non-finite value at token 5, column 0 ' 1 -- $M "$npflag" 2 $RI "$TMP/big.npy"
+expect_error 1 '--input .*big.npy: the layer.s output has a non-finite value at token 5, column 0 ' 1 -- $M "$npflag" 2 $RI "$TMP/big.npy"
 # (finite inputs whose gate GEMM overflows: the logits are the layer's own, named so)
-expect_error 1 'the router logits computed from hidden_states and gate_weight \(no router_logits given\): expected no NaN, got NaN at token 5, expert [0-9]+ \(of 8 tokens ' 1 -- \
+expect_error 1 '--input .*nanlogits.npy: the router logits computed from it and the model.s gate weights: expected no NaN, got NaN at token 5, expert [0-9]+ \(of 8 tokens ' 1 -- \
   $M "$npflag" 2 $RI "$TMP/nanlogits.npy"
 # An error on one rank only, before the run: the others stop at their first
 # collective with the same exit code and say why.
