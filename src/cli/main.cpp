@@ -657,6 +657,16 @@ int edit_distance(const std::string& a, const std::string& b) {
   return std::min(row[b.size()], 3);
 }
 
+// The candidate nearest to `given` (for "did you mean"), where one lies below
+// distance `below` (edit_distance); "" where none does.
+std::string nearest_name(const std::string& given, const std::vector<std::string>& candidates,
+                         int below) {
+  std::string nearest;
+  for (const std::string& c : candidates)
+    if (const int d = edit_distance(given, c); d < below) below = d, nearest = c;
+  return nearest;
+}
+
 // The text after "TYPE:" in an option's CLI11 type name ("INT:INTEGER >= 0" ->
 // "INTEGER >= 0", "TEXT:{f32,bf16}" -> "one of f32, bf16"), "" for a bare type.
 std::string value_form(const CLI::Option& opt) {
@@ -705,12 +715,11 @@ std::string describe_parse_error(const CLI::ParseError& e, CLI::App& cmd, int ar
     };
     if (!options.empty()) {
       // "--tokn": the nearest option of the command, where one is close.
-      const std::string given = options[0].substr(0, options[0].find('='));
-      std::string nearest;
-      int best = 3;
+      std::vector<std::string> names;
       for (const CLI::Option* opt : cmd.get_options())
-        for (const std::string& l : opt->get_lnames())
-          if (const int d = edit_distance(given, "--" + l); d < best) best = d, nearest = "--" + l;
+        for (const std::string& l : opt->get_lnames()) names.push_back("--" + l);
+      const std::string nearest =
+          nearest_name(options[0].substr(0, options[0].find('=')), names, 3);
       return name + ": unknown option" + (options.size() > 1 ? "s " : " ") + list(options, "") +
              (nearest.empty() ? "" : "; did you mean " + nearest + "?") + help;
     }
@@ -1072,11 +1081,11 @@ int run_command_line(int argc, char** argv) {
           if (const std::string w = argv[i];
               w[0] != '-' && w != "inspect" && w != "run" && w != "bench") {
             // "RUN", "rn": the command it is nearest to, where one is close.
-            std::string lower = w, nearest;
-            for (char& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-            int best = lower.size() > 3 ? 3 : 2;  // a distance below this
-            for (const char* c : {"inspect", "run", "bench"})
-              if (const int d = edit_distance(lower, c); d < best) best = d, nearest = c;
+            std::string lower = w;
+            for (char& c : lower)
+              c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+            const std::string nearest =
+                nearest_name(lower, {"inspect", "run", "bench"}, lower.size() > 3 ? 3 : 2);
             return fail(std::string("unknown command '") + argv[i] +
                             "': expected inspect, run or bench" +
                             (nearest.empty() ? "" : "; did you mean " + nearest + "?") +
