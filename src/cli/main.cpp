@@ -667,6 +667,26 @@ std::string nearest_name(const std::string& given, const std::vector<std::string
   return nearest;
 }
 
+// An option typed with a dash that is no hyphen (a word processor's en or em
+// dash, or a minus sign: "—tokens"): "; '—tokens' starts with an em dash (U+2014),
+// not two hyphens: did you mean --tokens?" where is_option("--tokens"), else "".
+template <class IsOption>
+std::string dash_hint(const std::string& arg, const IsOption& is_option) {
+  for (const auto& [bytes, what] :
+       {std::pair<std::string_view, const char*>{"\xE2\x80\x94", "an em dash (U+2014)"},
+        {"\xE2\x80\x93", "an en dash (U+2013)"},
+        {"\xE2\x88\x92", "a minus sign (U+2212)"}}) {
+    if (arg.rfind(bytes, 0) != 0) continue;
+    std::string rest = arg.substr(bytes.size());
+    while (!rest.empty() && rest[0] == '-') rest.erase(0, 1);
+    const std::string option = "--" + rest.substr(0, rest.find('='));
+    if (!is_option(option)) return {};
+    return "; '" + arg + "' starts with " + what + ", not two hyphens: did you mean " + option +
+           "?";
+  }
+  return {};
+}
+
 // The text after "TYPE:" in an option's CLI11 type name ("INT:INTEGER >= 0" ->
 // "INTEGER >= 0", "TEXT:{f32,bf16}" -> "one of f32, bf16"), "" for a bare type.
 std::string value_form(const CLI::Option& opt) {
@@ -724,28 +744,15 @@ std::string describe_parse_error(const CLI::ParseError& e, CLI::App& cmd, int ar
              (nearest.empty() ? "" : "; did you mean " + nearest + "?") + help;
     }
     const bool takes_path = cmd.get_option_no_throw("PATH") != nullptr;
-    // "—model": an option typed with a dash that is no hyphen (a word processor's
-    // en or em dash, or a minus sign): named, with the option it would be.
-    std::string dash_hint;
-    for (const std::string& a : args) {
-      for (const auto& [bytes, what] :
-           {std::pair<std::string_view, const char*>{"\xE2\x80\x94", "an em dash (U+2014)"},
-            {"\xE2\x80\x93", "an en dash (U+2013)"},
-            {"\xE2\x88\x92", "a minus sign (U+2212)"}}) {
-        if (a.rfind(bytes, 0) != 0) continue;
-        std::string rest = a.substr(bytes.size());
-        while (!rest.empty() && rest[0] == '-') rest.erase(0, 1);
-        const std::string option = "--" + rest.substr(0, rest.find('='));
-        if (cmd.get_option_no_throw(option) != nullptr)
-          dash_hint = "; '" + a + "' starts with " + what + ", not two hyphens: did you mean " +
-                      option + "?";
-        break;
-      }
-      if (!dash_hint.empty()) break;
-    }
+    // "—model" anywhere on the line (also where it took a PATH's place, and the
+    // PATH became the extra argument): named, with the option it would be.
+    std::string hint;
+    for (int i = 1; i < argc && hint.empty(); ++i)
+      hint = dash_hint(argv[i],
+                       [&](const std::string& o) { return cmd.get_option_no_throw(o) != nullptr; });
     return name + ": unexpected argument" + (args.size() > 1 ? "s " : " ") + list(args, "'") +
            (takes_path ? ": expected one PATH" : ": expected options only, each with its value") +
-           dash_hint + help;
+           hint + help;
   }
   if (dynamic_cast<const CLI::ArgumentMismatch*>(&e)) {
     if (CLI::Option* opt = option_named(what)) {
@@ -1086,9 +1093,11 @@ int run_command_line(int argc, char** argv) {
               c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
             const std::string nearest =
                 nearest_name(lower, {"inspect", "run", "bench"}, lower.size() > 3 ? 3 : 2);
+            const std::string hint = dash_hint(
+                w, [](const std::string& o) { return o == "--help" || o == "--version"; });
             return fail(std::string("unknown command '") + argv[i] +
                             "': expected inspect, run or bench" +
-                            (nearest.empty() ? "" : "; did you mean " + nearest + "?") +
+                            (nearest.empty() ? hint : "; did you mean " + nearest + "?") +
                             " (see fusedmoe --help)",
                         2);
           }
