@@ -641,20 +641,24 @@ int fail(const std::string& message, int code) {
 
 namespace {
 
-// Edit distance of two option names (for "did you mean"), capped at 3.
+// Edit distance of two option names (for "did you mean"), capped at 3:
+// insertions, deletions, substitutions and swaps of two neighbours ("rnu" is
+// one from "run"), each 1 (the optimal string alignment distance).
 int edit_distance(const std::string& a, const std::string& b) {
-  std::vector<int> row(b.size() + 1);
-  for (size_t j = 0; j <= b.size(); ++j) row[j] = static_cast<int>(j);
+  // Rows i - 2, i - 1 and i of the (|a| + 1) x (|b| + 1) table.
+  std::vector<int> prev2(b.size() + 1), prev(b.size() + 1), row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) prev[j] = static_cast<int>(j);
   for (size_t i = 1; i <= a.size(); ++i) {
-    int diag = row[0];
     row[0] = static_cast<int>(i);
     for (size_t j = 1; j <= b.size(); ++j) {
-      const int up = row[j];
-      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] != b[j - 1] ? 1 : 0)});
-      diag = up;
+      row[j] = std::min({prev[j] + 1, row[j - 1] + 1, prev[j - 1] + (a[i - 1] != b[j - 1])});
+      if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1])
+        row[j] = std::min(row[j], prev2[j - 2] + 1);  // two neighbours swapped
     }
+    std::swap(prev2, prev);
+    std::swap(prev, row);
   }
-  return std::min(row[b.size()], 3);
+  return std::min(prev[b.size()], 3);
 }
 
 // The candidate nearest to `given` (for "did you mean"), where one lies below
@@ -1131,7 +1135,21 @@ int run_command_line(int argc, char** argv) {
       check_ep_transport();
       check_gemm_switches();  // the GEMMs' switches, before anything runs (any backend)
     }
-    if (inspect->parsed()) return silent_rank ? 0 : run_inspect(inspect_opts);
+    if (inspect->parsed()) {
+      // "inspect —help": no such path, and an option with a dash that is no
+      // hyphen: a usage error with the option it would be (session 31's trial).
+      struct stat st {};
+      if (stat(inspect_opts.path.c_str(), &st) != 0)
+        if (const std::string hint = dash_hint(inspect_opts.path,
+                                               [&](const std::string& o) {
+                                                 return o == "--help" ||
+                                                        inspect->get_option_no_throw(o) != nullptr;
+                                               });
+            !hint.empty())
+          throw UsageError("inspect: " + printable(inspect_opts.path) +
+                           ": no such model directory or file" + hint);
+      return silent_rank ? 0 : run_inspect(inspect_opts);
+    }
     if (run->parsed()) return run_run(run_opts);
     if (bench->parsed()) return run_bench(bench_opts);
     return end("no command given (try --help)", 2);

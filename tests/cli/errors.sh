@@ -1169,12 +1169,15 @@ expect_error "unknown command" "unknown command 'bogus': expected inspect, run o
 # A command in capitals or misspelt: the nearest one suggested (session 30's trial).
 expect_usage "command in capitals" "unknown command 'RUN': expected inspect, run or bench; did you mean run?" -- RUN
 expect_usage "misspelt command" "unknown command 'bnch': expected inspect, run or bench; did you mean bench?" -- bnch
+expect_usage "command with two letters swapped" "unknown command 'rnu': expected inspect, run or bench; did you mean run?" -- rnu
 # An option typed with an em or en dash (a word processor's): named, with the option.
 expect_usage "option with an em dash" "'—tokens' starts with an em dash (U+2014), not two hyphens: did you mean --tokens?" -- run —tokens 3
 # ... where it took inspect's PATH (the path then named as the extra argument), and
 # before the command (session 31's second trial).
 expect_usage "inspect option with an em dash before the path" "inspect: unexpected argument '$FIX': expected one PATH; '—json' starts with an em dash (U+2014), not two hyphens: did you mean --json?" -- inspect —json "$FIX"
 expect_usage "top-level option with an em dash" "unknown command '—help': expected inspect, run or bench; '—help' starts with an em dash (U+2014), not two hyphens: did you mean --help?" -- —help
+# ... and where it took inspect's PATH alone (no such path): the option named.
+expect_usage "inspect option with an em dash as the path" "inspect: —help: no such model directory or file; '—help' starts with an em dash (U+2014), not two hyphens: did you mean --help?" -- inspect —help
 expect_usage "option with an en dash" "'–seed=2' starts with an en dash (U+2013), not two hyphens: did you mean --seed?" -- run –seed=2
 # An option before its command: said so, with the command line in the right order.
 expect_usage "an option before the command" "--tokens: an option of run and bench, given before the command; the command comes first, e.g. fusedmoe run --tokens 3 " -- --tokens 3
