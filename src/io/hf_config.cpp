@@ -670,8 +670,11 @@ ModelInfo parse_model_info(const std::string& json_text, const std::string& sour
                        " is outside [0, ", L, ")");
   }
 
+  // No layer is MoE (Qwen2-MoE's num_experts 0, say, which HF builds as a dense
+  // model): the MoE fields describe nothing, so they are not checked, and
+  // require_moe_layer names the model as one without an MoE layer.
   try {
-    c.validate();
+    if (!layers.empty()) c.validate();
   } catch (const Error& e) {
     // validate() names MoEConfig's fields: say which config.json field each
     // came from ("field 'num_experts_per_tok' (top_k): ...").

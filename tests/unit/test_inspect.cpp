@@ -235,6 +235,26 @@ TEST(InspectJson, ModelWithoutMoELayersIsAnError) {
   }
 }
 
+// Qwen2-MoE with num_experts 0 (HF builds every layer dense): the same error,
+// not a complaint about the field (session 31's trial).
+TEST(InspectJson, QwenWithoutExpertsHasNoMoELayer) {
+  test::TempDir tmp("inspect");
+  std::ifstream in(test::hf_fixture_dir("qwen2_moe") + "/config.json");
+  ojson cfg = ojson::parse(in);
+  cfg["num_experts"] = 0;
+  std::ofstream(tmp.file("config.json")) << cfg.dump();
+  try {
+    inspect_json(tmp.path());
+    FAIL() << "no error for a model without experts";
+  } catch (const Error& e) {
+    EXPECT_EQ(static_cast<int>(e.code()), static_cast<int>(ErrorCode::kInvalidArgument));
+    EXPECT_NE(std::string(e.what()).find(": the model has no MoE layer fusedmoe can run "
+                                         "(model_type 'qwen2_moe', "),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(InspectJson, MissingPathIsAnIoError) {
   test::TempDir tmp("inspect");
   const std::string missing = tmp.file("nothing");
