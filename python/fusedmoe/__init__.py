@@ -1476,7 +1476,11 @@ def inspect(path: "os.PathLike[str] | str") -> dict:
     """Describes a HF model directory (or config.json): model type, MoE layers,
     each layer's config and weight bytes — the content of
     ``fusedmoe inspect PATH --json``. A ``.safetensors`` path lists its tensors.
-    A model with no MoE layer (nothing fusedmoe can run) raises ValueError."""
+    A model with no MoE layer (nothing fusedmoe can run) raises ValueError.
+    A layer whose tensors cannot be loaded (missing, wrong shape, cut short)
+    does not raise: it is described, with ``weights_ok`` False and the error in
+    ``weights_error`` (where ``fusedmoe inspect`` exits with status 1), so that
+    one call reports every layer's problem; check ``weights_ok`` before loading."""
     return _ext.inspect(_path(path, "path"))
 
 
