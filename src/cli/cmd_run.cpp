@@ -370,23 +370,21 @@ Tensor read_tensor(const std::string& path, const std::string& key, const char* 
                     why + ")");
   }
   const std::vector<std::string> names = file->names();  // sorted
+  // What the file holds, for the messages below: the count and the first few
+  // names (sorted), all of them through inspect.
+  constexpr size_t kShown = 5;
+  std::string some;
+  for (size_t i = 0; i < names.size() && i < kShown; ++i)
+    some += (i ? ", " : "") + std::string("'") + printable(names[i]) + "'";
+  if (names.size() > kShown) some += ", ...";
+  const std::string holds = count_of(static_cast<long long>(names.size()), "tensor") +
+                            (names.empty() ? std::string() : ": " + some);
   usage_check(!key.empty(), flag, "-key is required with a .safetensors file (", path, " has ",
-              count_of(static_cast<long long>(names.size()), "tensor"), "; `fusedmoe inspect ",
-              path, "` lists them)");
-  if (!file->contains(key)) {
-    // The option, the file, and what it holds: the first few names (sorted),
-    // all of them through inspect.
-    constexpr size_t kShown = 5;
-    std::string some;
-    for (size_t i = 0; i < names.size() && i < kShown; ++i)
-      some += (i ? ", " : "") + std::string("'") + printable(names[i]) + "'";
-    if (names.size() > kShown) some += ", ...";
+              holds, "; `fusedmoe inspect ", path, "` lists them)");
+  if (!file->contains(key))
     FUSEDMOE_THROW(kIo, flag, "-key '", printable(key), "': ", printable(path),
-                   " has no tensor of that name; it has ",
-                   count_of(static_cast<long long>(names.size()), "tensor"),
-                   names.empty() ? std::string() : ": " + some, " (`fusedmoe inspect ",
+                   " has no tensor of that name; it has ", holds, " (`fusedmoe inspect ",
                    printable(path), "` lists them)");
-  }
   // A dtype fusedmoe does not read (U32, F8_E8M0, ...): what an input takes,
   // as for any other dtype the option does not take.
   const SafetensorsFile::Info info = file->info(key);

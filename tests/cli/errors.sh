@@ -189,7 +189,7 @@ expect_error "missing input key, one tensor" "--input-key 'y': $TMP/small.safete
   run --model "$FIX" --layer 1 --input "$TMP/small.safetensors" --input-key y
 expect_error "missing reference key" "--reference-key 'y': $TMP/small.safetensors has no tensor of that name; it has 1 tensor: 'x'" -- \
   run --model "$FIX" --layer 1 --tokens 2 --reference "$TMP/small.safetensors" --reference-key y
-expect_usage "--input-key missing, one tensor" "--input-key is required with a .safetensors file ($TMP/small.safetensors has 1 tensor; " -- \
+expect_usage "--input-key missing, one tensor" "--input-key is required with a .safetensors file ($TMP/small.safetensors has 1 tensor: 'x'; " -- \
   run --model "$FIX" --layer 1 --input "$TMP/small.safetensors"
 expect_error "nonexistent input file" "$TMP/nope.safetensors" -- run --model "$FIX" --layer 1 --input "$TMP/nope.safetensors" --input-key x
 expect_error "no input" "no input" -- run --model "$FIX" --layer 1
