@@ -152,6 +152,19 @@ void check_tile(cuda::GemmTile tile, int64_t T, int64_t E, int64_t k, int64_t H,
   g.ldc = I;
   g.work_counter = claims ? counters.data_as<int32_t>() : nullptr;
   cuda::grouped_gemm(g, nullptr);
+  if (!dense) {
+    // The w2 GEMM reads its own rows (no gather) with their padding rows as they
+    // are (GroupedGemmArgs): NaN there must reach no slot's output.
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const Tensor sh = sorted.to_host();
+    const uint16_t nan_bits = dt == DType::kF16 ? 0x7e00 : 0x7fc0;
+    const std::vector<uint16_t> nan_row(I, nan_bits);
+    for (int64_t r = 0; r < padded; ++r)
+      if (sh.data_as<int32_t>()[r] < 0)
+        ASSERT_EQ(cudaMemcpy(inter.data_as<uint16_t>() + r * I, nan_row.data(), I * 2,
+                             cudaMemcpyHostToDevice),
+                  cudaSuccess);
+  }
   cuda::GroupedGemmArgs g2 = g;
   g2.epilogue = cuda::GemmEpilogue::kScatter;
   g2.a = inter.data_as<uint16_t>();

@@ -225,7 +225,9 @@ GemmTile pick_gemm_tile(int64_t rows_per_expert, int64_t routed_rows, int64_t n,
 // One grouped GEMM over experts, C[r] = A[r] . W[e]^T (bf16 or f16 in, as
 // `dtype`, f32 accumulate; mma.sync m16n8k16 .bf16 / .f16):
 //   A rows: gather ? a[(sorted_slot[r] / a_div) * lda] : a[r * lda] (dtype, K wide);
-//           rows whose slot is -1 (padding) read as zeros.
+//           rows whose slot is -1 (padding) read as zeros, but kScatter's
+//           own rows (no gather), whose padding rows are read as they are:
+//           their products are never written (a holds expert_offsets[E] rows).
 //   W:      dtype [E, N, K] (row-major, K contiguous); K % 8 == 0.
 //   rows of expert e: [expert_offsets[e], expert_offsets[e+1]) (multiples of
 //           block_m of `tile`); with expert_offsets == null, one expert, rows [0, M).

@@ -278,7 +278,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
 #pragma unroll
     for (int i = 0; i < kAChunks; ++i) {
       const int idx = tid + i * kThreads, r = idx / kRowChunks, c = idx % kRowChunks;
-      const int32_t slot = slot_of(w.row0 + r);
+      // The scatter (w2) GEMM's own rows (no gather) skip the slot read: a
+      // padding row's products are never written, so it need not be zero, and
+      // the dependent load held back each item's first A and B copies
+      // (ncu, H200, Qwen3-30B-A3B T = 16: the w2 kernel 66.3 -> 64.5 us;
+      // bench/results/2026-12-02-session32.md).
+      const int32_t slot = kGlu || p.gather || dense ? slot_of(w.row0 + r) : 0;
       const int32_t src =
           slot < 0 || dense ? slot : (p.gather ? slot / p.a_div : static_cast<int32_t>(w.row0 + r));
       a_bytes[i] = src >= 0 ? 16 : 0;
