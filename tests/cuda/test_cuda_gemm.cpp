@@ -308,6 +308,38 @@ TEST(CudaGroupedGemm, M16n64KernelsHoldAsManyCtasAsTheirSharedMemoryAllows) {
   EXPECT_THROW(cuda::gemm::m16n64_ctas_per_sm(5, true, DType::kBF16), Error);
 }
 
+// a and w must be 16-byte aligned (cp.async's and the TMA's 16-byte pieces):
+// refused on the host, naming the argument, before anything reaches a device
+// (so this runs without one: the pointers are never read).
+TEST(CudaGroupedGemm, RejectsMisalignedPointers) {
+  alignas(16) static uint16_t buf[64];
+  cuda::GroupedGemmArgs a;
+  a.epilogue = cuda::GemmEpilogue::kScatter;
+  a.a = buf;
+  a.lda = 8;
+  a.w = buf;
+  a.n = 8;
+  a.k = 8;
+  a.m = 1;
+  a.ldc = 8;
+  a.out = buf;
+  auto message = [&] {
+    try {
+      cuda::grouped_gemm(a, nullptr);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  a.w = buf + 1;
+  EXPECT_NE(message().find("grouped_gemm: w must be 16-byte aligned"), std::string::npos)
+      << message();
+  a.w = buf;
+  a.a = buf + 4;
+  EXPECT_NE(message().find("grouped_gemm: a must be 16-byte aligned"), std::string::npos)
+      << message();
+}
+
 // The f16 instantiation of every tile (mma.sync .f16, the GEMV's f16 loads).
 TEST(CudaGroupedGemm, EveryTileF16) {
   FUSEDMOE_REQUIRE_CUDA();

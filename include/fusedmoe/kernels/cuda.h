@@ -228,7 +228,8 @@ GemmTile pick_gemm_tile(int64_t rows_per_expert, int64_t routed_rows, int64_t n,
 //           rows whose slot is -1 (padding) read as zeros, but kScatter's
 //           own rows (no gather), whose padding rows are read as they are:
 //           their products are never written (a holds expert_offsets[E] rows).
-//   W:      dtype [E, N, K] (row-major, K contiguous); K % 8 == 0.
+//   W:      dtype [E, N, K] (row-major, K contiguous); K % 8 == 0; a and w
+//           16-byte aligned (cp.async and the TMA read 16-byte pieces).
 //   rows of expert e: [expert_offsets[e], expert_offsets[e+1]) (multiples of
 //           block_m of `tile`); with expert_offsets == null, one expert, rows [0, M).
 // Epilogue kGlu (w13, N = 2I): out[r, i] = act(gate_i + b[i], up_i + b[I + i]), where

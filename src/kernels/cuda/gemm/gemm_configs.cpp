@@ -73,6 +73,7 @@
 // shape except Mixtral T = 4096's w2 GEMM (5-7 %, inside run-to-run noise).
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 
@@ -309,6 +310,12 @@ void grouped_gemm(const GroupedGemmArgs& a, Stream stream) {
                  a.k);
   FUSEDMOE_CHECK(a.lda % 8 == 0 && a.lda >= a.k, "grouped_gemm: lda must be a multiple of 8 >= K (",
                  a.k, "), got ", a.lda);
+  FUSEDMOE_CHECK(reinterpret_cast<uintptr_t>(a.a) % 16 == 0,
+                 "grouped_gemm: a must be 16-byte aligned, got address ",
+                 static_cast<const void*>(a.a));
+  FUSEDMOE_CHECK(reinterpret_cast<uintptr_t>(a.w) % 16 == 0,
+                 "grouped_gemm: w must be 16-byte aligned, got address ",
+                 static_cast<const void*>(a.w));
   if (a.epilogue == GemmEpilogue::kGlu) {
     FUSEDMOE_CHECK(a.n > 0 && a.n % 2 == 0,
                    "grouped_gemm: N must be positive and even (gate and up halves), got ", a.n);

@@ -1,7 +1,9 @@
 // fusedmoe CUDA: bf16 / fp16 grouped GEMM over experts (the element type a
 // template parameter: __nv_bfloat16 or __half), f32 accumulation, tensor
 // cores through mma.sync.m16n8k16 (.bf16 or .f16) (ldmatrix from XOR-swizzled shared memory,
-// cp.async multi-stage pipeline), persistent CTAs over (expert, n tile, m tile)
+// multi-stage pipeline: the weight tiles by TMA tensor copies completing on one
+// mbarrier a stage (tma.cuh), the activation rows by cp.async, gathered),
+// persistent CTAs over (expert, n tile, m tile)
 // work items, epilogues fused: gated activation (w13) or weighted scatter by
 // slot (w2). Included by one .cu per tile configuration (compile time).
 //
@@ -23,6 +25,7 @@
 #include "fusedmoe/kernels/cuda.h"
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/gemm/cp_async.cuh"
+#include "kernels/cuda/gemm/tma.cuh"
 #include "kernels/cuda/pdl.cuh"
 
 namespace fusedmoe::cuda::gemm {
@@ -44,7 +47,9 @@ struct TileConfig {
   static constexpr int kWTM = kBM / kWarpsM, kWTN = kBN / kWarpsN;  // warp tile
   static constexpr int kMI = kWTM / 16, kNI = kWTN / 8;             // mma tiles per warp
   static constexpr int kStageBytes = (kBM + kBN) * kBK * 2;
-  static constexpr int kSmemBytes = kStages * kStageBytes + kSmemOffsets * 8;
+  // (+ 1 KiB: the stages start at the first 1024-byte boundary, the alignment of
+  // the TMA's 128-byte swizzle pattern)
+  static constexpr int kSmemBytes = kStages * kStageBytes + kSmemOffsets * 8 + 1024;
   // CTAs an SM that the shared memory allows (an H100 / H200 SM: 228 KiB, 1 KiB
   // of it reserved a CTA): the kernel's __launch_bounds__ asks the compiler for
   // registers that allow as many. Without it the GLU epilogue's kernel took 193
@@ -53,8 +58,8 @@ struct TileConfig {
   // with a third fewer bytes in flight.
   static constexpr int kMinBlocks = (228 * 1024) / (kSmemBytes + 1024);
   static_assert(kWTM % 16 == 0 && kWTN % 16 == 0, "warp tile must be a multiple of 16 x 16");
-  static_assert((kBM * 8 * kPanels) % kThreads == 0 && (kBN * 8 * kPanels) % kThreads == 0,
-                "load balance");
+  static_assert((kBM * 8 * kPanels) % kThreads == 0, "load balance (the A rows' copies)");
+  static_assert(kBN <= 256, "a TMA box spans at most 256 rows");
 };
 
 // Kernel parameters (device pointers; see GroupedGemmArgs in kernels/cuda.h).
@@ -178,7 +183,7 @@ __device__ __forceinline__ float act_glu(Activation act, float g, float u, float
 
 template <class T, class Cfg, bool kGlu>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
-    grouped_gemm_kernel(const Params p) {
+    grouped_gemm_kernel(const __grid_constant__ CUtensorMap w_map, const Params p) {
   constexpr int BM = Cfg::kBM, BN = Cfg::kBN, STAGES = Cfg::kStages;
   constexpr int MI = Cfg::kMI, NI = Cfg::kNI, WTM = Cfg::kWTM, WTN = Cfg::kWTN;
   constexpr int kThreads = Cfg::kThreads;
@@ -186,9 +191,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   constexpr int kRowChunks = kPanels * 8;  // 16-byte chunks of a row per stage
   // (work_ring below needs the loads two or more steps ahead of the math)
   static_assert(STAGES >= 3, "at least three stages");
-  extern __shared__ __align__(128) uint8_t smem[];
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+  // The stages from the first 1024-byte boundary (kSmemBytes has the slack).
+  uint8_t* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   // expert_offsets, when E + 1 <= kSmemOffsets (the work decode's binary search).
   int64_t* s_offsets = reinterpret_cast<int64_t*>(smem + STAGES * Cfg::kStageBytes);
+  // One mbarrier a stage, on which the stage's weight copies complete (one
+  // arrival a phase: thread 0's, with the copies' byte count).
+  __shared__ __align__(8) uint64_t w_full[STAGES];
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) mbar_init(smem_u32(&w_full[s]), 1);
+  }
   pdl_wait();  // expert_offsets, sorted_slot and a come from the kernels before (pdl.cuh)
   pdl_launch_dependents();
   const bool dense = p.expert_offsets == nullptr;
@@ -249,22 +262,21 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   // writes its epilogue (no pipeline drain per item; short-K w2 items of the
   // decode-size tiles lost up to a quarter of the DRAM bandwidth to it).
   // Per-thread load assignments of the item being loaded.
-  constexpr int kAChunks = BM * kRowChunks / kThreads, kBChunks = BN * kRowChunks / kThreads;
+  constexpr int kAChunks = BM * kRowChunks / kThreads;
   // Chunk c of row r of a [rows] x kBK tile: panel c / 8, swizzled within it.
   auto tile_off = [](int rows, int r, int c) {
     return static_cast<uint32_t>((c >> 3) * rows * 128) + swz(r, c & 7);
   };
-  // Per chunk: its source at k = 0 (a valid address, row 0's, where the row is
-  // padding or past N: nothing is read from it), its bytes (16, or 0 for such a
-  // row: zero-filled), its shared-memory offset and its k offset in the tile.
+  // Per A chunk: its source at k = 0 (a valid address, row 0's, where the row is
+  // padding: nothing is read from it), its bytes (16, or 0 for such a row:
+  // zero-filled), its shared-memory offset and its k offset in the tile.
   const uint16_t* a_ptr[kAChunks];
   int a_bytes[kAChunks];
   uint32_t a_dst[kAChunks];
   int a_chunk[kAChunks];
-  const uint16_t* b_ptr[kBChunks];
-  int b_bytes[kBChunks];
-  uint32_t b_dst[kBChunks];
-  int b_chunk[kBChunks];
+  // The weight boxes' coordinates (thread 0 issues them): the item's expert and
+  // the first w row of each box (kGlu: of the gate and of the up half).
+  int32_t tma_e = 0, tma_row[2] = {0, 0};
   // Each item's decoded (expert, n tile, rows), written by the load side when it
   // sets the item up (thread 0) and read by the math side when it starts the
   // item, at least one __syncthreads later (the load side runs STAGES - 1 >= 2
@@ -291,50 +303,54 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       a_dst[i] = tile_off(BM, r, c);
       a_chunk[i] = c;
     }
-    const uint16_t* w_e = p.w + static_cast<int64_t>(w.e) * p.n * K;
-#pragma unroll
-    for (int i = 0; i < kBChunks; ++i) {
-      const int idx = tid + i * kThreads, rr = idx / kRowChunks, c = idx % kRowChunks;
-      int64_t wrow;
-      bool ok;
-      if (kGlu) {
-        const int half = rr >= BN / 2;
-        const int64_t col = static_cast<int64_t>(w.n_tile) * (BN / 2) + (rr - half * (BN / 2));
-        ok = col < p.inter;
-        wrow = w13_row(col, half, p.inter, p.w13_interleaved);
-      } else {
-        wrow = static_cast<int64_t>(w.n_tile) * BN + rr;
-        ok = wrow < p.n;
-      }
-      b_bytes[i] = ok ? 16 : 0;
-      b_ptr[i] = w_e + (ok ? wrow * K : 0) + c * 8;
-      b_dst[i] = BM * kBK * 2 + tile_off(BN, rr, c);
-      b_chunk[i] = c;
+    tma_e = w.e;
+    if (kGlu) {
+      const int64_t col = static_cast<int64_t>(w.n_tile) * (BN / 2);
+      tma_row[0] = static_cast<int32_t>(w13_row(col, 0, p.inter, p.w13_interleaved));
+      tma_row[1] = static_cast<int32_t>(w13_row(col, 1, p.inter, p.w13_interleaved));
+    } else {
+      tma_row[0] = w.n_tile * BN;
     }
   };
-  // A whole k tile takes each chunk's bytes as set up (a pointer add, a copy);
-  // only K's last, partial tile tests each chunk against K (ncu: the per-chunk
-  // tests and selects were most of the kernel's instructions, issued between
-  // the barrier and the math, while the stage waited for its loads).
+  // The weight boxes: kPanels x (two halves of BN / 2 rows for kGlu, else one
+  // of BN), each 64 k x rows, by thread 0; rows past N and k past K read as
+  // zeros. The A rows: a whole k tile takes each chunk's bytes as set up (a
+  // pointer add, a copy); only K's last, partial tile tests each chunk against
+  // K (ncu: the per-chunk tests and selects were most of the kernel's
+  // instructions, issued between the barrier and the math, while the stage
+  // waited for its loads).
+  constexpr int kBoxes = kGlu ? 2 : 1, kBoxRows = BN / kBoxes;
+  // The 16-row tile's GLU weights go into L2 as the first to be evicted: that
+  // tile is picked for experts of <= 16 rows, so each weight panel is read about
+  // once, and the gathered x rows (read again by each n tile) and the output the
+  // w2 GEMM reads next stay in L2 (H200, against the normal policy: Qwen3-30B-A3B
+  // T = 16-128 2.7 % faster, Mixtral T = 16-32 0.8 %, DeepSeek-V3 T = 16-128
+  // 0.6-0.8 %; the hint on w2's weights too lost DeepSeek-V3 0.7 %:
+  // bench/results/2026-12-02-session33.md).
+  constexpr bool kWeightsEvictFirst = kGlu && BM <= 16;
   auto load_stage = [&](int stage, int kt) {
     const uint32_t base = smem_base + stage * Cfg::kStageBytes;
     const int64_t k0 = static_cast<int64_t>(kt) * kBK;
+    if (tid == 0) {
+      const uint32_t bar = smem_u32(&w_full[stage]);
+      mbar_arrive_expect_tx(bar, BN * kBK * 2);
+#pragma unroll
+      for (int panel = 0; panel < kPanels; ++panel)
+#pragma unroll
+        for (int h = 0; h < kBoxes; ++h)
+          tma_load_3d<kWeightsEvictFirst>(base + BM * kBK * 2 + (panel * BN + h * kBoxRows) * 128,
+                                          &w_map, static_cast<int32_t>(k0) + panel * kPanelK,
+                                          tma_row[h], tma_e, bar);
+    }
     if (k0 + kBK <= K) {
 #pragma unroll
       for (int i = 0; i < kAChunks; ++i) cp_async_16(base + a_dst[i], a_ptr[i] + k0, a_bytes[i]);
-#pragma unroll
-      for (int i = 0; i < kBChunks; ++i) cp_async_16(base + b_dst[i], b_ptr[i] + k0, b_bytes[i]);
       return;
     }
 #pragma unroll
     for (int i = 0; i < kAChunks; ++i) {
       const bool ok = a_bytes[i] != 0 && k0 + a_chunk[i] * 8 < K;
       cp_async_16(base + a_dst[i], ok ? a_ptr[i] + k0 : p.a, ok ? 16 : 0);
-    }
-#pragma unroll
-    for (int i = 0; i < kBChunks; ++i) {
-      const bool ok = b_bytes[i] != 0 && k0 + b_chunk[i] * 8 < K;
-      cp_async_16(base + b_dst[i], ok ? b_ptr[i] + k0 : p.w, ok ? 16 : 0);
     }
   };
   // This CTA's j-th item: j = 0 blockIdx.x; then, static, blockIdx.x + j * gridDim.x;
@@ -386,8 +402,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   for (int s = 0; s < STAGES - 1; ++s) issue_next();
   __syncthreads();  // the prologue's work_ring entries
 
-  int math_stage = 0;  // the stage of the step being computed
-  int32_t claim = 0;   // thread 0: the counter's value from this item's first K step
+  int math_stage = 0;     // the stage of the step being computed
+  uint32_t w_parity = 0;  // bit s: the parity of stage s's next phase
+  int32_t claim = 0;      // thread 0: the counter's value from this item's first K step
   for (int64_t j = 0;; ++j) {
     const int64_t work = item_of(j);
     if (work >= total_work) break;
@@ -402,7 +419,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
 
     // ---- main loop ----
     for (int kt = 0; kt < k_tiles; ++kt) {
+      // This thread's A copies, then the stage's weight boxes (every thread
+      // waits on the mbarrier: that makes the TMA's writes visible to it). The
+      // barrier after orders every warp's reads of step - 1's stage before
+      // thread 0 refills it (as a consumer release does in CUTLASS's pipelines).
       cp_async_wait<STAGES - 2>();
+      mbar_wait(smem_u32(&w_full[math_stage]), (w_parity >> math_stage) & 1);
+      w_parity ^= 1u << math_stage;
       __syncthreads();            // step's tiles visible; step - 1's stage free for the loads below
       if (dynamic && tid == 0) {  // the atomic's latency hides behind one K step
         if (kt == 0) claim = atomicAdd(p.work_counter, 1);
@@ -537,6 +560,14 @@ void launch_typed(const GroupedGemmArgs& a, Stream stream) {
   Params p = make_params(a);
   const bool glu = a.epilogue == GemmEpilogue::kGlu;
   p.n_tiles = static_cast<int>(glu ? ceil_div(p.inter, Cfg::kBN / 2) : ceil_div(a.n, Cfg::kBN));
+  // The weights' tensor map ([E][N][K]; dense: one expert). grouped_gemm()
+  // checked what the TMA needs (K % 8 == 0, w 16-byte aligned).
+  CUtensorMap w_map{};
+  FUSEDMOE_CHECK(
+      encode_tensor_map_2byte(&w_map, a.w, a.k, a.n, a.expert_offsets ? a.num_experts : 1, kPanelK,
+                              glu ? Cfg::kBN / 2 : Cfg::kBN),
+      "grouped_gemm: the TMA cannot read w (N ", a.n, ", K ", a.k, ", ", a.num_experts,
+      " experts): cuTensorMapEncodeTiled failed");
 
   // Upper bound of work items known to the host (the true count is on the device).
   const int64_t max_tiles = a.expert_offsets
@@ -564,7 +595,7 @@ void launch_typed(const GroupedGemmArgs& a, Stream stream) {
   }
   const int64_t slots = static_cast<int64_t>(num_sms()) * occ;
   const unsigned grid = static_cast<unsigned>(max_work < slots ? max_work : slots);
-  launch_pdl(kernel, grid, Cfg::kThreads, Cfg::kSmemBytes, stream, p);
+  launch_pdl(kernel, grid, Cfg::kThreads, Cfg::kSmemBytes, stream, w_map, p);
 }
 // The instantiation of the element type args.dtype (kBF16 or kF16).
 template <class Cfg>
