@@ -73,11 +73,11 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const void* map, int32
 // elements (box0 * 2 = 128 bytes) written to shared memory with the 128-byte
 // swizzle (16-byte chunk c of box row r lands at chunk c ^ (r % 8), as swz() in
 // sm90_bf16_grouped_gemm.cuh), without L2 promotion (the 256-byte promotion
-// made the m16n64 GEMMs 4-6 % slower than cp.async on an H200, no promotion
+// made the m16n64 GEMMs 3-7 % slower than cp.async on an H200, no promotion
 // matched it: bench/results/2026-12-02-session33.md). Returns false, `map`
-// unusable, where the TMA
-// cannot read the tensor (base not 16-byte aligned, dim0 * 2 not a multiple of
-// 16, a dimension beyond int32) or the driver has no cuTensorMapEncodeTiled.
+// unusable, where the TMA cannot read the tensor (base not 16-byte aligned,
+// dim0 * 2 not a multiple of 16, a dimension beyond int32) or the driver has no
+// cuTensorMapEncodeTiled.
 inline bool encode_tensor_map_2byte(CUtensorMap* map, const void* base, int64_t dim0, int64_t dim1,
                                     int64_t dim2, uint32_t box0, uint32_t box1) {
   // cuTensorMapEncodeTiled's signature (CUDA 12.0 on).
