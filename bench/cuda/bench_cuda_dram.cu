@@ -27,6 +27,7 @@
 
 #include "kernels/cuda/gemm/cp_async.cuh"
 #include "kernels/cuda/gemm/gemv_common.cuh"
+#include "kernels/cuda/gemm/tma.cuh"  // mbar_*
 
 namespace {
 
@@ -43,6 +44,9 @@ constexpr double kDatasheetGBs = 4800.0;
 
 // The decode kernels' 16-byte weight load (ld.global.nc, no L1 allocation).
 using fusedmoe::cuda::gemm::ld_weight;
+using fusedmoe::cuda::gemm::mbar_arrive_expect_tx;
+using fusedmoe::cuda::gemm::mbar_init;
+using fusedmoe::cuda::gemm::mbar_wait;
 using fusedmoe::cuda::gemm::smem_u32;
 __device__ __forceinline__ uint32_t fold(uint4 v) {
   return v.x ^ v.y ^ v.z ^ v.w;
@@ -170,15 +174,13 @@ __global__ void bulk_kernel(const uint8_t* __restrict__ p, int64_t bytes, uint32
   __shared__ __align__(8) uint64_t full[kStages];
   const int lane = threadIdx.x;
   if (lane == 0)
-    for (int s = 0; s < kStages; ++s)
-      asm volatile("mbarrier.init.shared.b64 [%0], 1;" ::"r"(smem_u32(&full[s])));
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    for (int s = 0; s < kStages; ++s) mbar_init(smem_u32(&full[s]), 1);
   __syncwarp();
   const int64_t chunks = bytes / kChunk;
   auto issue = [&](int64_t c, int stage) {
     if (lane != 0) return;
     const uint32_t bar = smem_u32(&full[stage]);
-    asm volatile("mbarrier.arrive.expect_tx.shared.b64 _, [%0], %1;" ::"r"(bar), "r"(kChunk));
+    mbar_arrive_expect_tx(bar, kChunk);
     asm volatile(
         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, "
         "[%3];" ::"r"(smem_u32(ring + stage * kChunk)),
@@ -194,11 +196,7 @@ __global__ void bulk_kernel(const uint8_t* __restrict__ p, int64_t bytes, uint32
   for (int64_t c = blockIdx.x; c < chunks; c += gridDim.x, ++k) {
     const int stage = static_cast<int>(k % kStages);
     const uint32_t parity = static_cast<uint32_t>((k / kStages) & 1);
-    asm volatile(
-        "{ .reg .pred p; W: mbarrier.try_wait.parity.shared.b64 p, [%0], %1; @!p bra W; }" ::"r"(
-            smem_u32(&full[stage])),
-        "r"(parity)
-        : "memory");
+    mbar_wait(smem_u32(&full[stage]), parity);
     acc ^= reinterpret_cast<const uint32_t*>(ring + stage * kChunk)[lane];
     __syncwarp();
     const int64_t next = c + static_cast<int64_t>(kStages) * gridDim.x;
