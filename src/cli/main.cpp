@@ -1187,7 +1187,18 @@ void reserve_standard_descriptors() {
 
 int main(int argc, char** argv) {
   reserve_standard_descriptors();
-  const int code = run_command_line(argc, argv);
+  // "fusedmoe help [COMMAND]" (git's, cargo's form) is "fusedmoe [COMMAND] --help";
+  // an argument after COMMAND, or one that is no command, is parsed (and refused) as such.
+  std::vector<char*> args(argv, argv + argc);
+  static char help_flag[] = "--help";
+  if (argc >= 2 && std::string(argv[1]) == "help" && argc <= 3) {
+    args.erase(args.begin() + 1);
+    const std::string cmd = argc == 3 ? argv[2] : "";
+    if (argc == 2 || cmd == "inspect" || cmd == "run" || cmd == "bench")
+      args.push_back(help_flag);  // else the unknown command's own error
+  }
+  args.push_back(nullptr);
+  const int code = run_command_line(static_cast<int>(args.size()) - 1, args.data());
   if (code != 0) return code;
   const std::string error = fusedmoe::cli::stdout_error();
   return error.empty() ? 0 : fail(error, 1);
