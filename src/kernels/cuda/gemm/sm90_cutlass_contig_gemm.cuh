@@ -165,11 +165,13 @@ struct ContigMainloop : Base {
     StrideB dB;  // (N stride, 1, expert stride)
     uint32_t mma_promotion_interval = 4;
     int num_experts = 1;
-    const int32_t* tile_expert = nullptr;  // device: the expert of each m tile
+    const int32_t* tile_expert = nullptr;         // device: the expert of each m tile
+    uint64_t cache_hint_a = 0, cache_hint_b = 0;  // Sm90GemmArgs::cache_hint_*
   };
   struct Params : Base::Params {
     int num_experts = 1;
     const int32_t* tile_expert = nullptr;
+    uint64_t cache_hint_a = 0, cache_hint_b = 0;
   };
 
   static typename Base::Arguments base_arguments(Arguments const& a) {
@@ -194,6 +196,8 @@ struct ContigMainloop : Base {
                                         typename DispatchPolicy::ClusterShape{});
     p.num_experts = args.num_experts;
     p.tile_expert = args.tile_expert;
+    p.cache_hint_a = args.cache_hint_a;
+    p.cache_hint_b = args.cache_hint_b;
     return p;
   }
 
@@ -217,7 +221,7 @@ struct ContigMainloop : Base {
   }
 
   // The base class's load() (no cluster multicast: 1 x 1 clusters) with B's
-  // expert from the table.
+  // expert from the table and the L2 hints of the arguments.
   template <class TensorA, class TensorB, class KTileIterator, class BlockCoord>
   CUTLASS_DEVICE void load(Params const& params, MainloopPipeline pipeline,
                            PipelineState smem_pipe_write,
@@ -244,14 +248,16 @@ struct ContigMainloop : Base {
     cute::Tensor tAsA = block_tma_a.partition_D(sA);  // (TMA, TMA_M, TMA_K, PIPE)
     cute::Tensor tBgB = block_tma_b.partition_S(gB);
     cute::Tensor tBsB = block_tma_b.partition_D(sB);
+    const auto hint_a = hint_or_normal(params.cache_hint_a);
+    const auto hint_b = hint_or_normal(params.cache_hint_b);
     CUTLASS_PRAGMA_NO_UNROLL
     for (; k_tile_count > 0; --k_tile_count) {
       pipeline.producer_acquire(smem_pipe_write);
       using BarrierType = typename MainloopPipeline::ProducerBarrierType;
       BarrierType* tma_barrier = pipeline.producer_get_barrier(smem_pipe_write);
-      cute::copy(params.tma_load_a.with(*tma_barrier, 0), tAgA(_, _, _, *k_tile_iter),
+      cute::copy(params.tma_load_a.with(*tma_barrier, 0, hint_a), tAgA(_, _, _, *k_tile_iter),
                  tAsA(_, _, _, smem_pipe_write.index()));
-      cute::copy(params.tma_load_b.with(*tma_barrier, 0), tBgB(_, _, _, *k_tile_iter),
+      cute::copy(params.tma_load_b.with(*tma_barrier, 0, hint_b), tBgB(_, _, _, *k_tile_iter),
                  tBsB(_, _, _, smem_pipe_write.index()));
       ++k_tile_iter;
       ++smem_pipe_write;
@@ -343,6 +349,8 @@ typename G::Gemm::Arguments make_contig_arguments(const Sm90GemmArgs& a, int sm_
   ml.dB = db;
   ml.num_experts = static_cast<int>(a.num_experts);
   ml.tile_expert = a.tile_expert;
+  ml.cache_hint_a = a.cache_hint_a;
+  ml.cache_hint_b = a.cache_hint_w;
   auto& epi = args.epilogue;
   typename G::StrideD dd{};
   get<0>(dd) = a.ldd;

@@ -48,6 +48,88 @@ struct PdlKernel : Base {
 
 using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
 
+static_assert(kL2EvictFirst == static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_FIRST) &&
+                  kL2EvictLast == static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_LAST),
+              "the L2 policy operands are CUTLASS's");
+
+// An L2 cache hint for a TMA load (Sm90GemmArgs::cache_hint_*): 0 means none.
+CUTLASS_DEVICE cute::TMA::CacheHintSm90 hint_or_normal(uint64_t hint) {
+  return hint == 0 ? cute::TMA::CacheHintSm90::EVICT_NORMAL
+                   : static_cast<cute::TMA::CacheHintSm90>(hint);
+}
+
+// CUTLASS's ptr-array TMA mainloop (MainloopSm90ArrayTmaGmmaWarpSpecialized)
+// with an L2 cache hint on its A and B loads (the base class's load() with the
+// hint operand; the MMA side and the tensor-map updates are the base's).
+template <class Base>
+struct HintedArrayMainloop : Base {
+  using typename Base::DispatchPolicy;
+  using typename Base::MainloopPipeline;
+  using typename Base::PipelineState;
+  using typename Base::TensorStorage;
+
+  struct Arguments : Base::Arguments {
+    uint64_t cache_hint_a = 0, cache_hint_b = 0;  // Sm90GemmArgs::cache_hint_*
+  };
+  struct Params : Base::Params {
+    uint64_t cache_hint_a = 0, cache_hint_b = 0;
+  };
+
+  template <class ProblemShape_>
+  static Params to_underlying_arguments(ProblemShape_ problem_shapes, Arguments const& args,
+                                        void* workspace) {
+    Params p;
+    static_cast<typename Base::Params&>(p) =
+        Base::to_underlying_arguments(problem_shapes, args, workspace);
+    p.cache_hint_a = args.cache_hint_a;
+    p.cache_hint_b = args.cache_hint_b;
+    return p;
+  }
+
+  template <class TensorA, class TensorB, class TensorMapA, class TensorMapB, class KTileIterator,
+            class BlockCoord>
+  CUTLASS_DEVICE void load(Params const& params, MainloopPipeline pipeline,
+                           PipelineState smem_pipe_write,
+                           cute::tuple<TensorA, TensorB> const& load_inputs,
+                           cute::tuple<TensorMapA, TensorMapB> const& input_tensormaps,
+                           BlockCoord const& blk_coord, KTileIterator k_tile_iter, int k_tile_count,
+                           int /*thread_idx*/, uint32_t /*block_rank_in_cluster*/,
+                           TensorStorage& shared_tensors) {
+    using namespace cute;
+    static_assert(size(typename DispatchPolicy::ClusterShape{}) == 1, "1 x 1 clusters");
+    if (!cute::elect_one_sync()) return;
+    cute::Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()),
+                                  typename Base::SmemLayoutA{});  // (BLK_M, BLK_K, PIPE)
+    cute::Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()),
+                                  typename Base::SmemLayoutB{});  // (BLK_N, BLK_K, PIPE)
+    auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
+    (void)k_coord;
+    cute::Tensor gA = get<0>(load_inputs)(_, _, m_coord, _, l_coord);  // (BLK_M, BLK_K, k)
+    cute::Tensor gB = get<1>(load_inputs)(_, _, n_coord, _, l_coord);  // (BLK_N, BLK_K, k)
+    auto block_tma_a = params.tma_load_a.get_slice(0);
+    auto block_tma_b = params.tma_load_b.get_slice(0);
+    cute::Tensor tAgA = block_tma_a.partition_S(gA);  // (TMA, TMA_M, TMA_K, k)
+    cute::Tensor tAsA = block_tma_a.partition_D(sA);  // (TMA, TMA_M, TMA_K, PIPE)
+    cute::Tensor tBgB = block_tma_b.partition_S(gB);
+    cute::Tensor tBsB = block_tma_b.partition_D(sB);
+    const auto hint_a = hint_or_normal(params.cache_hint_a);
+    const auto hint_b = hint_or_normal(params.cache_hint_b);
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (; k_tile_count > 0; --k_tile_count) {
+      pipeline.producer_acquire(smem_pipe_write);
+      using BarrierType = typename MainloopPipeline::ProducerBarrierType;
+      BarrierType* tma_barrier = pipeline.producer_get_barrier(smem_pipe_write);
+      const int stage = smem_pipe_write.index();
+      copy(params.tma_load_a.with(get<0>(input_tensormaps), *tma_barrier, 0, hint_a),
+           tAgA(_, _, _, *k_tile_iter), tAsA(_, _, _, stage));
+      copy(params.tma_load_b.with(get<1>(input_tensormaps), *tma_barrier, 0, hint_b),
+           tBgB(_, _, _, *k_tile_iter), tBsB(_, _, _, stage));
+      ++k_tile_iter;
+      ++smem_pipe_write;
+    }
+  }
+};
+
 // One grouped-GEMM type: D[e] (M_e x N, row-major, ElementD) = A[e] (M_e x K,
 // row-major ElementAB: bf16 or f16) . B[e]^T (B[e]: N x K, K contiguous =
 // CUTLASS ColumnMajor), f32 accumulation, no source C, through the epilogue
@@ -63,12 +145,13 @@ struct GroupedGemmWith {
   using CollectiveEpilogue = CollectiveEpilogue_;
   using ElementD = typename CollectiveEpilogue::ElementD;
 
-  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, LayoutA*, kAlignA, ElementB,
-      LayoutB*, kAlignB, float, TileShape_, ClusterShape_,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
-          sizeof(typename CollectiveEpilogue::SharedStorage))>,
-      KernelSchedule_>::CollectiveOp;
+  using CollectiveMainloop =
+      HintedArrayMainloop<typename cutlass::gemm::collective::CollectiveBuilder<
+          cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, LayoutA*, kAlignA,
+          ElementB, LayoutB*, kAlignB, float, TileShape_, ClusterShape_,
+          cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+              sizeof(typename CollectiveEpilogue::SharedStorage))>,
+          KernelSchedule_>::CollectiveOp>;
 
   using Kernel = PdlKernel<
       cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>>;
@@ -209,15 +292,21 @@ typename G::Gemm::Arguments make_arguments(const GroupArrays<G>& g, int64_t grou
     epi.inter = a.n / 2;
     epi.act = a.glu_act;
   } else {
-    (void)a;
     epi.thread.alpha = 1.0f;
     epi.thread.beta = 0.0f;
     epi.ptr_D = g.d;
     epi.dD = g.stride_d;
   }
+  typename G::Kernel::MainloopArguments ml{};
+  ml.ptr_A = g.a;
+  ml.dA = g.stride_a;
+  ml.ptr_B = g.b;
+  ml.dB = g.stride_b;
+  ml.cache_hint_a = a.cache_hint_a;
+  ml.cache_hint_b = a.cache_hint_w;
   args = typename G::Gemm::Arguments{cutlass::gemm::GemmUniversalMode::kGrouped,
                                      {static_cast<int>(groups), g.shape, nullptr},
-                                     {g.a, g.stride_a, g.b, g.stride_b},
+                                     ml,
                                      epi,
                                      hw};
   return args;

@@ -47,7 +47,15 @@ struct Sm90GemmArgs {
   // kernel's tail, waiting there): only where every expert has one m tile
   // (sm90_gemm_pdl), else plainly.
   bool pdl = false;
+  // L2 eviction priority of the TMA loads of w (the weights) and of a: the
+  // cp.async.bulk.tensor .L2::cache_hint operand, kL2Evict* or 0 (no hint).
+  uint64_t cache_hint_w = 0, cache_hint_a = 0;
 };
+
+// L2 cache-policy operands (createpolicy.fractional.L2::evict_first / evict_last,
+// fraction 1.0): CUTLASS's cute::TMA::CacheHintSm90 values.
+constexpr uint64_t kL2EvictFirst = 0x12F0000000000000ull;
+constexpr uint64_t kL2EvictLast = 0x14F0000000000000ull;
 
 // Tile 128 x 256 x 64, cooperative (2 consumer warpgroups on one tile), cluster 1 x 1.
 void grouped_gemm_bf16out(const Sm90GemmArgs& args, Stream stream);     // bf16 -> bf16 (w13)
