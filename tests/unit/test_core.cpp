@@ -4,6 +4,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <limits>
@@ -217,6 +218,35 @@ TEST(ThreadPool, CoversRangeOnceAndPropagatesErrors) {
   pool.parallel_for(50, [&](int64_t b, int64_t e, int) { n += e - b; });
   EXPECT_EQ(n.load(), 50);
   pool.parallel_for(0, [&](int64_t, int64_t, int) { FAIL(); });
+}
+
+// Many small jobs back to back: a worker that wakes late for a job (it is
+// over, or it finds the next one) must neither run a chunk of a job that has
+// ended nor miss or repeat one of the current job; and a thread index runs
+// one task at a time. Jobs of 1-40 items, some chunks throwing.
+TEST(ThreadPool, BackToBackJobsEachRunEveryIndexOnce) {
+  ThreadPool pool(4);
+  std::vector<std::atomic<int>> hits(64);
+  std::array<std::atomic<int>, 4> busy{};
+  std::atomic<int> overlaps{0};
+  for (int job = 0; job < 20000; ++job) {
+    const int64_t n = 1 + job % 40;
+    for (int64_t i = 0; i < n; ++i) hits[i] = 0;
+    const bool throws = job % 97 == 0;
+    try {
+      pool.parallel_for(n, [&](int64_t b, int64_t e, int tid) {
+        if (busy[tid].fetch_add(1) != 0) ++overlaps;
+        for (int64_t i = b; i < e; ++i) hits[i]++;
+        busy[tid].fetch_sub(1);
+        if (throws && b == 0) throw Error(ErrorCode::kInternal, "boom");
+      });
+      EXPECT_FALSE(throws) << "job " << job;
+    } catch (const Error&) {
+      EXPECT_TRUE(throws) << "job " << job;
+    }
+    for (int64_t i = 0; i < n; ++i) ASSERT_EQ(hits[i].load(), 1) << "job " << job << " index " << i;
+  }
+  EXPECT_EQ(overlaps.load(), 0);
 }
 
 // set_global_num_threads while another thread runs on the global pool (the
