@@ -232,36 +232,18 @@ struct ContigMainloop : Base {
     using namespace cute;
     static_assert(size(typename DispatchPolicy::ClusterShape{}) == 1, "1 x 1 clusters");
     if (!cute::elect_one_sync()) return;
-    cute::Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()),
-                                  typename Base::SmemLayoutA{});  // (BLK_M, BLK_K, PIPE)
-    cute::Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()),
-                                  typename Base::SmemLayoutB{});  // (BLK_N, BLK_K, PIPE)
     auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
     (void)k_coord;
     (void)l_coord;
     const int expert = __ldg(params.tile_expert + m_coord);
-    cute::Tensor gA = get<0>(load_inputs)(_, _, m_coord, _, 0);       // (BLK_M, BLK_K, k)
-    cute::Tensor gB = get<1>(load_inputs)(_, _, n_coord, _, expert);  // (BLK_N, BLK_K, k)
-    auto block_tma_a = params.tma_load_a.get_slice(0);
-    auto block_tma_b = params.tma_load_b.get_slice(0);
-    cute::Tensor tAgA = block_tma_a.partition_S(gA);  // (TMA, TMA_M, TMA_K, k)
-    cute::Tensor tAsA = block_tma_a.partition_D(sA);  // (TMA, TMA_M, TMA_K, PIPE)
-    cute::Tensor tBgB = block_tma_b.partition_S(gB);
-    cute::Tensor tBsB = block_tma_b.partition_D(sB);
     const auto hint_a = hint_or_normal(params.cache_hint_a);
     const auto hint_b = hint_or_normal(params.cache_hint_b);
-    CUTLASS_PRAGMA_NO_UNROLL
-    for (; k_tile_count > 0; --k_tile_count) {
-      pipeline.producer_acquire(smem_pipe_write);
-      using BarrierType = typename MainloopPipeline::ProducerBarrierType;
-      BarrierType* tma_barrier = pipeline.producer_get_barrier(smem_pipe_write);
-      cute::copy(params.tma_load_a.with(*tma_barrier, 0, hint_a), tAgA(_, _, _, *k_tile_iter),
-                 tAsA(_, _, _, smem_pipe_write.index()));
-      cute::copy(params.tma_load_b.with(*tma_barrier, 0, hint_b), tBgB(_, _, _, *k_tile_iter),
-                 tBsB(_, _, _, smem_pipe_write.index()));
-      ++k_tile_iter;
-      ++smem_pipe_write;
-    }
+    load_ab_tiles<Base>(
+        params, pipeline, smem_pipe_write, get<0>(load_inputs)(_, _, m_coord, _, 0),
+        get<1>(load_inputs)(_, _, n_coord, _, expert),
+        [&](uint64_t& bar) { return params.tma_load_a.with(bar, 0, hint_a); },
+        [&](uint64_t& bar) { return params.tma_load_b.with(bar, 0, hint_b); }, k_tile_iter,
+        k_tile_count, shared_tensors);
   }
 };
 

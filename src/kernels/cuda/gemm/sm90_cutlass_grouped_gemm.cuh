@@ -58,6 +58,41 @@ CUTLASS_DEVICE cute::TMA::CacheHintSm90 hint_or_normal(uint64_t hint) {
                    : static_cast<cute::TMA::CacheHintSm90>(hint);
 }
 
+// The producer loop of CUTLASS's sm90 TMA mainloops with 1 x 1 clusters, on the
+// elected thread: each k tile of gA (BLK_M, BLK_K, k) and gB (BLK_N, BLK_K, k)
+// into the next pipeline stage, through the executable TMA atoms
+// with_a(barrier) / with_b(barrier) (the mainloop's .with(): descriptor, hint).
+template <class Mainloop, class Params, class TensorA, class TensorB, class WithA, class WithB,
+          class KTileIterator>
+CUTLASS_DEVICE void load_ab_tiles(Params const& params,
+                                  typename Mainloop::MainloopPipeline pipeline,
+                                  typename Mainloop::PipelineState smem_pipe_write,
+                                  TensorA const& gA, TensorB const& gB, WithA with_a, WithB with_b,
+                                  KTileIterator k_tile_iter, int k_tile_count,
+                                  typename Mainloop::TensorStorage& shared_tensors) {
+  using namespace cute;
+  cute::Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()),
+                                typename Mainloop::SmemLayoutA{});  // (BLK_M, BLK_K, PIPE)
+  cute::Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()),
+                                typename Mainloop::SmemLayoutB{});  // (BLK_N, BLK_K, PIPE)
+  auto block_tma_a = params.tma_load_a.get_slice(0);
+  auto block_tma_b = params.tma_load_b.get_slice(0);
+  cute::Tensor tAgA = block_tma_a.partition_S(gA);  // (TMA, TMA_M, TMA_K, k)
+  cute::Tensor tAsA = block_tma_a.partition_D(sA);  // (TMA, TMA_M, TMA_K, PIPE)
+  cute::Tensor tBgB = block_tma_b.partition_S(gB);
+  cute::Tensor tBsB = block_tma_b.partition_D(sB);
+  CUTLASS_PRAGMA_NO_UNROLL
+  for (; k_tile_count > 0; --k_tile_count) {
+    pipeline.producer_acquire(smem_pipe_write);
+    auto* tma_barrier = pipeline.producer_get_barrier(smem_pipe_write);
+    const int stage = smem_pipe_write.index();
+    cute::copy(with_a(*tma_barrier), tAgA(_, _, _, *k_tile_iter), tAsA(_, _, _, stage));
+    cute::copy(with_b(*tma_barrier), tBgB(_, _, _, *k_tile_iter), tBsB(_, _, _, stage));
+    ++k_tile_iter;
+    ++smem_pipe_write;
+  }
+}
+
 // CUTLASS's ptr-array TMA mainloop (MainloopSm90ArrayTmaGmmaWarpSpecialized)
 // with an L2 cache hint on its A and B loads (the base class's load() with the
 // hint operand; the MMA side and the tensor-map updates are the base's).
@@ -98,35 +133,20 @@ struct HintedArrayMainloop : Base {
     using namespace cute;
     static_assert(size(typename DispatchPolicy::ClusterShape{}) == 1, "1 x 1 clusters");
     if (!cute::elect_one_sync()) return;
-    cute::Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()),
-                                  typename Base::SmemLayoutA{});  // (BLK_M, BLK_K, PIPE)
-    cute::Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()),
-                                  typename Base::SmemLayoutB{});  // (BLK_N, BLK_K, PIPE)
     auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
     (void)k_coord;
-    cute::Tensor gA = get<0>(load_inputs)(_, _, m_coord, _, l_coord);  // (BLK_M, BLK_K, k)
-    cute::Tensor gB = get<1>(load_inputs)(_, _, n_coord, _, l_coord);  // (BLK_N, BLK_K, k)
-    auto block_tma_a = params.tma_load_a.get_slice(0);
-    auto block_tma_b = params.tma_load_b.get_slice(0);
-    cute::Tensor tAgA = block_tma_a.partition_S(gA);  // (TMA, TMA_M, TMA_K, k)
-    cute::Tensor tAsA = block_tma_a.partition_D(sA);  // (TMA, TMA_M, TMA_K, PIPE)
-    cute::Tensor tBgB = block_tma_b.partition_S(gB);
-    cute::Tensor tBsB = block_tma_b.partition_D(sB);
     const auto hint_a = hint_or_normal(params.cache_hint_a);
     const auto hint_b = hint_or_normal(params.cache_hint_b);
-    CUTLASS_PRAGMA_NO_UNROLL
-    for (; k_tile_count > 0; --k_tile_count) {
-      pipeline.producer_acquire(smem_pipe_write);
-      using BarrierType = typename MainloopPipeline::ProducerBarrierType;
-      BarrierType* tma_barrier = pipeline.producer_get_barrier(smem_pipe_write);
-      const int stage = smem_pipe_write.index();
-      copy(params.tma_load_a.with(get<0>(input_tensormaps), *tma_barrier, 0, hint_a),
-           tAgA(_, _, _, *k_tile_iter), tAsA(_, _, _, stage));
-      copy(params.tma_load_b.with(get<1>(input_tensormaps), *tma_barrier, 0, hint_b),
-           tBgB(_, _, _, *k_tile_iter), tBsB(_, _, _, stage));
-      ++k_tile_iter;
-      ++smem_pipe_write;
-    }
+    load_ab_tiles<Base>(
+        params, pipeline, smem_pipe_write, get<0>(load_inputs)(_, _, m_coord, _, l_coord),
+        get<1>(load_inputs)(_, _, n_coord, _, l_coord),
+        [&](uint64_t& bar) {
+          return params.tma_load_a.with(get<0>(input_tensormaps), bar, 0, hint_a);
+        },
+        [&](uint64_t& bar) {
+          return params.tma_load_b.with(get<1>(input_tensormaps), bar, 0, hint_b);
+        },
+        k_tile_iter, k_tile_count, shared_tensors);
   }
 };
 
