@@ -1,9 +1,11 @@
-// The GEMM tile heuristic and tile table (host only: runs without a device).
+// The GEMM tile heuristic and tile table (host only: runs without a device,
+// but for the picks that read the device's SM count).
 #include <gtest/gtest.h>
 
 #include <set>
 #include <string>
 
+#include "cuda_test_util.h"  // FUSEDMOE_REQUIRE_CUDA
 #include "fusedmoe/kernels/cuda.h"
 #include "kernels/cuda/routed_experts.h"  // sm90_tile_for
 
@@ -82,6 +84,36 @@ TEST(CudaTiles, Sm90GemmPdlOnlyForOneMTileAnExpert) {
   EXPECT_TRUE(cuda::sm90_gemm_pdl(64, 128));
   EXPECT_TRUE(cuda::sm90_gemm_pdl(119, 128));
   EXPECT_FALSE(cuda::sm90_gemm_pdl(120, 128));
+}
+
+// The L2 hints where about one expert at most needs a second m tile, at the
+// points measured on an H200 (gemm_configs.cpp): Mixtral (E = 8) up to 56 rows
+// an expert, Qwen3-30B-A3B (E = 128) and DeepSeek-V3 (E = 256) at 32 but not 56.
+TEST(CudaTiles, Sm90L2HintsWhereAboutOneExpertNeedsASecondMTile) {
+  for (const int64_t rows : {1, 16, 32, 48, 56})
+    EXPECT_TRUE(cuda::sm90_l2_hints_pay(rows, 8, 64)) << rows << " rows, E = 8";
+  for (const int64_t rows : {64, 65, 256})
+    EXPECT_FALSE(cuda::sm90_l2_hints_pay(rows, 8, 64)) << rows << " rows, E = 8";
+  for (const int64_t e : {128, 256}) {
+    for (const int64_t rows : {16, 32})
+      EXPECT_TRUE(cuda::sm90_l2_hints_pay(rows, e, 64)) << rows << " rows, E = " << e;
+    for (const int64_t rows : {56, 64, 1024})
+      EXPECT_FALSE(cuda::sm90_l2_hints_pay(rows, e, 64)) << rows << " rows, E = " << e;
+  }
+  EXPECT_TRUE(cuda::sm90_l2_hints_pay(100, 8, 128));
+  EXPECT_FALSE(cuda::sm90_l2_hints_pay(0, 8, 64));
+}
+
+// Mixtral's contiguous GEMMs only where its experts have several m tiles
+// (session 25 for E <= 16 at <= 256 rows; session 34: one m tile, ptr-array).
+TEST(CudaTiles, Sm90ContigOnlyForSeveralMTilesAnExpert) {
+  FUSEDMOE_REQUIRE_CUDA();  // pick_sm90_tile reads the SM count
+  const auto contig = [](int64_t T) {
+    return cuda::pick_sm90_contig(DType::kBF16, T * 2 / 8, T * 2, 8, 4096, 14336);
+  };
+  for (const int64_t T : {128, 192, 224}) EXPECT_FALSE(contig(T)) << "T = " << T;
+  for (const int64_t T : {512, 1024}) EXPECT_TRUE(contig(T)) << "T = " << T;
+  EXPECT_FALSE(contig(4096));  // 1024 rows an expert: past kContigMaxRowsPerExpert
 }
 
 // m16n64's pipeline at the points measured on an H200 (132 SMs; gemm_configs.cpp).

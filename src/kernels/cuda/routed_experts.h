@@ -102,6 +102,12 @@ int64_t sm90_contig_max_rows(int64_t num_slots, int64_t num_experts);
 // only while they run in step, which an early launch (CTAs placed over the
 // previous kernel's tail) breaks: 5-70 % slower, measured (gemm_configs.cpp).
 bool sm90_gemm_pdl(int64_t rows_per_expert, int block_m);
+// Whether an sm90 grouped GEMM in tiles block_m rows high loads with the L2
+// hints (weights evict-first, activation rows evict-last; sm90_experts.cu):
+// where at most about one expert is expected to need a second m tile (uniform
+// routing: an expert's rows ~ normal, mean rows_per_expert, variance
+// rows_per_expert (1 - 1 / E)), whose weights the hint would send to DRAM again.
+bool sm90_l2_hints_pay(int64_t rows_per_expert, int64_t num_experts, int block_m);
 // The m16n64 mma.sync tile's pipeline (both shapes stage 128 elements of K):
 // 4 stages, 2 CTAs an SM (the deeper pipeline: long K), or 3 stages, 3 CTAs an
 // SM (more warps: short K). For a GEMM of `rows` routed rows over num_experts

@@ -220,7 +220,11 @@ bool pick_sm90_contig(DType dtype, int64_t rows_per_expert, int64_t num_slots, i
   if (pick_sm90_tile(dtype, rows_per_expert, num_experts, 2 * inter) != Sm90Tile::kM64N256 ||
       pick_sm90_tile(dtype, rows_per_expert, num_experts, hidden) != Sm90Tile::kM64N256)
     return false;
-  return set || (num_experts <= kContigMaxExperts && rows_per_expert <= kContigMaxRowsPerExpert);
+  // Where every expert has one m tile the ptr-array GEMMs, with their L2 hints
+  // (set_l2_hints), are faster (session 34, three passes, us: Mixtral T = 128 /
+  // 160 / 192 675 / 674 / 674 -> 663 / 668 / 671).
+  return set || (num_experts <= kContigMaxExperts && rows_per_expert <= kContigMaxRowsPerExpert &&
+                 !sm90_gemm_pdl(rows_per_expert, kSm90ContigBlockM));
 }
 
 // Session 18 (bench/results/2026-12-01-session18.md; bench_cuda_moe, two
@@ -235,6 +239,22 @@ bool pick_sm90_contig(DType dtype, int64_t rows_per_expert, int64_t num_slots, i
 bool sm90_gemm_pdl(int64_t rows_per_expert, int block_m) {
   const double rows = static_cast<double>(rows_per_expert);
   return rows + 0.75 * std::sqrt(rows) <= block_m;
+}
+
+// Session 34 (bench/results/2026-12-03-session34.md; bench_cuda_moe, three
+// passes, us): the hints with every expert in one m tile, against none: Mixtral
+// T = 64 / 128 695 / 703 -> 681 / 695, Qwen3 T = 256 / 512 337 / 351 -> 325 /
+// 345; at 56 rows an expert (0.75 sqrt(rows) would still fit 64), hints on
+// against off: Mixtral T = 224 (E = 8, about one expert past 64 rows) 802 vs
+// 816, but Qwen3 T = 896 (E = 128, ~16 past) 379 vs 363 and DeepSeek-V3
+// T = 1792 (E = 256, ~32 past) 6363 vs 6258.
+bool sm90_l2_hints_pay(int64_t rows_per_expert, int64_t num_experts, int block_m) {
+  if (rows_per_expert <= 0 || num_experts <= 0) return false;
+  const double mean = static_cast<double>(rows_per_expert);
+  const double sd = std::sqrt(mean * (1.0 - 1.0 / static_cast<double>(num_experts)));
+  const double z = (block_m + 0.5 - mean) / std::max(sd, 1e-9);
+  const double past = static_cast<double>(num_experts) * 0.5 * std::erfc(z / std::sqrt(2.0));
+  return mean <= block_m && past <= 1.0;
 }
 
 Sm90Tile sm90_tile_for(int64_t rows_per_expert, int64_t num_experts, int64_t n, int64_t sms) {
