@@ -1194,7 +1194,8 @@ int main(int argc, char** argv) {
   if (argc >= 2 && std::string(argv[1]) == "help" && argc <= 3) {
     args.erase(args.begin() + 1);
     const std::string cmd = argc == 3 ? argv[2] : "";
-    if (argc == 2 || cmd == "inspect" || cmd == "run" || cmd == "bench")
+    if (cmd == "help") args.erase(args.begin() + 1);  // "help help": the top-level help
+    if (argc == 2 || cmd == "help" || cmd == "inspect" || cmd == "run" || cmd == "bench")
       args.push_back(help_flag);  // else the unknown command's own error
   }
   args.push_back(nullptr);

@@ -258,6 +258,7 @@ PY
 # "fusedmoe help [COMMAND]" prints the same text as --help.
 cmp <("$BIN" help) <("$BIN" --help) || { echo "FAIL: help differs from --help"; exit 1; }
 cmp <("$BIN" help bench) <("$BIN" bench --help) || { echo "FAIL: help bench"; exit 1; }
+cmp <("$BIN" help help) <("$BIN" --help) || { echo "FAIL: help help"; exit 1; }
 rc=0; "$BIN" help nosuch >/dev/null 2>"$TMP/help_err" || rc=$?
 [ "$rc" -eq 2 ] && grep -q "unknown command 'nosuch'" "$TMP/help_err" ||
   { echo "FAIL: help nosuch: rc $rc, $(cat "$TMP/help_err")"; exit 1; }
