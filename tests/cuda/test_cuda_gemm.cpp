@@ -487,7 +487,7 @@ TEST(CudaSm90Experts, MatchesFloat64) {
   std::mt19937_64 rng(seed);
   // bf16 has several tile configurations (pick_sm90_tile): each on every case.
   // T = 37, 9 and 1 give every expert one m tile, so their GEMMs load with the
-  // L2 hints (set_l2_hints in sm90_experts.cu); T = 300 and 700 without.
+  // L2 hints (sm90_l2_hints_pay); T = 300 and 700 without.
   for (const char* tile : {"m64", "m128"}) {
     SCOPED_TRACE(std::string("FUSEDMOE_CUDA_SM90_TILE=") + tile);
     setenv("FUSEDMOE_CUDA_SM90_TILE", tile, 1);

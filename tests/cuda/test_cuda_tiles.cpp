@@ -90,7 +90,7 @@ TEST(CudaTiles, Sm90GemmPdlOnlyForOneMTileAnExpert) {
 // points measured on an H200 (gemm_configs.cpp): Mixtral (E = 8) up to 56 rows
 // an expert, Qwen3-30B-A3B (E = 128) and DeepSeek-V3 (E = 256) at 32 but not 56.
 TEST(CudaTiles, Sm90L2HintsWhereAboutOneExpertNeedsASecondMTile) {
-  for (const int64_t rows : {1, 16, 32, 48, 56})
+  for (const int64_t rows : {0, 1, 16, 32, 48, 56})
     EXPECT_TRUE(cuda::sm90_l2_hints_pay(rows, 8, 64)) << rows << " rows, E = 8";
   for (const int64_t rows : {64, 65, 256})
     EXPECT_FALSE(cuda::sm90_l2_hints_pay(rows, 8, 64)) << rows << " rows, E = 8";
@@ -101,7 +101,7 @@ TEST(CudaTiles, Sm90L2HintsWhereAboutOneExpertNeedsASecondMTile) {
       EXPECT_FALSE(cuda::sm90_l2_hints_pay(rows, e, 64)) << rows << " rows, E = " << e;
   }
   EXPECT_TRUE(cuda::sm90_l2_hints_pay(100, 8, 128));
-  EXPECT_FALSE(cuda::sm90_l2_hints_pay(0, 8, 64));
+  EXPECT_FALSE(cuda::sm90_l2_hints_pay(16, 0, 64));
 }
 
 // Mixtral's contiguous GEMMs only where its experts have several m tiles

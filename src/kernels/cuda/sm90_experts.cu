@@ -257,16 +257,18 @@ GemmPair gemm_pair(const GemmGluGemm& a) {
   return p;
 }
 
-// The L2 policy of the GEMM's TMA loads where (nearly) every expert has one m
-// tile (sm90_l2_hints_pay): each weight byte is read once there, so the
-// weights go evict-first and the activation rows, read again by every n tile
-// of their expert, evict-last. H200, bench_cuda_moe, three passes against no
-// hint (bench/results/2026-12-03-session34.md), us: Mixtral T = 64 / 128 695 /
-// 703 -> 681 / 695, Qwen3-30B-A3B T = 256 / 512 337 / 351 -> 325 / 345,
-// DeepSeek-V3 T = 512 5450 -> 5416, the rest equal; the weights' hint alone or
-// the rows' alone gained less, and the rows' hint with several m tiles an
-// expert nothing.
-void set_l2_hints(sm90::Sm90GemmArgs& g, const GemmGluGemm& a, int block_m) {
+// The launch policy of a GEMM in tiles block_m rows high: PDL where the tile
+// holds every expert's rows (sm90_gemm_pdl); L2 hints on its TMA loads where
+// (nearly) every expert has one m tile (sm90_l2_hints_pay): each weight byte
+// is read once there, so the weights go evict-first and the activation rows,
+// read again by every n tile of their expert, evict-last. H200, bench_cuda_moe,
+// three passes against no hint (bench/results/2026-12-03-session34.md), us:
+// Mixtral T = 64 / 128 695 / 703 -> 681 / 695, Qwen3-30B-A3B T = 256 / 512 337 /
+// 351 -> 325 / 345, DeepSeek-V3 T = 512 5450 -> 5416, the rest equal; the
+// weights' hint alone or the rows' alone gained less, and the rows' hint with
+// several m tiles an expert nothing.
+void set_launch_policy(sm90::Sm90GemmArgs& g, const GemmGluGemm& a, int block_m) {
+  g.pdl = sm90_gemm_pdl(a.rows_per_expert, block_m);
   if (!sm90_l2_hints_pay(a.rows_per_expert, a.num_experts, block_m)) return;
   g.cache_hint_w = sm90::kL2EvictFirst;
   g.cache_hint_a = sm90::kL2EvictLast;
@@ -277,8 +279,7 @@ void set_l2_hints(sm90::Sm90GemmArgs& g, const GemmGluGemm& a, int block_m) {
 // where that instance's tile height holds every expert's rows (sm90_gemm_pdl).
 void gemm_w13(const GemmGluGemm& a, const GemmPair& p, sm90::Sm90GemmArgs g, Stream stream) {
   if (a.contig()) {  // the tile_expert table (kPrepare) serves both GEMMs
-    g.pdl = sm90_gemm_pdl(a.rows_per_expert, kSm90ContigBlockM);
-    set_l2_hints(g, a, kSm90ContigBlockM);
+    set_launch_policy(g, a, kSm90ContigBlockM);
     if (p.epilogue)
       sm90::contig_gemm_glu_bf16_m64(g, stream);
     else
@@ -288,8 +289,7 @@ void gemm_w13(const GemmGluGemm& a, const GemmPair& p, sm90::Sm90GemmArgs g, Str
   const bool f16 = a.dtype == DType::kF16;
   const bool m64 =
       !f16 && pick_sm90_tile(a.dtype, a.rows_per_expert, a.num_experts, g.n) == Sm90Tile::kM64N256;
-  g.pdl = sm90_gemm_pdl(a.rows_per_expert, m64 ? 64 : 128);
-  set_l2_hints(g, a, m64 ? 64 : 128);
+  set_launch_policy(g, a, m64 ? 64 : 128);
   if (p.epilogue) {
     if (f16)
       sm90::grouped_gemm_glu_f16_m128(g, stream);
@@ -306,15 +306,13 @@ void gemm_w13(const GemmGluGemm& a, const GemmPair& p, sm90::Sm90GemmArgs g, Str
 void gemm_w2(const GemmGluGemm& a, sm90::Sm90GemmArgs g, Stream stream) {
   if (a.contig()) {
     if (g.phase == sm90::Sm90GemmArgs::Phase::kPrepare) return;  // gemm_w13's table
-    g.pdl = sm90_gemm_pdl(a.rows_per_expert, kSm90ContigBlockM);
-    set_l2_hints(g, a, kSm90ContigBlockM);
+    set_launch_policy(g, a, kSm90ContigBlockM);
     sm90::contig_gemm_bf16out_m64(g, stream);
     return;
   }
   const bool bf16_out = a.dtype == DType::kBF16 && a.y_bf16;  // else 128 x 256 (f32 out)
   const Sm90Tile tile = pick_sm90_tile(a.dtype, a.rows_per_expert, a.num_experts, g.n);
-  g.pdl = sm90_gemm_pdl(a.rows_per_expert, bf16_out && tile == Sm90Tile::kM64N256 ? 64 : 128);
-  set_l2_hints(g, a, bf16_out && tile == Sm90Tile::kM64N256 ? 64 : 128);
+  set_launch_policy(g, a, bf16_out && tile == Sm90Tile::kM64N256 ? 64 : 128);
   if (a.dtype == DType::kF16)
     sm90::grouped_gemm_f16_f32out(g, stream);
   else if (!a.y_bf16)

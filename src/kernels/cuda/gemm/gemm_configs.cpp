@@ -221,8 +221,8 @@ bool pick_sm90_contig(DType dtype, int64_t rows_per_expert, int64_t num_slots, i
       pick_sm90_tile(dtype, rows_per_expert, num_experts, hidden) != Sm90Tile::kM64N256)
     return false;
   // Where every expert has one m tile the ptr-array GEMMs, with their L2 hints
-  // (set_l2_hints), are faster (session 34, three passes, us: Mixtral T = 128 /
-  // 160 / 192 675 / 674 / 674 -> 663 / 668 / 671).
+  // (set_launch_policy in sm90_experts.cu), are faster (session 34, three passes, us: Mixtral T =
+  // 128 / 160 / 192 675 / 674 / 674 -> 663 / 668 / 671).
   return set || (num_experts <= kContigMaxExperts && rows_per_expert <= kContigMaxRowsPerExpert &&
                  !sm90_gemm_pdl(rows_per_expert, kSm90ContigBlockM));
 }
@@ -249,8 +249,8 @@ bool sm90_gemm_pdl(int64_t rows_per_expert, int block_m) {
 // 816, but Qwen3 T = 896 (E = 128, ~16 past) 379 vs 363 and DeepSeek-V3
 // T = 1792 (E = 256, ~32 past) 6363 vs 6258.
 bool sm90_l2_hints_pay(int64_t rows_per_expert, int64_t num_experts, int block_m) {
-  if (rows_per_expert <= 0 || num_experts <= 0) return false;
-  const double mean = static_cast<double>(rows_per_expert);
+  if (num_experts <= 0) return false;
+  const double mean = static_cast<double>(std::max<int64_t>(rows_per_expert, 0));
   const double sd = std::sqrt(mean * (1.0 - 1.0 / static_cast<double>(num_experts)));
   const double z = (block_m + 0.5 - mean) / std::max(sd, 1e-9);
   const double past = static_cast<double>(num_experts) * 0.5 * std::erfc(z / std::sqrt(2.0));
