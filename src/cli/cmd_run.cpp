@@ -899,7 +899,16 @@ int run_run_body(const RunOptions& o) {
   }();
   require_moe_layer(info, model_flag + printable(model_dir));
   const int64_t layer = o.layer >= 0 ? o.layer : info.moe_layers.front();
-  MoEConfig config = info.layer_config(layer);
+  const bool moe_layer =
+      std::find(info.moe_layers.begin(), info.moe_layers.end(), layer) != info.moe_layers.end();
+  MoEConfig config = [&] {
+    try {
+      return info.layer_config(layer);
+    } catch (const Error& e) {  // a --layer out of range or not MoE: named as the option
+      if (moe_layer) throw;
+      throw Error(e.code(), std::string("--layer: ") + e.what());
+    }
+  }();
   // Every expert-parallel rank holds an expert: name the option here (ExpertMap
   // would name its own ep_size).
   usage_check(o.ep_size <= config.num_experts, "--ep-size ", o.ep_size,
