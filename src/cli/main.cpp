@@ -641,6 +641,11 @@ int fail(const std::string& message, int code) {
 
 namespace {
 
+// fusedmoe's commands, for the checks made before (or without) CLI11's parse.
+bool is_command(const std::string& word) {
+  return word == "inspect" || word == "run" || word == "bench";
+}
+
 // Edit distance of two option names (for "did you mean"), capped at 3:
 // insertions, deletions, substitutions and swaps of two neighbours ("rnu" is
 // one from "run"), each 1 (the optimal string alignment distance).
@@ -817,7 +822,7 @@ std::string help_misuse(CLI::App& app, int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (!options_end && a == "--") options_end = true;
-    if (!options_end && cmd.empty() && (a == "inspect" || a == "run" || a == "bench")) cmd = a;
+    if (!options_end && cmd.empty() && is_command(a)) cmd = a;
     std::string flag;  // the flag `a` gives, where it is one of these
     for (const char* f : {"--help", "-h", "--version"})
       if (!options_end && a.rfind(f, 0) == 0 &&
@@ -1089,8 +1094,7 @@ int run_command_line(int argc, char** argv) {
       if (app.get_subcommands().empty()) {
         // The first word that is no option names the command: say so when it is none.
         for (int i = 1; i < argc; ++i)
-          if (const std::string w = argv[i];
-              w[0] != '-' && w != "inspect" && w != "run" && w != "bench") {
+          if (const std::string w = argv[i]; w[0] != '-' && !is_command(w)) {
             // "RUN", "rn": the command it is nearest to, where one is close.
             std::string lower = w;
             for (char& c : lower)
@@ -1187,16 +1191,16 @@ void reserve_standard_descriptors() {
 
 int main(int argc, char** argv) {
   reserve_standard_descriptors();
-  // "fusedmoe help [COMMAND]" (git's, cargo's form) is "fusedmoe [COMMAND] --help";
-  // an argument after COMMAND, or one that is no command, is parsed (and refused) as such.
+  // "fusedmoe help [COMMAND]" (git's, cargo's form) is "fusedmoe [COMMAND] --help",
+  // "help help" the top-level help; "help X" for X no command is "fusedmoe X" (the
+  // unknown command's error); further arguments are left to the parse to refuse.
   std::vector<char*> args(argv, argv + argc);
   static char help_flag[] = "--help";
-  if (argc >= 2 && std::string(argv[1]) == "help" && argc <= 3) {
+  if ((argc == 2 || argc == 3) && std::string(argv[1]) == "help") {
+    const std::string cmd = argc == 3 ? argv[2] : "help";
     args.erase(args.begin() + 1);
-    const std::string cmd = argc == 3 ? argv[2] : "";
-    if (cmd == "help") args.erase(args.begin() + 1);  // "help help": the top-level help
-    if (argc == 2 || cmd == "help" || cmd == "inspect" || cmd == "run" || cmd == "bench")
-      args.push_back(help_flag);  // else the unknown command's own error
+    if (cmd == "help") args.resize(1);
+    if (cmd == "help" || is_command(cmd)) args.push_back(help_flag);
   }
   args.push_back(nullptr);
   const int code = run_command_line(static_cast<int>(args.size()) - 1, args.data());

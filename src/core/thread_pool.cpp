@@ -89,7 +89,9 @@ struct ThreadPool::Impl {
   std::atomic<int64_t> done_chunks{0};
   std::exception_ptr error;  // under mu
 
-  static uint64_t ticket_of(uint64_t job, uint64_t index) { return (job << 32) | index; }
+  static uint64_t ticket_of(uint64_t job, uint64_t index) {
+    return ((job & kClosed) << 32) | index;
+  }
 
   // The next chunk of job `job`, or -1 when it has none left (or is over).
   int64_t claim(uint64_t job) {
@@ -252,7 +254,7 @@ void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t, int64
   // The previous job's chunks are all done. Close its ticket first: a late
   // claim for it fails from here on, whatever fields it reads below.
   const uint64_t job = s.generation.load() + 1;
-  s.ticket.store(Impl::ticket_of(job & Impl::kClosed, Impl::kClosed));
+  s.ticket.store(Impl::ticket_of(job, Impl::kClosed));
   // A few chunks per thread balance uneven work without much overhead.
   const int64_t target_chunks = static_cast<int64_t>(threads) * 4;
   const int64_t chunk = std::max(grain, (n + target_chunks - 1) / target_chunks);
@@ -265,7 +267,7 @@ void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t, int64
   {
     std::lock_guard<std::mutex> lk(s.mu);
     s.error = nullptr;
-    s.ticket.store(Impl::ticket_of(job & Impl::kClosed, 0), std::memory_order_release);
+    s.ticket.store(Impl::ticket_of(job, 0), std::memory_order_release);
     s.generation.store(job);
   }
   s.cv_work.notify_all();
