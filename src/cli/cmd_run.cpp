@@ -906,7 +906,7 @@ int run_run_body(const RunOptions& o) {
       return info.layer_config(layer);
     } catch (const Error& e) {  // a --layer out of range or not MoE: named as the option
       if (moe_layer) throw;
-      throw Error(e.code(), std::string("--layer: ") + e.what());
+      throw Error(e.code(), std::string("run --layer: ") + e.what());
     }
   }();
   // Every expert-parallel rank holds an expert: name the option here (ExpertMap

@@ -178,8 +178,8 @@ expect_error "--input an F8_E4M3 tensor" "--input 'x' in $TMP/f8.safetensors: ex
   run --model "$FIX" --layer 1 --input "$TMP/f8.safetensors" --input-key x
 expect_error "--reference an F8_E4M3 tensor" "--reference 'x' in $TMP/f8.safetensors: expected dtype f32, bf16, f16 or f64, got f8_e4m3fn" -- \
   run --model "$FIX" --layer 1 --tokens 2 --reference "$TMP/f8.safetensors" --reference-key x
-expect_error "--layer not an MoE layer" "--layer: layer 0 is not an MoE layer" -- run --model "$FIX" --layer 0 --input "$REF" --input-key layers.1.T5.input
-expect_error "--layer out of range" "--layer: layer 7: out of range, the model has 3 layers (0..2); MoE layers: 1, 2" -- run --model "$FIX" --layer 7 --input "$REF" --input-key layers.1.T5.input
+expect_error "--layer not an MoE layer" "run --layer: layer 0 is not an MoE layer" -- run --model "$FIX" --layer 0 --input "$REF" --input-key layers.1.T5.input
+expect_error "--layer out of range" "run --layer: layer 7: out of range, the model has 3 layers (0..2); MoE layers: 1, 2" -- run --model "$FIX" --layer 7 --input "$REF" --input-key layers.1.T5.input
 expect_error "--layer just past the last" "layer 3: out of range, the model has 3 layers (0..2); MoE layers: 1, 2" -- run --model "$FIX" --layer 3 --tokens 2
 # A key the file lacks: the option, the file, and (a few of) its tensors.
 expect_error "missing input key" "--input-key 'no-such-key': $REF has no tensor of that name; it has " -- run --model "$FIX" --layer 1 --input "$REF" --input-key no-such-key
