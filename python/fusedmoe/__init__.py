@@ -1637,8 +1637,11 @@ class MoELayer:
     >>> out = layer(np.random.randn(4, layer.hidden_size).astype(np.float32))
     """
 
-    def __init__(self, impl: "_ext.MoELayer"):
+    def __init__(self, impl: "_ext.MoELayer | None" = None):
         # Layers come from MoELayer.from_pretrained (which wraps the loaded one).
+        if impl is None:
+            raise TypeError("MoELayer() takes no model: build a layer with "
+                            "fusedmoe.MoELayer.from_pretrained(model_dir, layer=...)")
         if not isinstance(impl, _ext.MoELayer):
             raise TypeError("MoELayer: expected a layer loaded by the extension; build one with "
                             "fusedmoe.MoELayer.from_pretrained(model_dir, layer=...), got "

@@ -661,3 +661,11 @@ def test_no_torch_environment_is_checked(value, expect):
     assert r.stdout.startswith(expect), r.stdout
     if value == "1":
         assert r.stdout.strip().endswith("False"), r.stdout  # torch not imported
+
+
+def test_moe_layer_is_built_by_from_pretrained():
+    # A layer comes from from_pretrained; constructing one directly names it.
+    with pytest.raises(TypeError, match=r"MoELayer\.from_pretrained\(model_dir, layer=\.\.\.\)"):
+        fusedmoe.MoELayer()
+    with pytest.raises(TypeError, match=r"from_pretrained.*got str 'mixtral'"):
+        fusedmoe.MoELayer("mixtral")
