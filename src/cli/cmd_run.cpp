@@ -899,13 +899,10 @@ int run_run_body(const RunOptions& o) {
   }();
   require_moe_layer(info, model_flag + printable(model_dir));
   const int64_t layer = o.layer >= 0 ? o.layer : info.moe_layers.front();
-  const bool moe_layer =
-      std::find(info.moe_layers.begin(), info.moe_layers.end(), layer) != info.moe_layers.end();
   MoEConfig config = [&] {
     try {
       return info.layer_config(layer);
-    } catch (const Error& e) {  // a --layer out of range or not MoE: named as the option
-      if (moe_layer) throw;
+    } catch (const Error& e) {  // its only errors: a layer out of range or not MoE
       throw Error(e.code(), std::string("run --layer: ") + e.what());
     }
   }();
