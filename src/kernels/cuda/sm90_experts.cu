@@ -261,12 +261,9 @@ GemmPair gemm_pair(const GemmGluGemm& a) {
 // holds every expert's rows (sm90_gemm_pdl); L2 hints on its TMA loads where
 // (nearly) every expert has one m tile (sm90_l2_hints_pay): each weight byte
 // is read once there, so the weights go evict-first and the activation rows,
-// read again by every n tile of their expert, evict-last. H200, bench_cuda_moe,
-// three passes against no hint (bench/results/2026-12-03-session34.md), us:
-// Mixtral T = 64 / 128 695 / 703 -> 681 / 695, Qwen3-30B-A3B T = 256 / 512 337 /
-// 351 -> 325 / 345, DeepSeek-V3 T = 512 5450 -> 5416, the rest equal; the
-// weights' hint alone or the rows' alone gained less, and the rows' hint with
-// several m tiles an expert nothing.
+// read again by every n tile of their expert, evict-last (measured beside the
+// rule in gemm_configs.cpp; the weights' hint alone or the rows' alone gained
+// less, the rows' hint with several m tiles an expert nothing: session 34).
 void set_launch_policy(sm90::Sm90GemmArgs& g, const GemmGluGemm& a, int block_m) {
   g.pdl = sm90_gemm_pdl(a.rows_per_expert, block_m);
   if (!sm90_l2_hints_pay(a.rows_per_expert, a.num_experts, block_m)) return;
